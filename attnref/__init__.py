@@ -1,0 +1,84 @@
+"""attnref: every equivalent formulation of multi-head attention, a float64 oracle, and proofs.
+
+Conventions (see ``docs/conventions.md``): batch dims lead; row form ``[..., T, d_model]``; the
+column form takes and returns ``[..., d_model, T]``; masks are boolean with ``True`` = may attend;
+scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (output ``b_O``).
+"""
+
+from attnref import oracle, tolerance
+from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
+from attnref._src.column import column_attention, column_attention_rows
+from attnref._src.graph import edges_from_mask, graph_attention, graph_attention_rows
+from attnref._src.masks import causal_mask, combine_masks, mask_to_bias, padding_mask
+from attnref._src.merged import (
+    messages,
+    patterns,
+    patterns_messages_attention,
+    scores_messages_attention,
+)
+from attnref._src.params import (
+    AttentionParams,
+    from_flax,
+    from_hf_bert,
+    from_torch_mha,
+    init_params,
+    to_flax,
+    to_hf_bert,
+    to_torch_mha,
+    w_a,
+    w_i,
+    w_m,
+    w_p,
+)
+from attnref._src.registry import Formulation, formulations, get, ids
+from attnref._src.soft_search import soft_search, soft_search_attention
+from attnref._src.softmax import masked_softmax
+from attnref._src.standard import (
+    attention_weights,
+    concat_attention,
+    head_outputs,
+    per_head_sum_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionParams",
+    "Formulation",
+    "attention_weights",
+    "causal_mask",
+    "column_attention",
+    "column_attention_rows",
+    "combine_masks",
+    "concat_attention",
+    "edges_from_mask",
+    "formulations",
+    "from_flax",
+    "from_hf_bert",
+    "from_torch_mha",
+    "get",
+    "graph_attention",
+    "graph_attention_rows",
+    "head_outputs",
+    "ids",
+    "init_params",
+    "mask_to_bias",
+    "masked_softmax",
+    "messages",
+    "oracle",
+    "padding_mask",
+    "patterns",
+    "patterns_messages_attention",
+    "per_head_sum_attention",
+    "scores_messages_attention",
+    "soft_search",
+    "soft_search_attention",
+    "to_flax",
+    "to_hf_bert",
+    "to_torch_mha",
+    "tolerance",
+    "w_a",
+    "w_i",
+    "w_m",
+    "w_p",
+]

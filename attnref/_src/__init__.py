@@ -1,0 +1,1 @@
+"""Private implementation modules of attnref; import from :mod:`attnref` instead."""

@@ -1,0 +1,195 @@
+"""Input validation and float64 scoping shared by every formulation.
+
+Every check here runs on static information (shapes and dtypes), so errors are raised at trace
+time, inside or outside ``jax.jit``, and name the offending argument and its shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PARAM_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _enable_x64_context() -> Any:
+    """Return JAX's scoped ``jax_enable_x64`` context manager (location moved across versions)."""
+    ctx = getattr(jax, "enable_x64", None)
+    if ctx is None:  # pragma: no cover - older JAX
+        from jax.experimental import enable_x64 as ctx
+        return ctx()
+    return ctx(True)
+
+
+def _is_float64(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and np.dtype(dtype) == np.float64
+
+
+def float64_scoped(fn: F) -> F:
+    """Run ``fn`` with ``jax_enable_x64`` switched on when any array argument is float64.
+
+    JAX silently turns float64 inputs into float32 while x64 is off. attnref refuses that
+    silent downgrade: a call whose inputs (arrays or parameter leaves) are float64 runs inside a
+    scoped ``jax.enable_x64(True)``, so the computation and the returned array are float64.
+    Under a caller's own ``jax.jit`` the inputs are already tracers of JAX's canonical dtype,
+    so callers who jit attnref themselves must enable x64 themselves (JAX's own rule).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_enable_x64:
+            return fn(*args, **kwargs)
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(_is_float64(leaf) for leaf in leaves):
+            with _enable_x64_context():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def _dtype(x: Any) -> np.dtype[Any]:
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def check_params(params: Any) -> tuple[int, int, int, int]:
+    """Validate an :class:`~attnref.AttentionParams`; return ``(H, d_model, d_k, d_v)``."""
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        w = getattr(params, name, None)
+        if w is None:
+            raise TypeError(f"params.{name} is missing; expected an AttentionParams pytree")
+        if np.ndim(w) != 3:
+            raise ValueError(
+                f"params.{name} must have rank 3 (per-head layout), got shape {_shape(w)}"
+            )
+    h, d_model, d_k = _shape(params.w_q)
+    if _shape(params.w_k) != (h, d_model, d_k):
+        raise ValueError(
+            f"params.w_k has shape {_shape(params.w_k)} but params.w_q has shape "
+            f"{(h, d_model, d_k)}; both must be [H, d_model, d_k]"
+        )
+    hv, dmv, d_v = _shape(params.w_v)
+    if (hv, dmv) != (h, d_model):
+        raise ValueError(
+            f"params.w_v has shape {_shape(params.w_v)}; expected [H={h}, d_model={d_model}, d_v]"
+        )
+    if _shape(params.w_o) != (h, d_v, d_model):
+        raise ValueError(
+            f"params.w_o has shape {_shape(params.w_o)}; expected [H={h}, d_v={d_v}, "
+            f"d_model={d_model}] to match params.w_v {_shape(params.w_v)}"
+        )
+    expected_bias = {"b_q": (h, d_k), "b_k": (h, d_k), "b_v": (h, d_v), "b_o": (d_model,)}
+    for name, shape in expected_bias.items():
+        b = getattr(params, name)
+        if b is not None and _shape(b) != shape:
+            raise ValueError(f"params.{name} has shape {_shape(b)}; expected {shape}")
+    dtypes = {
+        name: _dtype(getattr(params, name))
+        for name in _PARAM_FIELDS
+        if getattr(params, name) is not None
+    }
+    first = dtypes["w_q"]
+    if not jnp.issubdtype(first, jnp.floating):
+        raise TypeError(f"params.w_q has dtype {first}; attention parameters must be floating")
+    for name, dt in dtypes.items():
+        if dt != first:
+            raise TypeError(
+                f"params.{name} has dtype {dt} but params.w_q has dtype {first}; attnref does "
+                "not mix dtypes, cast the parameters explicitly"
+            )
+    return h, d_model, d_k, d_v
+
+
+def check_tokens(
+    params: Any,
+    x_q: Any,
+    x_kv: Any,
+    *,
+    layout: str = "row",
+    names: tuple[str, str] = ("x_q", "x_kv"),
+) -> tuple[tuple[int, ...], int, int]:
+    """Validate token inputs against the parameters; return ``(batch_shape, T_q, T_k)``.
+
+    ``layout="row"`` expects ``[..., T, d_model]``; ``layout="column"`` expects
+    ``[..., d_model, T]``.
+    """
+    _, d_model, _, _ = check_params(params)
+    p_dtype = _dtype(params.w_q)
+    feat_axis, tok_axis = (-1, -2) if layout == "row" else (-2, -1)
+    want = "[..., T, d_model]" if layout == "row" else "[..., d_model, T]"
+    for name, x in zip(names, (x_q, x_kv), strict=True):
+        if np.ndim(x) < 2:
+            raise ValueError(f"{name} must have rank >= 2 ({want}), got shape {_shape(x)}")
+        if _shape(x)[feat_axis] != d_model:
+            raise ValueError(
+                f"{name} has shape {_shape(x)} but params have d_model={d_model}; "
+                f"expected {want}"
+            )
+        if _dtype(x) != p_dtype:
+            raise TypeError(
+                f"{name} has dtype {_dtype(x)} but params.w_q has dtype {p_dtype}; attnref does "
+                "not mix dtypes, cast explicitly"
+            )
+    bq, bkv = _shape(x_q)[:-2], _shape(x_kv)[:-2]
+    if bq != bkv:
+        raise ValueError(
+            f"{names[0]} has batch shape {bq} (shape {_shape(x_q)}) but {names[1]} has batch "
+            f"shape {bkv} (shape {_shape(x_kv)}); batch dimensions must match exactly"
+        )
+    return bq, _shape(x_q)[tok_axis], _shape(x_kv)[tok_axis]
+
+
+def check_mask_and_bias(
+    mask: Any,
+    bias: Any,
+    target: tuple[int, ...],
+    *,
+    axes: str = "[..., T_q, T_k]",
+) -> None:
+    """Check that ``mask`` (boolean) and ``bias`` (floating) broadcast to ``target`` exactly.
+
+    Broadcasting may only add or stretch leading/size-1 axes; it may never grow ``target``.
+    """
+    for name, arr, kind in (("mask", mask, "bool"), ("bias", bias, "float")):
+        if arr is None:
+            continue
+        shape = _shape(arr)
+        if len(shape) < 2:
+            raise ValueError(
+                f"{name} must have rank >= 2 with its last two axes {axes}, got shape {shape}"
+            )
+        try:
+            ok = np.broadcast_shapes(shape, target) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name} has shape {shape}, which does not broadcast to {axes} = {target}"
+            )
+        dt = _dtype(arr)
+        if kind == "bool" and dt != np.bool_:
+            raise TypeError(
+                f"mask must be boolean (True = may attend), got dtype {dt}; pass additive "
+                "scores through bias instead"
+            )
+        if kind == "float" and not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"bias must be floating, got dtype {dt}")
+
+
+def check_scale(scale: Any) -> None:
+    """A scale is a Python or NumPy real scalar, or a 0-d array."""
+    if scale is not None and np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar, got shape {_shape(scale)}")

@@ -1,0 +1,69 @@
+"""Small helpers shared by the row-convention formulations (validation, projections)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens
+from attnref._src.params import AttentionParams
+
+HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
+
+
+class Prepared:
+    """Validated row-convention inputs: arrays converted, scale resolved, shapes recorded."""
+
+    def __init__(
+        self,
+        params: AttentionParams,
+        x_q: ArrayLike,
+        x_kv: ArrayLike | None,
+        mask: ArrayLike | None,
+        bias: ArrayLike | None,
+        scale: float | None,
+    ) -> None:
+        x_kv = x_q if x_kv is None else x_kv
+        batch, t_q, t_k = check_tokens(params, x_q, x_kv)
+        check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+        check_scale(scale)
+        self.x_q = jnp.asarray(x_q)
+        self.x_kv = jnp.asarray(x_kv)
+        self.dtype = self.x_q.dtype
+        self.batch_shape, self.t_q, self.t_k = batch, t_q, t_k
+        self.mask = None if mask is None else jnp.asarray(mask)
+        self.bias = None if bias is None else jnp.asarray(bias).astype(self.dtype)
+        self.scale = scale_value(params.d_k if scale is None else None, scale, self.dtype)
+
+    def head_mask(self) -> Bool[Array, "..."] | None:
+        """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
+        return None if self.mask is None else jnp.expand_dims(self.mask, -3)
+
+    def add_bias(self, logits: Float[Array, "... H T_q T_k"]) -> Float[Array, "... H T_q T_k"]:
+        return logits if self.bias is None else logits + jnp.expand_dims(self.bias, -3)
+
+
+def scale_value(d_k: int | None, scale: Any, dtype: Any) -> Array:
+    """``1/sqrt(d_k)`` unless an explicit ``scale`` is given, as a scalar of ``dtype``."""
+    value = 1.0 / math.sqrt(d_k) if scale is None else scale
+    return jnp.asarray(value, dtype=dtype)
+
+
+def project(
+    x: Float[Array, "... T d_model"], w: Float[ArrayLike, "H d_model d"], b: ArrayLike | None
+) -> Float[Array, "... H T d"]:
+    """Per-head projection ``x W[i] + b[i]`` with a head axis before the token axis."""
+    y = jnp.einsum("...td,hde->...hte", x, w, precision=HIGHEST)
+    return y if b is None else y + jnp.asarray(b)[:, None, :]
+
+
+def add_output_bias(y: Float[Array, "... d_model"], params: AttentionParams) -> Array:
+    return y if params.b_o is None else y + jnp.asarray(params.b_o)
+
+
+def residual_or(y: Array, x: Array, residual: bool) -> Array:
+    """``x + y`` for the residual-stream form, ``y`` otherwise."""
+    return x + y if residual else y

@@ -1,0 +1,157 @@
+"""Attention as message passing on a graph (Karpathy 2023, via "Attention: All you need to know").
+
+Nodes are tokens; a directed edge ``s -> r`` lets receiver ``r`` listen to sender ``s``; the mask
+is the adjacency matrix. Per head ``i`` and edge ``e = (s, r)``: score
+``a_e = (x_r W_Q[i] + b_Q[i]) . (x_s W_K[i] + b_K[i]) * scale + bias_e``; a segment softmax over
+each receiver's incoming edges gives ``alpha_e``; the receiver aggregates
+``z_r = sum_{e -> r} alpha_e (x_s W_V[i] + b_V[i])`` and its update is
+``y_r = sum_i z_r W_O[i] + b_O``. A receiver with no (unmasked) incoming edge gets ``y_r = b_O``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.checks import check_params, check_scale, float64_scoped
+from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
+from attnref._src.params import AttentionParams
+
+
+def _check_edges(
+    senders: ArrayLike, receivers: ArrayLike, n_s: int, n_r: int,
+    edge_mask: ArrayLike | None, edge_bias: ArrayLike | None,
+) -> int:
+    for name, idx in (("senders", senders), ("receivers", receivers)):
+        if np.ndim(idx) != 1:
+            raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
+        if not jnp.issubdtype(jnp.asarray(idx).dtype, jnp.integer):
+            raise TypeError(f"{name} must be integer indices, got dtype {jnp.asarray(idx).dtype}")
+    e = int(np.shape(senders)[0])
+    if np.shape(receivers) != (e,):
+        raise ValueError(
+            f"senders has shape {np.shape(senders)} but receivers has shape {np.shape(receivers)}"
+        )
+    for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
+        if isinstance(idx, np.ndarray) and e and (idx.min() < 0 or idx.max() >= n):
+            raise ValueError(f"{name} has indices outside [0, {n}): min {idx.min()}, max {idx.max()}")
+    for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
+        if arr is not None and np.shape(arr) != (e,):
+            raise ValueError(f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}")
+    if edge_mask is not None and jnp.asarray(edge_mask).dtype != jnp.bool_:
+        raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
+    return e
+
+
+def _segment_softmax(
+    logits: Float[Array, "E H"], allowed: Bool[Array, "E H"], receivers: Array, n_r: int
+) -> Float[Array, "E H"]:
+    top = jax.ops.segment_max(jnp.where(allowed, logits, -jnp.inf), receivers, n_r)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top)))
+    shifted = jnp.where(allowed, logits - top[receivers], jnp.zeros_like(logits))
+    ex = jnp.where(allowed, jnp.exp(shifted), jnp.zeros_like(logits))
+    denom = jax.ops.segment_sum(ex, receivers, n_r)
+    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    return ex / denom[receivers]
+
+
+@float64_scoped
+def graph_attention(
+    params: AttentionParams,
+    x_senders: Float[ArrayLike, "N_s d_model"],
+    x_receivers: Float[ArrayLike, "N_r d_model"],
+    senders: Int[ArrayLike, " E"],
+    receivers: Int[ArrayLike, " E"],
+    *,
+    edge_mask: Bool[ArrayLike, " E"] | None = None,
+    edge_bias: Float[ArrayLike, " E"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "N_r d_model"]:
+    """Message passing over an explicit edge list with a segment softmax per receiver.
+
+    ``senders[e]`` indexes ``x_senders`` (keys/values), ``receivers[e]`` indexes ``x_receivers``
+    (queries); ``edge_mask`` disables edges without changing shapes (for ``jit``).
+    """
+    _, d_model, d_k, _ = check_params(params)
+    for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
+        if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
+            raise ValueError(f"{name} must have shape [N, {d_model}], got {np.shape(x)}")
+        if jnp.asarray(x).dtype != jnp.asarray(params.w_q).dtype:
+            raise TypeError(f"{name} has dtype {jnp.asarray(x).dtype}; params have "
+                            f"{jnp.asarray(params.w_q).dtype}")
+    n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
+    _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
+    check_scale(scale)
+    xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
+    snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
+    s = scale_value(d_k if scale is None else None, scale, xr.dtype)
+
+    def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
+        y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
+        return y if b is None else y + jnp.asarray(b)
+
+    q = proj(xr, params.w_q, params.b_q)[rcv]  # [E, H, d_k]
+    k = proj(xs, params.w_k, params.b_k)[snd]
+    v = proj(xs, params.w_v, params.b_v)[snd]  # [E, H, d_v]
+    logits = jnp.sum(q * k, axis=-1) * s  # [E, H]
+    if edge_bias is not None:
+        logits = logits + jnp.asarray(edge_bias).astype(xr.dtype)[:, None]
+    allowed = logits != -jnp.inf
+    if edge_mask is not None:
+        allowed = jnp.logical_and(allowed, jnp.asarray(edge_mask)[:, None])
+    alpha = _segment_softmax(logits, allowed, rcv, n_r)
+    z = jax.ops.segment_sum(alpha[..., None] * v, rcv, n_r)  # [N_r, H, d_v]
+    y = jnp.einsum("rhv,hvd->rd", z, params.w_o, precision=HIGHEST)
+    if params.b_o is not None:
+        y = y + jnp.asarray(params.b_o)
+    return residual_or(y, xr, residual)
+
+
+def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse edge list ``(senders, receivers)`` of a concrete 2-D adjacency mask ``[T_q, T_k]``.
+
+    Runs on the host (the number of edges is data-dependent), so it cannot be traced.
+    """
+    m = np.asarray(mask)
+    if m.ndim != 2 or m.dtype != np.bool_:
+        raise ValueError(f"mask must be a 2-D boolean array, got shape {m.shape} dtype {m.dtype}")
+    receivers, senders = np.nonzero(m)
+    return senders.astype(np.int32), receivers.astype(np.int32)
+
+
+@float64_scoped
+def graph_attention_rows(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
+    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`graph_attention` on the complete bipartite graph, the mask as adjacency.
+
+    Every (query, key) pair is an edge, so shapes are static and the function is ``jit``-able;
+    the mask switches edges off. Batch dims are ``vmap``-ed.
+    """
+    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    full = (*p.batch_shape, p.t_q, p.t_k)
+    receivers, senders = (a.reshape(-1) for a in np.indices((p.t_q, p.t_k), dtype=np.int32))
+    e = p.t_q * p.t_k
+    m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
+    b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
+    d = params.d_model
+
+    def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
+        return graph_attention(params, xkv, xq, senders, receivers, edge_mask=m1, edge_bias=b1,
+                               scale=scale)
+
+    y = jax.vmap(one)(
+        p.x_q.reshape(-1, p.t_q, d), p.x_kv.reshape(-1, p.t_k, d),
+        m.reshape(-1, e), b.reshape(-1, e),
+    ).reshape(*p.batch_shape, p.t_q, d)
+    return residual_or(y, p.x_q, residual)

@@ -1,0 +1,66 @@
+"""Boolean attention masks (``True`` = the query may attend to the key) and additive biases.
+
+Row convention: masks broadcast to ``[..., T_q, T_k]``, entry ``[i, j]`` says whether query ``i``
+may read key ``j``. The column form of Elhage et al. uses the transpose, ``M[j, i]``.
+
+A query row with no allowed key is *fully masked*. Every attnref formulation gives such a row
+zero attention weights, so each head contributes nothing and the block output is ``b_O`` (zero
+without biases; ``x + b_O`` in residual form). Its gradient is finite (zero through the
+softmax). This matches PyTorch's safe softmax and FlashAttention's reference.
+
+An additive bias entry of ``-inf`` masks that entry exactly like ``False`` in the mask.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+
+def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
+    """Top-left aligned causal mask: query ``i`` may attend to key ``j`` iff ``j <= i``.
+
+    For ``T_q == T_k`` this is the usual autoregressive mask; for ``T_q != T_k`` the alignment is
+    top-left (query 0 sees key 0), as ``jax.nn.dot_product_attention`` and PyTorch document.
+    """
+    t_k = t_q if t_k is None else t_k
+    if t_q < 1 or t_k < 1:
+        raise ValueError(f"causal_mask needs positive lengths, got t_q={t_q}, t_k={t_k}")
+    return jnp.asarray(np.tril(np.ones((t_q, t_k), dtype=bool)))
+
+
+def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_k"]:
+    """Key-padding mask from per-batch valid lengths: key ``j`` is visible iff ``j < lengths[b]``.
+
+    Returns ``[B, 1, T_k]``, which broadcasts against ``[B, T_q, T_k]``. A length of 0 makes
+    every row of that batch element fully masked.
+    """
+    lengths = jnp.asarray(lengths)
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must have shape [B], got shape {tuple(lengths.shape)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"lengths must be integers, got dtype {lengths.dtype}")
+    return (jnp.arange(t_k)[None, :] < lengths[:, None])[:, None, :]
+
+
+def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] | None:
+    """Logical AND of masks (``None`` entries are ignored; all ``None`` gives ``None``)."""
+    present = [jnp.asarray(m) for m in masks if m is not None]
+    for m in present:
+        if m.dtype != jnp.bool_:
+            raise TypeError(f"combine_masks takes boolean masks, got dtype {m.dtype}")
+    if not present:
+        return None
+    out = present[0]
+    for m in present[1:]:
+        out = jnp.logical_and(out, m)
+    return out
+
+
+def mask_to_bias(mask: Bool[ArrayLike, "..."], dtype: object = jnp.float32) -> Float[Array, "..."]:
+    """Additive form of a boolean mask: ``0`` where allowed, ``-inf`` where masked."""
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
+    return jnp.where(mask, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))  # type: ignore[arg-type]

@@ -1,0 +1,343 @@
+"""Per-head attention parameters, their merged matrices, and fused-layout converters.
+
+Row-vector convention (Vaswani et al. 2017): a token is a row ``x`` of length ``d_model`` and
+head ``i`` computes ``q = x W_Q[i] + b_Q[i]``, ``k = x W_K[i] + b_K[i]``, ``v = x W_V[i] + b_V[i]``
+and writes ``o = softmax(.) v W_O[i]``; the block adds ``b_O`` once.
+
+Shapes: ``W_Q, W_K: [H, d_model, d_k]``, ``W_V: [H, d_model, d_v]``, ``W_O: [H, d_v, d_model]``,
+``b_Q, b_K: [H, d_k]``, ``b_V: [H, d_v]``, ``b_O: [d_model]``. Biases are optional (``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
+
+from attnref._src.checks import check_params, float64_scoped
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``)."""
+
+    w_q: Float[ArrayLike, "H d_model d_k"]
+    w_k: Float[ArrayLike, "H d_model d_k"]
+    w_v: Float[ArrayLike, "H d_model d_v"]
+    w_o: Float[ArrayLike, "H d_v d_model"]
+    b_q: Float[ArrayLike, "H d_k"] | None = None
+    b_k: Float[ArrayLike, "H d_k"] | None = None
+    b_v: Float[ArrayLike, "H d_v"] | None = None
+    b_o: Float[ArrayLike, " d_model"] | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return int(np.shape(self.w_q)[0])
+
+    @property
+    def d_model(self) -> int:
+        return int(np.shape(self.w_q)[1])
+
+    @property
+    def d_k(self) -> int:
+        return int(np.shape(self.w_q)[2])
+
+    @property
+    def d_v(self) -> int:
+        return int(np.shape(self.w_v)[2])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.w_q.dtype)  # type: ignore[union-attr]
+
+    @property
+    def has_bias(self) -> bool:
+        return any(b is not None for b in (self.b_q, self.b_k, self.b_v, self.b_o))
+
+    def astype(self, dtype: Any) -> AttentionParams:
+        """The same parameters as NumPy arrays of ``dtype`` (absent biases stay absent)."""
+        return jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), self)
+
+
+def init_params(
+    seed: int,
+    *,
+    d_model: int,
+    num_heads: int,
+    d_k: int,
+    d_v: int | None = None,
+    bias: bool = False,
+    dtype: Any = np.float32,
+) -> AttentionParams:
+    """Seeded random parameters with fan-in scaling, as NumPy arrays of ``dtype``.
+
+    ``W_Q, W_K, W_V ~ N(0, 1/d_model)``, ``W_O ~ N(0, 1/(H d_v))``; with ``bias=True`` every bias
+    is drawn ``N(0, 0.1^2)`` (non-zero, so that tests exercise the bias paths). Drawing with
+    NumPy's PCG64 keeps the values identical on every platform and independent of JAX's x64 flag.
+    """
+    d_v = d_k if d_v is None else d_v
+    for name, val in (("d_model", d_model), ("num_heads", num_heads), ("d_k", d_k), ("d_v", d_v)):
+        if int(val) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val}")
+    rng = np.random.default_rng(seed)
+    h = num_heads
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(dtype)
+
+    w_q = normal((h, d_model, d_k), d_model**-0.5)
+    w_k = normal((h, d_model, d_k), d_model**-0.5)
+    w_v = normal((h, d_model, d_v), d_model**-0.5)
+    w_o = normal((h, d_v, d_model), (h * d_v) ** -0.5)
+    if not bias:
+        return AttentionParams(w_q, w_k, w_v, w_o)
+    return AttentionParams(
+        w_q,
+        w_k,
+        w_v,
+        w_o,
+        b_q=normal((h, d_k), 0.1),
+        b_k=normal((h, d_k), 0.1),
+        b_v=normal((h, d_v), 0.1),
+        b_o=normal((d_model,), 0.1),
+    )
+
+
+# ----------------------------------------------------------------------------- merged matrices
+
+
+@float64_scoped
+def w_p(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
+    """Pattern matrices ``W_P[i] = W_Q[i] W_K[i]^T`` (row convention): logits ``(x_q W_P) x_k^T``."""
+    check_params(params)
+    return jnp.einsum("hdk,hek->hde", params.w_q, params.w_k, precision="highest")
+
+
+@float64_scoped
+def w_m(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
+    """Message matrices ``W_M[i] = W_V[i] W_O[i]`` (row convention): messages ``x W_M``."""
+    check_params(params)
+    return jnp.einsum("hdv,hve->hde", params.w_v, params.w_o, precision="highest")
+
+
+@float64_scoped
+def w_a(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
+    """Column-convention score matrices ``W_A[i] = W_K^T W_Q`` of Elhage et al. (2021).
+
+    With column vectors, ``q = W_Q^c x`` where ``W_Q^c = W_Q[i]^T`` is ``d_k x d_model``, so
+    ``W_A = (W_K^c)^T W_Q^c = W_K[i] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``.
+    """
+    check_params(params)
+    return jnp.einsum("hdk,hek->hde", params.w_k, params.w_q, precision="highest")
+
+
+@float64_scoped
+def w_i(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
+    """Column-convention output-value matrices ``W_I[i] = W_O^T W_V`` of Elhage et al. (2021).
+
+    Column convention stores ``W_V^c = W_V[i]^T`` (``d_v x d_model``) and ``W_O^c = W_O[i]``
+    (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i]^T = W_M[i]^T``.
+    """
+    check_params(params)
+    return jnp.einsum("hve,hdv->hed", params.w_o, params.w_v, precision="highest")
+
+
+# ----------------------------------------------------------------------------- fused layouts
+
+
+def _np(x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+
+def _require(d: Mapping[str, Any], key: str, layout: str) -> np.ndarray:
+    if key not in d:
+        raise KeyError(f"{layout} weights are missing {key!r}; got keys {sorted(d)}")
+    return _np(d[key])
+
+
+def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
+    """Flax ``MultiHeadDotProductAttention`` params (``DenseGeneral`` kernels).
+
+    ``query/key/value``: ``kernel [d_model, H, d_head]``, ``bias [H, d_head]``;
+    ``out``: ``kernel [H, d_v, d_model]``, ``bias [d_model]``.
+    """
+    check_params(params)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for name, w, b in (
+        ("query", params.w_q, params.b_q),
+        ("key", params.w_k, params.b_k),
+        ("value", params.w_v, params.b_v),
+    ):
+        out[name] = {"kernel": np.transpose(_np(w), (1, 0, 2))}
+        if b is not None:
+            out[name]["bias"] = _np(b)
+    out["out"] = {"kernel": _np(params.w_o)}
+    if params.b_o is not None:
+        out["out"]["bias"] = _np(params.b_o)
+    return out
+
+
+def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
+    """Inverse of :func:`to_flax` (accepts Flax's nested ``params`` dict for the module)."""
+    for key in ("query", "key", "value", "out"):
+        if key not in tree:
+            raise KeyError(f"Flax attention params are missing {key!r}; got keys {sorted(tree)}")
+
+    def kernel(name: str) -> np.ndarray:
+        k = _require(tree[name], "kernel", f"Flax {name}")
+        if k.ndim != 3:
+            raise ValueError(f"Flax {name}.kernel must have rank 3, got shape {k.shape}")
+        return k
+
+    def bias(name: str) -> np.ndarray | None:
+        return _np(tree[name]["bias"]) if "bias" in tree[name] else None
+
+    return AttentionParams(
+        w_q=np.transpose(kernel("query"), (1, 0, 2)),
+        w_k=np.transpose(kernel("key"), (1, 0, 2)),
+        w_v=np.transpose(kernel("value"), (1, 0, 2)),
+        w_o=kernel("out"),
+        b_q=bias("query"),
+        b_k=bias("key"),
+        b_v=bias("value"),
+        b_o=bias("out"),
+    )
+
+
+def _heads_to_out_in(w: np.ndarray) -> np.ndarray:
+    """``[H, d_in, d_head] -> [H*d_head, d_in]`` (PyTorch's (out, in), head-major out rows)."""
+    h, d_in, d_head = w.shape
+    return np.transpose(w, (0, 2, 1)).reshape(h * d_head, d_in)
+
+
+def _out_in_to_heads(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
+    out, d_in = w.shape
+    if out % num_heads:
+        raise ValueError(f"{name} has {out} output rows, not divisible by num_heads={num_heads}")
+    return np.transpose(w.reshape(num_heads, out // num_heads, d_in), (0, 2, 1))
+
+
+def _all_or_no_bias(params: AttentionParams, layout: str) -> list[np.ndarray] | None:
+    if not params.has_bias:
+        return None
+    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+    dt = params.dtype
+    fill = {"b_q": (h, d_k), "b_k": (h, d_k), "b_v": (h, d_v), "b_o": (d_model,)}
+    # A layout that stores all biases or none gets explicit zeros for the absent ones: the
+    # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
+    del layout
+    return [
+        _np(getattr(params, n)) if getattr(params, n) is not None else np.zeros(s, dt)
+        for n, s in fill.items()
+    ]
+
+
+def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
+    """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
+
+    PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
+    zeros when any bias is present (PyTorch has all biases or none).
+    """
+    check_params(params)
+    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+    if not (d_k == d_v and h * d_k == d_model):
+        raise ValueError(
+            "nn.MultiheadAttention packs q, k, v with head_dim = embed_dim / num_heads; got "
+            f"H={h}, d_model={d_model}, d_k={d_k}, d_v={d_v}"
+        )
+    sd = {
+        "in_proj_weight": np.concatenate(
+            [_heads_to_out_in(_np(w)) for w in (params.w_q, params.w_k, params.w_v)]
+        ),
+        "out_proj.weight": np.transpose(_np(params.w_o).reshape(h * d_v, d_model)),
+    }
+    biases = _all_or_no_bias(params, "torch")
+    if biases is not None:
+        b_q, b_k, b_v, b_o = biases
+        sd["in_proj_bias"] = np.concatenate([b_q.reshape(-1), b_k.reshape(-1), b_v.reshape(-1)])
+        sd["out_proj.bias"] = b_o
+    return sd
+
+
+def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionParams:
+    """Inverse of :func:`to_torch_mha`; ``num_heads`` is not recorded in the state dict."""
+    w_in = _require(state_dict, "in_proj_weight", "nn.MultiheadAttention")
+    w_out = _require(state_dict, "out_proj.weight", "nn.MultiheadAttention")
+    if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
+        raise ValueError(f"in_proj_weight must have shape [3E, E], got {w_in.shape}")
+    e = w_in.shape[1]
+    wq, wk, wv = (_out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight")
+                  for i in range(3))
+    w_o = np.transpose(w_out).reshape(num_heads, e // num_heads, e)
+    if "in_proj_bias" not in state_dict:
+        return AttentionParams(wq, wk, wv, w_o)
+    b_in = _np(state_dict["in_proj_bias"])
+    b_q, b_k, b_v = (b_in[i * e : (i + 1) * e].reshape(num_heads, -1) for i in range(3))
+    b_o = _require(state_dict, "out_proj.bias", "nn.MultiheadAttention")
+    return AttentionParams(wq, wk, wv, w_o, b_q, b_k, b_v, b_o)
+
+
+_HF_KEYS = {
+    "w_q": "self.query.weight",
+    "w_k": "self.key.weight",
+    "w_v": "self.value.weight",
+    "w_o": "output.dense.weight",
+    "b_q": "self.query.bias",
+    "b_k": "self.key.bias",
+    "b_v": "self.value.bias",
+    "b_o": "output.dense.bias",
+}
+
+
+def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarray]:
+    """Hugging Face BERT attention weights: ``{prefix}self.query.weight [H*d_k, d_model]`` etc.
+
+    ``nn.Linear`` stores ``(out, in)``; heads are contiguous blocks of the out features (BERT's
+    ``view(..., H, d_head)``). ``output.dense.weight`` is ``[d_model, H*d_v]``. Absent biases are
+    written as zeros when any bias is present.
+    """
+    check_params(params)
+    h, d_model, d_v = params.num_heads, params.d_model, params.d_v
+    sd = {
+        prefix + _HF_KEYS["w_q"]: _heads_to_out_in(_np(params.w_q)),
+        prefix + _HF_KEYS["w_k"]: _heads_to_out_in(_np(params.w_k)),
+        prefix + _HF_KEYS["w_v"]: _heads_to_out_in(_np(params.w_v)),
+        prefix + _HF_KEYS["w_o"]: np.transpose(_np(params.w_o).reshape(h * d_v, d_model)),
+    }
+    biases = _all_or_no_bias(params, "hf")
+    if biases is not None:
+        for name, b in zip(("b_q", "b_k", "b_v", "b_o"), biases, strict=True):
+            sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
+    return sd
+
+
+def from_hf_bert(
+    state_dict: Mapping[str, Any], num_heads: int, prefix: str = ""
+) -> AttentionParams:
+    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``)."""
+    def get(name: str) -> np.ndarray:
+        return _require(state_dict, prefix + _HF_KEYS[name], "Hugging Face BERT")
+
+    w_q = _out_in_to_heads(get("w_q"), num_heads, prefix + _HF_KEYS["w_q"])
+    w_k = _out_in_to_heads(get("w_k"), num_heads, prefix + _HF_KEYS["w_k"])
+    w_v = _out_in_to_heads(get("w_v"), num_heads, prefix + _HF_KEYS["w_v"])
+    dense = get("w_o")
+    w_o = np.transpose(dense).reshape(num_heads, dense.shape[1] // num_heads, dense.shape[0])
+    if prefix + _HF_KEYS["b_q"] not in state_dict:
+        return AttentionParams(w_q, w_k, w_v, w_o)
+    return AttentionParams(
+        w_q,
+        w_k,
+        w_v,
+        w_o,
+        b_q=get("b_q").reshape(num_heads, -1),
+        b_k=get("b_k").reshape(num_heads, -1),
+        b_v=get("b_v").reshape(num_heads, -1),
+        b_o=get("b_o"),
+    )

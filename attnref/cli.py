@@ -1,0 +1,50 @@
+"""The ``attnref`` command line: ``attnref report`` and ``attnref list``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import jax
+
+from attnref._src import report as _report
+from attnref._src.registry import formulations
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnref", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="every formulation against the float64 oracle")
+    d = _report.Problem()
+    for name in ("batch", "t_q", "t_k", "num_heads", "d_model", "d_k", "d_v", "seed"):
+        r.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    r.add_argument("--no-bias", action="store_true", help="parameters without biases")
+    r.add_argument("--no-causal", action="store_true", help="no causal mask")
+    r.add_argument("--formulations", default=None,
+                   help="comma-separated registry ids (default: all)")
+    r.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser("list", help="registered formulations with their equations")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "list":
+        for f in formulations():
+            print(f"{f.id:<18} [{f.convention}] {f.title}\n    {f.equation}\n    {f.citation}")
+        return 0
+    problem = _report.Problem(
+        batch=args.batch, t_q=args.t_q, t_k=args.t_k, num_heads=args.num_heads,
+        d_model=args.d_model, d_k=args.d_k, d_v=args.d_v, bias=not args.no_bias,
+        causal=not args.no_causal, seed=args.seed)
+    ids = None if args.formulations is None else [s.strip() for s in args.formulations.split(",")]
+    with jax.enable_x64(True):  # the table includes float64 rows; float32 rows stay float32
+        rows = _report.run(problem, ids, [s.strip() for s in args.dtypes.split(",")])
+    print(_report.to_json(rows, problem) if args.json else _report.format_table(rows, problem))
+    return 0 if all(r.bound_ratio <= 1.0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

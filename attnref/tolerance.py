@@ -1,0 +1,203 @@
+"""Derived error bounds for attention computed in a floating-point format (NumPy only).
+
+A formulation run in a format with unit round-off ``u`` (``eps / 2``) is compared with the float64
+oracle on the *same* inputs (already rounded to the format), so only arithmetic error is bounded.
+The bound is first order in ``u`` and componentwise; its derivation (also in
+``docs/tolerances.md``):
+
+1. **Logits.** Every formulation computes ``s_ij = scale * x~_i W~_Q W~_K^T x~_j^T`` (tildes:
+   homogeneous coordinates ``x~ = [x, 1]``, ``W~ = [W; b]``, which fold the biases in) as *some*
+   parenthesisation of the same four factors, plus the scale multiply and the bias add. For a
+   product of matrices computed in any order, ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``
+   with ``N`` the sum of the inner dimensions and ``gamma_n = n u / (1 - n u)`` (Higham 2002,
+   eq. 3.13 and Lemma 3.3). So ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|`` with
+   ``N_s = 2 (d_model + 1) + d_k + 2`` and ``Ls = |scale| |x~_q||W~_Q||W~_K|^T|x~_kv|^T + |bias|``;
+   the last term is the rounding of the max subtraction. (The patterns and column forms drop the
+   row-constant ``b_K`` terms; softmax is invariant to them and the bound covers what remains.)
+2. **Softmax.** Logit errors ``|ds_ij| <= E_i`` move each weight by a factor in
+   ``[exp(-2 E_i), exp(2 E_i)]``; evaluating ``exp`` (assumed accurate to ``C_EXP = 4`` units of
+   ``u``), the row sum of ``T_k`` terms and the division add ``gamma_{T_k + 2 + 2 C_EXP}``. Hence
+   ``|dp_ij| <= rho_i p_ij`` with ``rho_i = exp(2 E_i) - 1 + gamma_{T_k + 10}``.
+3. **Output.** ``y_i = sum_h sum_j p_hij x~_j W~_V[h] W_O[h] + b_O`` in any order is a product with
+   inner dimensions ``T_k, d_model + 1, d_v`` summed over ``H`` heads plus one bias add:
+   ``N_y = T_k + d_model + d_v + H + 2``. With ``G_hj = |x~_j||W~_V[h]||W_O[h]|``,
+   ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj + gamma_{N_y} |b_O|``
+   (and ``+ u |x_i + y_i|`` in residual form).
+
+**16-bit formats** (float16, bfloat16). The worst-case ``gamma_n`` in the 16-bit ``u`` is vacuous
+at ordinary sizes, so these use the model of how XLA evaluates them: dot products and ``jnp.sum``
+accumulate in float32 (``gamma_n`` in float32's ``u``) and each stored intermediate is rounded once
+to the 16-bit format. Counting stored intermediates over all formulations gives at most
+``K_S = 8`` roundings on the logit chain and ``K_Y = 8`` on the output chain, each bounded by the
+chain's absolute magnitude, plus one scatter-add segment sum of length ``T_k`` accumulated in the
+16-bit format (the graph form). Softmax evaluation adds ``4 u`` for exp, sum and division.
+
+The float64 oracle's own error is the same bound with float64's ``u``; :func:`attention_error_bound`
+returns the sum of both, so ``|actual - oracle| <= bound`` is a rigorous first-order test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "attention_error_bound",
+    "comparative_bound",
+    "gamma",
+    "unit_roundoff",
+]
+
+C_EXP = 4  # assumed accuracy of exp, in units of u (XLA's and NumPy's exp are within 1-2 ulp)
+K_S = 8  # stored 16-bit intermediates on the logit chain (max over formulations)
+K_Y = 8  # stored 16-bit intermediates on the output chain (max over formulations)
+
+
+def unit_roundoff(dtype: Any) -> float:
+    """``u = eps / 2`` of a floating dtype (works for ml_dtypes' bfloat16 too)."""
+    try:
+        eps = float(np.finfo(dtype).eps)
+    except (TypeError, ValueError):  # pragma: no cover - exotic dtypes
+        import ml_dtypes
+
+        eps = float(ml_dtypes.finfo(dtype).eps)
+    return eps / 2.0
+
+
+def gamma(n: int, u: float) -> float:
+    """``gamma_n = n u / (1 - n u)``; ``inf`` once ``n u >= 1`` (no bound)."""
+    nu = n * u
+    return math.inf if nu >= 1.0 else nu / (1.0 - nu)
+
+
+def _is_16bit(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 2
+
+
+def _get(params: Any, name: str) -> np.ndarray | None:
+    value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
+    return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``|[W; b]|`` per head: ``[H, d_model + 1, d]`` (zero row when there is no bias)."""
+    bias = np.zeros((w.shape[0], 1, w.shape[2])) if b is None else b[:, None, :]
+    return np.abs(np.concatenate([w, bias], axis=1))
+
+
+def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
+    """``(g_s, u_sub, g_soft, g_y)`` for the dtype's arithmetic model (see the module docstring)."""
+    u = unit_roundoff(dtype)
+    if _is_16bit(dtype):
+        u32 = unit_roundoff(np.float32)
+        g_s = K_S * u + gamma(n_s, u32)
+        g_soft = 4 * u + gamma(t_k + 2 + 2 * C_EXP, u32)
+        g_y = K_Y * u + gamma(t_k, u) + gamma(n_y, u32)
+        return g_s, u, g_soft, g_y
+    return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
+
+
+def _bound_for(
+    dtype: Any,
+    *,
+    ls: np.ndarray,
+    logits: np.ndarray,
+    allowed: np.ndarray,
+    weights: np.ndarray,
+    g_mag: np.ndarray,
+    b_o: np.ndarray | None,
+    dims: tuple[int, int, int, int, int],
+) -> np.ndarray:
+    h, d_model, d_k, d_v, t_k = dims
+    n_s = 2 * (d_model + 1) + d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    g_s, u, g_soft, g_y = _chain_terms(dtype, n_s, n_y, t_k)
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    sub = np.where(allowed, np.abs(logits - top), 0.0)
+    err_s = np.where(allowed, g_s * ls + u * sub, 0.0)
+    e_row = err_s.max(axis=-1)  # [..., H, T_q]
+    with np.errstate(over="ignore"):
+        rho = np.expm1(2.0 * e_row) + g_soft
+    mixed = np.einsum("...hqk,...hkd->...hqd", weights, g_mag)  # sum_j p_hij G_hj
+    bound = np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
+    if b_o is not None:
+        bound = bound + g_y * np.abs(b_o)
+    return bound
+
+
+def attention_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|attention computed in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
+
+    ``params``, ``x_q``, ``x_kv``, ``mask`` and ``bias`` are the inputs exactly as the formulation
+    received them (already in ``dtype``). The result includes the oracle's own float64 error.
+    """
+    w = {n: _get(params, n) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")}
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    if w_q is None or w_k is None or w_v is None or w_o is None:
+        raise ValueError("params must have w_q, w_k, w_v and w_o")
+    h, d_model, d_k = w_q.shape
+    d_v = w_v.shape[2]
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    t_q, t_k = xq.shape[-2], xkv.shape[-2]
+    full = (*xq.shape[:-2], t_q, t_k)
+    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+
+    def hom(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
+
+    def heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        y = np.einsum("...td,hde->...hte", x, wt)
+        return y if b is None else y + b[:, None, :]
+
+    b_arr = np.zeros(full) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+    finite_bias = np.where(np.isneginf(b_arr), 0.0, b_arr)
+    q, k = heads(xq, w_q, w["b_q"]), heads(xkv, w_k, w["b_k"])
+    logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s + finite_bias[..., None, :, :]
+    allowed = np.broadcast_to((m_arr & ~np.isneginf(b_arr))[..., None, :, :], logits.shape)
+
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    e = np.where(allowed, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    denom = e.sum(axis=-1, keepdims=True)
+    weights = e / np.where(denom > 0, denom, 1.0)
+
+    qa = np.einsum("...td,hde->...hte", np.abs(hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
+    ka = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
+    ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qa, ka) + np.abs(finite_bias)[..., None, :, :]
+    va = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
+    g_mag = np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
+
+    kwargs = dict(ls=ls, logits=logits, allowed=allowed, weights=weights, g_mag=g_mag,
+                  b_o=w["b_o"], dims=(h, d_model, d_k, d_v, t_k))
+    bound = _bound_for(dtype, **kwargs) + _bound_for(np.float64, **kwargs)  # type: ignore[arg-type]
+    if residual:
+        y = np.einsum("...hqk,...hkd->...qd", weights,
+                      np.einsum("...hkv,hvd->...hkd", heads(xkv, w_v, w["b_v"]), w_o))
+        bound = bound + unit_roundoff(dtype) * np.abs(xq + y)
+    return bound
+
+
+def comparative_bound(
+    reference_error: float, magnitude: float, dtype: Any, *, factor: float = 2.0, n: int = 1
+) -> float:
+    """FlashAttention's rule: allowed error ``= factor * reference_error + gamma_n * magnitude``.
+
+    ``reference_error`` is the max error of a same-precision reference (different operation
+    order) against float64; ``gamma_n * magnitude`` is a rounding floor for the case where that
+    reference happens to be almost exact. FlashAttention's tests use ``factor = 2``.
+    """
+    return factor * reference_error + gamma(n, unit_roundoff(dtype)) * magnitude
