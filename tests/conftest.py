@@ -1,0 +1,28 @@
+"""Test configuration: x64 on for the suite, Hypothesis profiles ``dev``, ``ci``, ``thorough``.
+
+The suite enables ``jax_enable_x64`` globally (as JAX's own tests do) so float32 and float64
+cases can be drawn side by side; ``tests/test_float64.py`` checks the x64-off behaviour in a
+scoped ``jax.enable_x64(False)``. Profile: ``$HYPOTHESIS_PROFILE``, else ``ci`` when ``$CI`` is
+set, else ``dev``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_enable_x64", True)
+
+_COMMON = dict(
+    deadline=None,  # first calls compile; wall-clock deadlines would measure XLA, not attnref
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+    print_blob=True,
+)
+settings.register_profile("dev", max_examples=12, **_COMMON)
+settings.register_profile("ci", max_examples=20, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=300, **_COMMON)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)

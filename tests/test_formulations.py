@@ -1,0 +1,98 @@
+"""Every registered formulation equals the float64 oracle and every other formulation.
+
+Jit and no-jit via chex variants; float32 and float64 against the derived componentwise bound
+(:mod:`attnref.tolerance`); float16 and bfloat16 against FlashAttention's comparative rule with
+a same-precision reference (the oracle with every intermediate rounded to the format).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+
+import attnref
+from attnref import oracle
+from attnref.testing import assert_comparative, assert_within_bound
+
+from .helpers import BUCKETS, check_formulation, expected, make_problem, problems
+
+IDS = attnref.ids()
+
+
+class AgreementTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(problem=problems())
+    def test_every_formulation_matches_oracle_and_each_other(self, problem):
+        outputs = {}
+        for f in attnref.formulations():
+            outputs[f.id] = check_formulation(self.variant(f.apply), problem, f.id)
+        # Pairwise: each is within its bound of the oracle, so two differ by at most 2 bounds.
+        _, bound = expected(problem)
+        first = outputs[IDS[0]]
+        for fid, y in outputs.items():
+            assert_within_bound(y, first, 2 * bound, label=f"{fid} vs {IDS[0]}")
+
+
+
+def test_residual_form():
+    """``residual=True`` returns ``x_q + sum_i o_i`` for every formulation (with and without biases)."""
+    for with_bias in (True, False):
+        p = make_problem(BUCKETS[2], "causal", seed=21, dtype=np.float64, with_bias=with_bias)
+        ref = oracle.attention(p.params, p.x_q, p.x_kv, residual=True, **p.inputs())
+        bound = attnref.tolerance.attention_error_bound(
+            p.params, p.x_q, p.x_kv, residual=True, dtype=p.dtype, **p.inputs())
+        for f in attnref.formulations():
+            y = f.apply(p.params, p.x_q, p.x_kv, residual=True, **p.inputs())
+            assert_within_bound(y, ref, bound, label=f"{f.id} residual, biases={with_bias}")
+
+
+class LowPrecisionTest(chex.TestCase):
+    @chex.variants(with_jit=True)
+    @settings(max_examples=8)
+    @given(problem=problems(dtypes=("float16", "bfloat16")))
+    def test_16bit_formats_meet_flashattention_rule(self, problem):
+        p = problem
+        dt = jnp.bfloat16 if p.dtype.itemsize == 2 and p.dtype.name == "bfloat16" else p.dtype
+        ref64 = oracle.attention(p.params, p.x_q, p.x_kv, **p.inputs())
+        same = oracle.attention(p.params, p.x_q, p.x_kv, emulate=dt, **p.inputs())
+        for f in attnref.formulations():
+            y = np.asarray(self.variant(f.apply)(p.params, p.x_q, p.x_kv, **p.inputs()))
+            assert y.dtype == p.dtype, f"{f.id} computed in {y.dtype}"
+            assert_comparative(y, ref64, same, dtype=dt, label=f"{f.id} {p.dtype}")
+
+
+def test_default_arguments_self_attention_and_none_masks():
+    """``x_kv=None`` means self-attention and ``mask=None``/``bias=None`` mean unmasked."""
+    p = make_problem(BUCKETS[2], "none", seed=3, dtype=np.float64)
+    ref = oracle.attention(p.params, p.x_q)
+    bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, dtype=np.float64)
+    for f in attnref.formulations():
+        assert_within_bound(f.apply(p.params, p.x_q), ref, bound, label=f.id)
+
+
+def test_unexpanded_masks_broadcast_as_documented():
+    """A [T_q, T_k] causal mask and a [B, 1, T_k] padding mask broadcast over batch and queries."""
+    b = BUCKETS[1]
+    p = make_problem(b, "none", seed=5, dtype=np.float64)
+    causal = np.asarray(attnref.causal_mask(b.t_q, b.t_k))
+    pad = np.asarray(attnref.padding_mask(np.array([3, 7]), b.t_k))
+    mask = np.asarray(attnref.combine_masks(causal, pad))
+    full = np.broadcast_to(mask, (*b.batch, b.t_q, b.t_k))
+    ref = oracle.attention(p.params, p.x_q, p.x_kv, mask=full)
+    bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, mask=full,
+                                                    dtype=np.float64)
+    for f in attnref.formulations():
+        assert_within_bound(f.apply(p.params, p.x_q, p.x_kv, mask=mask), ref, bound, label=f.id)
+
+
+def test_explicit_scale_is_used():
+    """``scale=`` replaces 1/sqrt(d_k) everywhere (checked against the oracle with that scale)."""
+    p = make_problem(BUCKETS[1], "causal", seed=11, dtype=np.float64)
+    ref = oracle.attention(p.params, p.x_q, p.x_kv, scale=0.3, **p.inputs())
+    bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, scale=0.3,
+                                                    dtype=np.float64, **p.inputs())
+    for f in attnref.formulations():
+        y = f.apply(p.params, p.x_q, p.x_kv, scale=0.3, **p.inputs())
+        assert_within_bound(y, ref, bound, label=f.id)

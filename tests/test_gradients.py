@@ -1,0 +1,107 @@
+"""Gradients agree across formulations; ``check_grads`` passes on the concat form in float64.
+
+Tolerance for gradients: FlashAttention's comparative rule. For each formulation F, the float32
+gradient's max error against the float64 gradient of the concat form must be at most twice the
+max error of the concat form's own float32 gradient (a same-precision reference with a
+different operation order) plus a rounding floor ``gamma_{N_b}(u32) * M`` with ``M`` the largest float64 gradient entry over
+the whole gradient pytree (every gradient is assembled from the same backward quantities, and
+``d/db_K`` is exactly zero in exact arithmetic, so a per-array scale would be zero). ``N_b`` is
+the number of terms on the longest reduction chain of the backward pass: parameter gradients
+sum over every (batch, query) position, then over keys and the feature axes, so
+``N_b = prod(batch) * T_q + T_k + d_model + d_k + d_v + H``. Without that floor, a tiny gradient
+array (``db_Q`` of one head has ``d_k`` entries) can have a same-precision reference that is
+exact by luck, and the rule would fail a correct formulation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+
+import attnref
+from attnref import tolerance
+from attnref.testing import assert_comparative
+
+from .helpers import BUCKETS, make_problem, problems
+
+
+def _loss(apply, params, x_q, x_kv, mask, bias, cot):
+    """A generic linear functional of the output, so every output entry gets a gradient."""
+    return jnp.sum(apply(params, x_q, x_kv, mask=mask, bias=bias) * cot)
+
+
+# One gradient function per formulation, built once, so jit caches are reused across examples.
+_GRAD = {f.id: jax.grad(functools.partial(_loss, f.apply), argnums=(0, 1, 2))
+         for f in attnref.formulations()}
+
+
+def _grads(fid, problem, dtype, cot, variant):
+    p = problem
+    return variant(_GRAD[fid])(p.params.astype(dtype), p.x_q.astype(dtype), p.x_kv.astype(dtype),
+                               p.mask, p.bias.astype(dtype), cot.astype(dtype))
+
+
+def _flat(grads):
+    params_g, gx_q, gx_kv = grads
+    named = {f"d/d{k}": getattr(params_g, k) for k in ("w_q", "w_k", "w_v", "w_o", "b_q",
+                                                       "b_k", "b_v", "b_o")}
+    named.update({"d/dx_q": gx_q, "d/dx_kv": gx_kv})
+    return {k: np.asarray(v, np.float64) for k, v in named.items() if v is not None}
+
+
+class GradientAgreementTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @settings(max_examples=6)
+    @given(problem=problems(dtypes=("float64",), kinds=("none", "combined", "fully_masked_row")))
+    def test_gradients_agree_across_formulations(self, problem):
+        rng = np.random.default_rng(0)
+        cot = rng.standard_normal((*problem.bucket.batch, problem.bucket.t_q,
+                                   problem.bucket.d_model))
+        b = problem.bucket
+        n_b = int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads
+        g64 = _flat(_grads("concat", problem, np.float64, cot, self.variant))
+        g32_ref = _flat(_grads("concat", problem, np.float32, cot, self.variant))
+        scale = max(float(np.abs(g).max()) for g in g64.values())
+        for f in attnref.formulations():
+            g32 = _flat(_grads(f.id, problem, np.float32, cot, self.variant))
+            assert g32.keys() == g64.keys()
+            for name in g64:
+                assert np.all(np.isfinite(g32[name])), f"{f.id} {name} not finite"
+                assert_comparative(g32[name], g64[name], g32_ref[name], dtype=np.float32,
+                                   floor_n=n_b, floor_magnitude=scale, label=f"{f.id} {name}")
+            # b_K cancels in the softmax: its exact gradient is zero.
+            assert np.abs(g32["d/db_k"]).max() <= tolerance.gamma(n_b, 2.0**-24) * scale, f.id
+
+
+def test_check_grads_concat_float64():
+    """Finite differences vs autodiff, forward and reverse, second order, in float64."""
+    p = make_problem(BUCKETS[1], "combined", seed=7, dtype=np.float64)
+    f = attnref.get("concat").apply
+
+    def fn(params, x_q, x_kv):
+        return f(params, x_q, x_kv, mask=p.mask, bias=p.bias)
+
+    jax.test_util.check_grads(fn, (p.params, p.x_q, p.x_kv), order=1, modes=("fwd", "rev"))
+    small = make_problem(BUCKETS[0], "causal", seed=8, dtype=np.float64)
+
+    def fn2(params, x_q):
+        return f(params, x_q, mask=small.mask, bias=small.bias)
+
+    jax.test_util.check_grads(fn2, (small.params, small.x_q), order=2, modes=("rev",))
+
+
+def test_fully_masked_row_gradient_is_finite_and_zero_through_softmax():
+    """A fully masked query row: output b_O, gradient finite, and zero w.r.t. that query."""
+    p = make_problem(BUCKETS[1], "none", seed=9, dtype=np.float64)
+    mask = p.mask.copy()
+    mask[..., 2, :] = False
+    cot = np.ones((*p.bucket.batch, p.bucket.t_q, p.bucket.d_model))
+    for fm in attnref.formulations():
+        g = np.asarray(jax.jit(_GRAD[fm.id])(p.params, p.x_q, p.x_kv, mask, p.bias, cot)[1])
+        assert np.all(np.isfinite(g)), fm.id
+        np.testing.assert_array_equal(g[..., 2, :], 0.0, err_msg=fm.id)
