@@ -6,9 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import jax
-
 from attnref._src import report as _report
+from attnref._src.checks import enable_x64
 from attnref._src.registry import formulations
 
 
@@ -21,8 +20,9 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     r.add_argument("--no-bias", action="store_true", help="parameters without biases")
     r.add_argument("--no-causal", action="store_true", help="no causal mask")
-    r.add_argument("--formulations", default=None,
-                   help="comma-separated registry ids (default: all)")
+    r.add_argument(
+        "--formulations", default=None, help="comma-separated registry ids (default: all)"
+    )
     r.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("list", help="registered formulations with their equations")
@@ -36,11 +36,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{f.id:<18} [{f.convention}] {f.title}\n    {f.equation}\n    {f.citation}")
         return 0
     problem = _report.Problem(
-        batch=args.batch, t_q=args.t_q, t_k=args.t_k, num_heads=args.num_heads,
-        d_model=args.d_model, d_k=args.d_k, d_v=args.d_v, bias=not args.no_bias,
-        causal=not args.no_causal, seed=args.seed)
+        batch=args.batch,
+        t_q=args.t_q,
+        t_k=args.t_k,
+        num_heads=args.num_heads,
+        d_model=args.d_model,
+        d_k=args.d_k,
+        d_v=args.d_v,
+        bias=not args.no_bias,
+        causal=not args.no_causal,
+        seed=args.seed,
+    )
     ids = None if args.formulations is None else [s.strip() for s in args.formulations.split(",")]
-    with jax.enable_x64(True):  # the table includes float64 rows; float32 rows stay float32
+    with enable_x64():  # the table includes float64 rows; float32 rows stay float32
         rows = _report.run(problem, ids, [s.strip() for s in args.dtypes.split(",")])
     print(_report.to_json(rows, problem) if args.json else _report.format_table(rows, problem))
     return 0 if all(r.bound_ratio <= 1.0 for r in rows) else 1

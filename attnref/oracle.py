@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: multi-head attention written from its definition, per head and per query.
+"""The float64 NumPy oracle: multi-head attention from its definition, per head and per query.
 
 This module imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
 agreement between the two is evidence, not tautology. Everything is computed in float64.
@@ -123,7 +123,12 @@ def _per_head_per_query(
 
 
 def attention_weights(
-    params: Any, x_q: Any, x_kv: Any = None, *, mask: Any = None, bias: Any = None,
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
     scale: float | None = None,
 ) -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked)."""
@@ -131,7 +136,12 @@ def attention_weights(
 
 
 def head_outputs(
-    params: Any, x_q: Any, x_kv: Any = None, *, mask: Any = None, bias: Any = None,
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
     scale: float | None = None,
 ) -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``)."""
@@ -139,8 +149,15 @@ def head_outputs(
 
 
 def attention(
-    params: Any, x_q: Any, x_kv: Any = None, *, mask: Any = None, bias: Any = None,
-    scale: float | None = None, residual: bool = False, emulate: Any = None,
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    residual: bool = False,
+    emulate: Any = None,
 ) -> np.ndarray:
     """Multi-head attention output ``[..., T_q, d_model]`` in float64 (``x_q +`` it if residual).
 

@@ -24,12 +24,15 @@ def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.nda
     if a.shape != e.shape:
         raise AssertionError(f"{label}: shape {a.shape} != expected shape {e.shape}")
     if not np.all(np.isfinite(e)):
-        raise AssertionError(f"{label}: the expected (oracle) value has NaN/inf; refusing to compare")
+        raise AssertionError(
+            f"{label}: the expected (oracle) value has NaN/inf; refusing to compare"
+        )
     bad = ~np.isfinite(a)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise AssertionError(f"{label}: non-finite value {a[idx]} at index {idx} where the "
-                             f"oracle has {e[idx]}")
+        raise AssertionError(
+            f"{label}: non-finite value {a[idx]} at index {idx} where the oracle has {e[idx]}"
+        )
     return a, e
 
 
@@ -50,8 +53,15 @@ def assert_within_bound(actual: Any, expected: Any, bound: Any, *, label: str = 
 
 
 def assert_comparative(
-    actual: Any, expected: Any, reference: Any, *, dtype: Any, factor: float = 2.0,
-    floor_n: int = 2, floor_magnitude: float | None = None, label: str = "output",
+    actual: Any,
+    expected: Any,
+    reference: Any,
+    *,
+    dtype: Any,
+    factor: float = 2.0,
+    floor_n: int = 2,
+    floor_magnitude: float | None = None,
+    label: str = "output",
 ) -> None:
     """FlashAttention's rule: ``max|actual - expected| <= factor * max|reference - expected|
     + gamma_{floor_n}(u) * M``, with ``reference`` a same-precision computation and ``M`` =

@@ -8,7 +8,8 @@ The bound is first order in ``u`` and componentwise; its derivation (also in
 1. **Logits.** Every formulation computes ``s_ij = scale * x~_i W~_Q W~_K^T x~_j^T`` (tildes:
    homogeneous coordinates ``x~ = [x, 1]``, ``W~ = [W; b]``, which fold the biases in) as *some*
    parenthesisation of the same four factors, plus the scale multiply and the bias add. For a
-   product of matrices computed in any order, ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``
+   product of matrices computed in any order,
+   ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``
    with ``N`` the sum of the inner dimensions and ``gamma_n = n u / (1 - n u)`` (Higham 2002,
    eq. 3.13 and Lemma 3.3). So ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|`` with
    ``N_s = 2 (d_model + 1) + d_k + 2`` and ``Ls = |scale| |x~_q||W~_Q||W~_K|^T|x~_kv|^T + |bias|``;
@@ -139,7 +140,7 @@ def attention_error_bound(
     residual: bool = False,
     dtype: Any = np.float32,
 ) -> np.ndarray:
-    """Componentwise bound on ``|attention computed in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
+    """Componentwise bound on ``|attention in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
 
     ``params``, ``x_q``, ``x_kv``, ``mask`` and ``bias`` are the inputs exactly as the formulation
     received them (already in ``dtype``). The result includes the oracle's own float64 error.
@@ -181,12 +182,22 @@ def attention_error_bound(
     va = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
     g_mag = np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
 
-    kwargs = dict(ls=ls, logits=logits, allowed=allowed, weights=weights, g_mag=g_mag,
-                  b_o=w["b_o"], dims=(h, d_model, d_k, d_v, t_k))
+    kwargs = dict(
+        ls=ls,
+        logits=logits,
+        allowed=allowed,
+        weights=weights,
+        g_mag=g_mag,
+        b_o=w["b_o"],
+        dims=(h, d_model, d_k, d_v, t_k),
+    )
     bound = _bound_for(dtype, **kwargs) + _bound_for(np.float64, **kwargs)  # type: ignore[arg-type]
     if residual:
-        y = np.einsum("...hqk,...hkd->...qd", weights,
-                      np.einsum("...hkv,hvd->...hkd", heads(xkv, w_v, w["b_v"]), w_o))
+        y = np.einsum(
+            "...hqk,...hkd->...qd",
+            weights,
+            np.einsum("...hkv,hvd->...hkd", heads(xkv, w_v, w["b_v"]), w_o),
+        )
         bound = bound + unit_roundoff(dtype) * np.abs(xq + y)
     return bound
 

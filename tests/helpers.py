@@ -54,15 +54,32 @@ class Problem:
         return dict(mask=self.mask, bias=self.bias)
 
 
-def make_problem(bucket: Bucket, kind: str, seed: int, dtype: Any, *, with_bias: bool = True,
-                 input_scale: float = 1.0) -> Problem:
+def make_problem(
+    bucket: Bucket,
+    kind: str,
+    seed: int,
+    dtype: Any,
+    *,
+    with_bias: bool = True,
+    input_scale: float = 1.0,
+) -> Problem:
     rng = np.random.default_rng(seed)
     b = bucket
-    params = attnref.init_params(seed, d_model=b.d_model, num_heads=b.heads, d_k=b.d_k,
-                                 d_v=b.d_v, bias=with_bias, dtype=np.float64)
+    params = attnref.init_params(
+        seed,
+        d_model=b.d_model,
+        num_heads=b.heads,
+        d_k=b.d_k,
+        d_v=b.d_v,
+        bias=with_bias,
+        dtype=np.float64,
+    )
     x_q = rng.standard_normal((*b.batch, b.t_q, b.d_model)) * input_scale
-    x_kv = (x_q if b.t_q == b.t_k and rng.random() < 0.5
-            else rng.standard_normal((*b.batch, b.t_k, b.d_model)) * input_scale)
+    x_kv = (
+        x_q
+        if b.t_q == b.t_k and rng.random() < 0.5
+        else rng.standard_normal((*b.batch, b.t_k, b.d_model)) * input_scale
+    )
     full = (*b.batch, b.t_q, b.t_k)
     mask = np.ones(full, bool)
     bias = np.zeros(full)
@@ -79,13 +96,18 @@ def make_problem(bucket: Bucket, kind: str, seed: int, dtype: Any, *, with_bias:
         mask &= rng.random(full) < 0.7
         mask[..., rng.integers(b.t_q), :] = False
     dt = np.dtype(dtype)
-    return Problem(b, params.astype(dt), x_q.astype(dt), x_kv.astype(dt), mask, bias.astype(dt),
-                   dt, kind)
+    return Problem(
+        b, params.astype(dt), x_q.astype(dt), x_kv.astype(dt), mask, bias.astype(dt), dt, kind
+    )
 
 
 @st.composite
-def problems(draw: st.DrawFn, dtypes: tuple[str, ...] = ("float32", "float64"),
-             kinds: tuple[str, ...] = MASK_KINDS, with_bias: bool | None = True) -> Problem:
+def problems(
+    draw: st.DrawFn,
+    dtypes: tuple[str, ...] = ("float32", "float64"),
+    kinds: tuple[str, ...] = MASK_KINDS,
+    with_bias: bool | None = True,
+) -> Problem:
     bucket = draw(st.sampled_from(BUCKETS), label="bucket")
     kind = draw(st.sampled_from(kinds), label="mask kind")
     dtype = draw(st.sampled_from(dtypes), label="dtype")

@@ -35,14 +35,14 @@ class AgreementTest(chex.TestCase):
             assert_within_bound(y, first, 2 * bound, label=f"{fid} vs {IDS[0]}")
 
 
-
 def test_residual_form():
-    """``residual=True`` returns ``x_q + sum_i o_i`` for every formulation (with and without biases)."""
+    """``residual=True`` returns ``x_q + sum_i o_i`` for every formulation, biases on and off."""
     for with_bias in (True, False):
         p = make_problem(BUCKETS[2], "causal", seed=21, dtype=np.float64, with_bias=with_bias)
         ref = oracle.attention(p.params, p.x_q, p.x_kv, residual=True, **p.inputs())
         bound = attnref.tolerance.attention_error_bound(
-            p.params, p.x_q, p.x_kv, residual=True, dtype=p.dtype, **p.inputs())
+            p.params, p.x_q, p.x_kv, residual=True, dtype=p.dtype, **p.inputs()
+        )
         for f in attnref.formulations():
             y = f.apply(p.params, p.x_q, p.x_kv, residual=True, **p.inputs())
             assert_within_bound(y, ref, bound, label=f"{f.id} residual, biases={with_bias}")
@@ -81,8 +81,9 @@ def test_unexpanded_masks_broadcast_as_documented():
     mask = np.asarray(attnref.combine_masks(causal, pad))
     full = np.broadcast_to(mask, (*b.batch, b.t_q, b.t_k))
     ref = oracle.attention(p.params, p.x_q, p.x_kv, mask=full)
-    bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, mask=full,
-                                                    dtype=np.float64)
+    bound = attnref.tolerance.attention_error_bound(
+        p.params, p.x_q, p.x_kv, mask=full, dtype=np.float64
+    )
     for f in attnref.formulations():
         assert_within_bound(f.apply(p.params, p.x_q, p.x_kv, mask=mask), ref, bound, label=f.id)
 
@@ -91,8 +92,9 @@ def test_explicit_scale_is_used():
     """``scale=`` replaces 1/sqrt(d_k) everywhere (checked against the oracle with that scale)."""
     p = make_problem(BUCKETS[1], "causal", seed=11, dtype=np.float64)
     ref = oracle.attention(p.params, p.x_q, p.x_kv, scale=0.3, **p.inputs())
-    bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, scale=0.3,
-                                                    dtype=np.float64, **p.inputs())
+    bound = attnref.tolerance.attention_error_bound(
+        p.params, p.x_q, p.x_kv, scale=0.3, dtype=np.float64, **p.inputs()
+    )
     for f in attnref.formulations():
         y = f.apply(p.params, p.x_q, p.x_kv, scale=0.3, **p.inputs())
         assert_within_bound(y, ref, bound, label=f.id)

@@ -2,15 +2,15 @@
 
 Tolerance for gradients: FlashAttention's comparative rule. For each formulation F, the float32
 gradient's max error against the float64 gradient of the concat form must be at most twice the
-max error of the concat form's own float32 gradient (a same-precision reference with a
-different operation order) plus a rounding floor ``gamma_{N_b}(u32) * M`` with ``M`` the largest float64 gradient entry over
-the whole gradient pytree (every gradient is assembled from the same backward quantities, and
-``d/db_K`` is exactly zero in exact arithmetic, so a per-array scale would be zero). ``N_b`` is
-the number of terms on the longest reduction chain of the backward pass: parameter gradients
-sum over every (batch, query) position, then over keys and the feature axes, so
-``N_b = prod(batch) * T_q + T_k + d_model + d_k + d_v + H``. Without that floor, a tiny gradient
-array (``db_Q`` of one head has ``d_k`` entries) can have a same-precision reference that is
-exact by luck, and the rule would fail a correct formulation.
+max error of the concat form's own float32 gradient (a same-precision reference with a different
+operation order) plus a rounding floor ``gamma_{N_b}(u32) * M`` with ``M`` the largest float64
+gradient entry over the whole gradient pytree (every gradient is assembled from the same
+backward quantities, and ``d/db_K`` is exactly zero in exact arithmetic, so a per-array scale
+would be zero). ``N_b`` is the number of terms on the longest reduction chain of the backward
+pass: parameter gradients sum over every (batch, query) position, then over keys and the feature
+axes, so ``N_b = prod(batch) * T_q + T_k + d_model + d_k + d_v + H``. Without that floor, a tiny
+gradient array (``db_Q`` of one head has ``d_k`` entries) can have a same-precision reference
+that is exact by luck, and the rule would fail a correct formulation.
 """
 
 from __future__ import annotations
@@ -36,20 +36,30 @@ def _loss(apply, params, x_q, x_kv, mask, bias, cot):
 
 
 # One gradient function per formulation, built once, so jit caches are reused across examples.
-_GRAD = {f.id: jax.grad(functools.partial(_loss, f.apply), argnums=(0, 1, 2))
-         for f in attnref.formulations()}
+_GRAD = {
+    f.id: jax.grad(functools.partial(_loss, f.apply), argnums=(0, 1, 2))
+    for f in attnref.formulations()
+}
 
 
 def _grads(fid, problem, dtype, cot, variant):
     p = problem
-    return variant(_GRAD[fid])(p.params.astype(dtype), p.x_q.astype(dtype), p.x_kv.astype(dtype),
-                               p.mask, p.bias.astype(dtype), cot.astype(dtype))
+    return variant(_GRAD[fid])(
+        p.params.astype(dtype),
+        p.x_q.astype(dtype),
+        p.x_kv.astype(dtype),
+        p.mask,
+        p.bias.astype(dtype),
+        cot.astype(dtype),
+    )
 
 
 def _flat(grads):
     params_g, gx_q, gx_kv = grads
-    named = {f"d/d{k}": getattr(params_g, k) for k in ("w_q", "w_k", "w_v", "w_o", "b_q",
-                                                       "b_k", "b_v", "b_o")}
+    named = {
+        f"d/d{k}": getattr(params_g, k)
+        for k in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+    }
     named.update({"d/dx_q": gx_q, "d/dx_kv": gx_kv})
     return {k: np.asarray(v, np.float64) for k, v in named.items() if v is not None}
 
@@ -60,8 +70,9 @@ class GradientAgreementTest(chex.TestCase):
     @given(problem=problems(dtypes=("float64",), kinds=("none", "combined", "fully_masked_row")))
     def test_gradients_agree_across_formulations(self, problem):
         rng = np.random.default_rng(0)
-        cot = rng.standard_normal((*problem.bucket.batch, problem.bucket.t_q,
-                                   problem.bucket.d_model))
+        cot = rng.standard_normal(
+            (*problem.bucket.batch, problem.bucket.t_q, problem.bucket.d_model)
+        )
         b = problem.bucket
         n_b = int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads
         g64 = _flat(_grads("concat", problem, np.float64, cot, self.variant))
@@ -72,8 +83,15 @@ class GradientAgreementTest(chex.TestCase):
             assert g32.keys() == g64.keys()
             for name in g64:
                 assert np.all(np.isfinite(g32[name])), f"{f.id} {name} not finite"
-                assert_comparative(g32[name], g64[name], g32_ref[name], dtype=np.float32,
-                                   floor_n=n_b, floor_magnitude=scale, label=f"{f.id} {name}")
+                assert_comparative(
+                    g32[name],
+                    g64[name],
+                    g32_ref[name],
+                    dtype=np.float32,
+                    floor_n=n_b,
+                    floor_magnitude=scale,
+                    label=f"{f.id} {name}",
+                )
             # b_K cancels in the softmax: its exact gradient is zero.
             assert np.abs(g32["d/db_k"]).max() <= tolerance.gamma(n_b, 2.0**-24) * scale, f.id
 

@@ -21,13 +21,17 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 
 def _bound(p, **kw):
-    return tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, dtype=np.float64,
-                                           **p.inputs(), **kw)
+    return tolerance.attention_error_bound(
+        p.params, p.x_q, p.x_kv, dtype=np.float64, **p.inputs(), **kw
+    )
 
 
 def _run(f, p, params=None, **kw):
-    return np.asarray(jax.jit(f.apply)(p.params if params is None else params, p.x_q, p.x_kv,
-                                       **{**p.inputs(), **kw}))
+    return np.asarray(
+        jax.jit(f.apply)(
+            p.params if params is None else params, p.x_q, p.x_kv, **{**p.inputs(), **kw}
+        )
+    )
 
 
 def _random_invertible(rng, n):
@@ -42,8 +46,12 @@ def test_head_permutation(seed, bucket, kind):
     p = make_problem(bucket, kind, seed, np.float64)
     perm = np.random.default_rng(seed).permutation(bucket.heads)
     permuted = dataclasses.replace(
-        p.params, **{k: None if getattr(p.params, k) is None else getattr(p.params, k)[perm]
-                     for k in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")})
+        p.params,
+        **{
+            k: None if getattr(p.params, k) is None else getattr(p.params, k)[perm]
+            for k in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")
+        },
+    )
     for f in FORMS:
         assert_within_bound(_run(f, p, permuted), _run(f, p), 2 * _bound(p), label=f.id)
 
@@ -61,25 +69,42 @@ def test_gauge_symmetries(seed, bucket, kind):
     w = p.params
     gauged = dataclasses.replace(
         w,
-        w_q=w.w_q @ g, b_q=np.einsum("hk,hkl->hl", w.b_q, g),
-        w_k=w.w_k @ g_inv_t, b_k=np.einsum("hk,hkl->hl", w.b_k, g_inv_t),
-        w_v=w.w_v @ gv, b_v=np.einsum("hv,hvu->hu", w.b_v, gv),
+        w_q=w.w_q @ g,
+        b_q=np.einsum("hk,hkl->hl", w.b_q, g),
+        w_k=w.w_k @ g_inv_t,
+        b_k=np.einsum("hk,hkl->hl", w.b_k, g_inv_t),
+        w_v=w.w_v @ gv,
+        b_v=np.einsum("hv,hvu->hu", w.b_v, gv),
         w_o=gv_inv @ w.w_o,
     )
     # The gauged weights are themselves rounded products; compare with twice the bound plus
     # the bound of the gauged problem (each side is within its bound of its exact value, and
     # both exact values are equal up to the rounding of G and G^-1 in float64).
     bound = _bound(p) + tolerance.attention_error_bound(
-        gauged, p.x_q, p.x_kv, dtype=np.float64, **p.inputs())
+        gauged, p.x_q, p.x_kv, dtype=np.float64, **p.inputs()
+    )
     for f in FORMS:
         assert_within_bound(_run(f, p, gauged), _run(f, p), 4 * bound, label=f.id)
     for merged in (attnref.w_p, attnref.w_m, attnref.w_a, attnref.w_i):
         a, b = np.asarray(merged(gauged)), np.asarray(merged(p.params))
         # Entrywise: |d(W_Q G G^-1 W_K^T)| <= gamma_{3 d} |W_Q||G||G^-1||W_K^T| (Higham 3.13).
-        mag = np.abs(np.asarray(merged(dataclasses.replace(
-            p.params, **{k: np.abs(getattr(p.params, k)) for k in ("w_q", "w_k", "w_v", "w_o")}))))
-        cond = max(np.abs(g).max() * np.abs(np.linalg.inv(g)).max(),
-                   np.abs(gv).max() * np.abs(gv_inv).max()) * max(bucket.d_k, bucket.d_v) ** 2
+        mag = np.abs(
+            np.asarray(
+                merged(
+                    dataclasses.replace(
+                        p.params,
+                        **{k: np.abs(getattr(p.params, k)) for k in ("w_q", "w_k", "w_v", "w_o")},
+                    )
+                )
+            )
+        )
+        cond = (
+            max(
+                np.abs(g).max() * np.abs(np.linalg.inv(g)).max(),
+                np.abs(gv).max() * np.abs(gv_inv).max(),
+            )
+            * max(bucket.d_k, bucket.d_v) ** 2
+        )
         tol = tolerance.gamma(4 * max(bucket.d_k, bucket.d_v) + 4, 2.0**-53) * cond * mag
         assert_within_bound(a, b, tol, label=merged.__name__)
 
@@ -92,7 +117,8 @@ def test_row_constant_added_to_logits(seed, bucket, kind):
     c = np.random.default_rng(seed).standard_normal((*bucket.batch, bucket.t_q, 1)) * 3
     shifted = p.bias + c
     bound = _bound(p) + tolerance.attention_error_bound(
-        p.params, p.x_q, p.x_kv, dtype=np.float64, mask=p.mask, bias=shifted)
+        p.params, p.x_q, p.x_kv, dtype=np.float64, mask=p.mask, bias=shifted
+    )
     for f in FORMS:
         assert_within_bound(_run(f, p, bias=shifted), _run(f, p), bound, label=f.id)
 
@@ -103,7 +129,8 @@ def test_key_bias_has_no_effect(seed, bucket, kind):
     p = make_problem(bucket, kind, seed, np.float64)
     other = dataclasses.replace(p.params, b_k=p.params.b_k * 0 + 5.0)
     bound = _bound(p) + tolerance.attention_error_bound(
-        other, p.x_q, p.x_kv, dtype=np.float64, **p.inputs())
+        other, p.x_q, p.x_kv, dtype=np.float64, **p.inputs()
+    )
     for f in FORMS:
         assert_within_bound(_run(f, p, other), _run(f, p), bound, label=f.id)
 
@@ -134,8 +161,9 @@ class FullyMaskedRowTest(chex.TestCase):
             b_o = 0.0 if p.params.b_o is None else p.params.b_o
             for f in FORMS:
                 y = np.asarray(self.variant(f.apply)(p.params, p.x_q, p.x_kv, **p.inputs()))
-                np.testing.assert_array_equal(y[dead], np.broadcast_to(b_o, y[dead].shape),
-                                              err_msg=f.id)
+                np.testing.assert_array_equal(
+                    y[dead], np.broadcast_to(b_o, y[dead].shape), err_msg=f.id
+                )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_minus_inf_bias_masks_like_false(self):
@@ -143,7 +171,8 @@ class FullyMaskedRowTest(chex.TestCase):
         as_bias = np.where(p.mask, p.bias, -np.inf)
         everything = np.ones_like(p.mask)
         for f in FORMS:
-            a = np.asarray(self.variant(f.apply)(p.params, p.x_q, p.x_kv, mask=everything,
-                                                 bias=as_bias))
+            a = np.asarray(
+                self.variant(f.apply)(p.params, p.x_q, p.x_kv, mask=everything, bias=as_bias)
+            )
             b = np.asarray(self.variant(f.apply)(p.params, p.x_q, p.x_kv, **p.inputs()))
             assert_within_bound(a, b, 2 * _bound(p), label=f.id)

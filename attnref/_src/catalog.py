@@ -24,102 +24,119 @@ KARPATHY = (
     "presented in Attention: All you need to know (far.in.net, 2025-03-29)."
 )
 
-register(Formulation(
-    id="concat",
-    title="Concatenated heads with one W_O",
-    equation=(
-        r"\mathrm{MultiHead}(X_q, X_{kv}) = \mathrm{Concat}(\mathrm{head}_1,\dots,\mathrm{head}_H)"
-        r"\,W_O + b_O,\quad \mathrm{head}_i = \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}"
-        r"{\sqrt{d_k}}\Big) V_i"
-    ),
-    convention="row",
-    citation=VASWANI,
-    apply=concat_attention,
-    native=concat_attention,
-    summary="The textbook form: heads concatenated along features, one stacked output matrix.",
-))
+register(
+    Formulation(
+        id="concat",
+        title="Concatenated heads with one W_O",
+        equation=(
+            r"\mathrm{MultiHead}(X_q, X_{kv}) = \mathrm{Concat}(\mathrm{head}_1,\dots,\mathrm{head}_H)"
+            r"\,W_O + b_O,\quad \mathrm{head}_i = \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}"
+            r"{\sqrt{d_k}}\Big) V_i"
+        ),
+        convention="row",
+        citation=VASWANI,
+        apply=concat_attention,
+        native=concat_attention,
+        summary="The textbook form: heads concatenated along features, one stacked output matrix.",
+    )
+)
 
-register(Formulation(
-    id="per_head_sum",
-    title="Per-head sum of head_i W_O_i",
-    equation=r"\mathrm{MultiHead}(X_q, X_{kv}) = \sum_{i=1}^{H} \mathrm{head}_i\, W_{O,i} + b_O",
-    convention="row",
-    citation=VASWANI + " Split of W_O by head: " + REFACTOR,
-    apply=per_head_sum_attention,
-    native=per_head_sum_attention,
-    summary="W_O split into per-head blocks; each head writes to model space and the writes add.",
-))
+register(
+    Formulation(
+        id="per_head_sum",
+        title="Per-head sum of head_i W_O_i",
+        equation=(
+            r"\mathrm{MultiHead}(X_q, X_{kv}) = \sum_{i=1}^{H} \mathrm{head}_i\, W_{O,i} + b_O,"
+            r"\quad \mathrm{head}_i = \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}{\sqrt{d_k}}\Big) V_i"
+        ),
+        convention="row",
+        citation=VASWANI + " Split of W_O by head: " + REFACTOR,
+        apply=per_head_sum_attention,
+        native=per_head_sum_attention,
+        summary="W_O split into per-head blocks; each head writes to model space and the writes add.",
+    )
+)
 
-register(Formulation(
-    id="scores_messages",
-    title="Scores x messages (W_M = W_V W_O)",
-    equation=(
-        r"\sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}{\sqrt{d_k}}\Big)\,M_i + b_O,"
-        r"\quad M_i = X_{kv} W_{M,i} + \mathbf{1}\, b_{V,i} W_{O,i},\quad W_{M,i} = W_{V,i} W_{O,i}"
-    ),
-    convention="row",
-    citation=REFACTOR,
-    apply=scores_messages_attention,
-    native=scores_messages_attention,
-    summary="Value and output projections merged into a d_model x d_model message matrix.",
-))
+register(
+    Formulation(
+        id="scores_messages",
+        title="Scores x messages (W_M = W_V W_O)",
+        equation=(
+            r"\sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}{\sqrt{d_k}}\Big)\,M_i + b_O,"
+            r"\quad M_i = X_{kv} W_{M,i} + \mathbf{1}\, b_{V,i} W_{O,i},\quad W_{M,i} = W_{V,i} W_{O,i}"
+        ),
+        convention="row",
+        citation=REFACTOR,
+        apply=scores_messages_attention,
+        native=scores_messages_attention,
+        summary="Value and output projections merged into a d_model x d_model message matrix.",
+    )
+)
 
-register(Formulation(
-    id="patterns_messages",
-    title="Patterns x messages (W_P = W_Q W_K^T)",
-    equation=(
-        r"\sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{P_i X_{kv}^\top}{\sqrt{d_k}}\Big)\,M_i + b_O,"
-        r"\quad P_i = X_q W_{P,i} + \mathbf{1}\, b_{Q,i} W_{K,i}^\top,"
-        r"\quad W_{P,i} = W_{Q,i} W_{K,i}^\top"
-    ),
-    convention="row",
-    citation=REFACTOR,
-    apply=patterns_messages_attention,
-    native=patterns_messages_attention,
-    summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
-))
+register(
+    Formulation(
+        id="patterns_messages",
+        title="Patterns x messages (W_P = W_Q W_K^T)",
+        equation=(
+            r"\sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{P_i X_{kv}^\top}{\sqrt{d_k}}\Big)\,M_i + b_O,"
+            r"\quad P_i = X_q W_{P,i} + \mathbf{1}\, b_{Q,i} W_{K,i}^\top,"
+            r"\quad W_{P,i} = W_{Q,i} W_{K,i}^\top"
+        ),
+        convention="row",
+        citation=REFACTOR,
+        apply=patterns_messages_attention,
+        native=patterns_messages_attention,
+        summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
+    )
+)
 
-register(Formulation(
-    id="column",
-    title="Column-vector form (Elhage et al. 2021)",
-    equation=(
-        r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma\!\big(X_{kv}^\top W_{A,i} X\big) + b_O"
-        r"\mathbf{1}^\top,\quad W_{A,i} = W_{K}^\top W_{Q},\ W_{I,i} = W_{O}^\top W_{V}"
-        r"\ \text{(column convention)}"
-    ),
-    convention="column",
-    citation=ELHAGE,
-    apply=column_attention_rows,
-    native=column_attention,
-    summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
-))
+register(
+    Formulation(
+        id="column",
+        title="Column-vector form (Elhage et al. 2021)",
+        equation=(
+            r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma\!\big(X_{kv}^\top W_{A,i} X\big) + b_O"
+            r"\mathbf{1}^\top,\quad W_{A,i} = W_{K}^\top W_{Q},\ W_{I,i} = W_{O}^\top W_{V}"
+            r"\ \text{(column convention)}"
+        ),
+        convention="column",
+        citation=ELHAGE,
+        apply=column_attention_rows,
+        native=column_attention,
+        summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
+    )
+)
 
-register(Formulation(
-    id="soft_search",
-    title="Per-query soft search",
-    equation=(
-        r"o = \sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{X_{kv}\, p_i^\top}{\sqrt{d_k}}\Big)^{\!\top}"
-        r" M_i + b_O,\quad p_i = x_q W_{P,i} + b_{Q,i} W_{K,i}^\top"
-    ),
-    convention="single-query",
-    citation="Refactoring the Attention Equations: Patterns and Messages (2025-02-19), "
-    "single-query version; search perspective of Attention: All you need to know (2025-03-29).",
-    apply=soft_search_attention,
-    native=soft_search,
-    summary="One query vector at a time searches the keys with its pattern; vmapped over queries.",
-))
+register(
+    Formulation(
+        id="soft_search",
+        title="Per-query soft search",
+        equation=(
+            r"o = \sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{X_{kv}\, p_i^\top}{\sqrt{d_k}}\Big)^{\!\top}"
+            r" M_i + b_O,\quad p_i = x_q W_{P,i} + b_{Q,i} W_{K,i}^\top"
+        ),
+        convention="single-query",
+        citation="Refactoring the Attention Equations: Patterns and Messages (2025-02-19), "
+        "single-query version; search perspective of Attention: All you need to know (2025-03-29).",
+        apply=soft_search_attention,
+        native=soft_search,
+        summary="One query vector at a time searches the keys with its pattern; vmapped over queries.",
+    )
+)
 
-register(Formulation(
-    id="graph",
-    title="Graph message passing over an edge list",
-    equation=(
-        r"y_r = \sum_{i=1}^{H} \Big(\sum_{e=(s\to r)} \alpha_{e,i}\, v_{s,i}\Big) W_{O,i} + b_O,"
-        r"\quad \alpha_{\cdot,i} = \mathrm{segment\_softmax}_r\!\big(q_{r,i}\cdot k_{s,i}"
-        r"/\sqrt{d_k}\big)"
-    ),
-    convention="graph",
-    citation=KARPATHY,
-    apply=graph_attention_rows,
-    native=graph_attention,
-    summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
-))
+register(
+    Formulation(
+        id="graph",
+        title="Graph message passing over an edge list",
+        equation=(
+            r"y_r = \sum_{i=1}^{H} \Big(\sum_{e=(s\to r)} \alpha_{e,i}\, v_{s,i}\Big) W_{O,i} + b_O,"
+            r"\quad \alpha_{\cdot,i} = \mathrm{segment\_softmax}_r\!\big(q_{r,i}\cdot k_{s,i}"
+            r"/\sqrt{d_k}\big)"
+        ),
+        convention="graph",
+        citation=KARPATHY,
+        apply=graph_attention_rows,
+        native=graph_attention,
+        summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
+    )
+)

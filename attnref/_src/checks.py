@@ -22,10 +22,21 @@ _PARAM_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 def _enable_x64_context() -> Any:
     """Return JAX's scoped ``jax_enable_x64`` context manager (location moved across versions)."""
     ctx = getattr(jax, "enable_x64", None)
-    if ctx is None:  # pragma: no cover - older JAX
-        from jax.experimental import enable_x64 as ctx
-        return ctx()
-    return ctx(True)
+    if ctx is not None:
+        return ctx(True)
+    from jax import experimental  # pragma: no cover - JAX releases before jax.enable_x64
+
+    return experimental.enable_x64()  # type: ignore[attr-defined]
+
+
+def x64_enabled() -> bool:
+    """Whether ``jax_enable_x64`` is on in the current (possibly scoped) configuration."""
+    return bool(jax.config.read("jax_enable_x64"))
+
+
+def enable_x64() -> Any:
+    """A context manager that switches ``jax_enable_x64`` on within its scope."""
+    return _enable_x64_context()
 
 
 def _is_float64(leaf: Any) -> bool:
@@ -45,7 +56,7 @@ def float64_scoped(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if jax.config.jax_enable_x64:
+        if x64_enabled():
             return fn(*args, **kwargs)
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if any(_is_float64(leaf) for leaf in leaves):
@@ -135,8 +146,7 @@ def check_tokens(
             raise ValueError(f"{name} must have rank >= 2 ({want}), got shape {_shape(x)}")
         if _shape(x)[feat_axis] != d_model:
             raise ValueError(
-                f"{name} has shape {_shape(x)} but params have d_model={d_model}; "
-                f"expected {want}"
+                f"{name} has shape {_shape(x)} but params have d_model={d_model}; expected {want}"
             )
         if _dtype(x) != p_dtype:
             raise TypeError(

@@ -37,7 +37,7 @@ def column_attention(
     check_mask_and_bias(mask, bias, (*batch, t_k, t_q), axes="[..., T_k, T_q]")
     check_scale(scale)
     x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
-    s = scale_value(params.d_k if scale is None else None, scale, x.dtype)
+    s = scale_value(params.d_k, scale, x.dtype)
 
     wa_x = jnp.einsum("hde,...eq->...hdq", w_a(params), x, precision=HIGHEST)
     scores = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)
@@ -72,12 +72,14 @@ def column_attention_rows(
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
     """:func:`column_attention` behind the row-convention signature (transposes in and out)."""
+
     def t(a: ArrayLike | None) -> Array | None:
         return None if a is None else jnp.swapaxes(jnp.asarray(a), -1, -2)
 
     batch, t_q, t_k = check_tokens(params, x_q, x_q if x_kv is None else x_kv)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+    x_col = jnp.swapaxes(jnp.asarray(x_q), -1, -2)
     y = column_attention(
-        params, t(x_q), t(x_kv), mask=t(mask), bias=t(bias), scale=scale, residual=residual
+        params, x_col, t(x_kv), mask=t(mask), bias=t(bias), scale=scale, residual=residual
     )
     return jnp.swapaxes(y, -1, -2)

@@ -36,7 +36,7 @@ class Prepared:
         self.batch_shape, self.t_q, self.t_k = batch, t_q, t_k
         self.mask = None if mask is None else jnp.asarray(mask)
         self.bias = None if bias is None else jnp.asarray(bias).astype(self.dtype)
-        self.scale = scale_value(params.d_k if scale is None else None, scale, self.dtype)
+        self.scale = scale_value(params.d_k, scale, self.dtype)
 
     def head_mask(self) -> Bool[Array, "..."] | None:
         """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
@@ -46,7 +46,7 @@ class Prepared:
         return logits if self.bias is None else logits + jnp.expand_dims(self.bias, -3)
 
 
-def scale_value(d_k: int | None, scale: Any, dtype: Any) -> Array:
+def scale_value(d_k: int, scale: Any, dtype: Any) -> Array:
     """``1/sqrt(d_k)`` unless an explicit ``scale`` is given, as a scalar of ``dtype``."""
     value = 1.0 / math.sqrt(d_k) if scale is None else scale
     return jnp.asarray(value, dtype=dtype)

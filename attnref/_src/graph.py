@@ -21,8 +21,12 @@ from attnref._src.params import AttentionParams
 
 
 def _check_edges(
-    senders: ArrayLike, receivers: ArrayLike, n_s: int, n_r: int,
-    edge_mask: ArrayLike | None, edge_bias: ArrayLike | None,
+    senders: ArrayLike,
+    receivers: ArrayLike,
+    n_s: int,
+    n_r: int,
+    edge_mask: ArrayLike | None,
+    edge_bias: ArrayLike | None,
 ) -> int:
     for name, idx in (("senders", senders), ("receivers", receivers)):
         if np.ndim(idx) != 1:
@@ -36,10 +40,14 @@ def _check_edges(
         )
     for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
         if isinstance(idx, np.ndarray) and e and (idx.min() < 0 or idx.max() >= n):
-            raise ValueError(f"{name} has indices outside [0, {n}): min {idx.min()}, max {idx.max()}")
+            raise ValueError(
+                f"{name} has indices outside [0, {n}): min {idx.min()}, max {idx.max()}"
+            )
     for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
         if arr is not None and np.shape(arr) != (e,):
-            raise ValueError(f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}")
+            raise ValueError(
+                f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}"
+            )
     if edge_mask is not None and jnp.asarray(edge_mask).dtype != jnp.bool_:
         raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
     return e
@@ -80,14 +88,16 @@ def graph_attention(
         if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
             raise ValueError(f"{name} must have shape [N, {d_model}], got {np.shape(x)}")
         if jnp.asarray(x).dtype != jnp.asarray(params.w_q).dtype:
-            raise TypeError(f"{name} has dtype {jnp.asarray(x).dtype}; params have "
-                            f"{jnp.asarray(params.w_q).dtype}")
+            raise TypeError(
+                f"{name} has dtype {jnp.asarray(x).dtype}; params have "
+                f"{jnp.asarray(params.w_q).dtype}"
+            )
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
     _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
     xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
     snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
-    s = scale_value(d_k if scale is None else None, scale, xr.dtype)
+    s = scale_value(d_k, scale, xr.dtype)
 
     def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
         y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
@@ -147,11 +157,14 @@ def graph_attention_rows(
     d = params.d_model
 
     def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
-        return graph_attention(params, xkv, xq, senders, receivers, edge_mask=m1, edge_bias=b1,
-                               scale=scale)
+        return graph_attention(
+            params, xkv, xq, senders, receivers, edge_mask=m1, edge_bias=b1, scale=scale
+        )
 
     y = jax.vmap(one)(
-        p.x_q.reshape(-1, p.t_q, d), p.x_kv.reshape(-1, p.t_k, d),
-        m.reshape(-1, e), b.reshape(-1, e),
+        p.x_q.reshape(-1, p.t_q, d),
+        p.x_kv.reshape(-1, p.t_k, d),
+        m.reshape(-1, e),
+        b.reshape(-1, e),
     ).reshape(*p.batch_shape, p.t_q, d)
     return residual_or(y, p.x_q, residual)

@@ -114,7 +114,7 @@ def init_params(
 
 @float64_scoped
 def w_p(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
-    """Pattern matrices ``W_P[i] = W_Q[i] W_K[i]^T`` (row convention): logits ``(x_q W_P) x_k^T``."""
+    """Pattern matrices ``W_P[i] = W_Q[i] W_K[i]^T`` (row convention): logits ``(x_q W_P) x^T``."""
     check_params(params)
     return jnp.einsum("hdk,hek->hde", params.w_q, params.w_k, precision="highest")
 
@@ -272,8 +272,9 @@ def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionPa
     if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
         raise ValueError(f"in_proj_weight must have shape [3E, E], got {w_in.shape}")
     e = w_in.shape[1]
-    wq, wk, wv = (_out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight")
-                  for i in range(3))
+    wq, wk, wv = (
+        _out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight") for i in range(3)
+    )
     w_o = np.transpose(w_out).reshape(num_heads, e // num_heads, e)
     if "in_proj_bias" not in state_dict:
         return AttentionParams(wq, wk, wv, w_o)
@@ -321,6 +322,7 @@ def from_hf_bert(
     state_dict: Mapping[str, Any], num_heads: int, prefix: str = ""
 ) -> AttentionParams:
     """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``)."""
+
     def get(name: str) -> np.ndarray:
         return _require(state_dict, prefix + _HF_KEYS[name], "Hugging Face BERT")
 

@@ -30,14 +30,26 @@ class Problem:
     causal: bool = True
     seed: int = 0
 
-    def build(self, dtype: Any) -> tuple[AttentionParams, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Parameters, ``x_q``, ``x_kv`` and mask, drawn in float64 and rounded once to ``dtype``."""
-        params = init_params(self.seed, d_model=self.d_model, num_heads=self.num_heads,
-                             d_k=self.d_k, d_v=self.d_v, bias=self.bias, dtype=np.float64)
+    def build(
+        self, dtype: Any
+    ) -> tuple[AttentionParams, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Parameters, ``x_q``, ``x_kv``, mask; drawn in float64 and rounded once to ``dtype``."""
+        params = init_params(
+            self.seed,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            d_k=self.d_k,
+            d_v=self.d_v,
+            bias=self.bias,
+            dtype=np.float64,
+        )
         rng = np.random.default_rng(self.seed + 1)
         x_q = rng.standard_normal((self.batch, self.t_q, self.d_model))
-        x_kv = x_q if self.t_k == self.t_q else rng.standard_normal(
-            (self.batch, self.t_k, self.d_model))
+        x_kv = (
+            x_q
+            if self.t_k == self.t_q
+            else rng.standard_normal((self.batch, self.t_k, self.d_model))
+        )
         mask = np.tril(np.ones((self.t_q, self.t_k), bool)) if self.causal else None
         return params.astype(dtype), x_q.astype(dtype), x_kv.astype(dtype), mask
 
@@ -51,8 +63,11 @@ class Row:
     bound_ratio: float
 
 
-def run(problem: Problem, ids: Sequence[str] | None = None,
-        dtypes: Sequence[str] = ("float32", "float64")) -> list[Row]:
+def run(
+    problem: Problem,
+    ids: Sequence[str] | None = None,
+    dtypes: Sequence[str] = ("float32", "float64"),
+) -> list[Row]:
     """Errors of each formulation against the oracle on the problem's inputs.
 
     ``max_rel_error = max|y - y_64| / max|y_64|`` (normwise); ``bound_ratio`` is the largest
@@ -68,31 +83,44 @@ def run(problem: Problem, ids: Sequence[str] | None = None,
         bound = tolerance.attention_error_bound(params, x_q, x_kv, mask=mask, dtype=dt)
         scale = float(np.abs(ref).max())
         for f in chosen:
-            y = np.asarray(jax.jit(f.apply)(params, x_q, x_kv, mask=mask), dtype=np.float64)
-            if y.dtype != np.float64 or np.asarray(f.apply(params, x_q, x_kv, mask=mask)).dtype != dt:
-                raise AssertionError(f"{f.id} did not compute in {dt_name}")
-            err = np.abs(y - ref)
-            rows.append(Row(f.id, dt_name, float(err.max()), float(err.max() / scale),
-                            float((err / bound).max())))
+            out = jax.jit(f.apply)(params, x_q, x_kv, mask=mask)
+            if out.dtype != dt:
+                raise AssertionError(f"{f.id} computed in {out.dtype}, not {dt_name}")
+            err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+            rows.append(
+                Row(
+                    f.id,
+                    dt_name,
+                    float(err.max()),
+                    float(err.max() / scale),
+                    float((err / bound).max()),
+                )
+            )
     return rows
 
 
 def format_table(rows: Sequence[Row], problem: Problem) -> str:
-    head = (f"attnref report: B={problem.batch} T_q={problem.t_q} T_k={problem.t_k} "
-            f"H={problem.num_heads} d_model={problem.d_model} d_k={problem.d_k} "
-            f"d_v={problem.d_v} bias={problem.bias} causal={problem.causal} seed={problem.seed}\n"
-            "errors against the float64 NumPy oracle; rel = max|err| / max|y|; "
-            "err/bound <= 1 means within the derived tolerance\n")
+    head = (
+        f"attnref report: B={problem.batch} T_q={problem.t_q} T_k={problem.t_k} "
+        f"H={problem.num_heads} d_model={problem.d_model} d_k={problem.d_k} "
+        f"d_v={problem.d_v} bias={problem.bias} causal={problem.causal} seed={problem.seed}\n"
+        "errors against the float64 NumPy oracle; rel = max|err| / max|y|; "
+        "err/bound <= 1 means within the derived tolerance\n"
+    )
     cols = ("formulation", "dtype", "max abs err", "max rel err", "err/bound", "status")
     lines = [f"{cols[0]:<20} {cols[1]:<8} {cols[2]:>12} {cols[3]:>12} {cols[4]:>10}  {cols[5]}"]
     lines.append("-" * len(lines[0]))
     for r in rows:
         ok = "ok" if r.bound_ratio <= 1.0 else "FAIL"
-        lines.append(f"{r.id:<20} {r.dtype:<8} {r.max_abs_error:>12.3e} {r.max_rel_error:>12.3e} "
-                     f"{r.bound_ratio:>10.2e}  {ok}")
+        lines.append(
+            f"{r.id:<20} {r.dtype:<8} {r.max_abs_error:>12.3e} {r.max_rel_error:>12.3e} "
+            f"{r.bound_ratio:>10.2e}  {ok}"
+        )
     return head + "\n".join(lines)
 
 
 def to_json(rows: Sequence[Row], problem: Problem) -> str:
-    return json.dumps({"problem": dataclasses.asdict(problem),
-                       "rows": [dataclasses.asdict(r) for r in rows]}, indent=2)
+    return json.dumps(
+        {"problem": dataclasses.asdict(problem), "rows": [dataclasses.asdict(r) for r in rows]},
+        indent=2,
+    )

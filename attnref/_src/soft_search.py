@@ -13,15 +13,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from attnref._src.checks import check_mask_and_bias, check_params, check_scale, float64_scoped
+from attnref._src.checks import check_params, check_scale, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
 from attnref._src.params import AttentionParams, w_m, w_p
 from attnref._src.softmax import masked_softmax
 
 
 def _one_query(
-    wp: Array, wm: Array, qb: Array | None, vb: Array | None, b_o: Array | None,
-    x_q: Array, x_kv: Array, mask: Array, bias: Array, scale: Array,
+    wp: Array,
+    wm: Array,
+    qb: Array | None,
+    vb: Array | None,
+    b_o: Array | None,
+    x_q: Array,
+    x_kv: Array,
+    mask: Array,
+    bias: Array,
+    scale: Array,
 ) -> Array:
     p = jnp.einsum("d,hde->he", x_q, wp, precision=HIGHEST)
     if qb is not None:
@@ -36,10 +44,16 @@ def _one_query(
 
 
 def _merged(params: AttentionParams) -> tuple[Array, Array, Array | None, Array | None]:
-    qb = None if params.b_q is None else jnp.einsum(
-        "hk,hdk->hd", params.b_q, params.w_k, precision=HIGHEST)
-    vb = None if params.b_v is None else jnp.einsum(
-        "hv,hvd->hd", params.b_v, params.w_o, precision=HIGHEST)
+    qb = (
+        None
+        if params.b_q is None
+        else jnp.einsum("hk,hdk->hd", params.b_q, params.w_k, precision=HIGHEST)
+    )
+    vb = (
+        None
+        if params.b_v is None
+        else jnp.einsum("hv,hvd->hd", params.b_v, params.w_o, precision=HIGHEST)
+    )
     return w_p(params), w_m(params), qb, vb
 
 
@@ -69,7 +83,7 @@ def soft_search(
         raise TypeError(f"x_q {x_q.dtype}, x_kv {x_kv.dtype} and params must share one dtype")
     m = jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask)
     b = jnp.zeros((t_k,), x_q.dtype) if bias is None else jnp.asarray(bias).astype(x_q.dtype)
-    s = scale_value(d_k if scale is None else None, scale, x_q.dtype)
+    s = scale_value(d_k, scale, x_q.dtype)
     b_o = None if params.b_o is None else jnp.asarray(params.b_o)
     return _one_query(*_merged(params), b_o, x_q, x_kv, m, b, s)
 

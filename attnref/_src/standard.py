@@ -98,7 +98,7 @@ def per_head_sum_attention(
     scale: float | None = None,
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
-    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, concat replaced by a sum."""
+    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat now a sum."""
     o = head_outputs(params, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     y = add_output_bias(jnp.sum(o, axis=-3), params)
     return residual_or(y, jnp.asarray(x_q), residual)

@@ -1,0 +1,34 @@
+"""float64 means float64: with x64 off, float64 inputs are still computed in float64."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import attnref
+from attnref.testing import assert_within_bound
+
+from .helpers import BUCKETS, expected, make_problem
+
+
+@pytest.mark.parametrize("fid", attnref.ids())
+def test_float64_inputs_compute_in_float64_with_x64_off(fid):
+    p = make_problem(BUCKETS[1], "combined", seed=2, dtype=np.float64)
+    ref, bound = expected(p)
+    with jax.enable_x64(False):
+        assert not jax.config.jax_enable_x64
+        y = attnref.get(fid).apply(p.params, p.x_q, p.x_kv, **p.inputs())
+        assert y.dtype == np.float64
+    # float64 accuracy, not float32: the float64 bound is ~1e-13 relative, float32 error ~1e-7.
+    assert_within_bound(y, ref, bound, label=fid)
+
+
+def test_float32_inputs_stay_float32_and_merged_matrices_keep_float64():
+    p = make_problem(BUCKETS[0], "none", seed=3, dtype=np.float32)
+    with jax.enable_x64(False):
+        assert attnref.concat_attention(p.params, p.x_q).dtype == np.float32
+        p64 = p.params.astype(np.float64)
+        for fn in (attnref.w_p, attnref.w_m, attnref.w_a, attnref.w_i):
+            assert fn(p64).dtype == np.float64, fn.__name__
+        assert attnref.attention_weights(p64, p.x_q.astype(np.float64)).dtype == np.float64
