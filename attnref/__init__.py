@@ -5,7 +5,7 @@ column form takes and returns ``[..., d_model, T]``; masks are boolean with ``Tr
 scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (output ``b_O``).
 """
 
-from attnref import oracle, tolerance
+from attnref import oracle, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.graph import edges_from_mask, graph_attention, graph_attention_rows
@@ -73,6 +73,7 @@ __all__ = [
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",
+    "testing",
     "to_flax",
     "to_hf_bert",
     "to_torch_mha",

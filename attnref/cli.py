@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -35,17 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for f in formulations():
             print(f"{f.id:<18} [{f.convention}] {f.title}\n    {f.equation}\n    {f.citation}")
         return 0
+    sizes = {f.name for f in dataclasses.fields(_report.Problem)} - {"bias", "causal"}
     problem = _report.Problem(
-        batch=args.batch,
-        t_q=args.t_q,
-        t_k=args.t_k,
-        num_heads=args.num_heads,
-        d_model=args.d_model,
-        d_k=args.d_k,
-        d_v=args.d_v,
+        **{name: getattr(args, name) for name in sizes},
         bias=not args.no_bias,
         causal=not args.no_causal,
-        seed=args.seed,
     )
     ids = None if args.formulations is None else [s.strip() for s in args.formulations.split(",")]
     with enable_x64():  # the table includes float64 rows; float32 rows stay float32
