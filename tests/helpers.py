@@ -12,12 +12,18 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from hypothesis import note
+from hypothesis import note, settings
 from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
 from attnref.testing import assert_within_bound
+
+
+def scaled(fraction: float) -> settings:
+    """A share of the active profile's ``max_examples`` (``dev`` 12, ``ci`` 20, ``thorough``
+    300), for properties whose examples are expensive; ``thorough`` still scales them up."""
+    return settings(max_examples=max(2, round(settings.default.max_examples * fraction)))
 
 
 @dataclasses.dataclass(frozen=True)

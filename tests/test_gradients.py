@@ -21,13 +21,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import given
 
 import attnref
 from attnref import tolerance
 from attnref.testing import assert_comparative
 
-from .helpers import BUCKETS, make_problem, problems
+from .helpers import BUCKETS, make_problem, problems, scaled
 
 
 def _loss(apply, params, x_q, x_kv, mask, bias, cot):
@@ -66,7 +66,7 @@ def _flat(grads):
 
 class GradientAgreementTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @settings(max_examples=6)
+    @scaled(0.3)
     @given(problem=problems(dtypes=("float64",), kinds=("none", "combined", "fully_masked_row")))
     def test_gradients_agree_across_formulations(self, problem):
         rng = np.random.default_rng(0)

@@ -7,14 +7,14 @@ import dataclasses
 import chex
 import jax
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
 from attnref.testing import assert_within_bound
 
-from .helpers import BUCKETS, make_problem
+from .helpers import BUCKETS, make_problem, scaled
 
 FORMS = attnref.formulations()
 SEEDS = st.integers(0, 2**31 - 1)
@@ -40,7 +40,7 @@ def _random_invertible(rng, n):
     return q * rng.uniform(0.5, 2.0, size=n)
 
 
-@settings(max_examples=6)
+@scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS[1:]), kind=st.sampled_from(("none", "combined")))
 def test_head_permutation(seed, bucket, kind):
     p = make_problem(bucket, kind, seed, np.float64)
@@ -56,7 +56,7 @@ def test_head_permutation(seed, bucket, kind):
         assert_within_bound(_run(f, p, permuted), _run(f, p), 2 * _bound(p), label=f.id)
 
 
-@settings(max_examples=6)
+@scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS), kind=st.sampled_from(("none", "causal")))
 def test_gauge_symmetries(seed, bucket, kind):
     """W_Q G, W_K G^-T and W_V G', G'^-1 W_O leave outputs, W_P and W_M unchanged.
@@ -118,7 +118,7 @@ def test_gauge_symmetries(seed, bucket, kind):
             assert_within_bound(got, want, tol, label=f"{name} head {i}")
 
 
-@settings(max_examples=6)
+@scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS), kind=st.sampled_from(("none", "random")))
 def test_row_constant_added_to_logits(seed, bucket, kind):
     """Adding c_i to every logit of query row i (through bias) changes nothing."""
@@ -132,7 +132,7 @@ def test_row_constant_added_to_logits(seed, bucket, kind):
         assert_within_bound(_run(f, p, bias=shifted), _run(f, p), bound, label=f.id)
 
 
-@settings(max_examples=6)
+@scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS), kind=st.sampled_from(("none", "combined")))
 def test_key_bias_has_no_effect(seed, bucket, kind):
     p = make_problem(bucket, kind, seed, np.float64)
@@ -144,7 +144,7 @@ def test_key_bias_has_no_effect(seed, bucket, kind):
         assert_within_bound(_run(f, p, other), _run(f, p), bound, label=f.id)
 
 
-@settings(max_examples=6)
+@scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from((BUCKETS[0], BUCKETS[2])))
 def test_token_permutation_equivariance(seed, bucket):
     """Self-attention without a mask: permuting tokens permutes output rows."""

@@ -12,12 +12,14 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
 from attnref.testing import assert_within_bound
+
+from .helpers import scaled
 
 
 def _softmax(s):
@@ -72,7 +74,7 @@ def _assert_same_params(a, b):
 SHAPES = st.sampled_from([(8, 2, 4, 4), (6, 3, 2, 2), (8, 2, 4, 3), (5, 1, 3, 6)])
 
 
-@settings(max_examples=20)
+@scaled(1.0)
 @given(shape=SHAPES, bias=st.booleans(), seed=st.integers(0, 1000))
 def test_flax_round_trip_and_semantics(shape, bias, seed):
     d_model, h, d_k, d_v = shape
@@ -87,7 +89,7 @@ def test_flax_round_trip_and_semantics(shape, bias, seed):
         assert_within_bound(flax_forward(tree, x), oracle.attention(p, x), 2 * bound)
 
 
-@settings(max_examples=20)
+@scaled(1.0)
 @given(shape=SHAPES, bias=st.booleans(), seed=st.integers(0, 1000))
 def test_torch_mha_round_trip_and_semantics(shape, bias, seed):
     d_model, h, d_k, d_v = shape
@@ -106,7 +108,7 @@ def test_torch_mha_round_trip_and_semantics(shape, bias, seed):
     assert_within_bound(torch_forward(sd, x, h), oracle.attention(p, x), 2 * bound)
 
 
-@settings(max_examples=20)
+@scaled(1.0)
 @given(shape=SHAPES, bias=st.booleans(), seed=st.integers(0, 1000))
 def test_hf_bert_round_trip_and_semantics(shape, bias, seed):
     d_model, h, d_k, d_v = shape
@@ -133,7 +135,7 @@ def test_partial_biases_export_as_zeros():
         np.testing.assert_array_equal(getattr(back, name), 0.0)
 
 
-@settings(max_examples=10)
+@scaled(0.5)
 @given(shape=SHAPES, seed=st.integers(0, 1000))
 def test_merged_matrices(shape, seed):
     """W_P = W_Q W_K^T, W_M = W_V W_O per head (explicit loops); W_A = W_P^T, W_I = W_M^T."""
