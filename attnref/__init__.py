@@ -8,7 +8,31 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 from attnref import oracle, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.column import column_attention, column_attention_rows
+from attnref._src.feature_maps import (
+    FeatureMap,
+    elu_plus_one,
+    favor_plus,
+    identity_features,
+    relu_features,
+    taylor2,
+)
 from attnref._src.graph import edges_from_mask, graph_attention, graph_attention_rows
+from attnref._src.linear import (
+    LinearState,
+    linear_associative,
+    linear_associative_multihead,
+    linear_chunked,
+    linear_chunked_multihead,
+    linear_messages_attention,
+    linear_prefix_sum,
+    linear_prefix_sum_multihead,
+    linear_quadratic,
+    linear_quadratic_multihead,
+    linear_recurrent,
+    linear_recurrent_multihead,
+    linear_state_init,
+    linear_step,
+)
 from attnref._src.masks import causal_mask, combine_masks, mask_to_bias, padding_mask
 from attnref._src.merged import (
     messages,
@@ -44,7 +68,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionParams",
+    "FeatureMap",
     "Formulation",
+    "LinearState",
     "attention_weights",
     "causal_mask",
     "column_attention",
@@ -52,6 +78,8 @@ __all__ = [
     "combine_masks",
     "concat_attention",
     "edges_from_mask",
+    "elu_plus_one",
+    "favor_plus",
     "formulations",
     "from_flax",
     "from_hf_bert",
@@ -60,8 +88,22 @@ __all__ = [
     "graph_attention",
     "graph_attention_rows",
     "head_outputs",
+    "identity_features",
     "ids",
     "init_params",
+    "linear_associative",
+    "linear_associative_multihead",
+    "linear_chunked",
+    "linear_chunked_multihead",
+    "linear_messages_attention",
+    "linear_prefix_sum",
+    "linear_prefix_sum_multihead",
+    "linear_quadratic",
+    "linear_quadratic_multihead",
+    "linear_recurrent",
+    "linear_recurrent_multihead",
+    "linear_state_init",
+    "linear_step",
     "mask_to_bias",
     "masked_softmax",
     "messages",
@@ -70,9 +112,11 @@ __all__ = [
     "patterns",
     "patterns_messages_attention",
     "per_head_sum_attention",
+    "relu_features",
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",
+    "taylor2",
     "testing",
     "to_flax",
     "to_hf_bert",

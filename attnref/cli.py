@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from attnref._src import report as _report
 from attnref._src.checks import enable_x64
+from attnref._src.feature_maps import MAP_NAMES
 from attnref._src.registry import formulations
 
 
@@ -25,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
         "--formulations", default=None, help="comma-separated registry ids (default: all)"
     )
     r.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
+    r.add_argument(
+        "--feature-map",
+        default="elu_plus_one",
+        choices=MAP_NAMES,
+        help="feature map for the linear family",
+    )
     r.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("list", help="registered formulations with their equations")
     return p

@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["attention", "attention_weights", "head_outputs"]
+__all__ = [
+    "attention",
+    "attention_weights",
+    "features",
+    "head_outputs",
+    "linear_attention",
+    "linear_multihead",
+]
 
 _FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
@@ -173,3 +180,116 @@ def attention(
     if residual:
         y = rd(y + np.asarray(x_q, dtype=np.float64))
     return y
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+
+def features(fm: Any, x: Any, role: str) -> np.ndarray:
+    """Features ``phi(x)`` of the last axis, float64, for a map given by ``fm.name`` (and
+    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.feature_maps``."""
+    x = np.asarray(x, dtype=np.float64)
+    name, d = fm.name, x.shape[-1]
+    if name == "elu_plus_one":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    if name == "identity":
+        return x.copy()
+    xs = x / d**0.25
+    if name == "taylor2":
+        outer = np.einsum("...a,...b->...ab", xs, xs).reshape(*x.shape[:-1], d * d)
+        return np.concatenate([np.ones((*x.shape[:-1], 1)), xs, outer / math.sqrt(2.0)], -1)
+    if name != "favor_plus":
+        raise ValueError(f"unknown feature map {name!r}")
+    w = np.asarray(fm.omega, dtype=np.float64)
+    m = w.shape[0]
+    if role == "key":
+        # exp(-|x~ - w_i|^2 / 2) / sqrt(m)
+        diff = xs[..., None, :] - w
+        return np.exp(-0.5 * np.sum(diff * diff, axis=-1)) / math.sqrt(m)
+    expo = xs @ w.T + 0.5 * np.sum(w * w, axis=-1)
+    return np.exp(expo - expo.max(axis=-1, keepdims=True)) / math.sqrt(m)
+
+
+def linear_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+) -> np.ndarray:
+    """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
+
+    A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
+    y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
+    y_i  = 0 where D_i == 0
+    """
+    fm = feature_map
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    *batch, t_q, n_heads, _ = q.shape
+    t_k = k.shape[-3]
+    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    out = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
+    for idx in np.ndindex(*batch):
+        for h in range(n_heads):
+            fk = features(fm, k[idx][:, h], "key")
+            for i in range(t_q):
+                fq = features(fm, q[idx][i, h], "query")
+                num = np.zeros(v.shape[-1])
+                den = 0.0
+                for j in range(t_k):
+                    if not km[idx][j] or (causal and j > i):
+                        continue
+                    a = float(fq @ fk[j])
+                    num += a * v[idx][j, h]
+                    den += a
+                adj = den + eps if eps_policy == "add" else max(den, eps)
+                if adj != 0.0:
+                    out[idx][i, h] = num / adj
+    return out
+
+
+def linear_multihead(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    residual: bool = False,
+) -> np.ndarray:
+    """Multi-head linear attention: per-head projections, :func:`linear_attention`, then
+    ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if residual)."""
+    w = _unpack(params)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+
+    def heads(x: np.ndarray, name: str) -> np.ndarray:
+        wt, b = w["w_" + name], w["b_" + name]
+        assert wt is not None
+        y = np.einsum("...td,hde->...the", x, wt)
+        return y if b is None else y + b
+
+    z = linear_attention(
+        heads(xq, "q"),
+        heads(xkv, "k"),
+        heads(xkv, "v"),
+        feature_map=feature_map,
+        causal=causal,
+        key_mask=key_mask,
+        eps=eps,
+        eps_policy=eps_policy,
+    )
+    assert w["w_o"] is not None
+    y = np.einsum("...qhv,hvd->...qd", z, w["w_o"])
+    if w["b_o"] is not None:
+        y = y + w["b_o"]
+    return y + xq if residual else y

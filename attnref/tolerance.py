@@ -212,3 +212,186 @@ def comparative_bound(
     reference happens to be almost exact. FlashAttention's tests use ``factor = 2``.
     """
     return factor * reference_error + gamma(n, unit_roundoff(dtype)) * magnitude
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+
+def _abs_feature_error(
+    fm: Any, x: np.ndarray, dx: np.ndarray, phi: np.ndarray, u: float
+) -> np.ndarray:
+    """Bound on ``|fl(phi(x + dx)) - phi(x)|`` per feature: evaluation rounding plus the input
+    perturbation ``dx`` (absolute, per component) propagated through the map's derivative."""
+    name, d = fm.name, x.shape[-1]
+    if name == "elu_plus_one":  # elu via expm1 (C_EXP ulps) then +1 (one rounding); |phi'| <= 1
+        return (C_EXP + 1) * u * np.maximum(np.abs(phi), np.abs(phi - 1.0)) + dx
+    if name in ("relu", "identity"):  # exact evaluation, Lipschitz constant 1
+        return dx.copy()
+    xs = np.abs(x) / d**0.25
+    dxs = 2 * u * xs + dx / d**0.25  # scaling by a rounded constant, then the input error
+    if name == "taylor2":
+        outer = (
+            xs[..., :, None] * dxs[..., None, :]
+            + dxs[..., :, None] * xs[..., None, :]
+            + 3 * u * xs[..., :, None] * xs[..., None, :]
+        ) / math.sqrt(2.0)
+        lead = np.zeros((*x.shape[:-1], 1))
+        return np.concatenate([lead, dxs, outer.reshape(*x.shape[:-1], d * d)], axis=-1)
+    w = np.abs(np.asarray(fm.omega, dtype=np.float64))
+    # exponent = w.x~ -/+ |x~|^2/2 -/+ |w|^2/2 (- max for queries): each a sum of <= d + 3 terms
+    mag = xs @ w.T + 0.5 * np.sum(xs * xs, -1, keepdims=True) + 0.5 * np.sum(w * w, -1)
+    de = 2 * gamma(d + 6, u) * mag + dxs @ w.T + np.sum(xs * dxs, -1, keepdims=True)
+    rho = np.expm1(2 * de) + (C_EXP + 2) * u  # x2: a query's max carries the same error
+    return rho * np.abs(phi)
+
+
+def linear_error_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    dtype: Any = np.float32,
+    dq: Any = 0.0,
+    dk: Any = 0.0,
+    dv: Any = 0.0,
+) -> np.ndarray:
+    """Componentwise bound on ``|linear attention in dtype - oracle|``, ``[..., T_q, H, d_v]``.
+
+    With ``A_ij = phi(q_i).phi(k_j)``, ``Abar_ij = |phi(q_i)|.|phi(k_j)|`` and ``E_ij`` the error
+    of ``A_ij`` from the features (evaluation rounding and input errors ``dq, dk``)::
+
+        |d num_i| <= sum_j (E_ij + g Abar_ij) |v_j| + Abar_ij dv_j,  g = gamma_{m + T_k + 2}
+        |d D_i|   <= sum_j (E_ij + g Abar_ij) + u |D_i|
+        |d y_i|   <= (|d num_i| + |y_i| |d D_i|) / (|D_i| - |d D_i|) + u |y_i|
+
+    Every form sums the same products ``phi(q_i)_f phi(k_j)_f v_j`` in some order (quadratic,
+    associative, prefix sums, recurrence, chunks), so one bound covers them all. Where the
+    denominator's error can reach its size (signed maps near cancellation) the bound is ``inf``:
+    the ratio is then not determined by the arithmetic. Exactly-zero denominators with no
+    possible error give exactly zero outputs and a zero bound. Includes the float64 oracle's error.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    dq, dk, dv = (
+        np.broadcast_to(np.asarray(a, np.float64), b.shape) for a, b in ((dq, q), (dk, k), (dv, v))
+    )
+    *batch, t_q, _, _ = q.shape
+    t_k = k.shape[-3]
+    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    allowed = np.broadcast_to(km[..., None, None, :], (*batch, q.shape[-2], t_q, t_k))
+    if causal:
+        allowed = allowed & np.tril(np.ones((t_q, t_k), bool))
+
+    # Imported here so this module still loads (and stays JAX-free) on its own by file path.
+    from attnref.oracle import features
+
+    total = np.zeros((*v.shape[:-3], t_q, *v.shape[-2:]))
+    for dt in (dtype, np.float64):
+        u = unit_roundoff(dt)
+        fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
+        eq = _abs_feature_error(feature_map, q, dq if dt is dtype else 0 * dq, fq, u)
+        ek = _abs_feature_error(feature_map, k, dk if dt is dtype else 0 * dk, fk, u)
+        a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
+        abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
+        err_a = np.where(
+            allowed,
+            np.einsum("...qhm,...khm->...hqk", eq, np.abs(fk))
+            + np.einsum("...qhm,...khm->...hqk", np.abs(fq), ek),
+            0.0,
+        )
+        g = gamma(fq.shape[-1] + t_k + 2, u)
+        absv = np.abs(v)
+        dvv = dv if dt is dtype else 0 * dv
+        e_tot = err_a + g * abar
+        d_num = np.einsum("...hqk,...khv->...qhv", e_tot, absv) + np.einsum(
+            "...hqk,...khv->...qhv", abar, dvv
+        )
+        den = np.swapaxes(a.sum(-1), -1, -2)  # [..., T_q, H]
+        adj = den + eps if eps_policy == "add" else np.maximum(den, eps)
+        d_den = np.swapaxes(e_tot.sum(-1), -1, -2) + u * np.abs(adj)
+        num = np.einsum("...hqk,...khv->...qhv", a, v)
+        y = np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
+        room = np.abs(adj) - d_den
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b = (d_num + np.abs(y) * d_den[..., None]) / room[..., None] + u * np.abs(y)
+        exact_zero = (adj == 0) & (d_den == 0)
+        b = np.where(exact_zero[..., None], 0.0, np.where((room > 0)[..., None], b, np.inf))
+        total = total + b
+    return total
+
+
+def linear_multihead_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Bound for multi-head linear attention ``[..., T_q, d_model]``: projection errors
+    ``gamma_{d_model+1} |x~||W~|`` feed :func:`linear_error_bound`; the output projection adds
+    ``sum_h dz_h |W_O[h]|`` and ``gamma_{n_y} (sum_h sum_j Abar_ij / |D_i| G_hj + |b_O|)`` with
+    ``G = |x~||W~_V||W_O|`` (covering the messages order ``A (X W_M)`` too),
+    ``n_y = m + T_k + d_model + d_v + H + 4``."""
+    w = {n: _get(params, n) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")}
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    u = unit_roundoff(dtype)
+    d_model = xq.shape[-1]
+    g_p = gamma(d_model + 1, u)
+
+    def hom(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
+
+    def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        wt, b = w["w_" + name], w["b_" + name]
+        assert wt is not None
+        y = np.einsum("...td,hde->...the", x, wt) + (0.0 if b is None else b)
+        mag = np.einsum("...td,hde->...the", np.abs(hom(x)), _homogeneous_abs(wt, b))
+        return y, g_p * mag
+
+    (q, dq), (k, dk), (v, dv) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
+    kw = dict(
+        feature_map=feature_map, causal=causal, key_mask=key_mask, eps=eps, eps_policy=eps_policy
+    )
+    dz = linear_error_bound(q, k, v, dtype=dtype, dq=dq, dk=dk, dv=dv, **kw)  # type: ignore[arg-type]
+    w_o = w["w_o"]
+    assert w_o is not None and w["w_v"] is not None
+    from attnref.oracle import features, linear_attention
+
+    z = linear_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
+    t_q, t_k = q.shape[-3], k.shape[-3]
+    km = np.ones((*q.shape[:-3], t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    allowed = np.broadcast_to(km[..., None, None, :], (*q.shape[:-3], q.shape[-2], t_q, t_k))
+    if causal:
+        allowed = allowed & np.tril(np.ones((t_q, t_k), bool))
+    abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
+    a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
+    den = a.sum(-1)
+    adj = np.abs(den + eps if eps_policy == "add" else np.maximum(den, eps))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pbar = np.where(adj[..., None] > 0, abar / adj[..., None], 0.0)
+    g_mag = np.einsum(
+        "...hkv,hvd->...hkd",
+        np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w["w_v"], w["b_v"])),
+        np.abs(w_o),
+    )
+    n_y = fq.shape[-1] + t_k + d_model + v.shape[-1] + q.shape[-2] + 4
+    bound = np.einsum("...qhv,hvd->...qd", dz, np.abs(w_o))
+    bound = bound + gamma(n_y, u) * np.einsum("...hqk,...hkd->...qd", pbar, g_mag)
+    if w["b_o"] is not None:
+        bound = bound + gamma(n_y, u) * np.abs(w["b_o"])
+    if residual:
+        y = np.einsum("...qhv,hvd->...qd", z, w_o) + (0.0 if w["b_o"] is None else w["b_o"])
+        bound = bound + u * np.abs(xq + y)
+    return bound

@@ -17,18 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_entry_is_complete():
     seen = set()
-    for f in attnref.formulations():
+    for f in attnref.formulations("softmax"):
         assert re.fullmatch(r"[a-z_]+", f.id) and f.id not in seen
         seen.add(f.id)
         assert f.title and f.citation and f.summary and f.convention
-        assert "\\" in f.equation and ("softmax" in f.equation or "sigma" in f.equation)
+        kernel = {"softmax": ("softmax", "sigma"), "linear": ("phi",)}[f.family]
+        assert "\\" in f.equation and any(word in f.equation for word in kernel), f.id
         assert callable(f.apply) and callable(f.native)
         assert f.apply.__doc__ and f.native.__doc__
-    assert len(seen) >= 7
+        assert f.causal_modes and set(f.causal_modes) <= {False, True}
+    assert len(attnref.ids("softmax")) >= 7 and len(attnref.ids("linear")) >= 6
 
 
 def test_generated_docs_are_current():
-    for f in attnref.formulations():
+    for f in attnref.formulations("softmax"):
         page = ROOT / "docs" / "formulations" / f"{f.id}.md"
         assert page.exists(), f"missing {page}; run python -m attnref._src.docs"
         assert page.read_text() == docs.render(f), f"{page} is stale; regenerate it"
@@ -65,7 +67,7 @@ def test_cli_report_table_and_json(capsys):
     ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    for fid in attnref.ids():
+    for fid in attnref.ids("softmax"):
         assert out.count(f"\n{fid} ") == 2, fid  # one float32 row and one float64 row
     assert cli.main([*args, "--json", "--formulations", "concat,graph"]) == 0
     data = json.loads(capsys.readouterr().out)

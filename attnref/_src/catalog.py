@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.graph import graph_attention, graph_attention_rows
+from attnref._src.linear import (
+    linear_associative,
+    linear_associative_multihead,
+    linear_chunked,
+    linear_chunked_multihead,
+    linear_messages_attention,
+    linear_prefix_sum,
+    linear_prefix_sum_multihead,
+    linear_quadratic,
+    linear_quadratic_multihead,
+    linear_recurrent,
+    linear_recurrent_multihead,
+)
 from attnref._src.merged import patterns_messages_attention, scores_messages_attention
 from attnref._src.registry import Formulation, register
 from attnref._src.soft_search import soft_search, soft_search_attention
@@ -138,5 +151,112 @@ register(
         apply=graph_attention_rows,
         native=graph_attention,
         summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
+    )
+)
+
+# ----------------------------------------------------------------------------- linear attention
+
+KATHAROPOULOS = (
+    "Katharopoulos et al. (2020), Transformers are RNNs: Fast Autoregressive Transformers with "
+    "Linear Attention, ICML."
+)
+CHOROMANSKI = "Choromanski et al. (2021), Rethinking Attention with Performers, ICLR (FAVOR+)."
+LINEAR_STATIC = ("causal", "eps_policy", "residual")
+_LIN_EQ = r"y_i = \frac{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j)\, v_j^\top}{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j) + \epsilon}"
+
+register(
+    Formulation(
+        id="linear_quadratic",
+        title="Linear attention, quadratic form",
+        equation=r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad "
+        + _LIN_EQ,
+        convention="kernel",
+        citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
+        apply=linear_quadratic_multihead,
+        native=linear_quadratic,
+        summary="The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised.",
+        family="linear",
+        causal_modes=(False, True),
+        static_argnames=LINEAR_STATIC,
+    )
+)
+
+register(
+    Formulation(
+        id="linear_associative",
+        title="Linear attention, associative (non-causal) form",
+        equation=r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}",
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_associative_multihead,
+        native=linear_associative,
+        summary="Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first.",
+        family="linear",
+        causal_modes=(False,),
+        static_argnames=LINEAR_STATIC,
+    )
+)
+
+register(
+    Formulation(
+        id="linear_prefix_sum",
+        title="Linear attention, causal prefix sums",
+        equation=r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}",
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_prefix_sum_multihead,
+        native=linear_prefix_sum,
+        summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
+        family="linear",
+        causal_modes=(True,),
+        static_argnames=LINEAR_STATIC,
+    )
+)
+
+register(
+    Formulation(
+        id="linear_recurrent",
+        title="Linear attention, recurrent (RNN) form",
+        equation=r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}",
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_recurrent_multihead,
+        native=linear_recurrent,
+        summary="A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory.",
+        family="linear",
+        causal_modes=(True,),
+        static_argnames=LINEAR_STATIC,
+    )
+)
+
+register(
+    Formulation(
+        id="linear_chunked",
+        title="Linear attention, chunked form",
+        equation=r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j) v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c",
+        convention="kernel",
+        citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
+        apply=linear_chunked_multihead,
+        native=linear_chunked,
+        summary="Quadratic inside each chunk, the state carried between chunks by lax.scan; any chunk size.",
+        family="linear",
+        causal_modes=(True,),
+        static_argnames=(*LINEAR_STATIC, "chunk_size"),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_messages",
+        title="Linear attention, scores x messages",
+        equation=r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\, \big(X_{kv} W_{M,i}\big) + b_O",
+        convention="row",
+        citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
+        apply=linear_messages_attention,
+        native=linear_messages_attention,
+        summary="The normalised linear attention matrix of each head times its messages X W_M.",
+        family="linear",
+        causal_modes=(False, True),
+        static_argnames=LINEAR_STATIC,
     )
 )

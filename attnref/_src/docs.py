@@ -16,7 +16,39 @@ _CONVENTION_NOTE = {
     "it over queries and batch dims.",
     "graph": "Nodes and an edge list `(senders, receivers)`; the row-convention `apply` uses the "
     "complete bipartite graph with the mask as adjacency (static shapes, jit-able).",
+    "kernel": "Kernel level `q [..., T_q, H, d_k]`, `k [..., T_k, H, d_k]`, `v [..., T_k, H, d_v]` "
+    "-> `[..., T_q, H, d_v]` (heads on the second-to-last axis); `apply` is the multi-head form "
+    "on rows `x_q [..., T_q, d_model]`. Masks: `causal` (needs `T_q == T_k`) and `key_mask "
+    "[..., T_k]`.",
 }
+
+
+_FAMILY_NOTE = {
+    "softmax": "Scale $1/\\sqrt{d_k}$ unless `scale=` is given. A fully masked query row gets "
+    "zero attention weights, so the output there is $b_O$ (see [conventions](../conventions.md)).",
+    "linear": "Feature map $\\phi$ from `attnref.elu_plus_one()`, `relu_features()`, "
+    "`identity_features()`, `taylor2()` or `favor_plus(seed, d_k, m)`. Denominator policy: "
+    "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "
+    "$\\max(D_i, \\epsilon)$; the default $\\epsilon = 0$ is the exact ratio, and an exactly "
+    "zero adjusted denominator (no allowed key) gives a zero output. With the signed `identity` "
+    "map the denominator can be near zero and the ratio grows like $1/D_i$; attnref reproduces "
+    "that rather than hiding it (see [linear attention](../linear_attention.md)).",
+}
+
+
+def _signature(fn: object) -> str:
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    return (
+        "("
+        + ", ".join(
+            p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+            for p in sig.parameters.values()
+            if p.kind is not p.VAR_KEYWORD
+        )
+        .replace(", feature_map", ", *, feature_map")
+        .replace(", mask=None", ", *, mask=None")
+        + ")"
+    )
 
 
 def render(f: Formulation) -> str:
@@ -30,11 +62,9 @@ def render(f: Formulation) -> str:
         f"Registry id: `{f.id}` · convention: {f.convention}\n\n"
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
-        f"**Convention.** {_CONVENTION_NOTE[f.convention]} Scale $1/\\sqrt{{d_k}}$ unless "
-        "`scale=` is given. A fully masked query row gets zero attention weights, so the output "
-        "there is $b_O$ (see [conventions](../conventions.md)).\n\n"
-        f"**Code.** Native form: `{native}`; uniform row signature: `{apply}(params, x_q, "
-        "x_kv=None, *, mask=None, bias=None, scale=None, residual=False)`.\n\n"
+        f"**Convention.** {_CONVENTION_NOTE[f.convention]} {_FAMILY_NOTE[f.family]}\n\n"
+        f"**Code.** Native form: `{native}{_signature(f.native)}`; registry `apply` "
+        f"({f.family} family): `{apply}{_signature(f.apply)}`.\n\n"
         f"{doc}\n\n"
         f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"
         f"**Citation.** {f.citation}\n\n"

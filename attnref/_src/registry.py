@@ -1,18 +1,26 @@
 """The formulation registry: one entry per formulation, read by the tests, the CLI and the docs.
 
-Every entry's ``apply`` has the uniform row-convention signature
-``apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None, residual=False)`` returning
-``[..., T_q, d_model]``; ``native`` is the formulation in its own convention (column vectors, one
-query, an edge list), which ``apply`` adapts.
+Every entry's ``apply`` takes the row-convention multi-head signature of its family and returns
+``[..., T_q, d_model]``:
+
+* ``family="softmax"``: ``apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None,
+  residual=False)``, checked against :func:`attnref.oracle.attention`;
+* ``family="linear"``: ``apply(params, x_q, x_kv=None, *, feature_map, causal=False,
+  key_mask=None, eps=0.0, eps_policy="add", residual=False)``, checked against
+  :func:`attnref.oracle.linear_multihead`; ``causal_modes`` says which ``causal`` values it takes.
+
+``native`` is the formulation in its own convention (column vectors, one query, an edge list, or
+the kernel level ``(q, k, v)`` for linear forms), which ``apply`` adapts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
-Convention = Literal["row", "column", "single-query", "graph"]
+Convention = Literal["row", "column", "single-query", "graph", "kernel"]
+Family = Literal["softmax", "linear"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +35,15 @@ class Formulation:
     apply: Callable[..., Any]
     native: Callable[..., Any]
     summary: str
+    family: Family = "softmax"
+    causal_modes: tuple[bool, ...] = (False, True)
+    static_argnames: tuple[str, ...] = ("residual",)  # for jax.jit(apply, static_argnames=...)
+
+    def jit(self) -> Callable[..., Any]:
+        """``jax.jit(apply)`` with this entry's static arguments."""
+        import jax
+
+        return jax.jit(self.apply, static_argnames=self.static_argnames)
 
 
 _REGISTRY: dict[str, Formulation] = {}
@@ -50,14 +67,11 @@ def get(formulation_id: str) -> Formulation:
         ) from None
 
 
-def formulations() -> tuple[Formulation, ...]:
-    """All registered formulations, in registration order."""
-    return tuple(_REGISTRY.values())
+def formulations(family: Family | None = None) -> tuple[Formulation, ...]:
+    """Registered formulations in registration order, optionally of one family."""
+    return tuple(f for f in _REGISTRY.values() if family is None or f.family == family)
 
 
-def ids() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def __iter__() -> Iterator[Formulation]:  # pragma: no cover - convenience
-    return iter(_REGISTRY.values())
+def ids(family: Family | None = None) -> tuple[str, ...]:
+    """Registry ids, optionally of one family."""
+    return tuple(f.id for f in formulations(family))

@@ -1,0 +1,144 @@
+"""Feature maps ``phi`` for linear (kernel) attention: ``exp(q.k)`` replaced by ``phi(q).phi(k)``.
+
+* ``elu_plus_one``: ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020), positive.
+* ``relu``: ``phi(x) = max(x, 0)``, non-negative (a row can have a zero denominator).
+* ``identity``: ``phi(x) = x``, *signed*: denominators can be zero or negative.
+* ``taylor2``: ``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]`` with ``x~ = x / d^(1/4)``, so that
+  ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``: the second-order Taylor
+  polynomial of ``exp(s)``, positive for every ``s``.
+* ``favor_plus``: positive random features (Choromanski et al. 2021, FAVOR+):
+  ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2 / 2)`` with ``w_i ~ N(0, I_d)`` (i.i.d.) or in
+  orthogonal blocks with chi-distributed norms. ``E[phi(q).phi(k)] = exp(q.k / sqrt(d))``.
+
+FAVOR+ stabilisation, without information crossing positions: a key's features are computed as
+``m^(-1/2) exp(-|k~ - w_i|^2 / 2) = m^(-1/2) exp(w_i.k~ - |k~|^2/2 - |w_i|^2/2) <= m^(-1/2)``:
+the shift ``|w_i|^2 / 2`` depends only on the random feature, never on data, so it cannot leak
+and it never overflows. A query's features carry the compensating ``+|w_i|^2 / 2`` and then
+subtract their own maximum over ``i``, a per-query constant that cancels between numerator and
+denominator. (Subtracting a max over all keys, as some implementations do, lets a future key
+change past outputs; attnref's causality tests would catch it.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+Role = Literal["query", "key"]
+MAP_NAMES = ("elu_plus_one", "relu", "identity", "taylor2", "favor_plus")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureMap:
+    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static)."""
+
+    name: str = dataclasses.field(metadata=dict(static=True))
+    omega: np.ndarray | Array | None = None  # FAVOR+ projections [m, d]
+    orthogonal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        if self.name not in MAP_NAMES:
+            raise ValueError(f"unknown feature map {self.name!r}; known: {MAP_NAMES}")
+        if (self.name == "favor_plus") != (self.omega is not None):
+            raise ValueError("favor_plus needs omega [m, d]; other maps take none")
+
+    @property
+    def positive(self) -> bool:
+        """Whether ``phi(q).phi(k) > 0`` for all inputs (so non-empty denominators are > 0)."""
+        return self.name in ("elu_plus_one", "taylor2", "favor_plus")
+
+    def num_features(self, d: int) -> int:
+        if self.name == "taylor2":
+            return 1 + d + d * d
+        if self.name == "favor_plus":
+            assert self.omega is not None
+            return int(np.shape(self.omega)[0])
+        return d
+
+    def __call__(self, x: Float[Array, "... d"], role: Role) -> Float[Array, "... m"]:
+        """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation."""
+        x = jnp.asarray(x)
+        d = x.shape[-1]
+        if self.name == "elu_plus_one":
+            return jax.nn.elu(x) + 1
+        if self.name == "relu":
+            return jax.nn.relu(x)
+        if self.name == "identity":
+            return x
+        xs = x * jnp.asarray(d**-0.25, x.dtype)
+        if self.name == "taylor2":
+            outer = (xs[..., :, None] * xs[..., None, :]).reshape(*x.shape[:-1], d * d)
+            ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
+            return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
+        w = jnp.asarray(self.omega, x.dtype)
+        m = w.shape[0]
+        if w.shape[1] != d:
+            raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+        proj = jnp.einsum("...d,md->...m", xs, w, precision="highest")
+        half_w2 = 0.5 * jnp.sum(w * w, axis=-1)
+        if role == "key":  # exp(-|k~ - w|^2 / 2): data-independent shift, bounded by 1
+            expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - half_w2
+        else:  # + |w|^2/2 compensates the keys; the query's own max is a per-query constant
+            expo = proj + half_w2
+            expo = expo - jnp.max(expo, axis=-1, keepdims=True)  # part of phi: no stop_gradient
+        return jnp.exp(expo) * jnp.asarray(m**-0.5, x.dtype)
+
+    def kernel(self, q: Float[Array, "... d"], k: Float[Array, "... d"]) -> Float[Array, "..."]:
+        """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics)."""
+        q, k = jnp.asarray(q), jnp.asarray(k)
+        if self.name != "favor_plus":
+            return jnp.sum(self(q, "query") * self(k, "key"), axis=-1)
+        d = q.shape[-1]
+        w = jnp.asarray(self.omega, q.dtype)
+        qs, ks = q * d**-0.25, k * d**-0.25
+        expo = (
+            jnp.einsum("...d,md->...m", qs + ks, w, precision="highest")
+            - 0.5 * jnp.sum(qs * qs, -1, keepdims=True)
+            - 0.5 * jnp.sum(ks * ks, -1, keepdims=True)
+        )
+        return jnp.mean(jnp.exp(expo), axis=-1)
+
+
+def elu_plus_one() -> FeatureMap:
+    return FeatureMap("elu_plus_one")
+
+
+def relu_features() -> FeatureMap:
+    return FeatureMap("relu")
+
+
+def identity_features() -> FeatureMap:
+    return FeatureMap("identity")
+
+
+def taylor2() -> FeatureMap:
+    return FeatureMap("taylor2")
+
+
+def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True) -> FeatureMap:
+    """FAVOR+ with ``num_features`` random projections of dimension ``d``, seeded (NumPy PCG64).
+
+    Orthogonal: blocks of ``d`` mutually orthogonal directions (QR of a Gaussian matrix), each row
+    rescaled by the norm of an independent ``N(0, I_d)`` vector, so every row is marginally
+    ``N(0, I_d)`` (Choromanski et al. 2021, section 2.4).
+    """
+    if d < 1 or num_features < 1:
+        raise ValueError(f"need d >= 1 and num_features >= 1, got d={d}, {num_features}")
+    rng = np.random.default_rng(seed)
+    if not orthogonal:
+        return FeatureMap("favor_plus", rng.standard_normal((num_features, d)), False)
+    blocks = []
+    for _ in range(math.ceil(num_features / d)):
+        q, r = np.linalg.qr(rng.standard_normal((d, d)))
+        q = q * np.sign(np.diag(r))  # Haar-distributed orthogonal matrix
+        blocks.append(q.T)
+    directions = np.concatenate(blocks)[:num_features]
+    norms = np.linalg.norm(rng.standard_normal((num_features, d)), axis=-1)
+    return FeatureMap("favor_plus", directions * norms[:, None], True)

@@ -1,0 +1,460 @@
+"""Linear (kernel) attention in every form (Katharopoulos et al. 2020, "Transformers are RNNs").
+
+Kernel level, heads on the second-to-last axis (the layout of ``jax.nn.dot_product_attention``):
+``q [..., T_q, H, d_k]``, ``k [..., T_k, H, d_k]``, ``v [..., T_k, H, d_v]``, output
+``[..., T_q, H, d_v]``.
+With ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys ``j`` (``key_mask`` True and, if
+``causal``, ``j <= i``)::
+
+    y_i = (sum_j A_ij v_j) / den_i,   den_i = sum_j A_ij
+
+**Denominator policy** (one rule for every form and the oracle): ``eps_policy="add"`` (default)
+divides by ``den_i + eps``, as fast-transformers' ``LinearAttention`` does (``eps = 1e-6`` there);
+``eps_policy="clamp"`` divides by ``max(den_i, eps)``. The default ``eps = 0`` is the exact ratio;
+as ``eps -> 0`` both policies converge to it, with relative error ``eps / den_i`` for ``add``.
+Wherever the adjusted denominator is exactly zero (no allowed key, or exact cancellation with a
+signed map) the output is zero, never NaN, and the gradient is finite. With a signed map
+(``identity``) the denominator can be close to zero with keys present: the ratio is then
+ill-conditioned and grows like ``1 / den_i``; attnref reproduces that exactly rather than hiding
+it (see ``docs/formulations/linear_*.md``).
+
+Forms: quadratic (materialise ``A``), associative (``phi(Q) (phi(K)^T V)``, non-causal), causal
+prefix sums, recurrent (``lax.scan`` over the state ``(S_t, z_t)``), chunked (quadratic inside
+chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention, aligned).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.checks import check_params, check_tokens, float64_scoped
+from attnref._src.common import HIGHEST, add_output_bias, project, residual_or
+from attnref._src.feature_maps import FeatureMap
+from attnref._src.params import AttentionParams, w_m
+
+EpsPolicy = Literal["add", "clamp"]
+EPS_POLICIES = ("add", "clamp")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int, int]:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(
+            f"causal must be a Python bool, got {type(causal).__name__}; under jax.jit mark it "
+            "static: jax.jit(fn, static_argnames=('causal', 'eps_policy'))"
+        )
+    shapes = {n: tuple(np.shape(a)) for n, a in (("q", q), ("k", k), ("v", v))}
+    for name, shape in shapes.items():
+        if len(shape) < 3:
+            raise ValueError(f"{name} must be [..., T, H, d], got shape {shape}")
+    (*bq, t_q, h, d_k), (*bk, t_k, hk, dk2), (*bv, tv, hv, _) = shapes.values()
+    if bq != bk or bq != bv:
+        raise ValueError(f"batch dims differ: q {shapes['q']}, k {shapes['k']}, v {shapes['v']}")
+    if (hk, dk2) != (h, d_k):
+        raise ValueError(f"k has shape {shapes['k']}; expected [..., T_k, H={h}, d_k={d_k}]")
+    if (tv, hv) != (t_k, h):
+        raise ValueError(f"v has shape {shapes['v']}; expected [..., T_k={t_k}, H={h}, d_v]")
+    dtypes = {n: jnp.asarray(a).dtype for n, a in (("q", q), ("k", k), ("v", v))}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"q, k, v must share one dtype, got {dtypes}")
+    if key_mask is not None:
+        km = tuple(np.shape(key_mask))
+        if km != (*bq, t_k):
+            raise ValueError(f"key_mask has shape {km}; expected [..., T_k] = {(*bq, t_k)}")
+        if jnp.asarray(key_mask).dtype != jnp.bool_:
+            raise TypeError(f"key_mask must be boolean, got {jnp.asarray(key_mask).dtype}")
+    if causal and t_q != t_k:
+        raise ValueError(f"causal linear attention needs T_q == T_k, got {t_q} and {t_k}")
+    return t_q, t_k
+
+
+def _check_policy(eps: Any, eps_policy: str) -> None:
+    if eps_policy not in EPS_POLICIES:
+        raise ValueError(f"eps_policy must be one of {EPS_POLICIES}, got {eps_policy!r}")
+    if np.ndim(eps) != 0:
+        raise ValueError(f"eps must be a scalar, got shape {np.shape(eps)}")
+
+
+def _features(fm: FeatureMap, q: Array, k: Array, key_mask: Array | None) -> tuple[Array, Array]:
+    fq, fk = fm(q, "query"), fm(k, "key")
+    if key_mask is not None:  # padded keys contribute nothing (and cannot leak NaN through *0)
+        fk = jnp.where(key_mask[..., None, None], fk, jnp.zeros_like(fk))
+    return fq, fk
+
+
+def normalize(num: Array, den: Array, eps: Any, eps_policy: str) -> Array:
+    """``num / adjusted(den)`` with the documented policy; exactly-zero denominators give 0."""
+    eps = jnp.asarray(eps, den.dtype)
+    adj = den + eps if eps_policy == "add" else jnp.maximum(den, eps)
+    zero = adj == 0
+    return jnp.where(zero[..., None], 0.0, num / jnp.where(zero, 1.0, adj)[..., None])
+
+
+def _causal(t: int) -> Array:
+    return jnp.asarray(np.tril(np.ones((t, t), bool)))
+
+
+# ----------------------------------------------------------------------------- kernel level
+
+
+def _quadratic_parts(
+    fq: Array, fk: Array, v: Array, causal: bool
+) -> tuple[Float[Array, "... T_q H d_v"], Float[Array, "... T_q H"]]:
+    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
+    if causal:
+        a = jnp.where(_causal(a.shape[-1]), a, jnp.zeros_like(a))
+    num = jnp.einsum("...hqk,...khv->...qhv", a, v, precision=HIGHEST)
+    return num, jnp.swapaxes(jnp.sum(a, axis=-1), -1, -2)
+
+
+@float64_scoped
+def linear_quadratic(
+    q: Float[ArrayLike, "... T_q H d_k"],
+    k: Float[ArrayLike, "... T_k H d_k"],
+    v: Float[ArrayLike, "... T_k H d_v"],
+    *,
+    feature_map: FeatureMap,
+    causal: bool = False,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> Float[Array, "... T_q H d_v"]:
+    """Quadratic form: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)`` row-wise."""
+    _check_qkv(q, k, v, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    num, den = _quadratic_parts(fq, fk, jnp.asarray(v), causal)
+    return normalize(num, den, eps, eps_policy)
+
+
+@float64_scoped
+def linear_associative(
+    q: Float[ArrayLike, "... T_q H d_k"],
+    k: Float[ArrayLike, "... T_k H d_k"],
+    v: Float[ArrayLike, "... T_k H d_v"],
+    *,
+    feature_map: FeatureMap,
+    causal: bool = False,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> Float[Array, "... T_q H d_v"]:
+    """Associative (non-causal) form: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``."""
+    if causal:
+        raise ValueError(
+            "linear_associative is non-causal; use linear_prefix_sum, "
+            "linear_recurrent or linear_chunked for causal attention"
+        )
+    _check_qkv(q, k, v, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    s = jnp.einsum("...khm,...khv->...hmv", fk, jnp.asarray(v), precision=HIGHEST)
+    z = jnp.sum(fk, axis=-3)
+    num = jnp.einsum("...qhm,...hmv->...qhv", fq, s, precision=HIGHEST)
+    den = jnp.einsum("...qhm,...hm->...qh", fq, z, precision=HIGHEST)
+    return normalize(num, den, eps, eps_policy)
+
+
+def _require_causal(name: str, causal: bool) -> None:
+    if not causal:
+        raise ValueError(
+            f"{name} is a causal form (causal=True); use linear_associative or "
+            "linear_quadratic for non-causal attention"
+        )
+
+
+@float64_scoped
+def linear_prefix_sum(
+    q: Float[ArrayLike, "... T H d_k"],
+    k: Float[ArrayLike, "... T H d_k"],
+    v: Float[ArrayLike, "... T H d_v"],
+    *,
+    feature_map: FeatureMap,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> Float[Array, "... T H d_v"]:
+    """Causal prefix sums: ``S_t = sum_{j<=t} phi(k_j) v_j^T``, ``z_t = sum_{j<=t} phi(k_j)``,
+    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)`` (memory ``T m d_v`` per head)."""
+    _require_causal("linear_prefix_sum", causal)
+    _check_qkv(q, k, v, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    kv = jnp.einsum("...thm,...thv->...thmv", fk, jnp.asarray(v), precision=HIGHEST)
+    s = jnp.cumsum(kv, axis=-4)
+    z = jnp.cumsum(fk, axis=-3)
+    num = jnp.einsum("...thm,...thmv->...thv", fq, s, precision=HIGHEST)
+    den = jnp.einsum("...thm,...thm->...th", fq, z, precision=HIGHEST)
+    return normalize(num, den, eps, eps_policy)
+
+
+class LinearState(NamedTuple):
+    """Recurrent state of causal linear attention: ``S [..., H, m, d_v]``, ``z [..., H, m]``."""
+
+    s: Array
+    z: Array
+
+
+def linear_state_init(
+    batch_shape: tuple[int, ...], num_heads: int, num_features: int, d_v: int, dtype: Any
+) -> LinearState:
+    """The empty state ``(0, 0)``: constant memory, whatever the sequence length."""
+    return LinearState(
+        jnp.zeros((*batch_shape, num_heads, num_features, d_v), dtype),
+        jnp.zeros((*batch_shape, num_heads, num_features), dtype),
+    )
+
+
+def linear_step(
+    state: LinearState,
+    q_t: Float[Array, "... H d_k"],
+    k_t: Float[Array, "... H d_k"],
+    v_t: Float[Array, "... H d_v"],
+    *,
+    feature_map: FeatureMap,
+    key_valid: Bool[Array, "..."] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> tuple[LinearState, Float[Array, "... H d_v"]]:
+    """One decoding step (the RNN view): ``S += phi(k_t) v_t^T``, ``z += phi(k_t)``, read out.
+
+    ``key_valid`` (per batch element) skips the append for padding positions.
+    """
+    fq, fk = feature_map(q_t, "query"), feature_map(k_t, "key")
+    if key_valid is not None:
+        fk = jnp.where(key_valid[..., None, None], fk, jnp.zeros_like(fk))
+    s = state.s + jnp.einsum("...hm,...hv->...hmv", fk, v_t, precision=HIGHEST)
+    z = state.z + fk
+    num = jnp.einsum("...hm,...hmv->...hv", fq, s, precision=HIGHEST)
+    den = jnp.einsum("...hm,...hm->...h", fq, z, precision=HIGHEST)
+    return LinearState(s, z), normalize(num, den, eps, eps_policy)
+
+
+@float64_scoped
+def linear_recurrent(
+    q: Float[ArrayLike, "... T H d_k"],
+    k: Float[ArrayLike, "... T H d_k"],
+    v: Float[ArrayLike, "... T H d_v"],
+    *,
+    feature_map: FeatureMap,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> Float[Array, "... T H d_v"]:
+    """Recurrent form: :func:`linear_step` under ``lax.scan``, one token at a time."""
+    _require_causal("linear_recurrent", causal)
+    _check_qkv(q, k, v, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    *batch, _, h, d_k = q.shape
+    m = feature_map.num_features(d_k)
+    km = jnp.ones((*batch, q.shape[-3]), bool) if key_mask is None else jnp.asarray(key_mask)
+    state = linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
+
+    def step(carry: LinearState, xs: tuple[Array, ...]) -> tuple[LinearState, Array]:
+        q_t, k_t, v_t, valid = xs
+        return linear_step(
+            carry,
+            q_t,
+            k_t,
+            v_t,
+            feature_map=feature_map,
+            key_valid=valid,
+            eps=eps,
+            eps_policy=eps_policy,
+        )
+
+    def time_major(a: Array, axis: int) -> Array:
+        return jnp.moveaxis(a, axis, 0)
+
+    xs = (time_major(q, -3), time_major(k, -3), time_major(v, -3), time_major(km, -1))
+    _, ys = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(ys, 0, -3)
+
+
+@float64_scoped
+def linear_chunked(
+    q: Float[ArrayLike, "... T H d_k"],
+    k: Float[ArrayLike, "... T H d_k"],
+    v: Float[ArrayLike, "... T H d_v"],
+    *,
+    feature_map: FeatureMap,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+    chunk_size: int = 16,
+) -> Float[Array, "... T H d_v"]:
+    """Chunked form: causal quadratic attention inside each chunk of ``chunk_size`` tokens plus
+    the state ``(S, z)`` carried across chunks by ``lax.scan``. Any ``chunk_size >= 1``; a last
+    partial chunk is padded with masked keys and the padded queries are dropped."""
+    _require_causal("linear_chunked", causal)
+    t, _ = _check_qkv(q, k, v, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    *batch, _, h, d_k = q.shape
+    c = chunk_size
+    n = math.ceil(t / c)
+    pad = n * c - t
+    km = jnp.ones((*batch, t), bool) if key_mask is None else jnp.asarray(key_mask)
+    fq, fk = _features(feature_map, q, k, km)
+
+    def chunks(a: Array, axis: int) -> Array:
+        widths = [(0, 0)] * a.ndim
+        widths[axis % a.ndim] = (0, pad)
+        a = jnp.pad(a, widths)
+        ax = axis % a.ndim
+        a = a.reshape(*a.shape[:ax], n, c, *a.shape[ax + 1 :])
+        return jnp.moveaxis(a, ax, 0)  # [n, ..., c, ...]
+
+    m = feature_map.num_features(d_k)
+    state = linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
+
+    def step(carry: LinearState, xs: tuple[Array, Array, Array]) -> tuple[LinearState, Array]:
+        fq_c, fk_c, v_c = xs  # [..., c, H, m], [..., c, H, m], [..., c, H, d_v]
+        num, den = _quadratic_parts(fq_c, fk_c, v_c, causal=True)
+        num = num + jnp.einsum("...chm,...hmv->...chv", fq_c, carry.s, precision=HIGHEST)
+        den = den + jnp.einsum("...chm,...hm->...ch", fq_c, carry.z, precision=HIGHEST)
+        s = carry.s + jnp.einsum("...chm,...chv->...hmv", fk_c, v_c, precision=HIGHEST)
+        z = carry.z + jnp.sum(fk_c, axis=-3)
+        return LinearState(s, z), normalize(num, den, eps, eps_policy)
+
+    _, ys = jax.lax.scan(step, state, (chunks(fq, -3), chunks(fk, -3), chunks(v, -3)))
+    ys = jnp.moveaxis(ys, 0, -4)  # [..., n, c, H, d_v]
+    ys = ys.reshape(*ys.shape[:-4], n * c, *ys.shape[-2:])
+    return ys[..., :t, :, :]
+
+
+# ----------------------------------------------------------------------------- multi-head level
+
+KERNEL_FORMS = {
+    "quadratic": linear_quadratic,
+    "associative": linear_associative,
+    "prefix_sum": linear_prefix_sum,
+    "recurrent": linear_recurrent,
+    "chunked": linear_chunked,
+}
+
+
+def _multihead(
+    form: str,
+    params: AttentionParams,
+    x_q: ArrayLike,
+    x_kv: ArrayLike | None,
+    key_mask: ArrayLike | None,
+    residual: bool,
+    **kwargs: Any,
+) -> Array:
+    x_kv = x_q if x_kv is None else x_kv
+    check_tokens(params, x_q, x_kv)
+    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
+
+    def heads(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
+        return jnp.swapaxes(project(x, w, b), -3, -2)  # [..., T, H, d]
+
+    q = heads(xq, params.w_q, params.b_q)
+    k = heads(xkv, params.w_k, params.b_k)
+    v = heads(xkv, params.w_v, params.b_v)
+    z = KERNEL_FORMS[form](q, k, v, key_mask=key_mask, **kwargs)  # [..., T_q, H, d_v]
+    y = jnp.einsum("...qhv,hvd->...qd", z, params.w_o, precision=HIGHEST)
+    return residual_or(add_output_bias(y, params), xq, residual)
+
+
+def _make_multihead(form: str, causal_default: bool) -> Any:
+    kernel = KERNEL_FORMS[form]
+
+    @float64_scoped
+    def apply(
+        params: AttentionParams,
+        x_q: Float[ArrayLike, "... T_q d_model"],
+        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+        *,
+        feature_map: FeatureMap,
+        causal: bool = causal_default,
+        key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+        eps: float = 0.0,
+        eps_policy: EpsPolicy = "add",
+        residual: bool = False,
+        **options: Any,
+    ) -> Float[Array, "... T_q d_model"]:
+        return _multihead(
+            form,
+            params,
+            x_q,
+            x_kv,
+            key_mask,
+            residual,
+            feature_map=feature_map,
+            causal=causal,
+            eps=eps,
+            eps_policy=eps_policy,
+            **options,
+        )
+
+    apply.__name__ = f"linear_{form}_multihead"
+    apply.__qualname__ = apply.__name__
+    apply.__doc__ = (
+        f"Multi-head linear attention, {form} form: per head ``q = x W_Q + b_Q`` etc., then "
+        f":func:`{kernel.__name__}`, then ``sum_i y_i W_O[i] + b_O``."
+    )
+    return apply
+
+
+linear_quadratic_multihead = _make_multihead("quadratic", False)
+linear_associative_multihead = _make_multihead("associative", False)
+linear_prefix_sum_multihead = _make_multihead("prefix_sum", True)
+linear_recurrent_multihead = _make_multihead("recurrent", True)
+linear_chunked_multihead = _make_multihead("chunked", True)
+
+
+@float64_scoped
+def linear_messages_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMap,
+    causal: bool = False,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: float = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Messages form: ``sum_i A_i (X_kv W_M[i] + b_V[i] W_O[i]) + b_O`` with the normalised
+    linear attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked)."""
+    x_kv = x_q if x_kv is None else x_kv
+    check_params(params)
+    check_tokens(params, x_q, x_kv)
+    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
+    q = jnp.swapaxes(project(xq, params.w_q, params.b_q), -3, -2)
+    k = jnp.swapaxes(project(xkv, params.w_k, params.b_k), -3, -2)
+    _check_qkv(q, k, k, key_mask, causal)
+    _check_policy(eps, eps_policy)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    fq, fk = _features(feature_map, q, k, km)
+    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
+    if causal:
+        a = jnp.where(_causal(a.shape[-1]), a, jnp.zeros_like(a))
+    den = jnp.sum(a, axis=-1)  # [..., H, T_q]
+    a = normalize(a, den, eps, eps_policy)  # row-normalised weights, zero rows where den = 0
+    msgs = jnp.einsum("...td,hde->...hte", xkv, w_m(params), precision=HIGHEST)
+    if params.b_v is not None:
+        vb = jnp.einsum("hv,hvd->hd", params.b_v, params.w_o, precision=HIGHEST)
+        msgs = msgs + vb[:, None, :]
+    y = jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, msgs, precision=HIGHEST), axis=-3)
+    return residual_or(add_output_bias(y, params), xq, residual)
