@@ -113,8 +113,9 @@ def problems(
     dtypes: tuple[str, ...] = ("float32", "float64"),
     kinds: tuple[str, ...] = MASK_KINDS,
     with_bias: bool | None = True,
+    buckets: tuple[Bucket, ...] = BUCKETS,
 ) -> Problem:
-    bucket = draw(st.sampled_from(BUCKETS), label="bucket")
+    bucket = draw(st.sampled_from(buckets), label="bucket")
     kind = draw(st.sampled_from(kinds), label="mask kind")
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     bias_on = draw(st.booleans(), label="parameter biases") if with_bias is None else with_bias

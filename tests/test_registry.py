@@ -20,7 +20,7 @@ def test_every_entry_is_complete():
     for f in attnref.formulations("softmax"):
         assert re.fullmatch(r"[a-z_]+", f.id) and f.id not in seen
         seen.add(f.id)
-        assert f.title and f.citation and f.summary and f.convention
+        assert f.title and f.citation and f.summary and f.convention and "O(" in f.cost
         kernel = {"softmax": ("softmax", "sigma"), "linear": ("phi",)}[f.family]
         assert "\\" in f.equation and any(word in f.equation for word in kernel), f.id
         assert callable(f.apply) and callable(f.native)

@@ -51,6 +51,7 @@ register(
         apply=concat_attention,
         native=concat_attention,
         summary="The textbook form: heads concatenated along features, one stacked output matrix.",
+        cost="FLOPs O(H (T_q + T_k) d_model (d_k + d_v) + H T_q T_k (d_k + d_v)); memory O(H T_q T_k) for the weights.",
     )
 )
 
@@ -67,6 +68,7 @@ register(
         apply=per_head_sum_attention,
         native=per_head_sum_attention,
         summary="W_O split into per-head blocks; each head writes to model space and the writes add.",
+        cost="As concat, plus O(H T_q d_v d_model) for per-head outputs held before the sum; memory O(H T_q T_k + H T_q d_model).",
     )
 )
 
@@ -83,6 +85,7 @@ register(
         apply=scores_messages_attention,
         native=scores_messages_attention,
         summary="Value and output projections merged into a d_model x d_model message matrix.",
+        cost="FLOPs O(H d_model^2 d_v) to form W_M, O(H T_k d_model^2) for messages, O(H T_q T_k d_model) to mix; memory O(H T_k d_model + H T_q T_k). Mixing costs d_model / d_v times the concat form's.",
     )
 )
 
@@ -100,6 +103,7 @@ register(
         apply=patterns_messages_attention,
         native=patterns_messages_attention,
         summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
+        cost="FLOPs O(H d_model^2 (d_k + d_v)) to form W_P and W_M, O(H (T_q + T_k) d_model^2) for patterns and messages, O(H T_q T_k d_model) for logits and mixing; memory O(H (T_q + T_k) d_model + H T_q T_k).",
     )
 )
 
@@ -117,6 +121,7 @@ register(
         apply=column_attention_rows,
         native=column_attention,
         summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
+        cost="As patterns_messages (the same products, transposed); memory O(H (T_q + T_k) d_model + H T_q T_k).",
     )
 )
 
@@ -134,6 +139,7 @@ register(
         apply=soft_search_attention,
         native=soft_search,
         summary="One query vector at a time searches the keys with its pattern; vmapped over queries.",
+        cost="Per query O(H T_k d_model^2) (messages are recomputed for every query) plus O(H T_k d_model); in all O(T_q H T_k d_model^2); memory O(H T_k d_model) per query in flight.",
     )
 )
 
@@ -151,6 +157,7 @@ register(
         apply=graph_attention_rows,
         native=graph_attention,
         summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
+        cost="FLOPs O(H (N_r + N_s) d_model (d_k + d_v) + H E (d_k + d_v)) for E edges (E = T_q T_k for the dense adjacency); memory O(H E (d_k + d_v)) for gathered per-edge keys and values.",
     )
 )
 
@@ -175,6 +182,7 @@ register(
         apply=linear_quadratic_multihead,
         native=linear_quadratic,
         summary="The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised.",
+        cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
         family="linear",
         causal_modes=(False, True),
         static_argnames=LINEAR_STATIC,
@@ -191,6 +199,7 @@ register(
         apply=linear_associative_multihead,
         native=linear_associative,
         summary="Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first.",
+        cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
         family="linear",
         causal_modes=(False,),
         static_argnames=LINEAR_STATIC,
@@ -207,6 +216,7 @@ register(
         apply=linear_prefix_sum_multihead,
         native=linear_prefix_sum,
         summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
+        cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
         family="linear",
         causal_modes=(True,),
         static_argnames=LINEAR_STATIC,
@@ -223,6 +233,7 @@ register(
         apply=linear_recurrent_multihead,
         native=linear_recurrent,
         summary="A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory.",
+        cost="FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T (the KV-cache analogue).",
         family="linear",
         causal_modes=(True,),
         static_argnames=LINEAR_STATIC,
@@ -239,6 +250,7 @@ register(
         apply=linear_chunked_multihead,
         native=linear_chunked,
         summary="Quadratic inside each chunk, the state carried between chunks by lax.scan; any chunk size.",
+        cost="FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; memory O(H (C^2 + m d_v)).",
         family="linear",
         causal_modes=(True,),
         static_argnames=(*LINEAR_STATIC, "chunk_size"),
@@ -255,6 +267,7 @@ register(
         apply=linear_messages_attention,
         native=linear_messages_attention,
         summary="The normalised linear attention matrix of each head times its messages X W_M.",
+        cost="FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); memory O(H T_q T_k + H T_k d_model).",
         family="linear",
         causal_modes=(False, True),
         static_argnames=LINEAR_STATIC,

@@ -62,6 +62,7 @@ def render(f: Formulation) -> str:
         f"Registry id: `{f.id}` · convention: {f.convention}\n\n"
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
+        f"**Cost.** {f.cost}\n\n"
         f"**Convention.** {_CONVENTION_NOTE[f.convention]} {_FAMILY_NOTE[f.family]}\n\n"
         f"**Code.** Native form: `{native}{_signature(f.native)}`; registry `apply` "
         f"({f.family} family): `{apply}{_signature(f.apply)}`.\n\n"

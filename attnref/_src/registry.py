@@ -35,6 +35,7 @@ class Formulation:
     apply: Callable[..., Any]
     native: Callable[..., Any]
     summary: str
+    cost: str  # asymptotic FLOPs and peak memory of this order of operations
     family: Family = "softmax"
     causal_modes: tuple[bool, ...] = (False, True)
     static_argnames: tuple[str, ...] = ("residual",)  # for jax.jit(apply, static_argnames=...)
