@@ -41,8 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "list":
         for f in formulations():
-            print(f"{f.id:<18} [{f.family}, {f.convention}] {f.title}\n    {f.equation}\n"
-                  f"    cost: {f.cost}\n    {f.citation}")
+            print(
+                f"{f.id:<18} [{f.family}, {f.convention}] {f.title}\n    {f.equation}\n"
+                f"    cost: {f.cost}\n    {f.citation}"
+            )
         return 0
     sizes = {f.name for f in dataclasses.fields(_report.Problem)} - {"bias", "causal"}
     problem = _report.Problem(

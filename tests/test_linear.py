@@ -490,3 +490,11 @@ def test_bad_input_raises_clearly():
         jax.jit(attnref.linear_quadratic)(p.q, p.k, p.v, feature_map=fm, causal=True)
     with pytest.raises(ValueError, match="unknown feature map 'softmax'"):
         attnref.FeatureMap("softmax")
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        attnref.linear_associative(p.q, p.k, p.v, feature_map=fm, eps=-1e-3)
+    state = attnref.linear_state_init((2,), 2, 4, 3, np.float64)
+    t0 = (p.q[:, 0], p.k[:, 0], p.v[:, 0])
+    with pytest.raises(ValueError, match=r"k_t has shape \(2, 4\)"):
+        attnref.linear_step(state, t0[0], t0[1][:, 0], t0[2], feature_map=fm)
+    with pytest.raises(ValueError, match="the feature map gives 21 features; the state has 4"):
+        attnref.linear_step(state, *t0, feature_map=attnref.taylor2())

@@ -81,6 +81,11 @@ def _check_policy(eps: Any, eps_policy: str) -> None:
         raise ValueError(f"eps_policy must be one of {EPS_POLICIES}, got {eps_policy!r}")
     if np.ndim(eps) != 0:
         raise ValueError(f"eps must be a scalar, got shape {np.shape(eps)}")
+    if isinstance(eps, (int, float)) and eps < 0:
+        raise ValueError(
+            f"eps must be >= 0, got {eps} (a negative eps can create zero "
+            "denominators with positive feature maps)"
+        )
 
 
 def _features(fm: FeatureMap, q: Array, k: Array, key_mask: Array | None) -> tuple[Array, Array]:
@@ -232,7 +237,21 @@ def linear_step(
 
     ``key_valid`` (per batch element) skips the append for padding positions.
     """
+    lead = tuple(np.shape(state.z))[:-1]  # batch dims + H
+    for name, a in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if tuple(np.shape(a))[:-1] != lead:
+            raise ValueError(
+                f"{name} has shape {tuple(np.shape(a))}; the state expects "
+                f"[..., H] = {lead} before the feature axis"
+            )
+    if np.shape(v_t)[-1] != np.shape(state.s)[-1]:
+        raise ValueError(f"v_t has d_v={np.shape(v_t)[-1]}; the state has {np.shape(state.s)[-1]}")
+    _check_policy(eps, eps_policy)
     fq, fk = feature_map(q_t, "query"), feature_map(k_t, "key")
+    if fk.shape[-1] != np.shape(state.z)[-1]:
+        raise ValueError(
+            f"the feature map gives {fk.shape[-1]} features; the state has {np.shape(state.z)[-1]}"
+        )
     if key_valid is not None:
         fk = jnp.where(key_valid[..., None, None], fk, jnp.zeros_like(fk))
     s = state.s + jnp.einsum("...hm,...hv->...hmv", fk, v_t, precision=HIGHEST)

@@ -5,9 +5,10 @@ Every entry's ``apply`` takes the row-convention multi-head signature of its fam
 
 * ``family="softmax"``: ``apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None,
   residual=False)``, checked against :func:`attnref.oracle.attention`;
-* ``family="linear"``: ``apply(params, x_q, x_kv=None, *, feature_map, causal=False,
+* ``family="linear"``: ``apply(params, x_q, x_kv=None, *, feature_map, causal=...,
   key_mask=None, eps=0.0, eps_policy="add", residual=False)``, checked against
-  :func:`attnref.oracle.linear_multihead`; ``causal_modes`` says which ``causal`` values it takes.
+  :func:`attnref.oracle.linear_multihead`; ``causal_modes`` says which ``causal`` values it takes
+  (the first is the default).
 
 ``native`` is the formulation in its own convention (column vectors, one query, an edge list, or
 the kernel level ``(q, k, v)`` for linear forms), which ``apply`` adapts.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
+
+import jax
 
 Convention = Literal["row", "column", "single-query", "graph", "kernel"]
 Family = Literal["softmax", "linear"]
@@ -42,8 +45,6 @@ class Formulation:
 
     def jit(self) -> Callable[..., Any]:
         """``jax.jit(apply)`` with this entry's static arguments."""
-        import jax
-
         return jax.jit(self.apply, static_argnames=self.static_argnames)
 
 
