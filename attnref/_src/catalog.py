@@ -139,7 +139,7 @@ register(
         apply=soft_search_attention,
         native=soft_search,
         summary="One query vector at a time searches the keys with its pattern; vmapped over queries.",
-        cost="Per query O(H T_k d_model^2) (messages are recomputed for every query) plus O(H T_k d_model); in all O(T_q H T_k d_model^2); memory O(H T_k d_model) per query in flight.",
+        cost="As patterns_messages: written one query at a time, but vmap leaves the query-independent work (W_P, W_M and the messages X_kv W_M) unbatched, so it is computed once (XLA's FLOP count equals patterns_messages'); memory O(H (T_q + T_k) d_model + H T_q T_k)",
     )
 )
 
