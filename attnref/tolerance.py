@@ -245,6 +245,14 @@ def _abs_feature_error(
     return rho * np.abs(phi)
 
 
+def _allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
+    """``[..., H, T_q, T_k]``: key padding and, if causal, ``j <= i``."""
+    *batch, t_q, heads, _ = q_shape
+    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    allowed = np.broadcast_to(km[..., None, None, :], (*batch, heads, t_q, t_k))
+    return allowed & np.tril(np.ones((t_q, t_k), bool)) if causal else allowed
+
+
 def linear_error_bound(
     q: Any,
     k: Any,
@@ -279,12 +287,8 @@ def linear_error_bound(
     dq, dk, dv = (
         np.broadcast_to(np.asarray(a, np.float64), b.shape) for a, b in ((dq, q), (dk, k), (dv, v))
     )
-    *batch, t_q, _, _ = q.shape
-    t_k = k.shape[-3]
-    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
-    allowed = np.broadcast_to(km[..., None, None, :], (*batch, q.shape[-2], t_q, t_k))
-    if causal:
-        allowed = allowed & np.tril(np.ones((t_q, t_k), bool))
+    t_q, t_k = q.shape[-3], k.shape[-3]
+    allowed = _allowed_keys(q.shape, t_k, key_mask, causal)
 
     # Imported here so this module still loads (and stays JAX-free) on its own by file path.
     from attnref.oracle import features
@@ -370,11 +374,8 @@ def linear_multihead_error_bound(
 
     z = linear_attention(q, k, v, **kw)  # type: ignore[arg-type]
     fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
-    t_q, t_k = q.shape[-3], k.shape[-3]
-    km = np.ones((*q.shape[:-3], t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
-    allowed = np.broadcast_to(km[..., None, None, :], (*q.shape[:-3], q.shape[-2], t_q, t_k))
-    if causal:
-        allowed = allowed & np.tril(np.ones((t_q, t_k), bool))
+    t_k = k.shape[-3]
+    allowed = _allowed_keys(q.shape, t_k, key_mask, causal)
     abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
     a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
     den = a.sum(-1)
