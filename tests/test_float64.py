@@ -32,3 +32,24 @@ def test_float32_inputs_stay_float32_and_merged_matrices_keep_float64():
         for fn in (attnref.w_p, attnref.w_m, attnref.w_a, attnref.w_i):
             assert fn(p64).dtype == np.float64, fn.__name__
         assert attnref.attention_weights(p64, p.x_q.astype(np.float64)).dtype == np.float64
+
+
+@pytest.mark.parametrize("fid", attnref.ids("linear"))
+def test_linear_family_float64_with_x64_off_and_float32_stays_float32(fid):
+    f = attnref.get(fid)
+    causal = f.causal_modes[0]
+    p = make_problem(BUCKETS[1], "none", seed=4, dtype=np.float64)
+    x_kv = p.x_q if causal else p.x_kv
+    fm = attnref.favor_plus(0, BUCKETS[1].d_k, 8)  # omega is float64 NumPy in both cases
+    kw = dict(feature_map=fm, causal=causal)
+    with jax.enable_x64(False):
+        y64 = f.apply(p.params, p.x_q, x_kv, **kw)
+        y32 = f.apply(
+            p.params.astype(np.float32), p.x_q.astype(np.float32), x_kv.astype(np.float32), **kw
+        )
+    assert y64.dtype == np.float64 and y32.dtype == np.float32
+    ref = attnref.oracle.linear_multihead(p.params, p.x_q, x_kv, **kw)
+    bound = attnref.tolerance.linear_multihead_error_bound(
+        p.params, p.x_q, x_kv, dtype=np.float64, **kw
+    )
+    assert_within_bound(y64, ref, bound, label=fid)
