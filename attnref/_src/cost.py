@@ -1,0 +1,447 @@
+"""Analytic cost model of every registered formulation, in its own order of operations.
+
+Counting conventions (XLA's, so the model can be checked against ``cost_analysis()``):
+
+* **matmul FLOPs**: a contraction of ``M x K`` by ``K x N`` costs ``2 M N K`` (a multiply-add is
+  2); exact for each formulation's einsums, including forming ``W_P``, ``W_M``, ``W_A``, ``W_I``.
+* **transcendentals**: one per ``exp`` / ``expm1`` element; exact.
+* **elementwise FLOPs**: one per element per arithmetic, comparison or select op, ``n - 1`` per
+  reduction of ``n`` elements. The model gives an *upper bound* counted from attnref's source
+  (e.g. the masked softmax touches each logit with at most 12 such ops and each row with 2);
+  XLA's simplifier can only remove work, so ``matmul <= XLA <= matmul + elementwise``.
+* **bytes**: inputs (parameters and tokens), the output, and the largest intermediate tensor.
+
+Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T`` (or ``T / C``)
+times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
+``loop_trips`` and ``per_trip_*`` for comparing with XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Problem sizes. ``batch`` is the product of the batch dims; ``features`` is the linear
+    family's feature count ``m`` and ``feature_map`` its name; ``chunk`` the chunk size."""
+
+    batch: int
+    t_q: int
+    t_k: int
+    heads: int
+    d_model: int
+    d_k: int
+    d_v: int
+    bias: bool = False
+    feature_map: str = "elu_plus_one"
+    features: int = 0
+    chunk: int = 16
+    itemsize: int = 4
+    causal: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    matmul_flops: int
+    elementwise_flops: int  # an upper bound (see module docstring)
+    transcendentals: int
+    input_bytes: int
+    output_bytes: int
+    intermediate_bytes: int  # the largest intermediate tensor
+    loop_trips: int = 1  # > 1 for scan-based forms
+    per_trip_matmul_flops: int = 0  # the part of matmul_flops inside the loop, per trip
+    per_trip_elementwise_flops: int = 0
+    per_trip_transcendentals: int = 0
+
+    @property
+    def flops(self) -> int:
+        """Total work: matmul FLOPs plus the elementwise upper bound."""
+        return self.matmul_flops + self.elementwise_flops
+
+    def as_counted_by_xla(self) -> tuple[int, int, int]:
+        """``(matmul, elementwise bound, transcendentals)`` with loop bodies counted once."""
+        extra = self.loop_trips - 1
+        return (
+            self.matmul_flops - extra * self.per_trip_matmul_flops,
+            self.elementwise_flops - extra * self.per_trip_elementwise_flops,
+            self.transcendentals - extra * self.per_trip_transcendentals,
+        )
+
+
+SOFTMAX_PER_LOGIT = 12  # != -inf, and mask, any, where, max, -, where, where, sum, /, *scale, +bias
+SOFTMAX_PER_ROW = 2  # where(any, max, 0), where(any, sum, 1)
+
+
+def _io(d: Dims, *, kv_tokens: bool = True) -> tuple[int, int]:
+    h, dm = d.heads, d.d_model
+    params = h * dm * (2 * d.d_k + d.d_v) + h * d.d_v * dm
+    if d.bias:
+        params += h * (2 * d.d_k + d.d_v) + dm
+    tokens = d.batch * (d.t_q + (d.t_k if kv_tokens else 0)) * dm
+    masks = 2 * d.batch * d.t_q * d.t_k  # bias (itemsize) and boolean mask (1 byte) ~ bounded
+    inputs = (params + tokens) * d.itemsize + masks * d.itemsize
+    return inputs, d.batch * d.t_q * dm * d.itemsize
+
+
+def _softmax_elementwise(d: Dims) -> int:
+    logits = d.batch * d.heads * d.t_q * d.t_k
+    return SOFTMAX_PER_LOGIT * logits + SOFTMAX_PER_ROW * d.batch * d.heads * d.t_q
+
+
+def _bias_adds(d: Dims, q: int, k: int, v: int, out: int) -> int:
+    return (q + k + v + out) if d.bias else 0
+
+
+def _projections(d: Dims) -> tuple[int, int, int]:
+    b, h, dm = d.batch, d.heads, d.d_model
+    return (
+        2 * b * d.t_q * dm * h * d.d_k,
+        2 * b * d.t_k * dm * h * d.d_k,
+        2 * b * d.t_k * dm * h * d.d_v,
+    )
+
+
+def _finish(d: Dims, matmul: int, elementwise: int, trans: int, largest: int) -> Cost:
+    inputs, output = _io(d)
+    return Cost(matmul, elementwise, trans, inputs, output, largest * d.itemsize)
+
+
+def concat_cost(d: Dims) -> Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    pq, pk, pv = _projections(d)
+    logits = b * h * tq * tk
+    mm = pq + pk + pv + 2 * logits * (d.d_k + d.d_v) + 2 * b * tq * h * d.d_v * dm
+    el = _softmax_elementwise(d) + _bias_adds(
+        d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
+    )
+    return _finish(d, mm, el, logits, logits)
+
+
+def per_head_sum_cost(d: Dims) -> Cost:
+    c = concat_cost(d)
+    head_sum = d.batch * (d.heads - 1) * d.t_q * d.d_model
+    return dataclasses.replace(
+        c,
+        elementwise_flops=c.elementwise_flops + head_sum,
+        intermediate_bytes=max(
+            c.intermediate_bytes, d.batch * d.heads * d.t_q * d.d_model * d.itemsize
+        ),
+    )
+
+
+def _messages(d: Dims) -> tuple[int, int]:
+    """(matmul, elementwise) of ``X_kv W_M + b_V W_O`` including forming ``W_M``."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    mm = 2 * h * dm * d.d_v * dm + 2 * b * d.t_k * dm * h * dm
+    if d.bias:
+        mm += 2 * h * d.d_v * dm
+    return mm, (b * h * d.t_k * dm if d.bias else 0)
+
+
+def _mix(d: Dims) -> tuple[int, int]:
+    """(matmul, elementwise) of ``sum_i A_i M_i + b_O``."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    el = b * (h - 1) * d.t_q * dm + (b * d.t_q * dm if d.bias else 0)
+    return 2 * b * h * d.t_q * d.t_k * dm, el
+
+
+def scores_messages_cost(d: Dims) -> Cost:
+    b, h, tq, tk = d.batch, d.heads, d.t_q, d.t_k
+    pq, pk, _ = _projections(d)
+    logits = b * h * tq * tk
+    mm_m, el_m = _messages(d)
+    mm_x, el_x = _mix(d)
+    mm = pq + pk + 2 * logits * d.d_k + mm_m + mm_x
+    el = (
+        _softmax_elementwise(d)
+        + el_m
+        + el_x
+        + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, 0, 0)
+    )
+    return _finish(d, mm, el, logits, max(logits, b * h * tk * d.d_model))
+
+
+def patterns_messages_cost(d: Dims) -> Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    logits = b * h * tq * tk
+    mm_p = (
+        2 * h * dm * d.d_k * dm + 2 * b * tq * dm * h * dm + (2 * h * d.d_k * dm if d.bias else 0)
+    )
+    mm_m, el_m = _messages(d)
+    mm_x, el_x = _mix(d)
+    mm = mm_p + 2 * logits * dm + mm_m + mm_x
+    el = _softmax_elementwise(d) + el_m + el_x + (b * h * tq * dm if d.bias else 0)
+    return _finish(d, mm, el, logits, max(logits, b * h * max(tq, tk) * dm))
+
+
+def column_cost(d: Dims) -> Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    logits = b * h * tq * tk
+    mm = (
+        2 * h * dm * d.d_k * dm
+        + 2 * h * dm * dm * b * tq
+        + 2 * logits * dm
+        + 2 * h * dm * d.d_v * dm
+        + 2 * h * dm * dm * b * tk
+        + 2 * logits * dm
+    )
+    el = _softmax_elementwise(d) + b * (h - 1) * tq * dm
+    if d.bias:
+        mm += 2 * h * dm * d.d_k + 2 * b * tk * dm * h + 2 * h * d.d_v * dm
+        el += logits + b * h * tk * dm + b * tq * dm
+    return _finish(d, mm, el, logits, max(logits, b * h * max(tq, tk) * dm))
+
+
+def soft_search_cost(d: Dims) -> Cost:
+    """vmap leaves query-independent work unbatched: the same counts as patterns x messages."""
+    return patterns_messages_cost(d)
+
+
+def graph_cost(d: Dims) -> Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    e = tq * tk  # dense adjacency
+    pq, pk, pv = _projections(d)
+    mm = pq + pk + pv + 2 * b * tq * h * d.d_v * dm
+    edges = b * e * h
+    el = (
+        edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
+        + (SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters count per edge
+        + 2 * edges * d.d_v  # alpha * v and its scatter-add
+        + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm)
+        + 2 * b * h * tq
+    )
+    return _finish(d, mm, el, edges, edges * max(d.d_k, d.d_v))
+
+
+# ----------------------------------------------------------------------------- linear family
+
+
+def _feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
+    """(matmul, elementwise, transcendentals, m) of the feature map on ``tokens`` positions."""
+    h, dk = d.heads, d.d_k
+    n = d.batch * tokens * h
+    name = d.feature_map
+    if name == "elu_plus_one":
+        return 0, 4 * n * dk, n * dk, dk
+    if name == "relu":
+        return 0, n * dk, 0, dk
+    if name == "identity":
+        return 0, 0, 0, dk
+    if name == "taylor2":
+        return 0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk
+    m = d.features  # favor_plus: x~ scale, proj, |x~|^2, |w|^2, exponent, max, exp, 1/sqrt(m)
+    return 2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m
+
+
+def _linear_proj(d: Dims) -> tuple[int, int]:
+    pq, pk, pv = _projections(d)
+    b, h = d.batch, d.heads
+    out = 2 * b * d.t_q * h * d.d_v * d.d_model
+    el = _bias_adds(
+        d,
+        b * d.t_q * h * d.d_k,
+        b * d.t_k * h * d.d_k,
+        b * d.t_k * h * d.d_v,
+        b * d.t_q * d.d_model,
+    )
+    return pq + pk + pv + out, el + b * (d.heads - 1) * d.t_q * d.d_model
+
+
+def _normalize_el(d: Dims) -> int:
+    """eps add, zero test, safe select, divide and output select per (query, head)."""
+    n = d.batch * d.t_q * d.heads
+    return 4 * n + 2 * n * d.d_v
+
+
+def _linear(d: Dims, form_mm: int, form_el: int, largest: int, **loop: int) -> Cost:
+    mmq, elq, trq, m = _feature_cost(d, d.t_q)
+    mmk, elk, trk, _ = _feature_cost(d, d.t_k)
+    mm_p, el_p = _linear_proj(d)
+    el = elq + elk + el_p + form_el + _normalize_el(d) + d.batch * d.t_k * d.heads * m  # key mask
+    inputs, output = _io(d)
+    return Cost(
+        mm_p + mmq + mmk + form_mm, el, trq + trk, inputs, output, largest * d.itemsize, **loop
+    )
+
+
+def _m(d: Dims) -> int:
+    return _feature_cost(d, 1)[3]
+
+
+def linear_quadratic_cost(d: Dims) -> Cost:
+    b, h, m = d.batch, d.heads, _m(d)
+    a = b * h * d.t_q * d.t_k
+    return _linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), a)
+
+
+def linear_associative_cost(d: Dims) -> Cost:
+    b, h, m = d.batch, d.heads, _m(d)
+    mm = 2 * b * h * m * d.d_v * d.t_k + 2 * b * d.t_q * h * m * (d.d_v + 1)
+    return _linear(d, mm, b * h * m * d.t_k, b * h * m * d.d_v)
+
+
+def linear_prefix_sum_cost(d: Dims) -> Cost:
+    b, h, m, t = d.batch, d.heads, _m(d), d.t_q
+    states = b * t * h * m * (d.d_v + 1)
+    log_t = max(1, math.ceil(math.log2(t)))
+    # outer products (1 flop/element), cumsum (an associative scan: <= 2 log2(T) passes), and
+    # the denominator phi(q).z, a contraction with no free dimension that XLA lowers to a
+    # multiply and a reduction (2m - 1 elementwise flops), not a dot.
+    el = b * t * h * m * d.d_v + 2 * log_t * states + b * t * h * (2 * m - 1)
+    return _linear(d, 2 * b * t * h * m * d.d_v, el, states)
+
+
+def linear_recurrent_cost(d: Dims) -> Cost:
+    b, h, m, t = d.batch, d.heads, _m(d), d.t_q
+    mm_f, el_f, tr_f, _ = _feature_cost(dataclasses.replace(d, t_q=1, t_k=1), 1)
+    step_mm = 2 * b * h * m * d.d_v + 2 * mm_f  # read-out phi(q) S; features of q_t and k_t
+    # state update (outer product, adds), phi(q).z (multiply + reduce), features, normalise
+    step_el = (
+        2 * b * h * m * d.d_v
+        + 2 * b * h * m
+        + b * h * (2 * m - 1)
+        + 2 * el_f
+        + _normalize_el(dataclasses.replace(d, t_q=1))
+    )
+    mm_p, el_p = _linear_proj(d)
+    inputs, output = _io(d)
+    return Cost(
+        mm_p + t * step_mm,
+        el_p + t * step_el + b * t * h * m,
+        t * 2 * tr_f,
+        inputs,
+        output,
+        b * h * m * d.d_v * d.itemsize,
+        loop_trips=t,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=2 * tr_f,
+    )
+
+
+def linear_chunked_cost(d: Dims) -> Cost:
+    b, h, m, t, c = d.batch, d.heads, _m(d), d.t_q, d.chunk
+    n = math.ceil(t / c)
+    a = b * h * c * c
+    step_mm = 2 * a * (m + d.d_v) + 2 * b * c * h * m * (d.d_v + 1) + 2 * b * h * m * d.d_v * c
+    step_el = (
+        a * 2
+        + 2 * b * h * m * (d.d_v + 1)
+        + b * c * h * m
+        + _normalize_el(dataclasses.replace(d, t_q=c))
+    )
+    base = _linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, a + b * h * m * d.d_v)
+    return dataclasses.replace(
+        base,
+        matmul_flops=base.matmul_flops + n * step_mm,
+        elementwise_flops=base.elementwise_flops
+        - _normalize_el(d)
+        + n * step_el
+        + 2 * b * n * c * h * (m + d.d_v),  # padding to whole chunks
+        loop_trips=n,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+    )
+
+
+def linear_messages_cost(d: Dims) -> Cost:
+    b, h, m, dm = d.batch, d.heads, _m(d), d.d_model
+    a = b * h * d.t_q * d.t_k
+    pq, pk, _ = _projections(d)
+    mmq, elq, trq, _ = _feature_cost(d, d.t_q)
+    mmk, elk, trk, _ = _feature_cost(d, d.t_k)
+    mm_m, el_m = _messages(d)
+    mm_x, el_x = _mix(d)
+    mm = pq + pk + mmq + mmk + 2 * a * m + mm_m + mm_x
+    el = (
+        elq
+        + elk
+        + a * (2 if d.causal else 1)
+        + 4 * a
+        + el_m
+        + el_x
+        + _bias_adds(d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, 0, 0)
+        + b * d.t_k * h * m
+    )
+    inputs, output = _io(d)
+    return Cost(mm, el, trq + trk, inputs, output, max(a, b * h * d.t_k * dm) * d.itemsize)
+
+
+COST_MODELS: dict[str, Callable[[Dims], Cost]] = {
+    "concat": concat_cost,
+    "per_head_sum": per_head_sum_cost,
+    "scores_messages": scores_messages_cost,
+    "patterns_messages": patterns_messages_cost,
+    "column": column_cost,
+    "soft_search": soft_search_cost,
+    "graph": graph_cost,
+    "linear_quadratic": linear_quadratic_cost,
+    "linear_associative": linear_associative_cost,
+    "linear_prefix_sum": linear_prefix_sum_cost,
+    "linear_recurrent": linear_recurrent_cost,
+    "linear_chunked": linear_chunked_cost,
+    "linear_messages": linear_messages_cost,
+}
+
+
+def cost(formulation_id: str, dims: Dims) -> Cost:
+    """The analytic cost of a registered formulation on ``dims``."""
+    try:
+        return COST_MODELS[formulation_id](dims)
+    except KeyError:
+        raise KeyError(
+            f"no cost model for {formulation_id!r}; known: {sorted(COST_MODELS)}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- XLA's counts
+
+_INSTR = re.compile(r"%([\w.\-]+) = \w+\[([\d,]*)\]")
+_DOT = re.compile(
+    r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}"
+)
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def hlo_dot_flops(hlo_text: str) -> int:
+    """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
+    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does)."""
+    shapes = {m.group(1): _dims(m.group(2)) for m in _INSTR.finditer(hlo_text)}
+    total = 0
+    for m in _DOT.finditer(hlo_text):
+        out, lhs = _dims(m.group(1)), shapes[m.group(2)]
+        total += 2 * math.prod(out) * math.prod(lhs[c] for c in _dims(m.group(3)))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCounts:
+    flops: float  # cost_analysis()["flops"]: dots plus every elementwise op XLA executes
+    transcendentals: float
+    dot_flops: int  # from the optimised HLO's dot instructions
+    temp_bytes: int  # memory_analysis().temp_size_in_bytes
+
+    @property
+    def other_flops(self) -> float:
+        """Elementwise work as XLA counts it (fusion may duplicate cheap producers)."""
+        return self.flops - self.dot_flops
+
+
+def xla_counts(fn: Callable[..., object], *args: object, **kwargs: object) -> XlaCounts:
+    """Compile ``fn`` (already ``jax.jit``-wrapped) for ``args`` and read XLA's counts."""
+    compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return XlaCounts(
+        float(ca.get("flops", 0.0)),
+        float(ca.get("transcendentals", 0.0)),
+        hlo_dot_flops(compiled.as_text()),
+        int(compiled.memory_analysis().temp_size_in_bytes),
+    )
