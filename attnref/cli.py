@@ -33,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
         help="feature map for the linear family",
     )
     r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.add_argument("--repeats", type=int, default=5, help="timed calls per formulation")
+    r.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="also sweep T and write log-log PNGs to DIR (needs attnref[plot])",
+    )
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sub.add_parser("list", help="registered formulations with their equations")
     return p
 
@@ -53,8 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         causal=not args.no_causal,
     )
     ids = None if args.formulations is None else [s.strip() for s in args.formulations.split(",")]
+    stream = None if args.no_progress else sys.stderr
+    chosen_dtypes = [s.strip() for s in args.dtypes.split(",")]
     with enable_x64():  # the table includes float64 rows; float32 rows stay float32
-        rows = _report.run(problem, ids, [s.strip() for s in args.dtypes.split(",")])
+        rows = _report.run(problem, ids, chosen_dtypes, repeats=args.repeats, progress=stream)
+        if args.plot:
+            swept = _report.sweep(problem, ids, progress=stream)
+            for path in _report.plot(swept, args.plot):
+                print(f"wrote {path}", file=sys.stderr)
     print(_report.to_json(rows, problem) if args.json else _report.format_table(rows, problem))
     return 0 if all(r.bound_ratio <= 1.0 for r in rows) else 1
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import attnref
 from attnref import cli
@@ -65,16 +66,20 @@ def test_cli_report_table_and_json(capsys):
         "--d-v",
         "3",
     ]
-    assert cli.main(args) == 0
+    assert cli.main([*args, "--no-progress"]) == 0
     out = capsys.readouterr().out
     for fid in attnref.ids("softmax"):
         assert out.count(f"\n{fid} ") == 2, fid  # one float32 row and one float64 row
-    assert cli.main([*args, "--json", "--formulations", "concat,graph"]) == 0
+    assert cli.main([*args, "--json", "--formulations", "concat,graph", "--repeats", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in data["rows"]] == ["concat", "graph", "concat", "graph"]
     for r in data["rows"]:
         assert r["bound_ratio"] <= 1.0
         assert r["max_rel_error"] < (1e-12 if r["dtype"] == "float64" else 1e-5)
+    for r in data["rows"]:  # the cost columns: model dots == XLA's, times measured
+        assert r["model_matmul_flops"] == r["xla_dot_flops"] > 0
+        assert r["model_flops"] >= r["model_matmul_flops"] and r["median_us"] > 0
+        assert r["temp_bytes"] >= 0 and r["xla_flops"] >= r["xla_dot_flops"]
     assert cli.main(["list"]) == 0
     assert "Vaswani" in capsys.readouterr().out
 
@@ -87,3 +92,35 @@ def test_report_default_problem_float64_below_1e12():
     assert {r.id for r in rows} == set(attnref.ids())
     assert max(r.max_rel_error for r in rows) < 1e-12
     assert all(np.isfinite(r.bound_ratio) and r.bound_ratio <= 1 for r in rows)
+
+
+def test_cli_plot_writes_pngs(tmp_path, capsys):
+    """``--plot DIR`` sweeps T and writes two log-log PNGs (matplotlib is the ``plot`` extra,
+    which .ci/run installs; without it the command exits with an install hint instead)."""
+    pytest.importorskip("matplotlib", reason="the optional 'plot' extra is not installed")
+    args = [
+        "report",
+        "--batch",
+        "1",
+        "--d-model",
+        "8",
+        "--num-heads",
+        "1",
+        "--d-k",
+        "2",
+        "--d-v",
+        "2",
+        "--dtypes",
+        "float32",
+        "--formulations",
+        "concat,linear_associative",
+        "--repeats",
+        "1",
+        "--plot",
+        str(tmp_path),
+    ]
+    assert cli.main(args) == 0
+    for name in ("cost_vs_T.png", "time_vs_T.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "wrote" in capsys.readouterr().err
