@@ -8,6 +8,7 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 from attnref import oracle, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.column import column_attention, column_attention_rows
+from attnref._src.cost import Cost, Dims, XlaCounts, cost, hlo_dot_flops, xla_counts
 from attnref._src.feature_maps import (
     FeatureMap,
     elu_plus_one,
@@ -68,15 +69,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionParams",
+    "Cost",
+    "Dims",
     "FeatureMap",
     "Formulation",
     "LinearState",
+    "XlaCounts",
     "attention_weights",
     "causal_mask",
     "column_attention",
     "column_attention_rows",
     "combine_masks",
     "concat_attention",
+    "cost",
     "edges_from_mask",
     "elu_plus_one",
     "favor_plus",
@@ -88,6 +93,7 @@ __all__ = [
     "graph_attention",
     "graph_attention_rows",
     "head_outputs",
+    "hlo_dot_flops",
     "identity_features",
     "ids",
     "init_params",
@@ -126,4 +132,5 @@ __all__ = [
     "w_i",
     "w_m",
     "w_p",
+    "xla_counts",
 ]

@@ -27,6 +27,7 @@ def test_every_entry_is_complete():
         assert callable(f.apply) and callable(f.native)
         assert f.apply.__doc__ and f.native.__doc__
         assert f.causal_modes and set(f.causal_modes) <= {False, True}
+        assert f.cost_model is not None and f.cost_model.__name__ == f"{f.id}_cost"
     assert len(attnref.ids("softmax")) >= 7 and len(attnref.ids("linear")) >= 6
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attnref._src import cost
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.graph import graph_attention, graph_attention_rows
 from attnref._src.linear import (
@@ -52,6 +53,7 @@ register(
         native=concat_attention,
         summary="The textbook form: heads concatenated along features, one stacked output matrix.",
         cost="FLOPs O(H (T_q + T_k) d_model (d_k + d_v) + H T_q T_k (d_k + d_v)); memory O(H T_q T_k) for the weights.",
+        cost_model=cost.concat_cost,
     )
 )
 
@@ -69,6 +71,7 @@ register(
         native=per_head_sum_attention,
         summary="W_O split into per-head blocks; each head writes to model space and the writes add.",
         cost="As concat, plus O(H T_q d_v d_model) for per-head outputs held before the sum; memory O(H T_q T_k + H T_q d_model).",
+        cost_model=cost.per_head_sum_cost,
     )
 )
 
@@ -86,6 +89,7 @@ register(
         native=scores_messages_attention,
         summary="Value and output projections merged into a d_model x d_model message matrix.",
         cost="FLOPs O(H d_model^2 d_v) to form W_M, O(H T_k d_model^2) for messages, O(H T_q T_k d_model) to mix; memory O(H T_k d_model + H T_q T_k). Mixing costs d_model / d_v times the concat form's.",
+        cost_model=cost.scores_messages_cost,
     )
 )
 
@@ -104,6 +108,7 @@ register(
         native=patterns_messages_attention,
         summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
         cost="FLOPs O(H d_model^2 (d_k + d_v)) to form W_P and W_M, O(H (T_q + T_k) d_model^2) for patterns and messages, O(H T_q T_k d_model) for logits and mixing; memory O(H (T_q + T_k) d_model + H T_q T_k).",
+        cost_model=cost.patterns_messages_cost,
     )
 )
 
@@ -122,6 +127,7 @@ register(
         native=column_attention,
         summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
         cost="As patterns_messages (the same products, transposed); memory O(H (T_q + T_k) d_model + H T_q T_k).",
+        cost_model=cost.column_cost,
     )
 )
 
@@ -140,6 +146,7 @@ register(
         native=soft_search,
         summary="One query vector at a time searches the keys with its pattern; vmapped over queries.",
         cost="As patterns_messages: written one query at a time, but vmap leaves the query-independent work (W_P, W_M and the messages X_kv W_M) unbatched, so it is computed once (XLA's FLOP count equals patterns_messages'); memory O(H (T_q + T_k) d_model + H T_q T_k)",
+        cost_model=cost.soft_search_cost,
     )
 )
 
@@ -158,6 +165,7 @@ register(
         native=graph_attention,
         summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
         cost="FLOPs O(H (N_r + N_s) d_model (d_k + d_v) + H E (d_k + d_v)) for E edges (E = T_q T_k for the dense adjacency); memory O(H E (d_k + d_v)) for gathered per-edge keys and values.",
+        cost_model=cost.graph_cost,
     )
 )
 
@@ -183,6 +191,7 @@ register(
         native=linear_quadratic,
         summary="The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised.",
         cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
+        cost_model=cost.linear_quadratic_cost,
         family="linear",
         causal_modes=(False, True),
         static_argnames=LINEAR_STATIC,
@@ -200,6 +209,7 @@ register(
         native=linear_associative,
         summary="Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first.",
         cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
+        cost_model=cost.linear_associative_cost,
         family="linear",
         causal_modes=(False,),
         static_argnames=LINEAR_STATIC,
@@ -217,6 +227,7 @@ register(
         native=linear_prefix_sum,
         summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
         cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
+        cost_model=cost.linear_prefix_sum_cost,
         family="linear",
         causal_modes=(True,),
         static_argnames=LINEAR_STATIC,
@@ -234,6 +245,7 @@ register(
         native=linear_recurrent,
         summary="A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory.",
         cost="FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T (the KV-cache analogue).",
+        cost_model=cost.linear_recurrent_cost,
         family="linear",
         causal_modes=(True,),
         static_argnames=LINEAR_STATIC,
@@ -251,6 +263,7 @@ register(
         native=linear_chunked,
         summary="Quadratic inside each chunk, the state carried between chunks by lax.scan; any chunk size.",
         cost="FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; memory O(H (C^2 + m d_v)).",
+        cost_model=cost.linear_chunked_cost,
         family="linear",
         causal_modes=(True,),
         static_argnames=(*LINEAR_STATIC, "chunk_size"),
@@ -268,6 +281,7 @@ register(
         native=linear_messages_attention,
         summary="The normalised linear attention matrix of each head times its messages X W_M.",
         cost="FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); memory O(H T_q T_k + H T_k d_model).",
+        cost_model=cost.linear_messages_cost,
         family="linear",
         causal_modes=(False, True),
         static_argnames=LINEAR_STATIC,

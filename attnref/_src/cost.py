@@ -371,31 +371,19 @@ def linear_messages_cost(d: Dims) -> Cost:
     return Cost(mm, el, trq + trk, inputs, output, max(a, b * h * d.t_k * dm) * d.itemsize)
 
 
-COST_MODELS: dict[str, Callable[[Dims], Cost]] = {
-    "concat": concat_cost,
-    "per_head_sum": per_head_sum_cost,
-    "scores_messages": scores_messages_cost,
-    "patterns_messages": patterns_messages_cost,
-    "column": column_cost,
-    "soft_search": soft_search_cost,
-    "graph": graph_cost,
-    "linear_quadratic": linear_quadratic_cost,
-    "linear_associative": linear_associative_cost,
-    "linear_prefix_sum": linear_prefix_sum_cost,
-    "linear_recurrent": linear_recurrent_cost,
-    "linear_chunked": linear_chunked_cost,
-    "linear_messages": linear_messages_cost,
-}
-
-
 def cost(formulation_id: str, dims: Dims) -> Cost:
-    """The analytic cost of a registered formulation on ``dims``."""
+    """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``)."""
+    from attnref._src.registry import get  # the registry imports this module's models
+
     try:
-        return COST_MODELS[formulation_id](dims)
+        model = get(formulation_id).cost_model
     except KeyError:
         raise KeyError(
-            f"no cost model for {formulation_id!r}; known: {sorted(COST_MODELS)}"
+            f"no cost model for {formulation_id!r}: not a registered formulation"
         ) from None
+    if model is None:
+        raise KeyError(f"no cost model for {formulation_id!r}")
+    return model(dims)  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------------- XLA's counts

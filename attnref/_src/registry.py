@@ -42,6 +42,7 @@ class Formulation:
     family: Family = "softmax"
     causal_modes: tuple[bool, ...] = (False, True)
     static_argnames: tuple[str, ...] = ("residual",)  # for jax.jit(apply, static_argnames=...)
+    cost_model: Callable[[Any], Any] | None = None  # Dims -> Cost (attnref._src.cost)
 
     def jit(self) -> Callable[..., Any]:
         """``jax.jit(apply)`` with this entry's static arguments."""
