@@ -9,7 +9,10 @@ Counting conventions (XLA's, so the model can be checked against ``cost_analysis
   reduction of ``n`` elements. The model gives an *upper bound* counted from attnref's source
   (e.g. the masked softmax touches each logit with at most 12 such ops and each row with 2);
   XLA's simplifier can only remove work, so ``matmul <= XLA <= matmul + elementwise``.
-* **bytes**: inputs (parameters and tokens), the output, and the largest intermediate tensor.
+* **bytes**: inputs (parameters, tokens, masks), the output, the largest intermediate tensor and
+  a workspace bound: every intermediate this order of operations produces, all alive at once,
+  plus one copy of the inputs (XLA may copy an input to change its layout). XLA's temporary
+  memory lies between the largest intermediate (it must be materialised) and the workspace.
 
 Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T`` (or ``T / C``)
 times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
@@ -52,6 +55,7 @@ class Cost:
     input_bytes: int
     output_bytes: int
     intermediate_bytes: int  # the largest intermediate tensor
+    workspace_bytes: int = 0  # every intermediate at once plus one copy of the inputs
     loop_trips: int = 1  # > 1 for scan-based forms
     per_trip_matmul_flops: int = 0  # the part of matmul_flops inside the loop, per trip
     per_trip_elementwise_flops: int = 0
@@ -105,9 +109,24 @@ def _projections(d: Dims) -> tuple[int, int, int]:
     )
 
 
-def _finish(d: Dims, matmul: int, elementwise: int, trans: int, largest: int) -> Cost:
+def _softmax_tensors(d: Dims, logits: int) -> list[int]:
+    """Logit-sized tensors the masked softmax can materialise (logits, scaled and biased,
+    allowed, shifted, exponentials, weights) and its row vectors (any, max, sum, safe sum)."""
+    rows = d.batch * d.heads * d.t_q
+    return [logits] * 6 + [rows] * 4
+
+
+def _finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
     inputs, output = _io(d)
-    return Cost(matmul, elementwise, trans, inputs, output, largest * d.itemsize)
+    return Cost(
+        matmul,
+        elementwise,
+        trans,
+        inputs,
+        output,
+        max(tensors) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+    )
 
 
 def concat_cost(d: Dims) -> Cost:
@@ -118,18 +137,20 @@ def concat_cost(d: Dims) -> Cost:
     el = _softmax_elementwise(d) + _bias_adds(
         d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
     )
-    return _finish(d, mm, el, logits, logits)
+    qkv = [b * h * tq * d.d_k, b * h * tk * d.d_k, b * h * tk * d.d_v]
+    tail = [b * h * tq * d.d_v, b * tq * h * d.d_v, b * tq * dm]  # heads, concat, y
+    return _finish(d, mm, el, logits, qkv + _softmax_tensors(d, logits) + tail)
 
 
 def per_head_sum_cost(d: Dims) -> Cost:
     c = concat_cost(d)
     head_sum = d.batch * (d.heads - 1) * d.t_q * d.d_model
+    per_head = d.batch * d.heads * d.t_q * d.d_model * d.itemsize
     return dataclasses.replace(
         c,
         elementwise_flops=c.elementwise_flops + head_sum,
-        intermediate_bytes=max(
-            c.intermediate_bytes, d.batch * d.heads * d.t_q * d.d_model * d.itemsize
-        ),
+        intermediate_bytes=max(c.intermediate_bytes, per_head),
+        workspace_bytes=c.workspace_bytes + per_head,
     )
 
 
@@ -162,7 +183,18 @@ def scores_messages_cost(d: Dims) -> Cost:
         + el_x
         + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, 0, 0)
     )
-    return _finish(d, mm, el, logits, max(logits, b * h * tk * d.d_model))
+    dm = d.d_model
+    tensors = [
+        b * h * tq * d.d_k,
+        b * h * tk * d.d_k,
+        *_softmax_tensors(d, logits),
+        h * dm * dm,
+        b * h * tk * dm,
+        b * h * tk * dm,
+        b * h * tq * dm,
+        b * tq * dm,
+    ]
+    return _finish(d, mm, el, logits, tensors)
 
 
 def patterns_messages_cost(d: Dims) -> Cost:
@@ -175,7 +207,18 @@ def patterns_messages_cost(d: Dims) -> Cost:
     mm_x, el_x = _mix(d)
     mm = mm_p + 2 * logits * dm + mm_m + mm_x
     el = _softmax_elementwise(d) + el_m + el_x + (b * h * tq * dm if d.bias else 0)
-    return _finish(d, mm, el, logits, max(logits, b * h * max(tq, tk) * dm))
+    tensors = [
+        h * dm * dm,
+        b * h * tq * dm,
+        b * h * tq * dm,
+        *_softmax_tensors(d, logits),
+        h * dm * dm,
+        b * h * tk * dm,
+        b * h * tk * dm,
+        b * h * tq * dm,
+        b * tq * dm,
+    ]
+    return _finish(d, mm, el, logits, tensors)
 
 
 def column_cost(d: Dims) -> Cost:
@@ -193,12 +236,27 @@ def column_cost(d: Dims) -> Cost:
     if d.bias:
         mm += 2 * h * dm * d.d_k + 2 * b * tk * dm * h + 2 * h * d.d_v * dm
         el += logits + b * h * tk * dm + b * tq * dm
-    return _finish(d, mm, el, logits, max(logits, b * h * max(tq, tk) * dm))
+    tensors = [
+        h * dm * dm,
+        b * h * dm * tq,
+        *_softmax_tensors(d, logits),
+        b * h * tk,
+        h * dm * dm,
+        b * h * dm * tk,
+        b * h * dm * tq,
+        b * dm * tq,
+        b * (tq + tk) * dm,
+        b * tq * dm,
+    ]  # row-adapter transposes in and out
+    return _finish(d, mm, el, logits, tensors)
 
 
 def soft_search_cost(d: Dims) -> Cost:
-    """vmap leaves query-independent work unbatched: the same counts as patterns x messages."""
-    return patterns_messages_cost(d)
+    """vmap leaves query-independent work unbatched: the same counts as patterns x messages;
+    the workspace adds the full mask and bias broadcasts and the flattened batch copies."""
+    c = patterns_messages_cost(d)
+    extra = (2 * d.batch * d.t_q * d.t_k + d.batch * (d.t_q + 2 * d.t_k) * d.d_model) * d.itemsize
+    return dataclasses.replace(c, workspace_bytes=c.workspace_bytes + extra)
 
 
 def graph_cost(d: Dims) -> Cost:
@@ -214,7 +272,20 @@ def graph_cost(d: Dims) -> Cost:
         + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm)
         + 2 * b * h * tq
     )
-    return _finish(d, mm, el, edges, edges * max(d.d_k, d.d_v))
+    per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]
+    tensors = [
+        b * tq * h * d.d_k,
+        b * tk * h * d.d_k,
+        b * tk * h * d.d_v,
+        *per_edge,
+        *[edges] * 8,
+        *[b * tq * h] * 4,
+        b * tq * h * d.d_v,
+        b * tq * dm,
+        2 * b * e,
+        b * (tq + tk) * dm,
+    ]  # q*k, logits, softmax, mask/bias broadcasts
+    return _finish(d, mm, el, edges, tensors)
 
 
 # ----------------------------------------------------------------------------- linear family
@@ -257,14 +328,39 @@ def _normalize_el(d: Dims) -> int:
     return 4 * n + 2 * n * d.d_v
 
 
-def _linear(d: Dims, form_mm: int, form_el: int, largest: int, **loop: int) -> Cost:
+def _linear_tensors(d: Dims) -> list[int]:
+    """Projections (and their token-major copies), features with one temporary each, the
+    masked key features, the head outputs and the pre-bias output."""
+    b, h, m = d.batch, d.heads, _m(d)
+    proj = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
+    feats = [b * d.t_q * h * m, b * d.t_k * h * m]
+    return [
+        *proj,
+        *proj,
+        *feats,
+        *feats,
+        b * d.t_k * h * m,
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * d.d_model,
+    ]
+
+
+def _linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: int) -> Cost:
     mmq, elq, trq, m = _feature_cost(d, d.t_q)
     mmk, elk, trk, _ = _feature_cost(d, d.t_k)
     mm_p, el_p = _linear_proj(d)
     el = elq + elk + el_p + form_el + _normalize_el(d) + d.batch * d.t_k * d.heads * m  # key mask
     inputs, output = _io(d)
+    every = _linear_tensors(d) + tensors
     return Cost(
-        mm_p + mmq + mmk + form_mm, el, trq + trk, inputs, output, largest * d.itemsize, **loop
+        mm_p + mmq + mmk + form_mm,
+        el,
+        trq + trk,
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+        **loop,
     )
 
 
@@ -275,13 +371,15 @@ def _m(d: Dims) -> int:
 def linear_quadratic_cost(d: Dims) -> Cost:
     b, h, m = d.batch, d.heads, _m(d)
     a = b * h * d.t_q * d.t_k
-    return _linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), a)
+    outs = [b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), [a, a, *outs])
 
 
 def linear_associative_cost(d: Dims) -> Cost:
     b, h, m = d.batch, d.heads, _m(d)
     mm = 2 * b * h * m * d.d_v * d.t_k + 2 * b * d.t_q * h * m * (d.d_v + 1)
-    return _linear(d, mm, b * h * m * d.t_k, b * h * m * d.d_v)
+    outs = [b * h * m * d.d_v, b * h * m, b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _linear(d, mm, b * h * m * d.t_k, outs)
 
 
 def linear_prefix_sum_cost(d: Dims) -> Cost:
@@ -292,7 +390,9 @@ def linear_prefix_sum_cost(d: Dims) -> Cost:
     # the denominator phi(q).z, a contraction with no free dimension that XLA lowers to a
     # multiply and a reduction (2m - 1 elementwise flops), not a dot.
     el = b * t * h * m * d.d_v + 2 * log_t * states + b * t * h * (2 * m - 1)
-    return _linear(d, 2 * b * t * h * m * d.d_v, el, states)
+    kv, zs = b * t * h * m * d.d_v, b * t * h * m
+    tensors = [kv, kv, kv, zs, zs, zs, b * t * h * d.d_v, b * t * h]  # outer, scan temporaries
+    return _linear(d, 2 * b * t * h * m * d.d_v, el, tensors)
 
 
 def linear_recurrent_cost(d: Dims) -> Cost:
@@ -309,13 +409,26 @@ def linear_recurrent_cost(d: Dims) -> Cost:
     )
     mm_p, el_p = _linear_proj(d)
     inputs, output = _io(d)
+    proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
+    every = [
+        *proj,
+        *proj,
+        *proj,
+        b * t,
+        b * h * m * d.d_v,
+        b * h * m,
+        b * t * h * d.d_v,
+        b * t * h * d.d_v,
+        b * t * d.d_model,
+    ]  # + time-major copies, state, outputs
     return Cost(
         mm_p + t * step_mm,
         el_p + t * step_el + b * t * h * m,
         t * 2 * tr_f,
         inputs,
         output,
-        b * h * m * d.d_v * d.itemsize,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
         loop_trips=t,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,
@@ -334,7 +447,10 @@ def linear_chunked_cost(d: Dims) -> Cost:
         + b * c * h * m
         + _normalize_el(dataclasses.replace(d, t_q=c))
     )
-    base = _linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, a + b * h * m * d.d_v)
+    padded = b * n * c * h
+    chunked = [padded * m, padded * m, padded * d.d_v] * 2  # padded, then chunk-major copies
+    tensors = [*chunked, a, a, b * h * m * d.d_v, b * h * m, padded * d.d_v, padded * d.d_v]
+    base = _linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, tensors)
     return dataclasses.replace(
         base,
         matmul_flops=base.matmul_flops + n * step_mm,
@@ -368,7 +484,20 @@ def linear_messages_cost(d: Dims) -> Cost:
         + b * d.t_k * h * m
     )
     inputs, output = _io(d)
-    return Cost(mm, el, trq + trk, inputs, output, max(a, b * h * d.t_k * dm) * d.itemsize)
+    every = [
+        *_linear_tensors(d),
+        a,
+        a,
+        a,
+        b * h * d.t_q,
+        h * dm * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_q * dm,
+    ]  # A, masked, normalised; W_M, messages
+    return Cost(
+        mm, el, trq + trk, inputs, output, max(every) * d.itemsize, sum(every) * d.itemsize + inputs
+    )
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
