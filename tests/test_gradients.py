@@ -100,14 +100,6 @@ class GradientAgreementTest(chex.TestCase):
     def test_gradients_agree_across_formulations(self, problem):
         _check_gradients_agree(problem, self.variant)
 
-    @chex.variants(without_jit=True)
-    @scaled(0.1)
-    @given(problem=problems(dtypes=("float64",), kinds=KINDS, buckets=BUCKETS[1:2]))
-    def test_gradients_agree_eagerly(self, problem):
-        """The same property without jit, on one shape bucket: op-by-op execution compiles
-        every primitive per shape, so more buckets would cost minutes, not coverage."""
-        _check_gradients_agree(problem, self.variant)
-
 
 def test_check_grads_concat_float64():
     """Finite differences vs autodiff, forward and reverse, second order, in float64."""
