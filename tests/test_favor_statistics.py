@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 import attnref
+from attnref import tolerance
 
 Z = NormalDist().inv_cdf
 
@@ -40,13 +41,26 @@ def test_library_kernel_and_stabilised_features_match_the_definition():
         fm = attnref.favor_plus(7, d, m, orthogonal=orthogonal)
         q, k = qs * d**0.25, ks * d**0.25
         direct = _estimates(qs, ks, np.asarray(fm.omega))
-        np.testing.assert_allclose(np.asarray(fm.kernel(q, k)), direct, rtol=1e-12)
+        # Same formula, two evaluation orders, float64: each exponent (magnitude <= mag) is
+        # within gamma_{d+6} mag, each exp within C_EXP ulps, the mean of m terms gamma_m; four
+        # such evaluations enter the checks below (two kernels, a ratio, exp(-c_q)).
+        w_abs = np.abs(np.asarray(fm.omega))
+        mag = float(
+            np.max(np.abs(qs) @ w_abs.T + np.abs(ks) @ w_abs.T + 0.5 * np.sum(w_abs**2, -1))
+            + np.max(np.sum(qs**2, -1))
+            + np.max(np.sum(ks**2, -1))
+        )
+        u = 2.0**-53
+        rtol = 4 * (
+            np.expm1(tolerance.gamma(d + 6, u) * mag) + tolerance.gamma(m + 2 * tolerance.C_EXP, u)
+        )
+        np.testing.assert_allclose(np.asarray(fm.kernel(q, k)), direct, rtol=rtol)
         # Stabilised features: phi~(q).phi~(k) = exp(-c_q) phi(q).phi(k), c_q per query only.
         stab = np.sum(np.asarray(fm(q, "query")) * np.asarray(fm(k, "key")), -1)
         ratio = stab / direct
         w = np.asarray(fm.omega)
         c_q = np.max(qs @ w.T + 0.5 * np.sum(w * w, -1), -1) - 0.5 * np.sum(qs * qs, -1)
-        np.testing.assert_allclose(ratio, np.exp(-c_q), rtol=1e-12)
+        np.testing.assert_allclose(ratio, np.exp(-c_q), rtol=rtol)
 
 
 def test_estimator_is_unbiased():
