@@ -163,6 +163,12 @@ def _messages(d: Dims) -> tuple[int, int]:
     return mm, (b * h * d.t_k * dm if d.bias else 0)
 
 
+def _message_tensors(d: Dims) -> list[int]:
+    """``W_M``, the messages (before and after ``b_V W_O``), per-head mixes and the output."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    return [h * dm * dm, b * h * d.t_k * dm, b * h * d.t_k * dm, b * h * d.t_q * dm, b * d.t_q * dm]
+
+
 def _mix(d: Dims) -> tuple[int, int]:
     """(matmul, elementwise) of ``sum_i A_i M_i + b_O``."""
     b, h, dm = d.batch, d.heads, d.d_model
@@ -183,16 +189,11 @@ def scores_messages_cost(d: Dims) -> Cost:
         + el_x
         + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, 0, 0)
     )
-    dm = d.d_model
     tensors = [
         b * h * tq * d.d_k,
         b * h * tk * d.d_k,
         *_softmax_tensors(d, logits),
-        h * dm * dm,
-        b * h * tk * dm,
-        b * h * tk * dm,
-        b * h * tq * dm,
-        b * tq * dm,
+        *_message_tensors(d),
     ]
     return _finish(d, mm, el, logits, tensors)
 
@@ -212,11 +213,7 @@ def patterns_messages_cost(d: Dims) -> Cost:
         b * h * tq * dm,
         b * h * tq * dm,
         *_softmax_tensors(d, logits),
-        h * dm * dm,
-        b * h * tk * dm,
-        b * h * tk * dm,
-        b * h * tq * dm,
-        b * tq * dm,
+        *_message_tensors(d),
     ]
     return _finish(d, mm, el, logits, tensors)
 
