@@ -48,15 +48,11 @@ def _run(f, dims: Dims, fm_name: str = "elu_plus_one"):
     return xla_counts(f.jit(), p, x, **kw)
 
 
-# Softmax forms: both shapes, biases on and off. Linear forms: every feature map on one shape
-# (biases on), plus the other shape without biases for the default map.
+# Softmax forms: each shape once (biases off on the first, on on the second). Linear forms:
+# every feature map on one shape with biases, and the default map on the other without.
 CASES = (
-    [
-        (f.id, shape, bias, "-")
-        for f in attnref.formulations("softmax")
-        for shape in SHAPES
-        for bias in (False, True)
-    ]
+    [(f.id, SHAPES[0], False, "-") for f in attnref.formulations("softmax")]
+    + [(f.id, SHAPES[1], True, "-") for f in attnref.formulations("softmax")]
     + [(f.id, SHAPES[0], True, fm) for f in attnref.formulations("linear") for fm in MAPS]
     + [(f.id, SHAPES[1], False, MAPS[0]) for f in attnref.formulations("linear")]
 )
