@@ -223,7 +223,7 @@ def _out_in_to_heads(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
     return np.transpose(w.reshape(num_heads, out // num_heads, d_in), (0, 2, 1))
 
 
-def _all_or_no_bias(params: AttentionParams, layout: str) -> list[np.ndarray] | None:
+def _all_or_no_bias(params: AttentionParams) -> list[np.ndarray] | None:
     if not params.has_bias:
         return None
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
@@ -231,7 +231,6 @@ def _all_or_no_bias(params: AttentionParams, layout: str) -> list[np.ndarray] | 
     fill = {"b_q": (h, d_k), "b_k": (h, d_k), "b_v": (h, d_v), "b_o": (d_model,)}
     # A layout that stores all biases or none gets explicit zeros for the absent ones: the
     # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
-    del layout
     return [
         _np(getattr(params, n)) if getattr(params, n) is not None else np.zeros(s, dt)
         for n, s in fill.items()
@@ -257,7 +256,7 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
         ),
         "out_proj.weight": np.transpose(_np(params.w_o).reshape(h * d_v, d_model)),
     }
-    biases = _all_or_no_bias(params, "torch")
+    biases = _all_or_no_bias(params)
     if biases is not None:
         b_q, b_k, b_v, b_o = biases
         sd["in_proj_bias"] = np.concatenate([b_q.reshape(-1), b_k.reshape(-1), b_v.reshape(-1)])
@@ -311,7 +310,7 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
         prefix + _HF_KEYS["w_v"]: _heads_to_out_in(_np(params.w_v)),
         prefix + _HF_KEYS["w_o"]: np.transpose(_np(params.w_o).reshape(h * d_v, d_model)),
     }
-    biases = _all_or_no_bias(params, "hf")
+    biases = _all_or_no_bias(params)
     if biases is not None:
         for name, b in zip(("b_q", "b_k", "b_v", "b_o"), biases, strict=True):
             sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
