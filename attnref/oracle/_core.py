@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: multi-head attention from its definition, per head and per query.
+"""Oracle core: multi-head attention from its definition, per head and per query.
 
 This module imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
 agreement between the two is evidence, not tautology. Everything is computed in float64.
