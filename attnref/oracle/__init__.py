@@ -5,10 +5,13 @@ agreement between the two is evidence, not tautology. Everything is computed in 
 
 * :mod:`attnref.oracle._core`: multi-head attention at the weight level (per head, per query),
   linear attention and its feature maps.
+* :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
+  every mask option, and the ALiBi helpers.
 """
 
 from __future__ import annotations
 
+from ._kernel import alibi_bias, alibi_slopes, dot_product_attention
 from ._core import (
     attention,
     attention_weights,
@@ -19,6 +22,9 @@ from ._core import (
 )
 
 __all__ = [
+    "alibi_bias",
+    "alibi_slopes",
+    "dot_product_attention",
     "attention",
     "attention_weights",
     "features",

@@ -1,0 +1,502 @@
+"""Kernel-level attention ``(q, k, v) -> o`` with the layout of ``jax.nn.dot_product_attention``.
+
+Shapes: ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``; ``N`` query heads,
+``K`` key/value heads with ``N % K == 0``: query head ``n`` reads key/value head ``n // (N // K)``
+(consecutive query heads share a K/V head, as in every anchor: GQA, Ainslie et al. 2023; MQA,
+Shazeer 2019). Output ``[B, T, N, H_v]``; ``lse [B, T, N]``.
+
+For batch ``b``, head ``n`` and query ``i`` (row convention)::
+
+    s_ij = scale * q_i . k_j                       scale defaults to 1/sqrt(H)
+    s_ij = c * tanh(s_ij / c)                      if softcap = c is given
+    s_ij = s_ij + bias_ij
+    o_i  = sum_{j allowed} softmax_j(s_ij) v_j,    lse_i = log sum_{j allowed} exp(s_ij)
+
+Key ``j`` is *allowed* for query ``i`` when every given condition holds: ``mask`` is True, the
+bias is not ``-inf``, ``i < query_seq_lengths[b]``, ``j < key_value_seq_lengths[b]``,
+``segment_ids`` agree, and, with query ``i`` placed at key position ``p_i = i + offset``,
+``j <= p_i`` (``is_causal``) and ``p_i - left <= j <= p_i + right`` (``local_window_size``).
+``causal_alignment="top_left"`` (default; jax.nn, PyTorch SDPA) uses ``offset = 0``;
+``"bottom_right"`` (FlashAttention) uses ``offset = S_b - T_b`` with the actual lengths, so the last
+query sits on the last key.
+
+A query row with no allowed key is *fully masked*. ``masked_rows`` says what it returns:
+``"zeros"`` (default, attnref's meaning everywhere), ``"uniform"`` (the mean of ``v`` over all ``S``
+keys, what jax.nn and Flax give because they mask with a large finite negative), or ``"nan"``
+(xformers, the Pallas GPU reference). Its ``lse`` is ``-inf`` under every policy. Query rows at or
+beyond ``query_seq_lengths[b]`` are padding: output 0 and ``lse = -inf`` under every policy (as
+jax.nn).
+
+Key/value rows that no query may attend to, and query rows with no allowed key, are replaced by
+zeros before any product, so NaN or inf stored there (padding, masked slots) never reaches the
+output or the gradients (except through ``masked_rows="uniform"``, which reads every ``v`` row by
+definition). 16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
+FlashAttention do) and the output is cast back; float64 inputs are computed in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.checks import float64_scoped
+
+HIGHEST = "highest"
+MaskedRows = Literal["zeros", "uniform", "nan"]
+Alignment = Literal["top_left", "bottom_right"]
+_POLICIES = ("zeros", "uniform", "nan")
+_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Static description of one kernel call: shapes, dtypes and the static options."""
+
+    b: int
+    t: int
+    s: int
+    n: int
+    k: int
+    h: int
+    h_v: int
+    dtype: Any
+    compute_dtype: Any
+    is_causal: bool
+    window: tuple[int | None, int | None] | None
+    alignment: str
+    softcap: float | None
+    masked_rows: str
+
+    @property
+    def group(self) -> int:
+        return self.n // self.k
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelInputs:
+    """Validated arrays of one call (``None`` where an option is not given)."""
+
+    q: Array
+    k: Array
+    v: Array
+    bias: Array | None  # rank 4, broadcastable to [B, N, T, S], compute dtype
+    mask: Array | None  # rank 4, broadcastable to [B, N, T, S]
+    q_lens: Array | None  # [B] int32
+    kv_lens: Array | None  # [B] int32
+    q_seg: Array | None  # [B, T] int32
+    kv_seg: Array | None  # [B, S] int32
+    scale: Array  # scalar, compute dtype
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def _dtype(x: Any) -> np.dtype[Any]:
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _window(local_window_size: Any) -> tuple[int | None, int | None] | None:
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, (int, np.integer)):
+        pair: tuple[Any, Any] = (int(local_window_size), int(local_window_size))
+    elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+        pair = (local_window_size[0], local_window_size[1])
+    else:
+        raise ValueError(
+            "local_window_size must be an int or a (left, right) pair of ints (None = unbounded), "
+            f"got {local_window_size!r}"
+        )
+    out: list[int | None] = []
+    for side, w in zip(("left", "right"), pair, strict=True):
+        if w is None:
+            out.append(None)
+            continue
+        if not isinstance(w, (int, np.integer)) or isinstance(w, bool):
+            raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
+        if w < 0:
+            raise ValueError(
+                f"local_window_size {side} = {w} is negative; a query at position p attends to "
+                "keys in [p - left, p + right], so both sides must be >= 0"
+            )
+        out.append(int(w))
+    return (out[0], out[1])
+
+
+def _check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> Array | None:
+    if x is None:
+        return None
+    if _shape(x) != shape:
+        raise ValueError(f"{name} has shape {_shape(x)}; expected {shape}")
+    dt = _dtype(x)
+    if not np.issubdtype(dt, np.integer):
+        raise TypeError(f"{name} must be integer, got dtype {dt}")
+    if upper is not None and _is_concrete(x):
+        arr = np.asarray(x)
+        if arr.size and (arr.min() < 0 or arr.max() > upper):
+            raise ValueError(
+                f"{name} = {arr.tolist()} is out of range; every length must lie in [0, {upper}]"
+            )
+    return jnp.asarray(x, dtype=jnp.int32)
+
+
+def _check_rank4(name: str, x: Any, target: tuple[int, int, int, int], kind: str) -> None:
+    shape = _shape(x)
+    if len(shape) != 4:
+        raise ValueError(
+            f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got shape {shape}"
+        )
+    try:
+        ok = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} has shape {shape}, which does not broadcast to [B, N, T, S] = {target}"
+        )
+    dt = _dtype(x)
+    if kind == "bool" and dt != np.bool_:
+        raise TypeError(
+            f"mask must be boolean (True = may attend), got dtype {dt}; pass additive "
+            "scores through bias instead"
+        )
+    if kind == "float" and not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"bias must be floating, got dtype {dt}")
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """float32 for 16-bit inputs, the input dtype otherwise."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def prepare(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    *,
+    scale: Any,
+    is_causal: bool,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    local_window_size: Any,
+    segment_ids: Any,
+    softcap: Any,
+    causal_alignment: str,
+    masked_rows: str,
+) -> tuple[KernelSpec, KernelInputs]:
+    """Validate a kernel call at trace time; every error names the argument and its shape."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if np.ndim(x) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ({'[B, T, N, H]' if name == 'query' else '[B, S, K, H]'}),"
+                f" got shape {_shape(x)}"
+            )
+    b, t, n, h = _shape(query)
+    bk, s, kh, hk = _shape(key)
+    bv, sv, kv, h_v = _shape(value)
+    if bk != b or bv != b:
+        raise ValueError(
+            f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+        )
+    if hk != h:
+        raise ValueError(
+            f"key has head dim {hk} (shape {_shape(key)}) but query has {h} (shape {_shape(query)})"
+        )
+    if (sv, kv) != (s, kh):
+        raise ValueError(
+            f"value has shape {_shape(value)}; expected [B, S={s}, K={kh}, H_v] to "
+            f"match key {_shape(key)}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"query has N={n} heads (shape {_shape(query)}) and key has K={kh} "
+            f"(shape {_shape(key)}); N must be a multiple of K for GQA/MQA"
+        )
+    dtypes = {nm: np.dtype(x.dtype) for nm, x in (("query", query), ("key", key), ("value", value))}
+    if not jnp.issubdtype(dtypes["query"], jnp.floating):
+        raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
+    if masked_rows not in _POLICIES:
+        raise ValueError(f"masked_rows must be one of {_POLICIES}, got {masked_rows!r}")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
+    if scale is not None and np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar, got shape {_shape(scale)}")
+    cap: float | None = None
+    if softcap is not None:
+        if np.ndim(softcap) != 0 or not _is_concrete(softcap) or not float(softcap) > 0:
+            raise ValueError(f"softcap must be a positive Python number, got {softcap!r}")
+        cap = float(softcap)
+    target = (b, n, t, s)
+    if bias is not None:
+        _check_rank4("bias", bias, target, "float")
+    if mask is not None:
+        _check_rank4("mask", mask, target, "bool")
+    q_lens = _check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
+    kv_lens = _check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            if len(segment_ids) != 2:
+                raise ValueError(
+                    "segment_ids must be one [B, T] array (T == S) or a pair "
+                    "(query_segment_ids [B, T], key_value_segment_ids [B, S])"
+                )
+            q_seg_in, kv_seg_in = segment_ids
+        else:
+            if t != s:
+                raise ValueError(
+                    f"a single segment_ids array needs T == S, got T={t}, S={s}; "
+                    "pass (query_segment_ids, key_value_segment_ids)"
+                )
+            q_seg_in = kv_seg_in = segment_ids
+        q_seg = _check_ints("query_segment_ids", q_seg_in, (b, t), None)
+        kv_seg = _check_ints("key_value_segment_ids", kv_seg_in, (b, s), None)
+    dtype = dtypes["query"]
+    cd = compute_dtype(dtype)
+    spec = KernelSpec(
+        b=b,
+        t=t,
+        s=s,
+        n=n,
+        k=kh,
+        h=h,
+        h_v=h_v,
+        dtype=dtype,
+        compute_dtype=cd,
+        is_causal=bool(is_causal),
+        window=_window(local_window_size),
+        alignment=causal_alignment,
+        softcap=cap,
+        masked_rows=masked_rows,
+    )
+    inputs = KernelInputs(
+        q=jnp.asarray(query),
+        k=jnp.asarray(key),
+        v=jnp.asarray(value),
+        bias=None if bias is None else jnp.asarray(bias).astype(cd),
+        mask=None if mask is None else jnp.asarray(mask),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+        scale=jnp.asarray(1.0 / math.sqrt(h) if scale is None else scale, dtype=cd),
+    )
+    return spec, inputs
+
+
+def structural_allowed(
+    spec: KernelSpec,
+    x: KernelInputs,
+    q_idx: Int[Array, " tq"],
+    k_idx: Int[Array, " tk"],
+    q_seg: Int[Array, "B tq"] | None = None,
+    kv_seg: Int[Array, "B tk"] | None = None,
+) -> Bool[Array, "B1 tq tk"]:
+    """Allowed (query, key) pairs from the index-based options, for query indices ``q_idx`` and
+    key indices ``k_idx`` (a tile or the whole range). Leading axis ``B`` or 1.
+
+    Indices beyond ``T`` or ``S`` (tile padding) are never allowed.
+    """
+    qi = q_idx[None, :, None]
+    kj = k_idx[None, None, :]
+    allowed = jnp.logical_and(qi < spec.t, kj < spec.s)
+    t_len = spec.t if x.q_lens is None else x.q_lens[:, None, None]
+    s_len = spec.s if x.kv_lens is None else x.kv_lens[:, None, None]
+    if x.q_lens is not None:
+        allowed = jnp.logical_and(allowed, qi < t_len)
+    if x.kv_lens is not None:
+        allowed = jnp.logical_and(allowed, kj < s_len)
+    if spec.is_causal or spec.window is not None:
+        offset: Any = 0 if spec.alignment == "top_left" else s_len - t_len
+        pos = qi + offset
+        if spec.is_causal:
+            allowed = jnp.logical_and(allowed, kj <= pos)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                allowed = jnp.logical_and(allowed, kj >= pos - left)
+            if right is not None:
+                allowed = jnp.logical_and(allowed, kj <= pos + right)
+    if q_seg is not None and kv_seg is not None:
+        allowed = jnp.logical_and(allowed, q_seg[:, :, None] == kv_seg[:, None, :])
+    return allowed
+
+
+def query_rows_valid(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B1 T"]:
+    """Query rows that exist: ``i < query_seq_lengths[b]`` (all rows without lengths)."""
+    idx = jnp.arange(spec.t)[None, :]
+    return idx < (spec.t if x.q_lens is None else x.q_lens[:, None])
+
+
+def logits_transform(spec: KernelSpec, raw: Array) -> Array:
+    """``c tanh(raw / c)`` with ``c = softcap``, identity without softcap."""
+    if spec.softcap is None:
+        return raw
+    c = jnp.asarray(spec.softcap, raw.dtype)
+    return c * jnp.tanh(raw / c)
+
+
+def grouped(a: Array, spec: KernelSpec) -> Array:
+    """``[B, N, ...] -> [B, K, G, ...]`` (query head ``n = k * G + g``)."""
+    return a.reshape(a.shape[0], spec.k, spec.group, *a.shape[2:])
+
+
+def uniform_rows(spec: KernelSpec, v: Array) -> Float[Array, "B 1 N H_v"]:
+    """The ``"uniform"`` policy's output: the mean of every ``v`` row, per query head."""
+    mean = jnp.mean(v.astype(spec.compute_dtype), axis=1)  # [B, K, H_v]
+    return jnp.repeat(mean, spec.group, axis=1)[:, None]
+
+
+def finish(
+    spec: KernelSpec,
+    x: KernelInputs,
+    out: Float[Array, "B T N H_v"],
+    lse: Float[Array, "B T N"],
+    live: Bool[Array, "B T N"],
+) -> tuple[Array, Array]:
+    """Apply the fully-masked-row policy and query padding; cast the output to the input dtype."""
+    if spec.masked_rows == "uniform":
+        out = jnp.where(live[..., None], out, uniform_rows(spec, x.v))
+    elif spec.masked_rows == "nan":
+        out = jnp.where(live[..., None], out, jnp.nan)
+    if x.q_lens is not None:
+        valid = query_rows_valid(spec, x)[..., None]  # [B, T, 1]
+        out = jnp.where(valid[..., None], out, 0.0)
+        lse = jnp.where(valid, lse, -jnp.inf)
+    return out.astype(spec.dtype), lse
+
+
+def _naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
+    t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
+    allowed = structural_allowed(spec, x, t_idx, s_idx, x.q_seg, x.kv_seg)[:, None]
+    if x.mask is not None:
+        allowed = jnp.logical_and(allowed, x.mask)
+    if x.bias is not None:
+        allowed = jnp.logical_and(allowed, x.bias != -jnp.inf)
+    allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, spec.t, spec.s))
+    cd = spec.compute_dtype
+    # Zero the rows nobody reads so that NaN/inf stored there cannot leak (0 * NaN = NaN).
+    key_alive = jnp.any(grouped(allowed, spec), axis=(2, 3))  # [B, K, S]
+    live = jnp.any(allowed, axis=-1)  # [B, N, T]
+    k_alive = jnp.swapaxes(key_alive, 1, 2)[..., None]
+    k = jnp.where(k_alive, x.k, 0).astype(cd)
+    v = jnp.where(k_alive, x.v, 0).astype(cd)
+    q = jnp.where(jnp.swapaxes(live, 1, 2)[..., None], x.q, 0).astype(cd)
+    qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
+    raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=HIGHEST)
+    s = logits_transform(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * x.scale)
+    if x.bias is not None:
+        s = s + x.bias
+    top = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    top = jax.lax.stop_gradient(jnp.where(live[..., None], top, 0.0))
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - top, 0.0)), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(live[..., None], denom, 1.0)
+    lse = jnp.where(live, top[..., 0] + jnp.log(jnp.where(live, denom[..., 0], 1.0)), -jnp.inf)
+    o = jnp.einsum("bkgts,bskh->btkgh", grouped(p, spec), v, precision=HIGHEST)
+    out = o.reshape(spec.b, spec.t, spec.n, spec.h_v)
+    return finish(spec, x, out, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2))
+
+
+@float64_scoped
+def dot_product_attention(
+    query: Float[ArrayLike, "B T N H"],
+    key: Float[ArrayLike, "B S K H"],
+    value: Float[ArrayLike, "B S K H_v"],
+    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
+    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: Alignment = "top_left",
+    masked_rows: MaskedRows = "zeros",
+    return_lse: bool = False,
+) -> Any:
+    """``o = softmax(c tanh(scale q k^T / c) + bias, allowed) v`` per head, jax.nn layout.
+
+    The semantics (alignment, the fully-masked-row policy, padding) are in the module docstring
+    of ``attnref._src.kernel`` and in ``docs/kernel.md``. ``segment_ids``: one ``[B, T]`` int
+    array (needs ``T == S``) or a pair ``(query_segment_ids [B, T], key_value_segment_ids
+    [B, S])``; a query attends only to keys of its own segment (packed sequences). Returns ``o``
+    ``[B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` when ``return_lse``.
+    """
+    spec, x = prepare(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    out, lse = _naive(spec, x)
+    return (out, lse) if return_lse else out
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi head slopes (Press et al. 2021), float64 ``[num_heads]``.
+
+    For ``n`` a power of two, ``m_h = 2^(-8 h / n)``, ``h = 1..n``; otherwise the slopes of the
+    closest lower power of two ``c`` followed by every other slope of ``2c`` (the paper's
+    reference implementation).
+    """
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    c = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(c)
+    if c != num_heads:
+        slopes += power_of_two(2 * c)[0::2][: num_heads - c]
+    return np.asarray(slopes, dtype=np.float64)
+
+
+def alibi_bias(
+    slopes: Float[ArrayLike, " N"],
+    t: int,
+    s: int,
+    *,
+    causal_alignment: Alignment = "top_left",
+    dtype: Any = jnp.float32,
+) -> Float[Array, "1 N T S"]:
+    """ALiBi bias ``-m_n |p_i - j|`` with ``p_i = i + offset`` (offset as ``causal_alignment``).
+
+    Under a causal mask this is the paper's ``m_n (j - i)`` on every allowed key; the symmetric
+    ``|.|`` extends it to non-causal attention, as FlashAttention does. Pass it as ``bias``.
+    """
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
+    offset = 0 if causal_alignment == "top_left" else s - t
+    dist = jnp.abs(jnp.arange(t)[:, None] + offset - jnp.arange(s)[None, :]).astype(dtype)
+    return (-jnp.asarray(slopes, dtype)[:, None, None] * dist)[None]

@@ -1,0 +1,145 @@
+"""Oracle twin of the kernel level: ``dot_product_attention(q, k, v, ...)`` in float64 NumPy.
+
+Same signature and semantics as :func:`attnref.dot_product_attention` (layout of
+``jax.nn.dot_product_attention``: ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``),
+written from the definition one batch element, head and query at a time::
+
+    p_i   = i + offset          offset = 0 (top_left) or S_b - T_b (bottom_right)
+    key j allowed for query i  iff  mask, bias != -inf, i < T_b, j < S_b, seg_q[i] == seg_k[j],
+                                    j <= p_i (causal), p_i - left <= j <= p_i + right (window)
+    s_j   = scale q_i . k_j ;  s_j = c tanh(s_j / c) (softcap c) ;  s_j += bias_ij
+    o_i   = sum_j exp(s_j - lse_i) v_j over allowed j,   lse_i = log sum_j exp(s_j)
+
+Query head ``n`` reads K/V head ``n // (N / K)``. A row with no allowed key gets zeros,
+the mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; query rows beyond
+``T_b`` are 0 with ``lse = -inf``. NumPy only, no JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """Press et al. (2021): geometric slopes starting at ``2^(-8/n)`` with ratio ``2^(-8/n)``
+    for ``n`` a power of two; otherwise those of the largest power of two ``c < n``, then the
+    odd-indexed slopes of ``2c``."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return np.array(geometric(num_heads))
+    c = 2 ** math.floor(math.log2(num_heads))
+    extra = geometric(2 * c)[0::2][: num_heads - c]
+    return np.array(geometric(c) + extra)
+
+
+def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left") -> np.ndarray:
+    """``bias[0, n, i, j] = -slopes[n] * |i + offset - j|`` in float64."""
+    offset = 0 if causal_alignment == "top_left" else s - t
+    out = np.zeros((1, len(slopes), t, s))
+    for n, m in enumerate(np.asarray(slopes, dtype=np.float64)):
+        for i in range(t):
+            for j in range(s):
+                out[0, n, i, j] = -m * abs(i + offset - j)
+    return out
+
+
+def _window(local_window_size: Any) -> tuple[Any, Any]:
+    if local_window_size is None:
+        return (None, None)
+    if isinstance(local_window_size, (int, np.integer)):
+        return (int(local_window_size), int(local_window_size))
+    return (local_window_size[0], local_window_size[1])
+
+
+def dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+    return_lse: bool = False,
+) -> Any:
+    """Float64 reference for :func:`attnref.dot_product_attention` (same arguments)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    b_size, t, n_heads, h = q.shape
+    s, n_kv = k.shape[1], k.shape[2]
+    group = n_heads // n_kv
+    sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    full = (b_size, n_heads, t, s)
+    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    mask_f = None if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
+    kv_len = (
+        np.full(b_size, s) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+    )
+    if segment_ids is None:
+        seg_q = seg_k = None
+    elif isinstance(segment_ids, (tuple, list)):
+        seg_q, seg_k = (np.asarray(a) for a in segment_ids)
+    else:
+        seg_q = seg_k = np.asarray(segment_ids)
+    left, right = _window(local_window_size)
+
+    out = np.zeros((b_size, t, n_heads, v.shape[-1]))
+    lse = np.full((b_size, t, n_heads), -np.inf)
+    for b in range(b_size):
+        offset = 0 if causal_alignment == "top_left" else int(kv_len[b]) - int(q_len[b])
+        for n in range(n_heads):
+            kvh = n // group
+            for i in range(t):
+                if i >= q_len[b]:
+                    continue  # query padding: 0 and -inf
+                pos = i + offset
+                scores, keys = [], []
+                for j in range(s):
+                    if j >= kv_len[b]:
+                        continue
+                    if mask_f is not None and not mask_f[b, n, i, j]:
+                        continue
+                    if bias_f is not None and bias_f[b, n, i, j] == -np.inf:
+                        continue
+                    if seg_q is not None and seg_q[b, i] != seg_k[b, j]:
+                        continue
+                    if is_causal and j > pos:
+                        continue
+                    if left is not None and j < pos - left:
+                        continue
+                    if right is not None and j > pos + right:
+                        continue
+                    x = sc * float(q[b, i, n] @ k[b, j, kvh])
+                    if softcap is not None:
+                        x = softcap * math.tanh(x / softcap)
+                    if bias_f is not None:
+                        x += bias_f[b, n, i, j]
+                    scores.append(x)
+                    keys.append(j)
+                if not keys:
+                    if masked_rows == "uniform":
+                        out[b, i, n] = v[b, :, kvh].mean(axis=0)
+                    elif masked_rows == "nan":
+                        out[b, i, n] = np.nan
+                    continue
+                sv = np.array(scores)
+                top = sv.max()
+                e = np.exp(sv - top)
+                total = e.sum()
+                lse[b, i, n] = top + math.log(total)
+                out[b, i, n] = (e / total) @ v[b, keys, kvh]
+    return (out, lse) if return_lse else out
