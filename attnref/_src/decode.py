@@ -157,13 +157,19 @@ def cached_attention(
     v: Float[ArrayLike, "B L K H_v"],
     valid: Bool[ArrayLike, "B L"] | None = None,
     *,
+    mask: Bool[ArrayLike, "B L P"] | None = None,
+    bias: Float[ArrayLike, "B L P"] | None = None,
     scale: float | None = None,
     softcap: float | None = None,
 ) -> tuple[Float[Array, "B L N H_v"], KVCache]:
-    """Append a chunk and attend from its queries: ``o_i = softmax_j(s_ij) v_j`` over cached and
-    chunk tokens ``j`` with ``pos_j <= pos_i`` (and ``pos_i - pos_j < window``).
+    """Append a chunk and attend from its queries: ``o_i = softmax_j(s_ij + bias_i[pos_j]) v_j``
+    over cached and chunk tokens ``j`` with ``pos_j <= pos_i`` (and ``pos_i - pos_j < window``)
+    and ``mask_i[pos_j]``.
 
-    Returns the chunk's output (zero rows for padding tokens) and the updated cache.
+    ``mask`` and ``bias`` (optional, ``[B, L, P]``) are indexed by the keys' *absolute*
+    positions ``0..P-1`` (``P`` must exceed every position attended), so a mask or bias written
+    for the full sequence applies unchanged to cached decoding. Returns the chunk's output (zero
+    rows for padding tokens) and the updated cache.
     """
     valid_a = _check_chunk(cache, k, v, valid, q)
     q_pos, _ = _chunk_positions(cache, valid_a)
@@ -174,8 +180,22 @@ def cached_attention(
     allowed = (qp >= 0) & (kp >= 0) & (kp <= qp)
     if cache.window is not None:
         allowed &= qp - kp < cache.window
+    length = int(np.shape(q)[1])
+
+    def by_position(name: str, a: Any) -> Array:
+        if np.ndim(a) != 3 or np.shape(a)[:2] != (cache.k.shape[0], length):
+            raise ValueError(f"{name} has shape {np.shape(a)}; expected [B, L={length}, P] "
+                             "indexed by absolute key position")
+        idx = jnp.broadcast_to(jnp.clip(kp, 0, np.shape(a)[2] - 1), allowed.shape)
+        return jnp.take_along_axis(jnp.asarray(a), idx, axis=2)
+
+    if mask is not None:
+        allowed &= by_position("mask", mask)
+    key_bias = None
+    if bias is not None:
+        key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
     out = dot_product_attention(
-        jnp.asarray(q, cache.k.dtype), keys, values, mask=allowed[:, None], scale=scale,
+        jnp.asarray(q, cache.k.dtype), keys, values, key_bias, allowed[:, None], scale=scale,
         softcap=softcap,
     )
     return out, kv_cache_append(cache, k, v, valid_a)
@@ -194,19 +214,27 @@ def mha_cached_attention(
     x: Float[ArrayLike, "B L d_model"],
     valid: Bool[ArrayLike, "B L"] | None = None,
     *,
+    x_kv: Float[ArrayLike, "B L d_model"] | None = None,
+    mask: Bool[ArrayLike, "B L P"] | None = None,
+    bias: Float[ArrayLike, "B L P"] | None = None,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B L d_model"], KVCache]:
     """Multi-head decoding step: project the chunk ``x`` (``q = x W_Q + b_Q``, ``k``, ``v`` with
     the K/V heads of ``params``), append ``k, v``, attend, and return ``sum_n o_n W_O[n] + b_O``.
+    ``x_kv`` (default ``x``) gives the chunk's keys and values when they differ from its queries.
+    ``mask``/``bias`` as in :func:`cached_attention` (indexed by absolute key position).
     """
     _, d_model, _, _ = check_params(params)
     x = jnp.asarray(x)
     if x.ndim != 3 or x.shape[-1] != d_model:
         raise ValueError(f"x has shape {x.shape}; expected [B, L, d_model={d_model}]")
+    x_kv = x if x_kv is None else jnp.asarray(x_kv)
+    if x_kv.shape != x.shape:
+        raise ValueError(f"x_kv has shape {x_kv.shape}; expected the shape of x, {x.shape}")
     q = _project(x, params.w_q, params.b_q)
-    k = _project(x, params.w_k, params.b_k)
-    v = _project(x, params.w_v, params.b_v)
-    o, cache = cached_attention(cache, q, k, v, valid, scale=scale)
+    k = _project(x_kv, params.w_k, params.b_k)
+    v = _project(x_kv, params.w_v, params.b_v)
+    o, cache = cached_attention(cache, q, k, v, valid, mask=mask, bias=bias, scale=scale)
     y = jnp.einsum("blhv,hvd->bld", o, jnp.asarray(params.w_o), precision=HIGHEST)
     if params.b_o is not None:
         y = y + jnp.asarray(params.b_o)
@@ -235,18 +263,34 @@ def mha_decode_scan(
     xs: Float[ArrayLike, "B T d_model"],
     valid: Bool[ArrayLike, "B T"] | None = None,
     *,
+    xs_kv: Float[ArrayLike, "B T d_model"] | None = None,
+    mask: Bool[ArrayLike, "B T P"] | None = None,
+    bias: Float[ArrayLike, "B T P"] | None = None,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B T d_model"], KVCache]:
-    """Feed ``xs`` one token at a time through :func:`mha_cached_attention` with ``lax.scan``."""
+    """Feed ``xs`` one token at a time through :func:`mha_cached_attention` with ``lax.scan``;
+    row ``t`` of ``mask``/``bias`` goes with token ``t`` (indexed by absolute key position);
+    ``xs_kv`` (default ``xs``) supplies each token's keys and values."""
     xs = jnp.asarray(xs)
-    v_all = jnp.ones(xs.shape[:2], bool) if valid is None else jnp.asarray(valid)
+    steps = {"x": jnp.swapaxes(xs, 0, 1)}
+    steps["x_kv"] = steps["x"] if xs_kv is None else jnp.swapaxes(jnp.asarray(xs_kv), 0, 1)
+    steps["valid"] = jnp.swapaxes(
+        jnp.ones(xs.shape[:2], bool) if valid is None else jnp.asarray(valid), 0, 1
+    )
+    if mask is not None:
+        steps["mask"] = jnp.swapaxes(jnp.asarray(mask), 0, 1)
+    if bias is not None:
+        steps["bias"] = jnp.swapaxes(jnp.asarray(bias), 0, 1)
 
-    def step(c: KVCache, inp: tuple[Array, Array]) -> tuple[KVCache, Array]:
-        x_t, m_t = inp
-        y, c = mha_cached_attention(params, c, x_t[:, None], m_t[:, None], scale=scale)
+    def step(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
+        extra = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
+        y, c = mha_cached_attention(
+            params, c, inp["x"][:, None], inp["valid"][:, None], x_kv=inp["x_kv"][:, None],
+            scale=scale, **extra
+        )
         return c, y[:, 0]
 
-    cache, ys = jax.lax.scan(step, cache, (jnp.swapaxes(xs, 0, 1), jnp.swapaxes(v_all, 0, 1)))
+    cache, ys = jax.lax.scan(step, cache, steps)
     return jnp.swapaxes(ys, 0, 1), cache
 
 

@@ -11,7 +11,7 @@ agreement between the two is evidence, not tautology. Everything is computed in 
 
 from __future__ import annotations
 
-from ._kernel import alibi_bias, alibi_slopes, dot_product_attention
+from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
 from ._core import (
     attention,
     attention_weights,
@@ -29,6 +29,7 @@ __all__ = [
     "attention_weights",
     "features",
     "head_outputs",
+    "kernel_allowed",
     "linear_attention",
     "linear_multihead",
 ]

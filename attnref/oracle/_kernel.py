@@ -58,6 +58,50 @@ def _window(local_window_size: Any) -> tuple[Any, Any]:
     return (local_window_size[0], local_window_size[1])
 
 
+def kernel_allowed(
+    shape: tuple[int, int, int, int],
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    causal_alignment: str = "top_left",
+) -> np.ndarray:
+    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time."""
+    b_size, n_heads, t, s = shape
+    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), shape)
+    mask_f = None if mask is None else np.broadcast_to(np.asarray(mask, bool), shape)
+    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
+    kv_len = (
+        np.full(b_size, s) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+    )
+    if segment_ids is None:
+        seg_q = seg_k = None
+    elif isinstance(segment_ids, (tuple, list)):
+        seg_q, seg_k = (np.asarray(a) for a in segment_ids)
+    else:
+        seg_q = seg_k = np.asarray(segment_ids)
+    left, right = _window(local_window_size)
+    out = np.zeros(shape, bool)
+    for b, n, i, j in np.ndindex(*shape):
+        offset = 0 if causal_alignment == "top_left" else int(kv_len[b]) - int(q_len[b])
+        pos = i + offset
+        out[b, n, i, j] = not (
+            i >= q_len[b]
+            or j >= kv_len[b]
+            or (mask_f is not None and not mask_f[b, n, i, j])
+            or (bias_f is not None and bias_f[b, n, i, j] == -np.inf)
+            or (seg_q is not None and seg_k is not None and seg_q[b, i] != seg_k[b, j])
+            or (is_causal and j > pos)
+            or (left is not None and j < pos - left)
+            or (right is not None and j > pos + right)
+        )
+    return out
+
+
 def dot_product_attention(
     query: Any,
     key: Any,
@@ -84,58 +128,36 @@ def dot_product_attention(
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     full = (b_size, n_heads, t, s)
     bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
-    mask_f = None if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
-    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
-    kv_len = (
-        np.full(b_size, s) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+    allowed = kernel_allowed(
+        full, bias, mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        segment_ids=segment_ids, causal_alignment=causal_alignment,
     )
-    if segment_ids is None:
-        seg_q = seg_k = None
-    elif isinstance(segment_ids, (tuple, list)):
-        seg_q, seg_k = (np.asarray(a) for a in segment_ids)
-    else:
-        seg_q = seg_k = np.asarray(segment_ids)
-    left, right = _window(local_window_size)
+    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
 
     out = np.zeros((b_size, t, n_heads, v.shape[-1]))
     lse = np.full((b_size, t, n_heads), -np.inf)
     for b in range(b_size):
-        offset = 0 if causal_alignment == "top_left" else int(kv_len[b]) - int(q_len[b])
         for n in range(n_heads):
             kvh = n // group
             for i in range(t):
                 if i >= q_len[b]:
                     continue  # query padding: 0 and -inf
-                pos = i + offset
-                scores, keys = [], []
-                for j in range(s):
-                    if j >= kv_len[b]:
-                        continue
-                    if mask_f is not None and not mask_f[b, n, i, j]:
-                        continue
-                    if bias_f is not None and bias_f[b, n, i, j] == -np.inf:
-                        continue
-                    if seg_q is not None and seg_q[b, i] != seg_k[b, j]:
-                        continue
-                    if is_causal and j > pos:
-                        continue
-                    if left is not None and j < pos - left:
-                        continue
-                    if right is not None and j > pos + right:
-                        continue
-                    x = sc * float(q[b, i, n] @ k[b, j, kvh])
-                    if softcap is not None:
-                        x = softcap * math.tanh(x / softcap)
-                    if bias_f is not None:
-                        x += bias_f[b, n, i, j]
-                    scores.append(x)
-                    keys.append(j)
+                keys = [j for j in range(s) if allowed[b, n, i, j]]
                 if not keys:
                     if masked_rows == "uniform":
                         out[b, i, n] = v[b, :, kvh].mean(axis=0)
                     elif masked_rows == "nan":
                         out[b, i, n] = np.nan
                     continue
+                scores = []
+                for j in keys:
+                    x = sc * float(q[b, i, n] @ k[b, j, kvh])
+                    if softcap is not None:
+                        x = softcap * math.tanh(x / softcap)
+                    if bias_f is not None:
+                        x += bias_f[b, n, i, j]
+                    scores.append(x)
                 sv = np.array(scores)
                 top = sv.max()
                 e = np.exp(sv - top)
