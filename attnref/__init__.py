@@ -7,8 +7,19 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 
 from attnref import oracle, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
+from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.cost import Cost, Dims, XlaCounts, cost, hlo_dot_flops, xla_counts
+from attnref._src.decode import (
+    KVCache,
+    cached_attention,
+    kv_cache_append,
+    kv_cache_init,
+    mha_cache_init,
+    mha_cached_attention,
+    mha_decode_scan,
+    mha_generate,
+)
 from attnref._src.feature_maps import (
     FeatureMap,
     elu_plus_one,
@@ -18,6 +29,8 @@ from attnref._src.feature_maps import (
     taylor2,
 )
 from attnref._src.graph import edges_from_mask, graph_attention, graph_attention_rows
+from attnref._src.kernel import alibi_bias, alibi_slopes, dot_product_attention
+from attnref._src.kernel_forms import blockwise_multihead, decode_multihead
 from attnref._src.linear import (
     LinearState,
     linear_associative,
@@ -47,6 +60,7 @@ from attnref._src.params import (
     from_hf_bert,
     from_torch_mha,
     init_params,
+    repeat_kv_heads,
     to_flax,
     to_hf_bert,
     to_torch_mha,
@@ -73,15 +87,23 @@ __all__ = [
     "Dims",
     "FeatureMap",
     "Formulation",
+    "KVCache",
     "LinearState",
     "XlaCounts",
+    "alibi_bias",
+    "alibi_slopes",
     "attention_weights",
+    "blockwise_attention",
+    "blockwise_multihead",
+    "cached_attention",
     "causal_mask",
     "column_attention",
     "column_attention_rows",
     "combine_masks",
     "concat_attention",
     "cost",
+    "decode_multihead",
+    "dot_product_attention",
     "edges_from_mask",
     "elu_plus_one",
     "favor_plus",
@@ -97,6 +119,8 @@ __all__ = [
     "identity_features",
     "ids",
     "init_params",
+    "kv_cache_append",
+    "kv_cache_init",
     "linear_associative",
     "linear_associative_multihead",
     "linear_chunked",
@@ -113,12 +137,17 @@ __all__ = [
     "mask_to_bias",
     "masked_softmax",
     "messages",
+    "mha_cache_init",
+    "mha_cached_attention",
+    "mha_decode_scan",
+    "mha_generate",
     "oracle",
     "padding_mask",
     "patterns",
     "patterns_messages_attention",
     "per_head_sum_attention",
     "relu_features",
+    "repeat_kv_heads",
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",

@@ -33,6 +33,12 @@ to the 16-bit format. Counting stored intermediates over all formulations gives 
 chain's absolute magnitude, plus one scatter-add segment sum of length ``T_k`` accumulated in the
 16-bit format (the graph form). Softmax evaluation adds ``4 u`` for exp, sum and division.
 
+**Grouped-query parameters** (``K < H`` key/value heads, query head ``i`` reading key/value
+head ``i // G``) are bounded as their equivalent multi-head parameters (every K/V head repeated
+for its ``G`` query heads): each formulation computes the same products per query head, whether a
+key/value projection is computed once and shared or once per query head, so the error model is
+unchanged.
+
 The float64 oracle's own error is the same bound with float64's ``u``; :func:`attention_error_bound`
 returns the sum of both, so ``|actual - oracle| <= bound`` is a rigorous first-order test.
 """
@@ -48,6 +54,7 @@ __all__ = [
     "attention_error_bound",
     "comparative_bound",
     "gamma",
+    "kernel_error_bound",
     "unit_roundoff",
 ]
 
@@ -80,6 +87,33 @@ def _is_16bit(dtype: Any) -> bool:
 def _get(params: Any, name: str) -> np.ndarray | None:
     value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
     return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _read_params(params: Any) -> dict[str, np.ndarray | None]:
+    """The parameters as float64 arrays, key/value heads repeated to one per query head.
+
+    ``w_k, w_v [K, ...]`` and ``b_k, b_v [K, d]`` become ``[H, ...]`` with entry ``i`` taken from
+    key/value head ``i // G`` (``G = H / K``); multi-head parameters pass through unchanged.
+    """
+    w = {n: _get(params, n) for n in _FIELDS}
+    w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
+    if w_q is None or w_k is None or w_v is None or w["w_o"] is None:
+        raise ValueError("params must have w_q, w_k, w_v and w_o")
+    h, kv = w_q.shape[0], w_k.shape[0]
+    if kv < 1 or h % kv or w_v.shape[0] != kv:
+        raise ValueError(
+            f"params.w_q has {h} heads, params.w_k {kv} and params.w_v {w_v.shape[0]}; w_k and "
+            "w_v need the same number of heads, and num_heads must be a multiple of it"
+        )
+    kv_of = np.arange(h) // (h // kv)
+    for name in ("w_k", "w_v", "b_k", "b_v"):
+        a = w[name]
+        if a is not None:
+            w[name] = a[kv_of]
+    return w
 
 
 def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
@@ -145,10 +179,9 @@ def attention_error_bound(
     ``params``, ``x_q``, ``x_kv``, ``mask`` and ``bias`` are the inputs exactly as the formulation
     received them (already in ``dtype``). The result includes the oracle's own float64 error.
     """
-    w = {n: _get(params, n) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")}
+    w = _read_params(params)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    if w_q is None or w_k is None or w_v is None or w_o is None:
-        raise ValueError("params must have w_q, w_k, w_v and w_o")
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     h, d_model, d_k = w_q.shape
     d_v = w_v.shape[2]
     xq = np.asarray(x_q, dtype=np.float64)
@@ -346,7 +379,7 @@ def linear_multihead_error_bound(
     ``sum_h dz_h |W_O[h]|`` and ``gamma_{n_y} (sum_h sum_j Abar_ij / |D_i| G_hj + |b_O|)`` with
     ``G = |x~||W~_V||W_O|`` (covering the messages order ``A (X W_M)`` too),
     ``n_y = m + T_k + d_model + d_v + H + 4``."""
-    w = {n: _get(params, n) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")}
+    w = _read_params(params)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     u = unit_roundoff(dtype)
@@ -396,3 +429,101 @@ def linear_multihead_error_bound(
         y = np.einsum("...qhv,hvd->...qd", z, w_o) + (0.0 if w["b_o"] is None else w["b_o"])
         bound = bound + u * np.abs(xq + y)
     return bound
+
+
+# ----------------------------------------------------------------------------- kernel level
+
+
+def kernel_error_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    allowed: Any,
+    bias: Any = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    masked_rows: str = "zeros",
+    dtype: Any = np.float32,
+    key_blocks: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Componentwise bounds on ``|o - o_oracle|`` ``[B, T, N, H_v]`` and ``|lse - lse_oracle|``
+    ``[B, T, N]`` for kernel-level attention computed in ``dtype``.
+
+    ``allowed [B, N, T, S]`` is the set of attended pairs (``attnref.oracle.kernel_allowed``).
+    The derivation follows the weight-level bound (module docstring), with the kernel's inputs
+    ``q, k, v`` exact:
+
+    1. ``|ds_ij| <= gamma_{H+1} scale |q_i|.|k_j| + (C_EXP + 2) u |s~_ij| + u |s_ij| +
+       u |s_ij - max_j s_ij|`` (dot product and scale; softcap's tanh, division and multiply,
+       whose derivative is at most 1; the bias add; the max subtraction).
+    2. Softmax: ``rho_i = exp(2 E_i) - 1 + gamma_{S + 2 + 2 C_EXP + 2 (C_EXP + 1)(n_b - 1)}``:
+       the online form rescales each partial sum by ``exp(m - m')`` once per later key block
+       (``n_b = key_blocks`` blocks; ``None`` assumes the worst, ``n_b = S``).
+    3. Output: ``|do_i| <= (rho_i + gamma_S) sum_j p_ij |v_j|``; ``lse``:
+       ``|d lse_i| <= E_i + delta_i / (1 - delta_i) + (C_EXP + 1) u |log l_i| + u |lse_i|``
+       with ``delta_i = expm1(E_i) + gamma_{S + C_EXP + 2 (C_EXP + 1)(n_b - 1)}``.
+
+    16-bit inputs are computed in float32 (the kernel promotes), so the float32 terms apply and
+    the final cast adds ``u_16 |o|``. Fully masked rows are exact (0 or NaN) except under
+    ``"uniform"``: ``gamma_{S+1} mean_j |v_j|``. Includes the float64 oracle's own error.
+    """
+    qa, ka, va = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    b_size, t, n_heads, h = qa.shape
+    s, n_kv = ka.shape[1], ka.shape[2]
+    group = n_heads // n_kv
+    allowed = np.broadcast_to(np.asarray(allowed, bool), (b_size, n_heads, t, s))
+    sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    kg = np.repeat(ka, group, axis=2)  # [B, S, N, H]
+    vg = np.repeat(va, group, axis=2)
+    raw = sc * np.einsum("btnh,bsnh->bnts", qa, kg)
+    mag = abs(sc) * np.einsum("btnh,bsnh->bnts", np.abs(qa), np.abs(kg))
+    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    b_arr = (
+        np.zeros_like(raw)
+        if bias is None
+        else np.broadcast_to(np.asarray(bias, np.float64), raw.shape)
+    )
+    logits = capped + np.where(np.isneginf(b_arr), 0.0, b_arr)
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    live = np.isfinite(top)
+    top = np.where(live, top, 0.0)
+    e = np.where(allowed, np.exp(np.where(allowed, logits - top, 0.0)), 0.0)
+    l_sum = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(live, l_sum, 1.0)
+    o_mag = np.einsum("bnts,bsnh->btnh", p, np.abs(vg))
+    o_ref = np.einsum("bnts,bsnh->btnh", p, vg)
+    lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
+    n_b = s if key_blocks is None else max(1, int(key_blocks))
+    c = C_EXP
+
+    def one(u: float) -> tuple[np.ndarray, np.ndarray]:
+        err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * np.abs(logits - top)
+        if softcap is not None:
+            err = err + (c + 2) * u * np.abs(capped)
+        e_row = np.where(allowed, err, 0.0).max(axis=-1)  # [B, N, T]
+        extra = 2 * (c + 1) * (n_b - 1)
+        with np.errstate(over="ignore"):
+            rho = np.expm1(2.0 * e_row) + gamma(s + 2 + 2 * c + extra, u)
+            delta = np.expm1(e_row) + gamma(s + c + extra, u)
+        out = np.einsum("bnt,btnh->btnh", rho + gamma(s, u), o_mag)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
+            d_lse = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+        d_lse = d_lse + (c + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+        return out, np.swapaxes(np.where(live[..., 0], d_lse, 0.0), 1, 2)
+
+    np_dtype = np.dtype(dtype)
+    work = np.float32 if np_dtype.itemsize == 2 else np_dtype
+    out_b, lse_b = one(unit_roundoff(work))
+    out64, lse64 = one(unit_roundoff(np.float64))
+    out_b, lse_b = out_b + out64, lse_b + lse64
+    if masked_rows == "uniform":
+        dead = np.swapaxes(~live[..., 0], 1, 2)[..., None]  # [B, T, N, 1]
+        mean_abs = np.abs(vg).mean(axis=1)[:, None]  # [B, 1, N, H_v]
+        g = gamma(s + 1, unit_roundoff(work)) + gamma(s + 1, unit_roundoff(np.float64))
+        out_b = np.where(dead, g * mean_abs, out_b)
+        o_ref = np.where(dead, vg.mean(axis=1)[:, None], o_ref)
+    if np_dtype.itemsize == 2:
+        out_b = out_b + unit_roundoff(np_dtype) * (np.abs(o_ref) + out_b)
+    return out_b, lse_b

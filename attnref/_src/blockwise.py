@@ -115,24 +115,24 @@ class _Tiles:
         return dict(allowed=allowed, q=q, k=k, v=v, raw=raw, s=s)
 
     def merge_q(self, a: Array, axis: int) -> Array:
-        """``[nq, ..., bq, ...]`` (tile axis first, rows at ``axis`` + 1) -> rows ``[..., T, ...]``."""
+        """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
         a = jnp.moveaxis(a, 0, axis)
-        shape = a.shape[:axis] + (self.nq * self.bq,) + a.shape[axis + 2 :]
+        shape = (*a.shape[:axis], self.nq * self.bq, *a.shape[axis + 2 :])
         return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.t, axis=axis)
 
     def merge_k(self, a: Array, axis: int) -> Array:
         a = jnp.moveaxis(a, 0, axis)
-        shape = a.shape[:axis] + (self.nk * self.bk,) + a.shape[axis + 2 :]
+        shape = (*a.shape[:axis], self.nk * self.bk, *a.shape[axis + 2 :])
         return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.s, axis=axis)
 
 
 def _forward(tiles: _Tiles) -> tuple[Array, Array, Array]:
-    """Online softmax; returns ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows."""
+    """Online softmax: ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows."""
     spec, cd = tiles.spec, tiles.spec.compute_dtype
 
     def q_block(i: Array) -> tuple[Array, Array, Array]:
         def step(carry: tuple[Array, Array, Array], j: Array) -> tuple[Any, None]:
-            m, l, acc = carry
+            m, run_sum, acc = carry
             t = tiles.tile(i, j)
             allowed, s = t["allowed"], t["s"]
             m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
@@ -141,21 +141,21 @@ def _forward(tiles: _Tiles) -> tuple[Array, Array, Array]:
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
             pv = jnp.einsum("bkgts,bskh->bkgth", grouped(p, spec), t["v"], precision=HIGHEST)
             acc = alpha[..., None] * acc + pv.reshape(acc.shape)
-            return (m_new, alpha * l + jnp.sum(p, axis=-1), acc), None
+            return (m_new, alpha * run_sum + jnp.sum(p, axis=-1), acc), None
 
         init = (
             jnp.full((spec.b, spec.n, tiles.bq), -jnp.inf, cd),
             jnp.zeros((spec.b, spec.n, tiles.bq), cd),
             jnp.zeros((spec.b, spec.n, tiles.bq, spec.h_v), cd),
         )
-        (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
-        return m, l, acc
+        (m, run_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
+        return m, run_sum, acc
 
-    m, l, acc = jax.lax.map(q_block, jnp.arange(tiles.nq))
-    m, l, acc = tiles.merge_q(m, 2), tiles.merge_q(l, 2), tiles.merge_q(acc, 2)
-    live = l > 0
-    out = acc / jnp.where(live, l, 1.0)[..., None]
-    lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
+    m, run_sum, acc = jax.lax.map(q_block, jnp.arange(tiles.nq))
+    m, run_sum, acc = tiles.merge_q(m, 2), tiles.merge_q(run_sum, 2), tiles.merge_q(acc, 2)
+    live = run_sum > 0
+    out = acc / jnp.where(live, run_sum, 1.0)[..., None]
+    lse = jnp.where(live, m + jnp.log(jnp.where(live, run_sum, 1.0)), -jnp.inf)
     return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2)
 
 
@@ -231,7 +231,7 @@ def _backward(
 
 
 def _uniform_rows_grad(spec: KernelSpec, x: KernelInputs, do: Array, live: Array) -> Array:
-    """Gradient of the ``"uniform"`` rows ``mean_j v_j`` with respect to ``v`` (``[B, S, K, H_v]``)."""
+    """Gradient of the ``"uniform"`` rows ``mean_j v_j`` with respect to ``v [B, S, K, H_v]``."""
     valid = jnp.arange(spec.t)[None, :] < (spec.t if x.q_lens is None else x.q_lens[:, None])
     dead = jnp.logical_and(~live, valid[..., None])  # [B, T, N]
     g = jnp.sum(jnp.where(dead[..., None], do, 0.0), axis=1)  # [B, N, H_v]

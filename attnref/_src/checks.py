@@ -77,7 +77,13 @@ def _dtype(x: Any) -> np.dtype[Any]:
 
 
 def check_params(params: Any) -> tuple[int, int, int, int]:
-    """Validate an :class:`~attnref.AttentionParams`; return ``(H, d_model, d_k, d_v)``."""
+    """Validate an :class:`~attnref.AttentionParams`; return ``(H, d_model, d_k, d_v)``.
+
+    Shapes: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+    ``w_o [H, d_v, d_model]``, ``b_q [H, d_k]``, ``b_k [K, d_k]``, ``b_v [K, d_v]``,
+    ``b_o [d_model]``, with ``K`` key/value heads and ``H % K == 0`` (``K == H``: multi-head,
+    ``1 < K < H``: grouped-query, ``K == 1``: multi-query attention).
+    """
     for name in ("w_q", "w_k", "w_v", "w_o"):
         w = getattr(params, name, None)
         if w is None:
@@ -87,26 +93,49 @@ def check_params(params: Any) -> tuple[int, int, int, int]:
                 f"params.{name} must have rank 3 (per-head layout), got shape {_shape(w)}"
             )
     h, d_model, d_k = _shape(params.w_q)
-    if _shape(params.w_k) != (h, d_model, d_k):
+    if h < 1:
+        raise ValueError(f"params.w_q has shape {_shape(params.w_q)}; it needs at least one head")
+    kv, dmk, dkk = _shape(params.w_k)
+    if (dmk, dkk) != (d_model, d_k):
         raise ValueError(
             f"params.w_k has shape {_shape(params.w_k)} but params.w_q has shape "
-            f"{(h, d_model, d_k)}; both must be [H, d_model, d_k]"
+            f"{(h, d_model, d_k)}; expected w_k [K, d_model={d_model}, d_k={d_k}]"
+        )
+    if kv < 1 or h % kv:
+        raise ValueError(
+            f"params.w_k has {kv} heads but params.w_q has {h} (shapes {_shape(params.w_k)} and "
+            f"{_shape(params.w_q)}); num_heads must be a multiple of num_kv_heads"
         )
     hv, dmv, d_v = _shape(params.w_v)
-    if (hv, dmv) != (h, d_model):
+    if dmv != d_model:
         raise ValueError(
-            f"params.w_v has shape {_shape(params.w_v)}; expected [H={h}, d_model={d_model}, d_v]"
+            f"params.w_v has shape {_shape(params.w_v)}; expected [K={kv}, d_model={d_model}, d_v]"
+        )
+    if hv != kv:
+        raise ValueError(
+            f"params.w_k has shape {_shape(params.w_k)} but params.w_v has shape "
+            f"{_shape(params.w_v)}; keys and values must have the same number of heads "
+            "(num_kv_heads)"
         )
     if _shape(params.w_o) != (h, d_v, d_model):
         raise ValueError(
             f"params.w_o has shape {_shape(params.w_o)}; expected [H={h}, d_v={d_v}, "
-            f"d_model={d_model}] to match params.w_v {_shape(params.w_v)}"
+            f"d_model={d_model}] to match params.w_q {_shape(params.w_q)} and params.w_v "
+            f"{_shape(params.w_v)}"
         )
-    expected_bias = {"b_q": (h, d_k), "b_k": (h, d_k), "b_v": (h, d_v), "b_o": (d_model,)}
-    for name, shape in expected_bias.items():
+    expected_bias = {
+        "b_q": ((h, d_k), "[H, d_k]"),
+        "b_k": ((kv, d_k), "[K, d_k]"),
+        "b_v": ((kv, d_v), "[K, d_v]"),
+        "b_o": ((d_model,), "[d_model]"),
+    }
+    for name, (shape, axes) in expected_bias.items():
         b = getattr(params, name)
         if b is not None and _shape(b) != shape:
-            raise ValueError(f"params.{name} has shape {_shape(b)}; expected {shape}")
+            raise ValueError(
+                f"params.{name} has shape {_shape(b)}; expected {axes} = {shape} "
+                f"(H={h} query heads, K={kv} key/value heads)"
+            )
     dtypes = {
         name: _dtype(getattr(params, name))
         for name in _PARAM_FIELDS

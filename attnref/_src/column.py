@@ -3,10 +3,12 @@
 Tokens are columns: ``X [..., d_model, T]``. Per head, ``A_i = X_kv^T W_A[i] X_q`` (``T_k x T_q``,
 entry ``[j, i]`` scores key ``j`` for query ``i``), ``~A_i = softmax_col(A_i / sqrt(d_k))`` is
 column-stochastic, and ``Y = sum_i W_I[i] X_kv ~A_i + b_O 1^T`` with ``W_A = W_K^T W_Q`` and
-``W_I = W_O^T W_V`` in column convention (``W_A[i] = W_P[i]^T``, ``W_I[i] = W_M[i]^T``).
+``W_I = W_O^T W_V`` in column convention (``W_A[i] = W_P[i]^T``, ``W_I[i] = W_M[i]^T``; with
+grouped-query params query head ``i`` uses ``W_K``, ``W_V``, ``b_V`` of key/value head
+``g = i // G``).
 Masks and biases use the same transposed layout ``[..., T_k, T_q]`` (``M[j, i]``: query ``i``
-may read key ``j``). Biases: ``b_Q`` adds ``X_kv^T (W_K b_Q) 1^T`` to the scores (``b_K`` cancels
-in the column softmax) and ``b_V`` adds ``(W_O^T b_V) 1^T`` to the updates.
+may read key ``j``). Biases: ``b_Q`` adds ``X_kv^T (W_K[g] b_Q[i]) 1^T`` to the scores (``b_K``
+cancels in the column softmax) and ``b_V`` adds ``(W_O[i]^T b_V[g]) 1^T`` to the updates.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, residual_or, scale_value
-from attnref._src.params import AttentionParams, w_a, w_i
+from attnref._src.params import AttentionParams, repeat_heads, w_a, w_i
 from attnref._src.softmax import masked_softmax
 
 
@@ -42,7 +44,8 @@ def column_attention(
     wa_x = jnp.einsum("hde,...eq->...hdq", w_a(params), x, precision=HIGHEST)
     scores = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)
     if params.b_q is not None:
-        kb = jnp.einsum("hdk,hk->hd", params.w_k, params.b_q, precision=HIGHEST)
+        w_k = repeat_heads(params.w_k, params.group_size)  # [H, d_model, d_k]: W_K[i // G]
+        kb = jnp.einsum("hdk,hk->hd", w_k, params.b_q, precision=HIGHEST)
         scores = scores + jnp.einsum("...dk,hd->...hk", x_kv, kb, precision=HIGHEST)[..., None]
     scores = scores * s
     if bias is not None:
@@ -52,7 +55,8 @@ def column_attention(
 
     updates = jnp.einsum("hed,...dk->...hek", w_i(params), x_kv, precision=HIGHEST)
     if params.b_v is not None:
-        ob = jnp.einsum("hvd,hv->hd", params.w_o, params.b_v, precision=HIGHEST)
+        b_v = repeat_heads(params.b_v, params.group_size)  # [H, d_v]: b_V[i // G]
+        ob = jnp.einsum("hvd,hv->hd", params.w_o, b_v, precision=HIGHEST)
         updates = updates + ob[..., None]
     y = jnp.sum(jnp.einsum("...hek,...hkq->...heq", updates, a, precision=HIGHEST), axis=-3)
     if params.b_o is not None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens
-from attnref._src.params import AttentionParams
+from attnref._src.params import AttentionParams, repeat_heads
 
 HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
 
@@ -58,6 +58,20 @@ def project(
     """Per-head projection ``x W[i] + b[i]`` with a head axis before the token axis."""
     y = jnp.einsum("...td,hde->...hte", x, w, precision=HIGHEST)
     return y if b is None else y + jnp.asarray(b)[:, None, :]
+
+
+def project_kv(
+    x: Float[Array, "... T d_model"],
+    w: Float[ArrayLike, "K d_model d"],
+    b: ArrayLike | None,
+    group_size: int,
+) -> Float[Array, "... H T d"]:
+    """Key/value projection for every query head: ``x W[i // G] + b[i // G]`` for ``i < H``.
+
+    Each of the ``K`` key/value heads is projected once and its result repeated for the ``G``
+    query heads of its group (``H = K G``), so the head axis lines up with the query heads.
+    """
+    return repeat_heads(project(x, w, b), group_size, axis=-3)
 
 
 def add_output_bias(y: Float[Array, "... d_model"], params: AttentionParams) -> Array:

@@ -63,8 +63,12 @@ def kv_cache_init(
     dtype: Any = jnp.float32,
 ) -> KVCache:
     """An empty cache. A ring buffer (``window`` given) needs ``capacity >= window``."""
-    for name, val in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads),
-                      ("head_dim", head_dim)):
+    for name, val in (
+        ("batch", batch),
+        ("capacity", capacity),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     if window is not None and (not isinstance(window, int) or window < 1 or capacity < window):
@@ -74,8 +78,9 @@ def kv_cache_init(
     h_v = head_dim if head_dim_v is None else head_dim_v
     if np.dtype(dtype) == np.float64 and not x64_enabled():
         with enable_x64():  # a float64 cache is float64, never silently float32
-            return kv_cache_init(batch, capacity, num_kv_heads, head_dim, head_dim_v,
-                                 window=window, dtype=dtype)
+            return kv_cache_init(
+                batch, capacity, num_kv_heads, head_dim, head_dim_v, window=window, dtype=dtype
+            )
     return KVCache(
         k=jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
         v=jnp.zeros((batch, capacity, num_kv_heads, h_v), dtype),
@@ -100,23 +105,31 @@ def _check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> A
     if np.ndim(k) != 4 or np.shape(k)[0] != b or np.shape(k)[2:] != (kh, h):
         raise ValueError(f"key chunk has shape {np.shape(k)}; expected [B={b}, L, K={kh}, H={h}]")
     if np.shape(v) != (*np.shape(k)[:3], h_v):
-        raise ValueError(f"value chunk has shape {np.shape(v)}; expected "
-                         f"{(*np.shape(k)[:3], h_v)}")
+        raise ValueError(f"value chunk has shape {np.shape(v)}; expected {(*np.shape(k)[:3], h_v)}")
     length = np.shape(k)[1]
-    if q is not None and (np.ndim(q) != 4 or np.shape(q)[:2] != (b, length)
-                          or np.shape(q)[3] != h or np.shape(q)[2] % kh):
-        raise ValueError(f"query chunk has shape {np.shape(q)}; expected [B={b}, L={length}, N, "
-                         f"H={h}] with N a multiple of K={kh}")
+    if q is not None and (
+        np.ndim(q) != 4
+        or np.shape(q)[:2] != (b, length)
+        or np.shape(q)[3] != h
+        or np.shape(q)[2] % kh
+    ):
+        raise ValueError(
+            f"query chunk has shape {np.shape(q)}; expected [B={b}, L={length}, N, "
+            f"H={h}] with N a multiple of K={kh}"
+        )
     if valid is None:
         return jnp.ones((b, length), bool)
     if np.shape(valid) != (b, length) or np.dtype(getattr(valid, "dtype", bool)) != np.bool_:
-        raise ValueError(f"valid must be a boolean [B={b}, L={length}] array, got shape "
-                         f"{np.shape(valid)}")
+        raise ValueError(
+            f"valid must be a boolean [B={b}, L={length}] array, got shape {np.shape(valid)}"
+        )
     if cache.window is None and not isinstance(cache.lengths, jax.core.Tracer):
         need = int(np.max(np.asarray(cache.lengths) + np.sum(np.asarray(valid), axis=1)))
         if need > c:
-            raise ValueError(f"the cache has capacity {c} but this append needs {need} slots; "
-                             "grow the cache or use a sliding window (ring buffer)")
+            raise ValueError(
+                f"the cache has capacity {c} but this append needs {need} slots; "
+                "grow the cache or use a sliding window (ring buffer)"
+            )
     return jnp.asarray(valid)
 
 
@@ -184,8 +197,10 @@ def cached_attention(
 
     def by_position(name: str, a: Any) -> Array:
         if np.ndim(a) != 3 or np.shape(a)[:2] != (cache.k.shape[0], length):
-            raise ValueError(f"{name} has shape {np.shape(a)}; expected [B, L={length}, P] "
-                             "indexed by absolute key position")
+            raise ValueError(
+                f"{name} has shape {np.shape(a)}; expected [B, L={length}, P] "
+                "indexed by absolute key position"
+            )
         idx = jnp.broadcast_to(jnp.clip(kp, 0, np.shape(a)[2] - 1), allowed.shape)
         return jnp.take_along_axis(jnp.asarray(a), idx, axis=2)
 
@@ -195,7 +210,12 @@ def cached_attention(
     if bias is not None:
         key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
     out = dot_product_attention(
-        jnp.asarray(q, cache.k.dtype), keys, values, key_bias, allowed[:, None], scale=scale,
+        jnp.asarray(q, cache.k.dtype),
+        keys,
+        values,
+        key_bias,
+        allowed[:, None],
+        scale=scale,
         softcap=softcap,
     )
     return out, kv_cache_append(cache, k, v, valid_a)
@@ -252,8 +272,9 @@ def mha_cache_init(
 ) -> KVCache:
     """An empty cache shaped for ``params`` (its K/V heads, ``d_k``, ``d_v`` and dtype)."""
     kv_heads = int(np.shape(params.w_k)[0])
-    return kv_cache_init(batch, capacity, kv_heads, params.d_k, params.d_v, window=window,
-                         dtype=params.dtype)
+    return kv_cache_init(
+        batch, capacity, kv_heads, params.d_k, params.d_v, window=window, dtype=params.dtype
+    )
 
 
 @float64_scoped
@@ -285,8 +306,13 @@ def mha_decode_scan(
     def step(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
         extra = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
         y, c = mha_cached_attention(
-            params, c, inp["x"][:, None], inp["valid"][:, None], x_kv=inp["x_kv"][:, None],
-            scale=scale, **extra
+            params,
+            c,
+            inp["x"][:, None],
+            inp["valid"][:, None],
+            x_kv=inp["x_kv"][:, None],
+            scale=scale,
+            **extra,
         )
         return c, y[:, 0]
 

@@ -6,6 +6,8 @@ is the adjacency matrix. Per head ``i`` and edge ``e = (s, r)``: score
 each receiver's incoming edges gives ``alpha_e``; the receiver aggregates
 ``z_r = sum_{e -> r} alpha_e (x_s W_V[i] + b_V[i])`` and its update is
 ``y_r = sum_i z_r W_O[i] + b_O``. A receiver with no (unmasked) incoming edge gets ``y_r = b_O``.
+With grouped-query params (``K`` key/value heads, ``G = H / K``) head ``i`` reads ``W_K``, ``b_K``,
+``W_V``, ``b_V`` of key/value head ``i // G``; each sender is projected once per key/value head.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.checks import check_params, check_scale, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
-from attnref._src.params import AttentionParams
+from attnref._src.params import AttentionParams, repeat_heads
 
 
 def _check_edges(
@@ -103,9 +105,12 @@ def graph_attention(
         y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
         return y if b is None else y + jnp.asarray(b)
 
+    g = params.group_size
     q = proj(xr, params.w_q, params.b_q)[rcv]  # [E, H, d_k]
-    k = proj(xs, params.w_k, params.b_k)[snd]
-    v = proj(xs, params.w_v, params.b_v)[snd]  # [E, H, d_v]
+    k = repeat_heads(proj(xs, params.w_k, params.b_k), g, axis=1)[
+        snd
+    ]  # [N_s, K, d_k] -> [E, H, d_k]
+    v = repeat_heads(proj(xs, params.w_v, params.b_v), g, axis=1)[snd]  # [E, H, d_v]
     logits = jnp.sum(q * k, axis=-1) * s  # [E, H]
     if edge_bias is not None:
         logits = logits + jnp.asarray(edge_bias).astype(xr.dtype)[:, None]

@@ -202,10 +202,8 @@ def prepare(
     """Validate a kernel call at trace time; every error names the argument and its shape."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 ({'[B, T, N, H]' if name == 'query' else '[B, S, K, H]'}),"
-                f" got shape {_shape(x)}"
-            )
+            layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
+            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {_shape(x)}")
     b, t, n, h = _shape(query)
     bk, s, kh, hk = _shape(key)
     bv, sv, kv, h_v = _shape(value)
@@ -475,7 +473,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
 
-    c = 2 ** int(math.floor(math.log2(num_heads)))
+    c = 2 ** math.floor(math.log2(num_heads))
     slopes = power_of_two(c)
     if c != num_heads:
         slopes += power_of_two(2 * c)[0::2][: num_heads - c]

@@ -67,7 +67,7 @@ def blockwise_multihead(
         _kernel_heads(xkv, params.w_v, params.b_v),
         _pairs(p, p.bias, b),
         _pairs(p, p.mask, b),
-        scale=p.scale,
+        scale=scale,
         block_q=block_q,
         block_k=block_k,
     )
@@ -107,7 +107,7 @@ def decode_multihead(
         xs_kv=xkv,
         mask=None if m is None else m[:, 0],
         bias=None if bi is None else bi[:, 0],
-        scale=p.scale,
+        scale=scale,
     )
     y = y.reshape(*p.batch_shape, p.t_q, -1)
     return residual_or(y, p.x_q, residual)

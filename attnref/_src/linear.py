@@ -34,9 +34,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_params, check_tokens, float64_scoped
-from attnref._src.common import HIGHEST, add_output_bias, project, residual_or
+from attnref._src.common import HIGHEST, add_output_bias, project, project_kv, residual_or
 from attnref._src.feature_maps import FeatureMap
-from attnref._src.params import AttentionParams, w_m
+from attnref._src.params import AttentionParams, repeat_heads, w_m
 
 EpsPolicy = Literal["add", "clamp"]
 EPS_POLICIES = ("add", "clamp")
@@ -383,12 +383,14 @@ def _multihead(
     check_tokens(params, x_q, x_kv)
     xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
 
-    def heads(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
-        return jnp.swapaxes(project(x, w, b), -3, -2)  # [..., T, H, d]
+    g = params.group_size
 
-    q = heads(xq, params.w_q, params.b_q)
-    k = heads(xkv, params.w_k, params.b_k)
-    v = heads(xkv, params.w_v, params.b_v)
+    def heads(y: Array) -> Array:
+        return jnp.swapaxes(y, -3, -2)  # [..., H, T, d] -> [..., T, H, d]
+
+    q = heads(project(xq, params.w_q, params.b_q))
+    k = heads(project_kv(xkv, params.w_k, params.b_k, g))  # K/V head i // G for query head i
+    v = heads(project_kv(xkv, params.w_v, params.b_v, g))
     z = KERNEL_FORMS[form](q, k, v, key_mask=key_mask, **kwargs)  # [..., T_q, H, d_v]
     y = jnp.einsum("...qhv,hvd->...qd", z, params.w_o, precision=HIGHEST)
     return residual_or(add_output_bias(y, params), xq, residual)
@@ -428,8 +430,10 @@ def _make_multihead(form: str, causal_default: bool) -> Any:
     apply.__name__ = f"linear_{form}_multihead"
     apply.__qualname__ = apply.__name__
     apply.__doc__ = (
-        f"Multi-head linear attention, {form} form: per head ``q = x W_Q + b_Q`` etc., then "
-        f":func:`{kernel.__name__}`, then ``sum_i y_i W_O[i] + b_O``."
+        f"Multi-head linear attention, {form} form: per query head ``q_i = x W_Q[i] + b_Q[i]``, "
+        "``k_i = x W_K[i // G] + b_K[i // G]``, ``v_i = x W_V[i // G] + b_V[i // G]`` "
+        f"(``G = H / K`` query heads per key/value head), then :func:`{kernel.__name__}`, then "
+        "``sum_i y_i W_O[i] + b_O``."
     )
     return apply
 
@@ -454,14 +458,16 @@ def linear_messages_attention(
     eps_policy: EpsPolicy = "add",
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
-    """Messages form: ``sum_i A_i (X_kv W_M[i] + b_V[i] W_O[i]) + b_O`` with the normalised
-    linear attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked)."""
+    """Messages form: ``sum_i A_i (X_kv W_M[i] + b_V[i // G] W_O[i]) + b_O`` with the normalised
+    linear attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked), ``K_i`` projected
+    by key/value head ``i // G``."""
     x_kv = x_q if x_kv is None else x_kv
     check_params(params)
     check_tokens(params, x_q, x_kv)
     xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
     q = jnp.swapaxes(project(xq, params.w_q, params.b_q), -3, -2)
-    k = jnp.swapaxes(project(xkv, params.w_k, params.b_k), -3, -2)
+    g = params.group_size
+    k = jnp.swapaxes(project_kv(xkv, params.w_k, params.b_k, g), -3, -2)
     _check_qkv(q, k, k, key_mask, causal)
     _check_policy(eps, eps_policy)
     km = None if key_mask is None else jnp.asarray(key_mask)
@@ -473,7 +479,7 @@ def linear_messages_attention(
     a = normalize(a, den, eps, eps_policy)  # row-normalised weights, zero rows where den = 0
     msgs = jnp.einsum("...td,hde->...hte", xkv, w_m(params), precision=HIGHEST)
     if params.b_v is not None:
-        vb = jnp.einsum("hv,hvd->hd", params.b_v, params.w_o, precision=HIGHEST)
+        vb = jnp.einsum("hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST)
         msgs = msgs + vb[:, None, :]
     y = jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, msgs, precision=HIGHEST), axis=-3)
     return residual_or(add_output_bias(y, params), xq, residual)

@@ -1,11 +1,19 @@
 """Per-head attention parameters, their merged matrices, and fused-layout converters.
 
 Row-vector convention (Vaswani et al. 2017): a token is a row ``x`` of length ``d_model`` and
-head ``i`` computes ``q = x W_Q[i] + b_Q[i]``, ``k = x W_K[i] + b_K[i]``, ``v = x W_V[i] + b_V[i]``
-and writes ``o = softmax(.) v W_O[i]``; the block adds ``b_O`` once.
+query head ``i`` computes ``q = x W_Q[i] + b_Q[i]``, ``k = x W_K[g(i)] + b_K[g(i)]``,
+``v = x W_V[g(i)] + b_V[g(i)]`` and writes ``o = softmax(.) v W_O[i]``; the block adds ``b_O`` once.
 
-Shapes: ``W_Q, W_K: [H, d_model, d_k]``, ``W_V: [H, d_model, d_v]``, ``W_O: [H, d_v, d_model]``,
-``b_Q, b_K: [H, d_k]``, ``b_V: [H, d_v]``, ``b_O: [d_model]``. Biases are optional (``None``).
+Shapes: ``W_Q: [H, d_model, d_k]``, ``W_K: [K, d_model, d_k]``, ``W_V: [K, d_model, d_v]``,
+``W_O: [H, d_v, d_model]``, ``b_Q: [H, d_k]``, ``b_K: [K, d_k]``, ``b_V: [K, d_v]``,
+``b_O: [d_model]``. Biases are optional (``None``).
+
+**Key/value heads.** ``H`` query heads share ``K`` key/value heads, ``H % K == 0``, in groups of
+``G = H / K`` consecutive query heads: query head ``i`` reads K/V head ``g(i) = i // G`` (the
+grouping of ``jax.nn.dot_product_attention``, PyTorch's ``enable_gqa`` and Flax). ``K == H`` is
+ordinary multi-head attention (Vaswani et al. 2017), ``1 < K < H`` grouped-query attention
+(Ainslie et al. 2023) and ``K == 1`` multi-query attention (Shazeer 2019).
+:func:`repeat_kv_heads` gives the equivalent ``K == H`` parameters.
 """
 
 from __future__ import annotations
@@ -25,20 +33,41 @@ from attnref._src.checks import check_params, float64_scoped
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
-    """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``)."""
+    """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``).
+
+    ``H`` query heads (``w_q``, ``w_o``, ``b_q``) and ``K`` key/value heads (``w_k``, ``w_v``,
+    ``b_k``, ``b_v``) with ``H % K == 0``; query head ``i`` uses K/V head ``i // (H / K)``.
+    """
 
     w_q: Float[ArrayLike, "H d_model d_k"]
-    w_k: Float[ArrayLike, "H d_model d_k"]
-    w_v: Float[ArrayLike, "H d_model d_v"]
+    w_k: Float[ArrayLike, "K d_model d_k"]
+    w_v: Float[ArrayLike, "K d_model d_v"]
     w_o: Float[ArrayLike, "H d_v d_model"]
     b_q: Float[ArrayLike, "H d_k"] | None = None
-    b_k: Float[ArrayLike, "H d_k"] | None = None
-    b_v: Float[ArrayLike, "H d_v"] | None = None
+    b_k: Float[ArrayLike, "K d_k"] | None = None
+    b_v: Float[ArrayLike, "K d_v"] | None = None
     b_o: Float[ArrayLike, " d_model"] | None = None
 
     @property
     def num_heads(self) -> int:
+        """``H``, the number of query (and output) heads."""
         return int(np.shape(self.w_q)[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        """``K``, the number of key/value heads (``H`` for multi-head, 1 for multi-query)."""
+        return int(np.shape(self.w_k)[0])
+
+    @property
+    def group_size(self) -> int:
+        """``G = H / K``, the number of consecutive query heads sharing one K/V head."""
+        h, k = self.num_heads, self.num_kv_heads
+        if k < 1 or h % k:
+            raise ValueError(
+                f"params.w_k has {k} heads but params.w_q has {h}; num_heads must be a multiple "
+                "of num_kv_heads"
+            )
+        return h // k
 
     @property
     def d_model(self) -> int:
@@ -74,17 +103,32 @@ def init_params(
     d_v: int | None = None,
     bias: bool = False,
     dtype: Any = np.float32,
+    num_kv_heads: int | None = None,
 ) -> AttentionParams:
     """Seeded random parameters with fan-in scaling, as NumPy arrays of ``dtype``.
 
     ``W_Q, W_K, W_V ~ N(0, 1/d_model)``, ``W_O ~ N(0, 1/(H d_v))``; with ``bias=True`` every bias
     is drawn ``N(0, 0.1^2)`` (non-zero, so that tests exercise the bias paths). Drawing with
     NumPy's PCG64 keeps the values identical on every platform and independent of JAX's x64 flag.
+    ``num_kv_heads=K`` (default ``H``) draws ``K`` key/value heads, ``H % K == 0``; the default
+    draws exactly what earlier versions drew for the same seed.
     """
     d_v = d_k if d_v is None else d_v
-    for name, val in (("d_model", d_model), ("num_heads", num_heads), ("d_k", d_k), ("d_v", d_v)):
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    for name, val in (
+        ("d_model", d_model),
+        ("num_heads", num_heads),
+        ("d_k", d_k),
+        ("d_v", d_v),
+        ("num_kv_heads", kv),
+    ):
         if int(val) < 1:
             raise ValueError(f"{name} must be a positive integer, got {val}")
+    if num_heads % kv:
+        raise ValueError(
+            f"num_heads={num_heads} is not a multiple of num_kv_heads={kv}; each key/value head "
+            "serves num_heads / num_kv_heads query heads"
+        )
     rng = np.random.default_rng(seed)
     h = num_heads
 
@@ -92,8 +136,8 @@ def init_params(
         return (rng.standard_normal(shape) * std).astype(dtype)
 
     w_q = normal((h, d_model, d_k), d_model**-0.5)
-    w_k = normal((h, d_model, d_k), d_model**-0.5)
-    w_v = normal((h, d_model, d_v), d_model**-0.5)
+    w_k = normal((kv, d_model, d_k), d_model**-0.5)
+    w_v = normal((kv, d_model, d_v), d_model**-0.5)
     w_o = normal((h, d_v, d_model), (h * d_v) ** -0.5)
     if not bias:
         return AttentionParams(w_q, w_k, w_v, w_o)
@@ -103,10 +147,62 @@ def init_params(
         w_v,
         w_o,
         b_q=normal((h, d_k), 0.1),
-        b_k=normal((h, d_k), 0.1),
-        b_v=normal((h, d_v), 0.1),
+        b_k=normal((kv, d_k), 0.1),
+        b_v=normal((kv, d_v), 0.1),
         b_o=normal((d_model,), 0.1),
     )
+
+
+# ----------------------------------------------------------------------------- key/value heads
+
+
+def repeat_heads(a: Any, group_size: int, *, axis: int = 0) -> Any:
+    """Repeat every K/V head ``group_size`` times along ``axis`` (``[K, ...] -> [K G, ...]``).
+
+    Entry ``i`` of the result is entry ``i // group_size`` of ``a``: the grouping rule of the
+    module docstring. NumPy arrays stay NumPy arrays (exact copies); JAX arrays and tracers use
+    ``jnp.repeat``. ``group_size == 1`` returns ``a`` itself.
+    """
+    if group_size == 1:
+        return a
+    if isinstance(a, jax.Array):
+        return jnp.repeat(a, group_size, axis=axis)
+    return np.repeat(np.asarray(a), group_size, axis=axis)
+
+
+@float64_scoped
+def repeat_kv_heads(params: AttentionParams) -> AttentionParams:
+    """The equivalent multi-head (``K == H``) parameters of grouped- or multi-query params.
+
+    ``W_K'[i] = W_K[i // G]``, ``W_V'[i] = W_V[i // G]``, ``b_K'[i] = b_K[i // G]``,
+    ``b_V'[i] = b_V[i // G]`` for ``i < H`` and ``G = H / K``; ``W_Q``, ``W_O`` and the other
+    biases are passed through. The copies are exact, so every formulation (and the oracle) gives
+    the same function of the inputs with either set. Parameters that are already multi-head are
+    returned unchanged. Under differentiation the gradient with respect to a shared K/V head is
+    the sum of the gradients of its ``G`` copies.
+    """
+    check_params(params)
+    g = params.group_size
+    if g == 1:
+        return params
+    return dataclasses.replace(
+        params,
+        w_k=repeat_heads(params.w_k, g),
+        w_v=repeat_heads(params.w_v, g),
+        b_k=None if params.b_k is None else repeat_heads(params.b_k, g),
+        b_v=None if params.b_v is None else repeat_heads(params.b_v, g),
+    )
+
+
+def _grouped(w: Any, num_kv_heads: int) -> Array:
+    """A per-query-head array ``[H, ...]`` viewed as ``[K, G, ...]`` (query head ``k G + j``)."""
+    w = jnp.asarray(w)
+    return w.reshape(num_kv_heads, w.shape[0] // num_kv_heads, *w.shape[1:])
+
+
+def _per_query_head(w: Array) -> Array:
+    """``[K, G, ...] -> [H, ...]``, the inverse of :func:`_grouped`."""
+    return w.reshape(w.shape[0] * w.shape[1], *w.shape[2:])
 
 
 # ----------------------------------------------------------------------------- merged matrices
@@ -114,16 +210,24 @@ def init_params(
 
 @float64_scoped
 def w_p(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
-    """Pattern matrices ``W_P[i] = W_Q[i] W_K[i]^T`` (row convention): logits ``(x_q W_P) x^T``."""
+    """Pattern matrices ``W_P[i] = W_Q[i] W_K[i // G]^T`` (row convention), one per query head.
+
+    Logits ``(x_q W_P[i]) x^T``; query heads of one group share ``W_K`` but not ``W_P``.
+    """
     check_params(params)
-    return jnp.einsum("hdk,hek->hde", params.w_q, params.w_k, precision="highest")
+    wq = _grouped(params.w_q, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kgdc,kec->kgde", wq, params.w_k, precision="highest"))
 
 
 @float64_scoped
 def w_m(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
-    """Message matrices ``W_M[i] = W_V[i] W_O[i]`` (row convention): messages ``x W_M``."""
+    """Message matrices ``W_M[i] = W_V[i // G] W_O[i]`` (row convention), one per query head.
+
+    Messages ``x W_M[i]``; query heads of one group share ``W_V`` but each has its own ``W_M``.
+    """
     check_params(params)
-    return jnp.einsum("hdv,hve->hde", params.w_v, params.w_o, precision="highest")
+    wo = _grouped(params.w_o, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kdv,kgve->kgde", params.w_v, wo, precision="highest"))
 
 
 @float64_scoped
@@ -131,21 +235,24 @@ def w_a(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """Column-convention score matrices ``W_A[i] = W_K^T W_Q`` of Elhage et al. (2021).
 
     With column vectors, ``q = W_Q^c x`` where ``W_Q^c = W_Q[i]^T`` is ``d_k x d_model``, so
-    ``W_A = (W_K^c)^T W_Q^c = W_K[i] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``.
+    ``W_A = (W_K^c)^T W_Q^c = W_K[i // G] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``.
     """
     check_params(params)
-    return jnp.einsum("hdk,hek->hde", params.w_k, params.w_q, precision="highest")
+    wq = _grouped(params.w_q, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kdc,kgec->kgde", params.w_k, wq, precision="highest"))
 
 
 @float64_scoped
 def w_i(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """Column-convention output-value matrices ``W_I[i] = W_O^T W_V`` of Elhage et al. (2021).
 
-    Column convention stores ``W_V^c = W_V[i]^T`` (``d_v x d_model``) and ``W_O^c = W_O[i]``
-    (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i]^T = W_M[i]^T``.
+    Column convention stores ``W_V^c = W_V[i // G]^T`` (``d_v x d_model``) and
+    ``W_O^c = W_O[i]`` (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i // G]^T
+    = W_M[i]^T``.
     """
     check_params(params)
-    return jnp.einsum("hve,hdv->hed", params.w_o, params.w_v, precision="highest")
+    wo = _grouped(params.w_o, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kgve,kdv->kged", wo, params.w_v, precision="highest"))
 
 
 # ----------------------------------------------------------------------------- fused layouts
@@ -153,6 +260,18 @@ def w_i(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
 
 def _np(x: Any) -> np.ndarray:
     return np.asarray(x)
+
+
+def _require_mha(params: AttentionParams, layout: str) -> None:
+    """Fused layouts store one K/V head per query head; refuse grouped/multi-query params."""
+    check_params(params)
+    if params.num_kv_heads != params.num_heads:
+        raise ValueError(
+            f"{layout} has no grouped-query layout: params have num_heads={params.num_heads} "
+            f"but num_kv_heads={params.num_kv_heads} (params.w_k has shape "
+            f"{tuple(np.shape(params.w_k))}); convert attnref.repeat_kv_heads(params), the "
+            "equivalent multi-head parameters, instead"
+        )
 
 
 def _require(d: Mapping[str, Any], key: str, layout: str) -> np.ndarray:
@@ -165,9 +284,10 @@ def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
     """Flax ``MultiHeadDotProductAttention`` params (``DenseGeneral`` kernels).
 
     ``query/key/value``: ``kernel [d_model, H, d_head]``, ``bias [H, d_head]``;
-    ``out``: ``kernel [H, d_v, d_model]``, ``bias [d_model]``.
+    ``out``: ``kernel [H, d_v, d_model]``, ``bias [d_model]``. Grouped-query params raise
+    ``ValueError`` (use :func:`repeat_kv_heads` first).
     """
-    check_params(params)
+    _require_mha(params, "Flax MultiHeadDotProductAttention")
     out: dict[str, dict[str, np.ndarray]] = {}
     for name, w, b in (
         ("query", params.w_q, params.b_q),
@@ -241,9 +361,10 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
     """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
 
     PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
-    zeros when any bias is present (PyTorch has all biases or none).
+    zeros when any bias is present (PyTorch has all biases or none). Grouped-query params raise
+    ``ValueError`` (use :func:`repeat_kv_heads` first).
     """
-    check_params(params)
+    _require_mha(params, "PyTorch nn.MultiheadAttention")
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
     if not (d_k == d_v and h * d_k == d_model):
         raise ValueError(
@@ -300,9 +421,10 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
 
     ``nn.Linear`` stores ``(out, in)``; heads are contiguous blocks of the out features (BERT's
     ``view(..., H, d_head)``). ``output.dense.weight`` is ``[d_model, H*d_v]``. Absent biases are
-    written as zeros when any bias is present.
+    written as zeros when any bias is present. Grouped-query params raise ``ValueError`` (use
+    :func:`repeat_kv_heads` first).
     """
-    check_params(params)
+    _require_mha(params, "Hugging Face BERT attention")
     h, d_model, d_v = params.num_heads, params.d_model, params.d_v
     sd = {
         prefix + _HF_KEYS["w_q"]: _heads_to_out_in(_np(params.w_q)),

@@ -1,9 +1,10 @@
 """Per-query "soft search": one query vector at a time, in model space.
 
 For one query token ``x_q`` (a row of length ``d_model``) and key tokens ``X_kv [T_k, d_model]``,
-head ``i`` forms its pattern ``p_i = x_q W_P[i] + b_Q[i] W_K[i]^T``, scores every key by
+head ``i`` forms its pattern ``p_i = x_q W_P[i] + b_Q[i] W_K[g]^T``, scores every key by
 ``alpha_i = softmax(X_kv p_i^T / sqrt(d_k))`` and returns ``o = sum_i alpha_i M_i + b_O``
-with ``M_i = X_kv W_M[i] + b_V[i] W_O[i]``. The batched form ``vmap``s this over queries and
+with ``M_i = X_kv W_M[i] + b_V[g] W_O[i]`` (``g = i // G`` the key/value head of query head ``i``;
+``g = i`` for multi-head params). The batched form ``vmap``s this over queries and
 batch dims. Seed: "Refactoring the Attention Equations" (2025-02-19), single-query version.
 """
 
@@ -15,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_params, check_scale, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
-from attnref._src.params import AttentionParams, w_m, w_p
+from attnref._src.params import AttentionParams, repeat_heads, w_m, w_p
 from attnref._src.softmax import masked_softmax
 
 
@@ -44,15 +45,17 @@ def _one_query(
 
 
 def _merged(params: AttentionParams) -> tuple[Array, Array, Array | None, Array | None]:
+    """``(W_P, W_M, b_Q[i] W_K[i // G]^T, b_V[i // G] W_O[i])``, all per query head."""
+    g = params.group_size
     qb = (
         None
         if params.b_q is None
-        else jnp.einsum("hk,hdk->hd", params.b_q, params.w_k, precision=HIGHEST)
+        else jnp.einsum("hk,hdk->hd", params.b_q, repeat_heads(params.w_k, g), precision=HIGHEST)
     )
     vb = (
         None
         if params.b_v is None
-        else jnp.einsum("hv,hvd->hd", params.b_v, params.w_o, precision=HIGHEST)
+        else jnp.einsum("hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST)
     )
     return w_p(params), w_m(params), qb, vb
 

@@ -1,7 +1,10 @@
 """The standard formulations: concatenated heads (Vaswani et al. 2017) and the per-head sum.
 
 Row convention, shapes ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``; output
-``[..., T_q, d_model]``. ``head_i = softmax(Q_i K_i^T / sqrt(d_k) + bias, mask) V_i``.
+``[..., T_q, d_model]``. ``head_i = softmax(Q_i K_i^T / sqrt(d_k) + bias, mask) V_i`` with
+``K_i = X_kv W_K[i // G] + b_K[i // G]`` and ``V_i`` likewise: with grouped-query parameters
+(``K`` key/value heads, ``G = H / K``) each key/value head is projected once and read by the ``G``
+query heads of its group.
 """
 
 from __future__ import annotations
@@ -10,20 +13,27 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import float64_scoped
-from attnref._src.common import HIGHEST, Prepared, add_output_bias, project, residual_or
+from attnref._src.common import (
+    HIGHEST,
+    Prepared,
+    add_output_bias,
+    project,
+    project_kv,
+    residual_or,
+)
 from attnref._src.params import AttentionParams
 from attnref._src.softmax import masked_softmax
 
 
 def _weights(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
     q = project(p.x_q, params.w_q, params.b_q)
-    k = project(p.x_kv, params.w_k, params.b_k)
+    k = project_kv(p.x_kv, params.w_k, params.b_k, params.group_size)
     logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
     return masked_softmax(p.add_bias(logits), p.head_mask())
 
 
 def _heads(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_v"]:
-    v = project(p.x_kv, params.w_v, params.b_v)
+    v = project_kv(p.x_kv, params.w_v, params.b_v, params.group_size)
     return jnp.einsum("...hqk,...hkv->...hqv", _weights(p, params), v, precision=HIGHEST)
 
 
@@ -37,7 +47,7 @@ def attention_weights(
     bias: Float[ArrayLike, "... T_q T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... H T_q T_k"]:
-    """Row-stochastic scores ``A_i = softmax(Q_i K_i^T * scale + bias, mask)`` per head.
+    """Row-stochastic scores ``A_i = softmax(Q_i K_i^T * scale + bias, mask)`` per query head.
 
     Fully masked rows are all zeros.
     """

@@ -11,7 +11,6 @@ agreement between the two is evidence, not tautology. Everything is computed in 
 
 from __future__ import annotations
 
-from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
 from ._core import (
     attention,
     attention_weights,
@@ -20,13 +19,14 @@ from ._core import (
     linear_attention,
     linear_multihead,
 )
+from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
 
 __all__ = [
     "alibi_bias",
     "alibi_slopes",
-    "dot_product_attention",
     "attention",
     "attention_weights",
+    "dot_product_attention",
     "features",
     "head_outputs",
     "kernel_allowed",

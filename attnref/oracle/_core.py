@@ -3,13 +3,19 @@
 This module imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
 agreement between the two is evidence, not tautology. Everything is computed in float64.
 
-For batch index ``b``, head ``i`` and query ``t`` (row convention, Vaswani et al. 2017)::
+For batch index ``b``, query head ``i`` and query ``t`` (row convention, Vaswani et al. 2017),
+with ``g = i // G`` the key/value head of query head ``i``::
 
     q   = x_q[b, t] W_Q[i] + b_Q[i]
-    s_j = (q . (x_kv[b, j] W_K[i] + b_K[i])) * scale + bias[b, t, j]   for allowed keys j
+    s_j = (q . (x_kv[b, j] W_K[g] + b_K[g])) * scale + bias[b, t, j]   for allowed keys j
     p_j = exp(s_j - max_j s_j) / sum_j exp(s_j - max_j s_j)             (0 if no key is allowed)
-    y[b, t] += sum_j p_j (x_kv[b, j] W_V[i] + b_V[i]) W_O[i]
+    y[b, t] += sum_j p_j (x_kv[b, j] W_V[g] + b_V[g]) W_O[i]
     y[b, t] += b_O   (once)
+
+``W_Q [H, d_model, d_k]`` and ``W_O [H, d_v, d_model]`` have one entry per query head;
+``W_K [K, d_model, d_k]`` and ``W_V [K, d_model, d_v]`` (and ``b_K``, ``b_V``) one per key/value
+head, ``H = K G``: consecutive query heads share a key/value head (grouped-query attention,
+Ainslie et al. 2023; ``K = 1`` is multi-query attention, Shazeer 2019; ``K = H`` multi-head).
 
 ``scale`` defaults to ``1/sqrt(d_k)``. A key is allowed when ``mask`` is True and ``bias`` is not
 ``-inf``. A query with no allowed key contributes nothing from any head (its output is ``b_O``).
@@ -52,6 +58,19 @@ def _unpack(params: Any) -> dict[str, np.ndarray | None]:
     return out
 
 
+def _group_size(w: dict[str, np.ndarray | None]) -> int:
+    """``G = H / K`` from ``w_q [H, ...]`` and ``w_k, w_v [K, ...]``; query head i reads i // G."""
+    w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
+    assert w_q is not None and w_k is not None and w_v is not None
+    n_heads, n_kv = w_q.shape[0], w_k.shape[0]
+    if n_kv < 1 or n_heads % n_kv or w_v.shape[0] != n_kv:
+        raise ValueError(
+            f"params.w_q has {n_heads} heads, params.w_k {n_kv} and params.w_v {w_v.shape[0]}; "
+            "w_k and w_v need the same number of heads, and num_heads must be a multiple of it"
+        )
+    return n_heads // n_kv
+
+
 def _broadcast(arr: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
     if arr is None:
         return None
@@ -90,6 +109,7 @@ def _per_head_per_query(
     """Return weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]``."""
     rd = _rounder(emulate)
     w = _unpack(params)
+    group = _group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
@@ -108,8 +128,9 @@ def _per_head_per_query(
     outs = np.zeros((*batch, n_heads, t_q, d_model))
     for idx in np.ndindex(*batch):
         for i in range(n_heads):
-            keys = rd(rd(xkv[idx] @ w_k[i]) + (0.0 if w["b_k"] is None else w["b_k"][i]))
-            values = rd(rd(xkv[idx] @ w_v[i]) + (0.0 if w["b_v"] is None else w["b_v"][i]))
+            g = i // group  # the key/value head that query head i reads
+            keys = rd(rd(xkv[idx] @ w_k[g]) + (0.0 if w["b_k"] is None else w["b_k"][g]))
+            values = rd(rd(xkv[idx] @ w_v[g]) + (0.0 if w["b_v"] is None else w["b_v"][g]))
             for t in range(t_q):
                 q = rd(rd(xq[idx][t] @ w_q[i]) + (0.0 if w["b_q"] is None else w["b_q"][i]))
                 scores = rd(rd(np.array([q @ keys[j] for j in range(t_k)])) * rd(s))
@@ -266,9 +287,11 @@ def linear_multihead(
     eps_policy: str = "add",
     residual: bool = False,
 ) -> np.ndarray:
-    """Multi-head linear attention: per-head projections, :func:`linear_attention`, then
-    ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if residual)."""
+    """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
+    ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
+    residual)."""
     w = _unpack(params)
+    group = _group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
 
@@ -278,10 +301,13 @@ def linear_multihead(
         y = np.einsum("...td,hde->...the", x, wt)
         return y if b is None else y + b
 
+    w_q = w["w_q"]
+    assert w_q is not None
+    kv_of = [i // group for i in range(w_q.shape[0])]  # key/value head of each query head
     z = linear_attention(
         heads(xq, "q"),
-        heads(xkv, "k"),
-        heads(xkv, "v"),
+        heads(xkv, "k")[..., kv_of, :],
+        heads(xkv, "v")[..., kv_of, :],
         feature_map=feature_map,
         causal=causal,
         key_mask=key_mask,

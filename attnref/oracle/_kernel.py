@@ -71,7 +71,7 @@ def kernel_allowed(
     causal_alignment: str = "top_left",
 ) -> np.ndarray:
     """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time."""
-    b_size, n_heads, t, s = shape
+    b_size, _, t, s = shape
     bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), shape)
     mask_f = None if mask is None else np.broadcast_to(np.asarray(mask, bool), shape)
     q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
@@ -129,9 +129,15 @@ def dot_product_attention(
     full = (b_size, n_heads, t, s)
     bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     allowed = kernel_allowed(
-        full, bias, mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-        segment_ids=segment_ids, causal_alignment=causal_alignment,
+        full,
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        causal_alignment=causal_alignment,
     )
     q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
 
