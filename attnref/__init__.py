@@ -70,6 +70,15 @@ from attnref._src.params import (
     w_p,
 )
 from attnref._src.registry import Formulation, formulations, get, ids
+from attnref._src.rope import (
+    apply_rope,
+    apply_rope_complex,
+    rope_attention,
+    rope_frequencies,
+    rope_pattern_matrices,
+    rope_patterns_attention,
+    rope_rotation,
+)
 from attnref._src.soft_search import soft_search, soft_search_attention
 from attnref._src.softmax import masked_softmax
 from attnref._src.standard import (
@@ -92,6 +101,8 @@ __all__ = [
     "XlaCounts",
     "alibi_bias",
     "alibi_slopes",
+    "apply_rope",
+    "apply_rope_complex",
     "attention_weights",
     "blockwise_attention",
     "blockwise_multihead",
@@ -148,6 +159,11 @@ __all__ = [
     "per_head_sum_attention",
     "relu_features",
     "repeat_kv_heads",
+    "rope_attention",
+    "rope_frequencies",
+    "rope_pattern_matrices",
+    "rope_patterns_attention",
+    "rope_rotation",
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",

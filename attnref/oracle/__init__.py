@@ -5,6 +5,7 @@ agreement between the two is evidence, not tautology. Everything is computed in 
 
 * :mod:`attnref.oracle._core`: multi-head attention at the weight level (per head, per query),
   linear attention and its feature maps.
+* :mod:`attnref.oracle._rope`: rotary position embedding and attention with it.
 * :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
   every mask option, and the ALiBi helpers.
 """
@@ -20,6 +21,7 @@ from ._core import (
     linear_multihead,
 )
 from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
+from ._rope import rope, rope_attention
 
 __all__ = [
     "alibi_bias",
@@ -32,4 +34,6 @@ __all__ = [
     "kernel_allowed",
     "linear_attention",
     "linear_multihead",
+    "rope",
+    "rope_attention",
 ]

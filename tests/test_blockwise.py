@@ -1,0 +1,185 @@
+"""The blockwise (flash) form: equal to the oracle for every block size and option, its
+``custom_vjp`` backward equal to autodiff of the naive form, and temporary memory linear in T.
+
+Tolerances: forward, :func:`attnref.tolerance.kernel_error_bound` with the number of key blocks
+(each later block rescales the running sums once). Gradients, FlashAttention's comparative rule
+as in ``tests/test_gradients.py``: the float32 blockwise gradient's max error against the
+float64 naive gradient is at most twice the error of the float32 naive gradient (a same-precision
+reference with another operation order) plus a rounding floor ``gamma_{N_b}(u32) * M``, with
+``M`` the largest float64 gradient entry and ``N_b = T G + S + H + H_v + 2`` the longest
+reduction chain of the backward pass (``dk``/``dv`` sum over the ``T`` queries of ``G`` heads,
+``dq`` over ``S`` keys, ``dp`` and ``D`` over ``H_v``, the logits over ``H``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import attnref
+from attnref import tolerance
+from attnref._src.cost import xla_counts
+
+from .helpers import scaled
+from .kernel_helpers import KBUCKETS, PROFILES, assert_kernel_close, kproblems, make_kproblem
+
+STATIC = (
+    "scale",
+    "is_causal",
+    "local_window_size",
+    "softcap",
+    "causal_alignment",
+    "masked_rows",
+    "return_lse",
+    "block_q",
+    "block_k",
+)
+BLOCKS = ((1, 1), (2, 3), (3, 2), (4, 4), (8, 8))
+_BW = jax.jit(attnref.blockwise_attention, static_argnames=STATIC)
+_NAIVE = jax.jit(attnref.dot_product_attention, static_argnames=STATIC[:-2])
+
+
+class BlockwiseOracleTest(chex.TestCase):
+    @chex.variants(with_jit=True)
+    @given(problem=kproblems(), blocks=st.sampled_from(BLOCKS))
+    @scaled(1.5)
+    def test_matches_oracle_for_every_block_size(self, problem, blocks):
+        """Any block sizes, T and S not multiples of them, every option; lse too."""
+        p = problem
+        bq, bk = blocks
+        out, lse = self.variant(attnref.blockwise_attention, static_argnames=STATIC)(
+            p.q, p.k, p.v, return_lse=True, block_q=bq, block_k=bk, **p.kwargs
+        )
+        assert out.dtype == p.dtype
+        n_blocks = math.ceil(p.bucket.s / min(bk, p.bucket.s))
+        assert_kernel_close(out, lse, p, f"blockwise {blocks}", key_blocks=n_blocks)
+
+    @chex.variants(without_jit=True)
+    @given(problem=kproblems(buckets=KBUCKETS[:1], profiles=PROFILES[:3]))
+    @scaled(0.5)
+    def test_matches_oracle_eagerly(self, problem):
+        p = problem
+        out, lse = self.variant(attnref.blockwise_attention)(
+            p.q, p.k, p.v, return_lse=True, block_q=2, block_k=3, **p.kwargs
+        )
+        assert_kernel_close(out, lse, p, "blockwise (eager)", key_blocks=3)
+
+
+_FNS = {"naive": attnref.dot_product_attention, "blockwise": attnref.blockwise_attention}
+
+
+def _loss(which, static, q, k, v, bias, arrays, cot, cot_lse):
+    """A linear functional of the output and of lse (NaN rows and -inf lse contribute 0)."""
+    out, lse = _FNS[which](q, k, v, bias, return_lse=True, **dict(static), **arrays)
+    out = jnp.where(jnp.isnan(out), 0.0, out)
+    return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * cot_lse, 0.0))
+
+
+# One jitted gradient per (form, static options): compiled once, reused across examples.
+_GRAD = jax.jit(jax.grad(_loss, argnums=(2, 3, 4, 5)), static_argnames=("which", "static"))
+
+
+def _grads(which, static, p, dtype, bias, arrays, cot, cot_lse):
+    q, k, v = (a.astype(dtype) for a in (p.q, p.k, p.v))
+    b = None if bias is None else bias.astype(dtype)
+    g = _GRAD(which, static, q, k, v, b, arrays, cot.astype(dtype), cot_lse.astype(dtype))
+    return [np.asarray(a, np.float64) for a in g if a is not None]
+
+
+def _neutral_arrays(p):
+    """Every array option present (neutral values where the draw has none), so one compiled
+    gradient serves each static profile whatever array options were drawn."""
+    b = p.bucket
+    kw = p.kwargs
+    arrays = {
+        "mask": kw.get("mask", np.ones((1, 1, b.t, b.s), bool)),
+        "query_seq_lengths": kw.get("query_seq_lengths", np.full(b.b, b.t, np.int32)),
+        "key_value_seq_lengths": kw.get("key_value_seq_lengths", np.full(b.b, b.s, np.int32)),
+        "segment_ids": kw.get(
+            "segment_ids", (np.zeros((b.b, b.t), np.int32), np.zeros((b.b, b.s), np.int32))
+        ),
+    }
+    bias = kw.get("bias")
+    if bias is None or not np.all(np.isfinite(bias)):
+        # -inf entries have no gradient (the masking itself is tested elsewhere)
+        bias = np.zeros((1, b.n, b.t, b.s))
+    return arrays, np.broadcast_to(bias, (1, b.n, b.t, b.s)).astype(np.float64)
+
+
+# Profiles with distinct backward paths: plain; window + softcap + NaN rows; bottom-right
+# causal + softcap + uniform rows (whose gradient reaches every v row).
+GRAD_PROFILES = (PROFILES[0], PROFILES[3], PROFILES[4])
+
+
+@given(problem=kproblems(dtypes=("float64",), buckets=KBUCKETS[:1], profiles=GRAD_PROFILES))
+@scaled(0.5)
+def test_flash_backward_equals_autodiff_of_naive_form(problem):
+    """Gradients with respect to q, k, v and the bias, through the output and lse (blocks
+    2 x 3: partial tiles in both directions), in float32 against the float64 naive gradient
+    (float64 itself: ``test_check_grads_on_the_custom_vjp``)."""
+    p = problem
+    static = tuple(sorted(p.static.items()))
+    arrays, bias = _neutral_arrays(p)
+    rng = np.random.default_rng(0)
+    b = p.bucket
+    cot = rng.standard_normal((b.b, b.t, b.n, b.h_v))
+    cot_lse = rng.standard_normal((b.b, b.t, b.n))
+    bw_static = (*static, ("block_k", 3), ("block_q", 2))
+    exact = _grads("naive", static, p, np.float64, bias, arrays, cot, cot_lse)
+    ref32 = _grads("naive", static, p, np.float32, bias, arrays, cot, cot_lse)
+    got32 = _grads("blockwise", bw_static, p, np.float32, bias, arrays, cot, cot_lse)
+    m = max(float(np.max(np.abs(g))) for g in exact)
+    n_b = b.t * (b.n // b.k) + b.s + b.h + b.h_v + 2
+    floor = tolerance.gamma(n_b, tolerance.unit_roundoff(np.float32)) * m
+    for name, g, r, e in zip(("q", "k", "v", "bias"), got32, ref32, exact, strict=True):
+        allowed = 2 * float(np.max(np.abs(r - e))) + floor
+        err = float(np.max(np.abs(g - e)))
+        assert err <= allowed, f"d/d{name}: {err:.3e} > {allowed:.3e}"
+
+
+def test_check_grads_on_the_custom_vjp():
+    """JAX's numerical gradient check (first order, reverse mode) on the flash backward, with
+    softcap, bias, GQA and a causal mask, in float64."""
+    p = make_kproblem(KBUCKETS[0], dict(is_causal=True, softcap=2.0), ("bias",), 8, np.float64)
+
+    def f(q, k, v, bias):
+        out, lse = attnref.blockwise_attention(
+            q, k, v, bias, is_causal=True, softcap=2.0, block_q=2, block_k=3, return_lse=True
+        )
+        return jnp.sum(jnp.sin(out)) + jnp.sum(lse)
+
+    check_grads(f, (p.q, p.k, p.v, p.kwargs["bias"]), order=1, modes=["rev"])
+
+
+def _temp_bytes(fn, t):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, t, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, t, 2, 8)).astype(np.float32)
+    return xla_counts(fn, q, k, k).temp_bytes
+
+
+def test_temporary_memory_linear_in_t_for_blockwise_quadratic_for_naive():
+    """Compiled temporary bytes (XLA ``memory_analysis``) from T = 64 to 256: the blockwise form
+    grows with exponent about 1 (its tiles are fixed; its carries and outputs are linear), the
+    naive form with exponent about 2 (the ``T x T`` logits)."""
+    ts = (64, 128, 256)
+
+    def blockwise(q, k, v):
+        return attnref.blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)
+
+    def naive(q, k, v):
+        return attnref.dot_product_attention(q, k, v, is_causal=True)
+
+    slopes = {}
+    for name, fn in (("blockwise", blockwise), ("naive", naive)):
+        mem = [_temp_bytes(jax.jit(fn), t) for t in ts]
+        slopes[name] = np.polyfit(np.log(ts), np.log(mem), 1)[0]
+    assert slopes["blockwise"] <= 1.1, slopes
+    assert slopes["naive"] >= 1.8, slopes
