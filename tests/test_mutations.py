@@ -34,7 +34,7 @@ def test_wrong_scale_is_caught_in_every_formulation(fid, monkeypatch):
     def wrong(d_k, scale, dtype):
         return original(SQUARE.d_model, scale, dtype)
 
-    for module in ("standard", "merged", "column", "soft_search", "graph", "common"):
+    for module in ("standard", "merged", "column", "soft_search", "graph", "common", "kernel"):
         mod = __import__(f"attnref._src.{module}", fromlist=["x"])
         if hasattr(mod, "scale_value"):
             monkeypatch.setattr(mod, "scale_value", wrong)

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_entry_is_complete():
     seen = set()
-    for f in attnref.formulations("softmax"):
+    for f in attnref.formulations():
         assert re.fullmatch(r"[a-z_]+", f.id) and f.id not in seen
         seen.add(f.id)
         assert f.title and f.citation and f.summary and f.convention and "O(" in f.cost
-        kernel = {"softmax": ("softmax", "sigma"), "linear": ("phi",)}[f.family]
+        kernel = {"softmax": ("softmax", "sigma"), "linear": ("phi",), "rope": ("R(",)}[f.family]
         assert "\\" in f.equation and any(word in f.equation for word in kernel), f.id
         assert callable(f.apply) and callable(f.native)
         assert f.apply.__doc__ and f.native.__doc__
@@ -32,7 +32,7 @@ def test_every_entry_is_complete():
 
 
 def test_generated_docs_are_current():
-    for f in attnref.formulations("softmax"):
+    for f in attnref.formulations():
         page = ROOT / "docs" / "formulations" / f"{f.id}.md"
         assert page.exists(), f"missing {page}; run python -m attnref._src.docs"
         assert page.read_text() == docs.render(f), f"{page} is stale; regenerate it"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from attnref._src import cost
+from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
+from attnref._src.decode import cache_attend
 from attnref._src.graph import graph_attention, graph_attention_rows
+from attnref._src.kernel_forms import blockwise_multihead, kv_cache_multihead
 from attnref._src.linear import (
     linear_associative,
     linear_associative_multihead,
@@ -20,6 +23,7 @@ from attnref._src.linear import (
 )
 from attnref._src.merged import patterns_messages_attention, scores_messages_attention
 from attnref._src.registry import Formulation, register
+from attnref._src.rope import rope_attention, rope_patterns_attention
 from attnref._src.soft_search import soft_search, soft_search_attention
 from attnref._src.standard import concat_attention, per_head_sum_attention
 
@@ -285,5 +289,129 @@ register(
         family="linear",
         causal_modes=(False, True),
         static_argnames=LINEAR_STATIC,
+    )
+)
+
+# ----------------------------------------------------------------------------- kernel era
+
+MILAKOV = (
+    "Milakov & Gimelshein (2018), Online normalizer calculation for softmax, arXiv:1805.02867."
+)
+DAO = (
+    "Dao et al. (2022), FlashAttention: Fast and Memory-Efficient Exact Attention with "
+    "IO-Awareness, NeurIPS."
+)
+GQA = (
+    "Ainslie et al. (2023), GQA: Training Generalized Multi-Query Transformer Models from "
+    "Multi-Head Checkpoints, EMNLP; Shazeer (2019), Fast Transformer Decoding: One Write-Head is "
+    "All You Need (MQA)."
+)
+ROFORMER = (
+    "Su et al. (2021), RoFormer: Enhanced Transformer with Rotary Position Embedding, "
+    "arXiv:2104.09864."
+)
+
+register(
+    Formulation(
+        id="blockwise",
+        title="Blockwise online softmax (the flash form)",
+        equation=(
+            r"m' = \max(m, \max_j s_{ij}),\ \ \ell' = e^{m - m'}\ell + \sum_{j \in B}"
+            r" e^{s_{ij} - m'},\ \ a' = e^{m - m'} a + \sum_{j \in B} e^{s_{ij} - m'} v_j,"
+            r"\quad o_i = a / \ell = \mathrm{softmax}(s_i) V,\ \ \mathrm{lse}_i = m + \log \ell"
+        ),
+        convention="kernel",
+        citation=MILAKOV + " " + DAO + " GQA: " + GQA,
+        apply=blockwise_multihead,
+        native=blockwise_attention,
+        summary=(
+            "Query tiles (lax.map) times key tiles (lax.scan) with a running max and sum; the "
+            "backward is a custom_vjp that recomputes tiles from the saved lse."
+        ),
+        cost=(
+            "FLOPs as concat plus O(H T_q T_k / B_k) rescalings; memory O(H (T_q + T_k) d + "
+            "B_q B_k H) temporaries: linear in T (no T_q x T_k tensor)."
+        ),
+        cost_model=cost.blockwise_cost,
+        static_argnames=("residual", "block_q", "block_k"),
+    )
+)
+
+register(
+    Formulation(
+        id="kv_cache",
+        title="KV-cached attention, one query per step",
+        equation=(
+            r"\mathcal{C} = \{(p_j, k_j, v_j)\}_{j < T_k},\quad o_t = \sum_{i=1}^{H}"
+            r" \mathrm{softmax}_{j \in \mathcal{C}}\!\Big(\frac{q_{t,i} k_{j,g(i)}^\top}"
+            r"{\sqrt{d_k}} + b_{t, p_j}\Big) v_{j,g(i)} W_{O,i} + b_O"
+        ),
+        convention="kernel",
+        citation=(
+            "Incremental decoding with cached keys and values as in Vaswani et al. (2017) and "
+            "every decoder since; " + GQA
+        ),
+        apply=kv_cache_multihead,
+        native=cache_attend,
+        summary=(
+            "Keys and values projected once into a cache (slots with absolute positions), then a "
+            "lax.scan reads it one query at a time; masks and biases index absolute positions."
+        ),
+        cost=(
+            "FLOPs as concat; memory O(H T_k (d_k + d_v)) for the cache plus O(H T_k) logits per "
+            "step: no T_q x T_k tensor."
+        ),
+        cost_model=cost.kv_cache_cost,
+    )
+)
+
+ROPE_STATIC = ("residual", "base", "convention")
+
+register(
+    Formulation(
+        id="rope",
+        title="Rotary position embedding (rotate q and k)",
+        equation=(
+            r"s_{ij} = \frac{\big(q_i R(m_i)\big)\big(k_j R(n_j)\big)^\top}{\sqrt{d_k}},"
+            r"\quad R(m) = \bigoplus_{p} \begin{pmatrix} \cos m\theta_p & \sin m\theta_p \\"
+            r" -\sin m\theta_p & \cos m\theta_p \end{pmatrix},\ \theta_p = b^{-2p/d_k}"
+        ),
+        convention="row",
+        citation=ROFORMER,
+        apply=rope_attention,
+        native=rope_attention,
+        summary=(
+            "Queries and keys rotated pairwise by position-dependent angles (rotate-half or "
+            "interleaved pairs); values untouched."
+        ),
+        cost="As concat plus O(H (T_q + T_k) d_k) for the rotations; memory O(H T_q T_k).",
+        family="rope",
+        static_argnames=ROPE_STATIC,
+    )
+)
+
+register(
+    Formulation(
+        id="rope_patterns",
+        title="RoPE as a relative-position pattern matrix",
+        equation=(
+            r"s_{ij} = \frac{\tilde x_i\, W_P(m_i - n_j)\, \tilde x_j^\top}{\sqrt{d_k}},"
+            r"\quad W_P(\delta) = \tilde W_Q\, R(\delta)\, \tilde W_K^\top,"
+            r"\quad \tilde x = [x, 1],\ \tilde W = [W; b]"
+        ),
+        convention="row",
+        citation=ROFORMER + " Pattern view: " + REFACTOR,
+        apply=rope_patterns_attention,
+        native=rope_patterns_attention,
+        summary=(
+            "The pattern matrix becomes a function of the offset m - n: one d_model x d_model "
+            "W_P per distinct offset, gathered per (query, key) pair."
+        ),
+        cost=(
+            "FLOPs O(H n_delta d_model^2 d_k) to form W_P(delta) for n_delta offsets, O(H T_q "
+            "T_k d_model^2) for the logits; memory O(H T_q T_k d_model)."
+        ),
+        family="rope",
+        static_argnames=ROPE_STATIC,
     )
 )

@@ -497,6 +497,117 @@ def linear_messages_cost(d: Dims) -> Cost:
     )
 
 
+# ----------------------------------------------------------------------------- kernel era
+
+BLOCK_Q, BLOCK_K = 3, 2  # the registry entry's tile sizes (blockwise_multihead's defaults)
+# Per logit of a tile, from attnref._src.blockwise: two index tests and their "and", the mask
+# "and", bias != -inf and its "and", the column and row "any", scale, + bias, where before the
+# max, the max, s - shift, two wheres around exp, the row sum.
+BLOCK_PER_LOGIT = 17
+# Per query row of a tile: maximum, == -inf, where, m - shift, alpha * l, + sum, and the
+# accumulator's alpha * acc + pv (2 per value entry, counted separately).
+BLOCK_PER_ROW = 6
+
+
+def _tiles(d: Dims) -> tuple[int, int, int, int]:
+    bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
+    return bq, bk, math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
+
+
+def blockwise_cost(d: Dims) -> Cost:
+    """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    bq, bk, nq, nk = _tiles(d)
+    pq, pk, pv = _projections(d)
+    tile_logits = b * h * bq * bk
+    step_mm = 2 * tile_logits * (d.d_k + d.d_v)
+    step_el = (
+        BLOCK_PER_LOGIT * tile_logits
+        + (BLOCK_PER_ROW + 2 * d.d_v) * b * h * bq
+        + b * bq * h * d.d_k
+        + b * bk * h * (d.d_k + d.d_v)  # zeroing unread q rows and k, v rows
+    )
+    step_tr = tile_logits + b * h * bq  # exp of the tile, exp(m - m')
+    out_mm = 2 * b * d.t_q * h * d.d_v * dm
+    rows = b * h * nq * bq
+    tail_el = rows * (d.d_v + 3) + b * d.t_q * dm * (h - 1)  # l > 0, where, a / l; head sum
+    el = step_el * nq * nk + tail_el + _bias_adds(
+        d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
+    )
+    tp, sp = nq * bq, nk * bk
+    inputs, output = _io(d)
+    tensors = [
+        b * d.t_q * h * d.d_k,  # projections
+        b * d.t_k * h * d.d_k,
+        b * d.t_k * h * d.d_v,
+        b * tp * h * d.d_k,  # padded to whole tiles
+        b * sp * h * d.d_k,
+        b * sp * h * d.d_v,
+        b * tp * d.t_k,  # padded mask and bias (one head)
+        b * tp * sp,
+        b * tp * sp,
+        3 * rows + rows * d.d_v,  # m, l, acc stacked over query tiles
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * dm,
+        8 * tile_logits,  # one tile's logits, allowed, probabilities and their temporaries
+    ]
+    return Cost(
+        pq + pk + pv + nq * nk * step_mm + out_mm,
+        el,
+        nq * nk * step_tr,
+        inputs,
+        output,
+        max(b * sp * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        loop_trips=nq * nk,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=step_tr,
+    )
+
+
+def kv_cache_cost(d: Dims) -> Cost:
+    """Keys and values projected into a cache once, then ``T_q`` steps of one query each."""
+    b, h, dm, tk = d.batch, d.heads, d.d_model, d.t_k
+    pq, pk, pv = _projections(d)
+    row = b * h * tk  # one step's logits
+    step_mm = 2 * row * (d.d_k + d.d_v)
+    # the naive kernel's masked softmax on one row of logits, plus building the allowed set from
+    # slot positions, the mask row and the bias row (gathers, compares, where)
+    step_el = (SOFTMAX_PER_LOGIT + 6) * row + SOFTMAX_PER_ROW * b * h + b * h * d.d_k
+    step_el += b * tk * h * (d.d_k + d.d_v)  # zeroing unread k, v slots
+    out_mm = 2 * b * d.t_q * h * d.d_v * dm
+    el = step_el * d.t_q + b * d.t_q * dm * (h - 1) + _bias_adds(
+        d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
+    )
+    inputs, output = _io(d)
+    cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions
+    tensors = [
+        b * d.t_q * h * d.d_k,
+        *cache,
+        *cache,  # the scatter's output and its operand
+        b * d.t_q * tk,  # mask and bias rows, time-major
+        b * d.t_q * tk,
+        10 * row,  # one step's logits and softmax temporaries
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * dm,
+    ]
+    return Cost(
+        pq + pk + pv + d.t_q * step_mm + out_mm,
+        el,
+        d.t_q * row,
+        inputs,
+        output,
+        max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        loop_trips=d.t_q,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=row,
+    )
+
+
 def cost(formulation_id: str, dims: Dims) -> Cost:
     """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``)."""
     from attnref._src.registry import get  # the registry imports this module's models

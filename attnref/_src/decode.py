@@ -221,6 +221,53 @@ def cached_attention(
     return out, kv_cache_append(cache, k, v, valid_a)
 
 
+@float64_scoped
+def cache_attend(
+    cache: KVCache,
+    q: Float[ArrayLike, "B L N H"],
+    *,
+    query_positions: Int[ArrayLike, "B L"] | None = None,
+    mask: Bool[ArrayLike, "B L P"] | None = None,
+    bias: Float[ArrayLike, "B L P"] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Float[Array, "B L N H_v"]:
+    """Attend from queries to the cached tokens only, without appending anything.
+
+    Every filled slot is a candidate; ``query_positions`` (optional, ``-1`` = padding query)
+    adds the causal rule ``pos_j <= pos_i`` (and the window), and ``mask``/``bias``
+    (``[B, L, P]``, by absolute key position) select and shift keys. This is the
+    encoder-decoder pattern: a prefilled cache read by queries one step at a time.
+    """
+    b, c = cache.positions.shape
+    length = int(np.shape(q)[1])
+    if np.ndim(q) != 4 or np.shape(q)[0] != b or np.shape(q)[3] != cache.k.shape[3]:
+        raise ValueError(f"q has shape {np.shape(q)}; expected [B={b}, L, N, H={cache.k.shape[3]}]")
+    kp = jnp.broadcast_to(cache.positions[:, None, :], (b, length, c))
+    allowed = kp >= 0
+    if query_positions is not None:
+        qp = jnp.asarray(query_positions)[:, :, None]
+        allowed &= (qp >= 0) & (kp <= qp)
+        if cache.window is not None:
+            allowed &= qp - kp < cache.window
+
+    def by_position(name: str, a: Any) -> Array:
+        if np.ndim(a) != 3 or np.shape(a)[:2] != (b, length):
+            raise ValueError(f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] "
+                             "indexed by absolute key position")
+        return jnp.take_along_axis(jnp.asarray(a), jnp.clip(kp, 0, np.shape(a)[2] - 1), axis=2)
+
+    if mask is not None:
+        allowed &= by_position("mask", mask)
+    key_bias = None
+    if bias is not None:
+        key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
+    return dot_product_attention(
+        jnp.asarray(q, cache.k.dtype), cache.k, cache.v, key_bias, allowed[:, None], scale=scale,
+        softcap=softcap,
+    )
+
+
 def _project(x: Array, w: Any, b: Any) -> Array:
     """``x W[h] + b[h]`` in kernel layout ``[B, L, heads, d]``."""
     y = jnp.einsum("bld,hde->blhe", x, jnp.asarray(w), precision=HIGHEST)

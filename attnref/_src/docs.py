@@ -16,16 +16,22 @@ _CONVENTION_NOTE = {
     "it over queries and batch dims.",
     "graph": "Nodes and an edge list `(senders, receivers)`; the row-convention `apply` uses the "
     "complete bipartite graph with the mask as adjacency (static shapes, jit-able).",
-    "kernel": "Kernel level `q [..., T_q, H, d_k]`, `k [..., T_k, H, d_k]`, `v [..., T_k, H, d_v]` "
-    "-> `[..., T_q, H, d_v]` (heads on the second-to-last axis); `apply` is the multi-head form "
-    "on rows `x_q [..., T_q, d_model]`. Masks: `causal` (needs `T_q == T_k`) and `key_mask "
-    "[..., T_k]`.",
+    "kernel": "Kernel level, the layout of `jax.nn.dot_product_attention`: `q [..., T_q, N, d_k]`, "
+    "`k [..., T_k, K, d_k]`, `v [..., T_k, K, d_v]` -> `[..., T_q, N, d_v]` (heads on the "
+    "second-to-last axis; `K` K/V heads shared by groups of `N / K` query heads); `apply` is the "
+    "multi-head form on rows `x_q [..., T_q, d_model]`. Linear family masks: `causal` (needs "
+    "`T_q == T_k`) and `key_mask [..., T_k]`; softmax family: every option of "
+    "`attnref.dot_product_attention` (see [the kernel level](../kernel.md)).",
 }
 
 
 _FAMILY_NOTE = {
     "softmax": "Scale $1/\\sqrt{d_k}$ unless `scale=` is given. A fully masked query row gets "
     "zero attention weights, so the output there is $b_O$ (see [conventions](../conventions.md)).",
+    "rope": "Scale $1/\\sqrt{d_k}$ unless `scale=` is given; positions default to `arange(T)`; "
+    "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
+    "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "
+    "[RoPE](../rope.md).",
     "linear": "Feature map $\\phi$ from `attnref.elu_plus_one()`, `relu_features()`, "
     "`identity_features()`, `taylor2()` or `favor_plus(seed, d_k, m)`. Denominator policy: "
     "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "

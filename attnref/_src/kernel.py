@@ -46,6 +46,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.checks import float64_scoped
+from attnref._src.common import scale_value
 
 HIGHEST = "highest"
 MaskedRows = Literal["zeros", "uniform", "nan"]
@@ -294,7 +295,7 @@ def prepare(
         kv_lens=kv_lens,
         q_seg=q_seg,
         kv_seg=kv_seg,
-        scale=jnp.asarray(1.0 / math.sqrt(h) if scale is None else scale, dtype=cd),
+        scale=scale_value(h, scale, cd),
     )
     return spec, inputs
 

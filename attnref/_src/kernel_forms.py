@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.blockwise import blockwise_attention
 from attnref._src.checks import float64_scoped
 from attnref._src.common import HIGHEST, Prepared, add_output_bias, residual_or
-from attnref._src.decode import mha_cache_init, mha_decode_scan
+from attnref._src.decode import cache_attend, kv_cache_append, mha_cache_init, mha_decode_scan
 from attnref._src.params import AttentionParams
 
 
@@ -111,3 +112,45 @@ def decode_multihead(
     )
     y = y.reshape(*p.batch_shape, p.t_q, -1)
     return residual_or(y, p.x_q, residual)
+
+
+@float64_scoped
+def kv_cache_multihead(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
+    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head attention read from a KV cache: ``x_kv``'s keys and values are projected and
+    appended (the prefill), then a ``lax.scan`` runs the queries one at a time against the cache
+    with row ``t`` of ``mask`` and ``bias`` (by absolute key position).
+
+    With a causal mask this is what incremental decoding computes (:func:`mha_decode_scan`
+    appends one token per step instead; both are tested against the oracle).
+    """
+    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    xq, xkv, b = _flat(p)
+    cache = mha_cache_init(params, b, p.t_k)
+    cache = kv_cache_append(
+        cache,
+        _kernel_heads(xkv, params.w_k, params.b_k).astype(p.dtype),
+        _kernel_heads(xkv, params.w_v, params.b_v).astype(p.dtype),
+    )
+    q = jnp.swapaxes(_kernel_heads(xq, params.w_q, params.b_q), 0, 1)  # [T_q, B, N, d_k]
+    steps: dict[str, Array] = {"q": q}
+    m, bi = _pairs(p, p.mask, b), _pairs(p, p.bias, b)
+    if m is not None:
+        steps["mask"] = jnp.swapaxes(m[:, 0], 0, 1)  # [T_q, B, T_k]
+    if bi is not None:
+        steps["bias"] = jnp.swapaxes(bi[:, 0], 0, 1)
+
+    def step(_: None, inp: dict[str, Array]) -> tuple[None, Array]:
+        rows = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
+        return None, cache_attend(cache, inp["q"][:, None], scale=scale, **rows)[:, 0]
+
+    _, o = jax.lax.scan(step, None, steps)
+    return _output(p, params, jnp.swapaxes(o, 0, 1), residual)

@@ -10,6 +10,11 @@ Every entry's ``apply`` takes the row-convention multi-head signature of its fam
   :func:`attnref.oracle.linear_multihead`; ``causal_modes`` says which ``causal`` values it takes
   (the first is the default).
 
+* ``family="rope"``: ``apply(params, x_q, x_kv=None, *, positions_q=None, positions_kv=None,
+  mask=None, bias=None, scale=None, base=10000.0, convention="rotate_half", residual=False)``,
+  checked against :func:`attnref.oracle.rope_attention` (rotary position embedding changes the
+  function, so it has its own oracle).
+
 ``native`` is the formulation in its own convention (column vectors, one query, an edge list, or
 the kernel level ``(q, k, v)`` for linear forms), which ``apply`` adapts.
 """
@@ -23,7 +28,7 @@ from typing import Any, Literal
 import jax
 
 Convention = Literal["row", "column", "single-query", "graph", "kernel"]
-Family = Literal["softmax", "linear"]
+Family = Literal["softmax", "linear", "rope"]
 
 
 @dataclasses.dataclass(frozen=True)
