@@ -39,6 +39,19 @@ for its ``G`` query heads): each formulation computes the same products per quer
 key/value projection is computed once and shared or once per query head, so the error model is
 unchanged.
 
+**Rotary position embedding** (:func:`rope_attention_error_bound`). The angle ``m theta_p``
+(``theta_p = base^(-2p/d)`` by ``pow`` in float64, rounded to the angle dtype, times the position)
+is off by at most ``(gamma_2 + (|ln base| + 3) u64) |m| theta_p``, and ``cos``/``sin`` add
+``C_TRIG = 4`` units of ``u``; as ``|cos(a + da) - cos(a)| <= |da|`` this bounds
+``|c^ - cos|, |s^ - sin| <= e_p(m)``. A rotated pair ``(a c - b s, a s + b c)`` is then off by
+``(|a| + |b|) (e_p(m) + gamma_2)`` (:func:`rope_map_error_bound`). In the logits, with ``QP_p``
+the pair sum over plane ``p`` of ``Q = |x~_q||W~_Q|`` and ``QJ`` the pair sums spread back to both
+members (so ``|rope(q)| <= QJ``), both the rotate-``q``-and-``k`` form and the relative form
+``x~_i W~_Q R(m - n) W~_K^T x~_j^T`` satisfy
+``|ds_ij| <= gamma_{N_s} Ls_ij + |scale| sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp
++ u |s_ij - max_j s_ij|`` with ``N_s = 2 (d_model + 3) + 2 d_k + 2`` and
+``Ls = |scale| QJ . KJ + |bias|``; softmax and output are as above (values are not rotated).
+
 The float64 oracle's own error is the same bound with float64's ``u``; :func:`attention_error_bound`
 returns the sum of both, so ``|actual - oracle| <= bound`` is a rigorous first-order test.
 """
@@ -55,6 +68,10 @@ __all__ = [
     "comparative_bound",
     "gamma",
     "kernel_error_bound",
+    "linear_error_bound",
+    "linear_multihead_error_bound",
+    "rope_attention_error_bound",
+    "rope_map_error_bound",
     "unit_roundoff",
 ]
 
@@ -527,3 +544,200 @@ def kernel_error_bound(
     if np_dtype.itemsize == 2:
         out_b = out_b + unit_roundoff(np_dtype) * (np.abs(o_ref) + out_b)
     return out_b, lse_b
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+C_TRIG = 4  # assumed accuracy of cos/sin in units of u (absolute: |cos|, |sin| <= 1)
+
+
+def _rope_angle_error(m_theta: np.ndarray, u: float, base: float) -> np.ndarray:
+    """``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` for ``m_theta =
+    |m| theta_p``: the error of the computed ``cos``/``sin`` of ``m theta_p`` (module docstring)."""
+    u64 = unit_roundoff(np.float64)
+    return (gamma(2, u) + (abs(math.log(base)) + 3) * u64) * m_theta + C_TRIG * u
+
+
+def _rope_planes(a: np.ndarray, convention: str) -> np.ndarray:
+    """Per-plane pair sums ``a_i + a_j`` of the last axis: ``[..., d/2]`` (plane ``p`` order)."""
+    h = a.shape[-1] // 2
+    return a[..., :h] + a[..., h:] if convention == "rotate_half" else a[..., 0::2] + a[..., 1::2]
+
+
+def _rope_spread(per_plane: np.ndarray, convention: str) -> np.ndarray:
+    """``[..., d/2] -> [..., d]``: each plane's value on both members of its pair."""
+    if convention == "rotate_half":
+        return np.concatenate([per_plane, per_plane], axis=-1)
+    return np.repeat(per_plane, 2, axis=-1)
+
+
+def _pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
+    """``a J``: each component replaced by the sum over its RoPE pair."""
+    return _rope_spread(_rope_planes(a, convention), convention)
+
+
+def _rope_theta(d: int, base: float) -> np.ndarray:
+    """``theta_p = base^(-2p/d)``, ``[d/2]``, in float64."""
+    return np.power(float(base), -2.0 * np.arange(d // 2) / d)
+
+
+def _check_rope(convention: str, d: int) -> None:
+    if convention not in ("rotate_half", "interleaved"):
+        raise ValueError(
+            f"unknown RoPE convention {convention!r}; expected 'rotate_half' or 'interleaved'"
+        )
+    if d < 2 or d % 2:
+        raise ValueError(f"RoPE needs a positive even head dimension, got {d}")
+
+
+def _rope_logit_error(
+    qa: np.ndarray,
+    ka: np.ndarray,
+    pos_q: Any,
+    pos_k: Any,
+    convention: str,
+    u: float,
+    base: float,
+) -> np.ndarray:
+    """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``: the angle errors of
+    plane ``p`` times that plane's share of ``QJ . KJ`` (``QP``: the pair sums of ``qa``).
+
+    ``qa [..., H, T_q, d]``, ``ka [..., H, T_k, d]`` are the magnitudes ``|x~||W~|``; positions
+    broadcast to ``[..., T_q]`` and ``[..., T_k]``."""
+    theta = _rope_theta(qa.shape[-1], base)
+    lead_q, lead_k = qa.shape[:-3] + qa.shape[-2:-1], ka.shape[:-3] + ka.shape[-2:-1]
+    mq = np.abs(np.broadcast_to(pos_q, lead_q).astype(np.float64))[..., None, :, None]
+    mk = np.abs(np.broadcast_to(pos_k, lead_k).astype(np.float64))[..., None, :, None]
+    qp, kp = _rope_planes(qa, convention), _rope_planes(ka, convention)
+    eq = _rope_angle_error(mq * theta, u, base)  # [..., 1, T_q, d/2]
+    ek = _rope_angle_error(mk * theta, u, base)
+    return 2 * (
+        np.einsum("...qp,...kp->...qk", eq * qp, kp) + np.einsum("...qp,...kp->...qk", qp, ek * kp)
+    )
+
+
+def rope_map_error_bound(
+    x: Any,
+    positions: Any,
+    *,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|rope(x) in dtype - float64 oracle|`` for ``x [..., T, N, d]``
+    (the layout of :func:`attnref.apply_rope`) at integer ``positions [..., T]`` or ``[T]``.
+
+    Each rotated component is off by at most ``(|a| + |b|) (e_p(m) + gamma_2)`` (module
+    docstring); the float64 oracle's own error is included."""
+    xs = np.asarray(x, np.float64)
+    if xs.ndim < 3:
+        raise ValueError(f"x must have shape [..., T, N, d], got {xs.shape}")
+    _check_rope(convention, xs.shape[-1])
+    pos = np.abs(np.broadcast_to(positions, xs.shape[:-2]).astype(np.float64))[..., None, None]
+    mag = _pair_sum(np.abs(xs), convention)
+    m_theta = pos * _rope_spread(_rope_theta(xs.shape[-1], base), convention)
+    total = np.zeros_like(xs)
+    for dt in (dtype, np.float64):
+        u = unit_roundoff(dt)
+        total = total + mag * (_rope_angle_error(m_theta, u, base) + gamma(2, u))
+    return total
+
+
+def _hom(x: np.ndarray) -> np.ndarray:
+    """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
+    return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
+
+
+def rope_attention_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|RoPE attention in dtype - float64 oracle|``,
+    ``[..., T_q, d_model]``, for every RoPE formulation (rotating ``q`` and ``k``, or the
+    relative pattern matrices ``W~_Q R(m - n) W~_K^T``).
+
+    Arguments as :func:`attnref.oracle.rope_attention` (positions default to ``arange(T_q)``,
+    ``arange(T_k)``; key/value heads may be grouped), inputs exactly as the formulation received
+    them. The derivation (module docstring, ``docs/tolerances.md``) adds the angle errors
+    ``e_p`` to the logit bound of :func:`attention_error_bound`; the float64 oracle's own error is
+    included. 16-bit formats get the same worst-case expression in their ``u`` (loose; the
+    tests use :func:`comparative_bound` there)."""
+    w = _read_params(params)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    h, d_model, d_k = w_q.shape
+    _check_rope(convention, d_k)
+    d_v = w_v.shape[2]
+    xq = np.asarray(x_q, np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, np.float64)
+    t_q, t_k = xq.shape[-2], xkv.shape[-2]
+    pos_q = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
+    pos_k = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
+    full = (*xq.shape[:-2], t_q, t_k)
+    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    b_arr = np.zeros(full) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    finite_bias = np.where(np.isneginf(b_arr), 0.0, b_arr)[..., None, :, :]
+    m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+
+    # Imported here so this module still loads (and stays JAX-free) on its own by file path.
+    from attnref.oracle import rope
+
+    def heads(x: np.ndarray, name: str) -> np.ndarray:  # x W + b per head, [..., T, H, d]
+        wt, bt = w["w_" + name], w["b_" + name]
+        assert wt is not None
+        y = np.einsum("...td,hde->...the", x, wt)
+        return y if bt is None else y + bt
+
+    def rotated(x: np.ndarray, name: str, pos: np.ndarray) -> np.ndarray:  # [..., H, T, d]
+        y = rope(heads(x, name), pos, base=base, convention=convention)
+        return np.swapaxes(y, -2, -3)
+
+    q, k = rotated(xq, "q", pos_q), rotated(xkv, "k", pos_k)
+    logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s + finite_bias
+    allowed = np.broadcast_to((m_arr & ~np.isneginf(b_arr))[..., None, :, :], logits.shape)
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.where(allowed, np.exp(np.where(allowed, logits - top, 0.0)), 0.0)
+    denom = e.sum(-1, keepdims=True)
+    weights = e / np.where(denom > 0, denom, 1.0)
+    sub = np.where(allowed, np.abs(logits - top), 0.0)
+
+    qa = np.einsum("...td,hde->...hte", np.abs(_hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
+    ka = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
+    qj, kj = _pair_sum(qa, convention), _pair_sum(ka, convention)
+    ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qj, kj) + np.abs(finite_bias)
+    va = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
+    mixed = np.einsum(
+        "...hqk,...hkd->...hqd", weights, np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
+    )
+    values = np.swapaxes(heads(xkv, "v"), -2, -3)  # [..., H, T_k, d_v]
+    y_exact = np.einsum("...hqk,...hkv,hvd->...qd", weights, values, w_o)
+    if w["b_o"] is not None:
+        y_exact = y_exact + w["b_o"]
+    n_s = 2 * (d_model + 3) + 2 * d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    bound = np.zeros_like(y_exact)
+    for dt in (dtype, np.float64):
+        u = unit_roundoff(dt)
+        angles = abs(s) * _rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
+        err_row = np.where(allowed, gamma(n_s, u) * ls + angles + u * sub, 0.0).max(axis=-1)
+        with np.errstate(over="ignore"):
+            rho = np.expm1(2.0 * err_row) + gamma(t_k + 2 + 2 * C_EXP, u)
+        g_y = gamma(n_y, u)
+        bound = bound + np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
+        if w["b_o"] is not None:
+            bound = bound + g_y * np.abs(w["b_o"])
+        if residual:  # one more rounding: x_q + y
+            bound = bound + u * np.abs(xq + y_exact)
+    return bound

@@ -1,44 +1,10 @@
 """Rotary position embedding: three computations agree, relative offsets, conventions, gradients.
 
 Tolerances are derived, first order in the unit round-off ``u`` of the tested dtype (plus the
-float64 oracle's own error, the same expression with float64's ``u``), following the derivation
-in :mod:`attnref.tolerance` with the extra roundings RoPE adds:
-
-**Angle.** ``theta_p = base^(-2p/d)`` is evaluated by ``pow`` in float64: the exponent ``-2p/d``
-carries one rounding, which ``pow`` amplifies by ``|ln base|``, and ``pow`` itself is within one
-ulp (``2 u64``); the result is rounded to the angle dtype (``u``), and ``m theta_p`` rounds once
-more (``u``; the position ``m`` converts exactly). So the computed angle is off by at most
-``(gamma_2(u) + (ln(base) + 3) u64) |m| theta_p``, and ``cos``/``sin`` add ``C_TRIG u`` absolute
-(XLA's and libm's are within a few ulp; ``C_TRIG = 4``, the same allowance as ``C_EXP``). As
-``|cos(a + da) - cos(a)| <= |da|``::
-
-    |c^ - cos(m theta_p)|, |s^ - sin(m theta_p)| <= e_p(m),
-    e_p(m) = (gamma_2 + (ln base + 3) u64) |m| theta_p + C_TRIG u
-
-**One rotated pair** ``a' = a c^ - b s^`` (two products and one sum: ``gamma_2``):
-``|da'| <= (|a| + |b|) (e_p(m) + gamma_2)``; the same for ``b'`` and for the complex product
-``z exp(i m theta)`` (``exp`` of a purely imaginary angle is ``cos + i sin``).
-
-**Logits.** With ``Q = |x~_q||W~_Q|`` (homogeneous coordinates, as in ``tolerance``), ``QP_p =
-Q_a + Q_b`` the sum over the pair ``(a, b)`` of plane ``p`` and ``QJ`` the pair sums spread back
-to both members (so ``|rope(q)| <= QJ`` and ``QJ . KJ = 2 sum_p QP_p KP_p``), the rope form
-computes ``q'`` with error ``gamma_{d_model+3} QJ`` plus ``e_p(m) QP_p`` on plane ``p``
-(projection, then the pair rotation), likewise ``k'``, then ``q'.k'`` (``d_k`` terms), the scale
-and the bias add. The relative form computes ``x~_i (W~_Q R^(delta) W~_K^T) x~_j^T``: a product
-of five factors with inner dimensions ``d_model+1, d_k, d_k, d_model+1`` whose plane-``p`` block
-of ``R`` is off by ``e_p(delta) <= e_p(m) + e_p(n)`` (``|m - n| <= |m| + |n|``), contributing at
-most ``e_p(delta) QP_p KP_p``, and whose magnitude is ``Q J K^T <= QJ.KJ``. One bound covers
-both::
-
-    |ds_ij| <= gamma_{N_s} Ls_ij + |scale| sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp
-               + u |s_ij - max_j s_ij|,
-    N_s = 2 (d_model + 3) + 2 d_k + 2,   Ls_ij = |scale| QJ_i . KJ_j + |bias_ij|.
-
-**Softmax and output** are unchanged from ``tolerance`` (values are not rotated):
-``rho_i = exp(2 max_j |ds_ij|) - 1 + gamma_{T_k + 2 + 2 C_EXP}``,
-``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj + gamma_{N_y} |b_O|``,
-``N_y = T_k + d_model + d_v + H + 2``, ``G_hj = |x~_j||W~_V[h]||W_O[h]|``.
-
+float64 oracle's own error): :func:`attnref.tolerance.rope_attention_error_bound` and
+:func:`attnref.tolerance.rope_map_error_bound`, whose derivation (angle errors ``e_p(m)`` of
+``cos``/``sin`` of ``m theta_p``, the rotated pairs, the logits of both the rotate-``q``-and-``k``
+and the relative ``W~_P(delta)`` forms) is in :mod:`attnref.tolerance` and ``docs/tolerances.md``.
 Two computations of the same exact value differ by at most the sum of their bounds.
 """
 
@@ -46,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import chex
 import jax
@@ -56,16 +21,24 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+import attnref
 from attnref import oracle
 from attnref._src import rope as R
 from attnref.oracle import _rope as rope_oracle
 from attnref.testing import assert_comparative, assert_within_bound
-from attnref.tolerance import C_EXP, gamma, unit_roundoff
+from attnref.tolerance import (
+    _pair_sum,
+    _rope_angle_error,
+    _rope_logit_error,
+    gamma,
+    rope_attention_error_bound,
+    rope_map_error_bound,
+    unit_roundoff,
+)
 
 from .helpers import MASK_KINDS, Bucket, Problem, make_problem, scaled
 
 BASE = 10000.0
-C_TRIG = 4  # accuracy of cos/sin in units of u (absolute, |cos|, |sin| <= 1)
 U64 = unit_roundoff(np.float64)
 CONVENTIONS = R.CONVENTIONS
 SEEDS = st.integers(0, 2**31 - 1)
@@ -76,138 +49,6 @@ ROPE_BUCKETS = (
 )
 JIT_BUCKET = ROPE_BUCKETS[1]
 POSITION_KINDS = ("arange", "decode", "random", "equal")
-
-
-# ----------------------------------------------------------------------------- derived bounds
-
-
-def _angle_error(m_theta: np.ndarray, u: float) -> np.ndarray:
-    """``e_p(m)`` for ``|m| theta_p`` (see the module docstring)."""
-    return (gamma(2, u) + (math.log(BASE) + 3) * U64) * m_theta + C_TRIG * u
-
-
-def _planes(a: np.ndarray, convention: str) -> np.ndarray:
-    """Per-plane pair sums ``a_i + a_j`` of the last axis: ``[..., d/2]`` (plane ``p`` order)."""
-    h = a.shape[-1] // 2
-    return a[..., :h] + a[..., h:] if convention == "rotate_half" else a[..., 0::2] + a[..., 1::2]
-
-
-def _spread(per_plane: np.ndarray, convention: str) -> np.ndarray:
-    """``[..., d/2] -> [..., d]``: each plane's value on both members of its pair."""
-    if convention == "rotate_half":
-        return np.concatenate([per_plane, per_plane], axis=-1)
-    return np.repeat(per_plane, 2, axis=-1)
-
-
-def _pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
-    """``a J``: each component replaced by the sum over its RoPE pair."""
-    return _spread(_planes(a, convention), convention)
-
-
-def _pair_theta(d: int, convention: str) -> np.ndarray:
-    """``theta_p`` of the pair each component belongs to: ``[d]``."""
-    return _spread(BASE ** (-2.0 * np.arange(d // 2) / d), convention)
-
-
-def rotation_logit_error(qa, ka, pos_q, pos_k, convention, u):
-    """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``: the angle errors of
-    plane ``p`` times that plane's share of ``QJ . KJ`` (``QP``: the pair sums of ``qa``).
-
-    ``qa [..., H, T_q, d]``, ``ka [..., H, T_k, d]`` are the magnitudes ``|x~||W~|``; positions
-    broadcast to ``[..., T_q]`` and ``[..., T_k]``."""
-    d = qa.shape[-1]
-    theta = BASE ** (-2.0 * np.arange(d // 2) / d)
-    lead_q, lead_k = qa.shape[:-3] + qa.shape[-2:-1], ka.shape[:-3] + ka.shape[-2:-1]
-    mq = np.abs(np.broadcast_to(pos_q, lead_q).astype(np.float64))[..., None, :, None]
-    mk = np.abs(np.broadcast_to(pos_k, lead_k).astype(np.float64))[..., None, :, None]
-    qp, kp = _planes(qa, convention), _planes(ka, convention)
-    eq, ek = _angle_error(mq * theta, u), _angle_error(mk * theta, u)  # [..., 1, T, d/2]
-    return 2 * (
-        np.einsum("...qp,...kp->...qk", eq * qp, kp) + np.einsum("...qp,...kp->...qk", qp, ek * kp)
-    )
-
-
-def rope_map_bound(x, positions, convention, dtype):
-    """Componentwise bound on ``|apply_rope(x) - exact|`` (kernel layout ``[..., T, N, d]``)."""
-    x = np.asarray(x, np.float64)
-    pos = np.abs(np.broadcast_to(positions, x.shape[:-2]).astype(np.float64))[..., None, None]
-    mag = _pair_sum(np.abs(x), convention)
-    m_theta = pos * _pair_theta(x.shape[-1], convention)
-    return sum(
-        mag * (_angle_error(m_theta, unit_roundoff(dt)) + gamma(2, unit_roundoff(dt)))
-        for dt in (dtype, np.float64)
-    )
-
-
-def _hom(x):
-    return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
-
-
-def _hom_abs(w, b, groups=1):
-    w = np.repeat(np.asarray(w, np.float64), groups, axis=0)
-    b = np.zeros((w.shape[0], w.shape[2])) if b is None else np.repeat(b, groups, axis=0)
-    return np.abs(np.concatenate([w, np.asarray(b, np.float64)[:, None, :]], axis=1))
-
-
-def rope_attention_bound(params, x_q, x_kv, pos_q, pos_k, *, convention, dtype, **kw):
-    """Componentwise bound ``[..., T_q, d_model]`` on ``|rope form in dtype - exact|``."""
-    mask, bias, scale = kw.get("mask"), kw.get("bias"), kw.get("scale")
-    w = params.astype(np.float64)
-    h, d_model, d_k = w.w_q.shape
-    gk, gv = h // w.w_k.shape[0], h // w.w_v.shape[0]
-    d_v = w.w_v.shape[2]
-    xq = np.asarray(x_q, np.float64)
-    xkv = np.asarray(x_kv, np.float64)
-    t_q, t_k = xq.shape[-2], xkv.shape[-2]
-    full = (*xq.shape[:-2], t_q, t_k)
-    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
-    b_arr = np.zeros(full) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
-    finite_bias = np.where(np.isneginf(b_arr), 0.0, b_arr)[..., None, :, :]
-    m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(mask, full)
-
-    def rotated(x, wt, bt, groups, pos):  # exact rope(x W + b) per head, [..., H, T, d]
-        y = np.einsum("...td,hde->...the", x, np.repeat(wt, groups, axis=0))
-        y = y if bt is None else y + np.repeat(bt, groups, axis=0)
-        return np.swapaxes(rope_oracle.rope(y, pos, base=BASE, convention=convention), -2, -3)
-
-    q = rotated(xq, w.w_q, w.b_q, 1, pos_q)
-    k = rotated(xkv, w.w_k, w.b_k, gk, pos_k)
-    logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s + finite_bias
-    allowed = np.broadcast_to((m_arr & ~np.isneginf(b_arr))[..., None, :, :], logits.shape)
-    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)
-    e = np.where(allowed, np.exp(logits - top), 0.0)
-    denom = e.sum(-1, keepdims=True)
-    weights = e / np.where(denom > 0, denom, 1.0)
-    sub = np.where(allowed, np.abs(logits - top), 0.0)
-
-    qa = np.einsum("...td,hde->...hte", np.abs(_hom(xq)), _hom_abs(w.w_q, w.b_q))
-    ka = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _hom_abs(w.w_k, w.b_k, gk))
-    qj, kj = _pair_sum(qa, convention), _pair_sum(ka, convention)
-    ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qj, kj) + np.abs(finite_bias)
-    va = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _hom_abs(w.w_v, w.b_v, gv))
-    mixed = np.einsum(
-        "...hqk,...hkd->...hqd", weights, np.einsum("...hkv,hvd->...hkd", va, np.abs(w.w_o))
-    )
-    values = np.einsum("...td,hde->...hte", xkv, np.repeat(w.w_v, gv, axis=0))
-    values = values if w.b_v is None else values + np.repeat(w.b_v, gv, axis=0)[:, None, :]
-    y_exact = np.einsum("...hqk,...hkv,hvd->...qd", weights, values, w.w_o)
-    y_exact = y_exact if w.b_o is None else y_exact + w.b_o
-    n_s = 2 * (d_model + 3) + 2 * d_k + 2
-    n_y = t_k + d_model + d_v + h + 2
-    bound = 0.0
-    for dt in (dtype, np.float64):
-        u = unit_roundoff(dt)
-        angles = abs(s) * rotation_logit_error(qa, ka, pos_q, pos_k, convention, u)
-        err_row = np.where(allowed, gamma(n_s, u) * ls + angles + u * sub, 0.0).max(axis=-1)
-        rho = np.expm1(2.0 * err_row) + gamma(t_k + 2 + 2 * C_EXP, u)
-        g_y = gamma(n_y, u)
-        bound = bound + np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
-        if w.b_o is not None:
-            bound = bound + g_y * np.abs(w.b_o)
-        if kw.get("residual"):  # one more rounding: x_q + y
-            bound = bound + u * np.abs(xq + y_exact)
-    return bound
 
 
 # ----------------------------------------------------------------------------- problems
@@ -222,12 +63,13 @@ class RopeProblem:
 
     def bound(self, pos_q=None, pos_k=None, **kw):
         p = self.p
-        return rope_attention_bound(
+        return rope_attention_error_bound(
             p.params,
             p.x_q,
             p.x_kv,
-            self.pos_q if pos_q is None else pos_q,
-            self.pos_k if pos_k is None else pos_k,
+            positions_q=self.pos_q if pos_q is None else pos_q,
+            positions_kv=self.pos_k if pos_k is None else pos_k,
+            base=BASE,
             convention=self.convention,
             dtype=p.dtype,
             **p.inputs(),
@@ -356,7 +198,7 @@ class RopeMapTest(chex.TestCase):
         within the derived bound of the float64 oracle, for both conventions."""
         x, positions, conv = inputs
         ref = rope_oracle.rope(x, positions, base=BASE, convention=conv)
-        bound = rope_map_bound(x, positions, conv, x.dtype)
+        bound = rope_map_error_bound(x, positions, base=BASE, convention=conv, dtype=x.dtype)
         for name in ("real", "complex"):
             y = np.asarray(self.variant(MAPS[name, conv])(x, positions))
             assert y.dtype == x.dtype, f"{name}: {y.dtype}"
@@ -373,7 +215,9 @@ class RopeMapTest(chex.TestCase):
         half = np.asarray(self.variant(MAPS["real", "rotate_half"])(x[..., perm], positions))
         back = np.empty_like(half)
         back[..., perm] = half
-        bound = rope_map_bound(x, positions, "interleaved", x.dtype)
+        bound = rope_map_error_bound(
+            x, positions, base=BASE, convention="interleaved", dtype=x.dtype
+        )
         assert_within_bound(back, inter, 2 * bound, label="P^-1 rope_half(P x)")
 
 
@@ -448,6 +292,63 @@ class RopeAttentionTest(chex.TestCase):
             assert_within_bound(_run(self.variant, form, rp), ref, rp.bound(), label=form)
 
 
+# ----------------------------------------------------------------------------- the registry
+
+ROPE_ENTRIES = attnref.formulations("rope")
+REGISTRY_KINDS = ("none", "causal", "padding", "combined")
+
+
+class RopeRegistryTest(chex.TestCase):
+    """Every registry entry of the "rope" family against the oracle, so that a new entry is
+    tested as soon as it is registered. Each example checks the drawn mask kind and a problem
+    with a fully masked query row (its output is ``b_O``)."""
+
+    def _check(self, rp: RopeProblem, seed: int) -> None:
+        p = rp.p
+        with_bias = p.params.b_q is not None
+        masked = make_problem(p.bucket, "fully_masked_row", seed, p.dtype, with_bias=with_bias)
+        assert ROPE_ENTRIES, "no formulation is registered in the 'rope' family"
+        for problem in (rp, dataclasses.replace(rp, p=masked)):
+            ref, bound = problem.oracle(), problem.bound()
+            for f in ROPE_ENTRIES:
+                fn = self.variant(f.apply, static_argnames=f.static_argnames)
+                y = fn(
+                    problem.p.params,
+                    problem.p.x_q,
+                    problem.p.x_kv,
+                    positions_q=problem.pos_q,
+                    positions_kv=problem.pos_k,
+                    base=BASE,
+                    convention=problem.convention,
+                    **problem.p.inputs(),
+                )
+                assert y.dtype == p.dtype, f"{f.id}: computed in {y.dtype}"
+                assert_within_bound(y, ref, bound, label=f"{f.id} {problem.p.kind}")
+
+    @chex.variants(with_jit=True)
+    @scaled(0.25)
+    @given(rp=rope_problems(dtypes=("float32",), kinds=REGISTRY_KINDS), seed=SEEDS)
+    def test_every_rope_entry_matches_oracle(self, rp, seed):
+        """``jax.jit(apply, static_argnames=entry.static_argnames)`` of every entry (float32;
+        float64 in the eager test)."""
+        self._check(rp, seed)
+
+    @chex.variants(without_jit=True)
+    @scaled(0.25)
+    @given(
+        rp=rope_problems(
+            dtypes=("float64",),
+            kinds=REGISTRY_KINDS,
+            buckets=ROPE_BUCKETS[:1],
+            biases=(True, False),
+        ),
+        seed=SEEDS,
+    )
+    def test_every_rope_entry_matches_oracle_eagerly(self, rp, seed):
+        """The same without jit (the eager test's bucket and dtype: its op caches)."""
+        self._check(rp, seed)
+
+
 def _three_logits(params, q, k, x_q, x_kv, pos_q, pos_k, convention):
     """Logits ``[..., H, T_q, T_k]`` three ways: real rotations, complex rotations, and
     ``x_i W_P(m_i - n_j) x_j^T`` with one pattern matrix per (batch, i, j) offset."""
@@ -503,7 +404,7 @@ def test_logits_three_ways(seed, dtype, convention):
     n_s = 2 * (b.d_model + 3) + 2 * b.d_k + 2
     bound = sum(
         gamma(n_s, unit_roundoff(dt)) * ls
-        + rotation_logit_error(qa, ka, pq, pk, convention, unit_roundoff(dt))
+        + _rope_logit_error(qa, ka, pq, pk, convention, unit_roundoff(dt), BASE)
         for dt in (dtype, np.float64)
     )
     for label, y in zip(("real", "complex", "patterns"), outs, strict=True):
@@ -537,7 +438,7 @@ def test_rotation_matrix_group_properties(seed, dtype, convention, head_dim):
     u = unit_roundoff(dtype)
 
     def e(delta):  # [8, 1, 1], the largest frequency theta_0 = 1
-        return _angle_error(np.abs(delta).astype(np.float64), u)[:, None, None]
+        return _rope_angle_error(np.abs(delta).astype(np.float64), u, BASE)[:, None, None]
 
     eye = np.broadcast_to(np.eye(head_dim), ra.shape)
     np.testing.assert_array_equal(np.asarray(ROTATION(np.zeros(8, np.int64), **kw)), eye)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnref._src import cost
+from attnref._src import cost, cost_rope
 from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.decode import cache_attend
@@ -385,6 +385,7 @@ register(
             "interleaved pairs); values untouched."
         ),
         cost="As concat plus O(H (T_q + T_k) d_k) for the rotations; memory O(H T_q T_k).",
+        cost_model=cost_rope.rope_cost,
         family="rope",
         static_argnames=ROPE_STATIC,
     )
@@ -411,6 +412,7 @@ register(
             "FLOPs O(H n_delta d_model^2 d_k) to form W_P(delta) for n_delta offsets, O(H T_q "
             "T_k d_model^2) for the logits; memory O(H T_q T_k d_model)."
         ),
+        cost_model=cost_rope.rope_patterns_cost,
         family="rope",
         static_argnames=ROPE_STATIC,
     )

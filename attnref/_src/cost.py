@@ -531,8 +531,12 @@ def blockwise_cost(d: Dims) -> Cost:
     out_mm = 2 * b * d.t_q * h * d.d_v * dm
     rows = b * h * nq * bq
     tail_el = rows * (d.d_v + 3) + b * d.t_q * dm * (h - 1)  # l > 0, where, a / l; head sum
-    el = step_el * nq * nk + tail_el + _bias_adds(
-        d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
+    el = (
+        step_el * nq * nk
+        + tail_el
+        + _bias_adds(
+            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
+        )
     )
     tp, sp = nq * bq, nk * bk
     inputs, output = _io(d)
@@ -577,8 +581,12 @@ def kv_cache_cost(d: Dims) -> Cost:
     step_el = (SOFTMAX_PER_LOGIT + 6) * row + SOFTMAX_PER_ROW * b * h + b * h * d.d_k
     step_el += b * tk * h * (d.d_k + d.d_v)  # zeroing unread k, v slots
     out_mm = 2 * b * d.t_q * h * d.d_v * dm
-    el = step_el * d.t_q + b * d.t_q * dm * (h - 1) + _bias_adds(
-        d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
+    el = (
+        step_el * d.t_q
+        + b * d.t_q * dm * (h - 1)
+        + _bias_adds(
+            d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
+        )
     )
     inputs, output = _io(d)
     cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions

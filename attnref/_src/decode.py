@@ -253,8 +253,10 @@ def cache_attend(
 
     def by_position(name: str, a: Any) -> Array:
         if np.ndim(a) != 3 or np.shape(a)[:2] != (b, length):
-            raise ValueError(f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] "
-                             "indexed by absolute key position")
+            raise ValueError(
+                f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] "
+                "indexed by absolute key position"
+            )
         return jnp.take_along_axis(jnp.asarray(a), jnp.clip(kp, 0, np.shape(a)[2] - 1), axis=2)
 
     if mask is not None:
@@ -263,7 +265,12 @@ def cache_attend(
     if bias is not None:
         key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
     return dot_product_attention(
-        jnp.asarray(q, cache.k.dtype), cache.k, cache.v, key_bias, allowed[:, None], scale=scale,
+        jnp.asarray(q, cache.k.dtype),
+        cache.k,
+        cache.v,
+        key_bias,
+        allowed[:, None],
+        scale=scale,
         softcap=softcap,
     )
 

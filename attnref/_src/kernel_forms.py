@@ -149,8 +149,10 @@ def kv_cache_multihead(
         steps["bias"] = jnp.swapaxes(bi[:, 0], 0, 1)
 
     def step(_: None, inp: dict[str, Array]) -> tuple[None, Array]:
-        rows = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
-        return None, cache_attend(cache, inp["q"][:, None], scale=scale, **rows)[:, 0]
+        row_mask = inp["mask"][:, None] if "mask" in inp else None
+        row_bias = inp["bias"][:, None] if "bias" in inp else None
+        out = cache_attend(cache, inp["q"][:, None], mask=row_mask, bias=row_bias, scale=scale)
+        return None, out[:, 0]
 
     _, o = jax.lax.scan(step, None, steps)
     return _output(p, params, jnp.swapaxes(o, 0, 1), residual)

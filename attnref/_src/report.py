@@ -149,6 +149,13 @@ def run(
                 bound = tolerance.attention_error_bound(params, x_q, x_kv, dtype=dt, **kw)
                 note = "causal mask" if problem.causal else "no mask"
                 xkv = x_kv
+            elif f.family == "rope":  # default positions arange(T), rotate-half pairs
+                causal = problem.causal
+                kw = dict(mask=mask)
+                ref = oracle.rope_attention(params, x_q, x_kv, **kw)
+                bound = tolerance.rope_attention_error_bound(params, x_q, x_kv, dtype=dt, **kw)
+                note = "rotate_half, " + ("causal mask" if problem.causal else "no mask")
+                xkv = x_kv
             else:  # linear family: self-attention, causal if the form takes it
                 causal = problem.causal if problem.causal in f.causal_modes else f.causal_modes[0]
                 kw = dict(feature_map=problem.linear_feature_map(), causal=causal)
@@ -193,8 +200,8 @@ def format_table(rows: Sequence[Row], problem: Problem) -> str:
         f"H={problem.num_heads} d_model={problem.d_model} d_k={problem.d_k} "
         f"d_v={problem.d_v} bias={problem.bias} causal={problem.causal} seed={problem.seed}\n"
         "errors against the float64 NumPy oracle of each family (softmax: oracle.attention; "
-        "linear: oracle.linear_multihead);\nrel = max|err| / max|y|; err/bound <= 1 means within "
-        "the derived tolerance (attnref.tolerance)\n"
+        "linear: oracle.linear_multihead; rope: oracle.rope_attention);\nrel = max|err| / "
+        "max|y|; err/bound <= 1 means within the derived tolerance (attnref.tolerance)\n"
     )
     lines = [
         f"{'formulation':<19} {'dtype':<8} {'max abs err':>11} {'max rel err':>11} "
