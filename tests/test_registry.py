@@ -67,10 +67,10 @@ def test_cli_report_table_and_json(capsys):
         "--d-v",
         "3",
     ]
-    assert cli.main([*args, "--no-progress"]) == 0
+    assert cli.main([*args, "--no-progress", "--repeats", "1", "--dtypes", "float32"]) == 0
     out = capsys.readouterr().out
-    for fid in attnref.ids("softmax"):
-        assert out.count(f"\n{fid} ") == 2, fid  # one float32 row and one float64 row
+    for fid in attnref.ids():
+        assert out.count(f"\n{fid} ") == 1, fid  # one float32 row each (float64: below)
     assert cli.main([*args, "--json", "--formulations", "concat,graph", "--repeats", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in data["rows"]] == ["concat", "graph", "concat", "graph"]
@@ -89,7 +89,7 @@ def test_report_default_problem_float64_below_1e12():
     """The issue's acceptance criterion on the default problem."""
     from attnref._src import report
 
-    rows = report.run(report.Problem(), dtypes=("float64",))
+    rows = report.run(report.Problem(), dtypes=("float64",), repeats=1)
     assert {r.id for r in rows} == set(attnref.ids())
     assert max(r.max_rel_error for r in rows) < 1e-12
     assert all(np.isfinite(r.bound_ratio) and r.bound_ratio <= 1 for r in rows)
