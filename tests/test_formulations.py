@@ -40,10 +40,11 @@ class AgreementTest(chex.TestCase):
 
     @chex.variants(without_jit=True)
     @scaled(0.4)
-    @given(problem=problems(buckets=BUCKETS[1:2]))
+    @given(problem=problems(buckets=BUCKETS[1:2], dtypes=("float64",)))
     def test_every_formulation_matches_oracle_eagerly(self, problem):
         """The same property without jit, on the cross-attention bucket (batch dims, T_q != T_k,
-        d_k != d_v): eager execution compiles every primitive per shape and dtype."""
+        d_k != d_v) in float64: eager execution compiles every primitive per shape and dtype,
+        and float32 runs through the same code (the jit variant covers both dtypes)."""
         _check_agreement(problem, self.variant)
 
 
@@ -63,7 +64,7 @@ def test_residual_form():
 class LowPrecisionTest(chex.TestCase):
     @chex.variants(with_jit=True)
     @scaled(0.4)
-    @given(problem=problems(dtypes=("float16", "bfloat16")))
+    @given(problem=problems(dtypes=("float16", "bfloat16"), buckets=BUCKETS[:2]))
     def test_16bit_formats_meet_flashattention_rule(self, problem):
         p = problem
         dt = jnp.bfloat16 if p.dtype.itemsize == 2 and p.dtype.name == "bfloat16" else p.dtype
