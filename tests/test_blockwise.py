@@ -26,21 +26,12 @@ from jax.test_util import check_grads
 import attnref
 from attnref import tolerance
 from attnref._src.cost import xla_counts
+from attnref._src.kernel import STATIC_OPTIONS
 
 from .helpers import scaled
 from .kernel_helpers import KBUCKETS, PROFILES, assert_kernel_close, kproblems, make_kproblem
 
-STATIC = (
-    "scale",
-    "is_causal",
-    "local_window_size",
-    "softcap",
-    "causal_alignment",
-    "masked_rows",
-    "return_lse",
-    "block_q",
-    "block_k",
-)
+STATIC = (*STATIC_OPTIONS, "block_q", "block_k")
 BLOCKS = ((1, 1), (2, 3), (3, 2), (4, 4), (8, 8))
 _BW = jax.jit(attnref.blockwise_attention, static_argnames=STATIC)
 _NAIVE = jax.jit(attnref.dot_product_attention, static_argnames=STATIC[:-2])

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref._src.kernel import STATIC_OPTIONS
 
 from .kernel_helpers import (
     KBUCKETS,
@@ -29,15 +30,7 @@ from .kernel_helpers import (
     make_kproblem,
 )
 
-STATIC = (
-    "scale",
-    "is_causal",
-    "local_window_size",
-    "softcap",
-    "causal_alignment",
-    "masked_rows",
-    "return_lse",
-)
+STATIC = STATIC_OPTIONS
 _DPA = jax.jit(attnref.dot_product_attention, static_argnames=STATIC)
 
 

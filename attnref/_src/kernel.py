@@ -45,13 +45,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref._src.checks import float64_scoped
+from attnref._src.checks import check_mask_and_bias, float64_scoped
 from attnref._src.common import scale_value
 
 HIGHEST = "highest"
 MaskedRows = Literal["zeros", "uniform", "nan"]
 Alignment = Literal["top_left", "bottom_right"]
 _POLICIES = ("zeros", "uniform", "nan")
+# Keyword options that change the computation's structure: static under jax.jit.
+STATIC_OPTIONS = (
+    "scale",
+    "is_causal",
+    "local_window_size",
+    "softcap",
+    "causal_alignment",
+    "masked_rows",
+    "return_lse",
+)
 _ALIGNMENTS = ("top_left", "bottom_right")
 
 
@@ -154,30 +164,6 @@ def _check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) ->
     return jnp.asarray(x, dtype=jnp.int32)
 
 
-def _check_rank4(name: str, x: Any, target: tuple[int, int, int, int], kind: str) -> None:
-    shape = _shape(x)
-    if len(shape) != 4:
-        raise ValueError(
-            f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got shape {shape}"
-        )
-    try:
-        ok = np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{name} has shape {shape}, which does not broadcast to [B, N, T, S] = {target}"
-        )
-    dt = _dtype(x)
-    if kind == "bool" and dt != np.bool_:
-        raise TypeError(
-            f"mask must be boolean (True = may attend), got dtype {dt}; pass additive "
-            "scores through bias instead"
-        )
-    if kind == "float" and not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"bias must be floating, got dtype {dt}")
-
-
 def compute_dtype(dtype: Any) -> Any:
     """float32 for 16-bit inputs, the input dtype otherwise."""
     return jnp.promote_types(dtype, jnp.float32)
@@ -243,10 +229,13 @@ def prepare(
             raise ValueError(f"softcap must be a positive Python number, got {softcap!r}")
         cap = float(softcap)
     target = (b, n, t, s)
-    if bias is not None:
-        _check_rank4("bias", bias, target, "float")
-    if mask is not None:
-        _check_rank4("mask", mask, target, "bool")
+    for name, arr in (("bias", bias), ("mask", mask)):
+        if arr is not None and np.ndim(arr) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got shape "
+                f"{_shape(arr)}"
+            )
+    check_mask_and_bias(mask, bias, target, axes="[B, N, T, S]")
     q_lens = _check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
     kv_lens = _check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
     q_seg = kv_seg = None
