@@ -9,11 +9,24 @@ set, else ``dev``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
+
+# JAX's persistent compilation cache: a compiled executable is keyed by its HLO and the compile
+# options, so reusing one changes nothing but time. Property tests compile the same functions in
+# several files and in both xdist workers; the cache turns those repeats into disk reads.
+# ATTNREF_JAX_CACHE overrides the location; an empty value switches the cache off.
+_CACHE = os.environ.get(
+    "ATTNREF_JAX_CACHE", str(Path(__file__).resolve().parents[1] / ".jax_cache")
+)
+if _CACHE:
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 _COMMON = dict(
     deadline=None,  # first calls compile; wall-clock deadlines would measure XLA, not attnref
