@@ -5,7 +5,7 @@ column form takes and returns ``[..., d_model, T]``; masks are boolean with ``Tr
 scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (output ``b_O``).
 """
 
-from attnref import oracle, testing, tolerance
+from attnref import oracle, strategies, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
@@ -87,6 +87,7 @@ from attnref._src.standard import (
     head_outputs,
     per_head_sum_attention,
 )
+from attnref.testing import check_attention
 
 __version__ = "0.1.0"
 
@@ -108,6 +109,7 @@ __all__ = [
     "blockwise_multihead",
     "cached_attention",
     "causal_mask",
+    "check_attention",
     "column_attention",
     "column_attention_rows",
     "combine_masks",
@@ -167,6 +169,7 @@ __all__ = [
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",
+    "strategies",
     "taylor2",
     "testing",
     "to_flax",

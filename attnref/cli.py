@@ -1,16 +1,20 @@
-"""The ``attnref`` command line: ``attnref report`` and ``attnref list``."""
+"""The ``attnref`` command line: ``attnref report``, ``attnref list`` and ``attnref check``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from attnref import conformance as kit
 from attnref._src import report as _report
 from attnref._src.checks import enable_x64
 from attnref._src.feature_maps import MAP_NAMES
 from attnref._src.registry import formulations
+from attnref.conformance import ALIGNMENTS, MASKED_ROWS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,11 +46,108 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sub.add_parser("list", help="registered formulations with their equations")
+    c = sub.add_parser(
+        "check",
+        help="run the conformance properties against your attention function",
+        description="Run attnref's conformance properties (check_attention) against an "
+        "attention function. Exit status: 0 all passed (skips allowed), 1 a property failed, "
+        "2 the target cannot be loaded or an option is invalid.",
+    )
+    c.add_argument("target", help="package.module:function (or package.module:obj.attr)")
+    c.add_argument(
+        "--signature",
+        default="jax_nn",
+        help="jax_nn (jax.nn.dot_product_attention's), qkv_mask (fn(q, k, v, mask)) or numpy "
+        "(NumPy in, NumPy out); default jax_nn",
+    )
+    c.add_argument(
+        "--features",
+        default=None,
+        help="comma-separated features the function supports (default: the signature's)",
+    )
+    c.add_argument(
+        "--properties", default=None, help="comma-separated properties to run (default: all)"
+    )
+    c.add_argument("--max-examples", type=int, default=None, help="examples per property (20)")
+    c.add_argument("--seed", type=int, default=0, help="base seed (a failure prints its own)")
+    c.add_argument(
+        "--masked-rows",
+        default="zeros",
+        choices=MASKED_ROWS,
+        help="the function's declared output on fully masked rows (jax.nn and Flax: uniform)",
+    )
+    c.add_argument(
+        "--causal-alignment",
+        default="top_left",
+        choices=ALIGNMENTS,
+        help="the function's declared causal alignment when T != S (FlashAttention: bottom_right)",
+    )
+    c.add_argument("--dtypes", default=None, help="comma-separated input dtypes (float32)")
+    c.add_argument("--json", action="store_true", help="machine-readable report")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    options = kit.Options(
+        target=args.target,
+        signature=args.signature,
+        features=kit.split_list(args.features),
+        max_examples=args.max_examples,
+        seed=args.seed,
+        masked_rows=args.masked_rows,
+        causal_alignment=args.causal_alignment,
+        dtypes=kit.split_list(args.dtypes),
+        properties=kit.split_list(args.properties),
+    )
+    try:
+        options.validate()
+    except ValueError as e:
+        parser.error(str(e))  # exits 2
+    try:
+        fn = kit.load(args.target)
+    except kit.TargetError as e:
+        print(f"attnref check: {e}", file=sys.stderr)
+        return 2
+    try:
+        options.preflight(fn)  # the engine's own checks (e.g. a feature the signature lacks)
+    except ValueError as e:
+        parser.error(str(e))
+    stream = None if args.no_progress else sys.stderr
+    names = options.selected()
+
+    def progress(done: int, total: int, name: str) -> None:
+        # the engine reports each finished property; the bar names the one running next
+        label = f"{names[done]} ..." if done < len(names) else "done"
+        _report._progress(done, total, label, stream)
+
+    if names:
+        _report._progress(0, len(names), f"{names[0]} ...", stream)
+    report = options.run(fn, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(_check_text(report, options))
+    return 0 if report.passed else 1
+
+
+def _check_text(report: Any, options: kit.Options) -> str:
+    """The engine's summary (table, declared differences, each failure's message, shrunk
+    example and seed) and, per failure, the shell command that replays it."""
+    text = report.summary().rstrip()
+    failed = [r for r in report.results if r.status == "failed"]
+    if failed:
+        text += "\n\nreplay from the shell:\n" + "\n".join(
+            f"  {options.replay_command(r.name, r.seed)}" for r in failed
+        )
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args, parser)
     if args.command == "list":
         for f in formulations():
             print(

@@ -20,11 +20,19 @@ import numpy as np
 from attnref.tolerance import K_Y, comparative_bound, gamma, kernel_error_bound, unit_roundoff
 
 __all__ = [
+    "DEFAULT_FEATURES",
+    "FEATURES",
+    "PROPERTIES",
     "RULES",
+    "SIGNATURES",
     "Closeness",
+    "ConformanceReport",
+    "PropertyResult",
     "assert_attention_close",
     "assert_comparative",
     "assert_within_bound",
+    "check_attention",
+    "load_target",
 ]
 
 RULES = ("bound", "flash", "torch")
@@ -214,3 +222,16 @@ def assert_attention_close(
             f"allowance); actual {a[worst]!r}, oracle {e[worst]!r}"
         )
     return result
+
+
+# The conformance kit imports assert_attention_close from this module, so it comes last.
+from attnref._src.conformance import (  # noqa: E402
+    DEFAULT_FEATURES,
+    FEATURES,
+    PROPERTIES,
+    SIGNATURES,
+    ConformanceReport,
+    PropertyResult,
+    check_attention,
+    load_target,
+)

@@ -1,0 +1,209 @@
+"""Run attnref's conformance properties against your attention function, from pytest or a shell.
+
+* ``attnref check package.module:function [--signature ...] [--masked-rows uniform] ...``: a
+  progress bar, the summary table, the declared differences, exit status 0 / 1 (a property
+  failed) / 2 (the target cannot be loaded).
+* ``pytest --pyargs attnref.conformance --attnref-target=package.module:function``: one pytest
+  test per property (:mod:`attnref.conformance.test_conformance`), with the options of
+  :mod:`attnref.conformance.plugin` (registered through the ``pytest11`` entry point).
+
+Both call :func:`attnref.testing.check_attention`; see ``docs/testing_your_kernel.md``. This
+module is the glue they share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from attnref._src import conformance as _engine
+from attnref._src.conformance import FEATURES, PROPERTIES, SIGNATURES
+from attnref._src.kernel import _ALIGNMENTS, _POLICIES
+
+__all__ = [
+    "ALIGNMENTS",
+    "FEATURES",
+    "MASKED_ROWS",
+    "PROPERTIES",
+    "SIGNATURES",
+    "Options",
+    "TargetError",
+    "format_failure",
+    "load",
+    "read_xfail_file",
+    "split_list",
+]
+
+MASKED_ROWS: tuple[str, ...] = tuple(_POLICIES)  # "zeros" (attnref), "uniform" (jax.nn), "nan"
+ALIGNMENTS: tuple[str, ...] = tuple(_ALIGNMENTS)  # "top_left" (jax.nn), "bottom_right" (flash)
+
+
+class TargetError(Exception):
+    """The target spec does not name a loadable callable (the CLI exits 2 on it)."""
+
+
+def split_list(text: str | None) -> tuple[str, ...] | None:
+    """``"a, b,c"`` -> ``("a", "b", "c")``; ``None`` or blank -> ``None`` (the default)."""
+    if text is None or not text.strip():
+        return None
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def load(spec: str) -> Callable[..., Any]:
+    """Load ``package.module:function`` (or ``package.module:obj.attr``) as a callable.
+
+    The current directory is appended to ``sys.path`` first (as ``python -m`` would put it in
+    front), so ``attnref check mypkg.kernels:attention`` works from a project's root without an
+    install. Every failure is a :class:`TargetError` whose message says what was wrong.
+    """
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise TargetError(
+            f"target {spec!r} is not of the form package.module:function "
+            "(e.g. mypkg.kernels:attention)"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    try:
+        fn = _engine.load_target(spec)
+    except ImportError as e:
+        raise TargetError(
+            f"{e} (is the package installed, or the current directory its parent?)"
+        ) from e
+    except Exception as e:  # the user's module may raise anything while importing
+        raise TargetError(f"cannot load target {spec!r}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise TargetError(f"target {spec!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the CLI and the pytest plugin pass to ``check_attention`` (``None`` = its default)."""
+
+    target: str
+    signature: str = "jax_nn"
+    features: tuple[str, ...] | None = None
+    max_examples: int | None = None
+    seed: int = 0
+    masked_rows: str = "zeros"
+    causal_alignment: str = "top_left"
+    dtypes: tuple[str, ...] | None = None
+    properties: tuple[str, ...] | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad option, its value and the accepted ones."""
+        if self.signature not in SIGNATURES:
+            raise ValueError(f"signature {self.signature!r} is not one of {', '.join(SIGNATURES)}")
+        for label, given, known in (
+            ("feature", self.features, FEATURES),
+            ("property", self.properties, PROPERTIES),
+        ):
+            bad = [g for g in given or () if g not in known]
+            if bad:
+                raise ValueError(f"unknown {label} {bad[0]!r}; choose from {', '.join(known)}")
+        if self.masked_rows not in MASKED_ROWS:
+            raise ValueError(f"masked_rows {self.masked_rows!r} is not one of {MASKED_ROWS}")
+        if self.causal_alignment not in ALIGNMENTS:
+            raise ValueError(
+                f"causal_alignment {self.causal_alignment!r} is not one of {ALIGNMENTS}"
+            )
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"max_examples must be at least 1, got {self.max_examples}")
+
+    def selected(self) -> tuple[str, ...]:
+        """The properties to run, in the engine's order."""
+        return tuple(p for p in PROPERTIES if self.properties is None or p in self.properties)
+
+    def preflight(self, fn: Callable[..., Any]) -> None:
+        """Let ``check_attention`` validate these options against ``fn`` without running a
+        property (e.g. a feature the signature cannot express); raises ``ValueError``."""
+        try:
+            self.run(fn, properties=())
+        except TypeError as e:
+            raise ValueError(str(e)) from e
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        properties: Sequence[str] | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> Any:
+        """``check_attention(fn, ...)`` with these options; ``properties`` overrides the
+        selection (the plugin runs one property per test)."""
+        kw: dict[str, Any] = dict(
+            signature=self.signature,
+            features=self.features,
+            seed=self.seed,
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
+            properties=list(properties if properties is not None else self.selected()),
+            progress=progress,
+            target=self.target,
+        )
+        if self.max_examples is not None:
+            kw["max_examples"] = self.max_examples
+        if self.dtypes is not None:
+            kw["dtypes"] = self.dtypes
+        return _engine.check_attention(fn, **kw)
+
+    def replay_command(self, name: str, seed: int) -> str:
+        """The ``attnref check`` line that reruns property ``name`` from ``seed``."""
+        args = ["attnref", "check", self.target, "--properties", name, "--seed", str(seed)]
+        if self.signature != "jax_nn":
+            args += ["--signature", self.signature]
+        if self.features is not None:
+            args += ["--features", ",".join(self.features)]
+        if self.max_examples is not None:
+            args += ["--max-examples", str(self.max_examples)]
+        if self.masked_rows != "zeros":
+            args += ["--masked-rows", self.masked_rows]
+        if self.causal_alignment != "top_left":
+            args += ["--causal-alignment", self.causal_alignment]
+        if self.dtypes is not None:
+            args += ["--dtypes", ",".join(self.dtypes)]
+        return shlex.join(args)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def format_failure(result: Any, options: Options) -> str:
+    """A failed property as text: the engine's message (rule, index, ratio), the shrunk
+    example and how to replay it."""
+    lines = [f"property {result.name!r} failed after {result.examples} example(s)"]
+    lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
+    if result.example:
+        lines += ["shrunk example:", _indent(result.example.rstrip(), "  ")]
+    if result.declared:
+        lines.append(f"declared: {', '.join(result.declared)}")
+    lines.append(f"replay (seed {result.seed}): {options.replay_command(result.name, result.seed)}")
+    return "\n".join(lines)
+
+
+def read_xfail_file(path: str | os.PathLike[str], known: Sequence[str]) -> dict[str, str]:
+    """Property names to mark xfail, one per line; ``#`` starts a comment (the rest of the line
+    is the reason). Accepts ``oracle`` or a test id ending in ``[oracle]``. Unknown names raise
+    ``ValueError`` so a typo cannot silently disable nothing."""
+    text = Path(path).read_text(encoding="utf-8")
+    out: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        entry, _, comment = raw.partition("#")
+        entry = entry.strip()
+        if not entry:
+            continue
+        if entry.endswith("]") and "[" in entry:
+            entry = entry[entry.rindex("[") + 1 : -1]
+        if entry not in known:
+            raise ValueError(
+                f"{path}:{number}: {entry!r} is not a property; choose from {', '.join(known)}"
+            )
+        out[entry] = comment.strip() or f"listed in {path}"
+    return out

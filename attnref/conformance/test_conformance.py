@@ -1,0 +1,65 @@
+"""attnref's conformance properties as pytest tests, one per property, against your function::
+
+    python -m pytest --pyargs attnref.conformance --attnref-target=mypkg.kernels:attention
+
+Options (``pytest --help``, group "attnref"): ``--attnref-signature``, ``--attnref-features``,
+``--attnref-properties``, ``--attnref-examples``, ``--attnref-seed``, ``--attnref-masked-rows``,
+``--attnref-causal-alignment``, ``--attnref-dtypes`` and ``--attnref-xfail=FILE``.
+
+Each test runs :func:`attnref.testing.check_attention` for its own property, so ``-k``, ``-x``
+and ``pytest-xdist`` work per property and a failure's seed replays exactly that property. A
+failure shows the engine's message (rule, index, ratio), the shrunk example and the replay
+command; a property the target does not support is skipped with the engine's reason.
+Without ``--attnref-target`` every test skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attnref.conformance import PROPERTIES, format_failure
+from attnref.conformance.plugin import session
+
+NO_TARGET = (
+    "no --attnref-target given; run `python -m pytest --pyargs attnref.conformance "
+    "--attnref-target=package.module:function`"
+)
+NO_PLUGIN = (
+    "the attnref pytest plugin is not loaded (plugin autoloading off?); add "
+    "-p attnref.conformance.plugin"
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "attnref_property" not in metafunc.fixturenames:
+        return
+    state = session(metafunc.config)
+    if state is None or not state.properties:
+        names: tuple[str, ...] = PROPERTIES
+        xfail: dict[str, str] = {}
+    else:
+        names, xfail = state.properties, state.xfail
+    params = [
+        pytest.param(
+            name,
+            id=name,
+            marks=[pytest.mark.xfail(reason=xfail[name], strict=False)] if name in xfail else [],
+        )
+        for name in names
+    ]
+    metafunc.parametrize("attnref_property", params)
+
+
+def test_property(attnref_property: str, request: pytest.FixtureRequest) -> None:
+    state = session(request.config)
+    if state is None:
+        pytest.skip(NO_PLUGIN)
+    if state.options is None or state.fn is None:
+        pytest.skip(NO_TARGET)
+    report = state.options.run(state.fn, properties=[attnref_property])
+    (result,) = (r for r in report.results if r.name == attnref_property)
+    if result.status == "skipped":
+        pytest.skip(f"{attnref_property}: {result.detail}")
+    if result.status == "failed":
+        pytest.fail(format_failure(result, state.options), pytrace=False)
+    assert result.status == "passed", result

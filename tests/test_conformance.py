@@ -1,0 +1,362 @@
+"""The conformance kit (``attnref.testing.check_attention``) on real clients and broken kernels.
+
+Real clients: ``jax.nn.dot_product_attention`` (implementation "xla") and Flax's
+``dot_product_attention`` pass, with their documented meaning of fully masked rows declared
+(``masked_rows="uniform"``); with attnref's default the ``fully_masked_rows`` property fails for
+jax.nn, so the declared difference is real and not hidden by a tolerance. Deliberately broken
+kernels are each caught, with a small shrunk example and a seed that replays the failure.
+
+Small ``max_examples`` and fixed seeds keep the file fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnref
+from attnref import strategies as ast
+from attnref.testing import (
+    PROPERTIES,
+    ConformanceReport,
+    PropertyResult,
+    check_attention,
+    load_target,
+)
+
+EXAMPLES = 5
+JAX_NN = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+
+
+# ----------------------------------------------------------------------------- a hand kernel
+
+
+def naive_kernel(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    bug=None,
+):
+    """A plain jnp kernel with the jax.nn signature (mask, bias, causal, GQA; fully masked rows
+    return zeros), and optionally one deliberate bug."""
+    _, t, n, h = query.shape
+    s, kh = key.shape[1], key.shape[2]
+    group = n // kh
+    if bug == "gqa_tiled":  # head i reads K/V head i % K instead of i // G
+        k, v = jnp.tile(key, (1, 1, group, 1)), jnp.tile(value, (1, 1, group, 1))
+    else:
+        k, v = jnp.repeat(key, group, axis=2), jnp.repeat(value, group, axis=2)
+    sc = (1.0 / h if bug == "scale" else 1.0 / math.sqrt(h)) if scale is None else scale
+    logits = jnp.einsum("btnh,bsnh->bnts", query, k, precision="highest") * sc
+    allowed = jnp.ones((1, 1, t, s), bool)
+    if bias is not None:
+        logits = logits + bias
+        allowed = allowed & (bias != -jnp.inf)
+    if mask is not None:
+        allowed = allowed & mask
+    if is_causal:
+        off = 1 if bug == "causal_off_by_one" else 0
+        allowed = allowed & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + off)
+    if bug == "no_max":
+        top = jnp.zeros_like(logits[..., :1])
+    elif bug == "global_max":  # the max over every key, masked or future ones included
+        top = jnp.max(logits, axis=-1, keepdims=True)
+    else:
+        top = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
+        top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
+    axis = -2 if bug == "softmax_axis" else -1
+    denom = jnp.sum(e, axis=axis, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bnts,bsnh->btnh", p, v, precision="highest")
+    return out.astype(query.dtype)
+
+
+HAND_FEATURES = ("mask", "bias", "causal", "gqa", "cross", "grad")
+
+
+def _fails(report: ConformanceReport) -> dict[str, PropertyResult]:
+    return {r.name: r for r in report.results if r.status == "failed"}
+
+
+# ----------------------------------------------------------------------------- real clients
+
+
+def test_jax_nn_passes_with_its_masked_rows_declared():
+    report = check_attention(JAX_NN, masked_rows="uniform", max_examples=EXAMPLES, seed=0)
+    assert report.passed, report.summary()
+    assert [r.name for r in report.results] == list(PROPERTIES)
+    assert all(r.status == "passed" and r.examples == EXAMPLES for r in report.results)
+    # the difference from attnref's semantics is listed, not absorbed by a tolerance
+    assert report.declared == {"masked_rows": "uniform"}
+    by_name = {r.name: r for r in report.results}
+    assert by_name["fully_masked_rows"].declared == ("masked_rows=uniform",)
+    assert by_name["oracle"].declared == ()
+    assert "declared differences: masked_rows=uniform" in report.summary()
+
+
+def test_jax_nn_fails_fully_masked_rows_under_attnref_default():
+    """The declared difference is real: with attnref's default ``masked_rows="zeros"`` the
+    property fails, and says what jax.nn returns instead."""
+    report = check_attention(
+        JAX_NN, properties=["fully_masked_rows"], max_examples=EXAMPLES, seed=0
+    )
+    (result,) = report.results
+    assert result.status == "failed"
+    assert "masked_rows='zeros'" in result.detail
+    assert "masked_rows='uniform'" in result.detail  # what the kernel actually does
+    assert report.declared == {}
+
+
+def test_flax_dot_product_attention_passes():
+    """Flax's ``dot_product_attention`` (layout [B, T, N, H], mask and bias ``[B, N, T, S]``; no
+    GQA, no causal flag, no lse; it masks with ``finfo.min``, so fully masked rows are uniform)
+    through the jax.nn adapter, and with causality expressed through a mask."""
+    report = check_attention(
+        nn.dot_product_attention,
+        features=("mask", "bias", "cross", "grad"),
+        masked_rows="uniform",
+        properties=["oracle", "masks", "batch_independence", "fully_masked_rows", "gradients"],
+        max_examples=EXAMPLES,
+        seed=1,
+    )
+    assert report.passed, report.summary()
+
+    def flax_qkv_mask(q, k, v, mask):
+        return nn.dot_product_attention(q, k, v, mask=mask)
+
+    report = check_attention(
+        flax_qkv_mask,
+        signature="qkv_mask",
+        features=("mask", "causal", "seq_lengths", "window", "segment_ids", "grad"),
+        masked_rows="uniform",
+        properties=["masks", "causality", "extreme_logits"],
+        max_examples=EXAMPLES,
+        seed=2,
+    )
+    assert report.passed, report.summary()
+
+
+def test_attnref_kernels_pass():
+    """attnref's own kernel through the jax.nn adapter with its extra keywords (``segment_ids``,
+    ``softcap``; the lse through ``return_lse``), and its float64 NumPy oracle through the NumPy
+    adapter."""
+    report = check_attention(
+        attnref.dot_product_attention,
+        features=("segment_ids", "softcap", "lse", "causal", "gqa"),
+        properties=["masks", "lse"],
+        max_examples=2,
+        seed=3,
+    )
+    assert report.passed, report.summary()
+    assert [r.examples for r in report.results] == [2, 2]
+    report = check_attention(
+        attnref.oracle.dot_product_attention,
+        signature="numpy",
+        properties=["oracle", "lse", "fully_masked_rows"],
+        max_examples=3,
+        seed=3,
+    )
+    assert report.passed, report.summary()
+
+
+# ----------------------------------------------------------------------------- broken kernels
+
+# bug -> (properties run, the properties that must catch it)
+BROKEN = {
+    "scale": (("oracle",), {"oracle"}),
+    "causal_off_by_one": (("masks", "causality"), {"masks", "causality"}),
+    "softmax_axis": (("oracle",), {"oracle"}),
+    "no_max": (("oracle", "extreme_logits"), {"extreme_logits"}),
+    "global_max": (("causality", "extreme_logits"), {"causality", "extreme_logits"}),
+    "gqa_tiled": (("oracle", "gqa"), {"gqa"}),
+}
+
+
+def test_the_hand_kernel_itself_passes():
+    """The control: without a bug, the hand kernel passes every property that catches a bug."""
+    props = sorted(set().union(*(p for p, _ in BROKEN.values())))
+    report = check_attention(
+        naive_kernel, features=HAND_FEATURES, properties=props, max_examples=EXAMPLES, seed=0
+    )
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("bug", sorted(BROKEN))
+def test_broken_kernel_is_caught_with_a_small_shrunk_example(bug):
+    properties, catchers = BROKEN[bug]
+    fn = functools.partial(naive_kernel, bug=bug)
+    report = check_attention(
+        fn, features=HAND_FEATURES, properties=properties, max_examples=EXAMPLES, seed=0
+    )
+    failed = _fails(report)
+    assert catchers <= set(failed), report.summary()
+    for name in catchers:
+        r = failed[name]
+        assert r.example is not None and "Config(" in r.example, r.example
+        assert r.detail and r.seed == 0 and r.examples >= 1
+    assert not report.passed
+    assert "FAIL" in report.summary()
+
+
+def test_shrunk_examples_are_small():
+    """Shrinking moves towards the first (smallest) bucket and the smallest logit scale."""
+    fn = functools.partial(naive_kernel, bug="no_max")
+    report = check_attention(
+        fn, features=HAND_FEATURES, properties=["extreme_logits"], max_examples=EXAMPLES, seed=0
+    )
+    (r,) = report.results
+    assert r.status == "failed"
+    assert "max_abs_logit=100.0" in r.example, r.example  # 1e2 already overflows exp
+    assert "batch=2, t=4, s=4" in r.example, r.example  # the self-attention bucket
+
+
+def test_failure_replays_from_its_seed():
+    fn = functools.partial(naive_kernel, bug="causal_off_by_one")
+    first = check_attention(
+        fn, features=HAND_FEATURES, properties=["causality"], max_examples=EXAMPLES, seed=7
+    )
+    (r,) = first.results
+    assert r.status == "failed" and r.seed == 7
+    again = check_attention(
+        fn, features=HAND_FEATURES, properties=[r.name], max_examples=EXAMPLES, seed=r.seed
+    )
+    (r2,) = again.results
+    assert (r2.status, r2.example, r2.detail) == (r.status, r.example, r.detail)
+
+
+# ----------------------------------------------------------------------------- report structure
+
+
+def test_skipped_properties_name_the_missing_feature():
+    calls = []
+    report = check_attention(
+        naive_kernel,
+        features=("mask", "cross"),
+        properties=["causality", "gqa", "lse", "gradients", "fully_masked_rows"],
+        max_examples=2,
+        seed=0,
+        progress=lambda done, total, name: calls.append((done, total, name)),
+        target="tests:naive_kernel",
+    )
+    by_name = {r.name: r for r in report.results}
+    for name, feature in (("causality", "causal"), ("gqa", "gqa"), ("lse", "lse")):
+        assert by_name[name].status == "skipped"
+        assert f"'{feature}'" in by_name[name].detail
+        assert by_name[name].examples == 0 and by_name[name].example is None
+    assert by_name["gradients"].status == "skipped" and "'grad'" in by_name["gradients"].detail
+    assert by_name["fully_masked_rows"].status == "passed"
+    assert report.passed  # skips do not fail a report
+    assert calls == [
+        (1, 5, "causality"),
+        (2, 5, "gqa"),
+        (3, 5, "lse"),
+        (4, 5, "fully_masked_rows"),
+        (5, 5, "gradients"),
+    ]
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["target"] == "tests:naive_kernel" and data["passed"] is True
+    assert "skipped" in report.summary()
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="signature"):
+        check_attention(naive_kernel, signature="torch")
+    with pytest.raises(ValueError, match="unknown features"):
+        check_attention(naive_kernel, features=("flash",))
+    with pytest.raises(ValueError, match="cannot express"):
+        check_attention(naive_kernel, signature="qkv_mask", features=("bias",))
+    with pytest.raises(ValueError, match="unknown properties"):
+        check_attention(naive_kernel, properties=["speed"])
+    with pytest.raises(ValueError, match="masked_rows"):
+        check_attention(naive_kernel, masked_rows="ignore")
+
+
+def test_load_target():
+    assert load_target("attnref:dot_product_attention") is attnref.dot_product_attention
+    assert load_target("attnref.oracle:dot_product_attention") is (
+        attnref.oracle.dot_product_attention
+    )
+    assert load_target("jax:nn.dot_product_attention") is jax.nn.dot_product_attention
+    with pytest.raises(ValueError, match=r"package\.module:function"):
+        load_target("attnref.dot_product_attention")
+    with pytest.raises(ImportError, match="no_such_module"):
+        load_target("no_such_module:f")
+    with pytest.raises(AttributeError, match="nope"):
+        load_target("attnref:nope")
+
+
+def test_jit_failure_falls_back_to_eager_and_says_so():
+    def concrete_only(query, key, value, bias=None, mask=None, **kw):
+        np.asarray(query)  # fails on a tracer
+        return naive_kernel(query, key, value, bias, mask, **kw)
+
+    report = check_attention(
+        concrete_only, features=("cross",), properties=["oracle"], max_examples=2, seed=0
+    )
+    (r,) = report.results
+    assert r.status == "passed", r.detail
+    assert "ran eagerly" in r.detail
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def test_strategies_make_labelled_reproducible_problems():
+    c = ast.BUCKETS[-1]
+    for kind in ast.MASK_KINDS:
+        a = ast.make_kernel_problem(c, kind, 5)
+        b = ast.make_kernel_problem(c, kind, 5)
+        for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)):
+            np.testing.assert_array_equal(x, y)
+        out, lse = a.oracle()
+        bound, lse_bound = a.bound()
+        assert out.shape == (c.batch, c.t, c.n, c.h_v) == bound.shape
+        assert lse.shape == (c.batch, c.t, c.n) == lse_bound.shape
+        rows = a.allowed().any(-1)
+        if kind not in ("fully_masked_row", "combined", "window"):
+            assert rows.all() or kind == "padding", kind
+        if kind == "fully_masked_row":
+            assert not rows.all()
+        assert "Config(" in repr(a) and kind in repr(a)
+    same = ast.make_kernel_problem(c, "none", 1, identical="keys")
+    assert np.all(same.k == same.k[:, :1])
+    # no degenerate fill by accident: distinct rows
+    p = ast.make_kernel_problem(c, "none", 1)
+    assert len({row.tobytes() for row in p.k.reshape(-1, c.h)}) == p.k.size // c.h
+    w = ast.make_attention_problem(ast.BUCKETS[4], "combined", 2)
+    assert w.params.w_k.shape[0] == ast.BUCKETS[4].k
+    assert w.oracle().shape == w.bound().shape == (1, 4, 8)
+
+
+def test_declared_nan_rows_and_bottom_right_alignment():
+    """A kernel with the "nan" policy and FlashAttention's bottom-right causal alignment passes
+    when it declares them (the report lists both), and is caught when it does not."""
+    fn = functools.partial(
+        attnref.dot_product_attention, masked_rows="nan", causal_alignment="bottom_right"
+    )
+    kw = dict(features=("mask", "causal", "cross"), max_examples=3, seed=4)
+    props = ["masks", "fully_masked_rows"]
+    report = check_attention(
+        fn, masked_rows="nan", causal_alignment="bottom_right", properties=props, **kw
+    )
+    assert report.passed, report.summary()
+    assert report.declared == {"masked_rows": "nan", "causal_alignment": "bottom_right"}
+    by_name = {r.name: r for r in report.results}
+    assert by_name["masks"].declared == ("masked_rows=nan", "causal_alignment=bottom_right")
+    undeclared = _fails(check_attention(fn, properties=props, **kw))
+    assert set(undeclared) == set(props)
+    assert "NaN" in undeclared["fully_masked_rows"].detail

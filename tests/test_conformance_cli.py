@@ -1,0 +1,237 @@
+"""``attnref check`` and the pytest plugin (``pytest --pyargs attnref.conformance``).
+
+The targets live in ``tests/conformance_targets.py``. Engine runs use a handful of examples and,
+except for the one full ``attnref check`` run, a single property: this file tests the surfaces
+(exit status, table, failure text, pytest outcomes), ``tests/test_conformance.py`` the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnref.cli import main
+from attnref.conformance import PROPERTIES, Options, read_xfail_file
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = "tests.conformance_targets:good"
+BROKEN = "tests.conformance_targets:wrong_scale"
+# The plugin by module name, whether or not the installed metadata registers the entry point
+# (an editable install made before the entry point existed does not): block the entry-point
+# name so the module is never registered twice.
+PLUGIN = ("-p", "no:attnref", "-p", "attnref.conformance.plugin")
+
+
+# --- attnref check ------------------------------------------------------------------------
+
+
+def test_check_passes_on_jax_nn_with_declared_uniform_masked_rows(capsys):
+    # A subset keeps this fast; tests/test_conformance.py runs every property on jax.nn.
+    chosen = ["oracle", "gqa", "fully_masked_rows", "extreme_logits"]
+    args = ["--max-examples", "3", "--masked-rows", "uniform", "--properties", ",".join(chosen)]
+    status = main(["check", GOOD, *args])
+    out, err = capsys.readouterr()
+    assert status == 0, out
+    for name in chosen:
+        assert name in out
+    assert "masked_rows=uniform" in out  # a declared difference, listed
+    assert "4 passed, 0 failed" in out
+    assert "[########################] 4/4" in err  # the progress bar goes to stderr
+
+
+def test_check_fails_on_a_broken_kernel_with_example_and_replay(capsys):
+    status = main(["check", BROKEN, "--max-examples", "3", "--properties", "oracle"])
+    out, _ = capsys.readouterr()
+    assert status == 1, out
+    assert "oracle" in out and "failed" in out
+    assert "--- oracle failed (seed " in out and "Failing test case" in out
+    assert f"attnref check {BROKEN} --properties oracle --seed" in out  # the replay line
+
+
+def test_check_json(capsys):
+    args = ["--max-examples", "2", "--properties", "oracle", "--json", "--no-progress"]
+    status = main(["check", BROKEN, *args])
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert err == ""
+    report = json.loads(out)
+    assert [r["name"] for r in report["results"]] == ["oracle"]
+    assert report["results"][0]["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("tests.conformance_targets:missing", "missing"),
+        ("no_such_module_for_attnref:attention", "no_such_module_for_attnref"),
+        ("tests.conformance_targets", "package.module:function"),
+        ("tests.conformance_targets:NOT_CALLABLE", "not a callable"),
+    ],
+)
+def test_check_bad_target_exits_2(capsys, target, message):
+    assert main(["check", target, "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "attnref check: " in err and message in err
+
+
+def test_check_bad_option_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["check", GOOD, "--properties", "oracle,no_such_property"])
+    assert exc.value.code == 2
+    assert "no_such_property" in capsys.readouterr().err
+
+
+def test_console_script_finds_targets_in_the_current_directory():
+    """``attnref check`` is a console script: ``sys.path`` starts at its own directory, not the
+    project's, so the command appends the current directory to find ``tests.*``."""
+    script = shutil.which("attnref", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the attnref console script is not installed next to this interpreter")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [script, "check", "tests.conformance_targets:NOT_CALLABLE"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "is a int, not a callable" in run.stderr  # imported, so the module was found
+
+
+def test_replay_command_and_xfail_file(tmp_path):
+    opts = Options(target="pkg.mod:fn", signature="numpy", masked_rows="uniform", max_examples=5)
+    assert opts.replay_command("causality", 123) == (
+        "attnref check pkg.mod:fn --properties causality --seed 123 --signature numpy "
+        "--max-examples 5 --masked-rows uniform"
+    )
+    path = tmp_path / "xfails.txt"
+    path.write_text("# known\noracle  # scale bug, #12\n\ntest_property[gqa]\n")
+    assert read_xfail_file(path, PROPERTIES) == {
+        "oracle": "scale bug, #12",
+        "gqa": f"listed in {path}",
+    }
+    path.write_text("oracel\n")
+    with pytest.raises(ValueError, match="oracel"):
+        read_xfail_file(path, PROPERTIES)
+
+
+# --- the pytest plugin --------------------------------------------------------------------
+
+
+def _run(pytester, *args):
+    return pytester.runpytest_inprocess(
+        *PLUGIN, "-p", "no:cacheprovider", "-rsxXf", "--pyargs", "attnref.conformance", *args
+    )
+
+
+def test_plugin_without_target_skips_every_property(pytester):
+    result = _run(pytester)
+    result.assert_outcomes(skipped=len(PROPERTIES))
+    result.stdout.fnmatch_lines(["*no --attnref-target given*"])
+
+
+def test_plugin_passes_skips_and_reports_declared_semantics(pytester):
+    result = _run(
+        pytester,
+        f"--attnref-target={GOOD}",
+        "--attnref-masked-rows=uniform",
+        "--attnref-features=mask,bias",
+        "--attnref-examples=2",
+        "--attnref-properties=oracle,lse",
+    )
+    result.assert_outcomes(passed=1, skipped=1)  # lse is not among the declared features
+    result.stdout.fnmatch_lines(
+        [
+            f"attnref: target {GOOD} (signature jax_nn, features mask,bias, seed 0, "
+            "declared masked_rows=uniform)",
+            "SKIPPED*lse: *",
+        ]
+    )
+
+
+def test_plugin_failure_shows_message_example_and_seed(pytester):
+    args = ("--attnref-examples=2", "--attnref-properties=oracle")
+    result = _run(pytester, f"--attnref-target={BROKEN}", *args)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*property 'oracle' failed*",
+            f"*replay (seed *): attnref check {BROKEN} --properties oracle --seed *"
+            " --max-examples 2",
+        ]
+    )
+
+
+def test_plugin_xfail_file(pytester):
+    xfails = pytester.makefile(".txt", xfails="# kernels/attention.py has the scale bug\noracle\n")
+    result = _run(
+        pytester,
+        f"--attnref-target={BROKEN}",
+        "--attnref-examples=2",
+        "--attnref-properties=oracle",
+        f"--attnref-xfail={xfails}",
+    )
+    result.assert_outcomes(xfailed=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--attnref-target=tests.conformance_targets:missing"], "*cannot load target*missing*"),
+        ([f"--attnref-target={GOOD}", "--attnref-features=mask,nope"], "*unknown feature 'nope'*"),
+        ([f"--attnref-target={GOOD}", "--attnref-xfail=/no/such/file"], "*/no/such/file*"),
+    ],
+)
+def test_plugin_usage_errors(pytester, args, message):
+    result = _run(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*attnref: {message}"])
+
+
+def test_entry_point_and_testpaths_are_declared():
+    """``pytest11`` registers the plugin; attnref's own run (testpaths ``tests``) never collects
+    the shipped ``attnref/conformance/test_conformance.py``."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["pytest11"] == {
+        "attnref": "attnref.conformance.plugin"
+    }
+    assert project["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+
+
+def test_docs_testing_your_kernel_examples_run(monkeypatch):
+    """docs/testing_your_kernel.md: its kernel passes, its broken kernel fails the oracle
+    property, and its assert_attention_close example runs."""
+    import types
+
+    from attnref.testing import check_attention
+
+    text = (ROOT / "docs" / "testing_your_kernel.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    kernel_src, broken_src, tolerance_src = blocks
+    package = types.ModuleType("mypkg")
+    modules = {}
+    for name, src in (("kernels", kernel_src), ("broken", broken_src)):
+        module = types.ModuleType(f"mypkg.{name}")
+        monkeypatch.setitem(sys.modules, f"mypkg.{name}", module)
+        setattr(package, name, module)
+        monkeypatch.setitem(sys.modules, "mypkg", package)
+        exec(compile(src, f"docs mypkg/{name}.py", "exec"), module.__dict__)
+        modules[name] = module
+    features = ["mask", "bias", "causal", "gqa", "cross", "grad"]
+    kw = dict(features=features, properties=["oracle", "gqa"], max_examples=3)
+    assert check_attention(modules["kernels"].attention, **kw).passed
+    report = check_attention(modules["broken"].attention, **kw)
+    assert [r.status for r in report.results] == ["failed", "failed"]
+    exec(compile(tolerance_src, "docs tolerance example", "exec"), {})
