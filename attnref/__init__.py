@@ -9,6 +9,7 @@ from attnref import oracle, strategies, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
+from attnref._src.composition import composition_baseline, composition_scores, top_aligned
 from attnref._src.cost import Cost, Dims, XlaCounts, cost, hlo_dot_flops, xla_counts
 from attnref._src.decode import (
     KVCache,
@@ -69,6 +70,23 @@ from attnref._src.params import (
     w_m,
     w_p,
 )
+from attnref._src.probes import (
+    AttentionProbes,
+    attention_logits,
+    attention_probes,
+    residual_update,
+)
+from attnref._src.refactor import (
+    FactoredSVD,
+    Refactored,
+    effective_rank,
+    factored_svd,
+    message_svd,
+    param_count,
+    pattern_svd,
+    refactor,
+    truncation_error,
+)
 from attnref._src.registry import Formulation, formulations, get, ids
 from attnref._src.rope import (
     apply_rope,
@@ -93,17 +111,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionParams",
+    "AttentionProbes",
     "Cost",
     "Dims",
+    "FactoredSVD",
     "FeatureMap",
     "Formulation",
     "KVCache",
     "LinearState",
+    "Refactored",
     "XlaCounts",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
     "apply_rope_complex",
+    "attention_logits",
+    "attention_probes",
     "attention_weights",
     "blockwise_attention",
     "blockwise_multihead",
@@ -113,12 +136,16 @@ __all__ = [
     "column_attention",
     "column_attention_rows",
     "combine_masks",
+    "composition_baseline",
+    "composition_scores",
     "concat_attention",
     "cost",
     "decode_multihead",
     "dot_product_attention",
     "edges_from_mask",
+    "effective_rank",
     "elu_plus_one",
+    "factored_svd",
     "favor_plus",
     "formulations",
     "from_flax",
@@ -149,6 +176,7 @@ __all__ = [
     "linear_step",
     "mask_to_bias",
     "masked_softmax",
+    "message_svd",
     "messages",
     "mha_cache_init",
     "mha_cached_attention",
@@ -156,11 +184,15 @@ __all__ = [
     "mha_generate",
     "oracle",
     "padding_mask",
+    "param_count",
+    "pattern_svd",
     "patterns",
     "patterns_messages_attention",
     "per_head_sum_attention",
+    "refactor",
     "relu_features",
     "repeat_kv_heads",
+    "residual_update",
     "rope_attention",
     "rope_frequencies",
     "rope_pattern_matrices",
@@ -176,6 +208,8 @@ __all__ = [
     "to_hf_bert",
     "to_torch_mha",
     "tolerance",
+    "top_aligned",
+    "truncation_error",
     "w_a",
     "w_i",
     "w_m",

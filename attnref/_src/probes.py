@@ -1,0 +1,142 @@
+"""Probes: the model-space quantities of one attention block, for interpretation.
+
+Row convention (``docs/conventions.md``). For query head ``i`` with key/value head
+``g = i // G``:
+
+* **logits** ``S_i = scale (X_q W_Q[i] + b_Q[i]) (X_kv W_K[g] + b_K[g])^T + bias`` (masked
+  entries ``-inf``), and **scores** ``A_i = softmax(S_i)`` (fully masked rows all zero);
+* **patterns** ``P_i = X_q W_P[i] + b_Q[i] W_K[g]^T``: what each query looks for, in model
+  space; ``S_i = scale P_i X_kv^T + (terms constant along each row)``;
+* **messages** ``M_i = X_kv W_M[i] + b_V[g] W_O[i]``: what each key token would send through head
+  ``i`` if attended to;
+* **per-head outputs** ``o_i = A_i M_i`` (in model space; ``sum_i o_i + b_O`` is the block
+  output);
+* the **residual update** ``x_q + sum_i o_i + b_O`` (the residual stream after the block).
+
+Everything is a pure JAX function of static shapes, so :func:`attention_probes` runs under
+``jax.jit``. The per-quantity functions :func:`attnref.patterns`, :func:`attnref.messages`,
+:func:`attnref.head_outputs` and :func:`attnref.attention_weights` already exist; this module
+adds the logits, the residual update and one call that returns every probe at once.
+
+Seeds: "The Hidden Messages of Multi-Head Attention" (2025-02-17) names the per-head outputs and
+messages; "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18) the patterns and
+the residual update ``x' = x + sum_i alpha_i M_i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.checks import float64_scoped
+from attnref._src.common import HIGHEST, Prepared, add_output_bias, project, project_kv
+from attnref._src.merged import _messages, _patterns
+from attnref._src.params import AttentionParams
+from attnref._src.softmax import allowed_entries, masked_softmax
+
+__all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
+
+
+def _logits(p: Prepared, params: AttentionParams) -> Array:
+    q = project(p.x_q, params.w_q, params.b_q)
+    k = project_kv(p.x_kv, params.w_k, params.b_k, params.group_size)
+    logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
+    return p.add_bias(logits)
+
+
+@float64_scoped
+def attention_logits(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
+    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "... H T_q T_k"]:
+    """Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.
+
+    ``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely
+    ``-inf`` has zero weights by attnref's convention).
+    """
+    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    logits = _logits(p, params)
+    allowed = allowed_entries(logits, p.head_mask())
+    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
+@float64_scoped
+def residual_update(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
+    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "... T_q d_model"]:
+    """``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation
+    ``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with
+    ``residual=True``."""
+    return attention_probes(params, x_q, x_kv, mask=mask, bias=bias, scale=scale).residual
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionProbes:
+    """Every probe of one block on one input (a JAX pytree; shapes for ``x_q [..., T_q, d]``).
+
+    ``logits [..., H, T_q, T_k]`` (masked ``-inf``), ``scores [..., H, T_q, T_k]`` (rows sum to 1
+    or are all zero), ``patterns [..., H, T_q, d_model]``, ``messages [..., H, T_k, d_model]``,
+    ``head_outputs [..., H, T_q, d_model]`` (``o_i = A_i M_i``, no ``b_O``), ``output
+    [..., T_q, d_model]`` (``sum_i o_i + b_O``) and ``residual [..., T_q, d_model]``
+    (``x_q + output``).
+    """
+
+    logits: Array
+    scores: Array
+    patterns: Array
+    messages: Array
+    head_outputs: Array
+    output: Array
+    residual: Array
+
+
+@float64_scoped
+def attention_probes(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
+    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    scale: float | None = None,
+) -> AttentionProbes:
+    """All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.
+
+    The scores come from the query-key logits, the per-head outputs from scores times messages
+    (``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages
+    formulation of the block output.
+    """
+    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    raw = _logits(p, params)
+    mask_h = p.head_mask()
+    scores = masked_softmax(raw, mask_h)
+    allowed = allowed_entries(raw, mask_h)
+    logits = jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
+    msgs = _messages(params, p.x_kv)
+    pats = _patterns(params, p.x_q)
+    per_head = jnp.einsum("...hqk,...hkd->...hqd", scores, msgs, precision=HIGHEST)
+    output = add_output_bias(jnp.sum(per_head, axis=-3), params)
+    return AttentionProbes(
+        logits=logits,
+        scores=scores,
+        patterns=pats,
+        messages=msgs,
+        head_outputs=per_head,
+        output=output,
+        residual=p.x_q + output,
+    )

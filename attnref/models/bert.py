@@ -1,0 +1,271 @@
+"""A small pure-JAX BERT encoder whose attention block is any registered attnref formulation.
+
+The forward pass of Hugging Face's ``BertModel`` (Devlin et al. 2019) for inference, post-LN:
+
+* embeddings ``x_0 = LN(E_word[t] + E_pos[p] + E_type[0])``;
+* per layer ``l``: ``h = LN_1(x + Attn_l(x))`` with ``Attn_l`` the multi-head block (with its
+  biases) of any softmax formulation of :func:`attnref.formulations`, keys masked by the padding
+  mask; then ``x' = LN_2(h + GELU(h W_1 + b_1) W_2 + b_2)`` with the exact (erf) GELU;
+* sentence embedding (sentence-transformers' ``Pooling(mean)`` then ``Normalize``): the mean of
+  the last hidden states over the non-padding tokens, divided by its Euclidean norm.
+
+LayerNorm is ``(x - mean) / sqrt(var + eps) * gamma + beta`` with the biased variance. The six
+(or ``L``) layers are stacked along a leading axis and run by ``jax.lax.scan``, so one compiled
+layer serves all of them. Weights are a pytree (:class:`BertWeights`); the configuration is
+static (:class:`BertConfig`).
+
+Only NumPy and JAX are needed here; reading files is in :mod:`attnref.models.minilm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from attnref._src.checks import float64_scoped
+from attnref._src.common import HIGHEST
+from attnref._src.params import AttentionParams, from_hf_bert
+from attnref._src.registry import get
+
+__all__ = [
+    "BertConfig",
+    "BertLayers",
+    "BertWeights",
+    "bert_from_state_dict",
+    "bert_hidden_states",
+    "layer_attention",
+    "make_encoder",
+    "sentence_embeddings",
+    "with_attention",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Static sizes of a BERT encoder (Hugging Face ``config.json`` names in comments)."""
+
+    num_layers: int  # num_hidden_layers
+    num_heads: int  # num_attention_heads
+    d_model: int  # hidden_size
+    d_ff: int  # intermediate_size
+    vocab_size: int
+    max_positions: int  # max_position_embeddings
+    layer_norm_eps: float = 1e-12
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> BertConfig:
+        """From a parsed Hugging Face ``config.json`` (``hidden_act`` must be ``"gelu"``)."""
+        act = config.get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"only hidden_act='gelu' (erf GELU) is implemented, got {act!r}")
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("only absolute position embeddings are implemented")
+        return cls(
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=int(config["num_attention_heads"]),
+            d_model=int(config["hidden_size"]),
+            d_ff=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            max_positions=int(config["max_position_embeddings"]),
+            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BertLayers:
+    """Every layer's weights stacked on a leading ``[L, ...]`` axis (row convention:
+    ``w_1 [L, d_model, d_ff]``, ``w_2 [L, d_ff, d_model]``); ``attention`` is an
+    :class:`~attnref.AttentionParams` whose leaves have the extra leading axis."""
+
+    attention: AttentionParams
+    ln1_gamma: ArrayLike
+    ln1_beta: ArrayLike
+    w_1: ArrayLike
+    b_1: ArrayLike
+    w_2: ArrayLike
+    b_2: ArrayLike
+    ln2_gamma: ArrayLike
+    ln2_beta: ArrayLike
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BertWeights:
+    """Embedding tables, the embedding LayerNorm and the stacked layers."""
+
+    word: ArrayLike  # [vocab, d_model]
+    position: ArrayLike  # [max_positions, d_model]
+    token_type: ArrayLike  # [types, d_model]
+    ln_gamma: ArrayLike
+    ln_beta: ArrayLike
+    layers: BertLayers
+
+    def astype(self, dtype: Any) -> BertWeights:
+        """The same weights as NumPy arrays of ``dtype``."""
+        return jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), self)
+
+
+def _req(sd: Mapping[str, Any], key: str) -> np.ndarray:
+    if key not in sd:
+        raise KeyError(f"BERT weights are missing {key!r} ({len(sd)} keys present)")
+    return np.asarray(sd[key])
+
+
+def bert_from_state_dict(
+    state_dict: Mapping[str, Any], config: BertConfig, *, prefix: str = ""
+) -> BertWeights:
+    """A Hugging Face ``BertModel`` state dict (``nn.Linear`` ``(out, in)`` layout) as
+    :class:`BertWeights`. ``prefix`` is e.g. ``"bert."`` for checkpoints of task heads.
+
+    Attention weights are read by :func:`attnref.from_hf_bert` (query/key/value/dense with
+    biases), one :class:`~attnref.AttentionParams` per layer, then stacked.
+    """
+
+    def g(key: str) -> np.ndarray:
+        return _req(state_dict, prefix + key)
+
+    layers = []
+    for i in range(config.num_layers):
+        lp = f"encoder.layer.{i}."
+        attn = from_hf_bert(state_dict, config.num_heads, prefix=f"{prefix}{lp}attention.")
+        layers.append(
+            BertLayers(
+                attention=attn,
+                ln1_gamma=g(lp + "attention.output.LayerNorm.weight"),
+                ln1_beta=g(lp + "attention.output.LayerNorm.bias"),
+                w_1=g(lp + "intermediate.dense.weight").T,
+                b_1=g(lp + "intermediate.dense.bias"),
+                w_2=g(lp + "output.dense.weight").T,
+                b_2=g(lp + "output.dense.bias"),
+                ln2_gamma=g(lp + "output.LayerNorm.weight"),
+                ln2_beta=g(lp + "output.LayerNorm.bias"),
+            )
+        )
+    stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *layers)
+    return BertWeights(
+        word=g("embeddings.word_embeddings.weight"),
+        position=g("embeddings.position_embeddings.weight"),
+        token_type=g("embeddings.token_type_embeddings.weight"),
+        ln_gamma=g("embeddings.LayerNorm.weight"),
+        ln_beta=g("embeddings.LayerNorm.bias"),
+        layers=stacked,
+    )
+
+
+def layer_attention(weights: BertWeights) -> list[AttentionParams]:
+    """The attention parameters of each layer (unstacked), in layer order."""
+    n = int(np.shape(weights.layers.attention.w_q)[0])
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], weights.layers.attention) for i in range(n)]
+
+
+def with_attention(weights: BertWeights, attention: Sequence[AttentionParams]) -> BertWeights:
+    """``weights`` with every layer's attention block replaced (e.g. by refactored params).
+
+    All layers must have the same structure (shapes and which biases are present).
+    """
+    stacked = jax.tree_util.tree_map(lambda *a: np.stack([np.asarray(x) for x in a]), *attention)
+    return dataclasses.replace(
+        weights, layers=dataclasses.replace(weights.layers, attention=stacked)
+    )
+
+
+def _layer_norm(x: Array, gamma: ArrayLike, beta: ArrayLike, eps: float) -> Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + jnp.asarray(eps, x.dtype)) * gamma + beta
+
+
+def _dense(x: Array, w: ArrayLike, b: ArrayLike) -> Array:
+    return jnp.matmul(x, w, precision=HIGHEST) + b
+
+
+def bert_hidden_states(
+    weights: BertWeights,
+    input_ids: Int[ArrayLike, "B T"],
+    attention_mask: Int[ArrayLike, "B T"],
+    *,
+    config: BertConfig,
+    formulation: str = "concat",
+    all_layers: bool = False,
+) -> Float[Array, "B T d_model"] | Float[Array, "L1 B T d_model"]:
+    """Last hidden states ``[B, T, d_model]`` with the attention block of ``formulation`` (a
+    softmax registry id). Padding keys (``attention_mask == 0``) are masked out for every
+    query; padding positions still get (unused) hidden states.
+
+    ``all_layers=True`` returns ``[L + 1, B, T, d_model]``: entry ``l`` is the input of layer
+    ``l`` (entry 0 the embeddings), entry ``L`` the output of the last layer.
+    """
+    f = get(formulation)
+    if f.family != "softmax":
+        raise ValueError(f"formulation {formulation!r} is {f.family!r}; BERT needs a softmax one")
+    ids = jnp.asarray(input_ids)
+    keep = jnp.asarray(attention_mask).astype(bool)
+    t = ids.shape[-1]
+    if t > config.max_positions:
+        raise ValueError(f"sequence length {t} exceeds max_positions={config.max_positions}")
+    eps = config.layer_norm_eps
+    word = jnp.asarray(weights.word)
+    x = word[ids] + jnp.asarray(weights.position)[:t] + jnp.asarray(weights.token_type)[0]
+    x = _layer_norm(x, weights.ln_gamma, weights.ln_beta, eps)
+    key_mask = keep[:, None, :]  # [B, 1, T_k]: broadcast over queries
+
+    def layer(h: Array, lw: BertLayers) -> tuple[Array, Array]:
+        a = f.apply(lw.attention, h, mask=key_mask)
+        out = _layer_norm(h + a, lw.ln1_gamma, lw.ln1_beta, eps)
+        m = jax.nn.gelu(_dense(out, lw.w_1, lw.b_1), approximate=False)
+        out = _layer_norm(out + _dense(m, lw.w_2, lw.b_2), lw.ln2_gamma, lw.ln2_beta, eps)
+        return out, h
+
+    last, inputs = jax.lax.scan(layer, x, weights.layers)
+    if all_layers:
+        return jnp.concatenate([inputs, last[None]], axis=0)
+    return last
+
+
+def sentence_embeddings(
+    weights: BertWeights,
+    input_ids: Int[ArrayLike, "B T"],
+    attention_mask: Int[ArrayLike, "B T"],
+    *,
+    config: BertConfig,
+    formulation: str = "concat",
+    normalize: bool = True,
+) -> Float[Array, "B d_model"]:
+    """Mean-pooled (over ``attention_mask``) last hidden states, L2-normalised by default: the
+    sentence-transformers ``Pooling(mean)`` + ``Normalize`` head."""
+    h = bert_hidden_states(
+        weights, input_ids, attention_mask, config=config, formulation=formulation
+    )
+    m = jnp.asarray(attention_mask).astype(h.dtype)[..., None]
+    pooled = jnp.sum(h * m, axis=-2) / jnp.maximum(jnp.sum(m, axis=-2), 1e-9)
+    if not normalize:
+        return pooled
+    norm = jnp.linalg.norm(pooled, axis=-1, keepdims=True)
+    return pooled / jnp.maximum(norm, 1e-12)
+
+
+@functools.lru_cache(maxsize=64)
+def make_encoder(
+    config: BertConfig, formulation: str = "concat", *, normalize: bool = True
+) -> Callable[[BertWeights, ArrayLike, ArrayLike], Array]:
+    """``jax.jit``-compiled ``encode(weights, input_ids, attention_mask) -> [B, d_model]``.
+
+    Weights are an argument (not baked in), so one compilation serves any weights of the same
+    shapes; float64 weights run in float64 whatever the global x64 flag. Cached per
+    ``(config, formulation, normalize)``, so repeated calls reuse the compiled code.
+    """
+    get(formulation)  # fail early on an unknown id
+    fn = jax.jit(
+        functools.partial(
+            sentence_embeddings, config=config, formulation=formulation, normalize=normalize
+        )
+    )
+    return float64_scoped(fn)
