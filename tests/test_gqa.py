@@ -105,9 +105,12 @@ class SoftmaxGQATest(chex.TestCase):
     @given(problem=gqa_problems(cases=GQA_CASES[1:]))
     def test_every_formulation_matches_oracle_eagerly(self, problem):
         """Without jit on the multi-query case (eager execution compiles every primitive per
-        shape, so one case only, the one without batch dims)."""
+        shape, so one case only, the one without batch dims). The two looped kernel forms
+        (blockwise, kv_cache) run GQA natively in the kernel, whose eager GQA path is checked in
+        tests/test_kernel.py and tests/test_blockwise.py; here they would only re-compile it."""
         for f in SOFTMAX:
-            check_formulation(self.variant(f.apply), problem, f.id)
+            if f.id not in ("blockwise", "kv_cache"):
+                check_formulation(self.variant(f.apply), problem, f.id)
 
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=CASE_IDS)
