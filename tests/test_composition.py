@@ -126,10 +126,18 @@ def test_top_aligned_matches_numpy(seed, k, metric):
         norms = np.linalg.norm(vecs, axis=-1, keepdims=True) * np.linalg.norm(table, axis=-1)
         sims = np.where(norms > 0, sims / np.where(norms > 0, norms, 1), 0)
     ref_vals = -np.sort(-sims, axis=-1)[..., :k]
-    np.testing.assert_allclose(np.asarray(vals), ref_vals, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(np.take_along_axis(sims, np.asarray(idx), -1), ref_vals, atol=1e-12)
+    # Dot products of length d = 6 (and, for cosine, two norms and a division) in two orders:
+    # gamma_{d + 4} times the magnitude |v| |t| (cosine: times 1 / (|v| |t|)), on each side.
+    mag = (
+        1.0
+        if metric == "cosine"
+        else float(np.max(np.linalg.norm(vecs, axis=-1)) * np.max(np.linalg.norm(table, axis=-1)))
+    )
+    atol = 2 * tolerance.gamma(6 + 4, U64) * mag
+    np.testing.assert_allclose(np.asarray(vals), ref_vals, rtol=0, atol=atol)
+    np.testing.assert_allclose(np.take_along_axis(sims, np.asarray(idx), -1), ref_vals, atol=atol)
     jitted = jax.jit(top_aligned, static_argnames=("k", "metric"))(vecs, table, k=k, metric=metric)
-    np.testing.assert_allclose(np.asarray(jitted[0]), ref_vals, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(jitted[0]), ref_vals, rtol=0, atol=atol)
 
 
 def test_top_aligned_errors():

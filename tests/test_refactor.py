@@ -284,7 +284,11 @@ def test_rescale_multiplies_the_query_side():
     r = 2
     a = refactor(c.params, r, None, rescale=True, dtype=np.float64).params
     b = refactor(c.params, r, None, rescale=False, dtype=np.float64).params
-    np.testing.assert_allclose(a.w_q, b.w_q * math.sqrt(r / c.params.d_k), rtol=1e-15)
+    # a.w_q is b.w_q times a rounded sqrt(r / d_k): the division, the sqrt and the product round
+    # once each on each side, at most 3 u relative between them (and the test's own product).
+    np.testing.assert_allclose(
+        a.w_q, b.w_q * math.sqrt(r / c.params.d_k), rtol=tolerance.gamma(6, U64)
+    )
     d_k = c.params.d_k
     y_a = oracle.attention(a, c.x_q)
     y_b = oracle.attention(b, c.x_q, scale=1 / math.sqrt(d_k))
@@ -346,8 +350,13 @@ class GaugeTest(chex.TestCase):
         b = refactor(c.params, 2, 2, gauge="right", dtype=np.float64).params
         assert not np.allclose(a.w_k, b.w_k)
         # "left" puts S on the left factor: the right factors have orthonormal columns.
+        # Householder QR and the SVD return factors orthonormal to O(m n u) (Higham 2002,
+        # Thm 19.4; m = d_model + 1 rows, n = d_k columns), and the check's product adds gamma_m.
+        m, n = c.params.d_model + 1, c.params.d_k
         np.testing.assert_allclose(
-            np.swapaxes(a.w_k, -1, -2) @ a.w_k, np.broadcast_to(np.eye(2), (2, 2, 2)), atol=1e-13
+            np.swapaxes(a.w_k, -1, -2) @ a.w_k,
+            np.broadcast_to(np.eye(2), (2, 2, 2)),
+            atol=tolerance.gamma(4 * m * n + m, U64),
         )
 
 
@@ -391,12 +400,20 @@ def test_factored_svd_under_jit_matches_numpy():
     with jax.enable_x64(True):
         got = jax.jit(lambda a, b: factored_svd(a, b))(jnp.asarray(p.w_q), jnp.asarray(p.w_k))
         assert isinstance(got.s, jax.Array)
-        np.testing.assert_allclose(np.asarray(got.s), ref.s, rtol=0, atol=1e-13)
+        # Two backward-stable float64 SVDs of the same factored product: by Weyl's inequality
+        # each singular value moves by at most the backward error, O(m n u) ||W_P||_2 for the
+        # QR-then-SVD route (m = d_model rows, n = d_k), on each side.
+        m, n = p.d_model, p.d_k
+        atol = 2 * tolerance.gamma(4 * m * n + m, U64) * float(ref.s.max())
+        np.testing.assert_allclose(np.asarray(got.s), ref.s, rtol=0, atol=atol)
 
 
 def test_effective_rank():
     s = np.array([[1.0, 1.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(np.asarray(effective_rank(s)), [3.0, 1.0, 0.0], rtol=1e-12)
+    # exp(entropy): a normalisation, 4 logs and products, a sum and an exp, each within C_EXP
+    # or one unit of u: gamma_{4 + 3 C_EXP} relative.
+    rtol = tolerance.gamma(4 + 3 * tolerance.C_EXP, U64)
+    np.testing.assert_allclose(np.asarray(effective_rank(s)), [3.0, 1.0, 0.0], rtol=rtol)
     e = np.asarray(effective_rank(np.array([2.0, 1.0, 0.1]), method="energy", threshold=0.9))
     assert e == 2  # 4 / 5.01 < 0.9 <= 5 / 5.01
     assert (
@@ -441,8 +458,13 @@ def test_parameter_counts(bucket_kv, bias, frac, value_bias, sides):
     assert out.count_after == qk + vo, (out.count_after, qk + vo)
     assert param_count(out.params) == out.count_after
     if r_qk is not None:
+        # Both are sqrt(sum of dropped s^2 / sum of s^2) from the same float32 singular values,
+        # summed in possibly different orders: gamma_{2 d_k + 4}(u32) relative.
+        u32 = tolerance.unit_roundoff(np.float32)
         np.testing.assert_allclose(
-            out.error_qk, np.asarray(truncation_error(out.s_qk, r_qk, relative=True)), rtol=1e-6
+            out.error_qk,
+            np.asarray(truncation_error(out.s_qk, r_qk, relative=True)),
+            rtol=tolerance.gamma(2 * out.s_qk.shape[-1] + 4, u32),
         )
 
 
