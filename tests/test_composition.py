@@ -89,8 +89,12 @@ def test_orthogonal_subspaces_do_not_compose():
     s_q = second_with(w_q=(proj @ rng.standard_normal((d, dk)))[None])
     s_k = second_with(w_k=(proj @ rng.standard_normal((d, dk)))[None])
     s_v = second_with(w_v=(proj @ rng.standard_normal((d, dk)))[None])
+    # Exactly zero in exact arithmetic; in float64 the projector is orthogonal to the written
+    # subspace up to QR's O(d d_k u) (Higham Thm 19.4), and the normalised score's products add
+    # gamma_{3 d}: a relative residue of at most gamma_{4 d d_k + 3 d}(u64).
+    residue = tolerance.gamma(4 * d * dk + 3 * d, U64)
     for params, kind in ((s_q, "q"), (s_k, "k"), (s_v, "v")):
-        assert float(composition_scores(first, params, kind)[0, 0]) < 1e-14, kind
+        assert float(composition_scores(first, params, kind)[0, 0]) <= residue, kind
     reads = second_with(w_q=basis[None], w_v=basis[None])
     assert float(composition_scores(first, reads, "q")[0, 0]) > 0.5
     assert float(composition_scores(first, reads, "v")[0, 0]) > 0.5
