@@ -34,9 +34,9 @@ _COMMON = dict(
     print_blob=True,
 )
 settings.register_profile("dev", max_examples=12, **_COMMON)
-# ci: 10 derandomized examples per property (about 200 properties, most drawing from a few
+# ci: 8 derandomized examples per property (about 200 properties, most drawing from a few
 # shape buckets, so later examples mostly vary data, not compiled programs); thorough: 300.
-settings.register_profile("ci", max_examples=10, derandomize=True, **_COMMON)
+settings.register_profile("ci", max_examples=8, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=300, **_COMMON)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")

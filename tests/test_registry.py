@@ -67,10 +67,14 @@ def test_cli_report_table_and_json(capsys):
         "--d-v",
         "3",
     ]
-    assert cli.main([*args, "--no-progress", "--repeats", "1", "--dtypes", "float32"]) == 0
+    # One formulation of each family and convention here; every id is in the default-problem
+    # report test below.
+    some = ["concat", "column", "graph", "blockwise", "kv_cache", "rope", "linear_recurrent"]
+    chosen = ["--formulations", ",".join(some)]
+    assert cli.main([*args, *chosen, "--no-progress", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    for fid in attnref.ids():
-        assert out.count(f"\n{fid} ") == 1, fid  # one float32 row each (float64: below)
+    for fid in some:
+        assert out.count(f"\n{fid} ") == 2, fid  # one float32 row and one float64 row
     assert cli.main([*args, "--json", "--formulations", "concat,graph", "--repeats", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in data["rows"]] == ["concat", "graph", "concat", "graph"]
