@@ -21,7 +21,7 @@ from attnref.testing import assert_within_bound
 
 
 def scaled(fraction: float) -> settings:
-    """A share of the active profile's ``max_examples`` (``dev`` 12, ``ci`` 8, ``thorough``
+    """A share of the active profile's ``max_examples`` (``dev`` 8, ``ci`` 8, ``thorough``
     300), for properties whose examples are expensive; ``thorough`` still scales them up."""
     return settings(max_examples=max(2, round(settings.default.max_examples * fraction)))
 
