@@ -32,19 +32,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import float64_scoped
-from attnref._src.common import HIGHEST, Prepared, add_output_bias, project, project_kv
+from attnref._src.common import HIGHEST, Prepared, add_output_bias
 from attnref._src.merged import _messages, _patterns
 from attnref._src.params import AttentionParams
 from attnref._src.softmax import allowed_entries, masked_softmax
+from attnref._src.standard import logits as standard_logits
 
 __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
-
-
-def _logits(p: Prepared, params: AttentionParams) -> Array:
-    q = project(p.x_q, params.w_q, params.b_q)
-    k = project_kv(p.x_kv, params.w_k, params.b_k, params.group_size)
-    logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
-    return p.add_bias(logits)
 
 
 @float64_scoped
@@ -63,7 +57,7 @@ def attention_logits(
     ``-inf`` has zero weights by attnref's convention).
     """
     p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    logits = _logits(p, params)
+    logits = standard_logits(p, params)
     allowed = allowed_entries(logits, p.head_mask())
     return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
 
@@ -122,7 +116,7 @@ def attention_probes(
     formulation of the block output.
     """
     p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    raw = _logits(p, params)
+    raw = standard_logits(p, params)
     mask_h = p.head_mask()
     scores = masked_softmax(raw, mask_h)
     allowed = allowed_entries(raw, mask_h)

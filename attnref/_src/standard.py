@@ -25,11 +25,15 @@ from attnref._src.params import AttentionParams
 from attnref._src.softmax import masked_softmax
 
 
-def _weights(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
+def logits(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
+    """``scale q_i . k_j + bias`` per query head, before masking."""
     q = project(p.x_q, params.w_q, params.b_q)
     k = project_kv(p.x_kv, params.w_k, params.b_k, params.group_size)
-    logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
-    return masked_softmax(p.add_bias(logits), p.head_mask())
+    return p.add_bias(jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale)
+
+
+def _weights(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
+    return masked_softmax(logits(p, params), p.head_mask())
 
 
 def _heads(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_v"]:
