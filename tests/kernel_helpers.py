@@ -84,9 +84,27 @@ class KProblem:
         return ref, ref_lse, bound, lse_bound
 
 
+# Every way a rank-4 mask or bias broadcasts to [B, N, T, S]: each axis full (1) or size 1 (0).
+BROADCAST_PATTERNS = tuple(tuple((code >> (3 - a)) & 1 for a in range(4)) for code in range(16))
+
+
+def broadcast_shape(bucket: KBucket, pattern: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``[B, N, T, S]`` shape with the axes marked 0 in ``pattern`` reduced to size 1."""
+    full = (bucket.b, bucket.n, bucket.t, bucket.s)
+    return tuple(d if keep else 1 for d, keep in zip(full, pattern, strict=True))
+
+
 def make_kproblem(
-    bucket: KBucket, profile: dict[str, Any], extras: tuple[str, ...], seed: int, dtype: Any
+    bucket: KBucket,
+    profile: dict[str, Any],
+    extras: tuple[str, ...],
+    seed: int,
+    dtype: Any,
+    mask_pattern: tuple[int, ...] = (1, 1, 1, 1),
+    bias_pattern: tuple[int, ...] = (0, 1, 1, 1),
 ) -> KProblem:
+    """A problem with the given static ``profile`` and array ``extras``; the mask and bias
+    have the broadcast shapes ``mask_pattern`` / ``bias_pattern`` (see ``broadcast_shape``)."""
     rng = np.random.default_rng(seed)
     b = bucket
     dt = np.dtype(dtype)
@@ -95,10 +113,9 @@ def make_kproblem(
     v = rng.standard_normal((b.b, b.s, b.k, b.h_v)).astype(dt)
     kw: dict[str, Any] = dict(profile)
     if "mask" in extras:
-        heads = b.n if rng.random() < 0.5 else 1
-        kw["mask"] = rng.random((b.b, heads, b.t, b.s)) < 0.7
+        kw["mask"] = rng.random(broadcast_shape(b, mask_pattern)) < 0.7
     if "bias" in extras:
-        kw["bias"] = rng.standard_normal((1, b.n, b.t, b.s)).astype(dt)
+        kw["bias"] = rng.standard_normal(broadcast_shape(b, bias_pattern)).astype(dt)
     if "alibi" in extras:
         align = profile.get("causal_alignment", "top_left")
         kw["bias"] = oracle.alibi_bias(oracle.alibi_slopes(b.n), b.t, b.s, causal_alignment=align)
@@ -135,8 +152,10 @@ def kproblems(
         extras = tuple(e for e in extras if e != "alibi")
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     seed = draw(st.integers(0, 2**31 - 1), label="data seed")
+    mask_pattern = draw(st.sampled_from(BROADCAST_PATTERNS), label="mask broadcast pattern")
+    bias_pattern = draw(st.sampled_from(BROADCAST_PATTERNS), label="bias broadcast pattern")
     note(f"bucket={bucket} profile={profile} extras={extras} dtype={dtype} seed={seed}")
-    return make_kproblem(bucket, profile, extras, seed, dtype)
+    return make_kproblem(bucket, profile, extras, seed, dtype, mask_pattern, bias_pattern)
 
 
 def assert_kernel_close(out: Any, lse: Any, problem: KProblem, label: str, **kw: Any) -> None:

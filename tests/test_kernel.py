@@ -21,6 +21,7 @@ from attnref import oracle, tolerance
 from attnref._src.kernel import STATIC_OPTIONS
 
 from .kernel_helpers import (
+    BROADCAST_PATTERNS,
     KBUCKETS,
     PROFILES,
     KBucket,
@@ -187,6 +188,23 @@ def test_nan_in_padding_never_reaches_output_or_gradients(name):
     for c, d in zip(clean_g, dirty_g, strict=True):
         assert np.all(np.isfinite(d))
         np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
+
+
+def test_every_broadcast_shape_of_mask_and_bias_in_the_tiled_form():
+    """Each of the 16 ways a rank-4 mask broadcasts to ``[B, N, T, S]`` (every axis full or 1),
+    each paired with one of the 16 bias patterns, gives the oracle's rows in the blockwise form,
+    with blocks that pad both T and S: a size-1 axis must broadcast, never be padded as data
+    (issue 11, defect 1). Every kernel form draws these patterns in ``kproblems`` too; this test
+    enumerates them for the form that tiles (16 compiles)."""
+    name, fn, extra = "blockwise", KERNELS["blockwise"], dict(block_q=2, block_k=3)
+    for i, mask_pattern in enumerate(BROADCAST_PATTERNS):
+        bias_pattern = BROADCAST_PATTERNS[(7 * i + 3) % 16]  # 7 is odd: a permutation of all 16
+        p = make_kproblem(
+            KBUCKETS[0], {}, ("mask", "bias"), 40 + i, np.float32, mask_pattern, bias_pattern
+        )
+        out, lse = fn(p.q, p.k, p.v, return_lse=True, **p.kwargs, **extra)
+        label = f"{name} mask {mask_pattern} bias {bias_pattern}"
+        assert_kernel_close(out, lse, p, label, key_blocks=3)
 
 
 @given(problem=kproblems(dtypes=("float32",), buckets=KBUCKETS[:1]))

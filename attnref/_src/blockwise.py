@@ -40,17 +40,23 @@ from attnref._src.kernel import (
     KernelInputs,
     KernelSpec,
     MaskedRows,
+    dirty_rows,
     finish,
     grouped,
     logits_transform,
     prepare,
     structural_allowed,
 )
+from attnref._src.nonfinite import finite_part, ieee_mix, select_rows
 
 
 def _pad_axis(a: Array, axis: int, size: int, value: Any = 0) -> Array:
+    """Pad ``axis`` to ``size``; an axis of size 1 broadcasts and is never padded as data.
+
+    (A real axis of length 1 needs no padding either: its tile size is ``min(block, 1) = 1``.)
+    """
     extra = size - a.shape[axis]
-    if extra <= 0:
+    if extra <= 0 or a.shape[axis] == 1:
         return a
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, extra)
@@ -85,8 +91,15 @@ class _Tiles:
     def k_rows(self, a: Array, j: Array, axis: int = 1) -> Array:
         return _slice(a, axis, j * self.bk, self.bk)
 
-    def tile(self, i: Array, j: Array) -> dict[str, Array]:
-        """Allowed pairs, sanitised operands and logits of query tile ``i`` and key tile ``j``."""
+    def tile(
+        self, i: Array, j: Array, exact: bool = False, find_dirty: bool = False
+    ) -> dict[str, Array]:
+        """Allowed pairs, operands and logits of query tile ``i`` and key tile ``j``.
+
+        The operands are the finite parts of the inputs (the differentiable path), or the raw
+        inputs with ``exact=True`` (the IEEE values of rows that read a non-finite value);
+        ``find_dirty`` adds the rows of the tile that read a non-finite value.
+        """
         spec, x, cd = self.spec, self.x, self.spec.compute_dtype
         q_idx = i * self.bq + jnp.arange(self.bq)
         k_idx = j * self.bk + jnp.arange(self.bk)
@@ -100,19 +113,22 @@ class _Tiles:
             bias = self.k_rows(self.q_rows(self.bias, i, 2), j, 3)
             allowed &= bias != -jnp.inf
         allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
-        # Zero the rows this tile never reads, so NaN/inf stored there cannot leak via 0 * NaN.
-        col = jnp.swapaxes(jnp.any(grouped(allowed, spec), axis=(2, 3)), 1, 2)[..., None]
-        row = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)[..., None]
-        q = jnp.where(row, self.q_rows(self.q, i), 0).astype(cd)
-        k = jnp.where(col, self.k_rows(self.k, j), 0).astype(cd)
-        v = jnp.where(col, self.k_rows(self.v, j), 0).astype(cd)
-        qg = q.reshape(spec.b, self.bq, spec.k, spec.group, spec.h)
-        raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=HIGHEST)
+        raw_ops = {
+            "q": self.q_rows(self.q, i).astype(cd),
+            "k": self.k_rows(self.k, j).astype(cd),
+            "v": self.k_rows(self.v, j).astype(cd),
+        }
+        ops = raw_ops if exact else {n: finite_part(a) for n, a in raw_ops.items()}
+        qg = ops["q"].reshape(spec.b, self.bq, spec.k, spec.group, spec.h)
+        raw = jnp.einsum("btkgh,bskh->bkgts", qg, ops["k"], precision=HIGHEST)
         raw = raw.reshape(spec.b, spec.n, self.bq, self.bk) * x.scale
         s = logits_transform(spec, raw)
         if bias is not None:
             s = s + bias
-        return dict(allowed=allowed, q=q, k=k, v=v, raw=raw, s=s)
+        dirty = None
+        if find_dirty:
+            dirty = dirty_rows(spec, raw_ops["q"], raw_ops["k"], raw_ops["v"], bias, allowed)
+        return dict(allowed=allowed, raw=raw, s=s, dirty=dirty, **ops)
 
     def merge_q(self, a: Array, axis: int) -> Array:
         """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
@@ -126,37 +142,45 @@ class _Tiles:
         return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.s, axis=axis)
 
 
-def _forward(tiles: _Tiles) -> tuple[Array, Array, Array]:
-    """Online softmax: ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows."""
+def _forward(tiles: _Tiles, exact: bool = False) -> tuple[Array, Array, Array, Array]:
+    """Online softmax: ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows and
+    dirty rows (rows that read a non-finite value; all False with ``exact=True``)."""
     spec, cd = tiles.spec, tiles.spec.compute_dtype
+    eq = "bkgts,bskh->bkgth"
 
-    def q_block(i: Array) -> tuple[Array, Array, Array]:
-        def step(carry: tuple[Array, Array, Array], j: Array) -> tuple[Any, None]:
-            m, run_sum, acc = carry
-            t = tiles.tile(i, j)
+    def q_block(i: Array) -> tuple[Array, Array, Array, Array]:
+        def step(carry: tuple[Array, Array, Array, Array], j: Array) -> tuple[Any, None]:
+            m, run_sum, acc, dirty = carry
+            t = tiles.tile(i, j, exact, find_dirty=not exact)
             allowed, s = t["allowed"], t["s"]
             m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - shift[..., None], 0.0)), 0.0)
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
-            pv = jnp.einsum("bkgts,bskh->bkgth", grouped(p, spec), t["v"], precision=HIGHEST)
+            if exact:
+                pv = ieee_mix(eq, grouped(p, spec), t["v"], grouped(allowed, spec))
+            else:
+                pv = jnp.einsum(eq, grouped(p, spec), t["v"], precision=HIGHEST)
+                dirty = jnp.logical_or(dirty, t["dirty"])
             acc = alpha[..., None] * acc + pv.reshape(acc.shape)
-            return (m_new, alpha * run_sum + jnp.sum(p, axis=-1), acc), None
+            return (m_new, alpha * run_sum + jnp.sum(p, axis=-1), acc, dirty), None
 
         init = (
             jnp.full((spec.b, spec.n, tiles.bq), -jnp.inf, cd),
             jnp.zeros((spec.b, spec.n, tiles.bq), cd),
             jnp.zeros((spec.b, spec.n, tiles.bq, spec.h_v), cd),
+            jnp.zeros((spec.b, tiles.bq, spec.n), bool),
         )
-        (m, run_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
-        return m, run_sum, acc
+        (m, run_sum, acc, dirty), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
+        return m, run_sum, acc, dirty
 
-    m, run_sum, acc = jax.lax.map(q_block, jnp.arange(tiles.nq))
+    m, run_sum, acc, dirty = jax.lax.map(q_block, jnp.arange(tiles.nq))
     m, run_sum, acc = tiles.merge_q(m, 2), tiles.merge_q(run_sum, 2), tiles.merge_q(acc, 2)
+    dirty = tiles.merge_q(dirty, 1)
     live = run_sum > 0
     out = acc / jnp.where(live, run_sum, 1.0)[..., None]
     lse = jnp.where(live, m + jnp.log(jnp.where(live, run_sum, 1.0)), -jnp.inf)
-    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2)
+    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2), dirty
 
 
 def _backward(
@@ -241,23 +265,29 @@ def _uniform_rows_grad(spec: KernelSpec, x: KernelInputs, do: Array, live: Array
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _flash(spec: KernelSpec, bq: int, bk: int, x: KernelInputs) -> tuple[Array, Array]:
-    o, lse, live = _forward(_Tiles(spec, x, bq, bk))
-    return finish(spec, x, o, lse, live)
+    return _flash_fwd(spec, bq, bk, x)[0]
 
 
 def _flash_fwd(
     spec: KernelSpec, bq: int, bk: int, x: KernelInputs
-) -> tuple[tuple[Array, Array], tuple[KernelInputs, Array, Array, Array]]:
-    o, lse, live = _forward(_Tiles(spec, x, bq, bk))
-    out, lse_out = finish(spec, x, o, lse, live)
-    return (out, lse_out), (x, o, lse, live)
+) -> tuple[tuple[Array, Array], tuple[KernelInputs, Array, Array, Array, Array]]:
+    """The online softmax on finite operands, then the IEEE values of the rows that read a
+    non-finite value (``attnref._src.nonfinite``); the residuals are the finite path's."""
+    tiles = _Tiles(spec, x, bq, bk)
+    o, lse, live, dirty = _forward(tiles)
+    o_all, lse_all = select_rows(dirty, lambda: _forward(tiles, exact=True)[:2], (o, lse))
+    out, lse_out = finish(spec, x, o_all, lse_all, live)
+    # The backward differentiates the finite path; dirty rows have no gradient.
+    return (out, lse_out), (x, o, lse, live, dirty)
 
 
 def _flash_bwd(
     spec: KernelSpec, bq: int, bk: int, res: Any, cts: tuple[Array, Array]
 ) -> tuple[KernelInputs]:
-    x, o, lse, live = res
+    x, o, lse, live, dirty = res
     do, dlse = cts
+    do = jnp.where(dirty[..., None], 0.0, do)
+    dlse = jnp.where(dirty, 0.0, dlse)
     if x.q_lens is not None:  # query padding rows are constants (0, -inf)
         valid = (jnp.arange(spec.t)[None, :] < x.q_lens[:, None])[..., None]
         do = jnp.where(valid[..., None], do, 0.0)

@@ -27,10 +27,13 @@ keys, what jax.nn and Flax give because they mask with a large finite negative),
 beyond ``query_seq_lengths[b]`` are padding: output 0 and ``lse = -inf`` under every policy (as
 jax.nn).
 
-Key/value rows that no query may attend to, and query rows with no allowed key, are replaced by
-zeros before any product, so NaN or inf stored there (padding, masked slots) never reaches the
-output or the gradients (except through ``masked_rows="uniform"``, which reads every ``v`` row by
-definition). 16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
+A key, value or bias entry that query ``i`` may not attend to never influences row ``i``'s
+output or gradients, whatever it holds (NaN, inf): rows that read only finite values are computed
+on the finite parts of the operands, and a row that does read a non-finite value gets the IEEE
+value of the definition over its allowed keys, with no gradient (``attnref._src.nonfinite``).
+``masked_rows="uniform"`` reads every ``v`` row by definition.
+
+16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
 FlashAttention do) and the output is cast back; float64 inputs are computed in float64.
 """
 
@@ -45,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref._src.checks import check_mask_and_bias, float64_scoped
+from attnref._src.checks import check_mask_and_bias, check_scale, float64_scoped
+from attnref._src.checks import real_dtype as _real_dtype
 from attnref._src.common import scale_value
+from attnref._src.nonfinite import finite_part, ieee_mix, nonfinite_rows, select_rows
 
 HIGHEST = "highest"
 MaskedRows = Literal["zeros", "uniform", "nan"]
@@ -120,23 +125,33 @@ def _is_concrete(x: Any) -> bool:
 
 
 def _window(local_window_size: Any) -> tuple[int | None, int | None] | None:
+    """``None``, ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side); bools and
+    floats are refused (``TypeError``), a pair of the wrong length or a negative side too
+    (``ValueError``)."""
     if local_window_size is None:
         return None
-    if isinstance(local_window_size, (int, np.integer)):
-        pair: tuple[Any, Any] = (int(local_window_size), int(local_window_size))
-    elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+    if isinstance(local_window_size, (int, np.integer)) and not isinstance(
+        local_window_size, (bool, np.bool_)
+    ):
+        pair: tuple[Any, Any] = (local_window_size, local_window_size)
+    elif isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(
+                "local_window_size must be an int or a (left, right) pair (None = unbounded), "
+                f"got {local_window_size!r}"
+            )
         pair = (local_window_size[0], local_window_size[1])
     else:
-        raise ValueError(
-            "local_window_size must be an int or a (left, right) pair of ints (None = unbounded), "
-            f"got {local_window_size!r}"
+        raise TypeError(
+            "local_window_size must be an int or a (left, right) pair of ints (None = "
+            f"unbounded), got {local_window_size!r}"
         )
     out: list[int | None] = []
     for side, w in zip(("left", "right"), pair, strict=True):
         if w is None:
             out.append(None)
             continue
-        if not isinstance(w, (int, np.integer)) or isinstance(w, bool):
+        if not isinstance(w, (int, np.integer)) or isinstance(w, (bool, np.bool_)):
             raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
         if w < 0:
             raise ValueError(
@@ -148,6 +163,8 @@ def _window(local_window_size: Any) -> tuple[int | None, int | None] | None:
 
 
 def _check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> Array | None:
+    """An integer array (or list) of exactly ``shape``; when concrete, every entry in
+    ``[0, upper]`` (``upper=None``: no range). Returned as int32, ``None`` passes through."""
     if x is None:
         return None
     if _shape(x) != shape:
@@ -186,7 +203,18 @@ def prepare(
     causal_alignment: str,
     masked_rows: str,
 ) -> tuple[KernelSpec, KernelInputs]:
-    """Validate a kernel call at trace time; every error names the argument and its shape."""
+    """Validate a kernel call at trace time; every error names the argument and its shape.
+
+    Array-likes without a dtype (nested lists) are converted with ``jnp.asarray`` first. Empty
+    inputs: ``T = 0`` gives an empty output; ``S = 0`` leaves every query row fully masked, so
+    ``masked_rows`` decides (``"uniform"``, a mean over zero keys, is refused); ``H = 0`` is
+    refused (the default scale ``1/sqrt(H)`` is undefined). ``attnref.oracle`` refuses the same
+    inputs with the same exception types.
+    """
+    query, key, value = (
+        x if hasattr(x, "dtype") and hasattr(x, "shape") else jnp.asarray(x)
+        for x in (query, key, value)
+    )
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
             layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
@@ -207,27 +235,41 @@ def prepare(
             f"value has shape {_shape(value)}; expected [B, S={s}, K={kh}, H_v] to "
             f"match key {_shape(key)}"
         )
-    if n % kh:
+    if kh < 1:
+        raise ValueError(f"key has K=0 heads (shape {_shape(key)}); it needs at least one K/V head")
+    if n < 1 or n % kh:
         raise ValueError(
             f"query has N={n} heads (shape {_shape(query)}) and key has K={kh} "
-            f"(shape {_shape(key)}); N must be a multiple of K for GQA/MQA"
+            f"(shape {_shape(key)}); N must be a positive multiple of K for GQA/MQA"
         )
-    dtypes = {nm: np.dtype(x.dtype) for nm, x in (("query", query), ("key", key), ("value", value))}
+    if h < 1:
+        raise ValueError(
+            f"query has head dim H=0 (shape {_shape(query)}); H must be >= 1 (the default scale "
+            "1/sqrt(H) is undefined at 0)"
+        )
+    dtypes = {nm: _dtype(x) for nm, x in (("query", query), ("key", key), ("value", value))}
     if not jnp.issubdtype(dtypes["query"], jnp.floating):
         raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
-    if masked_rows not in _POLICIES:
+    if not isinstance(masked_rows, str) or masked_rows not in _POLICIES:
         raise ValueError(f"masked_rows must be one of {_POLICIES}, got {masked_rows!r}")
-    if causal_alignment not in _ALIGNMENTS:
+    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
-    if scale is not None and np.ndim(scale) != 0:
-        raise ValueError(f"scale must be a scalar, got shape {_shape(scale)}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    check_scale(scale)
     cap: float | None = None
     if softcap is not None:
-        if np.ndim(softcap) != 0 or not _is_concrete(softcap) or not float(softcap) > 0:
-            raise ValueError(f"softcap must be a positive Python number, got {softcap!r}")
-        cap = float(softcap)
+        ok = (
+            not isinstance(softcap, (str, bytes, bool, np.bool_))
+            and np.ndim(softcap) == 0
+            and _is_concrete(softcap)
+            and _real_dtype(_dtype(softcap))
+        )
+        cap = float(softcap) if ok else None
+        if cap is None or not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
     target = (b, n, t, s)
     for name, arr in (("bias", bias), ("mask", mask)):
         if arr is not None and np.ndim(arr) != 4:
@@ -256,6 +298,13 @@ def prepare(
             q_seg_in = kv_seg_in = segment_ids
         q_seg = _check_ints("query_segment_ids", q_seg_in, (b, t), None)
         kv_seg = _check_ints("key_value_segment_ids", kv_seg_in, (b, s), None)
+    window = _window(local_window_size)
+    if s == 0 and masked_rows == "uniform":
+        raise ValueError(
+            f"key has S=0 keys (shape {_shape(key)}): every query row is fully masked, and "
+            "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
+            "use 'zeros' or 'nan'"
+        )
     dtype = dtypes["query"]
     cd = compute_dtype(dtype)
     spec = KernelSpec(
@@ -269,7 +318,7 @@ def prepare(
         dtype=dtype,
         compute_dtype=cd,
         is_causal=bool(is_causal),
-        window=_window(local_window_size),
+        window=window,
         alignment=causal_alignment,
         softcap=cap,
         masked_rows=masked_rows,
@@ -371,22 +420,47 @@ def finish(
     return out.astype(spec.dtype), lse
 
 
-def _naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
+def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B N T S"]:
+    """Every allowed (query, key) pair of the call: structure, ``mask`` and ``bias != -inf``."""
     t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
     allowed = structural_allowed(spec, x, t_idx, s_idx, x.q_seg, x.kv_seg)[:, None]
     if x.mask is not None:
         allowed = jnp.logical_and(allowed, x.mask)
     if x.bias is not None:
         allowed = jnp.logical_and(allowed, x.bias != -jnp.inf)
-    allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, spec.t, spec.s))
-    cd = spec.compute_dtype
-    # Zero the rows nobody reads so that NaN/inf stored there cannot leak (0 * NaN = NaN).
-    key_alive = jnp.any(grouped(allowed, spec), axis=(2, 3))  # [B, K, S]
+    return jnp.broadcast_to(allowed, (spec.b, spec.n, spec.t, spec.s))
+
+
+def dirty_rows(
+    spec: KernelSpec,
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    allowed: Bool[Array, "B N tq tk"],
+) -> Bool[Array, "B tq N"]:
+    """Query rows that may read a non-finite value: their own query vector (if any key is
+    allowed), an allowed key or value row, or an allowed bias entry (NaN or ``+inf``)."""
+    live = jnp.any(allowed, axis=-1)  # [B, N, tq]
+    bad = jnp.logical_and(live, jnp.swapaxes(nonfinite_rows(q), 1, 2))
+    bad_kv = jnp.swapaxes(jnp.logical_or(nonfinite_rows(k), nonfinite_rows(v)), 1, 2)  # [B,K,tk]
+    reads = jnp.any(jnp.logical_and(grouped(allowed, spec), bad_kv[:, :, None, None, :]), -1)
+    bad = jnp.logical_or(bad, reads.reshape(live.shape))
+    if bias is not None:
+        bad_bias = jnp.logical_and(allowed, ~jnp.isfinite(bias))
+        bad = jnp.logical_or(bad, jnp.any(bad_bias, axis=-1))
+    return jnp.swapaxes(bad, 1, 2)
+
+
+def _attend(
+    spec: KernelSpec, x: KernelInputs, q: Array, k: Array, v: Array, allowed: Array, exact: bool
+) -> tuple[Array, Array]:
+    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype.
+
+    ``exact=False`` is the differentiable path on finite operands; ``exact=True`` reads the raw
+    operands with IEEE semantics over the allowed keys only (:func:`ieee_mix`).
+    """
     live = jnp.any(allowed, axis=-1)  # [B, N, T]
-    k_alive = jnp.swapaxes(key_alive, 1, 2)[..., None]
-    k = jnp.where(k_alive, x.k, 0).astype(cd)
-    v = jnp.where(k_alive, x.v, 0).astype(cd)
-    q = jnp.where(jnp.swapaxes(live, 1, 2)[..., None], x.q, 0).astype(cd)
     qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
     raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=HIGHEST)
     s = logits_transform(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * x.scale)
@@ -398,9 +472,33 @@ def _naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
     denom = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(live[..., None], denom, 1.0)
     lse = jnp.where(live, top[..., 0] + jnp.log(jnp.where(live, denom[..., 0], 1.0)), -jnp.inf)
-    o = jnp.einsum("bkgts,bskh->btkgh", grouped(p, spec), v, precision=HIGHEST)
-    out = o.reshape(spec.b, spec.t, spec.n, spec.h_v)
-    return finish(spec, x, out, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2))
+    eq = "bkgts,bskh->btkgh"
+    pg = grouped(p, spec)
+    if exact:
+        o = ieee_mix(eq, pg, v, grouped(allowed, spec))
+    else:
+        o = jnp.einsum(eq, pg, v, precision=HIGHEST)
+    return o.reshape(spec.b, spec.t, spec.n, spec.h_v), lse
+
+
+def _naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
+    cd = spec.compute_dtype
+    allowed = allowed_pairs(spec, x)
+    live = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)  # [B, T, N]
+    q, k, v = (a.astype(cd) for a in (x.q, x.k, x.v))
+    out, lse = _attend(spec, x, finite_part(q), finite_part(k), finite_part(v), allowed, False)
+    dirty = dirty_rows(spec, q, k, v, x.bias, allowed)  # [B, T, N]
+    out, lse = select_rows(
+        dirty,
+        lambda: _swap_lse(_attend(spec, x, q, k, v, allowed, True)),
+        _swap_lse((out, lse)),
+    )
+    return finish(spec, x, out, lse, live)
+
+
+def _swap_lse(pair: tuple[Array, Array]) -> tuple[Array, Array]:
+    """``(o [B, T, N, H_v], lse [B, N, T]) -> (o, lse [B, T, N])``."""
+    return pair[0], jnp.swapaxes(pair[1], 1, 2)
 
 
 @float64_scoped

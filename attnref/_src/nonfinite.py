@@ -1,0 +1,159 @@
+"""What a query may not read never reaches its output or its gradients, whatever it holds.
+
+A contraction ``sum_j p_ij v_j`` evaluates ``0 * v_j`` for every key ``j`` that query ``i`` may
+not attend to, and IEEE arithmetic makes ``0 * NaN = 0 * inf = NaN``: one poisoned key or value
+(padding, a masked slot, a future token) would reach every row, in the forward pass and through
+the backward's ``ds_ij k_j`` and ``p_ij do_i`` products. attnref computes each output in two parts:
+
+* the *differentiable* path runs on the finite parts of the inputs (:func:`finite_part`:
+  non-finite entries read as 0, with an identity derivative); it is exact for every *clean* row,
+  one whose query and allowed keys, values and biases are all finite;
+* a *dirty* row (one that may read a non-finite value) gets the IEEE value of the definition,
+  computed from the raw inputs over its allowed keys only (:func:`ieee_mix`), with no gradient.
+
+``select_rows`` joins the two, so clean rows (and their gradients) are bit-for-bit what they
+would be if the non-finite values were not there at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool
+
+HIGHEST = "highest"
+
+
+@jax.custom_jvp
+def finite_part(x: Array) -> Array:
+    """``x`` with NaN and ``+-inf`` entries read as 0; its derivative is the identity."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+@finite_part.defjvp
+def _finite_part_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (x,), (dx,) = primals, tangents
+    return finite_part(x), dx
+
+
+def nonfinite_rows(x: Array, axis: int = -1) -> Array:
+    """True where a row (reduced over ``axis``) holds a NaN or an infinity."""
+    return jnp.any(~jnp.isfinite(x), axis=axis)
+
+
+def ieee_mix(subscripts: str, p: Array, v: Array, allowed: Bool[Array, "..."]) -> Array:
+    """``sum_j p_ij v_j`` over the allowed ``j`` only, with IEEE semantics for non-finite ``v``.
+
+    ``einsum(subscripts, p, v)`` with ``p`` zero off ``allowed`` would turn ``0 * NaN`` into NaN;
+    here the finite parts are contracted and the non-finite entries are accounted for by counts
+    over the allowed keys: a NaN read, or an infinity read with ``p_ij = 0``, gives NaN; an
+    infinity read with ``p_ij > 0`` gives that infinity (``+inf`` and ``-inf`` together: NaN).
+    """
+    dtype = p.dtype
+    out = jnp.einsum(subscripts, p, finite_part(v), precision=HIGHEST)
+    reads = allowed.astype(dtype)
+    weighted = jnp.logical_and(allowed, p != 0).astype(dtype)
+
+    def count(a: Array, indicator: Array) -> Array:
+        return jnp.einsum(subscripts, a, indicator.astype(dtype), precision=HIGHEST)
+
+    nan = count(reads, jnp.isnan(v)) + count(reads - weighted, jnp.isinf(v))
+    pos, neg = count(weighted, v == jnp.inf), count(weighted, v == -jnp.inf)
+    zero = jnp.zeros((), dtype)
+    out = out + jnp.where(pos > 0, jnp.inf, zero) + jnp.where(neg > 0, -jnp.inf, zero)
+    return jnp.where(nan > 0, jnp.nan, out)
+
+
+def select_rows(dirty: Array, exact: Any, differentiable: Any) -> Any:
+    """Per row: the gradient-free ``exact`` value where ``dirty``, else ``differentiable``.
+
+    ``exact`` is a thunk evaluated only when some row is dirty (``lax.cond``), so clean inputs
+    cost one reduction. Leaves of ``differentiable`` have ``dirty``'s shape plus trailing axes.
+    """
+
+    def take_exact() -> Any:
+        return jax.tree_util.tree_map(jax.lax.stop_gradient, exact())
+
+    def keep() -> Any:
+        return jax.tree_util.tree_map(jnp.zeros_like, differentiable)
+
+    values = jax.lax.cond(jnp.any(dirty), take_exact, keep)
+
+    def pick(e: Array, d: Array) -> Array:
+        mask = dirty.reshape(dirty.shape + (1,) * (d.ndim - dirty.ndim))
+        return jnp.where(mask, e, d)
+
+    return jax.tree_util.tree_map(pick, values, differentiable)
+
+
+# ----------------------------------------------------------------------------- the weight level
+#
+# At the weight level every formulation is a function of the token rows ``x_q [..., T_q, d]``,
+# ``x_kv [..., T_k, d]`` and the bias ``[..., T_q, T_k]``; the projections mix features, not
+# tokens, so a non-finite token row poisons exactly the projected rows of that token. Query row
+# ``i`` is *dirty* (:func:`reads_nonfinite`) when it reads a non-finite value through an allowed
+# pair; :func:`guarded` evaluates the formulation twice as above: on the finite parts
+# (differentiable, exact for clean rows) and, only when some row is dirty, on the raw inputs
+# (gradient-free, the IEEE value for dirty rows).
+
+
+def finite_bias(bias: Array | None) -> Array | None:
+    """``bias`` with NaN and ``+inf`` read as 0 (identity derivative elsewhere); ``-inf`` kept.
+
+    ``-inf`` is a masking bias (the pair is not allowed), so it must survive; NaN and ``+inf``
+    only occur at allowed pairs, whose rows are dirty and take the raw value.
+    """
+    if bias is None:
+        return None
+    bad = jnp.logical_or(jnp.isnan(bias), bias == jnp.inf)
+    return jnp.where(bad, jnp.zeros_like(bias), bias)
+
+
+def allowed_pairs(
+    mask: Array | None, bias: Array | None, shape: tuple[int, ...]
+) -> Bool[Array, "..."]:
+    """``mask AND bias != -inf`` broadcast to ``shape`` (all True without mask and bias)."""
+    allowed = jnp.ones(shape, bool)
+    if mask is not None:
+        allowed = jnp.logical_and(allowed, mask)
+    if bias is not None:
+        allowed = jnp.logical_and(allowed, bias != -jnp.inf)
+    return allowed
+
+
+def reads_nonfinite(
+    allowed: Bool[Array, "... T_q T_k"],
+    query_bad: Bool[Array, "... T_q"],
+    key_bad: Bool[Array, "... T_k"],
+    bias: Array | None = None,
+    residual: bool = False,
+) -> Bool[Array, "... T_q"]:
+    """Dirty query rows: ``dirty_i = (query_bad_i AND (residual OR any_j allowed_ij)) OR
+    any_j (allowed_ij AND key_bad_j) OR any_j (allowed_ij AND bias_ij in {NaN, +inf})``.
+
+    ``query_bad`` / ``key_bad`` say which query / key-value rows hold a non-finite entry; all
+    arguments broadcast against each other (batch and head axes in front).
+    """
+    live = jnp.any(allowed, axis=-1)
+    own = query_bad if residual else jnp.logical_and(query_bad, live)
+    reads = jnp.any(jnp.logical_and(allowed, key_bad[..., None, :]), axis=-1)
+    dirty = jnp.logical_or(own, reads)
+    if bias is not None:
+        bad_bias = jnp.logical_and(allowed, ~jnp.isfinite(bias))  # -inf is never allowed
+        dirty = jnp.logical_or(dirty, jnp.any(bad_bias, axis=-1))
+    return dirty
+
+
+def guarded(
+    compute: Callable[..., Any], dirty: Array, raw: tuple[Any, ...], clean: tuple[Any, ...]
+) -> Any:
+    """``compute(*clean)`` on clean rows (differentiable) and ``compute(*raw)`` on dirty rows
+    (gradient-free, evaluated only when some row is dirty); see :func:`select_rows`.
+
+    ``clean`` is ``raw`` with its non-finite entries replaced (:func:`finite_part`,
+    :func:`finite_bias`); rows of the outputs follow ``dirty``'s axes, then trailing axes.
+    """
+    return select_rows(dirty, lambda: compute(*raw), compute(*clean))
