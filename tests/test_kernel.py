@@ -190,21 +190,55 @@ def test_nan_in_padding_never_reaches_output_or_gradients(name):
         np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
 
 
+def check_broadcast_patterns(fn, patterns, **extra):
+    """``fn`` (a kernel) on masks and biases of the given broadcast patterns, each mask pattern
+    paired with a bias pattern (``7 i + 3 mod 16``: a permutation of all 16), against the
+    oracle within the derived bound."""
+    for i, mask_pattern in enumerate(patterns):
+        bias_pattern = BROADCAST_PATTERNS[(7 * i + 3) % 16]
+        p = make_kproblem(
+            KBUCKETS[0], {}, ("mask", "bias"), 40 + i, np.float32, mask_pattern, bias_pattern
+        )
+        out, lse = fn(p.q, p.k, p.v, return_lse=True, **p.kwargs, **extra)
+        label = f"mask {mask_pattern} bias {bias_pattern}"
+        assert_kernel_close(out, lse, p, label, key_blocks=3 if extra else None)
+
+
 def test_every_broadcast_shape_of_mask_and_bias_in_the_tiled_form():
     """Each of the 16 ways a rank-4 mask broadcasts to ``[B, N, T, S]`` (every axis full or 1),
     each paired with one of the 16 bias patterns, gives the oracle's rows in the blockwise form,
     with blocks that pad both T and S: a size-1 axis must broadcast, never be padded as data
     (issue 11, defect 1). Every kernel form draws these patterns in ``kproblems`` too; this test
     enumerates them for the form that tiles (16 compiles)."""
-    name, fn, extra = "blockwise", KERNELS["blockwise"], dict(block_q=2, block_k=3)
-    for i, mask_pattern in enumerate(BROADCAST_PATTERNS):
-        bias_pattern = BROADCAST_PATTERNS[(7 * i + 3) % 16]  # 7 is odd: a permutation of all 16
-        p = make_kproblem(
-            KBUCKETS[0], {}, ("mask", "bias"), 40 + i, np.float32, mask_pattern, bias_pattern
-        )
-        out, lse = fn(p.q, p.k, p.v, return_lse=True, **p.kwargs, **extra)
-        label = f"{name} mask {mask_pattern} bias {bias_pattern}"
-        assert_kernel_close(out, lse, p, label, key_blocks=3)
+    check_broadcast_patterns(KERNELS["blockwise"], BROADCAST_PATTERNS, block_q=2, block_k=3)
+
+
+def check_unread_nonfinite_values(fn):
+    """The issue's example: T = S = 6, causal, NaN / inf / -inf in key or value row 5. Rows 0-4
+    cannot read it: they equal the clean call bit for bit, and so does the gradient of their
+    outputs; row 5 reads it and is non-finite exactly where the oracle is."""
+    p = make_kproblem(KBUCKETS[1], dict(is_causal=True), (), 13, np.float32)
+    clean = np.asarray(fn(p.q, p.k, p.v, is_causal=True))
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(fn(q, k, v, is_causal=True)[:, :5]))
+
+    clean_g = jax.grad(loss, argnums=(0, 1, 2))(p.q, p.k, p.v)
+    for which, bad in ((2, np.nan), (2, np.inf), (1, np.nan), (1, -np.inf)):
+        args = [p.q, p.k, p.v.copy()] if which == 2 else [p.q, p.k.copy(), p.v]
+        args[which][:, 5] = bad
+        out = np.asarray(fn(*args, is_causal=True))
+        with np.errstate(invalid="ignore", over="ignore"):  # the oracle computes IEEE NaN/inf
+            ref = oracle.dot_product_attention(*args, is_causal=True)
+        np.testing.assert_array_equal(out[:, :5], clean[:, :5], err_msg=f"{which} {bad}")
+        np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref), err_msg=f"{bad}")
+        for c, d in zip(clean_g, jax.grad(loss, argnums=(0, 1, 2))(*args), strict=True):
+            np.testing.assert_array_equal(np.asarray(d), np.asarray(c), err_msg=f"grad {bad}")
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_values_a_query_may_not_read_never_reach_it(name):
+    check_unread_nonfinite_values(KERNELS[name])
 
 
 @given(problem=kproblems(dtypes=("float32",), buckets=KBUCKETS[:1]))
@@ -419,3 +453,28 @@ def test_window_semantics_match_jax_nn_doc_example(window):
     expect = np.zeros(10, bool)
     expect[max(0, c - window[0]) : c + window[1] + 1] = True
     np.testing.assert_array_equal(allowed[c], expect)
+
+
+def check_out_of_range_lengths(fn):
+    """Traced lengths cannot be checked at trace time: a batch element whose length exceeds T
+    or S (or is negative) comes back all NaN under jit; eager calls raise."""
+    p = make_kproblem(KBUCKETS[1], {}, (), 12, np.float32)
+    t, s = p.bucket.t, p.bucket.s
+    good = np.array([t], np.int32)
+    bad_pairs = ((np.array([t + 2]), good), (good, np.array([s + 1])), (good, np.array([-1])))
+    for q_len, kv_len in bad_pairs:
+        kw = dict(
+            query_seq_lengths=q_len.astype(np.int32), key_value_seq_lengths=kv_len.astype(np.int32)
+        )
+        out, lse = fn(p.q, p.k, p.v, return_lse=True, **kw)
+        assert np.all(np.isnan(np.asarray(out))) and np.all(np.isnan(np.asarray(lse))), kw
+        with pytest.raises(ValueError, match="seq_lengths"):
+            attnref.dot_product_attention(p.q, p.k, p.v, **kw)
+    # In range: the lengths act, nothing is NaN.
+    out = fn(p.q, p.k, p.v, query_seq_lengths=good, key_value_seq_lengths=good - 2)
+    assert not np.any(np.isnan(np.asarray(out)))
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_out_of_range_lengths_under_jit_give_nan_never_a_plausible_number(name):
+    check_out_of_range_lengths(KERNELS[name])

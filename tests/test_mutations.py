@@ -1,17 +1,25 @@
-"""The agreement check must fail for wrong code: a wrong scale, a transposed W_O, and a causal
-mask off by one. Each mutant runs through ``check_formulation``, the same check the property
-tests apply to every registered formulation."""
+"""The checks must fail for wrong code. Each realistic bug class is planted once and shown caught
+by the same check function the property tests use: a wrong scale, a transposed W_O, a causal mask
+off by one (``check_formulation``), and the classes of issue 11: a broadcast mask padded as data
+in the tiled form, non-finite values leaking across rows through ``0 * NaN``, and traced lengths
+out of range read as plausible lengths."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import attnref
-from attnref._src import common
+from attnref._src import blockwise, common, kernel
 
 from .helpers import Bucket, check_formulation, make_problem
+from .test_kernel import (
+    check_broadcast_patterns,
+    check_out_of_range_lengths,
+    check_unread_nonfinite_values,
+)
 
 SQUARE = Bucket((2,), 5, 5, 2, 8, 4, 4)  # H * d_v == d_model, so a transposed W_O type-checks
 
@@ -66,3 +74,45 @@ def test_causal_mask_off_by_one_is_caught(shift):
 def test_unmutated_code_passes_the_same_problems():
     for p in _problems("combined") + _problems("causal"):
         check_formulation(attnref.concat_attention, p, "concat")
+
+
+def _blockwise(q, k, v, **kw):
+    """Eager blockwise form (module globals are looked up per call, so patches apply)."""
+    return attnref.blockwise_attention(q, k, v, block_q=2, block_k=3, **kw)
+
+
+def test_broadcast_mask_padded_as_data_is_caught(monkeypatch):
+    """Defect 1: padding a size-1 (broadcast) query axis of a ``[B, 1, 1, S]`` mask to whole
+    tiles makes rows 1.. look fully masked."""
+
+    def pad_every_axis(a, axis, size, value=0):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, max(size - a.shape[axis], 0))
+        return jnp.pad(a, widths, constant_values=value)
+
+    monkeypatch.setattr(blockwise, "_pad_axis", pad_every_axis)
+    with pytest.raises(AssertionError):
+        check_broadcast_patterns(_blockwise, [(1, 0, 0, 1)])
+
+
+@pytest.mark.parametrize("form", ["dot_product_attention", "blockwise"])
+def test_nonfinite_leak_through_zero_times_nan_is_caught(form, monkeypatch):
+    """Defect 3: contracting the raw operands (no finite parts, no per-row selection) lets a
+    value that only row 5 may read turn rows 0-4 and their gradients into NaN."""
+    for module in (kernel, blockwise):
+        monkeypatch.setattr(module, "finite_part", lambda a: a)
+        monkeypatch.setattr(module, "select_rows", lambda dirty, exact, diff: diff)
+    fn = attnref.dot_product_attention if form == "dot_product_attention" else _blockwise
+    with pytest.raises(AssertionError):
+        check_unread_nonfinite_values(fn)
+
+
+def test_out_of_range_traced_lengths_read_as_valid_is_caught(monkeypatch):
+    """Defect 5 (kernel part): under jit, a length above T must not act as "all valid"."""
+    monkeypatch.setattr(kernel, "lengths_in_range", lambda spec, x: jnp.ones((spec.b,), bool))
+    fn = jax.jit(
+        lambda q, k, v, **kw: attnref.dot_product_attention(q, k, v, **kw),
+        static_argnames=("return_lse",),
+    )
+    with pytest.raises(AssertionError):
+        check_out_of_range_lengths(fn)

@@ -408,7 +408,13 @@ def finish(
     lse: Float[Array, "B T N"],
     live: Bool[Array, "B T N"],
 ) -> tuple[Array, Array]:
-    """Apply the fully-masked-row policy and query padding; cast the output to the input dtype."""
+    """Apply the fully-masked-row policy and query padding; cast the output to the input dtype.
+
+    A batch element whose ``query_seq_lengths`` or ``key_value_seq_lengths`` lies outside
+    ``[0, T]`` / ``[0, S]`` (only possible under ``jax.jit``, where the lengths are traced and
+    cannot be checked; eager calls raise) returns NaN in every output and ``lse`` entry: an
+    unmistakable result instead of a plausible wrong one (``lengths_in_range`` checks it).
+    """
     if spec.masked_rows == "uniform":
         out = jnp.where(live[..., None], out, uniform_rows(spec, x.v))
     elif spec.masked_rows == "nan":
@@ -417,7 +423,20 @@ def finish(
         valid = query_rows_valid(spec, x)[..., None]  # [B, T, 1]
         out = jnp.where(valid[..., None], out, 0.0)
         lse = jnp.where(valid, lse, -jnp.inf)
+    bad = ~lengths_in_range(spec, x)[:, None, None]  # [B, 1, 1]
+    out = jnp.where(bad[..., None], jnp.nan, out)
+    lse = jnp.where(bad, jnp.nan, lse)
     return out.astype(spec.dtype), lse
+
+
+def lengths_in_range(spec: KernelSpec, x: KernelInputs) -> Bool[Array, " B"]:
+    """Per batch element: ``0 <= query_seq_lengths <= T`` and ``0 <= key_value_seq_lengths <= S``
+    (True where the lengths are not given)."""
+    ok = jnp.ones((spec.b,), bool)
+    for lens, upper in ((x.q_lens, spec.t), (x.kv_lens, spec.s)):
+        if lens is not None:
+            ok = jnp.logical_and(ok, jnp.logical_and(lens >= 0, lens <= upper))
+    return ok
 
 
 def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B N T S"]:
