@@ -8,11 +8,13 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 from attnref import oracle, strategies, testing, tolerance
 from attnref._src import catalog as _catalog  # noqa: F401  (registers the formulations)
 from attnref._src.blockwise import blockwise_attention
+from attnref._src.checked import checked
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.composition import composition_baseline, composition_scores, top_aligned
 from attnref._src.cost import Cost, Dims, XlaCounts, cost, hlo_dot_flops, xla_counts
 from attnref._src.decode import (
     KVCache,
+    cache_attend,
     cached_attention,
     kv_cache_append,
     kv_cache_init,
@@ -31,7 +33,7 @@ from attnref._src.feature_maps import (
 )
 from attnref._src.graph import edges_from_mask, graph_attention, graph_attention_rows
 from attnref._src.kernel import alibi_bias, alibi_slopes, dot_product_attention
-from attnref._src.kernel_forms import blockwise_multihead, decode_multihead
+from attnref._src.kernel_forms import blockwise_multihead, decode_multihead, kv_cache_multihead
 from attnref._src.linear import (
     LinearState,
     linear_associative,
@@ -130,9 +132,11 @@ __all__ = [
     "attention_weights",
     "blockwise_attention",
     "blockwise_multihead",
+    "cache_attend",
     "cached_attention",
     "causal_mask",
     "check_attention",
+    "checked",
     "column_attention",
     "column_attention_rows",
     "combine_masks",
@@ -161,6 +165,7 @@ __all__ = [
     "init_params",
     "kv_cache_append",
     "kv_cache_init",
+    "kv_cache_multihead",
     "linear_associative",
     "linear_associative_multihead",
     "linear_chunked",

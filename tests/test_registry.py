@@ -1,4 +1,7 @@
-"""Registry completeness, generated docs in sync, README tour runs, and the CLI."""
+"""Registry completeness, the helpers against the oracle, README tour runs, and the CLI.
+
+The generated pages are checked by ``tests/test_docs_pages.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import numpy as np
 import pytest
 
 import attnref
-from attnref import cli
-from attnref._src import docs
+from attnref import cli, oracle, tolerance
+from attnref.testing import assert_within_bound
+
+from .helpers import BUCKETS, make_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,11 +36,26 @@ def test_every_entry_is_complete():
     assert len(attnref.ids("softmax")) >= 7 and len(attnref.ids("linear")) >= 6
 
 
-def test_generated_docs_are_current():
-    for f in attnref.formulations():
-        page = ROOT / "docs" / "formulations" / f"{f.id}.md"
-        assert page.exists(), f"missing {page}; run python -m attnref._src.docs"
-        assert page.read_text() == docs.render(f), f"{page} is stale; regenerate it"
+def test_helpers_match_the_oracle():
+    """The helpers of ``attnref._src.catalog.HELPERS`` that no other test checks against the
+    oracle: ``decode_multihead`` on a causal problem, ``sum_i head_outputs_i + b_O`` (both with
+    the derived output bound, which holds for any order of the sums over keys and heads), and
+    ``attention_weights`` equal to the probes' scores (``tests/test_probes.py`` checks those)."""
+    p = make_problem(BUCKETS[2], "combined", seed=7, dtype=np.float32)  # causal & padding & bias
+    args, inputs = (p.params, p.x_q, p.x_kv), p.inputs()
+    ref = oracle.attention(*args, **inputs)
+    bound = tolerance.attention_error_bound(*args, dtype=p.dtype, **inputs)
+    assert_within_bound(attnref.decode_multihead(*args, **inputs), ref, bound, label="decode")
+    heads = np.asarray(attnref.head_outputs(*args, **inputs), np.float64)
+    y = heads.sum(axis=-3) + np.asarray(p.params.b_o, np.float64)
+    assert_within_bound(y, ref, bound, label="head_outputs")
+    np.testing.assert_array_equal(
+        np.asarray(attnref.attention_weights(*args, **inputs)),
+        np.asarray(attnref.attention_probes(*args, **inputs).scores),
+    )
+
+
+def test_docs_exist():
     for name in ("conventions.md", "tolerances.md"):
         assert (ROOT / "docs" / name).exists()
 

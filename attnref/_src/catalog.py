@@ -1,13 +1,23 @@
-"""Registry entries of the core formulations (one ``register`` call each)."""
+"""Registry entries of the core formulations (one ``register`` call each), and the helpers.
+
+The export rule (checked by ``tests/test_docs_pages.py``): every registered formulation's
+``native`` and ``apply`` are exported from ``attnref`` under their ``__name__``, the name its page
+shows; every exported function taking the registry's row signature ``(params, x_q, x_kv, ...)``
+is a registered ``native``/``apply`` or is listed in :data:`HELPERS` with the reason it is not a
+registry entry, and the page of the formulation it belongs to shows it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from attnref._src import cost, cost_rope
 from attnref._src.blockwise import blockwise_attention
 from attnref._src.column import column_attention, column_attention_rows
 from attnref._src.decode import cache_attend
 from attnref._src.graph import graph_attention, graph_attention_rows
-from attnref._src.kernel_forms import blockwise_multihead, kv_cache_multihead
+from attnref._src.kernel_forms import blockwise_multihead, decode_multihead, kv_cache_multihead
 from attnref._src.linear import (
     linear_associative,
     linear_associative_multihead,
@@ -22,10 +32,16 @@ from attnref._src.linear import (
     linear_recurrent_multihead,
 )
 from attnref._src.merged import patterns_messages_attention, scores_messages_attention
+from attnref._src.probes import attention_logits, attention_probes, residual_update
 from attnref._src.registry import Formulation, register
 from attnref._src.rope import rope_attention, rope_patterns_attention
 from attnref._src.soft_search import soft_search, soft_search_attention
-from attnref._src.standard import concat_attention, per_head_sum_attention
+from attnref._src.standard import (
+    attention_weights,
+    concat_attention,
+    head_outputs,
+    per_head_sum_attention,
+)
 
 VASWANI = "Vaswani et al. (2017), Attention Is All You Need, NeurIPS."
 REFACTOR = (
@@ -416,4 +432,63 @@ register(
         family="rope",
         static_argnames=ROPE_STATIC,
     )
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class Helper(NamedTuple):
+    """An exported function with the registry's row signature that is not a registry entry."""
+
+    fn: Callable[..., Any]
+    formulation: str  # the id of the registry entry whose page lists it
+    reason: str  # why it is not an entry (Markdown, shown on that page)
+
+
+_PROBE = "A probe of the block (see [probes](../probes.md)), not the block output: "
+
+HELPERS: tuple[Helper, ...] = (
+    Helper(
+        decode_multihead,
+        "kv_cache",
+        "The `kv_cache` computation fed one token per `lax.scan` step (`attnref.mha_decode_scan`: "
+        "token `t` appends its key and value, then its query attends to the cache). It is always "
+        "causal and needs `T_q == T_k`, so it cannot take the softmax family's arbitrary masks "
+        "and cross-attention; `tests/test_registry.py` checks it against the oracle with a "
+        "causal mask.",
+    ),
+    Helper(
+        attention_weights,
+        "per_head_sum",
+        _PROBE + "the weights `A_i` of every query head. `tests/test_registry.py` checks that it "
+        "equals the `scores` field of `attnref.attention_probes` bit for bit, which "
+        "`tests/test_probes.py` checks against the oracle.",
+    ),
+    Helper(
+        head_outputs,
+        "per_head_sum",
+        _PROBE + "the per-head terms `o_i = head_i W_O[i]` (no `b_O`). `tests/test_registry.py` "
+        "checks `sum_i o_i + b_O` against the oracle's output with the derived bound.",
+    ),
+    Helper(
+        attention_logits,
+        "scores_messages",
+        _PROBE + "the masked pre-softmax logits. `tests/test_probes.py` checks that it equals "
+        "the `logits` field of `attnref.attention_probes` bit for bit and those against a derived "
+        "bound.",
+    ),
+    Helper(
+        attention_probes,
+        "scores_messages",
+        _PROBE + "every intermediate at once, as a pytree; `tests/test_probes.py` checks each "
+        "field against the oracle.",
+    ),
+    Helper(
+        residual_update,
+        "scores_messages",
+        "The residual form `x_q + y` computed from `attnref.attention_probes` (scores times "
+        "messages): the same function as every formulation's `apply` with `residual=True`, "
+        "which the registry tests; `tests/test_probes.py` checks the two agree.",
+    ),
 )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from attnref._src.catalog import HELPERS
 from attnref._src.registry import Formulation, formulations
 
 _CONVENTION_NOTE = {
@@ -32,8 +35,8 @@ _FAMILY_NOTE = {
     "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
     "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "
     "[RoPE](../rope.md).",
-    "linear": "Feature map $\\phi$ from `attnref.elu_plus_one()`, `relu_features()`, "
-    "`identity_features()`, `taylor2()` or `favor_plus(seed, d_k, m)`. Denominator policy: "
+    "linear": "Feature map $\\phi$ from `attnref.elu_plus_one`, `attnref.relu_features`, "
+    "`attnref.identity_features`, `attnref.taylor2` or `attnref.favor_plus`. Denominator policy: "
     "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "
     "$\\max(D_i, \\epsilon)$; the default $\\epsilon = 0$ is the exact ratio, and an exactly "
     "zero adjusted denominator (no allowed key) gives a zero output. With the signed `identity` "
@@ -42,24 +45,36 @@ _FAMILY_NOTE = {
 }
 
 
-def _signature(fn: object) -> str:
-    sig = inspect.signature(fn)  # type: ignore[arg-type]
-    return (
-        "("
-        + ", ".join(
-            p.name if p.default is p.empty else f"{p.name}={p.default!r}"
-            for p in sig.parameters.values()
-            if p.kind is not p.VAR_KEYWORD
+def _exported_name(fn: Callable[..., Any]) -> str:
+    """The name a page shows for ``fn``: ``attnref.<__name__>`` (``tests/test_docs_pages.py``
+    checks that it resolves to ``fn`` itself)."""
+    return f"attnref.{fn.__name__}"
+
+
+def _code_block(fn: Callable[..., Any]) -> str:
+    """``fn``'s public name and its ``inspect.signature``, verbatim, as a Python code block."""
+    return f"```python\n{_exported_name(fn)}{inspect.signature(fn)}\n```"
+
+
+def _code(f: Formulation) -> str:
+    family = f"registry `apply` ({f.family} family)"
+    if f.native is f.apply:
+        text = f"**Code.** Native form and {family}:\n\n{_code_block(f.native)}"
+    else:
+        text = (
+            f"**Code.** Native form:\n\n{_code_block(f.native)}\n\n"
+            f"{family[0].upper()}{family[1:]}:\n\n{_code_block(f.apply)}"
         )
-        .replace(", feature_map", ", *, feature_map")
-        .replace(", mask=None", ", *, mask=None")
-        + ")"
-    )
+    helpers = [h for h in HELPERS if h.formulation == f.id]
+    if helpers:
+        text += "\n\n**Helpers** (exported multi-head functions that are not registry entries):"
+        for h in helpers:
+            text += f"\n\n{_code_block(h.fn)}\n\n{h.reason}"
+    return text
 
 
 def render(f: Formulation) -> str:
-    native = f"attnref.{f.native.__name__}"
-    apply = f"attnref.{f.apply.__name__}"
+    """The Markdown page of one formulation."""
     doc = inspect.getdoc(f.native) or ""
     module = inspect.getmodule(f.native)
     details = (inspect.getdoc(module) or "") if module is not None else ""
@@ -70,17 +85,18 @@ def render(f: Formulation) -> str:
         f"{f.summary}\n\n"
         f"**Cost.** {f.cost}\n\n"
         f"**Convention.** {_CONVENTION_NOTE[f.convention]} {_FAMILY_NOTE[f.family]}\n\n"
-        f"**Code.** Native form: `{native}{_signature(f.native)}`; registry `apply` "
-        f"({f.family} family): `{apply}{_signature(f.apply)}`.\n\n"
+        f"{_code(f)}\n\n"
         f"{doc}\n\n"
         f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"
         f"**Citation.** {f.citation}\n\n"
         "*This page is generated from the registry by `python -m attnref._src.docs`; "
-        "`tests/test_registry.py` checks it is current.*\n"
+        "`tests/test_docs_pages.py` checks it is current and that every name and signature on it "
+        "is the code's.*\n"
     )
 
 
 def write(directory: Path) -> list[Path]:
+    """Write one page per registered formulation into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for f in formulations():
