@@ -478,3 +478,19 @@ def check_out_of_range_lengths(fn):
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_out_of_range_lengths_under_jit_give_nan_never_a_plausible_number(name):
     check_out_of_range_lengths(KERNELS[name])
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_checked_mode_raises_for_traced_lengths_out_of_range(name):
+    """``attnref.checked`` turns the NaN rows of out-of-range traced lengths into an error that
+    names the argument; in-range lengths give the unchecked result unchanged."""
+    fn = attnref.checked(KERNELS[name])
+    p = make_kproblem(KBUCKETS[1], {}, (), 12, np.float32)
+    t = p.bucket.t
+    with pytest.raises(ValueError, match="query_seq_lengths"):
+        fn(p.q, p.k, p.v, query_seq_lengths=np.array([t + 1], np.int32))
+    lens = np.array([t - 1], np.int32)
+    np.testing.assert_array_equal(
+        np.asarray(fn(p.q, p.k, p.v, query_seq_lengths=lens)),
+        np.asarray(KERNELS[name](p.q, p.k, p.v, query_seq_lengths=lens)),
+    )

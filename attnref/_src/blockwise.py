@@ -45,6 +45,7 @@ from attnref._src.kernel import (
     grouped,
     logits_transform,
     prepare,
+    require_lengths_in_range,
     structural_allowed,
 )
 from attnref._src.nonfinite import finite_part, ieee_mix, select_rows
@@ -362,6 +363,7 @@ def blockwise_attention(
         causal_alignment=causal_alignment,
         masked_rows=masked_rows,
     )
+    require_lengths_in_range(spec, x)
     bq, bk = min(block_q, spec.t), min(block_k, spec.s)
     out, lse = _flash(spec, max(bq, 1), max(bk, 1), x)
     return (out, lse) if return_lse else out

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from attnref._src.checked import require
 from attnref._src.checks import check_mask_and_bias, check_scale, float64_scoped
 from attnref._src.checks import real_dtype as _real_dtype
 from attnref._src.common import scale_value
@@ -429,6 +430,20 @@ def finish(
     return out.astype(spec.dtype), lse
 
 
+def require_lengths_in_range(spec: KernelSpec, x: KernelInputs) -> None:
+    """Under :func:`attnref.checked`, raise for traced lengths out of range (eager calls have
+    raised already in ``prepare``); unchecked, ``finish`` returns NaN for those batch rows."""
+    if x.q_lens is None and x.kv_lens is None:
+        return
+    ok = lengths_in_range(spec, x)
+    require(
+        ok,
+        f"query_seq_lengths must lie in [0, T={spec.t}] and key_value_seq_lengths in "
+        f"[0, S={spec.s}]; batch element {{b}} is out of range",
+        b=jnp.argmin(ok),
+    )
+
+
 def lengths_in_range(spec: KernelSpec, x: KernelInputs) -> Bool[Array, " B"]:
     """Per batch element: ``0 <= query_seq_lengths <= T`` and ``0 <= key_value_seq_lengths <= S``
     (True where the lengths are not given)."""
@@ -563,6 +578,7 @@ def dot_product_attention(
         causal_alignment=causal_alignment,
         masked_rows=masked_rows,
     )
+    require_lengths_in_range(spec, x)
     out, lse = _naive(spec, x)
     return (out, lse) if return_lse else out
 
