@@ -65,6 +65,7 @@ import numpy as np
 
 __all__ = [
     "attention_error_bound",
+    "attention_local_errors",
     "comparative_bound",
     "gamma",
     "kernel_error_bound",
@@ -222,7 +223,8 @@ def attention_error_bound(
     allowed = np.broadcast_to((m_arr & ~np.isneginf(b_arr))[..., None, :, :], logits.shape)
 
     top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
-    e = np.where(allowed, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    e = np.where(allowed, np.exp(np.where(allowed, logits - shift, 0.0)), 0.0)  # masked: no exp
     denom = e.sum(axis=-1, keepdims=True)
     weights = e / np.where(denom > 0, denom, 1.0)
 
@@ -250,6 +252,77 @@ def attention_error_bound(
         )
         bound = bound + unit_roundoff(dtype) * np.abs(xq + y)
     return bound
+
+
+def attention_local_errors(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    scale: float | None = None,
+    dtype: Any = np.float32,
+) -> dict[str, Any]:
+    """The three local error terms of :func:`attention_error_bound`'s derivation, unpropagated.
+
+    For a caller that propagates them itself, e.g. with a float64 Jacobian through a whole model
+    (``tests/test_bert.py``), where they give a tighter bound than ``rho`` (which assumes the worst
+    sign and the row's largest logit error for every weight). First order, any formulation:
+
+    * ``"logits"`` ``[..., H, T_q, T_k]``: ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|``
+      (step 1; zero at masked keys, which get exact zero weight);
+    * ``"weights"`` (a float): the relative error ``gamma_{T_k + 2 + 2 C_EXP}`` that ``exp``, the
+      row sum and the division add to each weight, on top of the logits' (step 2);
+    * ``"output"`` ``[..., T_q, d_model]``: ``gamma_{N_y} (sum_h sum_j p_hij G_hj + |b_O|)``, the
+      rounding of the weighted sum of values and the output projection given the weights (step 3).
+
+    Each is the sum of ``dtype``'s share and the float64 oracle's (as in ``attention_error_bound``).
+    No ``bias`` argument: the logit bias is zero (masking is by ``mask``).
+    """
+    w = _read_params(params)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    h, d_model, d_k = w_q.shape
+    d_v = w_v.shape[2]
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    t_q, t_k = xq.shape[-2], xkv.shape[-2]
+    full = (*xq.shape[:-2], t_q, t_k)
+    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+
+    def hom(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
+
+    def heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        y = np.einsum("...td,hde->...hte", x, wt)
+        return y if b is None else y + b[:, None, :]
+
+    m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+    q, k = heads(xq, w_q, w["b_q"]), heads(xkv, w_k, w["b_k"])
+    logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s
+    allowed = np.broadcast_to(m_arr[..., None, :, :], logits.shape)
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.where(allowed, np.exp(logits - top), 0.0)
+    denom = e.sum(axis=-1, keepdims=True)
+    weights = e / np.where(denom > 0, denom, 1.0)
+    qa = np.einsum("...td,hde->...hte", np.abs(hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
+    ka = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
+    ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
+    va = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
+    g_mag = np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
+    mixed = np.einsum("...hqk,...hkd->...qd", weights, g_mag)  # sum_h sum_j p_hij G_hj
+    if w["b_o"] is not None:
+        mixed = mixed + np.abs(w["b_o"])
+    n_s = 2 * (d_model + 1) + d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    out: dict[str, Any] = {"logits": 0.0, "weights": 0.0, "output": 0.0}
+    for dt in (dtype, np.float64):
+        g_s, u, g_soft, g_y = _chain_terms(dt, n_s, n_y, t_k)
+        out["logits"] = out["logits"] + np.where(allowed, g_s * ls + u * np.abs(logits - top), 0.0)
+        out["weights"] = out["weights"] + g_soft
+        out["output"] = out["output"] + g_y * mixed
+    return out
 
 
 def comparative_bound(
@@ -287,12 +360,61 @@ def _abs_feature_error(
         ) / math.sqrt(2.0)
         lead = np.zeros((*x.shape[:-1], 1))
         return np.concatenate([lead, dxs, outer.reshape(*x.shape[:-1], d * d)], axis=-1)
-    w = np.abs(np.asarray(fm.omega, dtype=np.float64))
-    # exponent = w.x~ -/+ |x~|^2/2 -/+ |w|^2/2 (- max for queries): each a sum of <= d + 3 terms
-    mag = xs @ w.T + 0.5 * np.sum(xs * xs, -1, keepdims=True) + 0.5 * np.sum(w * w, -1)
-    de = 2 * gamma(d + 6, u) * mag + dxs @ w.T + np.sum(xs * dxs, -1, keepdims=True)
+    de = _favor_exponent_error(fm, xs, dxs, u, 2.0)
     rho = np.expm1(2 * de) + (C_EXP + 2) * u  # x2: a query's max carries the same error
     return rho * np.abs(phi)
+
+
+def _max_float(dtype: Any) -> float:
+    """The largest finite value of a floating dtype (ml_dtypes' bfloat16 too)."""
+    try:
+        return float(np.finfo(dtype).max)
+    except (TypeError, ValueError):  # pragma: no cover - exotic dtypes
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+
+
+def _favor_exponent_error(
+    fm: Any, xs: np.ndarray, dxs: np.ndarray, u: float, factor: float
+) -> np.ndarray:
+    """Per feature ``[..., m]``: ``factor gamma_{d+6} mag + |dx~|.|w_i| + |x~|.|dx~|``, the error
+    of the FAVOR+ exponent ``w_i.x~ -/+ |x~|^2/2 -/+ |w_i|^2/2`` (each part a sum of ``<= d + 3``
+    terms) with ``mag`` the sum of the parts' magnitudes; ``dxs`` the error of ``x~``."""
+    w = np.abs(np.asarray(fm.omega, dtype=np.float64))
+    mag = xs @ w.T + 0.5 * np.sum(xs * xs, -1, keepdims=True) + 0.5 * np.sum(w * w, -1)
+    return (
+        factor * gamma(xs.shape[-1] + 6, u) * mag + dxs @ w.T + np.sum(xs * dxs, -1, keepdims=True)
+    )
+
+
+def _scaled_eps(
+    fm: Any, q: np.ndarray, dq: np.ndarray, eps: float, dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """``eps exp(-c_q)`` ``[..., T_q, H]``, the eps of the definition in the units of the
+    stabilised features (``c_q = 0`` except FAVOR+, see ``oracle.query_log_scale``), and a bound
+    on its relative evaluation error. The forms compute ``eps exp(min(-c, L))`` with ``c`` off by
+    at most ``dc = max_i(gamma_{d+6} mag_i + |dq~|.|w_i|) + |q~|.|dq~|``: relative error
+    ``expm1(dc) + (C_EXP + 2) u``. Where ``c < -L`` (``L = log(max float) / 2``) they also rescale
+    ``num``, ``den`` and ``eps`` by ``exp(c + L)``: the eps term's error relative to the
+    others grows by ``expm1(dc + u (|c| + L)) + (C_EXP + 1) u``, and ``num``, ``den`` take one
+    rounding more (added by the caller)."""
+    from attnref.oracle._core import query_log_scale
+
+    c = query_log_scale(fm, q)
+    eps_s = eps * np.exp(np.minimum(-c, 700.0))  # float64: exact unless |q~|^2 > ~1400
+    if eps == 0 or fm.name != "favor_plus":
+        return eps_s, np.zeros_like(c)
+    u, d = unit_roundoff(dtype), q.shape[-1]
+    xs = np.abs(q) / d**0.25
+    dxs = 2 * u * xs + dq / d**0.25
+    dc = np.max(_favor_exponent_error(fm, xs, dxs, u, 1.0), axis=-1)
+    big = 0.5 * math.log(_max_float(dtype))
+    # u |log eps|: the float64 oracle forms exp(log eps - s) (its share, with dtype float64)
+    rel = np.expm1(dc + u * abs(math.log(eps))) + (C_EXP + 2) * u
+    rescaled = c - dc < -big
+    rel = rel + np.where(rescaled, np.expm1(dc + u * (np.abs(c) + big)) + (C_EXP + 1) * u, 0.0)
+    return eps_s, rel
 
 
 def _allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
@@ -324,8 +446,13 @@ def linear_error_bound(
     of ``A_ij`` from the features (evaluation rounding and input errors ``dq, dk``)::
 
         |d num_i| <= sum_j (E_ij + g Abar_ij) |v_j| + Abar_ij dv_j,  g = gamma_{m + T_k + 2}
-        |d D_i|   <= sum_j (E_ij + g Abar_ij) + u |D_i|
+        |d D_i|   <= sum_j (E_ij + g Abar_ij) + u |D_i| + eps_i rho_i
         |d y_i|   <= (|d num_i| + |y_i| |d D_i|) / (|D_i| - |d D_i|) + u |y_i|
+
+    ``D_i`` is the adjusted denominator in the units of the features as computed: for FAVOR+
+    those carry a per-query factor ``exp(-c_i)``, so ``eps_i = eps exp(-c_i)`` with relative
+    evaluation error ``rho_i`` (:func:`_scaled_eps`; ``g`` counts one rounding more there, for
+    the rescaling where ``exp(-c_i)`` would overflow).
 
     Every form sums the same products ``phi(q_i)_f phi(k_j)_f v_j`` in some order (quadratic,
     associative, prefix sums, recurrence, chunks), so one bound covers them all. Where the
@@ -357,7 +484,9 @@ def linear_error_bound(
             + np.einsum("...qhm,...khm->...hqk", np.abs(fq), ek),
             0.0,
         )
-        g = gamma(fq.shape[-1] + t_k + 2, u)
+        eps_s, rho_eps = _scaled_eps(feature_map, q, dq if dt is dtype else 0 * dq, eps, dt)
+        favor_eps = feature_map.name == "favor_plus" and eps > 0
+        g = gamma(fq.shape[-1] + t_k + (3 if favor_eps else 2), u)
         absv = np.abs(v)
         dvv = dv if dt is dtype else 0 * dv
         e_tot = err_a + g * abar
@@ -365,8 +494,8 @@ def linear_error_bound(
             "...hqk,...khv->...qhv", abar, dvv
         )
         den = np.swapaxes(a.sum(-1), -1, -2)  # [..., T_q, H]
-        adj = den + eps if eps_policy == "add" else np.maximum(den, eps)
-        d_den = np.swapaxes(e_tot.sum(-1), -1, -2) + u * np.abs(adj)
+        adj = den + eps_s if eps_policy == "add" else np.maximum(den, eps_s)
+        d_den = np.swapaxes(e_tot.sum(-1), -1, -2) + u * np.abs(adj) + eps_s * rho_eps
         num = np.einsum("...hqk,...khv->...qhv", a, v)
         y = np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
         room = np.abs(adj) - d_den
@@ -429,7 +558,8 @@ def linear_multihead_error_bound(
     abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
     a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
     den = a.sum(-1)
-    adj = np.abs(den + eps if eps_policy == "add" else np.maximum(den, eps))
+    eps_s = np.swapaxes(_scaled_eps(feature_map, q, 0 * q, eps, dtype)[0], -1, -2)  # [..., H, T_q]
+    adj = np.abs(den + eps_s if eps_policy == "add" else np.maximum(den, eps_s))
     with np.errstate(divide="ignore", invalid="ignore"):
         pbar = np.where(adj[..., None] > 0, abar / adj[..., None], 0.0)
     g_mag = np.einsum(

@@ -24,6 +24,10 @@ from .helpers import scaled
 
 B, T, N, K, H, H_V = 2, 9, 4, 2, 3, 2
 _CACHED = jax.jit(attnref.cached_attention)
+_APPEND = jax.jit(attnref.kv_cache_append)
+_ATTEND = jax.jit(attnref.cache_attend)
+_DECODE_SCAN = jax.jit(attnref.mha_decode_scan)
+RINGS = ((2, 3), (3, 5))  # (window, capacity) pairs: window < capacity, both wrap within T tokens
 
 
 @st.composite
@@ -69,18 +73,15 @@ def _chunks(prefill, step, padding, rng):
     return out
 
 
-@given(schedule=schedules())
-@scaled(0.6)
-def test_cached_decoding_equals_full_causal_attention(schedule):
-    window, capacity, prefill, step, padding, dtype, seed = schedule
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, N, H)).astype(dtype)
-    k = rng.standard_normal((B, T, K, H)).astype(dtype)
-    v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
-    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+def _feed(cache, q, k, v, chunks, mask=None, bias=None):
+    """Feed the real tokens of ``q, k, v`` ``[B, T, ...]`` chunk by chunk (NaN in padding slots)
+    through the jitted :func:`attnref.cached_attention`; ``mask``/``bias`` ``[B, T, T]`` are by
+    (query token, absolute key position). Returns the outputs ``[B, T, N, H_v]`` per real token
+    and the final cache."""
+    dtype = q.dtype
     got = np.zeros((B, T, N, H_V))
     taken = np.zeros(B, int)
-    for valid in _chunks(prefill, step, padding, rng):
+    for valid in chunks:
         length = valid.shape[1]
         idx = np.zeros((B, length), int)  # which real token each chunk slot carries
         for b in range(B):
@@ -91,7 +92,16 @@ def test_cached_decoding_equals_full_causal_attention(schedule):
         cq, ck, cv = (
             np.where(valid[:, :, None, None], a, np.nan).astype(dtype) for a in (cq, ck, cv)
         )  # padding tokens carry NaN: they must not leak
-        out, cache = _CACHED(cache, cq, ck, cv, valid)
+        rows = {}
+        if mask is not None:  # a padding query's row is all True: it must still attend nothing
+            rows["mask"] = np.where(
+                valid[:, :, None], np.take_along_axis(mask, take[..., None], 1), True
+            )
+        if bias is not None:
+            rows["bias"] = np.where(
+                valid[:, :, None], np.take_along_axis(bias, take[..., None], 1), np.nan
+            ).astype(dtype)
+        out, cache = _CACHED(cache, cq, ck, cv, valid, **rows)
         out = np.asarray(out, np.float64)
         assert not np.any(np.isnan(out))
         for b in range(B):
@@ -99,10 +109,63 @@ def test_cached_decoding_equals_full_causal_attention(schedule):
             assert np.all(out[b, ~valid[b]] == 0.0)
             taken[b] += int(valid[b].sum())
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.full(B, T))
+    return got, cache
+
+
+@given(schedule=schedules())
+@scaled(0.6)
+def test_cached_decoding_equals_full_causal_attention(schedule):
+    window, capacity, prefill, step, padding, dtype, seed = schedule
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, N, H)).astype(dtype)
+    k = rng.standard_normal((B, T, K, H)).astype(dtype)
+    v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
+    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    got, _ = _feed(cache, q, k, v, _chunks(prefill, step, padding, rng))
     window_kw = None if window is None else (window - 1, 0)
     ref = oracle.dot_product_attention(q, k, v, is_causal=True, local_window_size=window_kw)
     allowed = oracle.kernel_allowed((B, N, T, T), is_causal=True, local_window_size=window_kw)
     bound, _ = tolerance.kernel_error_bound(q, k, v, allowed, dtype=dtype, key_blocks=1)
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) - bound)
+
+
+@st.composite
+def ring_schedules(draw):
+    """Ring buffers that wrap (T = 9 tokens, capacity <= 5), fed in chunks of one drawn length:
+    2 (with left padding, 0 to 2 real tokens per step) or 6 (longer than the ring, which keeps
+    only its last C tokens). One compile per (ring, chunk length)."""
+    window, capacity = draw(st.sampled_from(RINGS), label="(window, capacity)")
+    step = draw(st.sampled_from([2, 6]), label="chunk length")
+    padding = draw(st.sampled_from(["none", "left"]), label="padding")
+    seed = draw(st.integers(0, 2**31 - 1), label="seed")
+    note(f"window={window} capacity={capacity} step={step} pad={padding}")
+    return window, capacity, step, padding, seed
+
+
+@given(schedule=ring_schedules())
+@scaled(0.5)
+def test_ring_buffer_with_mask_and_bias_after_wraparound(schedule):
+    """A wrapped ring with a mask and a bias indexed by absolute key position equals the oracle
+    with the same local window, ``local_window_size=(W - 1, 0)``, and the same mask and bias.
+    The cached sum visits the same allowed keys in another order, with exact zeros for empty or
+    disallowed slots, so the unblocked kernel bound (``key_blocks=1``) applies."""
+    window, capacity, step, padding, seed = schedule
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(np.float32)
+    q = rng.standard_normal((B, T, N, H)).astype(dtype)
+    k = rng.standard_normal((B, T, K, H)).astype(dtype)
+    v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
+    mask = rng.random((B, T, T)) < 0.75  # some rows lose every key of their window: zero rows
+    bias = rng.standard_normal((B, T, T)).astype(dtype)
+    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    got, cache = _feed(cache, q, k, v, _chunks(0, step, padding, rng), mask, bias)
+    assert np.all(np.asarray(cache.positions) >= T - capacity)  # the ring did wrap
+    kw = dict(is_causal=True, local_window_size=(window - 1, 0))
+    ref = oracle.dot_product_attention(q, k, v, bias[:, None], mask[:, None], **kw)
+    allowed = oracle.kernel_allowed((B, N, T, T), mask=mask[:, None], **kw)
+    bound, _ = tolerance.kernel_error_bound(
+        q, k, v, allowed, bias[:, None], dtype=dtype, key_blocks=1
+    )
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) - bound)
 
 
@@ -193,3 +256,196 @@ def test_decode_errors():
         attnref.decode_multihead(
             _params(np.float32), np.zeros((4, 8), np.float32), np.zeros((5, 8), np.float32)
         )
+
+
+@given(ring=st.sampled_from(RINGS), seed=st.integers(0, 2**31 - 1))
+@scaled(0.5)
+def test_cache_attend_after_wraparound_with_mask_and_bias(ring, seed):
+    """The ``kv_cache`` entry's path (append a whole sequence, then read it with
+    ``cache_attend``) on a ring that wrapped: a query at position ``p`` whose window
+    ``p - W < j <= p`` lies inside the ring's last ``C`` tokens equals the oracle row with
+    ``local_window_size=(W - 1, 0)`` and the same mask and bias (unblocked kernel bound, as
+    above); every other query needs an overwritten key and is a NaN row under ``jax.jit``."""
+    window, capacity = ring
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(np.float32)
+    q = rng.standard_normal((B, T, N, H)).astype(dtype)
+    k = rng.standard_normal((B, T, K, H)).astype(dtype)
+    v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
+    mask = rng.random((B, T, T)) < 0.75
+    bias = rng.standard_normal((B, T, T)).astype(dtype)
+    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    cache = _APPEND(cache, k, v)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    got = np.asarray(_ATTEND(cache, q, query_positions=positions, mask=mask, bias=bias))
+    answerable = np.arange(T) - window + 1 >= T - capacity  # window inside the ring's contents
+    assert np.all(np.isnan(got[:, ~answerable])) and not np.any(np.isnan(got[:, answerable]))
+    kw = dict(is_causal=True, local_window_size=(window - 1, 0))
+    ref = oracle.dot_product_attention(q, k, v, bias[:, None], mask[:, None], **kw)
+    allowed = oracle.kernel_allowed((B, N, T, T), mask=mask[:, None], **kw)
+    bound, _ = tolerance.kernel_error_bound(
+        q, k, v, allowed, bias[:, None], dtype=dtype, key_blocks=1
+    )
+    err = np.abs(got[:, answerable] - ref[:, answerable])
+    assert np.all(err <= bound[:, answerable]), np.max(err - bound[:, answerable])
+
+
+@given(ring=st.sampled_from(RINGS), seed=st.integers(0, 2**31 - 1))
+@scaled(0.5)
+def test_decode_scan_ring_buffer_with_mask_and_bias(ring, seed):
+    """Multi-head decoding (:func:`attnref.mha_decode_scan`, the scan behind
+    ``decode_multihead``) through a ring buffer that wraps, with a mask and a bias by absolute
+    key position: equals ``oracle.attention`` with the causal band ``t - W < j <= t`` and the
+    same mask and bias, within the derived weight-level bound (the bound of the problem with
+    the combined mask; disallowed keys add exact zeros)."""
+    window, capacity = ring
+    rng = np.random.default_rng(seed)
+    dtype = np.float64
+    params = _params(dtype)
+    steps = 7
+    xs = rng.standard_normal((2, steps, 8))
+    mask = rng.random((2, steps, steps)) < 0.75
+    bias = rng.standard_normal((2, steps, steps))
+    cache = attnref.mha_cache_init(params, 2, capacity, window=window)
+    ys, cache = _DECODE_SCAN(params, cache, xs, mask=mask, bias=bias)
+    assert np.all(np.asarray(cache.positions) >= steps - capacity)  # the ring did wrap
+    t = np.arange(steps)
+    band = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window)
+    full = band & mask
+    ref = oracle.attention(params, xs, mask=full, bias=bias)
+    bound = tolerance.attention_error_bound(params, xs, mask=full, bias=bias, dtype=dtype)
+    assert_within_bound(ys, ref, bound, label=f"ring decode W={window} C={capacity}")
+
+
+def _causal_inputs(dtype, steps=6):
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, steps, N, H)).astype(dtype)
+    k = rng.standard_normal((B, steps, K, H)).astype(dtype)
+    v = rng.standard_normal((B, steps, K, H_V)).astype(dtype)
+    return q, k, v
+
+
+def test_overflow_under_jit_gives_nan_rows_and_checked_mode_raises():
+    """Issue 11: capacity 4, no window, 6 single-token steps. Under ``jax.jit`` tokens 0..4 are
+    exact (token 4 still sees 0..3 in the cache and itself in the chunk) and token 5, which
+    needs the overwritten token 0, is a NaN row; ``attnref.checked`` raises at the overflowing
+    append (token 4), as eager code does."""
+    dtype = np.dtype(np.float32)
+    q, k, v = _causal_inputs(dtype)
+    ref = oracle.dot_product_attention(q, k, v, is_causal=True)
+    allowed = oracle.kernel_allowed((B, N, 6, 6), is_causal=True)
+    bound, _ = tolerance.kernel_error_bound(q, k, v, allowed, dtype=dtype, key_blocks=1)
+    cache = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
+    rows = []
+    for t in range(6):
+        out, cache = _CACHED(cache, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        rows.append(np.asarray(out, np.float64)[:, 0])
+    got = np.stack(rows, axis=1)
+    assert np.all(np.abs(got[:, :5] - ref[:, :5]) <= bound[:, :5])
+    assert np.all(np.isnan(got[:, 5]))
+    cache = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
+    for t in range(4):
+        _, cache = _CACHED(cache, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+    overflow = r"capacity 4 and window=None, but batch element 0 needs 5 slots \(positions 0\.\.4\)"
+    for fn in (attnref.checked(_CACHED), attnref.cached_attention):
+        with pytest.raises(ValueError, match=overflow):  # checkify.JaxRuntimeError is one
+            fn(cache, q[:, 4:5], k[:, 4:5], v[:, 4:5])
+
+
+def test_multihead_overflow_under_jit_nan_rows_and_checked_mode():
+    """``mha_decode_scan`` and ``mha_generate`` with capacity 4, no window, 6 tokens: under
+    ``jax.jit`` rows 0..4 equal causal attention and row 5 is NaN; checked and eager calls
+    raise before the scan (``mha_generate`` checks ``lengths + steps`` with the same
+    ``require``; its eager call stands for both)."""
+    params = _params(np.float64)
+    xs = np.random.default_rng(5).standard_normal((2, 6, 8))
+    mask = np.tril(np.ones((6, 6), bool))
+    ref = oracle.attention(params, xs, mask=mask)
+    bound = tolerance.attention_error_bound(params, xs, mask=mask, dtype=np.float64)
+    cache = attnref.mha_cache_init(params, 2, 4)
+    ys, _ = _DECODE_SCAN(params, cache, xs)
+    ys = np.asarray(ys)
+    assert_within_bound(ys[:, :5], ref[:, :5], bound[:, :5], label="decode before overflow")
+    assert np.all(np.isnan(ys[:, 5]))
+    need = r"capacity 4 and window=None, but batch element 0 needs 6 slots"
+    for fn in (attnref.checked(_DECODE_SCAN), attnref.mha_decode_scan):
+        with pytest.raises(ValueError, match=need):
+            fn(params, cache, xs)
+    gen = jax.jit(attnref.mha_generate, static_argnames=("steps", "next_input"))
+    x0 = xs[:, 0]
+    xs_g, ys, _ = gen(params, cache, x0, 6, _residual)
+    xs_g, ys = np.asarray(xs_g)[:, :5], np.asarray(ys)
+    ref = oracle.attention(params, xs_g, mask=mask[:5, :5])
+    bound = tolerance.attention_error_bound(params, xs_g, mask=mask[:5, :5], dtype=np.float64)
+    assert_within_bound(ys[:, :5], ref, bound, label="generate before overflow")
+    assert np.all(np.isnan(ys[:, 5]))
+    with pytest.raises(ValueError, match=need):  # checked before the scan, as in checked mode
+        attnref.mha_generate(params, cache, x0, 6, _residual)
+
+
+def _residual(x, y):
+    return jnp.tanh(x + y)
+
+
+def test_cache_attend_overflow_and_short_mask_are_nan_or_raise():
+    """A cache without a window filled past its capacity under ``jax.jit`` (where the append
+    cannot raise) keeps its last C tokens; ``attnref.checked`` raises at that append, and a read
+    that needs a lost key raises eagerly. A ``mask``/``bias`` shorter than an attended absolute
+    position (``P <= position``) is the same kind of value error: a NaN row under ``jax.jit``, a
+    ``ValueError`` eagerly (checked mode goes through the same ``require``)."""
+    dtype = np.dtype(np.float32)
+    q, k, v = _causal_inputs(dtype, steps=T)
+    cache = attnref.kv_cache_init(B, 5, K, H, H_V, dtype=dtype)
+    with pytest.raises(ValueError, match=r"capacity 5 and window=None, .* needs 9 slots"):
+        attnref.checked(_APPEND)(cache, k, v)
+    wrapped = _APPEND(cache, k, v)  # unchecked: keeps positions 4..8
+    np.testing.assert_array_equal(np.sort(np.asarray(wrapped.positions)), [[4, 5, 6, 7, 8]] * B)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    lost = r"query at position 0 \(batch element 0\) needs the keys at positions 0\.\.0 but the"
+    with pytest.raises(ValueError, match=lost + r" cache \(capacity 5, window=None\) holds only 0"):
+        attnref.cache_attend(wrapped, q, query_positions=positions)
+    # A ring (W=2, C=3) holding positions 6..8, read with a mask and bias one position short
+    # (P = T - 1 = 8): row 7 (keys 6, 7) is answerable, row 8 attends position 8 >= P, and rows
+    # 0..6 need a key the ring lost (row 6 needs position 5).
+    ring = _APPEND(attnref.kv_cache_init(B, 3, K, H, H_V, window=2, dtype=dtype), k, v)
+    short = dict(mask=np.ones((B, T, T - 1), bool), bias=np.zeros((B, T, T - 1), dtype))
+    got = np.asarray(_ATTEND(ring, q, query_positions=positions, **short))
+    assert not np.any(np.isnan(got[:, 7])) and np.all(np.isnan(got[:, [0, 1, 2, 3, 4, 5, 6, 8]]))
+    late = np.where(positions >= 7, positions, -1).astype(np.int32)  # rows 0..6: padding
+    with pytest.raises(
+        ValueError, match=r"P=8 absolute key positions, but the query at position 8"
+    ):
+        attnref.cache_attend(ring, q, query_positions=late, **short)  # eager: concrete values
+
+
+def test_mixed_dtypes_are_rejected_and_float64_computes_in_float64():
+    """Defect 9: float64 inputs into a float32 cache raised no error and were rounded to
+    float32. Now a mix raises ``TypeError`` naming both dtypes, and a float64 cache with
+    float64 inputs computes in float64 even with x64 off (float64 bound, ~1e-15 relative; float32
+    rounding would be ~1e-7 and fail it)."""
+    q, k, v = _causal_inputs(np.float64, steps=3)
+    cache32 = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=np.float32)
+    with pytest.raises(TypeError, match="q has dtype float64 but the cache has dtype float32"):
+        attnref.cached_attention(cache32, q, k.astype(np.float32), v.astype(np.float32))
+    with pytest.raises(TypeError, match="k has dtype float64 but the cache has dtype float32"):
+        attnref.kv_cache_append(cache32, k, v.astype(np.float32))
+    with pytest.raises(TypeError, match=r"x has dtype float64 but params\.w_q has dtype float32"):
+        attnref.mha_cached_attention(
+            _params(np.float32), attnref.mha_cache_init(_params(np.float32), 2, 4), q[:, :, 0, :]
+        )
+    with jax.enable_x64(False):  # checked(jit(f)) scopes x64 like every attnref function
+        cache64 = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=np.float64)
+        out, cache64 = attnref.checked(_CACHED)(cache64, q, k, v)
+        assert out.dtype == np.float64 and cache64.k.dtype == np.float64
+    ref = oracle.dot_product_attention(q, k, v, is_causal=True)
+    allowed = oracle.kernel_allowed((B, N, 3, 3), is_causal=True)
+    bound, _ = tolerance.kernel_error_bound(q, k, v, allowed, dtype=np.float64, key_blocks=1)
+    assert np.all(np.abs(np.asarray(out) - ref) <= bound)
+
+
+def test_checked_refuses_traced_arguments():
+    """A checked function raises, so it cannot run inside someone else's ``jax.jit``."""
+    cache = attnref.kv_cache_init(1, 2, 1, 1, dtype=np.float32)
+    x = np.zeros((1, 1, 1, 1), np.float32)
+    with pytest.raises(TypeError, match=r"checked\('cached_attention'\).*jax.jit\(fn\)"):
+        jax.jit(attnref.checked(attnref.cached_attention))(cache, x, x, x)

@@ -44,6 +44,7 @@ from attnref._src.kernel import (
     finish,
     grouped,
     logits_transform,
+    naive,
     prepare,
     require_lengths_in_range,
     structural_allowed,
@@ -364,6 +365,9 @@ def blockwise_attention(
         masked_rows=masked_rows,
     )
     require_lengths_in_range(spec, x)
+    if spec.t == 0 or spec.s == 0:  # nothing to tile: no query, or every row fully masked
+        out, lse = naive(spec, x)
+        return (out, lse) if return_lse else out
     bq, bk = min(block_q, spec.t), min(block_k, spec.s)
     out, lse = _flash(spec, max(bq, 1), max(bk, 1), x)
     return (out, lse) if return_lse else out

@@ -95,6 +95,11 @@ def check_params(params: Any) -> tuple[int, int, int, int]:
     h, d_model, d_k = _shape(params.w_q)
     if h < 1:
         raise ValueError(f"params.w_q has shape {_shape(params.w_q)}; it needs at least one head")
+    if d_k < 1:
+        raise ValueError(
+            f"params.w_q has shape {_shape(params.w_q)}; d_k must be >= 1 (the default scale "
+            "1/sqrt(d_k) is undefined at 0)"
+        )
     kv, dmk, dkk = _shape(params.w_k)
     if (dmk, dkk) != (d_model, d_k):
         raise ValueError(
@@ -228,7 +233,22 @@ def check_mask_and_bias(
             raise TypeError(f"bias must be floating, got dtype {dt}")
 
 
+def real_dtype(dt: Any) -> bool:
+    """A real floating or integer dtype (bool and complex are not)."""
+    return bool(jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer))
+
+
 def check_scale(scale: Any) -> None:
-    """A scale is a Python or NumPy real scalar, or a 0-d array."""
-    if scale is not None and np.ndim(scale) != 0:
+    """A scale is a Python or NumPy real scalar, or a 0-d array (traced is fine).
+
+    ``ValueError`` for a non-scalar, ``TypeError`` for a scalar that is not a real number (text,
+    bool, complex).
+    """
+    if scale is None:
+        return
+    if isinstance(scale, (str, bytes)):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    if np.ndim(scale) != 0:
         raise ValueError(f"scale must be a scalar, got shape {_shape(scale)}")
+    if not real_dtype(_dtype(scale)):
+        raise TypeError(f"scale must be a real number, got {scale!r} (dtype {_dtype(scale)})")

@@ -14,6 +14,24 @@ and the chunk. ``valid [B, L]`` marks real tokens: padding (left, right, or anyw
 and real tokens are numbered consecutively, so left-padded and right-padded prompts give the same
 cache and ragged batches advance independently. At every step the output equals full causal
 attention over each sequence's prefix (the property the tests check).
+
+**Overflow and other value errors.** Two conditions depend on array values, not shapes: a cache
+without a window that is asked to hold more than ``C`` tokens (the ring wraps and overwrites keys
+that later queries need), and a ``mask``/``bias`` ``[B, L, P]`` too short for an attended absolute
+position. Eagerly (concrete values) they raise ``ValueError``. Under ``jax.jit``, ``vmap`` or
+``lax.scan`` they cannot be checked at trace time, so:
+
+* unchecked (plain ``jax.jit``): every output row whose query would need a key the cache no
+  longer holds, or a position past ``P``, is NaN (all ``H_v``, or ``d_model``, entries) -- never a
+  silently wrong number. Rows that only need keys still present are exact; an overflowing
+  append itself keeps the ring's last ``C`` tokens, and later reads turn rows into NaN;
+* checked (:func:`attnref.checked`, built on ``jax.experimental.checkify``):
+  ``attnref.checked(jax.jit(fn))(...)`` raises ``checkify.JaxRuntimeError`` (a ``ValueError``)
+  naming the capacity, the window and the offending position, at the same append at which the
+  eager code raises.
+
+A query at position ``p`` *needs* the keys ``max(0, p - W + 1) <= j <= p`` (``W = inf`` without a
+window); the masks do not enter this rule, so the check does not depend on mask values.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from attnref._src.checked import require
 from attnref._src.checks import check_params, enable_x64, float64_scoped, x64_enabled
 from attnref._src.common import HIGHEST
 from attnref._src.kernel import dot_product_attention
@@ -90,6 +109,27 @@ def kv_cache_init(
     )
 
 
+def _dtype(x: Any) -> np.dtype[Any]:
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def _check_dtypes(cache: KVCache, **arrays: Any) -> None:
+    """The cache and every new array share one floating dtype (attnref never mixes dtypes)."""
+    want = _dtype(cache.k)
+    if _dtype(cache.v) != want:
+        raise TypeError(
+            f"cache.v has dtype {_dtype(cache.v)} but cache.k has dtype {want}; a cache holds one "
+            "dtype"
+        )
+    for name, a in arrays.items():
+        if a is not None and _dtype(a) != want:
+            raise TypeError(
+                f"{name} has dtype {_dtype(a)} but the cache has dtype {want}; attnref does not "
+                f"mix dtypes: cast {name} explicitly or build the cache with dtype={_dtype(a)}"
+            )
+
+
 def _chunk_positions(
     cache: KVCache, valid: Bool[Array, "B L"]
 ) -> tuple[Int[Array, "B L"], Int[Array, " B"]]:
@@ -100,7 +140,8 @@ def _chunk_positions(
 
 
 def _check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> Array:
-    b, c, kh, h = cache.k.shape
+    """Static checks of a chunk (shapes, dtypes); returns ``valid`` as a ``[B, L]`` array."""
+    b, _, kh, h = cache.k.shape
     h_v = cache.v.shape[-1]
     if np.ndim(k) != 4 or np.shape(k)[0] != b or np.shape(k)[2:] != (kh, h):
         raise ValueError(f"key chunk has shape {np.shape(k)}; expected [B={b}, L, K={kh}, H={h}]")
@@ -117,22 +158,138 @@ def _check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> A
             f"query chunk has shape {np.shape(q)}; expected [B={b}, L={length}, N, "
             f"H={h}] with N a multiple of K={kh}"
         )
+    _check_dtypes(cache, q=q, k=k, v=v)
     if valid is None:
         return jnp.ones((b, length), bool)
-    if np.shape(valid) != (b, length) or np.dtype(getattr(valid, "dtype", bool)) != np.bool_:
+    if np.shape(valid) != (b, length) or _dtype(valid) != np.bool_:
         raise ValueError(
-            f"valid must be a boolean [B={b}, L={length}] array, got shape {np.shape(valid)}"
+            f"valid must be a boolean [B={b}, L={length}] array, got shape {np.shape(valid)} "
+            f"and dtype {_dtype(valid)}"
         )
-    if cache.window is None and not isinstance(cache.lengths, jax.core.Tracer):
-        need = int(np.max(np.asarray(cache.lengths) + np.sum(np.asarray(valid), axis=1)))
-        if need > c:
-            raise ValueError(
-                f"the cache has capacity {c} but this append needs {need} slots; "
-                "grow the cache or use a sliding window (ring buffer)"
-            )
     return jnp.asarray(valid)
 
 
+def _require_room(cache: KVCache, added: Any) -> None:
+    """Without a window the cache must hold the whole sequence: ``lengths + added <= C``.
+
+    Eagerly a ``ValueError``; traced, a :func:`~attnref._src.checked.require` check (raised under
+    :func:`attnref.checked`; unchecked, the reads that need lost keys return NaN rows).
+    """
+    if cache.window is not None:
+        return
+    c = cache.capacity
+    need = cache.lengths + jnp.asarray(added, jnp.int32)
+    first = jnp.argmax(need > c)
+    require(
+        need <= c,
+        f"KV cache overflow: the cache has capacity {c} and window=None, but batch element "
+        "{b} needs {need} slots (positions 0..{last}); a cache without a window must hold the "
+        "whole sequence: grow the cache or use a sliding window (ring buffer)",
+        b=first,
+        need=need[first],
+        last=need[first] - 1,
+    )
+
+
+def _complete_rows(
+    cache: KVCache,
+    q_pos: Int[Array, "B L"],
+    hi: Int[Array, "B L"],
+    k_pos: Int[Array, "B S"],
+    what: str,
+) -> Bool[Array, "B L"]:
+    """Whether each query row sees every key it needs; a failed row is checked by ``require``.
+
+    A query at ``p = q_pos`` needs the positions ``lo <= j <= hi`` with ``lo = max(0, p - W +
+    1)`` (``0`` without a window) and ``hi`` the newest position that exists for it. Positions
+    in ``k_pos`` are distinct (one slot per position, chunk positions after the cache's), so the
+    row is complete iff ``#{j in k_pos : lo <= j <= hi} = hi - lo + 1``. Padding (``p < 0``) is
+    complete.
+    """
+    lo = jnp.zeros_like(q_pos) if cache.window is None else jnp.maximum(q_pos - cache.window + 1, 0)
+    need = jnp.maximum(hi - lo + 1, 0)
+    kp = k_pos[:, None, :]
+    have = jnp.sum((kp >= lo[..., None]) & (kp <= hi[..., None]), axis=-1, dtype=jnp.int32)
+    ok = (q_pos < 0) | (have >= need)
+    b, i = jnp.unravel_index(jnp.argmin(ok), ok.shape)
+    require(
+        ok,
+        f"KV cache overflow in {what}: the query at position {{p}} (batch element {{b}}) needs "
+        f"the keys at positions {{lo}}..{{hi}} but the cache (capacity {cache.capacity}, "
+        f"window={cache.window}) holds only {{have}} of them; the others were overwritten when "
+        "the ring wrapped. A cache without a window must hold the whole sequence: grow the cache "
+        "or use a sliding window (ring buffer)",
+        p=q_pos[b, i],
+        b=b,
+        lo=lo[b, i],
+        hi=hi[b, i],
+        have=have[b, i],
+    )
+    return ok
+
+
+def _by_position(
+    name: str,
+    a: Any,
+    kp: Int[Array, "B L S"],
+    attended: Bool[Array, "B L S"],
+    q_pos: Int[Array, "B L"] | None,
+) -> tuple[Array, Bool[Array, "B L"]]:
+    """Gather ``a[b, i, kp[b, i, s]]`` (a ``[B, L, P]`` mask or bias by absolute key position).
+
+    Returns the gathered values and, per query row, whether every attended position is ``< P``
+    (checked by ``require``; unchecked rows past ``P`` are the caller's NaN rows).
+    """
+    b, length = kp.shape[:2]
+    if np.ndim(a) != 3 or np.shape(a)[:2] != (b, length):
+        raise ValueError(
+            f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] indexed by "
+            "absolute key position"
+        )
+    p_len = int(np.shape(a)[2])
+    beyond = attended & (kp >= p_len)
+    ok = ~jnp.any(beyond, axis=-1)
+    bi, i = jnp.unravel_index(jnp.argmin(ok), ok.shape)
+    where = "" if q_pos is None else " at position {p}"
+    require(
+        ok,
+        f"{name} has shape {tuple(np.shape(a))}, so P={p_len} absolute key positions, but the "
+        f"query{where} (batch element {{b}}, chunk row {{i}}) attends the key at position {{j}}; "
+        f"{name} must cover every attended position (P > position)",
+        p=jnp.asarray(-1) if q_pos is None else q_pos[bi, i],
+        b=bi,
+        i=i,
+        j=jnp.max(jnp.where(beyond[bi, i], kp[bi, i], -1)),
+    )
+    idx = jnp.clip(kp, 0, p_len - 1)
+    return jnp.take_along_axis(jnp.asarray(a), idx, axis=2), ok
+
+
+def _nan_rows(out: Array, ok: Bool[Array, "B L"]) -> Array:
+    """Rows whose value could not be checked are NaN (unchecked traced mode)."""
+    return jnp.where(ok[:, :, None, None], out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _append(
+    cache: KVCache, k: Any, v: Any, pos: Int[Array, "B L"], lengths: Int[Array, " B"]
+) -> KVCache:
+    c = cache.capacity
+    keep = jnp.logical_and(pos >= 0, pos >= lengths[:, None] - c)
+    slot = jnp.where(keep, pos % c, c)  # out-of-range slot: dropped by the scatter
+
+    def write(buf: Array, new: Array) -> Array:
+        return jax.vmap(lambda b, s, n: b.at[s].set(n, mode="drop"))(buf, slot, new)
+
+    return KVCache(
+        k=write(cache.k, jnp.asarray(k)),
+        v=write(cache.v, jnp.asarray(v)),
+        positions=write(cache.positions, pos),
+        lengths=lengths,
+        window=cache.window,
+    )
+
+
+@float64_scoped
 def kv_cache_append(
     cache: KVCache,
     k: Float[ArrayLike, "B L K H"],
@@ -142,24 +299,16 @@ def kv_cache_append(
     """Write the chunk's real tokens to slots ``position mod C``.
 
     In a ring buffer a chunk longer than the capacity keeps only its last ``C`` tokens, so no
-    slot is written twice in one update.
+    slot is written twice in one update. ``k``/``v`` must have the cache's dtype (``TypeError``
+    otherwise). Without a window, ``lengths + (real tokens) > C`` is an overflow: ``ValueError``
+    eagerly, ``checkify.JaxRuntimeError`` under :func:`attnref.checked`; under plain ``jax.jit``
+    the append wraps (keeping the last ``C`` tokens, positions recorded) and every later read
+    that needs an overwritten key returns NaN rows.
     """
     valid_a = _check_chunk(cache, k, v, valid)
     pos, lengths = _chunk_positions(cache, valid_a)
-    c = cache.capacity
-    keep = jnp.logical_and(pos >= 0, pos >= lengths[:, None] - c)
-    slot = jnp.where(keep, pos % c, c)  # out-of-range slot: dropped by the scatter
-
-    def write(buf: Array, new: Array) -> Array:
-        return jax.vmap(lambda b, s, n: b.at[s].set(n, mode="drop"))(buf, slot, new)
-
-    return KVCache(
-        k=write(cache.k, jnp.asarray(k, cache.k.dtype)),
-        v=write(cache.v, jnp.asarray(v, cache.v.dtype)),
-        positions=write(cache.positions, pos),
-        lengths=lengths,
-        window=cache.window,
-    )
+    _require_room(cache, lengths - cache.lengths)
+    return _append(cache, k, v, pos, lengths)
 
 
 @float64_scoped
@@ -177,48 +326,45 @@ def cached_attention(
 ) -> tuple[Float[Array, "B L N H_v"], KVCache]:
     """Append a chunk and attend from its queries: ``o_i = softmax_j(s_ij + bias_i[pos_j]) v_j``
     over cached and chunk tokens ``j`` with ``pos_j <= pos_i`` (and ``pos_i - pos_j < window``)
-    and ``mask_i[pos_j]``.
+    and ``mask_i[pos_j]``; kernel layout ``[B, L, N, H]`` (row convention, ``N`` a multiple of
+    the cache's ``K`` heads), ``s_ij = scale q_i . k_j`` (default ``scale = 1/sqrt(H)``).
 
     ``mask`` and ``bias`` (optional, ``[B, L, P]``) are indexed by the keys' *absolute*
     positions ``0..P-1`` (``P`` must exceed every position attended), so a mask or bias written
-    for the full sequence applies unchanged to cached decoding. Returns the chunk's output (zero
-    rows for padding tokens) and the updated cache.
+    for the full sequence applies unchanged to cached decoding. ``q``, ``k``, ``v`` must have
+    the cache's dtype (``TypeError`` naming both otherwise); float64 computes in float64. Returns
+    the chunk's output (zero rows for padding tokens) and the updated cache.
+
+    Value errors (a cache without a window overflowing, ``P`` too short): ``ValueError``
+    eagerly; under plain ``jax.jit`` the affected output rows are NaN; under
+    :func:`attnref.checked` a ``checkify.JaxRuntimeError`` naming capacity, window and position.
     """
     valid_a = _check_chunk(cache, k, v, valid, q)
-    q_pos, _ = _chunk_positions(cache, valid_a)
-    keys = jnp.concatenate([cache.k, jnp.asarray(k, cache.k.dtype)], axis=1)
-    values = jnp.concatenate([cache.v, jnp.asarray(v, cache.v.dtype)], axis=1)
+    q_pos, lengths = _chunk_positions(cache, valid_a)
+    _require_room(cache, lengths - cache.lengths)
+    keys = jnp.concatenate([cache.k, jnp.asarray(k)], axis=1)
+    values = jnp.concatenate([cache.v, jnp.asarray(v)], axis=1)
     k_pos = jnp.concatenate([cache.positions, q_pos], axis=1)
     qp, kp = q_pos[:, :, None], k_pos[:, None, :]
     allowed = (qp >= 0) & (kp >= 0) & (kp <= qp)
     if cache.window is not None:
         allowed &= qp - kp < cache.window
-    length = int(np.shape(q)[1])
-
-    def by_position(name: str, a: Any) -> Array:
-        if np.ndim(a) != 3 or np.shape(a)[:2] != (cache.k.shape[0], length):
-            raise ValueError(
-                f"{name} has shape {np.shape(a)}; expected [B, L={length}, P] "
-                "indexed by absolute key position"
-            )
-        idx = jnp.broadcast_to(jnp.clip(kp, 0, np.shape(a)[2] - 1), allowed.shape)
-        return jnp.take_along_axis(jnp.asarray(a), idx, axis=2)
-
+    ok = _complete_rows(cache, q_pos, q_pos, k_pos, "cached_attention")
+    kp = jnp.broadcast_to(kp, allowed.shape)
+    structural = allowed
     if mask is not None:
-        allowed &= by_position("mask", mask)
+        m, ok_m = _by_position("mask", mask, kp, structural, q_pos)
+        allowed &= m
+        ok &= ok_m
     key_bias = None
     if bias is not None:
-        key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
+        bv, ok_b = _by_position("bias", bias, kp, structural, q_pos)
+        key_bias = jnp.where(allowed, bv, 0.0)[:, None]
+        ok &= ok_b
     out = dot_product_attention(
-        jnp.asarray(q, cache.k.dtype),
-        keys,
-        values,
-        key_bias,
-        allowed[:, None],
-        scale=scale,
-        softcap=softcap,
+        jnp.asarray(q), keys, values, key_bias, allowed[:, None], scale=scale, softcap=softcap
     )
-    return out, kv_cache_append(cache, k, v, valid_a)
+    return _nan_rows(out, ok), _append(cache, k, v, q_pos, lengths)
 
 
 @float64_scoped
@@ -232,53 +378,87 @@ def cache_attend(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> Float[Array, "B L N H_v"]:
-    """Attend from queries to the cached tokens only, without appending anything.
+    """Attend from queries to the cached tokens only, without appending anything:
+    ``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over filled slots ``j``.
 
     Every filled slot is a candidate; ``query_positions`` (optional, ``-1`` = padding query)
     adds the causal rule ``pos_j <= pos_i`` (and the window), and ``mask``/``bias``
     (``[B, L, P]``, by absolute key position) select and shift keys. This is the
     encoder-decoder pattern: a prefilled cache read by queries one step at a time.
+
+    A query at position ``p`` needs the keys ``max(0, p - W + 1) <= j <= min(p, lengths - 1)``;
+    without ``query_positions`` a cache without a window needs all ``lengths`` tokens (a ring
+    buffer is read as it is). A row whose needed keys were overwritten, or whose attended
+    positions reach past ``P``, raises ``ValueError`` eagerly, is NaN under plain ``jax.jit``
+    and raises ``checkify.JaxRuntimeError`` under :func:`attnref.checked`.
     """
     b, c = cache.positions.shape
     length = int(np.shape(q)[1])
     if np.ndim(q) != 4 or np.shape(q)[0] != b or np.shape(q)[3] != cache.k.shape[3]:
         raise ValueError(f"q has shape {np.shape(q)}; expected [B={b}, L, N, H={cache.k.shape[3]}]")
+    _check_dtypes(cache, q=q)
     kp = jnp.broadcast_to(cache.positions[:, None, :], (b, length, c))
     allowed = kp >= 0
+    qp_arr: Array | None = None
+    last = jnp.broadcast_to(cache.lengths[:, None] - 1, (b, length))
     if query_positions is not None:
-        qp = jnp.asarray(query_positions)[:, :, None]
+        if np.shape(query_positions) != (b, length) or not np.issubdtype(
+            _dtype(query_positions), np.integer
+        ):
+            raise ValueError(
+                f"query_positions must be an integer [B={b}, L={length}] array, got shape "
+                f"{np.shape(query_positions)} and dtype {_dtype(query_positions)}"
+            )
+        qp_arr = jnp.asarray(query_positions, jnp.int32)
+        qp = qp_arr[:, :, None]
         allowed &= (qp >= 0) & (kp <= qp)
         if cache.window is not None:
             allowed &= qp - kp < cache.window
-
-    def by_position(name: str, a: Any) -> Array:
-        if np.ndim(a) != 3 or np.shape(a)[:2] != (b, length):
-            raise ValueError(
-                f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] "
-                "indexed by absolute key position"
-            )
-        return jnp.take_along_axis(jnp.asarray(a), jnp.clip(kp, 0, np.shape(a)[2] - 1), axis=2)
-
+        ok = _complete_rows(
+            cache, qp_arr, jnp.minimum(qp_arr, last), cache.positions, "cache_attend"
+        )
+    elif cache.window is None:  # every token so far is needed
+        ok = _complete_rows(cache, last, last, cache.positions, "cache_attend")
+    else:
+        ok = jnp.ones((b, length), bool)
+    structural = allowed
     if mask is not None:
-        allowed &= by_position("mask", mask)
+        m, ok_m = _by_position("mask", mask, kp, structural, qp_arr)
+        allowed &= m
+        ok &= ok_m
     key_bias = None
     if bias is not None:
-        key_bias = jnp.where(allowed, by_position("bias", bias), 0.0)[:, None]
-    return dot_product_attention(
-        jnp.asarray(q, cache.k.dtype),
-        cache.k,
-        cache.v,
-        key_bias,
-        allowed[:, None],
-        scale=scale,
-        softcap=softcap,
+        bv, ok_b = _by_position("bias", bias, kp, structural, qp_arr)
+        key_bias = jnp.where(allowed, bv, 0.0)[:, None]
+        ok &= ok_b
+    out = dot_product_attention(
+        jnp.asarray(q), cache.k, cache.v, key_bias, allowed[:, None], scale=scale, softcap=softcap
     )
+    return _nan_rows(out, ok)
 
 
 def _project(x: Array, w: Any, b: Any) -> Array:
     """``x W[h] + b[h]`` in kernel layout ``[B, L, heads, d]``."""
     y = jnp.einsum("bld,hde->blhe", x, jnp.asarray(w), precision=HIGHEST)
     return y if b is None else y + jnp.asarray(b)
+
+
+def _check_multihead(params: AttentionParams, cache: KVCache, **xs: Any) -> int:
+    """Parameters, cache and token inputs share one dtype; returns ``d_model``."""
+    _, d_model, _, _ = check_params(params)
+    p_dtype = _dtype(params.w_q)
+    if _dtype(cache.k) != p_dtype:
+        raise TypeError(
+            f"the cache has dtype {_dtype(cache.k)} but params.w_q has dtype {p_dtype}; attnref "
+            "does not mix dtypes: build the cache with mha_cache_init(params, ...)"
+        )
+    for name, x in xs.items():
+        if x is not None and _dtype(x) != p_dtype:
+            raise TypeError(
+                f"{name} has dtype {_dtype(x)} but params.w_q has dtype {p_dtype}; attnref does "
+                "not mix dtypes, cast explicitly"
+            )
+    return d_model
 
 
 @float64_scoped
@@ -296,9 +476,12 @@ def mha_cached_attention(
     """Multi-head decoding step: project the chunk ``x`` (``q = x W_Q + b_Q``, ``k``, ``v`` with
     the K/V heads of ``params``), append ``k, v``, attend, and return ``sum_n o_n W_O[n] + b_O``.
     ``x_kv`` (default ``x``) gives the chunk's keys and values when they differ from its queries.
-    ``mask``/``bias`` as in :func:`cached_attention` (indexed by absolute key position).
+    ``mask``/``bias`` as in :func:`cached_attention` (indexed by absolute key position), and so
+    are the value errors: a row that overflows the cache is NaN under plain ``jax.jit`` (all
+    ``d_model`` entries) and raises under :func:`attnref.checked`. ``params``, ``cache`` and
+    ``x`` share one dtype (``TypeError`` otherwise).
     """
-    _, d_model, _, _ = check_params(params)
+    d_model = _check_multihead(params, cache, x=x, x_kv=x_kv)
     x = jnp.asarray(x)
     if x.ndim != 3 or x.shape[-1] != d_model:
         raise ValueError(f"x has shape {x.shape}; expected [B, L, d_model={d_model}]")
@@ -345,13 +528,25 @@ def mha_decode_scan(
 ) -> tuple[Float[Array, "B T d_model"], KVCache]:
     """Feed ``xs`` one token at a time through :func:`mha_cached_attention` with ``lax.scan``;
     row ``t`` of ``mask``/``bias`` goes with token ``t`` (indexed by absolute key position);
-    ``xs_kv`` (default ``xs``) supplies each token's keys and values."""
+    ``xs_kv`` (default ``xs``) supplies each token's keys and values.
+
+    A cache without a window must hold ``lengths + (real tokens of xs)``: checked before the
+    scan (``ValueError`` eagerly, ``checkify.JaxRuntimeError`` under :func:`attnref.checked`);
+    under plain ``jax.jit`` the rows that need overwritten keys are NaN."""
+    _check_multihead(params, cache, xs=xs, xs_kv=xs_kv)
     xs = jnp.asarray(xs)
+    if xs.ndim != 3:
+        raise ValueError(f"xs has shape {xs.shape}; expected [B, T, d_model]")
     steps = {"x": jnp.swapaxes(xs, 0, 1)}
     steps["x_kv"] = steps["x"] if xs_kv is None else jnp.swapaxes(jnp.asarray(xs_kv), 0, 1)
-    steps["valid"] = jnp.swapaxes(
-        jnp.ones(xs.shape[:2], bool) if valid is None else jnp.asarray(valid), 0, 1
-    )
+    if valid is not None and (np.shape(valid) != xs.shape[:2] or _dtype(valid) != np.bool_):
+        raise ValueError(
+            f"valid must be a boolean [B, T] = {xs.shape[:2]} array, got shape {np.shape(valid)} "
+            f"and dtype {_dtype(valid)}"
+        )
+    valid_a = jnp.ones(xs.shape[:2], bool) if valid is None else jnp.asarray(valid)
+    _require_room(cache, jnp.sum(valid_a, axis=1, dtype=jnp.int32))
+    steps["valid"] = jnp.swapaxes(valid_a, 0, 1)
     if mask is not None:
         steps["mask"] = jnp.swapaxes(jnp.asarray(mask), 0, 1)
     if bias is not None:
@@ -387,8 +582,15 @@ def mha_generate(
     """Autoregressive generation with ``lax.scan``: ``y_t = attend(x_t)``, then
     ``x_{t+1} = next_input(x_t, y_t)`` (a residual update, a sampled embedding, ...).
 
-    Returns the inputs ``x_0..x_{steps-1}``, the outputs ``y_t`` and the final cache.
+    Returns the inputs ``x_0..x_{steps-1}``, the outputs ``y_t`` and the final cache. A cache
+    without a window must hold ``lengths + steps`` tokens: ``ValueError`` eagerly,
+    ``checkify.JaxRuntimeError`` under :func:`attnref.checked`; under plain ``jax.jit`` the
+    outputs that need overwritten keys are NaN (and so is everything generated from them).
     """
+    _check_multihead(params, cache, x0=x0)
+    if not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be a non-negative int (static under jax.jit), got {steps!r}")
+    _require_room(cache, jnp.full(cache.lengths.shape, steps, jnp.int32))
 
     def step(carry: tuple[KVCache, Array], _: Any) -> tuple[tuple[KVCache, Array], Any]:
         c, x_t = carry

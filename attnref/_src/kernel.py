@@ -500,7 +500,7 @@ def _attend(
     s = logits_transform(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * x.scale)
     if x.bias is not None:
         s = s + x.bias
-    top = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    top = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     top = jax.lax.stop_gradient(jnp.where(live[..., None], top, 0.0))
     e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - top, 0.0)), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
@@ -515,7 +515,8 @@ def _attend(
     return o.reshape(spec.b, spec.t, spec.n, spec.h_v), lse
 
 
-def _naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
+def naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
+    """The naive form: every ``T x S`` logit at once; output and ``lse [B, T, N]``."""
     cd = spec.compute_dtype
     allowed = allowed_pairs(spec, x)
     live = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)  # [B, T, N]
@@ -579,7 +580,7 @@ def dot_product_attention(
         masked_rows=masked_rows,
     )
     require_lengths_in_range(spec, x)
-    out, lse = _naive(spec, x)
+    out, lse = naive(spec, x)
     return (out, lse) if return_lse else out
 
 

@@ -36,7 +36,7 @@ def masked_softmax(
     """
     allowed = allowed_entries(logits, mask)
     any_allowed = jnp.any(allowed, axis=axis, keepdims=True)
-    top = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis, keepdims=True)
+    top = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)
     top = jax.lax.stop_gradient(jnp.where(any_allowed, top, jnp.zeros_like(top)))
     shifted = jnp.where(allowed, logits - top, jnp.zeros_like(logits))
     e = jnp.where(allowed, jnp.exp(shifted), jnp.zeros_like(logits))

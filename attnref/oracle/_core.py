@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_weight_level
+
 __all__ = [
     "attention",
     "attention_weights",
@@ -107,6 +109,8 @@ def _per_head_per_query(
     emulate: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray | None]]:
     """Return weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]``."""
+    # Every bad input the JAX formulations refuse is refused here too (same exception types).
+    batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
     rd = _rounder(emulate)
     w = _unpack(params)
     group = _group_size(w)
@@ -115,14 +119,7 @@ def _per_head_per_query(
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     n_heads, d_model, d_k = w_q.shape
-    batch = xq.shape[:-2]
-    t_q, t_k = xq.shape[-2], xkv.shape[-2]
-    if xq.shape[-1] != d_model or xkv.shape[-1] != d_model or xkv.shape[:-2] != batch:
-        raise ValueError(f"x_q {xq.shape} / x_kv {xkv.shape} do not match d_model={d_model}")
-    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
-    full = (*batch, t_q, t_k)
-    m = _broadcast(mask, full, bool)
-    b = _broadcast(bias, full, np.float64)
+    s = 1.0 / math.sqrt(d_k) if sc is None else sc
 
     weights = np.zeros((*batch, n_heads, t_q, t_k))
     outs = np.zeros((*batch, n_heads, t_q, d_model))
@@ -206,9 +203,29 @@ def attention(
 # ----------------------------------------------------------------------------- linear attention
 
 
+_FACTORIES = ("elu_plus_one", "relu_features", "identity_features", "taylor2", "favor_plus")
+
+
+def _check_map(fm: Any) -> None:
+    """A clear ``TypeError`` for a map factory passed uncalled (or anything without ``.name``)."""
+    name = getattr(fm, "__name__", None)
+    if callable(fm) and name in _FACTORIES and not hasattr(fm, "num_features"):
+        raise TypeError(
+            f"feature_map must be a feature map; got the factory function {name} itself: call it "
+            f"({name}(...))"
+        )
+    if not isinstance(getattr(fm, "name", None), str):
+        raise TypeError(f"feature_map must be a feature map with a name, got {type(fm).__name__}")
+
+
 def features(fm: Any, x: Any, role: str) -> np.ndarray:
     """Features ``phi(x)`` of the last axis, float64, for a map given by ``fm.name`` (and
-    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.feature_maps``."""
+    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.feature_maps``.
+
+    For FAVOR+ these are the *stabilised* features (keys ``exp(-|x~ - w_i|^2/2) / sqrt(m)``,
+    queries shifted by their own max), whose products are ``exp(-c_q)`` times the defined kernel
+    (:func:`query_log_scale`); :func:`linear_attention` does not use them for FAVOR+."""
+    _check_map(fm)
     x = np.asarray(x, dtype=np.float64)
     name, d = fm.name, x.shape[-1]
     if name == "elu_plus_one":
@@ -233,6 +250,51 @@ def features(fm: Any, x: Any, role: str) -> np.ndarray:
     return np.exp(expo - expo.max(axis=-1, keepdims=True)) / math.sqrt(m)
 
 
+def query_log_scale(fm: Any, x: Any) -> np.ndarray:
+    """``c(x)`` with ``features(q).features(k) = exp(-c(q)) phi(q).phi(k)``, ``[...]``: for FAVOR+
+    ``c = max_i(w_i.x~ + |w_i|^2/2) - |x~|^2/2``, for every other map 0."""
+    _check_map(fm)
+    x = np.asarray(x, dtype=np.float64)
+    if fm.name != "favor_plus":
+        return np.zeros(x.shape[:-1])
+    xs = x / x.shape[-1] ** 0.25
+    w = np.asarray(fm.omega, dtype=np.float64)
+    expo = xs @ w.T + 0.5 * np.sum(w * w, axis=-1)
+    return expo.max(axis=-1) - 0.5 * np.sum(xs * xs, axis=-1)
+
+
+def _favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``log(phi(q).phi(k_j))`` for one query ``q [d]`` and keys ``k [T_k, d]``, from the
+    definition ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2/2)``, ``x~ = x / d^(1/4)``::
+
+        phi(q).phi(k) = (1/m) sum_i exp(w_i.(q~ + k~)) exp(-|q~|^2/2 - |k~|^2/2)
+
+    with the sum over ``i`` as a log-sum-exp (no over- or underflow, no stabilising features)."""
+    d = q.shape[-1]
+    w = np.asarray(fm.omega, dtype=np.float64)
+    if w.shape[1] != d:
+        raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+    qs, ks = q / d**0.25, k / d**0.25
+    z = (qs + ks) @ w.T  # [T_k, m]
+    top = z.max(axis=-1)
+    lse = top + np.log(np.sum(np.exp(z - top[:, None]), axis=-1))
+    return lse - math.log(w.shape[0]) - 0.5 * (qs @ qs) - 0.5 * np.sum(ks * ks, axis=-1)
+
+
+def _ratio_from_logs(ell: np.ndarray, vals: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
+    """``sum_j A_j v_j / (sum_j A_j + eps)`` (or ``/ max(sum_j A_j, eps)``) from ``log A_j``:
+    every term, ``eps`` included, is divided by ``exp(s)``, ``s = max(max_j log A_j, log eps)``,
+    so the largest is 1 (a softmax with ``eps`` as one more weight)."""
+    if ell.size == 0:
+        return np.zeros(vals.shape[-1])  # no allowed key: the numerator is 0
+    log_eps = math.log(eps) if eps > 0 else -math.inf
+    s = max(float(ell.max()), log_eps)
+    weights = np.exp(ell - s)
+    sink = math.exp(log_eps - s)  # eps exp(-s) <= 1
+    den = weights.sum() + sink if eps_policy == "add" else max(weights.sum(), sink)
+    return weights @ vals / den
+
+
 def linear_attention(
     q: Any,
     k: Any,
@@ -249,8 +311,15 @@ def linear_attention(
     A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
     y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
     y_i  = 0 where D_i == 0
+
+    FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
+    (:func:`_favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
+    defined ``A_ij``, whatever the stabilisation of the JAX forms.
     """
     fm = feature_map
+    _check_map(fm)
+    if eps_policy not in ("add", "clamp"):
+        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch, t_q, n_heads, _ = q.shape
     t_k = k.shape[-3]
@@ -258,6 +327,12 @@ def linear_attention(
     out = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     for idx in np.ndindex(*batch):
         for h in range(n_heads):
+            if fm.name == "favor_plus":
+                for i in range(t_q):
+                    ok = km[idx] & (np.arange(t_k) <= i if causal else True)
+                    ell = _favor_log_kernel(fm, q[idx][i, h], k[idx][:, h])
+                    out[idx][i, h] = _ratio_from_logs(ell[ok], v[idx][ok, h], eps, eps_policy)
+                continue
             fk = features(fm, k[idx][:, h], "key")
             for i in range(t_q):
                 fq = features(fm, q[idx][i, h], "query")

@@ -13,6 +13,10 @@ written from the definition one batch element, head and query at a time::
 Query head ``n`` reads K/V head ``n // (N / K)``. A row with no allowed key gets zeros,
 the mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; query rows beyond
 ``T_b`` are 0 with ``lse = -inf``. NumPy only, no JAX.
+
+Bad input is refused as the JAX twin refuses it (same exception type, the argument named; see
+:mod:`attnref.oracle._checks`). ``T = 0`` gives an empty output; ``S = 0`` leaves every query row
+fully masked (``masked_rows="uniform"`` is refused there); a head dimension of 0 is refused.
 """
 
 from __future__ import annotations
@@ -22,18 +26,28 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import (
+    check_alignment,
+    check_allowed_shape,
+    check_kernel,
+    check_options,
+    shape_of,
+)
+
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """Press et al. (2021): geometric slopes starting at ``2^(-8/n)`` with ratio ``2^(-8/n)``
     for ``n`` a power of two; otherwise those of the largest power of two ``c < n``, then the
     odd-indexed slopes of ``2c``."""
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
     def geometric(n: int) -> list[float]:
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
 
     if math.log2(num_heads).is_integer():
-        return np.array(geometric(num_heads))
+        return np.array(geometric(int(num_heads)))
     c = 2 ** math.floor(math.log2(num_heads))
     extra = geometric(2 * c)[0::2][: num_heads - c]
     return np.array(geometric(c) + extra)
@@ -41,6 +55,12 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left") -> np.ndarray:
     """``bias[0, n, i, j] = -slopes[n] * |i + offset - j|`` in float64."""
+    check_alignment(causal_alignment)
+    for name, size in (("t", t), ("s", s)):
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {size!r}")
+    if np.ndim(slopes) != 1:
+        raise ValueError(f"slopes must have shape [N], got shape {shape_of(slopes)}")
     offset = 0 if causal_alignment == "top_left" else s - t
     out = np.zeros((1, len(slopes), t, s))
     for n, m in enumerate(np.asarray(slopes, dtype=np.float64)):
@@ -48,14 +68,6 @@ def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left
             for j in range(s):
                 out[0, n, i, j] = -m * abs(i + offset - j)
     return out
-
-
-def _window(local_window_size: Any) -> tuple[Any, Any]:
-    if local_window_size is None:
-        return (None, None)
-    if isinstance(local_window_size, (int, np.integer)):
-        return (int(local_window_size), int(local_window_size))
-    return (local_window_size[0], local_window_size[1])
 
 
 def kernel_allowed(
@@ -70,24 +82,29 @@ def kernel_allowed(
     segment_ids: Any = None,
     causal_alignment: str = "top_left",
 ) -> np.ndarray:
-    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time."""
-    b_size, _, t, s = shape
-    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), shape)
-    mask_f = None if mask is None else np.broadcast_to(np.asarray(mask, bool), shape)
-    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
-    kv_len = (
-        np.full(b_size, s) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time.
+
+    Every option is validated as :func:`attnref.dot_product_attention` validates it.
+    """
+    full = check_allowed_shape(shape)
+    b_size, _, t, s = full
+    mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
+        full,
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        causal_alignment=causal_alignment,
     )
-    if segment_ids is None:
-        seg_q = seg_k = None
-    elif isinstance(segment_ids, (tuple, list)):
-        seg_q, seg_k = (np.asarray(a) for a in segment_ids)
-    else:
-        seg_q = seg_k = np.asarray(segment_ids)
-    left, right = _window(local_window_size)
-    out = np.zeros(shape, bool)
-    for b, n, i, j in np.ndindex(*shape):
-        offset = 0 if causal_alignment == "top_left" else int(kv_len[b]) - int(q_len[b])
+    q_len = np.full(b_size, t) if q_lens is None else q_lens
+    kv_len = np.full(b_size, s) if kv_lens is None else kv_lens
+    left, right = window
+    out = np.zeros(full, bool)
+    for b, n, i, j in np.ndindex(*full):
+        offset = 0 if alignment == "top_left" else int(kv_len[b]) - int(q_len[b])
         pos = i + offset
         out[b, n, i, j] = not (
             i >= q_len[b]
@@ -95,7 +112,7 @@ def kernel_allowed(
             or (mask_f is not None and not mask_f[b, n, i, j])
             or (bias_f is not None and bias_f[b, n, i, j] == -np.inf)
             or (seg_q is not None and seg_k is not None and seg_q[b, i] != seg_k[b, j])
-            or (is_causal and j > pos)
+            or (causal and j > pos)
             or (left is not None and j < pos - left)
             or (right is not None and j > pos + right)
         )
@@ -120,14 +137,14 @@ def dot_product_attention(
     masked_rows: str = "zeros",
     return_lse: bool = False,
 ) -> Any:
-    """Float64 reference for :func:`attnref.dot_product_attention` (same arguments)."""
+    """Float64 reference for :func:`attnref.dot_product_attention` (same arguments, same
+    refusals: see :mod:`attnref.oracle._checks`)."""
+    b_size, t, s, n_heads, n_kv, _, h_v, sc, softcap_f, policy = check_kernel(
+        query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
+    )
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
-    b_size, t, n_heads, h = q.shape
-    s, n_kv = k.shape[1], k.shape[2]
     group = n_heads // n_kv
-    sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     full = (b_size, n_heads, t, s)
-    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     allowed = kernel_allowed(
         full,
         bias,
@@ -139,9 +156,10 @@ def dot_product_attention(
         segment_ids=segment_ids,
         causal_alignment=causal_alignment,
     )
+    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
 
-    out = np.zeros((b_size, t, n_heads, v.shape[-1]))
+    out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
     for b in range(b_size):
         for n in range(n_heads):
@@ -151,16 +169,16 @@ def dot_product_attention(
                     continue  # query padding: 0 and -inf
                 keys = [j for j in range(s) if allowed[b, n, i, j]]
                 if not keys:
-                    if masked_rows == "uniform":
+                    if policy == "uniform":
                         out[b, i, n] = v[b, :, kvh].mean(axis=0)
-                    elif masked_rows == "nan":
+                    elif policy == "nan":
                         out[b, i, n] = np.nan
                     continue
                 scores = []
                 for j in keys:
                     x = sc * float(q[b, i, n] @ k[b, j, kvh])
-                    if softcap is not None:
-                        x = softcap * math.tanh(x / softcap)
+                    if softcap_f is not None:
+                        x = softcap_f * math.tanh(x / softcap_f)
                     if bias_f is not None:
                         x += bias_f[b, n, i, j]
                     scores.append(x)

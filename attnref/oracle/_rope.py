@@ -28,18 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from ._core import _broadcast, _softmax_row, _unpack
+from ._checks import (
+    check_base,
+    check_convention,
+    check_even_head_dim,
+    check_positions,
+    check_weight_level,
+    dtype_of,
+    is_floating,
+    shape_of,
+)
+from ._core import _softmax_row, _unpack
 
 __all__ = ["rope", "rope_attention"]
-
-_CONVENTIONS = ("rotate_half", "interleaved")
-
-
-def _check(convention: str, d: int) -> None:
-    if convention not in _CONVENTIONS:
-        raise ValueError(f"unknown RoPE convention {convention!r}; expected one of {_CONVENTIONS}")
-    if d % 2:
-        raise ValueError(f"RoPE needs an even head dimension, got {d}")
 
 
 def _pairs(d: int, convention: str) -> list[tuple[int, int]]:
@@ -61,23 +62,10 @@ def _rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.nd
 
 
 def _positions(positions: Any, lead: tuple[int, ...], t: int, name: str) -> np.ndarray:
+    """Integer positions broadcast to ``lead + (t,)``; ``None`` is ``arange(t)``."""
     if positions is None:
         return np.broadcast_to(np.arange(t), (*lead, t))
-    pos = np.asarray(positions)
-    if not np.issubdtype(pos.dtype, np.integer):
-        raise TypeError(f"{name} must be integer, got dtype {pos.dtype}")
-    target = (*lead, t)
-    try:
-        ok = (
-            pos.ndim >= 1
-            and pos.shape[-1] == t
-            and np.broadcast_shapes(pos.shape, target) == target
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} of shape {pos.shape} does not broadcast to {target}")
-    return np.broadcast_to(pos, (*lead, t))
+    return check_positions(name, positions, lead, t)
 
 
 def rope(
@@ -88,13 +76,19 @@ def rope(
     convention: str = "rotate_half",
 ) -> np.ndarray:
     """RoPE of ``x [..., T, N, d]`` (tokens, heads, head dim) at integer ``positions [..., T]``
-    (or ``[T]``), in float64, one vector at a time."""
+    (or ``[T]``), in float64, one vector at a time. Refuses what :func:`attnref.apply_rope`
+    refuses (same exception types)."""
+    check_convention(convention)
+    shape = shape_of(x)
+    if len(shape) < 3:
+        raise ValueError(f"x must have shape [..., T, N, d] (rank >= 3), got {shape}")
+    if not is_floating(dtype_of(x)):
+        raise TypeError(f"x must be floating, got dtype {dtype_of(x)}")
+    check_even_head_dim(shape[-1], "head_dim (x.shape[-1])")
+    *lead, t, n_heads, _ = shape
+    pos = check_positions("positions", positions, tuple(lead), t)
+    check_base(base)
     xs = np.asarray(x, dtype=np.float64)
-    if xs.ndim < 3:
-        raise ValueError(f"x must have shape [..., T, N, d], got {xs.shape}")
-    _check(convention, xs.shape[-1])
-    *lead, t, n_heads, _ = xs.shape
-    pos = _positions(positions, tuple(lead), t, "positions")
     out = np.empty_like(xs)
     for idx in np.ndindex(*lead, t):
         for n in range(n_heads):
@@ -119,26 +113,21 @@ def rope_attention(
     """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (see the module
     docstring); default positions ``arange(T_q)`` / ``arange(T_k)``; fully masked query rows
     give ``b_O``."""
+    # Refuses what attnref.rope_attention refuses, with the same exception types.
+    check_convention(convention)
+    check_base(base)
+    batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
     w = _unpack(params)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     n_heads, d_model, d_k = w_q.shape
-    _check(convention, d_k)
+    check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
     kv_k, kv_v = w_k.shape[0], w_v.shape[0]
-    if n_heads % kv_k or n_heads % kv_v:
-        raise ValueError(f"{kv_k} key / {kv_v} value heads must divide {n_heads} query heads")
-    batch = xq.shape[:-2]
-    t_q, t_k = xq.shape[-2], xkv.shape[-2]
-    if xq.shape[-1] != d_model or xkv.shape[-1] != d_model or xkv.shape[:-2] != batch:
-        raise ValueError(f"x_q {xq.shape} / x_kv {xkv.shape} do not match d_model={d_model}")
     pq = _positions(positions_q, batch, t_q, "positions_q")
     pk = _positions(positions_kv, batch, t_k, "positions_kv")
-    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
-    full = (*batch, t_q, t_k)
-    m = _broadcast(mask, full, bool)
-    b = _broadcast(bias, full, np.float64)
+    s = 1.0 / math.sqrt(d_k) if sc is None else sc
 
     def head(name: str, i: int) -> tuple[np.ndarray, Any]:
         wt, bt = w["w_" + name], w["b_" + name]

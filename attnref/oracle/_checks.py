@@ -1,0 +1,495 @@
+"""Input validation of the float64 oracle, NumPy only (never JAX), written independently.
+
+The oracle refuses every bad input that its JAX twin refuses, with the same exception type
+(``ValueError`` for a bad shape or value, ``TypeError`` for a bad dtype or kind) and a message
+that names the argument and its shape or value. Nothing here converts silently: a float mask is
+refused (not cast to bool), a fractional length is refused (not truncated), an unknown policy or
+alignment string is refused (not read as the default).
+
+Empty inputs have one meaning, shared with the JAX functions: ``T = 0`` (no queries) gives an
+empty output; ``S = 0`` (no keys) makes every query row fully masked, so ``masked_rows`` decides
+(``"uniform"``, the mean over zero keys, is refused); a head dimension of 0 is refused, since the
+default scale ``1/sqrt(H)`` is undefined.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+POLICIES = ("zeros", "uniform", "nan")
+ALIGNMENTS = ("top_left", "bottom_right")
+CONVENTIONS = ("rotate_half", "interleaved")
+PARAM_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+PARAM_BIASES = ("b_q", "b_k", "b_v", "b_o")
+
+
+# ----------------------------------------------------------------------------- primitives
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    """The shape of an array or array-like (a nested list gives its NumPy shape)."""
+    return tuple(int(d) for d in np.shape(x))
+
+
+def dtype_of(x: Any) -> np.dtype[Any]:
+    """The dtype of an array, or NumPy's dtype for an array-like without one."""
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def is_floating(dt: np.dtype[Any]) -> bool:
+    """A real floating dtype, including the ``ml_dtypes`` formats (bfloat16, float8_*)."""
+    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
+
+
+def is_integer(dt: np.dtype[Any]) -> bool:
+    """A signed or unsigned integer dtype (bool is not an integer here)."""
+    return dt.kind in "iu"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_real_scalar(name: str, x: Any) -> float:
+    """A real number (Python, NumPy scalar or 0-d array; not bool, complex or text) as float.
+
+    ``ValueError`` for a non-scalar, ``TypeError`` for a scalar that is not a real number.
+    """
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a real number, got {x!r}")
+    if np.ndim(x) != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {shape_of(x)}")
+    dt = dtype_of(x)
+    if not (is_floating(dt) or is_integer(dt)):
+        raise TypeError(f"{name} must be a real number, got {x!r} (dtype {dt})")
+    return float(np.asarray(x, dtype=np.float64))
+
+
+def check_scale(scale: Any) -> float | None:
+    """``None`` (the default ``1/sqrt(d)``) or a real scalar."""
+    return None if scale is None else check_real_scalar("scale", scale)
+
+
+def check_mask_and_bias(
+    mask: Any, bias: Any, target: tuple[int, ...], axes: str
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``mask`` boolean and ``bias`` floating, each broadcasting to ``target`` without growing it
+    (rank >= 2). Returns them broadcast to ``target`` (``bias`` in float64)."""
+    out: list[np.ndarray | None] = []
+    for name, arr in (("mask", mask), ("bias", bias)):
+        if arr is None:
+            out.append(None)
+            continue
+        shape = shape_of(arr)
+        if len(shape) < 2:
+            raise ValueError(
+                f"{name} must have rank >= 2 with its last two axes {axes}, got shape {shape}"
+            )
+        try:
+            ok = np.broadcast_shapes(shape, target) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name} has shape {shape}, which does not broadcast to {axes} = {target}"
+            )
+        dt = dtype_of(arr)
+        if name == "mask" and dt != np.bool_:
+            raise TypeError(
+                f"mask must be boolean (True = may attend), got dtype {dt}; pass additive "
+                "scores through bias instead"
+            )
+        if name == "bias" and not is_floating(dt):
+            raise TypeError(f"bias must be floating, got dtype {dt}")
+        a = np.asarray(arr, dtype=bool if name == "mask" else np.float64)
+        out.append(np.broadcast_to(a, target))
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------- kernel level
+
+
+def check_policy(masked_rows: Any) -> str:
+    """One of :data:`POLICIES`, spelled exactly (no case folding)."""
+    if not isinstance(masked_rows, str) or masked_rows not in POLICIES:
+        raise ValueError(f"masked_rows must be one of {POLICIES}, got {masked_rows!r}")
+    return masked_rows
+
+
+def check_alignment(causal_alignment: Any) -> str:
+    """One of :data:`ALIGNMENTS`, spelled exactly (``"bottom-right"`` is refused)."""
+    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    return causal_alignment
+
+
+def check_flag(name: str, x: Any) -> bool:
+    """A Python or NumPy bool (a string such as ``"False"`` would otherwise read as True)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {x!r}")
+    return bool(x)
+
+
+def check_window(local_window_size: Any) -> tuple[int | None, int | None]:
+    """``None``, ``w`` (both sides) or ``(left, right)`` with ints >= 0 or ``None`` (unbounded).
+
+    Returns ``(left, right)``; ``(None, None)`` when there is no window.
+    """
+    if local_window_size is None:
+        return (None, None)
+    if _is_int(local_window_size):
+        pair: tuple[Any, Any] = (local_window_size, local_window_size)
+    elif isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(
+                "local_window_size must be an int or a (left, right) pair (None = unbounded), "
+                f"got {local_window_size!r}"
+            )
+        pair = (local_window_size[0], local_window_size[1])
+    else:
+        raise TypeError(
+            "local_window_size must be an int or a (left, right) pair of ints (None = "
+            f"unbounded), got {local_window_size!r}"
+        )
+    out: list[int | None] = []
+    for side, w in zip(("left", "right"), pair, strict=True):
+        if w is None:
+            out.append(None)
+            continue
+        if not _is_int(w):
+            raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
+        if w < 0:
+            raise ValueError(
+                f"local_window_size {side} = {w} is negative; a query at position p attends to "
+                "keys in [p - left, p + right], so both sides must be >= 0"
+            )
+        out.append(int(w))
+    return (out[0], out[1])
+
+
+def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> np.ndarray | None:
+    """An integer array of exactly ``shape``, every entry in ``[0, upper]`` when ``upper`` is
+    given; ``None`` passes through."""
+    if x is None:
+        return None
+    if shape_of(x) != shape:
+        raise ValueError(f"{name} has shape {shape_of(x)}; expected {shape}")
+    dt = dtype_of(x)
+    if not is_integer(dt):
+        raise TypeError(f"{name} must be integer, got dtype {dt}")
+    arr = np.asarray(x).astype(np.int64)
+    if upper is not None and arr.size and (arr.min() < 0 or arr.max() > upper):
+        raise ValueError(
+            f"{name} = {arr.tolist()} is out of range; every length must lie in [0, {upper}]"
+        )
+    return arr
+
+
+def check_segments(
+    segment_ids: Any, b: int, t: int, s: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``None``, one ``[B, T]`` integer array (needs ``T == S``), or a pair ``([B, T], [B, S])``."""
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(
+                "segment_ids must be one [B, T] array (T == S) or a pair "
+                "(query_segment_ids [B, T], key_value_segment_ids [B, S])"
+            )
+        q_in, kv_in = segment_ids
+    else:
+        if t != s:
+            raise ValueError(
+                f"a single segment_ids array needs T == S, got T={t}, S={s}; "
+                "pass (query_segment_ids, key_value_segment_ids)"
+            )
+        q_in = kv_in = segment_ids
+    return (
+        check_ints("query_segment_ids", q_in, (b, t), None),
+        check_ints("key_value_segment_ids", kv_in, (b, s), None),
+    )
+
+
+def check_options(
+    shape: tuple[int, int, int, int],
+    bias: Any,
+    mask: Any,
+    *,
+    is_causal: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    local_window_size: Any,
+    segment_ids: Any,
+    causal_alignment: Any,
+) -> tuple[Any, ...]:
+    """The checks of the allowed-set options for ``shape = (B, N, T, S)``.
+
+    Returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window, alignment, is_causal)`` with
+    mask and bias broadcast to ``shape``.
+    """
+    b, _, t, s = shape
+    alignment = check_alignment(causal_alignment)
+    causal = check_flag("is_causal", is_causal)
+    for name, arr in (("bias", bias), ("mask", mask)):
+        if arr is not None and np.ndim(arr) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 broadcastable to [B, N, T, S] = {shape}, got shape "
+                f"{shape_of(arr)}"
+            )
+    m, bs = check_mask_and_bias(mask, bias, shape, "[B, N, T, S]")
+    q_lens = check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
+    kv_lens = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
+    q_seg, kv_seg = check_segments(segment_ids, b, t, s)
+    window = check_window(local_window_size)
+    return m, bs, q_lens, kv_lens, q_seg, kv_seg, window, alignment, causal
+
+
+def check_allowed_shape(shape: Any) -> tuple[int, int, int, int]:
+    """``shape`` of :func:`kernel_allowed`: four ints ``(B, N, T, S)``, each >= 0."""
+    if (
+        not isinstance(shape, (tuple, list))
+        or len(shape) != 4
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        raise ValueError(f"shape must be four ints (B, N, T, S), each >= 0, got {shape!r}")
+    b, n, t, s = (int(d) for d in shape)
+    return b, n, t, s
+
+
+def check_kernel(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    scale: Any,
+    softcap: Any,
+    masked_rows: Any,
+) -> tuple[int, int, int, int, int, int, int, float, float | None, str]:
+    """Shapes, dtypes, scale, softcap and policy of a kernel call.
+
+    Returns ``(B, T, S, N, K, H, H_v, scale, softcap, masked_rows)``.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if np.ndim(x) != 4:
+            layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
+            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
+    qs, ks, vs = shape_of(query), shape_of(key), shape_of(value)
+    b, t, n, h = qs
+    bk, s, kh, hk = ks
+    bv, sv, kv, h_v = vs
+    if bk != b or bv != b:
+        raise ValueError(f"batch sizes differ: query {qs}, key {ks}, value {vs}")
+    if hk != h:
+        raise ValueError(f"key has head dim {hk} (shape {ks}) but query has {h} (shape {qs})")
+    if (sv, kv) != (s, kh):
+        raise ValueError(
+            f"value has shape {vs}; expected [B, S={s}, K={kh}, H_v] to match key {ks}"
+        )
+    if kh < 1:
+        raise ValueError(f"key has K=0 heads (shape {ks}); it needs at least one K/V head")
+    if n < 1 or n % kh:
+        raise ValueError(
+            f"query has N={n} heads (shape {qs}) and key has K={kh} (shape {ks}); N must be a "
+            "positive multiple of K for GQA/MQA"
+        )
+    if h < 1:
+        raise ValueError(
+            f"query has head dim H=0 (shape {qs}); H must be >= 1 (the default scale "
+            "1/sqrt(H) is undefined at 0)"
+        )
+    dtypes = {"query": dtype_of(query), "key": dtype_of(key), "value": dtype_of(value)}
+    if not is_floating(dtypes["query"]):
+        raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
+    policy = check_policy(masked_rows)
+    sc = check_scale(scale)
+    cap: float | None = None
+    if softcap is not None:
+        ok = not isinstance(softcap, (str, bytes, bool, np.bool_)) and np.ndim(softcap) == 0
+        if ok:
+            ok = is_floating(dtype_of(softcap)) or is_integer(dtype_of(softcap))
+        cap = float(np.asarray(softcap, dtype=np.float64)) if ok else None
+        if cap is None or not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
+    if s == 0 and policy == "uniform":
+        raise ValueError(
+            f"key has S=0 keys (shape {ks}): every query row is fully masked, and "
+            "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
+            "use 'zeros' or 'nan'"
+        )
+    return b, t, s, n, kh, h, h_v, (1.0 / math.sqrt(h) if sc is None else sc), cap, policy
+
+
+# ----------------------------------------------------------------------------- weight level
+
+
+def _param(params: Any, name: str) -> Any:
+    return params.get(name) if isinstance(params, dict) else getattr(params, name, None)
+
+
+def check_params(params: Any) -> tuple[int, int, int, int, int]:
+    """The parameter pytree's shapes and dtypes; returns ``(H, K, d_model, d_k, d_v)``.
+
+    ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+    ``w_o [H, d_v, d_model]``, optional ``b_q [H, d_k]``, ``b_k [K, d_k]``, ``b_v [K, d_v]``,
+    ``b_o [d_model]``; ``H % K == 0``, ``H, K, d_k >= 1``; one floating dtype throughout.
+    """
+    for name in PARAM_WEIGHTS:
+        w = _param(params, name)
+        if w is None:
+            raise TypeError(f"params.{name} is missing; expected an AttentionParams pytree")
+        if np.ndim(w) != 3:
+            raise ValueError(
+                f"params.{name} must have rank 3 (per-head layout), got shape {shape_of(w)}"
+            )
+    sq = shape_of(_param(params, "w_q"))
+    h, d_model, d_k = sq
+    if h < 1:
+        raise ValueError(f"params.w_q has shape {sq}; it needs at least one head")
+    if d_k < 1:
+        raise ValueError(
+            f"params.w_q has shape {sq}; d_k must be >= 1 (the default scale 1/sqrt(d_k) is "
+            "undefined at 0)"
+        )
+    sk = shape_of(_param(params, "w_k"))
+    kv, dmk, dkk = sk
+    if (dmk, dkk) != (d_model, d_k):
+        raise ValueError(
+            f"params.w_k has shape {sk} but params.w_q has shape {sq}; expected "
+            f"w_k [K, d_model={d_model}, d_k={d_k}]"
+        )
+    sv = shape_of(_param(params, "w_v"))
+    hv, dmv, d_v = sv
+    if kv < 1 or h % kv:
+        raise ValueError(
+            f"params.w_q has {h} heads, params.w_k {kv} and params.w_v {hv} (shapes {sq}, {sk}, "
+            f"{sv}); num_heads must be a multiple of num_kv_heads"
+        )
+    if dmv != d_model:
+        raise ValueError(f"params.w_v has shape {sv}; expected [K={kv}, d_model={d_model}, d_v]")
+    if hv != kv:
+        raise ValueError(
+            f"params.w_k has shape {sk} but params.w_v has shape {sv}; keys and values must "
+            "have the same number of heads (num_kv_heads)"
+        )
+    so = shape_of(_param(params, "w_o"))
+    if so != (h, d_v, d_model):
+        raise ValueError(
+            f"params.w_o has shape {so}; expected [H={h}, d_v={d_v}, d_model={d_model}] to "
+            f"match params.w_q {sq} and params.w_v {sv}"
+        )
+    expected = {
+        "b_q": ((h, d_k), "[H, d_k]"),
+        "b_k": ((kv, d_k), "[K, d_k]"),
+        "b_v": ((kv, d_v), "[K, d_v]"),
+        "b_o": ((d_model,), "[d_model]"),
+    }
+    for name, (shape, axes) in expected.items():
+        bias = _param(params, name)
+        if bias is not None and shape_of(bias) != shape:
+            raise ValueError(
+                f"params.{name} has shape {shape_of(bias)}; expected {axes} = {shape} "
+                f"(H={h} query heads, K={kv} key/value heads)"
+            )
+    dtypes = {
+        name: dtype_of(_param(params, name))
+        for name in PARAM_WEIGHTS + PARAM_BIASES
+        if _param(params, name) is not None
+    }
+    first = dtypes["w_q"]
+    if not is_floating(first):
+        raise TypeError(f"params.w_q has dtype {first}; attention parameters must be floating")
+    for name, dt in dtypes.items():
+        if dt != first:
+            raise TypeError(
+                f"params.{name} has dtype {dt} but params.w_q has dtype {first}; attnref does "
+                "not mix dtypes, cast the parameters explicitly"
+            )
+    return h, kv, d_model, d_k, d_v
+
+
+def check_weight_level(
+    params: Any, x_q: Any, x_kv: Any, mask: Any, bias: Any, scale: Any
+) -> tuple[tuple[int, ...], int, int, np.ndarray | None, np.ndarray | None, float | None]:
+    """Parameters, tokens ``[..., T, d_model]``, ``mask``/``bias`` ``[..., T_q, T_k]`` and scale of
+    the weight-level functions. Returns ``(batch_shape, T_q, T_k, mask, bias, scale)`` with mask
+    and bias broadcast to ``batch_shape + (T_q, T_k)``.
+
+    ``T_q = 0`` gives an empty output; ``T_k = 0`` leaves every query row fully masked (zero
+    weights, output ``b_O``).
+    """
+    _, _, d_model, _, _ = check_params(params)
+    p_dtype = dtype_of(_param(params, "w_q"))
+    x_kv = x_q if x_kv is None else x_kv
+    want = "[..., T, d_model]"
+    for name, x in (("x_q", x_q), ("x_kv", x_kv)):
+        if np.ndim(x) < 2:
+            raise ValueError(f"{name} must have rank >= 2 ({want}), got shape {shape_of(x)}")
+        if shape_of(x)[-1] != d_model:
+            raise ValueError(
+                f"{name} has shape {shape_of(x)} but params have d_model={d_model}; expected {want}"
+            )
+        if dtype_of(x) != p_dtype:
+            raise TypeError(
+                f"{name} has dtype {dtype_of(x)} but params.w_q has dtype {p_dtype}; attnref "
+                "does not mix dtypes, cast explicitly"
+            )
+    sq, skv = shape_of(x_q), shape_of(x_kv)
+    if sq[:-2] != skv[:-2]:
+        raise ValueError(
+            f"x_q has batch shape {sq[:-2]} (shape {sq}) but x_kv has batch shape {skv[:-2]} "
+            f"(shape {skv}); batch dimensions must match exactly"
+        )
+    batch, t_q, t_k = sq[:-2], sq[-2], skv[-2]
+    m, b = check_mask_and_bias(mask, bias, (*batch, t_q, t_k), "[..., T_q, T_k]")
+    return batch, t_q, t_k, m, b, check_scale(scale)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def check_convention(convention: Any) -> str:
+    """One of :data:`CONVENTIONS`."""
+    if not isinstance(convention, str) or convention not in CONVENTIONS:
+        raise ValueError(f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS}")
+    return convention
+
+
+def check_even_head_dim(d: int, name: str) -> None:
+    """RoPE rotates pairs of features: ``d`` must be a positive even integer."""
+    if d < 2 or d % 2:
+        raise ValueError(f"RoPE needs an even head dimension, got {name} = {d}")
+
+
+def check_base(base: Any) -> float:
+    """A positive finite real ``base`` (``TypeError`` when it is not a number)."""
+    try:
+        b = check_real_scalar("base", base)
+    except ValueError as err:
+        raise TypeError(f"base must be a static Python number, got {base!r}") from err
+    if not (math.isfinite(b) and b > 0.0):
+        raise ValueError(f"base must be a positive finite number, got {base!r}")
+    return b
+
+
+def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) -> np.ndarray:
+    """Integer positions broadcasting to ``lead + (t,)`` without growing it; returns them
+    broadcast (int64)."""
+    dt = dtype_of(positions)
+    if not is_integer(dt):
+        raise TypeError(f"{name} must be integer, got dtype {dt}")
+    shape = shape_of(positions)
+    target = (*lead, t)
+    try:
+        ok = len(shape) >= 1 and shape[-1] == t and np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
+    return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
