@@ -317,6 +317,25 @@ def test_decode_scan_ring_buffer_with_mask_and_bias(ring, seed):
     assert_within_bound(ys, ref, bound, label=f"ring decode W={window} C={capacity}")
 
 
+def test_decode_multihead_entry_with_a_wrapping_ring():
+    """The registry's ``decode_multihead`` with ``window=W < T``: its ring of capacity ``W``
+    wraps, and the result equals ``oracle.attention`` with the band ``t - W < j <= t`` and the
+    same mask and bias, within the derived weight-level bound (jit and no jit give the same
+    compiled scan body, so one variant suffices here)."""
+    rng = np.random.default_rng(5)
+    params = _params(np.float64)
+    steps, window = 7, 3
+    xs = rng.standard_normal((2, steps, 8))
+    mask = rng.random((2, steps, steps)) < 0.75
+    bias = rng.standard_normal((2, steps, steps))
+    y = attnref.decode_multihead(params, xs, mask=mask, bias=bias, window=window)
+    t = np.arange(steps)
+    full = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window) & mask
+    ref = oracle.attention(params, xs, mask=full, bias=bias)
+    bound = tolerance.attention_error_bound(params, xs, mask=full, bias=bias, dtype=np.float64)
+    assert_within_bound(y, ref, bound, label=f"decode_multihead window={window}")
+
+
 def _causal_inputs(dtype, steps=6):
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, steps, N, H)).astype(dtype)

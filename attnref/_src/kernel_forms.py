@@ -85,12 +85,14 @@ def decode_multihead(
     bias: Float[ArrayLike, "... T T"] | None = None,
     scale: float | None = None,
     residual: bool = False,
+    window: int | None = None,
 ) -> Float[Array, "... T d_model"]:
     """Causal attention computed by KV-cached decoding, one token per ``lax.scan`` step.
 
     Token ``t`` brings query ``x_q[t]`` and key/value ``x_kv[t]`` (default ``x_q``); it attends to
     the cached tokens ``j <= t`` with ``mask[t, j]`` and ``bias[t, j]``. Always causal; needs
-    ``T_q == T_k``.
+    ``T_q == T_k``. With ``window = W`` the cache is a ring buffer of capacity ``W`` that wraps
+    once ``T > W``, and token ``t`` attends to ``t - W < j <= t`` (sliding-window attention).
     """
     p = Prepared(params, x_q, x_kv, mask, bias, scale)
     if p.t_q != p.t_k:
@@ -100,7 +102,7 @@ def decode_multihead(
         )
     xq, xkv, b = _flat(p)
     m, bi = _pairs(p, p.mask, b), _pairs(p, p.bias, b)
-    cache = mha_cache_init(params, b, p.t_k)
+    cache = mha_cache_init(params, b, p.t_k if window is None else window, window=window)
     y, _ = mha_decode_scan(
         params,
         cache,
