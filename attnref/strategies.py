@@ -23,6 +23,13 @@ Design rules:
   Identical rows (every key equal, or every query equal) are a special case drawn on purpose with
   the label ``"identical rows"``, never an accident of shrinking.
 * **Every draw is labelled** (``draw(..., label=...)``) and summarised with ``hypothesis.note``.
+* **Every broadcastable shape.** A boolean mask and an additive bias may have any of the 16
+  shapes :data:`BROADCAST_SHAPES` (each axis of ``[B, N, T, S]`` full or 1; rank 4 only, as
+  :func:`jax.nn.dot_product_attention` and :func:`attnref.dot_product_attention` require).
+  :func:`kernel_problems` draws the mask's and the bias's shape separately (labelled draws,
+  :func:`broadcast_shapes`), one pair per example: a shape changes the compiled program, so an
+  example costs at most one new compilation per mask kind, and the shapes shrink towards the
+  full ``"BNTS"``, so a shrunk example shows the least broadcasting that still fails.
 * **Mask kinds** (:data:`MASK_KINDS`): ``none``, ``causal``, ``padding`` (sequence lengths),
   ``random`` (boolean mask, every row keeps a key), ``bias``, ``alibi``, ``neg_inf_bias`` (a bias
   with ``-inf`` entries, every row keeps a finite one), ``window``, ``segments`` (segment ids),
@@ -39,6 +46,7 @@ from :func:`attnref.init_params`, GQA through ``num_kv_heads``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -49,14 +57,19 @@ from attnref import oracle, tolerance
 from attnref._src.params import AttentionParams, init_params
 
 __all__ = [
+    "BIAS_SHAPE_KINDS",
+    "BROADCAST_SHAPES",
     "BUCKETS",
     "IDENTICAL",
     "KIND_FEATURES",
     "MASK_KINDS",
+    "MASK_SHAPE_KINDS",
     "AttentionProblem",
     "Config",
     "KernelProblem",
     "attention_problems",
+    "broadcast_shape",
+    "broadcast_shapes",
     "configs",
     "kernel_inputs",
     "kernel_problems",
@@ -166,6 +179,47 @@ KIND_FEATURES: dict[str, tuple[str, ...]] = {
 
 IDENTICAL = ("none", "keys", "queries")  # the "identical rows" special case
 
+# Every rank-4 shape that broadcasts to [B, N, T, S]: each axis full (its letter) or 1, ordered by
+# the number of broadcast axes (full first, "1111" last), so Hypothesis shrinks towards "BNTS".
+# "B11S" is the usual key-padding mask, "111S" a mask or bias shared by every batch element.
+BROADCAST_SHAPES: tuple[str, ...] = tuple(
+    sorted(
+        (
+            "".join(full if keep else "1" for full, keep in zip("BNTS", keeps, strict=True))
+            for keeps in itertools.product((True, False), repeat=4)
+        ),
+        key=lambda pattern: pattern.count("1"),
+    )
+)
+# The mask kinds that take a boolean mask / an additive bias of a drawn broadcast shape, and the
+# shape each has when none is given (``make_options(..., mask_shape=None)``).
+MASK_SHAPE_KINDS: dict[str, str] = {
+    "random": "BNTS",
+    "fully_masked_row": "B1TS",
+    "combined": "B1TS",
+}
+BIAS_SHAPE_KINDS: dict[str, str] = {"bias": "1NTS", "neg_inf_bias": "BNTS", "combined": "1NTS"}
+
+
+def broadcast_shape(config: Config, pattern: str) -> tuple[int, int, int, int]:
+    """The array shape of a :data:`BROADCAST_SHAPES` ``pattern`` for ``config``:
+    ``broadcast_shape(c, "B11S") == (c.batch, 1, 1, c.s)``."""
+    if pattern not in BROADCAST_SHAPES:
+        raise ValueError(
+            f"pattern must be one of BROADCAST_SHAPES (each of 'BNTS' or '1'), got {pattern!r}"
+        )
+    full = {"B": config.batch, "N": config.n, "T": config.t, "S": config.s}
+    return tuple(full.get(ch, 1) for ch in pattern)  # type: ignore[return-value]
+
+
+def broadcast_shapes(patterns: tuple[str, ...] = BROADCAST_SHAPES) -> st.SearchStrategy[str]:
+    """A broadcast pattern from ``patterns`` (default: all 16 of :data:`BROADCAST_SHAPES`),
+    shrinking towards the first; turn it into a shape with :func:`broadcast_shape`."""
+    bad = [p for p in patterns if p not in BROADCAST_SHAPES]
+    if bad or not patterns:
+        raise ValueError(f"patterns must be a non-empty subset of BROADCAST_SHAPES, got {bad}")
+    return st.sampled_from(tuple(patterns))
+
 
 def _filter_buckets(
     buckets: tuple[Config, ...], cross: bool, gqa: bool, value_dim_differs: bool
@@ -242,26 +296,40 @@ def _segments(rng: np.random.Generator, c: Config) -> tuple[np.ndarray, np.ndarr
     return q_seg, kv_seg
 
 
-def _random_mask(rng: np.random.Generator, c: Config, heads: int) -> np.ndarray:
-    mask = rng.random((c.batch, heads, c.t, c.s)) < 0.6
-    keep = rng.integers(0, c.s, size=(c.batch, heads, c.t))
+def _random_mask(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    mask = rng.random(shape) < 0.6
+    keep = rng.integers(0, shape[-1], size=shape[:-1])
     np.put_along_axis(mask, keep[..., None], True, axis=-1)  # every row keeps one key
     return mask
 
 
 def make_options(
-    config: Config, kind: str, seed: int, *, causal_alignment: str = "top_left"
+    config: Config,
+    kind: str,
+    seed: int,
+    *,
+    causal_alignment: str = "top_left",
+    mask_shape: str | None = None,
+    bias_shape: str | None = None,
 ) -> dict[str, Any]:
     """Keyword options of :func:`attnref.dot_product_attention` for one mask ``kind`` (NumPy
     arrays; the bias in ``config.dtype``). Only ``fully_masked_row`` (and ``combined`` with
-    ``bottom_right`` alignment) can leave a query row with no allowed key."""
+    ``bottom_right`` alignment) can leave a query row with no allowed key.
+
+    ``mask_shape`` / ``bias_shape``: a :data:`BROADCAST_SHAPES` pattern for the boolean mask of
+    ``random``, ``fully_masked_row`` and ``combined`` and for the bias of ``bias``,
+    ``neg_inf_bias`` and ``combined`` (``None``: the kind's own, :data:`MASK_SHAPE_KINDS`,
+    :data:`BIAS_SHAPE_KINDS`); ignored by the other kinds.
+    """
     if kind not in MASK_KINDS:
         raise ValueError(f"kind must be one of {MASK_KINDS}, got {kind!r}")
     c = config
     rng = np.random.default_rng([seed, MASK_KINDS.index(kind)])
     dt = np.dtype(c.dtype)
+    m_shape = broadcast_shape(c, mask_shape or MASK_SHAPE_KINDS.get(kind, "BNTS"))
+    b_shape = broadcast_shape(c, bias_shape or BIAS_SHAPE_KINDS.get(kind, "BNTS"))
     # Each kind has fixed array shapes and static values, so a jitted kernel compiles one
-    # program per kind and bucket; the kinds between them cover per-head and broadcast shapes.
+    # program per kind, bucket and drawn broadcast shape.
     if kind == "none":
         return {}
     if kind == "causal":
@@ -271,18 +339,18 @@ def make_options(
             "query_seq_lengths": _lengths(rng, c.batch, c.t),
             "key_value_seq_lengths": _lengths(rng, c.batch, c.s),
         }
-    if kind == "random":  # per batch element and head
-        return {"mask": _random_mask(rng, c, c.n)}
-    if kind == "bias":  # broadcast over the batch
-        return {"bias": rng.standard_normal((1, c.n, c.t, c.s)).astype(dt)}
+    if kind == "random":  # every row keeps a key
+        return {"mask": _random_mask(rng, m_shape)}
+    if kind == "bias":
+        return {"bias": rng.standard_normal(b_shape).astype(dt)}
     if kind == "alibi":
         slopes = oracle.alibi_slopes(c.n)
         bias = oracle.alibi_bias(slopes, c.t, c.s, causal_alignment=causal_alignment)
         return {"bias": bias.astype(dt)}
-    if kind == "neg_inf_bias":  # per batch element and head
-        bias = rng.standard_normal((c.batch, c.n, c.t, c.s))
+    if kind == "neg_inf_bias":  # every row keeps a finite entry
+        bias = rng.standard_normal(b_shape)
         bias[rng.random(bias.shape) < 0.35] = -np.inf
-        keep = rng.integers(0, c.s, size=bias.shape[:-1])
+        keep = rng.integers(0, b_shape[-1], size=bias.shape[:-1])
         np.put_along_axis(bias, keep[..., None], rng.standard_normal((*bias.shape[:-1], 1)), -1)
         return {"bias": bias.astype(dt)}
     if kind == "window":  # asymmetric, so swapped sides are caught
@@ -292,19 +360,19 @@ def make_options(
         return {"segment_ids": q_seg if c.t == c.s else (q_seg, kv_seg)}
     if kind == "softcap":
         return {"softcap": 2.0}
-    if kind == "fully_masked_row":  # broadcast over heads
-        mask = _random_mask(rng, c, 1)
-        mask[int(rng.integers(c.batch)), :, int(rng.integers(c.t)), :] = False
+    if kind == "fully_masked_row":  # one (broadcast) row with no key
+        mask = _random_mask(rng, m_shape)
+        mask[int(rng.integers(m_shape[0])), :, int(rng.integers(m_shape[2])), :] = False
         return {"mask": mask}
-    # combined: causal, padding, a random mask (broadcast over heads) and a finite bias
-    mask = _random_mask(rng, c, 1)
+    # combined: causal, padding, a random mask and a finite bias
+    mask = _random_mask(rng, m_shape)
     mask[..., 0] = True  # key 0 is causal-visible to every query under top-left alignment
     return {
         "is_causal": True,
         "query_seq_lengths": _lengths(rng, c.batch, c.t),
         "key_value_seq_lengths": _lengths(rng, c.batch, c.s),
         "mask": mask,
-        "bias": rng.standard_normal((1, c.n, c.t, c.s)).astype(dt),
+        "bias": rng.standard_normal(b_shape).astype(dt),
     }
 
 
@@ -439,10 +507,20 @@ def make_kernel_problem(
     scale: float = 1.0,
     masked_rows: str = "zeros",
     causal_alignment: str = "top_left",
+    mask_shape: str | None = None,
+    bias_shape: str | None = None,
 ) -> KernelProblem:
-    """The deterministic problem behind one draw of :func:`kernel_problems`."""
+    """The deterministic problem behind one draw of :func:`kernel_problems` (``mask_shape``,
+    ``bias_shape``: broadcast patterns, :func:`make_options`)."""
     q, k, v = kernel_inputs(config, seed, identical=identical, scale=scale)
-    opts = make_options(config, kind, seed, causal_alignment=causal_alignment)
+    opts = make_options(
+        config,
+        kind,
+        seed,
+        causal_alignment=causal_alignment,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+    )
     return KernelProblem(
         q, k, v, opts, config, kind, seed, identical, masked_rows, causal_alignment
     )
@@ -457,19 +535,34 @@ def kernel_problems(
     identical_rows: bool = False,
     masked_rows: str = "zeros",
     causal_alignment: str = "top_left",
+    mask_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
+    bias_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
 ) -> KernelProblem:
-    """A :class:`KernelProblem`: a config, a mask kind from ``kinds``, a data seed and (when
-    ``identical_rows``) the identical-rows special case, each a labelled draw."""
+    """A :class:`KernelProblem`: a config, a mask kind from ``kinds``, a data seed, (when
+    ``identical_rows``) the identical-rows special case and, for a kind with a boolean mask or a
+    bias, its broadcast shape from ``mask_shapes`` / ``bias_shapes`` (default: every one of
+    :data:`BROADCAST_SHAPES`; ``None``: the kind's own fixed shape, one compiled program per
+    bucket), each a labelled draw."""
     strategy = _configs() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(st.sampled_from(tuple(kinds)), label="mask kind")
+    mask_shape = bias_shape = None
+    if kind in MASK_SHAPE_KINDS and mask_shapes is not None:
+        mask_shape = draw(broadcast_shapes(tuple(mask_shapes)), label="mask shape")
+    if kind in BIAS_SHAPE_KINDS and bias_shapes is not None:
+        bias_shape = draw(broadcast_shapes(tuple(bias_shapes)), label="bias shape")
     identical = "none"
     if identical_rows:
         # one draw in four is the special case, chosen on purpose (and shrinks towards "none")
         pick = draw(st.sampled_from(("none", "none", "keys", "queries")), label="identical rows")
         identical = pick
     seed = draw(st.integers(0, 2**32 - 1), label="data seed")
-    note(f"config={config!r} kind={kind} identical={identical} seed={seed}")
+    shapes = "".join(
+        f" {name}={value}"
+        for name, value in (("mask_shape", mask_shape), ("bias_shape", bias_shape))
+        if value is not None
+    )
+    note(f"config={config!r} kind={kind}{shapes} identical={identical} seed={seed}")
     return make_kernel_problem(
         config,
         kind,
@@ -477,6 +570,8 @@ def kernel_problems(
         identical=identical,
         masked_rows=masked_rows,
         causal_alignment=causal_alignment,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
     )
 
 

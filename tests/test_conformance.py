@@ -16,6 +16,7 @@ import json
 import math
 
 import flax.linen as nn
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,8 @@ from attnref.testing import (
     check_attention,
     load_target,
 )
+
+from . import conformance_targets as targets
 
 EXAMPLES = 5
 JAX_NN = functools.partial(jax.nn.dot_product_attention, implementation="xla")
@@ -360,3 +363,111 @@ def test_declared_nan_rows_and_bottom_right_alignment():
     undeclared = _fails(check_attention(fn, properties=props, **kw))
     assert set(undeclared) == set(props)
     assert "NaN" in undeclared["fully_masked_rows"].detail
+
+
+# ----------------------------------------------------------------------------- issue 11
+
+
+def test_broadcast_shapes_are_every_rank4_pattern():
+    """The strategies draw every shape that broadcasts to ``[B, N, T, S]`` (each axis full or 1,
+    rank 4), and each kind that takes a mask or a bias builds it in the drawn shape."""
+    import itertools
+
+    want = {
+        "".join(a if keep else "1" for a, keep in zip("BNTS", k, strict=True))
+        for k in itertools.product((True, False), repeat=4)
+    }
+    assert set(ast.BROADCAST_SHAPES) == want and len(ast.BROADCAST_SHAPES) == 16
+    assert ast.BROADCAST_SHAPES[0] == "BNTS"  # shrinks towards the full shape
+    c = ast.BUCKETS[-1]  # batch 2, T=5, S=7, N=4: every axis distinct from 1
+    for pattern in ast.BROADCAST_SHAPES:
+        shape = ast.broadcast_shape(c, pattern)
+        for kind in ("random", "fully_masked_row", "combined"):
+            p = ast.make_kernel_problem(c, kind, 3, mask_shape=pattern)
+            assert p.options["mask"].shape == shape, (kind, pattern)
+            assert p.oracle()[0].shape == p.bound()[0].shape
+        for kind in ("bias", "neg_inf_bias", "combined"):
+            p = ast.make_kernel_problem(c, kind, 3, bias_shape=pattern)
+            assert p.options["bias"].shape == shape, (kind, pattern)
+            if kind != "combined":  # every row keeps a key
+                assert p.allowed().any(-1).all(), (kind, pattern)
+    with pytest.raises(ValueError, match="BROADCAST_SHAPES"):
+        ast.broadcast_shape(c, "BN1")
+    # the public strategy draws them, labelled (mask_shapes=None: the kind's own shape)
+    seen = set()
+
+    @hypothesis.seed(0)
+    @hypothesis.settings(max_examples=40, database=None, deadline=None)
+    @hypothesis.given(ast.kernel_problems(kinds=("random",), mask_shapes=("B11S", "1111")))
+    def draw(p):
+        seen.add(p.options["mask"].shape)
+
+    draw()
+    assert all(shape[1:3] == (1, 1) for shape in seen), seen
+    # both patterns come up in 40 draws ("1111" has S = 1, "B11S" has S > 1 in every bucket)
+    assert {shape[3] == 1 for shape in seen} == {True, False}, seen
+
+
+@pytest.mark.parametrize(
+    ("name", "features", "kind"),
+    [
+        ("mask_row0_only", ("mask",), "random"),
+        ("padded_broadcast", ("mask",), "random"),
+        ("padded_broadcast", ("bias",), "neg_inf_bias"),
+    ],
+)
+def test_masks_property_rejects_query_broadcast_bugs(name, features, kind):
+    """A mask applied to query row 0 only, and the pre-fix blockwise defect (a query-broadcast
+    mask or bias padded like data), both pass on every full-shape mask and bias; the masks
+    property draws the broadcast shapes (the key-padding ones first, whatever the seed and the
+    Hypothesis version) and catches them with a shape that has T = 1."""
+    report = check_attention(
+        getattr(targets, name), features=features, properties=["masks"], max_examples=3, seed=0
+    )
+    (r,) = report.results
+    assert r.status == "failed", report.summary()
+    assert f"masks [{kind}:" in r.detail, r.detail
+    shape = r.detail.split("[", 2)[2].split("]", 1)[0]  # e.g. "2, 1, 1, 4"
+    assert shape.split(", ")[2] == "1", r.detail  # broadcast over the query axis
+    assert "_shape='" in r.example, r.example  # the drawn shape is in the shrunk example
+    assert r.traceback is None  # a failed comparison, not an exception
+
+
+def test_lse_none_and_wrong_shape_are_failures_naming_the_shapes():
+    report = check_attention(
+        targets.lse_none, features=("lse",), properties=["lse"], max_examples=2, seed=0
+    )
+    (r,) = report.results
+    assert r.status == "failed"
+    assert "None" in r.detail and "lse [B, T, N]" in r.detail and "(2, 4, 2)" in r.detail
+    report = check_attention(
+        targets.wrong_shape,
+        features=("mask", "grad"),
+        properties=["oracle", "batch_independence", "gradients"],
+        max_examples=2,
+        seed=0,
+    )
+    for r in report.results:  # the message, not an internal error from a later comparison
+        assert r.status == "failed" and r.traceback is None, r
+        assert r.detail.startswith("fn returned its output [B, T, N, H_v] with shape (2, 2, 4, 4)")
+        assert "expected (2, 4, 2, 4)" in r.detail, r.detail
+
+
+def test_all_nan_kernel_fails_every_property_that_runs():
+    report = check_attention(targets.all_nan, max_examples=2, seed=0)
+    assert {r.name for r in report.results if r.status != "failed"} == set(), report.summary()
+    by_name = {r.name: r for r in report.results}
+    assert "NaN" in by_name["batch_independence"].detail
+
+
+def test_a_kernel_that_raises_shows_its_traceback():
+    report = check_attention(targets.raises, properties=["oracle"], max_examples=2, seed=0)
+    (r,) = report.results
+    assert r.status == "failed"
+    assert r.detail.startswith("ValueError: kernel_helper_exploded")
+    assert r.traceback is not None
+    assert "in _broken_helper" in r.traceback and "conformance_targets.py" in r.traceback
+    assert "/hypothesis/" not in r.traceback  # Hypothesis's frames are left out
+    assert r.traceback.rstrip().endswith("kernel_helper_exploded on a query of shape (2, 4, 2, 4)")
+    assert "in _broken_helper" in report.summary()
+    assert report.to_dict()["results"][0]["traceback"] == r.traceback

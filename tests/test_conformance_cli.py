@@ -52,8 +52,29 @@ def test_check_fails_on_a_broken_kernel_with_example_and_replay(capsys):
     out, _ = capsys.readouterr()
     assert status == 1, out
     assert "oracle" in out and "failed" in out
-    assert "--- oracle failed (seed " in out and "Failing test case" in out
+    assert "--- oracle failed (seed " in out
+    # the shrunk example, in words that are attnref's own (Hypothesis heads it "Falsifying
+    # example:" before 6.15x and "Failing test case:" after): the drawn problem and its note
+    assert "KernelProblem(Config(" in out and "config=Config(" in out
     assert f"attnref check {BROKEN} --properties oracle --seed" in out  # the replay line
+
+
+@pytest.mark.parametrize(
+    ("target", "prop", "message"),
+    [
+        ("padded_broadcast", "masks", "masks [neg_inf_bias: {bias=float32[1, 1, 1, 4]}]"),
+        ("raises", "oracle", "Traceback (most recent call last):"),
+    ],
+)
+def test_check_rejects_issue_11_targets(capsys, target, prop, message):
+    """``attnref check`` rejects the pre-fix blockwise defect (through the masks property's
+    broadcast shapes) and shows a raising kernel's traceback."""
+    spec = f"tests.conformance_targets:{target}"
+    args = ["--max-examples", "2", "--properties", prop, "--features", "bias", "--no-progress"]
+    status = main(["check", spec, *args])
+    out, _ = capsys.readouterr()
+    assert status == 1, out
+    assert message in out, out
 
 
 def test_check_json(capsys):

@@ -22,12 +22,15 @@ Properties (each equality with the oracle uses the tolerance rules of
     Every supported mask option (boolean ``mask``, ``bias`` including ALiBi and ``-inf`` entries,
     ``is_causal`` with ``T != S`` when ``"cross"`` is supported, sequence lengths, a local window,
     segment ids, softcap, and all of causal + lengths + mask + bias together) equals the oracle run
-    with the declared ``causal_alignment`` and ``masked_rows``. Every example checks every option.
+    with the declared ``causal_alignment`` and ``masked_rows``. Every example checks every option,
+    and draws the shape of its boolean mask and of its ``-inf`` bias from all 16 that broadcast
+    to ``[B, N, T, S]`` (:data:`attnref.strategies.BROADCAST_SHAPES`; ``[B, 1, 1, S]`` is the
+    key-padding mask).
 ``causality`` (needs ``"causal"``)
     Appending future tokens (with keys scaled up to 1000x, so that a max taken over future keys
     would underflow the past) leaves earlier outputs unchanged within the sum of the two runs'
-    derived bounds; with ``"grad"``, the gradient of output row ``t`` with respect to ``q``, ``k``
-    and ``v`` at every position after ``t`` is exactly zero.
+    derived bounds, and both runs equal the oracle; with ``"grad"``, the gradient of output row
+    ``t`` with respect to ``q``, ``k`` and ``v`` at every position after ``t`` is exactly zero.
 ``gqa`` (needs ``"gqa"``)
     ``N = 2K`` and ``N = 4K`` problems equal the oracle; query head ``n`` reads K/V head
     ``n // (N / K)`` (consecutive groups, as in GQA and MQA).
@@ -37,7 +40,8 @@ Properties (each equality with the oracle uses the tolerance rules of
     finite negative where attnref returns ``-inf``).
 ``batch_independence``
     Each batch element run alone (every per-example option sliced with it) equals its slice of the
-    batched run within twice the derived bound, with NaN in the same places.
+    batched run within twice the derived bound, with NaN in the same places, and both runs equal
+    the oracle (an all-NaN kernel is batch-independent, and wrong).
 ``fully_masked_rows`` (needs ``"mask"`` or ``"seq_lengths"``)
     A query row with no allowed key returns the declared ``masked_rows`` meaning (``"zeros"``,
     ``"uniform"``: the mean of every ``v`` row, ``"nan"``), and no other row is NaN.
@@ -51,6 +55,11 @@ Properties (each equality with the oracle uses the tolerance rules of
 ``extreme_logits``
     With ``q`` and ``k`` scaled so that ``max |logit|`` is ``1e2``, ``1e3`` or ``1e4`` in float32,
     the output is finite and equals the oracle within the derived bound.
+
+Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
+is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.
+A failure that is an exception rather than a failed comparison (``fn`` raised) carries its
+traceback (:attr:`PropertyResult.traceback`).
 
 Adapters (``signature``):
 
@@ -78,6 +87,8 @@ import functools
 import importlib
 import inspect
 import math
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +101,7 @@ from hypothesis import strategies as st
 from hypothesis.reporting import with_reporter
 
 from attnref import strategies as ast
+from attnref import testing as _attnref_testing
 from attnref._src.checks import enable_x64
 from attnref._src.kernel import dot_product_attention as _attnref_dpa
 from attnref.testing import assert_attention_close
@@ -161,6 +173,13 @@ _DEPENDS: dict[str, tuple[str, ...]] = {
 }
 _STATIC = ("scale", "is_causal", "local_window_size", "softcap")
 _ARRAYS = ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segment_ids")
+# The kinds of the masks property whose mask or bias takes the example's drawn broadcast shape:
+# a boolean mask (every row keeps a key) and a bias with -inf entries (every row keeps a finite
+# one, so it is also the finite bias's broadcast check).
+_DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
+    "random": ("mask_shape",),
+    "neg_inf_bias": ("bias_shape",),
+}
 _MASK_PROPERTY_KINDS = tuple(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row"))
 
 
@@ -175,7 +194,10 @@ class PropertyResult:
     failure message (rule, index, ratio); ``example`` Hypothesis's shrunk falsifying example and
     notes; ``seed`` replays it with ``check_attention(fn, properties=[name], seed=seed, ...)``;
     ``examples`` the examples run (up to and including the first failing one); ``declared`` the
-    declared differences from attnref's semantics in effect, e.g. ``("masked_rows=uniform",)``.
+    declared differences from attnref's semantics in effect, e.g. ``("masked_rows=uniform",)``;
+    ``traceback`` where the failure is an exception rather than a failed comparison (the
+    target raised, or returned something the kit could not use): where it was raised, with
+    Hypothesis's own frames left out.
     """
 
     name: str
@@ -185,6 +207,7 @@ class PropertyResult:
     seed: int
     examples: int
     declared: tuple[str, ...] = ()
+    traceback: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +269,8 @@ class ConformanceReport:
             lines += ["", f"--- {r.name} failed (seed {r.seed}) ---", r.detail.strip()]
             if r.example:
                 lines.append(r.example.strip())
+            if r.traceback:
+                lines.append(r.traceback.rstrip())
             lines.append(
                 f"replay: check_attention(fn, properties=[{r.name!r}], seed={r.seed}, "
                 f"max_examples=..., ...)"
@@ -306,12 +331,18 @@ def _describe_target(fn: Any) -> str:
     return repr(fn)
 
 
-def _accepts(fn: Any, name: str) -> bool:
+def _lse_keyword(fn: Any) -> str:
+    """The keyword that asks ``fn`` for the lse: ``return_residual`` (jax.nn) or ``return_lse``
+    (attnref), whichever ``fn`` names; for ``fn(..., **kw)`` naming neither, ``return_residual``."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        return "return_residual"
+    return next((kw for kw in ("return_residual", "return_lse") if kw in params), "return_residual")
+
+
+class _ShapeError(Exception):
+    """Raised while tracing the target's vjp when its output has the wrong shape."""
 
 
 # jitted callables shared across check_attention calls: (fn, signature, kind, static) -> jitted
@@ -332,6 +363,28 @@ def _first(result: Any) -> Any:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _checked_array(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """``value`` as a NumPy array, or an ``AssertionError`` naming ``what``, the expected shape
+    and what came back (``None``, a non-numeric object, another shape)."""
+    if value is None:
+        raise AssertionError(f"fn returned None for its {what}; expected an array of shape {shape}")
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # e.g. a ragged nest of lists
+        raise AssertionError(
+            f"fn returned {type(value).__name__} for its {what}, which is not an array "
+            f"({type(exc).__name__}: {exc}); expected shape {shape}"
+        ) from exc
+    if arr.dtype.kind in "bOSUmM":  # bool, object (e.g. a tuple holding None), text, time
+        raise AssertionError(
+            f"fn returned a {arr.dtype} array for its {what}; expected a floating-point array "
+            f"of shape {shape}"
+        )
+    if arr.shape != shape:
+        raise AssertionError(f"fn returned its {what} with shape {arr.shape}; expected {shape}")
+    return arr
+
+
 class _Target:
     """Calls the user's function through its adapter, jitted where the signature is JAX's."""
 
@@ -340,9 +393,7 @@ class _Target:
         self.signature = signature
         self._eager: set[tuple[Any, ...]] = set()  # (kind, static, lse, dtype) that failed jit
         self.notes: list[str] = []
-        self.lse_keyword = next(
-            (kw for kw in ("return_residual", "return_lse") if _accepts(fn, kw)), "return_residual"
-        )
+        self.lse_keyword = _lse_keyword(fn)
 
     # the raw call: (q, k, v, arrays) -> whatever fn returns
     def _raw(self, static: tuple[tuple[str, Any], ...], want_lse: bool) -> Callable[..., Any]:
@@ -401,18 +452,26 @@ class _Target:
         return tuple(jax.tree_util.tree_map(jnp.asarray, a) for a in args)
 
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
-        """``(out, lse or None)`` as NumPy arrays."""
+        """``(out, lse or None)`` as NumPy arrays, each checked to be a numeric array of the
+        expected shape (``out [B, T, N, H_v]``, ``lse [B, T, N]``) before any comparison."""
         static, arrays = _split_options(p.options)
         raw = self._raw(static, want_lse)
         result = self._invoke(("forward", static, want_lse), raw, (p.q, p.k, p.v, arrays), p.dtype)
+        c = p.config
         if want_lse:
             if not isinstance(result, (tuple, list)) or len(result) != 2:
                 raise AssertionError(
                     f"asked for the lse ({self.lse_keyword}=True) but fn returned "
                     f"{type(result).__name__}, not a pair (out, lse)"
                 )
-            return np.asarray(result[0]), np.asarray(result[1])
-        return np.asarray(_first(result)), None
+            out = _checked_array(result[0], (c.batch, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
+            lse = _checked_array(
+                result[1], (c.batch, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)"
+            )
+            return out, lse
+        return _checked_array(
+            _first(result), (c.batch, c.t, c.n, c.h_v), "output [B, T, N, H_v]"
+        ), None
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
@@ -421,12 +480,23 @@ class _Target:
 
         def grads(q: Any, k: Any, v: Any, arrays: dict[str, Any], cot: Any) -> Any:
             out, pull = jax.vjp(lambda a, b, c: _first(raw(a, b, c, arrays)), q, k, v)
+            if tuple(out.shape) != tuple(cot.shape):
+                raise _ShapeError(
+                    f"fn returned its output [B, T, N, H_v] with shape {tuple(out.shape)}; "
+                    f"expected {tuple(cot.shape)}"
+                )
             return pull(cot.astype(out.dtype))
 
-        result = self._invoke(
-            ("vjp", static, False), grads, (p.q, p.k, p.v, arrays, cotangent), p.dtype
+        try:
+            result = self._invoke(
+                ("vjp", static, False), grads, (p.q, p.k, p.v, arrays, cotangent), p.dtype
+            )
+        except _ShapeError as exc:
+            raise AssertionError(str(exc)) from None
+        return tuple(
+            _checked_array(g, np.shape(x), f"gradient d/d{name}")
+            for name, g, x in zip("qkv", result, (p.q, p.k, p.v), strict=True)
         )
-        return tuple(np.asarray(g) for g in result)
 
 
 # ----------------------------------------------------------------------------- attnref itself
@@ -647,7 +717,8 @@ def _cases(draw: st.DrawFn, configs: Any, **extras: Any) -> _Case:
 
 
 Check = Callable[[Any], None]
-Plan = tuple[Any, Check]  # (strategy, check) or a skip reason (str)
+# (strategy, check) or (strategy, check, explicit cases run first), or a skip reason (str)
+Plan = tuple[Any, Check] | tuple[Any, Check, tuple[Any, ...]]
 
 
 def _plan_oracle(ctx: _Context) -> Plan | str:
@@ -679,11 +750,27 @@ def _plan_masks(ctx: _Context) -> Plan | str:
 
     def check(case: _Case) -> None:
         for kind in kinds:
-            p = ctx.problem(case.config, kind, case.seed)
+            shape = {name: case.get(name) for name in _DRAWN_SHAPES.get(kind, ())}
+            p = ctx.problem(case.config, kind, case.seed, **shape)
             out, _ = ctx.run(p)
             _assert_output(out, ctx.view(p), f"masks [{kind}: {_options_text(p)}]")
 
-    return _cases(ctx.configs(ctx.pool("self", "general", "tall"))), check
+    # One mask shape and one bias shape per example, from all 16 broadcastable ones. A shape is
+    # a new compiled program, so only two kinds take them (an example adds at most two
+    # programs); the other kinds keep their fixed shapes, compiled once per bucket.
+    pool = ctx.pool("self", "general", "tall")
+    strategy = _cases(
+        ctx.configs(pool),
+        mask_shape=ast.broadcast_shapes(),
+        bias_shape=ast.broadcast_shapes(),
+    )
+    # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
+    first = _Case(
+        dataclasses.replace(pool[0], dtype=ctx.primary),
+        0,
+        (("mask_shape", "B11S"), ("bias_shape", "111S")),
+    )
+    return strategy, check, (first,)
 
 
 def _options_text(p: ast.KernelProblem) -> str:
@@ -706,12 +793,10 @@ def _plan_causality(ctx: _Context) -> Plan | str:
         v[:, t:] *= grow
         p = p.replace(k=k.astype(p.dtype), v=v.astype(p.dtype))
         pre = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
-        full, _ = ctx.run(p)
+        full_out, _ = ctx.run(p)
         part, _ = ctx.run(pre)
-        full = np.asarray(full, np.float64)[:, :t]
+        full = np.asarray(full_out, np.float64)[:, :t]
         part = np.asarray(part, np.float64)
-        if full.shape != part.shape:
-            raise AssertionError(f"causality: output shapes {full.shape} vs {part.shape}")
         bound = ctx.view(p).bound()[0][:, :t] + ctx.view(pre).bound()[0]
         bad = ~np.isfinite(full) | ~np.isfinite(part)
         err = np.where(bad, np.inf, np.abs(np.nan_to_num(full - part)))
@@ -725,6 +810,9 @@ def _plan_causality(ctx: _Context) -> Plan | str:
                 f"{bound[idx]:.3e} ({ratio[idx]:.3g} x the sum of the two derived bounds); "
                 f"full {full[idx]!r}, prefix-only {part[idx]!r}"
             )
+        # agreeing with each other is not enough (an all-zero kernel does): each equals the oracle
+        _assert_output(full_out, ctx.view(p), "causality: the full run")
+        _assert_output(part, ctx.view(pre), "causality: the prefix run")
         if "grad" in ctx.features and ctx.signature != "numpy":
             rng = np.random.default_rng(case.seed)
             cot = np.zeros((c.batch, c.t, c.n, c.h_v))
@@ -818,12 +906,20 @@ def _plan_batch(ctx: _Context) -> Plan | str:
                     f"{idx}: {one[0][idx]!r} vs {full[b][idx]!r} ({ratio[idx]:.3g} x twice the "
                     f"derived bound); kind {p.kind}"
                 )
+            # equal to each other is not enough (an all-NaN kernel is): each equals the oracle
+            _assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} run alone")
+        _assert_output(full, ctx.view(p), f"batched run [{p.kind}: {_options_text(p)}]")
 
     strategy = ast.kernel_problems(
         ctx.configs(pool),
         kinds=kinds,
         masked_rows=ctx.masked_rows,
         causal_alignment=ctx.causal_alignment,
+        # the kinds' fixed shapes (per-example and batch-broadcast masks and biases among them):
+        # the masks property draws the broadcast shapes, and each costs a compiled program here
+        # twice (the batch and one element)
+        mask_shapes=None,
+        bias_shapes=None,
     )
     return strategy, check
 
@@ -846,7 +942,7 @@ def _plan_fully_masked(ctx: _Context) -> Plan | str:
     def check(case: _Case) -> None:
         c = case.config
         if use_mask:
-            p = ctx.problem(c, "fully_masked_row", case.seed)
+            p = ctx.problem(c, "fully_masked_row", case.seed, mask_shape=case.get("mask_shape"))
         else:
             p = ctx.problem(c, "none", case.seed)
             lens = np.full(c.batch, c.s, np.int32)
@@ -883,7 +979,8 @@ def _plan_fully_masked(ctx: _Context) -> Plan | str:
                 )
         _assert_output(out, view, "fully_masked_rows")
 
-    return _cases(ctx.configs(ctx.pool("self", "general"))), check
+    extra = {"mask_shape": ast.broadcast_shapes()} if use_mask else {}
+    return _cases(ctx.configs(ctx.pool("self", "general")), **extra), check
 
 
 def _plan_gradients(ctx: _Context) -> Plan | str:
@@ -986,36 +1083,78 @@ def _settings(max_examples: int) -> settings:
     )
 
 
+_KIT_FILES = frozenset(
+    os.path.normcase(os.path.abspath(f)) for f in (__file__, _attnref_testing.__file__)
+)
+
+
+def _is_comparison_failure(exc: BaseException) -> bool:
+    """An ``AssertionError`` raised by the kit's own comparisons (this module or
+    :mod:`attnref.testing`), as opposed to an exception from the target or its libraries."""
+    if not isinstance(exc, AssertionError) or exc.__traceback__ is None:
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.normcase(os.path.abspath(frames[-1].filename)) in _KIT_FILES
+
+
+def _format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without Hypothesis's frames."""
+    hyp = os.sep + "hypothesis" + os.sep
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if hyp not in f.filename]
+    last = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    text = str(exc)  # not format_exception_only: that repeats Hypothesis's notes
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames)]) + (
+        f"{last}: {text}" if text else last
+    )
+
+
 def _run_property(
-    strategy: Any, check: Check, max_examples: int, seed: int
-) -> tuple[str, str, str | None, int]:
-    """Run ``check`` as a Hypothesis test; ``(status, detail, example, examples)``."""
+    strategy: Any,
+    check: Check,
+    max_examples: int,
+    seed: int,
+    explicit: Sequence[Any] = (),
+) -> tuple[str, str, str | None, int, str | None]:
+    """Run ``check`` as a Hypothesis test; ``(status, detail, example, examples, traceback)``,
+    the traceback only for an exception that is not one of the kit's comparisons. The
+    ``explicit`` cases run first, in every Hypothesis version and for every seed; they count
+    among the examples only when one fails."""
     state = {"count": 0, "failed": False}
 
     def body(case: Any) -> None:
-        if not state["failed"]:
+        is_explicit = any(case is e for e in explicit)
+        if not state["failed"] and not is_explicit:
             state["count"] += 1
         try:
             check(case)
         except BaseException:
+            if not state["failed"] and is_explicit:
+                state["count"] += 1
             state["failed"] = True
             raise
 
-    test = hypothesis.seed(seed)(_settings(max_examples)(given(case=strategy)(body)))
+    test: Any = given(case=strategy)(body)
+    for case in reversed(tuple(explicit)):
+        test = hypothesis.example(case=case)(test)
+    test = hypothesis.seed(seed)(_settings(max_examples)(test))
     printed: list[str] = []
     try:
         with with_reporter(lambda value: printed.append(str(value))):
             test()
     except Exception as exc:
+        # Hypothesis reports the shrunk example as a note or through the reporter, headed
+        # "Falsifying example:" (before 6.15x) or "Failing test case:" (after): both put first.
         notes = [str(n) for n in getattr(exc, "__notes__", ())] + printed
         cases = [n for n in notes if n.startswith(("Failing test case", "Falsifying"))]
         lines = list(dict.fromkeys(cases + [n for n in notes if n not in cases]))
         example = "\n".join(lines).strip() or None
         message = str(exc).strip() or type(exc).__name__
-        if not isinstance(exc, AssertionError):
+        tb = None
+        if not _is_comparison_failure(exc):
             message = f"{type(exc).__name__}: {message}"
-        return "failed", message, example, int(state["count"])
-    return "passed", "", None, int(state["count"])
+            tb = _format_traceback(exc)
+        return "failed", message, example, int(state["count"]), tb
+    return "passed", "", None, int(state["count"]), None
 
 
 def check_attention(
@@ -1090,14 +1229,18 @@ def check_attention(
         if isinstance(plan, str):
             results.append(PropertyResult(name, "skipped", plan, None, seed, 0))
         else:
-            strategy, check = plan
+            strategy, check, *explicit = plan
             before = len(ctx.target.notes)
-            status, detail, example, count = _run_property(strategy, check, max_examples, seed)
+            status, detail, example, count, tb = _run_property(
+                strategy, check, max_examples, seed, *explicit
+            )
             new_notes = ctx.target.notes[before:]
             if new_notes:
                 detail = "; ".join([detail, *new_notes]) if detail else "; ".join(new_notes)
             in_effect = tuple(f"{k}={declared[k]}" for k in _DEPENDS[name] if k in declared)
-            results.append(PropertyResult(name, status, detail, example, seed, count, in_effect))
+            results.append(
+                PropertyResult(name, status, detail, example, seed, count, in_effect, tb)
+            )
         if progress is not None:
             progress(done, len(names), name)
     return ConformanceReport(

@@ -182,6 +182,8 @@ def format_failure(result: Any, options: Options) -> str:
     lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
     if result.example:
         lines += ["shrunk example:", _indent(result.example.rstrip(), "  ")]
+    if getattr(result, "traceback", None):
+        lines += ["traceback:", _indent(result.traceback.rstrip(), "  ")]
     if result.declared:
         lines.append(f"declared: {', '.join(result.declared)}")
     lines.append(f"replay (seed {result.seed}): {options.replay_command(result.name, result.seed)}")
