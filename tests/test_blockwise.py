@@ -101,7 +101,8 @@ def _neutral_arrays(p):
     if bias is None or not np.all(np.isfinite(bias)):
         # -inf entries have no gradient (the masking itself is tested elsewhere)
         bias = np.zeros((1, b.n, b.t, b.s))
-    return arrays, np.broadcast_to(bias, (1, b.n, b.t, b.s)).astype(np.float64)
+    # Full [B, N, T, S]: the drawn bias may broadcast over any axis; its gradient is per entry.
+    return arrays, np.broadcast_to(bias, (b.b, b.n, b.t, b.s)).astype(np.float64)
 
 
 # Profiles with distinct backward paths: plain; window + softcap + NaN rows; bottom-right

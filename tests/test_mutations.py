@@ -97,11 +97,11 @@ def test_broadcast_mask_padded_as_data_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("form", ["dot_product_attention", "blockwise"])
 def test_nonfinite_leak_through_zero_times_nan_is_caught(form, monkeypatch):
-    """Defect 3: contracting the raw operands (no finite parts, no per-row selection) lets a
-    value that only row 5 may read turn rows 0-4 and their gradients into NaN."""
+    """Defect 3: contracting the raw operands (no finite parts, no poisoned rows) lets a value
+    that only row 5 may read turn rows 0-4 and their gradients into NaN."""
     for module in (kernel, blockwise):
         monkeypatch.setattr(module, "finite_part", lambda a: a)
-        monkeypatch.setattr(module, "select_rows", lambda dirty, exact, diff: diff)
+        monkeypatch.setattr(module, "poison_rows", lambda dirty, values: values)
     fn = attnref.dot_product_attention if form == "dot_product_attention" else _blockwise
     with pytest.raises(AssertionError):
         check_unread_nonfinite_values(fn)

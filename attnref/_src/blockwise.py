@@ -49,7 +49,7 @@ from attnref._src.kernel import (
     require_lengths_in_range,
     structural_allowed,
 )
-from attnref._src.nonfinite import finite_part, ieee_mix, select_rows
+from attnref._src.nonfinite import finite_bias, finite_part, poison_rows
 
 
 def _pad_axis(a: Array, axis: int, size: int, value: Any = 0) -> Array:
@@ -93,15 +93,10 @@ class _Tiles:
     def k_rows(self, a: Array, j: Array, axis: int = 1) -> Array:
         return _slice(a, axis, j * self.bk, self.bk)
 
-    def tile(
-        self, i: Array, j: Array, exact: bool = False, find_dirty: bool = False
-    ) -> dict[str, Array]:
-        """Allowed pairs, operands and logits of query tile ``i`` and key tile ``j``.
-
-        The operands are the finite parts of the inputs (the differentiable path), or the raw
-        inputs with ``exact=True`` (the IEEE values of rows that read a non-finite value);
-        ``find_dirty`` adds the rows of the tile that read a non-finite value.
-        """
+    def tile(self, i: Array, j: Array, find_dirty: bool = False) -> dict[str, Array]:
+        """Allowed pairs, operands (the finite parts of the inputs) and logits of query tile
+        ``i`` and key tile ``j``; ``find_dirty`` adds the tile's rows that read a non-finite
+        value (``attnref._src.nonfinite``)."""
         spec, x, cd = self.spec, self.x, self.spec.compute_dtype
         q_idx = i * self.bq + jnp.arange(self.bq)
         k_idx = j * self.bk + jnp.arange(self.bk)
@@ -120,13 +115,13 @@ class _Tiles:
             "k": self.k_rows(self.k, j).astype(cd),
             "v": self.k_rows(self.v, j).astype(cd),
         }
-        ops = raw_ops if exact else {n: finite_part(a) for n, a in raw_ops.items()}
+        ops = {n: finite_part(a) for n, a in raw_ops.items()}
         qg = ops["q"].reshape(spec.b, self.bq, spec.k, spec.group, spec.h)
         raw = jnp.einsum("btkgh,bskh->bkgts", qg, ops["k"], precision=HIGHEST)
         raw = raw.reshape(spec.b, spec.n, self.bq, self.bk) * x.scale
         s = logits_transform(spec, raw)
         if bias is not None:
-            s = s + bias
+            s = s + finite_bias(bias)
         dirty = None
         if find_dirty:
             dirty = dirty_rows(spec, raw_ops["q"], raw_ops["k"], raw_ops["v"], bias, allowed)
@@ -144,27 +139,23 @@ class _Tiles:
         return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.s, axis=axis)
 
 
-def _forward(tiles: _Tiles, exact: bool = False) -> tuple[Array, Array, Array, Array]:
+def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
     """Online softmax: ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows and
-    dirty rows (rows that read a non-finite value; all False with ``exact=True``)."""
+    dirty rows (rows that read a non-finite value)."""
     spec, cd = tiles.spec, tiles.spec.compute_dtype
-    eq = "bkgts,bskh->bkgth"
 
     def q_block(i: Array) -> tuple[Array, Array, Array, Array]:
         def step(carry: tuple[Array, Array, Array, Array], j: Array) -> tuple[Any, None]:
             m, run_sum, acc, dirty = carry
-            t = tiles.tile(i, j, exact, find_dirty=not exact)
+            t = tiles.tile(i, j, find_dirty=True)
             allowed, s = t["allowed"], t["s"]
             m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - shift[..., None], 0.0)), 0.0)
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
-            if exact:
-                pv = ieee_mix(eq, grouped(p, spec), t["v"], grouped(allowed, spec))
-            else:
-                pv = jnp.einsum(eq, grouped(p, spec), t["v"], precision=HIGHEST)
-                dirty = jnp.logical_or(dirty, t["dirty"])
+            pv = jnp.einsum("bkgts,bskh->bkgth", grouped(p, spec), t["v"], precision=HIGHEST)
             acc = alpha[..., None] * acc + pv.reshape(acc.shape)
+            dirty = jnp.logical_or(dirty, t["dirty"])
             return (m_new, alpha * run_sum + jnp.sum(p, axis=-1), acc, dirty), None
 
         init = (
@@ -273,12 +264,10 @@ def _flash(spec: KernelSpec, bq: int, bk: int, x: KernelInputs) -> tuple[Array, 
 def _flash_fwd(
     spec: KernelSpec, bq: int, bk: int, x: KernelInputs
 ) -> tuple[tuple[Array, Array], tuple[KernelInputs, Array, Array, Array, Array]]:
-    """The online softmax on finite operands, then the IEEE values of the rows that read a
-    non-finite value (``attnref._src.nonfinite``); the residuals are the finite path's."""
-    tiles = _Tiles(spec, x, bq, bk)
-    o, lse, live, dirty = _forward(tiles)
-    o_all, lse_all = select_rows(dirty, lambda: _forward(tiles, exact=True)[:2], (o, lse))
-    out, lse_out = finish(spec, x, o_all, lse_all, live)
+    """The online softmax on finite operands; the rows that read a non-finite value are NaN
+    (``attnref._src.nonfinite``); the residuals are the finite path's."""
+    o, lse, live, dirty = _forward(_Tiles(spec, x, bq, bk))
+    out, lse_out = finish(spec, x, *poison_rows(dirty, (o, lse)), live)
     # The backward differentiates the finite path; dirty rows have no gradient.
     return (out, lse_out), (x, o, lse, live, dirty)
 

@@ -28,9 +28,9 @@ beyond ``query_seq_lengths[b]`` are padding: output 0 and ``lse = -inf`` under e
 jax.nn).
 
 A key, value or bias entry that query ``i`` may not attend to never influences row ``i``'s
-output or gradients, whatever it holds (NaN, inf): rows that read only finite values are computed
-on the finite parts of the operands, and a row that does read a non-finite value gets the IEEE
-value of the definition over its allowed keys, with no gradient (``attnref._src.nonfinite``).
+output or gradients, whatever it holds (NaN, inf): every product runs on the finite parts of
+the operands, and a row that does read a non-finite value (its own query, an allowed key, value
+or bias entry) is NaN, with NaN ``lse`` and no gradient (``attnref._src.nonfinite``).
 ``masked_rows="uniform"`` reads every ``v`` row by definition.
 
 16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
@@ -52,7 +52,7 @@ from attnref._src.checked import require
 from attnref._src.checks import check_mask_and_bias, check_scale, float64_scoped
 from attnref._src.checks import real_dtype as _real_dtype
 from attnref._src.common import scale_value
-from attnref._src.nonfinite import finite_part, ieee_mix, nonfinite_rows, select_rows
+from attnref._src.nonfinite import finite_bias, finite_part, nonfinite_rows, poison_rows
 
 HIGHEST = "highest"
 MaskedRows = Literal["zeros", "uniform", "nan"]
@@ -487,53 +487,39 @@ def dirty_rows(
 
 
 def _attend(
-    spec: KernelSpec, x: KernelInputs, q: Array, k: Array, v: Array, allowed: Array, exact: bool
+    spec: KernelSpec, x: KernelInputs, q: Array, k: Array, v: Array, allowed: Array
 ) -> tuple[Array, Array]:
-    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype.
-
-    ``exact=False`` is the differentiable path on finite operands; ``exact=True`` reads the raw
-    operands with IEEE semantics over the allowed keys only (:func:`ieee_mix`).
-    """
+    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype."""
     live = jnp.any(allowed, axis=-1)  # [B, N, T]
     qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
     raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=HIGHEST)
     s = logits_transform(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * x.scale)
     if x.bias is not None:
-        s = s + x.bias
+        s = s + finite_bias(x.bias)
     top = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     top = jax.lax.stop_gradient(jnp.where(live[..., None], top, 0.0))
     e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - top, 0.0)), 0.0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(live[..., None], denom, 1.0)
     lse = jnp.where(live, top[..., 0] + jnp.log(jnp.where(live, denom[..., 0], 1.0)), -jnp.inf)
-    eq = "bkgts,bskh->btkgh"
-    pg = grouped(p, spec)
-    if exact:
-        o = ieee_mix(eq, pg, v, grouped(allowed, spec))
-    else:
-        o = jnp.einsum(eq, pg, v, precision=HIGHEST)
+    o = jnp.einsum("bkgts,bskh->btkgh", grouped(p, spec), v, precision=HIGHEST)
     return o.reshape(spec.b, spec.t, spec.n, spec.h_v), lse
 
 
 def naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
-    """The naive form: every ``T x S`` logit at once; output and ``lse [B, T, N]``."""
+    """The naive form: every ``T x S`` logit at once; output and ``lse [B, T, N]``.
+
+    Computed on the finite parts of ``q``, ``k``, ``v`` and the bias; the rows that read a
+    non-finite value are NaN (``attnref._src.nonfinite``).
+    """
     cd = spec.compute_dtype
     allowed = allowed_pairs(spec, x)
     live = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)  # [B, T, N]
     q, k, v = (a.astype(cd) for a in (x.q, x.k, x.v))
-    out, lse = _attend(spec, x, finite_part(q), finite_part(k), finite_part(v), allowed, False)
+    out, lse = _attend(spec, x, finite_part(q), finite_part(k), finite_part(v), allowed)
     dirty = dirty_rows(spec, q, k, v, x.bias, allowed)  # [B, T, N]
-    out, lse = select_rows(
-        dirty,
-        lambda: _swap_lse(_attend(spec, x, q, k, v, allowed, True)),
-        _swap_lse((out, lse)),
-    )
+    out, lse = poison_rows(dirty, (out, jnp.swapaxes(lse, 1, 2)))
     return finish(spec, x, out, lse, live)
-
-
-def _swap_lse(pair: tuple[Array, Array]) -> tuple[Array, Array]:
-    """``(o [B, T, N, H_v], lse [B, N, T]) -> (o, lse [B, T, N])``."""
-    return pair[0], jnp.swapaxes(pair[1], 1, 2)
 
 
 @float64_scoped

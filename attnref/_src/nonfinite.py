@@ -8,11 +8,13 @@ the backward's ``ds_ij k_j`` and ``p_ij do_i`` products. attnref computes each o
 * the *differentiable* path runs on the finite parts of the inputs (:func:`finite_part`:
   non-finite entries read as 0, with an identity derivative); it is exact for every *clean* row,
   one whose query and allowed keys, values and biases are all finite;
-* a *dirty* row (one that may read a non-finite value) gets the IEEE value of the definition,
-  computed from the raw inputs over its allowed keys only (:func:`ieee_mix`), with no gradient.
+* a *dirty* row (one that may read a non-finite value: its own query, an allowed key, value or
+  bias entry) is NaN, with no gradient (:func:`poison_rows`); the definition's value there is
+  non-finite too (NaN, or ``+-inf`` when an infinite value is read with a positive weight).
 
-``select_rows`` joins the two, so clean rows (and their gradients) are bit-for-bit what they
-would be if the non-finite values were not there at all.
+So clean rows (and their gradients) are bit for bit what they would be if the non-finite values
+were not there at all, and no row is ever a plausible finite number computed from a value it may
+not read.
 """
 
 from __future__ import annotations
@@ -44,49 +46,27 @@ def nonfinite_rows(x: Array, axis: int = -1) -> Array:
     return jnp.any(~jnp.isfinite(x), axis=axis)
 
 
-def ieee_mix(subscripts: str, p: Array, v: Array, allowed: Bool[Array, "..."]) -> Array:
-    """``sum_j p_ij v_j`` over the allowed ``j`` only, with IEEE semantics for non-finite ``v``.
+def poison_rows(dirty: Array, values: Any) -> Any:
+    """NaN on the ``dirty`` rows of every leaf of ``values``, unchanged elsewhere.
 
-    ``einsum(subscripts, p, v)`` with ``p`` zero off ``allowed`` would turn ``0 * NaN`` into NaN;
-    here the finite parts are contracted and the non-finite entries are accounted for by counts
-    over the allowed keys: a NaN read, or an infinity read with ``p_ij = 0``, gives NaN; an
-    infinity read with ``p_ij > 0`` gives that infinity (``+inf`` and ``-inf`` together: NaN).
+    A row that reads a non-finite value is non-finite by definition (the float64 oracle gives
+    NaN, or ``+-inf`` where an infinite value is read with a positive weight); attnref returns
+    NaN there, uniformly, and no gradient (``where`` sends a zero cotangent to those rows). No
+    ``lax.cond`` and no second pass: the compiled program, and so its XLA cost, is the finite
+    path plus one reduction. Leaves have ``dirty``'s shape plus trailing axes.
     """
-    dtype = p.dtype
-    out = jnp.einsum(subscripts, p, finite_part(v), precision=HIGHEST)
-    reads = allowed.astype(dtype)
-    weighted = jnp.logical_and(allowed, p != 0).astype(dtype)
 
-    def count(a: Array, indicator: Array) -> Array:
-        return jnp.einsum(subscripts, a, indicator.astype(dtype), precision=HIGHEST)
+    def poison(d: Array) -> Array:
+        mask = dirty.reshape(dirty.shape + (1,) * (d.ndim - dirty.ndim))
+        return jnp.where(mask, jnp.asarray(jnp.nan, d.dtype), d)
 
-    nan = count(reads, jnp.isnan(v)) + count(reads - weighted, jnp.isinf(v))
-    pos, neg = count(weighted, v == jnp.inf), count(weighted, v == -jnp.inf)
-    zero = jnp.zeros((), dtype)
-    out = out + jnp.where(pos > 0, jnp.inf, zero) + jnp.where(neg > 0, -jnp.inf, zero)
-    return jnp.where(nan > 0, jnp.nan, out)
+    return jax.tree_util.tree_map(poison, values)
 
 
 def select_rows(dirty: Array, exact: Any, differentiable: Any) -> Any:
-    """Per row: the gradient-free ``exact`` value where ``dirty``, else ``differentiable``.
-
-    ``exact`` is a thunk evaluated only when some row is dirty (``lax.cond``), so clean inputs
-    cost one reduction. Leaves of ``differentiable`` have ``dirty``'s shape plus trailing axes.
-    """
-
-    def take_exact() -> Any:
-        return jax.tree_util.tree_map(jax.lax.stop_gradient, exact())
-
-    def keep() -> Any:
-        return jax.tree_util.tree_map(jnp.zeros_like, differentiable)
-
-    values = jax.lax.cond(jnp.any(dirty), take_exact, keep)
-
-    def pick(e: Array, d: Array) -> Array:
-        mask = dirty.reshape(dirty.shape + (1,) * (d.ndim - dirty.ndim))
-        return jnp.where(mask, e, d)
-
-    return jax.tree_util.tree_map(pick, values, differentiable)
+    """``poison_rows(dirty, differentiable)``; ``exact`` (a thunk) is not evaluated."""
+    del exact
+    return poison_rows(dirty, differentiable)
 
 
 # ----------------------------------------------------------------------------- the weight level
