@@ -61,6 +61,11 @@ def test_library_kernel_and_stabilised_features_match_the_definition():
         w = np.asarray(fm.omega)
         c_q = np.max(qs @ w.T + 0.5 * np.sum(w * w, -1), -1) - 0.5 * np.sum(qs * qs, -1)
         np.testing.assert_allclose(ratio, np.exp(-c_q), rtol=rtol)
+        # The factor the linear forms rescale eps by (issue 11): query_features returns c_q, the
+        # same exponent evaluated in another order (one of the evaluations counted in rtol).
+        phi_q, c_lib = fm.query_features(q)
+        np.testing.assert_allclose(np.exp(-np.asarray(c_lib)), np.exp(-c_q), rtol=rtol)
+        np.testing.assert_array_equal(np.asarray(phi_q), np.asarray(fm(q, "query")))
 
 
 def test_estimator_is_unbiased():

@@ -30,6 +30,10 @@ LINEAR = attnref.formulations("linear")
 KERNEL = [f for f in LINEAR if f.native is not f.apply]  # forms with a (q, k, v) native level
 MAPS = ("elu_plus_one", "relu", "identity", "taylor2", "favor_plus")
 CHUNKS = (1, 2, 4, 7)
+POLICIES = linear_impl.EPS_POLICIES
+# eps: none, small (1e-6 of denominators that are O(1) .. O(20) for these inputs), and large
+# enough to matter (0.5, 4: output changes of several percent up to most of the output).
+EPS = (0.0, 1e-6, 0.5, 4.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +65,10 @@ class KProblem:
     causal: bool
     eps: float
     dtype: np.dtype
+    eps_policy: str = "add"
 
 
-def make_kproblem(bucket, map_name, causal, padded, eps, seed, dtype):
+def make_kproblem(bucket, map_name, causal, padded, eps, seed, dtype, eps_policy="add"):
     rng = np.random.default_rng(seed)
     b = bucket
     q, k = (rng.standard_normal((*b.batch, b.t, b.heads, b.d_k)) for _ in range(2))
@@ -81,6 +86,7 @@ def make_kproblem(bucket, map_name, causal, padded, eps, seed, dtype):
         causal,
         eps,
         dt,
+        eps_policy,
     )
 
 
@@ -90,15 +96,23 @@ def kproblems(draw, maps=MAPS, dtypes=("float32", "float64"), buckets=KBUCKETS):
     name = draw(st.sampled_from(maps), label="feature map")
     causal = draw(st.booleans(), label="causal")
     padded = draw(st.booleans(), label="key padding")
-    eps = draw(st.sampled_from((0.0, 1e-3)), label="eps")
+    eps = draw(st.sampled_from(EPS), label="eps")
+    policy = draw(st.sampled_from(POLICIES), label="eps_policy")
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
-    note(f"{bucket} {name} causal={causal} padded={padded} eps={eps} {dtype} seed={seed}")
-    return make_kproblem(bucket, name, causal, padded, eps, seed, dtype)
+    note(f"{bucket} {name} causal={causal} padded={padded} eps={eps} {policy} {dtype} seed={seed}")
+    return make_kproblem(bucket, name, causal, padded, eps, seed, dtype, policy)
 
 
 def _kw(p, **extra):
-    return dict(feature_map=p.fm, causal=p.causal, key_mask=p.key_mask, eps=p.eps, **extra)
+    return dict(
+        feature_map=p.fm,
+        causal=p.causal,
+        key_mask=p.key_mask,
+        eps=p.eps,
+        eps_policy=p.eps_policy,
+        **extra,
+    )
 
 
 def _static(f):
@@ -145,16 +159,25 @@ class KernelAgreementTest(chex.TestCase):
     causal=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from(("float32", "float64")),
+    eps=st.sampled_from(EPS),
+    policy=st.sampled_from(POLICIES),
 )
-def test_multihead_forms_match_oracle(bucket, name, causal, seed, dtype):
-    """Registry ``apply`` (params and rows) against ``oracle.linear_multihead``, biases on."""
+def test_multihead_forms_match_oracle(bucket, name, causal, seed, dtype, eps, policy):
+    """Registry ``apply`` (params and rows) against ``oracle.linear_multihead``, biases on, every
+    eps policy with eps drawn (traced under jit: one compile serves every eps)."""
     p = make_problem(bucket, "none", seed, dtype)
     x_kv = p.x_q if causal else p.x_kv
     rng = np.random.default_rng(seed)
     key_mask = (
         np.arange(x_kv.shape[-2]) < rng.integers(1, x_kv.shape[-2] + 1, bucket.batch)[..., None]
     )
-    kw = dict(feature_map=feature_map(name, bucket.d_k, seed), causal=causal, key_mask=key_mask)
+    kw = dict(
+        feature_map=feature_map(name, bucket.d_k, seed),
+        causal=causal,
+        key_mask=key_mask,
+        eps=eps,
+        eps_policy=policy,
+    )
     ref = oracle.linear_multihead(p.params, p.x_q, x_kv, **kw)
     bound = tolerance.linear_multihead_error_bound(p.params, p.x_q, x_kv, dtype=p.dtype, **kw)
     for f in LINEAR:
@@ -180,19 +203,20 @@ def test_multihead_residual_form():
 # ----------------------------------------------------------------------------- gradients
 
 
-def _loss(native, q, k, v, key_mask, cot, *, fm, causal, **static):
+def _loss(native, q, k, v, key_mask, cot, eps, *, fm, causal, **static):
     return jnp.sum(
-        native(q, k, v, feature_map=fm, causal=causal, key_mask=key_mask, **static) * cot
+        native(q, k, v, feature_map=fm, causal=causal, key_mask=key_mask, eps=eps, **static) * cot
     )
 
 
 @functools.cache
-def _grad_fn(fid, causal, chunk):
+def _grad_fn(fid, causal, chunk, eps_policy):
     f = attnref.get(fid)
     static = {"chunk_size": chunk} if "chunk_size" in f.static_argnames else {}
+    static["eps_policy"] = eps_policy
 
-    def loss(q, k, v, key_mask, cot, fm):
-        return _loss(f.native, q, k, v, key_mask, cot, fm=fm, causal=causal, **static)
+    def loss(q, k, v, key_mask, cot, fm, eps):  # eps traced: one compile for every eps
+        return _loss(f.native, q, k, v, key_mask, cot, eps, fm=fm, causal=causal, **static)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -212,7 +236,7 @@ def test_gradients_agree_across_forms(p, chunk):
     n_b = int(np.prod(b.batch)) * b.t + b.t + p.fm.num_features(b.d_k) + b.d_k + b.d_v + 4
 
     def grads(fid, dtype):
-        fn = _grad_fn(fid, p.causal, chunk)
+        fn = _grad_fn(fid, p.causal, chunk, p.eps_policy)
         return [
             np.asarray(g, np.float64)
             for g in fn(
@@ -222,6 +246,7 @@ def test_gradients_agree_across_forms(p, chunk):
                 p.key_mask,
                 cot.astype(dtype),
                 p.fm,
+                p.eps,
             )
         ]
 
@@ -292,7 +317,7 @@ def _prefix_check(fn, p, extra_tokens, seed):
 
     q2, k2, v2 = extend(p.q), extend(p.k, _future_keys(p, extra_tokens, rng)), extend(p.v)
     km2 = np.concatenate([p.key_mask, np.ones((*p.key_mask.shape[:-1], extra_tokens), bool)], -1)
-    kw = dict(feature_map=p.fm, causal=True, eps=p.eps)
+    kw = dict(feature_map=p.fm, causal=True, eps=p.eps, eps_policy=p.eps_policy)
     short = np.asarray(fn(p.q, p.k, p.v, key_mask=p.key_mask, **kw))
     long = np.asarray(fn(q2, k2, v2, key_mask=km2, **kw))[..., : p.bucket.t, :, :]
     bound = tolerance.linear_error_bound(p.q, p.k, p.v, key_mask=p.key_mask, dtype=p.dtype, **kw)
@@ -305,9 +330,12 @@ def _prefix_check(fn, p, extra_tokens, seed):
     name=st.sampled_from(MAPS),
     seed=st.integers(0, 2**31 - 1),
     extra=st.sampled_from((1, 3)),
+    eps=st.sampled_from((1e-2, 4.0)),
+    policy=st.sampled_from(POLICIES),
 )
-def test_appending_future_tokens_never_changes_the_past(bucket, name, seed, extra):
-    p = make_kproblem(bucket, name, True, True, 1e-2, seed, np.float64)
+def test_appending_future_tokens_never_changes_the_past(bucket, name, seed, extra, eps, policy):
+    """eps > 0 throughout: with eps = 0 a per-sequence shift would cancel and hide a leak."""
+    p = make_kproblem(bucket, name, True, True, eps, seed, np.float64, policy)
     for f in KERNEL:
         if True in f.causal_modes:
             _prefix_check(_jitted(f.id), p, extra, seed)
@@ -355,24 +383,34 @@ def test_gradient_to_future_tokens_is_exactly_zero(fid):
 # ----------------------------------------------------------------------------- decoding
 
 
+_STEP = jax.jit(attnref.linear_step, static_argnames=("eps_policy",))  # eps traced
+
+
 @scaled(0.3)
-@given(bucket=st.sampled_from(KBUCKETS), name=st.sampled_from(MAPS), seed=st.integers(0, 2**31 - 1))
-def test_recurrent_decoding_equals_causal_form_at_every_step(bucket, name, seed):
+@given(
+    bucket=st.sampled_from(KBUCKETS),
+    name=st.sampled_from(MAPS),
+    seed=st.integers(0, 2**31 - 1),
+    eps=st.sampled_from(EPS),
+    policy=st.sampled_from(POLICIES),
+)
+def test_recurrent_decoding_equals_causal_form_at_every_step(bucket, name, seed, eps, policy):
     """Constant-size state, one token per step (jitted step), against the causal oracle."""
-    p = make_kproblem(bucket, name, True, True, 0.0, seed, np.float64)
+    p = make_kproblem(bucket, name, True, True, eps, seed, np.float64, policy)
     ref = oracle.linear_attention(p.q, p.k, p.v, **_kw(p))
     bound = tolerance.linear_error_bound(p.q, p.k, p.v, dtype=np.float64, **_kw(p))
     m = p.fm.num_features(bucket.d_k)
     state = attnref.linear_state_init(bucket.batch, bucket.heads, m, bucket.d_v, np.float64)
-    step = jax.jit(attnref.linear_step)
     for t in range(bucket.t):
-        state, y_t = step(
+        state, y_t = _STEP(
             state,
             p.q[..., t, :, :],
             p.k[..., t, :, :],
             p.v[..., t, :, :],
             feature_map=p.fm,
             key_valid=p.key_mask[..., t],
+            eps=p.eps,
+            eps_policy=p.eps_policy,
         )
         assert state.s.shape == (*bucket.batch, bucket.heads, m, bucket.d_v)  # constant memory
         assert_within_bound(y_t, ref[..., t, :, :], bound[..., t, :, :], label=f"step {t}")
@@ -410,6 +448,202 @@ def test_eps_policies_and_eps_to_zero():
         p.q, p.k, p.v, feature_map=p.fm, causal=True, dtype=np.float64
     )
     assert_within_bound(y, exact, 2 * bound, label="clamp below every denominator")
+
+
+# ----------------------------------------------------------------------------- FAVOR+ and eps
+
+
+def _favor_by_definition(q, k, v, *, feature_map, causal, key_mask, eps, eps_policy):
+    """FAVOR+ attention written out from Choromanski et al. (2021), float64, *no* stabilisation:
+    ``phi(x) = exp(-|x~|^2/2) / sqrt(m) [exp(w_i.x~)]_i`` with ``x~ = x / d^(1/4)``,
+    ``A = phi(Q) phi(K)^T`` over the allowed keys, ``y = A V / (A 1 + eps)`` ("add") or
+    ``A V / max(A 1, eps)`` ("clamp"), 0 where that is 0. Only for small inputs: the exps must
+    neither overflow nor underflow. Returns ``y [..., T_q, H, d_v]`` and ``D = A 1 [..., T_q, H]``.
+    """
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    w = np.asarray(feature_map.omega, np.float64)
+    d, m = q.shape[-1], w.shape[0]
+
+    def phi(x):
+        xs = x / d**0.25
+        return np.exp(-0.5 * np.sum(xs * xs, -1, keepdims=True)) / np.sqrt(m) * np.exp(xs @ w.T)
+
+    a = np.einsum("...qhm,...khm->...hqk", phi(q), phi(k))
+    allowed = np.ones(k.shape[:-3] + k.shape[-3:-2], bool) if key_mask is None else key_mask
+    allowed = np.asarray(allowed, bool)[..., None, None, :]
+    if causal:
+        allowed = allowed & np.tril(np.ones(a.shape[-2:], bool))
+    a = np.where(allowed, a, 0.0)
+    num = np.einsum("...hqk,...khv->...qhv", a, v)
+    den = np.swapaxes(a.sum(-1), -1, -2)
+    adj = den + eps if eps_policy == "add" else np.maximum(den, eps)
+    y = np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
+    return y, den
+
+
+def _unscaled_eps(p, eps):
+    """The rule before issue 11: eps added to the *stabilised* denominator ``exp(-c_q) D``."""
+    fq, fk = oracle.features(p.fm, p.q, "query"), oracle.features(p.fm, p.k, "key")
+    a = np.einsum("...qhm,...khm->...hqk", fq, fk)
+    allowed = p.key_mask[..., None, None, :]
+    if p.causal:
+        allowed = allowed & np.tril(np.ones(a.shape[-2:], bool))
+    a = np.where(allowed, a, 0.0)
+    den = np.swapaxes(a.sum(-1), -1, -2)
+    adj = den + eps if p.eps_policy == "add" else np.maximum(den, eps)
+    num = np.einsum("...hqk,...khv->...qhv", a, p.v)
+    return np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
+
+
+@scaled(0.3)
+@given(p=kproblems(maps=("favor_plus",)), chunk=st.sampled_from(CHUNKS))
+def test_favor_plus_eps_means_its_written_definition(p, chunk):
+    """Issue 11 (defect 6): FAVOR+ with ``eps = r median(D)``, ``r = 1e-3, 0.1, 1`` relative to
+    the denominators ``D`` of the definition, under the drawn policy, against FAVOR+ written out
+    without any stabilising shift (:func:`_favor_by_definition`, float64).
+
+    Tolerance: the definition, the oracle and the forms all sum the same products ``A_ij v_j``;
+    ``linear_error_bound(dtype)`` is the form's share in ``dtype`` plus a float64 share, and the
+    float64 share covers a float64 evaluation of the definition (its exponents
+    ``w.x~ - |x~|^2/2`` are smaller than the stabilised ones the bound assumes). So
+    ``|form - definition| <= linear_error_bound(dtype)``, ``|oracle - definition| <=
+    linear_error_bound(float64)``. The stabilised features give ``exp(-c_q) D``; eps added to that
+    unscaled (the old rule) must fail the same check, so the check can fail."""
+    _, den = _favor_by_definition(p.q, p.k, p.v, **dict(_kw(p), eps=0.0, eps_policy="add"))
+    scale = float(np.median(den[den > 0])) if np.any(den > 0) else 1.0
+    note(f"median D = {scale:.3g}")
+    for r in (1e-3, 0.1, 1.0):
+        kw = dict(_kw(p), eps=r * scale)
+        exact, _ = _favor_by_definition(p.q, p.k, p.v, **kw)
+        b64 = tolerance.linear_error_bound(p.q, p.k, p.v, dtype=np.float64, **kw)
+        ref = oracle.linear_attention(p.q, p.k, p.v, **kw)
+        assert_within_bound(ref, exact, b64, label=f"oracle, eps = {r} median D")
+        bound = tolerance.linear_error_bound(p.q, p.k, p.v, dtype=p.dtype, **kw)
+        for f in KERNEL:
+            if p.causal in f.causal_modes:
+                extra = {"chunk_size": chunk} if "chunk_size" in f.static_argnames else {}
+                y = _jitted(f.id)(p.q, p.k, p.v, **kw, **extra)
+                assert_within_bound(y, exact, bound, label=f"{f.id}, eps = {r} median D")
+        if r == 1.0 and np.any(den > 0):
+            with pytest.raises(AssertionError, match="derived-bound rule failed"):
+                assert_within_bound(_unscaled_eps(p, r * scale), exact, b64, label="old rule")
+
+
+# Choromanski et al. (2021) by hand: d = 1, m = 2, w = (1, -1), so x~ = x and
+#   phi(x) = exp(-x^2/2) / sqrt(2) [e^x, e^-x],   phi(q).phi(k) = exp(-(q^2 + k^2)/2) cosh(q + k).
+_W2 = np.array([[1.0], [-1.0]])
+
+
+def _a_by_hand(q, k):
+    return np.exp(-(q * q + k * k) / 2) * np.cosh(q + k)
+
+
+def test_favor_plus_worked_example():
+    """q = k = (0, 1), v = (1, 3), eps = 1; the oracle, and every form and the decoding step in
+    float32 (the inputs are exact there; the same compiled programs as the next test):
+    A00 = 1, A01 = A10 = e^(-1/2) cosh 1 = 0.935926, A11 = e^(-1) cosh 2 = 1.384034;
+      add, non-causal:   y = ((1 + 3 A01) / (1 + A01 + 1), (A01 + 3 A11) / (A01 + A11 + 1))
+                           = (1.296960, 1.532557);  causal: y_0 = 1 / (1 + 1) = 0.5
+      clamp, non-causal: y = ((1 + 3 A01) / max(1 + A01, 1), (A01 + 3 A11) / max(A01 + A11, 1))
+                           = (1.966903, 2.193154);  causal: y_0 = 1 / max(1, 1) = 1
+    The stabilised query features carry exp(-c), c = max_i(w_i x + 1/2) - x^2/2 = (0.5, 1.0):
+    an eps added unscaled gives the causal y_0 = e^-0.5 / (e^-0.5 + 1) = 0.377541, not 0.5."""
+    fm = attnref.FeatureMap("favor_plus", _W2)
+    x = np.array([0.0, 1.0])
+    a01, a11 = _a_by_hand(0.0, 1.0), _a_by_hand(1.0, 1.0)
+    np.testing.assert_allclose([a01, a11], [0.935926, 1.384034], atol=5e-7)
+    np.testing.assert_allclose(np.asarray(fm.kernel(x[:, None], x[:, None])), [1.0, a11])
+    np.testing.assert_allclose(np.asarray(fm.query_features(x[:, None])[1]), [0.5, 1.0])
+    y1_add, y1_clamp = (a01 + 3 * a11) / (a01 + a11 + 1), (a01 + 3 * a11) / max(a01 + a11, 1.0)
+    expected = {
+        ("add", False): [(1 + 3 * a01) / (1 + a01 + 1), y1_add],
+        ("add", True): [0.5, y1_add],
+        ("clamp", False): [(1 + 3 * a01) / max(1 + a01, 1.0), y1_clamp],
+        ("clamp", True): [1.0, y1_clamp],
+    }
+    np.testing.assert_allclose(
+        [expected["add", False], expected["clamp", False]],
+        [[1.296960, 1.532557], [1.966903, 2.193154]],
+        atol=5e-7,
+    )
+    q = k = x.reshape(2, 1, 1).astype(np.float32)
+    v = np.array([1.0, 3.0], np.float32).reshape(2, 1, 1)
+    for (policy, causal), want in expected.items():
+        kw = dict(feature_map=fm, causal=causal, eps=1.0, eps_policy=policy)
+        want = np.asarray(want).reshape(2, 1, 1)
+        # The hand values are float64 evaluations of the same products (see the test above): the
+        # float64 share of each bound covers them, the float32 share the forms.
+        b64 = tolerance.linear_error_bound(q, k, v, dtype=np.float64, **kw)
+        assert_within_bound(oracle.linear_attention(q, k, v, **kw), want, b64, label="oracle")
+        bound = tolerance.linear_error_bound(q, k, v, dtype=np.float32, **kw)
+        for f in KERNEL:
+            if causal in f.causal_modes:
+                y = _jitted(f.id)(q, k, v, **kw)
+                assert_within_bound(y, want, bound, label=f"{f.id} {policy} causal={causal}")
+        if causal:
+            state = attnref.linear_state_init((), 1, 2, 1, np.float32)
+            for t in range(2):
+                state, y_t = _STEP(
+                    state, q[t], k[t], v[t], feature_map=fm, eps=1.0, eps_policy=policy
+                )
+                assert_within_bound(y_t, want[t], bound[t], label=f"linear_step {t} {policy}")
+    assert abs(np.exp(-0.5) / (np.exp(-0.5) + 1) - 0.377541) < 5e-7  # the unscaled-eps value
+
+
+def test_favor_plus_eps_where_the_shift_overflows():
+    """float32, the worked example's map, a query at x = 14.6: c = |x| + 1/2 - x^2/2 = -91.48, so
+    the factor exp(-c) ~ 5e39 overflows float32 and the defined D ~ 1e-40 underflows it. The
+    forms rescale num, den and eps by exp(c + L) (L = log(max float) / 2): outputs within the
+    bound of the float64 oracle (``y ~ 3e-34``, a normal float32), gradients finite (checked on
+    two paths through ``normalize``: the quadratic form and the scanned decoding step)."""
+    fm = attnref.FeatureMap("favor_plus", _W2)
+    q = np.array([0.0, 14.6], np.float32).reshape(2, 1, 1)
+    k = np.array([0.0, 1.0], np.float32).reshape(2, 1, 1)
+    v = np.array([1.0, 3.0], np.float32).reshape(2, 1, 1)
+    assert float(np.asarray(fm.query_features(q)[1])[1, 0]) < -np.log(np.finfo(np.float32).max)
+    for policy in POLICIES:
+        for f in KERNEL:
+            causal = f.causal_modes[0]
+            kw = dict(feature_map=fm, causal=causal, eps=1e-6, eps_policy=policy)
+            ref = oracle.linear_attention(q, k, v, **kw)
+            assert 1e-36 < ref[1, 0, 0] < 1e-31
+            bound = tolerance.linear_error_bound(q, k, v, dtype=np.float32, **kw)
+            fn = _jitted(f.id)
+            assert_within_bound(fn(q, k, v, **kw), ref, bound, label=f"{f.id} {policy}")
+            if policy == "add" and f.id in ("linear_quadratic", "linear_recurrent"):
+                g = jax.grad(lambda q, fn=fn, kw=kw: jnp.sum(fn(q, k, v, **kw)))(q)
+                assert np.all(np.isfinite(np.asarray(g))), f.id
+
+
+_FACTORIES = (
+    attnref.elu_plus_one,
+    attnref.relu_features,
+    attnref.identity_features,
+    attnref.taylor2,
+    attnref.favor_plus,
+)
+
+
+@pytest.mark.parametrize("factory", _FACTORIES, ids=lambda f: f.__name__)
+def test_uncalled_factory_raises_a_clear_type_error(factory):
+    """Issue 11 (defect 9): ``feature_map=attnref.elu_plus_one`` (uncalled) is a TypeError that
+    says to call it, in every form, the step, the registry entries and the oracle."""
+    p = make_kproblem(KBUCKETS[1], "elu_plus_one", True, False, 0.0, 0, np.float64)
+    mp = make_problem(BUCKETS[0], "none", 0, np.float64)
+    match = rf"factory function {factory.__name__} itself: call it"
+    for f in KERNEL:
+        with pytest.raises(TypeError, match=match):
+            f.native(p.q, p.k, p.v, feature_map=factory, causal=f.causal_modes[0])
+    for f in LINEAR:
+        with pytest.raises(TypeError, match=match):
+            f.apply(mp.params, mp.x_q, feature_map=factory, causal=f.causal_modes[0])
+    state = attnref.linear_state_init((2,), 2, 4, 3, np.float64)
+    with pytest.raises(TypeError, match=match):
+        attnref.linear_step(state, p.q[:, 0], p.k[:, 0], p.v[:, 0], feature_map=factory)
+    with pytest.raises(TypeError, match=match):
+        oracle.linear_attention(p.q, p.k, p.v, feature_map=factory)
+    with pytest.raises(TypeError, match=match):
+        oracle.linear_multihead(mp.params, mp.x_q, feature_map=factory)
 
 
 @pytest.mark.parametrize("fid", [f.id for f in KERNEL])
@@ -490,6 +724,10 @@ def test_bad_input_raises_clearly():
         jax.jit(attnref.linear_quadratic)(p.q, p.k, p.v, feature_map=fm, causal=True)
     with pytest.raises(ValueError, match="unknown feature map 'softmax'"):
         attnref.FeatureMap("softmax")
+    with pytest.raises(TypeError, match="feature_map must be a FeatureMap"):
+        attnref.linear_quadratic(p.q, p.k, p.v, feature_map="elu_plus_one")
+    with pytest.raises(ValueError, match="role must be 'query' or 'key'"):
+        fm(p.q, "value")
     with pytest.raises(ValueError, match="eps must be >= 0"):
         attnref.linear_associative(p.q, p.k, p.v, feature_map=fm, eps=-1e-3)
     state = attnref.linear_state_init((2,), 2, 4, 3, np.float64)

@@ -40,12 +40,13 @@ from attnref._src.kernel import (
     KernelInputs,
     KernelSpec,
     MaskedRows,
-    dirty_rows,
+    bad_operands,
     finish,
     grouped,
     logits_transform,
     naive,
     prepare,
+    reads_bad,
     require_lengths_in_range,
     structural_allowed,
 )
@@ -79,10 +80,16 @@ class _Tiles:
         self.spec, self.x, self.bq, self.bk = spec, x, bq, bk
         self.nq, self.nk = -(-spec.t // bq), -(-spec.s // bk)
         tp, sp = self.nq * bq, self.nk * bk
-        self.q = _pad_axis(x.q, 1, tp)
-        self.k = _pad_axis(x.k, 1, sp)
-        self.v = _pad_axis(x.v, 1, sp)
-        self.bias = None if x.bias is None else _pad_axis(_pad_axis(x.bias, 2, tp), 3, sp)
+        cd = spec.compute_dtype
+        # The finite parts of the operands (``attnref._src.nonfinite``), once for every tile.
+        self.q = _pad_axis(finite_part(x.q.astype(cd)), 1, tp)
+        self.k = _pad_axis(finite_part(x.k.astype(cd)), 1, sp)
+        self.v = _pad_axis(finite_part(x.v.astype(cd)), 1, sp)
+        self.bad_q, bad_kv, bias_bad = bad_operands(x)
+        self.bad_kv = _pad_axis(bad_kv, 1, sp, False)
+        self.bias_bad = None if bias_bad is None else _pad_axis(_pad_axis(bias_bad, 2, tp), 3, sp)
+        bias = None if x.bias is None else finite_bias(x.bias)
+        self.bias = None if bias is None else _pad_axis(_pad_axis(bias, 2, tp), 3, sp)
         self.mask = None if x.mask is None else _pad_axis(_pad_axis(x.mask, 2, tp), 3, sp)
         self.q_seg = None if x.q_seg is None else _pad_axis(x.q_seg, 1, tp, -1)
         self.kv_seg = None if x.kv_seg is None else _pad_axis(x.kv_seg, 1, sp, -2)
@@ -96,8 +103,8 @@ class _Tiles:
     def tile(self, i: Array, j: Array, find_dirty: bool = False) -> dict[str, Array]:
         """Allowed pairs, operands (the finite parts of the inputs) and logits of query tile
         ``i`` and key tile ``j``; ``find_dirty`` adds the tile's rows that read a non-finite
-        value (``attnref._src.nonfinite``)."""
-        spec, x, cd = self.spec, self.x, self.spec.compute_dtype
+        key, value or bias entry (``attnref._src.nonfinite``)."""
+        spec, x = self.spec, self.x
         q_idx = i * self.bq + jnp.arange(self.bq)
         k_idx = j * self.bk + jnp.arange(self.bk)
         q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
@@ -110,22 +117,24 @@ class _Tiles:
             bias = self.k_rows(self.q_rows(self.bias, i, 2), j, 3)
             allowed &= bias != -jnp.inf
         allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
-        raw_ops = {
-            "q": self.q_rows(self.q, i).astype(cd),
-            "k": self.k_rows(self.k, j).astype(cd),
-            "v": self.k_rows(self.v, j).astype(cd),
+        ops = {
+            "q": self.q_rows(self.q, i),
+            "k": self.k_rows(self.k, j),
+            "v": self.k_rows(self.v, j),
         }
-        ops = {n: finite_part(a) for n, a in raw_ops.items()}
         qg = ops["q"].reshape(spec.b, self.bq, spec.k, spec.group, spec.h)
         raw = jnp.einsum("btkgh,bskh->bkgts", qg, ops["k"], precision=HIGHEST)
         raw = raw.reshape(spec.b, spec.n, self.bq, self.bk) * x.scale
         s = logits_transform(spec, raw)
         if bias is not None:
-            s = s + finite_bias(bias)
-        dirty = None
+            s = s + bias
+        reads = None
         if find_dirty:
-            dirty = dirty_rows(spec, raw_ops["q"], raw_ops["k"], raw_ops["v"], bias, allowed)
-        return dict(allowed=allowed, raw=raw, s=s, dirty=dirty, **ops)
+            bias_bad = None
+            if self.bias_bad is not None:
+                bias_bad = self.k_rows(self.q_rows(self.bias_bad, i, 2), j, 3)
+            reads = reads_bad(spec, allowed, self.k_rows(self.bad_kv, j), bias_bad)
+        return dict(allowed=allowed, raw=raw, s=s, reads=reads, **ops)
 
     def merge_q(self, a: Array, axis: int) -> Array:
         """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
@@ -155,25 +164,28 @@ def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
             pv = jnp.einsum("bkgts,bskh->bkgth", grouped(p, spec), t["v"], precision=HIGHEST)
             acc = alpha[..., None] * acc + pv.reshape(acc.shape)
-            dirty = jnp.logical_or(dirty, t["dirty"])
+            dirty = jnp.logical_or(dirty, t["reads"])
             return (m_new, alpha * run_sum + jnp.sum(p, axis=-1), acc, dirty), None
 
         init = (
             jnp.full((spec.b, spec.n, tiles.bq), -jnp.inf, cd),
             jnp.zeros((spec.b, spec.n, tiles.bq), cd),
             jnp.zeros((spec.b, spec.n, tiles.bq, spec.h_v), cd),
-            jnp.zeros((spec.b, tiles.bq, spec.n), bool),
+            jnp.zeros((spec.b, spec.n, tiles.bq), bool),
         )
         (m, run_sum, acc, dirty), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
         return m, run_sum, acc, dirty
 
     m, run_sum, acc, dirty = jax.lax.map(q_block, jnp.arange(tiles.nq))
     m, run_sum, acc = tiles.merge_q(m, 2), tiles.merge_q(run_sum, 2), tiles.merge_q(acc, 2)
-    dirty = tiles.merge_q(dirty, 1)
+    dirty = tiles.merge_q(dirty, 2)
     live = run_sum > 0
     out = acc / jnp.where(live, run_sum, 1.0)[..., None]
     lse = jnp.where(live, m + jnp.log(jnp.where(live, run_sum, 1.0)), -jnp.inf)
-    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2), jnp.swapaxes(live, 1, 2), dirty
+    live = jnp.swapaxes(live, 1, 2)  # [B, T, N]
+    # Dirty rows: an allowed key read a non-finite value, or the row's own query is non-finite.
+    dirty = jnp.logical_or(jnp.swapaxes(dirty, 1, 2), jnp.logical_and(tiles.bad_q, live))
+    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2), live, dirty
 
 
 def _backward(

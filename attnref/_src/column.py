@@ -9,6 +9,8 @@ grouped-query params query head ``i`` uses ``W_K``, ``W_V``, ``b_V`` of key/valu
 Masks and biases use the same transposed layout ``[..., T_k, T_q]`` (``M[j, i]``: query ``i``
 may read key ``j``). Biases: ``b_Q`` adds ``X_kv^T (W_K[g] b_Q[i]) 1^T`` to the scores (``b_K``
 cancels in the column softmax) and ``b_V`` adds ``(W_O[i]^T b_V[g]) 1^T`` to the updates.
+A key column a query may not read (mask, ``-inf`` bias) never reaches that query's output column
+or gradients, whatever it holds (``attnref._src.nonfinite``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, residual_or, scale_value
+from attnref._src.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    guarded,
+    nonfinite_rows,
+    reads_nonfinite,
+)
 from attnref._src.params import AttentionParams, repeat_heads, w_a, w_i
 from attnref._src.softmax import masked_softmax
 
@@ -40,7 +50,31 @@ def column_attention(
     check_scale(scale)
     x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
     s = scale_value(params.d_k, scale, x.dtype)
+    m = None if mask is None else jnp.swapaxes(jnp.asarray(mask), -1, -2)  # rows: [..., T_q, T_k]
+    b = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    b_rows = None if b is None else jnp.swapaxes(b, -1, -2)
+    allowed = allowed_pairs(m, b_rows, (*batch, t_q, t_k))
+    bad_q, bad_kv = nonfinite_rows(x, axis=-2), nonfinite_rows(x_kv, axis=-2)
+    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, residual)  # [..., T_q]
 
+    def rows(xq: Array, xkv: Array, bq: Array | None) -> Array:  # [..., T_q, d_model]
+        y = _column(params, xq, xkv, mask, bq, s, residual)
+        return jnp.swapaxes(y, -1, -2)
+
+    clean = (finite_part(x), finite_part(x_kv), finite_bias(b))
+    return jnp.swapaxes(guarded(rows, dirty, clean), -1, -2)
+
+
+def _column(
+    params: AttentionParams,
+    x: Array,
+    x_kv: Array,
+    mask: ArrayLike | None,
+    bias: Array | None,
+    s: Array,
+    residual: bool,
+) -> Float[Array, "... d_model T_q"]:
+    """The body of :func:`column_attention` on validated arrays (no non-finite guard)."""
     wa_x = jnp.einsum("hde,...eq->...hdq", w_a(params), x, precision=HIGHEST)
     scores = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)
     if params.b_q is not None:
@@ -49,7 +83,7 @@ def column_attention(
         scores = scores + jnp.einsum("...dk,hd->...hk", x_kv, kb, precision=HIGHEST)[..., None]
     scores = scores * s
     if bias is not None:
-        scores = scores + jnp.expand_dims(jnp.asarray(bias).astype(x.dtype), -3)
+        scores = scores + jnp.expand_dims(bias, -3)
     head_mask = None if mask is None else jnp.expand_dims(jnp.asarray(mask), -3)
     a = masked_softmax(scores, head_mask, axis=-2)
 

@@ -1,21 +1,36 @@
-"""Small helpers shared by the row-convention formulations (validation, projections)."""
+"""Small helpers shared by the row-convention formulations (validation, projections, and the
+non-finite guard :meth:`Prepared.guarded`)."""
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens
+from attnref._src.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    nonfinite_rows,
+    poison_rows,
+    reads_nonfinite,
+)
 from attnref._src.params import AttentionParams, repeat_heads
 
 HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
 
 
 class Prepared:
-    """Validated row-convention inputs: arrays converted, scale resolved, shapes recorded."""
+    """Validated row-convention inputs: arrays converted, scale resolved, shapes recorded.
+
+    ``x_q``, ``x_kv`` and ``bias`` are the caller's arrays as given (possibly non-finite);
+    :meth:`guarded` runs a formulation so that what a query may not read never reaches it.
+    """
 
     def __init__(
         self,
@@ -44,6 +59,46 @@ class Prepared:
 
     def add_bias(self, logits: Float[Array, "... H T_q T_k"]) -> Float[Array, "... H T_q T_k"]:
         return logits if self.bias is None else logits + jnp.expand_dims(self.bias, -3)
+
+    def allowed(self) -> Bool[Array, "... T_q T_k"]:
+        """The pairs a query may read: ``mask AND bias != -inf``, ``[..., T_q, T_k]``."""
+        return allowed_pairs(self.mask, self.bias, (*self.batch_shape, self.t_q, self.t_k))
+
+    def dirty_rows(self, residual: bool = False) -> Bool[Array, "... T_q"]:
+        """Query rows that read a non-finite value through an allowed pair (their own ``x_q`` row
+        if any key is allowed, or always with ``residual``; an allowed ``x_kv`` row; an allowed
+        NaN or ``+inf`` bias entry): :func:`attnref._src.nonfinite.reads_nonfinite`."""
+        return reads_nonfinite(
+            self.allowed(),
+            nonfinite_rows(self.x_q),
+            nonfinite_rows(self.x_kv),
+            self.bias,
+            residual,
+        )
+
+    def finite(self) -> Prepared:
+        """A copy whose ``x_q``, ``x_kv`` are the finite parts (non-finite entries read as 0,
+        identity derivative) and whose bias has NaN and ``+inf`` read as 0 (``-inf`` kept)."""
+        view = copy.copy(self)
+        view.x_q, view.x_kv = finite_part(self.x_q), finite_part(self.x_kv)
+        view.bias = finite_bias(self.bias)
+        return view
+
+    def guarded(
+        self, compute: Callable[[Prepared], Any], residual: bool = False, heads: bool = False
+    ) -> Any:
+        """``compute(self.finite())``, NaN on the dirty query rows (:meth:`dirty_rows`).
+
+        A key or value a query may not read (mask, ``-inf`` bias) then never reaches that query's
+        output or gradients, whatever it holds: ``compute`` only ever sees finite inputs, and a
+        row that does read a non-finite value is NaN, with no gradient. The outputs of
+        ``compute`` have the query axis after the batch axes (``[..., T_q, ...]``),
+        or after a head axis with ``heads=True`` (``[..., H, T_q, ...]``).
+        """
+        dirty = self.dirty_rows(residual)
+        if heads:
+            dirty = jnp.expand_dims(dirty, -2)  # a size-1 head axis, broadcast by the selection
+        return poison_rows(dirty, compute(self.finite()))
 
 
 def scale_value(d_k: int, scale: Any, dtype: Any) -> Array:

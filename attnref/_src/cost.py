@@ -80,6 +80,39 @@ SOFTMAX_PER_LOGIT = 12  # != -inf, and mask, any, where, max, -, where, where, s
 SOFTMAX_PER_ROW = 2  # where(any, max, 0), where(any, sum, 1)
 
 
+# The non-finite guard (``attnref._src.nonfinite``), counted from its source. Per operand element
+# (q, k, v, or a token row's entries): isfinite and where for the finite part, then isfinite, not
+# and the row reduction for the dirty test. Per logit: the live test, the reads test (and, any),
+# and with a bias: isfinite, not, and, any for the dirty test and isnan, == inf, or, where for its
+# finite part. Per query row: the or of the dirty terms; per output entry: the poisoning where.
+GUARD_PER_OPERAND = 5
+GUARD_PER_LOGIT = 3
+GUARD_PER_BIASED_LOGIT = 8
+GUARD_PER_ROW = 3
+
+
+def guard_elementwise(d: Dims, *, operands: int, logits: int, rows: int, outputs: int) -> int:
+    """Elementwise FLOPs of the non-finite guard on one attention call of these sizes."""
+    per_logit = GUARD_PER_LOGIT + (GUARD_PER_BIASED_LOGIT if d.bias else 0)
+    return GUARD_PER_OPERAND * operands + per_logit * logits + GUARD_PER_ROW * rows + outputs
+
+
+# At the weight level (``Prepared.guarded``): the token rows' finite parts and dirty tests
+# (GUARD_PER_OPERAND per entry of x_q and x_kv), and per (query, key) pair the allowed set (and,
+# != -inf), the live and reads tests (any; and, any), the bias's dirty test (isfinite, not, and,
+# any) and finite part (isnan, == inf, or, where); per output entry the poisoning where.
+WEIGHT_GUARD_PER_PAIR = 13
+
+
+def weight_guard_elementwise(d: Dims, *, pairs: bool = True) -> int:
+    """Elementwise FLOPs of the weight-level non-finite guard. ``pairs=False``: the linear
+    family's O(T) form (running ors over keys instead of a ``T_q x T_k`` test)."""
+    b, dm = d.batch, d.d_model
+    tokens = GUARD_PER_OPERAND * b * (d.t_q + d.t_k) * dm
+    per_pair = WEIGHT_GUARD_PER_PAIR * b * d.t_q * d.t_k if pairs else 4 * b * (d.t_q + d.t_k)
+    return tokens + per_pair + GUARD_PER_ROW * b * d.t_q + b * d.t_q * dm
+
+
 def _io(d: Dims, *, kv_tokens: bool = True) -> tuple[int, int]:
     h, dm = d.heads, d.d_model
     params = h * dm * (2 * d.d_k + d.d_v) + h * d.d_v * dm
@@ -117,10 +150,11 @@ def _softmax_tensors(d: Dims, logits: int) -> list[int]:
 
 
 def _finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
+    """A weight-level softmax form's cost, with its non-finite guard's elementwise work."""
     inputs, output = _io(d)
     return Cost(
         matmul,
-        elementwise,
+        elementwise + weight_guard_elementwise(d),
         trans,
         inputs,
         output,
@@ -305,6 +339,12 @@ def _feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
     return 2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m
 
 
+def _eps_exp(d: Dims, queries: int) -> int:
+    """FAVOR+'s ``eps exp(-c_q)`` (eps in the units of the stabilised features): one ``exp`` per
+    query and head; the other maps need none."""
+    return d.batch * queries * d.heads if d.feature_map == "favor_plus" else 0
+
+
 def _linear_proj(d: Dims) -> tuple[int, int]:
     pq, pk, pv = _projections(d)
     b, h = d.batch, d.heads
@@ -320,9 +360,10 @@ def _linear_proj(d: Dims) -> tuple[int, int]:
 
 
 def _normalize_el(d: Dims) -> int:
-    """eps add, zero test, safe select, divide and output select per (query, head)."""
+    """eps add, zero test, safe select, divide and output select per (query, head); FAVOR+'s
+    eps rescaling (negate, exp argument, overflow test, two selects, multiply) adds 6."""
     n = d.batch * d.t_q * d.heads
-    return 4 * n + 2 * n * d.d_v
+    return (10 if d.feature_map == "favor_plus" else 4) * n + 2 * n * d.d_v
 
 
 def _linear_tensors(d: Dims) -> list[int]:
@@ -347,12 +388,13 @@ def _linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: int
     mmk, elk, trk, _ = _feature_cost(d, d.t_k)
     mm_p, el_p = _linear_proj(d)
     el = elq + elk + el_p + form_el + _normalize_el(d) + d.batch * d.t_k * d.heads * m  # key mask
+    el += weight_guard_elementwise(d, pairs=False)
     inputs, output = _io(d)
     every = _linear_tensors(d) + tensors
     return Cost(
         mm_p + mmq + mmk + form_mm,
         el,
-        trq + trk,
+        trq + trk + _eps_exp(d, d.t_q),
         inputs,
         output,
         max(every) * d.itemsize,
@@ -420,8 +462,8 @@ def linear_recurrent_cost(d: Dims) -> Cost:
     ]  # + time-major copies, state, outputs
     return Cost(
         mm_p + t * step_mm,
-        el_p + t * step_el + b * t * h * m,
-        t * 2 * tr_f,
+        el_p + t * step_el + b * t * h * m + weight_guard_elementwise(d, pairs=False),
+        t * (2 * tr_f + _eps_exp(d, 1)),
         inputs,
         output,
         max(every) * d.itemsize,
@@ -429,7 +471,7 @@ def linear_recurrent_cost(d: Dims) -> Cost:
         loop_trips=t,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=2 * tr_f,
+        per_trip_transcendentals=2 * tr_f + _eps_exp(d, 1),
     )
 
 
@@ -455,9 +497,12 @@ def linear_chunked_cost(d: Dims) -> Cost:
         - _normalize_el(d)
         + n * step_el
         + 2 * b * n * c * h * (m + d.d_v),  # padding to whole chunks
+        # the eps rescaling runs inside the loop, on every (padded) chunk of queries
+        transcendentals=base.transcendentals - _eps_exp(d, t) + n * _eps_exp(d, c),
         loop_trips=n,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=_eps_exp(d, c),
     )
 
 
@@ -479,6 +524,7 @@ def linear_messages_cost(d: Dims) -> Cost:
         + el_x
         + _bias_adds(d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, 0, 0)
         + b * d.t_k * h * m
+        + weight_guard_elementwise(d, pairs=False)
     )
     inputs, output = _io(d)
     every = [
@@ -493,7 +539,13 @@ def linear_messages_cost(d: Dims) -> Cost:
         b * h * d.t_q * dm,
     ]  # A, masked, normalised; W_M, messages
     return Cost(
-        mm, el, trq + trk, inputs, output, max(every) * d.itemsize, sum(every) * d.itemsize + inputs
+        mm,
+        el,
+        trq + trk + _eps_exp(d, d.t_q),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
     )
 
 
@@ -524,16 +576,25 @@ def blockwise_cost(d: Dims) -> Cost:
     step_el = (
         BLOCK_PER_LOGIT * tile_logits
         + (BLOCK_PER_ROW + 2 * d.d_v) * b * h * bq
-        + b * bq * h * d.d_k
-        + b * bk * h * (d.d_k + d.d_v)  # zeroing unread q rows and k, v rows
+        + guard_elementwise(
+            d,
+            operands=b * bq * h * d.d_k + b * bk * h * (d.d_k + d.d_v),
+            logits=tile_logits,
+            rows=b * h * bq,
+            outputs=0,
+        )
     )
     step_tr = tile_logits + b * h * bq  # exp of the tile, exp(m - m')
     out_mm = 2 * b * d.t_q * h * d.d_v * dm
     rows = b * h * nq * bq
-    tail_el = rows * (d.d_v + 3) + b * d.t_q * dm * (h - 1)  # l > 0, where, a / l; head sum
+    # l > 0, where, a / l; poisoning the dirty rows; head sum
+    tail_el = rows * (2 * d.d_v + 4) + b * d.t_q * dm * (h - 1)
+    kernel_operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
     el = (
         step_el * nq * nk
         + tail_el
+        + weight_guard_elementwise(d)
+        + GUARD_PER_OPERAND * kernel_operands  # the kernel's finite parts and dirty tests
         + _bias_adds(
             d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
         )
@@ -579,11 +640,18 @@ def kv_cache_cost(d: Dims) -> Cost:
     # the naive kernel's masked softmax on one row of logits, plus building the allowed set from
     # slot positions, the mask row and the bias row (gathers, compares, where)
     step_el = (SOFTMAX_PER_LOGIT + 6) * row + SOFTMAX_PER_ROW * b * h + b * h * d.d_k
-    step_el += b * tk * h * (d.d_k + d.d_v)  # zeroing unread k, v slots
+    step_el += guard_elementwise(
+        d,
+        operands=b * h * d.d_k + b * tk * h * (d.d_k + d.d_v),
+        logits=row,
+        rows=b * h,
+        outputs=b * h * (d.d_v + 1),
+    )
     out_mm = 2 * b * d.t_q * h * d.d_v * dm
     el = (
         step_el * d.t_q
         + b * d.t_q * dm * (h - 1)
+        + weight_guard_elementwise(d)
         + _bias_adds(
             d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
         )

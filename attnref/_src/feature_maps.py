@@ -17,6 +17,15 @@ and it never overflows. A query's features carry the compensating ``+|w_i|^2 / 2
 subtract their own maximum over ``i``, a per-query constant that cancels between numerator and
 denominator. (Subtracting a max over all keys, as some implementations do, lets a future key
 change past outputs; attnref's causality tests would catch it.)
+
+The shift does *not* cancel against ``eps``: the stabilised features give
+``phi~(q).phi~(k) = exp(-c_q) phi(q).phi(k)`` with ``c_q = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
+(:meth:`FeatureMap.query_features` returns ``c_q``), so the documented
+``num / (den + eps)`` equals ``num~ / (den~ + eps exp(-c_q))``; the linear forms rescale ``eps``
+by the same per-query factor (``attnref._src.linear.normalize``).
+
+The map factories (:func:`elu_plus_one`, ..., :func:`favor_plus`) return a :class:`FeatureMap`;
+passing a factory uncalled raises a ``TypeError`` that says to call it (:func:`check_feature_map`).
 """
 
 from __future__ import annotations
@@ -63,8 +72,43 @@ class FeatureMap:
         return d
 
     def __call__(self, x: Float[Array, "... d"], role: Role) -> Float[Array, "... m"]:
-        """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation."""
+        """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation
+        (for queries this is ``query_features(x)[0]``)."""
+        if role not in ("query", "key"):
+            raise ValueError(f"role must be 'query' or 'key', got {role!r}")
+        if role == "query":
+            return self.query_features(x)[0]
+        return self._features(jnp.asarray(x), "key")
+
+    def query_features(
+        self, x: Float[Array, "... d"]
+    ) -> tuple[Float[Array, "... m"], Float[Array, "..."]]:
+        """``(phi~(x), c(x))``: the query features as computed and the log of the per-query factor
+        they carry, ``phi~(q).phi~(k) = exp(-c(q)) phi(q).phi(k)`` for every key ``k``.
+
+        ``c = 0`` for every map but FAVOR+, where ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
+        (the query's own max, less the ``|q~|^2/2`` of the definition). The linear forms divide
+        by ``den~ + eps exp(-c)``, which is ``exp(-c) (den + eps)``: ``eps`` keeps its meaning.
+        """
         x = jnp.asarray(x)
+        if self.name != "favor_plus":
+            return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
+        w = self._omega_for(x)
+        xs = x * jnp.asarray(x.shape[-1] ** -0.25, x.dtype)
+        expo = jnp.einsum("...d,md->...m", xs, w, precision="highest") + 0.5 * jnp.sum(
+            w * w, axis=-1
+        )
+        top = jnp.max(expo, axis=-1, keepdims=True)  # part of phi~: no stop_gradient
+        phi = jnp.exp(expo - top) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
+        return phi, top[..., 0] - 0.5 * jnp.sum(xs * xs, axis=-1)
+
+    def _omega_for(self, x: Array) -> Array:
+        w = jnp.asarray(self.omega, x.dtype)
+        if w.shape[1] != x.shape[-1]:
+            raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={x.shape[-1]}")
+        return w
+
+    def _features(self, x: Array, role: Role) -> Array:
         d = x.shape[-1]
         if self.name == "elu_plus_one":
             return jax.nn.elu(x) + 1
@@ -77,18 +121,13 @@ class FeatureMap:
             outer = (xs[..., :, None] * xs[..., None, :]).reshape(*x.shape[:-1], d * d)
             ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
             return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
-        w = jnp.asarray(self.omega, x.dtype)
-        m = w.shape[0]
-        if w.shape[1] != d:
-            raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+        assert role == "key"  # FAVOR+ queries: query_features
+        w = self._omega_for(x)
         proj = jnp.einsum("...d,md->...m", xs, w, precision="highest")
-        half_w2 = 0.5 * jnp.sum(w * w, axis=-1)
-        if role == "key":  # exp(-|k~ - w|^2 / 2): data-independent shift, bounded by 1
-            expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - half_w2
-        else:  # + |w|^2/2 compensates the keys; the query's own max is a per-query constant
-            expo = proj + half_w2
-            expo = expo - jnp.max(expo, axis=-1, keepdims=True)  # part of phi: no stop_gradient
-        return jnp.exp(expo) * jnp.asarray(m**-0.5, x.dtype)
+        # exp(-|k~ - w|^2 / 2): a data-independent shift |w|^2/2, bounded by 1; the queries carry
+        # the compensating +|w|^2/2 and their own max (query_features)
+        expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - 0.5 * jnp.sum(w * w, -1)
+        return jnp.exp(expo) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
 
     def kernel(self, q: Float[Array, "... d"], k: Float[Array, "... d"]) -> Float[Array, "..."]:
         """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics)."""
@@ -107,18 +146,22 @@ class FeatureMap:
 
 
 def elu_plus_one() -> FeatureMap:
+    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020)."""
     return FeatureMap("elu_plus_one")
 
 
 def relu_features() -> FeatureMap:
+    """``phi(x) = max(x, 0)``."""
     return FeatureMap("relu")
 
 
 def identity_features() -> FeatureMap:
+    """``phi(x) = x`` (signed: denominators can vanish)."""
     return FeatureMap("identity")
 
 
 def taylor2() -> FeatureMap:
+    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``."""
     return FeatureMap("taylor2")
 
 
@@ -142,3 +185,34 @@ def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True)
     directions = np.concatenate(blocks)[:num_features]
     norms = np.linalg.norm(rng.standard_normal((num_features, d)), axis=-1)
     return FeatureMap("favor_plus", directions * norms[:, None], True)
+
+
+_FACTORY_CALLS = {
+    "elu_plus_one": "elu_plus_one()",
+    "relu_features": "relu_features()",
+    "identity_features": "identity_features()",
+    "taylor2": "taylor2()",
+    "favor_plus": "favor_plus(seed, d, num_features)",
+}
+
+
+def check_feature_map(fm: object, arg: str = "feature_map") -> None:
+    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a feature map: a :class:`FeatureMap`
+    or an object with ``__call__(x, role)``, ``num_features(d)`` and ``name``.
+
+    Every factory (``elu_plus_one``, ``relu_features``, ``identity_features``, ``taylor2``,
+    ``favor_plus``) must be called: ``favor_plus`` needs its seed and sizes, so accepting the
+    uncalled zero-argument ones would make the API inconsistent.
+    """
+    if isinstance(fm, FeatureMap):
+        return
+    name = getattr(fm, "__name__", None)
+    if callable(fm) and name in _FACTORY_CALLS and not hasattr(fm, "num_features"):
+        raise TypeError(
+            f"{arg} must be a FeatureMap; got the factory function {name} itself: call it, "
+            f"{arg}=attnref.{_FACTORY_CALLS[name]}"
+        )
+    if not (callable(fm) and hasattr(fm, "num_features") and hasattr(fm, "name")):
+        raise TypeError(
+            f"{arg} must be a FeatureMap (e.g. attnref.elu_plus_one()), got {type(fm).__name__}"
+        )

@@ -8,6 +8,8 @@ each receiver's incoming edges gives ``alpha_e``; the receiver aggregates
 ``y_r = sum_i z_r W_O[i] + b_O``. A receiver with no (unmasked) incoming edge gets ``y_r = b_O``.
 With grouped-query params (``K`` key/value heads, ``G = H / K``) head ``i`` reads ``W_K``, ``b_K``,
 ``W_V``, ``b_V`` of key/value head ``i // G``; each sender is projected once per key/value head.
+A sender a receiver may not listen to (no edge, a masked edge, a ``-inf`` edge bias) never
+reaches that receiver's update or gradients, whatever it holds (``attnref._src.nonfinite``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.checks import check_params, check_scale, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
+from attnref._src.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    guarded,
+    nonfinite_rows,
+)
 from attnref._src.params import AttentionParams, repeat_heads
 
 
@@ -100,6 +109,41 @@ def graph_attention(
     xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
     snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
     s = scale_value(d_k, scale, xr.dtype)
+    em = None if edge_mask is None else jnp.asarray(edge_mask)
+    eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
+    allowed = allowed_pairs(em, eb, snd.shape)  # [E]
+
+    def per_receiver(flags: Array) -> Array:
+        return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
+
+    bad_edge = nonfinite_rows(xs)[snd]  # the edge reads a non-finite sender row ...
+    if eb is not None:  # ... or a NaN / +inf bias (-inf edges are not allowed)
+        bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
+    own = nonfinite_rows(xr)
+    if not residual:
+        own = jnp.logical_and(own, per_receiver(allowed))
+    dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
+
+    def compute(xs1: Array, xr1: Array, eb1: Array | None) -> Array:
+        return _message_passing(params, xs1, xr1, snd, rcv, n_r, em, eb1, s, residual)
+
+    clean = (finite_part(xs), finite_part(xr), finite_bias(eb))
+    return guarded(compute, dirty, clean)
+
+
+def _message_passing(
+    params: AttentionParams,
+    xs: Array,
+    xr: Array,
+    snd: Array,
+    rcv: Array,
+    n_r: int,
+    edge_mask: Array | None,
+    edge_bias: Array | None,
+    s: Array,
+    residual: bool,
+) -> Float[Array, "N_r d_model"]:
+    """The body of :func:`graph_attention` on validated arrays (no non-finite guard)."""
 
     def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
         y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
@@ -113,10 +157,10 @@ def graph_attention(
     v = repeat_heads(proj(xs, params.w_v, params.b_v), g, axis=1)[snd]  # [E, H, d_v]
     logits = jnp.sum(q * k, axis=-1) * s  # [E, H]
     if edge_bias is not None:
-        logits = logits + jnp.asarray(edge_bias).astype(xr.dtype)[:, None]
+        logits = logits + edge_bias[:, None]
     allowed = logits != -jnp.inf
     if edge_mask is not None:
-        allowed = jnp.logical_and(allowed, jnp.asarray(edge_mask)[:, None])
+        allowed = jnp.logical_and(allowed, edge_mask[:, None])
     alpha = _segment_softmax(logits, allowed, rcv, n_r)
     z = jax.ops.segment_sum(alpha[..., None] * v, rcv, n_r)  # [N_r, H, d_v]
     y = jnp.einsum("rhv,hvd->rd", z, params.w_o, precision=HIGHEST)
@@ -153,23 +197,29 @@ def graph_attention_rows(
     Every (query, key) pair is an edge, so shapes are static and the function is ``jit``-able;
     the mask switches edges off. Batch dims are ``vmap``-ed.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    full = (*p.batch_shape, p.t_q, p.t_k)
-    receivers, senders = (a.reshape(-1) for a in np.indices((p.t_q, p.t_k), dtype=np.int32))
-    e = p.t_q * p.t_k
-    m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
-    b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
-    d = params.d_model
+    p0 = Prepared(params, x_q, x_kv, mask, bias, scale)
+    receivers, senders = (
+        jnp.asarray(a.reshape(-1)) for a in np.indices((p0.t_q, p0.t_k), dtype=np.int32)
+    )
+    e = p0.t_q * p0.t_k
 
-    def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
-        return graph_attention(
-            params, xkv, xq, senders, receivers, edge_mask=m1, edge_bias=b1, scale=scale
-        )
+    def compute(p: Prepared) -> Array:
+        full = (*p.batch_shape, p.t_q, p.t_k)
+        m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
+        b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
+        d = params.d_model
 
-    y = jax.vmap(one)(
-        p.x_q.reshape(-1, p.t_q, d),
-        p.x_kv.reshape(-1, p.t_k, d),
-        m.reshape(-1, e),
-        b.reshape(-1, e),
-    ).reshape(*p.batch_shape, p.t_q, d)
-    return residual_or(y, p.x_q, residual)
+        def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
+            return _message_passing(
+                params, xkv, xq, senders, receivers, p.t_q, m1, b1, p.scale, False
+            )
+
+        y = jax.vmap(one)(
+            p.x_q.reshape(-1, p.t_q, d),
+            p.x_kv.reshape(-1, p.t_k, d),
+            m.reshape(-1, e),
+            b.reshape(-1, e),
+        ).reshape(*p.batch_shape, p.t_q, d)
+        return residual_or(y, p.x_q, residual)
+
+    return p0.guarded(compute, residual)

@@ -465,25 +465,30 @@ def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B N T S"]:
     return jnp.broadcast_to(allowed, (spec.b, spec.n, spec.t, spec.s))
 
 
-def dirty_rows(
+def bad_operands(x: KernelInputs) -> tuple[Array, Array, Array | None]:
+    """Where the operands hold NaN or inf: query rows ``[B, T, N]``, key/value rows
+    ``[B, S, K]`` (either of ``k`` and ``v``), and bias entries that are NaN or ``+inf`` (a
+    ``-inf`` bias masks its pair instead)."""
+    bad_q = nonfinite_rows(x.q)
+    bad_kv = jnp.logical_or(nonfinite_rows(x.k), nonfinite_rows(x.v))
+    bias_bad = None
+    if x.bias is not None:
+        bias_bad = jnp.logical_or(jnp.isnan(x.bias), x.bias == jnp.inf)
+    return bad_q, bad_kv, bias_bad
+
+
+def reads_bad(
     spec: KernelSpec,
-    q: Array,
-    k: Array,
-    v: Array,
-    bias: Array | None,
     allowed: Bool[Array, "B N tq tk"],
-) -> Bool[Array, "B tq N"]:
-    """Query rows that may read a non-finite value: their own query vector (if any key is
-    allowed), an allowed key or value row, or an allowed bias entry (NaN or ``+inf``)."""
-    live = jnp.any(allowed, axis=-1)  # [B, N, tq]
-    bad = jnp.logical_and(live, jnp.swapaxes(nonfinite_rows(q), 1, 2))
-    bad_kv = jnp.swapaxes(jnp.logical_or(nonfinite_rows(k), nonfinite_rows(v)), 1, 2)  # [B,K,tk]
-    reads = jnp.any(jnp.logical_and(grouped(allowed, spec), bad_kv[:, :, None, None, :]), -1)
-    bad = jnp.logical_or(bad, reads.reshape(live.shape))
-    if bias is not None:
-        bad_bias = jnp.logical_and(allowed, ~jnp.isfinite(bias))
-        bad = jnp.logical_or(bad, jnp.any(bad_bias, axis=-1))
-    return jnp.swapaxes(bad, 1, 2)
+    bad_kv: Bool[Array, "B tk K"],
+    bias_bad: Array | None,
+) -> Bool[Array, "B N tq"]:
+    """Query rows with an allowed key whose key/value row or bias entry is non-finite."""
+    bad = jnp.swapaxes(bad_kv, 1, 2)[:, :, None, None, :]  # [B, K, 1, 1, tk]
+    if bias_bad is not None:
+        bad = jnp.logical_or(bad, grouped(jnp.broadcast_to(bias_bad, allowed.shape), spec))
+    reads = jnp.any(jnp.logical_and(grouped(allowed, spec), bad), axis=-1)
+    return reads.reshape(allowed.shape[:-1])
 
 
 def _attend(
@@ -515,9 +520,11 @@ def naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
     cd = spec.compute_dtype
     allowed = allowed_pairs(spec, x)
     live = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)  # [B, T, N]
-    q, k, v = (a.astype(cd) for a in (x.q, x.k, x.v))
-    out, lse = _attend(spec, x, finite_part(q), finite_part(k), finite_part(v), allowed)
-    dirty = dirty_rows(spec, q, k, v, x.bias, allowed)  # [B, T, N]
+    q, k, v = (finite_part(a.astype(cd)) for a in (x.q, x.k, x.v))
+    out, lse = _attend(spec, x, q, k, v, allowed)
+    bad_q, bad_kv, bias_bad = bad_operands(x)
+    reads = jnp.swapaxes(reads_bad(spec, allowed, bad_kv, bias_bad), 1, 2)
+    dirty = jnp.logical_or(jnp.logical_and(bad_q, live), reads)  # [B, T, N]
     out, lse = poison_rows(dirty, (out, jnp.swapaxes(lse, 1, 2)))
     return finish(spec, x, out, lse, live)
 

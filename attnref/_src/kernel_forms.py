@@ -60,19 +60,24 @@ def blockwise_multihead(
 ) -> Float[Array, "... T_q d_model"]:
     """Multi-head attention through :func:`attnref.blockwise_attention` (online softmax in
     ``block_q x block_k`` tiles; the small odd defaults exercise partial tiles)."""
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    xq, xkv, b = _flat(p)
-    o = blockwise_attention(
-        _kernel_heads(xq, params.w_q, params.b_q),
-        _kernel_heads(xkv, params.w_k, params.b_k),
-        _kernel_heads(xkv, params.w_v, params.b_v),
-        _pairs(p, p.bias, b),
-        _pairs(p, p.mask, b),
-        scale=scale,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    return _output(p, params, o, residual)
+
+    def compute(p: Prepared) -> Array:
+        xq, xkv, b = _flat(p)
+        o = blockwise_attention(
+            _kernel_heads(xq, params.w_q, params.b_q),
+            _kernel_heads(xkv, params.w_k, params.b_k),
+            _kernel_heads(xkv, params.w_v, params.b_v),
+            _pairs(p, p.bias, b),
+            _pairs(p, p.mask, b),
+            scale=scale,
+            block_q=block_q,
+            block_k=block_k,
+        )
+        return _output(p, params, o, residual)
+
+    # Non-finite tokens a query may not read stay out of it and of every gradient (the
+    # projections' backward would otherwise multiply them by zero).
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
 
 
 @float64_scoped
@@ -134,7 +139,12 @@ def kv_cache_multihead(
     With a causal mask this is what incremental decoding computes (:func:`mha_decode_scan`
     appends one token per step instead; both are tested against the oracle).
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(
+        lambda p: _kv_cache(p, params, scale, residual), residual
+    )
+
+
+def _kv_cache(p: Prepared, params: AttentionParams, scale: float | None, residual: bool) -> Array:
     xq, xkv, b = _flat(p)
     cache = mha_cache_init(params, b, p.t_k)
     cache = kv_cache_append(

@@ -10,8 +10,11 @@ With ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys ``j`` (``key_mask`` True
 
 **Denominator policy** (one rule for every form and the oracle): ``eps_policy="add"`` (default)
 divides by ``den_i + eps``, as fast-transformers' ``LinearAttention`` does (``eps = 1e-6`` there);
-``eps_policy="clamp"`` divides by ``max(den_i, eps)``. The default ``eps = 0`` is the exact ratio;
-as ``eps -> 0`` both policies converge to it, with relative error ``eps / den_i`` for ``add``.
+``eps_policy="clamp"`` divides by ``max(den_i, eps)``. ``den_i`` is the sum of the *defined*
+``A_ij``: FAVOR+'s stabilised features carry a per-query factor ``exp(-c_i)``, and ``eps`` is
+rescaled by the same factor (:func:`normalize`), so ``eps`` means the same under every map.
+The default ``eps = 0`` is the exact ratio; as ``eps -> 0`` both policies converge to it, with
+relative error ``eps / den_i`` for ``add``.
 Wherever the adjusted denominator is exactly zero (no allowed key, or exact cancellation with a
 signed map) the output is zero, never NaN, and the gradient is finite. With a signed map
 (``identity``) the denominator can be close to zero with keys present: the ratio is then
@@ -25,7 +28,10 @@ chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -35,7 +41,12 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_params, check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, add_output_bias, project, project_kv, residual_or
-from attnref._src.feature_maps import FeatureMap
+from attnref._src.feature_maps import FeatureMap, check_feature_map
+from attnref._src.nonfinite import (
+    finite_part,
+    nonfinite_rows,
+    poison_rows,
+)
 from attnref._src.params import AttentionParams, repeat_heads, w_m
 
 EpsPolicy = Literal["add", "clamp"]
@@ -88,23 +99,135 @@ def _check_policy(eps: Any, eps_policy: str) -> None:
         )
 
 
-def _features(fm: FeatureMap, q: Array, k: Array, key_mask: Array | None) -> tuple[Array, Array]:
-    fq, fk = fm(q, "query"), fm(k, "key")
+def _query(fm: FeatureMap, q: Array) -> tuple[Array, Array | None]:
+    """Query features and their log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) =
+    exp(-c) phi(q).phi(k)``. A custom (duck-typed) map's features are its ``phi`` itself."""
+    if isinstance(fm, FeatureMap) and fm.name == "favor_plus":
+        return fm.query_features(q)
+    return fm(q, "query"), None  # c = 0
+
+
+def _features(
+    fm: FeatureMap, q: Array, k: Array, key_mask: Array | None
+) -> tuple[Array, Array, Array | None]:
+    check_feature_map(fm)
+    (fq, c), fk = _query(fm, q), fm(k, "key")
     if key_mask is not None:  # padded keys contribute nothing (and cannot leak NaN through *0)
         fk = jnp.where(key_mask[..., None, None], fk, jnp.zeros_like(fk))
-    return fq, fk
+    return fq, fk, c
 
 
-def normalize(num: Array, den: Array, eps: Any, eps_policy: str) -> Array:
-    """``num / adjusted(den)`` with the documented policy; exactly-zero denominators give 0."""
+def normalize(
+    num: Array, den: Array, eps: Any, eps_policy: str, log_scale: Array | None = None
+) -> Array:
+    """``num / adjusted(den)`` with the documented policy; exactly-zero denominators give 0.
+
+    ``log_scale = c`` (shape of ``den``) says that ``num`` and ``den`` are ``exp(-c)`` times the
+    defined ``N``, ``D`` (FAVOR+'s per-query stabilisation). Then::
+
+        N / (D + eps)    = num / (den + eps exp(-c))          ("add")
+        N / max(D, eps)  = num / max(den, eps exp(-c))        ("clamp")
+
+    Where ``exp(-c)`` could overflow (``c < -L``, ``L = log(max float) / 2``, only when
+    ``eps > 0``), ``num``, ``den`` and the eps term are all multiplied by ``exp(c + L) < 1``: the
+    eps term becomes ``eps exp(L)``, finite, and the ratio is unchanged. Elsewhere the factor is
+    exactly 1.
+    """
     eps = jnp.asarray(eps, den.dtype)
+    if log_scale is not None:
+        num, den, eps = _defined_eps(num, den, eps, log_scale.astype(den.dtype))
     adj = den + eps if eps_policy == "add" else jnp.maximum(den, eps)
     zero = adj == 0
     return jnp.where(zero[..., None], 0.0, num / jnp.where(zero, 1.0, adj)[..., None])
 
 
+@jax.jit  # one program (eagerly: one compile, not one per operation)
+def _defined_eps(num: Array, den: Array, eps: Array, c: Array) -> tuple[Array, Array, Array]:
+    """``(num, den, eps exp(-c))`` times ``exp(min(c + L, 0))`` (where ``eps > 0``), the scaling
+    of :func:`normalize`."""
+    big = 0.5 * math.log(float(jnp.finfo(den.dtype).max))
+    rescale = jnp.exp(jnp.where(eps > 0, jnp.minimum(c + big, 0.0), 0.0))
+    return num * rescale[..., None], den * rescale, eps * jnp.exp(jnp.minimum(-c, big))
+
+
 def _causal(t: int) -> Array:
     return jnp.asarray(np.tril(np.ones((t, t), bool)))
+
+
+# ----------------------------------------------------------------------------- non-finite guard
+#
+# A key a query may not read (``key_mask`` False, or ``j > i`` when causal) never reaches that
+# query's output or gradients, whatever its key or value holds: the forms run on the finite parts
+# of their inputs, and a query that does read a non-finite value (its own ``q`` with an allowed
+# key, an allowed ``k`` or ``v``) is NaN, with no gradient (``attnref._src.nonfinite``).
+
+
+def _dirty(
+    bad_q: Array, bad_kv: Array, key_mask: Any, causal: bool, residual: bool, axis: int
+) -> Array:
+    """Dirty query rows in O(T): ``bad_q_i AND (residual OR live_i)`` or an allowed bad key.
+
+    The allowed keys of query ``i`` are ``key_mask_j AND (j <= i if causal)``, so "some allowed
+    key is bad" is an ``any`` over keys, or its running (prefix) version when causal; the
+    token axis of ``bad_q``, ``bad_kv`` and ``key_mask`` is ``axis`` (no ``T x T`` array).
+    """
+    valid = jnp.ones_like(bad_kv) if key_mask is None else jnp.asarray(key_mask, bool)
+    if axis != -1 and key_mask is not None:
+        valid = jnp.expand_dims(valid, -1)
+    valid = jnp.broadcast_to(valid, jnp.broadcast_shapes(valid.shape, bad_kv.shape))
+    readable_bad = jnp.logical_and(valid, bad_kv)
+
+    def seen(a: Array) -> Array:  # any over the keys each query may read
+        if causal:
+            return jnp.cumsum(a.astype(jnp.int32), axis=axis) > 0
+        return jnp.any(a, axis=axis, keepdims=True)
+
+    own = bad_q if residual else jnp.logical_and(bad_q, seen(valid))
+    return jnp.logical_or(own, seen(readable_bad))
+
+
+_UNGUARDED: dict[str, Callable[..., Array]] = {}  # kernel form name -> its unguarded body
+
+
+def _finite_or_same(a: Any) -> Any:
+    """The finite part of a floating array; anything else unchanged (left to validation)."""
+    if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact):
+        return finite_part(jnp.asarray(a))
+    return a
+
+
+def _guarded_kernel(fn: Callable[..., Array]) -> Callable[..., Array]:
+    """Wrap a kernel-level form ``fn(q, k, v, *, causal, key_mask, ...)`` with the non-finite
+    guard: query ``i`` of head ``h`` is dirty when ``q[i, h]`` is non-finite and it has an allowed
+    key, or some allowed ``j`` has a non-finite ``k[j, h]`` or ``v[j, h]``."""
+    causal_default = inspect.signature(fn).parameters["causal"].default
+    _UNGUARDED[fn.__name__] = fn
+
+    @functools.wraps(fn)
+    def wrapper(q: Any, k: Any, v: Any, **kwargs: Any) -> Array:
+        value = fn(_finite_or_same(q), _finite_or_same(k), _finite_or_same(v), **kwargs)
+        q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)  # validated by fn
+        causal = kwargs.get("causal", causal_default)
+        bad_kv = jnp.logical_or(nonfinite_rows(k), nonfinite_rows(v))  # [..., T_k, H]
+        dirty = _dirty(nonfinite_rows(q), bad_kv, kwargs.get("key_mask"), causal, False, -2)
+        return poison_rows(dirty, value)  # [..., T_q, H]
+
+    return wrapper
+
+
+def _guarded_rows(
+    compute: Callable[[Array, Array], Array],
+    xq: Array,
+    xkv: Array,
+    key_mask: Any,
+    causal: bool,
+    residual: bool,
+) -> Array:
+    """The weight-level guard: ``compute(x_q, x_kv) -> [..., T_q, d_model]`` on the finite parts,
+    NaN on the rows that read a non-finite token row (no gradient)."""
+    value = compute(finite_part(xq), finite_part(xkv))  # first: it validates the arguments
+    dirty = _dirty(nonfinite_rows(xq), nonfinite_rows(xkv), key_mask, causal, residual, -1)
+    return poison_rows(dirty, value)
 
 
 # ----------------------------------------------------------------------------- kernel level
@@ -121,6 +244,7 @@ def _quadratic_parts(
 
 
 @float64_scoped
+@_guarded_kernel
 def linear_quadratic(
     q: Float[ArrayLike, "... T_q H d_k"],
     k: Float[ArrayLike, "... T_k H d_k"],
@@ -136,12 +260,13 @@ def linear_quadratic(
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
     km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    fq, fk, c = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
     num, den = _quadratic_parts(fq, fk, jnp.asarray(v), causal)
-    return normalize(num, den, eps, eps_policy)
+    return normalize(num, den, eps, eps_policy, c)
 
 
 @float64_scoped
+@_guarded_kernel
 def linear_associative(
     q: Float[ArrayLike, "... T_q H d_k"],
     k: Float[ArrayLike, "... T_k H d_k"],
@@ -162,12 +287,12 @@ def linear_associative(
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
     km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    fq, fk, c = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
     s = jnp.einsum("...khm,...khv->...hmv", fk, jnp.asarray(v), precision=HIGHEST)
     z = jnp.sum(fk, axis=-3)
     num = jnp.einsum("...qhm,...hmv->...qhv", fq, s, precision=HIGHEST)
     den = jnp.einsum("...qhm,...hm->...qh", fq, z, precision=HIGHEST)
-    return normalize(num, den, eps, eps_policy)
+    return normalize(num, den, eps, eps_policy, c)
 
 
 def _require_causal(name: str, causal: bool) -> None:
@@ -179,6 +304,7 @@ def _require_causal(name: str, causal: bool) -> None:
 
 
 @float64_scoped
+@_guarded_kernel
 def linear_prefix_sum(
     q: Float[ArrayLike, "... T H d_k"],
     k: Float[ArrayLike, "... T H d_k"],
@@ -196,13 +322,13 @@ def linear_prefix_sum(
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
     km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
+    fq, fk, c = _features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
     kv = jnp.einsum("...thm,...thv->...thmv", fk, jnp.asarray(v), precision=HIGHEST)
     s = jnp.cumsum(kv, axis=-4)
     z = jnp.cumsum(fk, axis=-3)
     num = jnp.einsum("...thm,...thmv->...thv", fq, s, precision=HIGHEST)
     den = jnp.einsum("...thm,...thm->...th", fq, z, precision=HIGHEST)
-    return normalize(num, den, eps, eps_policy)
+    return normalize(num, den, eps, eps_policy, c)
 
 
 class LinearState(NamedTuple):
@@ -237,6 +363,7 @@ def linear_step(
 
     ``key_valid`` (per batch element) skips the append for padding positions.
     """
+    check_feature_map(feature_map)
     lead = tuple(np.shape(state.z))[:-1]  # batch dims + H
     for name, a in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
         if tuple(np.shape(a))[:-1] != lead:
@@ -247,7 +374,7 @@ def linear_step(
     if np.shape(v_t)[-1] != np.shape(state.s)[-1]:
         raise ValueError(f"v_t has d_v={np.shape(v_t)[-1]}; the state has {np.shape(state.s)[-1]}")
     _check_policy(eps, eps_policy)
-    fq, fk = feature_map(q_t, "query"), feature_map(k_t, "key")
+    (fq, c), fk = _query(feature_map, jnp.asarray(q_t)), feature_map(k_t, "key")
     if fk.shape[-1] != np.shape(state.z)[-1]:
         raise ValueError(
             f"the feature map gives {fk.shape[-1]} features; the state has {np.shape(state.z)[-1]}"
@@ -258,10 +385,11 @@ def linear_step(
     z = state.z + fk
     num = jnp.einsum("...hm,...hmv->...hv", fq, s, precision=HIGHEST)
     den = jnp.einsum("...hm,...hm->...h", fq, z, precision=HIGHEST)
-    return LinearState(s, z), normalize(num, den, eps, eps_policy)
+    return LinearState(s, z), normalize(num, den, eps, eps_policy, c)
 
 
 @float64_scoped
+@_guarded_kernel
 def linear_recurrent(
     q: Float[ArrayLike, "... T H d_k"],
     k: Float[ArrayLike, "... T H d_k"],
@@ -277,6 +405,7 @@ def linear_recurrent(
     _require_causal("linear_recurrent", causal)
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
+    check_feature_map(feature_map)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     *batch, _, h, d_k = q.shape
     m = feature_map.num_features(d_k)
@@ -305,6 +434,7 @@ def linear_recurrent(
 
 
 @float64_scoped
+@_guarded_kernel
 def linear_chunked(
     q: Float[ArrayLike, "... T H d_k"],
     k: Float[ArrayLike, "... T H d_k"],
@@ -331,7 +461,7 @@ def linear_chunked(
     n = math.ceil(t / c)
     pad = n * c - t
     km = jnp.ones((*batch, t), bool) if key_mask is None else jnp.asarray(key_mask)
-    fq, fk = _features(feature_map, q, k, km)
+    fq, fk, c_q = _features(feature_map, q, k, km)
 
     def chunks(a: Array, axis: int) -> Array:
         widths = [(0, 0)] * a.ndim
@@ -344,16 +474,20 @@ def linear_chunked(
     m = feature_map.num_features(d_k)
     state = linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
 
-    def step(carry: LinearState, xs: tuple[Array, Array, Array]) -> tuple[LinearState, Array]:
-        fq_c, fk_c, v_c = xs  # [..., c, H, m], [..., c, H, m], [..., c, H, d_v]
+    def step(
+        carry: LinearState, xs: tuple[Array, Array, Array, Array | None]
+    ) -> tuple[LinearState, Array]:
+        fq_c, fk_c, v_c, c_c = xs  # [..., c, H, m] twice, [..., c, H, d_v], [..., c, H] or None
         num, den = _quadratic_parts(fq_c, fk_c, v_c, causal=True)
         num = num + jnp.einsum("...chm,...hmv->...chv", fq_c, carry.s, precision=HIGHEST)
         den = den + jnp.einsum("...chm,...hm->...ch", fq_c, carry.z, precision=HIGHEST)
         s = carry.s + jnp.einsum("...chm,...chv->...hmv", fk_c, v_c, precision=HIGHEST)
         z = carry.z + jnp.sum(fk_c, axis=-3)
-        return LinearState(s, z), normalize(num, den, eps, eps_policy)
+        return LinearState(s, z), normalize(num, den, eps, eps_policy, c_c)
 
-    _, ys = jax.lax.scan(step, state, (chunks(fq, -3), chunks(fk, -3), chunks(v, -3)))
+    c_chunks = None if c_q is None else chunks(c_q, -2)  # None: c = 0, eps unchanged
+    xs = (chunks(fq, -3), chunks(fk, -3), chunks(v, -3), c_chunks)
+    _, ys = jax.lax.scan(step, state, xs)
     ys = jnp.moveaxis(ys, 0, -4)  # [..., n, c, H, d_v]
     ys = ys.reshape(*ys.shape[:-4], n * c, *ys.shape[-2:])
     return ys[..., :t, :, :]
@@ -379,21 +513,26 @@ def _multihead(
     residual: bool,
     **kwargs: Any,
 ) -> Array:
+    check_feature_map(kwargs.get("feature_map"))
     x_kv = x_q if x_kv is None else x_kv
     check_tokens(params, x_q, x_kv)
     xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
 
     g = params.group_size
+    kernel = _UNGUARDED[KERNEL_FORMS[form].__name__]  # the guard is applied once, on the rows
 
     def heads(y: Array) -> Array:
         return jnp.swapaxes(y, -3, -2)  # [..., H, T, d] -> [..., T, H, d]
 
-    q = heads(project(xq, params.w_q, params.b_q))
-    k = heads(project_kv(xkv, params.w_k, params.b_k, g))  # K/V head i // G for query head i
-    v = heads(project_kv(xkv, params.w_v, params.b_v, g))
-    z = KERNEL_FORMS[form](q, k, v, key_mask=key_mask, **kwargs)  # [..., T_q, H, d_v]
-    y = jnp.einsum("...qhv,hvd->...qd", z, params.w_o, precision=HIGHEST)
-    return residual_or(add_output_bias(y, params), xq, residual)
+    def compute(xq: Array, xkv: Array) -> Array:
+        q = heads(project(xq, params.w_q, params.b_q))
+        k = heads(project_kv(xkv, params.w_k, params.b_k, g))  # K/V head i // G for query head i
+        v = heads(project_kv(xkv, params.w_v, params.b_v, g))
+        z = kernel(q, k, v, key_mask=key_mask, **kwargs)  # [..., T_q, H, d_v]
+        y = jnp.einsum("...qhv,hvd->...qd", z, params.w_o, precision=HIGHEST)
+        return residual_or(add_output_bias(y, params), xq, residual)
+
+    return _guarded_rows(compute, xq, xkv, key_mask, kwargs["causal"], residual)
 
 
 def _make_multihead(form: str, causal_default: bool) -> Any:
@@ -461,25 +600,33 @@ def linear_messages_attention(
     """Messages form: ``sum_i A_i (X_kv W_M[i] + b_V[i // G] W_O[i]) + b_O`` with the normalised
     linear attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked), ``K_i`` projected
     by key/value head ``i // G``."""
+    check_feature_map(feature_map)
     x_kv = x_q if x_kv is None else x_kv
     check_params(params)
     check_tokens(params, x_q, x_kv)
-    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
-    q = jnp.swapaxes(project(xq, params.w_q, params.b_q), -3, -2)
     g = params.group_size
-    k = jnp.swapaxes(project_kv(xkv, params.w_k, params.b_k, g), -3, -2)
-    _check_qkv(q, k, k, key_mask, causal)
-    _check_policy(eps, eps_policy)
-    km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk = _features(feature_map, q, k, km)
-    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
-    if causal:
-        a = jnp.where(_causal(a.shape[-1]), a, jnp.zeros_like(a))
-    den = jnp.sum(a, axis=-1)  # [..., H, T_q]
-    a = normalize(a, den, eps, eps_policy)  # row-normalised weights, zero rows where den = 0
-    msgs = jnp.einsum("...td,hde->...hte", xkv, w_m(params), precision=HIGHEST)
-    if params.b_v is not None:
-        vb = jnp.einsum("hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST)
-        msgs = msgs + vb[:, None, :]
-    y = jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, msgs, precision=HIGHEST), axis=-3)
-    return residual_or(add_output_bias(y, params), xq, residual)
+
+    def compute(xq: Array, xkv: Array) -> Array:
+        q = jnp.swapaxes(project(xq, params.w_q, params.b_q), -3, -2)
+        k = jnp.swapaxes(project_kv(xkv, params.w_k, params.b_k, g), -3, -2)
+        _check_qkv(q, k, k, key_mask, causal)
+        _check_policy(eps, eps_policy)
+        km = None if key_mask is None else jnp.asarray(key_mask)
+        fq, fk, c = _features(feature_map, q, k, km)
+        a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
+        if causal:
+            a = jnp.where(_causal(a.shape[-1]), a, jnp.zeros_like(a))
+        den = jnp.sum(a, axis=-1)  # [..., H, T_q]
+        c = None if c is None else jnp.swapaxes(c, -1, -2)  # [..., H, T_q], as den
+        a = normalize(a, den, eps, eps_policy, c)  # row-normalised, zero rows where den = 0
+        msgs = jnp.einsum("...td,hde->...hte", xkv, w_m(params), precision=HIGHEST)
+        if params.b_v is not None:
+            vb = jnp.einsum(
+                "hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST
+            )
+            msgs = msgs + vb[:, None, :]
+        y = jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, msgs, precision=HIGHEST), axis=-3)
+        return residual_or(add_output_bias(y, params), xq, residual)
+
+    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
+    return _guarded_rows(compute, xq, xkv, key_mask, causal, residual)

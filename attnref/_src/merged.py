@@ -11,6 +11,9 @@ Row convention. With ``W_M[i] = W_V[g] W_O[i]`` and ``W_P[i] = W_Q[i] W_K[g]^T``
 
 Query heads that share a key/value head share ``W_V`` and ``W_K`` but not ``W_M`` or ``W_P``.
 
+A key or value a query may not read never reaches that query's output or gradients, whatever it
+holds: both forms run through :meth:`attnref._src.common.Prepared.guarded`.
+
 Seeds: "Refactoring the Attention Equations: Patterns and Messages" (2025-02-19) and
 "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18).
 """
@@ -24,7 +27,7 @@ from attnref._src.checks import check_params, check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, add_output_bias, residual_or
 from attnref._src.params import AttentionParams, repeat_heads, w_m, w_p
 from attnref._src.softmax import masked_softmax
-from attnref._src.standard import attention_weights
+from attnref._src.standard import _weights
 
 
 def _messages(params: AttentionParams, x_kv: Array) -> Float[Array, "... H T_k d_model"]:
@@ -79,10 +82,12 @@ def scores_messages_attention(
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
     """``sum_i softmax(Q_i K_i^T / sqrt(d_k)) (X_kv W_M[i]) + b_O``: scores times messages."""
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    a = attention_weights(params, p.x_q, p.x_kv, mask=mask, bias=bias, scale=scale)
-    y = _mix(a, _messages(params, p.x_kv), params)
-    return residual_or(y, p.x_q, residual)
+
+    def compute(p: Prepared) -> Array:
+        y = _mix(_weights(p, params), _messages(params, p.x_kv), params)
+        return residual_or(y, p.x_q, residual)
+
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
 
 
 @float64_scoped
@@ -100,8 +105,12 @@ def patterns_messages_attention(
 
     The scale stays ``1/sqrt(d_k)`` although the patterns live in ``d_model`` space.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    logits = jnp.einsum("...hqd,...kd->...hqk", _patterns(params, p.x_q), p.x_kv, precision=HIGHEST)
-    a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
-    y = _mix(a, _messages(params, p.x_kv), params)
-    return residual_or(y, p.x_q, residual)
+
+    def compute(p: Prepared) -> Array:
+        pat = _patterns(params, p.x_q)
+        logits = jnp.einsum("...hqd,...kd->...hqk", pat, p.x_kv, precision=HIGHEST)
+        a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
+        y = _mix(a, _messages(params, p.x_kv), params)
+        return residual_or(y, p.x_q, residual)
+
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)

@@ -63,21 +63,14 @@ def poison_rows(dirty: Array, values: Any) -> Any:
     return jax.tree_util.tree_map(poison, values)
 
 
-def select_rows(dirty: Array, exact: Any, differentiable: Any) -> Any:
-    """``poison_rows(dirty, differentiable)``; ``exact`` (a thunk) is not evaluated."""
-    del exact
-    return poison_rows(dirty, differentiable)
-
-
 # ----------------------------------------------------------------------------- the weight level
 #
 # At the weight level every formulation is a function of the token rows ``x_q [..., T_q, d]``,
 # ``x_kv [..., T_k, d]`` and the bias ``[..., T_q, T_k]``; the projections mix features, not
 # tokens, so a non-finite token row poisons exactly the projected rows of that token. Query row
 # ``i`` is *dirty* (:func:`reads_nonfinite`) when it reads a non-finite value through an allowed
-# pair; :func:`guarded` evaluates the formulation twice as above: on the finite parts
-# (differentiable, exact for clean rows) and, only when some row is dirty, on the raw inputs
-# (gradient-free, the IEEE value for dirty rows).
+# pair; :func:`guarded` evaluates the formulation once, on the finite parts (differentiable,
+# exact for clean rows), and poisons the dirty rows with NaN.
 
 
 def finite_bias(bias: Array | None) -> Array | None:
@@ -127,13 +120,10 @@ def reads_nonfinite(
     return dirty
 
 
-def guarded(
-    compute: Callable[..., Any], dirty: Array, raw: tuple[Any, ...], clean: tuple[Any, ...]
-) -> Any:
-    """``compute(*clean)`` on clean rows (differentiable) and ``compute(*raw)`` on dirty rows
-    (gradient-free, evaluated only when some row is dirty); see :func:`select_rows`.
+def guarded(compute: Callable[..., Any], dirty: Array, clean: tuple[Any, ...]) -> Any:
+    """``compute(*clean)``, NaN on the ``dirty`` rows (:func:`poison_rows`).
 
-    ``clean`` is ``raw`` with its non-finite entries replaced (:func:`finite_part`,
+    ``clean`` holds the inputs with their non-finite entries replaced (:func:`finite_part`,
     :func:`finite_bias`); rows of the outputs follow ``dirty``'s axes, then trailing axes.
     """
-    return select_rows(dirty, lambda: compute(*raw), compute(*clean))
+    return poison_rows(dirty, compute(*clean))

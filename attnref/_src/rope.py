@@ -408,21 +408,25 @@ def rope_attention(
     positions ``[..., T]`` or ``[T]`` (default ``arange(T_q)``, ``arange(T_k)``); output
     ``[..., T_q, d_model]`` (``x_q +`` it if ``residual``). ``scale`` defaults to ``1/sqrt(d_k)``;
     ``d_k`` must be even. Fully masked rows get zero weights (output ``b_O``), as everywhere.
-    ``base`` and ``convention`` are static.
+    ``base`` and ``convention`` are static. A key or value a query may not read (mask, ``-inf``
+    bias) never reaches that query's output or gradients, whatever it holds.
     """
     r = _RopeInputs(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
-    p = r.p
     pos_q = jnp.asarray(r.pos_q)[..., None, :]  # a head axis: broadcasts to [..., H, T_q]
     pos_k = jnp.asarray(r.pos_k)[..., None, :]
-    q = _rotate(project(p.x_q, params.w_q, params.b_q), pos_q, r.base, r.convention)
-    k = _rotate(project(p.x_kv, params.w_k, params.b_k), pos_k, r.base, r.convention)
-    k = _expand(k, r.g_k, axis=-3)
-    v = _expand(project(p.x_kv, params.w_v, params.b_v), r.g_v, axis=-3)
-    logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
-    a = masked_softmax(p.add_bias(logits), p.head_mask())
-    return residual_or(_mix(params, a, v), p.x_q, residual)
+
+    def compute(p: Prepared) -> Array:
+        q = _rotate(project(p.x_q, params.w_q, params.b_q), pos_q, r.base, r.convention)
+        k = _rotate(project(p.x_kv, params.w_k, params.b_k), pos_k, r.base, r.convention)
+        k = _expand(k, r.g_k, axis=-3)
+        v = _expand(project(p.x_kv, params.w_v, params.b_v), r.g_v, axis=-3)
+        logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
+        a = masked_softmax(p.add_bias(logits), p.head_mask())
+        return residual_or(_mix(params, a, v), p.x_q, residual)
+
+    return r.p.guarded(compute, residual)
 
 
 def _pattern_matrices(
@@ -518,7 +522,6 @@ def rope_patterns_attention(
     r = _RopeInputs(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
-    p = r.p
     h = params.num_heads
     wq = _hom_weights(params.w_q, params.b_q)
     wk = _expand(_hom_weights(params.w_k, params.b_k), r.g_k, axis=0)
@@ -527,13 +530,17 @@ def rope_patterns_attention(
     w_pat = _pattern_matrices(wq, wk, u, params.d_k, r.base, r.convention)  # [H, U, D1, D1]
     gathered = jnp.moveaxis(w_pat[:, inv], 0, -5)  # [..., H, T_q, T_k, D1, D1]
     d1 = params.d_model + 1
-    gathered = jnp.broadcast_to(gathered, (*p.batch_shape, h, p.t_q, p.t_k, d1, d1))
-    xq, xkv = _hom(p.x_q), _hom(p.x_kv)
-    logits = jnp.einsum("...qa,...hqkab,...kb->...hqk", xq, gathered, xkv, precision=HIGHEST)
-    a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
+    gathered = jnp.broadcast_to(gathered, (*r.p.batch_shape, h, r.p.t_q, r.p.t_k, d1, d1))
     w_msg = jnp.einsum("hav,hvd->had", wv, params.w_o, precision=HIGHEST)  # [H, D1, d_model]
-    m = jnp.einsum("...ka,had->...hkd", xkv, w_msg, precision=HIGHEST)
-    y = add_output_bias(
-        jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, m, precision=HIGHEST), -3), params
-    )
-    return residual_or(y, p.x_q, residual)
+
+    def compute(p: Prepared) -> Array:
+        xq, xkv = _hom(p.x_q), _hom(p.x_kv)
+        logits = jnp.einsum("...qa,...hqkab,...kb->...hqk", xq, gathered, xkv, precision=HIGHEST)
+        a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
+        m = jnp.einsum("...ka,had->...hkd", xkv, w_msg, precision=HIGHEST)
+        y = add_output_bias(
+            jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, m, precision=HIGHEST), -3), params
+        )
+        return residual_or(y, p.x_q, residual)
+
+    return r.p.guarded(compute, residual)

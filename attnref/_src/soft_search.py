@@ -5,7 +5,9 @@ head ``i`` forms its pattern ``p_i = x_q W_P[i] + b_Q[i] W_K[g]^T``, scores ever
 ``alpha_i = softmax(X_kv p_i^T / sqrt(d_k))`` and returns ``o = sum_i alpha_i M_i + b_O``
 with ``M_i = X_kv W_M[i] + b_V[g] W_O[i]`` (``g = i // G`` the key/value head of query head ``i``;
 ``g = i`` for multi-head params). The batched form ``vmap``s this over queries and
-batch dims. Seed: "Refactoring the Attention Equations" (2025-02-19), single-query version.
+batch dims. A key or value the query may not read (mask, ``-inf`` bias) never reaches its
+output or gradients, whatever it holds (``attnref._src.nonfinite``). Seed: "Refactoring the
+Attention Equations" (2025-02-19), single-query version.
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import check_params, check_scale, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
+from attnref._src.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    guarded,
+    nonfinite_rows,
+    reads_nonfinite,
+)
 from attnref._src.params import AttentionParams, repeat_heads, w_m, w_p
 from attnref._src.softmax import masked_softmax
 
@@ -88,7 +98,16 @@ def soft_search(
     b = jnp.zeros((t_k,), x_q.dtype) if bias is None else jnp.asarray(bias).astype(x_q.dtype)
     s = scale_value(d_k, scale, x_q.dtype)
     b_o = None if params.b_o is None else jnp.asarray(params.b_o)
-    return _one_query(*_merged(params), b_o, x_q, x_kv, m, b, s)
+    merged = _merged(params)
+    allowed = allowed_pairs(m, b, (t_k,))[None]  # one query row: [1, T_k]
+    bad_q, bad_kv = nonfinite_rows(x_q)[None], nonfinite_rows(x_kv)
+    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b[None])[0]
+
+    def compute(xq: Array, xkv: Array, bq: Array) -> Array:
+        return _one_query(*merged, b_o, xq, xkv, m, bq, s)
+
+    clean = (finite_part(x_q), finite_part(x_kv), finite_bias(b))
+    return guarded(compute, dirty, clean)
 
 
 @float64_scoped
@@ -103,21 +122,25 @@ def soft_search_attention(
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
     """:func:`soft_search` ``vmap``-ed over queries and then over flattened batch dims."""
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    full = (*p.batch_shape, p.t_q, p.t_k)
-    m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
-    b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
-    d = params.d_model
-    xq = p.x_q.reshape(-1, p.t_q, d)
-    xkv = p.x_kv.reshape(-1, p.t_k, d)
-    m = m.reshape(-1, p.t_q, p.t_k)
-    b = b.reshape(-1, p.t_q, p.t_k)
+    prepared = Prepared(params, x_q, x_kv, mask, bias, scale)  # validates before _merged
     b_o = None if params.b_o is None else jnp.asarray(params.b_o)
     merged = _merged(params)
 
-    def one(xq1: Array, xkv1: Array, m1: Array, b1: Array) -> Array:
-        return _one_query(*merged, b_o, xq1, xkv1, m1, b1, p.scale)
+    def compute(p: Prepared) -> Array:
+        full = (*p.batch_shape, p.t_q, p.t_k)
+        m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
+        b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
+        d = params.d_model
+        xq = p.x_q.reshape(-1, p.t_q, d)
+        xkv = p.x_kv.reshape(-1, p.t_k, d)
+        m = m.reshape(-1, p.t_q, p.t_k)
+        b = b.reshape(-1, p.t_q, p.t_k)
 
-    per_query = jax.vmap(one, in_axes=(0, None, 0, 0))
-    y = jax.vmap(per_query)(xq, xkv, m, b).reshape(*p.batch_shape, p.t_q, d)
-    return residual_or(y, p.x_q, residual)
+        def one(xq1: Array, xkv1: Array, m1: Array, b1: Array) -> Array:
+            return _one_query(*merged, b_o, xq1, xkv1, m1, b1, p.scale)
+
+        per_query = jax.vmap(one, in_axes=(0, None, 0, 0))
+        y = jax.vmap(per_query)(xq, xkv, m, b).reshape(*p.batch_shape, p.t_q, d)
+        return residual_or(y, p.x_q, residual)
+
+    return prepared.guarded(compute, residual)

@@ -5,6 +5,10 @@ Row convention, shapes ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``
 ``K_i = X_kv W_K[i // G] + b_K[i // G]`` and ``V_i`` likewise: with grouped-query parameters
 (``K`` key/value heads, ``G = H / K``) each key/value head is projected once and read by the ``G``
 query heads of its group.
+
+A key or value a query may not read (mask, ``-inf`` bias) never reaches that query's output or
+gradients, whatever it holds (NaN, ``+-inf``): every public function runs through
+:meth:`Prepared.guarded`; a row that does read a non-finite value gets its IEEE value (NaN).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def _heads(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_v"
     return jnp.einsum("...hqk,...hkv->...hqv", _weights(p, params), v, precision=HIGHEST)
 
 
+def _head_outputs(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_model"]:
+    return jnp.einsum("...hqv,hvd->...hqd", _heads(p, params), params.w_o, precision=HIGHEST)
+
+
 @float64_scoped
 def attention_weights(
     params: AttentionParams,
@@ -55,7 +63,8 @@ def attention_weights(
 
     Fully masked rows are all zeros.
     """
-    return _weights(Prepared(params, x_q, x_kv, mask, bias, scale), params)
+    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    return p.guarded(lambda v: _weights(v, params), heads=True)
 
 
 @float64_scoped
@@ -73,7 +82,7 @@ def head_outputs(
     ``sum_i o_i + b_O`` is the block output.
     """
     p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    return jnp.einsum("...hqv,hvd->...hqd", _heads(p, params), params.w_o, precision=HIGHEST)
+    return p.guarded(lambda v: _head_outputs(v, params), heads=True)
 
 
 @float64_scoped
@@ -92,13 +101,16 @@ def concat_attention(
     ``W_O`` is the stacked ``[H * d_v, d_model]`` matrix; ``residual=True`` returns
     ``x_q + MultiHead``.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    z = _heads(p, params)
-    h, d_v = params.num_heads, params.d_v
-    concat = jnp.swapaxes(z, -3, -2).reshape(*p.batch_shape, p.t_q, h * d_v)
-    w_o = jnp.asarray(params.w_o).reshape(h * d_v, params.d_model)
-    y = add_output_bias(jnp.matmul(concat, w_o, precision=HIGHEST), params)
-    return residual_or(y, p.x_q, residual)
+
+    def compute(p: Prepared) -> Array:
+        z = _heads(p, params)
+        h, d_v = params.num_heads, params.d_v
+        concat = jnp.swapaxes(z, -3, -2).reshape(*p.batch_shape, p.t_q, h * d_v)
+        w_o = jnp.asarray(params.w_o).reshape(h * d_v, params.d_model)
+        y = add_output_bias(jnp.matmul(concat, w_o, precision=HIGHEST), params)
+        return residual_or(y, p.x_q, residual)
+
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
 
 
 @float64_scoped
@@ -113,6 +125,9 @@ def per_head_sum_attention(
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat now a sum."""
-    o = head_outputs(params, x_q, x_kv, mask=mask, bias=bias, scale=scale)
-    y = add_output_bias(jnp.sum(o, axis=-3), params)
-    return residual_or(y, jnp.asarray(x_q), residual)
+
+    def compute(p: Prepared) -> Array:
+        y = add_output_bias(jnp.sum(_head_outputs(p, params), axis=-3), params)
+        return residual_or(y, p.x_q, residual)
+
+    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
