@@ -10,11 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnref
-from attnref._src import blockwise, common, kernel
+from attnref._src import blockwise, common, kernel, standard
 
+from . import test_extreme_logits as ext
+from . import test_nonfinite as nf
 from .helpers import Bucket, check_formulation, make_problem
+from .test_bad_input import _assert_same_refusal
 from .test_kernel import (
     check_broadcast_patterns,
     check_out_of_range_lengths,
@@ -116,3 +121,54 @@ def test_out_of_range_traced_lengths_read_as_valid_is_caught(monkeypatch):
     )
     with pytest.raises(AssertionError):
         check_out_of_range_lengths(fn)
+
+
+def test_oracle_reading_a_float_mask_as_booleans_is_caught(monkeypatch):
+    """Defect 4: an oracle that casts a float 0/-inf mask to booleans computes the inverted
+    (anti-causal) result silently; the bad-input property refuses it in both twins."""
+    from attnref.oracle import _checks
+
+    def lenient(mask, bias, target, axes):
+        m = None if mask is None else np.broadcast_to(np.asarray(mask).astype(bool), target)
+        b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), target)
+        return m, b
+
+    monkeypatch.setattr(_checks, "check_mask_and_bias", lenient)
+    q = np.random.default_rng(0).standard_normal((1, 3, 1, 2))
+    mask = np.where(np.tril(np.ones((3, 3))) > 0, 0.0, -np.inf)[None, None]
+    fns = {"jax": attnref.dot_product_attention, "oracle": attnref.oracle.dot_product_attention}
+    with pytest.raises(pytest.fail.Exception, match="accepted"):
+        _assert_same_refusal(fns, dict(query=q, key=q, value=q, mask=mask), TypeError, "mask")
+
+
+@settings(max_examples=1, database=None)
+@given(st.just(3))
+def test_weight_level_leak_is_caught(seed):
+    """Defect 3 at the weight level: without the guard, ``x_kv`` rows a query may not read reach
+    it through ``0 * NaN`` (eager concat, so the patch is traced)."""
+    p = make_problem(nf.BUCKET, "causal", seed, np.float64)
+    pz = nf.poison(p, p.mask & (p.bias != -np.inf), seed + 1, np.nan, False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            common.Prepared,
+            "guarded",
+            lambda self, compute, residual=False, heads=False: compute(self),
+        )
+        with pytest.raises(AssertionError):
+            nf._check_softmax(pz, 5, lambda fn: fn, ids=("concat",))
+
+
+def test_softmax_without_max_subtraction_is_caught(monkeypatch):
+    """Extreme logits: ``exp(s) / sum exp(s)`` without subtracting the row maximum overflows
+    at |logit| ~ 1e2 in float32."""
+
+    def naive_softmax(logits, mask=None, *, axis=-1):
+        e = jnp.exp(logits)
+        if mask is not None:
+            e = jnp.where(mask, e, 0.0)
+        return e / jnp.sum(e, axis=axis, keepdims=True)
+
+    monkeypatch.setattr(standard, "masked_softmax", naive_softmax)
+    p = ext.make_extreme(ext.BUCKET, "none", 7, "float32", 1e3, "bias")
+    with pytest.raises(AssertionError):
+        ext.check_extreme_float32(p, {"concat": attnref.concat_attention})

@@ -186,7 +186,8 @@ def _softmax_run(
     return y, g, g_clean
 
 
-EAGER_IDS = ("concat", "column", "soft_search", "graph")  # one per guard code path
+# Eagerly: the Prepared path and the transposed (column) path; the jit variant covers every form.
+EAGER_IDS = ("concat", "column")
 
 
 def _check_softmax(
@@ -232,7 +233,7 @@ def _check_rope(pz: Poisoned, seed: int, variant: Callable[..., Any]) -> None:
 
 class WeightLevelTest(chex.TestCase):
     @chex.variants(with_jit=True)
-    @scaled(0.5)
+    @scaled(0.375)
     @given(pz=poisoned_problems(), seed=SEEDS)
     def test_softmax_forms_ignore_what_a_query_cannot_read(self, pz, seed):
         """Every softmax-family formulation, under jit."""
@@ -301,7 +302,7 @@ def linear_poisoned(draw: st.DrawFn) -> tuple[Poisoned, bool, attnref.FeatureMap
 
 class LinearTest(chex.TestCase):
     @chex.variants(with_jit=True)
-    @scaled(0.5)
+    @scaled(0.25)
     @given(case=linear_poisoned(), seed=SEEDS)
     def test_linear_forms_ignore_what_a_query_cannot_read(self, case, seed):
         """Every linear formulation in each causal mode it takes: ``key_mask`` and causality
@@ -418,7 +419,7 @@ def _kernel_run(
     return out, tb._grads(which, static, kp, np.float64, bias, arrays, cot, cot_lse)
 
 
-@scaled(0.75)
+@scaled(0.5)
 @given(case=kernel_poisoned(), cot_seed=SEEDS)
 def test_kernels_ignore_what_a_query_cannot_read(case, cot_seed):
     """``dot_product_attention`` and ``blockwise_attention`` with NaN / ``+-inf`` in ``k`` and
@@ -456,7 +457,7 @@ def test_residual_row_with_a_nonfinite_query_reads_it():
     mask[0, 2] = False
     x_q = p.x_q.copy()
     x_q[0, 2] = np.nan
-    for f in attnref.formulations("softmax"):
+    for f in map(attnref.get, ("concat", "column")):  # the rule is shared (reads_nonfinite)
         for residual in (False, True):
             y = np.array(f.jit()(p.params, x_q, p.x_kv, mask=mask, bias=p.bias, residual=residual))
             assert np.isfinite(y[0, 2]).all() != residual, f"{f.id} residual={residual}"

@@ -114,6 +114,12 @@ def stored(params, dtype):
     return params.astype(dtype)
 
 
+def _f64(*arrays):
+    """The (already rounded) inputs in float64 for the float64 oracle: exact, and the oracle
+    refuses mixed dtypes as the JAX twin does."""
+    return tuple(np.asarray(a, np.float64) for a in arrays)
+
+
 def check_close_to_original(apply, case, new_params, label):
     """``apply`` on the refactored factors (stored in the case's dtype) against the float64
     oracle of the *original* parameters on the same inputs: within ``2 B`` (module docstring)."""
@@ -121,7 +127,7 @@ def check_close_to_original(apply, case, new_params, label):
     p_dt = stored(new_params, c.dtype)
     y = np.asarray(apply(p_dt, c.x_q, c.x_kv, **c.inputs()))
     assert y.dtype == c.dtype, f"{label}: computed in {y.dtype}"
-    ref = oracle.attention(c.params, c.x_q, c.x_kv, **c.inputs())
+    ref = oracle.attention(c.params, *_f64(c.x_q, c.x_kv), **c.inputs())
     bound = tolerance.attention_error_bound(p_dt, c.x_q, c.x_kv, dtype=c.dtype, **c.inputs())
     assert_within_bound(y, ref, 2 * bound, label=label)
     return y
@@ -311,7 +317,7 @@ def _gauge_check(variant, case, frac, fid):
     for gauge in ("sqrt", "left", "right"):
         new = refactor(p, r_qk, r_vo, gauge=gauge, dtype=np.float64).params
         if exact is None:
-            exact = oracle.attention(new, case.x_q, case.x_kv, **case.inputs())
+            exact = oracle.attention(new, *_f64(case.x_q, case.x_kv), **case.inputs())
         p_dt = stored(new, case.dtype)
         y = np.asarray(apply(p_dt, case.x_q, case.x_kv, **case.inputs()))
         bound = tolerance.attention_error_bound(
