@@ -34,7 +34,7 @@ _COMMON = dict(
     print_blob=True,
 )
 settings.register_profile("dev", max_examples=8, **_COMMON)
-# ci: 8 derandomized examples per property (about 200 properties, most drawing from a few
+# ci: 8 derandomized examples per property (about 230 properties, most drawing from a few
 # shape buckets, so later examples mostly vary data, not compiled programs); thorough: 300.
 settings.register_profile("ci", max_examples=8, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=300, **_COMMON)

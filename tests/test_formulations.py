@@ -11,6 +11,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
+from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
@@ -104,6 +105,44 @@ def test_unexpanded_masks_broadcast_as_documented():
     )
     for f in attnref.formulations("softmax"):
         assert_within_bound(f.apply(p.params, p.x_q, p.x_kv, mask=mask), ref, bound, label=f.id)
+
+
+# Every rank >= 2 shape that broadcasts to [B, T_q, T_k] = [2, 5, 7] (BUCKETS[1]): the batch
+# axis absent, 1 or full, and each token axis 1 or full.
+WEIGHT_BROADCAST = tuple(
+    (*lead, tq, tk) for lead in ((), (1,), (2,)) for tq in (1, 5) for tk in (1, 7)
+)
+_SOFTMAX_AND_ROPE = (*IDS, *attnref.ids("rope"))
+
+
+@scaled(0.5)
+@given(
+    fid=st.sampled_from(_SOFTMAX_AND_ROPE),
+    mask_shape=st.sampled_from(WEIGHT_BROADCAST),
+    bias_shape=st.sampled_from(WEIGHT_BROADCAST),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_every_broadcast_shape_of_mask_and_bias(fid, mask_shape, bias_shape, seed):
+    """A mask and a bias of any shape that broadcasts to ``[..., T_q, T_k]`` act as their
+    broadcast: the formulation (drawn; one compile per example) equals the oracle given the
+    expanded arrays, within the derived bound of the expanded problem."""
+    b = BUCKETS[1]
+    p = make_problem(b, "none", seed=seed % 1000, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    mask, bias = rng.random(mask_shape) < 0.7, rng.standard_normal(bias_shape)
+    full = (*b.batch, b.t_q, b.t_k)
+    kw = dict(mask=np.broadcast_to(mask, full), bias=np.broadcast_to(bias, full))
+    f = attnref.get(fid)
+    y = f.jit()(p.params, p.x_q, p.x_kv, mask=mask, bias=bias)
+    if f.family == "rope":
+        ref = oracle.rope_attention(p.params, p.x_q, p.x_kv, **kw)
+        bound = tolerance.rope_attention_error_bound(
+            p.params, p.x_q, p.x_kv, dtype=np.float64, **kw
+        )
+    else:
+        ref = oracle.attention(p.params, p.x_q, p.x_kv, **kw)
+        bound = tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, dtype=np.float64, **kw)
+    assert_within_bound(y, ref, bound, label=f"{fid} mask {mask_shape} bias {bias_shape}")
 
 
 def test_explicit_scale_is_used():

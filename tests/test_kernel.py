@@ -205,12 +205,13 @@ def check_broadcast_patterns(fn, patterns, **extra):
 
 
 def test_every_broadcast_shape_of_mask_and_bias_in_the_tiled_form():
-    """Each of the 16 ways a rank-4 mask broadcasts to ``[B, N, T, S]`` (every axis full or 1),
-    each paired with one of the 16 bias patterns, gives the oracle's rows in the blockwise form,
+    """Each of the 12 ways a rank-4 mask broadcasts over a tiled axis (T or S of size 1; B and N
+    full or 1), each paired with a bias pattern, gives the oracle's rows in the blockwise form,
     with blocks that pad both T and S: a size-1 axis must broadcast, never be padded as data
-    (issue 11, defect 1). Every kernel form draws these patterns in ``kproblems`` too; this test
-    enumerates them for the form that tiles (16 compiles)."""
-    check_broadcast_patterns(KERNELS["blockwise"], BROADCAST_PATTERNS, block_q=2, block_k=3)
+    (issue 11, defect 1). Every kernel form draws all 16 patterns in ``kproblems`` too; this
+    test enumerates the ones that tiling can get wrong (12 compiles)."""
+    tiled_axis_broadcast = [pt for pt in BROADCAST_PATTERNS if not (pt[2] and pt[3])]
+    check_broadcast_patterns(KERNELS["blockwise"], tiled_axis_broadcast, block_q=2, block_k=3)
 
 
 def check_unread_nonfinite_values(fn):

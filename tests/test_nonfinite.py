@@ -233,7 +233,7 @@ def _check_rope(pz: Poisoned, seed: int, variant: Callable[..., Any]) -> None:
 
 class WeightLevelTest(chex.TestCase):
     @chex.variants(with_jit=True)
-    @scaled(0.375)
+    @scaled(0.25)
     @given(pz=poisoned_problems(), seed=SEEDS)
     def test_softmax_forms_ignore_what_a_query_cannot_read(self, pz, seed):
         """Every softmax-family formulation, under jit."""
@@ -419,7 +419,7 @@ def _kernel_run(
     return out, tb._grads(which, static, kp, np.float64, bias, arrays, cot, cot_lse)
 
 
-@scaled(0.5)
+@scaled(0.375)
 @given(case=kernel_poisoned(), cot_seed=SEEDS)
 def test_kernels_ignore_what_a_query_cannot_read(case, cot_seed):
     """``dot_product_attention`` and ``blockwise_attention`` with NaN / ``+-inf`` in ``k`` and
