@@ -26,8 +26,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-HIGHEST = "highest"
-
 
 @jax.custom_jvp
 def finite_part(x: Array) -> Array:
@@ -77,7 +75,7 @@ def finite_bias(bias: Array | None) -> Array | None:
     """``bias`` with NaN and ``+inf`` read as 0 (identity derivative elsewhere); ``-inf`` kept.
 
     ``-inf`` is a masking bias (the pair is not allowed), so it must survive; NaN and ``+inf``
-    only occur at allowed pairs, whose rows are dirty and take the raw value.
+    only matter at allowed pairs, whose rows are dirty and so NaN.
     """
     if bias is None:
         return None
