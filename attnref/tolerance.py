@@ -208,17 +208,10 @@ def attention_error_bound(
     full = (*xq.shape[:-2], t_q, t_k)
     s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
 
-    def hom(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
-
-    def heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-        y = np.einsum("...td,hde->...hte", x, wt)
-        return y if b is None else y + b[:, None, :]
-
     b_arr = np.zeros(full) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
     finite_bias = np.where(np.isneginf(b_arr), 0.0, b_arr)
-    q, k = heads(xq, w_q, w["b_q"]), heads(xkv, w_k, w["b_k"])
+    q, k = _heads(xq, w_q, w["b_q"]), _heads(xkv, w_k, w["b_k"])
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s + finite_bias[..., None, :, :]
     allowed = np.broadcast_to((m_arr & ~np.isneginf(b_arr))[..., None, :, :], logits.shape)
 
@@ -228,10 +221,10 @@ def attention_error_bound(
     denom = e.sum(axis=-1, keepdims=True)
     weights = e / np.where(denom > 0, denom, 1.0)
 
-    qa = np.einsum("...td,hde->...hte", np.abs(hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
-    ka = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
+    qa = np.einsum("...td,hde->...hte", np.abs(_hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
+    ka = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
     ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qa, ka) + np.abs(finite_bias)[..., None, :, :]
-    va = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
+    va = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
     g_mag = np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
 
     kwargs = dict(
@@ -248,7 +241,7 @@ def attention_error_bound(
         y = np.einsum(
             "...hqk,...hkd->...qd",
             weights,
-            np.einsum("...hkv,hvd->...hkd", heads(xkv, w_v, w["b_v"]), w_o),
+            np.einsum("...hkv,hvd->...hkd", _heads(xkv, w_v, w["b_v"]), w_o),
         )
         bound = bound + unit_roundoff(dtype) * np.abs(xq + y)
     return bound
@@ -290,15 +283,8 @@ def attention_local_errors(
     full = (*xq.shape[:-2], t_q, t_k)
     s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
 
-    def hom(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
-
-    def heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-        y = np.einsum("...td,hde->...hte", x, wt)
-        return y if b is None else y + b[:, None, :]
-
     m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
-    q, k = heads(xq, w_q, w["b_q"]), heads(xkv, w_k, w["b_k"])
+    q, k = _heads(xq, w_q, w["b_q"]), _heads(xkv, w_k, w["b_k"])
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * s
     allowed = np.broadcast_to(m_arr[..., None, :, :], logits.shape)
     top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
@@ -306,10 +292,10 @@ def attention_local_errors(
     e = np.where(allowed, np.exp(logits - top), 0.0)
     denom = e.sum(axis=-1, keepdims=True)
     weights = e / np.where(denom > 0, denom, 1.0)
-    qa = np.einsum("...td,hde->...hte", np.abs(hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
-    ka = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
+    qa = np.einsum("...td,hde->...hte", np.abs(_hom(xq)), _homogeneous_abs(w_q, w["b_q"]))
+    ka = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_k, w["b_k"]))
     ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
-    va = np.einsum("...td,hde->...hte", np.abs(hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
+    va = np.einsum("...td,hde->...hte", np.abs(_hom(xkv)), _homogeneous_abs(w_v, w["b_v"]))
     g_mag = np.einsum("...hkv,hvd->...hkd", va, np.abs(w_o))
     mixed = np.einsum("...hqk,...hkd->...qd", weights, g_mag)  # sum_h sum_j p_hij G_hj
     if w["b_o"] is not None:
@@ -771,6 +757,12 @@ def rope_map_error_bound(
         u = unit_roundoff(dt)
         total = total + mag * (_rope_angle_error(m_theta, u, base) + gamma(2, u))
     return total
+
+
+def _heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``x W[i] + b[i]`` per head, ``[..., H, T, d]`` (float64)."""
+    y = np.einsum("...td,hde->...hte", x, wt)
+    return y if b is None else y + b[:, None, :]
 
 
 def _hom(x: np.ndarray) -> np.ndarray:
