@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list":
         for f in formulations():
             print(
-                f"{f.id:<18} [{f.family}, {f.convention}] {f.title}\n    {f.equation}\n"
+                f"{f.id:<18} [{f.family.name}, {f.convention}] {f.title}\n    {f.equation}\n"
                 f"    cost: {f.cost}\n    {f.citation}"
             )
         return 0

@@ -11,9 +11,9 @@ defects of issue 11 that the kit once passed:
 
 * ``mask_row0_only``: a mask that broadcasts over the query axis (``[.., 1, S]``, the usual
   key-padding mask) is applied to query row 0 only;
-* ``padded_broadcast``: the pre-fix ``blockwise_attention``: a mask or bias that broadcasts over
-  the query axis is broadcast to ``[.., T, S]`` and rows ``1..`` are filled the way padding
-  would be (``False``, ``-inf``), so they come out as if fully masked;
+* ``padded_broadcast``: the pre-fix ``blockwise_dot_product_attention``: a mask or bias that
+  broadcasts over the query axis is broadcast to ``[.., T, S]`` and rows ``1..`` are filled the
+  way padding would be (``False``, ``-inf``), so they come out as if fully masked;
 * ``lse_none``: returns ``(out, None)`` when the lse is asked for;
 * ``all_nan``: NaN everywhere, of the right shape;
 * ``wrong_shape``: the output in the ``[B, N, T, H_v]`` layout;

@@ -195,10 +195,10 @@ def test_feature_maps_by_hand():
     """Katharopoulos et al. (2020): elu(x) + 1 = x + 1 for x > 0, e^x for x <= 0; relu."""
     x = np.array([1.0, -1.0, 0.0, 2.5])
     np.testing.assert_allclose(
-        oracle.features(attnref.elu_plus_one(), x, "query"), [2.0, E, 1.0, 3.5], **TOL
+        oracle.features(attnref.linear.elu_plus_one(), x, "query"), [2.0, E, 1.0, 3.5], **TOL
     )
     np.testing.assert_allclose(
-        oracle.features(attnref.relu_features(), x, "key"), [1.0, 0.0, 0.0, 2.5], **TOL
+        oracle.features(attnref.linear.relu_features(), x, "key"), [1.0, 0.0, 0.0, 2.5], **TOL
     )
 
 
@@ -212,7 +212,7 @@ def test_linear_attention_by_hand():
     q = np.array([[1.0, 0.0], [0.0, -1.0]])[:, None, :]  # [T, H, d]
     k = np.array([[0.0, 1.0], [1.0, 1.0]])[:, None, :]
     v = np.array([[1.0], [4.0]])[:, None, :]
-    fm = attnref.elu_plus_one()
+    fm = attnref.linear.elu_plus_one()
     y1 = 2.835456567308396
     got = oracle.linear_attention(q, k, v, feature_map=fm)[:, 0, 0]
     np.testing.assert_allclose(got, [2.8, y1], **TOL)
@@ -227,7 +227,7 @@ def test_linear_multihead_by_hand():
     k(1, 1) = 1 + e^-2. y_0 = (5 x_0 + (2 + e^-1) x_1) / (7 + e^-1) = [0.6786..., -0.3213...];
     y_1 = ((2 + e^-1) x_0 + (1 + e^-2) x_1) / (3 + e^-1 + e^-2); causal y_0 = x_0."""
     x = np.array([[1.0, 0.0], [0.0, -1.0]])
-    fm = attnref.elu_plus_one()
+    fm = attnref.linear.elu_plus_one()
     y0 = [0.6786213102321113, -0.3213786897678887]  # [5, -(2 + e^-1)] / (7 + e^-1)
     y1 = [0.6759161591419571, -0.3240838408580429]  # [2 + e^-1, -(1 + e^-2)] / (3 + e^-1 + e^-2)
     p = _identity_params()

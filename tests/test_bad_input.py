@@ -274,7 +274,9 @@ def _kernel_classes() -> list[tuple[str, Override, type[Exception], str]]:
 KERNEL_CLASSES = _kernel_classes()
 KERNEL_FNS: dict[str, Callable[..., Any]] = {
     "dot_product_attention": attnref.dot_product_attention,
-    "blockwise_attention": lambda **kw: attnref.blockwise_attention(**kw, block_q=2, block_k=2),
+    "blockwise_dot_product_attention": lambda **kw: attnref.blockwise_dot_product_attention(
+        **kw, block_q=2, block_k=2
+    ),
     "oracle.dot_product_attention": oracle.dot_product_attention,
 }
 
@@ -369,7 +371,7 @@ WEIGHT_PAIRS: dict[str, dict[str, Callable[..., Any]]] = {
     "attention": {"concat_attention": attnref.concat_attention, "oracle": oracle.attention},
     "weights": {"attention_weights": attnref.attention_weights, "oracle": oracle.attention_weights},
     "heads": {"head_outputs": attnref.head_outputs, "oracle": oracle.head_outputs},
-    "rope": {"rope_attention": attnref.rope_attention, "oracle": oracle.rope_attention},
+    "rope": {"rope_attention": attnref.rope.rope_attention, "oracle": oracle.rope_attention},
 }
 
 
@@ -432,7 +434,7 @@ APPLY_ROPE_CLASSES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 )
 def test_apply_rope_bad_input_refused_alike(override, exc, name):
     base = dict(x=np.ones((T, N, H)), positions=np.arange(T))
-    fns = {"apply_rope": attnref.apply_rope, "oracle.rope": oracle.rope}
+    fns = {"apply_rope": attnref.rope.apply_rope, "oracle.rope": oracle.rope}
     _assert_same_refusal(fns, {**base, **override}, exc, name)
 
 

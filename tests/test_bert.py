@@ -21,7 +21,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnref
-from attnref._src.common import HIGHEST
 from attnref.models import (
     BertConfig,
     BertWeights,
@@ -34,6 +33,8 @@ from attnref.models import (
 )
 from attnref.testing import assert_within_bound
 from attnref.tolerance import C_EXP, attention_local_errors, gamma, unit_roundoff
+
+HIGHEST = jax.lax.Precision.HIGHEST  # full-precision matmuls, as attnref's own
 
 CFG = BertConfig(
     num_layers=2,
@@ -349,7 +350,7 @@ def test_loader_prefix_layers_and_with_attention():
     w = bert_from_state_dict(sd, CFG, prefix="bert.")
     layers = layer_attention(w)
     assert len(layers) == CFG.num_layers
-    back = attnref.to_hf_bert(layers[1], prefix="bert.encoder.layer.1.attention.")
+    back = attnref.interop.to_hf_bert(layers[1], prefix="bert.encoder.layer.1.attention.")
     for key, value in back.items():
         np.testing.assert_array_equal(value, sd[key])
     swapped = with_attention(w, layers[::-1])

@@ -24,16 +24,18 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import attnref
+from attnref import strategies as ast
 from attnref import tolerance
-from attnref._src.cost import xla_counts
-from attnref._src.kernel import STATIC_OPTIONS
+from attnref.costs import xla_counts
 
 from .helpers import scaled
-from .kernel_helpers import KBUCKETS, PROFILES, assert_kernel_close, kproblems, make_kproblem
+from .kernel_helpers import assert_kernel_close, kproblems
 
-STATIC = (*STATIC_OPTIONS, "block_q", "block_k")
+KBUCKETS = ast.KERNEL_BUCKETS
+PROFILES = ast.STATIC_PROFILES
+STATIC = (*ast.STATIC_OPTIONS, "block_q", "block_k")
 BLOCKS = ((1, 1), (2, 3), (3, 2), (4, 4), (8, 8))
-_BW = jax.jit(attnref.blockwise_attention, static_argnames=STATIC)
+_BW = jax.jit(attnref.blockwise_dot_product_attention, static_argnames=STATIC)
 _NAIVE = jax.jit(attnref.dot_product_attention, static_argnames=STATIC[:-2])
 
 
@@ -45,11 +47,11 @@ class BlockwiseOracleTest(chex.TestCase):
         """Any block sizes, T and S not multiples of them, every option; lse too."""
         p = problem
         bq, bk = blocks
-        out, lse = self.variant(attnref.blockwise_attention, static_argnames=STATIC)(
+        out, lse = self.variant(attnref.blockwise_dot_product_attention, static_argnames=STATIC)(
             p.q, p.k, p.v, return_lse=True, block_q=bq, block_k=bk, **p.kwargs
         )
         assert out.dtype == p.dtype
-        n_blocks = math.ceil(p.bucket.s / min(bk, p.bucket.s))
+        n_blocks = math.ceil(p.config.s / min(bk, p.config.s))
         assert_kernel_close(out, lse, p, f"blockwise {blocks}", key_blocks=n_blocks)
 
     @chex.variants(without_jit=True)
@@ -57,13 +59,16 @@ class BlockwiseOracleTest(chex.TestCase):
     @scaled(0.5)
     def test_matches_oracle_eagerly(self, problem):
         p = problem
-        out, lse = self.variant(attnref.blockwise_attention)(
+        out, lse = self.variant(attnref.blockwise_dot_product_attention)(
             p.q, p.k, p.v, return_lse=True, block_q=2, block_k=3, **p.kwargs
         )
         assert_kernel_close(out, lse, p, "blockwise (eager)", key_blocks=3)
 
 
-_FNS = {"naive": attnref.dot_product_attention, "blockwise": attnref.blockwise_attention}
+_FNS = {
+    "naive": attnref.dot_product_attention,
+    "blockwise": attnref.blockwise_dot_product_attention,
+}
 
 
 def _loss(which, static, q, k, v, bias, arrays, cot, cot_lse):
@@ -87,14 +92,15 @@ def _grads(which, static, p, dtype, bias, arrays, cot, cot_lse):
 def _neutral_arrays(p):
     """Every array option present (neutral values where the draw has none), so one compiled
     gradient serves each static profile whatever array options were drawn."""
-    b = p.bucket
+    b = p.config
     kw = p.kwargs
     arrays = {
         "mask": kw.get("mask", np.ones((1, 1, b.t, b.s), bool)),
-        "query_seq_lengths": kw.get("query_seq_lengths", np.full(b.b, b.t, np.int32)),
-        "key_value_seq_lengths": kw.get("key_value_seq_lengths", np.full(b.b, b.s, np.int32)),
+        "query_seq_lengths": kw.get("query_seq_lengths", np.full(b.batch, b.t, np.int32)),
+        "key_value_seq_lengths": kw.get("key_value_seq_lengths", np.full(b.batch, b.s, np.int32)),
         "segment_ids": kw.get(
-            "segment_ids", (np.zeros((b.b, b.t), np.int32), np.zeros((b.b, b.s), np.int32))
+            "segment_ids",
+            (np.zeros((b.batch, b.t), np.int32), np.zeros((b.batch, b.s), np.int32)),
         ),
     }
     bias = kw.get("bias")
@@ -102,7 +108,7 @@ def _neutral_arrays(p):
         # -inf entries have no gradient (the masking itself is tested elsewhere)
         bias = np.zeros((1, b.n, b.t, b.s))
     # Full [B, N, T, S]: the drawn bias may broadcast over any axis; its gradient is per entry.
-    return arrays, np.broadcast_to(bias, (b.b, b.n, b.t, b.s)).astype(np.float64)
+    return arrays, np.broadcast_to(bias, (b.batch, b.n, b.t, b.s)).astype(np.float64)
 
 
 # Profiles with distinct backward paths: plain; window + softcap + NaN rows; bottom-right
@@ -120,9 +126,9 @@ def test_flash_backward_equals_autodiff_of_naive_form(problem):
     static = tuple(sorted(p.static.items()))
     arrays, bias = _neutral_arrays(p)
     rng = np.random.default_rng(0)
-    b = p.bucket
-    cot = rng.standard_normal((b.b, b.t, b.n, b.h_v))
-    cot_lse = rng.standard_normal((b.b, b.t, b.n))
+    b = p.config
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v))
+    cot_lse = rng.standard_normal((b.batch, b.t, b.n))
     bw_static = (*static, ("block_k", 3), ("block_q", 2))
     exact = _grads("naive", static, p, np.float64, bias, arrays, cot, cot_lse)
     ref32 = _grads("naive", static, p, np.float32, bias, arrays, cot, cot_lse)
@@ -139,15 +145,15 @@ def test_flash_backward_equals_autodiff_of_naive_form(problem):
 def test_check_grads_on_the_custom_vjp():
     """JAX's numerical gradient check (first order, reverse mode) on the flash backward, with
     softcap, bias, GQA and a causal mask, in float64."""
-    p = make_kproblem(KBUCKETS[0], dict(is_causal=True, softcap=2.0), ("bias",), 8, np.float64)
+    p = ast.make_kernel_problem(KBUCKETS[0], ("causal", "bias"), 8, np.float64)
 
     def f(q, k, v, bias):
-        out, lse = attnref.blockwise_attention(
+        out, lse = attnref.blockwise_dot_product_attention(
             q, k, v, bias, is_causal=True, softcap=2.0, block_q=2, block_k=3, return_lse=True
         )
         return jnp.sum(jnp.sin(out)) + jnp.sum(lse)
 
-    check_grads(f, (p.q, p.k, p.v, p.kwargs["bias"]), order=1, modes=["rev"])
+    check_grads(f, (p.q, p.k, p.v, p.options["bias"]), order=1, modes=["rev"])
 
 
 def _temp_bytes(fn, t):
@@ -164,7 +170,9 @@ def test_temporary_memory_linear_in_t_for_blockwise_quadratic_for_naive():
     ts = (64, 128, 256)
 
     def blockwise(q, k, v):
-        return attnref.blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)
+        return attnref.blockwise_dot_product_attention(
+            q, k, v, is_causal=True, block_q=16, block_k=16
+        )
 
     def naive(q, k, v):
         return attnref.dot_product_attention(q, k, v, is_causal=True)

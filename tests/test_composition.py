@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import tolerance
-from attnref._src.composition import composition_baseline, composition_scores, top_aligned
+from attnref.interp import composition_baseline, composition_scores, top_aligned
 
 U64 = tolerance.unit_roundoff(np.float64)
 SHAPES = st.sampled_from([(8, 2, 2, 3, 2, 1), (6, 3, 4, 2, 2, 2), (8, 2, 2, 4, 4, 2)])
@@ -38,8 +38,8 @@ def formed(first, second, kind):
     either sum is a product of entries of the factors, Higham eq. 3.13), so ``||P||_F`` within
     ``gamma_N ||A||_F^2 / (2 ||P||_F) + gamma_N ||A||_F``; the score's allowance adds the
     numerator's and ``score`` times the denominator's, over the denominator."""
-    a = attnref.repeat_kv_heads(first)
-    b = attnref.repeat_kv_heads(second)
+    a = attnref.interop.repeat_kv_heads(first)
+    b = attnref.interop.repeat_kv_heads(second)
     v1, o1 = a.w_v[:, None], a.w_o[:, None]  # [H1, 1, ...]
     q2, k2, v2, o2 = (w[None] for w in (b.w_q, b.w_k, b.w_v, b.w_o))  # [1, H2, ...]
     tr = lambda w: np.swapaxes(w, -1, -2)  # noqa: E731

@@ -14,6 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import hypothesis
@@ -24,6 +27,7 @@ import pytest
 
 import attnref
 from attnref import strategies as ast
+from attnref._src.closeness import assert_ratio_within
 from attnref.testing import (
     PROPERTIES,
     ConformanceReport,
@@ -286,6 +290,63 @@ def test_bad_arguments_raise():
         check_attention(naive_kernel, properties=["speed"])
     with pytest.raises(ValueError, match="masked_rows"):
         check_attention(naive_kernel, masked_rows="ignore")
+
+
+@pytest.mark.parametrize(
+    "first", ["attnref.conformance", "attnref._src.conformance", "attnref.testing", "attnref.cli"]
+)
+def test_the_kit_imports_first_without_a_cycle(first):
+    """Any entry point of the kit imports first in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {first}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_internals_never_import_the_public_facade():
+    """No import points up the layers: ``attnref._src`` never imports :mod:`attnref.testing`."""
+    import ast as pyast
+
+    src = Path(attnref.__file__).parent / "_src"
+    for path in sorted(src.rglob("*.py")):
+        for node in pyast.walk(pyast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, pyast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [str(node.module)]
+            elif isinstance(node, pyast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert "attnref.testing" not in names, f"{path} imports attnref.testing"
+
+
+def test_assert_ratio_within_names_the_worst_element():
+    err = np.array([[0.0, 3.0], [2.0, 0.5]])
+    # an allowance per element: the largest ratio (2 / 1), not the largest error (3 / 4)
+    per_element = np.array([[1.0, 4.0], [1.0, 1.0]])
+    with pytest.raises(AssertionError, match=r"^\(1, 0\) 2 2\.0 1\.0 x=20\.0$"):
+        assert_ratio_within(
+            err, per_element, "{index} {ratio:g} {error} {allowed} x={x}", x=10 * err
+        )
+    # one allowance for every element: the largest error
+    with pytest.raises(AssertionError, match=r"^\(0, 1\) 3$"):
+        assert_ratio_within(err, 1.0, "{index} {ratio:g}")
+    assert assert_ratio_within(err, 4.0, "unused") == ((0, 1), 0.75)
+    assert assert_ratio_within(np.zeros(0), 0.0, "unused") == ((), 0.0)
+    with pytest.raises(AssertionError, match=r"^nan$"):
+        assert_ratio_within(np.array([np.nan, 0.0]), 1.0, "{error}", require_finite=True)
+
+
+def test_a_failed_comparison_has_no_traceback():
+    """The closeness rules are the kit's own comparisons: their failures carry no traceback."""
+    report = check_attention(targets.wrong_scale, properties=["oracle"], max_examples=2, seed=0)
+    (r,) = report.results
+    assert r.status == "failed" and r.detail.startswith("oracle [float32]: rule 'bound'")
+    assert r.traceback is None
 
 
 def test_load_target():

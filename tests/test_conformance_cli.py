@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from attnref._src.conformance import OptionError
+from attnref._src.kernel import CAUSAL_ALIGNMENTS, MASKED_ROWS_POLICIES
 from attnref.cli import main
-from attnref.conformance import PROPERTIES, Options, read_xfail_file
+from attnref.conformance import ALIGNMENTS, MASKED_ROWS, PROPERTIES, Options, read_xfail_file
 
 pytest_plugins = ["pytester"]
 
@@ -128,6 +131,34 @@ def test_console_script_finds_targets_in_the_current_directory():
     )
     assert run.returncode == 2, run.stderr
     assert "is a int, not a callable" in run.stderr  # imported, so the module was found
+
+
+@pytest.mark.parametrize(
+    ("options", "cli", "engine"),
+    [
+        (
+            {"signature": "torch"},
+            "signature 'torch' is not one of jax_nn, qkv_mask, numpy",
+            "signature must be one of",
+        ),
+        ({"features": ("mask", "nope")}, "unknown feature 'nope'; choose from", "unknown features"),
+        ({"properties": ("nope",)}, "unknown property 'nope'; choose from", "unknown properties"),
+        (
+            {"causal_alignment": "left"},
+            "causal_alignment 'left' is not one of ('top_left', 'bottom_right')",
+            "causal_alignment must be one of",
+        ),
+        ({"max_examples": 0}, "max_examples must be at least 1, got 0", "max_examples must be >="),
+    ],
+)
+def test_options_run_the_engines_checks_in_the_clis_words(options, cli, engine):
+    """``Options.validate`` calls ``check_attention``'s own checks (one place for each) and
+    words their rejection for the CLI; the accepted semantics are the kernel's own names."""
+    assert MASKED_ROWS is MASKED_ROWS_POLICIES and ALIGNMENTS is CAUSAL_ALIGNMENTS
+    with pytest.raises(ValueError, match=f"^{re.escape(cli)}") as exc:
+        Options(target="pkg.mod:fn", **options).validate()
+    assert isinstance(exc.value.__cause__, OptionError)
+    assert str(exc.value.__cause__).startswith(engine)
 
 
 def test_replay_command_and_xfail_file(tmp_path):

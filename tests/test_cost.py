@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,15 +37,17 @@ def _run(f, dims: Dims, fm_name: str = "elu_plus_one"):
         0, d_model=dims.d_model, num_heads=dims.heads, d_k=dims.d_k, d_v=dims.d_v, bias=dims.bias
     )
     x = np.zeros((dims.batch, dims.t_q, dims.d_model), np.float32)
-    if f.family == "softmax":
+    # What the family requires (the linear family's feature map; FAVOR+ gets 2 d_k features,
+    # which is dims.features here), then the options the entry takes: a full mask and bias where
+    # it takes them (so all the model's mask and bias work is there), else the causal flag.
+    setting = SimpleNamespace(t_q=dims.t_q, t_k=dims.t_k, d_k=dims.d_k, seed=0, feature_map=fm_name)
+    kw = f.family.required_kwargs(setting)
+    takes = inspect.signature(f.apply).parameters
+    if "bias" in takes:
         full = (dims.batch, dims.t_q, dims.t_k)
-        return xla_counts(f.jit(), p, x, mask=np.ones(full, bool), bias=np.zeros(full, np.float32))
-    fm = (
-        attnref.favor_plus(0, dims.d_k, dims.features)
-        if fm_name == "favor_plus"
-        else attnref.FeatureMap(fm_name)
-    )
-    kw = dict(feature_map=fm, causal=dims.causal)
+        kw.update(mask=np.ones(full, bool), bias=np.zeros(full, np.float32))
+    if "causal" in takes:
+        kw["causal"] = dims.causal
     if "chunk_size" in f.static_argnames:
         kw["chunk_size"] = dims.chunk
     return xla_counts(f.jit(), p, x, **kw)
@@ -119,7 +124,7 @@ def test_growth_exponents_from_xla():
         for fid in ("linear_associative", "linear_prefix_sum"):
             f = attnref.get(fid)
             xc = xla_counts(
-                f.jit(), p, x, feature_map=attnref.elu_plus_one(), causal=f.causal_modes[0]
+                f.jit(), p, x, feature_map=attnref.linear.elu_plus_one(), causal=f.causal_modes[0]
             )
             flops.setdefault(fid, []).append(xc.flops)
             temps.setdefault(fid, []).append(xc.temp_bytes)
@@ -199,7 +204,7 @@ def test_patterns_and_messages_multiply_work_as_the_seeds_claim():
 
     # XLA: the dot FLOPs of each piece, differenced over T.
     p = attnref.init_params(0, d_model=dm, num_heads=h, d_k=dk, d_v=dv)
-    w_p, w_m = np.asarray(attnref.w_p(p)), np.asarray(attnref.w_m(p))
+    w_p, w_m = np.asarray(attnref.interp.w_p(p)), np.asarray(attnref.interp.w_m(p))
 
     def dots(fn, *args):
         return hlo_dot_flops(jax.jit(fn).lower(*args).compile().as_text())

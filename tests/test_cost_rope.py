@@ -1,4 +1,5 @@
-"""The RoPE cost models (``attnref/_src/cost_rope.py``) against XLA's own counts.
+"""The RoPE cost models (``rope_cost``, ``rope_patterns_cost`` in ``attnref/_src/rope.py``)
+against XLA's own counts.
 
 The same checks as ``test_model_matches_xla`` in ``tests/test_cost.py``: matmul FLOPs equal to
 the ``dot`` FLOPs of XLA's optimised HLO, transcendentals (``exp``, and ``cos``/``sin`` of the
@@ -17,7 +18,7 @@ import pytest
 
 import attnref
 from attnref._src.cost import Cost, Dims, xla_counts
-from attnref._src.cost_rope import rope_cost, rope_patterns_cost
+from attnref._src.rope import rope_cost, rope_patterns_cost
 
 SHAPES = [(2, 16, 2, 16, 4, 6), (1, 24, 3, 12, 8, 4)]  # tests/test_cost.py's shapes
 DUPLICATION = 4  # as in tests/test_cost.py: no intermediate feeds more than 4 consumers
@@ -68,7 +69,7 @@ def test_registry_entries_use_these_models():
     for fid, model in MODELS.items():
         assert attnref.get(fid).cost_model is model, fid
     d = Dims(2, 8, 8, 2, 8, 4, 4)
-    assert attnref.cost("rope_patterns", d) == rope_patterns_cost(d)
+    assert attnref.costs.cost("rope_patterns", d) == rope_patterns_cost(d)
 
 
 def test_given_positions_offsets_and_position_batches():

@@ -23,10 +23,10 @@ from attnref.testing import assert_within_bound
 from .helpers import scaled
 
 B, T, N, K, H, H_V = 2, 9, 4, 2, 3, 2
-_CACHED = jax.jit(attnref.cached_attention)
-_APPEND = jax.jit(attnref.kv_cache_append)
-_ATTEND = jax.jit(attnref.cache_attend)
-_DECODE_SCAN = jax.jit(attnref.mha_decode_scan)
+_CACHED = jax.jit(attnref.decode.cached_attention)
+_APPEND = jax.jit(attnref.decode.kv_cache_append)
+_ATTEND = jax.jit(attnref.decode.cache_attend)
+_DECODE_SCAN = jax.jit(attnref.decode.scan)
 RINGS = ((2, 3), (3, 5))  # (window, capacity) pairs: window < capacity, both wrap within T tokens
 
 
@@ -75,7 +75,8 @@ def _chunks(prefill, step, padding, rng):
 
 def _feed(cache, q, k, v, chunks, mask=None, bias=None):
     """Feed the real tokens of ``q, k, v`` ``[B, T, ...]`` chunk by chunk (NaN in padding slots)
-    through the jitted :func:`attnref.cached_attention`; ``mask``/``bias`` ``[B, T, T]`` are by
+    through the jitted :func:`attnref.decode.cached_attention`; ``mask``/``bias`` ``[B, T, T]``
+    are by
     (query token, absolute key position). Returns the outputs ``[B, T, N, H_v]`` per real token
     and the final cache."""
     dtype = q.dtype
@@ -120,7 +121,7 @@ def test_cached_decoding_equals_full_causal_attention(schedule):
     q = rng.standard_normal((B, T, N, H)).astype(dtype)
     k = rng.standard_normal((B, T, K, H)).astype(dtype)
     v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
-    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
     got, _ = _feed(cache, q, k, v, _chunks(prefill, step, padding, rng))
     window_kw = None if window is None else (window - 1, 0)
     ref = oracle.dot_product_attention(q, k, v, is_causal=True, local_window_size=window_kw)
@@ -157,7 +158,7 @@ def test_ring_buffer_with_mask_and_bias_after_wraparound(schedule):
     v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
     mask = rng.random((B, T, T)) < 0.75  # some rows lose every key of their window: zero rows
     bias = rng.standard_normal((B, T, T)).astype(dtype)
-    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
     got, cache = _feed(cache, q, k, v, _chunks(0, step, padding, rng), mask, bias)
     assert np.all(np.asarray(cache.positions) >= T - capacity)  # the ring did wrap
     kw = dict(is_causal=True, local_window_size=(window - 1, 0))
@@ -186,8 +187,8 @@ class MultiheadDecodeTest(chex.TestCase):
             rng = np.random.default_rng(1)
             xs = rng.standard_normal((2, 6, 8)).astype(dtype)
             valid = np.arange(6)[None, :] < np.array([[6], [4]])
-            cache = attnref.mha_cache_init(params, 2, 6)
-            fn = self.variant(attnref.mha_decode_scan)
+            cache = attnref.decode.init_cache(params, 2, 6)
+            fn = self.variant(attnref.decode.scan)
             ys, cache = fn(params, cache, xs, valid)
             for b, n in enumerate((6, 4)):
                 mask = np.tril(np.ones((n, n), bool))
@@ -202,8 +203,8 @@ def test_generation_with_lax_scan():
     equal causal attention over the generated inputs, recomputed from scratch."""
     params = _params(np.float64, kv_heads=1)  # MQA
     x0 = np.random.default_rng(2).standard_normal((2, 8))
-    cache = attnref.mha_cache_init(params, 2, 7)
-    gen = jax.jit(attnref.mha_generate, static_argnames=("steps", "next_input"))
+    cache = attnref.decode.init_cache(params, 2, 7)
+    gen = jax.jit(attnref.decode.generate, static_argnames=("steps", "next_input"))
     xs, ys, cache = gen(params, cache, x0, 7, lambda x, y: jnp.tanh(x + y))
     xs, ys = np.asarray(xs), np.asarray(ys)
     np.testing.assert_array_equal(xs[:, 0], x0)
@@ -219,8 +220,8 @@ def test_decode_gradient_to_future_inputs_is_zero():
     xs = np.random.default_rng(4).standard_normal((1, 5, 8))
 
     def y_t(xs, t):
-        cache = attnref.mha_cache_init(params, 1, 5)
-        return jnp.sum(jnp.sin(attnref.mha_decode_scan(params, cache, xs)[0][:, t]))
+        cache = attnref.decode.init_cache(params, 1, 5)
+        return jnp.sum(jnp.sin(attnref.decode.scan(params, cache, xs)[0][:, t]))
 
     grad = jax.jit(jax.grad(y_t))  # t traced: one compile serves every t
     for t in (0, 2, 4):
@@ -230,7 +231,7 @@ def test_decode_gradient_to_future_inputs_is_zero():
 
 def test_ring_buffer_wraps_around_and_keeps_positions():
     """After 7 one-token steps a 3-slot ring holds positions 4, 5, 6 in slots 1, 2, 0."""
-    cache = attnref.kv_cache_init(1, 3, 1, 2, window=3, dtype=jnp.float32)
+    cache = attnref.decode.kv_cache_init(1, 3, 1, 2, window=3, dtype=jnp.float32)
     for t in range(7):
         x = np.full((1, 1, 1, 2), float(t), np.float32)
         _, cache = _CACHED(cache, x, x, x)
@@ -239,21 +240,21 @@ def test_ring_buffer_wraps_around_and_keeps_positions():
 
 
 def test_decode_errors():
-    cache = attnref.kv_cache_init(2, 4, 2, 3, dtype=jnp.float32)
+    cache = attnref.decode.kv_cache_init(2, 4, 2, 3, dtype=jnp.float32)
     x = np.zeros((2, 5, 2, 3), np.float32)
     q = np.zeros((2, 5, 4, 3), np.float32)
     with pytest.raises(ValueError, match="capacity 4"):
-        attnref.cached_attention(cache, q, x, x)
+        attnref.decode.cached_attention(cache, q, x, x)
     with pytest.raises(ValueError, match="no larger than capacity"):
-        attnref.kv_cache_init(2, 4, 2, 3, window=5)
+        attnref.decode.kv_cache_init(2, 4, 2, 3, window=5)
     with pytest.raises(ValueError, match="key chunk"):
-        attnref.cached_attention(cache, q[:, :2], x[:, :2, :1], x[:, :2])
+        attnref.decode.cached_attention(cache, q[:, :2], x[:, :2, :1], x[:, :2])
     with pytest.raises(ValueError, match="query chunk"):
-        attnref.cached_attention(cache, q[:, :2, :3], x[:, :2], x[:, :2])
+        attnref.decode.cached_attention(cache, q[:, :2, :3], x[:, :2], x[:, :2])
     with pytest.raises(ValueError, match="valid"):
-        attnref.cached_attention(cache, q[:, :2], x[:, :2], x[:, :2], np.ones((2, 3), bool))
+        attnref.decode.cached_attention(cache, q[:, :2], x[:, :2], x[:, :2], np.ones((2, 3), bool))
     with pytest.raises(ValueError, match="T_q"):
-        attnref.decode_multihead(
+        attnref.decode.decode_attention(
             _params(np.float32), np.zeros((4, 8), np.float32), np.zeros((5, 8), np.float32)
         )
 
@@ -274,7 +275,7 @@ def test_cache_attend_after_wraparound_with_mask_and_bias(ring, seed):
     v = rng.standard_normal((B, T, K, H_V)).astype(dtype)
     mask = rng.random((B, T, T)) < 0.75
     bias = rng.standard_normal((B, T, T)).astype(dtype)
-    cache = attnref.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, capacity, K, H, H_V, window=window, dtype=dtype)
     cache = _APPEND(cache, k, v)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     got = np.asarray(_ATTEND(cache, q, query_positions=positions, mask=mask, bias=bias))
@@ -293,8 +294,8 @@ def test_cache_attend_after_wraparound_with_mask_and_bias(ring, seed):
 @given(ring=st.sampled_from(RINGS), seed=st.integers(0, 2**31 - 1))
 @scaled(0.5)
 def test_decode_scan_ring_buffer_with_mask_and_bias(ring, seed):
-    """Multi-head decoding (:func:`attnref.mha_decode_scan`, the scan behind
-    ``decode_multihead``) through a ring buffer that wraps, with a mask and a bias by absolute
+    """Multi-head decoding (:func:`attnref.decode.scan`, the scan behind
+    ``decode_attention``) through a ring buffer that wraps, with a mask and a bias by absolute
     key position: equals ``oracle.attention`` with the causal band ``t - W < j <= t`` and the
     same mask and bias, within the derived weight-level bound (the bound of the problem with
     the combined mask; disallowed keys add exact zeros)."""
@@ -306,7 +307,7 @@ def test_decode_scan_ring_buffer_with_mask_and_bias(ring, seed):
     xs = rng.standard_normal((2, steps, 8))
     mask = rng.random((2, steps, steps)) < 0.75
     bias = rng.standard_normal((2, steps, steps))
-    cache = attnref.mha_cache_init(params, 2, capacity, window=window)
+    cache = attnref.decode.init_cache(params, 2, capacity, window=window)
     ys, cache = _DECODE_SCAN(params, cache, xs, mask=mask, bias=bias)
     assert np.all(np.asarray(cache.positions) >= steps - capacity)  # the ring did wrap
     t = np.arange(steps)
@@ -318,7 +319,7 @@ def test_decode_scan_ring_buffer_with_mask_and_bias(ring, seed):
 
 
 def test_decode_multihead_entry_with_a_wrapping_ring():
-    """The registry's ``decode_multihead`` with ``window=W < T``: its ring of capacity ``W``
+    """The registry's ``decode_attention`` with ``window=W < T``: its ring of capacity ``W``
     wraps, and the result equals ``oracle.attention`` with the band ``t - W < j <= t`` and the
     same mask and bias, within the derived weight-level bound (jit and no jit give the same
     compiled scan body, so one variant suffices here)."""
@@ -328,12 +329,12 @@ def test_decode_multihead_entry_with_a_wrapping_ring():
     xs = rng.standard_normal((2, steps, 8))
     mask = rng.random((2, steps, steps)) < 0.75
     bias = rng.standard_normal((2, steps, steps))
-    y = attnref.decode_multihead(params, xs, mask=mask, bias=bias, window=window)
+    y = attnref.decode.decode_attention(params, xs, mask=mask, bias=bias, window=window)
     t = np.arange(steps)
     full = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window) & mask
     ref = oracle.attention(params, xs, mask=full, bias=bias)
     bound = tolerance.attention_error_bound(params, xs, mask=full, bias=bias, dtype=np.float64)
-    assert_within_bound(y, ref, bound, label=f"decode_multihead window={window}")
+    assert_within_bound(y, ref, bound, label=f"decode_attention window={window}")
 
 
 def _causal_inputs(dtype, steps=6):
@@ -354,7 +355,7 @@ def test_overflow_under_jit_gives_nan_rows_and_checked_mode_raises():
     ref = oracle.dot_product_attention(q, k, v, is_causal=True)
     allowed = oracle.kernel_allowed((B, N, 6, 6), is_causal=True)
     bound, _ = tolerance.kernel_error_bound(q, k, v, allowed, dtype=dtype, key_blocks=1)
-    cache = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
     rows = []
     for t in range(6):
         out, cache = _CACHED(cache, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
@@ -362,35 +363,35 @@ def test_overflow_under_jit_gives_nan_rows_and_checked_mode_raises():
     got = np.stack(rows, axis=1)
     assert np.all(np.abs(got[:, :5] - ref[:, :5]) <= bound[:, :5])
     assert np.all(np.isnan(got[:, 5]))
-    cache = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, 4, K, H, H_V, dtype=dtype)
     for t in range(4):
         _, cache = _CACHED(cache, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
     overflow = r"capacity 4 and window=None, but batch element 0 needs 5 slots \(positions 0\.\.4\)"
-    for fn in (attnref.checked(_CACHED), attnref.cached_attention):
+    for fn in (attnref.checked(_CACHED), attnref.decode.cached_attention):
         with pytest.raises(ValueError, match=overflow):  # checkify.JaxRuntimeError is one
             fn(cache, q[:, 4:5], k[:, 4:5], v[:, 4:5])
 
 
 def test_multihead_overflow_under_jit_nan_rows_and_checked_mode():
-    """``mha_decode_scan`` and ``mha_generate`` with capacity 4, no window, 6 tokens: under
+    """``decode.scan`` and ``decode.generate`` with capacity 4, no window, 6 tokens: under
     ``jax.jit`` rows 0..4 equal causal attention and row 5 is NaN; checked and eager calls
-    raise before the scan (``mha_generate`` checks ``lengths + steps`` with the same
+    raise before the scan (``decode.generate`` checks ``lengths + steps`` with the same
     ``require``; its eager call stands for both)."""
     params = _params(np.float64)
     xs = np.random.default_rng(5).standard_normal((2, 6, 8))
     mask = np.tril(np.ones((6, 6), bool))
     ref = oracle.attention(params, xs, mask=mask)
     bound = tolerance.attention_error_bound(params, xs, mask=mask, dtype=np.float64)
-    cache = attnref.mha_cache_init(params, 2, 4)
+    cache = attnref.decode.init_cache(params, 2, 4)
     ys, _ = _DECODE_SCAN(params, cache, xs)
     ys = np.asarray(ys)
     assert_within_bound(ys[:, :5], ref[:, :5], bound[:, :5], label="decode before overflow")
     assert np.all(np.isnan(ys[:, 5]))
     need = r"capacity 4 and window=None, but batch element 0 needs 6 slots"
-    for fn in (attnref.checked(_DECODE_SCAN), attnref.mha_decode_scan):
+    for fn in (attnref.checked(_DECODE_SCAN), attnref.decode.scan):
         with pytest.raises(ValueError, match=need):
             fn(params, cache, xs)
-    gen = jax.jit(attnref.mha_generate, static_argnames=("steps", "next_input"))
+    gen = jax.jit(attnref.decode.generate, static_argnames=("steps", "next_input"))
     x0 = xs[:, 0]
     xs_g, ys, _ = gen(params, cache, x0, 6, _residual)
     xs_g, ys = np.asarray(xs_g)[:, :5], np.asarray(ys)
@@ -399,7 +400,7 @@ def test_multihead_overflow_under_jit_nan_rows_and_checked_mode():
     assert_within_bound(ys[:, :5], ref, bound, label="generate before overflow")
     assert np.all(np.isnan(ys[:, 5]))
     with pytest.raises(ValueError, match=need):  # checked before the scan, as in checked mode
-        attnref.mha_generate(params, cache, x0, 6, _residual)
+        attnref.decode.generate(params, cache, x0, 6, _residual)
 
 
 def _residual(x, y):
@@ -414,7 +415,7 @@ def test_cache_attend_overflow_and_short_mask_are_nan_or_raise():
     ``ValueError`` eagerly (checked mode goes through the same ``require``)."""
     dtype = np.dtype(np.float32)
     q, k, v = _causal_inputs(dtype, steps=T)
-    cache = attnref.kv_cache_init(B, 5, K, H, H_V, dtype=dtype)
+    cache = attnref.decode.kv_cache_init(B, 5, K, H, H_V, dtype=dtype)
     with pytest.raises(ValueError, match=r"capacity 5 and window=None, .* needs 9 slots"):
         attnref.checked(_APPEND)(cache, k, v)
     wrapped = _APPEND(cache, k, v)  # unchecked: keeps positions 4..8
@@ -422,11 +423,11 @@ def test_cache_attend_overflow_and_short_mask_are_nan_or_raise():
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     lost = r"query at position 0 \(batch element 0\) needs the keys at positions 0\.\.0 but the"
     with pytest.raises(ValueError, match=lost + r" cache \(capacity 5, window=None\) holds only 0"):
-        attnref.cache_attend(wrapped, q, query_positions=positions)
+        attnref.decode.cache_attend(wrapped, q, query_positions=positions)
     # A ring (W=2, C=3) holding positions 6..8, read with a mask and bias one position short
     # (P = T - 1 = 8): row 7 (keys 6, 7) is answerable, row 8 attends position 8 >= P, and rows
     # 0..6 need a key the ring lost (row 6 needs position 5).
-    ring = _APPEND(attnref.kv_cache_init(B, 3, K, H, H_V, window=2, dtype=dtype), k, v)
+    ring = _APPEND(attnref.decode.kv_cache_init(B, 3, K, H, H_V, window=2, dtype=dtype), k, v)
     short = dict(mask=np.ones((B, T, T - 1), bool), bias=np.zeros((B, T, T - 1), dtype))
     got = np.asarray(_ATTEND(ring, q, query_positions=positions, **short))
     assert not np.any(np.isnan(got[:, 7])) and np.all(np.isnan(got[:, [0, 1, 2, 3, 4, 5, 6, 8]]))
@@ -434,7 +435,9 @@ def test_cache_attend_overflow_and_short_mask_are_nan_or_raise():
     with pytest.raises(
         ValueError, match=r"P=8 absolute key positions, but the query at position 8"
     ):
-        attnref.cache_attend(ring, q, query_positions=late, **short)  # eager: concrete values
+        attnref.decode.cache_attend(
+            ring, q, query_positions=late, **short
+        )  # eager: concrete values
 
 
 def test_mixed_dtypes_are_rejected_and_float64_computes_in_float64():
@@ -443,17 +446,17 @@ def test_mixed_dtypes_are_rejected_and_float64_computes_in_float64():
     float64 inputs computes in float64 even with x64 off (float64 bound, ~1e-15 relative; float32
     rounding would be ~1e-7 and fail it)."""
     q, k, v = _causal_inputs(np.float64, steps=3)
-    cache32 = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=np.float32)
+    cache32 = attnref.decode.kv_cache_init(B, 4, K, H, H_V, dtype=np.float32)
     with pytest.raises(TypeError, match="q has dtype float64 but the cache has dtype float32"):
-        attnref.cached_attention(cache32, q, k.astype(np.float32), v.astype(np.float32))
+        attnref.decode.cached_attention(cache32, q, k.astype(np.float32), v.astype(np.float32))
     with pytest.raises(TypeError, match="k has dtype float64 but the cache has dtype float32"):
-        attnref.kv_cache_append(cache32, k, v.astype(np.float32))
+        attnref.decode.kv_cache_append(cache32, k, v.astype(np.float32))
     with pytest.raises(TypeError, match=r"x has dtype float64 but params\.w_q has dtype float32"):
-        attnref.mha_cached_attention(
-            _params(np.float32), attnref.mha_cache_init(_params(np.float32), 2, 4), q[:, :, 0, :]
+        attnref.decode.step(
+            _params(np.float32), attnref.decode.init_cache(_params(np.float32), 2, 4), q[:, :, 0, :]
         )
     with jax.enable_x64(False):  # checked(jit(f)) scopes x64 like every attnref function
-        cache64 = attnref.kv_cache_init(B, 4, K, H, H_V, dtype=np.float64)
+        cache64 = attnref.decode.kv_cache_init(B, 4, K, H, H_V, dtype=np.float64)
         out, cache64 = attnref.checked(_CACHED)(cache64, q, k, v)
         assert out.dtype == np.float64 and cache64.k.dtype == np.float64
     ref = oracle.dot_product_attention(q, k, v, is_causal=True)
@@ -464,7 +467,7 @@ def test_mixed_dtypes_are_rejected_and_float64_computes_in_float64():
 
 def test_checked_refuses_traced_arguments():
     """A checked function raises, so it cannot run inside someone else's ``jax.jit``."""
-    cache = attnref.kv_cache_init(1, 2, 1, 1, dtype=np.float32)
+    cache = attnref.decode.kv_cache_init(1, 2, 1, 1, dtype=np.float32)
     x = np.zeros((1, 1, 1, 1), np.float32)
     with pytest.raises(TypeError, match=r"checked\('cached_attention'\).*jax.jit\(fn\)"):
-        jax.jit(attnref.checked(attnref.cached_attention))(cache, x, x, x)
+        jax.jit(attnref.checked(attnref.decode.cached_attention))(cache, x, x, x)

@@ -6,9 +6,11 @@
   from the docstrings a page quotes, looked up in ``attnref`` or the quoted module.
 * Where a page shows a signature, ``attnref.<name>(...)`` at the start of a code line or span,
   the text after the name is exactly ``str(inspect.signature(obj))``.
-* The export rule of :mod:`attnref._src.catalog`: registered callables are exported under the
-  name their page shows, and every exported function with the registry's row signature is
-  registered or a listed helper that its formulation's page shows.
+* The export rule of :mod:`attnref._src.docs`: registered callables are exported under their
+  ``__name__`` from ``attnref`` or one of its namespaces (``attnref.linear``, ``attnref.rope``,
+  ``attnref.decode``, ...), and their page shows that qualified name; every function with the
+  registry's row signature exported there is registered or a listed helper that its
+  formulation's page shows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 
 import attnref
 from attnref._src import docs
-from attnref._src.catalog import HELPERS
+from attnref._src.docs import HELPERS
 
 PAGES = Path(__file__).resolve().parents[1] / "docs" / "formulations"
 NAME = re.compile(r"attnref(?:\.[A-Za-z_]\w*)+")
@@ -121,13 +123,14 @@ def test_the_checks_catch_the_old_pages_lies():
     page = (
         "Native form: `attnref.cache_attend_old(cache, q, query_positions=None, *, mask=None)`; "
         "registry `apply`: `attnref.kv_cache_multihead_old(params, x_q)`.\n\n"
-        "```python\nattnref.blockwise_attention(query, key, value, bias=None, *, mask=None)\n```"
+        "```python\nattnref.blockwise_dot_product_attention(query, key, value, bias=None, *, "
+        "mask=None)\n```"
         "\n\nSee :func:`no_such_helper`."
     )
     problems, shown = _problems(page, None)
     assert shown == 3
     assert len(problems) == 4, problems
-    assert any(p.startswith("attnref.blockwise_attention: shown") for p in problems)
+    assert any(p.startswith("attnref.blockwise_dot_product_attention: shown") for p in problems)
 
 
 def _row_signature(obj: Any) -> bool:
@@ -140,22 +143,44 @@ def _row_signature(obj: Any) -> bool:
     return params[:3] == ["params", "x_q", "x_kv"]
 
 
+def _exported_row_forms() -> set[Any]:
+    """Functions with the row signature exported by ``attnref`` or by a namespace a page may
+    name (:data:`attnref._src.docs.NAMESPACES`)."""
+    modules = [attnref, *(importlib.import_module(f"attnref.{ns}") for ns in docs.NAMESPACES)]
+    return {getattr(m, n) for m in modules for n in m.__all__ if _row_signature(getattr(m, n))}
+
+
 def test_export_rule():
     registered = {fn for f in attnref.formulations() for fn in (f.native, f.apply)}
-    for fn in registered:
-        assert getattr(attnref, fn.__name__, None) is fn, f"{fn.__name__} is not exported"
-        assert fn.__name__ in attnref.__all__
+    for f in attnref.formulations():
+        page = (PAGES / f"{f.id}.md").read_text()
+        for fn in (f.native, f.apply):
+            name = docs.public_name(fn)  # LookupError: exported nowhere under its __name__
+            assert _resolve(name) is fn and name.rsplit(".", 1)[1] == fn.__name__, name
+            assert f"{name}(" in page, f"{f.id}.md does not show {name}"
     helpers = {h.fn for h in HELPERS}
     assert not helpers & registered
     for h in HELPERS:
-        assert getattr(attnref, h.fn.__name__, None) is h.fn and h.fn.__name__ in attnref.__all__
-        assert f"attnref.{h.fn.__name__}(" in (PAGES / f"{h.formulation}.md").read_text()
+        name = docs.public_name(h.fn)
+        assert _resolve(name) is h.fn
+        assert f"{name}(" in (PAGES / f"{h.formulation}.md").read_text()
         assert h.reason
-    row_forms = {
-        getattr(attnref, n) for n in attnref.__all__ if _row_signature(getattr(attnref, n))
-    }
-    assert {attnref.decode_multihead, attnref.kv_cache_multihead} <= row_forms
+    row_forms = _exported_row_forms()
+    assert {attnref.decode.decode_attention, attnref.kv_cache_attention} <= row_forms
+    assert attnref.linear.linear_quadratic_attention in row_forms
     unlisted = sorted(fn.__name__ for fn in row_forms - registered - helpers)
     assert not unlisted, (
         f"exported row-signature functions neither registered nor helpers: {unlisted}"
     )
+
+
+def test_public_name_prefers_the_top_level_and_rejects_unexported():
+    assert docs.public_name(attnref.concat_attention) == "attnref.concat_attention"
+    assert docs.public_name(attnref.decode.cache_attend) == "attnref.decode.cache_attend"
+    assert docs.public_name(attnref.linear.linear_quadratic) == "attnref.linear.linear_quadratic"
+
+    def not_exported(params, x_q, x_kv=None):
+        """Exported nowhere."""
+
+    with pytest.raises(LookupError, match="not_exported"):
+        docs.public_name(not_exported)

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 import attnref
+from attnref import strategies as ast
 
-from .helpers import BUCKETS, make_problem
-
-P = make_problem(BUCKETS[1], "none", seed=0, dtype=np.float64)
+P = ast.make_attention_problem(ast.WEIGHT_BUCKETS[1], "none", seed=0, dtype=np.float64)
 B, TQ, TK, D = (2,), 5, 7, 8
 
 
@@ -118,24 +117,24 @@ def test_bad_input_raises_clearly(fid, case, jit):
 def test_column_native_names_its_layout():
     x = np.swapaxes(P.x_q, -1, -2)
     with pytest.raises(ValueError, match=r"mask has shape \(2, 5, 7\).*\[\.\.\., T_k, T_q\]"):
-        attnref.column_attention(
+        attnref.column_form(
             P.params, x, np.swapaxes(P.x_kv, -1, -2), mask=np.ones((2, TQ, TK), bool)
         )
     with pytest.raises(ValueError, match=r"x has shape \(2, 4, 8\).*\[\.\.\., d_model, T\]"):
-        attnref.column_attention(P.params, np.zeros((2, 4, D)))  # row layout given to column form
+        attnref.column_form(P.params, np.zeros((2, 4, D)))  # row layout given to column form
 
 
 def test_graph_native_checks_edges():
     xs, xr = P.x_kv[0], P.x_q[0]
     s, r = np.array([0, 1, 2]), np.array([0, 0, 1])
     with pytest.raises(ValueError, match=r"receivers has shape \(2,\)"):
-        attnref.graph_attention(P.params, xs, xr, s, r[:2])
+        attnref.graph_message_passing(P.params, xs, xr, s, r[:2])
     with pytest.raises(ValueError, match=r"senders has indices outside \[0, 7\)"):
-        attnref.graph_attention(P.params, xs, xr, np.array([0, 9, 2]), r)
+        attnref.graph_message_passing(P.params, xs, xr, np.array([0, 9, 2]), r)
     with pytest.raises(ValueError, match=r"edge_mask must have shape \(3,\)"):
-        attnref.graph_attention(P.params, xs, xr, s, r, edge_mask=np.ones(4, bool))
+        attnref.graph_message_passing(P.params, xs, xr, s, r, edge_mask=np.ones(4, bool))
     with pytest.raises(TypeError, match=r"senders must be integer"):
-        attnref.graph_attention(P.params, xs, xr, s.astype(float), r)
+        attnref.graph_message_passing(P.params, xs, xr, s.astype(float), r)
 
 
 def test_soft_search_native_checks_one_query():
@@ -147,10 +146,10 @@ def test_soft_search_native_checks_one_query():
 
 def test_converters_reject_bad_layouts():
     with pytest.raises(ValueError, match="head_dim = embed_dim / num_heads"):
-        attnref.to_torch_mha(P.params)  # d_k=4, d_v=3
+        attnref.interop.to_torch_mha(P.params)  # d_k=4, d_v=3
     with pytest.raises(KeyError, match="in_proj_weight"):
-        attnref.from_torch_mha({}, num_heads=2)
+        attnref.interop.from_torch_mha({}, num_heads=2)
     with pytest.raises(ValueError, match="not divisible by num_heads=3"):
-        attnref.from_hf_bert(attnref.to_hf_bert(P.params), num_heads=3)
+        attnref.interop.from_hf_bert(attnref.interop.to_hf_bert(P.params), num_heads=3)
     with pytest.raises(ValueError, match="d_k must be a positive integer"):
         attnref.init_params(0, d_model=4, num_heads=1, d_k=0)

@@ -34,17 +34,17 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
-from attnref._src.softmax import masked_softmax
+from attnref import strategies as ast
 from attnref.oracle import _rope as rope_oracle
 from attnref.testing import assert_within_bound
 
 from . import test_rope as tr
-from .helpers import BUCKETS, MASK_KINDS, Bucket, Problem, make_problem, scaled
+from .helpers import scaled
 
 SEEDS = st.integers(0, 2**31 - 1)
 MAGNITUDES = st.sampled_from((1e2, 1e3, 1e4))
 ROUTES = ("projections", "bias")
-BUCKET = BUCKETS[1]  # the bucket test_formulations compiles for float32 and 16-bit
+BUCKET = ast.WEIGHT_BUCKETS[1]  # the bucket test_formulations compiles for float32 and 16-bit
 # Module-level jitted forms (same functions as test_formulations' chex variants: one compile).
 SOFTMAX_FORMS = {f.id: jax.jit(f.apply) for f in attnref.formulations("softmax")}
 ROPE_FORMS = {form: jax.jit(tr.APPLY[form, "interleaved"]) for form in tr.FORMS}
@@ -54,7 +54,7 @@ def _jnp_dtype(name: str) -> Any:
     return jnp.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def _logits(p: Problem) -> np.ndarray:
+def _logits(p: ast.AttentionProblem) -> np.ndarray:
     """float64 logits ``[..., H, T_q, T_k]`` of the problem (unmasked, bias included)."""
     w = p.params
     q = np.einsum("...td,hde->...hte", p.x_q, w.w_q) + w.b_q[:, None, :]
@@ -63,9 +63,11 @@ def _logits(p: Problem) -> np.ndarray:
     return s + p.bias[..., None, :, :]
 
 
-def make_extreme(bucket: Bucket, kind: str, seed: int, dtype: str, magnitude: float, route: str):
+def make_extreme(
+    bucket: ast.Config, kind: str, seed: int, dtype: str, magnitude: float, route: str
+) -> ast.AttentionProblem:
     """A problem whose largest |logit| is ``magnitude`` (before rounding to ``dtype``)."""
-    p = make_problem(bucket, kind, seed, np.float64)
+    p = ast.make_attention_problem(bucket, kind, seed, np.float64)
     if route == "projections":
         w = p.params
         grow = np.sqrt(magnitude / np.abs(_logits(dataclasses.replace(p, bias=0 * p.bias))).max())
@@ -76,20 +78,12 @@ def make_extreme(bucket: Bucket, kind: str, seed: int, dtype: str, magnitude: fl
     else:
         bias = np.random.default_rng(seed + 1).standard_normal(p.bias.shape)
         p = dataclasses.replace(p, bias=bias * magnitude / np.abs(bias).max())
-    dt = np.dtype(_jnp_dtype(dtype))
-    return dataclasses.replace(
-        p,
-        params=p.params.astype(dt),
-        x_q=p.x_q.astype(dt),
-        x_kv=p.x_kv.astype(dt),
-        bias=p.bias.astype(dt),
-        dtype=dt,
-    )
+    return p.astype(_jnp_dtype(dtype))
 
 
 @st.composite
-def extreme_problems(draw: st.DrawFn, dtypes: tuple[str, ...], bucket: Bucket = BUCKET):
-    kind = draw(st.sampled_from(MASK_KINDS), label="mask kind")
+def extreme_problems(draw: st.DrawFn, dtypes: tuple[str, ...], bucket: ast.Config = BUCKET):
+    kind = draw(ast.mask_kinds(kinds=ast.WEIGHT_KINDS), label="mask kind")
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     magnitude = draw(MAGNITUDES, label="max |logit|")
     route = draw(st.sampled_from(ROUTES), label="route to large logits")
@@ -101,14 +95,8 @@ def extreme_problems(draw: st.DrawFn, dtypes: tuple[str, ...], bucket: Bucket = 
     return p
 
 
-def _as64(p: Problem) -> Problem:
-    return dataclasses.replace(
-        p,
-        params=p.params.astype(np.float64),
-        x_q=p.x_q.astype(np.float64),
-        x_kv=p.x_kv.astype(np.float64),
-        bias=p.bias.astype(np.float64),
-    )
+def _as64(p: ast.AttentionProblem) -> ast.AttentionProblem:
+    return p.astype(np.float64)
 
 
 def _assert_bound_meaningful(bound: np.ndarray, ref: np.ndarray, label: str) -> None:
@@ -119,7 +107,7 @@ def _assert_bound_meaningful(bound: np.ndarray, ref: np.ndarray, label: str) -> 
     )
 
 
-def _simplex_bound(p: Problem, ref: np.ndarray) -> np.ndarray:
+def _simplex_bound(p: ast.AttentionProblem, ref: np.ndarray) -> np.ndarray:
     """``|y - oracle| <= sum_h (max_j - min_j) (x~_j W~_V[h] W_O[h])`` over the allowed keys
     ``j`` (what any weights on the probability simplex give, whatever the logits' rounding),
     plus the output chain's 16-bit rounding ``(K_Y u16 + gamma_{N_y}(u32)) (sum_h max_j G_hj +
@@ -142,8 +130,8 @@ def _simplex_bound(p: Problem, ref: np.ndarray) -> np.ndarray:
     wv_abs = np.abs(np.concatenate([w.w_v, w.b_v[:, None, :]], axis=1))
     mag = np.einsum("...td,hde,hef->...htf", x_abs, wv_abs, np.abs(w.w_o))[..., :, None, :, :]
     top = np.where(a, mag, 0.0).max(-2).sum(-3)
-    b = p.bucket
-    n_y = b.t_k + b.d_model + b.d_v + b.heads + 2
+    b = p.config
+    n_y = b.s + b.d_model + b.d_v + b.n + 2
     u16 = tolerance.unit_roundoff(p.dtype)
     g = tolerance.K_Y * u16 + tolerance.gamma(n_y, tolerance.unit_roundoff(np.float32))
     return spread + g * (top + np.abs(w.b_o))
@@ -160,7 +148,7 @@ def test_softmax_forms_extreme_logits_float32(p):
     check_extreme_float32(p, SOFTMAX_FORMS)
 
 
-def check_extreme_float32(p: Problem, forms: dict[str, Any]) -> None:
+def check_extreme_float32(p: ast.AttentionProblem, forms: dict[str, Any]) -> None:
     """The float32 extreme-logit property for the formulations in ``forms`` (id -> callable)."""
     ref = oracle.attention(p.params, p.x_q, p.x_kv, **p.inputs())
     bound = tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, dtype=p.dtype, **p.inputs())
@@ -236,10 +224,10 @@ SHAPE = (4, 6)
 
 
 def _softmax_loss(logits, mask, cot, axis):
-    return jnp.sum(masked_softmax(logits, mask, axis=axis) * cot)
+    return jnp.sum(attnref.masked_softmax(logits, mask, axis=axis) * cot)
 
 
-SOFTMAX = jax.jit(masked_softmax, static_argnames="axis")
+SOFTMAX = jax.jit(attnref.masked_softmax, static_argnames="axis")
 SOFTMAX_GRAD = jax.jit(jax.grad(_softmax_loss), static_argnames="axis")
 
 

@@ -38,7 +38,7 @@ def test_library_kernel_and_stabilised_features_match_the_definition():
     d, m = 4, 8
     qs, ks = _pairs(0, 5, d, 1.0)
     for orthogonal in (False, True):
-        fm = attnref.favor_plus(7, d, m, orthogonal=orthogonal)
+        fm = attnref.linear.favor_plus(7, d, m, orthogonal=orthogonal)
         q, k = qs * d**0.25, ks * d**0.25
         direct = _estimates(qs, ks, np.asarray(fm.omega))
         # Same formula, two evaluation orders, float64: each exponent (magnitude <= mag) is
@@ -80,7 +80,9 @@ def test_estimator_is_unbiased():
         est = np.stack(
             [
                 _estimates(
-                    qs, ks, np.asarray(attnref.favor_plus(s, d, m, orthogonal=orthogonal).omega)
+                    qs,
+                    ks,
+                    np.asarray(attnref.linear.favor_plus(s, d, m, orthogonal=orthogonal).omega),
                 )
                 for s in range(r)
             ]
@@ -105,7 +107,9 @@ def test_orthogonal_features_have_lower_error_than_iid():
                         _estimates(
                             qs,
                             ks,
-                            np.asarray(attnref.favor_plus(s, d, m, orthogonal=orthogonal).omega),
+                            np.asarray(
+                                attnref.linear.favor_plus(s, d, m, orthogonal=orthogonal).omega
+                            ),
                         )
                         - exact
                     )
@@ -139,7 +143,7 @@ def test_attention_error_falls_like_one_over_sqrt_m():
     logits = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     exact = np.einsum("hqk,khv->qhv", p / p.sum(-1, keepdims=True), v)
-    attend = jax.jit(attnref.linear_associative)
+    attend = jax.jit(attnref.linear.linear_associative)
     ms = np.array([16, 64, 256, 1024])
     log_mse, se_log = [], []
     for m in ms:
@@ -152,7 +156,7 @@ def test_attention_error_falls_like_one_over_sqrt_m():
                                 q,
                                 k,
                                 v,
-                                feature_map=attnref.favor_plus(1000 * int(m) + s, d, int(m)),
+                                feature_map=attnref.linear.favor_plus(1000 * int(m) + s, d, int(m)),
                             )
                         )
                         - exact

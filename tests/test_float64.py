@@ -7,14 +7,17 @@ import numpy as np
 import pytest
 
 import attnref
+from attnref import strategies as ast
 from attnref.testing import assert_within_bound
 
-from .helpers import BUCKETS, expected, make_problem
+from .helpers import expected
+
+BUCKETS = ast.WEIGHT_BUCKETS
 
 
 @pytest.mark.parametrize("fid", attnref.ids("softmax"))
 def test_float64_inputs_compute_in_float64_with_x64_off(fid):
-    p = make_problem(BUCKETS[1], "combined", seed=2, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[1], "combined", seed=2, dtype=np.float64)
     ref, bound = expected(p)
     with jax.enable_x64(False):
         assert not jax.config.jax_enable_x64
@@ -25,11 +28,11 @@ def test_float64_inputs_compute_in_float64_with_x64_off(fid):
 
 
 def test_float32_inputs_stay_float32_and_merged_matrices_keep_float64():
-    p = make_problem(BUCKETS[0], "none", seed=3, dtype=np.float32)
+    p = ast.make_attention_problem(BUCKETS[0], "none", seed=3, dtype=np.float32)
     with jax.enable_x64(False):
         assert attnref.concat_attention(p.params, p.x_q).dtype == np.float32
         p64 = p.params.astype(np.float64)
-        for fn in (attnref.w_p, attnref.w_m, attnref.w_a, attnref.w_i):
+        for fn in (attnref.interp.w_p, attnref.interp.w_m, attnref.interp.w_a, attnref.interp.w_i):
             assert fn(p64).dtype == np.float64, fn.__name__
         assert attnref.attention_weights(p64, p.x_q.astype(np.float64)).dtype == np.float64
 
@@ -38,9 +41,9 @@ def test_float32_inputs_stay_float32_and_merged_matrices_keep_float64():
 def test_linear_family_float64_with_x64_off_and_float32_stays_float32(fid):
     f = attnref.get(fid)
     causal = f.causal_modes[0]
-    p = make_problem(BUCKETS[1], "none", seed=4, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[1], "none", seed=4, dtype=np.float64)
     x_kv = p.x_q if causal else p.x_kv
-    fm = attnref.favor_plus(0, BUCKETS[1].d_k, 8)  # omega is float64 NumPy in both cases
+    fm = attnref.linear.favor_plus(0, BUCKETS[1].d_k, 8)  # omega is float64 NumPy in both cases
     kw = dict(feature_map=fm, causal=causal)
     with jax.enable_x64(False):
         y64 = f.apply(p.params, p.x_q, x_kv, **kw)

@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref import strategies as ast
 from attnref.testing import assert_comparative, assert_within_bound
 
-from .helpers import BUCKETS, check_formulation, expected, make_problem, problems, scaled
+from .helpers import check_formulation, expected, problems, scaled
+
+BUCKETS = ast.WEIGHT_BUCKETS
 
 IDS = attnref.ids("softmax")
 
@@ -55,7 +58,9 @@ def test_residual_form():
     """``residual=True`` returns ``x_q + sum_i o_i`` for every formulation (with biases: the
     residual add is the same code with or without them)."""
     for with_bias in (True,):
-        p = make_problem(BUCKETS[2], "causal", seed=21, dtype=np.float64, with_bias=with_bias)
+        p = ast.make_attention_problem(
+            BUCKETS[2], "causal", seed=21, dtype=np.float64, param_bias=with_bias
+        )
         ref = oracle.attention(p.params, p.x_q, p.x_kv, residual=True, **p.inputs())
         bound = attnref.tolerance.attention_error_bound(
             p.params, p.x_q, p.x_kv, residual=True, dtype=p.dtype, **p.inputs()
@@ -84,7 +89,7 @@ class LowPrecisionTest(chex.TestCase):
 
 def test_default_arguments_self_attention_and_none_masks():
     """``x_kv=None`` means self-attention and ``mask=None``/``bias=None`` mean unmasked."""
-    p = make_problem(BUCKETS[2], "none", seed=3, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[2], "none", seed=3, dtype=np.float64)
     ref = oracle.attention(p.params, p.x_q)
     bound = attnref.tolerance.attention_error_bound(p.params, p.x_q, dtype=np.float64)
     for f in attnref.formulations("softmax"):
@@ -94,11 +99,11 @@ def test_default_arguments_self_attention_and_none_masks():
 def test_unexpanded_masks_broadcast_as_documented():
     """A [T_q, T_k] causal mask and a [B, 1, T_k] padding mask broadcast over batch and queries."""
     b = BUCKETS[1]
-    p = make_problem(b, "none", seed=5, dtype=np.float64)
-    causal = np.asarray(attnref.causal_mask(b.t_q, b.t_k))
-    pad = np.asarray(attnref.padding_mask(np.array([3, 7]), b.t_k))
+    p = ast.make_attention_problem(b, "none", seed=5, dtype=np.float64)
+    causal = np.asarray(attnref.causal_mask(b.t, b.s))
+    pad = np.asarray(attnref.padding_mask(np.array([3, 7]), b.s))
     mask = np.asarray(attnref.combine_masks(causal, pad))
-    full = np.broadcast_to(mask, (*b.batch, b.t_q, b.t_k))
+    full = np.broadcast_to(mask, (*b.batch, b.t, b.s))
     ref = oracle.attention(p.params, p.x_q, p.x_kv, mask=full)
     bound = attnref.tolerance.attention_error_bound(
         p.params, p.x_q, p.x_kv, mask=full, dtype=np.float64
@@ -127,27 +132,21 @@ def test_every_broadcast_shape_of_mask_and_bias(fid, mask_shape, bias_shape, see
     broadcast: the formulation (drawn; one compile per example) equals the oracle given the
     expanded arrays, within the derived bound of the expanded problem."""
     b = BUCKETS[1]
-    p = make_problem(b, "none", seed=seed % 1000, dtype=np.float64)
+    p = ast.make_attention_problem(b, "none", seed=seed % 1000, dtype=np.float64)
     rng = np.random.default_rng(seed)
     mask, bias = rng.random(mask_shape) < 0.7, rng.standard_normal(bias_shape)
-    full = (*b.batch, b.t_q, b.t_k)
+    full = (*b.batch, b.t, b.s)
     kw = dict(mask=np.broadcast_to(mask, full), bias=np.broadcast_to(bias, full))
     f = attnref.get(fid)
     y = f.jit()(p.params, p.x_q, p.x_kv, mask=mask, bias=bias)
-    if f.family == "rope":
-        ref = oracle.rope_attention(p.params, p.x_q, p.x_kv, **kw)
-        bound = tolerance.rope_attention_error_bound(
-            p.params, p.x_q, p.x_kv, dtype=np.float64, **kw
-        )
-    else:
-        ref = oracle.attention(p.params, p.x_q, p.x_kv, **kw)
-        bound = tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, dtype=np.float64, **kw)
+    ref = f.family.oracle(p.params, p.x_q, p.x_kv, **kw)
+    bound = f.family.bound(p.params, p.x_q, p.x_kv, dtype=np.float64, **kw)
     assert_within_bound(y, ref, bound, label=f"{fid} mask {mask_shape} bias {bias_shape}")
 
 
 def test_explicit_scale_is_used():
     """``scale=`` replaces 1/sqrt(d_k) everywhere (checked against the oracle with that scale)."""
-    p = make_problem(BUCKETS[1], "causal", seed=11, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[1], "causal", seed=11, dtype=np.float64)
     ref = oracle.attention(p.params, p.x_q, p.x_kv, scale=0.3, **p.inputs())
     bound = attnref.tolerance.attention_error_bound(
         p.params, p.x_q, p.x_kv, scale=0.3, dtype=np.float64, **p.inputs()

@@ -31,18 +31,12 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import attnref
-from attnref import oracle, repeat_kv_heads, tolerance
+from attnref import oracle, tolerance
+from attnref import strategies as ast
+from attnref.interop import repeat_kv_heads
 from attnref.testing import assert_comparative, assert_within_bound
 
-from .helpers import (
-    MASK_KINDS,
-    Bucket,
-    Problem,
-    check_formulation,
-    expected,
-    make_problem,
-    scaled,
-)
+from .helpers import check_formulation, expected, scaled
 
 SOFTMAX = attnref.formulations("softmax")
 LINEAR = attnref.formulations("linear")
@@ -51,40 +45,31 @@ LINEAR = attnref.formulations("linear")
 # batch dims and cross-attention (T_q != T_k, d_k != d_v) in float32, and multi-query
 # self-attention without batch dims in float64. Few fixed shapes, so jit caches are reused.
 GQA_CASES = (
-    (Bucket((2,), 5, 7, 4, 8, 4, 3), 2, "float32"),
-    (Bucket((), 4, 4, 4, 6, 2, 5), 1, "float64"),
+    (ast.Config(batch=(2,), t=5, s=7, n=4, k=4, h=4, h_v=3, d_model=8), 2, "float32"),
+    (ast.Config(batch=(), t=4, s=4, n=4, k=4, h=2, h_v=5, d_model=6), 1, "float64"),
 )
 CASE_IDS = ("gqa-float32", "mqa-float64")
 
 
 def gqa_problem(
-    bucket: Bucket, num_kv_heads: int, kind: str, seed: int, dtype, *, with_bias: bool = True
-) -> Problem:
-    """:func:`tests.helpers.make_problem` (inputs, masks) with ``num_kv_heads`` K/V heads."""
-    p = make_problem(bucket, kind, seed, dtype, with_bias=with_bias)
-    params = attnref.init_params(
-        seed,
-        d_model=bucket.d_model,
-        num_heads=bucket.heads,
-        d_k=bucket.d_k,
-        d_v=bucket.d_v,
-        bias=with_bias,
-        dtype=np.float64,
-        num_kv_heads=num_kv_heads,
-    )
-    return dataclasses.replace(p, params=params.astype(p.dtype))
+    bucket: ast.Config, num_kv_heads: int, kind: str, seed: int, dtype, *, with_bias: bool = True
+) -> ast.AttentionProblem:
+    """:func:`attnref.strategies.make_attention_problem` with ``num_kv_heads`` K/V heads (the
+    inputs and masks do not depend on them)."""
+    config = dataclasses.replace(bucket, k=num_kv_heads)
+    return ast.make_attention_problem(config, kind, seed, dtype, param_bias=with_bias)
 
 
 @st.composite
 def gqa_problems(draw, cases=GQA_CASES):
     bucket, kv, dtype = draw(st.sampled_from(cases), label="bucket, num_kv_heads, dtype")
-    kind = draw(st.sampled_from(MASK_KINDS), label="mask kind")
+    kind = draw(ast.mask_kinds(kinds=ast.WEIGHT_KINDS), label="mask kind")
     seed = draw(st.integers(0, 2**31 - 1), label="data seed")
     note(f"bucket={bucket} K={kv} dtype={dtype} kind={kind} seed={seed}")
     return gqa_problem(bucket, kv, kind, seed, dtype)
 
 
-def _mha_problem(p: Problem) -> Problem:
+def _mha_problem(p: ast.AttentionProblem) -> ast.AttentionProblem:
     return dataclasses.replace(p, params=repeat_kv_heads(p.params))
 
 
@@ -192,8 +177,8 @@ def test_merged_matrices_are_per_query_head(shape, seed):
         seed, d_model=d_model, num_heads=h, d_k=d_k, d_v=d_v, dtype=np.float64, num_kv_heads=kv
     )
     g = h // kv
-    wp, wm = np.asarray(attnref.w_p(p)), np.asarray(attnref.w_m(p))
-    wa, wi = np.asarray(attnref.w_a(p)), np.asarray(attnref.w_i(p))
+    wp, wm = np.asarray(attnref.interp.w_p(p)), np.asarray(attnref.interp.w_m(p))
+    wa, wi = np.asarray(attnref.interp.w_a(p)), np.asarray(attnref.interp.w_i(p))
     assert wp.shape == wm.shape == wa.shape == wi.shape == (h, d_model, d_model)
     u = tolerance.unit_roundoff(np.float64)
     for i in range(h):
@@ -225,9 +210,9 @@ def _linear_case(kv, dtype, causal, seed, map_name="elu_plus_one"):
     t_k = x_kv.shape[-2]
     key_mask = np.arange(t_k) < rng.integers(1, t_k + 1, LINEAR_BUCKET.batch)[..., None]
     fm = (
-        attnref.favor_plus(seed, LINEAR_BUCKET.d_k, 2 * LINEAR_BUCKET.d_k)
+        attnref.linear.favor_plus(seed, LINEAR_BUCKET.d_k, 2 * LINEAR_BUCKET.d_k)
         if map_name == "favor_plus"
-        else attnref.FeatureMap(map_name)
+        else attnref.linear.FeatureMap(map_name)
     )
     return p, x_kv, dict(feature_map=fm, causal=causal, key_mask=key_mask)
 
@@ -306,7 +291,7 @@ def test_gradient_of_shared_kv_head_is_sum_over_its_group():
     p = gqa_problem(bucket, kv, "combined", seed=29, dtype=np.float64)
     group = p.params.group_size
     mha = repeat_kv_heads(p.params)
-    cot = np.random.default_rng(1).standard_normal((*bucket.batch, bucket.t_q, bucket.d_model))
+    cot = np.random.default_rng(1).standard_normal((*bucket.batch, bucket.t, bucket.d_model))
 
     def grads(params, dtype, group_sum):
         args = (p.x_q, p.x_kv, p.mask, p.bias, cot)
@@ -318,7 +303,7 @@ def test_gradient_of_shared_kv_head_is_sum_over_its_group():
     exact = grads(mha, np.float64, group)
     reference = grads(mha, np.float32, group)
     b = bucket
-    n_b = int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads + group
+    n_b = int(np.prod(b.batch)) * b.t + b.s + b.d_model + b.d_k + b.d_v + b.n + group
     scale = max(float(np.abs(g).max()) for g in exact.values())
     assert actual.keys() == exact.keys()
     for name in exact:
@@ -373,12 +358,18 @@ BAD_PARAMS = (
 @pytest.mark.parametrize("case", BAD_PARAMS, ids=[c[0] for c in BAD_PARAMS])
 def test_bad_grouping_raises_clearly(case, jit):
     _, params, pattern = case
-    for f in (*SOFTMAX, *LINEAR):
-        kw = dict(feature_map=attnref.elu_plus_one()) if f.family == "linear" else {}
+    linear_kw = dict(feature_map=attnref.linear.elu_plus_one())
+    for f, kw in [(f, {}) for f in SOFTMAX] + [(f, linear_kw) for f in LINEAR]:
         fn = jax.jit(f.apply, static_argnames=f.static_argnames) if jit else f.apply
         with pytest.raises(ValueError, match=pattern):
             fn(params, _X, **kw)
-    for merged in (attnref.w_p, attnref.w_m, attnref.w_a, attnref.w_i, repeat_kv_heads):
+    for merged in (
+        attnref.interp.w_p,
+        attnref.interp.w_m,
+        attnref.interp.w_a,
+        attnref.interp.w_i,
+        repeat_kv_heads,
+    ):
         with pytest.raises(ValueError, match=pattern):
             merged(params)
 
@@ -394,7 +385,7 @@ def test_group_size_and_init_params_reject_bad_grouping():
 
 def test_oracle_and_bounds_reject_bad_grouping():
     bad = BAD_PARAMS[0][1]
-    fm = attnref.elu_plus_one()
+    fm = attnref.linear.elu_plus_one()
     pattern = r"params\.w_q has 4 heads, params\.w_k 3"
     for fn in (
         lambda: oracle.attention(bad, _X),
@@ -407,7 +398,9 @@ def test_oracle_and_bounds_reject_bad_grouping():
 
 
 @pytest.mark.parametrize(
-    "convert", (attnref.to_flax, attnref.to_torch_mha, attnref.to_hf_bert), ids=lambda f: f.__name__
+    "convert",
+    (attnref.interop.to_flax, attnref.interop.to_torch_mha, attnref.interop.to_hf_bert),
+    ids=lambda f: f.__name__,
 )
 def test_fused_layouts_reject_grouped_params(convert):
     """Flax, nn.MultiheadAttention and BERT store one K/V head per query head: GQA params raise

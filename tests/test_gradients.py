@@ -24,10 +24,13 @@ import numpy as np
 from hypothesis import given
 
 import attnref
+from attnref import strategies as ast
 from attnref import tolerance
 from attnref.testing import assert_comparative
 
-from .helpers import BUCKETS, make_problem, problems, scaled
+from .helpers import problems, scaled
+
+BUCKETS = ast.WEIGHT_BUCKETS
 
 
 def _loss(apply, params, x_q, x_kv, mask, bias, cot):
@@ -66,9 +69,9 @@ def _flat(grads):
 
 def _check_gradients_agree(problem, variant):
     rng = np.random.default_rng(0)
-    b = problem.bucket
-    cot = rng.standard_normal((*b.batch, b.t_q, b.d_model))
-    n_b = int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads
+    b = problem.config
+    cot = rng.standard_normal((*b.batch, b.t, b.d_model))
+    n_b = int(np.prod(b.batch)) * b.t + b.s + b.d_model + b.d_k + b.d_v + b.n
     g64 = _flat(_grads("concat", problem, np.float64, cot, variant))
     g32_ref = _flat(_grads("concat", problem, np.float32, cot, variant))
     scale = max(float(np.abs(g).max()) for g in g64.values())
@@ -103,7 +106,7 @@ class GradientAgreementTest(chex.TestCase):
 
 def test_check_grads_concat_float64():
     """Finite differences vs autodiff, forward and reverse modes, in float64."""
-    p = make_problem(BUCKETS[1], "combined", seed=7, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[1], "combined", seed=7, dtype=np.float64)
     f = attnref.get("concat").apply
 
     def fn(params, x_q, x_kv):
@@ -115,10 +118,10 @@ def test_check_grads_concat_float64():
 def test_fully_masked_row_gradient_is_finite_and_zero_through_softmax():
     """A fully masked query row: output b_O, gradient finite, and zero w.r.t. that query."""
     # float32: the gradients compiled for the agreement property above are reused.
-    p = make_problem(BUCKETS[1], "none", seed=9, dtype=np.float32)
+    p = ast.make_attention_problem(BUCKETS[1], "none", seed=9, dtype=np.float32)
     mask = p.mask.copy()
     mask[..., 2, :] = False
-    cot = np.ones((*p.bucket.batch, p.bucket.t_q, p.bucket.d_model), np.float32)
+    cot = np.ones((*p.config.batch, p.config.t, p.config.d_model), np.float32)
     for fm in attnref.formulations("softmax"):
         g = np.asarray(jax.jit(_GRAD[fm.id])(p.params, p.x_q, p.x_kv, mask, p.bias, cot)[1])
         assert np.all(np.isfinite(g)), fm.id

@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref import strategies as ast
 from attnref.testing import assert_within_bound
 
-from .helpers import BUCKETS, make_problem, scaled
+from .helpers import scaled
+
+BUCKETS = ast.WEIGHT_BUCKETS
 
 FORMS = attnref.formulations("softmax")
 SEEDS = st.integers(0, 2**31 - 1)
@@ -43,8 +46,8 @@ def _random_invertible(rng, n):
 @scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS[1:]), kind=st.sampled_from(("none", "combined")))
 def test_head_permutation(seed, bucket, kind):
-    p = make_problem(bucket, kind, seed, np.float64)
-    perm = np.random.default_rng(seed).permutation(bucket.heads)
+    p = ast.make_attention_problem(bucket, kind, seed, np.float64)
+    perm = np.random.default_rng(seed).permutation(bucket.n)
     permuted = dataclasses.replace(
         p.params,
         **{
@@ -67,10 +70,10 @@ def test_gauge_symmetries(seed, bucket, kind):
     values, ``|F(gauged) - F(orig)| <= 2 (bound_orig + bound_gauged) + |oracle(gauged) -
     oracle(orig)|``.
     """
-    p = make_problem(bucket, kind, seed, np.float64)
+    p = ast.make_attention_problem(bucket, kind, seed, np.float64)
     rng = np.random.default_rng(seed)
-    g = np.stack([_random_invertible(rng, bucket.d_k) for _ in range(bucket.heads)])
-    gv = np.stack([_random_invertible(rng, bucket.d_v) for _ in range(bucket.heads)])
+    g = np.stack([_random_invertible(rng, bucket.d_k) for _ in range(bucket.n)])
+    gv = np.stack([_random_invertible(rng, bucket.d_v) for _ in range(bucket.n)])
     g_inv, gv_inv = np.linalg.inv(g), np.linalg.inv(gv)
     w = p.params
     gauged = dataclasses.replace(
@@ -100,10 +103,10 @@ def test_gauge_symmetries(seed, bucket, kind):
     # gamma_n |A_1|...|A_k| (n = sum of inner dims, Higham eq. 3.13); the computed inverse leaves
     # the defect R = G inv(G) - I, measured here, contributing |W_Q||R||W_K^T|.
     u = 2.0**-53
-    for i in range(bucket.heads):
+    for i in range(bucket.n):
         for name, merged, a, gi, ginv, b, d in (
-            ("W_P", attnref.w_p, w.w_q[i], g[i], g_inv[i], w.w_k[i].T, bucket.d_k),
-            ("W_M", attnref.w_m, w.w_v[i], gv[i], gv_inv[i], w.w_o[i], bucket.d_v),
+            ("W_P", attnref.interp.w_p, w.w_q[i], g[i], g_inv[i], w.w_k[i].T, bucket.d_k),
+            ("W_M", attnref.interp.w_m, w.w_v[i], gv[i], gv_inv[i], w.w_o[i], bucket.d_v),
         ):
             chain = np.abs(a) @ np.abs(gi) @ np.abs(ginv) @ np.abs(b)
             defect = np.abs(gi @ ginv - np.eye(d)) + tolerance.gamma(d, u) * np.abs(gi) @ np.abs(
@@ -122,8 +125,8 @@ def test_gauge_symmetries(seed, bucket, kind):
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS), kind=st.sampled_from(("none", "random")))
 def test_row_constant_added_to_logits(seed, bucket, kind):
     """Adding c_i to every logit of query row i (through bias) changes nothing."""
-    p = make_problem(bucket, kind, seed, np.float64)
-    c = np.random.default_rng(seed).standard_normal((*bucket.batch, bucket.t_q, 1)) * 3
+    p = ast.make_attention_problem(bucket, kind, seed, np.float64)
+    c = np.random.default_rng(seed).standard_normal((*bucket.batch, bucket.t, 1)) * 3
     shifted = p.bias + c
     bound = _bound(p) + tolerance.attention_error_bound(
         p.params, p.x_q, p.x_kv, dtype=np.float64, mask=p.mask, bias=shifted
@@ -135,7 +138,7 @@ def test_row_constant_added_to_logits(seed, bucket, kind):
 @scaled(0.3)
 @given(seed=SEEDS, bucket=st.sampled_from(BUCKETS), kind=st.sampled_from(("none", "combined")))
 def test_key_bias_has_no_effect(seed, bucket, kind):
-    p = make_problem(bucket, kind, seed, np.float64)
+    p = ast.make_attention_problem(bucket, kind, seed, np.float64)
     other = dataclasses.replace(p.params, b_k=p.params.b_k * 0 + 5.0)
     bound = _bound(p) + tolerance.attention_error_bound(
         other, p.x_q, p.x_kv, dtype=np.float64, **p.inputs()
@@ -148,8 +151,8 @@ def test_key_bias_has_no_effect(seed, bucket, kind):
 @given(seed=SEEDS, bucket=st.sampled_from((BUCKETS[0], BUCKETS[2])))
 def test_token_permutation_equivariance(seed, bucket):
     """Self-attention without a mask: permuting tokens permutes output rows."""
-    p = make_problem(bucket, "none", seed, np.float64)
-    perm = np.random.default_rng(seed).permutation(bucket.t_q)
+    p = ast.make_attention_problem(bucket, "none", seed, np.float64)
+    perm = np.random.default_rng(seed).permutation(bucket.t)
     x = p.x_q
     xp = x[..., perm, :]
     bound = tolerance.attention_error_bound(p.params, x, x, dtype=np.float64, **p.inputs())
@@ -166,7 +169,9 @@ class FullyMaskedRowTest(chex.TestCase):
     def test_fully_masked_rows_output_b_o(self):
         """One documented meaning: zero weights, so the output is exactly b_O (0 without biases)."""
         for with_bias in (True, False):
-            p = make_problem(BUCKETS[1], "fully_masked_row", 4, np.float64, with_bias=with_bias)
+            p = ast.make_attention_problem(
+                BUCKETS[1], "fully_masked_row", 4, np.float64, param_bias=with_bias
+            )
             dead = ~p.mask.any(axis=-1)
             assert dead.any()
             b_o = 0.0 if p.params.b_o is None else p.params.b_o
@@ -178,7 +183,7 @@ class FullyMaskedRowTest(chex.TestCase):
 
     @chex.variants(with_jit=True)
     def test_minus_inf_bias_masks_like_false(self):
-        p = make_problem(BUCKETS[1], "random", 6, np.float64)
+        p = ast.make_attention_problem(BUCKETS[1], "random", 6, np.float64)
         as_bias = np.where(p.mask, p.bias, -np.inf)
         everything = np.ones_like(p.mask)
         for f in FORMS:

@@ -18,20 +18,13 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
-from attnref._src.kernel import STATIC_OPTIONS
+from attnref import strategies as ast
 
-from .kernel_helpers import (
-    BROADCAST_PATTERNS,
-    KBUCKETS,
-    PROFILES,
-    KBucket,
-    KProblem,
-    assert_kernel_close,
-    kproblems,
-    make_kproblem,
-)
+from .kernel_helpers import assert_kernel_close, kproblems
 
-STATIC = STATIC_OPTIONS
+KBUCKETS = ast.KERNEL_BUCKETS
+PROFILES = ast.STATIC_PROFILES
+STATIC = ast.STATIC_OPTIONS
 _DPA = jax.jit(attnref.dot_product_attention, static_argnames=STATIC)
 
 
@@ -70,10 +63,12 @@ def test_16bit_inputs(problem):
 
 def test_lse_is_logsumexp_of_masked_logits():
     """``lse`` from its definition, computed here with NumPy from the masked logits."""
-    p = make_kproblem(KBUCKETS[0], PROFILES[4], ("mask", "bias"), 3, np.float64)
+    p = ast.make_kernel_problem(
+        KBUCKETS[0], ("random", "bias"), 3, np.float64, static=PROFILES[4], empty_rows=True
+    )
     _, lse = _DPA(p.q, p.k, p.v, return_lse=True, **p.kwargs)
-    kg = np.repeat(p.k, p.bucket.n // p.bucket.k, axis=2)
-    raw = np.einsum("btnh,bsnh->bnts", p.q, kg) / np.sqrt(p.bucket.h)
+    kg = np.repeat(p.k, p.config.group, axis=2)
+    raw = np.einsum("btnh,bsnh->bnts", p.q, kg) / np.sqrt(p.config.h)
     logits = 3.0 * np.tanh(raw / 3.0) + p.kwargs["bias"]
     masked = np.where(p.allowed(), logits, -np.inf)
     with np.errstate(divide="ignore"):
@@ -83,7 +78,7 @@ def test_lse_is_logsumexp_of_masked_logits():
             + np.where(np.isfinite(top), top, 0)[..., 0]
         )
     ref = np.where(np.isfinite(top[..., 0]), ref, -np.inf)
-    _, _, _, bound = p.expected(key_blocks=1)
+    _, bound = p.bound(key_blocks=1)
     got = np.swapaxes(np.asarray(lse), 1, 2)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     fin = np.isfinite(ref)
@@ -98,13 +93,15 @@ def _causal_fns():
         return attnref.dot_product_attention(q, k, v, is_causal=True)
 
     def blockwise(q, k, v):
-        return attnref.blockwise_attention(q, k, v, is_causal=True, block_q=2, block_k=3)
+        return attnref.blockwise_dot_product_attention(
+            q, k, v, is_causal=True, block_q=2, block_k=3
+        )
 
     def decode(q, k, v):
-        cache = attnref.kv_cache_init(
+        cache = attnref.decode.kv_cache_init(
             q.shape[0], q.shape[1], k.shape[2], k.shape[3], v.shape[3], dtype=q.dtype
         )
-        return attnref.cached_attention(cache, q, k, v)[0]
+        return attnref.decode.cached_attention(cache, q, k, v)[0]
 
     return {"dot_product_attention": dpa, "blockwise": blockwise, "cached_decode": decode}
 
@@ -117,14 +114,13 @@ def test_causality_prefix_and_zero_gradient(name):
     """Appending future tokens leaves earlier outputs unchanged (within the two derived bounds),
     and the gradient of output ``t`` with respect to every input after ``t`` is exactly zero."""
     fn = jax.jit(CAUSAL[name])
-    p = make_kproblem(KBUCKETS[1], dict(is_causal=True), (), 11, np.float32)
+    p = ast.make_kernel_problem(KBUCKETS[1], "causal", 11, np.float32)
     full = np.asarray(fn(p.q, p.k, p.v), np.float64)
-    _, _, bound_full, _ = p.expected()
+    bound_full, _ = p.bound()
     for t in (1, 3, 5):
-        bucket = KBucket(1, t, t, 2, 2, 4, 4)
-        sub = KProblem(bucket, p.q[:, :t], p.k[:, :t], p.v[:, :t], p.kwargs, p.dtype)
+        sub = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
         prefix = np.asarray(fn(sub.q, sub.k, sub.v), np.float64)
-        _, _, bound_sub, _ = sub.expected()
+        bound_sub, _ = sub.bound()
         assert np.all(np.abs(full[:, :t] - prefix) <= bound_full[:, :t] + bound_sub), name
 
         def out_t(q, k, v, t=t):
@@ -142,9 +138,7 @@ def test_causality_prefix_and_zero_gradient(name):
 def _padded_problem(dtype):
     """Keys beyond ``kv_len`` and queries beyond ``q_len`` are padding; one key column is masked
     for every query."""
-    p = make_kproblem(
-        KBUCKETS[0], dict(is_causal=True, causal_alignment="bottom_right"), (), 5, dtype
-    )
+    p = ast.make_kernel_problem(KBUCKETS[0], "causal", 5, dtype, causal_alignment="bottom_right")
     q_len, kv_len = np.array([3, 5], np.int32), np.array([6, 4], np.int32)
     mask = np.ones((2, 1, 5, 7), bool)
     mask[:, :, :, 1] = False
@@ -155,7 +149,7 @@ def _padded_problem(dtype):
 KERNELS = {
     "dot_product_attention": _DPA,
     "blockwise": jax.jit(
-        attnref.blockwise_attention, static_argnames=(*STATIC, "block_q", "block_k")
+        attnref.blockwise_dot_product_attention, static_argnames=(*STATIC, "block_q", "block_k")
     ),
 }
 
@@ -191,13 +185,19 @@ def test_nan_in_padding_never_reaches_output_or_gradients(name):
 
 
 def check_broadcast_patterns(fn, patterns, **extra):
-    """``fn`` (a kernel) on masks and biases of the given broadcast patterns, each mask pattern
-    paired with a bias pattern (``7 i + 3 mod 16``: a permutation of all 16), against the
-    oracle within the derived bound."""
+    """``fn`` (a kernel) on masks and biases of the given broadcast patterns
+    (:data:`attnref.strategies.BROADCAST_SHAPES`), each mask pattern paired with a bias pattern
+    (``7 i + 3 mod 16``: a permutation of all 16), against the oracle within the derived bound."""
     for i, mask_pattern in enumerate(patterns):
-        bias_pattern = BROADCAST_PATTERNS[(7 * i + 3) % 16]
-        p = make_kproblem(
-            KBUCKETS[0], {}, ("mask", "bias"), 40 + i, np.float32, mask_pattern, bias_pattern
+        bias_pattern = ast.BROADCAST_SHAPES[(7 * i + 3) % 16]
+        p = ast.make_kernel_problem(
+            KBUCKETS[0],
+            ("random", "bias"),
+            40 + i,
+            np.float32,
+            mask_shape=mask_pattern,
+            bias_shape=bias_pattern,
+            empty_rows=True,
         )
         out, lse = fn(p.q, p.k, p.v, return_lse=True, **p.kwargs, **extra)
         label = f"mask {mask_pattern} bias {bias_pattern}"
@@ -210,7 +210,7 @@ def test_every_broadcast_shape_of_mask_and_bias_in_the_tiled_form():
     with blocks that pad both T and S: a size-1 axis must broadcast, never be padded as data
     (issue 11, defect 1). Every kernel form draws all 16 patterns in ``kproblems`` too; this
     test enumerates the ones that tiling can get wrong (12 compiles)."""
-    tiled_axis_broadcast = [pt for pt in BROADCAST_PATTERNS if not (pt[2] and pt[3])]
+    tiled_axis_broadcast = [pt for pt in ast.BROADCAST_SHAPES if "1" in pt[2:]]
     check_broadcast_patterns(KERNELS["blockwise"], tiled_axis_broadcast, block_q=2, block_k=3)
 
 
@@ -219,15 +219,15 @@ def check_unread_nonfinite_values(fn):
     cannot read it: they equal the clean call bit for bit, and so does the gradient of their
     outputs. Row 5 reads it: attnref returns NaN there (documented), where the definition (the
     oracle) is non-finite too."""
-    p = make_kproblem(KBUCKETS[1], dict(is_causal=True), (), 13, np.float32)
-    clean = np.asarray(fn(p.q, p.k, p.v, is_causal=True))
+    q, k, v = ast.kernel_inputs(KBUCKETS[1], 13)
+    clean = np.asarray(fn(q, k, v, is_causal=True))
 
     def loss(q, k, v):
         return jnp.sum(jnp.sin(fn(q, k, v, is_causal=True)[:, :5]))
 
-    clean_g = jax.grad(loss, argnums=(0, 1, 2))(p.q, p.k, p.v)
+    clean_g = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     for which, bad in ((2, np.nan), (2, np.inf), (2, -np.inf), (1, np.nan), (1, np.inf)):
-        args = [p.q, p.k, p.v.copy()] if which == 2 else [p.q, p.k.copy(), p.v]
+        args = [q, k, v.copy()] if which == 2 else [q, k.copy(), v]
         args[which][:, 5] = bad
         out = np.asarray(fn(*args, is_causal=True))
         with np.errstate(invalid="ignore", over="ignore"):  # the oracle computes IEEE NaN/inf
@@ -248,17 +248,10 @@ def test_batch_equals_per_example(problem):
     """No cross-talk through padding or masks: each batch element alone gives its own rows."""
     p = problem
     out = np.asarray(_DPA(p.q, p.k, p.v, **p.kwargs), np.float64)
-    _, _, bound, _ = p.expected()
-    for b in range(p.bucket.b):
-        kw = {}
-        for key, val in p.kwargs.items():
-            per_example = key in ("query_seq_lengths", "key_value_seq_lengths")
-            if per_example or (key in ("mask", "bias") and val.shape[0] > 1):
-                val = val[b : b + 1]
-            elif key == "segment_ids":
-                val = (val[0][b : b + 1], val[1][b : b + 1])
-            kw[key] = val
-        one = np.asarray(_DPA(p.q[b : b + 1], p.k[b : b + 1], p.v[b : b + 1], **kw), np.float64)
+    bound, _ = p.bound()
+    for b in range(p.config.batch):
+        one = p.batch_slice(b)  # every per-example option sliced with the inputs
+        one = np.asarray(_DPA(one.q, one.k, one.v, **one.kwargs), np.float64)
         ok = np.isnan(out[b]) == np.isnan(one[0])
         assert ok.all()
         diff = np.abs(np.nan_to_num(out[b] - one[0]))
@@ -272,7 +265,7 @@ def test_fully_masked_rows_policy(name, policy):
     ``-inf``; padded queries return 0 under every policy; the "zeros" gradient is finite."""
     fn = KERNELS[name]
     extra = dict(block_q=2, block_k=3) if name == "blockwise" else {}
-    p = make_kproblem(KBUCKETS[0], {}, (), 2, np.float64)
+    p = ast.make_kernel_problem(KBUCKETS[0], "none", 2, np.float64)
     mask = np.ones((2, 4, 5, 7), bool)
     mask[0, :, 2] = False  # query 2 of example 0: every head fully masked
     mask[1, 1, 0] = False  # query 0 of example 1: head 1 only
@@ -320,12 +313,12 @@ def test_extreme_logits(name, softcap):
     matches the oracle within the derived bound."""
     fn = KERNELS[name]
     extra = dict(block_q=2, block_k=3) if name == "blockwise" else {}
-    p = make_kproblem(KBUCKETS[1], dict(is_causal=True), ("mask",), 9, np.float32)
+    p = ast.make_kernel_problem(KBUCKETS[1], ("causal", "random"), 9, np.float32, empty_rows=True)
     logits = np.einsum("btnh,bsnh->bnts", p.q.astype(np.float64), p.k.astype(np.float64)) / 2.0
     grow = np.sqrt(1e4 / np.abs(logits).max())  # scale q and k so that max |logit| = 1e4
     p.q, p.k = (p.q * grow).astype(np.float32), (p.k * grow).astype(np.float32)
-    kw = dict(p.kwargs, softcap=softcap)
-    p.kwargs = kw
+    p.options = dict(p.options, softcap=softcap)
+    kw = p.kwargs
     out, lse = fn(p.q, p.k, p.v, return_lse=True, **kw, **extra)
     assert np.all(np.isfinite(np.asarray(out)))
     assert_kernel_close(out, lse, p, f"{name} extreme logits softcap={softcap}")
@@ -343,9 +336,10 @@ def test_agrees_with_jax_nn_where_semantics_agree():
     """jax.nn.dot_product_attention (implementation "xla") equals attnref on rows that are not
     fully masked: GQA, T != S with top-left causal alignment, a window, bias, seq lengths."""
     # jax.nn needs H_v == H: GQA (N=4, K=2), T=5 != S=7.
-    p = make_kproblem(KBucket(2, 5, 7, 4, 2, 3, 3), dict(is_causal=True), ("bias",), 4, np.float32)
+    config = ast.Config(batch=2, t=5, s=7, n=4, k=2, h=3, h_v=3, d_model=8)
+    p = ast.make_kernel_problem(config, "bias", 4, np.float32)
     kw = dict(
-        bias=p.kwargs["bias"],
+        bias=p.options["bias"],
         is_causal=True,
         local_window_size=(3, 0),
         query_seq_lengths=np.array([5, 3], np.int32),
@@ -353,9 +347,9 @@ def test_agrees_with_jax_nn_where_semantics_agree():
     )
     ours = attnref.dot_product_attention(p.q, p.k, p.v, **kw)
     theirs = jax.nn.dot_product_attention(p.q, p.k, p.v, implementation="xla", **kw)
-    p.kwargs = kw
+    p.options = kw
     # jax.nn computes in float32 like attnref: each is within the bound of the oracle.
-    _, _, bound, _ = p.expected(key_blocks=1)
+    bound, _ = p.bound(key_blocks=1)
     ref = oracle.dot_product_attention(p.q, p.k, p.v, **kw)
     assert np.all(np.abs(np.asarray(theirs, np.float64) - ref) <= bound)
     assert np.all(np.abs(np.asarray(ours, np.float64) - ref) <= bound)
@@ -365,7 +359,7 @@ def test_documented_difference_from_jax_nn_on_fully_masked_rows():
     """The difference, stated: for a fully masked row jax.nn returns the mean of V (it masks with
     a large finite negative, so the softmax is uniform) and a finite lse; attnref returns zeros
     and ``-inf`` by default, and matches jax.nn's values with ``masked_rows="uniform"``."""
-    p = make_kproblem(KBUCKETS[1], {}, (), 6, np.float32)
+    p = ast.make_kernel_problem(KBUCKETS[1], "none", 6, np.float32)
     mask = np.ones((1, 2, 6, 6), bool)
     mask[0, :, 3] = False
     theirs, their_lse = jax.nn.dot_product_attention(
@@ -384,7 +378,7 @@ def test_documented_difference_from_jax_nn_on_fully_masked_rows():
     assert np.all(np.asarray(our_lse)[0, 3] == -np.inf)
     live = np.ones(6, bool)
     live[3] = False
-    _, _, bound, _ = make_kproblem(KBUCKETS[1], {}, (), 6, np.float32).expected()
+    bound, _ = p.bound()
     assert np.all(np.abs(ours[0, live] - theirs[0, live]) <= 2 * bound[0, live])
 
 
@@ -427,13 +421,13 @@ def test_alibi_slopes():
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, message):
-    p = make_kproblem(KBUCKETS[0], {}, (), 0, np.float32)
+    q, k, v = ast.kernel_inputs(KBUCKETS[0], 0)
     with pytest.raises((ValueError, TypeError), match=message):
-        attnref.dot_product_attention(p.q, p.k, p.v, **kwargs)
+        attnref.dot_product_attention(q, k, v, **kwargs)
 
 
 def test_bad_shapes_raise_clear_errors():
-    p = make_kproblem(KBUCKETS[0], {}, (), 0, np.float32)
+    p = ast.make_kernel_problem(KBUCKETS[0], "none", 0, np.float32)
     with pytest.raises(ValueError, match="multiple of K"):
         attnref.dot_product_attention(p.q[:, :, :3], p.k, p.v)
     with pytest.raises(ValueError, match="head dim"):
@@ -443,7 +437,7 @@ def test_bad_shapes_raise_clear_errors():
     with pytest.raises(TypeError, match="one dtype"):
         attnref.dot_product_attention(p.q.astype(np.float64), p.k, p.v)
     with pytest.raises(ValueError, match="block_q"):
-        attnref.blockwise_attention(p.q, p.k, p.v, block_q=0)
+        attnref.blockwise_dot_product_attention(p.q, p.k, p.v, block_q=0)
 
 
 @given(window=st.tuples(st.integers(0, 3), st.integers(0, 3)))
@@ -460,8 +454,8 @@ def test_window_semantics_match_jax_nn_doc_example(window):
 def check_out_of_range_lengths(fn):
     """Traced lengths cannot be checked at trace time: a batch element whose length exceeds T
     or S (or is negative) comes back all NaN under jit; eager calls raise."""
-    p = make_kproblem(KBUCKETS[1], {}, (), 12, np.float32)
-    t, s = p.bucket.t, p.bucket.s
+    p = ast.make_kernel_problem(KBUCKETS[1], "none", 12, np.float32)
+    t, s = p.config.t, p.config.s
     good = np.array([t], np.int32)
     bad_pairs = ((np.array([t + 2]), good), (good, np.array([s + 1])), (good, np.array([-1])))
     for q_len, kv_len in bad_pairs:
@@ -487,8 +481,8 @@ def test_checked_mode_raises_for_traced_lengths_out_of_range(name):
     """``attnref.checked`` turns the NaN rows of out-of-range traced lengths into an error that
     names the argument; in-range lengths give the unchecked result unchanged."""
     fn = attnref.checked(KERNELS[name])
-    p = make_kproblem(KBUCKETS[1], {}, (), 12, np.float32)
-    t = p.bucket.t
+    p = ast.make_kernel_problem(KBUCKETS[1], "none", 12, np.float32)
+    t = p.config.t
     with pytest.raises(ValueError, match="query_seq_lengths"):
         fn(p.q, p.k, p.v, query_seq_lengths=np.array([t + 1], np.int32))
     lens = np.array([t - 1], np.int32)

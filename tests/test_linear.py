@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
-from attnref._src import linear as linear_impl
+from attnref import strategies as ast
 from attnref.testing import assert_comparative, assert_within_bound
 
-from .helpers import BUCKETS, make_problem, scaled
+from .helpers import scaled
 
 LINEAR = attnref.formulations("linear")
 KERNEL = [f for f in LINEAR if f.native is not f.apply]  # forms with a (q, k, v) native level
 MAPS = ("elu_plus_one", "relu", "identity", "taylor2", "favor_plus")
 CHUNKS = (1, 2, 4, 7)
-POLICIES = linear_impl.EPS_POLICIES
+POLICIES = attnref.linear.EPS_POLICIES
 # eps: none, small (1e-6 of denominators that are O(1) .. O(20) for these inputs), and large
 # enough to matter (0.5, 4: output changes of several percent up to most of the output).
 EPS = (0.0, 1e-6, 0.5, 4.0)
@@ -48,10 +48,10 @@ class KBucket:
 KBUCKETS = (KBucket((), 5, 1, 3, 2), KBucket((2,), 6, 2, 4, 3))
 
 
-def feature_map(name: str, d_k: int, seed: int = 0) -> attnref.FeatureMap:
+def feature_map(name: str, d_k: int, seed: int = 0) -> attnref.linear.FeatureMap:
     if name == "favor_plus":
-        return attnref.favor_plus(seed, d_k, 2 * d_k)
-    return attnref.FeatureMap(name)
+        return attnref.linear.favor_plus(seed, d_k, 2 * d_k)
+    return attnref.linear.FeatureMap(name)
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ class KProblem:
     k: np.ndarray
     v: np.ndarray
     key_mask: np.ndarray
-    fm: attnref.FeatureMap
+    fm: attnref.linear.FeatureMap
     causal: bool
     eps: float
     dtype: np.dtype
@@ -154,7 +154,7 @@ class KernelAgreementTest(chex.TestCase):
 
 @scaled(0.3)
 @given(
-    bucket=st.sampled_from(BUCKETS[1:]),
+    bucket=st.sampled_from(ast.WEIGHT_BUCKETS[1:]),
     name=st.sampled_from(MAPS),
     causal=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -165,7 +165,7 @@ class KernelAgreementTest(chex.TestCase):
 def test_multihead_forms_match_oracle(bucket, name, causal, seed, dtype, eps, policy):
     """Registry ``apply`` (params and rows) against ``oracle.linear_multihead``, biases on, every
     eps policy with eps drawn (traced under jit: one compile serves every eps)."""
-    p = make_problem(bucket, "none", seed, dtype)
+    p = ast.make_attention_problem(bucket, "none", seed, dtype)
     x_kv = p.x_q if causal else p.x_kv
     rng = np.random.default_rng(seed)
     key_mask = (
@@ -188,8 +188,8 @@ def test_multihead_forms_match_oracle(bucket, name, causal, seed, dtype, eps, po
 
 
 def test_multihead_residual_form():
-    p = make_problem(BUCKETS[2], "none", 4, np.float64)
-    kw = dict(feature_map=attnref.elu_plus_one(), causal=True)
+    p = ast.make_attention_problem(ast.WEIGHT_BUCKETS[2], "none", 4, np.float64)
+    kw = dict(feature_map=attnref.linear.elu_plus_one(), causal=True)
     ref = oracle.linear_multihead(p.params, p.x_q, residual=True, **kw)
     bound = tolerance.linear_multihead_error_bound(
         p.params, p.x_q, residual=True, dtype=np.float64, **kw
@@ -347,7 +347,7 @@ def test_causality_check_catches_a_sequence_wide_max():
     p = make_kproblem(KBUCKETS[1], "favor_plus", True, False, 1e-2, 3, np.float64)
     leaky = dataclasses.replace(p, fm=_LeakyMap(p.fm))
     with pytest.raises(AssertionError, match="prefix outputs"):
-        _prefix_check(linear_impl.linear_quadratic, leaky, 3, 3)
+        _prefix_check(attnref.linear.linear_quadratic, leaky, 3, 3)
 
 
 class _LeakyMap:
@@ -383,7 +383,7 @@ def test_gradient_to_future_tokens_is_exactly_zero(fid):
 # ----------------------------------------------------------------------------- decoding
 
 
-_STEP = jax.jit(attnref.linear_step, static_argnames=("eps_policy",))  # eps traced
+_STEP = jax.jit(attnref.linear.linear_step, static_argnames=("eps_policy",))  # eps traced
 
 
 @scaled(0.3)
@@ -400,7 +400,7 @@ def test_recurrent_decoding_equals_causal_form_at_every_step(bucket, name, seed,
     ref = oracle.linear_attention(p.q, p.k, p.v, **_kw(p))
     bound = tolerance.linear_error_bound(p.q, p.k, p.v, dtype=np.float64, **_kw(p))
     m = p.fm.num_features(bucket.d_k)
-    state = attnref.linear_state_init(bucket.batch, bucket.heads, m, bucket.d_v, np.float64)
+    state = attnref.linear.linear_state_init(bucket.batch, bucket.heads, m, bucket.d_v, np.float64)
     for t in range(bucket.t):
         state, y_t = _STEP(
             state,
@@ -423,13 +423,13 @@ def test_eps_policies_and_eps_to_zero():
     """add: y = num / (D + eps) -> num / D as eps -> 0, with |y_eps - y_0| = |y_0| eps / |D + eps|;
     clamp: y = num / max(D, eps) equals the exact ratio once D >= eps."""
     p = make_kproblem(KBUCKETS[1], "elu_plus_one", True, False, 0.0, 1, np.float64)
-    exact = np.asarray(linear_impl.linear_prefix_sum(p.q, p.k, p.v, feature_map=p.fm))
+    exact = np.asarray(attnref.linear.linear_prefix_sum(p.q, p.k, p.v, feature_map=p.fm))
     fq = oracle.features(p.fm, p.q, "query")
     fk = oracle.features(p.fm, p.k, "key")
     den = np.einsum("...thm,...thm->...th", fq, np.cumsum(fk, axis=-3))
     prev = None
     for eps in (1e-1, 1e-3, 1e-5, 1e-7, 1e-9):
-        y = np.asarray(linear_impl.linear_prefix_sum(p.q, p.k, p.v, feature_map=p.fm, eps=eps))
+        y = np.asarray(attnref.linear.linear_prefix_sum(p.q, p.k, p.v, feature_map=p.fm, eps=eps))
         predicted = np.abs(exact) * (eps / (den + eps))[..., None]
         gap = np.abs(y - exact)
         # The gap is the predicted one up to the rounding bound of the two evaluations.
@@ -441,7 +441,7 @@ def test_eps_policies_and_eps_to_zero():
             assert gap.max() < prev
         prev = gap.max()
     clamp_eps = float(den.min()) / 2
-    y = linear_impl.linear_prefix_sum(
+    y = attnref.linear.linear_prefix_sum(
         p.q, p.k, p.v, feature_map=p.fm, eps=clamp_eps, eps_policy="clamp"
     )
     bound = tolerance.linear_error_bound(
@@ -548,7 +548,7 @@ def test_favor_plus_worked_example():
                            = (1.966903, 2.193154);  causal: y_0 = 1 / max(1, 1) = 1
     The stabilised query features carry exp(-c), c = max_i(w_i x + 1/2) - x^2/2 = (0.5, 1.0):
     an eps added unscaled gives the causal y_0 = e^-0.5 / (e^-0.5 + 1) = 0.377541, not 0.5."""
-    fm = attnref.FeatureMap("favor_plus", _W2)
+    fm = attnref.linear.FeatureMap("favor_plus", _W2)
     x = np.array([0.0, 1.0])
     a01, a11 = _a_by_hand(0.0, 1.0), _a_by_hand(1.0, 1.0)
     np.testing.assert_allclose([a01, a11], [0.935926, 1.384034], atol=5e-7)
@@ -581,7 +581,7 @@ def test_favor_plus_worked_example():
                 y = _jitted(f.id)(q, k, v, **kw)
                 assert_within_bound(y, want, bound, label=f"{f.id} {policy} causal={causal}")
         if causal:
-            state = attnref.linear_state_init((), 1, 2, 1, np.float32)
+            state = attnref.linear.linear_state_init((), 1, 2, 1, np.float32)
             for t in range(2):
                 state, y_t = _STEP(
                     state, q[t], k[t], v[t], feature_map=fm, eps=1.0, eps_policy=policy
@@ -596,7 +596,7 @@ def test_favor_plus_eps_where_the_shift_overflows():
     forms rescale num, den and eps by exp(c + L) (L = log(max float) / 2): outputs within the
     bound of the float64 oracle (``y ~ 3e-34``, a normal float32), gradients finite (checked on
     two paths through ``normalize``: the quadratic form and the scanned decoding step)."""
-    fm = attnref.FeatureMap("favor_plus", _W2)
+    fm = attnref.linear.FeatureMap("favor_plus", _W2)
     q = np.array([0.0, 14.6], np.float32).reshape(2, 1, 1)
     k = np.array([0.0, 1.0], np.float32).reshape(2, 1, 1)
     v = np.array([1.0, 3.0], np.float32).reshape(2, 1, 1)
@@ -616,20 +616,20 @@ def test_favor_plus_eps_where_the_shift_overflows():
 
 
 _FACTORIES = (
-    attnref.elu_plus_one,
-    attnref.relu_features,
-    attnref.identity_features,
-    attnref.taylor2,
-    attnref.favor_plus,
+    attnref.linear.elu_plus_one,
+    attnref.linear.relu_features,
+    attnref.linear.identity_features,
+    attnref.linear.taylor2,
+    attnref.linear.favor_plus,
 )
 
 
 @pytest.mark.parametrize("factory", _FACTORIES, ids=lambda f: f.__name__)
 def test_uncalled_factory_raises_a_clear_type_error(factory):
-    """Issue 11 (defect 9): ``feature_map=attnref.elu_plus_one`` (uncalled) is a TypeError that
-    says to call it, in every form, the step, the registry entries and the oracle."""
+    """Issue 11 (defect 9): ``feature_map=attnref.linear.elu_plus_one`` (uncalled) is a TypeError
+    that says to call it, in every form, the step, the registry entries and the oracle."""
     p = make_kproblem(KBUCKETS[1], "elu_plus_one", True, False, 0.0, 0, np.float64)
-    mp = make_problem(BUCKETS[0], "none", 0, np.float64)
+    mp = ast.make_attention_problem(ast.WEIGHT_BUCKETS[0], "none", 0, np.float64)
     match = rf"factory function {factory.__name__} itself: call it"
     for f in KERNEL:
         with pytest.raises(TypeError, match=match):
@@ -637,9 +637,9 @@ def test_uncalled_factory_raises_a_clear_type_error(factory):
     for f in LINEAR:
         with pytest.raises(TypeError, match=match):
             f.apply(mp.params, mp.x_q, feature_map=factory, causal=f.causal_modes[0])
-    state = attnref.linear_state_init((2,), 2, 4, 3, np.float64)
+    state = attnref.linear.linear_state_init((2,), 2, 4, 3, np.float64)
     with pytest.raises(TypeError, match=match):
-        attnref.linear_step(state, p.q[:, 0], p.k[:, 0], p.v[:, 0], feature_map=factory)
+        attnref.linear.linear_step(state, p.q[:, 0], p.k[:, 0], p.v[:, 0], feature_map=factory)
     with pytest.raises(TypeError, match=match):
         oracle.linear_attention(p.q, p.k, p.v, feature_map=factory)
     with pytest.raises(TypeError, match=match):
@@ -667,17 +667,19 @@ def test_identity_map_near_zero_denominator_is_reproduced_not_hidden():
     """Signed features: D = phi(q).sum_j phi(k_j) can cancel. Exact cancellation gives 0 (no
     NaN); near cancellation the ratio grows like 1/D and float64 still determines it (finite
     bound), while float32's bound is infinite there (the ratio is not determined)."""
-    fm = attnref.identity_features()
+    fm = attnref.linear.identity_features()
     q = np.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # [T=2, H=1, d=2]
     for delta, expect_zero in ((0.0, True), (1e-9, False)):
         k = np.array([[[1.0, 0.5]], [[-1.0 + delta, 0.25]]])
         v = np.array([[[2.0]], [[1.0]]])
-        y = np.asarray(attnref.linear_associative(q, k, v, feature_map=fm))
+        y = np.asarray(attnref.linear.linear_associative(q, k, v, feature_map=fm))
         assert np.all(np.isfinite(y))
         if expect_zero:
             np.testing.assert_array_equal(y, 0.0)
             g = jax.grad(
-                lambda q, k=k, v=v: jnp.sum(attnref.linear_associative(q, k, v, feature_map=fm))
+                lambda q, k=k, v=v: jnp.sum(
+                    attnref.linear.linear_associative(q, k, v, feature_map=fm)
+                )
             )(q)
             assert np.all(np.isfinite(np.asarray(g)))
             continue
@@ -703,36 +705,36 @@ def test_bad_input_raises_clearly():
     p = make_kproblem(KBUCKETS[1], "elu_plus_one", False, False, 0.0, 0, np.float64)
     fm = p.fm
     with pytest.raises(ValueError, match=r"causal linear attention needs T_q == T_k"):
-        attnref.linear_quadratic(p.q[..., :3, :, :], p.k, p.v, feature_map=fm, causal=True)
+        attnref.linear.linear_quadratic(p.q[..., :3, :, :], p.k, p.v, feature_map=fm, causal=True)
     with pytest.raises(ValueError, match="linear_associative is non-causal"):
-        attnref.linear_associative(p.q, p.k, p.v, feature_map=fm, causal=True)
+        attnref.linear.linear_associative(p.q, p.k, p.v, feature_map=fm, causal=True)
     with pytest.raises(ValueError, match="linear_prefix_sum is a causal form"):
-        attnref.linear_prefix_sum(p.q, p.k, p.v, feature_map=fm, causal=False)
+        attnref.linear.linear_prefix_sum(p.q, p.k, p.v, feature_map=fm, causal=False)
     with pytest.raises(ValueError, match=r"key_mask has shape \(6,\)"):
-        attnref.linear_quadratic(p.q, p.k, p.v, feature_map=fm, key_mask=np.ones(6, bool))
+        attnref.linear.linear_quadratic(p.q, p.k, p.v, feature_map=fm, key_mask=np.ones(6, bool))
     with pytest.raises(ValueError, match=r"v has shape \(2, 5, 2, 3\)"):
-        attnref.linear_quadratic(p.q, p.k, p.v[:, :5], feature_map=fm)
+        attnref.linear.linear_quadratic(p.q, p.k, p.v[:, :5], feature_map=fm)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        attnref.linear_chunked(p.q, p.k, p.v, feature_map=fm, chunk_size=0)
+        attnref.linear.linear_chunked(p.q, p.k, p.v, feature_map=fm, chunk_size=0)
     with pytest.raises(ValueError, match="eps_policy must be one of"):
-        attnref.linear_quadratic(p.q, p.k, p.v, feature_map=fm, eps_policy="max")
+        attnref.linear.linear_quadratic(p.q, p.k, p.v, feature_map=fm, eps_policy="max")
     with pytest.raises(ValueError, match=r"favor_plus omega has shape \(8, 4\); inputs have d=3"):
-        attnref.linear_quadratic(
-            p.q[..., :3], p.k[..., :3], p.v, feature_map=attnref.favor_plus(0, 4, 8)
+        attnref.linear.linear_quadratic(
+            p.q[..., :3], p.k[..., :3], p.v, feature_map=attnref.linear.favor_plus(0, 4, 8)
         )
     with pytest.raises(TypeError, match=r"causal must be a Python bool.*static_argnames"):
-        jax.jit(attnref.linear_quadratic)(p.q, p.k, p.v, feature_map=fm, causal=True)
+        jax.jit(attnref.linear.linear_quadratic)(p.q, p.k, p.v, feature_map=fm, causal=True)
     with pytest.raises(ValueError, match="unknown feature map 'softmax'"):
-        attnref.FeatureMap("softmax")
+        attnref.linear.FeatureMap("softmax")
     with pytest.raises(TypeError, match="feature_map must be a FeatureMap"):
-        attnref.linear_quadratic(p.q, p.k, p.v, feature_map="elu_plus_one")
+        attnref.linear.linear_quadratic(p.q, p.k, p.v, feature_map="elu_plus_one")
     with pytest.raises(ValueError, match="role must be 'query' or 'key'"):
         fm(p.q, "value")
     with pytest.raises(ValueError, match="eps must be >= 0"):
-        attnref.linear_associative(p.q, p.k, p.v, feature_map=fm, eps=-1e-3)
-    state = attnref.linear_state_init((2,), 2, 4, 3, np.float64)
+        attnref.linear.linear_associative(p.q, p.k, p.v, feature_map=fm, eps=-1e-3)
+    state = attnref.linear.linear_state_init((2,), 2, 4, 3, np.float64)
     t0 = (p.q[:, 0], p.k[:, 0], p.v[:, 0])
     with pytest.raises(ValueError, match=r"k_t has shape \(2, 4\)"):
-        attnref.linear_step(state, t0[0], t0[1][:, 0], t0[2], feature_map=fm)
+        attnref.linear.linear_step(state, t0[0], t0[1][:, 0], t0[2], feature_map=fm)
     with pytest.raises(ValueError, match="the feature map gives 21 features; the state has 4"):
-        attnref.linear_step(state, *t0, feature_map=attnref.taylor2())
+        attnref.linear.linear_step(state, *t0, feature_map=attnref.linear.taylor2())

@@ -43,13 +43,13 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref import strategies as ast
 from attnref.oracle import _rope as rope_oracle
 
 from . import test_blockwise as tb
 from . import test_gradients as tg
 from . import test_rope as tr
-from .helpers import BUCKETS, Bucket, Problem, make_problem, scaled
-from .kernel_helpers import KBUCKETS, KProblem, make_kproblem
+from .helpers import scaled
 
 U64 = tolerance.unit_roundoff(np.float64)
 U32 = tolerance.unit_roundoff(np.float32)
@@ -142,17 +142,19 @@ def check_directional(
 class DeadRowProblem:
     """A weight-level problem with query ``row`` fully masked in batch elements ``dead``."""
 
-    p: Problem
+    p: ast.AttentionProblem
     row: int
     dead: tuple[int, ...]
     how: str  # "mask" or "neg_inf_bias"
 
 
 @st.composite
-def dead_row_problems(draw: st.DrawFn, bucket: Bucket, dtype: str = "float64") -> DeadRowProblem:
+def dead_row_problems(
+    draw: st.DrawFn, bucket: ast.Config, dtype: str = "float64"
+) -> DeadRowProblem:
     kind = draw(st.sampled_from(BASE_KINDS), label="base mask kind")
     seed = draw(SEEDS, label="data seed")
-    row = draw(st.integers(0, bucket.t_q - 1), label="fully masked query row")
+    row = draw(st.integers(0, bucket.t - 1), label="fully masked query row")
     n_batch = int(np.prod(bucket.batch))
     dead = tuple(
         sorted(
@@ -164,9 +166,9 @@ def dead_row_problems(draw: st.DrawFn, bucket: Bucket, dtype: str = "float64") -
     )
     how = draw(st.sampled_from(("mask", "neg_inf_bias")), label="masking mechanism")
     note(f"kind={kind} seed={seed} row={row} dead={dead} how={how}")
-    p = make_problem(bucket, kind, seed, dtype)
-    mask = p.mask.reshape(-1, bucket.t_q, bucket.t_k).copy()
-    bias = p.bias.reshape(-1, bucket.t_q, bucket.t_k).copy()
+    p = ast.make_attention_problem(bucket, kind, seed, dtype)
+    mask = p.mask.reshape(-1, bucket.t, bucket.s).copy()
+    bias = p.bias.reshape(-1, bucket.t, bucket.s).copy()
     for b in dead:
         if how == "mask":
             mask[b, row] = False
@@ -178,15 +180,15 @@ def dead_row_problems(draw: st.DrawFn, bucket: Bucket, dtype: str = "float64") -
 
 def _dead_cot(dp: DeadRowProblem, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """A drawn cotangent over every output, and one that is non-zero only on the dead rows."""
-    b = dp.p.bucket
-    cot = rng.standard_normal((*b.batch, b.t_q, b.d_model))
-    only = np.zeros_like(cot).reshape(-1, b.t_q, b.d_model)
+    b = dp.p.config
+    cot = rng.standard_normal((*b.batch, b.t, b.d_model))
+    only = np.zeros_like(cot).reshape(-1, b.t, b.d_model)
     for i in dp.dead:
-        only[i, dp.row] = cot.reshape(-1, b.t_q, b.d_model)[i, dp.row]
+        only[i, dp.row] = cot.reshape(-1, b.t, b.d_model)[i, dp.row]
     return cot, only.reshape(cot.shape)
 
 
-def _phi_softmax(p: Problem, cot: np.ndarray) -> Callable[[Tree], tuple[float, float]]:
+def _phi_softmax(p: ast.AttentionProblem, cot: np.ndarray) -> Callable[[Tree], tuple[float, float]]:
     def phi(z: Tree) -> tuple[float, float]:
         params, x_q, x_kv = z
         y = oracle.attention(params, x_q, x_kv, mask=p.mask, bias=p.bias)
@@ -218,17 +220,17 @@ def _assert_dead_rows_isolated(grads: Tree, dp: DeadRowProblem, only: np.ndarray
     assert np.all(np.abs(b_o - flat.sum(0)) <= tol), f"{label}: d/db_O != sum of the cotangent"
 
 
-GRAD_BUCKET = BUCKETS[1]  # the bucket whose gradients test_gradients compiles
+GRAD_BUCKET = ast.WEIGHT_BUCKETS[1]  # the bucket whose gradients test_gradients compiles
 # test_gradients' and test_rope's gradient functions, jitted once here (same compiled programs).
 SOFTMAX_GRADS = {fid: jax.jit(g) for fid, g in tg._GRAD.items()}
 ROPE_GRADS = {form: jax.jit(tr.GRAD[form, "interleaved"]) for form in tr.FORMS}
 
 
-def _n_b(b: Bucket) -> int:
-    return int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads
+def _n_b(b: ast.Config) -> int:
+    return int(np.prod(b.batch)) * b.t + b.s + b.d_model + b.d_k + b.d_v + b.n
 
 
-def _grad_args(p: Problem, dtype: Any, cot: np.ndarray) -> tuple[Any, ...]:
+def _grad_args(p: ast.AttentionProblem, dtype: Any, cot: np.ndarray) -> tuple[Any, ...]:
     return (
         p.params.astype(dtype),
         p.x_q.astype(dtype),
@@ -267,7 +269,9 @@ def test_softmax_forms_gradients_with_dead_row_match_oracle_differences(dp, dir_
         check_directional(phi, z, grads, tuple(d), _n_b(b), f"d/d{group}")
 
 
-def _rope_args(p: Problem, pq: np.ndarray, pk: np.ndarray, dtype: Any, cot: np.ndarray):
+def _rope_args(
+    p: ast.AttentionProblem, pq: np.ndarray, pk: np.ndarray, dtype: Any, cot: np.ndarray
+):
     return (
         p.params.astype(dtype),
         p.x_q.astype(dtype),
@@ -315,14 +319,7 @@ def test_rope_forms_gradients_with_dead_row_match_oracle_differences(dp, positio
         err = np.sum(np.abs(cot) * bound) + tolerance.gamma(cot.size, U64) * np.sum(np.abs(cot * y))
         return float(np.sum(cot * y)), float(err)
 
-    n_b = (
-        int(np.prod(b.batch)) * b.t_q * b.t_k
-        + b.t_k
-        + 2 * (b.d_model + 1)
-        + 2 * b.d_k
-        + b.d_v
-        + b.heads
-    )
+    n_b = int(np.prod(b.batch)) * b.t * b.s + b.s + 2 * (b.d_model + 1) + 2 * b.d_k + b.d_v + b.n
     z = (p.params, p.x_q, p.x_kv)
     zero = jax.tree_util.tree_map(np.zeros_like, z)
     for i, group in enumerate(("params", "x_q", "x_kv")):
@@ -335,14 +332,14 @@ def test_rope_forms_gradients_with_dead_row_match_oracle_differences(dp, positio
 
 # ----------------------------------------------------------------------------- kernel level
 
-KB = KBUCKETS[0]  # the bucket whose gradients test_blockwise compiles
+KB = ast.KERNEL_BUCKETS[0]  # the bucket whose gradients test_blockwise compiles
 POLICY_PROFILES = {prof.get("masked_rows", "zeros"): prof for prof in tb.GRAD_PROFILES}
-KERNEL_EXTRAS = ("bias", "seq_lengths", "segments")
+KERNEL_EXTRAS = ("bias", "padding", "segments")
 
 
 @dataclasses.dataclass
 class DeadKernelProblem:
-    p: KProblem
+    p: ast.KernelProblem
     static: tuple[tuple[str, Any], ...]
     arrays: dict[str, Any]
     bias: np.ndarray
@@ -362,13 +359,13 @@ def dead_kernel_problems(draw: st.DrawFn, policy: str) -> DeadKernelProblem:
     b = KB
     profile = POLICY_PROFILES[policy]
     extras = draw(st.sets(st.sampled_from(KERNEL_EXTRAS), max_size=2), label="array options")
-    extras = tuple(sorted({"mask", *extras}))
+    extras = tuple(sorted({"random", *extras}))
     seed = draw(SEEDS, label="data seed")
-    p = make_kproblem(b, profile, extras, seed, np.float64)
+    p = ast.make_kernel_problem(b, extras, seed, np.float64, static=profile, empty_rows=True)
     arrays, bias = tb._neutral_arrays(p)
     arrays = dict(arrays)
     how = draw(st.sampled_from(("mask", "kv_length_zero")), label="masking mechanism")
-    batch = draw(st.integers(0, b.b - 1), label="dead batch element")
+    batch = draw(st.integers(0, b.batch - 1), label="dead batch element")
     q_len = np.array(arrays["query_seq_lengths"])
     if how == "mask":
         mask = np.array(arrays["mask"])
@@ -397,7 +394,7 @@ def _allowed(static: dict[str, Any], arrays: dict[str, Any], bias: np.ndarray) -
     """The oracle's allowed set ``[B, N, T, S]`` for the static options and arrays."""
     kw = {k: v for k, v in static.items() if k not in ("softcap", "masked_rows")}
     b = KB
-    return oracle.kernel_allowed((b.b, b.n, b.t, b.s), bias=bias, **kw, **arrays)
+    return oracle.kernel_allowed((b.batch, b.n, b.t, b.s), bias=bias, **kw, **arrays)
 
 
 def _kernel_phi(dk: DeadKernelProblem, cot: np.ndarray, cot_lse: np.ndarray):
@@ -445,8 +442,8 @@ def _kernel_grads(which: str, dk: DeadKernelProblem, dtype: Any, cot, cot_lse) -
 def _check_kernel_policy(dk: DeadKernelProblem, dir_seed: int) -> None:
     p, b = dk.p, KB
     rng = np.random.default_rng(dir_seed)
-    cot = rng.standard_normal((b.b, b.t, b.n, b.h_v))
-    cot_lse = rng.standard_normal((b.b, b.t, b.n)) * ~dk.dead  # lse is -inf on dead rows
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v))
+    cot_lse = rng.standard_normal((b.batch, b.t, b.n)) * ~dk.dead  # lse is -inf on dead rows
     if dk.policy == "nan":
         cot = cot * ~dk.dead[..., None]  # the forward is NaN there: a cotangent of zero
     n_b = b.t * (b.n // b.k) + b.s + b.h + b.h_v + 2
@@ -477,12 +474,12 @@ def _check_dead_rows_alone(dk: DeadKernelProblem, dir_seed: int) -> None:
     from it (summed over the query heads of the group), and q, k and the bias get nothing."""
     b = KB
     rng = np.random.default_rng(dir_seed + 1)
-    cot = rng.standard_normal((b.b, b.t, b.n, b.h_v)) * dk.dead[..., None]
-    cot_lse = np.zeros((b.b, b.t, b.n))
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v)) * dk.dead[..., None]
+    cot_lse = np.zeros((b.batch, b.t, b.n))
     g_group = b.n // b.k
-    want_v = np.zeros((b.b, b.s, b.k, b.h_v))
+    want_v = np.zeros((b.batch, b.s, b.k, b.h_v))
     if dk.policy == "uniform":
-        per_kv = cot.reshape(b.b, b.t, b.k, g_group, b.h_v).sum(axis=(1, 3)) / b.s
+        per_kv = cot.reshape(b.batch, b.t, b.k, g_group, b.h_v).sum(axis=(1, 3)) / b.s
         want_v = np.broadcast_to(per_kv[:, None], want_v.shape)
     n_terms = b.t * g_group + 1  # the sum over dead (query, head) pairs, then the 1/S
     # (the flash backward is compiled in float32 only, as in test_blockwise)
@@ -493,7 +490,7 @@ def _check_dead_rows_alone(dk: DeadKernelProblem, dir_seed: int) -> None:
             assert np.all(g == 0.0), f"{label}: d(dead rows)/d{name} != 0"
         # cot is rounded to dtype first: u |cot| / S per term, then gamma_{n} of the sum.
         u = tolerance.unit_roundoff(dtype)
-        mag = np.abs(cot).reshape(b.b, b.t, b.k, g_group, b.h_v).sum(axis=(1, 3)) / b.s
+        mag = np.abs(cot).reshape(b.batch, b.t, b.k, g_group, b.h_v).sum(axis=(1, 3)) / b.s
         tol = (u + tolerance.gamma(n_terms + 2, u)) * mag[:, None]
         err = np.abs(gv - want_v)
         assert np.all(err <= tol), f"{label}: dv {err.max():.3e} > {tol.max():.3e}"

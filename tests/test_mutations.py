@@ -6,6 +6,8 @@ out of range read as plausible lengths."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnref
-from attnref._src import blockwise, common, kernel, standard
+from attnref import strategies as ast
 
 from . import test_extreme_logits as ext
 from . import test_nonfinite as nf
-from .helpers import Bucket, check_formulation, make_problem
+from .helpers import check_formulation
 from .test_bad_input import _assert_same_refusal
 from .test_kernel import (
     check_broadcast_patterns,
@@ -26,11 +28,19 @@ from .test_kernel import (
     check_unread_nonfinite_values,
 )
 
-SQUARE = Bucket((2,), 5, 5, 2, 8, 4, 4)  # H * d_v == d_model, so a transposed W_O type-checks
+# The modules that define the public functions: mutants are planted in their internals, reached
+# from the public names (no private import path to keep in step with the package layout).
+KERNEL = inspect.getmodule(attnref.dot_product_attention)
+BLOCKWISE = inspect.getmodule(attnref.blockwise_dot_product_attention)
+STANDARD = inspect.getmodule(attnref.concat_attention)
+COMMON = inspect.getmodule(STANDARD.Prepared)  # the shared row-form preparation
+
+# H * d_v == d_model, so a transposed W_O type-checks
+SQUARE = ast.Config(batch=(2,), t=5, s=5, n=2, k=2, h=4, h_v=4, d_model=8)
 
 
 def _problems(kind):
-    return [make_problem(SQUARE, kind, seed, np.float32) for seed in range(3)]
+    return [ast.make_attention_problem(SQUARE, kind, seed, np.float32) for seed in range(3)]
 
 
 def _caught(apply, kind="combined"):
@@ -42,13 +52,13 @@ def _caught(apply, kind="combined"):
 @pytest.mark.parametrize("fid", attnref.ids("softmax"))
 def test_wrong_scale_is_caught_in_every_formulation(fid, monkeypatch):
     """1/sqrt(d_model) instead of 1/sqrt(d_k) (the pattern form's classic slip)."""
-    original = common.scale_value
+    original = COMMON.scale_value
 
     def wrong(d_k, scale, dtype):
         return original(SQUARE.d_model, scale, dtype)
 
-    for module in ("standard", "merged", "column", "soft_search", "graph", "common", "kernel"):
-        mod = __import__(f"attnref._src.{module}", fromlist=["x"])
+    modules = {inspect.getmodule(f.apply) for f in attnref.formulations("softmax")}
+    for mod in modules | {COMMON, KERNEL}:  # wherever the scale is computed
         if hasattr(mod, "scale_value"):
             monkeypatch.setattr(mod, "scale_value", wrong)
     _caught(attnref.get(fid).apply)
@@ -83,7 +93,7 @@ def test_unmutated_code_passes_the_same_problems():
 
 def _blockwise(q, k, v, **kw):
     """Eager blockwise form (module globals are looked up per call, so patches apply)."""
-    return attnref.blockwise_attention(q, k, v, block_q=2, block_k=3, **kw)
+    return attnref.blockwise_dot_product_attention(q, k, v, block_q=2, block_k=3, **kw)
 
 
 def test_broadcast_mask_padded_as_data_is_caught(monkeypatch):
@@ -95,16 +105,16 @@ def test_broadcast_mask_padded_as_data_is_caught(monkeypatch):
         widths[axis] = (0, max(size - a.shape[axis], 0))
         return jnp.pad(a, widths, constant_values=value)
 
-    monkeypatch.setattr(blockwise, "_pad_axis", pad_every_axis)
+    monkeypatch.setattr(BLOCKWISE, "_pad_axis", pad_every_axis)
     with pytest.raises(AssertionError):
-        check_broadcast_patterns(_blockwise, [(1, 0, 0, 1)])
+        check_broadcast_patterns(_blockwise, ["B11S"])
 
 
 @pytest.mark.parametrize("form", ["dot_product_attention", "blockwise"])
 def test_nonfinite_leak_through_zero_times_nan_is_caught(form, monkeypatch):
     """Defect 3: contracting the raw operands (no finite parts, no poisoned rows) lets a value
     that only row 5 may read turn rows 0-4 and their gradients into NaN."""
-    for module in (kernel, blockwise):
+    for module in (KERNEL, BLOCKWISE):
         monkeypatch.setattr(module, "finite_part", lambda a: a)
         monkeypatch.setattr(module, "poison_rows", lambda dirty, values: values)
     fn = attnref.dot_product_attention if form == "dot_product_attention" else _blockwise
@@ -114,7 +124,7 @@ def test_nonfinite_leak_through_zero_times_nan_is_caught(form, monkeypatch):
 
 def test_out_of_range_traced_lengths_read_as_valid_is_caught(monkeypatch):
     """Defect 5 (kernel part): under jit, a length above T must not act as "all valid"."""
-    monkeypatch.setattr(kernel, "lengths_in_range", lambda spec, x: jnp.ones((spec.b,), bool))
+    monkeypatch.setattr(KERNEL, "lengths_in_range", lambda spec, x: jnp.ones((spec.b,), bool))
     fn = jax.jit(
         lambda q, k, v, **kw: attnref.dot_product_attention(q, k, v, **kw),
         static_argnames=("return_lse",),
@@ -146,11 +156,11 @@ def test_oracle_reading_a_float_mask_as_booleans_is_caught(monkeypatch):
 def test_weight_level_leak_is_caught(seed):
     """Defect 3 at the weight level: without the guard, ``x_kv`` rows a query may not read reach
     it through ``0 * NaN`` (eager concat, so the patch is traced)."""
-    p = make_problem(nf.BUCKET, "causal", seed, np.float64)
+    p = ast.make_attention_problem(nf.BUCKET, "causal", seed, np.float64)
     pz = nf.poison(p, p.mask & (p.bias != -np.inf), seed + 1, np.nan, False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
-            common.Prepared,
+            COMMON.Prepared,
             "guarded",
             lambda self, compute, residual=False, heads=False: compute(self),
         )
@@ -168,7 +178,7 @@ def test_softmax_without_max_subtraction_is_caught(monkeypatch):
             e = jnp.where(mask, e, 0.0)
         return e / jnp.sum(e, axis=axis, keepdims=True)
 
-    monkeypatch.setattr(standard, "masked_softmax", naive_softmax)
+    monkeypatch.setattr(STANDARD, "masked_softmax", naive_softmax)
     p = ext.make_extreme(ext.BUCKET, "none", 7, "float32", 1e3, "bias")
     with pytest.raises(AssertionError):
         ext.check_extreme_float32(p, {"concat": attnref.concat_attention})

@@ -6,7 +6,8 @@ lengths, segments) must not reach that query's output or gradients even when it 
 padding row reach every row and every parameter gradient.
 
 For every registered formulation of every family (softmax, RoPE, linear) and for the kernels
-(``dot_product_attention``, ``blockwise_attention``), a problem is drawn from the shared buckets,
+(``dot_product_attention``, ``blockwise_dot_product_attention``), a problem is drawn from the
+shared buckets,
 token rows (``x_kv``, ``k``, ``v``) at positions masked for at least one query are replaced by
 NaN, ``+inf`` or ``-inf``, and so are bias entries (at masked pairs, and sometimes one allowed
 pair) and the query rows of fully masked rows (and sometimes one other query row). The test
@@ -46,14 +47,15 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref import strategies as ast
 from attnref.testing import assert_within_bound
 
 from . import test_blockwise as tb
 from . import test_gradients as tg
-from .helpers import BUCKETS, Problem, make_problem, scaled
-from .kernel_helpers import KBUCKETS, KProblem, make_kproblem
+from .helpers import scaled
+from .kernel_helpers import expected
 
-BUCKET = BUCKETS[1]  # batch (2,), T_q 5 != T_k 7: the bucket test_gradients compiles
+BUCKET = ast.WEIGHT_BUCKETS[1]  # batch (2,), T_q 5 != T_k 7: the bucket test_gradients compiles
 POISONS = (np.nan, np.inf, -np.inf)
 KINDS = ("causal", "padding", "random", "combined", "fully_masked_row")
 SEEDS = st.integers(0, 2**31 - 1)
@@ -85,7 +87,7 @@ def dirty_rows(
 class Poisoned:
     """A clean problem and its poisoned inputs; ``dirty`` ``[..., T_q]`` from the spec."""
 
-    clean: Problem
+    clean: ast.AttentionProblem
     x_q: np.ndarray
     x_kv: np.ndarray
     bias: np.ndarray
@@ -94,11 +96,13 @@ class Poisoned:
     self_attention: bool
 
 
-def poison(p: Problem, allowed: np.ndarray, seed: int, value: float, bias_too: bool) -> Poisoned:
+def poison(
+    p: ast.AttentionProblem, allowed: np.ndarray, seed: int, value: float, bias_too: bool
+) -> Poisoned:
     """Poison ``x_kv`` rows masked for some query, bias entries at masked pairs (and sometimes one
     allowed pair), the query rows of fully masked rows (and sometimes one other query row)."""
     rng = np.random.default_rng(seed)
-    allowed = np.broadcast_to(allowed, (*p.bucket.batch, p.x_q.shape[-2], p.x_kv.shape[-2]))
+    allowed = np.broadcast_to(allowed, (*p.config.batch, p.x_q.shape[-2], p.x_kv.shape[-2]))
     self_attention = p.x_kv is p.x_q
     x_q = p.x_q.copy()
     x_kv = x_q if self_attention else p.x_kv.copy()
@@ -112,8 +116,8 @@ def poison(p: Problem, allowed: np.ndarray, seed: int, value: float, bias_too: b
     dead = ~allowed.any(-1)
     x_q[dead] = value  # a fully masked query reads nothing: still clean
     if rng.random() < 0.5:  # one more query row: dirty iff it has an allowed key
-        b = p.bucket
-        x_q.reshape(-1, b.t_q, b.d_model)[0, rng.integers(b.t_q)] = value  # a view: x_q copied
+        b = p.config
+        x_q.reshape(-1, b.t, b.d_model)[0, rng.integers(b.t)] = value  # a view: x_q copied
     if bias_too:
         bias_value = np.nan if np.isnan(value) else np.inf  # -inf in a bias is a mask
         bias[~allowed & (rng.random(allowed.shape) < 0.5)] = bias_value
@@ -127,13 +131,13 @@ def poison(p: Problem, allowed: np.ndarray, seed: int, value: float, bias_too: b
 
 def _cotangent(pz: Poisoned, seed: int) -> np.ndarray:
     """A drawn functional of the clean rows: random weights, zero on every dirty row."""
-    b = pz.clean.bucket
-    cot = np.random.default_rng(seed).standard_normal((*b.batch, b.t_q, b.d_model))
+    b = pz.clean.config
+    cot = np.random.default_rng(seed).standard_normal((*b.batch, b.t, b.d_model))
     return np.where(pz.dirty[..., None], 0.0, cot)
 
 
 def _n_b(b: Any) -> int:
-    return int(np.prod(b.batch)) * b.t_q + b.t_k + b.d_model + b.d_k + b.d_v + b.heads
+    return int(np.prod(b.batch)) * b.t + b.s + b.d_model + b.d_k + b.d_v + b.n
 
 
 def check_rows(y: Any, ref: np.ndarray, bound: np.ndarray, dirty: np.ndarray, label: str) -> None:
@@ -169,7 +173,7 @@ def poisoned_problems(draw: st.DrawFn, bias_too: bool = True) -> Poisoned:
     kind = draw(st.sampled_from(KINDS), label="mask kind")
     seed = draw(SEEDS, label="data seed")
     value = draw(st.sampled_from(POISONS), label="poison")
-    p = make_problem(BUCKET, kind, seed, np.float64)
+    p = ast.make_attention_problem(BUCKET, kind, seed, np.float64)
     allowed = p.mask & (p.bias != -np.inf)
     return poison(p, allowed, seed + 1, value, bias_too)
 
@@ -260,10 +264,10 @@ class WeightLevelTest(chex.TestCase):
 LINEAR_MAPS = ("elu_plus_one", "favor_plus")
 
 
-def _feature_map(name: str, d_k: int, seed: int) -> attnref.FeatureMap:
+def _feature_map(name: str, d_k: int, seed: int) -> attnref.linear.FeatureMap:
     if name == "favor_plus":
-        return attnref.favor_plus(seed, d_k, 2 * d_k)
-    return attnref.elu_plus_one()
+        return attnref.linear.favor_plus(seed, d_k, 2 * d_k)
+    return attnref.linear.elu_plus_one()
 
 
 def _linear_grad_fn(f: attnref.Formulation, causal: bool) -> Callable[..., Any]:
@@ -280,12 +284,14 @@ _LINEAR_GRAD = {
 
 
 @st.composite
-def linear_poisoned(draw: st.DrawFn) -> tuple[Poisoned, bool, attnref.FeatureMap, np.ndarray]:
+def linear_poisoned(
+    draw: st.DrawFn,
+) -> tuple[Poisoned, bool, attnref.linear.FeatureMap, np.ndarray]:
     causal = draw(st.booleans(), label="causal")
     seed = draw(SEEDS, label="data seed")
     value = draw(st.sampled_from(POISONS), label="poison")
     name = draw(st.sampled_from(LINEAR_MAPS), label="feature map")
-    p = make_problem(BUCKET, "none", seed, np.float64)
+    p = ast.make_attention_problem(BUCKET, "none", seed, np.float64)
     if causal:  # causal linear attention is self-attention (T_q == T_k)
         p = dataclasses.replace(p, x_kv=p.x_q)
     t_q, t_k = p.x_q.shape[-2], p.x_kv.shape[-2]
@@ -335,18 +341,18 @@ class LinearTest(chex.TestCase):
 # Static profiles of tests/test_blockwise.py's gradient function: (profile, array options).
 KERNEL_CASES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
     (dict(is_causal=True, masked_rows="uniform"), ()),  # causal
-    (dict(), ("seq_lengths",)),  # padding through key_value_seq_lengths
+    (dict(), ("padding",)),  # padding through key_value_seq_lengths
     (dict(), ("segments",)),  # packed sequences
     (dict(local_window_size=(1, 1), softcap=2.0, masked_rows="nan"), ("bias",)),  # a window
     (dict(), ("neg_inf_bias",)),  # -inf bias entries
-    (dict(), ("mask",)),  # a boolean mask broadcast over heads and query rows: [B, 1, 1, S]
+    (dict(), ("random",)),  # a boolean mask broadcast over heads and query rows: [B, 1, 1, S]
 )
 
 
-def _kernel_dirty(kp: KProblem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+def _kernel_dirty(kp: ast.KernelProblem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """``[B, T, N]``: rows reading a non-finite ``q``, ``k``, ``v`` or bias through an allowed
     pair; with ``masked_rows="uniform"`` a fully masked row reads (the mean of) every ``v``."""
-    b = kp.bucket
+    b = kp.config
     allowed = kp.allowed()  # [B, N, T, S]
     g = b.n // b.k
     bad_kv = np.repeat(_rows_bad(k) | _rows_bad(v), g, axis=2)  # [B, S, N]
@@ -369,18 +375,20 @@ def _kernel_dirty(kp: KProblem, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> 
 @st.composite
 def kernel_poisoned(
     draw: st.DrawFn,
-) -> tuple[KProblem, KProblem, np.ndarray, np.ndarray]:
+) -> tuple[ast.KernelProblem, ast.KernelProblem, np.ndarray, np.ndarray]:
     case = draw(st.sampled_from(range(len(KERNEL_CASES))), label="kernel case")
     profile, extras = KERNEL_CASES[case]
     seed = draw(SEEDS, label="data seed")
     value = draw(st.sampled_from(POISONS), label="poison")
-    bucket = KBUCKETS[0]
-    pattern = (1, 0, 0, 1) if "mask" in extras else (1, 1, 1, 1)
-    kp = make_kproblem(bucket, profile, extras, seed, np.float64, mask_pattern=pattern)
+    bucket = ast.KERNEL_BUCKETS[0]
+    pattern = "B11S" if "random" in extras else "BNTS"
+    kp = ast.make_kernel_problem(
+        bucket, extras, seed, np.float64, static=profile, mask_shape=pattern, empty_rows=True
+    )
     rng = np.random.default_rng(seed + 1)
     allowed = kp.allowed()  # [B, N, T, S]
     g = bucket.n // bucket.k
-    grouped = allowed.reshape(bucket.b, bucket.k, g, bucket.t, bucket.s)
+    grouped = allowed.reshape(bucket.batch, bucket.k, g, bucket.t, bucket.s)
     masked_for_some = np.swapaxes(~grouped.all(axis=(2, 3)), 1, 2)  # [B, S, K]
     k, v = kp.k.copy(), kp.v.copy()
     for arr in (k, v):
@@ -397,7 +405,7 @@ def kernel_poisoned(
         masked = ~structural.any(axis=axes, keepdims=True)
         bias[masked & (rng.random(bias.shape) < 0.5)] = np.nan
         kw["bias"] = bias
-    poisoned = dataclasses.replace(kp, k=k, v=v, kwargs=kw)
+    poisoned = kp.replace(k=k, v=v, options={n: kw[n] for n in kp.options})
     dirty = _kernel_dirty(poisoned, poisoned.q, k, v)
     # A row that reads a non-finite v (or any NaN) is non-finite; one that reads only an infinite
     # k can legitimately be finite (a logit of -inf is a weight of 0 on a finite value).
@@ -407,14 +415,17 @@ def kernel_poisoned(
 
 
 def _kernel_run(
-    which: str, kp: KProblem, cot: np.ndarray, cot_lse: np.ndarray
+    which: str, kp: ast.KernelProblem, cot: np.ndarray, cot_lse: np.ndarray
 ) -> tuple[Any, list[np.ndarray]]:
     arrays, _ = tb._neutral_arrays(kp)  # its bias replaces non-finite biases: not here
-    b = kp.bucket
+    b = kp.config
     bias = kp.kwargs.get("bias", np.zeros((1, b.n, b.t, b.s)))
-    bias = np.broadcast_to(bias, (b.b, b.n, b.t, b.s)).astype(np.float64)
+    bias = np.broadcast_to(bias, (b.batch, b.n, b.t, b.s)).astype(np.float64)
     static = tuple(sorted(kp.static.items()))
-    fn = {"naive": attnref.dot_product_attention, "blockwise": attnref.blockwise_attention}[which]
+    fn = {
+        "naive": attnref.dot_product_attention,
+        "blockwise": attnref.blockwise_dot_product_attention,
+    }[which]
     out = jax.jit(functools.partial(fn, **dict(static)))(kp.q, kp.k, kp.v, bias, **arrays)
     return out, tb._grads(which, static, kp, np.float64, bias, arrays, cot, cot_lse)
 
@@ -422,21 +433,22 @@ def _kernel_run(
 @scaled(0.375)
 @given(case=kernel_poisoned(), cot_seed=SEEDS)
 def test_kernels_ignore_what_a_query_cannot_read(case, cot_seed):
-    """``dot_product_attention`` and ``blockwise_attention`` with NaN / ``+-inf`` in ``k`` and
+    """``dot_product_attention`` and ``blockwise_dot_product_attention`` with NaN / ``+-inf`` in
+    ``k`` and
     ``v`` rows masked for some query (causal, padding lengths, segments, a local window, ``-inf``
     bias, a ``[B, 1, 1, S]`` mask) and NaN bias entries at masked pairs: clean rows equal the
     oracle on the clean problem, dirty rows are non-finite, gradients w.r.t. ``q``, ``k``, ``v``
     and the bias equal the clean problem's."""
     kp, poisoned, dirty, nonfinite = case
-    b = kp.bucket
-    ref, _, bound, _ = kp.expected()
+    b = kp.config
+    ref, _, bound, _ = expected(kp)
     rng = np.random.default_rng(cot_seed)
-    cot = np.where(dirty[..., None], 0.0, rng.standard_normal((b.b, b.t, b.n, b.h_v)))
-    cot_lse = np.zeros((b.b, b.t, b.n))
+    cot = np.where(dirty[..., None], 0.0, rng.standard_normal((b.batch, b.t, b.n, b.h_v)))
+    cot_lse = np.zeros((b.batch, b.t, b.n))
     keep = ~dirty
     if kp.kwargs.get("masked_rows") == "nan":  # fully masked rows are NaN by policy
         keep &= np.swapaxes(kp.allowed().any(-1), 1, 2)
-    n_b = b.b * b.t + b.s + b.h + b.h_v + b.n
+    n_b = b.batch * b.t + b.s + b.h + b.h_v + b.n
     for which in ("naive", "blockwise"):
         out, g = _kernel_run(which, poisoned, cot, cot_lse)
         _, g_clean = _kernel_run(which, kp, cot, cot_lse)
@@ -452,7 +464,7 @@ def test_kernels_ignore_what_a_query_cannot_read(case, cot_seed):
 def test_residual_row_with_a_nonfinite_query_reads_it():
     """A fully masked query row with a NaN token: its output is ``b_O`` (finite) without the
     residual stream and NaN with it (``x_q + y`` reads ``x_q``); the other rows are unaffected."""
-    p = make_problem(BUCKET, "causal", seed=5, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKET, "causal", seed=5, dtype=np.float64)
     mask = p.mask.copy()
     mask[0, 2] = False
     x_q = p.x_q.copy()

@@ -81,8 +81,8 @@ def test_flax_round_trip_and_semantics(shape, bias, seed):
     p = attnref.init_params(
         seed, d_model=d_model, num_heads=h, d_k=d_k, d_v=d_v, bias=bias, dtype=np.float64
     )
-    tree = attnref.to_flax(p)
-    _assert_same_params(attnref.from_flax(tree), p)
+    tree = attnref.interop.to_flax(p)
+    _assert_same_params(attnref.interop.from_flax(tree), p)
     if d_k == d_v:  # Flax's module uses one head_dim for q, k and v
         x = np.random.default_rng(seed).standard_normal((4, d_model))
         bound = tolerance.attention_error_bound(p, x, dtype=np.float64)
@@ -98,11 +98,11 @@ def test_torch_mha_round_trip_and_semantics(shape, bias, seed):
     )
     if not (d_k == d_v and h * d_k == d_model):
         with pytest.raises(ValueError):
-            attnref.to_torch_mha(p)
+            attnref.interop.to_torch_mha(p)
         return
-    sd = attnref.to_torch_mha(p)
+    sd = attnref.interop.to_torch_mha(p)
     assert sd["in_proj_weight"].shape == (3 * d_model, d_model)
-    _assert_same_params(attnref.from_torch_mha(sd, num_heads=h), p)
+    _assert_same_params(attnref.interop.from_torch_mha(sd, num_heads=h), p)
     x = np.random.default_rng(seed).standard_normal((4, d_model))
     bound = tolerance.attention_error_bound(p, x, dtype=np.float64)
     assert_within_bound(torch_forward(sd, x, h), oracle.attention(p, x), 2 * bound)
@@ -116,10 +116,10 @@ def test_hf_bert_round_trip_and_semantics(shape, bias, seed):
         seed, d_model=d_model, num_heads=h, d_k=d_k, d_v=d_v, bias=bias, dtype=np.float64
     )
     prefix = "encoder.layer.0.attention."
-    sd = attnref.to_hf_bert(p, prefix=prefix)
+    sd = attnref.interop.to_hf_bert(p, prefix=prefix)
     assert sd[prefix + "self.query.weight"].shape == (h * d_k, d_model)
     assert sd[prefix + "output.dense.weight"].shape == (d_model, h * d_v)
-    _assert_same_params(attnref.from_hf_bert(sd, num_heads=h, prefix=prefix), p)
+    _assert_same_params(attnref.interop.from_hf_bert(sd, num_heads=h, prefix=prefix), p)
     x = np.random.default_rng(seed).standard_normal((4, d_model))
     bound = tolerance.attention_error_bound(p, x, dtype=np.float64)
     assert_within_bound(hf_forward(sd, x, h, prefix), oracle.attention(p, x), 2 * bound)
@@ -129,7 +129,7 @@ def test_partial_biases_export_as_zeros():
     """Layouts with all-or-no biases write explicit zeros; the function is unchanged."""
     p = attnref.init_params(1, d_model=8, num_heads=2, d_k=4, bias=True, dtype=np.float64)
     partial = attnref.AttentionParams(p.w_q, p.w_k, p.w_v, p.w_o, b_q=p.b_q)
-    back = attnref.from_torch_mha(attnref.to_torch_mha(partial), num_heads=2)
+    back = attnref.interop.from_torch_mha(attnref.interop.to_torch_mha(partial), num_heads=2)
     np.testing.assert_array_equal(back.b_q, p.b_q)
     for name in ("b_k", "b_v", "b_o"):
         np.testing.assert_array_equal(getattr(back, name), 0.0)
@@ -141,9 +141,9 @@ def test_merged_matrices(shape, seed):
     """W_P = W_Q W_K^T, W_M = W_V W_O per head (explicit loops); W_A = W_P^T, W_I = W_M^T."""
     d_model, h, d_k, d_v = shape
     p = attnref.init_params(seed, d_model=d_model, num_heads=h, d_k=d_k, d_v=d_v, dtype=np.float64)
-    wp, wm = np.asarray(attnref.w_p(p)), np.asarray(attnref.w_m(p))
+    wp, wm = np.asarray(attnref.interp.w_p(p)), np.asarray(attnref.interp.w_m(p))
     assert wp.shape == wm.shape == (h, d_model, d_model)
-    wa, wi = np.asarray(attnref.w_a(p)), np.asarray(attnref.w_i(p))
+    wa, wi = np.asarray(attnref.interp.w_a(p)), np.asarray(attnref.interp.w_i(p))
     for i in range(h):
         # |fl(A B) - A B| <= gamma_n |A||B| for each of the two computations being compared.
         tol_p = 2 * tolerance.gamma(d_k, 2.0**-53) * np.abs(p.w_q[i]) @ np.abs(p.w_k[i]).T

@@ -19,7 +19,8 @@ from hypothesis import given
 
 import attnref
 from attnref import oracle, tolerance
-from attnref._src.probes import (
+from attnref import strategies as ast
+from attnref.interp import (
     AttentionProbes,
     attention_logits,
     attention_probes,
@@ -27,9 +28,10 @@ from attnref._src.probes import (
 )
 from attnref.testing import assert_within_bound
 
-from .helpers import BUCKETS, make_problem, problems, scaled
+from .helpers import problems, scaled
 
-KINDS = ("none", "causal", "padding", "random", "bias", "combined", "fully_masked_row")
+BUCKETS = ast.WEIGHT_BUCKETS
+KINDS = ast.WEIGHT_KINDS
 
 
 def _hom(x):
@@ -68,7 +70,7 @@ def check_probes(fn, problem):
     pr = fn(*args, **p.inputs())
     assert isinstance(pr, AttentionProbes)
     u = tolerance.unit_roundoff(p.dtype) + tolerance.unit_roundoff(np.float64)
-    mha = attnref.repeat_kv_heads(p.params.astype(np.float64))
+    mha = attnref.interop.repeat_kv_heads(p.params.astype(np.float64))
     xq, xkv = np.asarray(p.x_q, np.float64), np.asarray(p.x_kv, np.float64)
     d_model, d_k, d_v = mha.d_model, mha.d_k, mha.d_v
 
@@ -129,13 +131,13 @@ def check_probes(fn, problem):
 class ProbesTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @scaled(0.5)
-    @given(problem=problems(kinds=KINDS, with_bias=None))
+    @given(problem=problems(kinds=KINDS, param_bias=None))
     def test_probes_match_the_oracle(self, problem):
         check_probes(self.variant(attention_probes), problem)
 
 
 def test_logits_and_residual_update_functions():
-    p = make_problem(BUCKETS[1], "combined", seed=4, dtype=np.float64)
+    p = ast.make_attention_problem(BUCKETS[1], "combined", seed=4, dtype=np.float64)
     pr = attention_probes(p.params, p.x_q, p.x_kv, **p.inputs())
     np.testing.assert_array_equal(
         np.asarray(attention_logits(p.params, p.x_q, p.x_kv, **p.inputs())), np.asarray(pr.logits)
@@ -153,13 +155,13 @@ def test_logits_and_residual_update_functions():
 
 
 def test_probes_are_a_pytree_and_jit():
-    p = make_problem(BUCKETS[2], "causal", seed=9, dtype=np.float32)
+    p = ast.make_attention_problem(BUCKETS[2], "causal", seed=9, dtype=np.float32)
     pr = jax.jit(attention_probes)(p.params, p.x_q, p.x_kv, mask=p.mask)
     leaves = jax.tree_util.tree_leaves(pr)
     assert len(leaves) == len(dataclasses.fields(AttentionProbes))
-    b = p.bucket
-    assert pr.scores.shape == (*b.batch, b.heads, b.t_q, b.t_k)
-    assert pr.patterns.shape == (*b.batch, b.heads, b.t_q, b.d_model)
-    assert pr.messages.shape == (*b.batch, b.heads, b.t_k, b.d_model)
-    assert pr.head_outputs.shape == (*b.batch, b.heads, b.t_q, b.d_model)
+    b = p.config
+    assert pr.scores.shape == (*b.batch, b.n, b.t, b.s)
+    assert pr.patterns.shape == (*b.batch, b.n, b.t, b.d_model)
+    assert pr.messages.shape == (*b.batch, b.n, b.s, b.d_model)
+    assert pr.head_outputs.shape == (*b.batch, b.n, b.t, b.d_model)
     assert all(leaf.dtype == np.float32 for leaf in leaves)

@@ -1,4 +1,4 @@
-"""Spectra from the factors and fuse-and-refactor (``attnref._src.refactor``).
+"""Spectra from the factors and fuse-and-refactor (:mod:`attnref.interp`).
 
 Properties (Hypothesis, bucketed shapes; jit and no-jit via chex variants):
 
@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
-from attnref._src.refactor import (
+from attnref import strategies as ast
+from attnref.interp import (
     effective_rank,
     factored_svd,
     message_svd,
@@ -48,15 +49,15 @@ from attnref._src.refactor import (
 )
 from attnref.testing import assert_within_bound
 
-from .helpers import Bucket, make_problem, scaled
+from .helpers import scaled
 
 # (bucket, num_kv_heads): MHA with d_k != d_v; batch dims and T_q != T_k; grouped-query; and
 # d_k, d_v > d_model (the merged matrices' rank is then d_model, not d_k).
 CASES = (
-    (Bucket((), 4, 4, 2, 8, 4, 3), 2),
-    (Bucket((2,), 5, 7, 3, 6, 2, 5), 3),
-    (Bucket((2,), 4, 4, 4, 8, 3, 3), 2),
-    (Bucket((), 3, 5, 2, 4, 6, 5), 2),
+    (ast.Config(batch=(), t=4, s=4, n=2, k=2, h=4, h_v=3, d_model=8), 2),
+    (ast.Config(batch=(2,), t=5, s=7, n=3, k=3, h=2, h_v=5, d_model=6), 3),
+    (ast.Config(batch=(2,), t=4, s=4, n=4, k=4, h=3, h_v=3, d_model=8), 2),
+    (ast.Config(batch=(), t=3, s=5, n=2, k=2, h=6, h_v=5, d_model=4), 2),
 )
 KINDS = ("none", "causal", "padding", "random", "bias", "combined")
 SOFTMAX_IDS = attnref.ids("softmax")
@@ -71,18 +72,20 @@ class Case:
     mask: np.ndarray
     bias: np.ndarray
     dtype: np.dtype
-    bucket: Bucket
+    bucket: ast.Config
 
     def inputs(self):
         return dict(mask=self.mask, bias=self.bias.astype(self.dtype))
 
 
 def make_case(bucket, kv, kind, seed, dtype, with_bias=True, fully_masked=False):
-    p = make_problem(bucket, "fully_masked_row" if fully_masked else kind, seed, np.float64)
+    p = ast.make_attention_problem(
+        bucket, "fully_masked_row" if fully_masked else kind, seed, np.float64
+    )
     params = attnref.init_params(
         seed,
         d_model=bucket.d_model,
-        num_heads=bucket.heads,
+        num_heads=bucket.n,
         d_k=bucket.d_k,
         d_v=bucket.d_v,
         bias=with_bias,
@@ -192,7 +195,7 @@ def test_fold_changes_fully_masked_rows_by_the_folded_constant():
     new = refactor(c.params, *full_ranks(c.params), dtype=np.float64).params
     y_old = oracle.attention(c.params, c.x_q, c.x_kv, mask=mask)
     y_new = oracle.attention(new, c.x_q, c.x_kv, mask=mask)
-    mha = attnref.repeat_kv_heads(c.params)
+    mha = attnref.interop.repeat_kv_heads(c.params)
     shift = np.einsum("hv,hvd->d", mha.b_v, mha.w_o)
     row = y_old[..., 1, :]
     np.testing.assert_array_equal(row, np.broadcast_to(c.params.b_o, row.shape))
@@ -210,7 +213,7 @@ def test_fold_changes_fully_masked_rows_by_the_folded_constant():
 def merged_qk(params):
     """``W~_P = [W_Q; b_Q] W_K^T`` per query head, float64 NumPy ``[H, d_model + 1, d_model]``
     (zero last row without ``b_Q``)."""
-    m = attnref.repeat_kv_heads(params.astype(np.float64))
+    m = attnref.interop.repeat_kv_heads(params.astype(np.float64))
     b_q = np.zeros((m.num_heads, m.d_k)) if m.b_q is None else m.b_q
     wq = np.concatenate([m.w_q, b_q[:, None, :]], axis=1)
     return np.einsum("hmd,hnd->hmn", wq, m.w_k), wq, np.asarray(m.w_k)
@@ -218,7 +221,7 @@ def merged_qk(params):
 
 def merged_vo(params):
     """``W~_M = [W_V; b_V] W_O`` per query head ``[H, d_model + 1, d_model]``."""
-    m = attnref.repeat_kv_heads(params.astype(np.float64))
+    m = attnref.interop.repeat_kv_heads(params.astype(np.float64))
     b_v = np.zeros((m.num_heads, m.d_v)) if m.b_v is None else m.b_v
     wv = np.concatenate([m.w_v, b_v[:, None, :]], axis=1)
     return np.einsum("hmd,hdn->hmn", wv, m.w_o), wv, np.swapaxes(m.w_o, -1, -2)
@@ -444,7 +447,7 @@ def test_parameter_counts(bucket_kv, bias, frac, value_bias, sides):
     p = attnref.init_params(
         0,
         d_model=bucket.d_model,
-        num_heads=bucket.heads,
+        num_heads=bucket.n,
         d_k=bucket.d_k,
         d_v=bucket.d_v,
         bias=bias,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +16,8 @@ import pytest
 
 import attnref
 from attnref import cli, oracle, tolerance
+from attnref import strategies as ast
 from attnref.testing import assert_within_bound
-
-from .helpers import BUCKETS, make_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,31 +28,57 @@ def test_every_entry_is_complete():
         assert re.fullmatch(r"[a-z_]+", f.id) and f.id not in seen
         seen.add(f.id)
         assert f.title and f.citation and f.summary and f.convention and "O(" in f.cost
-        kernel = {"softmax": ("softmax", "sigma"), "linear": ("phi",), "rope": ("R(",)}[f.family]
-        assert "\\" in f.equation and any(word in f.equation for word in kernel), f.id
+        assert "\\" in f.equation, f.id
+        assert any(word in f.equation for word in f.family.equation_symbols), f.id
         assert callable(f.apply) and callable(f.native)
+        assert f.apply.__name__ == f"{f.id}_attention", f.id  # the multi-head row form's name
         assert f.apply.__doc__ and f.native.__doc__
         assert f.causal_modes and set(f.causal_modes) <= {False, True}
         assert f.cost_model is not None and f.cost_model.__name__ == f"{f.id}_cost"
     assert len(attnref.ids("softmax")) >= 7 and len(attnref.ids("linear")) >= 6
 
 
+def test_a_family_is_an_object_equal_to_its_name():
+    """Each entry's family carries its oracle and bound; filters take the object or its name."""
+    fams = list(dict.fromkeys(f.family for f in attnref.formulations()))
+    assert [fam.name for fam in fams] == ["softmax", "linear", "rope"]
+    for fam in fams:
+        assert isinstance(fam, attnref.Family)
+        assert fam == fam.name and hash(fam) == hash(fam.name) and fam != "no such family"
+        assert attnref.formulations(fam) == attnref.formulations(fam.name)
+        assert fam.oracle.__module__.startswith("attnref.oracle.")
+        assert fam.bound.__module__.startswith("attnref.tolerance.")
+        assert fam.signature.startswith("apply(params, x_q, x_kv=None, *,")
+        assert fam.note and fam.equation_symbols and "residual" in fam.static_argnames
+    assert sum(len(attnref.ids(fam)) for fam in fams) == len(attnref.ids())
+
+
+def test_registry_order_does_not_depend_on_import_order():
+    """Entries are listed in the registry's module order, whichever module was imported first."""
+    code = "import attnref.rope, attnref.linear, attnref; print(','.join(attnref.ids()))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip().split(",") == list(attnref.ids())
+
+
 def test_helpers_match_the_oracle():
-    """The helpers of ``attnref._src.catalog.HELPERS`` that no other test checks against the
-    oracle: ``decode_multihead`` on a causal problem, ``sum_i head_outputs_i + b_O`` (both with
+    """The helpers of ``attnref._src.docs.HELPERS`` that no other test checks against the
+    oracle: ``decode_attention`` on a causal problem, ``sum_i head_outputs_i + b_O`` (both with
     the derived output bound, which holds for any order of the sums over keys and heads), and
     ``attention_weights`` equal to the probes' scores (``tests/test_probes.py`` checks those)."""
-    p = make_problem(BUCKETS[2], "combined", seed=7, dtype=np.float32)  # causal & padding & bias
+    bucket = ast.WEIGHT_BUCKETS[2]
+    p = ast.make_attention_problem(bucket, "combined", 7, np.float32)  # causal & padding & bias
     args, inputs = (p.params, p.x_q, p.x_kv), p.inputs()
     ref = oracle.attention(*args, **inputs)
     bound = tolerance.attention_error_bound(*args, dtype=p.dtype, **inputs)
-    assert_within_bound(attnref.decode_multihead(*args, **inputs), ref, bound, label="decode")
+    assert_within_bound(
+        attnref.decode.decode_attention(*args, **inputs), ref, bound, label="decode"
+    )
     heads = np.asarray(attnref.head_outputs(*args, **inputs), np.float64)
     y = heads.sum(axis=-3) + np.asarray(p.params.b_o, np.float64)
     assert_within_bound(y, ref, bound, label="head_outputs")
     np.testing.assert_array_equal(
         np.asarray(attnref.attention_weights(*args, **inputs)),
-        np.asarray(attnref.attention_probes(*args, **inputs).scores),
+        np.asarray(attnref.interp.attention_probes(*args, **inputs).scores),
     )
 
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle
-from attnref._src import rope as R
+from attnref import rope as R
+from attnref import strategies as ast
 from attnref.oracle import _rope as rope_oracle
 from attnref.testing import assert_comparative, assert_within_bound
 from attnref.tolerance import (
@@ -36,7 +37,7 @@ from attnref.tolerance import (
     unit_roundoff,
 )
 
-from .helpers import MASK_KINDS, Bucket, Problem, make_problem, scaled
+from .helpers import scaled
 
 BASE = 10000.0
 U64 = unit_roundoff(np.float64)
@@ -44,8 +45,10 @@ CONVENTIONS = R.CONVENTIONS
 SEEDS = st.integers(0, 2**31 - 1)
 
 ROPE_BUCKETS = (
-    Bucket((), 5, 5, 2, 8, 6, 3),  # no batch dims, three rotation planes
-    Bucket((2,), 4, 6, 2, 6, 4, 5),  # batch dims, cross-attention T_q != T_k, d_v > d_k
+    # no batch dims, three rotation planes
+    ast.Config(batch=(), t=5, s=5, n=2, k=2, h=6, h_v=3, d_model=8),
+    # batch dims, cross-attention T_q != T_k, d_v > d_k
+    ast.Config(batch=(2,), t=4, s=6, n=2, k=2, h=4, h_v=5, d_model=6),
 )
 JIT_BUCKET = ROPE_BUCKETS[1]
 POSITION_KINDS = ("arange", "decode", "random", "equal")
@@ -56,7 +59,7 @@ POSITION_KINDS = ("arange", "decode", "random", "equal")
 
 @dataclasses.dataclass
 class RopeProblem:
-    p: Problem
+    p: ast.AttentionProblem
     pos_q: np.ndarray
     pos_k: np.ndarray
     convention: str
@@ -84,24 +87,24 @@ class RopeProblem:
         )
 
 
-def make_positions(bucket: Bucket, kind: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def make_positions(bucket: ast.Config, kind: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Integer positions of full shape ``[*batch, T]`` (int32, so one compile serves all)."""
     rng = np.random.default_rng(seed)
     b = bucket
     if kind == "arange":
-        pq, pk = np.arange(b.t_q), np.arange(b.t_k)
+        pq, pk = np.arange(b.t), np.arange(b.s)
     elif kind == "decode":  # queries are the last tokens of a long context
         c = int(rng.integers(0, 2000))
-        pk = c + np.arange(b.t_k)
-        pq = c + b.t_k - b.t_q + np.arange(b.t_q)
+        pk = c + np.arange(b.s)
+        pq = c + b.s - b.t + np.arange(b.t)
     elif kind == "random":
-        pq = rng.integers(-64, 512, (*b.batch, b.t_q))
-        pk = rng.integers(-64, 512, (*b.batch, b.t_k))
+        pq = rng.integers(-64, 512, (*b.batch, b.t))
+        pk = rng.integers(-64, 512, (*b.batch, b.s))
     else:  # "equal"
         c = int(rng.integers(0, 1000))
-        pq, pk = np.full(b.t_q, c), np.full(b.t_k, c)
-    pq = np.broadcast_to(pq, (*b.batch, b.t_q)).astype(np.int32)
-    pk = np.broadcast_to(pk, (*b.batch, b.t_k)).astype(np.int32)
+        pq, pk = np.full(b.t, c), np.full(b.s, c)
+    pq = np.broadcast_to(pq, (*b.batch, b.t)).astype(np.int32)
+    pk = np.broadcast_to(pk, (*b.batch, b.s)).astype(np.int32)
     return pq, pk
 
 
@@ -109,7 +112,7 @@ def make_positions(bucket: Bucket, kind: str, seed: int) -> tuple[np.ndarray, np
 def rope_problems(
     draw,
     dtypes=("float32", "float64"),
-    kinds=MASK_KINDS,
+    kinds=ast.WEIGHT_KINDS,
     buckets=(JIT_BUCKET,),
     position_kinds=POSITION_KINDS,
     conventions=CONVENTIONS,
@@ -125,7 +128,7 @@ def rope_problems(
     pkind = draw(st.sampled_from(position_kinds), label="position kind")
     seed = draw(SEEDS, label="data seed")
     note(f"{bucket} kind={kind} {dtype} biases={with_bias} {convention} {pkind} seed={seed}")
-    p = make_problem(bucket, kind, seed, dtype, with_bias=with_bias)
+    p = ast.make_attention_problem(bucket, kind, seed, dtype, param_bias=with_bias)
     pq, pk = make_positions(bucket, pkind, seed)
     return RopeProblem(p, pq, pk, convention)
 
@@ -306,7 +309,9 @@ class RopeRegistryTest(chex.TestCase):
     def _check(self, rp: RopeProblem, seed: int) -> None:
         p = rp.p
         with_bias = p.params.b_q is not None
-        masked = make_problem(p.bucket, "fully_masked_row", seed, p.dtype, with_bias=with_bias)
+        masked = ast.make_attention_problem(
+            p.config, "fully_masked_row", seed, p.dtype, param_bias=with_bias
+        )
         assert ROPE_ENTRIES, "no formulation is registered in the 'rope' family"
         for problem in (rp, dataclasses.replace(rp, p=masked)):
             ref, bound = problem.oracle(), problem.bound()
@@ -388,7 +393,7 @@ def test_logits_three_ways(seed, dtype, convention):
     (no biases, no scale: ``|ds| <= (gamma_{N_s} + e(m) + e(n)) QJ . KJ``; the inputs ``q, k``
     are ``x W`` rounded once to the dtype, within the projection allowance of ``N_s``)."""
     b = JIT_BUCKET
-    p = make_problem(b, "none", seed, dtype, with_bias=False)
+    p = ast.make_attention_problem(b, "none", seed, dtype, param_bias=False)
     pq, pk = make_positions(b, "random", seed)
     w = p.params
     q = np.einsum("...td,hde->...the", p.x_q, w.w_q).astype(dtype)
@@ -503,7 +508,7 @@ class RopeGradientTest(chex.TestCase):
         ``R`` and ``W~_K``: ``N_b = prod(batch) T_q T_k + T_k + 2 (d_model + 1) + 2 d_k + d_v + H``.
         """
         p, b = rp.p, JIT_BUCKET
-        cot = np.random.default_rng(0).standard_normal((*b.batch, b.t_q, b.d_model))
+        cot = np.random.default_rng(0).standard_normal((*b.batch, b.t, b.d_model))
 
         def grads(form, dtype):
             g = self.variant(GRAD[form, rp.convention])(
@@ -521,12 +526,7 @@ class RopeGradientTest(chex.TestCase):
         g64 = {f: grads(f, np.float64) for f in FORMS}
         g32 = {f: grads(f, np.float32) for f in FORMS}
         n_b = (
-            int(np.prod(b.batch)) * b.t_q * b.t_k
-            + b.t_k
-            + 2 * (b.d_model + 1)
-            + 2 * b.d_k
-            + b.d_v
-            + b.heads
+            int(np.prod(b.batch)) * b.t * b.s + b.s + 2 * (b.d_model + 1) + 2 * b.d_k + b.d_v + b.n
         )
         scale = max(float(np.abs(g).max()) for g in g64["rope"].values())
         ratio = unit_roundoff(np.float64) / unit_roundoff(np.float32)
@@ -551,8 +551,8 @@ class RopeGradientTest(chex.TestCase):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_check_grads_float64(form):
     """Finite differences vs autodiff (forward and reverse, first order) on a tiny case."""
-    b = Bucket((), 3, 4, 1, 4, 4, 2)
-    p = make_problem(b, "combined", seed=7, dtype=np.float64)
+    b = ast.Config(batch=(), t=3, s=4, n=1, k=1, h=4, h_v=2, d_model=4)
+    p = ast.make_attention_problem(b, "combined", seed=7, dtype=np.float64)
     pq, pk = make_positions(b, "random", 7)
     fn = jax.jit(
         lambda params, x_q, x_kv: APPLY[form, "rotate_half"](
@@ -569,7 +569,7 @@ def test_defaults_broadcast_positions_residual_and_scale():
     """Default positions are arange(T); [T] positions broadcast over batch; residual and an
     explicit scale as everywhere; float64 inputs compute in float64 with x64 off."""
     b = JIT_BUCKET
-    p = make_problem(b, "causal", seed=3, dtype=np.float64)
+    p = ast.make_attention_problem(b, "causal", seed=3, dtype=np.float64)
     rp = RopeProblem(p, *make_positions(b, "arange", 0), "rotate_half")
     pq, pk = np.array([5, 1, 9, 2]), np.array([0, 3, 3, 7, 8, 20])
     kw = dict(scale=0.3, residual=True)
@@ -591,7 +591,7 @@ def test_defaults_broadcast_positions_residual_and_scale():
 def test_float64_inputs_compute_in_float64_with_x64_off():
     """float64 means float64 with x64 off too (the shapes of the eager test: its op caches)."""
     b = ROPE_BUCKETS[0]
-    p = make_problem(b, "combined", seed=4, dtype=np.float64)
+    p = ast.make_attention_problem(b, "combined", seed=4, dtype=np.float64)
     rp = RopeProblem(
         p, *(pos.astype(np.int64) for pos in make_positions(b, "random", 4)), "interleaved"
     )
@@ -610,8 +610,8 @@ def test_float64_inputs_compute_in_float64_with_x64_off():
 def test_grouped_query_heads_match_repeated_heads():
     """K shared key/value heads: query head n uses kv head n // (H / K), i.e. the same as
     repeating each kv head H / K times."""
-    b = Bucket((2,), 4, 6, 4, 6, 4, 3)
-    p = make_problem(b, "combined", seed=5, dtype=np.float64)
+    b = ast.Config(batch=(2,), t=4, s=6, n=4, k=4, h=4, h_v=3, d_model=6)
+    p = ast.make_attention_problem(b, "combined", seed=5, dtype=np.float64)
     w = p.params
     shared = dataclasses.replace(w, w_k=w.w_k[::2], b_k=w.b_k[::2], w_v=w.w_v[::2], b_v=w.b_v[::2])
     repeated = dataclasses.replace(
@@ -640,7 +640,7 @@ def test_grouped_query_heads_match_repeated_heads():
 # ----------------------------------------------------------------------------- (7) errors
 
 
-ERR_P = make_problem(ROPE_BUCKETS[1], "none", seed=0, dtype=np.float64)
+ERR_P = ast.make_attention_problem(ROPE_BUCKETS[1], "none", seed=0, dtype=np.float64)
 
 
 def _odd_params():

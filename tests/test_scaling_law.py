@@ -17,9 +17,8 @@ import numpy as np
 
 import attnref
 from attnref import oracle, tolerance
+from attnref import strategies as ast
 from attnref.testing import assert_within_bound
-
-from .helpers import Bucket, make_problem
 
 Z = NormalDist().inv_cdf
 DIMS = (4, 16, 64, 256)
@@ -87,8 +86,8 @@ def test_pattern_form_uses_one_over_sqrt_d_k_not_d_model():
     """P_i = X W_P lives in d_model space, but the logits P_i X^T are the same numbers as
     Q_i K_i^T, so the scale stays 1/sqrt(d_k). Scaling by 1/sqrt(d_model) instead is a different
     function, and the difference is far outside the derived bound."""
-    bucket = Bucket((2,), 6, 6, 2, 16, 4, 4)  # d_model = 4 d_k
-    p = make_problem(bucket, "causal", 3, np.float64)
+    bucket = ast.Config(batch=(2,), t=6, s=6, n=2, k=2, h=4, h_v=4, d_model=16)  # d_model = 4 d_k
+    p = ast.make_attention_problem(bucket, "causal", 3, np.float64)
     ref = oracle.attention(p.params, p.x_q, p.x_kv, **p.inputs())
     bound = tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, dtype=np.float64, **p.inputs())
     y = np.asarray(attnref.patterns_messages_attention(p.params, p.x_q, p.x_kv, **p.inputs()))

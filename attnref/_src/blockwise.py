@@ -321,7 +321,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 @float64_scoped
-def blockwise_attention(
+def blockwise_dot_product_attention(
     query: Float[ArrayLike, "B T N H"],
     key: Float[ArrayLike, "B S K H"],
     value: Float[ArrayLike, "B S K H_v"],
@@ -345,6 +345,49 @@ def blockwise_attention(
 
     Equal to :func:`attnref.dot_product_attention` with the same arguments (rounding aside);
     the backward recomputes tiles from the saved ``lse`` (see the module docstring).
+
+    Args:
+        query: ``[B, T, N, H]``, floating.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
+            (``-inf`` masks the pair); ``None`` (default) adds nothing.
+        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
+            ``None`` (default) allows every pair.
+        block_q: Queries per tile, a positive int (default 128; capped at ``T``).
+        block_k: Keys per tile, a positive int (default 128; capped at ``S``).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only (``p_i`` placed by
+            ``causal_alignment``).
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond the length are
+            padding (output 0, ``lse = -inf``); ``None`` (default) means every row is real.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond the length are
+            never read; ``None`` (default) means all ``S`` keys.
+        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side):
+            query ``i`` reads keys in ``[p_i - left, p_i + right]``; ``None`` (default): no
+            window.
+        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
+            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; a query attends only
+            to keys of its own segment. ``None`` (default): one segment.
+        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
+            the bias; ``None`` (default): no cap.
+        causal_alignment: ``"top_left"`` (default, ``p_i = i``) or ``"bottom_right"``
+            (``p_i = i + S_b - T_b`` with the actual lengths).
+        masked_rows: What a fully masked query row returns: ``"zeros"`` (default), ``"uniform"``
+            (the mean of ``value`` over all ``S`` keys) or ``"nan"``.
+        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
+
+    Returns:
+        ``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]``
+        when ``return_lse`` (both differentiable, by the flash backward).
+
+    Raises:
+        ValueError: If ``block_q`` or ``block_k`` is not a positive int, or for any argument
+            :func:`attnref.dot_product_attention` refuses with ``ValueError`` (shapes, option
+            values, concrete lengths out of range).
+        TypeError: For the dtype and type errors of :func:`attnref.dot_product_attention`
+            (non-floating ``query``, mixed dtypes, non-boolean ``mask``, non-integer lengths or
+            segment ids, a non-bool ``is_causal``).
     """
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:

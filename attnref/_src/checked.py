@@ -16,7 +16,7 @@ In unchecked traced code the caller must still never return a silently wrong num
 
 Usage (jit inside, so one compile is reused)::
 
-    attention = attnref.checked(jax.jit(attnref.cached_attention))
+    attention = attnref.checked(jax.jit(attnref.decode.cached_attention))
     out, cache = attention(cache, q, k, v)   # raises instead of returning NaN rows
 """
 
@@ -89,6 +89,19 @@ def checked(fn: F) -> F:
     Call the result outside any ``jax.jit``: an error can only be raised once its values are
     concrete. To check inside your own jitted code, use ``checkify.checkify`` directly and call
     ``err.throw()`` outside.
+
+    Args:
+        fn: Any function built from attnref calls (jitted or not), e.g.
+            ``jax.jit(attnref.decode.cached_attention)``.
+
+    Returns:
+        A function with ``fn``'s signature that returns ``fn``'s result or raises.
+
+    Raises:
+        TypeError: (from the returned function) If it is called with traced arguments, inside
+            ``jax.jit``, ``vmap`` or ``grad``.
+        checkify.JaxRuntimeError: (from the returned function, a ``ValueError``) For the first
+            failed value check, naming the offending values.
     """
 
     @functools.wraps(fn)

@@ -16,7 +16,13 @@ import numpy as np
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_PARAM_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+# The fields of AttentionParams, in declaration order (the one copy: params.py checks it against
+# the dataclass at import; checks.py cannot import params.py, which imports it).
+WEIGHT_FIELDS = ("w_q", "w_k", "w_v", "w_o")
+BIAS_FIELDS = ("b_q", "b_k", "b_v", "b_o")
+PARAM_FIELDS = WEIGHT_FIELDS + BIAS_FIELDS
+
+HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
 
 
 def _enable_x64_context() -> Any:
@@ -67,6 +73,15 @@ def float64_scoped(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def in_x64_if_float64(dtype: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with x64 switched on when ``dtype`` is float64 (for functions
+    whose dtype is an argument rather than an input array's: cf. :func:`float64_scoped`)."""
+    if np.dtype(dtype) == np.float64 and not x64_enabled():
+        with _enable_x64_context():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in np.shape(x))
 
@@ -74,6 +89,11 @@ def _shape(x: Any) -> tuple[int, ...]:
 def _dtype(x: Any) -> np.dtype[Any]:
     dtype = getattr(x, "dtype", None)
     return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def is_traced(*xs: Any) -> bool:
+    """Whether any of ``xs`` is a JAX tracer (its values are unknown at trace time)."""
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def check_params(params: Any) -> tuple[int, int, int, int]:
@@ -84,7 +104,7 @@ def check_params(params: Any) -> tuple[int, int, int, int]:
     ``b_o [d_model]``, with ``K`` key/value heads and ``H % K == 0`` (``K == H``: multi-head,
     ``1 < K < H``: grouped-query, ``K == 1``: multi-query attention).
     """
-    for name in ("w_q", "w_k", "w_v", "w_o"):
+    for name in WEIGHT_FIELDS:
         w = getattr(params, name, None)
         if w is None:
             raise TypeError(f"params.{name} is missing; expected an AttentionParams pytree")
@@ -143,7 +163,7 @@ def check_params(params: Any) -> tuple[int, int, int, int]:
             )
     dtypes = {
         name: _dtype(getattr(params, name))
-        for name in _PARAM_FIELDS
+        for name in PARAM_FIELDS
         if getattr(params, name) is not None
     }
     first = dtypes["w_q"]

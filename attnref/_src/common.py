@@ -3,7 +3,7 @@ non-finite guard :meth:`Prepared.guarded`)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from attnref._src.checks import check_mask_and_bias, check_scale, check_tokens
+from attnref._src.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
 from attnref._src.nonfinite import (
     allowed_pairs,
     finite_bias,
@@ -22,36 +22,29 @@ from attnref._src.nonfinite import (
 )
 from attnref._src.params import AttentionParams, repeat_heads
 
-HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
 
-
+@dataclasses.dataclass(frozen=True)
 class Prepared:
-    """Validated row-convention inputs: arrays converted, scale resolved, shapes recorded.
+    """Validated row-convention inputs (built by :func:`prepare_rows`, the one validation of a
+    call): arrays converted, scale resolved, shapes recorded.
 
     ``x_q``, ``x_kv`` and ``bias`` are the caller's arrays as given (possibly non-finite);
     :meth:`guarded` runs a formulation so that what a query may not read never reaches it.
     """
 
-    def __init__(
-        self,
-        params: AttentionParams,
-        x_q: ArrayLike,
-        x_kv: ArrayLike | None,
-        mask: ArrayLike | None,
-        bias: ArrayLike | None,
-        scale: float | None,
-    ) -> None:
-        x_kv = x_q if x_kv is None else x_kv
-        batch, t_q, t_k = check_tokens(params, x_q, x_kv)
-        check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
-        check_scale(scale)
-        self.x_q = jnp.asarray(x_q)
-        self.x_kv = jnp.asarray(x_kv)
-        self.dtype = self.x_q.dtype
-        self.batch_shape, self.t_q, self.t_k = batch, t_q, t_k
-        self.mask = None if mask is None else jnp.asarray(mask)
-        self.bias = None if bias is None else jnp.asarray(bias).astype(self.dtype)
-        self.scale = scale_value(params.d_k, scale, self.dtype)
+    x_q: Array
+    x_kv: Array
+    mask: Array | None
+    bias: Array | None  # in the dtype of x_q
+    scale: Array  # scalar, in the dtype of x_q
+    batch_shape: tuple[int, ...]
+    t_q: int
+    t_k: int
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the call (that of ``x_q``, ``x_kv`` and the parameters)."""
+        return self.x_q.dtype
 
     def head_mask(self) -> Bool[Array, "..."] | None:
         """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
@@ -79,10 +72,12 @@ class Prepared:
     def finite(self) -> Prepared:
         """A copy whose ``x_q``, ``x_kv`` are the finite parts (non-finite entries read as 0,
         identity derivative) and whose bias has NaN and ``+inf`` read as 0 (``-inf`` kept)."""
-        view = copy.copy(self)
-        view.x_q, view.x_kv = finite_part(self.x_q), finite_part(self.x_kv)
-        view.bias = finite_bias(self.bias)
-        return view
+        return dataclasses.replace(
+            self,
+            x_q=finite_part(self.x_q),
+            x_kv=finite_part(self.x_kv),
+            bias=finite_bias(self.bias),
+        )
 
     def guarded(
         self, compute: Callable[[Prepared], Any], residual: bool = False, heads: bool = False
@@ -99,6 +94,34 @@ class Prepared:
         if heads:
             dirty = jnp.expand_dims(dirty, -2)  # a size-1 head axis, broadcast by the selection
         return poison_rows(dirty, compute(self.finite()))
+
+
+def prepare_rows(
+    params: AttentionParams,
+    x_q: ArrayLike,
+    x_kv: ArrayLike | None,
+    mask: ArrayLike | None,
+    bias: ArrayLike | None,
+    scale: float | None,
+) -> Prepared:
+    """Validate a row-convention call (parameters, tokens, mask, bias, scale) and return its
+    :class:`Prepared` inputs; ``x_kv=None`` means ``x_q`` (self-attention)."""
+    x_kv = x_q if x_kv is None else x_kv
+    batch, t_q, t_k = check_tokens(params, x_q, x_kv)
+    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+    check_scale(scale)
+    xq = jnp.asarray(x_q)
+    dtype = xq.dtype
+    return Prepared(
+        x_q=xq,
+        x_kv=jnp.asarray(x_kv),
+        mask=None if mask is None else jnp.asarray(mask),
+        bias=None if bias is None else jnp.asarray(bias).astype(dtype),
+        scale=scale_value(params.d_k, scale, dtype),
+        batch_shape=batch,
+        t_q=t_q,
+        t_k=t_k,
+    )
 
 
 def scale_value(d_k: int, scale: Any, dtype: Any) -> Array:
@@ -127,6 +150,28 @@ def project_kv(
     query heads of its group (``H = K G``), so the head axis lines up with the query heads.
     """
     return repeat_heads(project(x, w, b), group_size, axis=-3)
+
+
+# ----------------------------------------------------------------------------- homogeneous
+# coordinates: x~ = [x, 1] and W~ = [W; b], so that x~ W~ = x W + b.
+
+
+def homogeneous(x: Float[Array, "... d"]) -> Float[Array, "... d1"]:
+    """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
+    return jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
+
+
+def homogeneous_weights(
+    w: Float[ArrayLike, "H d_in d"], b: Float[ArrayLike, "H d"] | None, *, xp: Any = jnp
+) -> Any:
+    """``W~ = [W; b]`` per head: ``[H, d_in + 1, d]``, a zero last row when ``b`` is ``None``.
+
+    An exact copy, built with ``xp``: a JAX array with ``jax.numpy`` (default), a NumPy array
+    with NumPy (concrete inputs only).
+    """
+    wa = xp.asarray(w)
+    row = xp.zeros((wa.shape[0], 1, wa.shape[2]), wa.dtype) if b is None else xp.asarray(b)[:, None]
+    return xp.concatenate([wa, row], axis=1)
 
 
 def add_output_bias(y: Float[Array, "... d_model"], params: AttentionParams) -> Array:

@@ -42,7 +42,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.checks import check_params, float64_scoped
 from attnref._src.common import HIGHEST
-from attnref._src.params import AttentionParams, init_params, repeat_kv_heads
+from attnref._src.params import AttentionParams, _repeat_kv_heads, init_params
 
 __all__ = [
     "composition_baseline",
@@ -77,6 +77,21 @@ def composition_scores(
     """Q-, K- or V-composition scores ``[H1, H2]`` from every head of ``first`` (an earlier
     layer, the writer) to every head of ``second`` (the next layer, the reader); module
     docstring for the definitions. Grouped-query heads are scored per query head.
+
+    Args:
+        first: The writing layer's weights (:class:`attnref.AttentionParams`, ``H1`` heads).
+        second: The reading layer's weights (``H2`` heads, the same ``d_model``).
+        kind: ``"q"``, ``"k"`` or ``"v"``: which input of ``second`` the output of ``first``
+            feeds.
+
+    Returns:
+        Scores ``[H1, H2]`` in ``[0, 1]``; ``[h1, h2]`` scores head ``h1`` of ``first`` against
+        head ``h2`` of ``second`` (0 where a norm in the denominator is 0).
+
+    Raises:
+        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
+            ``kind`` is unknown.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(first)
     check_params(second)
@@ -84,7 +99,7 @@ def composition_scores(
         raise ValueError(
             f"the layers have different d_model ({first.d_model} and {second.d_model})"
         )
-    a, b = repeat_kv_heads(first), repeat_kv_heads(second)
+    a, b = _repeat_kv_heads(first), _repeat_kv_heads(second)
     v1, o1 = jnp.asarray(a.w_v), jnp.asarray(a.w_o)
     q2, k2, v2, o2 = (jnp.asarray(w) for w in (b.w_q, b.w_k, b.w_v, b.w_o))
     g_v1, oo1 = _gram(v1), _ein("hvd,hwd->hvw", o1, o1)
@@ -117,6 +132,20 @@ def composition_baseline(
     factors every score is about ``1 / sqrt(d_model)`` whatever the head widths, so scores near
     the baseline mean "no more composition than chance". Drawn with
     :func:`attnref.init_params` (seeds ``0 .. 2 seeds - 1``) in float64.
+
+    Args:
+        first: The writing layer (only its shapes are used: ``H1``, ``d_model``, ``d_k``,
+            ``d_v``; the random heads are multi-head, ``K = H``).
+        second: The reading layer (its ``H2``, ``d_k``, ``d_v``; ``d_model`` is taken from
+            ``first``).
+        kind: ``"q"``, ``"k"`` or ``"v"``, as in :func:`composition_scores`.
+        seeds: The number of random pairs averaged (default 8).
+
+    Returns:
+        The mean score over all head pairs and seeds, a Python float.
+
+    Raises:
+        ValueError: If either ``params`` is malformed or ``kind`` is unknown.
     """
     h1, d_model, _, d_v1 = check_params(first)
     h2, _, d_k2, d_v2 = check_params(second)
@@ -155,6 +184,20 @@ def top_aligned(
     ``metric="cosine"``: ``<v, e_t> / (|v| |e_t|)`` (zero rows score 0); ``"dot"``:
     ``<v, e_t>``. ``jax.jit``-able with ``k`` and ``metric`` static. Directions with a sign
     ambiguity (singular vectors) should be tried as ``v`` and ``-v``.
+
+    Args:
+        vectors: Model-space directions ``[..., d_model]`` (e.g. patterns or messages).
+        table: An embedding table ``[V, d_model]`` (vocabulary or positions).
+        k: How many rows to return, ``1 <= k <= V`` (default 10).
+        metric: ``"cosine"`` (default) or ``"dot"``.
+
+    Returns:
+        ``(values, indices)``, each ``[..., k]``: the similarities and the table row indices,
+        best first.
+
+    Raises:
+        ValueError: If ``metric`` is unknown, ``table`` is not ``[V, d_model]`` matching
+            ``vectors``, or ``k`` is out of range.
     """
     if metric not in ("cosine", "dot"):
         raise ValueError(f"unknown metric {metric!r}; expected 'cosine' or 'dot'")

@@ -1,10 +1,16 @@
-"""Analytic cost model of every registered formulation, in its own order of operations.
+"""Analytic cost models: the counting conventions, :class:`Dims`, :class:`Cost`, the shared
+helpers, :func:`cost`, and XLA's own counts (:func:`xla_counts`, :func:`hlo_dot_flops`).
+
+Each formulation's model, ``<id>_cost(dims) -> Cost`` in its own order of operations, lives
+next to its code and is its registry entry's ``cost_model`` (``concat_cost`` in
+``attnref/_src/standard.py``, ``rope_cost`` in ``attnref/_src/rope.py``, ...).
 
 Counting conventions (XLA's, so the model can be checked against ``cost_analysis()``):
 
 * **matmul FLOPs**: a contraction of ``M x K`` by ``K x N`` costs ``2 M N K`` (a multiply-add is
   2); exact for each formulation's einsums, including forming ``W_P``, ``W_M``, ``W_A``, ``W_I``.
-* **transcendentals**: one per ``exp`` / ``expm1`` element; exact.
+* **transcendentals**: one per ``exp`` / ``expm1`` element, and one per ``cos`` / ``sin``
+  element (RoPE's angles; see :func:`_angles`); exact.
 * **elementwise FLOPs**: one per element per arithmetic, comparison or select op, ``n - 1`` per
   reduction of ``n`` elements. The model gives an *upper bound* counted from attnref's source
   (e.g. the masked softmax touches each logit with at most 12 such ops and each row with 2);
@@ -30,7 +36,23 @@ from collections.abc import Callable
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """Problem sizes. ``batch`` is the product of the batch dims; ``features`` is the linear
-    family's feature count ``m`` and ``feature_map`` its name; ``chunk`` the chunk size."""
+    family's feature count ``m`` and ``feature_map`` its name; ``chunk`` the chunk size.
+
+    Attributes:
+        batch: The product of the batch dims.
+        t_q: The number of queries ``T_q``.
+        t_k: The number of keys ``T_k``.
+        heads: The number of heads ``H`` (one key/value head per query head).
+        d_model: The model width.
+        d_k: The query/key head dim.
+        d_v: The value head dim.
+        bias: Whether the parameters have biases (default ``False``).
+        feature_map: The linear family's feature map name (default ``"elu_plus_one"``).
+        features: FAVOR+'s feature count ``m`` (the other maps derive ``m`` from ``d_k``).
+        chunk: The chunk size of ``linear_chunked`` (default 16).
+        itemsize: Bytes per element (default 4, float32).
+        causal: Whether the linear forms run causally (default ``False``).
+    """
 
     batch: int
     t_q: int
@@ -49,6 +71,22 @@ class Dims:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
+    """The analytic cost of one call (counting conventions in the module docstring).
+
+    Attributes:
+        matmul_flops: Contraction FLOPs, ``2 M N K`` per ``M x K`` by ``K x N``; exact.
+        elementwise_flops: An upper bound on elementwise, comparison, select and reduction ops.
+        transcendentals: ``exp``/``expm1`` elements; exact.
+        input_bytes: Parameters, tokens and masks.
+        output_bytes: The output.
+        intermediate_bytes: The largest intermediate tensor.
+        workspace_bytes: Every intermediate at once plus one copy of the inputs.
+        loop_trips: Loop body executions (``> 1`` for the scan-based forms).
+        per_trip_matmul_flops: The part of ``matmul_flops`` inside the loop, per trip.
+        per_trip_elementwise_flops: Likewise for ``elementwise_flops``.
+        per_trip_transcendentals: Likewise for ``transcendentals``.
+    """
+
     matmul_flops: int
     elementwise_flops: int  # an upper bound (see module docstring)
     transcendentals: int
@@ -163,31 +201,6 @@ def _finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[in
     )
 
 
-def concat_cost(d: Dims) -> Cost:
-    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
-    pq, pk, pv = _projections(d)
-    logits = b * h * tq * tk
-    mm = pq + pk + pv + 2 * logits * (d.d_k + d.d_v) + 2 * b * tq * h * d.d_v * dm
-    el = _softmax_elementwise(d) + _bias_adds(
-        d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
-    )
-    qkv = [b * h * tq * d.d_k, b * h * tk * d.d_k, b * h * tk * d.d_v]
-    tail = [b * h * tq * d.d_v, b * tq * h * d.d_v, b * tq * dm]  # heads, concat, y
-    return _finish(d, mm, el, logits, qkv + _softmax_tensors(d, logits) + tail)
-
-
-def per_head_sum_cost(d: Dims) -> Cost:
-    c = concat_cost(d)
-    head_sum = d.batch * (d.heads - 1) * d.t_q * d.d_model
-    per_head = d.batch * d.heads * d.t_q * d.d_model * d.itemsize
-    return dataclasses.replace(
-        c,
-        elementwise_flops=c.elementwise_flops + head_sum,
-        intermediate_bytes=max(c.intermediate_bytes, per_head),
-        workspace_bytes=c.workspace_bytes + per_head,
-    )
-
-
 def _messages(d: Dims) -> tuple[int, int]:
     """(matmul, elementwise) of ``X_kv W_M + b_V W_O`` including forming ``W_M``."""
     b, h, dm = d.batch, d.heads, d.d_model
@@ -208,115 +221,6 @@ def _mix(d: Dims) -> tuple[int, int]:
     b, h, dm = d.batch, d.heads, d.d_model
     el = b * (h - 1) * d.t_q * dm + (b * d.t_q * dm if d.bias else 0)
     return 2 * b * h * d.t_q * d.t_k * dm, el
-
-
-def scores_messages_cost(d: Dims) -> Cost:
-    b, h, tq, tk = d.batch, d.heads, d.t_q, d.t_k
-    pq, pk, _ = _projections(d)
-    logits = b * h * tq * tk
-    mm_m, el_m = _messages(d)
-    mm_x, el_x = _mix(d)
-    mm = pq + pk + 2 * logits * d.d_k + mm_m + mm_x
-    el = (
-        _softmax_elementwise(d)
-        + el_m
-        + el_x
-        + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, 0, 0)
-    )
-    tensors = [
-        b * h * tq * d.d_k,
-        b * h * tk * d.d_k,
-        *_softmax_tensors(d, logits),
-        *_message_tensors(d),
-    ]
-    return _finish(d, mm, el, logits, tensors)
-
-
-def patterns_messages_cost(d: Dims) -> Cost:
-    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
-    logits = b * h * tq * tk
-    mm_p = (
-        2 * h * dm * d.d_k * dm + 2 * b * tq * dm * h * dm + (2 * h * d.d_k * dm if d.bias else 0)
-    )
-    mm_m, el_m = _messages(d)
-    mm_x, el_x = _mix(d)
-    mm = mm_p + 2 * logits * dm + mm_m + mm_x
-    el = _softmax_elementwise(d) + el_m + el_x + (b * h * tq * dm if d.bias else 0)
-    tensors = [
-        h * dm * dm,
-        b * h * tq * dm,
-        b * h * tq * dm,
-        *_softmax_tensors(d, logits),
-        *_message_tensors(d),
-    ]
-    return _finish(d, mm, el, logits, tensors)
-
-
-def column_cost(d: Dims) -> Cost:
-    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
-    logits = b * h * tq * tk
-    mm = (
-        2 * h * dm * d.d_k * dm
-        + 2 * h * dm * dm * b * tq
-        + 2 * logits * dm
-        + 2 * h * dm * d.d_v * dm
-        + 2 * h * dm * dm * b * tk
-        + 2 * logits * dm
-    )
-    el = _softmax_elementwise(d) + b * (h - 1) * tq * dm
-    if d.bias:
-        mm += 2 * h * dm * d.d_k + 2 * b * tk * dm * h + 2 * h * d.d_v * dm
-        el += logits + b * h * tk * dm + b * tq * dm
-    tensors = [
-        h * dm * dm,
-        b * h * dm * tq,
-        *_softmax_tensors(d, logits),
-        b * h * tk,
-        h * dm * dm,
-        b * h * dm * tk,
-        b * h * dm * tq,
-        b * dm * tq,
-        b * (tq + tk) * dm,
-        b * tq * dm,
-    ]  # row-adapter transposes in and out
-    return _finish(d, mm, el, logits, tensors)
-
-
-def soft_search_cost(d: Dims) -> Cost:
-    """vmap leaves query-independent work unbatched: the same counts as patterns x messages;
-    the workspace adds the full mask and bias broadcasts and the flattened batch copies."""
-    c = patterns_messages_cost(d)
-    extra = (2 * d.batch * d.t_q * d.t_k + d.batch * (d.t_q + 2 * d.t_k) * d.d_model) * d.itemsize
-    return dataclasses.replace(c, workspace_bytes=c.workspace_bytes + extra)
-
-
-def graph_cost(d: Dims) -> Cost:
-    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
-    e = tq * tk  # dense adjacency
-    pq, pk, pv = _projections(d)
-    mm = pq + pk + pv + 2 * b * tq * h * d.d_v * dm
-    edges = b * e * h
-    el = (
-        edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
-        + (SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters count per edge
-        + 2 * edges * d.d_v  # alpha * v and its scatter-add
-        + _bias_adds(d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm)
-        + 2 * b * h * tq
-    )
-    per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]
-    tensors = [
-        b * tq * h * d.d_k,
-        b * tk * h * d.d_k,
-        b * tk * h * d.d_v,
-        *per_edge,
-        *[edges] * 8,
-        *[b * tq * h] * 4,
-        b * tq * h * d.d_v,
-        b * tq * dm,
-        2 * b * e,
-        b * (tq + tk) * dm,
-    ]  # q*k, logits, softmax, mask/bias broadcasts
-    return _finish(d, mm, el, edges, tensors)
 
 
 # ----------------------------------------------------------------------------- linear family
@@ -407,286 +311,43 @@ def _m(d: Dims) -> int:
     return _feature_cost(d, 1)[3]
 
 
-def linear_quadratic_cost(d: Dims) -> Cost:
-    b, h, m = d.batch, d.heads, _m(d)
-    a = b * h * d.t_q * d.t_k
-    outs = [b * d.t_q * h * d.d_v, b * d.t_q * h]
-    return _linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), [a, a, *outs])
+# ----------------------------------------------------------------------------- RoPE
+#
+# RoPE adds one ``cos`` and one ``sin`` per (position, plane), which XLA counts as
+# transcendentals like ``exp``, and the rotations ``a c - b s``, ``a s + b c`` of each pair.
+# Default positions ``arange(T)`` have shape ``[T]`` and are shared by the batch and the heads;
+# positions ``[..., T]`` with batch dimensions multiply the angle work by the batch.
+
+ROTATE_PER_PAIR = 6  # a*c, b*s, a*c - b*s, a*s, b*c, a*s + b*c
 
 
-def linear_associative_cost(d: Dims) -> Cost:
-    b, h, m = d.batch, d.heads, _m(d)
-    mm = 2 * b * h * m * d.d_v * d.t_k + 2 * b * d.t_q * h * m * (d.d_v + 1)
-    outs = [b * h * m * d.d_v, b * h * m, b * d.t_q * h * d.d_v, b * d.t_q * h]
-    return _linear(d, mm, b * h * m * d.t_k, outs)
+def _angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
+    """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p`` for
+    ``positions`` positions: the angle multiply, then one cos and one sin per angle.
 
-
-def linear_prefix_sum_cost(d: Dims) -> Cost:
-    b, h, m, t = d.batch, d.heads, _m(d), d.t_q
-    states = b * t * h * m * (d.d_v + 1)
-    log_t = max(1, math.ceil(math.log2(t)))
-    # outer products (1 flop/element), cumsum (an associative scan: <= 2 log2(T) passes), and
-    # the denominator phi(q).z, a contraction with no free dimension that XLA lowers to a
-    # multiply and a reduction (2m - 1 elementwise flops), not a dot.
-    el = b * t * h * m * d.d_v + 2 * log_t * states + b * t * h * (2 * m - 1)
-    kv, zs = b * t * h * m * d.d_v, b * t * h * m
-    tensors = [kv, kv, kv, zs, zs, zs, b * t * h * d.d_v, b * t * h]  # outer, scan temporaries
-    return _linear(d, 2 * b * t * h * m * d.d_v, el, tensors)
-
-
-def linear_recurrent_cost(d: Dims) -> Cost:
-    b, h, m, t = d.batch, d.heads, _m(d), d.t_q
-    mm_f, el_f, tr_f, _ = _feature_cost(dataclasses.replace(d, t_q=1, t_k=1), 1)
-    step_mm = 2 * b * h * m * d.d_v + 2 * mm_f  # read-out phi(q) S; features of q_t and k_t
-    # state update (outer product, adds), phi(q).z (multiply + reduce), features, normalise
-    step_el = (
-        2 * b * h * m * d.d_v
-        + 2 * b * h * m
-        + b * h * (2 * m - 1)
-        + 2 * el_f
-        + _normalize_el(dataclasses.replace(d, t_q=1))
-    )
-    mm_p, el_p = _linear_proj(d)
-    inputs, output = _io(d)
-    proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
-    every = [
-        *proj,
-        *proj,
-        *proj,
-        b * t,
-        b * h * m * d.d_v,
-        b * h * m,
-        b * t * h * d.d_v,
-        b * t * h * d.d_v,
-        b * t * d.d_model,
-    ]  # + time-major copies, state, outputs
-    return Cost(
-        mm_p + t * step_mm,
-        el_p + t * step_el + b * t * h * m + weight_guard_elementwise(d, pairs=False),
-        t * (2 * tr_f + _eps_exp(d, 1)),
-        inputs,
-        output,
-        max(every) * d.itemsize,
-        sum(every) * d.itemsize + inputs,
-        loop_trips=t,
-        per_trip_matmul_flops=step_mm,
-        per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=2 * tr_f + _eps_exp(d, 1),
-    )
-
-
-def linear_chunked_cost(d: Dims) -> Cost:
-    b, h, m, t, c = d.batch, d.heads, _m(d), d.t_q, d.chunk
-    n = math.ceil(t / c)
-    a = b * h * c * c
-    step_mm = 2 * a * (m + d.d_v) + 2 * b * c * h * m * (d.d_v + 1) + 2 * b * h * m * d.d_v * c
-    step_el = (
-        a * 2
-        + 2 * b * h * m * (d.d_v + 1)
-        + b * c * h * m
-        + _normalize_el(dataclasses.replace(d, t_q=c))
-    )
-    padded = b * n * c * h
-    chunked = [padded * m, padded * m, padded * d.d_v] * 2  # padded, then chunk-major copies
-    tensors = [*chunked, a, a, b * h * m * d.d_v, b * h * m, padded * d.d_v, padded * d.d_v]
-    base = _linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, tensors)
-    return dataclasses.replace(
-        base,
-        matmul_flops=base.matmul_flops + n * step_mm,
-        elementwise_flops=base.elementwise_flops
-        - _normalize_el(d)
-        + n * step_el
-        + 2 * b * n * c * h * (m + d.d_v),  # padding to whole chunks
-        # the eps rescaling runs inside the loop, on every (padded) chunk of queries
-        transcendentals=base.transcendentals - _eps_exp(d, t) + n * _eps_exp(d, c),
-        loop_trips=n,
-        per_trip_matmul_flops=step_mm,
-        per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=_eps_exp(d, c),
-    )
-
-
-def linear_messages_cost(d: Dims) -> Cost:
-    b, h, m, dm = d.batch, d.heads, _m(d), d.d_model
-    a = b * h * d.t_q * d.t_k
-    pq, pk, _ = _projections(d)
-    mmq, elq, trq, _ = _feature_cost(d, d.t_q)
-    mmk, elk, trk, _ = _feature_cost(d, d.t_k)
-    mm_m, el_m = _messages(d)
-    mm_x, el_x = _mix(d)
-    mm = pq + pk + mmq + mmk + 2 * a * m + mm_m + mm_x
-    el = (
-        elq
-        + elk
-        + a * (2 if d.causal else 1)
-        + 4 * a
-        + el_m
-        + el_x
-        + _bias_adds(d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, 0, 0)
-        + b * d.t_k * h * m
-        + weight_guard_elementwise(d, pairs=False)
-    )
-    inputs, output = _io(d)
-    every = [
-        *_linear_tensors(d),
-        a,
-        a,
-        a,
-        b * h * d.t_q,
-        h * dm * dm,
-        b * h * d.t_k * dm,
-        b * h * d.t_k * dm,
-        b * h * d.t_q * dm,
-    ]  # A, masked, normalised; W_M, messages
-    return Cost(
-        mm,
-        el,
-        trq + trk + _eps_exp(d, d.t_q),
-        inputs,
-        output,
-        max(every) * d.itemsize,
-        sum(every) * d.itemsize + inputs,
-    )
-
-
-# ----------------------------------------------------------------------------- kernel era
-
-BLOCK_Q, BLOCK_K = 3, 2  # the registry entry's tile sizes (blockwise_multihead's defaults)
-# Per logit of a tile, from attnref._src.blockwise: two index tests and their "and", the mask
-# "and", bias != -inf and its "and", the column and row "any", scale, + bias, where before the
-# max, the max, s - shift, two wheres around exp, the row sum.
-BLOCK_PER_LOGIT = 17
-# Per query row of a tile: maximum, == -inf, where, m - shift, alpha * l, + sum, and the
-# accumulator's alpha * acc + pv (2 per value entry, counted separately).
-BLOCK_PER_ROW = 6
-
-
-def _tiles(d: Dims) -> tuple[int, int, int, int]:
-    bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
-    return bq, bk, math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
-
-
-def blockwise_cost(d: Dims) -> Cost:
-    """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile."""
-    b, h, dm = d.batch, d.heads, d.d_model
-    bq, bk, nq, nk = _tiles(d)
-    pq, pk, pv = _projections(d)
-    tile_logits = b * h * bq * bk
-    step_mm = 2 * tile_logits * (d.d_k + d.d_v)
-    step_el = (
-        BLOCK_PER_LOGIT * tile_logits
-        + (BLOCK_PER_ROW + 2 * d.d_v) * b * h * bq
-        + guard_elementwise(
-            d,
-            operands=b * bq * h * d.d_k + b * bk * h * (d.d_k + d.d_v),
-            logits=tile_logits,
-            rows=b * h * bq,
-            outputs=0,
-        )
-    )
-    step_tr = tile_logits + b * h * bq  # exp of the tile, exp(m - m')
-    out_mm = 2 * b * d.t_q * h * d.d_v * dm
-    rows = b * h * nq * bq
-    # l > 0, where, a / l; poisoning the dirty rows; head sum
-    tail_el = rows * (2 * d.d_v + 4) + b * d.t_q * dm * (h - 1)
-    kernel_operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
-    el = (
-        step_el * nq * nk
-        + tail_el
-        + weight_guard_elementwise(d)
-        + GUARD_PER_OPERAND * kernel_operands  # the kernel's finite parts and dirty tests
-        + _bias_adds(
-            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
-        )
-    )
-    tp, sp = nq * bq, nk * bk
-    inputs, output = _io(d)
-    tensors = [
-        b * d.t_q * h * d.d_k,  # projections
-        b * d.t_k * h * d.d_k,
-        b * d.t_k * h * d.d_v,
-        b * tp * h * d.d_k,  # padded to whole tiles
-        b * sp * h * d.d_k,
-        b * sp * h * d.d_v,
-        b * tp * d.t_k,  # padded mask and bias (one head)
-        b * tp * sp,
-        b * tp * sp,
-        3 * rows + rows * d.d_v,  # m, l, acc stacked over query tiles
-        b * d.t_q * h * d.d_v,
-        b * d.t_q * dm,
-        8 * tile_logits,  # one tile's logits, allowed, probabilities and their temporaries
-    ]
-    return Cost(
-        pq + pk + pv + nq * nk * step_mm + out_mm,
-        el,
-        nq * nk * step_tr,
-        inputs,
-        output,
-        max(b * sp * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
-        loop_trips=nq * nk,
-        per_trip_matmul_flops=step_mm,
-        per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=step_tr,
-    )
-
-
-def kv_cache_cost(d: Dims) -> Cost:
-    """Keys and values projected into a cache once, then ``T_q`` steps of one query each."""
-    b, h, dm, tk = d.batch, d.heads, d.d_model, d.t_k
-    pq, pk, pv = _projections(d)
-    row = b * h * tk  # one step's logits
-    step_mm = 2 * row * (d.d_k + d.d_v)
-    # the naive kernel's masked softmax on one row of logits, plus building the allowed set from
-    # slot positions, the mask row and the bias row (gathers, compares, where)
-    step_el = (SOFTMAX_PER_LOGIT + 6) * row + SOFTMAX_PER_ROW * b * h + b * h * d.d_k
-    step_el += guard_elementwise(
-        d,
-        operands=b * h * d.d_k + b * tk * h * (d.d_k + d.d_v),
-        logits=row,
-        rows=b * h,
-        outputs=b * h * (d.d_v + 1),
-    )
-    out_mm = 2 * b * d.t_q * h * d.d_v * dm
-    el = (
-        step_el * d.t_q
-        + b * d.t_q * dm * (h - 1)
-        + weight_guard_elementwise(d)
-        + _bias_adds(
-            d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
-        )
-    )
-    inputs, output = _io(d)
-    cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions
-    tensors = [
-        b * d.t_q * h * d.d_k,
-        *cache,
-        *cache,  # the scatter's output and its operand
-        b * d.t_q * tk,  # mask and bias rows, time-major
-        b * d.t_q * tk,
-        10 * row,  # one step's logits and softmax temporaries
-        b * d.t_q * h * d.d_v,
-        b * d.t_q * h * d.d_v,
-        b * d.t_q * dm,
-    ]
-    return Cost(
-        pq + pk + pv + d.t_q * step_mm + out_mm,
-        el,
-        d.t_q * row,
-        inputs,
-        output,
-        max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
-        loop_trips=d.t_q,
-        per_trip_matmul_flops=step_mm,
-        per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=row,
-    )
+    With constant positions and ``d_k = 2`` (one plane, ``theta = [1]``) the angle is the
+    position itself and XLA constant-folds ``cos``/``sin``: nothing is left to count. (With more
+    planes the angle is a broadcast product, which XLA's constant folding does not fold.)"""
+    n = positions * (d.d_k // 2)
+    if d.d_k == 2 and not traced:
+        return 0, 0, [n, n, n]
+    return n, 2 * n, [n, n, n]  # angle, cos, sin
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
-    """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``)."""
-    from attnref._src.registry import get  # the registry imports this module's models
+    """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``).
+
+    Args:
+        formulation_id: A registry id (``attnref.ids()``), e.g. ``"concat"``.
+        dims: The problem sizes (:class:`Dims`).
+
+    Returns:
+        The :class:`Cost` of that formulation's order of operations.
+
+    Raises:
+        KeyError: If ``formulation_id`` is not registered or has no cost model.
+    """
+    from attnref._src.registry import get  # lazily: the models' modules import this one
 
     try:
         model = get(formulation_id).cost_model
@@ -713,7 +374,14 @@ def _dims(text: str) -> tuple[int, ...]:
 
 def hlo_dot_flops(hlo_text: str) -> int:
     """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
-    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does)."""
+    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does).
+
+    Args:
+        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
+
+    Returns:
+        The dot FLOPs, an int (0 when there is no ``dot``).
+    """
     shapes = {m.group(1): _dims(m.group(2)) for m in _INSTR.finditer(hlo_text)}
     total = 0
     for m in _DOT.finditer(hlo_text):
@@ -724,6 +392,15 @@ def hlo_dot_flops(hlo_text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class XlaCounts:
+    """XLA's own counts for one compiled function (see :func:`xla_counts`).
+
+    Attributes:
+        flops: ``cost_analysis()["flops"]``: dots plus every elementwise op XLA executes.
+        transcendentals: ``cost_analysis()["transcendentals"]``.
+        dot_flops: The dot FLOPs of the optimised HLO (:func:`hlo_dot_flops`).
+        temp_bytes: ``memory_analysis().temp_size_in_bytes``.
+    """
+
     flops: float  # cost_analysis()["flops"]: dots plus every elementwise op XLA executes
     transcendentals: float
     dot_flops: int  # from the optimised HLO's dot instructions
@@ -736,7 +413,16 @@ class XlaCounts:
 
 
 def xla_counts(fn: Callable[..., object], *args: object, **kwargs: object) -> XlaCounts:
-    """Compile ``fn`` (already ``jax.jit``-wrapped) for ``args`` and read XLA's counts."""
+    """Compile ``fn`` (already ``jax.jit``-wrapped) for ``args`` and read XLA's counts.
+
+    Args:
+        fn: A ``jax.jit``-wrapped function (it must have ``.lower``).
+        *args: Its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        :class:`XlaCounts` of the compiled program (a ``while`` body counted once).
+    """
     compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -46,18 +46,37 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.checked import require
-from attnref._src.checks import check_params, enable_x64, float64_scoped, x64_enabled
-from attnref._src.common import HIGHEST
+from attnref._src.checks import (
+    HIGHEST,
+    _dtype,
+    check_params,
+    float64_scoped,
+    in_x64_if_float64,
+)
 from attnref._src.kernel import dot_product_attention
 from attnref._src.params import AttentionParams
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class KVCache:
     """Per-batch key/value slots with their absolute positions (a JAX pytree).
 
     ``window`` (static) makes it a ring buffer: only the last ``window`` positions are attended.
+    Build one with :func:`kv_cache_init` (kernel level) or :func:`init_cache` (from params).
+
+    Attributes:
+        k: Cached keys ``[B, C, K, H]`` (``C`` slots; token at position ``p`` in slot
+            ``p mod C``).
+        v: Cached values ``[B, C, K, H_v]``, the dtype of ``k``.
+        positions: int32 ``[B, C]``, the absolute position held by each slot (``-1`` = empty).
+        lengths: int32 ``[B]``, the tokens appended so far (the next token's position).
+        window: ``None`` (attend to every earlier position; ``C`` must hold the sequence) or
+            ``W`` (a ring buffer: a query at ``p`` attends to ``p - W < j <= p``); static.
+        capacity: The number of slots ``C`` (a property).
     """
 
     k: Float[Array, "B C K H"]
@@ -81,7 +100,26 @@ def kv_cache_init(
     window: int | None = None,
     dtype: Any = jnp.float32,
 ) -> KVCache:
-    """An empty cache. A ring buffer (``window`` given) needs ``capacity >= window``."""
+    """An empty cache. A ring buffer (``window`` given) needs ``capacity >= window``.
+
+    Args:
+        batch: The batch size ``B``, a positive int.
+        capacity: The number of slots ``C``, a positive int.
+        num_kv_heads: The number of key/value heads ``K``, a positive int.
+        head_dim: The key head dim ``H``, a positive int.
+        head_dim_v: The value head dim ``H_v``; ``None`` (default) means ``head_dim``.
+        window: ``None`` (default: no window, the cache must hold the whole sequence) or a
+            positive int ``W <= capacity`` (a ring buffer of the last ``W`` positions).
+        dtype: The keys' and values' dtype (default float32); float64 gives a float64 cache
+            even when x64 is off globally.
+
+    Returns:
+        A :class:`KVCache` with zero keys and values, every position ``-1`` and ``lengths`` 0.
+
+    Raises:
+        ValueError: If a size is not a positive int, or ``window`` is not a positive int no
+            larger than ``capacity``.
+    """
     for name, val in (
         ("batch", batch),
         ("capacity", capacity),
@@ -95,23 +133,18 @@ def kv_cache_init(
             f"window must be a positive int no larger than capacity={capacity}, got {window!r}"
         )
     h_v = head_dim if head_dim_v is None else head_dim_v
-    if np.dtype(dtype) == np.float64 and not x64_enabled():
-        with enable_x64():  # a float64 cache is float64, never silently float32
-            return kv_cache_init(
-                batch, capacity, num_kv_heads, head_dim, head_dim_v, window=window, dtype=dtype
-            )
-    return KVCache(
-        k=jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
-        v=jnp.zeros((batch, capacity, num_kv_heads, h_v), dtype),
-        positions=jnp.full((batch, capacity), -1, jnp.int32),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        window=window,
-    )
 
+    def empty() -> KVCache:
+        return KVCache(
+            k=jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
+            v=jnp.zeros((batch, capacity, num_kv_heads, h_v), dtype),
+            positions=jnp.full((batch, capacity), -1, jnp.int32),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            window=window,
+        )
 
-def _dtype(x: Any) -> np.dtype[Any]:
-    dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+    # a float64 cache is float64, never silently float32
+    return in_x64_if_float64(dtype, empty)
 
 
 def _check_dtypes(cache: KVCache, **arrays: Any) -> None:
@@ -304,6 +337,21 @@ def kv_cache_append(
     eagerly, ``checkify.JaxRuntimeError`` under :func:`attnref.checked`; under plain ``jax.jit``
     the append wraps (keeping the last ``C`` tokens, positions recorded) and every later read
     that needs an overwritten key returns NaN rows.
+
+    Args:
+        cache: The cache to append to (:class:`KVCache`).
+        k: The chunk's keys ``[B, L, K, H]``, the cache's dtype.
+        v: The chunk's values ``[B, L, K, H_v]``, the cache's dtype.
+        valid: Boolean ``[B, L]``, ``True`` = a real token; padding is skipped and real tokens
+            are numbered consecutively. ``None`` (default) means every token is real.
+
+    Returns:
+        The updated :class:`KVCache` (``lengths`` advanced by the real tokens of each row).
+
+    Raises:
+        ValueError: If ``k``/``v`` do not match the cache's ``[B, *, K, H]``/``H_v``, ``valid``
+            is not a boolean ``[B, L]`` array, or (eagerly) a cache without a window overflows.
+        TypeError: If ``k``/``v`` do not have the cache's dtype.
     """
     valid_a = _check_chunk(cache, k, v, valid)
     pos, lengths = _chunk_positions(cache, valid_a)
@@ -332,12 +380,37 @@ def cached_attention(
     ``mask`` and ``bias`` (optional, ``[B, L, P]``) are indexed by the keys' *absolute*
     positions ``0..P-1`` (``P`` must exceed every position attended), so a mask or bias written
     for the full sequence applies unchanged to cached decoding. ``q``, ``k``, ``v`` must have
-    the cache's dtype (``TypeError`` naming both otherwise); float64 computes in float64. Returns
-    the chunk's output (zero rows for padding tokens) and the updated cache.
+    the cache's dtype (``TypeError`` naming both otherwise); float64 computes in float64.
 
     Value errors (a cache without a window overflowing, ``P`` too short): ``ValueError``
     eagerly; under plain ``jax.jit`` the affected output rows are NaN; under
     :func:`attnref.checked` a ``checkify.JaxRuntimeError`` naming capacity, window and position.
+
+    Args:
+        cache: The cache (:class:`KVCache`); ``K``, ``H``, ``H_v`` and the dtype come from it.
+        q: The chunk's queries ``[B, L, N, H]``, ``N`` a multiple of ``K``.
+        k: The chunk's keys ``[B, L, K, H]``.
+        v: The chunk's values ``[B, L, K, H_v]``.
+        valid: Boolean ``[B, L]``, ``True`` = a real token (padding is neither appended nor
+            attended from); ``None`` (default) means every token is real.
+        mask: Boolean ``[B, L, P]`` by absolute key position, ``True`` = may attend; ``None``
+            (default): the causal (and window) rule only.
+        bias: ``[B, L, P]`` by absolute key position, added to the (softcapped) logits;
+            ``None`` (default) adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        softcap: A positive number ``c``: logits become ``c tanh(s / c)``; ``None`` (default):
+            no cap.
+
+    Returns:
+        ``(o, cache)``: the chunk's output ``o [B, L, N, H_v]`` (zero rows for padding tokens)
+        and the updated :class:`KVCache`.
+
+    Raises:
+        ValueError: If a chunk's shape does not match the cache, ``valid`` is not a boolean
+            ``[B, L]`` array, ``mask``/``bias`` are not ``[B, L, P]``, or, eagerly, the cache
+            overflows or ``P`` is too short for an attended position; or for the errors of
+            :func:`attnref.dot_product_attention` (e.g. a bad ``softcap``).
+        TypeError: If ``q``/``k``/``v`` do not have the cache's dtype.
     """
     valid_a = _check_chunk(cache, k, v, valid, q)
     q_pos, lengths = _chunk_positions(cache, valid_a)
@@ -391,6 +464,31 @@ def cache_attend(
     buffer is read as it is). A row whose needed keys were overwritten, or whose attended
     positions reach past ``P``, raises ``ValueError`` eagerly, is NaN under plain ``jax.jit``
     and raises ``checkify.JaxRuntimeError`` under :func:`attnref.checked`.
+
+    Args:
+        cache: A filled cache (:class:`KVCache`); it is not modified.
+        q: The queries ``[B, L, N, H]`` (``N`` a multiple of the cache's ``K`` heads), the
+            cache's dtype.
+        query_positions: Integer ``[B, L]``, each query's absolute position (``-1`` = padding
+            query, zero output); ``None`` (default): no causal rule, every filled slot (within
+            the ring buffer) is read.
+        mask: Boolean ``[B, L, P]`` by absolute key position, ``True`` = may attend; ``None``
+            (default) allows every candidate key.
+        bias: ``[B, L, P]`` by absolute key position, added to the logits; ``None`` (default)
+            adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        softcap: A positive number ``c``: logits become ``c tanh(s / c)``; ``None`` (default):
+            no cap.
+
+    Returns:
+        ``o [B, L, N, H_v]``; a query with no readable key gets a zero row.
+
+    Raises:
+        ValueError: If ``q`` is not ``[B, L, N, H]`` for the cache, ``query_positions`` is not
+            an integer ``[B, L]`` array, ``mask``/``bias`` are not ``[B, L, P]``, or, eagerly, a
+            needed key was overwritten or ``P`` is too short; or for the errors of
+            :func:`attnref.dot_product_attention` (e.g. ``N`` not a multiple of ``K``).
+        TypeError: If ``q`` does not have the cache's dtype.
     """
     b, c = cache.positions.shape
     length = int(np.shape(q)[1])
@@ -450,7 +548,7 @@ def _check_multihead(params: AttentionParams, cache: KVCache, **xs: Any) -> int:
     if _dtype(cache.k) != p_dtype:
         raise TypeError(
             f"the cache has dtype {_dtype(cache.k)} but params.w_q has dtype {p_dtype}; attnref "
-            "does not mix dtypes: build the cache with mha_cache_init(params, ...)"
+            "does not mix dtypes: build the cache with init_cache(params, ...)"
         )
     for name, x in xs.items():
         if x is not None and _dtype(x) != p_dtype:
@@ -462,7 +560,7 @@ def _check_multihead(params: AttentionParams, cache: KVCache, **xs: Any) -> int:
 
 
 @float64_scoped
-def mha_cached_attention(
+def step(
     params: AttentionParams,
     cache: KVCache,
     x: Float[ArrayLike, "B L d_model"],
@@ -480,6 +578,29 @@ def mha_cached_attention(
     are the value errors: a row that overflows the cache is NaN under plain ``jax.jit`` (all
     ``d_model`` entries) and raises under :func:`attnref.checked`. ``params``, ``cache`` and
     ``x`` share one dtype (``TypeError`` otherwise).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); the cache holds their
+            ``K`` key/value heads.
+        cache: The cache (:class:`KVCache`, e.g. from :func:`init_cache`).
+        x: The chunk's tokens, row vectors ``[B, L, d_model]`` (``L = 1``: one decoding step).
+        valid: Boolean ``[B, L]``, ``True`` = a real token; padding tokens are skipped and get
+            zero output rows. ``None`` (default) means every token is real.
+        x_kv: The chunk's key/value tokens ``[B, L, d_model]``; ``None`` (default) means ``x``.
+        mask: Boolean ``[B, L, P]`` by absolute key position, ``True`` = may attend; ``None``
+            (default): the causal (and window) rule only.
+        bias: ``[B, L, P]`` by absolute key position, added to the logits; ``None`` (default)
+            adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``(y, cache)``: the block output ``y [B, L, d_model]`` (zero rows for padding tokens,
+        no residual) and the updated :class:`KVCache`.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x`` is not ``[B, L, d_model]``, ``x_kv`` does
+            not have the shape of ``x``, or for the errors of :func:`cached_attention`.
+        TypeError: If ``params``, ``cache``, ``x`` and ``x_kv`` do not share one dtype.
     """
     d_model = _check_multihead(params, cache, x=x, x_kv=x_kv)
     x = jnp.asarray(x)
@@ -500,14 +621,29 @@ def mha_cached_attention(
     return y, cache
 
 
-def mha_cache_init(
+def init_cache(
     params: AttentionParams,
     batch: int,
     capacity: int,
     *,
     window: int | None = None,
 ) -> KVCache:
-    """An empty cache shaped for ``params`` (its K/V heads, ``d_k``, ``d_v`` and dtype)."""
+    """An empty cache shaped for ``params`` (its K/V heads, ``d_k``, ``d_v`` and dtype).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`).
+        batch: The batch size ``B``, a positive int.
+        capacity: The number of slots ``C``, a positive int.
+        window: ``None`` (default: the cache must hold the whole sequence) or a positive int
+            ``W <= capacity`` (a ring buffer of the last ``W`` positions).
+
+    Returns:
+        An empty :class:`KVCache` ``[B, C, K, d_k]``/``[B, C, K, d_v]`` in the dtype of
+        ``params``.
+
+    Raises:
+        ValueError: As :func:`kv_cache_init` (sizes not positive ints, a bad ``window``).
+    """
     kv_heads = int(np.shape(params.w_k)[0])
     return kv_cache_init(
         batch, capacity, kv_heads, params.d_k, params.d_v, window=window, dtype=params.dtype
@@ -515,7 +651,7 @@ def mha_cache_init(
 
 
 @float64_scoped
-def mha_decode_scan(
+def scan(
     params: AttentionParams,
     cache: KVCache,
     xs: Float[ArrayLike, "B T d_model"],
@@ -526,13 +662,34 @@ def mha_decode_scan(
     bias: Float[ArrayLike, "B T P"] | None = None,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B T d_model"], KVCache]:
-    """Feed ``xs`` one token at a time through :func:`mha_cached_attention` with ``lax.scan``;
+    """Feed ``xs`` one token at a time through :func:`step` with ``lax.scan``;
     row ``t`` of ``mask``/``bias`` goes with token ``t`` (indexed by absolute key position);
     ``xs_kv`` (default ``xs``) supplies each token's keys and values.
 
     A cache without a window must hold ``lengths + (real tokens of xs)``: checked before the
     scan (``ValueError`` eagerly, ``checkify.JaxRuntimeError`` under :func:`attnref.checked`);
-    under plain ``jax.jit`` the rows that need overwritten keys are NaN."""
+    under plain ``jax.jit`` the rows that need overwritten keys are NaN.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`).
+        cache: The cache to decode into (:class:`KVCache`, e.g. from :func:`init_cache`).
+        xs: The tokens, row vectors ``[B, T, d_model]``, fed one per step.
+        valid: Boolean ``[B, T]``, ``True`` = a real token; ``None`` (default): all real.
+        xs_kv: The tokens' keys/values ``[B, T, d_model]``; ``None`` (default) means ``xs``.
+        mask: Boolean ``[B, T, P]``, row ``t`` for token ``t``, by absolute key position;
+            ``None`` (default): causal (and window) only.
+        bias: ``[B, T, P]`` like ``mask``, added to the logits; ``None`` (default): none.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``(ys, cache)``: the outputs ``[B, T, d_model]`` (zero rows for padding) and the final
+        :class:`KVCache`.
+
+    Raises:
+        ValueError: If ``xs`` is not rank 3, ``valid`` is not a boolean ``[B, T]`` array,
+            (eagerly) the cache would overflow, or for the errors of :func:`step`.
+        TypeError: If ``params``, ``cache``, ``xs`` and ``xs_kv`` do not share one dtype.
+    """
     _check_multihead(params, cache, xs=xs, xs_kv=xs_kv)
     xs = jnp.asarray(xs)
     if xs.ndim != 3:
@@ -552,9 +709,9 @@ def mha_decode_scan(
     if bias is not None:
         steps["bias"] = jnp.swapaxes(jnp.asarray(bias), 0, 1)
 
-    def step(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
+    def body(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
         extra = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
-        y, c = mha_cached_attention(
+        y, c = step(
             params,
             c,
             inp["x"][:, None],
@@ -565,12 +722,12 @@ def mha_decode_scan(
         )
         return c, y[:, 0]
 
-    cache, ys = jax.lax.scan(step, cache, steps)
+    cache, ys = jax.lax.scan(body, cache, steps)
     return jnp.swapaxes(ys, 0, 1), cache
 
 
 @float64_scoped
-def mha_generate(
+def generate(
     params: AttentionParams,
     cache: KVCache,
     x0: Float[ArrayLike, "B d_model"],
@@ -586,16 +743,33 @@ def mha_generate(
     without a window must hold ``lengths + steps`` tokens: ``ValueError`` eagerly,
     ``checkify.JaxRuntimeError`` under :func:`attnref.checked`; under plain ``jax.jit`` the
     outputs that need overwritten keys are NaN (and so is everything generated from them).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`).
+        cache: The cache to decode into (:class:`KVCache`), e.g. prefilled by :func:`step`.
+        x0: The first input token ``[B, d_model]``, the dtype of ``params``.
+        steps: The number of steps, a non-negative int (static under ``jax.jit``).
+        next_input: ``next_input(x_t, y_t) -> x_{t+1}``, both ``[B, d_model]``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``(xs, ys, cache)``: the inputs ``[B, steps, d_model]``, the outputs
+        ``[B, steps, d_model]`` and the final :class:`KVCache`.
+
+    Raises:
+        ValueError: If ``steps`` is not a non-negative int, ``params`` is malformed, or
+            (eagerly) the cache would overflow.
+        TypeError: If ``params``, ``cache`` and ``x0`` do not share one dtype.
     """
     _check_multihead(params, cache, x0=x0)
     if not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be a non-negative int (static under jax.jit), got {steps!r}")
     _require_room(cache, jnp.full(cache.lengths.shape, steps, jnp.int32))
 
-    def step(carry: tuple[KVCache, Array], _: Any) -> tuple[tuple[KVCache, Array], Any]:
+    def body(carry: tuple[KVCache, Array], _: Any) -> tuple[tuple[KVCache, Array], Any]:
         c, x_t = carry
-        y, c = mha_cached_attention(params, c, x_t[:, None], scale=scale)
+        y, c = step(params, c, x_t[:, None], scale=scale)
         return (c, next_input(x_t, y[:, 0])), (x_t, y[:, 0])
 
-    (cache, _), (xs, ys) = jax.lax.scan(step, (cache, jnp.asarray(x0)), None, length=steps)
+    (cache, _), (xs, ys) = jax.lax.scan(body, (cache, jnp.asarray(x0)), None, length=steps)
     return jnp.swapaxes(xs, 0, 1), jnp.swapaxes(ys, 0, 1), cache

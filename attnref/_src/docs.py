@@ -1,14 +1,94 @@
-"""Render the per-formulation Markdown pages of ``docs/formulations/`` from the registry."""
+"""Render the per-formulation Markdown pages of ``docs/formulations/`` from the registry.
+
+The export rule (checked by ``tests/test_docs_pages.py``): every registered formulation's
+``native`` and ``apply`` are exported under their ``__name__``, from ``attnref`` or from one of
+its namespaces (:data:`NAMESPACES`), and its page shows that qualified name
+(:func:`public_name`); every exported function taking the registry's row signature
+``(params, x_q, x_kv, ...)`` is a registered ``native``/``apply`` or is listed in
+:data:`HELPERS` with the reason it is not a registry entry, and the page of the formulation it
+belongs to shows it.
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from attnref._src.catalog import HELPERS
+from attnref._src.family import public_path
+from attnref._src.kernel_forms import decode_attention
+from attnref._src.probes import attention_logits, attention_probes, residual_update
 from attnref._src.registry import Formulation, formulations
+from attnref._src.standard import attention_weights, head_outputs
+
+# Where a page may find a function, after the top level: the namespaces that export
+# formulations and their helpers (the others hold the NumPy oracle and bounds, the models and
+# the testing kits).
+NAMESPACES = ("linear", "rope", "decode", "interp", "interop", "costs")
+
+
+class Helper(NamedTuple):
+    """An exported function with the registry's row signature that is not a registry entry.
+
+    Attributes:
+        fn: The function.
+        formulation: The id of the registry entry whose page lists it.
+        reason: Why it is not an entry (Markdown, shown on that page).
+    """
+
+    fn: Callable[..., Any]
+    formulation: str
+    reason: str
+
+
+_PROBE = "A probe of the block (see [probes](../probes.md)), not the block output: "
+
+HELPERS: tuple[Helper, ...] = (
+    Helper(
+        decode_attention,
+        "kv_cache",
+        "The `kv_cache` computation fed one token per `lax.scan` step (`attnref.decode.scan`: "
+        "token `t` appends its key and value, then its query attends to the cache). It is always "
+        "causal and needs `T_q == T_k`, so it cannot take the softmax family's arbitrary masks "
+        "and cross-attention; `tests/test_registry.py` checks it against the oracle with a "
+        "causal mask.",
+    ),
+    Helper(
+        attention_weights,
+        "per_head_sum",
+        _PROBE + "the weights `A_i` of every query head. `tests/test_registry.py` checks that it "
+        "equals the `scores` field of `attnref.interp.attention_probes` bit for bit, which "
+        "`tests/test_probes.py` checks against the oracle.",
+    ),
+    Helper(
+        head_outputs,
+        "per_head_sum",
+        _PROBE + "the per-head terms `o_i = head_i W_O[i]` (no `b_O`). `tests/test_registry.py` "
+        "checks `sum_i o_i + b_O` against the oracle's output with the derived bound.",
+    ),
+    Helper(
+        attention_logits,
+        "scores_messages",
+        _PROBE + "the masked pre-softmax logits. `tests/test_probes.py` checks that it equals "
+        "the `logits` field of `attnref.interp.attention_probes` bit for bit and those against a "
+        "derived bound.",
+    ),
+    Helper(
+        attention_probes,
+        "scores_messages",
+        _PROBE + "every intermediate at once, as a pytree; `tests/test_probes.py` checks each "
+        "field against the oracle.",
+    ),
+    Helper(
+        residual_update,
+        "scores_messages",
+        "The residual form `x_q + y` computed from `attnref.interp.attention_probes` (scores times "
+        "messages): the same function as every formulation's `apply` with `residual=True`, "
+        "which the registry tests; `tests/test_probes.py` checks the two agree.",
+    ),
+)
 
 _CONVENTION_NOTE = {
     "row": "Row vectors: tokens are rows, `x_q [..., T_q, d_model]`, output `[..., T_q, d_model]`.",
@@ -28,36 +108,41 @@ _CONVENTION_NOTE = {
 }
 
 
-_FAMILY_NOTE = {
-    "softmax": "Scale $1/\\sqrt{d_k}$ unless `scale=` is given. A fully masked query row gets "
-    "zero attention weights, so the output there is $b_O$ (see [conventions](../conventions.md)).",
-    "rope": "Scale $1/\\sqrt{d_k}$ unless `scale=` is given; positions default to `arange(T)`; "
-    "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
-    "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "
-    "[RoPE](../rope.md).",
-    "linear": "Feature map $\\phi$ from `attnref.elu_plus_one`, `attnref.relu_features`, "
-    "`attnref.identity_features`, `attnref.taylor2` or `attnref.favor_plus`. Denominator policy: "
-    "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "
-    "$\\max(D_i, \\epsilon)$; the default $\\epsilon = 0$ is the exact ratio, and an exactly "
-    "zero adjusted denominator (no allowed key) gives a zero output. With the signed `identity` "
-    "map the denominator can be near zero and the ratio grows like $1/D_i$; attnref reproduces "
-    "that rather than hiding it (see [linear attention](../linear_attention.md)).",
-}
+def public_name(fn: Callable[..., Any]) -> str:
+    """The name a page shows for ``fn``: ``attnref.<name>`` if the top level exports it, else
+    ``attnref.<namespace>.<name>`` for the first of :data:`NAMESPACES` that does.
 
+    Args:
+        fn: A registered ``native``/``apply`` or a helper.
 
-def _exported_name(fn: Callable[..., Any]) -> str:
-    """The name a page shows for ``fn``: ``attnref.<__name__>`` (``tests/test_docs_pages.py``
-    checks that it resolves to ``fn`` itself)."""
-    return f"attnref.{fn.__name__}"
+    Returns:
+        The qualified public name (``tests/test_docs_pages.py`` checks it resolves to ``fn``).
+
+    Raises:
+        LookupError: ``fn`` is exported nowhere under its ``__name__`` (the export rule).
+    """
+    import attnref
+
+    name = fn.__name__
+    if name in attnref.__all__ and getattr(attnref, name) is fn:
+        return f"attnref.{name}"
+    for namespace in NAMESPACES:
+        module = importlib.import_module(f"attnref.{namespace}")
+        if name in getattr(module, "__all__", ()) and getattr(module, name) is fn:
+            return f"attnref.{namespace}.{name}"
+    raise LookupError(
+        f"{fn.__module__}.{name} is exported neither from attnref nor from attnref.<namespace> "
+        f"for a namespace in {NAMESPACES}"
+    )
 
 
 def _code_block(fn: Callable[..., Any]) -> str:
     """``fn``'s public name and its ``inspect.signature``, verbatim, as a Python code block."""
-    return f"```python\n{_exported_name(fn)}{inspect.signature(fn)}\n```"
+    return f"```python\n{public_name(fn)}{inspect.signature(fn)}\n```"
 
 
 def _code(f: Formulation) -> str:
-    family = f"registry `apply` ({f.family} family)"
+    family = f"registry `apply` ({f.family.name} family)"
     if f.native is f.apply:
         text = f"**Code.** Native form and {family}:\n\n{_code_block(f.native)}"
     else:
@@ -73,8 +158,24 @@ def _code(f: Formulation) -> str:
     return text
 
 
+def _family(f: Formulation) -> str:
+    fam = f.family
+    return (
+        f"**Family.** {fam.name}: every `apply` of the family takes `{fam.signature}` and is "
+        f"checked against `{public_path(fam.oracle)}` within the derived bound "
+        f"`{public_path(fam.bound)}`."
+    )
+
+
 def render(f: Formulation) -> str:
-    """The Markdown page of one formulation."""
+    """The Markdown page of one formulation.
+
+    Args:
+        f: A registry entry.
+
+    Returns:
+        The page's Markdown text.
+    """
     doc = inspect.getdoc(f.native) or ""
     module = inspect.getmodule(f.native)
     details = (inspect.getdoc(module) or "") if module is not None else ""
@@ -84,7 +185,8 @@ def render(f: Formulation) -> str:
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
         f"**Cost.** {f.cost}\n\n"
-        f"**Convention.** {_CONVENTION_NOTE[f.convention]} {_FAMILY_NOTE[f.family]}\n\n"
+        f"**Convention.** {_CONVENTION_NOTE[f.convention]} {f.family.note}\n\n"
+        f"{_family(f)}\n\n"
         f"{_code(f)}\n\n"
         f"{doc}\n\n"
         f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"

@@ -32,21 +32,51 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
+
+from attnref._src.checks import HIGHEST
 
 Role = Literal["query", "key"]
 MAP_NAMES = ("elu_plus_one", "relu", "identity", "taylor2", "favor_plus")
 
 
+@runtime_checkable
+class FeatureMapLike(Protocol):
+    """What the linear forms accept as ``feature_map``: a :class:`FeatureMap`, or any object with
+    ``name``, ``__call__(x, role)`` and ``num_features(d)`` (:func:`check_feature_map`)."""
+
+    name: str
+
+    def __call__(self, x: Any, role: Role) -> Any: ...
+
+    def num_features(self, d: int) -> int: ...
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FeatureMap:
-    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static)."""
+    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static).
+
+    Build one with a factory (:func:`elu_plus_one`, :func:`relu_features`,
+    :func:`identity_features`, :func:`taylor2`, :func:`favor_plus`) rather than directly.
+    ``fm(x, role)`` gives the features of the last axis of ``x``; ``fm.kernel(q, k)`` the
+    unstabilised ``phi(q).phi(k)``.
+
+    Attributes:
+        name: One of ``"elu_plus_one"``, ``"relu"``, ``"identity"``, ``"taylor2"``,
+            ``"favor_plus"`` (static).
+        omega: FAVOR+'s random projections ``[m, d]`` (``None`` for every other map).
+        orthogonal: Whether FAVOR+'s projections are in orthogonal blocks (static).
+
+    Raises:
+        ValueError: On construction, for an unknown ``name``, or ``omega`` given for a map
+            other than ``favor_plus`` (or missing for it).
+    """
 
     name: str = dataclasses.field(metadata=dict(static=True))
     omega: np.ndarray | Array | None = None  # FAVOR+ projections [m, d]
@@ -64,6 +94,8 @@ class FeatureMap:
         return self.name in ("elu_plus_one", "taylor2", "favor_plus")
 
     def num_features(self, d: int) -> int:
+        """The feature count ``m`` for inputs of dimension ``d``: ``1 + d + d^2`` for
+        ``taylor2``, the number of projections for ``favor_plus``, ``d`` otherwise."""
         if self.name == "taylor2":
             return 1 + d + d * d
         if self.name == "favor_plus":
@@ -71,7 +103,7 @@ class FeatureMap:
             return int(np.shape(self.omega)[0])
         return d
 
-    def __call__(self, x: Float[Array, "... d"], role: Role) -> Float[Array, "... m"]:
+    def __call__(self, x: Float[ArrayLike, "... d"], role: Role) -> Float[Array, "... m"]:
         """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation
         (for queries this is ``query_features(x)[0]``)."""
         if role not in ("query", "key"):
@@ -81,7 +113,7 @@ class FeatureMap:
         return self._features(jnp.asarray(x), "key")
 
     def query_features(
-        self, x: Float[Array, "... d"]
+        self, x: Float[ArrayLike, "... d"]
     ) -> tuple[Float[Array, "... m"], Float[Array, "..."]]:
         """``(phi~(x), c(x))``: the query features as computed and the log of the per-query factor
         they carry, ``phi~(q).phi~(k) = exp(-c(q)) phi(q).phi(k)`` for every key ``k``.
@@ -95,9 +127,7 @@ class FeatureMap:
             return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
         w = self._omega_for(x)
         xs = x * jnp.asarray(x.shape[-1] ** -0.25, x.dtype)
-        expo = jnp.einsum("...d,md->...m", xs, w, precision="highest") + 0.5 * jnp.sum(
-            w * w, axis=-1
-        )
+        expo = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST) + 0.5 * jnp.sum(w * w, axis=-1)
         top = jnp.max(expo, axis=-1, keepdims=True)  # part of phi~: no stop_gradient
         phi = jnp.exp(expo - top) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
         return phi, top[..., 0] - 0.5 * jnp.sum(xs * xs, axis=-1)
@@ -123,13 +153,15 @@ class FeatureMap:
             return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
         assert role == "key"  # FAVOR+ queries: query_features
         w = self._omega_for(x)
-        proj = jnp.einsum("...d,md->...m", xs, w, precision="highest")
+        proj = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST)
         # exp(-|k~ - w|^2 / 2): a data-independent shift |w|^2/2, bounded by 1; the queries carry
         # the compensating +|w|^2/2 and their own max (query_features)
         expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - 0.5 * jnp.sum(w * w, -1)
         return jnp.exp(expo) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
 
-    def kernel(self, q: Float[Array, "... d"], k: Float[Array, "... d"]) -> Float[Array, "..."]:
+    def kernel(
+        self, q: Float[ArrayLike, "... d"], k: Float[ArrayLike, "... d"]
+    ) -> Float[Array, "..."]:
         """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics)."""
         q, k = jnp.asarray(q), jnp.asarray(k)
         if self.name != "favor_plus":
@@ -138,7 +170,7 @@ class FeatureMap:
         w = jnp.asarray(self.omega, q.dtype)
         qs, ks = q * d**-0.25, k * d**-0.25
         expo = (
-            jnp.einsum("...d,md->...m", qs + ks, w, precision="highest")
+            jnp.einsum("...d,md->...m", qs + ks, w, precision=HIGHEST)
             - 0.5 * jnp.sum(qs * qs, -1, keepdims=True)
             - 0.5 * jnp.sum(ks * ks, -1, keepdims=True)
         )
@@ -146,22 +178,41 @@ class FeatureMap:
 
 
 def elu_plus_one() -> FeatureMap:
-    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020)."""
+    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020).
+
+    Returns:
+        The positive :class:`FeatureMap` ``"elu_plus_one"`` (``m = d`` features).
+    """
     return FeatureMap("elu_plus_one")
 
 
 def relu_features() -> FeatureMap:
-    """``phi(x) = max(x, 0)``."""
+    """``phi(x) = max(x, 0)``.
+
+    Returns:
+        The non-negative :class:`FeatureMap` ``"relu"`` (``m = d`` features; ``phi(q).phi(k)``
+        can be 0, so a denominator can be exactly zero, and the output there is zero).
+    """
     return FeatureMap("relu")
 
 
 def identity_features() -> FeatureMap:
-    """``phi(x) = x`` (signed: denominators can vanish)."""
+    """``phi(x) = x`` (signed: denominators can vanish).
+
+    Returns:
+        The signed :class:`FeatureMap` ``"identity"`` (``m = d`` features).
+    """
     return FeatureMap("identity")
 
 
 def taylor2() -> FeatureMap:
-    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``."""
+    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``.
+
+    ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``, positive for every ``s``.
+
+    Returns:
+        The positive :class:`FeatureMap` ``"taylor2"`` (``m = 1 + d + d^2`` features).
+    """
     return FeatureMap("taylor2")
 
 
@@ -171,6 +222,19 @@ def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True)
     Orthogonal: blocks of ``d`` mutually orthogonal directions (QR of a Gaussian matrix), each row
     rescaled by the norm of an independent ``N(0, I_d)`` vector, so every row is marginally
     ``N(0, I_d)`` (Choromanski et al. 2021, section 2.4).
+
+    Args:
+        seed: Seed of NumPy's ``default_rng`` (PCG64); the same seed gives the same map.
+        d: The input dimension (the head dim ``d_k``), ``>= 1``.
+        num_features: The number of random features ``m``, ``>= 1``.
+        orthogonal: If ``True`` (default), orthogonal blocks with chi-distributed norms;
+            otherwise i.i.d. Gaussian rows.
+
+    Returns:
+        The positive :class:`FeatureMap` ``"favor_plus"`` with float64 ``omega [m, d]``.
+
+    Raises:
+        ValueError: If ``d < 1`` or ``num_features < 1``.
     """
     if d < 1 or num_features < 1:
         raise ValueError(f"need d >= 1 and num_features >= 1, got d={d}, {num_features}")
@@ -185,6 +249,22 @@ def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True)
     directions = np.concatenate(blocks)[:num_features]
     norms = np.linalg.norm(rng.standard_normal((num_features, d)), axis=-1)
     return FeatureMap("favor_plus", directions * norms[:, None], True)
+
+
+def feature_map_from_name(
+    name: str, *, seed: int = 0, d: int | None = None, num_features: int | None = None
+) -> FeatureMap:
+    """The feature map called ``name`` (one of :data:`MAP_NAMES`): the one name -> map dispatch.
+
+    ``"favor_plus"`` is drawn by :func:`favor_plus` (orthogonal) from ``seed``, ``d`` and
+    ``num_features``, which the other maps ignore. An unknown name raises the ``ValueError`` of
+    :class:`FeatureMap`.
+    """
+    if name == "favor_plus":
+        if d is None or num_features is None:
+            raise ValueError("favor_plus needs d and num_features (and a seed)")
+        return favor_plus(seed, d, num_features)
+    return FeatureMap(name)
 
 
 _FACTORY_CALLS = {
@@ -210,9 +290,10 @@ def check_feature_map(fm: object, arg: str = "feature_map") -> None:
     if callable(fm) and name in _FACTORY_CALLS and not hasattr(fm, "num_features"):
         raise TypeError(
             f"{arg} must be a FeatureMap; got the factory function {name} itself: call it, "
-            f"{arg}=attnref.{_FACTORY_CALLS[name]}"
+            f"{arg}=attnref.linear.{_FACTORY_CALLS[name]}"
         )
     if not (callable(fm) and hasattr(fm, "num_features") and hasattr(fm, "name")):
         raise TypeError(
-            f"{arg} must be a FeatureMap (e.g. attnref.elu_plus_one()), got {type(fm).__name__}"
+            f"{arg} must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
+            f"got {type(fm).__name__}"
         )

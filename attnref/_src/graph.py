@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from attnref._src import cost as _cost
 from attnref._src.checks import check_params, check_scale, float64_scoped
-from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
+from attnref._src.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
 from attnref._src.nonfinite import (
     allowed_pairs,
     finite_bias,
@@ -29,6 +30,7 @@ from attnref._src.nonfinite import (
     nonfinite_rows,
 )
 from attnref._src.params import AttentionParams, repeat_heads
+from attnref._src.registry import Formulation, register
 
 
 def _check_edges(
@@ -77,7 +79,7 @@ def _segment_softmax(
 
 
 @float64_scoped
-def graph_attention(
+def graph_message_passing(
     params: AttentionParams,
     x_senders: Float[ArrayLike, "N_s d_model"],
     x_receivers: Float[ArrayLike, "N_r d_model"],
@@ -93,6 +95,33 @@ def graph_attention(
 
     ``senders[e]`` indexes ``x_senders`` (keys/values), ``receivers[e]`` indexes ``x_receivers``
     (queries); ``edge_mask`` disables edges without changing shapes (for ``jit``).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_senders: Sender (key/value) node features, row vectors ``[N_s, d_model]`` (no batch
+            dims), the dtype of ``params``.
+        x_receivers: Receiver (query) node features ``[N_r, d_model]``, the dtype of ``params``.
+        senders: Integer ``[E]``: edge ``e`` goes from node ``senders[e]`` of ``x_senders`` ...
+        receivers: Integer ``[E]``: ... to node ``receivers[e]`` of ``x_receivers``.
+        edge_mask: Boolean ``[E]``, ``False`` switches an edge off; ``None`` (default) keeps
+            every edge.
+        edge_bias: Additive bias ``[E]`` on each edge's scaled score (``-inf`` switches the edge
+            off); cast to the dtype of ``x_receivers``.
+        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_receivers + y`` (the residual-stream update).
+
+    Returns:
+        The receivers' updates ``y [N_r, d_model]``; a receiver with no allowed incoming edge
+        gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, the node features are not ``[N, d_model]``,
+            ``senders``/``receivers`` are not 1-D of one length ``E``, an index is out of range
+            (checked for NumPy index arrays only), ``edge_mask``/``edge_bias`` are not ``[E]``,
+            or ``scale`` is not a scalar.
+        TypeError: If the node features' dtype is not the parameters', the indices are not
+            integers, ``edge_mask`` is not boolean, or ``scale`` is not a real number.
     """
     _, d_model, d_k, _ = check_params(params)
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
@@ -143,7 +172,7 @@ def _message_passing(
     s: Array,
     residual: bool,
 ) -> Float[Array, "N_r d_model"]:
-    """The body of :func:`graph_attention` on validated arrays (no non-finite guard)."""
+    """The body of :func:`graph_message_passing` on validated arrays (no non-finite guard)."""
 
     def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
         y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
@@ -173,6 +202,17 @@ def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.nd
     """Sparse edge list ``(senders, receivers)`` of a concrete 2-D adjacency mask ``[T_q, T_k]``.
 
     Runs on the host (the number of edges is data-dependent), so it cannot be traced.
+
+    Args:
+        mask: A concrete boolean adjacency matrix ``[T_q, T_k]``; ``mask[r, s]`` = receiver
+            (query) ``r`` may listen to sender (key) ``s``.
+
+    Returns:
+        ``(senders, receivers)``, two ``int32`` arrays ``[E]`` (one entry per ``True`` in
+        ``mask``, in row-major order), ready for :func:`graph_message_passing`.
+
+    Raises:
+        ValueError: If ``mask`` is not a 2-D boolean array.
     """
     m = np.asarray(mask)
     if m.ndim != 2 or m.dtype != np.bool_:
@@ -182,22 +222,46 @@ def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.nd
 
 
 @float64_scoped
-def graph_attention_rows(
+def graph_attention(
     params: AttentionParams,
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
-    """:func:`graph_attention` on the complete bipartite graph, the mask as adjacency.
+    """:func:`graph_message_passing` on the complete bipartite graph, the mask as adjacency.
 
     Every (query, key) pair is an edge, so shapes are static and the function is ``jit``-able;
     the mask switches edges off. Batch dims are ``vmap``-ed.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
-    p0 = Prepared(params, x_q, x_kv, mask, bias, scale)
+    p0 = prepare_rows(params, x_q, x_kv, mask, bias, scale)
     receivers, senders = (
         jnp.asarray(a.reshape(-1)) for a in np.indices((p0.t_q, p0.t_k), dtype=np.int32)
     )
@@ -223,3 +287,66 @@ def graph_attention_rows(
         return residual_or(y, p.x_q, residual)
 
     return p0.guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- registry entry
+
+KARPATHY = (
+    "Karpathy (2023), Stanford CS25 lecture on transformers, attention as message exchange; as "
+    "presented in Attention: All you need to know (far.in.net, 2025-03-29)."
+)
+
+
+def graph_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    e = tq * tk  # dense adjacency
+    pq, pk, pv = _cost._projections(d)
+    mm = pq + pk + pv + 2 * b * tq * h * d.d_v * dm
+    edges = b * e * h
+    el = (
+        edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
+        + (_cost.SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters per edge
+        + 2 * edges * d.d_v  # alpha * v and its scatter-add
+        + _cost._bias_adds(
+            d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
+        )
+        + 2 * b * h * tq
+    )
+    per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]
+    tensors = [
+        b * tq * h * d.d_k,
+        b * tk * h * d.d_k,
+        b * tk * h * d.d_v,
+        *per_edge,
+        *[edges] * 8,
+        *[b * tq * h] * 4,
+        b * tq * h * d.d_v,
+        b * tq * dm,
+        2 * b * e,
+        b * (tq + tk) * dm,
+    ]  # q*k, logits, softmax, mask/bias broadcasts
+    return _cost._finish(d, mm, el, edges, tensors)
+
+
+register(
+    Formulation(
+        id="graph",
+        title="Graph message passing over an edge list",
+        equation=(
+            r"y_r = \sum_{i=1}^{H} \Big(\sum_{e=(s\to r)} \alpha_{e,i}\, v_{s,i}\Big) W_{O,i}"
+            r" + b_O,\quad \alpha_{\cdot,i} = \mathrm{segment\_softmax}_r\!\big("
+            r"q_{r,i}\cdot k_{s,i}/\sqrt{d_k}\big)"
+        ),
+        convention="graph",
+        citation=KARPATHY,
+        apply=graph_attention,
+        native=graph_message_passing,
+        summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
+        cost=(
+            "FLOPs O(H (N_r + N_s) d_model (d_k + d_v) + H E (d_k + d_v)) for E edges "
+            "(E = T_q T_k for the dense adjacency); memory O(H E (d_k + d_v)) for gathered "
+            "per-edge keys and values."
+        ),
+        cost_model=graph_cost,
+    )
+)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, Literal, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +49,25 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.checked import require
-from attnref._src.checks import check_mask_and_bias, check_scale, float64_scoped
+from attnref._src.checks import (
+    HIGHEST,
+    _dtype,
+    _shape,
+    check_mask_and_bias,
+    check_scale,
+    float64_scoped,
+    is_traced,
+)
 from attnref._src.checks import real_dtype as _real_dtype
 from attnref._src.common import scale_value
 from attnref._src.nonfinite import finite_bias, finite_part, nonfinite_rows, poison_rows
 
-HIGHEST = "highest"
 MaskedRows = Literal["zeros", "uniform", "nan"]
 Alignment = Literal["top_left", "bottom_right"]
-_POLICIES = ("zeros", "uniform", "nan")
+# The accepted values of masked_rows and causal_alignment: the one copy (prepare, alibi_bias,
+# the conformance kit and its CLI read these).
+MASKED_ROWS_POLICIES = ("zeros", "uniform", "nan")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 # Keyword options that change the computation's structure: static under jax.jit.
 STATIC_OPTIONS = (
     "scale",
@@ -68,7 +78,6 @@ STATIC_OPTIONS = (
     "masked_rows",
     "return_lse",
 )
-_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +104,12 @@ class KernelSpec:
         return self.n // self.k
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders: the blockwise
+# kernel's custom_vjp passes object()).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class KernelInputs:
     """Validated arrays of one call (``None`` where an option is not given)."""
 
@@ -110,19 +123,6 @@ class KernelInputs:
     q_seg: Array | None  # [B, T] int32
     kv_seg: Array | None  # [B, S] int32
     scale: Array  # scalar, compute dtype
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
-
-
-def _dtype(x: Any) -> np.dtype[Any]:
-    dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
-
-
-def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
 
 
 def _window(local_window_size: Any) -> tuple[int | None, int | None] | None:
@@ -173,7 +173,7 @@ def _check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) ->
     dt = _dtype(x)
     if not np.issubdtype(dt, np.integer):
         raise TypeError(f"{name} must be integer, got dtype {dt}")
-    if upper is not None and _is_concrete(x):
+    if upper is not None and not is_traced(x):
         arr = np.asarray(x)
         if arr.size and (arr.min() < 0 or arr.max() > upper):
             raise ValueError(
@@ -253,10 +253,12 @@ def prepare(
         raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
-    if not isinstance(masked_rows, str) or masked_rows not in _POLICIES:
-        raise ValueError(f"masked_rows must be one of {_POLICIES}, got {masked_rows!r}")
-    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
+    if not isinstance(masked_rows, str) or masked_rows not in MASKED_ROWS_POLICIES:
+        raise ValueError(f"masked_rows must be one of {MASKED_ROWS_POLICIES}, got {masked_rows!r}")
+    if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
+        )
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     check_scale(scale)
@@ -265,7 +267,7 @@ def prepare(
         ok = (
             not isinstance(softcap, (str, bytes, bool, np.bool_))
             and np.ndim(softcap) == 0
-            and _is_concrete(softcap)
+            and not is_traced(softcap)
             and _real_dtype(_dtype(softcap))
         )
         cap = float(softcap) if ok else None
@@ -551,10 +553,59 @@ def dot_product_attention(
     """``o = softmax(c tanh(scale q k^T / c) + bias, allowed) v`` per head, jax.nn layout.
 
     The semantics (alignment, the fully-masked-row policy, padding) are in the module docstring
-    of ``attnref._src.kernel`` and in ``docs/kernel.md``. ``segment_ids``: one ``[B, T]`` int
-    array (needs ``T == S``) or a pair ``(query_segment_ids [B, T], key_value_segment_ids
-    [B, S])``; a query attends only to keys of its own segment (packed sequences). Returns ``o``
-    ``[B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` when ``return_lse``.
+    of ``attnref._src.kernel`` and in ``docs/kernel.md``. Query head ``n`` reads key/value head
+    ``n // (N // K)``. 16-bit inputs are computed in float32 and the output cast back.
+
+    Args:
+        query: ``[B, T, N, H]``, floating.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
+            (``-inf`` masks the pair); ``None`` (default) adds nothing.
+        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
+            ``None`` (default) allows every pair.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only (``p_i`` placed by
+            ``causal_alignment``).
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond the length are
+            padding (output 0, ``lse = -inf``); ``None`` (default) means every row is real.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond the length are
+            never read; ``None`` (default) means all ``S`` keys.
+        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side):
+            query ``i`` reads keys in ``[p_i - left, p_i + right]``; ``None`` (default): no
+            window.
+        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
+            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; a query attends only
+            to keys of its own segment (packed sequences). ``None`` (default): one segment.
+        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
+            the bias; ``None`` (default): no cap.
+        causal_alignment: ``"top_left"`` (default; jax.nn, PyTorch SDPA: ``p_i = i``) or
+            ``"bottom_right"`` (FlashAttention: ``p_i = i + S_b - T_b`` with the actual
+            lengths); used by ``is_causal`` and ``local_window_size``.
+        masked_rows: What a fully masked query row returns: ``"zeros"`` (default), ``"uniform"``
+            (the mean of ``value`` over all ``S`` keys, as jax.nn and Flax) or ``"nan"``
+            (xformers).
+        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
+
+    Returns:
+        ``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]``
+        (``-inf`` on fully masked and padding rows) when ``return_lse``. Under ``jax.jit``
+        (lengths traced, not checkable) a batch element with out-of-range lengths is NaN,
+        unless run under :func:`attnref.checked`, which raises.
+
+    Raises:
+        ValueError: If ``query``/``key``/``value`` are not rank 4 or their shapes disagree
+            (batch, head dim, ``S``/``K``, ``N % K != 0``, ``H = 0``), ``mask``/``bias`` are not
+            rank 4 broadcastable to ``[B, N, T, S]``, ``masked_rows``/``causal_alignment`` are
+            not accepted values, ``softcap`` is not a positive finite number, ``scale`` is not a
+            scalar, a lengths or segment-ids array has the wrong shape, concrete lengths are out
+            of range, a single ``segment_ids`` array is given with ``T != S``,
+            ``local_window_size`` has a negative side or is not a pair, or
+            ``masked_rows="uniform"`` with ``S = 0``.
+        TypeError: If ``query`` is not floating, the three dtypes differ, ``mask`` is not
+            boolean, ``bias`` is not floating, ``is_causal`` is not a bool, ``scale`` is not a
+            real number, lengths or segment ids are not integers, or ``local_window_size`` is
+            not an int or a pair of ints.
     """
     spec, x = prepare(
         query,
@@ -583,6 +634,15 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     For ``n`` a power of two, ``m_h = 2^(-8 h / n)``, ``h = 1..n``; otherwise the slopes of the
     closest lower power of two ``c`` followed by every other slope of ``2c`` (the paper's
     reference implementation).
+
+    Args:
+        num_heads: The number of query heads ``n``, a positive int.
+
+    Returns:
+        A NumPy float64 array ``[num_heads]``, one slope per head (for :func:`alibi_bias`).
+
+    Raises:
+        ValueError: If ``num_heads`` is not a positive int.
     """
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
@@ -609,9 +669,26 @@ def alibi_bias(
 
     Under a causal mask this is the paper's ``m_n (j - i)`` on every allowed key; the symmetric
     ``|.|`` extends it to non-causal attention, as FlashAttention does. Pass it as ``bias``.
+
+    Args:
+        slopes: Per-head slopes ``[N]`` (:func:`alibi_slopes`).
+        t: The number of queries ``T``.
+        s: The number of keys ``S``.
+        causal_alignment: ``"top_left"`` (default, ``offset = 0``) or ``"bottom_right"``
+            (``offset = s - t``, the last query on the last key).
+        dtype: The bias dtype (default float32).
+
+    Returns:
+        The bias ``[1, N, T, S]`` of ``dtype``, broadcastable to ``[B, N, T, S]`` for
+        :func:`dot_product_attention`.
+
+    Raises:
+        ValueError: If ``causal_alignment`` is not ``"top_left"`` or ``"bottom_right"``.
     """
-    if causal_alignment not in _ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {_ALIGNMENTS}, got {causal_alignment!r}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
+        )
     offset = 0 if causal_alignment == "top_left" else s - t
     dist = jnp.abs(jnp.arange(t)[:, None] + offset - jnp.arange(s)[None, :]).astype(dtype)
     return (-jnp.asarray(slopes, dtype)[:, None, None] * dist)[None]

@@ -28,6 +28,7 @@ chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -37,17 +38,27 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
-from attnref._src.checks import check_params, check_tokens, float64_scoped
+from attnref import oracle, tolerance
+from attnref._src import cost as _cost
+from attnref._src.checks import check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, add_output_bias, project, project_kv, residual_or
-from attnref._src.feature_maps import FeatureMap, check_feature_map
+from attnref._src.family import Example, ExampleProblem, Family
+from attnref._src.feature_maps import (
+    FeatureMap,
+    FeatureMapLike,
+    check_feature_map,
+    feature_map_from_name,
+)
+from attnref._src.merged import _messages
 from attnref._src.nonfinite import (
     finite_part,
     nonfinite_rows,
     poison_rows,
 )
-from attnref._src.params import AttentionParams, repeat_heads, w_m
+from attnref._src.params import AttentionParams
+from attnref._src.registry import REFACTOR, Formulation, register
 
 EpsPolicy = Literal["add", "clamp"]
 EPS_POLICIES = ("add", "clamp")
@@ -99,7 +110,7 @@ def _check_policy(eps: Any, eps_policy: str) -> None:
         )
 
 
-def _query(fm: FeatureMap, q: Array) -> tuple[Array, Array | None]:
+def _query(fm: FeatureMapLike, q: Array) -> tuple[Array, Array | None]:
     """Query features and their log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) =
     exp(-c) phi(q).phi(k)``. A custom (duck-typed) map's features are its ``phi`` itself."""
     if isinstance(fm, FeatureMap) and fm.name == "favor_plus":
@@ -108,7 +119,7 @@ def _query(fm: FeatureMap, q: Array) -> tuple[Array, Array | None]:
 
 
 def _features(
-    fm: FeatureMap, q: Array, k: Array, key_mask: Array | None
+    fm: FeatureMapLike, q: Array, k: Array, key_mask: Array | None
 ) -> tuple[Array, Array, Array | None]:
     check_feature_map(fm)
     (fq, c), fk = _query(fm, q), fm(k, "key")
@@ -250,13 +261,39 @@ def linear_quadratic(
     k: Float[ArrayLike, "... T_k H d_k"],
     v: Float[ArrayLike, "... T_k H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = False,
     key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> Float[Array, "... T_q H d_v"]:
-    """Quadratic form: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)`` row-wise."""
+    """Quadratic form: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)`` row-wise.
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+        k: Keys ``[..., T_k, H, d_k]``, the batch dims, heads and dtype of ``q``.
+        v: Values ``[..., T_k, H, d_v]``, the dtype of ``q``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+            (e.g. :func:`attnref.linear.elu_plus_one`).
+        causal: If ``True``, query ``i`` reads keys ``j <= i`` only (needs ``T_q == T_k``);
+            default ``False``.
+        key_mask: Boolean ``[..., T_k]`` (exactly the batch dims of ``q``), ``True`` = the key
+            may be read; ``None`` (default) allows every key.
+        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+            ``max(den, eps)``).
+
+    Returns:
+        ``y [..., T_q, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
+        exactly zero (e.g. no allowed key).
+
+    Raises:
+        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
+            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
+            scalar, ``eps_policy`` is unknown, or ``causal`` with ``T_q != T_k``.
+        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
+            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
+    """
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
     km = None if key_mask is None else jnp.asarray(key_mask)
@@ -272,13 +309,38 @@ def linear_associative(
     k: Float[ArrayLike, "... T_k H d_k"],
     v: Float[ArrayLike, "... T_k H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = False,
     key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> Float[Array, "... T_q H d_v"]:
-    """Associative (non-causal) form: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``."""
+    """Associative (non-causal) form: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``.
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+        k: Keys ``[..., T_k, H, d_k]``, the batch dims, heads and dtype of ``q``.
+        v: Values ``[..., T_k, H, d_v]``, the dtype of ``q``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+            (e.g. :func:`attnref.linear.elu_plus_one`).
+        causal: Must be ``False`` (the default): this form is non-causal.
+        key_mask: Boolean ``[..., T_k]`` (exactly the batch dims of ``q``), ``True`` = the key
+            may be read; ``None`` (default) allows every key.
+        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+            ``max(den, eps)``).
+
+    Returns:
+        ``y [..., T_q, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
+        exactly zero (e.g. no allowed key).
+
+    Raises:
+        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
+            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
+            scalar, ``eps_policy`` is unknown, or ``causal=True``.
+        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
+            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
+    """
     if causal:
         raise ValueError(
             "linear_associative is non-causal; use linear_prefix_sum, "
@@ -310,14 +372,39 @@ def linear_prefix_sum(
     k: Float[ArrayLike, "... T H d_k"],
     v: Float[ArrayLike, "... T H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = True,
     key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> Float[Array, "... T H d_v"]:
     """Causal prefix sums: ``S_t = sum_{j<=t} phi(k_j) v_j^T``, ``z_t = sum_{j<=t} phi(k_j)``,
-    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)`` (memory ``T m d_v`` per head)."""
+    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)`` (memory ``T m d_v`` per head).
+
+    Args:
+        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
+        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+            (e.g. :func:`attnref.linear.elu_plus_one`).
+        causal: Must be ``True`` (the default): ``linear_prefix_sum`` is a causal form.
+        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
+            may be read; ``None`` (default) allows every key.
+        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+            ``max(den, eps)``).
+
+    Returns:
+        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
+        exactly zero (e.g. no allowed key).
+
+    Raises:
+        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
+            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
+            scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
+        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
+            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
+    """
     _require_causal("linear_prefix_sum", causal)
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
@@ -332,7 +419,13 @@ def linear_prefix_sum(
 
 
 class LinearState(NamedTuple):
-    """Recurrent state of causal linear attention: ``S [..., H, m, d_v]``, ``z [..., H, m]``."""
+    """Recurrent state of causal linear attention: ``S [..., H, m, d_v]``, ``z [..., H, m]``.
+
+    Attributes:
+        s: ``S = sum_j phi(k_j) v_j^T`` over the keys appended so far, ``[..., H, m, d_v]``
+            (``m`` features).
+        z: ``z = sum_j phi(k_j)``, ``[..., H, m]``.
+    """
 
     s: Array
     z: Array
@@ -341,7 +434,18 @@ class LinearState(NamedTuple):
 def linear_state_init(
     batch_shape: tuple[int, ...], num_heads: int, num_features: int, d_v: int, dtype: Any
 ) -> LinearState:
-    """The empty state ``(0, 0)``: constant memory, whatever the sequence length."""
+    """The empty state ``(0, 0)``: constant memory, whatever the sequence length.
+
+    Args:
+        batch_shape: The leading batch dims ``...`` (a tuple, possibly empty).
+        num_heads: The number of heads ``H``.
+        num_features: The feature count ``m`` (``feature_map.num_features(d_k)``).
+        d_v: The value head dim.
+        dtype: The state's dtype.
+
+    Returns:
+        A :class:`LinearState` of zeros, ``s [..., H, m, d_v]`` and ``z [..., H, m]``.
+    """
     return LinearState(
         jnp.zeros((*batch_shape, num_heads, num_features, d_v), dtype),
         jnp.zeros((*batch_shape, num_heads, num_features), dtype),
@@ -354,14 +458,37 @@ def linear_step(
     k_t: Float[Array, "... H d_k"],
     v_t: Float[Array, "... H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     key_valid: Bool[Array, "..."] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> tuple[LinearState, Float[Array, "... H d_v"]]:
     """One decoding step (the RNN view): ``S += phi(k_t) v_t^T``, ``z += phi(k_t)``, read out.
 
     ``key_valid`` (per batch element) skips the append for padding positions.
+
+    Args:
+        state: The state before this token (:class:`LinearState`), ``s [..., H, m, d_v]``,
+            ``z [..., H, m]``.
+        q_t: This token's queries ``[..., H, d_k]``.
+        k_t: This token's keys ``[..., H, d_k]``.
+        v_t: This token's values ``[..., H, d_v]``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap` giving ``m``
+            features.
+        key_valid: Boolean ``[...]`` (batch dims), ``False`` = padding: ``k_t``, ``v_t`` are
+            not appended; ``None`` (default) appends every element.
+        eps: The denominator's regulariser, a scalar ``>= 0`` (default 0, the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+
+    Returns:
+        ``(state, y_t)``: the updated :class:`LinearState` and the output ``y_t [..., H, d_v]``
+        (zero where the adjusted denominator is exactly zero).
+
+    Raises:
+        ValueError: If ``q_t``/``k_t``/``v_t`` do not match the state's ``[..., H]``, ``v_t``
+            or the feature count does not match the state, ``eps`` is negative or not a
+            scalar, or ``eps_policy`` is unknown.
+        TypeError: If ``feature_map`` is not a (called) feature map.
     """
     check_feature_map(feature_map)
     lead = tuple(np.shape(state.z))[:-1]  # batch dims + H
@@ -395,13 +522,38 @@ def linear_recurrent(
     k: Float[ArrayLike, "... T H d_k"],
     v: Float[ArrayLike, "... T H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = True,
     key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> Float[Array, "... T H d_v"]:
-    """Recurrent form: :func:`linear_step` under ``lax.scan``, one token at a time."""
+    """Recurrent form: :func:`linear_step` under ``lax.scan``, one token at a time.
+
+    Args:
+        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
+        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+            (e.g. :func:`attnref.linear.elu_plus_one`).
+        causal: Must be ``True`` (the default): ``linear_recurrent`` is a causal form.
+        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
+            may be read; ``None`` (default) allows every key.
+        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+            ``max(den, eps)``).
+
+    Returns:
+        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
+        exactly zero (e.g. no allowed key).
+
+    Raises:
+        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
+            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
+            scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
+        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
+            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
+    """
     _require_causal("linear_recurrent", causal)
     _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
@@ -440,16 +592,43 @@ def linear_chunked(
     k: Float[ArrayLike, "... T H d_k"],
     v: Float[ArrayLike, "... T H d_v"],
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = True,
     key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
     chunk_size: int = 16,
 ) -> Float[Array, "... T H d_v"]:
     """Chunked form: causal quadratic attention inside each chunk of ``chunk_size`` tokens plus
     the state ``(S, z)`` carried across chunks by ``lax.scan``. Any ``chunk_size >= 1``; a last
-    partial chunk is padded with masked keys and the padded queries are dropped."""
+    partial chunk is padded with masked keys and the padded queries are dropped.
+
+    Args:
+        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
+        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
+        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+            (e.g. :func:`attnref.linear.elu_plus_one`).
+        causal: Must be ``True`` (the default): ``linear_chunked`` is a causal form.
+        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
+            may be read; ``None`` (default) allows every key.
+        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+            ``max(den, eps)``).
+        chunk_size: Tokens per chunk, a positive int (default 16; static under ``jax.jit``).
+
+    Returns:
+        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
+        exactly zero (e.g. no allowed key).
+
+    Raises:
+        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
+            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
+            scalar, ``eps_policy`` is unknown, ``causal=False``, ``T_q != T_k``, or
+            ``chunk_size`` is not a positive int.
+        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
+            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
+    """
     _require_causal("linear_chunked", causal)
     t, _ = _check_qkv(q, k, v, key_mask, causal)
     _check_policy(eps, eps_policy)
@@ -535,53 +714,304 @@ def _multihead(
     return _guarded_rows(compute, xq, xkv, key_mask, kwargs["causal"], residual)
 
 
-def _make_multihead(form: str, causal_default: bool) -> Any:
-    kernel = KERNEL_FORMS[form]
+@float64_scoped
+def linear_quadratic_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool = False,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head linear attention, quadratic form.
 
-    @float64_scoped
-    def apply(
-        params: AttentionParams,
-        x_q: Float[ArrayLike, "... T_q d_model"],
-        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-        *,
-        feature_map: FeatureMap,
-        causal: bool = causal_default,
-        key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-        eps: float = 0.0,
-        eps_policy: EpsPolicy = "add",
-        residual: bool = False,
-        **options: Any,
-    ) -> Float[Array, "... T_q d_model"]:
-        return _multihead(
-            form,
-            params,
-            x_q,
-            x_kv,
-            key_mask,
-            residual,
-            feature_map=feature_map,
-            causal=causal,
-            eps=eps,
-            eps_policy=eps_policy,
-            **options,
-        )
+    Kernel level: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)``.
 
-    apply.__name__ = f"linear_{form}_multihead"
-    apply.__qualname__ = apply.__name__
-    apply.__doc__ = (
-        f"Multi-head linear attention, {form} form: per query head ``q_i = x W_Q[i] + b_Q[i]``, "
-        "``k_i = x W_K[i // G] + b_K[i // G]``, ``v_i = x W_V[i // G] + b_V[i // G]`` "
-        f"(``G = H / K`` query heads per key/value head), then :func:`{kernel.__name__}`, then "
-        "``sum_i y_i W_O[i] + b_O``."
+    Per query head ``q_i = x W_Q[i] + b_Q[i]``, ``k_i = x W_K[i // G] + b_K[i // G]``,
+    ``v_i = x W_V[i // G] + b_V[i // G]`` (``G = H / K``), then :func:`linear_quadratic` on the
+    kernel level, then ``y = sum_i z_i W_O[i] + b_O``. Row vectors, batch dims lead.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: query ``t`` reads keys ``s <= t`` only (needs ``T_q == T_k``); default
+            ``False``.
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, or ``causal`` with ``T_q != T_k``.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
+    return _multihead(
+        "quadratic",
+        params,
+        x_q,
+        x_kv,
+        key_mask,
+        residual,
+        feature_map=feature_map,
+        causal=causal,
+        eps=eps,
+        eps_policy=eps_policy,
     )
-    return apply
 
 
-linear_quadratic_multihead = _make_multihead("quadratic", False)
-linear_associative_multihead = _make_multihead("associative", False)
-linear_prefix_sum_multihead = _make_multihead("prefix_sum", True)
-linear_recurrent_multihead = _make_multihead("recurrent", True)
-linear_chunked_multihead = _make_multihead("chunked", True)
+@float64_scoped
+def linear_associative_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool = False,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head linear attention, associative form.
+
+    Kernel level: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))`` (non-causal only).
+
+    Per query head ``q_i = x W_Q[i] + b_Q[i]``, ``k_i = x W_K[i // G] + b_K[i // G]``,
+    ``v_i = x W_V[i // G] + b_V[i // G]`` (``G = H / K``), then :func:`linear_associative` on the
+    kernel level, then ``y = sum_i z_i W_O[i] + b_O``. Row vectors, batch dims lead.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: must be ``False`` (the default): the associative form is non-causal.
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, or ``causal=True``.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
+    return _multihead(
+        "associative",
+        params,
+        x_q,
+        x_kv,
+        key_mask,
+        residual,
+        feature_map=feature_map,
+        causal=causal,
+        eps=eps,
+        eps_policy=eps_policy,
+    )
+
+
+@float64_scoped
+def linear_prefix_sum_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head linear attention, prefix_sum form.
+
+    Kernel level: running sums ``S_t = sum_{s<=t} phi(k_s) v_s^T`` (causal only).
+
+    Per query head ``q_i = x W_Q[i] + b_Q[i]``, ``k_i = x W_K[i // G] + b_K[i // G]``,
+    ``v_i = x W_V[i // G] + b_V[i // G]`` (``G = H / K``), then :func:`linear_prefix_sum` on the
+    kernel level, then ``y = sum_i z_i W_O[i] + b_O``. Row vectors, batch dims lead.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: must be ``True`` (the default): query ``t`` reads keys ``s <= t`` only
+            (needs ``T_q == T_k``).
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
+    return _multihead(
+        "prefix_sum",
+        params,
+        x_q,
+        x_kv,
+        key_mask,
+        residual,
+        feature_map=feature_map,
+        causal=causal,
+        eps=eps,
+        eps_policy=eps_policy,
+    )
+
+
+@float64_scoped
+def linear_recurrent_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head linear attention, recurrent form.
+
+    Kernel level: the state recurrence ``S_t = S_{t-1} + phi(k_t) v_t^T`` under ``lax.scan``
+    (causal only).
+
+    Per query head ``q_i = x W_Q[i] + b_Q[i]``, ``k_i = x W_K[i // G] + b_K[i // G]``,
+    ``v_i = x W_V[i // G] + b_V[i // G]`` (``G = H / K``), then :func:`linear_recurrent` on the
+    kernel level, then ``y = sum_i z_i W_O[i] + b_O``. Row vectors, batch dims lead.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: must be ``True`` (the default): query ``t`` reads keys ``s <= t`` only
+            (needs ``T_q == T_k``).
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
+    return _multihead(
+        "recurrent",
+        params,
+        x_q,
+        x_kv,
+        key_mask,
+        residual,
+        feature_map=feature_map,
+        causal=causal,
+        eps=eps,
+        eps_policy=eps_policy,
+    )
+
+
+@float64_scoped
+def linear_chunked_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool = True,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+    residual: bool = False,
+    chunk_size: int = 16,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head linear attention, chunked form.
+
+    Kernel level: quadratic inside chunks of ``chunk_size`` tokens plus a carried state
+    (causal only).
+
+    Per query head ``q_i = x W_Q[i] + b_Q[i]``, ``k_i = x W_K[i // G] + b_K[i // G]``,
+    ``v_i = x W_V[i // G] + b_V[i // G]`` (``G = H / K``), then :func:`linear_chunked` on the
+    kernel level, then ``y = sum_i z_i W_O[i] + b_O``. Row vectors, batch dims lead.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: must be ``True`` (the default): query ``t`` reads keys ``s <= t`` only
+            (needs ``T_q == T_k``).
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+        chunk_size: tokens per chunk, a positive int (default 16; static).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, ``causal=False``, ``T_q != T_k``, or
+            ``chunk_size`` is not a positive int.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
+    return _multihead(
+        "chunked",
+        params,
+        x_q,
+        x_kv,
+        key_mask,
+        residual,
+        feature_map=feature_map,
+        causal=causal,
+        eps=eps,
+        eps_policy=eps_policy,
+        chunk_size=chunk_size,
+    )
 
 
 @float64_scoped
@@ -590,20 +1020,44 @@ def linear_messages_attention(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    feature_map: FeatureMap,
+    feature_map: FeatureMapLike,
     causal: bool = False,
     key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: float = 0.0,
+    eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
     """Messages form: ``sum_i A_i (X_kv W_M[i] + b_V[i // G] W_O[i]) + b_O`` with the normalised
     linear attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked), ``K_i`` projected
-    by key/value head ``i // G``."""
+    by key/value head ``i // G``.
+
+    Args:
+        params: per-head weights (:class:`attnref.AttentionParams`).
+        x_q: query tokens ``[..., T_q, d_model]``.
+        x_kv: key/value tokens ``[..., T_k, d_model]``; ``None`` means ``x_q`` (self-attention).
+        feature_map: the kernel's feature map ``phi`` (:mod:`attnref.linear`).
+        causal: query ``t`` reads keys ``s <= t`` only (needs ``T_q == T_k``); default
+            ``False``.
+        key_mask: ``True`` = key may be read, ``[..., T_k]`` (exactly the batch dims of
+            ``x_q``); ``None`` (default) allows every key.
+        eps: the denominator's regulariser, a scalar ``>= 0`` (default 0: the exact ratio).
+        eps_policy: ``"add"`` (default, ``den + eps``) or ``"clamp"`` (``max(den, eps)``).
+        residual: return ``x_q + y`` instead of ``y``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a query with no allowed
+        key gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` are not ``[..., T, d_model]``
+            with one batch shape, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not
+            a scalar, ``eps_policy`` is unknown, or ``causal`` with ``T_q != T_k``.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``causal`` is not a Python
+            bool, ``key_mask`` is not boolean, or ``feature_map`` is not a called feature map.
+    """
     check_feature_map(feature_map)
     x_kv = x_q if x_kv is None else x_kv
-    check_params(params)
-    check_tokens(params, x_q, x_kv)
+    check_tokens(params, x_q, x_kv)  # validates params too
     g = params.group_size
 
     def compute(xq: Array, xkv: Array) -> Array:
@@ -619,14 +1073,345 @@ def linear_messages_attention(
         den = jnp.sum(a, axis=-1)  # [..., H, T_q]
         c = None if c is None else jnp.swapaxes(c, -1, -2)  # [..., H, T_q], as den
         a = normalize(a, den, eps, eps_policy, c)  # row-normalised, zero rows where den = 0
-        msgs = jnp.einsum("...td,hde->...hte", xkv, w_m(params), precision=HIGHEST)
-        if params.b_v is not None:
-            vb = jnp.einsum(
-                "hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST
-            )
-            msgs = msgs + vb[:, None, :]
+        msgs = _messages(params, xkv)  # X_kv W_M[i] + b_V[i // G] W_O[i]
         y = jnp.sum(jnp.einsum("...hqk,...hkd->...hqd", a, msgs, precision=HIGHEST), axis=-3)
         return residual_or(add_output_bias(y, params), xq, residual)
 
     xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
     return _guarded_rows(compute, xq, xkv, key_mask, causal, residual)
+
+
+# ----------------------------------------------------------------------------- the linear family
+
+
+def _linear_required(problem: ExampleProblem) -> dict[str, Any]:
+    """The feature map the problem names (FAVOR+ gets ``2 d_k`` orthogonal features)."""
+    fm = feature_map_from_name(
+        problem.feature_map, seed=problem.seed, d=problem.d_k, num_features=2 * problem.d_k
+    )
+    return {"feature_map": fm}
+
+
+def _linear_example(problem: ExampleProblem, causal: bool) -> Example:
+    """Causality is the ``causal`` flag, and a causal form is self-attention (``T_q == T_k``)."""
+    note = f"{problem.feature_map}, {'causal' if causal else 'non-causal'}"
+    return Example({**_linear_required(problem), "causal": causal}, causal, note)
+
+
+LINEAR = Family(
+    name="linear",
+    oracle=oracle.linear_multihead,
+    bound=tolerance.linear_multihead_error_bound,
+    signature="apply(params, x_q, x_kv=None, *, feature_map, causal=..., key_mask=None, "
+    "eps=0.0, eps_policy='add', residual=False)",
+    note="Feature map $\\phi$ from `attnref.linear.elu_plus_one`, "
+    "`attnref.linear.relu_features`, `attnref.linear.identity_features`, "
+    "`attnref.linear.taylor2` or `attnref.linear.favor_plus`. Denominator policy: "
+    "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "
+    "$\\max(D_i, \\epsilon)$; the default $\\epsilon = 0$ is the exact ratio, and an exactly "
+    "zero adjusted denominator (no allowed key) gives a zero output. With the signed `identity` "
+    "map the denominator can be near zero and the ratio grows like $1/D_i$; attnref reproduces "
+    "that rather than hiding it (see [linear attention](../linear_attention.md)).",
+    equation_symbols=("phi",),
+    static_argnames=("causal", "eps_policy", "residual"),
+    required_kwargs=_linear_required,
+    example=_linear_example,
+)
+
+
+# ----------------------------------------------------------------------------- registry entries
+
+KATHAROPOULOS = (
+    "Katharopoulos et al. (2020), Transformers are RNNs: Fast Autoregressive Transformers with "
+    "Linear Attention, ICML."
+)
+CHOROMANSKI = "Choromanski et al. (2021), Rethinking Attention with Performers, ICLR (FAVOR+)."
+_LIN_EQ = (
+    r"y_i = \frac{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j)\, v_j^\top}"
+    r"{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j) + \epsilon}"
+)
+
+
+def linear_quadratic_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m = d.batch, d.heads, _cost._m(d)
+    a = b * h * d.t_q * d.t_k
+    outs = [b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _cost._linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), [a, a, *outs])
+
+
+def linear_associative_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m = d.batch, d.heads, _cost._m(d)
+    mm = 2 * b * h * m * d.d_v * d.t_k + 2 * b * d.t_q * h * m * (d.d_v + 1)
+    outs = [b * h * m * d.d_v, b * h * m, b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _cost._linear(d, mm, b * h * m * d.t_k, outs)
+
+
+def linear_prefix_sum_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t = d.batch, d.heads, _cost._m(d), d.t_q
+    states = b * t * h * m * (d.d_v + 1)
+    log_t = max(1, math.ceil(math.log2(t)))
+    # outer products (1 flop/element), cumsum (an associative scan: <= 2 log2(T) passes), and
+    # the denominator phi(q).z, a contraction with no free dimension that XLA lowers to a
+    # multiply and a reduction (2m - 1 elementwise flops), not a dot.
+    el = b * t * h * m * d.d_v + 2 * log_t * states + b * t * h * (2 * m - 1)
+    kv, zs = b * t * h * m * d.d_v, b * t * h * m
+    tensors = [kv, kv, kv, zs, zs, zs, b * t * h * d.d_v, b * t * h]  # outer, scan temporaries
+    return _cost._linear(d, 2 * b * t * h * m * d.d_v, el, tensors)
+
+
+def linear_recurrent_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t = d.batch, d.heads, _cost._m(d), d.t_q
+    mm_f, el_f, tr_f, _ = _cost._feature_cost(dataclasses.replace(d, t_q=1, t_k=1), 1)
+    step_mm = 2 * b * h * m * d.d_v + 2 * mm_f  # read-out phi(q) S; features of q_t and k_t
+    # state update (outer product, adds), phi(q).z (multiply + reduce), features, normalise
+    step_el = (
+        2 * b * h * m * d.d_v
+        + 2 * b * h * m
+        + b * h * (2 * m - 1)
+        + 2 * el_f
+        + _cost._normalize_el(dataclasses.replace(d, t_q=1))
+    )
+    mm_p, el_p = _cost._linear_proj(d)
+    inputs, output = _cost._io(d)
+    proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
+    every = [
+        *proj,
+        *proj,
+        *proj,
+        b * t,
+        b * h * m * d.d_v,
+        b * h * m,
+        b * t * h * d.d_v,
+        b * t * h * d.d_v,
+        b * t * d.d_model,
+    ]  # + time-major copies, state, outputs
+    return _cost.Cost(
+        mm_p + t * step_mm,
+        el_p + t * step_el + b * t * h * m + _cost.weight_guard_elementwise(d, pairs=False),
+        t * (2 * tr_f + _cost._eps_exp(d, 1)),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+        loop_trips=t,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=2 * tr_f + _cost._eps_exp(d, 1),
+    )
+
+
+def linear_chunked_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t, c = d.batch, d.heads, _cost._m(d), d.t_q, d.chunk
+    n = math.ceil(t / c)
+    a = b * h * c * c
+    step_mm = 2 * a * (m + d.d_v) + 2 * b * c * h * m * (d.d_v + 1) + 2 * b * h * m * d.d_v * c
+    step_el = (
+        a * 2
+        + 2 * b * h * m * (d.d_v + 1)
+        + b * c * h * m
+        + _cost._normalize_el(dataclasses.replace(d, t_q=c))
+    )
+    padded = b * n * c * h
+    chunked = [padded * m, padded * m, padded * d.d_v] * 2  # padded, then chunk-major copies
+    tensors = [*chunked, a, a, b * h * m * d.d_v, b * h * m, padded * d.d_v, padded * d.d_v]
+    base = _cost._linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, tensors)
+    return dataclasses.replace(
+        base,
+        matmul_flops=base.matmul_flops + n * step_mm,
+        elementwise_flops=base.elementwise_flops
+        - _cost._normalize_el(d)
+        + n * step_el
+        + 2 * b * n * c * h * (m + d.d_v),  # padding to whole chunks
+        # the eps rescaling runs inside the loop, on every (padded) chunk of queries
+        transcendentals=base.transcendentals - _cost._eps_exp(d, t) + n * _cost._eps_exp(d, c),
+        loop_trips=n,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=_cost._eps_exp(d, c),
+    )
+
+
+def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, dm = d.batch, d.heads, _cost._m(d), d.d_model
+    a = b * h * d.t_q * d.t_k
+    pq, pk, _ = _cost._projections(d)
+    mmq, elq, trq, _ = _cost._feature_cost(d, d.t_q)
+    mmk, elk, trk, _ = _cost._feature_cost(d, d.t_k)
+    mm_m, el_m = _cost._messages(d)
+    mm_x, el_x = _cost._mix(d)
+    mm = pq + pk + mmq + mmk + 2 * a * m + mm_m + mm_x
+    el = (
+        elq
+        + elk
+        + a * (2 if d.causal else 1)
+        + 4 * a
+        + el_m
+        + el_x
+        + _cost._bias_adds(d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, 0, 0)
+        + b * d.t_k * h * m
+        + _cost.weight_guard_elementwise(d, pairs=False)
+    )
+    inputs, output = _cost._io(d)
+    every = [
+        *_cost._linear_tensors(d),
+        a,
+        a,
+        a,
+        b * h * d.t_q,
+        h * dm * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_q * dm,
+    ]  # A, masked, normalised; W_M, messages
+    return _cost.Cost(
+        mm,
+        el,
+        trq + trk + _cost._eps_exp(d, d.t_q),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+    )
+
+
+register(
+    Formulation(
+        id="linear_quadratic",
+        title="Linear attention, quadratic form",
+        equation=(
+            r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
+            r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + _LIN_EQ
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
+        apply=linear_quadratic_attention,
+        native=linear_quadratic,
+        summary=(
+            "The T x T kernel matrix materialised, masked (causal and/or key padding), "
+            "row-normalised."
+        ),
+        cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
+        cost_model=linear_quadratic_cost,
+        family=LINEAR,
+        causal_modes=(False, True),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_associative",
+        title="Linear attention, associative (non-causal) form",
+        equation=(
+            r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
+            r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_associative_attention,
+        native=linear_associative,
+        summary=(
+            "Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."
+        ),
+        cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
+        cost_model=linear_associative_cost,
+        family=LINEAR,
+        causal_modes=(False,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_prefix_sum",
+        title="Linear attention, causal prefix sums",
+        equation=(
+            r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
+            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_prefix_sum_attention,
+        native=linear_prefix_sum,
+        summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
+        cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
+        cost_model=linear_prefix_sum_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_recurrent",
+        title="Linear attention, recurrent (RNN) form",
+        equation=(
+            r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
+            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_recurrent_attention,
+        native=linear_recurrent,
+        summary=(
+            "A lax.scan over the constant-size state (S_t, z_t): the decoding view, "
+            "O(m d_v) memory."
+        ),
+        cost=(
+            "FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T "
+            "(the KV-cache analogue)."
+        ),
+        cost_model=linear_recurrent_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_chunked",
+        title="Linear attention, chunked form",
+        equation=(
+            r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
+            r" v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t}"
+            r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
+        apply=linear_chunked_attention,
+        native=linear_chunked,
+        summary=(
+            "Quadratic inside each chunk, the state carried between chunks by lax.scan; "
+            "any chunk size."
+        ),
+        cost=(
+            "FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; "
+            "memory O(H (C^2 + m d_v))."
+        ),
+        cost_model=linear_chunked_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+        static_argnames=(*LINEAR.static_argnames, "chunk_size"),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_messages",
+        title="Linear attention, scores x messages",
+        equation=(
+            r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
+            r" \big(X_{kv} W_{M,i}\big) + b_O"
+        ),
+        convention="row",
+        citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
+        apply=linear_messages_attention,
+        native=linear_messages_attention,
+        summary="The normalised linear attention matrix of each head times its messages X W_M.",
+        cost=(
+            "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); "
+            "memory O(H T_q T_k + H T_k d_model)."
+        ),
+        cost_model=linear_messages_cost,
+        family=LINEAR,
+        causal_modes=(False, True),
+    )
+)

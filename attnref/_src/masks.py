@@ -23,6 +23,17 @@ def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
 
     For ``T_q == T_k`` this is the usual autoregressive mask; for ``T_q != T_k`` the alignment is
     top-left (query 0 sees key 0), as ``jax.nn.dot_product_attention`` and PyTorch document.
+
+    Args:
+        t_q: The number of queries ``T_q``, positive.
+        t_k: The number of keys ``T_k``, positive; ``None`` (default) means ``t_q``.
+
+    Returns:
+        A boolean mask ``[T_q, T_k]`` (lower-triangular), broadcastable to
+        ``[..., T_q, T_k]``.
+
+    Raises:
+        ValueError: If ``t_q`` or ``t_k`` is less than 1.
     """
     t_k = t_q if t_k is None else t_k
     if t_q < 1 or t_k < 1:
@@ -33,8 +44,18 @@ def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
 def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_k"]:
     """Key-padding mask from per-batch valid lengths: key ``j`` is visible iff ``j < lengths[b]``.
 
-    Returns ``[B, 1, T_k]``, which broadcasts against ``[B, T_q, T_k]``. A length of 0 makes
-    every row of that batch element fully masked.
+    A length of 0 makes every row of that batch element fully masked.
+
+    Args:
+        lengths: Integer valid lengths ``[B]``, one per batch element.
+        t_k: The number of keys ``T_k``.
+
+    Returns:
+        A boolean mask ``[B, 1, T_k]``, which broadcasts against ``[B, T_q, T_k]``.
+
+    Raises:
+        ValueError: If ``lengths`` is not 1-D.
+        TypeError: If ``lengths`` is not integer.
     """
     lengths = jnp.asarray(lengths)
     if lengths.ndim != 1:
@@ -45,7 +66,17 @@ def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_
 
 
 def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] | None:
-    """Logical AND of masks (``None`` entries are ignored; all ``None`` gives ``None``)."""
+    """Logical AND of masks (``None`` entries are ignored; all ``None`` gives ``None``).
+
+    Args:
+        *masks: Boolean masks (broadcast against each other) or ``None``.
+
+    Returns:
+        The broadcast AND of the given masks, or ``None`` when none is given.
+
+    Raises:
+        TypeError: If a mask is not boolean.
+    """
     present = [jnp.asarray(m) for m in masks if m is not None]
     for m in present:
         if m.dtype != jnp.bool_:
@@ -59,7 +90,18 @@ def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] |
 
 
 def mask_to_bias(mask: Bool[ArrayLike, "..."], dtype: object = jnp.float32) -> Float[Array, "..."]:
-    """Additive form of a boolean mask: ``0`` where allowed, ``-inf`` where masked."""
+    """Additive form of a boolean mask: ``0`` where allowed, ``-inf`` where masked.
+
+    Args:
+        mask: A boolean mask, any shape, ``True`` = may attend.
+        dtype: The bias dtype (default float32).
+
+    Returns:
+        A bias of ``mask``'s shape and ``dtype``, to pass as ``bias=``.
+
+    Raises:
+        TypeError: If ``mask`` is not boolean.
+    """
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")

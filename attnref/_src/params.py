@@ -20,23 +20,44 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
-from attnref._src.checks import check_params, float64_scoped
+from attnref._src.checks import (
+    BIAS_FIELDS,
+    HIGHEST,
+    PARAM_FIELDS,
+    check_params,
+    float64_scoped,
+)
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class AttentionParams:
     """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``).
 
     ``H`` query heads (``w_q``, ``w_o``, ``b_q``) and ``K`` key/value heads (``w_k``, ``w_v``,
     ``b_k``, ``b_v``) with ``H % K == 0``; query head ``i`` uses K/V head ``i // (H / K)``.
+    Row convention: ``q = x W_Q[i] + b_Q[i]`` for a token row ``x [d_model]``. Shapes are
+    checked by every formulation, not here; :func:`attnref.init_params` draws random ones.
+
+    Attributes:
+        w_q: Query weights ``[H, d_model, d_k]``.
+        w_k: Key weights ``[K, d_model, d_k]``.
+        w_v: Value weights ``[K, d_model, d_v]``.
+        w_o: Output weights ``[H, d_v, d_model]`` (Vaswani's stacked ``W_O``, split by head).
+        b_q: Query bias ``[H, d_k]`` or ``None``.
+        b_k: Key bias ``[K, d_k]`` or ``None``.
+        b_v: Value bias ``[K, d_v]`` or ``None``.
+        b_o: Output bias ``[d_model]`` or ``None`` (added once per block).
     """
 
     w_q: Float[ArrayLike, "H d_model d_k"]
@@ -71,27 +92,36 @@ class AttentionParams:
 
     @property
     def d_model(self) -> int:
+        """The model (residual stream) width, ``w_q.shape[1]``."""
         return int(np.shape(self.w_q)[1])
 
     @property
     def d_k(self) -> int:
+        """The query/key head dim, ``w_q.shape[2]``."""
         return int(np.shape(self.w_q)[2])
 
     @property
     def d_v(self) -> int:
+        """The value head dim, ``w_v.shape[2]``."""
         return int(np.shape(self.w_v)[2])
 
     @property
     def dtype(self) -> np.dtype[Any]:
+        """The dtype of ``w_q`` (every leaf must share it)."""
         return np.dtype(self.w_q.dtype)  # type: ignore[union-attr]
 
     @property
     def has_bias(self) -> bool:
-        return any(b is not None for b in (self.b_q, self.b_k, self.b_v, self.b_o))
+        """Whether any of ``b_q``, ``b_k``, ``b_v``, ``b_o`` is present."""
+        return any(getattr(self, name) is not None for name in BIAS_FIELDS)
 
     def astype(self, dtype: Any) -> AttentionParams:
         """The same parameters as NumPy arrays of ``dtype`` (absent biases stay absent)."""
         return jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), self)
+
+
+# checks.PARAM_FIELDS (WEIGHT_FIELDS + BIAS_FIELDS) is the one list of these fields.
+assert tuple(f.name for f in dataclasses.fields(AttentionParams)) == PARAM_FIELDS
 
 
 def init_params(
@@ -112,6 +142,24 @@ def init_params(
     NumPy's PCG64 keeps the values identical on every platform and independent of JAX's x64 flag.
     ``num_kv_heads=K`` (default ``H``) draws ``K`` key/value heads, ``H % K == 0``; the default
     draws exactly what earlier versions drew for the same seed.
+
+    Args:
+        seed: Seed of NumPy's ``default_rng``.
+        d_model: The model width, a positive int.
+        num_heads: The number of query heads ``H``, a positive int.
+        d_k: The query/key head dim, a positive int.
+        d_v: The value head dim; ``None`` (default) means ``d_k``.
+        bias: If ``True``, draw all four biases; default ``False`` (every bias ``None``).
+        dtype: The arrays' dtype (default float32).
+        num_kv_heads: The number of key/value heads ``K``; ``None`` (default) means ``H``.
+
+    Returns:
+        :class:`AttentionParams` of NumPy arrays, ``w_q [H, d_model, d_k]``,
+        ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``, ``w_o [H, d_v, d_model]``.
+
+    Raises:
+        ValueError: If a size is not a positive integer, or ``num_heads`` is not a multiple of
+            ``num_kv_heads``.
     """
     d_v = d_k if d_v is None else d_v
     kv = num_heads if num_kv_heads is None else num_kv_heads
@@ -180,8 +228,25 @@ def repeat_kv_heads(params: AttentionParams) -> AttentionParams:
     the same function of the inputs with either set. Parameters that are already multi-head are
     returned unchanged. Under differentiation the gradient with respect to a shared K/V head is
     the sum of the gradients of its ``G`` copies.
+
+    Args:
+        params: :class:`AttentionParams` with ``K`` key/value heads, ``H % K == 0``.
+
+    Returns:
+        :class:`AttentionParams` with ``H`` key/value heads (``params`` itself when ``K == H``);
+        NumPy leaves stay NumPy, JAX leaves JAX.
+
+    Raises:
+        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
+    return _repeat_kv_heads(params)
+
+
+@float64_scoped
+def _repeat_kv_heads(params: AttentionParams) -> AttentionParams:
+    """:func:`repeat_kv_heads` on parameters the caller has validated."""
     g = params.group_size
     if g == 1:
         return params
@@ -205,6 +270,30 @@ def _per_query_head(w: Array) -> Array:
     return w.reshape(w.shape[0] * w.shape[1], *w.shape[2:])
 
 
+# Unvalidated bodies of w_p, w_m, w_a, w_i (the public functions validate, then call these);
+# for callers that have validated ``params`` already.
+
+
+def _w_p(params: AttentionParams) -> Array:
+    wq = _grouped(params.w_q, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kgdc,kec->kgde", wq, params.w_k, precision=HIGHEST))
+
+
+def _w_m(params: AttentionParams) -> Array:
+    wo = _grouped(params.w_o, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kdv,kgve->kgde", params.w_v, wo, precision=HIGHEST))
+
+
+def _w_a(params: AttentionParams) -> Array:
+    wq = _grouped(params.w_q, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kdc,kgec->kgde", params.w_k, wq, precision=HIGHEST))
+
+
+def _w_i(params: AttentionParams) -> Array:
+    wo = _grouped(params.w_o, params.num_kv_heads)
+    return _per_query_head(jnp.einsum("kgve,kdv->kged", wo, params.w_v, precision=HIGHEST))
+
+
 # ----------------------------------------------------------------------------- merged matrices
 
 
@@ -213,10 +302,19 @@ def w_p(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """Pattern matrices ``W_P[i] = W_Q[i] W_K[i // G]^T`` (row convention), one per query head.
 
     Logits ``(x_q W_P[i]) x^T``; query heads of one group share ``W_K`` but not ``W_P``.
+
+    Args:
+        params: Per-head weights (:class:`AttentionParams`).
+
+    Returns:
+        ``W_P [H, d_model, d_model]`` (biases not included).
+
+    Raises:
+        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
-    wq = _grouped(params.w_q, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kgdc,kec->kgde", wq, params.w_k, precision="highest"))
+    return _w_p(params)
 
 
 @float64_scoped
@@ -224,10 +322,19 @@ def w_m(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """Message matrices ``W_M[i] = W_V[i // G] W_O[i]`` (row convention), one per query head.
 
     Messages ``x W_M[i]``; query heads of one group share ``W_V`` but each has its own ``W_M``.
+
+    Args:
+        params: Per-head weights (:class:`AttentionParams`).
+
+    Returns:
+        ``W_M [H, d_model, d_model]`` (biases not included).
+
+    Raises:
+        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
-    wo = _grouped(params.w_o, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kdv,kgve->kgde", params.w_v, wo, precision="highest"))
+    return _w_m(params)
 
 
 @float64_scoped
@@ -236,10 +343,19 @@ def w_a(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
 
     With column vectors, ``q = W_Q^c x`` where ``W_Q^c = W_Q[i]^T`` is ``d_k x d_model``, so
     ``W_A = (W_K^c)^T W_Q^c = W_K[i // G] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``.
+
+    Args:
+        params: Per-head weights (:class:`AttentionParams`, row convention).
+
+    Returns:
+        ``W_A [H, d_model, d_model]``, the transposes of :func:`w_p`.
+
+    Raises:
+        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
-    wq = _grouped(params.w_q, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kdc,kgec->kgde", params.w_k, wq, precision="highest"))
+    return _w_a(params)
 
 
 @float64_scoped
@@ -249,10 +365,19 @@ def w_i(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     Column convention stores ``W_V^c = W_V[i // G]^T`` (``d_v x d_model``) and
     ``W_O^c = W_O[i]`` (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i // G]^T
     = W_M[i]^T``.
+
+    Args:
+        params: Per-head weights (:class:`AttentionParams`, row convention).
+
+    Returns:
+        ``W_I [H, d_model, d_model]``, the transposes of :func:`w_m`.
+
+    Raises:
+        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
-    wo = _grouped(params.w_o, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kgve,kdv->kged", wo, params.w_v, precision="highest"))
+    return _w_i(params)
 
 
 # ----------------------------------------------------------------------------- fused layouts
@@ -269,7 +394,7 @@ def _require_mha(params: AttentionParams, layout: str) -> None:
         raise ValueError(
             f"{layout} has no grouped-query layout: params have num_heads={params.num_heads} "
             f"but num_kv_heads={params.num_kv_heads} (params.w_k has shape "
-            f"{tuple(np.shape(params.w_k))}); convert attnref.repeat_kv_heads(params), the "
+            f"{tuple(np.shape(params.w_k))}); convert attnref.interop.repeat_kv_heads(params), the "
             "equivalent multi-head parameters, instead"
         )
 
@@ -286,6 +411,17 @@ def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
     ``query/key/value``: ``kernel [d_model, H, d_head]``, ``bias [H, d_head]``;
     ``out``: ``kernel [H, d_v, d_model]``, ``bias [d_model]``. Grouped-query params raise
     ``ValueError`` (use :func:`repeat_kv_heads` first).
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams`.
+
+    Returns:
+        ``{"query"|"key"|"value"|"out": {"kernel": ..., "bias": ...}}`` of NumPy arrays; a
+        ``"bias"`` entry only where ``params`` has that bias.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     _require_mha(params, "Flax MultiHeadDotProductAttention")
     out: dict[str, dict[str, np.ndarray]] = {}
@@ -304,7 +440,19 @@ def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
 
 
 def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
-    """Inverse of :func:`to_flax` (accepts Flax's nested ``params`` dict for the module)."""
+    """Inverse of :func:`to_flax` (accepts Flax's nested ``params`` dict for the module).
+
+    Args:
+        tree: ``{"query", "key", "value", "out"}`` each with a rank-3 ``"kernel"`` and an
+            optional ``"bias"`` (a missing ``"bias"`` gives ``None``).
+
+    Returns:
+        :class:`AttentionParams` of NumPy arrays (multi-head, ``K == H``).
+
+    Raises:
+        KeyError: If a module or a ``"kernel"`` is missing.
+        ValueError: If a kernel is not rank 3.
+    """
     for key in ("query", "key", "value", "out"):
         if key not in tree:
             raise KeyError(f"Flax attention params are missing {key!r}; got keys {sorted(tree)}")
@@ -348,12 +496,12 @@ def _all_or_no_bias(params: AttentionParams) -> list[np.ndarray] | None:
         return None
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
     dt = params.dtype
-    fill = {"b_q": (h, d_k), "b_k": (h, d_k), "b_v": (h, d_v), "b_o": (d_model,)}
+    shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
     # A layout that stores all biases or none gets explicit zeros for the absent ones: the
     # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
     return [
         _np(getattr(params, n)) if getattr(params, n) is not None else np.zeros(s, dt)
-        for n, s in fill.items()
+        for n, s in zip(BIAS_FIELDS, shapes, strict=True)
     ]
 
 
@@ -363,6 +511,19 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
     PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
     zeros when any bias is present (PyTorch has all biases or none). Grouped-query params raise
     ``ValueError`` (use :func:`repeat_kv_heads` first).
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams` with
+            ``d_k == d_v == d_model / H``.
+
+    Returns:
+        ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy),
+        plus ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``), or
+            ``d_k == d_v == d_model / H`` does not hold.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     _require_mha(params, "PyTorch nn.MultiheadAttention")
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
@@ -386,7 +547,22 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
 
 
 def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionParams:
-    """Inverse of :func:`to_torch_mha`; ``num_heads`` is not recorded in the state dict."""
+    """Inverse of :func:`to_torch_mha`; ``num_heads`` is not recorded in the state dict.
+
+    Args:
+        state_dict: ``in_proj_weight [3E, E]``, ``out_proj.weight [E, E]`` and optionally
+            ``in_proj_bias [3E]`` with ``out_proj.bias [E]`` (arrays or tensors NumPy can read).
+        num_heads: The number of heads ``H`` (must divide ``E``).
+
+    Returns:
+        Multi-head :class:`AttentionParams` of NumPy arrays, ``d_k = d_v = E / H``; biases
+        only if ``in_proj_bias`` is present.
+
+    Raises:
+        KeyError: If a required entry is missing.
+        ValueError: If ``in_proj_weight`` is not ``[3E, E]`` or ``E`` is not divisible by
+            ``num_heads``.
+    """
     w_in = _require(state_dict, "in_proj_weight", "nn.MultiheadAttention")
     w_out = _require(state_dict, "out_proj.weight", "nn.MultiheadAttention")
     if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
@@ -423,6 +599,18 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
     ``view(..., H, d_head)``). ``output.dense.weight`` is ``[d_model, H*d_v]``. Absent biases are
     written as zeros when any bias is present. Grouped-query params raise ``ValueError`` (use
     :func:`repeat_kv_heads` first).
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams`.
+        prefix: Prepended to every key (e.g. ``"encoder.layer.0.attention."``); default ``""``.
+
+    Returns:
+        ``{prefix + "self.query.weight": [H d_k, d_model], ...}`` (NumPy): the query, key,
+        value and ``output.dense`` weights, and their biases when any bias is present.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     _require_mha(params, "Hugging Face BERT attention")
     h, d_model, d_v = params.num_heads, params.d_model, params.d_v
@@ -434,7 +622,7 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
     }
     biases = _all_or_no_bias(params)
     if biases is not None:
-        for name, b in zip(("b_q", "b_k", "b_v", "b_o"), biases, strict=True):
+        for name, b in zip(BIAS_FIELDS, biases, strict=True):
             sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
     return sd
 
@@ -442,7 +630,22 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
 def from_hf_bert(
     state_dict: Mapping[str, Any], num_heads: int, prefix: str = ""
 ) -> AttentionParams:
-    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``)."""
+    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``).
+
+    Args:
+        state_dict: Hugging Face BERT weights (``{prefix}self.query.weight [H d_k, d_model]``,
+            ..., ``{prefix}output.dense.weight [d_model, H d_v]``), arrays or tensors NumPy can
+            read; the biases are read when ``{prefix}self.query.bias`` is present.
+        num_heads: The number of heads ``H`` (not recorded in the weights).
+        prefix: The key prefix; default ``""``.
+
+    Returns:
+        Multi-head :class:`AttentionParams` of NumPy arrays.
+
+    Raises:
+        KeyError: If a required weight (or, with biases, a bias) is missing.
+        ValueError: If a projection's output rows are not divisible by ``num_heads``.
+    """
 
     def get(name: str) -> np.ndarray:
         return _require(state_dict, prefix + _HF_KEYS[name], "Hugging Face BERT")

@@ -14,7 +14,8 @@ Row convention (``docs/conventions.md``). For query head ``i`` with key/value he
 * the **residual update** ``x_q + sum_i o_i + b_O`` (the residual stream after the block).
 
 Everything is a pure JAX function of static shapes, so :func:`attention_probes` runs under
-``jax.jit``. The per-quantity functions :func:`attnref.patterns`, :func:`attnref.messages`,
+``jax.jit``. The per-quantity functions :func:`attnref.interp.patterns`,
+:func:`attnref.interp.messages`,
 :func:`attnref.head_outputs` and :func:`attnref.attention_weights` already exist; this module
 adds the logits, the residual update and one call that returns every probe at once.
 
@@ -26,13 +27,14 @@ the residual update ``x' = x + sum_i alpha_i M_i``.
 from __future__ import annotations
 
 import dataclasses
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.checks import float64_scoped
-from attnref._src.common import HIGHEST, Prepared, add_output_bias
+from attnref._src.common import HIGHEST, add_output_bias, prepare_rows
 from attnref._src.merged import _messages, _patterns
 from attnref._src.params import AttentionParams
 from attnref._src.softmax import allowed_entries, masked_softmax
@@ -41,25 +43,52 @@ from attnref._src.standard import logits as standard_logits
 __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
 
 
+def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
+    """``raw`` with the entries outside the softmax (masked, or already ``-inf``) at ``-inf``."""
+    allowed = allowed_entries(raw, mask_h)
+    return jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
+
+
 @float64_scoped
 def attention_logits(
     params: AttentionParams,
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... H T_q T_k"]:
     """Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.
 
     ``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely
     ``-inf`` has zero weights by attnref's convention).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is
+        ``False`` or the bias is ``-inf``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
-    logits = standard_logits(p, params)
-    allowed = allowed_entries(logits, p.head_mask())
-    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    return _masked_logits(standard_logits(p, params), p.head_mask())
 
 
 @float64_scoped
@@ -68,26 +97,55 @@ def residual_update(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... T_q d_model"]:
     """``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation
     ``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with
-    ``residual=True``."""
+    ``residual=True``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``x_q + output``, ``[..., T_q, d_model]``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
     return attention_probes(params, x_q, x_kv, mask=mask, bias=bias, scale=scale).residual
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class AttentionProbes:
     """Every probe of one block on one input (a JAX pytree; shapes for ``x_q [..., T_q, d]``).
 
-    ``logits [..., H, T_q, T_k]`` (masked ``-inf``), ``scores [..., H, T_q, T_k]`` (rows sum to 1
-    or are all zero), ``patterns [..., H, T_q, d_model]``, ``messages [..., H, T_k, d_model]``,
-    ``head_outputs [..., H, T_q, d_model]`` (``o_i = A_i M_i``, no ``b_O``), ``output
-    [..., T_q, d_model]`` (``sum_i o_i + b_O``) and ``residual [..., T_q, d_model]``
-    (``x_q + output``).
+    Attributes:
+        logits: ``S_i``, ``[..., H, T_q, T_k]`` (masked entries ``-inf``).
+        scores: ``A_i = softmax(S_i)``, ``[..., H, T_q, T_k]`` (rows sum to 1 or are all zero).
+        patterns: ``P_i``, ``[..., H, T_q, d_model]``.
+        messages: ``M_i``, ``[..., H, T_k, d_model]``.
+        head_outputs: ``o_i = A_i M_i``, ``[..., H, T_q, d_model]`` (no ``b_O``).
+        output: ``sum_i o_i + b_O``, ``[..., T_q, d_model]``.
+        residual: ``x_q + output``, ``[..., T_q, d_model]``.
     """
 
     logits: Array
@@ -105,8 +163,8 @@ def attention_probes(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> AttentionProbes:
     """All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.
@@ -114,13 +172,34 @@ def attention_probes(
     The scores come from the query-key logits, the per-head outputs from scores times messages
     (``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages
     formulation of the block output.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        An :class:`AttentionProbes` with every probe (shapes there).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
     raw = standard_logits(p, params)
     mask_h = p.head_mask()
     scores = masked_softmax(raw, mask_h)
-    allowed = allowed_entries(raw, mask_h)
-    logits = jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
+    logits = _masked_logits(raw, mask_h)
     msgs = _messages(params, p.x_kv)
     pats = _patterns(params, p.x_q)
     per_head = jnp.einsum("...hqk,...hkd->...hqd", scores, msgs, precision=HIGHEST)

@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
-from attnref._src.checks import check_params, float64_scoped
-from attnref._src.common import HIGHEST
-from attnref._src.params import AttentionParams, repeat_kv_heads
+from attnref._src.checks import check_params, float64_scoped, is_traced
+from attnref._src.common import HIGHEST, homogeneous_weights
+from attnref._src.params import AttentionParams, _repeat_kv_heads
 
 __all__ = [
     "FactoredSVD",
@@ -80,15 +80,16 @@ class FactoredSVD:
 
     ``left [H, m, k]`` and ``right [H, n, k]`` have orthonormal columns, ``s [H, k]`` with
     ``k = min(d, m, n)`` for factors of inner width ``d``.
+
+    Attributes:
+        left: Left singular vectors ``U`` per head, ``[H, m, k]``.
+        s: Singular values per head, ``[H, k]``, descending.
+        right: Right singular vectors ``V`` per head, ``[H, n, k]``.
     """
 
     left: Any
     s: Any
     right: Any
-
-
-def _traced(*xs: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def _svd_of_product(xp: Any, a: Any, b: Any) -> FactoredSVD:
@@ -118,6 +119,19 @@ def factored_svd(
     format. Concrete inputs are computed with NumPy's LAPACK (single or double precision) and
     give NumPy arrays; under ``jax.jit`` (traced inputs) the same steps run in ``jax.numpy``
     (enable x64 yourself for float64 there, as for any jitted JAX code).
+
+    Args:
+        a: Left factors ``[H, m, d]``.
+        b: Right factors ``[H, n, d]`` (the same ``H`` and ``d``).
+        dtype: ``None`` (default: the inputs' dtype, float32 for 16-bit or non-float inputs),
+            ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` of ``a[h] @ b[h]^T`` (NumPy arrays, or JAX arrays when traced).
+
+    Raises:
+        ValueError: If the factors are not ``[H, m, d]`` and ``[H, n, d]`` with one ``H`` and
+            ``d``, or ``dtype`` is not ``None``, float32 or float64.
     """
     if np.ndim(a) != 3 or np.ndim(b) != 3 or np.shape(a)[::2] != np.shape(b)[::2]:
         raise ValueError(
@@ -125,7 +139,7 @@ def factored_svd(
             f"{np.shape(a)} and {np.shape(b)}"
         )
     dt = _resolve_dtype(dtype)
-    if _traced(a, b):
+    if is_traced(a, b):
         a, b = jnp.asarray(a), jnp.asarray(b)
         if dt is not None:
             a, b = a.astype(dt), b.astype(dt)
@@ -153,25 +167,24 @@ def _single_threaded_blas() -> Any:
 
 
 def _augment(w: Any, b: Any) -> Any:
-    """``[W; b]`` per head: ``[H, d_model + 1, d]`` (``W`` itself when ``b`` is ``None``)."""
-    xp = jnp if _traced(w, b) else np
-    w = xp.asarray(w)
+    """``[W; b]`` per head, ``[H, d_model + 1, d]`` (:func:`homogeneous_weights`); ``W`` itself
+    when ``b`` is ``None``. NumPy arrays unless traced."""
     if b is None:
-        return w
-    return xp.concatenate([w, xp.asarray(b)[:, None, :]], axis=1)
+        return (jnp if is_traced(w) else np).asarray(w)
+    return homogeneous_weights(w, b, xp=jnp if is_traced(w, b) else np)
 
 
 def _qk_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
     """``(W~_Q [H, d_model(+1), d_k], W_K [H, d_model, d_k])`` per query head."""
-    mha = repeat_kv_heads(params)
+    mha = _repeat_kv_heads(params)
     return _augment(mha.w_q, mha.b_q if bias else None), _augment(mha.w_k, None)
 
 
 def _vo_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
     """``(W~_V [H, d_model(+1), d_v], W_O^T [H, d_model, d_v])`` per query head."""
-    mha = repeat_kv_heads(params)
+    mha = _repeat_kv_heads(params)
     w_o = _augment(mha.w_o, None)
-    xp = jnp if _traced(w_o) else np
+    xp = jnp if is_traced(w_o) else np
     return _augment(mha.w_v, mha.b_v if bias else None), xp.swapaxes(w_o, -1, -2)
 
 
@@ -181,6 +194,22 @@ def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
     ``bias=True`` gives the augmented ``W~_P[i] = [W_Q[i]; b_Q[i]] W_K^T`` (``d_model + 1`` rows,
     the matrix the block's function depends on; ``b_K`` drops out). ``s [H, min(d_k, d_model)]``,
     descending. ``dtype`` as in :func:`factored_svd`.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
+            per query head).
+        bias: If ``True``, include the ``b_Q W_K^T`` row (ignored when ``b_Q`` is ``None``);
+            default ``False``.
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
+        ``right [H, d_model, k]``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
+            float64.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
     return factored_svd(*_qk_factors(params, bias and params.b_q is not None), dtype=dtype)
@@ -190,6 +219,22 @@ def message_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
     """SVD of the message matrices ``W_M[i] = W_V[i // G] W_O[i]`` from the factors.
 
     ``bias=True`` gives the augmented ``W~_M[i] = [W_V; b_V] W_O[i]`` (last row ``b_V W_O``).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
+            per query head).
+        bias: If ``True``, include the ``b_V W_O`` row (ignored when ``b_V`` is ``None``);
+            default ``False``.
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
+        ``right [H, d_model, k]``, ``k = min(d_v, d_model)``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
+            float64.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
     """
     check_params(params)
     return factored_svd(*_vo_factors(params, bias and params.b_v is not None), dtype=dtype)
@@ -210,6 +255,18 @@ def effective_rank(
     * ``"energy"``: the smallest ``r`` with ``sum_{k <= r} s_k^2 >= threshold * sum_k s_k^2``,
       i.e. the smallest rank whose best approximation has relative Frobenius error at most
       ``sqrt(1 - threshold)`` (Eckart-Young). An integer (as the array's dtype).
+
+    Args:
+        s: Singular values ``[..., k]`` (signs ignored; any order).
+        method: ``"entropy"`` (default) or ``"energy"``.
+        threshold: The energy fraction for ``"energy"``, in ``(0, 1]`` (default 0.99).
+
+    Returns:
+        The effective rank per matrix, ``[...]`` (0 for a zero matrix).
+
+    Raises:
+        ValueError: If ``method`` is unknown, or ``threshold`` is not in ``(0, 1]`` for
+            ``"energy"``.
     """
     s = jnp.abs(jnp.asarray(s))
     if method == "entropy":
@@ -236,6 +293,14 @@ def truncation_error(s: Float[ArrayLike, "... k"], rank: int, *, relative: bool 
     """``||W - W_r||_F = sqrt(sum_{k > r} s_k^2)`` (Eckart-Young), per matrix.
 
     ``relative=True`` divides by ``||W||_F = sqrt(sum_k s_k^2)`` (0 for a zero matrix).
+
+    Args:
+        s: Singular values ``[..., k]`` (signs ignored; sorted here).
+        rank: The kept rank ``r`` (``r >= k`` gives 0).
+        relative: If ``True``, the relative error; default ``False`` (absolute).
+
+    Returns:
+        The error per matrix, ``[...]``.
     """
     s = jnp.sort(jnp.abs(jnp.asarray(s)), axis=-1)[..., ::-1]
     dropped = jnp.sqrt(jnp.sum(s[..., rank:] ** 2, axis=-1))
@@ -249,6 +314,12 @@ def param_count(params: AttentionParams) -> int:
     """Number of stored parameters: the sizes of every weight and every present bias.
 
     Grouped-query parameters count their ``K`` key/value heads once.
+
+    Args:
+        params: :class:`attnref.AttentionParams`.
+
+    Returns:
+        The total number of entries, a Python int.
     """
     return int(sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(params)))
 
@@ -257,12 +328,19 @@ def param_count(params: AttentionParams) -> int:
 class Refactored:
     """The result of :func:`refactor`.
 
-    ``params``: the refactored standard-form parameters (``d_k' = rank_qk``, ``d_v' = rank_vo``,
-    one key/value head per query head). ``count_before``/``count_after``: :func:`param_count` of
-    the input and the result. ``s_qk``/``s_vo``: singular values ``[H, k]`` of the matrices that
-    were truncated (``W~_P`` with the ``b_Q`` row when ``b_Q`` is present, ``W_M`` or ``W~_M``);
-    ``None`` for a side that was kept. ``error_qk``/``error_vo``: their relative Frobenius
-    truncation errors per head, ``||W - W_r||_F / ||W||_F``.
+    Attributes:
+        params: The refactored standard-form parameters (``d_k' = rank_qk``,
+            ``d_v' = rank_vo``, one key/value head per query head).
+        count_before: :func:`param_count` of the input.
+        count_after: :func:`param_count` of the result.
+        rank_qk: The pattern rank asked for (``None``: that side was kept).
+        rank_vo: The message rank asked for (``None``: that side was kept).
+        s_qk: Singular values ``[H, k]`` of the truncated ``W~_P`` (with the ``b_Q`` row when
+            ``b_Q`` is present); ``None`` for a side that was kept.
+        s_vo: Singular values ``[H, k]`` of the truncated ``W_M`` or ``W~_M``; ``None`` if kept.
+        error_qk: Relative Frobenius truncation errors per head, ``||W - W_r||_F / ||W||_F``
+            (``[H]``); ``None`` if kept.
+        error_vo: As ``error_qk`` for the messages.
     """
 
     params: AttentionParams
@@ -341,6 +419,27 @@ def refactor(
     function is preserved. ``dtype=None`` computes in the parameters' dtype (float32 for 16-bit
     ones), ``np.float64`` in float64; the result has the parameters' dtype, as NumPy arrays
     (LAPACK; :func:`refactor` is not traced). Grouped-query parameters become multi-head.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`).
+        rank_qk: The pattern rank ``1 <= r <= min(d_k, d_model)``, or ``None`` to keep the
+            query/key side.
+        rank_vo: The message rank ``1 <= r <= min(d_v, d_model)``, or ``None`` to keep the
+            value/output side.
+        gauge: ``"sqrt"`` (default), ``"left"`` or ``"right"``.
+        value_bias: ``"fold"`` (default) or ``"homogeneous"`` (see above).
+        rescale: Multiply the new query factor by ``sqrt(rank_qk / d_k)`` (default ``True``).
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`Refactored` with the new parameters, counts, spectra and errors (with both
+        ranks ``None``, ``params`` itself and no spectra).
+
+    Raises:
+        ValueError: If ``params`` is malformed, a rank is out of range, ``gauge`` or
+            ``value_bias`` is unknown, or ``dtype`` is not ``None``, float32 or float64.
+        TypeError: If a rank is not an int or ``None`` (bools refused), or the parameters are
+            not floating or mix dtypes.
     """
     _, d_model, d_k, d_v = check_params(params)
     _check_rank("rank_qk", rank_qk, d_k, d_model)
@@ -356,7 +455,7 @@ def refactor(
     dt = _resolve_dtype(dtype) or np.dtype(out_dtype)
     if dt.itemsize < 4:
         dt = np.dtype(np.float32)
-    mha = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dt), repeat_kv_heads(params))
+    mha = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dt), _repeat_kv_heads(params))
     new: dict[str, Any] = {f.name: getattr(mha, f.name) for f in dataclasses.fields(mha)}
     s_qk = s_vo = err_qk = err_vo = None
     if rank_qk is not None:

@@ -1,72 +1,159 @@
 """The formulation registry: one entry per formulation, read by the tests, the CLI and the docs.
 
-Every entry's ``apply`` takes the row-convention multi-head signature of its family and returns
-``[..., T_q, d_model]``:
+Every entry's ``apply`` takes the row-convention multi-head signature of its :class:`Family`
+(``f.family.signature``) and returns ``[..., T_q, d_model]``; the family's oracle
+(``f.family.oracle``) and derived bound (``f.family.bound``) check it. ``native`` is the
+formulation in its own convention (column vectors, one query, an edge list, or the kernel level
+``(q, k, v)``), which ``apply`` adapts.
 
-* ``family="softmax"``: ``apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None,
-  residual=False)``, checked against :func:`attnref.oracle.attention`;
-* ``family="linear"``: ``apply(params, x_q, x_kv=None, *, feature_map, causal=...,
-  key_mask=None, eps=0.0, eps_policy="add", residual=False)``, checked against
-  :func:`attnref.oracle.linear_multihead`; ``causal_modes`` says which ``causal`` values it takes
-  (the first is the default).
-
-* ``family="rope"``: ``apply(params, x_q, x_kv=None, *, positions_q=None, positions_kv=None,
-  mask=None, bias=None, scale=None, base=10000.0, convention="rotate_half", residual=False)``,
-  checked against :func:`attnref.oracle.rope_attention` (rotary position embedding changes the
-  function, so it has its own oracle).
-
-``native`` is the formulation in its own convention (column vectors, one query, an edge list, or
-the kernel level ``(q, k, v)`` for linear forms), which ``apply`` adapts.
+A formulation registers itself: the module that defines its ``apply`` ends with its
+``register(Formulation(...))`` call and its ``<id>_cost`` model. The registry imports those
+modules (:data:`FORMULATION_MODULES`) on first read, and lists entries in that module order,
+then in each module's registration order, whatever order the modules were imported in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 
+from attnref._src.family import SOFTMAX, Family
+
 Convention = Literal["row", "column", "single-query", "graph", "kernel"]
-Family = Literal["softmax", "linear", "rope"]
+
+# Citations that entries of several modules share.
+REFACTOR = (
+    "Refactoring the Attention Equations: Patterns and Messages (blog post, 2025-02-19); "
+    "Reframing Attention: A Matrix Decomposition Perspective (blog post, 2025-02-18)."
+)
+
+# The modules that register formulations, in registry order.
+FORMULATION_MODULES = (
+    "attnref._src.standard",
+    "attnref._src.merged",
+    "attnref._src.column",
+    "attnref._src.soft_search",
+    "attnref._src.graph",
+    "attnref._src.linear",
+    "attnref._src.kernel_forms",
+    "attnref._src.rope",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Formulation:
-    """A registered formulation of multi-head attention."""
+    """A registered formulation of multi-head attention.
+
+    Attributes:
+        id: Stable, unique registry id (``[a-z_]+``); the multi-head row form is exported as
+            ``<id>_attention`` where it is not ``native`` itself.
+        title: One-line title of its page.
+        equation: The formulation in LaTeX, display style.
+        convention: How ``native`` takes tokens: ``"row"``, ``"column"``, ``"single-query"``,
+            ``"graph"`` or ``"kernel"``.
+        citation: Where the formulation comes from.
+        apply: The multi-head row form, with the family's signature.
+        native: The formulation in its own convention (may be ``apply`` itself).
+        summary: One or two sentences for the page and ``attnref list``.
+        cost: Asymptotic FLOPs and peak memory of this order of operations, in words.
+        family: The :class:`Family` whose signature, oracle and bound apply
+            (default: the softmax family).
+        causal_modes: The ``causal`` values ``apply`` takes, default first (the linear
+            family's forms; the mask-based families take both).
+        static_argnames: ``jax.jit`` static arguments of ``apply``; ``None`` (the default)
+            means the family's ``static_argnames``.
+        cost_model: ``<id>_cost(dims) -> Cost``, the analytic cost model
+            (:func:`attnref.costs.cost` calls it).
+    """
 
     id: str
     title: str
-    equation: str  # LaTeX, display style
+    equation: str
     convention: Convention
     citation: str
     apply: Callable[..., Any]
     native: Callable[..., Any]
     summary: str
-    cost: str  # asymptotic FLOPs and peak memory of this order of operations
-    family: Family = "softmax"
+    cost: str
+    family: Family = SOFTMAX
     causal_modes: tuple[bool, ...] = (False, True)
-    static_argnames: tuple[str, ...] = ("residual",)  # for jax.jit(apply, static_argnames=...)
-    cost_model: Callable[[Any], Any] | None = None  # Dims -> Cost (attnref._src.cost)
+    static_argnames: tuple[str, ...] | None = None
+    cost_model: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.static_argnames is None:
+            object.__setattr__(self, "static_argnames", self.family.static_argnames)
 
     def jit(self) -> Callable[..., Any]:
-        """``jax.jit(apply)`` with this entry's static arguments."""
+        """``jax.jit(apply)`` with this entry's static arguments.
+
+        Returns:
+            The jitted ``apply``.
+        """
         return jax.jit(self.apply, static_argnames=self.static_argnames)
 
 
 _REGISTRY: dict[str, Formulation] = {}
+_loaded = False
 
 
 def register(formulation: Formulation) -> Formulation:
-    """Add a formulation; ids are stable and unique."""
+    """Add a formulation to the registry (call it at the bottom of the module defining it).
+
+    Args:
+        formulation: The entry; its id must not be registered yet, and a different family of
+            the same name must not be registered either.
+
+    Returns:
+        ``formulation``, unchanged.
+
+    Raises:
+        ValueError: The id is taken, or the family's name belongs to another family.
+    """
     if formulation.id in _REGISTRY:
         raise ValueError(f"formulation id {formulation.id!r} is already registered")
+    for other in _REGISTRY.values():
+        if other.family.name == formulation.family.name and other.family is not formulation.family:
+            raise ValueError(f"another family is already registered as {other.family.name!r}")
     _REGISTRY[formulation.id] = formulation
     return formulation
 
 
+def _load() -> None:
+    """Import the modules that register the formulations (once; the registry is read lazily)."""
+    global _loaded
+    if not _loaded:
+        for module in FORMULATION_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+
+
+def _rank(f: Formulation) -> int:
+    module = f.apply.__module__
+    return (
+        FORMULATION_MODULES.index(module)
+        if module in FORMULATION_MODULES
+        else len(FORMULATION_MODULES)
+    )
+
+
 def get(formulation_id: str) -> Formulation:
-    """The formulation with this id (``KeyError`` lists the known ids)."""
+    """The registered formulation with this id.
+
+    Args:
+        formulation_id: A registry id, e.g. ``"concat"``.
+
+    Returns:
+        Its :class:`Formulation`.
+
+    Raises:
+        KeyError: No such id (the message lists the known ids).
+    """
+    _load()
     try:
         return _REGISTRY[formulation_id]
     except KeyError:
@@ -75,11 +162,41 @@ def get(formulation_id: str) -> Formulation:
         ) from None
 
 
-def formulations(family: Family | None = None) -> tuple[Formulation, ...]:
-    """Registered formulations in registration order, optionally of one family."""
-    return tuple(f for f in _REGISTRY.values() if family is None or f.family == family)
+def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
+    """Registered formulations in registry order, optionally of one family.
+
+    Args:
+        family: A :class:`Family` or its name (``"softmax"``, ``"linear"``, ``"rope"``);
+            ``None`` for every family.
+
+    Returns:
+        The entries, in the order of :data:`FORMULATION_MODULES` and then of registration
+        (entries registered by other modules come last).
+    """
+    _load()
+    ordered = sorted(_REGISTRY.values(), key=_rank)  # stable: registration order within a module
+    if family is None:
+        return tuple(ordered)
+    name = family if isinstance(family, str) else family.name
+    return tuple(f for f in ordered if f.family.name == name)
 
 
-def ids(family: Family | None = None) -> tuple[str, ...]:
-    """Registry ids, optionally of one family."""
+def families() -> tuple[Family, ...]:
+    """The families of the registered formulations, in order of their first entry.
+
+    Returns:
+        One :class:`Family` per name.
+    """
+    return tuple(dict.fromkeys(f.family for f in formulations()))
+
+
+def ids(family: Family | str | None = None) -> tuple[str, ...]:
+    """Registry ids in registry order, optionally of one family.
+
+    Args:
+        family: A :class:`Family` or its name; ``None`` for every family.
+
+    Returns:
+        The ids of :func:`formulations` ``(family)``.
+    """
     return tuple(f.id for f in formulations(family))

@@ -11,11 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from attnref import oracle, tolerance
 from attnref._src.cost import Dims, cost, xla_counts
-from attnref._src.feature_maps import FeatureMap, favor_plus
 from attnref._src.params import AttentionParams, init_params
-from attnref._src.registry import formulations, get
+from attnref._src.registry import families, formulations, get
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +30,12 @@ class Problem:
     bias: bool = True
     causal: bool = True
     seed: int = 0
-    feature_map: str = "elu_plus_one"
+    feature_map: str = "elu_plus_one"  # the linear family's (FAVOR+ gets 2 d_k features)
 
-    def linear_feature_map(self) -> FeatureMap:
-        """The linear family's feature map (FAVOR+ gets ``2 d_k`` orthogonal features)."""
-        if self.feature_map == "favor_plus":
-            return favor_plus(self.seed, self.d_k, 2 * self.d_k)
-        return FeatureMap(self.feature_map)
-
-    def build(
-        self, dtype: Any
-    ) -> tuple[AttentionParams, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Parameters, ``x_q``, ``x_kv``, mask; drawn in float64 and rounded once to ``dtype``."""
+    def build(self, dtype: Any) -> tuple[AttentionParams, np.ndarray, np.ndarray]:
+        """Parameters, ``x_q``, ``x_kv``; drawn in float64 and rounded once to ``dtype`` (the
+        causal mask, or the linear family's ``causal`` flag, comes from the family's
+        ``example``)."""
         params = init_params(
             self.seed,
             d_model=self.d_model,
@@ -60,8 +52,7 @@ class Problem:
             if self.t_k == self.t_q
             else rng.standard_normal((self.batch, self.t_k, self.d_model))
         )
-        mask = np.tril(np.ones((self.t_q, self.t_k), bool)) if self.causal else None
-        return params.astype(dtype), x_q.astype(dtype), x_kv.astype(dtype), mask
+        return params.astype(dtype), x_q.astype(dtype), x_kv.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +71,7 @@ class Row:
     median_us: float = 0.0  # median wall time of the jitted call after warm-up
 
 
-def _dims(problem: Problem, f: Any, causal: bool, dt: np.dtype[Any]) -> Dims:
-    t_k = problem.t_q if (f.family == "linear" and causal) else problem.t_k
+def _dims(problem: Problem, causal: bool, t_k: int, dt: np.dtype[Any]) -> Dims:
     return Dims(
         problem.batch,
         problem.t_q,
@@ -130,6 +120,10 @@ def run(
     """Every chosen formulation on the problem: error against its family's oracle, analytic
     cost, XLA's counts and the median jitted time.
 
+    Each entry runs causally if the problem is and the entry can (else in its default mode),
+    with the keyword arguments of its family's ``example`` (a causal mask, or the linear
+    family's feature map and ``causal`` flag, self-attention when causal).
+
     ``max_rel_error = max|y - y_64| / max|y_64|`` (normwise); ``bound_ratio`` is the largest
     ``|y - y_64| / bound`` with the derived componentwise bound of :mod:`attnref.tolerance`
     (at most 1 means within the bound). ``progress`` is a stream for a progress bar.
@@ -139,30 +133,15 @@ def run(
     total, done = len(chosen) * len(dtypes), 0
     for dt_name in dtypes:
         dt = np.dtype(dt_name)
-        params, x_q, x_kv, mask = problem.build(dt)
+        params, x_q, x_kv = problem.build(dt)
         for f in chosen:
             _progress(done, total, f"{f.id} {dt_name}", progress)
-            if f.family == "softmax":
-                causal = problem.causal
-                kw: dict[str, Any] = dict(mask=mask)
-                ref = oracle.attention(params, x_q, x_kv, **kw)
-                bound = tolerance.attention_error_bound(params, x_q, x_kv, dtype=dt, **kw)
-                note = "causal mask" if problem.causal else "no mask"
-                xkv = x_kv
-            elif f.family == "rope":  # default positions arange(T), rotate-half pairs
-                causal = problem.causal
-                kw = dict(mask=mask)
-                ref = oracle.rope_attention(params, x_q, x_kv, **kw)
-                bound = tolerance.rope_attention_error_bound(params, x_q, x_kv, dtype=dt, **kw)
-                note = "rotate_half, " + ("causal mask" if problem.causal else "no mask")
-                xkv = x_kv
-            else:  # linear family: self-attention, causal if the form takes it
-                causal = problem.causal if problem.causal in f.causal_modes else f.causal_modes[0]
-                kw = dict(feature_map=problem.linear_feature_map(), causal=causal)
-                xkv = x_q if causal else x_kv
-                ref = oracle.linear_multihead(params, x_q, xkv, **kw)
-                bound = tolerance.linear_multihead_error_bound(params, x_q, xkv, dtype=dt, **kw)
-                note = f"{problem.feature_map}, {'causal' if causal else 'non-causal'}"
+            causal = problem.causal if problem.causal in f.causal_modes else f.causal_modes[0]
+            example = f.family.example(problem, causal)
+            kw, note = example.kwargs, example.note
+            xkv = x_q if example.self_attention else x_kv
+            ref = f.family.oracle(params, x_q, xkv, **kw)
+            bound = f.family.bound(params, x_q, xkv, dtype=dt, **kw)
             fn = f.jit()
             out = fn(params, x_q, xkv, **kw)
             if out.dtype != dt:
@@ -171,7 +150,8 @@ def run(
             scale = float(np.abs(ref).max())
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = float(np.nanmax(np.where(err == 0, 0.0, err / bound)))
-            model = cost(f.id, _dims(problem, f, causal, dt))
+            t_k = problem.t_q if example.self_attention else problem.t_k
+            model = cost(f.id, _dims(problem, causal, t_k, dt))
             xc = xla_counts(fn, params, x_q, xkv, **kw)
             rows.append(
                 Row(
@@ -199,9 +179,10 @@ def format_table(rows: Sequence[Row], problem: Problem) -> str:
         f"attnref report: B={problem.batch} T_q={problem.t_q} T_k={problem.t_k} "
         f"H={problem.num_heads} d_model={problem.d_model} d_k={problem.d_k} "
         f"d_v={problem.d_v} bias={problem.bias} causal={problem.causal} seed={problem.seed}\n"
-        "errors against the float64 NumPy oracle of each family (softmax: oracle.attention; "
-        "linear: oracle.linear_multihead; rope: oracle.rope_attention);\nrel = max|err| / "
-        "max|y|; err/bound <= 1 means within the derived tolerance (attnref.tolerance)\n"
+        "errors against the float64 NumPy oracle of each family ("
+        + "; ".join(f"{fam.name}: oracle.{fam.oracle.__name__}" for fam in families())
+        + ");\nrel = max|err| / max|y|; err/bound <= 1 means within the derived tolerance "
+        "(attnref.tolerance)\n"
     )
     lines = [
         f"{'formulation':<19} {'dtype':<8} {'max abs err':>11} {'max rel err':>11} "
@@ -267,6 +248,8 @@ def plot(rows: Sequence[Row], directory: str) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     ids = list(dict.fromkeys(r.id for r in rows))
+    styles = ("-", "--", "-.", ":")  # one line style per family, in registry order
+    style_of = {fam: styles[i % len(styles)] for i, fam in enumerate(families())}
     panels = (
         ("model_flops", "analytic FLOPs"),
         ("xla_flops", "XLA cost_analysis FLOPs"),
@@ -282,7 +265,7 @@ def plot(rows: Sequence[Row], directory: str) -> list[str]:
         for ax, (field, label) in zip(axes[0], fields, strict=True):
             for fid in ids:
                 pts = [(int(r.note[2:]), getattr(r, field)) for r in rows if r.id == fid]
-                style = "--" if fid.startswith("linear") else "-"
+                style = style_of[get(fid).family]
                 ax.loglog(*zip(*pts, strict=True), style, marker="o", ms=3, label=fid)
             ax.set_xlabel("T (tokens)")
             ax.set_title(label)

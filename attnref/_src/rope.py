@@ -40,6 +40,7 @@ Key/value heads may be shared (grouped-query attention): with ``K = W_K.shape[0]
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -47,10 +48,31 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref._src.checks import check_params, enable_x64, float64_scoped, x64_enabled
-from attnref._src.common import HIGHEST, Prepared, add_output_bias, project, residual_or
-from attnref._src.params import AttentionParams
+from attnref import oracle, tolerance
+from attnref._src import cost as _cost
+from attnref._src.checks import (
+    HIGHEST,
+    _dtype,
+    _shape,
+    check_params,
+    float64_scoped,
+    in_x64_if_float64,
+)
+from attnref._src.common import (
+    Prepared,
+    add_output_bias,
+    homogeneous,
+    homogeneous_weights,
+    prepare_rows,
+    project,
+    project_kv,
+    residual_or,
+)
+from attnref._src.family import Example, ExampleProblem, Family, masked_example
+from attnref._src.params import AttentionParams, repeat_heads
+from attnref._src.registry import REFACTOR, Formulation, register
 from attnref._src.softmax import masked_softmax
+from attnref._src.standard import concat_cost
 
 __all__ = [
     "CONVENTIONS",
@@ -67,15 +89,6 @@ CONVENTIONS = ("rotate_half", "interleaved")
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
-
-
-def _dtype(x: Any) -> np.dtype[Any]:
-    dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
 
 
 def _check_convention(convention: Any) -> str:
@@ -132,14 +145,6 @@ def _angle_dtype(dtype: Any) -> np.dtype[Any]:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _in_x64_if_float64(dtype: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` with x64 switched on when ``dtype`` asks for float64 (cf. ``float64_scoped``)."""
-    if np.dtype(dtype) == np.float64 and not x64_enabled():
-        with enable_x64():
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
-
-
 # ----------------------------------------------------------------------------- the map itself
 
 
@@ -157,10 +162,23 @@ def rope_frequencies(
 
     Evaluated in float64 and rounded once to ``dtype`` (float32 by default; float64 works with
     x64 off). ``head_dim`` must be even (RoPE rotates pairs of features).
+
+    Args:
+        head_dim: The (even, positive) head dimension ``d``.
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        dtype: The result dtype (default float32).
+
+    Returns:
+        ``theta [head_dim / 2]`` of ``dtype``.
+
+    Raises:
+        ValueError: If ``head_dim`` is not a positive even integer, or ``base`` is not positive
+            and finite.
+        TypeError: If ``base`` is not a static Python number.
     """
     d = _check_head_dim(head_dim)
     b = _check_base(base)
-    return _in_x64_if_float64(dtype, _theta, d, b, np.dtype(dtype))
+    return in_x64_if_float64(dtype, _theta, d, b, np.dtype(dtype))
 
 
 def _cos_sin(
@@ -238,6 +256,23 @@ def apply_rope(
     Llama) and ``(x_{2p}, x_{2p+1})`` for ``"interleaved"`` (RoFormer, GPT-J, Meta Llama).
     Angles are computed in float32 (float64 for float64 ``x``); see the module docstring.
     ``base`` and ``convention`` are static.
+
+    Args:
+        x: Queries or keys ``[..., T, N, head_dim]``, floating, ``head_dim`` even.
+        positions: Integer positions ``[..., T]`` or ``[T]``, broadcasting to ``x.shape[:-2]``
+            (shared by all heads).
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+
+    Returns:
+        The rotated ``x``, same shape and dtype.
+
+    Raises:
+        ValueError: If ``x`` has rank < 3 or an odd ``head_dim``, ``positions`` do not broadcast
+            to ``[..., T]``, ``base`` is not positive and finite, or ``convention`` is unknown.
+        TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
+            a static Python number.
     """
     conv = _check_kernel_layout(x, positions, convention)
     x = jnp.asarray(x)
@@ -257,6 +292,23 @@ def apply_rope_complex(
     Pair ``p`` is read as ``z_p = a_p + i b_p`` and multiplied by ``exp(i m theta_p)``:
     ``Re``/``Im`` of ``z_p exp(i m theta_p)`` are the rotated pair. The arithmetic is in complex64
     (complex128 for float64 ``x``) and the result is rounded to ``x``'s dtype.
+
+    Args:
+        x: Queries or keys ``[..., T, N, head_dim]``, floating, ``head_dim`` even.
+        positions: Integer positions ``[..., T]`` or ``[T]``, broadcasting to ``x.shape[:-2]``
+            (shared by all heads).
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+
+    Returns:
+        The rotated ``x``, same shape and dtype (equal to :func:`apply_rope` up to rounding).
+
+    Raises:
+        ValueError: If ``x`` has rank < 3 or an odd ``head_dim``, ``positions`` do not broadcast
+            to ``[..., T]``, ``base`` is not positive and finite, or ``convention`` is unknown.
+        TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
+            a static Python number.
     """
     conv = _check_kernel_layout(x, positions, convention)
     x = jnp.asarray(x)
@@ -303,77 +355,77 @@ def rope_rotation(
 
     the logits depend only on ``delta = m - n`` (query position minus key position). Entries are
     in ``dtype`` (angles in float32, or float64 for float64).
+
+    Args:
+        delta: Integer offsets, any shape ``[...]``.
+        head_dim: The (even, positive) head dimension.
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+        dtype: The entries' dtype (default float32).
+
+    Returns:
+        ``R(delta)`` ``[..., head_dim, head_dim]`` of ``dtype``.
+
+    Raises:
+        ValueError: If ``head_dim`` is not a positive even integer, ``base`` is not positive and
+            finite, or ``convention`` is unknown.
+        TypeError: If ``delta`` is not integer, or ``base`` is not a static Python number.
     """
     conv = _check_convention(convention)
     d = _check_head_dim(head_dim)
     b = _check_base(base)
     _check_integer("delta", delta)
-    return _in_x64_if_float64(dtype, _rotation, jnp.asarray(delta), d, b, conv, np.dtype(dtype))
+    return in_x64_if_float64(dtype, _rotation, jnp.asarray(delta), d, b, conv, np.dtype(dtype))
 
 
 # ----------------------------------------------------------------------------- multi-head forms
 
 
-def _groups(params: AttentionParams, name: str) -> int:
-    """``H / K`` for the key (``name="w_k"``) or value (``"w_v"``) heads; validates ``K | H``."""
-    h = params.num_heads
-    k = int(np.shape(getattr(params, name))[0])
-    if k < 1 or h % k:
-        raise ValueError(
-            f"params.{name} has {k} heads, which must divide the {h} query heads of params.w_q "
-            "(grouped-query attention: query head n uses key/value head n // (H / K))"
-        )
-    return h // k
-
-
-def _expand(y: Array, groups: int, axis: int) -> Array:
-    """Repeat each key/value head ``groups`` times: head ``n`` becomes ``y[n // groups]``."""
-    return y if groups == 1 else jnp.repeat(y, groups, axis=axis)
-
-
+@dataclasses.dataclass(frozen=True)
 class _RopeInputs:
-    """Validated inputs of the multi-head RoPE forms."""
+    """Validated inputs of the multi-head RoPE forms (built by :func:`_prepare_rope`)."""
 
-    def __init__(
-        self,
-        params: AttentionParams,
-        x_q: Any,
-        x_kv: Any,
-        positions_q: Any,
-        positions_kv: Any,
-        mask: Any,
-        bias: Any,
-        scale: Any,
-        base: Any,
-        convention: Any,
-    ) -> None:
-        self.convention = _check_convention(convention)
-        self.base = _check_base(base)
-        self.p = Prepared(params, x_q, x_kv, mask, bias, scale)
-        self.g_k, self.g_v = _groups(params, "w_k"), _groups(params, "w_v")
-        _check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")
-        p = self.p
-        for name, pos, t in (
-            ("positions_q", positions_q, p.t_q),
-            ("positions_kv", positions_kv, p.t_k),
-        ):
-            if pos is not None:
-                _check_positions(name, pos, p.batch_shape, t)
-        # Default positions 0 .. T - 1 are NumPy constants, so the offsets stay static under jit.
-        self.pos_q = np.arange(p.t_q) if positions_q is None else positions_q
-        self.pos_k = np.arange(p.t_k) if positions_kv is None else positions_kv
+    p: Prepared
+    pos_q: Any  # integer positions; NumPy arange(T) by default
+    pos_k: Any
+    base: float
+    convention: str
+    group_size: int  # G = H / K: query head n reads key/value head n // G
 
 
-def _hom(x: Array) -> Array:
-    """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
-    return jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
-
-
-def _hom_weights(w: Any, b: Any) -> Array:
-    """``W~ = [W; b]`` per head: ``[H, d_model + 1, d]`` (a zero row when there is no bias)."""
-    w = jnp.asarray(w)
-    row = jnp.zeros((w.shape[0], 1, w.shape[2]), w.dtype) if b is None else jnp.asarray(b)[:, None]
-    return jnp.concatenate([w, row], axis=1)
+def _prepare_rope(
+    params: AttentionParams,
+    x_q: Any,
+    x_kv: Any,
+    positions_q: Any,
+    positions_kv: Any,
+    mask: Any,
+    bias: Any,
+    scale: Any,
+    base: Any,
+    convention: Any,
+) -> _RopeInputs:
+    """Validate a multi-head RoPE call once (:func:`prepare_rows`, then the RoPE options)."""
+    conv = _check_convention(convention)
+    b = _check_base(base)
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    _check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")
+    for name, pos, t in (
+        ("positions_q", positions_q, p.t_q),
+        ("positions_kv", positions_kv, p.t_k),
+    ):
+        if pos is not None:
+            _check_positions(name, pos, p.batch_shape, t)
+    # Default positions 0 .. T - 1 are NumPy constants, so the offsets stay static under jit.
+    return _RopeInputs(
+        p=p,
+        pos_q=np.arange(p.t_q) if positions_q is None else positions_q,
+        pos_k=np.arange(p.t_k) if positions_kv is None else positions_kv,
+        base=b,
+        convention=conv,
+        group_size=params.group_size,
+    )
 
 
 def _mix(params: AttentionParams, a: Array, v: Array) -> Array:
@@ -392,8 +444,8 @@ def rope_attention(
     *,
     positions_q: Int[ArrayLike, "... T_q"] | None = None,
     positions_kv: Int[ArrayLike, "... T_k"] | None = None,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     base: float = 10000.0,
     convention: str = "rotate_half",
@@ -410,8 +462,41 @@ def rope_attention(
     ``d_k`` must be even. Fully masked rows get zero weights (output ``b_O``), as everywhere.
     ``base`` and ``convention`` are static. A key or value a query may not read (mask, ``-inf``
     bias) never reaches that query's output or gradients, whatever it holds.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; ``None`` (default)
+            means ``arange(T_q)``.
+        positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
+            means ``arange(T_k)``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed or ``d_k`` is odd, ``x_q``/``x_kv`` have rank
+            < 2, the wrong ``d_model`` or different batch shapes, ``mask``/``bias``/positions do
+            not broadcast to their shapes, ``scale`` is not a scalar, ``base`` is not positive
+            and finite, or ``convention`` is unknown.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, positions are not integers, ``scale`` is not a real
+            number, or ``base`` is not a static Python number.
     """
-    r = _RopeInputs(
+    r = _prepare_rope(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
     pos_q = jnp.asarray(r.pos_q)[..., None, :]  # a head axis: broadcasts to [..., H, T_q]
@@ -420,8 +505,8 @@ def rope_attention(
     def compute(p: Prepared) -> Array:
         q = _rotate(project(p.x_q, params.w_q, params.b_q), pos_q, r.base, r.convention)
         k = _rotate(project(p.x_kv, params.w_k, params.b_k), pos_k, r.base, r.convention)
-        k = _expand(k, r.g_k, axis=-3)
-        v = _expand(project(p.x_kv, params.w_v, params.b_v), r.g_v, axis=-3)
+        k = repeat_heads(k, r.group_size, axis=-3)
+        v = project_kv(p.x_kv, params.w_v, params.b_v, r.group_size)
         logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale
         a = masked_softmax(p.add_bias(logits), p.head_mask())
         return residual_or(_mix(params, a, v), p.x_q, residual)
@@ -451,6 +536,22 @@ def rope_pattern_matrices(
     The logit of query row ``x_i`` at position ``m`` and key row ``x_j`` at position ``n``
     (without biases) is ``x_i W_P(m - n) x_j^T * scale``. The bias rows are *not* included here;
     :func:`rope_patterns_attention` uses the homogeneous ``[W_Q; b_Q] R [W_K; b_K]^T`` instead.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`), ``d_k`` even; query head
+            ``n`` uses key head ``g(n) = n // (H / K)``.
+        deltas: Integer offsets ``[D]`` (query position minus key position).
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+
+    Returns:
+        ``W_P(delta)_n`` for every query head and offset, ``[H, D, d_model, d_model]``.
+
+    Raises:
+        ValueError: If ``params`` is malformed or ``d_k`` is odd, ``deltas`` is not 1-D,
+            ``base`` is not positive and finite, or ``convention`` is unknown.
+        TypeError: If ``deltas`` is not integer, or ``base`` is not a static Python number.
     """
     conv = _check_convention(convention)
     check_params(params)
@@ -458,7 +559,7 @@ def rope_pattern_matrices(
     _check_integer("deltas", deltas)
     if np.ndim(deltas) != 1:
         raise ValueError(f"deltas must have shape [D], got {_shape(deltas)}")
-    wk = _expand(jnp.asarray(params.w_k), _groups(params, "w_k"), axis=0)
+    wk = repeat_heads(jnp.asarray(params.w_k), params.group_size)
     wq = jnp.asarray(params.w_q)
     return _pattern_matrices(wq, wk, jnp.asarray(deltas), params.d_k, _check_base(base), conv)
 
@@ -495,8 +596,8 @@ def rope_patterns_attention(
     *,
     positions_q: Int[ArrayLike, "... T_q"] | None = None,
     positions_kv: Int[ArrayLike, "... T_k"] | None = None,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     base: float = 10000.0,
     convention: str = "rotate_half",
@@ -518,14 +619,47 @@ def rope_patterns_attention(
     are; traced positions give one offset entry per ``(i, j)``) and gathered per ``(i, j)``:
     memory ``O(H T_q T_k d_model^2)``, a reference form, not a fast one. Arguments as in
     :func:`rope_attention`.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; ``None`` (default)
+            means ``arange(T_q)``.
+        positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
+            means ``arange(T_k)``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        base: The frequency base (default 10000, the paper's), a static positive finite number.
+        convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+            ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed or ``d_k`` is odd, ``x_q``/``x_kv`` have rank
+            < 2, the wrong ``d_model`` or different batch shapes, ``mask``/``bias``/positions do
+            not broadcast to their shapes, ``scale`` is not a scalar, ``base`` is not positive
+            and finite, or ``convention`` is unknown.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, positions are not integers, ``scale`` is not a real
+            number, or ``base`` is not a static Python number.
     """
-    r = _RopeInputs(
+    r = _prepare_rope(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
     h = params.num_heads
-    wq = _hom_weights(params.w_q, params.b_q)
-    wk = _expand(_hom_weights(params.w_k, params.b_k), r.g_k, axis=0)
-    wv = _expand(_hom_weights(params.w_v, params.b_v), r.g_v, axis=0)
+    wq = homogeneous_weights(params.w_q, params.b_q)
+    wk = repeat_heads(homogeneous_weights(params.w_k, params.b_k), r.group_size)
+    wv = repeat_heads(homogeneous_weights(params.w_v, params.b_v), r.group_size)
     u, inv = _distinct_offsets(r.pos_q, r.pos_k)
     w_pat = _pattern_matrices(wq, wk, u, params.d_k, r.base, r.convention)  # [H, U, D1, D1]
     gathered = jnp.moveaxis(w_pat[:, inv], 0, -5)  # [..., H, T_q, T_k, D1, D1]
@@ -534,7 +668,7 @@ def rope_patterns_attention(
     w_msg = jnp.einsum("hav,hvd->had", wv, params.w_o, precision=HIGHEST)  # [H, D1, d_model]
 
     def compute(p: Prepared) -> Array:
-        xq, xkv = _hom(p.x_q), _hom(p.x_kv)
+        xq, xkv = homogeneous(p.x_q), homogeneous(p.x_kv)
         logits = jnp.einsum("...qa,...hqkab,...kb->...hqk", xq, gathered, xkv, precision=HIGHEST)
         a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
         m = jnp.einsum("...ka,had->...hkd", xkv, w_msg, precision=HIGHEST)
@@ -544,3 +678,183 @@ def rope_patterns_attention(
         return residual_or(y, p.x_q, residual)
 
     return r.p.guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- the RoPE family
+
+
+def _rope_example(problem: ExampleProblem, causal: bool) -> Example:
+    """The softmax family's example (a causal mask or none); default positions ``arange(T)``,
+    rotate-half pairs."""
+    example = masked_example(problem, causal)
+    return dataclasses.replace(example, note="rotate_half, " + example.note)
+
+
+ROPE = Family(
+    name="rope",
+    oracle=oracle.rope_attention,
+    bound=tolerance.rope_attention_error_bound,
+    signature="apply(params, x_q, x_kv=None, *, positions_q=None, positions_kv=None, "
+    "mask=None, bias=None, scale=None, base=10000.0, convention='rotate_half', residual=False)",
+    note="Scale $1/\\sqrt{d_k}$ unless `scale=` is given; positions default to `arange(T)`; "
+    "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
+    "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "
+    "[RoPE](../rope.md).",
+    equation_symbols=("R(",),
+    static_argnames=("residual", "base", "convention"),
+    example=_rope_example,
+)
+
+
+# ----------------------------------------------------------------------------- registry entries
+#
+# The cost models assume the default positions ``arange(T_q)``, ``arange(T_k)`` (shape ``[T]``,
+# shared by the batch and the heads, so ``cos``/``sin`` are evaluated ``(T_q + T_k) d_k / 2``
+# times each; see ``attnref._src.cost._angles``), with the counting conventions of
+# ``attnref._src.cost``.
+
+ROFORMER = (
+    "Su et al. (2021), RoFormer: Enhanced Transformer with Rotary Position Embedding, "
+    "arXiv:2104.09864."
+)
+
+
+def rope_cost(
+    d: _cost.Dims, *, positions_batch: int = 1, traced_positions: bool = False
+) -> _cost.Cost:
+    """Concat's counts plus the rotations of ``q`` and ``k``: ``a c - b s`` and ``a s + b c``
+    per pair (6 elementwise ops per pair per head and token) and the angles ``m theta_p`` (one
+    multiply per position and plane). The matmuls are concat's: a rotation is elementwise, not a
+    ``dot``.
+
+    ``positions_batch`` is the number of position rows (1 for the default ``[T]`` positions;
+    ``B`` for positions ``[B, T]``); ``traced_positions`` says they are ``jit`` arguments rather
+    than constants (the defaults are constants)."""
+    c = concat_cost(d)
+    b, h, half = d.batch, d.heads, d.d_k // 2
+    el_a, tr_a, angle_tensors = _cost._angles(
+        positions_batch * (d.t_q + d.t_k), d, traced_positions
+    )
+    pairs = b * h * (d.t_q + d.t_k) * half  # rotated pairs of q and k
+    # per side: the two halves (slices), four products, two sums, the merged result
+    rotation_tensors = [
+        n for t in (d.t_q, d.t_k) for n in [b * h * t * half] * 8 + [b * h * t * d.d_k]
+    ]
+    tensors = angle_tensors + rotation_tensors
+    extra = sum(tensors) * d.itemsize
+    return dataclasses.replace(
+        c,
+        elementwise_flops=c.elementwise_flops + _cost.ROTATE_PER_PAIR * pairs + el_a,
+        transcendentals=c.transcendentals + tr_a,
+        intermediate_bytes=max(c.intermediate_bytes, max(tensors) * d.itemsize),
+        workspace_bytes=c.workspace_bytes + extra,
+    )
+
+
+def rope_patterns_cost(
+    d: _cost.Dims, *, offsets: int | None = None, traced_positions: bool = False
+) -> _cost.Cost:
+    """The relative pattern-matrix form. ``U = offsets`` pattern matrices are formed (default
+    ``T_q + T_k - 1``: the default positions; concrete positions give the distinct values of
+    ``pos_q[i] - pos_k[j]``, traced positions ``[B, T]`` give ``B T_q T_k``, with
+    ``traced_positions=True``), each from a rotation ``R(delta)`` built elementwise from 0/+-1
+    patterns (``d_k / 2`` planes of ``d_k^2`` entries: two multiplies and an add each, then the
+    sum over planes) and ``W~_Q R W~_K^T`` (the einsum contracts ``W~_Q R`` first:
+    ``2 H U D1 d_k^2 + 2 H U D1^2 d_k``, ``D1 = d_model + 1``). The logits contract ``x~_i``
+    with the gathered ``W~_P`` first (``2 B H T_q T_k D1^2``), then with ``x~_j``
+    (``2 B H T_q T_k D1``). Values go through the merged ``W~_M = W~_V W_O`` (homogeneous, so
+    ``b_V W_O`` is a row of it and costs no elementwise add). The gathered
+    ``[B, H, T_q, T_k, D1, D1]`` tensor is the largest intermediate."""
+    b, h, dm, dk, dv, tq, tk = d.batch, d.heads, d.d_model, d.d_k, d.d_v, d.t_q, d.t_k
+    u = tq + tk - 1 if offsets is None else offsets
+    d1, half = dm + 1, dk // 2
+    logits = b * h * tq * tk
+    el_a, tr_a, angle_tensors = _cost._angles(u, d, traced_positions)
+    mm = (
+        2 * h * u * d1 * dk * dk  # W~_Q R(delta)
+        + 2 * h * u * d1 * d1 * dk  # (W~_Q R) W~_K^T
+        + 2 * logits * d1 * d1  # x~_i W~_P
+        + 2 * logits * d1  # (x~_i W~_P) x~_j^T
+        + 2 * h * d1 * dv * dm  # W~_M = W~_V W_O
+        + 2 * b * tk * d1 * h * dm  # messages x~_kv W~_M
+        + 2 * logits * dm  # sum_j a_ij M_j
+    )
+    el = (
+        el_a
+        + 3 * u * half * dk * dk  # c P_cos, s P_sin and their sum, per plane
+        + u * (half - 1) * dk * dk  # the sum over planes
+        + _cost._softmax_elementwise(d)
+        + b * (h - 1) * tq * dm  # the sum over heads
+        + (b * tq * dm if d.bias else 0)  # b_O
+    )
+    tensors = [
+        *angle_tensors,
+        h * d1 * dk,  # W~_Q, W~_K, W~_V
+        h * d1 * dk,
+        h * d1 * dv,
+        *[u * half * dk * dk] * 3,  # the rotation's per-plane terms and their sum
+        u * dk * dk,  # R(delta)
+        h * u * d1 * dk,  # W~_Q R
+        h * u * d1 * d1,  # W~_P
+        h * tq * tk * d1 * d1,  # gathered per (i, j)
+        b * h * tq * tk * d1 * d1,  # broadcast over the batch
+        b * tq * d1,  # x~_q, x~_kv
+        b * tk * d1,
+        b * h * tq * tk * d1,  # x~_i W~_P
+        *_cost._softmax_tensors(d, logits),
+        h * d1 * dm,  # W~_M
+        b * h * tk * dm,  # messages
+        b * h * tq * dm,  # per-head mixes
+        b * tq * dm,  # y
+    ]
+    return _cost._finish(d, mm, el, logits + tr_a, tensors)
+
+
+register(
+    Formulation(
+        id="rope",
+        title="Rotary position embedding (rotate q and k)",
+        equation=(
+            r"s_{ij} = \frac{\big(q_i R(m_i)\big)\big(k_j R(n_j)\big)^\top}{\sqrt{d_k}},"
+            r"\quad R(m) = \bigoplus_{p} \begin{pmatrix} \cos m\theta_p & \sin m\theta_p \\"
+            r" -\sin m\theta_p & \cos m\theta_p \end{pmatrix},\ \theta_p = b^{-2p/d_k}"
+        ),
+        convention="row",
+        citation=ROFORMER,
+        apply=rope_attention,
+        native=rope_attention,
+        summary=(
+            "Queries and keys rotated pairwise by position-dependent angles (rotate-half or "
+            "interleaved pairs); values untouched."
+        ),
+        cost="As concat plus O(H (T_q + T_k) d_k) for the rotations; memory O(H T_q T_k).",
+        cost_model=rope_cost,
+        family=ROPE,
+    )
+)
+
+register(
+    Formulation(
+        id="rope_patterns",
+        title="RoPE as a relative-position pattern matrix",
+        equation=(
+            r"s_{ij} = \frac{\tilde x_i\, W_P(m_i - n_j)\, \tilde x_j^\top}{\sqrt{d_k}},"
+            r"\quad W_P(\delta) = \tilde W_Q\, R(\delta)\, \tilde W_K^\top,"
+            r"\quad \tilde x = [x, 1],\ \tilde W = [W; b]"
+        ),
+        convention="row",
+        citation=ROFORMER + " Pattern view: " + REFACTOR,
+        apply=rope_patterns_attention,
+        native=rope_patterns_attention,
+        summary=(
+            "The pattern matrix becomes a function of the offset m - n: one d_model x d_model "
+            "W_P per distinct offset, gathered per (query, key) pair."
+        ),
+        cost=(
+            "FLOPs O(H n_delta d_model^2 d_k) to form W_P(delta) for n_delta offsets, O(H T_q "
+            "T_k d_model^2) for the logits; memory O(H T_q T_k d_model)."
+        ),
+        cost_model=rope_patterns_cost,
+        family=ROPE,
+    )
+)

@@ -12,12 +12,16 @@ Attention Equations" (2025-02-19), single-query version.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
+from attnref._src import cost as _cost
 from attnref._src.checks import check_params, check_scale, float64_scoped
-from attnref._src.common import HIGHEST, Prepared, residual_or, scale_value
+from attnref._src.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
+from attnref._src.merged import patterns_messages_cost
 from attnref._src.nonfinite import (
     allowed_pairs,
     finite_bias,
@@ -26,7 +30,8 @@ from attnref._src.nonfinite import (
     nonfinite_rows,
     reads_nonfinite,
 )
-from attnref._src.params import AttentionParams, repeat_heads, w_m, w_p
+from attnref._src.params import AttentionParams, _w_m, _w_p, repeat_heads
+from attnref._src.registry import Formulation, register
 from attnref._src.softmax import masked_softmax
 
 
@@ -67,7 +72,7 @@ def _merged(params: AttentionParams) -> tuple[Array, Array, Array | None, Array 
         if params.b_v is None
         else jnp.einsum("hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST)
     )
-    return w_p(params), w_m(params), qb, vb
+    return _w_p(params), _w_m(params), qb, vb
 
 
 @float64_scoped
@@ -80,7 +85,30 @@ def soft_search(
     bias: Float[ArrayLike, " T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, " d_model"]:
-    """One query: ``o = sum_i softmax(X_kv (x_q W_P[i])^T / sqrt(d_k)) M_i + b_O``."""
+    """One query: ``o = sum_i softmax(X_kv (x_q W_P[i])^T / sqrt(d_k)) M_i + b_O``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); ``W_P[i]`` and ``W_M[i]``
+            (and the bias terms ``b_Q[i] W_K[g]^T``, ``b_V[g] W_O[i]``) are formed from them.
+        x_q: One query token, a row vector ``[d_model]``, the dtype of ``params``.
+        x_kv: The key/value tokens ``[T_k, d_model]`` (no batch dims), the dtype of ``x_q``.
+        mask: Boolean ``[T_k]``, ``True`` = the query may read that key; ``None`` (default)
+            allows every key.
+        bias: Additive bias ``[T_k]`` on the scaled scores (``-inf`` masks like ``False``);
+            cast to the dtype of ``x_q``.
+        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        The query's block output ``o``, ``[d_model]``; ``b_O`` (zero without biases) when no key
+        is allowed.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q`` is not ``[d_model]``, ``x_kv`` is not
+            ``[T_k, d_model]``, ``mask``/``bias`` are not ``[T_k]``, or ``scale`` is not a
+            scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` do not share one dtype, or ``scale`` is
+            not a real number.
+    """
     _, d_model, d_k, _ = check_params(params)
     if jnp.ndim(x_q) != 1 or jnp.shape(x_q)[0] != d_model:
         raise ValueError(f"x_q must be one query of shape ({d_model},), got {jnp.shape(x_q)}")
@@ -116,13 +144,38 @@ def soft_search_attention(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
-    """:func:`soft_search` ``vmap``-ed over queries and then over flattened batch dims."""
-    prepared = Prepared(params, x_q, x_kv, mask, bias, scale)  # validates before _merged
+    """:func:`soft_search` ``vmap``-ed over queries and then over flattened batch dims.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    prepared = prepare_rows(params, x_q, x_kv, mask, bias, scale)  # validates before _merged
     b_o = None if params.b_o is None else jnp.asarray(params.b_o)
     merged = _merged(params)
 
@@ -144,3 +197,41 @@ def soft_search_attention(
         return residual_or(y, p.x_q, residual)
 
     return prepared.guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- registry entry
+
+
+def soft_search_cost(d: _cost.Dims) -> _cost.Cost:
+    """vmap leaves query-independent work unbatched: the same counts as patterns x messages;
+    the workspace adds the full mask and bias broadcasts and the flattened batch copies."""
+    c = patterns_messages_cost(d)
+    extra = (2 * d.batch * d.t_q * d.t_k + d.batch * (d.t_q + 2 * d.t_k) * d.d_model) * d.itemsize
+    return dataclasses.replace(c, workspace_bytes=c.workspace_bytes + extra)
+
+
+register(
+    Formulation(
+        id="soft_search",
+        title="Per-query soft search",
+        equation=(
+            r"o = \sum_{i=1}^{H} \mathrm{softmax}\!\Big(\frac{X_{kv}\, p_i^\top}{\sqrt{d_k}}"
+            r"\Big)^{\!\top} M_i + b_O,\quad p_i = x_q W_{P,i} + b_{Q,i} W_{K,i}^\top"
+        ),
+        convention="single-query",
+        citation="Refactoring the Attention Equations: Patterns and Messages (2025-02-19), "
+        "single-query version; search perspective of Attention: All you need to know (2025-03-29).",
+        apply=soft_search_attention,
+        native=soft_search,
+        summary=(
+            "One query vector at a time searches the keys with its pattern; vmapped over queries."
+        ),
+        cost=(
+            "As patterns_messages: written one query at a time, but vmap leaves the "
+            "query-independent work (W_P, W_M and the messages X_kv W_M) unbatched, so it is "
+            "computed once (XLA's FLOP count equals patterns_messages'); memory "
+            "O(H (T_q + T_k) d_model + H T_q T_k)"
+        ),
+        cost_model=soft_search_cost,
+    )
+)

@@ -33,6 +33,16 @@ def masked_softmax(
     ``axis=-1`` is the row-stochastic convention (rows are queries); ``axis=-2`` gives the
     column-stochastic matrix of the column form. Masked entries never enter ``exp``, so large or
     non-finite logits there cannot turn into NaN in the value or in the gradient.
+
+    Args:
+        logits: Floating logits, any shape; ``-inf`` entries are excluded like masked ones.
+        mask: Boolean, broadcastable to ``logits``, ``True`` = the entry takes part; ``None``
+            (default) allows every entry.
+        axis: The axis to normalise over (default -1).
+
+    Returns:
+        Weights of ``logits``' shape: along ``axis`` they sum to 1 over the allowed entries, or
+        are all zero where no entry is allowed.
     """
     allowed = allowed_entries(logits, mask)
     any_allowed = jnp.any(allowed, axis=axis, keepdims=True)

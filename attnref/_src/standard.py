@@ -13,19 +13,24 @@ gradients, whatever it holds (NaN, ``+-inf``): every public function runs throug
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
+from attnref._src import cost as _cost
 from attnref._src.checks import float64_scoped
 from attnref._src.common import (
     HIGHEST,
     Prepared,
     add_output_bias,
+    prepare_rows,
     project,
     project_kv,
     residual_or,
 )
 from attnref._src.params import AttentionParams
+from attnref._src.registry import REFACTOR, Formulation, register
 from attnref._src.softmax import masked_softmax
 
 
@@ -55,15 +60,38 @@ def attention_weights(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... H T_q T_k"]:
     """Row-stochastic scores ``A_i = softmax(Q_i K_i^T * scale + bias, mask)`` per query head.
 
     Fully masked rows are all zeros.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`), ``w_q [H, d_model, d_k]``,
+            ``w_k [K, d_model, d_k]`` with ``K`` dividing ``H`` (grouped-query heads allowed).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        The attention weights ``[..., H, T_q, T_k]`` (one row per query, summing to 1 over the
+        keys, or all zeros for a fully masked row).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
     return p.guarded(lambda v: _weights(v, params), heads=True)
 
 
@@ -73,15 +101,38 @@ def head_outputs(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... H T_q d_model"]:
     """Per-head outputs in model space, ``o_i = head_i W_O[i]`` (no ``b_O``).
 
     ``sum_i o_i + b_O`` is the block output.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``o_i`` for every query head, ``[..., H, T_q, d_model]``; a fully masked query row is
+        zero in every head.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
-    p = Prepared(params, x_q, x_kv, mask, bias, scale)
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
     return p.guarded(lambda v: _head_outputs(v, params), heads=True)
 
 
@@ -91,8 +142,8 @@ def concat_attention(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
@@ -100,6 +151,30 @@ def concat_attention(
 
     ``W_O`` is the stacked ``[H * d_v, d_model]`` matrix; ``residual=True`` returns
     ``x_q + MultiHead``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
     """
 
     def compute(p: Prepared) -> Array:
@@ -110,7 +185,7 @@ def concat_attention(
         y = add_output_bias(jnp.matmul(concat, w_o, precision=HIGHEST), params)
         return residual_or(y, p.x_q, residual)
 
-    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
 
 
 @float64_scoped
@@ -119,15 +194,117 @@ def per_head_sum_attention(
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
     *,
-    mask: Bool[ArrayLike, "... T_q T_k"] | None = None,
-    bias: Float[ArrayLike, "... T_q T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     residual: bool = False,
 ) -> Float[Array, "... T_q d_model"]:
-    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat now a sum."""
+    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat now a sum.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
 
     def compute(p: Prepared) -> Array:
         y = add_output_bias(jnp.sum(_head_outputs(p, params), axis=-3), params)
         return residual_or(y, p.x_q, residual)
 
-    return Prepared(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- registry entries
+
+VASWANI = "Vaswani et al. (2017), Attention Is All You Need, NeurIPS."
+
+
+def concat_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    pq, pk, pv = _cost._projections(d)
+    logits = b * h * tq * tk
+    mm = pq + pk + pv + 2 * logits * (d.d_k + d.d_v) + 2 * b * tq * h * d.d_v * dm
+    el = _cost._softmax_elementwise(d) + _cost._bias_adds(
+        d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
+    )
+    qkv = [b * h * tq * d.d_k, b * h * tk * d.d_k, b * h * tk * d.d_v]
+    tail = [b * h * tq * d.d_v, b * tq * h * d.d_v, b * tq * dm]  # heads, concat, y
+    return _cost._finish(d, mm, el, logits, qkv + _cost._softmax_tensors(d, logits) + tail)
+
+
+def per_head_sum_cost(d: _cost.Dims) -> _cost.Cost:
+    c = concat_cost(d)
+    head_sum = d.batch * (d.heads - 1) * d.t_q * d.d_model
+    per_head = d.batch * d.heads * d.t_q * d.d_model * d.itemsize
+    return dataclasses.replace(
+        c,
+        elementwise_flops=c.elementwise_flops + head_sum,
+        intermediate_bytes=max(c.intermediate_bytes, per_head),
+        workspace_bytes=c.workspace_bytes + per_head,
+    )
+
+
+register(
+    Formulation(
+        id="concat",
+        title="Concatenated heads with one W_O",
+        equation=(
+            r"\mathrm{MultiHead}(X_q, X_{kv}) = \mathrm{Concat}(\mathrm{head}_1,\dots,"
+            r"\mathrm{head}_H)\,W_O + b_O,\quad \mathrm{head}_i = \mathrm{softmax}\!\Big("
+            r"\frac{Q_i K_i^\top}{\sqrt{d_k}}\Big) V_i"
+        ),
+        convention="row",
+        citation=VASWANI,
+        apply=concat_attention,
+        native=concat_attention,
+        summary="The textbook form: heads concatenated along features, one stacked output matrix.",
+        cost=(
+            "FLOPs O(H (T_q + T_k) d_model (d_k + d_v) + H T_q T_k (d_k + d_v)); "
+            "memory O(H T_q T_k) for the weights."
+        ),
+        cost_model=concat_cost,
+    )
+)
+
+register(
+    Formulation(
+        id="per_head_sum",
+        title="Per-head sum of head_i W_O_i",
+        equation=(
+            r"\mathrm{MultiHead}(X_q, X_{kv}) = \sum_{i=1}^{H} \mathrm{head}_i\, W_{O,i} + b_O,"
+            r"\quad \mathrm{head}_i = \mathrm{softmax}\!\Big(\frac{Q_i K_i^\top}{\sqrt{d_k}}"
+            r"\Big) V_i"
+        ),
+        convention="row",
+        citation=VASWANI + " Split of W_O by head: " + REFACTOR,
+        apply=per_head_sum_attention,
+        native=per_head_sum_attention,
+        summary=(
+            "W_O split into per-head blocks; each head writes to model space and the writes add."
+        ),
+        cost=(
+            "As concat, plus O(H T_q d_v d_model) for per-head outputs held before the sum; "
+            "memory O(H T_q T_k + H T_q d_model)."
+        ),
+        cost_model=per_head_sum_cost,
+    )
+)

@@ -22,8 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from attnref._src import conformance as _engine
-from attnref._src.conformance import FEATURES, PROPERTIES, SIGNATURES
-from attnref._src.kernel import _ALIGNMENTS, _POLICIES
+from attnref._src.conformance import (
+    CAUSAL_ALIGNMENTS,
+    FEATURES,
+    MASKED_ROWS_POLICIES,
+    PROPERTIES,
+    SIGNATURES,
+    OptionError,
+    check_choice,
+    check_features,
+    check_max_examples,
+    check_properties,
+    check_signature,
+)
 
 __all__ = [
     "ALIGNMENTS",
@@ -39,8 +50,8 @@ __all__ = [
     "split_list",
 ]
 
-MASKED_ROWS: tuple[str, ...] = tuple(_POLICIES)  # "zeros" (attnref), "uniform" (jax.nn), "nan"
-ALIGNMENTS: tuple[str, ...] = tuple(_ALIGNMENTS)  # "top_left" (jax.nn), "bottom_right" (flash)
+MASKED_ROWS: tuple[str, ...] = MASKED_ROWS_POLICIES  # "zeros" (attnref), "uniform" (jax.nn), "nan"
+ALIGNMENTS: tuple[str, ...] = CAUSAL_ALIGNMENTS  # "top_left" (jax.nn), "bottom_right" (flash)
 
 
 class TargetError(Exception):
@@ -85,7 +96,19 @@ def load(spec: str) -> Callable[..., Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What the CLI and the pytest plugin pass to ``check_attention`` (``None`` = its default)."""
+    """What the CLI and the pytest plugin pass to ``check_attention`` (``None`` = its default).
+
+    Attributes:
+        target: The target's spec, ``package.module:function`` (the name in the report).
+        signature: How to call the target (``SIGNATURES``).
+        features: What the target supports (``FEATURES``); ``None``: the signature's default.
+        max_examples: Hypothesis examples per property; ``None``: ``check_attention``'s.
+        seed: The Hypothesis seed.
+        masked_rows: The target's declared output on fully masked rows (``MASKED_ROWS``).
+        causal_alignment: The target's declared causal alignment (``ALIGNMENTS``).
+        dtypes: The input dtypes; ``None``: ``check_attention``'s (float32).
+        properties: The properties to run (``PROPERTIES``); ``None``: all.
+    """
 
     target: str
     signature: str = "jax_nn"
@@ -98,24 +121,23 @@ class Options:
     properties: tuple[str, ...] | None = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad option, its value and the accepted ones."""
-        if self.signature not in SIGNATURES:
-            raise ValueError(f"signature {self.signature!r} is not one of {', '.join(SIGNATURES)}")
-        for label, given, known in (
-            ("feature", self.features, FEATURES),
-            ("property", self.properties, PROPERTIES),
-        ):
-            bad = [g for g in given or () if g not in known]
-            if bad:
-                raise ValueError(f"unknown {label} {bad[0]!r}; choose from {', '.join(known)}")
-        if self.masked_rows not in MASKED_ROWS:
-            raise ValueError(f"masked_rows {self.masked_rows!r} is not one of {MASKED_ROWS}")
-        if self.causal_alignment not in ALIGNMENTS:
-            raise ValueError(
-                f"causal_alignment {self.causal_alignment!r} is not one of {ALIGNMENTS}"
-            )
-        if self.max_examples is not None and self.max_examples < 1:
-            raise ValueError(f"max_examples must be at least 1, got {self.max_examples}")
+        """Check the options before the target is loaded, with ``check_attention``'s own checks
+        (the rest, e.g. a feature the signature cannot express, is :meth:`preflight`'s).
+
+        Raises:
+            ValueError: Naming the bad option, its value and the accepted ones, in the CLI's
+                words (:func:`_cli_message`).
+        """
+        try:
+            check_signature(self.signature)
+            check_features(self.features or ())
+            check_properties(self.properties or ())
+            check_choice("masked_rows", self.masked_rows)
+            check_choice("causal_alignment", self.causal_alignment)
+            if self.max_examples is not None:
+                check_max_examples(self.max_examples)
+        except OptionError as e:
+            raise ValueError(_cli_message(e)) from e
 
     def selected(self) -> tuple[str, ...]:
         """The properties to run, in the engine's order."""
@@ -169,6 +191,20 @@ class Options:
         if self.dtypes is not None:
             args += ["--dtypes", ",".join(self.dtypes)]
         return shlex.join(args)
+
+
+def _cli_message(e: OptionError) -> str:
+    """``check_attention``'s rejection of an option in the CLI's and the plugin's words."""
+    if e.option == "signature":
+        return f"signature {e.value!r} is not one of {', '.join(e.accepted)}"
+    if e.option in ("features", "properties") and e.accepted:
+        label = {"features": "feature", "properties": "property"}[e.option]
+        return f"unknown {label} {e.value[0]!r}; choose from {', '.join(e.accepted)}"
+    if e.option in ("masked_rows", "causal_alignment"):
+        return f"{e.option} {e.value!r} is not one of {e.accepted}"
+    if e.option == "max_examples":
+        return f"max_examples must be at least 1, got {e.value}"
+    return str(e)
 
 
 def _indent(text: str, prefix: str) -> str:

@@ -8,28 +8,32 @@ Without ``--attnref-target`` the options do nothing and the shipped tests skip. 
 is loaded and every option validated once at start-up; a bad target or option is a usage error
 (pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
+
+The kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) is imported only once an
+``--attnref-*`` option asks for it, not when pytest loads the plugin: a project that merely has
+attnref installed pays nothing, and jaxtyping's import hook (``--jaxtyping-packages=attnref,...``,
+installed after the plugins are loaded) still sees attnref's modules (see
+:func:`pytest_load_initial_conftests`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from attnref.conformance import (
-    ALIGNMENTS,
-    MASKED_ROWS,
-    PROPERTIES,
-    Options,
-    TargetError,
-    load,
-    read_xfail_file,
-    split_list,
-)
+if TYPE_CHECKING:
+    from attnref.conformance import Options
 
 __all__ = ["Session", "session"]
+
+# The declared-semantics choices, spelled out because ``--help`` must not import the kit;
+# :meth:`attnref.conformance.Options.validate` checks the values against the kit's own lists.
+_MASKED_ROWS_HELP = "zeros, uniform or nan"
+_ALIGNMENTS_HELP = "top_left or bottom_right"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +95,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attnref-seed", metavar="S", type=int, default=0, help="base seed")
     group.addoption(
         "--attnref-masked-rows",
+        metavar="POLICY",
         default="zeros",
-        choices=MASKED_ROWS,
-        help="the target's declared output for fully masked rows (jax.nn and Flax: uniform)",
+        help=f"the target's declared output for fully masked rows: {_MASKED_ROWS_HELP} "
+        "(jax.nn and Flax: uniform; default zeros)",
     )
     group.addoption(
         "--attnref-causal-alignment",
+        metavar="ALIGNMENT",
         default="top_left",
-        choices=ALIGNMENTS,
-        help="the target's declared causal alignment when T != S (FlashAttention: bottom_right)",
+        help=f"the target's declared causal alignment when T != S: {_ALIGNMENTS_HELP} "
+        "(FlashAttention: bottom_right; default top_left)",
     )
     group.addoption(
         "--attnref-dtypes",
@@ -115,13 +121,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> None:
+    """Let ``--jaxtyping-packages=attnref...`` instrument attnref although this plugin is in it.
+
+    pytest imports its entry-point plugins before jaxtyping's own ``pytest_load_initial_conftests``
+    installs the import hook, and importing this module imports its parent packages
+    (``attnref``, ``attnref.conformance`` and what that imports), which jaxtyping then refuses
+    ("already imported") or would leave unchecked. Nothing has used them yet (this module imports
+    the kit lazily), so when jaxtyping is asked to check attnref or part of it, every attnref
+    module but this one is dropped from ``sys.modules``, to be imported again on first use: the
+    named ones instrumented, and the rest importing those (never a stale copy of a class).
+    """
+    del early_config
+    value = getattr(parser.parse_known_args(args), "jaxtyping_packages", None)
+    if not value:
+        return
+    *packages, _typechecker = (p.strip() for p in value.split("(", 1)[0].split(","))
+    if any(p == "attnref" or p.startswith("attnref.") for p in packages):
+        for name in [m for m in sys.modules if m.partition(".")[0] == "attnref"]:
+            if name != __name__:
+                del sys.modules[name]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     get = config.getoption
     spec = get("--attnref-target")
     xfail_file = get("--attnref-xfail")
-    if spec is None and xfail_file is None:
+    declared = (get("--attnref-masked-rows"), get("--attnref-causal-alignment"))
+    if spec is None and xfail_file is None and declared == ("zeros", "top_left"):
         config.stash[_KEY] = Session(None, None, (), {})
         return
+    from attnref.conformance import (
+        PROPERTIES,
+        Options,
+        TargetError,
+        load,
+        read_xfail_file,
+        split_list,
+    )
+
     options = Options(
         target=spec or "",
         signature=get("--attnref-signature"),
@@ -138,6 +179,9 @@ def pytest_configure(config: pytest.Config) -> None:
         xfail = {} if xfail_file is None else read_xfail_file(xfail_file, PROPERTIES)
     except (ValueError, OSError) as e:
         raise pytest.UsageError(f"attnref: {e}") from e
+    if spec is None and xfail_file is None:  # only declared semantics, now validated
+        config.stash[_KEY] = Session(None, None, (), {})
+        return
     fn = None
     if spec is not None:
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.checks import float64_scoped
 from attnref._src.common import HIGHEST
+from attnref._src.family import SOFTMAX
 from attnref._src.params import AttentionParams, from_hf_bert
 from attnref._src.registry import get
 
@@ -49,7 +50,19 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-    """Static sizes of a BERT encoder (Hugging Face ``config.json`` names in comments)."""
+    """Static sizes of a BERT encoder (Hugging Face ``config.json`` names in comments).
+
+    Hashable, so it can key :func:`make_encoder`'s cache and be a static ``jax.jit`` argument.
+
+    Attributes:
+        num_layers: The number of layers ``L`` (``num_hidden_layers``).
+        num_heads: Attention heads per layer (``num_attention_heads``).
+        d_model: The hidden size (``hidden_size``).
+        d_ff: The feed-forward width (``intermediate_size``).
+        vocab_size: The vocabulary size.
+        max_positions: The longest sequence (``max_position_embeddings``).
+        layer_norm_eps: LayerNorm's epsilon (default ``1e-12``).
+    """
 
     num_layers: int  # num_hidden_layers
     num_heads: int  # num_attention_heads
@@ -61,7 +74,19 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> BertConfig:
-        """From a parsed Hugging Face ``config.json`` (``hidden_act`` must be ``"gelu"``)."""
+        """From a parsed Hugging Face ``config.json`` (``hidden_act`` must be ``"gelu"``).
+
+        Args:
+            config: The parsed ``config.json`` (a mapping).
+
+        Returns:
+            The :class:`BertConfig`.
+
+        Raises:
+            ValueError: If ``hidden_act`` is not ``"gelu"`` or the position embeddings are not
+                absolute.
+            KeyError: If a required size is missing.
+        """
         act = config.get("hidden_act", "gelu")
         if act != "gelu":
             raise ValueError(f"only hidden_act='gelu' (erf GELU) is implemented, got {act!r}")
@@ -78,12 +103,27 @@ class BertConfig:
         )
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class BertLayers:
     """Every layer's weights stacked on a leading ``[L, ...]`` axis (row convention:
     ``w_1 [L, d_model, d_ff]``, ``w_2 [L, d_ff, d_model]``); ``attention`` is an
-    :class:`~attnref.AttentionParams` whose leaves have the extra leading axis."""
+    :class:`~attnref.AttentionParams` whose leaves have the extra leading axis.
+
+    Attributes:
+        attention: Stacked attention weights (``w_q [L, H, d_model, d_k]``, ...).
+        ln1_gamma: Post-attention LayerNorm scale ``[L, d_model]``.
+        ln1_beta: Post-attention LayerNorm shift ``[L, d_model]``.
+        w_1: Feed-forward input weights ``[L, d_model, d_ff]``.
+        b_1: Feed-forward input bias ``[L, d_ff]``.
+        w_2: Feed-forward output weights ``[L, d_ff, d_model]``.
+        b_2: Feed-forward output bias ``[L, d_model]``.
+        ln2_gamma: Post-feed-forward LayerNorm scale ``[L, d_model]``.
+        ln2_beta: Post-feed-forward LayerNorm shift ``[L, d_model]``.
+    """
 
     attention: AttentionParams
     ln1_gamma: ArrayLike
@@ -96,10 +136,22 @@ class BertLayers:
     ln2_beta: ArrayLike
 
 
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+@no_type_check
 class BertWeights:
-    """Embedding tables, the embedding LayerNorm and the stacked layers."""
+    """Embedding tables, the embedding LayerNorm and the stacked layers (a JAX pytree).
+
+    Attributes:
+        word: Word embeddings ``[vocab_size, d_model]``.
+        position: Position embeddings ``[max_positions, d_model]``.
+        token_type: Token-type embeddings ``[types, d_model]`` (row 0 is used).
+        ln_gamma: Embedding LayerNorm scale ``[d_model]``.
+        ln_beta: Embedding LayerNorm shift ``[d_model]``.
+        layers: The stacked layers (:class:`BertLayers`).
+    """
 
     word: ArrayLike  # [vocab, d_model]
     position: ArrayLike  # [max_positions, d_model]
@@ -125,8 +177,20 @@ def bert_from_state_dict(
     """A Hugging Face ``BertModel`` state dict (``nn.Linear`` ``(out, in)`` layout) as
     :class:`BertWeights`. ``prefix`` is e.g. ``"bert."`` for checkpoints of task heads.
 
-    Attention weights are read by :func:`attnref.from_hf_bert` (query/key/value/dense with
+    Attention weights are read by :func:`attnref.interop.from_hf_bert` (query/key/value/dense with
     biases), one :class:`~attnref.AttentionParams` per layer, then stacked.
+
+    Args:
+        state_dict: Weight name to array (NumPy arrays, or anything ``np.asarray`` reads).
+        config: The model's sizes (:class:`BertConfig`).
+        prefix: Prepended to every key, e.g. ``"bert."``; default ``""``.
+
+    Returns:
+        :class:`BertWeights` of NumPy arrays (dtype as stored).
+
+    Raises:
+        KeyError: If a weight is missing.
+        ValueError: If an attention projection does not split into ``num_heads`` heads.
     """
 
     def g(key: str) -> np.ndarray:
@@ -161,7 +225,14 @@ def bert_from_state_dict(
 
 
 def layer_attention(weights: BertWeights) -> list[AttentionParams]:
-    """The attention parameters of each layer (unstacked), in layer order."""
+    """The attention parameters of each layer (unstacked), in layer order.
+
+    Args:
+        weights: The model's :class:`BertWeights`.
+
+    Returns:
+        A list of ``L`` :class:`~attnref.AttentionParams`.
+    """
     n = int(np.shape(weights.layers.attention.w_q)[0])
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], weights.layers.attention) for i in range(n)]
 
@@ -170,6 +241,16 @@ def with_attention(weights: BertWeights, attention: Sequence[AttentionParams]) -
     """``weights`` with every layer's attention block replaced (e.g. by refactored params).
 
     All layers must have the same structure (shapes and which biases are present).
+
+    Args:
+        weights: The model's :class:`BertWeights`.
+        attention: One :class:`~attnref.AttentionParams` per layer, in layer order.
+
+    Returns:
+        New :class:`BertWeights` (the other weights shared), attention stacked as NumPy.
+
+    Raises:
+        ValueError: If the layers' structures or shapes differ (raised while stacking).
     """
     stacked = jax.tree_util.tree_map(lambda *a: np.stack([np.asarray(x) for x in a]), *attention)
     return dataclasses.replace(
@@ -202,9 +283,26 @@ def bert_hidden_states(
 
     ``all_layers=True`` returns ``[L + 1, B, T, d_model]``: entry ``l`` is the input of layer
     ``l`` (entry 0 the embeddings), entry ``L`` the output of the last layer.
+
+    Args:
+        weights: The model's :class:`BertWeights`.
+        input_ids: Token ids ``[B, T]``.
+        attention_mask: ``[B, T]``, nonzero for real tokens, 0 for padding.
+        config: The model's sizes (:class:`BertConfig`).
+        formulation: A softmax-family registry id (default ``"concat"``).
+        all_layers: If ``True``, return every layer's input and the final output.
+
+    Returns:
+        ``[B, T, d_model]``, or ``[L + 1, B, T, d_model]`` with ``all_layers``, in the weights'
+        dtype.
+
+    Raises:
+        KeyError: If ``formulation`` is not registered.
+        ValueError: If ``formulation`` is not in the softmax family, or ``T`` exceeds
+            ``config.max_positions``.
     """
     f = get(formulation)
-    if f.family != "softmax":
+    if f.family is not SOFTMAX:
         raise ValueError(f"formulation {formulation!r} is {f.family!r}; BERT needs a softmax one")
     ids = jnp.asarray(input_ids)
     keep = jnp.asarray(attention_mask).astype(bool)
@@ -240,7 +338,23 @@ def sentence_embeddings(
     normalize: bool = True,
 ) -> Float[Array, "B d_model"]:
     """Mean-pooled (over ``attention_mask``) last hidden states, L2-normalised by default: the
-    sentence-transformers ``Pooling(mean)`` + ``Normalize`` head."""
+    sentence-transformers ``Pooling(mean)`` + ``Normalize`` head.
+
+    Args:
+        weights: The model's :class:`BertWeights`.
+        input_ids: Token ids ``[B, T]``.
+        attention_mask: ``[B, T]``, nonzero for real tokens, 0 for padding.
+        config: The model's sizes (:class:`BertConfig`).
+        formulation: A softmax-family registry id (default ``"concat"``).
+        normalize: If ``True`` (default), divide each embedding by its Euclidean norm.
+
+    Returns:
+        Sentence embeddings ``[B, d_model]``.
+
+    Raises:
+        KeyError: If ``formulation`` is not registered.
+        ValueError: As :func:`bert_hidden_states`.
+    """
     h = bert_hidden_states(
         weights, input_ids, attention_mask, config=config, formulation=formulation
     )
@@ -261,6 +375,18 @@ def make_encoder(
     Weights are an argument (not baked in), so one compilation serves any weights of the same
     shapes; float64 weights run in float64 whatever the global x64 flag. Cached per
     ``(config, formulation, normalize)``, so repeated calls reuse the compiled code.
+
+    Args:
+        config: The model's sizes (:class:`BertConfig`, static).
+        formulation: A softmax-family registry id (default ``"concat"``).
+        normalize: L2-normalise the embeddings (default ``True``).
+
+    Returns:
+        ``encode(weights, input_ids, attention_mask) -> [B, d_model]`` (see
+        :func:`sentence_embeddings`).
+
+    Raises:
+        KeyError: If ``formulation`` is not registered (checked here, before compiling).
     """
     get(formulation)  # fail early on an unknown id
     fn = jax.jit(

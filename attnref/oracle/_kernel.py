@@ -38,7 +38,17 @@ from ._checks import (
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """Press et al. (2021): geometric slopes starting at ``2^(-8/n)`` with ratio ``2^(-8/n)``
     for ``n`` a power of two; otherwise those of the largest power of two ``c < n``, then the
-    odd-indexed slopes of ``2c``."""
+    odd-indexed slopes of ``2c``.
+
+    Args:
+        num_heads: The number of heads ``n``, a positive int.
+
+    Returns:
+        float64 slopes ``[num_heads]``.
+
+    Raises:
+        ValueError: If ``num_heads`` is not a positive int.
+    """
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
@@ -54,7 +64,22 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 
 def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left") -> np.ndarray:
-    """``bias[0, n, i, j] = -slopes[n] * |i + offset - j|`` in float64."""
+    """``bias[0, n, i, j] = -slopes[n] * |i + offset - j|`` in float64.
+
+    Args:
+        slopes: Per-head slopes ``[N]``.
+        t: The number of queries ``T``, an int ``>= 0``.
+        s: The number of keys ``S``, an int ``>= 0``.
+        causal_alignment: ``"top_left"`` (default, ``offset = 0``) or ``"bottom_right"``
+            (``offset = s - t``).
+
+    Returns:
+        float64 bias ``[1, N, T, S]``.
+
+    Raises:
+        ValueError: If ``causal_alignment`` is unknown, ``t``/``s`` are not ints ``>= 0``, or
+            ``slopes`` is not 1-D.
+    """
     check_alignment(causal_alignment)
     for name, size in (("t", t), ("s", s)):
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
@@ -85,6 +110,29 @@ def kernel_allowed(
     """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time.
 
     Every option is validated as :func:`attnref.dot_product_attention` validates it.
+
+    Args:
+        shape: ``(B, N, T, S)``, four ints ``>= 0``.
+        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]`` (only its ``-inf`` entries
+            matter here); ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]`` (rows beyond are padding); ``None``
+            (default): all rows.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
+        local_window_size: ``w`` or ``(left, right)`` (``None`` = unbounded side); ``None``
+            (default): no window.
+        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``;
+            ``None`` (default): one segment.
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+
+    Returns:
+        A boolean array ``[B, N, T, S]``, ``True`` where query ``i`` may read key ``j``.
+
+    Raises:
+        ValueError: For a bad ``shape`` or an option refused with ``ValueError`` by
+            :func:`attnref.dot_product_attention`.
+        TypeError: For an option refused with ``TypeError`` there.
     """
     full = check_allowed_shape(shape)
     b_size, _, t, s = full
@@ -138,7 +186,39 @@ def dot_product_attention(
     return_lse: bool = False,
 ) -> Any:
     """Float64 reference for :func:`attnref.dot_product_attention` (same arguments, same
-    refusals: see :mod:`attnref.oracle._checks`)."""
+    refusals: see :mod:`attnref.oracle._checks`).
+
+    Args:
+        query: ``[B, T, N, H]``, floating.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]``, added after the softcap;
+            ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]`` (rows beyond are padding); ``None``
+            (default): all rows.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
+        local_window_size: ``w`` or ``(left, right)`` (``None`` = unbounded side); ``None``
+            (default): no window.
+        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``;
+            ``None`` (default): one segment.
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        softcap: A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None`` (default).
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row's
+            output.
+        return_lse: If ``True``, also return ``lse``.
+
+    Returns:
+        float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully
+        masked and padding rows) when ``return_lse``.
+
+    Raises:
+        ValueError: For the inputs :func:`attnref.dot_product_attention` refuses with
+            ``ValueError`` (shapes, option values, lengths out of range).
+        TypeError: For those it refuses with ``TypeError`` (dtypes, option types).
+    """
     b_size, t, s, n_heads, n_kv, _, h_v, sc, softcap_f, policy = check_kernel(
         query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
     )

@@ -76,8 +76,24 @@ def rope(
     convention: str = "rotate_half",
 ) -> np.ndarray:
     """RoPE of ``x [..., T, N, d]`` (tokens, heads, head dim) at integer ``positions [..., T]``
-    (or ``[T]``), in float64, one vector at a time. Refuses what :func:`attnref.apply_rope`
-    refuses (same exception types)."""
+    (or ``[T]``), in float64, one vector at a time. Refuses what :func:`attnref.rope.apply_rope`
+    refuses (same exception types).
+
+    Args:
+        x: ``[..., T, N, d]``, floating, ``d`` even.
+        positions: Integer positions ``[..., T]`` or ``[T]``.
+        base: The frequency base (default 10000), a positive finite Python number.
+        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
+
+    Returns:
+        The rotated ``x`` in float64, same shape.
+
+    Raises:
+        ValueError: If ``x`` has rank < 3 or an odd ``d``, ``positions`` do not broadcast to
+            ``[..., T]``, ``base`` is not positive and finite, or ``convention`` is unknown.
+        TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
+            a Python number.
+    """
     check_convention(convention)
     shape = shape_of(x)
     if len(shape) < 3:
@@ -112,8 +128,35 @@ def rope_attention(
 ) -> np.ndarray:
     """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (see the module
     docstring); default positions ``arange(T_q)`` / ``arange(T_k)``; fully masked query rows
-    give ``b_O``."""
-    # Refuses what attnref.rope_attention refuses, with the same exception types.
+    give ``b_O``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams` or a dict with its keys),
+            ``d_k`` even.
+        x_q: Query tokens ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
+        positions_q: Integer ``[..., T_q]`` or ``[T_q]``; ``None`` (default): ``arange(T_q)``.
+        positions_kv: Integer ``[..., T_k]`` or ``[T_k]``; ``None`` (default): ``arange(T_k)``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits;
+            ``None`` (default).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        base: The frequency base (default 10000), a positive finite Python number.
+        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
+        residual: If ``True``, return ``x_q + y`` (default ``False``).
+
+    Returns:
+        float64 block output ``[..., T_q, d_model]``.
+
+    Raises:
+        ValueError: For what :func:`attnref.rope.rope_attention` refuses with ``ValueError``
+            (malformed params, odd ``d_k``, token, mask, bias or position shapes, ``base``,
+            ``convention``).
+        TypeError: For what it refuses with ``TypeError`` (mixed dtypes, non-boolean mask,
+            non-integer positions, a non-number ``base``).
+    """
+    # Refuses what attnref.rope.rope_attention refuses, with the same exception types.
     check_convention(convention)
     check_base(base)
     batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)

@@ -1,0 +1,325 @@
+"""Closeness rules: is an output close enough to the float64 oracle?
+
+``assert_within_bound`` compares componentwise against a bound from
+:func:`attnref.tolerance.attention_error_bound`; ``assert_comparative`` applies FlashAttention's
+rule (error at most ``factor`` times a same-precision reference's error plus a rounding floor).
+Both fail on any NaN/inf where the expected value is finite, and refuse a non-finite expectation.
+Failure messages name the rule, the worst index, and the error in units of the allowance.
+
+:func:`assert_attention_close` is the one entry point for kernel authors: it offers the three
+rules by name (``"bound"``, ``"flash"``, ``"torch"``; see ``docs/tolerances.md``).
+:func:`assert_ratio_within` is the step they (and the conformance kit's own comparisons) share:
+find the element with the largest error in units of its allowance and fail naming it.
+
+The public names are re-exported by :mod:`attnref.testing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from attnref.tolerance import K_Y, comparative_bound, gamma, kernel_error_bound, unit_roundoff
+
+__all__ = [
+    "FLASH_FACTOR",
+    "RULES",
+    "TORCH_FACTOR",
+    "Closeness",
+    "assert_attention_close",
+    "assert_comparative",
+    "assert_ratio_within",
+    "assert_within_bound",
+]
+
+RULES = ("bound", "flash", "torch")
+FLASH_FACTOR = 2.0  # FlashAttention's tests: error <= 2 x the same-precision reference's
+TORCH_FACTOR = 5.0  # PyTorch's SDPA tests: error <= max(floor, 5 x the reference's)
+
+
+def assert_ratio_within(
+    err: Any,
+    allowed: Any,
+    message: str,
+    *,
+    require_finite: bool = False,
+    **values: Any,
+) -> tuple[tuple[int, ...], float]:
+    """Fail at the worst element of ``r = err / allowed`` when ``r > 1`` there.
+
+    ``r`` is ``0`` where ``err == 0`` (so a zero allowance fails only a nonzero error). The worst
+    element is the first largest ``r`` (the first NaN, if any); with one scalar allowance for
+    every element it is the first largest ``err``.
+
+    Args:
+        err: The absolute errors, any shape.
+        allowed: The allowance, broadcastable to ``err`` (an array, or one scalar).
+        message: A :meth:`str.format` template of the failure message, with the fields
+            ``index`` (the worst element's index, a tuple of ints), ``ratio``, ``error`` and
+            ``allowed`` (``err`` and the allowance there) and ``values``' names.
+        require_finite: Also fail (at the worst element) when any ``err`` is NaN or inf.
+        **values: More fields of ``message``; a NumPy array is read at the index.
+
+    Returns:
+        ``(index, ratio)`` of the worst element; ``((), 0.0)`` for an empty ``err``.
+
+    Raises:
+        AssertionError: With ``message`` filled in when the ratio at the worst element exceeds 1
+            (or, with ``require_finite``, when an error is not finite).
+    """
+    err = np.asarray(err)
+    if not err.size:
+        return (), 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / allowed)
+    score = err if np.ndim(allowed) == 0 else ratio
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(score)), score.shape))
+    worst = float(ratio[index])
+    if worst > 1.0 or (require_finite and not np.all(np.isfinite(err))):
+        fields = {"allowed": allowed, **values}
+        at = {k: v[index] if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+        raise AssertionError(message.format(index=index, ratio=worst, error=err[index], **at))
+    return index, worst
+
+
+def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"{label}: shape {a.shape} != expected shape {e.shape}")
+    if not np.all(np.isfinite(e)):
+        raise AssertionError(
+            f"{label}: the expected (oracle) value has NaN/inf; refusing to compare"
+        )
+    bad = ~np.isfinite(a)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{label}: non-finite value {a[idx]} at index {idx} where the oracle has {e[idx]}"
+        )
+    return a, e
+
+
+def assert_within_bound(actual: Any, expected: Any, bound: Any, *, label: str = "output") -> None:
+    """The derived-bound rule: ``|actual - expected| <= bound`` elementwise.
+
+    Args:
+        actual: The computed value.
+        expected: The oracle's value (finite), same shape as ``actual``.
+        bound: The componentwise bound (e.g. from :func:`attnref.tolerance.attention_error_bound`),
+            broadcastable to ``actual``.
+        label: Names the compared quantity in the failure message.
+
+    Raises:
+        AssertionError: On a shape mismatch, a non-finite ``actual`` or ``expected``, or an error
+            above the bound (naming the worst index and its multiple of the bound).
+    """
+    a, e = _prepare(actual, expected, label)
+    b = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
+    err = np.abs(a - e)
+    assert_ratio_within(
+        err,
+        b,
+        "{label}: derived-bound rule failed: |actual - oracle| = {error:.3e} at index {index} "
+        "exceeds the bound {allowed:.3e} ({ratio:.3g} x the bound); actual {actual!r}, "
+        "oracle {oracle!r}",
+        label=label,
+        actual=a,
+        oracle=e,
+    )
+
+
+def assert_comparative(
+    actual: Any,
+    expected: Any,
+    reference: Any,
+    *,
+    dtype: Any,
+    factor: float = 2.0,
+    floor_n: int = 2,
+    floor_magnitude: float | None = None,
+    label: str = "output",
+) -> None:
+    """FlashAttention's rule: ``max|actual - expected| <= factor max|reference - expected|
+    + gamma_{floor_n}(u) M``.
+
+    Args:
+        actual: The computed value.
+        expected: The oracle's value (finite), same shape as ``actual``.
+        reference: A same-precision computation of the value in another operation order.
+        dtype: The precision whose unit round-off ``u`` sets the floor.
+        factor: The allowed multiple of the reference's error.
+        floor_n: The ``n`` of the floor's ``gamma_n(u)``.
+        floor_magnitude: ``M``; ``max|expected|`` when ``None``.
+        label: Names the compared quantity in the failure message.
+
+    Raises:
+        AssertionError: On a shape mismatch, a non-finite ``actual`` or ``expected``, or a
+            largest error above the allowance (naming its index and multiple of the allowance).
+    """
+    a, e = _prepare(actual, expected, label)
+    r = np.asarray(reference, dtype=np.float64)
+    ref_err = float(np.max(np.abs(r - e))) if r.size else 0.0
+    if floor_magnitude is None:
+        floor_magnitude = float(np.max(np.abs(e))) if e.size else 0.0
+    allowed = comparative_bound(ref_err, floor_magnitude, dtype, factor=factor, n=floor_n)
+    err = np.abs(a - e)
+    assert_ratio_within(
+        err,
+        allowed,
+        "{label}: comparative rule (factor {factor}) failed: max error {error:.3e} at index "
+        "{index} exceeds {allowed:.3e} = {factor} x reference error {ref_err:.3e} + floor "
+        "({ratio:.3g} x the allowance)",
+        label=label,
+        factor=factor,
+        ref_err=ref_err,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Closeness:
+    """The outcome of a passing :func:`assert_attention_close`: ``ratio = max_error / allowed``.
+
+    Args:
+        rule: The rule applied (``"bound"``, ``"flash"`` or ``"torch"``).
+        max_error: The error at the worst entry.
+        allowed: What the rule allowed there.
+        ratio: ``max_error / allowed`` (at most 1 for a passing comparison).
+        index: The index of the worst entry (``()`` for an empty array).
+    """
+
+    rule: str
+    max_error: float
+    allowed: float
+    ratio: float
+    index: tuple[int, ...]
+
+
+def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> np.ndarray:
+    """NaN bookkeeping: returns the entries to compare. A NaN in ``actual`` where the oracle has
+    none fails; a NaN in the oracle fails unless ``expected_nan`` declares it (a "nan"
+    fully-masked-row policy), and then ``actual`` must have NaN at exactly those entries."""
+    nan_e, nan_a = np.isnan(e), np.isnan(a)
+    if nan_e.any() and not expected_nan:
+        idx = tuple(int(i) for i in np.argwhere(nan_e)[0])
+        raise AssertionError(
+            f"{label}: the oracle has NaN at index {idx}; pass expected_nan=True only if NaN is "
+            "the declared meaning there (masked_rows='nan'), otherwise the inputs are invalid"
+        )
+    wrong = nan_a & ~nan_e
+    if wrong.any():
+        idx = tuple(int(i) for i in np.argwhere(wrong)[0])
+        raise AssertionError(f"{label}: NaN at index {idx} where the oracle has {e[idx]!r}")
+    missing = nan_e & ~nan_a
+    if missing.any():
+        idx = tuple(int(i) for i in np.argwhere(missing)[0])
+        raise AssertionError(
+            f"{label}: the oracle has NaN at {idx} (declared) but actual has {a[idx]!r}"
+        )
+    if np.isinf(e).any():
+        raise AssertionError(f"{label}: the expected (oracle) value has inf; refusing to compare")
+    inf_a = np.isinf(a)
+    if inf_a.any():
+        idx = tuple(int(i) for i in np.argwhere(inf_a)[0])
+        raise AssertionError(f"{label}: inf at index {idx} where the oracle has {e[idx]!r}")
+    return ~nan_e
+
+
+def assert_attention_close(
+    actual: Any,
+    expected_fp64: Any,
+    *,
+    dtype: Any,
+    reference_same_dtype: Any = None,
+    rule: str | None = None,
+    bound: Any = None,
+    inputs: dict[str, Any] | None = None,
+    floor_n: int = K_Y,
+    expected_nan: bool = False,
+    label: str = "output",
+) -> Closeness:
+    """Compare a kernel's output with the float64 oracle under a named tolerance rule.
+
+    * ``"bound"``: ``|actual - expected| <= bound`` componentwise, with ``bound`` given or derived
+      by :func:`attnref.tolerance.kernel_error_bound` from ``inputs`` (``q, k, v, allowed`` and
+      optionally ``bias, scale, softcap, masked_rows, key_blocks``): a first-order forward-error
+      bound from ``dtype``'s unit round-off and the reduction lengths.
+    * ``"flash"`` (FlashAttention's tests): ``max|actual - expected| <= 2 max|ref - expected| +
+      gamma_{floor_n}(u) max|expected|`` with ``ref = reference_same_dtype``, a same-precision
+      computation in another operation order.
+    * ``"torch"`` (PyTorch's SDPA tests): ``max|actual - expected| <= max(gamma_{floor_n}(u)
+      max|expected|, 5 max|ref - expected|)``.
+
+    A NaN in ``actual`` where the oracle has none always fails; a NaN in the oracle fails unless
+    ``expected_nan`` declares it.
+
+    Args:
+        actual: The kernel's output.
+        expected_fp64: The float64 oracle's output, same shape.
+        dtype: The kernel's precision (its unit round-off ``u``).
+        reference_same_dtype: ``ref`` of the ``"flash"`` and ``"torch"`` rules.
+        rule: ``"bound"``, ``"flash"`` or ``"torch"``; ``None`` picks ``"bound"`` when ``bound``
+            or ``inputs`` is given, else ``"flash"``.
+        bound: The componentwise bound of the ``"bound"`` rule.
+        inputs: The keyword arguments of :func:`attnref.tolerance.kernel_error_bound` that
+            derive ``bound`` when it is not given.
+        floor_n: The ``n`` of the ``gamma_n(u)`` rounding floor.
+        expected_nan: NaN is the declared meaning where the oracle has NaN.
+        label: Names the compared quantity in the failure message.
+
+    Returns:
+        The :class:`Closeness` of the worst entry.
+
+    Raises:
+        AssertionError: On a shape mismatch, misplaced NaN or inf, or an error above the
+            allowance (naming the rule, the index, the error and its multiple of the allowance).
+        ValueError: On an unknown ``rule`` or a rule missing its ``bound``/``inputs`` or
+            ``reference_same_dtype``.
+    """
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected_fp64, dtype=np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"{label}: shape {a.shape} != expected shape {e.shape}")
+    if rule is None:
+        rule = "bound" if (bound is not None or inputs is not None) else "flash"
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    keep = _split_nan(a, e, expected_nan, label)
+    err = np.where(keep, np.abs(np.where(keep, a, 0.0) - np.where(keep, e, 0.0)), 0.0)
+    if rule == "bound":
+        if bound is None:
+            if inputs is None:
+                raise ValueError("rule='bound' needs bound= or inputs= (see kernel_error_bound)")
+            kw = dict(inputs)
+            q, k, v, allowed = (kw.pop(n) for n in ("q", "k", "v", "allowed"))
+            bound = kernel_error_bound(q, k, v, allowed, dtype=dtype, **kw)[0]
+        allowed_arr = np.broadcast_to(np.asarray(bound, np.float64), a.shape)
+    else:
+        if reference_same_dtype is None:
+            raise ValueError(f"rule={rule!r} needs reference_same_dtype=")
+        r = np.asarray(reference_same_dtype, np.float64)
+        ref_err = float(np.max(np.where(keep, np.abs(np.where(keep, r, 0.0) - e), 0.0)))
+        magnitude = float(np.max(np.abs(np.where(keep, e, 0.0)))) if e.size else 0.0
+        floor = gamma(floor_n, unit_roundoff(dtype)) * magnitude
+        limit = (
+            comparative_bound(ref_err, magnitude, dtype, factor=FLASH_FACTOR, n=floor_n)
+            if rule == "flash"
+            else max(floor, TORCH_FACTOR * ref_err)
+        )
+        allowed_arr = np.full(a.shape, limit)
+    if not a.size:
+        return Closeness(rule, 0.0, 0.0, 0.0, ())
+    worst, ratio = assert_ratio_within(
+        err,
+        allowed_arr,
+        "{label}: rule {rule!r} failed at index {index}: |actual - oracle| = {error:.3e} > "
+        "allowed {allowed:.3e} ({ratio:.3g} x the allowance); actual {actual!r}, "
+        "oracle {oracle!r}",
+        label=label,
+        rule=rule,
+        actual=a,
+        oracle=e,
+    )
+    return Closeness(rule, float(err[worst]), float(allowed_arr[worst]), ratio, worst)

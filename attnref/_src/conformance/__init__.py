@@ -1,0 +1,128 @@
+"""The conformance kit: run attnref's properties against anyone's attention function.
+
+:func:`check_attention` draws problems with :mod:`attnref.strategies`, calls the user's function
+through an adapter, compares with the float64 oracle :func:`attnref.oracle.dot_product_attention`
+and returns a :class:`ConformanceReport`. Each property is a Hypothesis test run programmatically
+(``max_examples`` examples, ``hypothesis.seed(seed)``, no example database), so a failure comes
+back with Hypothesis's shrunk falsifying example and the seed that replays it:
+``check_attention(fn, properties=[name], seed=result.seed, ...)`` with the same other arguments.
+
+Properties (each equality with the oracle uses the tolerance rules of
+:func:`attnref.testing.assert_attention_close`):
+
+``oracle``
+    On problems without mask options, the output equals the oracle within
+    :func:`attnref.tolerance.kernel_error_bound` (``key_blocks=None``: valid for any tiling of the
+    keys), for each requested dtype. 16-bit dtypes use FlashAttention's comparative rule
+    (``"flash"``) instead, with :func:`attnref.dot_product_attention` computed in that dtype as the
+    same-precision reference: a 16-bit kernel's output is rounded to 16 bits, and the comparative
+    rule is how kernel projects judge that rounding. Inputs include the "identical rows" special
+    case (every key, or every query, equal), drawn on purpose.
+``masks``
+    Every supported mask option (boolean ``mask``, ``bias`` including ALiBi and ``-inf`` entries,
+    ``is_causal`` with ``T != S`` when ``"cross"`` is supported, sequence lengths, a local window,
+    segment ids, softcap, and all of causal + lengths + mask + bias together) equals the oracle run
+    with the declared ``causal_alignment`` and ``masked_rows``. Every example checks every option,
+    and draws the shape of its boolean mask and of its ``-inf`` bias from all 16 that broadcast
+    to ``[B, N, T, S]`` (:data:`attnref.strategies.BROADCAST_SHAPES`; ``[B, 1, 1, S]`` is the
+    key-padding mask).
+``causality`` (needs ``"causal"``)
+    Appending future tokens (with keys scaled up to 1000x, so that a max taken over future keys
+    would underflow the past) leaves earlier outputs unchanged within the sum of the two runs'
+    derived bounds, and both runs equal the oracle; with ``"grad"``, the gradient of output row
+    ``t`` with respect to ``q``, ``k`` and ``v`` at every position after ``t`` is exactly zero.
+``gqa`` (needs ``"gqa"``)
+    ``N = 2K`` and ``N = 4K`` problems equal the oracle; query head ``n`` reads K/V head
+    ``n // (N / K)`` (consecutive groups, as in GQA and MQA).
+``lse`` (needs ``"lse"``)
+    The returned log-sum-exp ``[B, T, N]`` equals the oracle's within its derived bound (rows
+    with an allowed key; a fully masked row's lse is not compared, since jax.nn returns a large
+    finite negative where attnref returns ``-inf``).
+``batch_independence``
+    Each batch element run alone (every per-example option sliced with it) equals its slice of the
+    batched run within twice the derived bound, with NaN in the same places, and both runs equal
+    the oracle (an all-NaN kernel is batch-independent, and wrong).
+``fully_masked_rows`` (needs ``"mask"`` or ``"seq_lengths"``)
+    A query row with no allowed key returns the declared ``masked_rows`` meaning (``"zeros"``,
+    ``"uniform"``: the mean of every ``v`` row, ``"nan"``), and no other row is NaN.
+``gradients`` (needs ``"grad"``)
+    The float32 gradients with respect to ``q``, ``k``, ``v`` (for a random output cotangent) meet
+    FlashAttention's comparative rule against the float64 gradients of
+    :func:`attnref.dot_product_attention`, with attnref's own float32 gradients as the
+    same-precision reference: ``max|g - g64| <= 2 max|g32 - g64| + gamma_{N_b}(u32) max|g64|``,
+    ``N_b = T G + S + H + H_v + 2`` the longest reduction of the backward pass (as in
+    ``tests/test_blockwise.py``).
+``extreme_logits``
+    With ``q`` and ``k`` scaled so that ``max |logit|`` is ``1e2``, ``1e3`` or ``1e4`` in float32,
+    the output is finite and equals the oracle within the derived bound.
+
+Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
+is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.
+A failure that is an exception rather than a failed comparison (``fn`` raised) carries its
+traceback (:attr:`PropertyResult.traceback`).
+
+Adapters (``signature``):
+
+``"jax_nn"``
+    ``fn(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None)`` with the
+    layout of :func:`jax.nn.dot_product_attention`; an option keyword is passed only when used.
+    The lse is requested with ``return_residual=True`` (jax.nn) or ``return_lse=True`` (attnref),
+    whichever ``fn`` accepts; ``"segment_ids"`` and ``"softcap"`` are passed as attnref's keywords.
+    ``fn`` is wrapped in ``jax.jit`` (per static option set, so compilations are reused across
+    examples); if tracing fails, it runs eagerly and the results say so.
+``"qkv_mask"``
+    ``fn(q, k, v, mask)`` with ``mask [B, N, T, S]`` boolean (``True`` = may attend); causality,
+    windows, lengths and segments are expressed through the mask, and the oracle is run with that
+    mask alone (so a padded query row is a fully masked row).
+``"numpy"``
+    The ``"jax_nn"`` calling convention with NumPy arrays in and out; no jit, no gradients.
+
+Modules, one job each: :mod:`~attnref._src.conformance.options` (the accepted names and the
+check of each option), :mod:`~attnref._src.conformance.report` (:class:`PropertyResult`,
+:class:`ConformanceReport`), :mod:`~attnref._src.conformance.targets` (loading the target and the
+adapter that calls it), :mod:`~attnref._src.conformance.references` (attnref's own passes and the
+comparisons with the oracle), :mod:`~attnref._src.conformance.context` (the buckets and what a
+plan draws from), :mod:`~attnref._src.conformance.plans` (the nine properties) and
+:mod:`~attnref._src.conformance.engine` (the Hypothesis runner and :func:`check_attention`).
+The closeness rules the comparisons apply live in :mod:`attnref._src.closeness`.
+"""
+
+from __future__ import annotations
+
+from attnref._src.conformance.engine import check_attention
+from attnref._src.conformance.options import (
+    CAUSAL_ALIGNMENTS,
+    DEFAULT_FEATURES,
+    FEATURES,
+    MASKED_ROWS_POLICIES,
+    PROPERTIES,
+    SIGNATURES,
+    OptionError,
+    check_choice,
+    check_features,
+    check_max_examples,
+    check_properties,
+    check_signature,
+)
+from attnref._src.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.conformance.targets import load_target
+
+__all__ = [
+    "CAUSAL_ALIGNMENTS",
+    "DEFAULT_FEATURES",
+    "FEATURES",
+    "MASKED_ROWS_POLICIES",
+    "PROPERTIES",
+    "SIGNATURES",
+    "ConformanceReport",
+    "OptionError",
+    "PropertyResult",
+    "check_attention",
+    "check_choice",
+    "check_features",
+    "check_max_examples",
+    "check_properties",
+    "check_signature",
+    "load_target",
+]

@@ -1,0 +1,119 @@
+"""What the property plans draw from: the conformance buckets (few shapes, so that a jitted
+target compiles a handful of programs), the drawn :class:`_Case`, and the :class:`_Context` of one
+``check_attention`` call (the target, its features and declared semantics, the dtypes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import strategies as ast
+from attnref._src.conformance.references import _to_target
+from attnref._src.conformance.targets import _Target
+
+# Conformance buckets (see _Context.pool); head dims 4 make the scale 1/2 exact.
+_SELF = ast.Config(batch=2, t=4, s=4, n=2, k=2, h=4, h_v=4, d_model=8)
+_TALL = ast.Config(batch=1, t=5, s=3, n=2, k=2, h=4, h_v=4, d_model=8)
+_GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
+_MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Case:
+    """One drawn case of a property that builds several problems from a config and a seed."""
+
+    config: ast.Config
+    seed: int
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        more = "".join(f", {k}={v!r}" for k, v in self.extra)
+        return f"Case({self.config!r}, seed={self.seed}{more})"
+
+    def get(self, name: str) -> Any:
+        return dict(self.extra)[name]
+
+
+@dataclasses.dataclass
+class _Context:
+    target: _Target
+    signature: str
+    features: frozenset[str]
+    masked_rows: str
+    causal_alignment: str
+    dtypes: tuple[str, ...]
+
+    @property
+    def primary(self) -> str:
+        """The dtype of every property but ``oracle``: float32 when requested, else the first."""
+        return "float32" if "float32" in self.dtypes else self.dtypes[0]
+
+    def pool(self, *shapes: str) -> tuple[ast.Config, ...]:
+        """The conformance buckets of the named shapes the features allow (few, so that a
+        jitted target compiles a handful of programs): ``"self"`` (T == S, N == K, batch 2),
+        ``"general"`` (T < S when ``"cross"``, N = 2K when ``"gqa"``, batch 2), ``"tall"``
+        (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K)."""
+        cross, gqa = "cross" in self.features, "gqa" in self.features
+        out: list[ast.Config] = []
+        for name in shapes:
+            if name == "self":
+                out.append(_SELF)
+            elif name == "general":
+                if cross or gqa:
+                    out.append(
+                        dataclasses.replace(
+                            _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
+                        )
+                    )
+            elif name == "tall" and cross:
+                out.append(_TALL)
+            elif name == "gqa" and gqa:
+                out.append(_GQA)
+            elif name == "mqa" and gqa:
+                out.append(_MQA)
+        return tuple(dict.fromkeys(out))
+
+    def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
+
+    def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
+        return ast.make_kernel_problem(
+            config,
+            kind,
+            seed,
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
+            **kw,
+        )
+
+    def kinds(self, candidates: Sequence[str]) -> tuple[str, ...]:
+        return tuple(k for k in candidates if set(ast.KIND_FEATURES[k]) <= self.features)
+
+    def run(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
+        return self.target.forward(_to_target(p, self.signature), want_lse)
+
+    def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
+        return _to_target(p, self.signature)
+
+
+@st.composite
+def _cases(draw: ast.DrawFn, configs: Any, **extras: Any) -> _Case:
+    config = draw(configs, label="config")
+    extra = tuple((name, draw(strategy, label=name)) for name, strategy in extras.items())
+    seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+    note(f"config={config!r} seed={seed} " + " ".join(f"{k}={v!r}" for k, v in extra))
+    return _Case(config, seed, extra)
+
+
+Check = Callable[[Any], None]
+# (strategy, check) or (strategy, check, explicit cases run first), or a skip reason (str)
+Plan = tuple[Any, Check] | tuple[Any, Check, tuple[Any, ...]]

@@ -1,0 +1,229 @@
+"""The conformance kit's engine: each property plan run as a Hypothesis test (settings, the
+runner that turns a failure into a report entry) and :func:`check_attention`, which validates its
+options, runs the selected properties and returns the :class:`ConformanceReport`."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hypothesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.reporting import with_reporter
+
+from attnref._src import closeness
+from attnref._src.conformance.context import Check, _Context
+from attnref._src.conformance.options import (
+    _DEFAULT_SEMANTICS,
+    _DEPENDS,
+    DEFAULT_FEATURES,
+    PROPERTIES,
+    check_choice,
+    check_dtypes,
+    check_expressible,
+    check_features,
+    check_max_examples,
+    check_properties,
+    check_signature,
+)
+from attnref._src.conformance.plans import _PLANS
+from attnref._src.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.conformance.targets import _describe_target, _Target
+
+__all__ = ["check_attention"]
+
+
+# A hypothesis.settings, typed as the test decorator it is used as: beartype (the suite's runtime
+# checks) rejects the settings class as a hint (its metaclass's repr is inconsistent).
+def _settings(max_examples: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return settings(
+        max_examples=max_examples,
+        database=None,
+        derandomize=False,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
+
+
+# The kit's own source files: this package's modules and the closeness rules.
+_KIT_DIR = os.path.dirname(os.path.abspath(__file__))
+_KIT_FILES = frozenset(
+    os.path.normcase(os.path.abspath(f))
+    for f in (
+        *(os.path.join(_KIT_DIR, name) for name in os.listdir(_KIT_DIR) if name.endswith(".py")),
+        closeness.__file__,
+    )
+)
+
+
+def _is_comparison_failure(exc: BaseException) -> bool:
+    """An ``AssertionError`` raised by the kit's own comparisons (this package or
+    :mod:`attnref._src.closeness`), as opposed to an exception from the target or its
+    libraries."""
+    if not isinstance(exc, AssertionError) or exc.__traceback__ is None:
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.normcase(os.path.abspath(frames[-1].filename)) in _KIT_FILES
+
+
+def _format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without Hypothesis's frames."""
+    hyp = os.sep + "hypothesis" + os.sep
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if hyp not in f.filename]
+    last = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    text = str(exc)  # not format_exception_only: that repeats Hypothesis's notes
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames)]) + (
+        f"{last}: {text}" if text else last
+    )
+
+
+def _run_property(
+    strategy: Any,
+    check: Check,
+    max_examples: int,
+    seed: int,
+    explicit: Sequence[Any] = (),
+) -> tuple[str, str, str | None, int, str | None]:
+    """Run ``check`` as a Hypothesis test; ``(status, detail, example, examples, traceback)``,
+    the traceback only for an exception that is not one of the kit's comparisons. The
+    ``explicit`` cases run first, in every Hypothesis version and for every seed; they count
+    among the examples only when one fails."""
+    state = {"count": 0, "failed": False}
+
+    def body(case: Any) -> None:
+        is_explicit = any(case is e for e in explicit)
+        if not state["failed"] and not is_explicit:
+            state["count"] += 1
+        try:
+            check(case)
+        except BaseException:
+            if not state["failed"] and is_explicit:
+                state["count"] += 1
+            state["failed"] = True
+            raise
+
+    test: Any = given(case=strategy)(body)
+    for case in reversed(tuple(explicit)):
+        test = hypothesis.example(case=case)(test)
+    test = hypothesis.seed(seed)(_settings(max_examples)(test))
+    printed: list[str] = []
+    try:
+        with with_reporter(lambda value: printed.append(str(value))):
+            test()
+    except Exception as exc:
+        # Hypothesis reports the shrunk example as a note or through the reporter, headed
+        # "Falsifying example:" (before 6.15x) or "Failing test case:" (after): both put first.
+        notes = [str(n) for n in getattr(exc, "__notes__", ())] + printed
+        cases = [n for n in notes if n.startswith(("Failing test case", "Falsifying"))]
+        lines = list(dict.fromkeys(cases + [n for n in notes if n not in cases]))
+        example = "\n".join(lines).strip() or None
+        message = str(exc).strip() or type(exc).__name__
+        tb = None
+        if not _is_comparison_failure(exc):
+            message = f"{type(exc).__name__}: {message}"
+            tb = _format_traceback(exc)
+        return "failed", message, example, int(state["count"]), tb
+    return "passed", "", None, int(state["count"]), None
+
+
+def check_attention(
+    fn: Callable[..., Any],
+    *,
+    signature: str = "jax_nn",
+    features: Sequence[str] | None = None,
+    max_examples: int = 20,
+    seed: int = 0,
+    masked_rows: str = "zeros",
+    causal_alignment: str = "top_left",
+    dtypes: Sequence[str] = ("float32",),
+    properties: Sequence[str] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    target: str | None = None,
+) -> ConformanceReport:
+    """Run the conformance properties (package docstring) against ``fn``: each is a Hypothesis
+    test whose examples compare ``fn`` with the float64 oracle.
+
+    Args:
+        fn: The attention function.
+        signature: How to call ``fn``: ``"jax_nn"``, ``"qkv_mask"`` or ``"numpy"`` (the
+            adapters, package docstring).
+        features: What ``fn`` supports (:data:`FEATURES`; ``None`` = ``DEFAULT_FEATURES
+            [signature]``); a property needing an absent feature is skipped with the reason.
+        max_examples: Hypothesis examples per property.
+        seed: The Hypothesis seed of every property (a failure replays with it).
+        masked_rows: The kernel's declared output on fully masked rows; the oracle is run with
+            it, and the report lists it when it differs from attnref's default (``"zeros"``).
+        causal_alignment: The kernel's declared causal alignment when ``T != S``, likewise
+            (attnref's default: ``"top_left"``).
+        dtypes: The oracle property runs each; the others run in float32 when requested, else
+            in the first dtype (float64 runs inside ``jax.enable_x64``).
+        properties: A subset of :data:`PROPERTIES` (default all), run in that order.
+        progress: ``progress(done, total, name)`` is called after each property with the number
+            finished, the number to run and the name of the property just finished.
+        target: The name shown in the report (default: ``fn``'s module and name).
+
+    Returns:
+        The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
+
+    Raises:
+        ValueError: An unknown signature, feature, semantics or property; a feature the
+            signature cannot express; no dtypes; ``max_examples < 1`` (an ``OptionError``,
+            checked in that order).
+        TypeError: A dtype NumPy does not know, or ``fn`` not callable.
+    """
+    check_signature(signature)
+    feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
+    check_features(feats)
+    check_expressible(signature, feats)
+    check_choice("masked_rows", masked_rows)
+    check_choice("causal_alignment", causal_alignment)
+    names = tuple(PROPERTIES if properties is None else properties)
+    check_properties(names)
+    names = tuple(p for p in PROPERTIES if p in names)
+    dts = check_dtypes(dtypes)
+    check_max_examples(max_examples)
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+
+    semantics = {"masked_rows": masked_rows, "causal_alignment": causal_alignment}
+    declared = {k: v for k, v in semantics.items() if v != _DEFAULT_SEMANTICS[k]}
+    ctx = _Context(
+        target=_Target(fn, signature),
+        signature=signature,
+        features=frozenset(feats),
+        masked_rows=masked_rows,
+        causal_alignment=causal_alignment,
+        dtypes=dts,
+    )
+    results: list[PropertyResult] = []
+    for done, name in enumerate(names, start=1):
+        plan = _PLANS[name](ctx)
+        if isinstance(plan, str):
+            results.append(PropertyResult(name, "skipped", plan, None, seed, 0))
+        else:
+            strategy, check, *explicit = plan
+            before = len(ctx.target.notes)
+            status, detail, example, count, tb = _run_property(
+                strategy, check, max_examples, seed, *explicit
+            )
+            new_notes = ctx.target.notes[before:]
+            if new_notes:
+                detail = "; ".join([detail, *new_notes]) if detail else "; ".join(new_notes)
+            in_effect = tuple(f"{k}={declared[k]}" for k in _DEPENDS[name] if k in declared)
+            results.append(
+                PropertyResult(name, status, detail, example, seed, count, in_effect, tb)
+            )
+        if progress is not None:
+            progress(done, len(names), name)
+    return ConformanceReport(
+        target=target or _describe_target(fn),
+        signature=signature,
+        features=feats,
+        declared=declared,
+        results=tuple(results),
+    )

@@ -1,0 +1,228 @@
+"""What ``check_attention`` accepts: the names of its properties, signatures, features and
+declared semantics, and the one check of each option (the CLI and the pytest plugin call the
+same checks through :class:`attnref.conformance.Options`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from attnref._src.kernel import CAUSAL_ALIGNMENTS, MASKED_ROWS_POLICIES
+
+__all__ = [
+    "CAUSAL_ALIGNMENTS",
+    "DEFAULT_FEATURES",
+    "FEATURES",
+    "MASKED_ROWS_POLICIES",
+    "PROPERTIES",
+    "SIGNATURES",
+    "OptionError",
+    "check_choice",
+    "check_dtypes",
+    "check_expressible",
+    "check_features",
+    "check_max_examples",
+    "check_properties",
+    "check_signature",
+]
+
+PROPERTIES = (
+    "oracle",
+    "masks",
+    "causality",
+    "gqa",
+    "lse",
+    "batch_independence",
+    "fully_masked_rows",
+    "gradients",
+    "extreme_logits",
+)
+SIGNATURES = ("jax_nn", "qkv_mask", "numpy")
+FEATURES = (
+    "mask",
+    "bias",
+    "causal",
+    "seq_lengths",
+    "window",
+    "gqa",
+    "cross",
+    "lse",
+    "grad",
+    "segment_ids",
+    "softcap",
+)
+DEFAULT_FEATURES: dict[str, tuple[str, ...]] = {
+    # what jax.nn.dot_product_attention supports
+    "jax_nn": ("mask", "bias", "causal", "seq_lengths", "window", "gqa", "cross", "lse", "grad"),
+    # everything a boolean mask can express, differentiable
+    "qkv_mask": ("mask", "causal", "seq_lengths", "window", "cross", "grad", "segment_ids"),
+    # jax.nn's options, NumPy in and out, no gradients
+    "numpy": ("mask", "bias", "causal", "seq_lengths", "window", "gqa", "cross", "lse"),
+}
+_UNSUPPORTED: dict[str, tuple[str, ...]] = {
+    "jax_nn": (),
+    "qkv_mask": ("bias", "softcap", "lse"),
+    "numpy": ("grad",),
+}
+_DEFAULT_SEMANTICS = {"masked_rows": "zeros", "causal_alignment": "top_left"}
+# The values each declared semantics may take: the kernel's own option names.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "masked_rows": MASKED_ROWS_POLICIES,
+    "causal_alignment": CAUSAL_ALIGNMENTS,
+}
+# Which declared semantics can change each property's outcome (for PropertyResult.declared).
+_DEPENDS: dict[str, tuple[str, ...]] = {
+    "oracle": (),
+    "masks": ("masked_rows", "causal_alignment"),
+    "causality": ("causal_alignment",),
+    "gqa": (),
+    "lse": ("causal_alignment",),
+    "batch_independence": ("masked_rows", "causal_alignment"),
+    "fully_masked_rows": ("masked_rows",),
+    "gradients": ("causal_alignment",),
+    "extreme_logits": ("causal_alignment",),
+}
+
+
+class OptionError(ValueError):
+    """An invalid ``check_attention`` option: ``str(error)`` is ``check_attention``'s message.
+
+    Args:
+        message: The message.
+        option: The option's name (``"signature"``, ``"features"``, ``"masked_rows"``, ...).
+        value: What was given: the value, or the list of unknown names.
+        accepted: The accepted values (empty where there is no list).
+    """
+
+    def __init__(
+        self, message: str, option: str, value: Any, accepted: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.option = option
+        self.value = value
+        self.accepted = accepted
+
+
+def check_signature(signature: str) -> None:
+    """``signature`` must name an adapter: ``signature in SIGNATURES``.
+
+    Args:
+        signature: The adapter's name.
+
+    Raises:
+        OptionError: For an unknown signature.
+    """
+    if signature not in SIGNATURES:
+        raise OptionError(
+            f"signature must be one of {SIGNATURES}, got {signature!r}",
+            "signature",
+            signature,
+            SIGNATURES,
+        )
+
+
+def check_features(features: Sequence[str]) -> None:
+    """Every feature must be known: ``set(features) <= set(FEATURES)``.
+
+    Args:
+        features: The features the target declares.
+
+    Raises:
+        OptionError: Naming the unknown features (``value``: their list, in the given order).
+    """
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:
+        raise OptionError(
+            f"unknown features {unknown}; choose from {FEATURES}", "features", unknown, FEATURES
+        )
+
+
+def check_expressible(signature: str, features: Sequence[str]) -> None:
+    """The signature must be able to pass every feature (``qkv_mask`` has no bias, softcap or
+    lse; ``numpy`` no gradients).
+
+    Args:
+        signature: A known adapter's name.
+        features: Known feature names.
+
+    Raises:
+        OptionError: Naming the features the signature cannot express.
+    """
+    impossible = [f for f in features if f in _UNSUPPORTED[signature]]
+    if impossible:
+        raise OptionError(
+            f"signature {signature!r} cannot express features {impossible} "
+            f"(it has no way to pass {', '.join(impossible)})",
+            "features",
+            impossible,
+        )
+
+
+def check_choice(option: str, value: str) -> None:
+    """A declared semantics must be one of the kernel's: ``masked_rows`` in
+    ``MASKED_ROWS_POLICIES``, ``causal_alignment`` in ``CAUSAL_ALIGNMENTS``.
+
+    Args:
+        option: ``"masked_rows"`` or ``"causal_alignment"``.
+        value: The declared value.
+
+    Raises:
+        OptionError: For a value the kernel does not define.
+    """
+    accepted = _CHOICES[option]
+    if value not in accepted:
+        raise OptionError(
+            f"{option} must be one of {accepted}, got {value!r}", option, value, accepted
+        )
+
+
+def check_properties(properties: Sequence[str]) -> None:
+    """Every property must be known: ``set(properties) <= set(PROPERTIES)``.
+
+    Args:
+        properties: The properties asked for.
+
+    Raises:
+        OptionError: Naming the unknown properties (``value``: their list, in the given order).
+    """
+    bad = [p for p in properties if p not in PROPERTIES]
+    if bad:
+        raise OptionError(
+            f"unknown properties {bad}; choose from {PROPERTIES}", "properties", bad, PROPERTIES
+        )
+
+
+def check_dtypes(dtypes: Sequence[Any]) -> tuple[str, ...]:
+    """At least one dtype, each one NumPy understands.
+
+    Args:
+        dtypes: The input dtypes (names or dtype objects).
+
+    Returns:
+        Their canonical names, e.g. ``("float32",)``.
+
+    Raises:
+        OptionError: For an empty list.
+        TypeError: For a name that is not a dtype (NumPy's message).
+    """
+    names = tuple(str(np.dtype(d)) for d in dtypes)
+    if not names:
+        raise OptionError("dtypes must name at least one dtype", "dtypes", names)
+    return names
+
+
+def check_max_examples(max_examples: int) -> None:
+    """At least one example per property: ``max_examples >= 1``.
+
+    Args:
+        max_examples: The examples per property.
+
+    Raises:
+        OptionError: For ``max_examples < 1``.
+    """
+    if max_examples < 1:
+        raise OptionError(
+            f"max_examples must be >= 1, got {max_examples}", "max_examples", max_examples
+        )

@@ -1,0 +1,394 @@
+"""The nine property plans: for each property, the Hypothesis strategy of its examples and the
+check run on each (or the reason it is skipped). The properties are described in the package
+docstring (:mod:`attnref._src.conformance`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import strategies as ast
+from attnref._src.closeness import assert_ratio_within
+from attnref._src.conformance.context import Plan, _Case, _cases, _Context
+from attnref._src.conformance.references import (
+    _assert_lse,
+    _assert_output,
+    _is_16bit,
+    _ref_vjp,
+)
+from attnref.tolerance import gamma, unit_roundoff
+
+# The kinds of the masks property whose mask or bias takes the example's drawn broadcast shape:
+# a boolean mask (every row keeps a key) and a bias with -inf entries (every row keeps a finite
+# one, so it is also the finite bias's broadcast check).
+_DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
+    "random": ("mask_shape",),
+    "neg_inf_bias": ("bias_shape",),
+}
+_MASK_PROPERTY_KINDS = tuple(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row"))
+
+
+def _plan_oracle(ctx: _Context) -> Plan | str:
+    pool = ctx.pool("self", "general", "tall", "mqa")
+    strategy = ast.kernel_problems(
+        ctx.configs(pool, ctx.dtypes[0]),  # drawn in the first dtype, then cast to the others
+        kinds=("none",),
+        identical_rows=True,
+        masked_rows=ctx.masked_rows,
+        causal_alignment=ctx.causal_alignment,
+    )
+
+    def check(p: ast.KernelProblem) -> None:
+        for dtype in ctx.dtypes:
+            pd = p.astype(dtype)
+            out, _ = ctx.run(pd)
+            _assert_output(out, ctx.view(pd), f"oracle [{pd.dtype}]")
+
+    return strategy, check
+
+
+def _plan_masks(ctx: _Context) -> Plan | str:
+    kinds = ctx.kinds(_MASK_PROPERTY_KINDS)
+    if not kinds:
+        return (
+            "needs a mask feature (one of mask, bias, causal, seq_lengths, window, segment_ids, "
+            "softcap)"
+        )
+
+    def check(case: _Case) -> None:
+        for kind in kinds:
+            shape = {name: case.get(name) for name in _DRAWN_SHAPES.get(kind, ())}
+            p = ctx.problem(case.config, kind, case.seed, **shape)
+            out, _ = ctx.run(p)
+            _assert_output(out, ctx.view(p), f"masks [{kind}: {_options_text(p)}]")
+
+    # One mask shape and one bias shape per example, from all 16 broadcastable ones. A shape is
+    # a new compiled program, so only two kinds take them (an example adds at most two
+    # programs); the other kinds keep their fixed shapes, compiled once per bucket.
+    pool = ctx.pool("self", "general", "tall")
+    strategy = _cases(
+        ctx.configs(pool),
+        mask_shape=ast.broadcast_shapes(),
+        bias_shape=ast.broadcast_shapes(),
+    )
+    # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
+    first = _Case(
+        dataclasses.replace(pool[0], dtype=ctx.primary),
+        0,
+        (("mask_shape", "B11S"), ("bias_shape", "111S")),
+    )
+    return strategy, check, (first,)
+
+
+def _options_text(p: ast.KernelProblem) -> str:
+    return repr(p).split("options=", 1)[1][:-1]
+
+
+def _plan_causality(ctx: _Context) -> Plan | str:
+    if "causal" not in ctx.features:
+        return "needs feature 'causal'"
+    pool = ctx.pool("self")
+    scales = st.sampled_from((1.0, 1000.0))
+
+    def check(case: _Case) -> None:
+        c = case.config
+        t = case.get("prefix")
+        p = ctx.problem(c, "causal", case.seed)
+        grow = case.get("future_key_scale")
+        k, v = p.k.astype(np.float64), p.v.astype(np.float64)
+        k[:, t:] *= grow
+        v[:, t:] *= grow
+        p = p.replace(k=k.astype(p.dtype), v=v.astype(p.dtype))
+        pre = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
+        full_out, _ = ctx.run(p)
+        part, _ = ctx.run(pre)
+        full = np.asarray(full_out, np.float64)[:, :t]
+        part = np.asarray(part, np.float64)
+        bound = ctx.view(p).bound()[0][:, :t] + ctx.view(pre).bound()[0]
+        bad = ~np.isfinite(full) | ~np.isfinite(part)
+        err = np.where(bad, np.inf, np.abs(np.nan_to_num(full - part)))
+        assert_ratio_within(
+            err,
+            bound,
+            "causality: appending {future} future token(s) changed output row {index[1]} (index "
+            "{index} of the first {t} rows): |full - prefix| = {error:.3e} > {allowed:.3e} "
+            "({ratio:.3g} x the sum of the two derived bounds); full {full!r}, prefix-only "
+            "{prefix!r}",
+            future=c.t - t,
+            t=t,
+            full=full,
+            prefix=part,
+        )
+        # agreeing with each other is not enough (an all-zero kernel does): each equals the oracle
+        _assert_output(full_out, ctx.view(p), "causality: the full run")
+        _assert_output(part, ctx.view(pre), "causality: the prefix run")
+        if "grad" in ctx.features and ctx.signature != "numpy":
+            rng = np.random.default_rng(case.seed)
+            cot = np.zeros((c.batch, c.t, c.n, c.h_v))
+            cot[:, t - 1] = rng.standard_normal((c.batch, c.n, c.h_v))
+            grads = ctx.target.vjp(ctx.view(p), cot.astype(p.dtype))
+            for name, g in zip("qkv", grads, strict=True):
+                g = np.asarray(g, np.float64)
+                if np.any(g[:, t:] != 0.0):
+                    idx = tuple(int(i) for i in np.argwhere(g[:, t:] != 0.0)[0])
+                    pos = (idx[0], idx[1] + t, *idx[2:])
+                    raise AssertionError(
+                        f"causality: d out[:, {t - 1}] / d {name}{list(pos)} = {g[pos]!r} != 0 "
+                        f"(position {pos[1]} is in the future of query {t - 1})"
+                    )
+
+    def prefixes(config: ast.Config) -> Any:
+        return st.just(config.t // 2)  # one prefix shape: one more compiled program
+
+    @st.composite
+    def cases(draw: ast.DrawFn) -> _Case:
+        config = draw(ctx.configs(pool), label="config")
+        t = draw(prefixes(config), label="prefix")
+        grow = draw(scales, label="future_key_scale")
+        seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+        note(f"config={config!r} prefix={t} future_key_scale={grow} seed={seed}")
+        return _Case(config, seed, (("prefix", t), ("future_key_scale", grow)))
+
+    return cases(), check
+
+
+def _plan_gqa(ctx: _Context) -> Plan | str:
+    if "gqa" not in ctx.features:
+        return "needs feature 'gqa'"
+    pool = ctx.pool("gqa", "mqa")
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: _Case) -> None:
+        for kind in kinds:
+            p = ctx.problem(case.config, kind, case.seed)
+            out, _ = ctx.run(p)
+            c = case.config
+            _assert_output(out, ctx.view(p), f"gqa [N={c.n}, K={c.k}, {kind}]")
+
+    return _cases(ctx.configs(pool)), check
+
+
+def _plan_lse(ctx: _Context) -> Plan | str:
+    if "lse" not in ctx.features:
+        return "needs feature 'lse'"
+    kinds = ctx.kinds(("none", "causal", "bias"))
+
+    def check(case: _Case) -> None:
+        for kind in kinds:
+            p = ctx.problem(case.config, kind, case.seed)
+            out, lse = ctx.run(p, want_lse=True)
+            _assert_output(out, ctx.view(p), f"lse [{kind}] output")
+            _assert_lse(lse, ctx.view(p), f"lse [{kind}]")
+
+    return _cases(ctx.configs(ctx.pool("self", "general"))), check
+
+
+def _plan_batch(ctx: _Context) -> Plan | str:
+    kinds = ctx.kinds(("none", "padding", "random", "neg_inf_bias", "segments", "combined"))
+    pool = ctx.pool("self", "general")
+
+    def check(p: ast.KernelProblem) -> None:
+        full, _ = ctx.run(p)
+        full = np.asarray(full, np.float64)
+        bound, _ = ctx.view(p).bound()
+        if _is_16bit(p.dtype):
+            bound = bound + unit_roundoff(p.dtype) * np.abs(full)
+        for b in range(p.config.batch):
+            one, _ = ctx.run(p.batch_slice(b))
+            one = np.asarray(one, np.float64)
+            if one.shape != full[b : b + 1].shape:
+                raise AssertionError(f"batch element {b}: shape {one.shape} alone")
+            nan_full, nan_one = np.isnan(full[b]), np.isnan(one[0])
+            if (nan_full != nan_one).any():
+                idx = tuple(int(i) for i in np.argwhere(nan_full != nan_one)[0])
+                raise AssertionError(
+                    f"batch element {b}: NaN pattern differs at {idx}: batched "
+                    f"{full[b][idx]!r}, alone {one[0][idx]!r}"
+                )
+            err = np.abs(np.where(nan_full, 0.0, full[b] - np.where(nan_one, 0.0, one[0])))
+            assert_ratio_within(
+                err,
+                2 * bound[b],
+                "batch element {b} run alone differs from its slice of the batched run at "
+                "{index}: {alone!r} vs {batched!r} ({ratio:.3g} x twice the derived bound); "
+                "kind {kind}",
+                require_finite=True,
+                b=b,
+                alone=one[0],
+                batched=full[b],
+                kind=p.kind,
+            )
+            # equal to each other is not enough (an all-NaN kernel is): each equals the oracle
+            _assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} run alone")
+        _assert_output(full, ctx.view(p), f"batched run [{p.kind}: {_options_text(p)}]")
+
+    strategy = ast.kernel_problems(
+        ctx.configs(pool),
+        kinds=kinds,
+        masked_rows=ctx.masked_rows,
+        causal_alignment=ctx.causal_alignment,
+        # the kinds' fixed shapes (per-example and batch-broadcast masks and biases among them):
+        # the masks property draws the broadcast shapes, and each costs a compiled program here
+        # twice (the batch and one element)
+        mask_shapes=None,
+        bias_shapes=None,
+    )
+    return strategy, check
+
+
+def _observed_policy(row: np.ndarray, mean_v: np.ndarray, tol: float) -> str:
+    if np.all(np.isnan(row)):
+        return "NaN (masked_rows='nan')"
+    if np.all(row == 0.0):
+        return "zeros (masked_rows='zeros')"
+    if np.all(np.isfinite(row)) and np.max(np.abs(row - mean_v)) <= tol:
+        return "the mean of v over all keys (masked_rows='uniform')"
+    return f"{row!r}, none of the three meanings"
+
+
+def _plan_fully_masked(ctx: _Context) -> Plan | str:
+    if not ({"mask", "seq_lengths"} & ctx.features):
+        return "needs feature 'mask' or 'seq_lengths' to build a row with no allowed key"
+    use_mask = "mask" in ctx.features
+
+    def check(case: _Case) -> None:
+        c = case.config
+        if use_mask:
+            p = ctx.problem(c, "fully_masked_row", case.seed, mask_shape=case.get("mask_shape"))
+        else:
+            p = ctx.problem(c, "none", case.seed)
+            lens = np.full(c.batch, c.s, np.int32)
+            lens[case.seed % c.batch] = 0
+            p = p.replace(options={"key_value_seq_lengths": lens})
+        view = ctx.view(p)
+        out, _ = ctx.run(p)
+        out = np.asarray(out, np.float64)
+        ref, _ = view.oracle()
+        allowed = view.allowed()  # [B, N, T, S]
+        dead = ~allowed.any(-1)  # [B, N, T]
+        if view.options.get("query_seq_lengths") is not None:
+            lens_q = np.asarray(view.options["query_seq_lengths"])
+            dead &= (np.arange(c.t)[None, :] < lens_q[:, None])[:, None, :]
+        vg = np.repeat(view.v.astype(np.float64), c.group, axis=2)  # [B, S, N, H_v]
+        tol = 2 * gamma(c.s + 1, unit_roundoff(np.float32)) * float(np.abs(vg).max())
+        if _is_16bit(p.dtype):
+            tol += 2 * unit_roundoff(p.dtype) * float(np.abs(vg).max())
+        for b, n, i in zip(*np.nonzero(dead), strict=True):
+            row = out[b, i, n]
+            want = ref[b, i, n]
+            mean_v = vg[b, :, n].mean(0)
+            ok = {
+                "zeros": np.all(row == 0.0),
+                "nan": np.all(np.isnan(row)),
+                "uniform": np.all(np.isfinite(row)) and np.max(np.abs(row - want)) <= tol,
+            }[ctx.masked_rows]
+            if not ok:
+                raise AssertionError(
+                    f"fully masked row (b={b}, t={i}, n={n}): declared masked_rows="
+                    f"{ctx.masked_rows!r}, but the kernel returns "
+                    f"{_observed_policy(row, mean_v, tol)}; declare the kernel's meaning with "
+                    "check_attention(..., masked_rows=...)"
+                )
+        _assert_output(out, view, "fully_masked_rows")
+
+    extra = {"mask_shape": ast.broadcast_shapes()} if use_mask else {}
+    return _cases(ctx.configs(ctx.pool("self", "general")), **extra), check
+
+
+def _plan_gradients(ctx: _Context) -> Plan | str:
+    if "grad" not in ctx.features:
+        return "needs feature 'grad'"
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: _Case) -> None:
+        c = case.config
+        rng = np.random.default_rng([case.seed, 1])
+        cot = rng.standard_normal((c.batch, c.t, c.n, c.h_v))
+        for kind in kinds:
+            p = ctx.problem(c, kind, case.seed)
+            view = ctx.view(p)
+            exact = _ref_vjp(view.astype(np.float64), cot)
+            same = _ref_vjp(view, cot.astype(p.dtype))
+            got = ctx.target.vjp(view, cot.astype(p.dtype))
+            m = max(float(np.max(np.abs(g))) for g in exact)
+            n_b = c.t * c.group + c.s + c.h + c.h_v + 2
+            floor = gamma(n_b, unit_roundoff(p.dtype)) * m
+            for name, g, r, e in zip("qkv", got, same, exact, strict=True):
+                g = np.asarray(g, np.float64)
+                if g.shape != e.shape:
+                    raise AssertionError(f"d/d{name}: shape {g.shape} != {e.shape}")
+                if not np.all(np.isfinite(g)):
+                    idx = tuple(int(i) for i in np.argwhere(~np.isfinite(g))[0])
+                    raise AssertionError(f"gradients [{kind}]: d/d{name}{list(idx)} = {g[idx]!r}")
+                ref_err = float(np.max(np.abs(r - e)))
+                allowed = 2 * ref_err + floor
+                err = np.abs(g - e)
+                assert_ratio_within(
+                    err,
+                    allowed,
+                    "gradients [{kind}]: d/d{name} comparative rule (factor 2) failed at {index}: "
+                    "max error {error:.3e} > {allowed:.3e} = 2 x attnref's {dtype} error "
+                    "{ref_err:.3e} + floor gamma_{n_b}(u) max|g64| ({ratio:.3g} x the allowance); "
+                    "got {got!r}, float64 {want!r}",
+                    kind=kind,
+                    name=name,
+                    dtype=p.dtype,
+                    ref_err=ref_err,
+                    n_b=n_b,
+                    got=g,
+                    want=e,
+                )
+
+    return _cases(ctx.configs(ctx.pool("general") or ctx.pool("self"))), check
+
+
+def _plan_extreme(ctx: _Context) -> Plan | str:
+    kinds = ctx.kinds(("none", "causal", "random"))
+    dtype = "float32" if "float32" in ctx.dtypes else ctx.primary
+
+    def check(case: _Case) -> None:
+        c = case.config
+        kind = case.get("kind")
+        top = case.get("max_abs_logit")
+        p = ctx.problem(c, kind, case.seed)
+        q64, k64 = p.q.astype(np.float64), p.k.astype(np.float64)
+        kg = np.repeat(k64, c.group, axis=2)
+        logits = np.einsum("btnh,bsnh->bnts", q64, kg) / math.sqrt(c.h)
+        grow = math.sqrt(top / float(np.abs(logits).max()))
+        p = p.replace(q=(q64 * grow).astype(p.dtype), k=(k64 * grow).astype(p.dtype))
+        out, _ = ctx.run(p)
+        out = np.asarray(out, np.float64)
+        bad = ~np.isfinite(out) & ~np.isnan(ctx.view(p).oracle()[0])
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise AssertionError(
+                f"extreme logits (max |logit| = {top:g}, {kind}): output {out[idx]!r} at {idx} "
+                "is not finite (overflow in exp? no max subtraction?)"
+            )
+        _assert_output(out, ctx.view(p), f"extreme logits [max |logit| = {top:g}, {kind}]")
+
+    strategy = _cases(
+        ctx.configs(ctx.pool("self", "general"), dtype),
+        kind=st.sampled_from(kinds),
+        max_abs_logit=st.sampled_from((1e2, 1e3, 1e4)),
+    )
+    return strategy, check
+
+
+_PLANS: dict[str, Callable[[_Context], Plan | str]] = {
+    "oracle": _plan_oracle,
+    "masks": _plan_masks,
+    "causality": _plan_causality,
+    "gqa": _plan_gqa,
+    "lse": _plan_lse,
+    "batch_independence": _plan_batch,
+    "fully_masked_rows": _plan_fully_masked,
+    "gradients": _plan_gradients,
+    "extreme_logits": _plan_extreme,
+}

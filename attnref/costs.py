@@ -1,0 +1,11 @@
+"""Cost models: analytic FLOPs, transcendentals and bytes of each formulation, and XLA's counts.
+
+:func:`cost` (``cost("concat", Dims(...))``) is each registry entry's ``cost_model``;
+:func:`xla_counts` reads XLA's cost analysis of a compiled function and :func:`hlo_dot_flops`
+counts the dot FLOPs in its HLO text, so the analytic model is checked against the compiler.
+See ``docs/cost.md``.
+"""
+
+from attnref._src.cost import Cost, Dims, XlaCounts, cost, hlo_dot_flops, xla_counts
+
+__all__ = ["Cost", "Dims", "XlaCounts", "cost", "hlo_dot_flops", "xla_counts"]

@@ -1,0 +1,34 @@
+"""KV-cached decoding: a cache pytree, chunked appends, ring buffers and ``lax.scan`` generation.
+
+Kernel level (``q, k, v`` as ``[B, L, H, d]``): :func:`kv_cache_init`, :func:`kv_cache_append`,
+:func:`cached_attention` (append a chunk, then attend) and :func:`cache_attend` (read only).
+Weight level (``params`` and row-vector tokens ``[B, L, d_model]``): :func:`init_cache`,
+:func:`step` (one chunk), :func:`scan` (token by token under ``lax.scan``), :func:`generate`,
+and :func:`decode_attention` (the multi-head row form of a whole sequence, decoded).
+"""
+
+from attnref._src.decode import (
+    KVCache,
+    cache_attend,
+    cached_attention,
+    generate,
+    init_cache,
+    kv_cache_append,
+    kv_cache_init,
+    scan,
+    step,
+)
+from attnref._src.kernel_forms import decode_attention
+
+__all__ = [
+    "KVCache",
+    "cache_attend",
+    "cached_attention",
+    "decode_attention",
+    "generate",
+    "init_cache",
+    "kv_cache_append",
+    "kv_cache_init",
+    "scan",
+    "step",
+]

@@ -1,0 +1,52 @@
+"""Interpretability tools: merged matrices, probes, composition scores and low-rank refactoring.
+
+Row vectors, per head ``i``: ``W_P[i] = W_Q[i] W_K[i]^T`` (pattern), ``W_M[i] = W_V[i] W_O[i]``
+(message), and their bias-augmented forms ``W_A``/``W_I`` (Elhage et al. 2021, "A Mathematical
+Framework for Transformer Circuits"). See ``docs/probes.md`` and ``docs/refactor_minilm.md``.
+"""
+
+from attnref._src.composition import composition_baseline, composition_scores, top_aligned
+from attnref._src.merged import messages, patterns
+from attnref._src.params import w_a, w_i, w_m, w_p
+from attnref._src.probes import (
+    AttentionProbes,
+    attention_logits,
+    attention_probes,
+    residual_update,
+)
+from attnref._src.refactor import (
+    FactoredSVD,
+    Refactored,
+    effective_rank,
+    factored_svd,
+    message_svd,
+    param_count,
+    pattern_svd,
+    refactor,
+    truncation_error,
+)
+
+__all__ = [
+    "AttentionProbes",
+    "FactoredSVD",
+    "Refactored",
+    "attention_logits",
+    "attention_probes",
+    "composition_baseline",
+    "composition_scores",
+    "effective_rank",
+    "factored_svd",
+    "message_svd",
+    "messages",
+    "param_count",
+    "pattern_svd",
+    "patterns",
+    "refactor",
+    "residual_update",
+    "top_aligned",
+    "truncation_error",
+    "w_a",
+    "w_i",
+    "w_m",
+    "w_p",
+]

@@ -1,0 +1,365 @@
+"""Weight-level bounds: multi-head attention from ``params`` (module docstring of
+:mod:`attnref.tolerance`, steps 1 to 3), its local error terms, and FlashAttention's comparative
+rule; plus the helpers every weight-level bound shares (reading the parameters, homogeneous
+coordinates, the masked max-subtracted softmax). NumPy only, float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._rounding import C_EXP, K_S, K_Y, _is_16bit, gamma, unit_roundoff
+
+# ----------------------------------------------------------------------------- shared helpers
+
+_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _get(params: Any, name: str) -> np.ndarray | None:
+    """``params.name`` (or ``params[name]``) as a float64 array, ``None`` where absent."""
+    value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
+    return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def _read_params(params: Any) -> dict[str, np.ndarray | None]:
+    """The parameters as float64 arrays, key/value heads repeated to one per query head.
+
+    ``w_k, w_v [K, ...]`` and ``b_k, b_v [K, d]`` become ``[H, ...]`` with entry ``i`` taken from
+    key/value head ``i // G`` (``G = H / K``); multi-head parameters pass through unchanged.
+    """
+    w = {n: _get(params, n) for n in _FIELDS}
+    w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
+    if w_q is None or w_k is None or w_v is None or w["w_o"] is None:
+        raise ValueError("params must have w_q, w_k, w_v and w_o")
+    h, kv = w_q.shape[0], w_k.shape[0]
+    if kv < 1 or h % kv or w_v.shape[0] != kv:
+        raise ValueError(
+            f"params.w_q has {h} heads, params.w_k {kv} and params.w_v {w_v.shape[0]}; w_k and "
+            "w_v need the same number of heads, and num_heads must be a multiple of it"
+        )
+    kv_of = np.arange(h) // (h // kv)
+    for name in ("w_k", "w_v", "b_k", "b_v"):
+        a = w[name]
+        if a is not None:
+            w[name] = a[kv_of]
+    return w
+
+
+def _hom(x: np.ndarray) -> np.ndarray:
+    """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
+    return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
+
+
+def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``|[W; b]|`` per head: ``[H, d_model + 1, d]`` (zero row when there is no bias)."""
+    bias = np.zeros((w.shape[0], 1, w.shape[2])) if b is None else b[:, None, :]
+    return np.abs(np.concatenate([w, bias], axis=1))
+
+
+def _heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte") -> np.ndarray:
+    """``x W[i] + b[i]`` per head (float64): ``[..., H, T, d]`` for ``layout="hte"`` (head-major),
+    ``[..., T, H, d]`` for ``"the"`` (token-major, the layout of the oracle's RoPE and linear
+    attention)."""
+    y = np.einsum(f"...td,hde->...{layout}", x, wt)
+    if b is None:
+        return y
+    return y + (b[:, None, :] if layout == "hte" else b)
+
+
+def _abs_heads(
+    x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
+) -> np.ndarray:
+    """``|x~||W~[i]|`` per head, the magnitude of :func:`_heads` (same ``layout``)."""
+    return np.einsum(f"...td,hde->...{layout}", np.abs(_hom(x)), _homogeneous_abs(wt, b))
+
+
+def _value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:
+    """``G_hj = |x~_j||W~_V[h]||W_O[h]|``, ``[..., H, T_k, d_model]``."""
+    w_v, w_o = w["w_v"], w["w_o"]
+    assert w_v is not None and w_o is not None
+    return np.einsum("...hkv,hvd->...hkd", _abs_heads(xkv, w_v, w["b_v"]), np.abs(w_o))
+
+
+class _Softmax(NamedTuple):
+    """The masked max-subtracted softmax over the last axis (float64)."""
+
+    top: np.ndarray  # max_j s_ij over allowed keys, 0 where none is finite, [..., 1]
+    live: np.ndarray  # whether that max is finite, [..., 1]
+    e: np.ndarray  # exp(s_ij - top) at allowed keys, exact 0 elsewhere (no exp evaluated there)
+    total: np.ndarray  # sum_j e_ij, [..., 1]
+    weights: np.ndarray  # e / total, all zero in rows without allowed keys
+    spread: np.ndarray  # |s_ij - top| at allowed keys, 0 elsewhere: the max subtraction's size
+
+
+def _softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
+    """``p_ij = exp(s_ij - max_j s_ij) / sum_j exp(s_ij - max_j s_ij)`` over the allowed ``j``."""
+    top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    live = np.isfinite(top)
+    top = np.where(live, top, 0.0)
+    e = np.where(allowed, np.exp(np.where(allowed, logits - top, 0.0)), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    weights = e / np.where(total > 0, total, 1.0)
+    spread = np.where(allowed, np.abs(logits - top), 0.0)
+    return _Softmax(top, live, e, total, weights, spread)
+
+
+class _Problem(NamedTuple):
+    """A weight-level problem in float64, as every weight-level bound reads it."""
+
+    w: dict[str, np.ndarray | None]  # _read_params
+    xq: np.ndarray
+    xkv: np.ndarray
+    scale: float
+    bias: np.ndarray  # the finite part of the logit bias, [..., 1, T_q, T_k] (zeros if none)
+    keep: np.ndarray  # mask & (bias != -inf), [..., 1, T_q, T_k]
+    dims: tuple[int, int, int, int, int]  # (H, d_model, d_k, d_v, T_k)
+
+
+def _read_weights(params: Any) -> tuple[dict[str, np.ndarray | None], int]:
+    """:func:`_read_params` and ``d_k`` (raises on missing or inconsistent parameters)."""
+    w = _read_params(params)
+    assert w["w_q"] is not None
+    return w, w["w_q"].shape[2]
+
+
+def _read_problem(
+    w: dict[str, np.ndarray | None],
+    x_q: Any,
+    x_kv: Any,
+    *,
+    mask: Any,
+    bias: Any,
+    scale: float | None,
+) -> _Problem:
+    """The inputs as float64 arrays, the scale (default ``1/sqrt(d_k)``), the finite logit bias
+    and the allowed pairs, for the parameters ``w`` of :func:`_read_weights`."""
+    w_q, w_v = w["w_q"], w["w_v"]
+    assert w_q is not None and w_v is not None
+    h, d_model, d_k = w_q.shape
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    t_q, t_k = xq.shape[-2], xkv.shape[-2]
+    full = (*xq.shape[:-2], t_q, t_k)
+    s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    b_arr = np.zeros(full) if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    m_arr = np.ones(full, bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), full)
+    finite_bias = np.where(np.isneginf(b_arr), 0.0, b_arr)[..., None, :, :]
+    keep = (m_arr & ~np.isneginf(b_arr))[..., None, :, :]
+    return _Problem(w, xq, xkv, s, finite_bias, keep, (h, d_model, d_k, w_v.shape[2], t_k))
+
+
+def _logits(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``s = scale q k^T + bias`` ``[..., H, T_q, T_k]`` from per-head ``q, k [..., H, T, d]``,
+    and the allowed pairs broadcast to its shape."""
+    logits = np.einsum("...hqd,...hkd->...hqk", q, k) * p.scale + p.bias
+    return logits, np.broadcast_to(p.keep, logits.shape)
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+
+
+def _worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
+    """``(gamma_{N_s}, u, gamma_{T_k + 2 + 2 C_EXP}, gamma_{N_y})``: every operation in ``u``."""
+    return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
+
+
+def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
+    """``(g_s, u_sub, g_soft, g_y)`` for the dtype's arithmetic model (see the module docstring)."""
+    u = unit_roundoff(dtype)
+    if _is_16bit(dtype):
+        u32 = unit_roundoff(np.float32)
+        g_s = K_S * u + gamma(n_s, u32)
+        g_soft = 4 * u + gamma(t_k + 2 + 2 * C_EXP, u32)
+        g_y = K_Y * u + gamma(t_k, u) + gamma(n_y, u32)
+        return g_s, u, g_soft, g_y
+    return _worst_case_terms(u, n_s, n_y, t_k)
+
+
+def _bound_for(
+    dtype: Any,
+    *,
+    ls: np.ndarray,
+    spread: np.ndarray,
+    allowed: np.ndarray,
+    weights: np.ndarray,
+    g_mag: np.ndarray,
+    b_o: np.ndarray | None,
+    dims: tuple[int, int, int, int, int],
+) -> np.ndarray:
+    """One format's share of :func:`attention_error_bound` (steps 1 to 3)."""
+    h, d_model, d_k, d_v, t_k = dims
+    n_s = 2 * (d_model + 1) + d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    g_s, u, g_soft, g_y = _chain_terms(dtype, n_s, n_y, t_k)
+    err_s = np.where(allowed, g_s * ls + u * spread, 0.0)
+    e_row = err_s.max(axis=-1)  # [..., H, T_q]
+    with np.errstate(over="ignore"):
+        rho = np.expm1(2.0 * e_row) + g_soft
+    mixed = np.einsum("...hqk,...hkd->...hqd", weights, g_mag)  # sum_j p_hij G_hj
+    bound = np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
+    if b_o is not None:
+        bound = bound + g_y * np.abs(b_o)
+    return bound
+
+
+# ----------------------------------------------------------------------------- public bounds
+
+
+def attention_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|attention in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
+
+    ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj + gamma_{N_y} |b_O|`` with
+    ``rho_hi = exp(2 max_j |ds_hij|) - 1 + gamma_{T_k + 10}``,
+    ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|`` (module docstring), summed over
+    ``dtype``'s ``u`` and float64's (the oracle's own error); ``+ u |x_i + y_i|`` if ``residual``.
+    16-bit formats use the float32-accumulation model (``K_S``, ``K_Y``).
+
+    Args:
+        params: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+            ``w_o [H, d_v, d_model]`` and optional biases ``b_q, b_k, b_v, b_o``, as attributes
+            or dict entries (``K`` divides ``H``: grouped key/value heads), exactly as the
+            formulation received them (already in ``dtype``).
+        x_q: queries ``[..., T_q, d_model]``.
+        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
+        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
+        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
+        scale: logit scale (default ``1/sqrt(d_k)``).
+        residual: whether the formulation returns ``x_q + attention``.
+        dtype: the format the formulation computes in.
+
+    Returns:
+        The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
+        bound).
+
+    Raises:
+        ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
+    """
+    w, _ = _read_weights(params)
+    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    logits, allowed = _logits(p, _heads(p.xq, w_q, w["b_q"]), _heads(p.xkv, w_k, w["b_k"]))
+    sm = _softmax(logits, allowed)
+    qa, ka = _abs_heads(p.xq, w_q, w["b_q"]), _abs_heads(p.xkv, w_k, w["b_k"])
+    ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka) + np.abs(p.bias)
+    kwargs = dict(
+        ls=ls,
+        spread=sm.spread,
+        allowed=allowed,
+        weights=sm.weights,
+        g_mag=_value_magnitude(p.xkv, w),
+        b_o=w["b_o"],
+        dims=p.dims,
+    )
+    bound = _bound_for(dtype, **kwargs) + _bound_for(np.float64, **kwargs)  # type: ignore[arg-type]
+    if residual:
+        y = np.einsum(
+            "...hqk,...hkd->...qd",
+            sm.weights,
+            np.einsum("...hkv,hvd->...hkd", _heads(p.xkv, w_v, w["b_v"]), w_o),
+        )
+        bound = bound + unit_roundoff(dtype) * np.abs(p.xq + y)
+    return bound
+
+
+def attention_local_errors(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    scale: float | None = None,
+    dtype: Any = np.float32,
+) -> dict[str, Any]:
+    """The three local error terms of :func:`attention_error_bound`'s derivation, unpropagated.
+
+    ``logits: gamma_{N_s} Ls + u |s - max s|``, ``weights: gamma_{T_k + 2 + 2 C_EXP}``,
+    ``output: gamma_{N_y} (sum_h sum_j p_hij G_hj + |b_O|)``.
+
+    For a caller that propagates them itself, e.g. with a float64 Jacobian through a whole model
+    (``tests/test_bert.py``), where they give a tighter bound than ``rho`` (which assumes the worst
+    sign and the row's largest logit error for every weight). First order, any formulation:
+
+    * ``"logits"`` ``[..., H, T_q, T_k]``: ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|``
+      (step 1; zero at masked keys, which get exact zero weight);
+    * ``"weights"`` (a float): the relative error ``gamma_{T_k + 2 + 2 C_EXP}`` that ``exp``, the
+      row sum and the division add to each weight, on top of the logits' (step 2);
+    * ``"output"`` ``[..., T_q, d_model]``: ``gamma_{N_y} (sum_h sum_j p_hij G_hj + |b_O|)``, the
+      rounding of the weighted sum of values and the output projection given the weights (step 3).
+
+    Each is the sum of ``dtype``'s share and the float64 oracle's (as in ``attention_error_bound``).
+
+    Args:
+        params: as :func:`attention_error_bound`.
+        x_q: queries ``[..., T_q, d_model]``.
+        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
+        mask: boolean ``[..., T_q, T_k]`` (broadcast). No ``bias`` argument: the logit bias is
+            zero (masking is by ``mask``).
+        scale: logit scale (default ``1/sqrt(d_k)``).
+        dtype: the format the formulation computes in.
+
+    Returns:
+        ``{"logits": array, "weights": float, "output": array}`` as above.
+
+    Raises:
+        ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
+    """
+    w, _ = _read_weights(params)
+    p = _read_problem(w, x_q, x_kv, mask=mask, bias=None, scale=scale)
+    w_q, w_k = w["w_q"], w["w_k"]
+    assert w_q is not None and w_k is not None
+    logits, allowed = _logits(p, _heads(p.xq, w_q, w["b_q"]), _heads(p.xkv, w_k, w["b_k"]))
+    sm = _softmax(logits, allowed)
+    qa, ka = _abs_heads(p.xq, w_q, w["b_q"]), _abs_heads(p.xkv, w_k, w["b_k"])
+    ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
+    mixed = np.einsum("...hqk,...hkd->...qd", sm.weights, _value_magnitude(p.xkv, w))
+    if w["b_o"] is not None:
+        mixed = mixed + np.abs(w["b_o"])
+    h, d_model, d_k, d_v, t_k = p.dims
+    n_s = 2 * (d_model + 1) + d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    out: dict[str, Any] = {"logits": 0.0, "weights": 0.0, "output": 0.0}
+    for dt in (dtype, np.float64):
+        g_s, u, g_soft, g_y = _chain_terms(dt, n_s, n_y, t_k)
+        out["logits"] = out["logits"] + np.where(allowed, g_s * ls + u * sm.spread, 0.0)
+        out["weights"] = out["weights"] + g_soft
+        out["output"] = out["output"] + g_y * mixed
+    return out
+
+
+def comparative_bound(
+    reference_error: float, magnitude: float, dtype: Any, *, factor: float = 2.0, n: int = 1
+) -> float:
+    """FlashAttention's rule: allowed error ``= factor * reference_error + gamma_n(u) * magnitude``.
+
+    ``reference_error`` is the max error of a same-precision reference (different operation
+    order) against float64; ``gamma_n * magnitude`` is a rounding floor for the case where that
+    reference happens to be almost exact. FlashAttention's tests use ``factor = 2``.
+
+    Args:
+        reference_error: ``max |R - oracle_64|`` of the same-precision reference ``R``.
+        magnitude: the output scale ``M`` (e.g. ``max |oracle_64|``).
+        dtype: the format, giving ``u``.
+        factor: multiplier of the reference's error (FlashAttention: 2).
+        n: roundings in the floor ``gamma_n(u) M`` (``K_Y`` for weight-level outputs).
+
+    Returns:
+        The allowed max error, a float.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point dtype.
+    """
+    return factor * reference_error + gamma(n, unit_roundoff(dtype)) * magnitude

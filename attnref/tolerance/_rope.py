@@ -1,0 +1,228 @@
+"""Rotary position embedding bounds: :func:`rope_map_error_bound` for the map and
+:func:`rope_attention_error_bound` for attention with it (the angle errors ``e_p(m)`` of the module
+docstring of :mod:`attnref.tolerance`). NumPy only, float64; the oracle's ``rope`` (NumPy only) is
+imported when a bound is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._core import (
+    _abs_heads,
+    _heads,
+    _logits,
+    _read_problem,
+    _read_weights,
+    _softmax,
+    _value_magnitude,
+    _worst_case_terms,
+)
+from ._rounding import C_TRIG, gamma, unit_roundoff
+
+
+def _rope_angle_error(m_theta: np.ndarray, u: float, base: float) -> np.ndarray:
+    """``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` for ``m_theta =
+    |m| theta_p``: the error of the computed ``cos``/``sin`` of ``m theta_p`` (module docstring)."""
+    u64 = unit_roundoff(np.float64)
+    return (gamma(2, u) + (abs(math.log(base)) + 3) * u64) * m_theta + C_TRIG * u
+
+
+def _rope_planes(a: np.ndarray, convention: str) -> np.ndarray:
+    """Per-plane pair sums ``a_i + a_j`` of the last axis: ``[..., d/2]`` (plane ``p`` order)."""
+    h = a.shape[-1] // 2
+    return a[..., :h] + a[..., h:] if convention == "rotate_half" else a[..., 0::2] + a[..., 1::2]
+
+
+def _rope_spread(per_plane: np.ndarray, convention: str) -> np.ndarray:
+    """``[..., d/2] -> [..., d]``: each plane's value on both members of its pair."""
+    if convention == "rotate_half":
+        return np.concatenate([per_plane, per_plane], axis=-1)
+    return np.repeat(per_plane, 2, axis=-1)
+
+
+def _pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
+    """``a J``: each component replaced by the sum over its RoPE pair."""
+    return _rope_spread(_rope_planes(a, convention), convention)
+
+
+def _rope_theta(d: int, base: float) -> np.ndarray:
+    """``theta_p = base^(-2p/d)``, ``[d/2]``, in float64."""
+    return np.power(float(base), -2.0 * np.arange(d // 2) / d)
+
+
+def _check_rope(convention: str, d: int) -> None:
+    if convention not in ("rotate_half", "interleaved"):
+        raise ValueError(
+            f"unknown RoPE convention {convention!r}; expected 'rotate_half' or 'interleaved'"
+        )
+    if d < 2 or d % 2:
+        raise ValueError(f"RoPE needs a positive even head dimension, got {d}")
+
+
+def _rope_logit_error(
+    qa: np.ndarray,
+    ka: np.ndarray,
+    pos_q: Any,
+    pos_k: Any,
+    convention: str,
+    u: float,
+    base: float,
+) -> np.ndarray:
+    """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``: the angle errors of
+    plane ``p`` times that plane's share of ``QJ . KJ`` (``QP``: the pair sums of ``qa``).
+
+    ``qa [..., H, T_q, d]``, ``ka [..., H, T_k, d]`` are the magnitudes ``|x~||W~|``; positions
+    broadcast to ``[..., T_q]`` and ``[..., T_k]``."""
+    theta = _rope_theta(qa.shape[-1], base)
+    lead_q, lead_k = qa.shape[:-3] + qa.shape[-2:-1], ka.shape[:-3] + ka.shape[-2:-1]
+    mq = np.abs(np.broadcast_to(pos_q, lead_q).astype(np.float64))[..., None, :, None]
+    mk = np.abs(np.broadcast_to(pos_k, lead_k).astype(np.float64))[..., None, :, None]
+    qp, kp = _rope_planes(qa, convention), _rope_planes(ka, convention)
+    eq = _rope_angle_error(mq * theta, u, base)  # [..., 1, T_q, d/2]
+    ek = _rope_angle_error(mk * theta, u, base)
+    return 2 * (
+        np.einsum("...qp,...kp->...qk", eq * qp, kp) + np.einsum("...qp,...kp->...qk", qp, ek * kp)
+    )
+
+
+def rope_map_error_bound(
+    x: Any,
+    positions: Any,
+    *,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|rope(x) in dtype - float64 oracle|`` for ``x [..., T, N, d]``.
+
+    Each rotated component of a pair ``(a, b)`` is off by at most ``(|a| + |b|) (e_p(m) +
+    gamma_2)``, ``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` (module
+    docstring), summed over ``dtype``'s ``u`` and float64's (the oracle's own error).
+
+    Args:
+        x: ``[..., T, N, d]``, the layout of ``attnref.rope.apply_rope``, ``d`` even.
+        positions: integer positions ``[..., T]`` or ``[T]``.
+        base: the RoPE base (``theta_p = base^(-2p/d)``).
+        convention: ``"rotate_half"`` (pairs ``(p, p + d/2)``) or ``"interleaved"``
+            (``(2p, 2p + 1)``).
+        dtype: the format the map computes in.
+
+    Returns:
+        The bound, float64, the shape of ``x``.
+
+    Raises:
+        ValueError: ``x`` has fewer than 3 axes, ``d`` is odd, or the convention is unknown.
+    """
+    xs = np.asarray(x, np.float64)
+    if xs.ndim < 3:
+        raise ValueError(f"x must have shape [..., T, N, d], got {xs.shape}")
+    _check_rope(convention, xs.shape[-1])
+    pos = np.abs(np.broadcast_to(positions, xs.shape[:-2]).astype(np.float64))[..., None, None]
+    mag = _pair_sum(np.abs(xs), convention)
+    m_theta = pos * _rope_spread(_rope_theta(xs.shape[-1], base), convention)
+    total = np.zeros_like(xs)
+    for dt in (dtype, np.float64):
+        u = unit_roundoff(dt)
+        total = total + mag * (_rope_angle_error(m_theta, u, base) + gamma(2, u))
+    return total
+
+
+def rope_attention_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|RoPE attention in dtype - float64 oracle|``,
+    ``[..., T_q, d_model]``, for every RoPE formulation (rotating ``q`` and ``k``, or the
+    relative pattern matrices ``W~_Q R(m - n) W~_K^T``).
+
+    As :func:`attention_error_bound` with the logit error
+    ``|ds_ij| <= gamma_{N_s} Ls_ij + |scale| sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp
+    + u |s_ij - max_j s_ij|``, ``N_s = 2 (d_model + 3) + 2 d_k + 2``, ``Ls = |scale| QJ . KJ +
+    |bias|`` (module docstring, ``docs/tolerances.md``); the float64 oracle's own error is
+    included. 16-bit formats get the same worst-case expression in their ``u`` (loose; the
+    tests use :func:`comparative_bound` there).
+
+    Args:
+        params: as :func:`attention_error_bound` (``d_k`` even; key/value heads may be grouped),
+            exactly as the formulation received them.
+        x_q: queries ``[..., T_q, d_model]``.
+        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
+        positions_q: integer query positions ``[..., T_q]`` (default ``arange(T_q)``).
+        positions_kv: integer key positions ``[..., T_k]`` (default ``arange(T_k)``).
+        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
+        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
+        scale: logit scale (default ``1/sqrt(d_k)``).
+        base: the RoPE base.
+        convention: ``"rotate_half"`` or ``"interleaved"``.
+        residual: whether the formulation returns ``x_q + attention``.
+        dtype: the format the formulation computes in.
+
+    Returns:
+        The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
+        bound).
+
+    Raises:
+        ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, or the
+            convention is unknown.
+    """
+    w, d_k = _read_weights(params)
+    _check_rope(convention, d_k)
+    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    h, d_model, _, d_v, t_k = p.dims
+    xq, xkv, s = p.xq, p.xkv, p.scale
+    pos_q = np.arange(xq.shape[-2]) if positions_q is None else np.asarray(positions_q)
+    pos_k = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
+
+    # Imported here so this module still loads (and stays JAX-free) on its own by file path.
+    from attnref.oracle import rope
+
+    def rotated(x: np.ndarray, name: str, pos: np.ndarray) -> np.ndarray:  # [..., H, T, d]
+        wt = w["w_" + name]
+        assert wt is not None
+        y = rope(_heads(x, wt, w["b_" + name], "the"), pos, base=base, convention=convention)
+        return np.swapaxes(y, -2, -3)
+
+    logits, allowed = _logits(p, rotated(xq, "q", pos_q), rotated(xkv, "k", pos_k))
+    sm = _softmax(logits, allowed)
+    weights = sm.weights
+
+    qa, ka = _abs_heads(xq, w_q, w["b_q"]), _abs_heads(xkv, w_k, w["b_k"])
+    qj, kj = _pair_sum(qa, convention), _pair_sum(ka, convention)
+    ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qj, kj) + np.abs(p.bias)
+    mixed = np.einsum("...hqk,...hkd->...hqd", weights, _value_magnitude(xkv, w))
+    values = np.swapaxes(_heads(xkv, w_v, w["b_v"], "the"), -2, -3)  # [..., H, T_k, d_v]
+    y_exact = np.einsum("...hqk,...hkv,hvd->...qd", weights, values, w_o)
+    if w["b_o"] is not None:
+        y_exact = y_exact + w["b_o"]
+    n_s = 2 * (d_model + 3) + 2 * d_k + 2
+    n_y = t_k + d_model + d_v + h + 2
+    bound = np.zeros_like(y_exact)
+    for dt in (dtype, np.float64):  # 16-bit formats too: every operation in their own u
+        g_s, u, g_soft, g_y = _worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
+        angles = abs(s) * _rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
+        err_row = np.where(allowed, g_s * ls + angles + u * sm.spread, 0.0).max(axis=-1)
+        with np.errstate(over="ignore"):
+            rho = np.expm1(2.0 * err_row) + g_soft
+        bound = bound + np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
+        if w["b_o"] is not None:
+            bound = bound + g_y * np.abs(w["b_o"])
+        if residual:  # one more rounding: x_q + y
+            bound = bound + u * np.abs(xq + y_exact)
+    return bound
