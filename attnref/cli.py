@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from attnref import conformance as kit
-from attnref._src import report as _report
+from attnref import report as _report
 from attnref._src.checks import enable_x64
 from attnref._src.feature_maps import MAP_NAMES
 from attnref._src.registry import formulations

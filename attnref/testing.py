@@ -22,6 +22,7 @@ from attnref._src.closeness import (
     Closeness,
     assert_attention_close,
     assert_comparative,
+    assert_ratio_within,
     assert_within_bound,
 )
 from attnref._src.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, not in __all__
@@ -47,6 +48,7 @@ __all__ = [
     "PropertyResult",
     "assert_attention_close",
     "assert_comparative",
+    "assert_ratio_within",
     "assert_within_bound",
     "check_attention",
     "load_target",

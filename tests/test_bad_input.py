@@ -438,6 +438,41 @@ def test_apply_rope_bad_input_refused_alike(override, exc, name):
     _assert_same_refusal(fns, {**base, **override}, exc, name)
 
 
+# A non-bool ``causal`` (truthy or falsy) is a TypeError in every linear form and in the oracle,
+# checked before the form's own causal/non-causal rule (never read as a truth value).
+LINEAR_CAUSAL_CLASSES: list[tuple[str, Any]] = [
+    ("causal 1", 1),
+    ("causal 0", 0),
+    ("causal text", "False"),
+    ("causal None", None),
+    ("causal array", np.array(True)),
+]
+LINEAR_FNS: dict[str, Callable[..., Any]] = {
+    "oracle.linear_attention": oracle.linear_attention,
+    **{
+        name: getattr(attnref.linear, name)
+        for name in (
+            "linear_associative",
+            "linear_quadratic",
+            "linear_prefix_sum",
+            "linear_recurrent",
+            "linear_chunked",
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("fid", sorted(LINEAR_FNS))
+@pytest.mark.parametrize(
+    "causal", [c[1] for c in LINEAR_CAUSAL_CLASSES], ids=[c[0] for c in LINEAR_CAUSAL_CLASSES]
+)
+def test_linear_causal_flag_refused_alike(causal, fid):
+    qkv = {n: np.ones((B, T, N, H), np.float32) for n in ("query", "key", "value")}
+    kw = dict(q=qkv["query"], k=qkv["key"], v=qkv["value"], causal=causal)
+    kw["feature_map"] = attnref.linear.elu_plus_one()
+    _assert_same_refusal({fid: LINEAR_FNS[fid]}, kw, TypeError, "causal")
+
+
 # ----------------------------------------------------------------------------- empty inputs
 
 

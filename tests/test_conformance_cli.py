@@ -15,12 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from attnref._src.conformance import OptionError
-from attnref._src.kernel import CAUSAL_ALIGNMENTS, MASKED_ROWS_POLICIES
+import attnref
 from attnref.cli import main
-from attnref.conformance import ALIGNMENTS, MASKED_ROWS, PROPERTIES, Options, read_xfail_file
+from attnref.conformance import (
+    ALIGNMENTS,
+    MASKED_ROWS,
+    PROPERTIES,
+    OptionError,
+    Options,
+    read_xfail_file,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -154,7 +161,11 @@ def test_console_script_finds_targets_in_the_current_directory():
 def test_options_run_the_engines_checks_in_the_clis_words(options, cli, engine):
     """``Options.validate`` calls ``check_attention``'s own checks (one place for each) and
     words their rejection for the CLI; the accepted semantics are the kernel's own names."""
-    assert MASKED_ROWS is MASKED_ROWS_POLICIES and ALIGNMENTS is CAUSAL_ALIGNMENTS
+    q = np.zeros((1, 2, 1, 2), np.float32)
+    for rows in MASKED_ROWS:  # the CLI's choices are names the kernel accepts
+        attnref.dot_product_attention(q, q, q, masked_rows=rows)
+    for alignment in ALIGNMENTS:
+        attnref.dot_product_attention(q, q, q, is_causal=True, causal_alignment=alignment)
     with pytest.raises(ValueError, match=f"^{re.escape(cli)}") as exc:
         Options(target="pkg.mod:fn", **options).validate()
     assert isinstance(exc.value.__cause__, OptionError)

@@ -24,8 +24,7 @@ import numpy as np
 import pytest
 
 import attnref
-from attnref._src import common
-from attnref._src.cost import Dims, cost, hlo_dot_flops, xla_counts
+from attnref.costs import Dims, cost, hlo_dot_flops, xla_counts
 
 SHAPES = [(2, 16, 2, 16, 4, 6), (1, 24, 3, 12, 8, 4)]
 MAPS = ("elu_plus_one", "favor_plus", "taylor2")
@@ -218,11 +217,11 @@ def test_patterns_and_messages_multiply_work_as_the_seeds_claim():
         ein = jnp.einsum
         return dict(
             qk_proj=dots(
-                lambda x: (common.project(x, p.w_q, None), common.project(x, p.w_k, None)), x
+                lambda x: (ein("btd,hde->bhte", x, p.w_q), ein("btd,hde->bhte", x, p.w_k)), x
             ),
             patterns=dots(lambda x: ein("btd,hde->bhte", x, w_p), x),
             vo_proj=dots(
-                lambda x, z: (common.project(x, p.w_v, None), ein("bhtv,hvd->bhtd", z, p.w_o)), x, v
+                lambda x, z: (ein("btd,hde->bhte", x, p.w_v), ein("bhtv,hvd->bhtd", z, p.w_o)), x, v
             ),
             messages=dots(lambda x: ein("btd,hde->bhte", x, w_m), x),
             qk_logits=dots(lambda q: ein("bhqd,bhkd->bhqk", q, q), q),

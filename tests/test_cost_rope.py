@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 import attnref
-from attnref._src.cost import Cost, Dims, xla_counts
-from attnref._src.rope import rope_cost, rope_patterns_cost
+from attnref.costs import Cost, Dims, xla_counts
 
 SHAPES = [(2, 16, 2, 16, 4, 6), (1, 24, 3, 12, 8, 4)]  # tests/test_cost.py's shapes
 DUPLICATION = 4  # as in tests/test_cost.py: no intermediate feeds more than 4 consumers
+# The registry's cost models (each registered next to its formulation in attnref/_src/rope.py).
+rope_cost = attnref.get("rope").cost_model
+rope_patterns_cost = attnref.get("rope_patterns").cost_model
 MODELS = {"rope": rope_cost, "rope_patterns": rope_patterns_cost}
 
 

@@ -6,7 +6,7 @@
   from the docstrings a page quotes, looked up in ``attnref`` or the quoted module.
 * Where a page shows a signature, ``attnref.<name>(...)`` at the start of a code line or span,
   the text after the name is exactly ``str(inspect.signature(obj))``.
-* The export rule of :mod:`attnref._src.docs`: registered callables are exported under their
+* The export rule of :mod:`attnref.pages`: registered callables are exported under their
   ``__name__`` from ``attnref`` or one of its namespaces (``attnref.linear``, ``attnref.rope``,
   ``attnref.decode``, ...), and their page shows that qualified name; every function with the
   registry's row signature exported there is registered or a listed helper that its
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 import attnref
-from attnref._src import docs
-from attnref._src.docs import HELPERS
+from attnref import pages as docs
+from attnref.pages import HELPERS
 
 PAGES = Path(__file__).resolve().parents[1] / "docs" / "formulations"
 NAME = re.compile(r"attnref(?:\.[A-Za-z_]\w*)+")
@@ -70,9 +70,7 @@ def _pages() -> dict[str, str]:
 
 def test_committed_pages_equal_a_fresh_generation():
     pages = _pages()
-    assert set(pages) == set(attnref.ids()), (
-        "stale or missing pages; run python -m attnref._src.docs"
-    )
+    assert set(pages) == set(attnref.ids()), "stale or missing pages; run python -m attnref.pages"
     for f in attnref.formulations():
         assert pages[f.id] == docs.render(f), f"docs/formulations/{f.id}.md is stale; regenerate it"
 
@@ -145,7 +143,7 @@ def _row_signature(obj: Any) -> bool:
 
 def _exported_row_forms() -> set[Any]:
     """Functions with the row signature exported by ``attnref`` or by a namespace a page may
-    name (:data:`attnref._src.docs.NAMESPACES`)."""
+    name (:data:`attnref.pages.NAMESPACES`)."""
     modules = [attnref, *(importlib.import_module(f"attnref.{ns}") for ns in docs.NAMESPACES)]
     return {getattr(m, n) for m in modules for n in m.__all__ if _row_signature(getattr(m, n))}
 

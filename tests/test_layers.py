@@ -43,8 +43,8 @@ LAYERS = {
     "attnref.testing": 2,
     "attnref.strategies": 2,
     "attnref.conformance": 2,
-    "attnref._src.report": 3,
-    "attnref._src.docs": 3,
+    "attnref.report": 3,
+    "attnref.pages": 3,
     "attnref.models": 3,
     "attnref.cli": 4,
 }

@@ -61,7 +61,7 @@ def test_registry_order_does_not_depend_on_import_order():
 
 
 def test_helpers_match_the_oracle():
-    """The helpers of ``attnref._src.docs.HELPERS`` that no other test checks against the
+    """The helpers of ``attnref.pages.HELPERS`` that no other test checks against the
     oracle: ``decode_attention`` on a causal problem, ``sum_i head_outputs_i + b_O`` (both with
     the derived output bound, which holds for any order of the sums over keys and heads), and
     ``attention_weights`` equal to the probes' scores (``tests/test_probes.py`` checks those)."""
@@ -138,7 +138,7 @@ def test_cli_report_table_and_json(capsys):
 
 def test_report_default_problem_float64_below_1e12():
     """The issue's acceptance criterion on the default problem."""
-    from attnref._src import report
+    from attnref import report
 
     rows = report.run(report.Problem(), dtypes=("float64",), repeats=1)
     assert {r.id for r in rows} == set(attnref.ids())

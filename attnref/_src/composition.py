@@ -136,7 +136,7 @@ def composition_baseline(
     Args:
         first: The writing layer (only its shapes are used: ``H1``, ``d_model``, ``d_k``,
             ``d_v``; the random heads are multi-head, ``K = H``).
-        second: The reading layer (its ``H2``, ``d_k``, ``d_v``; ``d_model`` is taken from
+        second: The reading layer (its ``H2``, ``d_k``, ``d_v``; the same ``d_model`` as
             ``first``).
         kind: ``"q"``, ``"k"`` or ``"v"``, as in :func:`composition_scores`.
         seeds: The number of random pairs averaged (default 8).
@@ -145,10 +145,13 @@ def composition_baseline(
         The mean score over all head pairs and seeds, a Python float.
 
     Raises:
-        ValueError: If either ``params`` is malformed or ``kind`` is unknown.
+        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
+            ``kind`` is unknown.
     """
     h1, d_model, _, d_v1 = check_params(first)
-    h2, _, d_k2, d_v2 = check_params(second)
+    h2, d_model2, d_k2, d_v2 = check_params(second)
+    if d_model != d_model2:  # as composition_scores: the layers must share one residual stream
+        raise ValueError(f"the layers have different d_model ({d_model} and {d_model2})")
     vals = []
     for s in range(seeds):
         r1 = init_params(

@@ -117,22 +117,29 @@ def kv_cache_init(
         A :class:`KVCache` with zero keys and values, every position ``-1`` and ``lengths`` 0.
 
     Raises:
-        ValueError: If a size is not a positive int, or ``window`` is not a positive int no
-            larger than ``capacity``.
+        ValueError: If a size (``head_dim_v`` included; a Python or NumPy int) is not a
+            positive int, or ``window`` is not a positive int no larger than ``capacity``.
     """
-    for name, val in (
-        ("batch", batch),
-        ("capacity", capacity),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-    ):
-        if not isinstance(val, int) or val < 1:
+
+    def is_int(val: Any) -> bool:  # Python or NumPy ints (np.int64 sizes are valid), not bools
+        return isinstance(val, (int, np.integer)) and not isinstance(val, bool)
+
+    sizes = {
+        "batch": batch,
+        "capacity": capacity,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "head_dim_v": head_dim if head_dim_v is None else head_dim_v,
+    }
+    for name, val in sizes.items():
+        if not is_int(val) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if window is not None and (not isinstance(window, int) or window < 1 or capacity < window):
+    batch, capacity, num_kv_heads, head_dim, h_v = (int(v) for v in sizes.values())
+    if window is not None and (not is_int(window) or window < 1 or capacity < window):
         raise ValueError(
             f"window must be a positive int no larger than capacity={capacity}, got {window!r}"
         )
-    h_v = head_dim if head_dim_v is None else head_dim_v
+    window = None if window is None else int(window)
 
     def empty() -> KVCache:
         return KVCache(
@@ -194,10 +201,15 @@ def _check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> A
     _check_dtypes(cache, q=q, k=k, v=v)
     if valid is None:
         return jnp.ones((b, length), bool)
-    if np.shape(valid) != (b, length) or _dtype(valid) != np.bool_:
+    if np.shape(valid) != (b, length):
         raise ValueError(
             f"valid must be a boolean [B={b}, L={length}] array, got shape {np.shape(valid)} "
             f"and dtype {_dtype(valid)}"
+        )
+    if _dtype(valid) != np.bool_:
+        raise TypeError(
+            f"valid must be boolean (True = a real token), got dtype {_dtype(valid)} "
+            f"(shape {np.shape(valid)})"
         )
     return jnp.asarray(valid)
 
@@ -350,8 +362,8 @@ def kv_cache_append(
 
     Raises:
         ValueError: If ``k``/``v`` do not match the cache's ``[B, *, K, H]``/``H_v``, ``valid``
-            is not a boolean ``[B, L]`` array, or (eagerly) a cache without a window overflows.
-        TypeError: If ``k``/``v`` do not have the cache's dtype.
+            is not ``[B, L]``, or (eagerly) a cache without a window overflows.
+        TypeError: If ``k``/``v`` do not have the cache's dtype, or ``valid`` is not boolean.
     """
     valid_a = _check_chunk(cache, k, v, valid)
     pos, lengths = _chunk_positions(cache, valid_a)
@@ -406,11 +418,12 @@ def cached_attention(
         and the updated :class:`KVCache`.
 
     Raises:
-        ValueError: If a chunk's shape does not match the cache, ``valid`` is not a boolean
-            ``[B, L]`` array, ``mask``/``bias`` are not ``[B, L, P]``, or, eagerly, the cache
+        ValueError: If a chunk's shape does not match the cache, ``valid`` is not
+            ``[B, L]``, ``mask``/``bias`` are not ``[B, L, P]``, or, eagerly, the cache
             overflows or ``P`` is too short for an attended position; or for the errors of
             :func:`attnref.dot_product_attention` (e.g. a bad ``softcap``).
-        TypeError: If ``q``/``k``/``v`` do not have the cache's dtype.
+        TypeError: If ``q``/``k``/``v`` do not have the cache's dtype, or ``valid`` is not
+            boolean.
     """
     valid_a = _check_chunk(cache, k, v, valid, q)
     q_pos, lengths = _chunk_positions(cache, valid_a)
@@ -491,9 +504,9 @@ def cache_attend(
         TypeError: If ``q`` does not have the cache's dtype.
     """
     b, c = cache.positions.shape
-    length = int(np.shape(q)[1])
     if np.ndim(q) != 4 or np.shape(q)[0] != b or np.shape(q)[3] != cache.k.shape[3]:
         raise ValueError(f"q has shape {np.shape(q)}; expected [B={b}, L, N, H={cache.k.shape[3]}]")
+    length = int(np.shape(q)[1])
     _check_dtypes(cache, q=q)
     kp = jnp.broadcast_to(cache.positions[:, None, :], (b, length, c))
     allowed = kp >= 0
@@ -600,7 +613,8 @@ def step(
     Raises:
         ValueError: If ``params`` is malformed, ``x`` is not ``[B, L, d_model]``, ``x_kv`` does
             not have the shape of ``x``, or for the errors of :func:`cached_attention`.
-        TypeError: If ``params``, ``cache``, ``x`` and ``x_kv`` do not share one dtype.
+        TypeError: If ``params``, ``cache``, ``x`` and ``x_kv`` do not share one dtype, or
+            ``valid`` is not boolean.
     """
     d_model = _check_multihead(params, cache, x=x, x_kv=x_kv)
     x = jnp.asarray(x)
@@ -686,9 +700,10 @@ def scan(
         :class:`KVCache`.
 
     Raises:
-        ValueError: If ``xs`` is not rank 3, ``valid`` is not a boolean ``[B, T]`` array,
-            (eagerly) the cache would overflow, or for the errors of :func:`step`.
-        TypeError: If ``params``, ``cache``, ``xs`` and ``xs_kv`` do not share one dtype.
+        ValueError: If ``xs`` is not rank 3, ``valid`` is not ``[B, T]``, (eagerly) the cache
+            would overflow, or for the errors of :func:`step`.
+        TypeError: If ``params``, ``cache``, ``xs`` and ``xs_kv`` do not share one dtype, or
+            ``valid`` is not boolean.
     """
     _check_multihead(params, cache, xs=xs, xs_kv=xs_kv)
     xs = jnp.asarray(xs)
@@ -696,10 +711,15 @@ def scan(
         raise ValueError(f"xs has shape {xs.shape}; expected [B, T, d_model]")
     steps = {"x": jnp.swapaxes(xs, 0, 1)}
     steps["x_kv"] = steps["x"] if xs_kv is None else jnp.swapaxes(jnp.asarray(xs_kv), 0, 1)
-    if valid is not None and (np.shape(valid) != xs.shape[:2] or _dtype(valid) != np.bool_):
+    if valid is not None and np.shape(valid) != xs.shape[:2]:
         raise ValueError(
             f"valid must be a boolean [B, T] = {xs.shape[:2]} array, got shape {np.shape(valid)} "
             f"and dtype {_dtype(valid)}"
+        )
+    if valid is not None and _dtype(valid) != np.bool_:
+        raise TypeError(
+            f"valid must be boolean (True = a real token), got dtype {_dtype(valid)} "
+            f"(shape {np.shape(valid)})"
         )
     valid_a = jnp.ones(xs.shape[:2], bool) if valid is None else jnp.asarray(valid)
     _require_room(cache, jnp.sum(valid_a, axis=1, dtype=jnp.int32))

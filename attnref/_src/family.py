@@ -25,7 +25,7 @@ from attnref import oracle, tolerance
 @runtime_checkable  # isinstance-checkable: the test suite checks annotations at runtime
 class ExampleProblem(Protocol):
     """What :attr:`Family.example` and :attr:`Family.required_kwargs` read from a problem
-    (``attnref._src.report.Problem`` has all of it)."""
+    (``attnref.report.Problem`` has all of it)."""
 
     @property
     def t_q(self) -> int: ...

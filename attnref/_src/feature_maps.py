@@ -79,7 +79,10 @@ class FeatureMap:
     """
 
     name: str = dataclasses.field(metadata=dict(static=True))
-    omega: np.ndarray | Array | None = None  # FAVOR+ projections [m, d]
+    # FAVOR+ projections [m, d], an array or None; Any, as the pytree's one leaf: JAX rebuilds
+    # the pytree with any leaves (tree_map results, ArgInfo when lowering), which the suite's
+    # runtime checks would refuse. The static fields and the methods stay checked.
+    omega: Any = None
     orthogonal: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src import cost as _cost
-from attnref._src.checks import check_params, check_scale, float64_scoped
+from attnref._src.checked import require
+from attnref._src.checks import check_params, check_scale, float64_scoped, is_traced
 from attnref._src.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
 from attnref._src.nonfinite import (
     allowed_pairs,
@@ -52,10 +53,15 @@ def _check_edges(
             f"senders has shape {np.shape(senders)} but receivers has shape {np.shape(receivers)}"
         )
     for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
-        if isinstance(idx, np.ndarray) and e and (idx.min() < 0 or idx.max() >= n):
-            raise ValueError(
-                f"{name} has indices outside [0, {n}): min {idx.min()}, max {idx.max()}"
-            )
+        # Concrete values (NumPy, lists, JAX arrays outside jit) are checked here; traced ones
+        # by graph_message_passing (checked mode, else an all-NaN output): a JAX gather would
+        # clamp an out-of-range index silently.
+        if e and not is_traced(idx):
+            vals = np.asarray(idx)
+            if vals.min() < 0 or vals.max() >= n:
+                raise ValueError(
+                    f"{name} has indices outside [0, {n}): min {vals.min()}, max {vals.max()}"
+                )
     for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
         if arr is not None and np.shape(arr) != (e,):
             raise ValueError(
@@ -63,6 +69,8 @@ def _check_edges(
             )
     if edge_mask is not None and jnp.asarray(edge_mask).dtype != jnp.bool_:
         raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
+    if edge_bias is not None and not jnp.issubdtype(jnp.asarray(edge_bias).dtype, jnp.floating):
+        raise TypeError(f"edge_bias must be floating, got dtype {jnp.asarray(edge_bias).dtype}")
     return e
 
 
@@ -117,11 +125,14 @@ def graph_message_passing(
 
     Raises:
         ValueError: If ``params`` is malformed, the node features are not ``[N, d_model]``,
-            ``senders``/``receivers`` are not 1-D of one length ``E``, an index is out of range
-            (checked for NumPy index arrays only), ``edge_mask``/``edge_bias`` are not ``[E]``,
-            or ``scale`` is not a scalar.
+            ``senders``/``receivers`` are not 1-D of one length ``E``, a concrete index is out of
+            range, ``edge_mask``/``edge_bias`` are not ``[E]``, or ``scale`` is not a scalar.
+            Traced indices (under ``jax.jit``) cannot be checked at trace time: out of range,
+            every output row is NaN, and :func:`attnref.checked` raises
+            ``checkify.JaxRuntimeError`` (a ``ValueError``) instead.
         TypeError: If the node features' dtype is not the parameters', the indices are not
-            integers, ``edge_mask`` is not boolean, or ``scale`` is not a real number.
+            integers, ``edge_mask`` is not boolean, ``edge_bias`` is not floating, or ``scale``
+            is not a real number.
     """
     _, d_model, d_k, _ = check_params(params)
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
@@ -137,6 +148,18 @@ def graph_message_passing(
     check_scale(scale)
     xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
     snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
+    in_range = None  # traced indices: checked under attnref.checked, else an all-NaN output
+    if snd.shape[0] and is_traced(senders, receivers):
+        ok_s, ok_r = (snd >= 0) & (snd < n_s), (rcv >= 0) & (rcv < n_r)
+        for name, idx, ok, n in (("senders", snd, ok_s, n_s), ("receivers", rcv, ok_r, n_r)):
+            require(
+                ok,
+                f"{name} has indices outside [0, {n}): min {{lo}}, max {{hi}} (JAX would clamp "
+                "an out-of-range index silently)",
+                lo=jnp.min(idx),
+                hi=jnp.max(idx),
+            )
+        in_range = jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r))
     s = scale_value(d_k, scale, xr.dtype)
     em = None if edge_mask is None else jnp.asarray(edge_mask)
     eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
@@ -157,7 +180,8 @@ def graph_message_passing(
         return _message_passing(params, xs1, xr1, snd, rcv, n_r, em, eb1, s, residual)
 
     clean = (finite_part(xs), finite_part(xr), finite_bias(eb))
-    return guarded(compute, dirty, clean)
+    out = guarded(compute, dirty, clean)
+    return out if in_range is None else jnp.where(in_range, out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def _message_passing(

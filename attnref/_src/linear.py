@@ -341,7 +341,7 @@ def linear_associative(
         TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
             ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
     """
-    if causal:
+    if isinstance(causal, (bool, np.bool_)) and causal:  # a non-bool: TypeError in _check_qkv
         raise ValueError(
             "linear_associative is non-causal; use linear_prefix_sum, "
             "linear_recurrent or linear_chunked for causal attention"
@@ -358,7 +358,7 @@ def linear_associative(
 
 
 def _require_causal(name: str, causal: bool) -> None:
-    if not causal:
+    if isinstance(causal, (bool, np.bool_)) and not causal:  # a non-bool: TypeError (_check_qkv)
         raise ValueError(
             f"{name} is a causal form (causal=True); use linear_associative or "
             "linear_quadratic for non-causal attention"

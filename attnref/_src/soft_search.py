@@ -106,8 +106,8 @@ def soft_search(
         ValueError: If ``params`` is malformed, ``x_q`` is not ``[d_model]``, ``x_kv`` is not
             ``[T_k, d_model]``, ``mask``/``bias`` are not ``[T_k]``, or ``scale`` is not a
             scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` do not share one dtype, or ``scale`` is
-            not a real number.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` do not share one dtype, ``mask`` is not
+            boolean, ``bias`` is not floating, or ``scale`` is not a real number.
     """
     _, d_model, d_k, _ = check_params(params)
     if jnp.ndim(x_q) != 1 or jnp.shape(x_q)[0] != d_model:
@@ -118,6 +118,15 @@ def soft_search(
     for name, arr in (("mask", mask), ("bias", bias)):
         if arr is not None and jnp.shape(arr) != (t_k,):
             raise ValueError(f"{name} must have shape ({t_k},) for one query, got {jnp.shape(arr)}")
+    mask_dt = None if mask is None else jnp.asarray(mask).dtype
+    if mask_dt is not None and mask_dt != jnp.bool_:  # worded as prepare_rows words it
+        raise TypeError(
+            f"mask must be boolean (True = may attend), got dtype {mask_dt}; pass additive "
+            "scores through bias instead"
+        )
+    bias_dt = None if bias is None else jnp.asarray(bias).dtype
+    if bias_dt is not None and not jnp.issubdtype(bias_dt, jnp.floating):
+        raise TypeError(f"bias must be floating, got dtype {bias_dt}")
     check_scale(scale)
     x_q, x_kv = jnp.asarray(x_q), jnp.asarray(x_kv)
     if x_q.dtype != x_kv.dtype or x_q.dtype != jnp.asarray(params.w_q).dtype:

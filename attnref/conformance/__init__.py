@@ -42,6 +42,7 @@ __all__ = [
     "MASKED_ROWS",
     "PROPERTIES",
     "SIGNATURES",
+    "OptionError",
     "Options",
     "TargetError",
     "format_failure",

@@ -9,11 +9,10 @@ is loaded and every option validated once at start-up; a bad target or option is
 (pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
 
-The kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) is imported only once an
-``--attnref-*`` option asks for it, not when pytest loads the plugin: a project that merely has
-attnref installed pays nothing, and jaxtyping's import hook (``--jaxtyping-packages=attnref,...``,
-installed after the plugins are loaded) still sees attnref's modules (see
-:func:`pytest_load_initial_conftests`).
+This module uses the kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) only in
+:func:`pytest_configure`, once an ``--attnref-*`` option asks for it. Loading the plugin still
+imports its parent packages, before jaxtyping's import hook (``--jaxtyping-packages=attnref,...``)
+is installed; :func:`pytest_load_initial_conftests` has them imported again, instrumented.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Session", "session"]
 
-# The declared-semantics choices, spelled out because ``--help`` must not import the kit;
+# The declared-semantics choices, spelled out so that adding the options imports nothing;
 # :meth:`attnref.conformance.Options.validate` checks the values against the kit's own lists.
 _MASKED_ROWS_HELP = "zeros, uniform or nan"
 _ALIGNMENTS_HELP = "top_left or bottom_right"

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_weight_level
+from ._checks import check_flag, check_weight_level
 
 __all__ = [
     "attention",
@@ -417,11 +417,13 @@ def linear_attention(
         float64 ``y [..., T_q, H, d_v]``.
 
     Raises:
-        TypeError: If ``feature_map`` is not a (called) feature map.
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
+            bool (a truthy ``1`` or ``"False"`` would silently read as causal).
         ValueError: If ``eps_policy`` is unknown. Shapes are not validated here.
     """
     fm = feature_map
     _check_map(fm)
+    causal = check_flag("causal", causal)
     if eps_policy not in ("add", "clamp"):
         raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -489,7 +491,8 @@ def linear_multihead(
     Raises:
         ValueError: If a weight is missing, the head counts do not group (``H % K``), or
             ``eps_policy`` is unknown.
-        TypeError: If ``feature_map`` is not a (called) feature map.
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
+            bool.
     """
     w = _unpack(params)
     group = _group_size(w)

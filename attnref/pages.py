@@ -191,7 +191,7 @@ def render(f: Formulation) -> str:
         f"{doc}\n\n"
         f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"
         f"**Citation.** {f.citation}\n\n"
-        "*This page is generated from the registry by `python -m attnref._src.docs`; "
+        "*This page is generated from the registry by `python -m attnref.pages`; "
         "`tests/test_docs_pages.py` checks it is current and that every name and signature on it "
         "is the code's.*\n"
     )
