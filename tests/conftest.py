@@ -19,6 +19,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import jax
+import jaxtyping
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_enable_x64", True)
@@ -48,3 +50,15 @@ settings.register_profile("thorough", max_examples=300, **_COMMON)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
+
+
+@pytest.fixture
+def unchecked_annotations():
+    """Switch the suite's runtime shape checks (jaxtyping + beartype, pyproject ``addopts``) off for
+    one test. Bad-input tests pass arguments that contradict the annotations on purpose: what they
+    check is attnref's own error (named argument, shape), the one a user without the import hook
+    sees, so the annotation check must not fire first. Everything else runs checked."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", before)

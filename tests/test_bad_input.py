@@ -35,6 +35,11 @@ D_MODEL, HEADS, KV_HEADS, D_K, D_V = 8, 2, 1, 4, 3
 Override = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+# Bad input on purpose: the runtime annotation checks are off here, so that what is tested is
+# attnref's own error (the one users see); tests/conftest.py::unchecked_annotations.
+pytestmark = pytest.mark.usefixtures("unchecked_annotations")
+
+
 @st.composite
 def kernel_base(draw: Any) -> dict[str, Any]:
     """A valid kernel call ``{query, key, value}`` (float32) with drawn values."""
@@ -467,9 +472,8 @@ LINEAR_FNS: dict[str, Callable[..., Any]] = {
     "causal", [c[1] for c in LINEAR_CAUSAL_CLASSES], ids=[c[0] for c in LINEAR_CAUSAL_CLASSES]
 )
 def test_linear_causal_flag_refused_alike(causal, fid):
-    qkv = {n: np.ones((B, T, N, H), np.float32) for n in ("query", "key", "value")}
-    kw = dict(q=qkv["query"], k=qkv["key"], v=qkv["value"], causal=causal)
-    kw["feature_map"] = attnref.linear.elu_plus_one()
+    kw: dict[str, Any] = {n: np.ones((B, T, N, H), np.float32) for n in ("q", "k", "v")}
+    kw.update(feature_map=attnref.linear.elu_plus_one(), causal=causal)
     _assert_same_refusal({fid: LINEAR_FNS[fid]}, kw, TypeError, "causal")
 
 

@@ -108,6 +108,7 @@ def test_baseline_is_between_zero_and_one():
         assert 0.0 < base < 1.0
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_bad_kind_and_shapes():
     a = attnref.init_params(0, d_model=8, num_heads=2, d_k=2)
     with pytest.raises(ValueError, match="kind"):
@@ -144,6 +145,7 @@ def test_top_aligned_matches_numpy(seed, k, metric):
     np.testing.assert_allclose(np.asarray(jitted[0]), ref_vals, rtol=0, atol=atol)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_top_aligned_errors():
     with pytest.raises(ValueError, match="metric"):
         top_aligned(np.ones(3), np.eye(3), 1, metric="l2")  # type: ignore[arg-type]

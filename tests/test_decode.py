@@ -239,6 +239,7 @@ def test_ring_buffer_wraps_around_and_keeps_positions():
     np.testing.assert_array_equal(np.asarray(cache.k)[0, :, 0, 0], [6.0, 4.0, 5.0])
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_decode_errors():
     cache = attnref.decode.kv_cache_init(2, 4, 2, 3, dtype=jnp.float32)
     x = np.zeros((2, 5, 2, 3), np.float32)

@@ -19,6 +19,11 @@ P = ast.make_attention_problem(ast.WEIGHT_BUCKETS[1], "none", seed=0, dtype=np.f
 B, TQ, TK, D = (2,), 5, 7, 8
 
 
+# Bad input on purpose: the runtime annotation checks are off here, so that what is tested is
+# attnref's own error (the one users see); tests/conftest.py::unchecked_annotations.
+pytestmark = pytest.mark.usefixtures("unchecked_annotations")
+
+
 def _cases():
     p = P
     w = p.params

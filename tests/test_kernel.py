@@ -401,6 +401,7 @@ def test_alibi_slopes():
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -426,6 +427,7 @@ def test_bad_options_raise_clear_errors(kwargs, message):
         attnref.dot_product_attention(q, k, v, **kwargs)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_bad_shapes_raise_clear_errors():
     p = ast.make_kernel_problem(KBUCKETS[0], "none", 0, np.float32)
     with pytest.raises(ValueError, match="multiple of K"):

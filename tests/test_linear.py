@@ -624,6 +624,7 @@ _FACTORIES = (
 )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 @pytest.mark.parametrize("factory", _FACTORIES, ids=lambda f: f.__name__)
 def test_uncalled_factory_raises_a_clear_type_error(factory):
     """Issue 11 (defect 9): ``feature_map=attnref.linear.elu_plus_one`` (uncalled) is a TypeError
@@ -701,6 +702,7 @@ def test_identity_map_near_zero_denominator_is_reproduced_not_hidden():
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_bad_input_raises_clearly():
     p = make_kproblem(KBUCKETS[1], "elu_plus_one", False, False, 0.0, 0, np.float64)
     fm = p.fm

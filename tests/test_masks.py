@@ -22,6 +22,7 @@ def test_causal_mask_is_top_left_aligned():
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_padding_mask_and_combination():
     pad = np.asarray(attnref.padding_mask(np.array([2, 0, 4]), 4))
     assert pad.shape == (3, 1, 4)

@@ -133,6 +133,7 @@ def test_out_of_range_traced_lengths_read_as_valid_is_caught(monkeypatch):
         check_out_of_range_lengths(fn)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_oracle_reading_a_float_mask_as_booleans_is_caught(monkeypatch):
     """Defect 4: an oracle that casts a float 0/-inf mask to booleans computes the inverted
     (anti-causal) result silently; the bad-input property refuses it in both twins."""

@@ -477,6 +477,7 @@ def test_parameter_counts(bucket_kv, bias, frac, value_bias, sides):
         )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_bad_arguments():
     p = attnref.init_params(0, d_model=8, num_heads=2, d_k=4)
     with pytest.raises(ValueError, match="rank_qk=5"):

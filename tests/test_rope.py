@@ -650,6 +650,7 @@ def _odd_params():
     )
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize(
@@ -675,6 +676,7 @@ def test_errors_name_the_argument(form, jit, kw, exc, match):
         (jax.jit(call) if jit else call)(params, p.x_q, p.x_kv)
 
 
+@pytest.mark.usefixtures("unchecked_annotations")  # checks attnref's own errors
 def test_map_errors():
     x = np.zeros((4, 2, 6), np.float32)
     with pytest.raises(ValueError, match=r"head_dim \(x.shape\[-1\]\) must be a positive even"):
