@@ -211,5 +211,5 @@ def write(directory: Path) -> list[Path]:
 if __name__ == "__main__":
     import attnref  # noqa: F401  (registers the formulations)
 
-    for p in write(Path(__file__).resolve().parents[2] / "docs" / "formulations"):
+    for p in write(Path(__file__).resolve().parents[1] / "docs" / "formulations"):
         print(p)

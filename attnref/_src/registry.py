@@ -38,7 +38,7 @@ FORMULATION_MODULES = (
     "attnref._src.column",
     "attnref._src.soft_search",
     "attnref._src.graph",
-    "attnref._src.linear",
+    "attnref._src.linear.multihead",
     "attnref._src.kernel_forms",
     "attnref._src.rope",
 )

@@ -1,0 +1,130 @@
+"""Hypothesis strategies for attention problems, at the kernel level and at the weight level.
+
+A kernel author writes property tests with these instead of hand-picking shapes::
+
+    from hypothesis import given
+    from attnref import strategies as ast
+
+    @given(problem=ast.kernel_problems(ast.configs(dtypes=("float32",))))
+    def test_my_kernel(problem):
+        out = my_kernel(problem.q, problem.k, problem.v, **problem.options)
+        ref, _ = problem.oracle()
+        attnref.testing.assert_attention_close(
+            out, ref, dtype=problem.config.dtype, bound=problem.bound()[0]
+        )
+
+Design rules:
+
+* **Shapes from buckets.** A config (``batch, T, S, N, K, H, H_v, d_model``, dtype) is drawn from a
+  short tuple of buckets, so a jitted function is compiled once per bucket and dtype, not once per
+  example: :data:`BUCKETS` (power-of-two head dims, every attention shape class),
+  :data:`KERNEL_BUCKETS` (odd head dims) and :data:`WEIGHT_BUCKETS` (zero, one and two leading
+  batch dims, for the weight level). Buckets are ordered small to large, so Hypothesis shrinks
+  towards the smallest.
+* **No degenerate fill.** Arrays come from NumPy's seeded PCG64 generator (the seed is a labelled
+  draw), standard normal, rounded once to the tested dtype; the oracle sees the rounded values.
+  Identical rows (every key equal, or every query equal) are a special case drawn on purpose with
+  the label ``"identical rows"``, never an accident of shrinking.
+* **Every draw is labelled** (``draw(..., label=...)``) and summarised with ``hypothesis.note``.
+* **Every broadcastable shape.** A boolean mask and an additive bias may have any of the 16
+  shapes :data:`BROADCAST_SHAPES` (each axis of ``[B, N, T, S]`` full or 1; rank 4 only, as
+  :func:`jax.nn.dot_product_attention` and :func:`attnref.dot_product_attention` require).
+  :func:`kernel_problems` draws the mask's and the bias's shape separately (labelled draws,
+  :func:`broadcast_shapes`), one pair per example: a shape changes the compiled program, so an
+  example costs at most one new compilation per mask kind, and the shapes shrink towards the
+  full ``"BNTS"``, so a shrunk example shows the least broadcasting that still fails.
+* **Mask kinds** (:data:`MASK_KINDS`): ``none``, ``causal``, ``padding`` (sequence lengths),
+  ``random`` (boolean mask, every row keeps a key), ``bias``, ``alibi``, ``neg_inf_bias`` (a bias
+  with ``-inf`` entries, every row keeps a finite one), ``window``, ``segments`` (segment ids),
+  ``softcap``, ``fully_masked_row`` (a boolean mask with one row entirely False) and ``combined``
+  (causal, padding, a random mask and a bias together). :data:`KIND_FEATURES` names the feature of
+  :func:`attnref.testing.check_attention` each kind needs. One builder, :func:`make_options`,
+  makes every kind's arrays, at the kernel level and (rendered to a full ``[..., T, S]`` mask and
+  bias) at the weight level; ``empty_rows=True`` lets masks, lengths, segment ids and ``-inf``
+  biases leave a query row with no key by accident, as well as on purpose.
+* **Option mixes.** :func:`mixed_kernel_problems` draws one of the static option profiles
+  :data:`STATIC_PROFILES` (causal alignment, windows, softcap, the masked-rows policy) with up to
+  three of the array kinds :data:`ARRAY_KINDS` at once.
+
+Kernel problems use the layout of :func:`attnref.dot_product_attention` (``q [B, T, N, H]``,
+``k [B, S, K, H]``, ``v [B, S, K, H_v]``); weight-level problems the multi-head layout of
+:func:`attnref.oracle.attention` (``x_q [B, T, d_model]``, ``x_kv [B, S, d_model]``, parameters
+from :func:`attnref.init_params`, GQA through ``num_kv_heads``).
+
+Submodules: :mod:`._shapes` (Config, buckets, broadcast shapes), :mod:`._masks` (mask kinds and
+their builder), :mod:`._kernel` (kernel-level problems), :mod:`._mixes` (option mixes),
+:mod:`._weight` (weight-level problems).
+"""
+
+from __future__ import annotations
+
+from attnref._src.kernel import STATIC_OPTIONS
+
+from ._kernel import (
+    IDENTICAL,
+    KernelProblem,
+    kernel_inputs,
+    kernel_problems,
+    make_kernel_problem,
+)
+from ._masks import (
+    BIAS_SHAPE_KINDS,
+    KIND_FEATURES,
+    MASK_KINDS,
+    MASK_SHAPE_KINDS,
+    make_options,
+    mask_kinds,
+    segment_ids,
+    seq_lengths,
+)
+from ._mixes import ARRAY_KINDS, STATIC_PROFILES, mixed_kernel_problems
+from ._shapes import (
+    BROADCAST_SHAPES,
+    BUCKETS,
+    KERNEL_BUCKETS,
+    WEIGHT_BUCKETS,
+    Config,
+    DrawFn,
+    broadcast_shape,
+    broadcast_shapes,
+    configs,
+)
+from ._weight import (
+    WEIGHT_KINDS,
+    AttentionProblem,
+    attention_problems,
+    make_attention_problem,
+)
+
+__all__ = [
+    "ARRAY_KINDS",
+    "BIAS_SHAPE_KINDS",
+    "BROADCAST_SHAPES",
+    "BUCKETS",
+    "IDENTICAL",
+    "KERNEL_BUCKETS",
+    "KIND_FEATURES",
+    "MASK_KINDS",
+    "MASK_SHAPE_KINDS",
+    "STATIC_OPTIONS",
+    "STATIC_PROFILES",
+    "WEIGHT_BUCKETS",
+    "WEIGHT_KINDS",
+    "AttentionProblem",
+    "Config",
+    "DrawFn",
+    "KernelProblem",
+    "attention_problems",
+    "broadcast_shape",
+    "broadcast_shapes",
+    "configs",
+    "kernel_inputs",
+    "kernel_problems",
+    "make_attention_problem",
+    "make_kernel_problem",
+    "make_options",
+    "mask_kinds",
+    "mixed_kernel_problems",
+    "segment_ids",
+    "seq_lengths",
+]

@@ -1,0 +1,352 @@
+"""Kernel-level problems: :class:`KernelProblem`, :func:`make_kernel_problem` and the strategies
+:func:`kernel_problems` and :func:`mixed_kernel_problems`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import oracle, tolerance
+from attnref._src.kernel import STATIC_OPTIONS
+
+from ._masks import (
+    BIAS_SHAPE_KINDS,
+    MASK_KINDS,
+    MASK_SHAPE_KINDS,
+    _kind_name,
+    _kinds,
+    make_options,
+    mask_kinds,
+)
+from ._shapes import (
+    BROADCAST_SHAPES,
+    Config,
+    DrawFn,
+    _check_kernel_batch,
+    _configs,
+    _with_dtype,
+    broadcast_shapes,
+)
+
+IDENTICAL = ("none", "keys", "queries")  # the "identical rows" special case
+
+
+def kernel_inputs(
+    config: Config, seed: int, *, identical: str = "none", scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``: standard normal from PCG64
+    ``seed`` times ``scale``, rounded to ``config.dtype``. ``identical="keys"`` repeats key row 0
+    over every key position (the softmax is then uniform); ``"queries"`` repeats query row 0.
+
+    Args:
+        config: The problem's sizes and dtype (an ``int`` batch).
+        seed: The PCG64 seed.
+        identical: ``"none"`` (default), ``"keys"`` or ``"queries"`` (:data:`IDENTICAL`).
+        scale: Multiplies ``q`` and ``k`` (default 1).
+
+    Returns:
+        ``(q, k, v)`` as NumPy arrays of ``config.dtype``.
+
+    Raises:
+        ValueError: If ``identical`` is unknown or ``config.batch`` is not an int.
+    """
+    if identical not in IDENTICAL:
+        raise ValueError(f"identical must be one of {IDENTICAL}, got {identical!r}")
+    _check_kernel_batch(config)
+    c = config
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((c.batch, c.t, c.n, c.h)) * scale
+    k = rng.standard_normal((c.batch, c.s, c.k, c.h)) * scale
+    v = rng.standard_normal((c.batch, c.s, c.k, c.h_v))
+    if identical == "keys":
+        k[:] = k[:, :1]
+    elif identical == "queries":
+        q[:] = q[:, :1]
+    dt = np.dtype(c.dtype)
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        if value.ndim <= 1 and value.size <= 8:
+            return repr(value.tolist())
+        return f"{value.dtype}{list(value.shape)}"
+    if isinstance(value, tuple) and all(isinstance(v, np.ndarray) for v in value):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return repr(value)
+
+
+@dataclasses.dataclass
+class KernelProblem:
+    """One kernel-level problem: inputs ``q, k, v``, the keyword ``options`` of
+    :func:`attnref.dot_product_attention` (``bias``, ``mask``, ``is_causal``, sequence lengths,
+    ``local_window_size``, ``segment_ids``, ``softcap``, ``scale``), its :class:`Config`, and the
+    semantics the oracle is run with (``masked_rows``, ``causal_alignment``).
+
+    Attributes:
+        q: Queries ``[B, T, N, H]``.
+        k: Keys ``[B, S, K, H]``.
+        v: Values ``[B, S, K, H_v]``.
+        options: Keyword options of :func:`attnref.dot_product_attention`.
+        config: The sizes and dtype (:class:`Config`).
+        kind: The mask kind (kinds joined by ``+`` for a mix).
+        seed: The data seed.
+        identical: The identical-rows case (:data:`IDENTICAL`).
+        masked_rows: The masked-rows policy the oracle runs with.
+        causal_alignment: The causal alignment the oracle runs with.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    options: dict[str, Any]
+    config: Config
+    kind: str = "none"
+    seed: int = 0
+    identical: str = "none"
+    masked_rows: str = "zeros"
+    causal_alignment: str = "top_left"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self.options.items()))
+        extra = "" if self.identical == "none" else f", identical={self.identical!r}"
+        return (
+            f"KernelProblem({self.config!r}, kind={self.kind!r}, seed={self.seed}{extra}, "
+            f"options={{{opts}}})"
+        )
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The inputs' dtype, ``config.dtype``."""
+        return np.dtype(self.config.dtype)
+
+    def semantics(self) -> dict[str, str]:
+        """``{"masked_rows": ..., "causal_alignment": ...}``, the oracle's semantics."""
+        return {"masked_rows": self.masked_rows, "causal_alignment": self.causal_alignment}
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Every keyword argument of :func:`attnref.dot_product_attention` for the problem: the
+        ``options``, and ``masked_rows`` / ``causal_alignment`` where they are not the defaults."""
+        kw = dict(self.options)
+        if self.masked_rows != "zeros":
+            kw["masked_rows"] = self.masked_rows
+        if self.causal_alignment != "top_left":
+            kw["causal_alignment"] = self.causal_alignment
+        return kw
+
+    @property
+    def static(self) -> dict[str, Any]:
+        """The entries of :attr:`kwargs` that ``jax.jit`` takes as static
+        (:data:`STATIC_OPTIONS`)."""
+        return {k: v for k, v in self.kwargs.items() if k in STATIC_OPTIONS}
+
+    def allowed(self) -> np.ndarray:
+        """The allowed (query, key) pairs ``[B, N, T, S]``
+        (:func:`attnref.oracle.kernel_allowed`)."""
+        c = self.config
+        kw = {k: v for k, v in self.options.items() if k not in ("softcap", "scale")}
+        return oracle.kernel_allowed(
+            (c.batch, c.n, c.t, c.s), causal_alignment=self.causal_alignment, **kw
+        )
+
+    def oracle(self) -> tuple[np.ndarray, np.ndarray]:
+        """Float64 ``(out [B, T, N, H_v], lse [B, T, N])`` from
+        :func:`attnref.oracle.dot_product_attention` with the problem's semantics."""
+        out, lse = oracle.dot_product_attention(
+            self.q,
+            self.k,
+            self.v,
+            return_lse=True,
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
+            **self.options,
+        )
+        return out, lse
+
+    def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Componentwise bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` in the problem's
+        dtype (:func:`attnref.tolerance.kernel_error_bound`; ``key_blocks=None`` is valid for any
+        tiling of the keys)."""
+        return tolerance.kernel_error_bound(
+            self.q,
+            self.k,
+            self.v,
+            self.allowed(),
+            self.options.get("bias"),
+            scale=self.options.get("scale"),
+            softcap=self.options.get("softcap"),
+            masked_rows=self.masked_rows,
+            dtype=self.dtype,
+            key_blocks=key_blocks,
+        )
+
+    def replace(self, **changes: Any) -> KernelProblem:
+        """A copy with fields replaced; ``config`` follows the new array shapes and dtype."""
+        new = dataclasses.replace(self, **changes)
+        b, t, n, h = new.q.shape
+        s, kh, h_v = new.k.shape[1], new.k.shape[2], new.v.shape[3]
+        cfg = dataclasses.replace(
+            new.config, batch=b, t=t, s=s, n=n, k=kh, h=h, h_v=h_v, dtype=str(new.q.dtype)
+        )
+        return dataclasses.replace(new, config=cfg)
+
+    def batch_slice(self, b: int) -> KernelProblem:
+        """Batch element ``b`` alone (every per-example option sliced with it)."""
+        opts: dict[str, Any] = {}
+        for key, val in self.options.items():
+            if key in ("query_seq_lengths", "key_value_seq_lengths") or (
+                key in ("mask", "bias") and np.shape(val)[0] > 1
+            ):
+                val = val[b : b + 1]
+            elif key == "segment_ids":
+                val = tuple(a[b : b + 1] for a in val) if isinstance(val, tuple) else val[b : b + 1]
+            opts[key] = val
+        sl = slice(b, b + 1)
+        return self.replace(q=self.q[sl], k=self.k[sl], v=self.v[sl], options=opts)
+
+    def astype(self, dtype: Any) -> KernelProblem:
+        """The same problem with ``q, k, v`` (and a float bias) rounded to ``dtype``."""
+        dt = np.dtype(dtype)
+        opts = dict(self.options)
+        if "bias" in opts:
+            opts["bias"] = np.asarray(opts["bias"]).astype(dt)
+        return self.replace(
+            q=self.q.astype(dt), k=self.k.astype(dt), v=self.v.astype(dt), options=opts
+        )
+
+
+def make_kernel_problem(
+    config: Config,
+    kind: str | tuple[str, ...] = "none",
+    seed: int = 0,
+    dtype: Any = None,
+    *,
+    identical: str = "none",
+    scale: float = 1.0,
+    masked_rows: str = "zeros",
+    causal_alignment: str = "top_left",
+    mask_shape: str | None = None,
+    bias_shape: str | None = None,
+    static: dict[str, Any] | None = None,
+    empty_rows: bool = False,
+) -> KernelProblem:
+    """The deterministic kernel problem behind one draw of :func:`kernel_problems` (or of
+    :func:`mixed_kernel_problems`, with ``static`` and several kinds).
+
+    Args:
+        config: Sizes and dtype (an ``int`` batch).
+        kind: A mask kind of :data:`MASK_KINDS`, or a tuple of them (:func:`make_options`).
+        seed: The data seed (inputs, :func:`kernel_inputs`, and the kinds' arrays).
+        dtype: Overrides ``config.dtype`` when given.
+        identical: The identical-rows special case (:data:`IDENTICAL`).
+        scale: Multiplies ``q`` and ``k`` (larger logits); not the attention scale.
+        masked_rows: The masked-rows policy the oracle runs with.
+        causal_alignment: The causal alignment the oracle runs with.
+        mask_shape: The boolean mask's broadcast pattern (:func:`make_options`).
+        bias_shape: The bias's broadcast pattern (:func:`make_options`).
+        static: Static options added to ``options`` (a :data:`STATIC_PROFILES` entry:
+            ``is_causal``, ``local_window_size``, ``softcap``, ``scale``); its ``masked_rows`` and
+            ``causal_alignment`` override the arguments of those names.
+        empty_rows: Let the kinds' arrays leave rows with no key by accident
+            (:func:`make_options`).
+
+    Returns:
+        A :class:`KernelProblem`.
+
+    Raises:
+        ValueError: If ``static`` has a non-static option (or ``return_lse``), or for the
+            errors of :func:`make_options` and :func:`kernel_inputs`.
+    """
+    c = _with_dtype(config, dtype)
+    extra = dict(static or {})
+    masked_rows = extra.pop("masked_rows", masked_rows)
+    causal_alignment = extra.pop("causal_alignment", causal_alignment)
+    unknown = set(extra) - set(STATIC_OPTIONS) - {"return_lse"}
+    if unknown or "return_lse" in extra:
+        raise ValueError(f"static takes static options {STATIC_OPTIONS}, got {sorted(extra)}")
+    kinds = _kinds(kind)
+    q, k, v = kernel_inputs(c, seed, identical=identical, scale=scale)
+    opts = make_options(
+        c,
+        kinds,
+        seed,
+        causal_alignment=causal_alignment,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+        empty_rows=empty_rows,
+    )
+    opts.update(extra)
+    name = kind if isinstance(kind, str) else _kind_name(kinds)
+    return KernelProblem(q, k, v, opts, c, name, seed, identical, masked_rows, causal_alignment)
+
+
+@st.composite
+def kernel_problems(
+    draw: DrawFn,
+    configs: st.SearchStrategy[Config] | None = None,
+    *,
+    kinds: tuple[str, ...] = MASK_KINDS,
+    identical_rows: bool = False,
+    masked_rows: str = "zeros",
+    causal_alignment: str = "top_left",
+    mask_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
+    bias_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
+) -> KernelProblem:
+    """A :class:`KernelProblem`: a config, a mask kind from ``kinds``, a data seed, (when
+    ``identical_rows``) the identical-rows special case and, for a kind with a boolean mask or a
+    bias, its broadcast shape from ``mask_shapes`` / ``bias_shapes`` (default: every one of
+    :data:`BROADCAST_SHAPES`; ``None``: the kind's own fixed shape, one compiled program per
+    bucket), each a labelled draw.
+
+    Args:
+        configs: A :class:`Config` strategy (default :func:`configs`; ``int`` batches).
+        kinds: The mask kinds to draw from (default :data:`MASK_KINDS`).
+        identical_rows: Draw the identical-rows special case one time in four (default
+            ``False``).
+        masked_rows: The masked-rows policy of every problem (default ``"zeros"``).
+        causal_alignment: The causal alignment of every problem (default ``"top_left"``).
+        mask_shapes: Broadcast patterns for the boolean mask, or ``None``.
+        bias_shapes: Broadcast patterns for the bias, or ``None``.
+
+    Returns:
+        A strategy of :class:`KernelProblem` (:func:`make_kernel_problem`).
+    """
+    strategy = _configs() if configs is None else configs
+    config = draw(strategy, label="config")
+    kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
+    mask_shape = bias_shape = None
+    if kind in MASK_SHAPE_KINDS and mask_shapes is not None:
+        mask_shape = draw(broadcast_shapes(tuple(mask_shapes)), label="mask shape")
+    if kind in BIAS_SHAPE_KINDS and bias_shapes is not None:
+        bias_shape = draw(broadcast_shapes(tuple(bias_shapes)), label="bias shape")
+    identical = "none"
+    if identical_rows:
+        # one draw in four is the special case, chosen on purpose (and shrinks towards "none")
+        pick = draw(st.sampled_from(("none", "none", "keys", "queries")), label="identical rows")
+        identical = pick
+    seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+    shapes = "".join(
+        f" {name}={value}"
+        for name, value in (("mask_shape", mask_shape), ("bias_shape", bias_shape))
+        if value is not None
+    )
+    note(f"config={config!r} kind={kind}{shapes} identical={identical} seed={seed}")
+    return make_kernel_problem(
+        config,
+        kind,
+        seed,
+        identical=identical,
+        masked_rows=masked_rows,
+        causal_alignment=causal_alignment,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+    )

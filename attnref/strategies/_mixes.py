@@ -1,0 +1,111 @@
+"""Option mixes: the static option profiles :data:`STATIC_PROFILES` with up to three of the
+array kinds :data:`ARRAY_KINDS` at once (:func:`mixed_kernel_problems`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import note
+from hypothesis import strategies as st
+
+from ._kernel import KernelProblem, make_kernel_problem
+from ._masks import _kind_name, segment_ids, seq_lengths
+from ._shapes import BROADCAST_SHAPES, Config, DrawFn, _configs, broadcast_shapes
+
+# The kinds that are arrays (or an array pair), which mixed_kernel_problems combines (at most one
+# of bias, alibi and neg_inf_bias per problem).
+ARRAY_KINDS = ("random", "bias", "alibi", "neg_inf_bias", "padding", "segments")
+
+# Static option profiles of attnref.dot_product_attention (masked_rows and causal_alignment set a
+# KernelProblem's semantics): each compiles once per bucket and dtype.
+STATIC_PROFILES: tuple[dict[str, Any], ...] = (
+    dict(),
+    dict(is_causal=True, masked_rows="uniform"),
+    dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(2, 0)),
+    dict(local_window_size=(1, 1), softcap=2.0, masked_rows="nan"),
+    dict(is_causal=True, causal_alignment="bottom_right", softcap=3.0, masked_rows="uniform"),
+    dict(local_window_size=(None, 1), causal_alignment="bottom_right"),
+)
+
+
+@st.composite
+def mixed_kernel_problems(
+    draw: DrawFn,
+    configs: st.SearchStrategy[Config] | None = None,
+    *,
+    profiles: tuple[dict[str, Any], ...] = STATIC_PROFILES,
+    kinds: tuple[str, ...] = ARRAY_KINDS,
+    max_kinds: int = 3,
+    mask_shapes: tuple[str, ...] = BROADCAST_SHAPES,
+    bias_shapes: tuple[str, ...] = BROADCAST_SHAPES,
+) -> KernelProblem:
+    """A :class:`KernelProblem` mixing a static option profile with several array kinds.
+
+    Every draw is labelled: the config, a profile from ``profiles``, a set of up to ``max_kinds``
+    kinds from ``kinds`` (one bias at most: ``neg_inf_bias`` wins over ``alibi``, ``alibi`` over
+    ``bias``), the mask's and the bias's broadcast shapes, the data seed, and the sequence lengths
+    (:func:`seq_lengths`) and segment ids (:func:`segment_ids`, independent packings of queries
+    and keys) where drawn. Rows with no key come up by accident (``empty_rows=True`` of
+    :func:`make_options`), under each profile's masked-rows policy.
+
+    Args:
+        configs: A :class:`Config` strategy (default :func:`configs`).
+        profiles: Static option profiles (default :data:`STATIC_PROFILES`).
+        kinds: The array kinds to mix, a subset of :data:`ARRAY_KINDS`.
+        max_kinds: The most kinds in one problem.
+        mask_shapes: The boolean mask's broadcast patterns (:data:`BROADCAST_SHAPES`).
+        bias_shapes: The bias's broadcast patterns (``alibi`` has its own, ``[1, N, T, S]``).
+
+    Returns:
+        A strategy of :class:`KernelProblem` (``kind``: the kinds joined by ``+``).
+
+    Raises:
+        ValueError: If ``kinds`` is not a subset of :data:`ARRAY_KINDS` or ``profiles`` is
+            empty (when the strategy is drawn from).
+    """
+    bad = [k for k in kinds if k not in ARRAY_KINDS]
+    if bad or not profiles:
+        raise ValueError(f"kinds must be a subset of ARRAY_KINDS and profiles non-empty: {bad}")
+    strategy = _configs() if configs is None else configs
+    config = draw(strategy, label="config")
+    profile = draw(st.sampled_from(tuple(profiles)), label="static profile")
+    chosen = draw(st.sets(st.sampled_from(tuple(kinds)), max_size=max_kinds), label="array kinds")
+    if "neg_inf_bias" in chosen:
+        chosen -= {"alibi", "bias"}
+    elif "alibi" in chosen:
+        chosen -= {"bias"}
+    picked = tuple(k for k in ARRAY_KINDS if k in chosen)
+    mask_shape = bias_shape = None
+    if "random" in chosen:
+        mask_shape = draw(broadcast_shapes(tuple(mask_shapes)), label="mask shape")
+    if chosen & {"bias", "neg_inf_bias"}:
+        bias_shape = draw(broadcast_shapes(tuple(bias_shapes)), label="bias shape")
+    seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+    note(
+        f"config={config!r} profile={profile} kinds={picked} mask_shape={mask_shape} "
+        f"bias_shape={bias_shape} seed={seed}"
+    )
+    seeded = tuple(k for k in picked if k not in ("padding", "segments"))
+    problem = make_kernel_problem(
+        config,
+        seeded,
+        seed,
+        static=profile,
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+        empty_rows=True,
+    )
+    c = config
+    if "padding" in chosen:
+        problem.options["query_seq_lengths"] = draw(
+            seq_lengths(c.batch, c.t), label="query seq lengths"
+        )
+        problem.options["key_value_seq_lengths"] = draw(
+            seq_lengths(c.batch, c.s), label="key/value seq lengths"
+        )
+    if "segments" in chosen:
+        q_seg = draw(segment_ids(c.batch, c.t), label="query segment ids")
+        kv_seg = draw(segment_ids(c.batch, c.s), label="key/value segment ids")
+        problem.options["segment_ids"] = (q_seg, kv_seg)
+    problem.kind = _kind_name(picked)
+    return problem

@@ -1,0 +1,238 @@
+"""Problem sizes: :class:`Config`, the shape buckets (:data:`BUCKETS`, :data:`KERNEL_BUCKETS`,
+:data:`WEIGHT_BUCKETS`), the mask/bias broadcast shapes (:data:`BROADCAST_SHAPES`) and the
+:func:`configs` strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import DrawFn
+else:
+    # Hypothesis's ``DrawFn`` is a Protocol that ``isinstance`` cannot check; to the runtime
+    # checks (jaxtyping's import hook with beartype in the test suite) it is any callable.
+    DrawFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sizes and dtype of one attention problem.
+
+    ``batch`` examples, ``t`` queries, ``s`` keys, ``n`` query heads, ``k`` key/value heads
+    (``n % k == 0``; query head ``i`` reads K/V head ``i // (n // k)``), head dims ``h`` (queries
+    and keys; ``d_k`` at the weight level) and ``h_v`` (values; ``d_v``), model width ``d_model``.
+    At the weight level ``batch`` may be a tuple of leading batch dims (``()``: none); the kernel
+    level takes one batch axis, an ``int``.
+
+    Attributes:
+        batch: The batch size (kernel level) or a tuple of leading batch dims (weight level).
+        t: The number of queries ``T``.
+        s: The number of keys ``S``.
+        n: The number of query heads ``N``.
+        k: The number of key/value heads ``K`` (``n % k == 0``).
+        h: The query/key head dim ``H`` (``d_k``).
+        h_v: The value head dim ``H_v`` (``d_v``).
+        d_model: The model width (weight level).
+        dtype: The dtype name (default ``"float32"``).
+    """
+
+    batch: int | tuple[int, ...]
+    t: int
+    s: int
+    n: int
+    k: int
+    h: int
+    h_v: int
+    d_model: int
+    dtype: str = "float32"
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading batch dims: ``(batch,)`` for an ``int``, else ``batch`` itself."""
+        return (self.batch,) if isinstance(self.batch, int) else tuple(self.batch)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.n // self.k
+
+    @property
+    def d_k(self) -> int:
+        """``h``, the weight level's name for it."""
+        return self.h
+
+    @property
+    def d_v(self) -> int:
+        """``h_v``, the weight level's name for it."""
+        return self.h_v
+
+    @property
+    def is_cross(self) -> bool:
+        """Whether ``T != S`` (cross-attention shapes)."""
+        return self.t != self.s
+
+    @property
+    def is_gqa(self) -> bool:
+        """Whether ``N != K`` (grouped- or multi-query heads)."""
+        return self.n != self.k
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Config(batch={self.batch}, t={self.t}, s={self.s}, n={self.n}, k={self.k}, "
+            f"h={self.h}, h_v={self.h_v}, d_model={self.d_model}, dtype={self.dtype!r})"
+        )
+
+
+# Small to large: Hypothesis shrinks towards the first bucket. Head dims are powers of two, so the
+# default scale 1/sqrt(H) is exact in every dtype.
+BUCKETS: tuple[Config, ...] = (
+    Config(batch=1, t=4, s=4, n=2, k=2, h=4, h_v=4, d_model=8),  # self-attention, MHA
+    Config(batch=2, t=6, s=6, n=2, k=2, h=8, h_v=8, d_model=16),  # self-attention, batch 2
+    Config(batch=2, t=3, s=5, n=2, k=2, h=4, h_v=4, d_model=8),  # cross-attention, T < S
+    Config(batch=1, t=5, s=3, n=2, k=2, h=4, h_v=4, d_model=8),  # cross-attention, T > S
+    Config(batch=1, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8),  # GQA, N = 2K
+    Config(batch=2, t=4, s=6, n=4, k=1, h=4, h_v=4, d_model=8),  # MQA, N = 4K, cross
+    Config(batch=2, t=4, s=4, n=8, k=2, h=4, h_v=4, d_model=8),  # GQA, N = 4K
+    Config(batch=2, t=5, s=7, n=4, k=2, h=4, h_v=2, d_model=8),  # GQA, cross, H_v != H
+)
+# Kernel level, head dims that are not powers of two (the scale 1/sqrt(H) is rounded): draw with
+# configs(buckets=KERNEL_BUCKETS, value_dim_differs=True).
+KERNEL_BUCKETS: tuple[Config, ...] = (
+    Config(batch=2, t=5, s=7, n=4, k=2, h=3, h_v=2, d_model=8),  # GQA, T != S, H_v != H
+    Config(batch=1, t=6, s=6, n=2, k=2, h=4, h_v=4, d_model=8),  # MHA, self-attention shape
+    Config(batch=2, t=4, s=4, n=3, k=1, h=2, h_v=3, d_model=8),  # MQA, H_v > H
+)
+# Weight level (multi-head MHA, d_k != d_v): zero, one and two leading batch dims; draw with
+# configs(buckets=WEIGHT_BUCKETS, value_dim_differs=True).
+WEIGHT_BUCKETS: tuple[Config, ...] = (
+    Config(batch=(), t=4, s=4, n=1, k=1, h=2, h_v=3, d_model=4),  # no batch dims, one head
+    Config(batch=(2,), t=5, s=7, n=2, k=2, h=4, h_v=3, d_model=8),  # cross-attention
+    Config(batch=(2, 2), t=4, s=4, n=3, k=3, h=2, h_v=5, d_model=6),  # two batch dims
+)
+
+# Every rank-4 shape that broadcasts to [B, N, T, S]: each axis full (its letter) or 1, ordered by
+# the number of broadcast axes (full first, "1111" last), so Hypothesis shrinks towards "BNTS".
+# "B11S" is the usual key-padding mask, "111S" a mask or bias shared by every batch element.
+BROADCAST_SHAPES: tuple[str, ...] = tuple(
+    sorted(
+        (
+            "".join(full if keep else "1" for full, keep in zip("BNTS", keeps, strict=True))
+            for keeps in itertools.product((True, False), repeat=4)
+        ),
+        key=lambda pattern: pattern.count("1"),
+    )
+)
+
+
+def broadcast_shape(config: Config, pattern: str) -> tuple[int, int, int, int]:
+    """The array shape of a :data:`BROADCAST_SHAPES` ``pattern`` for ``config``:
+    ``broadcast_shape(c, "B11S") == (c.batch, 1, 1, c.s)``.
+
+    Args:
+        config: The problem's sizes (an ``int`` batch).
+        pattern: One of :data:`BROADCAST_SHAPES`, e.g. ``"B11S"``.
+
+    Returns:
+        The rank-4 shape, broadcastable to ``[B, N, T, S]``.
+
+    Raises:
+        ValueError: If ``pattern`` is not in :data:`BROADCAST_SHAPES` or ``config.batch`` is not
+            an int.
+    """
+    if pattern not in BROADCAST_SHAPES:
+        raise ValueError(
+            f"pattern must be one of BROADCAST_SHAPES (each of 'BNTS' or '1'), got {pattern!r}"
+        )
+    _check_kernel_batch(config)
+    full = {"B": config.batch, "N": config.n, "T": config.t, "S": config.s}
+    return tuple(full.get(ch, 1) for ch in pattern)  # type: ignore[return-value]
+
+
+def _check_kernel_batch(config: Config) -> None:
+    if not isinstance(config.batch, (int, np.integer)):
+        raise ValueError(
+            f"kernel-level problems take one batch axis (an int batch), got batch={config.batch!r}"
+        )
+
+
+def broadcast_shapes(patterns: tuple[str, ...] = BROADCAST_SHAPES) -> st.SearchStrategy[str]:
+    """A broadcast pattern from ``patterns`` (default: all 16 of :data:`BROADCAST_SHAPES`),
+    shrinking towards the first; turn it into a shape with :func:`broadcast_shape`.
+
+    Args:
+        patterns: A non-empty subset of :data:`BROADCAST_SHAPES`, in shrinking order.
+
+    Returns:
+        A strategy of pattern strings.
+
+    Raises:
+        ValueError: If ``patterns`` is empty or has a pattern not in :data:`BROADCAST_SHAPES`.
+    """
+    bad = [p for p in patterns if p not in BROADCAST_SHAPES]
+    if bad or not patterns:
+        raise ValueError(f"patterns must be a non-empty subset of BROADCAST_SHAPES, got {bad}")
+    return st.sampled_from(tuple(patterns))
+
+
+def _filter_buckets(
+    buckets: tuple[Config, ...], cross: bool, gqa: bool, value_dim_differs: bool
+) -> tuple[Config, ...]:
+    out = tuple(
+        b
+        for b in buckets
+        if (cross or not b.is_cross)
+        and (gqa or not b.is_gqa)
+        and (value_dim_differs or b.h == b.h_v)
+    )
+    if not out:
+        raise ValueError("no bucket satisfies the requested cross / gqa / value_dim constraints")
+    return out
+
+
+@st.composite
+def configs(
+    draw: DrawFn,
+    *,
+    buckets: tuple[Config, ...] = BUCKETS,
+    dtypes: tuple[str, ...] = ("float32",),
+    cross: bool = True,
+    gqa: bool = True,
+    value_dim_differs: bool = False,
+) -> Config:
+    """A :class:`Config` from ``buckets`` (only ``T == S`` unless ``cross``; only ``N == K``
+    unless ``gqa``; only ``H_v == H`` unless ``value_dim_differs``) and a dtype from ``dtypes``.
+
+    Args:
+        buckets: The configs to draw from, small to large (default :data:`BUCKETS`).
+        dtypes: Dtype names to draw from (default ``("float32",)``).
+        cross: Allow ``T != S`` (default ``True``).
+        gqa: Allow ``N != K`` (default ``True``).
+        value_dim_differs: Allow ``H_v != H`` (default ``False``).
+
+    Returns:
+        A strategy of :class:`Config` (the bucket and the dtype are labelled draws).
+
+    Raises:
+        ValueError: If no bucket satisfies the constraints (when the strategy is drawn from).
+    """
+    pool = _filter_buckets(tuple(buckets), cross, gqa, value_dim_differs)
+    bucket = draw(st.sampled_from(pool), label="bucket")
+    dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
+    return dataclasses.replace(bucket, dtype=str(np.dtype(dtype)))
+
+
+_configs = configs  # the strategy, for functions whose ``configs`` parameter shadows it
+
+
+def _with_dtype(config: Config, dtype: Any) -> Config:
+    return config if dtype is None else dataclasses.replace(config, dtype=str(np.dtype(dtype)))

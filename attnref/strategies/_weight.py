@@ -1,0 +1,201 @@
+"""Weight-level problems: :class:`AttentionProblem`, :func:`make_attention_problem` and the
+strategy :func:`attention_problems`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import oracle, tolerance
+from attnref._src.params import AttentionParams, init_params
+
+from ._masks import _build, mask_kinds
+from ._shapes import Config, DrawFn, _configs, _with_dtype
+
+WEIGHT_KINDS = ("none", "causal", "padding", "random", "bias", "fully_masked_row", "combined")
+# The builder's parts of each weight-level kind: padding pads the keys only (the weight level has
+# no query lengths; a masked query row is the fully_masked_row kind), combined has no random mask.
+_WEIGHT_PARTS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "causal": ("causal",),
+    "padding": ("key_padding",),
+    "random": ("random",),
+    "bias": ("bias",),
+    "fully_masked_row": ("fully_masked_row",),
+    "combined": ("causal", "key_padding", "bias"),
+}
+
+
+@dataclasses.dataclass
+class AttentionProblem:
+    """One weight-level problem: parameters (``num_kv_heads`` K/V heads), inputs
+    ``x_q [*batch, T, d_model]`` and ``x_kv [*batch, S, d_model]``, a full boolean
+    ``mask [*batch, T, S]`` and an additive ``bias [*batch, T, S]`` (full whatever the kind, so
+    one compiled program serves every kind).
+
+    Attributes:
+        params: The parameters (:class:`attnref.AttentionParams`, ``config.k`` K/V heads).
+        x_q: Query tokens ``[*batch, T, d_model]``.
+        x_kv: Key/value tokens ``[*batch, S, d_model]`` (sometimes ``x_q`` itself).
+        mask: Boolean ``[*batch, T, S]``, ``True`` = may attend.
+        bias: Additive ``[*batch, T, S]`` (zeros for kinds without a bias).
+        config: The sizes and dtype (:class:`Config`).
+        kind: The mask kind (:data:`WEIGHT_KINDS`).
+        seed: The data seed.
+    """
+
+    params: AttentionParams
+    x_q: np.ndarray
+    x_kv: np.ndarray
+    mask: np.ndarray
+    bias: np.ndarray
+    config: Config
+    kind: str = "none"
+    seed: int = 0
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        return f"AttentionProblem({self.config!r}, kind={self.kind!r}, seed={self.seed})"
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The problem's dtype, ``config.dtype``."""
+        return np.dtype(self.config.dtype)
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        """The ``mask`` and ``bias`` keyword arguments of every weight-level formulation."""
+        return {"mask": self.mask, "bias": self.bias}
+
+    def oracle(self) -> np.ndarray:
+        """Float64 output ``[*batch, T, d_model]`` from :func:`attnref.oracle.attention`."""
+        return oracle.attention(self.params, self.x_q, self.x_kv, mask=self.mask, bias=self.bias)
+
+    def bound(self) -> np.ndarray:
+        """Componentwise bound (:func:`attnref.tolerance.attention_error_bound`)."""
+        return tolerance.attention_error_bound(
+            self.params,
+            self.x_q,
+            self.x_kv,
+            mask=self.mask,
+            bias=self.bias,
+            dtype=np.dtype(self.config.dtype),
+        )
+
+    def astype(self, dtype: Any) -> AttentionProblem:
+        """The same problem with parameters, inputs and bias rounded to ``dtype``."""
+        dt = np.dtype(dtype)
+        return dataclasses.replace(
+            self,
+            params=self.params.astype(dt),
+            x_q=self.x_q.astype(dt),
+            x_kv=self.x_kv.astype(dt),
+            bias=self.bias.astype(dt),
+            config=dataclasses.replace(self.config, dtype=str(dt)),
+        )
+
+
+def make_attention_problem(
+    config: Config,
+    kind: str = "none",
+    seed: int = 0,
+    dtype: Any = None,
+    *,
+    param_bias: bool = True,
+) -> AttentionProblem:
+    """The deterministic weight-level problem behind one draw of :func:`attention_problems`.
+
+    Parameters from :func:`attnref.init_params` (seeded by ``seed``, ``config.k`` K/V heads);
+    inputs standard normal from PCG64 ``seed``, with ``x_kv`` the very ``x_q`` in about half the
+    problems whose ``T == S`` (self-attention proper); the mask and bias from the kernel level's
+    builder (:func:`make_options`), rendered full.
+
+    Args:
+        config: Sizes and dtype (``batch``: an ``int`` or a tuple of leading batch dims).
+        kind: One of :data:`WEIGHT_KINDS` (``padding`` pads keys only).
+        seed: The data seed.
+        dtype: Overrides ``config.dtype`` when given.
+        param_bias: Whether the parameters have biases.
+
+    Returns:
+        An :class:`AttentionProblem` in the dtype (its mask boolean).
+
+    Raises:
+        ValueError: If ``kind`` is not in :data:`WEIGHT_KINDS`, or the sizes are invalid for
+            :func:`attnref.init_params`.
+    """
+    if kind not in WEIGHT_KINDS:
+        raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+    c = _with_dtype(config, dtype)
+    rng = np.random.default_rng(seed)
+    params = init_params(
+        seed,
+        d_model=c.d_model,
+        num_heads=c.n,
+        d_k=c.d_k,
+        d_v=c.d_v,
+        bias=param_bias,
+        dtype=np.float64,
+        num_kv_heads=c.k,
+    )
+    batch = c.batch_shape
+    x_q = rng.standard_normal((*batch, c.t, c.d_model))
+    shared = c.t == c.s and rng.random() < 0.5
+    x_kv = x_q if shared else rng.standard_normal((*batch, c.s, c.d_model))
+    # One head, the batch dims flattened: the builder's [B, 1, T, S] arrays, then [*batch, T, S].
+    flat = dataclasses.replace(c, batch=math.prod(batch), n=1, k=1)
+    opts = _build(
+        rng,
+        flat,
+        frozenset(_WEIGHT_PARTS[kind]),
+        np.dtype(np.float64),
+        mask_shape="BNTS",
+        bias_shape="BNTS",
+        causal_alignment="top_left",
+        empty_rows=False,
+    )
+    bias = opts.pop("bias", None)
+    allowed = oracle.kernel_allowed((flat.batch, 1, c.t, c.s), **opts)
+    mask = allowed[:, 0].reshape(*batch, c.t, c.s)
+    bias = np.zeros(mask.shape) if bias is None else bias[:, 0].reshape(mask.shape)
+    dt = np.dtype(c.dtype)
+    return AttentionProblem(
+        params.astype(dt), x_q.astype(dt), x_kv.astype(dt), mask, bias.astype(dt), c, kind, seed
+    )
+
+
+@st.composite
+def attention_problems(
+    draw: DrawFn,
+    configs: st.SearchStrategy[Config] | None = None,
+    *,
+    kinds: tuple[str, ...] = WEIGHT_KINDS,
+    param_bias: bool | None = None,
+) -> AttentionProblem:
+    """A weight-level :class:`AttentionProblem` (GQA when the config has ``k < n``).
+
+    Config, mask kind, parameter biases and data seed are labelled draws.
+
+    Args:
+        configs: A :class:`Config` strategy (default :func:`configs`; the weight level's own
+            buckets: ``configs(buckets=WEIGHT_BUCKETS, value_dim_differs=True)``).
+        kinds: Mask kinds from :data:`WEIGHT_KINDS`.
+        param_bias: Whether the parameters have biases (``None``: drawn).
+
+    Returns:
+        A strategy of :class:`AttentionProblem` (:func:`make_attention_problem`).
+    """
+    strategy = _configs() if configs is None else configs
+    config = draw(strategy, label="config")
+    kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
+    with_bias = draw(st.booleans(), label="parameter biases") if param_bias is None else param_bias
+    seed = draw(st.integers(0, 2**31 - 1), label="data seed")
+    note(f"config={config!r} kind={kind} parameter biases={with_bias} seed={seed}")
+    return make_attention_problem(config, kind, seed, param_bias=with_bias)
