@@ -16,19 +16,11 @@ from attnref import strategies as ast
 from attnref._src.checks import enable_x64
 from attnref._src.closeness import assert_attention_close
 from attnref._src.conformance.targets import _split_options
+from attnref._src.kernel import STATIC_OPTIONS
 from attnref._src.kernel import dot_product_attention as _attnref_dpa
 from attnref.tolerance import unit_roundoff
 
-_REF_STATIC = (
-    "scale",
-    "is_causal",
-    "local_window_size",
-    "softcap",
-    "causal_alignment",
-    "masked_rows",
-    "return_lse",
-)
-_REF = jax.jit(_attnref_dpa, static_argnames=_REF_STATIC)
+_REF = jax.jit(_attnref_dpa, static_argnames=STATIC_OPTIONS)
 
 
 def _ref_call(p: ast.KernelProblem) -> Callable[..., Any]:
