@@ -59,9 +59,9 @@ def kernel_inputs(
     _check_kernel_batch(config)
     c = config
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((c.batch, c.t, c.n, c.h)) * scale
-    k = rng.standard_normal((c.batch, c.s, c.k, c.h)) * scale
-    v = rng.standard_normal((c.batch, c.s, c.k, c.h_v))
+    q = rng.standard_normal((c.b, c.t, c.n, c.h)) * scale
+    k = rng.standard_normal((c.b, c.s, c.k, c.h)) * scale
+    v = rng.standard_normal((c.b, c.s, c.k, c.h_v))
     if identical == "keys":
         k[:] = k[:, :1]
     elif identical == "queries":
@@ -155,7 +155,7 @@ class KernelProblem:
         c = self.config
         kw = {k: v for k, v in self.options.items() if k not in ("softcap", "scale")}
         return oracle.kernel_allowed(
-            (c.batch, c.n, c.t, c.s), causal_alignment=self.causal_alignment, **kw
+            (c.b, c.n, c.t, c.s), causal_alignment=self.causal_alignment, **kw
         )
 
     def oracle(self) -> tuple[np.ndarray, np.ndarray]:

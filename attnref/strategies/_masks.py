@@ -59,9 +59,9 @@ def _lengths(rng: np.random.Generator, b: int, n: int, low: int = 1) -> np.ndarr
 
 def _segments(rng: np.random.Generator, c: Config) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (packed) segment ids with every query's segment present among the keys."""
-    q_seg = np.sort(rng.integers(0, 3, size=(c.batch, c.t)), axis=1).astype(np.int32)
-    kv_seg = np.zeros((c.batch, c.s), np.int32)
-    for b in range(c.batch):
+    q_seg = np.sort(rng.integers(0, 3, size=(c.b, c.t)), axis=1).astype(np.int32)
+    kv_seg = np.zeros((c.b, c.s), np.int32)
+    for b in range(c.b):
         ids = np.unique(q_seg[b])
         if len(ids) > c.s:  # more segments than keys: merge the surplus into the last one
             q_seg[b] = np.minimum(q_seg[b], ids[c.s - 1])
@@ -118,10 +118,10 @@ def _build(
             mask[..., 0] = True  # key 0 is causal-visible to every query under top-left alignment
     low = 0 if empty_rows else 1
     if "padding" in parts:
-        out["query_seq_lengths"] = _lengths(rng, c.batch, c.t, low)
-        out["key_value_seq_lengths"] = _lengths(rng, c.batch, c.s, low)
+        out["query_seq_lengths"] = _lengths(rng, c.b, c.t, low)
+        out["key_value_seq_lengths"] = _lengths(rng, c.b, c.s, low)
     if "key_padding" in parts:
-        out["key_value_seq_lengths"] = _lengths(rng, c.batch, c.s, low)
+        out["key_value_seq_lengths"] = _lengths(rng, c.b, c.s, low)
     if mask is not None:
         out["mask"] = mask
     if "bias" in parts:
@@ -143,7 +143,7 @@ def _build(
     if "segments" in parts:
         if empty_rows:  # independent packings: a query's segment may have no key
             q_seg, kv_seg = (
-                np.sort(rng.integers(0, 3, size=(c.batch, n)), axis=1).astype(np.int32)
+                np.sort(rng.integers(0, 3, size=(c.b, n)), axis=1).astype(np.int32)
                 for n in (c.t, c.s)
             )
             out["segment_ids"] = (q_seg, kv_seg)

@@ -98,14 +98,14 @@ def mixed_kernel_problems(
     c = config
     if "padding" in chosen:
         problem.options["query_seq_lengths"] = draw(
-            seq_lengths(c.batch, c.t), label="query seq lengths"
+            seq_lengths(c.b, c.t), label="query seq lengths"
         )
         problem.options["key_value_seq_lengths"] = draw(
-            seq_lengths(c.batch, c.s), label="key/value seq lengths"
+            seq_lengths(c.b, c.s), label="key/value seq lengths"
         )
     if "segments" in chosen:
-        q_seg = draw(segment_ids(c.batch, c.t), label="query segment ids")
-        kv_seg = draw(segment_ids(c.batch, c.s), label="key/value segment ids")
+        q_seg = draw(segment_ids(c.b, c.t), label="query segment ids")
+        kv_seg = draw(segment_ids(c.b, c.s), label="key/value segment ids")
         problem.options["segment_ids"] = (q_seg, kv_seg)
     problem.kind = _kind_name(picked)
     return problem

@@ -58,6 +58,17 @@ class Config:
         return (self.batch,) if isinstance(self.batch, int) else tuple(self.batch)
 
     @property
+    def b(self) -> int:
+        """The kernel level's one batch axis (``batch`` as an ``int``).
+
+        Raises:
+            ValueError: If ``batch`` is a tuple of weight-level batch dims.
+        """
+        if not isinstance(self.batch, int):
+            raise ValueError(f"the kernel level takes one batch axis (an int), got {self.batch}")
+        return self.batch
+
+    @property
     def group(self) -> int:
         """Query heads per K/V head."""
         return self.n // self.k

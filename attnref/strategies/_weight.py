@@ -162,7 +162,7 @@ def make_attention_problem(
         empty_rows=False,
     )
     bias = opts.pop("bias", None)
-    allowed = oracle.kernel_allowed((flat.batch, 1, c.t, c.s), **opts)
+    allowed = oracle.kernel_allowed((flat.b, 1, c.t, c.s), **opts)
     mask = allowed[:, 0].reshape(*batch, c.t, c.s)
     bias = np.zeros(mask.shape) if bias is None else bias[:, 0].reshape(mask.shape)
     dt = np.dtype(c.dtype)

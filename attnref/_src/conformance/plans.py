@@ -130,8 +130,8 @@ def _plan_causality(ctx: _Context) -> Plan | str:
         _assert_output(part, ctx.view(pre), "causality: the prefix run")
         if "grad" in ctx.features and ctx.signature != "numpy":
             rng = np.random.default_rng(case.seed)
-            cot = np.zeros((c.batch, c.t, c.n, c.h_v))
-            cot[:, t - 1] = rng.standard_normal((c.batch, c.n, c.h_v))
+            cot = np.zeros((c.b, c.t, c.n, c.h_v))
+            cot[:, t - 1] = rng.standard_normal((c.b, c.n, c.h_v))
             grads = ctx.target.vjp(ctx.view(p), cot.astype(p.dtype))
             for name, g in zip("qkv", grads, strict=True):
                 g = np.asarray(g, np.float64)
@@ -199,7 +199,7 @@ def _plan_batch(ctx: _Context) -> Plan | str:
         bound, _ = ctx.view(p).bound()
         if _is_16bit(p.dtype):
             bound = bound + unit_roundoff(p.dtype) * np.abs(full)
-        for b in range(p.config.batch):
+        for b in range(p.config.b):
             one, _ = ctx.run(p.batch_slice(b))
             one = np.asarray(one, np.float64)
             if one.shape != full[b : b + 1].shape:
@@ -264,7 +264,7 @@ def _plan_fully_masked(ctx: _Context) -> Plan | str:
         else:
             p = ctx.problem(c, "none", case.seed)
             lens = np.full(c.batch, c.s, np.int32)
-            lens[case.seed % c.batch] = 0
+            lens[case.seed % c.b] = 0
             p = p.replace(options={"key_value_seq_lengths": lens})
         view = ctx.view(p)
         out, _ = ctx.run(p)
@@ -309,7 +309,7 @@ def _plan_gradients(ctx: _Context) -> Plan | str:
     def check(case: _Case) -> None:
         c = case.config
         rng = np.random.default_rng([case.seed, 1])
-        cot = rng.standard_normal((c.batch, c.t, c.n, c.h_v))
+        cot = rng.standard_normal((c.b, c.t, c.n, c.h_v))
         for kind in kinds:
             p = ctx.problem(c, kind, case.seed)
             view = ctx.view(p)

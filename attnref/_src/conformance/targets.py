@@ -208,14 +208,12 @@ class _Target:
                     f"asked for the lse ({self.lse_keyword}=True) but fn returned "
                     f"{type(result).__name__}, not a pair (out, lse)"
                 )
-            out = _checked_array(result[0], (c.batch, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
+            out = _checked_array(result[0], (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
             lse = _checked_array(
-                result[1], (c.batch, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)"
+                result[1], (c.b, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)"
             )
             return out, lse
-        return _checked_array(
-            _first(result), (c.batch, c.t, c.n, c.h_v), "output [B, T, N, H_v]"
-        ), None
+        return _checked_array(_first(result), (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]"), None
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
