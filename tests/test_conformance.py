@@ -323,6 +323,15 @@ def test_assert_ratio_within_names_the_worst_element():
     assert assert_ratio_within(np.zeros(0), 0.0, "unused") == ((), 0.0)
     with pytest.raises(AssertionError, match=r"^nan$"):
         assert_ratio_within(np.array([np.nan, 0.0]), 1.0, "{error}", require_finite=True)
+    # allowances that would pass anything (negative: every ratio < 0; NaN: NaN > 1 is False) or
+    # cannot be read elementwise are refused, not compared
+    for bad in (-1.0, np.array([[1.0, -1.0]]), np.nan, np.array([1.0, np.nan])):
+        with pytest.raises(ValueError, match=">= 0"):
+            assert_ratio_within(err, bad, "unused")
+    with pytest.raises(ValueError, match=r"shape \(3,\) does not broadcast"):
+        assert_ratio_within(err, np.ones(3), "unused")
+    with pytest.raises(ValueError, match="does not broadcast"):
+        assert_ratio_within(err[0], per_element, "unused")  # would grow the errors
 
 
 def test_a_failed_comparison_has_no_traceback():

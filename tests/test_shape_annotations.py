@@ -6,7 +6,7 @@ imported decorated with ``@jaxtyped(typechecker=beartype)``, so a call whose arr
 its shape annotation fails with a :class:`jaxtyping.TypeCheckError`, eagerly and at trace time.
 (``attnref.conformance.plugin`` lets the hook see attnref although the plugin is part of it.)
 
-Here: the hook is on (a contradiction that the function itself would not notice is refused), and
+Here: the hook is on (a contradiction is refused by the annotation before the body runs), and
 the pytrees keep working under ``jax.jit`` and ``jax.grad``. The pytree dataclasses
 (``AttentionParams``, ``KVCache``, ...) are ``@no_type_check``: JAX rebuilds a pytree with any
 leaves (``tree_map`` results, placeholders, ``float0`` cotangents), so their constructors must
@@ -61,14 +61,15 @@ def test_the_configured_hook_instruments_attnref(request):
 
 
 @requires_hook
-def test_a_contradiction_the_function_would_not_notice_is_refused():
-    """``FeatureMap.kernel(q: [..., d], k: [..., d])`` only broadcasts: given ``d = 3`` and
-    ``d = 1`` it returns an answer of plausible shape. The annotation's shared ``d`` refuses it,
-    eagerly and while tracing under ``jax.jit``."""
+def test_a_contradiction_is_refused_by_the_annotation_first():
+    """``FeatureMap.kernel(q: [..., d], k: [..., d])`` given ``d = 3`` and ``d = 1``: the body
+    refuses it with its own ValueError, but with the hook on the annotation's shared ``d``
+    refuses it first (a TypeCheckError), eagerly and while tracing under ``jax.jit``."""
     fm = linear.elu_plus_one()
     q, k = np.ones((5, 3)), np.ones((5, 1))
     unchecked = inspect.unwrap(linear.FeatureMap.kernel)
-    assert np.shape(unchecked(fm, q, k)) == (5,)  # the body alone does not notice
+    with pytest.raises(ValueError, match="same last dimension"):
+        unchecked(fm, q, k)  # the body's own check
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'k'"):
         fm.kernel(q, k)
     with pytest.raises(jaxtyping.TypeCheckError, match="parameter 'k'"):

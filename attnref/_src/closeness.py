@@ -68,8 +68,22 @@ def assert_ratio_within(
     Raises:
         AssertionError: With ``message`` filled in when the ratio at the worst element exceeds 1
             (or, with ``require_finite``, when an error is not finite).
+        ValueError: If ``allowed`` does not broadcast to ``err``'s shape, or is negative or NaN
+            anywhere (an allowance that would let any error pass, or none, by accident).
     """
     err = np.asarray(err)
+    allowed_a = np.asarray(allowed)
+    try:
+        grows = np.broadcast_shapes(err.shape, allowed_a.shape) != err.shape
+    except ValueError:
+        grows = True
+    if grows:
+        raise ValueError(
+            f"the allowance of shape {allowed_a.shape} does not broadcast to the errors' shape "
+            f"{err.shape}"
+        )
+    if np.any(np.isnan(allowed_a)) or np.any(allowed_a < 0):
+        raise ValueError("the allowance must be >= 0 everywhere (got a negative or NaN entry)")
     if not err.size:
         return (), 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -156,11 +170,14 @@ def assert_comparative(
         label: Names the compared quantity in the failure message.
 
     Raises:
-        AssertionError: On a shape mismatch, a non-finite ``actual`` or ``expected``, or a
-            largest error above the allowance (naming its index and multiple of the allowance).
+        AssertionError: On a shape mismatch (of ``actual`` or ``reference``), a non-finite
+            ``actual`` or ``expected``, or a largest error above the allowance (naming its index
+            and multiple of the allowance).
     """
     a, e = _prepare(actual, expected, label)
     r = np.asarray(reference, dtype=np.float64)
+    if r.shape != e.shape:
+        raise AssertionError(f"{label}: reference shape {r.shape} != expected shape {e.shape}")
     ref_err = float(np.max(np.abs(r - e))) if r.size else 0.0
     if floor_magnitude is None:
         floor_magnitude = float(np.max(np.abs(e))) if e.size else 0.0

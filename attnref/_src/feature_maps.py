@@ -165,8 +165,16 @@ class FeatureMap:
     def kernel(
         self, q: Float[ArrayLike, "... d"], k: Float[ArrayLike, "... d"]
     ) -> Float[Array, "..."]:
-        """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics)."""
+        """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics).
+
+        Raises:
+            ValueError: If ``q`` and ``k`` differ in their last (feature) dimension.
+        """
         q, k = jnp.asarray(q), jnp.asarray(k)
+        if q.shape[-1:] != k.shape[-1:]:
+            raise ValueError(
+                f"q and k need the same last dimension d, got q {q.shape} and k {k.shape}"
+            )
         if self.name != "favor_plus":
             return jnp.sum(self(q, "query") * self(k, "key"), axis=-1)
         d = q.shape[-1]

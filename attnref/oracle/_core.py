@@ -73,15 +73,6 @@ def _group_size(w: dict[str, np.ndarray | None]) -> int:
     return n_heads // n_kv
 
 
-def _broadcast(arr: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
-    if arr is None:
-        return None
-    a = np.asarray(arr)
-    if np.broadcast_shapes(a.shape, shape) != shape:
-        raise ValueError(f"mask/bias of shape {a.shape} does not broadcast to {shape}")
-    return np.broadcast_to(a.astype(dtype), shape)
-
-
 def _rounder(emulate: Any) -> Any:
     if emulate is None or np.dtype(emulate) == np.float64:
         return lambda a: a
