@@ -91,8 +91,11 @@ def test_docs_exist():
 def test_readme_opens_with_the_two_commands_and_its_tour_runs():
     text = (ROOT / "README.md").read_text()
     first_block = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
-    assert first_block[0].startswith("python3 -m pip install . && attnref report")
-    assert "python3 -m pytest -q" in first_block[1]
+    # Each command makes its own virtual environment (PEP 668: the system pip may refuse).
+    assert first_block[0].startswith("python3 -m venv .venv && .venv/bin/pip install . && ")
+    assert ".venv/bin/attnref report" in first_block[0]
+    assert first_block[1].startswith("python3 -m venv .venv && .venv/bin/pip install ")
+    assert ".venv/bin/python -m pytest -q" in first_block[1]
     tour = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(tour, "README tour", "exec"), {})
 
