@@ -3,8 +3,8 @@
 This package imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
 agreement between the two is evidence, not tautology. Everything is computed in float64.
 
-* :mod:`attnref.oracle._core`: multi-head attention at the weight level (per head, per query),
-  linear attention and its feature maps.
+* :mod:`attnref.oracle._core`: multi-head attention at the weight level (per head, per query).
+* :mod:`attnref.oracle._linear`: linear attention and its feature maps.
 * :mod:`attnref.oracle._rope`: rotary position embedding and attention with it.
 * :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
   every mask option, and the ALiBi helpers.
@@ -12,15 +12,9 @@ agreement between the two is evidence, not tautology. Everything is computed in 
 
 from __future__ import annotations
 
-from ._core import (
-    attention,
-    attention_weights,
-    features,
-    head_outputs,
-    linear_attention,
-    linear_multihead,
-)
+from ._core import attention, attention_weights, head_outputs
 from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
+from ._linear import features, linear_attention, linear_multihead
 from ._rope import rope, rope_attention
 
 __all__ = [

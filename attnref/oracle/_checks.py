@@ -127,6 +127,17 @@ def check_alignment(causal_alignment: Any) -> str:
     return causal_alignment
 
 
+METHODS = ("fast", "definition")
+
+
+def check_method(method: Any) -> str:
+    """One of :data:`METHODS`: ``"fast"`` (vectorised float64 BLAS, streamed over query blocks)
+    or ``"definition"`` (one element at a time, the root of trust)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
 def check_flag(name: str, x: Any) -> bool:
     """A Python or NumPy bool (a string such as ``"False"`` would otherwise read as True)."""
     if not isinstance(x, (bool, np.bool_)):

@@ -65,7 +65,7 @@ def _scaled_eps(
     ``num``, ``den`` and ``eps`` by ``exp(c + L)``: the eps term's error relative to the
     others grows by ``expm1(dc + u (|c| + L)) + (C_EXP + 1) u``, and ``num``, ``den`` take one
     rounding more (added by the caller)."""
-    from attnref.oracle._core import query_log_scale
+    from attnref.oracle._linear import query_log_scale
 
     c = query_log_scale(fm, q)
     eps_s = eps * np.exp(np.minimum(-c, 700.0))  # float64: exact unless |q~|^2 > ~1400

@@ -1,0 +1,264 @@
+"""Oracle of linear (kernel) attention: feature maps and ``linear_attention`` from their
+definitions, per head and per query, and the multi-head form. NumPy only, float64."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._checks import check_flag
+from ._core import _group_size, _unpack
+
+__all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
+
+
+_FACTORIES = ("elu_plus_one", "relu_features", "identity_features", "taylor2", "favor_plus")
+
+
+def _check_map(fm: Any) -> None:
+    """A clear ``TypeError`` for a map factory passed uncalled (or anything without ``.name``)."""
+    name = getattr(fm, "__name__", None)
+    if callable(fm) and name in _FACTORIES and not hasattr(fm, "num_features"):
+        raise TypeError(
+            f"feature_map must be a feature map; got the factory function {name} itself: call it "
+            f"({name}(...))"
+        )
+    if not isinstance(getattr(fm, "name", None), str):
+        raise TypeError(f"feature_map must be a feature map with a name, got {type(fm).__name__}")
+
+
+def features(fm: Any, x: Any, role: str) -> np.ndarray:
+    """Features ``phi(x)`` of the last axis, float64, for a map given by ``fm.name`` (and
+    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.feature_maps``.
+
+    For FAVOR+ these are the *stabilised* features (keys ``exp(-|x~ - w_i|^2/2) / sqrt(m)``,
+    queries shifted by their own max), whose products are ``exp(-c_q)`` times the defined kernel
+    (:func:`query_log_scale`); :func:`linear_attention` does not use them for FAVOR+.
+
+    Args:
+        fm: A feature map (:class:`attnref.linear.FeatureMap` or any object with ``name`` and,
+            for FAVOR+, ``omega [m, d]``).
+        x: Inputs ``[..., d]``.
+        role: ``"query"`` or ``"key"`` (only FAVOR+ tells them apart).
+
+    Returns:
+        float64 features ``[..., m]``.
+
+    Raises:
+        TypeError: If ``fm`` is a factory passed uncalled or has no ``name``.
+        ValueError: If ``fm.name`` is unknown.
+    """
+    _check_map(fm)
+    x = np.asarray(x, dtype=np.float64)
+    name, d = fm.name, x.shape[-1]
+    if name == "elu_plus_one":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    if name == "identity":
+        return x.copy()
+    xs = x / d**0.25
+    if name == "taylor2":
+        outer = np.einsum("...a,...b->...ab", xs, xs).reshape(*x.shape[:-1], d * d)
+        return np.concatenate([np.ones((*x.shape[:-1], 1)), xs, outer / math.sqrt(2.0)], -1)
+    if name != "favor_plus":
+        raise ValueError(f"unknown feature map {name!r}")
+    w = np.asarray(fm.omega, dtype=np.float64)
+    m = w.shape[0]
+    if role == "key":
+        # exp(-|x~ - w_i|^2 / 2) / sqrt(m)
+        diff = xs[..., None, :] - w
+        return np.exp(-0.5 * np.sum(diff * diff, axis=-1)) / math.sqrt(m)
+    expo = xs @ w.T + 0.5 * np.sum(w * w, axis=-1)
+    return np.exp(expo - expo.max(axis=-1, keepdims=True)) / math.sqrt(m)
+
+
+def query_log_scale(fm: Any, x: Any) -> np.ndarray:
+    """``c(x)`` with ``features(q).features(k) = exp(-c(q)) phi(q).phi(k)``, ``[...]``: for FAVOR+
+    ``c = max_i(w_i.x~ + |w_i|^2/2) - |x~|^2/2``, for every other map 0."""
+    _check_map(fm)
+    x = np.asarray(x, dtype=np.float64)
+    if fm.name != "favor_plus":
+        return np.zeros(x.shape[:-1])
+    xs = x / x.shape[-1] ** 0.25
+    w = np.asarray(fm.omega, dtype=np.float64)
+    expo = xs @ w.T + 0.5 * np.sum(w * w, axis=-1)
+    return expo.max(axis=-1) - 0.5 * np.sum(xs * xs, axis=-1)
+
+
+def _favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``log(phi(q).phi(k_j))`` for one query ``q [d]`` and keys ``k [T_k, d]``, from the
+    definition ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2/2)``, ``x~ = x / d^(1/4)``::
+
+        phi(q).phi(k) = (1/m) sum_i exp(w_i.(q~ + k~)) exp(-|q~|^2/2 - |k~|^2/2)
+
+    with the sum over ``i`` as a log-sum-exp (no over- or underflow, no stabilising features)."""
+    d = q.shape[-1]
+    w = np.asarray(fm.omega, dtype=np.float64)
+    if w.shape[1] != d:
+        raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+    qs, ks = q / d**0.25, k / d**0.25
+    z = (qs + ks) @ w.T  # [T_k, m]
+    top = z.max(axis=-1)
+    lse = top + np.log(np.sum(np.exp(z - top[:, None]), axis=-1))
+    return lse - math.log(w.shape[0]) - 0.5 * (qs @ qs) - 0.5 * np.sum(ks * ks, axis=-1)
+
+
+def _ratio_from_logs(ell: np.ndarray, vals: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
+    """``sum_j A_j v_j / (sum_j A_j + eps)`` (or ``/ max(sum_j A_j, eps)``) from ``log A_j``:
+    every term, ``eps`` included, is divided by ``exp(s)``, ``s = max(max_j log A_j, log eps)``,
+    so the largest is 1 (a softmax with ``eps`` as one more weight)."""
+    if ell.size == 0:
+        return np.zeros(vals.shape[-1])  # no allowed key: the numerator is 0
+    log_eps = math.log(eps) if eps > 0 else -math.inf
+    s = max(float(ell.max()), log_eps)
+    weights = np.exp(ell - s)
+    sink = math.exp(log_eps - s)  # eps exp(-s) <= 1
+    den = weights.sum() + sink if eps_policy == "add" else max(weights.sum(), sink)
+    return weights @ vals / den
+
+
+def linear_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+) -> np.ndarray:
+    """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
+
+    A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
+    y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
+    y_i  = 0 where D_i == 0
+
+    FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
+    (:func:`_favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
+    defined ``A_ij``, whatever the stabilisation of the JAX forms.
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]``.
+        k: Keys ``[..., T_k, H, d_k]``.
+        v: Values ``[..., T_k, H, d_v]``.
+        feature_map: The feature map (as for :func:`features`).
+        causal: If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
+            allows every key.
+        eps: The denominator's regulariser (default 0, the exact ratio).
+        eps_policy: ``"add"`` (default) or ``"clamp"``.
+
+    Returns:
+        float64 ``y [..., T_q, H, d_v]``.
+
+    Raises:
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
+            bool (a truthy ``1`` or ``"False"`` would silently read as causal).
+        ValueError: If ``eps_policy`` is unknown. Shapes are not validated here.
+    """
+    fm = feature_map
+    _check_map(fm)
+    causal = check_flag("causal", causal)
+    if eps_policy not in ("add", "clamp"):
+        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    *batch, t_q, n_heads, _ = q.shape
+    t_k = k.shape[-3]
+    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    out = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
+    for idx in np.ndindex(*batch):
+        for h in range(n_heads):
+            if fm.name == "favor_plus":
+                for i in range(t_q):
+                    ok = km[idx] & (np.arange(t_k) <= i if causal else True)
+                    ell = _favor_log_kernel(fm, q[idx][i, h], k[idx][:, h])
+                    out[idx][i, h] = _ratio_from_logs(ell[ok], v[idx][ok, h], eps, eps_policy)
+                continue
+            fk = features(fm, k[idx][:, h], "key")
+            for i in range(t_q):
+                fq = features(fm, q[idx][i, h], "query")
+                num = np.zeros(v.shape[-1])
+                den = 0.0
+                for j in range(t_k):
+                    if not km[idx][j] or (causal and j > i):
+                        continue
+                    a = float(fq @ fk[j])
+                    num += a * v[idx][j, h]
+                    den += a
+                adj = den + eps if eps_policy == "add" else max(den, eps)
+                if adj != 0.0:
+                    out[idx][i, h] = num / adj
+    return out
+
+
+def linear_multihead(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    residual: bool = False,
+) -> np.ndarray:
+    """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
+    ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
+    residual).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens ``[..., T_q, d_model]``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
+        feature_map: The feature map (as for :func:`features`).
+        causal: If ``True``, query ``t`` reads keys ``s <= t`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
+            allows every key.
+        eps: The denominator's regulariser (default 0).
+        eps_policy: ``"add"`` (default) or ``"clamp"``.
+        residual: If ``True``, return ``x_q + y`` (default ``False``).
+
+    Returns:
+        float64 block output ``[..., T_q, d_model]``.
+
+    Raises:
+        ValueError: If a weight is missing, the head counts do not group (``H % K``), or
+            ``eps_policy`` is unknown.
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
+            bool.
+    """
+    w = _unpack(params)
+    group = _group_size(w)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+
+    def heads(x: np.ndarray, name: str) -> np.ndarray:
+        wt, b = w["w_" + name], w["b_" + name]
+        assert wt is not None
+        y = np.einsum("...td,hde->...the", x, wt)
+        return y if b is None else y + b
+
+    w_q = w["w_q"]
+    assert w_q is not None
+    kv_of = [i // group for i in range(w_q.shape[0])]  # key/value head of each query head
+    z = linear_attention(
+        heads(xq, "q"),
+        heads(xkv, "k")[..., kv_of, :],
+        heads(xkv, "v")[..., kv_of, :],
+        feature_map=feature_map,
+        causal=causal,
+        key_mask=key_mask,
+        eps=eps,
+        eps_policy=eps_policy,
+    )
+    assert w["w_o"] is not None
+    y = np.einsum("...qhv,hvd->...qd", z, w["w_o"])
+    if w["b_o"] is not None:
+        y = y + w["b_o"]
+    return y + xq if residual else y
