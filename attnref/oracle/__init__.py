@@ -14,15 +14,18 @@ from __future__ import annotations
 
 from ._core import attention, attention_weights, head_outputs
 from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
+from ._kernel_grad import KernelGrads, dot_product_attention_vjp
 from ._linear import features, linear_attention, linear_multihead
 from ._rope import rope, rope_attention
 
 __all__ = [
+    "KernelGrads",
     "alibi_bias",
     "alibi_slopes",
     "attention",
     "attention_weights",
     "dot_product_attention",
+    "dot_product_attention_vjp",
     "features",
     "head_outputs",
     "kernel_allowed",

@@ -30,9 +30,12 @@ from ._checks import (
     check_alignment,
     check_allowed_shape,
     check_kernel,
+    check_method,
     check_options,
     shape_of,
 )
+from ._kernel_call import allowed_rows, parse
+from ._kernel_fast import forward
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -106,10 +109,13 @@ def kernel_allowed(
     local_window_size: Any = None,
     segment_ids: Any = None,
     causal_alignment: str = "top_left",
+    method: str = "fast",
 ) -> np.ndarray:
-    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call, one pair at a time.
+    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call.
 
     Every option is validated as :func:`attnref.dot_product_attention` validates it.
+    ``method="definition"`` decides one pair at a time; ``"fast"`` (default) builds the same set
+    from broadcast comparisons, one batch element at a time.
 
     Args:
         shape: ``(B, N, T, S)``, four ints ``>= 0``.
@@ -125,6 +131,7 @@ def kernel_allowed(
         segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``;
             ``None`` (default): one segment.
         causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        method: ``"fast"`` (default) or ``"definition"``.
 
     Returns:
         A boolean array ``[B, N, T, S]``, ``True`` where query ``i`` may read key ``j``.
@@ -134,8 +141,29 @@ def kernel_allowed(
             :func:`attnref.dot_product_attention`.
         TypeError: For an option refused with ``TypeError`` there.
     """
+    check_method(method)
     full = check_allowed_shape(shape)
-    b_size, _, t, s = full
+    b_size, n_heads, t, s = full
+    if method == "fast" and n_heads > 0:
+        kv = np.zeros((b_size, s, n_heads, 1))
+        c = parse(
+            np.zeros((b_size, t, n_heads, 1)),
+            kv,
+            kv,
+            bias,
+            mask,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            segment_ids=segment_ids,
+            causal_alignment=causal_alignment,
+        )
+        out = np.zeros(full, bool)
+        for b in range(b_size):
+            ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
+            out[b] = True if ok is None else ok
+        return out
     mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
         full,
         bias,
@@ -184,9 +212,17 @@ def dot_product_attention(
     causal_alignment: str = "top_left",
     masked_rows: str = "zeros",
     return_lse: bool = False,
+    method: str = "fast",
 ) -> Any:
     """Float64 reference for :func:`attnref.dot_product_attention` (same arguments, same
     refusals: see :mod:`attnref.oracle._checks`).
+
+    ``method="fast"`` (default) is vectorised with float64 BLAS and streamed over blocks of query
+    rows (:mod:`attnref.oracle._kernel_fast`: extra memory ``O(block x S)``, causal costs half
+    the square); ``"definition"`` is the element-wise definition of the module docstring, one
+    batch element, head and query at a time, the root of trust the fast path is tested against.
+    Both are within :func:`attnref.tolerance.kernel_error_bound`'s float64 term of the exact
+    result.
 
     Args:
         query: ``[B, T, N, H]``, floating.
@@ -209,6 +245,7 @@ def dot_product_attention(
         masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row's
             output.
         return_lse: If ``True``, also return ``lse``.
+        method: ``"fast"`` (default) or ``"definition"``.
 
     Returns:
         float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully
@@ -219,6 +256,26 @@ def dot_product_attention(
             ``ValueError`` (shapes, option values, lengths out of range).
         TypeError: For those it refuses with ``TypeError`` (dtypes, option types).
     """
+    check_method(method)
+    if method == "fast":
+        call = parse(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            causal_alignment=causal_alignment,
+            masked_rows=masked_rows,
+        )
+        o, lse_f = forward(call)
+        return (o, lse_f) if return_lse else o
     b_size, t, s, n_heads, n_kv, _, h_v, sc, softcap_f, policy = check_kernel(
         query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
     )
@@ -235,6 +292,7 @@ def dot_product_attention(
         local_window_size=local_window_size,
         segment_ids=segment_ids,
         causal_alignment=causal_alignment,
+        method="definition",
     )
     bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)

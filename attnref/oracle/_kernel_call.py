@@ -1,0 +1,181 @@
+"""One validated kernel call, and its allowed (query, key) pairs one block of query rows at a time.
+
+:func:`parse` runs every check of :mod:`attnref.oracle._checks` once and returns a frozen
+:class:`KernelCall`; :func:`allowed_rows` builds the allowed set of query rows ``i0 .. i1 - 1``
+of one batch element and a range of query heads from the same rules as the element-wise
+definition (:func:`attnref.oracle.kernel_allowed`, ``method="definition"``)::
+
+    p_i = i + offset,  offset = 0 (top_left) or S_b - T_b (bottom_right)
+    allowed(i, j) iff i < T_b, j < S_b, mask, bias != -inf, seg_q[i] == seg_k[j],
+                      j <= p_i (causal), p_i - left <= j <= p_i + right (window)
+
+:func:`key_range` is the smallest key interval that can hold an allowed key of the block, so the
+fast oracle skips the keys that causality, a window or the key length rule out (causal attention
+costs half the square). NumPy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ._checks import check_kernel, check_options
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """A validated kernel call: float64 ``q [B, T, N, H]``, ``k [B, S, K, H]``,
+    ``v [B, S, K, H_v]``, and the options in the form the oracle reads them."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scale: float
+    softcap: float | None
+    policy: str
+    mask: np.ndarray | None  # broadcast view [B, N, T, S]
+    bias: np.ndarray | None  # broadcast view [B, N, T, S], float64
+    bias_shape: tuple[int, ...] | None  # the caller's own shape
+    q_len: np.ndarray  # [B]
+    kv_len: np.ndarray  # [B]
+    seg_q: np.ndarray | None  # [B, T]
+    seg_k: np.ndarray | None  # [B, S]
+    left: int | None
+    right: int | None
+    bottom_right: bool
+    causal: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, N, T, S)``."""
+        b, t, n, _ = self.q.shape
+        return b, n, t, self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        """``G = N / K``: query head ``n`` reads key/value head ``n // G``."""
+        return self.q.shape[2] // self.k.shape[2]
+
+    @property
+    def plain(self) -> bool:
+        """Every pair within the lengths is allowed (no mask, bias, causal, window, segments)."""
+        return (
+            self.mask is None
+            and self.bias is None
+            and self.seg_q is None
+            and not self.causal
+            and self.left is None
+            and self.right is None
+        )
+
+
+def parse(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: Any = None,
+    is_causal: Any = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: Any = None,
+    causal_alignment: Any = "top_left",
+    masked_rows: Any = "zeros",
+) -> KernelCall:
+    """Validate a kernel call as :func:`attnref.dot_product_attention` does (same exception types,
+    the argument named) and return it as a :class:`KernelCall`."""
+    b, t, s, n, _, _, _, sc, cap, policy = check_kernel(
+        query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
+    )
+    m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
+        (b, n, t, s),
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        causal_alignment=causal_alignment,
+    )
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    return KernelCall(
+        q=q,
+        k=k,
+        v=v,
+        scale=sc,
+        softcap=cap,
+        policy=policy,
+        mask=m,
+        bias=bs,
+        bias_shape=None if bias is None else tuple(np.shape(bias)),
+        q_len=np.full(b, t, np.int64) if q_lens is None else q_lens,
+        kv_len=np.full(b, s, np.int64) if kv_lens is None else kv_lens,
+        seg_q=seg_q,
+        seg_k=seg_k,
+        left=window[0],
+        right=window[1],
+        bottom_right=alignment == "bottom_right",
+        causal=causal,
+    )
+
+
+def _offset(c: KernelCall, b: int) -> int:
+    return int(c.kv_len[b]) - int(c.q_len[b]) if c.bottom_right else 0
+
+
+def key_range(c: KernelCall, b: int, i0: int, i1: int) -> tuple[int, int]:
+    """Keys ``[j0, j1)`` outside which no query row ``i0 .. i1 - 1`` of batch ``b`` has an allowed
+    key (``j0 >= j1`` when there is none)."""
+    off = _offset(c, b)
+    j0, j1 = 0, int(c.kv_len[b])
+    if c.causal:
+        j1 = min(j1, i1 - 1 + off + 1)
+    if c.right is not None:
+        j1 = min(j1, i1 - 1 + off + c.right + 1)
+    if c.left is not None:
+        j0 = max(j0, i0 + off - c.left)
+    return max(j0, 0), max(j1, 0)
+
+
+def allowed_rows(
+    c: KernelCall, b: int, heads: slice, i0: int, i1: int, j0: int, j1: int
+) -> np.ndarray | None:
+    """Allowed pairs ``[n_heads, i1 - i0, j1 - j0]`` of batch ``b``, query heads ``heads``, query
+    rows ``i0 .. i1 - 1`` and keys ``j0 .. j1 - 1``; ``None`` when every pair is allowed."""
+    i = np.arange(i0, i1)[:, None]
+    j = np.arange(j0, j1)[None, :]
+    pos = i + _offset(c, b)
+    ok = (i < c.q_len[b]) & (j < c.kv_len[b])
+    if c.causal:
+        ok = ok & (j <= pos)
+    if c.left is not None:
+        ok = ok & (j >= pos - c.left)
+    if c.right is not None:
+        ok = ok & (j <= pos + c.right)
+    if c.seg_q is not None and c.seg_k is not None:
+        ok = ok & (c.seg_q[b, i0:i1, None] == c.seg_k[b, None, j0:j1])
+    if c.mask is not None:
+        ok = ok & c.mask[b, heads, i0:i1, j0:j1]
+    if c.bias is not None:
+        ok = ok & (c.bias[b, heads, i0:i1, j0:j1] != -np.inf)
+    if ok.ndim == 2:
+        if ok.all():
+            return None
+        n_heads = len(range(*heads.indices(c.shape[1])))
+        ok = np.broadcast_to(ok, (n_heads, *ok.shape))
+    return ok
+
+
+def query_block(c: KernelCall, rows_per_head: int, budget: int = 64 << 20) -> int:
+    """Query rows per block so that about ``rows_per_head`` arrays of ``[G, rows, S]`` float64
+    temporaries fit in ``budget`` bytes (at least 1 row)."""
+    _, _, _, s = c.shape
+    per_row = max(1, c.group * s * 8 * rows_per_head)
+    return max(1, budget // per_row)

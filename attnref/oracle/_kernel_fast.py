@@ -1,0 +1,152 @@
+"""The fast float64 kernel oracle: ``dot_product_attention`` vectorised with float64 BLAS and
+streamed over blocks of query rows, with the exact semantics of the element-wise definition
+(:mod:`attnref.oracle._kernel`).
+
+For batch ``b``, key/value head ``g`` (query heads ``g G .. g G + G - 1``) and a block of query
+rows, with ``A`` the allowed pairs (:func:`attnref.oracle._kernel_call.allowed_rows`)::
+
+    X = scale Q K^T              [G, rows, S']   (S' = the keys the block can reach)
+    S = c tanh(X / c) + bias     (softcap, then bias; each when given)
+    S = -inf where not A         (so a masked NaN or inf never reaches a live row)
+    m = max_j S,  E = exp(S - m),  l = sum_j E,  O = (E V) / l,  lse = m + log l
+
+Extra memory is ``O(G x rows x S)`` (a 64 MiB budget picks ``rows``), never ``O(T x S)``. The
+error of each entry is within :func:`attnref.tolerance.kernel_error_bound`'s float64 term (any
+evaluation order of the same sums is covered). NumPy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+from ._kernel_call import KernelCall, allowed_rows, key_range, query_block
+
+
+def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``v`` with its non-finite entries zeroed, and their positions (``[S', H_v]``)."""
+    bad = ~np.isfinite(v)
+    return (np.where(bad, 0.0, v), bad) if bad.any() else (v, bad)
+
+
+def _weighted_values(e: np.ndarray, v: np.ndarray, ok: np.ndarray | None) -> np.ndarray:
+    """``sum_j e_ij v_j`` over the allowed keys only: ``e [R, S']`` (0 off ``ok``), ``v [S', H_v]``.
+
+    A non-finite ``v_j`` enters only the rows that may read key ``j`` (as in the definition, where
+    ``0 x inf = NaN`` for an allowed key whose weight underflowed)."""
+    finite, bad = _masked_values(v)
+    out = e @ finite
+    for j, h in zip(*np.nonzero(bad), strict=True):
+        reads = np.ones(e.shape[0], bool) if ok is None else ok[:, j]
+        out[reads, h] += e[reads, j] * v[j, h]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGroup:
+    """Contiguous copies for batch ``b`` and key/value head ``g`` (BLAS reads them at full
+    speed): ``kt = K^T [H, S]``, ``v [S, H_v]``, and the query heads ``g G .. g G + G - 1``."""
+
+    b: int
+    g: int
+    kt: np.ndarray
+    v: np.ndarray
+    heads: slice
+
+
+def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
+    """Every (batch, key/value head) pair of the call, with contiguous ``K^T`` and ``V``."""
+    grp = c.group
+    for b in range(c.shape[0]):
+        for g in range(c.k.shape[2]):
+            kt = np.ascontiguousarray(c.k[b, :, g].T)
+            v = np.ascontiguousarray(c.v[b, :, g])
+            yield HeadGroup(b, g, kt, v, slice(g * grp, (g + 1) * grp))
+
+
+def raw_logits(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+    """``X = scale Q K^T`` of one block, ``[G, rows, S']``."""
+    q = np.ascontiguousarray(c.q[hg.b, i0:i1, hg.heads].transpose(1, 0, 2))  # [G, rows, H]
+    q *= c.scale
+    g, rows, h = q.shape
+    # one 2-D GEMM (NumPy's stacked matmul can leave BLAS for small blocks)
+    return (q.reshape(g * rows, h) @ hg.kt[:, j0:j1]).reshape(g, rows, j1 - j0)
+
+
+def logits_block(
+    c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Capped, biased logits ``[G, rows, S']`` of one block (``-inf`` off the allowed set) and the
+    allowed set (``None``: all allowed)."""
+    s = raw_logits(c, hg, i0, i1, j0, j1)
+    if c.softcap is not None:
+        np.tanh(s / c.softcap, out=s)
+        s *= c.softcap
+    if c.bias is not None:
+        s += c.bias[hg.b, hg.heads, i0:i1, j0:j1]
+    ok = allowed_rows(c, hg.b, hg.heads, i0, i1, j0, j1)
+    if ok is not None:
+        np.copyto(s, -np.inf, where=~ok)
+    return s, ok
+
+
+def row_blocks(c: KernelCall, b: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
+    """Query blocks ``[i0, i1)`` of batch ``b`` (its ``T_b`` rows) with their key range
+    ``[j0, j1)``."""
+    t_b = int(c.q_len[b])
+    for i0 in range(0, t_b, rows):
+        i1 = min(i0 + rows, t_b)
+        j0, j1 = key_range(c, b, i0, i1)
+        yield i0, i1, j0, max(j0, j1)
+
+
+def softmax_block(s: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """In place: ``s <- exp(s - m)``; returns ``(s, m, l)`` with ``m`` the row max (0 on a row with
+    no allowed key, ``live`` False; its ``l`` is 0) and ``l`` the row sum, ``[..., rows]``."""
+    top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)
+    s -= top[..., None]
+    np.exp(s, out=s)
+    return s, top, s.sum(axis=-1)
+
+
+def block_live(ok: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """Rows ``[G, rows]`` of a logits block ``shape = (G, rows, S')`` with an allowed key."""
+    return np.full(shape[:-1], shape[-1] > 0) if ok is None else ok.any(axis=-1)
+
+
+def _dead_rows(c: KernelCall, b: int, n: int, out: np.ndarray, rows: np.ndarray) -> None:
+    """Apply the ``masked_rows`` policy to ``out[b, rows, n]`` (query rows with no allowed key)."""
+    if c.policy == "nan":
+        out[b, rows, n] = np.nan
+    elif c.policy == "uniform":
+        out[b, rows, n] = c.v[b, :, n // c.group].mean(axis=0)
+
+
+def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks.
+
+    Rows beyond ``T_b`` are 0 with ``lse = -inf``; rows with no allowed key follow
+    ``masked_rows`` with ``lse = -inf``."""
+    b_size, n_heads, t, _ = c.shape
+    grp, h_v = c.group, c.v.shape[-1]
+    out = np.zeros((b_size, t, n_heads, h_v))
+    lse = np.full((b_size, t, n_heads), -np.inf)
+    rows = block or query_block(c, 2)
+    for hg in head_groups(c):
+        for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
+            s, ok = logits_block(c, hg, i0, i1, j0, j1)
+            live = block_live(ok, s.shape)
+            e, top, total = softmax_block(s, live)
+            flat = (grp * (i1 - i0), j1 - j0)
+            flat_ok = None if ok is None else ok.reshape(flat)
+            o = _weighted_values(e.reshape(flat), hg.v[j0:j1], flat_ok)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                o = o.reshape(grp, i1 - i0, h_v) / total[..., None]
+                ls = top + np.log(total)
+            out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
+            lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
+            for n, r in zip(*np.nonzero(~live), strict=True):
+                _dead_rows(c, hg.b, hg.g * grp + n, out, np.array([i0 + r]))
+    return out, lse

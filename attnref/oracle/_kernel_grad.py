@@ -1,0 +1,278 @@
+"""The float64 gradient oracle of the kernel level: the vector-Jacobian product of
+``dot_product_attention`` from its analytic formulas, independent of any autodiff.
+
+For one batch element, query head ``n`` (reading key/value head ``g = n // G``) and query ``i``
+with allowed keys ``j`` (row convention), given the cotangents ``dO_i`` of the output and
+``dl_i`` of the lse::
+
+    x_ij = scale q_i . k_j,   s_ij = c tanh(x_ij / c) + bias_ij,   p_ij = softmax_j(s_ij)
+    dv_j  += p_ij dO_i                          dP_ij = dO_i . v_j
+    D_i    = sum_j p_ij dP_ij  (= dO_i . o_i)   dS_ij = p_ij (dP_ij - D_i + dl_i)
+    dbias_ij = dS_ij          dX_ij = dS_ij (1 - tanh^2(x_ij / c))   (dX = dS without softcap)
+    dq_i  += scale sum_j dX_ij k_j              dk_j += scale dX_ij q_i
+
+``d lse_i / d s_ij = p_ij`` gives the ``dl_i`` term. The gradients of the K/V heads sum over the
+``G`` query heads that share them; the bias gradient sums over the axes the bias broadcasts.
+Rows with no allowed key and padding rows (``i >= T_b``) pass no gradient, except under
+``masked_rows="uniform"`` where the output is the mean of all ``S`` value rows, so every
+``dv_j`` gains ``dO_i / S``. Pairs that are not allowed pass nothing, whatever their values; a
+non-finite logit or value in an allowed pair has no derivative and is refused (``ValueError``).
+
+``method="definition"`` evaluates these equations one batch element, head and query at a time;
+``"fast"`` evaluates them with float64 BLAS over blocks of query rows (extra memory
+``O(block x S)``). Both are within :func:`attnref.tolerance.kernel_grad_error_bound`'s float64
+term of the exact gradient. NumPy only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._checks import check_method, shape_of
+from ._kernel import kernel_allowed
+from ._kernel_call import KernelCall, parse, query_block
+from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
+
+__all__ = ["KernelGrads", "dot_product_attention_vjp"]
+
+
+class KernelGrads(NamedTuple):
+    """Gradients of a kernel call: ``query [B, T, N, H]``, ``key [B, S, K, H]``,
+    ``value [B, S, K, H_v]`` and ``bias`` (the bias's own shape; ``None`` without a bias)."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    bias: np.ndarray | None
+
+
+def _cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.ndarray, ...]:
+    b, n, t, _ = c.shape
+    want = {"cotangent": (b, t, n, c.v.shape[-1]), "lse_cotangent": (b, t, n)}
+    out = []
+    for name, x in (("cotangent", cotangent), ("lse_cotangent", lse_cotangent)):
+        if x is None and name == "lse_cotangent":
+            out.append(np.zeros(want[name]))
+            continue
+        if shape_of(x) != want[name]:
+            raise ValueError(f"{name} has shape {shape_of(x)}; expected {want[name]}")
+        out.append(np.asarray(x, dtype=np.float64))
+    return out[0], out[1]
+
+
+def _refuse_nonfinite(where: str) -> None:
+    raise ValueError(
+        f"the gradient is undefined: a non-finite {where} in an allowed (query, key) pair "
+        "(masked pairs may hold anything)"
+    )
+
+
+def _bias_add(
+    acc: np.ndarray, ds: np.ndarray, b: int, heads: slice, rows: slice, keys: slice
+) -> None:
+    """``acc`` (the bias's own shape) += ``ds [heads, rows, keys]``, summed over the axes the
+    bias broadcasts (its size-1 axes)."""
+    index: list[Any] = [0 if acc.shape[0] == 1 else b]
+    for axis, sl in enumerate((heads, rows, keys)):
+        if acc.shape[axis + 1] == 1:
+            ds = ds.sum(axis=axis, keepdims=True)
+            sl = slice(0, 1)
+        index.append(sl)
+    acc[tuple(index)] += ds
+
+
+def _dead_rows_uniform(c: KernelCall, d_o: np.ndarray, dead: np.ndarray, dv: np.ndarray) -> None:
+    """``masked_rows="uniform"``: each dead (batch, query, head) adds ``dO / S`` to every value
+    row of its key/value head. ``dead [B, T, N]``."""
+    s = c.k.shape[1]
+    per_head = np.where(dead[..., None], d_o, 0.0).sum(axis=1)  # [B, N, H_v]
+    per_kv = per_head.reshape(per_head.shape[0], c.k.shape[2], c.group, -1).sum(axis=2)
+    dv += per_kv[:, None] / s
+
+
+def _fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
+    b_size, n_heads, t, _ = c.shape
+    grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
+    dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
+    db = None if c.bias_shape is None else np.zeros(c.bias_shape)
+    dead = np.zeros((b_size, t, n_heads), bool)
+    rows = query_block(c, 4)
+    for hg in head_groups(c):
+        bad_v = ~np.isfinite(hg.v).all(axis=-1)  # [S]
+        v0 = np.where(bad_v[:, None], 0.0, hg.v)
+        k0 = np.where(np.isfinite(hg.kt), hg.kt, 0.0).T  # [S, H]
+        for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
+            s, ok = logits_block(c, hg, i0, i1, j0, j1)
+            live = block_live(ok, s.shape)
+            reads = live[..., None] if ok is None else ok
+            if not np.isfinite(np.where(reads, s, 0.0)).all():
+                _refuse_nonfinite("logit (q, k or bias)")
+            if (reads & bad_v[j0:j1]).any():
+                _refuse_nonfinite("value")
+            top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)
+            p = np.exp(s - top[..., None])
+            with np.errstate(invalid="ignore", divide="ignore"):
+                p = np.where(live[..., None], p / p.sum(axis=-1, keepdims=True), 0.0)
+            m, n_k = grp * (i1 - i0), j1 - j0
+            d_o_blk = d_o[hg.b, i0:i1, hg.heads].transpose(1, 0, 2).reshape(m, h_v)
+            p2 = p.reshape(m, n_k)
+            dv[hg.b, j0:j1, hg.g] += p2.T @ d_o_blk
+            dp = d_o_blk @ v0[j0:j1].T
+            big_d = np.sum(p2 * dp, axis=-1, keepdims=True)
+            dl = d_l[hg.b, i0:i1, hg.heads].T.reshape(m, 1)
+            ds = p2 * (dp - big_d + dl)
+            if db is not None:
+                blk = ds.reshape(grp, i1 - i0, n_k)
+                _bias_add(db, blk, hg.b, hg.heads, slice(i0, i1), slice(j0, j1))
+            if c.softcap is not None:
+                x = raw_logits(c, hg, i0, i1, j0, j1).reshape(m, n_k)
+                ds = ds * (1.0 - np.tanh(x / c.softcap) ** 2)
+            q_blk = c.q[hg.b, i0:i1, hg.heads].transpose(1, 0, 2).reshape(m, h)
+            q_blk = np.where(live.reshape(m, 1), q_blk, 0.0)
+            dq_blk = (c.scale * ds) @ k0[j0:j1]
+            dq[hg.b, i0:i1, hg.heads] += dq_blk.reshape(grp, i1 - i0, h).transpose(1, 0, 2)
+            dk[hg.b, j0:j1, hg.g] += c.scale * (ds.T @ q_blk)
+            dead[hg.b, i0:i1, hg.heads] = ~live.T
+    if c.policy == "uniform":
+        _dead_rows_uniform(c, d_o, dead, dv)
+    return KernelGrads(dq, dk, dv, db)
+
+
+def _definition(
+    c: KernelCall, d_o: np.ndarray, d_l: np.ndarray, allowed: np.ndarray
+) -> KernelGrads:
+    b_size, n_heads, t, s_len = c.shape
+    dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
+    full = np.zeros(c.shape)  # dbias per (b, n, i, j) before summing over broadcast axes
+    dead = np.zeros((b_size, t, n_heads), bool)
+    for b in range(b_size):
+        for n in range(n_heads):
+            g = n // c.group
+            for i in range(int(c.q_len[b])):
+                keys = [j for j in range(s_len) if allowed[b, n, i, j]]
+                if not keys:
+                    dead[b, i, n] = True
+                    continue
+                xs, ss = [], []
+                for j in keys:
+                    x = c.scale * float(c.q[b, i, n] @ c.k[b, j, g])
+                    sj = x if c.softcap is None else c.softcap * math.tanh(x / c.softcap)
+                    if c.bias is not None:
+                        sj += float(c.bias[b, n, i, j])
+                    if not math.isfinite(sj):
+                        _refuse_nonfinite("logit (q, k or bias)")
+                    if not np.isfinite(c.v[b, j, g]).all():
+                        _refuse_nonfinite("value")
+                    xs.append(x)
+                    ss.append(sj)
+                top = max(ss)
+                e = [math.exp(sj - top) for sj in ss]
+                total = sum(e)
+                p = [ej / total for ej in e]
+                dps = [float(d_o[b, i, n] @ c.v[b, j, g]) for j in keys]
+                big_d = sum(pj * dpj for pj, dpj in zip(p, dps, strict=True))
+                for pj, dpj, x, j in zip(p, dps, xs, keys, strict=True):
+                    ds = pj * (dpj - big_d + float(d_l[b, i, n]))
+                    full[b, n, i, j] = ds
+                    if c.softcap is not None:
+                        ds *= 1.0 - math.tanh(x / c.softcap) ** 2
+                    dv[b, j, g] += pj * d_o[b, i, n]
+                    dq[b, i, n] += c.scale * ds * c.k[b, j, g]
+                    dk[b, j, g] += c.scale * ds * c.q[b, i, n]
+    if c.policy == "uniform":
+        _dead_rows_uniform(c, d_o, dead, dv)
+    db = None
+    if c.bias_shape is not None:
+        axes = tuple(a for a, size in enumerate(c.bias_shape) if size == 1 and c.shape[a] != 1)
+        db = full.sum(axis=axes, keepdims=True).reshape(c.bias_shape)
+    return KernelGrads(dq, dk, dv, db)
+
+
+def dot_product_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    cotangent: Any,
+    lse_cotangent: Any = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+    method: str = "fast",
+) -> KernelGrads:
+    """Float64 vector-Jacobian product of :func:`attnref.oracle.dot_product_attention`: the
+    gradients of ``sum(cotangent * o) + sum(lse_cotangent * lse)`` (equations in the module
+    docstring), from the analytic formulas, never from autodiff.
+
+    Args:
+        query: ``[B, T, N, H]``, floating.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        cotangent: ``dO [B, T, N, H_v]``, the cotangent of the output.
+        lse_cotangent: ``[B, T, N]``, the cotangent of the lse; ``None`` (default) is zero.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``; ``None`` (default): all rows.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
+        local_window_size: ``w`` or ``(left, right)``; ``None`` (default): no window.
+        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``.
+        softcap: A positive finite number ``c``; ``None`` (default).
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"`` (as the forward).
+        method: ``"fast"`` (default) or ``"definition"``.
+
+    Returns:
+        :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its
+        input (``bias`` ``None`` without a bias).
+
+    Raises:
+        ValueError: For the inputs the forward refuses with ``ValueError``, a cotangent of the
+            wrong shape, or a non-finite logit or value in an allowed pair.
+        TypeError: For those the forward refuses with ``TypeError``.
+    """
+    check_method(method)
+    c = parse(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    d_o, d_l = _cotangents(c, cotangent, lse_cotangent)
+    if method == "fast":
+        return _fast(c, d_o, d_l)
+    allowed = kernel_allowed(
+        c.shape,
+        bias,
+        mask,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        causal_alignment=causal_alignment,
+        method="definition",
+    )
+    return _definition(c, d_o, d_l, allowed)
