@@ -68,8 +68,8 @@ def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
 
 def raw_logits(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
     """``X = scale Q K^T`` of one block, ``[G, rows, S']``."""
-    q = np.ascontiguousarray(c.q[hg.b, i0:i1, hg.heads].transpose(1, 0, 2))  # [G, rows, H]
-    q *= c.scale
+    # a new array (never scale the caller's q in place), [G, rows, H]
+    q = np.multiply(c.q[hg.b, i0:i1, hg.heads].transpose(1, 0, 2), c.scale, order="C")
     g, rows, h = q.shape
     # one 2-D GEMM (NumPy's stacked matmul can leave BLAS for small blocks)
     return (q.reshape(g * rows, h) @ hg.kt[:, j0:j1]).reshape(g, rows, j1 - j0)

@@ -158,35 +158,61 @@ class KernelProblem:
             (c.b, c.n, c.t, c.s), causal_alignment=self.causal_alignment, **kw
         )
 
-    def oracle(self) -> tuple[np.ndarray, np.ndarray]:
+    def oracle(self, method: str = "fast") -> tuple[np.ndarray, np.ndarray]:
         """Float64 ``(out [B, T, N, H_v], lse [B, T, N])`` from
-        :func:`attnref.oracle.dot_product_attention` with the problem's semantics."""
+        :func:`attnref.oracle.dot_product_attention` with the problem's semantics (``method``:
+        ``"fast"``, the default, or ``"definition"``)."""
         out, lse = oracle.dot_product_attention(
             self.q,
             self.k,
             self.v,
             return_lse=True,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
+            method=method,
+            **self.semantics(),
             **self.options,
         )
         return out, lse
 
-    def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Componentwise bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` in the problem's
-        dtype (:func:`attnref.tolerance.kernel_error_bound`; ``key_blocks=None`` is valid for any
-        tiling of the keys)."""
-        return tolerance.kernel_error_bound(
+    def oracle_vjp(
+        self, cotangent: Any, lse_cotangent: Any = None, method: str = "fast"
+    ) -> oracle.KernelGrads:
+        """Float64 gradients ``(query, key, value, bias)`` of ``sum(cotangent * out) +
+        sum(lse_cotangent * lse)`` from :func:`attnref.oracle.dot_product_attention_vjp`."""
+        return oracle.dot_product_attention_vjp(
             self.q,
             self.k,
             self.v,
-            self.allowed(),
-            self.options.get("bias"),
-            scale=self.options.get("scale"),
-            softcap=self.options.get("softcap"),
-            masked_rows=self.masked_rows,
-            dtype=self.dtype,
+            cotangent=cotangent,
+            lse_cotangent=lse_cotangent,
+            method=method,
+            **self.semantics(),
+            **self.options,
+        )
+
+    def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Componentwise bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` in the problem's
+        dtype (:func:`attnref.tolerance.kernel_call_error_bound`, streamed over query blocks;
+        ``key_blocks=None`` is valid for any tiling of the keys)."""
+        return tolerance.kernel_call_error_bound(
+            self.q,
+            self.k,
+            self.v,
             key_blocks=key_blocks,
+            **self.semantics(),
+            **self.options,
+        )
+
+    def grad_bound(self, cotangent: Any, lse_cotangent: Any = None) -> oracle.KernelGrads:
+        """Componentwise bounds on the gradient error of a kernel computing in the problem's
+        dtype (:func:`attnref.tolerance.kernel_grad_error_bound`)."""
+        return tolerance.kernel_grad_error_bound(
+            self.q,
+            self.k,
+            self.v,
+            cotangent=cotangent,
+            lse_cotangent=lse_cotangent,
+            **self.semantics(),
+            **self.options,
         )
 
     def replace(self, **changes: Any) -> KernelProblem:

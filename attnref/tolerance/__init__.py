@@ -70,7 +70,10 @@ imported lazily where a bound needs an exact intermediate):
 from __future__ import annotations
 
 from ._core import attention_error_bound, attention_local_errors, comparative_bound
-from ._kernel import kernel_error_bound
+from ._grad_kernel import kernel_grad_error_bound
+from ._grad_linear import linear_attention_vjp_error_bound, linear_multihead_vjp_error_bound
+from ._grad_weight import attention_vjp_error_bound, rope_attention_vjp_error_bound
+from ._kernel import kernel_call_error_bound, kernel_error_bound
 from ._linear import linear_error_bound, linear_multihead_error_bound
 
 # Private helpers kept importable from here: tests/test_rope.py rebuilds the RoPE logit bound
@@ -88,12 +91,18 @@ from ._rounding import gamma, unit_roundoff
 __all__ = [
     "attention_error_bound",
     "attention_local_errors",
+    "attention_vjp_error_bound",
     "comparative_bound",
     "gamma",
+    "kernel_call_error_bound",
     "kernel_error_bound",
+    "kernel_grad_error_bound",
+    "linear_attention_vjp_error_bound",
     "linear_error_bound",
     "linear_multihead_error_bound",
+    "linear_multihead_vjp_error_bound",
     "rope_attention_error_bound",
+    "rope_attention_vjp_error_bound",
     "rope_map_error_bound",
     "unit_roundoff",
 ]

@@ -69,28 +69,57 @@ def kernel_error_bound(
         where the model gives no bound).
     """
     qa, ka, va = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    b_size, t, n_heads, h = qa.shape
+    b_size, t, n_heads, _ = qa.shape
     s, n_kv = ka.shape[1], ka.shape[2]
     group = n_heads // n_kv
-    allowed = np.broadcast_to(np.asarray(allowed, bool), (b_size, n_heads, t, s))
-    sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
-    kg = np.repeat(ka, group, axis=2)  # [B, S, N, H]
-    vg = np.repeat(va, group, axis=2)
-    raw = sc * np.einsum("btnh,bsnh->bnts", qa, kg)
-    mag = abs(sc) * np.einsum("btnh,bsnh->bnts", np.abs(qa), np.abs(kg))
-    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
-    b_arr = (
-        np.zeros_like(raw)
-        if bias is None
-        else np.broadcast_to(np.asarray(bias, np.float64), raw.shape)
+    full = (b_size, n_heads, t, s)
+    allowed = np.broadcast_to(np.asarray(allowed, bool), full)
+    b_arr = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    return _bound_rows(
+        qa,
+        np.repeat(ka, group, axis=2),
+        np.repeat(va, group, axis=2),
+        allowed,
+        b_arr,
+        scale=scale,
+        softcap=softcap,
+        masked_rows=masked_rows,
+        dtype=dtype,
+        key_blocks=key_blocks,
     )
-    logits = capped + np.where(np.isneginf(b_arr), 0.0, b_arr)
+
+
+def _bound_rows(
+    qa: np.ndarray,
+    kg: np.ndarray,
+    vg: np.ndarray,
+    allowed: np.ndarray,
+    bias: np.ndarray | None,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    masked_rows: str,
+    dtype: Any,
+    key_blocks: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kernel_error_bound` of some query rows: ``qa [B, T', N, H]``, the keys and values
+    repeated per query head ``kg [B, S, N, H]``, ``vg [B, S, N, H_v]``, ``allowed`` and ``bias``
+    ``[B, N, T', S]``. Rows are independent, so a caller may stream over row blocks."""
+    h = qa.shape[-1]
+    s = kg.shape[1]
+    sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T', H], [B, N, H, S]
+    raw = sc * (qt @ kt)
+    mag = abs(sc) * (np.abs(qt) @ np.abs(kt))
+    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
     sm = _softmax(logits, allowed)
     top, live, l_sum = sm.top, sm.live, sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
     p = sm.e / np.where(live, l_sum, 1.0)
-    o_mag = np.einsum("bnts,bsnh->btnh", p, np.abs(vg))
-    o_ref = np.einsum("bnts,bsnh->btnh", p, vg)
+    vt = vg.transpose(0, 2, 1, 3)  # [B, N, S, H_v]
+    o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T', N, H_v]
+    o_ref = (p @ vt).transpose(0, 2, 1, 3)
     lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
     n_b = s if key_blocks is None else max(1, int(key_blocks))
     c = C_EXP
@@ -99,12 +128,12 @@ def kernel_error_bound(
         err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * sm.spread
         if softcap is not None:
             err = err + (c + 2) * u * np.abs(capped)
-        e_row = np.where(allowed, err, 0.0).max(axis=-1)  # [B, N, T]
+        e_row = np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)  # [B, N, T']
         extra = 2 * (c + 1) * (n_b - 1)
         with np.errstate(over="ignore"):
             rho = np.expm1(2.0 * e_row) + gamma(s + 2 + 2 * c + extra, u)
             delta = np.expm1(e_row) + gamma(s + c + extra, u)
-        out = np.einsum("bnt,btnh->btnh", rho + gamma(s, u), o_mag)
+        out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
         with np.errstate(divide="ignore", invalid="ignore"):
             log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
             d_lse = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
@@ -117,7 +146,7 @@ def kernel_error_bound(
     out64, lse64 = one(unit_roundoff(np.float64))
     out_b, lse_b = out_b + out64, lse_b + lse64
     if masked_rows == "uniform":
-        dead = np.swapaxes(~live[..., 0], 1, 2)[..., None]  # [B, T, N, 1]
+        dead = np.swapaxes(~live[..., 0], 1, 2)[..., None]  # [B, T', N, 1]
         mean_abs = np.abs(vg).mean(axis=1)[:, None]  # [B, 1, N, H_v]
         g = gamma(s + 1, unit_roundoff(work)) + gamma(s + 1, unit_roundoff(np.float64))
         out_b = np.where(dead, g * mean_abs, out_b)
@@ -125,3 +154,100 @@ def kernel_error_bound(
     if _is_16bit(np_dtype):
         out_b = out_b + unit_roundoff(np_dtype) * (np.abs(o_ref) + out_b)
     return out_b, lse_b
+
+
+def kernel_call_error_bound(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+    dtype: Any = None,
+    key_blocks: int | None = None,
+    budget: int = 64 << 20,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kernel_error_bound` of a kernel call given by its arguments (those of
+    :func:`attnref.oracle.dot_product_attention`), streamed over blocks of query rows: the
+    allowed set is built one block at a time, so memory is ``O(block x N x S)``, never
+    ``O(T x S)`` (for production shapes, where ``[B, N, T, S]`` does not fit).
+
+    Args:
+        query: ``[B, T, N, H]``, exactly as the kernel received it.
+        key: ``[B, S, K, H]``.
+        value: ``[B, S, K, H_v]``.
+        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: The kernel's causal flag (default ``False``).
+        query_seq_lengths: Integer ``[B]``; ``None`` (default).
+        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
+        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
+        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
+        softcap: ``c`` of the logit cap; ``None`` (default).
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
+        dtype: The kernel's format; ``None`` (default) is ``query``'s dtype.
+        key_blocks: Key blocks of an online softmax; ``None`` (default): any tiling.
+        budget: Bytes of temporaries per block (default 64 MiB).
+
+    Returns:
+        ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64.
+
+    Raises:
+        ValueError: For the arguments :func:`attnref.oracle.dot_product_attention` refuses with
+            ``ValueError``.
+        TypeError: For those it refuses with ``TypeError``.
+    """
+    from attnref.oracle._kernel_call import allowed_rows, parse
+
+    c = parse(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    b_size, n_heads, t, s = c.shape
+    out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
+    lse = np.zeros((b_size, t, n_heads))
+    rows = max(1, budget // max(1, n_heads * s * 8 * 12))
+    fmt = np.asarray(query).dtype if dtype is None else dtype
+    for b in range(b_size):
+        kg = np.repeat(c.k[b : b + 1], c.group, axis=2)
+        vg = np.repeat(c.v[b : b + 1], c.group, axis=2)
+        for i0 in range(0, t, rows):
+            i1 = min(i0 + rows, t)
+            ok = allowed_rows(c, b, slice(None), i0, i1, 0, s)
+            ok = np.ones((n_heads, i1 - i0, s), bool) if ok is None else ok
+            out[b : b + 1, i0:i1], lse[b : b + 1, i0:i1] = _bound_rows(
+                c.q[b : b + 1, i0:i1],
+                kg,
+                vg,
+                ok[None],
+                None if c.bias is None else c.bias[b : b + 1, :, i0:i1],
+                scale=c.scale,
+                softcap=c.softcap,
+                masked_rows=c.policy,
+                dtype=fmt,
+                key_blocks=key_blocks,
+            )
+    return out, lse

@@ -1,0 +1,266 @@
+"""The kernel level's gradient bound: :func:`kernel_grad_error_bound` on ``|g - g_oracle|`` for
+the gradients of ``dot_product_attention`` computed in a format with unit round-off ``u``.
+NumPy only, float64.
+
+First order, componentwise, for any evaluation order of the backward equations of
+:mod:`attnref.oracle._kernel_grad` (naive autodiff or a flash backward that recomputes ``p``
+from the lse), with ``C = C_EXP`` and ``mag`` the magnitudes of the forward bound
+(:mod:`attnref.tolerance._kernel`):
+
+1. Weights: ``|dp_ij| <= r_i p_ij`` with ``r_i = max(rho_i, expm1(E_i + L_i) + gamma_{C+2})``:
+   ``rho_i`` the forward's softmax factor (any key tiling), the second term for ``p`` recomputed
+   as ``exp(s - lse)`` with an lse off by ``L_i`` (the forward's lse bound).
+2. ``dP_ij = dO_i . v_j``: ``e_dP = gamma_{H_v} |dO_i|.|v_j|``.
+3. ``D_i``: as ``dO_i . o_i``, ``|dO_i|.e_o + gamma_{H_v} |dO_i|.|o|_i`` (``e_o`` the forward's
+   output bound); as ``sum_j p_ij dP_ij``, ``sum_j p_ij (r_i |dP_ij| + e_dP) + gamma_S
+   sum_j p_ij |dP_ij|``; the larger of the two.
+4. ``dS_ij = p_ij (dP_ij - D_i + dl_i)`` in any association: with ``G = |dP| + |D| + |dl|``,
+   ``e_dS = p_ij (r_i G_ij + e_dP + e_D + 3 u G_ij)``.
+5. Softcap: ``dX = dS f``, ``f = 1 - t^2``, ``t = tanh(x / c)`` with ``x`` off by
+   ``e_x = gamma_{H+1} mag``: ``e_t = f e_x / c + (C + 1) u |t|``, ``e_f = 2 |t| e_t + 2 u``,
+   ``e_dX = e_dS f + |dS| e_f + u |dX|`` (without softcap ``dX = dS``).
+6. Sums: ``dq_i = scale sum_j dX_ij k_j``: ``|scale| (e_dX |k| + gamma_{S+2} |dX| |k|)``;
+   ``dk_j`` sums over the ``T G`` (query, head) pairs of its K/V head:
+   ``|scale| (e_dX^T |q| + gamma_{T G+2} |dX|^T |q|)``; ``dv_j = sum p_ij dO_i``:
+   ``(r p)^T |dO| + gamma_{T G+1} p^T |dO|``; the bias gradient, summed over its ``m``
+   broadcast entries: ``sum e_dS + gamma_m sum |dS|``. ``masked_rows="uniform"`` adds
+   ``gamma_{T G+2} sum |dO_i| / S`` to every ``dv_j`` for the dead rows' mean.
+
+16-bit inputs are computed in float32 (the kernel promotes) and the gradient is rounded once to
+the 16-bit format (``+ u_16 (|g| + bound)``). The float64 gradient oracle's own error (the same
+bound with float64's ``u``) is included, so ``|g - g_oracle| <= bound`` is a rigorous
+first-order test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._core import _softmax
+from ._rounding import C_EXP, _is_16bit, gamma, unit_roundoff
+
+__all__ = ["kernel_grad_error_bound"]
+
+
+def _row_terms(s_len: int, e_row: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray]:
+    """The forward's ``rho_i`` (any tiling: ``n_b = S``) and ``delta_i`` (for the lse)."""
+    c = C_EXP
+    extra = 2 * (c + 1) * (s_len - 1)
+    with np.errstate(over="ignore"):
+        rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * c + extra, u)
+        delta = np.expm1(e_row) + gamma(s_len + c + extra, u)
+    return rho, delta
+
+
+def _block(
+    q: np.ndarray,
+    kg: np.ndarray,
+    vg: np.ndarray,
+    ok: np.ndarray,
+    bias: np.ndarray | None,
+    d_o: np.ndarray,
+    d_l: np.ndarray,
+    sc: float,
+    softcap: float | None,
+    u: float,
+    n_dk: int,
+) -> tuple[np.ndarray, ...]:
+    """Bounds for one batch element and a block of query rows, per query head: ``q [N, R, H]``,
+    ``kg [N, S, H]``, ``vg [N, S, H_v]``, ``ok``/``bias [N, R, S]``, ``d_o [N, R, H_v]``,
+    ``d_l [N, R]``. Returns ``(e_dq [N, R, H], e_dk [N, S, H], e_dv [N, S, H_v], e_dS, |dS|)``
+    (the last two ``[N, R, S]``, for the bias)."""
+    c = C_EXP
+    h, s_len, h_v = q.shape[-1], kg.shape[1], vg.shape[-1]
+    kt = kg.transpose(0, 2, 1)
+    raw = sc * (q @ kt)
+    mag = abs(sc) * (np.abs(q) @ np.abs(kt))
+    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
+    sm = _softmax(logits, ok)
+    p = sm.weights
+    err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * sm.spread
+    if softcap is not None:
+        err = err + (c + 2) * u * np.abs(capped)
+    e_row = np.where(ok, err, 0.0).max(axis=-1, initial=0.0)  # [N, R]
+    rho, delta = _row_terms(s_len, e_row, u)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        l_err = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+        r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]  # [N, R, 1]
+    abs_v, abs_do = np.abs(vg), np.abs(d_o)
+    o_mag = p @ abs_v  # [N, R, H_v]
+    e_o = (rho + gamma(s_len, u))[..., None] * o_mag
+    d_p = d_o @ vg.transpose(0, 2, 1)  # [N, R, S]
+    e_dp = gamma(h_v, u) * (abs_do @ abs_v.transpose(0, 2, 1))
+    big_d = np.sum(p * d_p, axis=-1, keepdims=True)
+    e_d1 = (
+        np.sum(abs_do * e_o, -1, keepdims=True)
+        + gamma(h_v, u) * np.sum(abs_do * o_mag, -1)[..., None]
+    )
+    pd = p * np.abs(d_p)
+    e_d2 = np.sum(r * pd + p * e_dp, -1, keepdims=True) + gamma(s_len, u) * pd.sum(-1)[..., None]
+    e_d = np.maximum(e_d1, e_d2)
+    g_mag = np.abs(d_p) + np.abs(big_d) + np.abs(d_l)[..., None]
+    d_s = p * (d_p - big_d + d_l[..., None])
+    e_ds = p * (r * g_mag + e_dp + e_d + 3 * u * g_mag)
+    d_x, e_dx = d_s, e_ds
+    if softcap is not None:
+        t = np.tanh(raw / softcap)
+        f = 1.0 - t * t
+        e_t = f * gamma(h + 1, u) * mag / softcap + (c + 1) * u * np.abs(t)
+        e_f = 2 * np.abs(t) * e_t + 2 * u
+        d_x = d_s * f
+        e_dx = e_ds * f + np.abs(d_s) * e_f + u * np.abs(d_x)
+    abs_k, abs_q = np.abs(kg), np.abs(q)
+    e_dq = abs(sc) * (e_dx @ abs_k + gamma(s_len + 2, u) * (np.abs(d_x) @ abs_k))
+    e_dk = abs(sc) * (
+        e_dx.transpose(0, 2, 1) @ abs_q
+        + gamma(n_dk + 2, u) * (np.abs(d_x).transpose(0, 2, 1) @ abs_q)
+    )
+    pt = p.transpose(0, 2, 1)
+    e_dv = (r * p).transpose(0, 2, 1) @ abs_do + gamma(n_dk + 1, u) * (pt @ abs_do)
+    return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
+
+
+def kernel_grad_error_bound(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    cotangent: Any,
+    lse_cotangent: Any = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+    dtype: Any = None,
+    budget: int = 64 << 20,
+) -> Any:
+    """Componentwise bounds on the error of the gradients ``(dq, dk, dv, dbias)`` of
+    ``sum(cotangent * o) + sum(lse_cotangent * lse)`` computed in ``dtype`` (derivation in the
+    module docstring), streamed over blocks of query rows.
+
+    Args:
+        query: ``[B, T, N, H]``, exactly as the kernel received it.
+        key: ``[B, S, K, H]``.
+        value: ``[B, S, K, H_v]``.
+        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        cotangent: ``[B, T, N, H_v]``, as the kernel received it.
+        lse_cotangent: ``[B, T, N]``; ``None`` (default) is zero.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: The causal flag (default ``False``).
+        query_seq_lengths: Integer ``[B]``; ``None`` (default).
+        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
+        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
+        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
+        softcap: ``c`` of the logit cap; ``None`` (default).
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
+        dtype: The kernel's format; ``None`` (default) is ``query``'s dtype.
+        budget: Bytes of temporaries per block (default 64 MiB).
+
+    Returns:
+        :class:`attnref.oracle.KernelGrads` of float64 bounds, each the shape of its input
+        (``bias`` ``None`` without a bias).
+
+    Raises:
+        ValueError: For the arguments :func:`attnref.oracle.dot_product_attention_vjp`
+            refuses with ``ValueError``.
+        TypeError: For those it refuses with ``TypeError``.
+    """
+    from attnref.oracle._kernel_call import allowed_rows, parse
+    from attnref.oracle._kernel_grad import KernelGrads, _bias_add, _cotangents
+
+    c = parse(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    d_o, d_l = _cotangents(c, cotangent, lse_cotangent)
+    fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
+    work = np.float32 if _is_16bit(fmt) else fmt
+    b_size, n_heads, t, s_len = c.shape
+    grp = c.group
+    n_kv = c.k.shape[2]
+    out = [np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)]
+    e_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
+    a_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
+    rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
+    units = (unit_roundoff(work), unit_roundoff(np.float64))
+    for b in range(b_size):
+        kg = np.repeat(c.k[b], grp, axis=1).transpose(1, 0, 2)  # [N, S, H]
+        vg = np.repeat(c.v[b], grp, axis=1).transpose(1, 0, 2)
+        dead = np.zeros((t, n_heads), bool)
+        for i0 in range(0, int(c.q_len[b]), rows):
+            i1 = min(i0 + rows, int(c.q_len[b]))
+            ok = allowed_rows(c, b, slice(None), i0, i1, 0, s_len)
+            ok = np.ones((n_heads, i1 - i0, s_len), bool) if ok is None else ok
+            dead[i0:i1] = ~ok.any(axis=-1).T
+            bias_blk = None if c.bias is None else c.bias[b, :, i0:i1]
+            q = c.q[b, i0:i1].transpose(1, 0, 2)
+            for u in units:
+                e_dq, e_dk, e_dv, e_ds, a_ds = _block(
+                    q,
+                    kg,
+                    vg,
+                    ok,
+                    bias_blk,
+                    d_o[b, i0:i1].transpose(1, 0, 2),
+                    d_l[b, i0:i1].T,
+                    c.scale,
+                    c.softcap,
+                    u,
+                    t * grp,
+                )
+                out[0][b, i0:i1] += e_dq.transpose(1, 0, 2)
+                out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
+                out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
+                if e_db is not None and a_db is not None:
+                    _bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+                    if u == units[0]:
+                        _bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+        if c.policy == "uniform":
+            dead_do = np.where(dead[..., None], np.abs(d_o[b]), 0.0).sum(0)  # [N, H_v]
+            per_kv = dead_do.reshape(n_kv, grp, -1).sum(1)
+            g = sum(gamma(t * grp + 2, u) for u in units)
+            out[2][b] += g * per_kv[None] / max(s_len, 1)
+    if e_db is not None and a_db is not None:
+        m = int(np.prod(c.shape) // max(1, np.prod(c.bias_shape)))
+        e_db = e_db + sum(gamma(m, u) for u in units) * a_db
+    grads = KernelGrads(out[0], out[1], out[2], e_db)
+    if _is_16bit(fmt):
+        ref = _reference_magnitudes(c, d_o, d_l)
+        grads = KernelGrads(
+            *(
+                None if e is None else e + unit_roundoff(fmt) * (np.abs(r) + e)
+                for e, r in zip(grads, ref, strict=True)
+            )
+        )
+    return grads
+
+
+def _reference_magnitudes(c: Any, d_o: np.ndarray, d_l: np.ndarray) -> Any:
+    """The float64 gradients themselves (their final rounding to a 16-bit format)."""
+    from attnref.oracle._kernel_grad import _fast
+
+    return _fast(c, d_o, d_l)
