@@ -148,5 +148,5 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
             out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
             lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
             for n, r in zip(*np.nonzero(~live), strict=True):
-                _dead_rows(c, hg.b, hg.g * grp + n, out, np.array([i0 + r]))
+                _dead_rows(c, hg.b, int(hg.g * grp + n), out, np.array([i0 + r]))
     return out, lse

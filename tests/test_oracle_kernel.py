@@ -1,0 +1,273 @@
+"""The kernel oracle's two implementations and its gradient oracle.
+
+``method="definition"`` (one element at a time) is the root of trust; ``method="fast"`` (float64
+BLAS over query blocks) must agree with it within the derived float64 bound: each is a float64
+evaluation of the same sums, so each is within ``tolerance.kernel_call_error_bound(...,
+dtype=float64)``'s float64 term of the exact result, and that bound (which counts the float64
+term twice) covers their difference. The gradient oracle is checked three ways: fast against
+definition (within twice its float64 gradient bound, the same argument), the definition against
+central finite differences of the *definition forward* (an outside truth: no analytic formula
+shared), and against JAX's float64 autodiff of ``attnref.dot_product_attention`` (an independent
+implementation of the forward, differentiated by JAX).
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnref
+from attnref import oracle, tolerance
+from attnref import strategies as ast
+
+from .helpers import scaled
+from .kernel_helpers import kproblems
+
+F64 = ("float64",)
+
+
+def _cotangents(p: ast.KernelProblem, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([seed, 7])
+    c = p.config
+    return rng.standard_normal((c.b, c.t, c.n, c.h_v)), rng.standard_normal((c.b, c.t, c.n))
+
+
+def _assert_within(got: np.ndarray, want: np.ndarray, bound: np.ndarray, label: str) -> None:
+    """Same NaN and infinity pattern; elsewhere ``|got - want| <= bound``."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{label}: NaN pattern")
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"{label}: inf pattern")
+    fin = np.isfinite(want)
+    err = np.abs(np.where(fin, got, 0.0) - np.where(fin, want, 0.0))
+    bad = err > np.where(fin, bound, 0.0)
+    assert not bad.any(), (
+        f"{label}: |fast - definition| = {err[bad].max():.3e} > bound at "
+        f"{tuple(np.argwhere(bad)[0])}"
+    )
+
+
+@given(problem=kproblems(dtypes=F64))
+@scaled(0.5)
+def test_fast_forward_equals_definition(problem):
+    """Output, lse and the allowed set, over mixed options (every mask kind, its broadcast shapes,
+    GQA, T != S, softcap, windows, every masked-rows policy and alignment)."""
+    p = problem
+    out_f, lse_f = p.oracle()
+    out_d, lse_d = p.oracle(method="definition")
+    bound, lse_bound = p.bound()  # float64 problem: the float64 term, counted twice
+    _assert_within(out_f, out_d, bound, f"output {p!r}")
+    _assert_within(lse_f, lse_d, lse_bound, f"lse {p!r}")
+    c = p.config
+    kw = {k: v for k, v in p.options.items() if k not in ("softcap", "scale")}
+    shape = (c.b, c.n, c.t, c.s)
+    fast = oracle.kernel_allowed(shape, causal_alignment=p.causal_alignment, **kw)
+    slow = oracle.kernel_allowed(
+        shape, causal_alignment=p.causal_alignment, method="definition", **kw
+    )
+    np.testing.assert_array_equal(fast, slow)
+
+
+@given(problem=kproblems(dtypes=F64), seed=st.integers(0, 2**16))
+@scaled(0.4)
+def test_fast_gradient_equals_definition(problem, seed):
+    """dq, dk, dv and dbias through the output and the lse."""
+    p = problem
+    cot, cot_lse = _cotangents(p, seed)
+    fast = p.oracle_vjp(cot, cot_lse)
+    slow = p.oracle_vjp(cot, cot_lse, method="definition")
+    bound = p.grad_bound(cot, cot_lse)
+    for name, f, s, b in zip(fast._fields, fast, slow, bound, strict=True):
+        if s is None:
+            assert f is None and b is None
+            continue
+        _assert_within(f, s, 2 * b, f"d/d{name} {p!r}")
+
+
+def _loss_np(p: ast.KernelProblem, q, k, v, bias, cot, cot_lse) -> float:
+    opts = dict(p.options)
+    if bias is not None:
+        opts["bias"] = bias
+    out, lse = oracle.dot_product_attention(
+        q, k, v, return_lse=True, method="definition", **p.semantics(), **opts
+    )
+    out = np.where(np.isnan(out), 0.0, out)  # "nan" rows: constant, no derivative
+    return float(np.sum(out * cot) + np.sum(np.where(np.isfinite(lse), lse * cot_lse, 0.0)))
+
+
+@given(problem=kproblems(dtypes=F64, profiles=ast.STATIC_PROFILES[:2]), seed=st.integers(0, 99))
+@scaled(0.3)
+def test_definition_gradient_matches_finite_differences(problem, seed):
+    """``<vjp(dO), u>`` equals the central difference ``(L(x + h u) - L(x - h u)) / 2h`` of the
+    definition forward along a random direction ``u`` (over q, k, v and the finite bias).
+
+    Error of the central difference: truncation ``h^2 |L'''| / 6`` plus rounding
+    ``2 eps_L / (2 h)`` with ``eps_L ~ 1e2 u64 sum|terms|``; at ``h = 1e-4`` on these O(1)
+    inputs (|L'''| <= ~1e3 for logits of size ~10) truncation is ~2e-6 and rounding ~1e-9, so
+    ``1e-4 (1 + |<vjp, u>|)`` holds with a 50x margin, while a wrong term (a dropped ``D_i`` or
+    lse term, a missing scale) moves the product by O(1)."""
+    p = problem
+    cot, cot_lse = _cotangents(p, seed)
+    rng = np.random.default_rng([seed, 3])
+    bias = p.options.get("bias")
+    finite_bias = None if bias is None else np.where(np.isinf(bias), 0.0, 1.0)
+    dirs = [rng.standard_normal(a.shape) for a in (p.q, p.k, p.v)]
+    dirs.append(None if bias is None else rng.standard_normal(np.shape(bias)) * finite_bias)
+    grads = p.oracle_vjp(cot, cot_lse, method="definition")
+    pred = sum(float(np.sum(g * d)) for g, d in zip(grads, dirs, strict=True) if d is not None)
+    h = 1e-4
+
+    def at(sign: float) -> float:
+        args = [a + sign * h * d for a, d in zip((p.q, p.k, p.v), dirs[:3], strict=True)]
+        b = None if bias is None else bias + sign * h * dirs[3]
+        return _loss_np(p, *args, b, cot, cot_lse)
+
+    fd = (at(1.0) - at(-1.0)) / (2 * h)
+    assert abs(fd - pred) <= 1e-4 * (1 + abs(pred)), f"{p!r}: fd {fd} vs vjp {pred}"
+
+
+@given(problem=kproblems(dtypes=F64), seed=st.integers(0, 2**16))
+@scaled(0.3)
+def test_gradient_oracle_matches_jax_float64_autodiff(problem, seed):
+    """JAX's float64 autodiff of attnref's naive kernel (another implementation of the forward,
+    differentiated by JAX) is within the derived float64 gradient bound of the oracle."""
+    p = problem
+    cot, cot_lse = _cotangents(p, seed)
+    opts = dict(p.options)
+    bias = opts.pop("bias", None)
+
+    def loss(q, k, v, b):
+        out, lse = attnref.dot_product_attention(
+            q, k, v, b, return_lse=True, **p.semantics(), **opts
+        )
+        out = jnp.where(jnp.isnan(out), 0.0, out)
+        return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * cot_lse, 0.0))
+
+    with jax.enable_x64(True):
+        argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+        got = jax.grad(loss, argnums=argnums)(p.q, p.k, p.v, bias)
+    want = p.oracle_vjp(cot, cot_lse)
+    bound = p.grad_bound(cot, cot_lse)
+    for name, g, w, b in zip(want._fields, got, want, bound, strict=False):
+        g = np.asarray(g, np.float64)
+        if name == "bias":
+            g = np.where(np.isneginf(bias), 0.0, g)  # a masked entry's gradient is 0
+        _assert_within(g, w, b, f"d/d{name} {p!r}")
+
+
+def test_gradient_bound_is_not_vacuous():
+    """A gradient with one term dropped (the lse cotangent's ``p dl``) is far outside the
+    bound, and a float32 kernel's gradient is inside it."""
+    p = ast.make_kernel_problem(
+        ast.Config(batch=1, t=4, s=5, n=2, k=1, h=4, h_v=3, d_model=8), "causal", 3
+    )
+    cot, cot_lse = _cotangents(p, 0)
+    bound = p.grad_bound(cot, cot_lse)
+    full = p.oracle_vjp(cot, cot_lse)
+    without = p.oracle_vjp(cot, None)
+    assert np.max(np.abs(full.query - without.query) / bound.query) > 1e3
+
+    def loss(q, k, v):
+        out, lse = attnref.dot_product_attention(q, k, v, return_lse=True, is_causal=True)
+        return jnp.sum(out * cot.astype(np.float32)) + jnp.sum(lse * cot_lse.astype(np.float32))
+
+    got = jax.grad(loss, argnums=(0, 1, 2))(p.q, p.k, p.v)
+    for g, w, b in zip(got, full, bound, strict=False):
+        assert np.all(np.abs(np.asarray(g, np.float64) - w) <= b)
+
+
+def test_masked_nonfinite_entries_never_reach_output_or_gradient():
+    """NaN and inf in k, v and the bias at masked positions leave the fast forward and both
+    gradient oracles equal to the same call with those entries zeroed."""
+    cfg = ast.Config(batch=1, t=4, s=6, n=2, k=2, h=4, h_v=3, d_model=8, dtype="float64")
+    p = ast.make_kernel_problem(cfg, "padding", 5)
+    lens = p.options["key_value_seq_lengths"]
+    k, v = p.k.copy(), p.v.copy()
+    k[0, int(lens[0]) :] = np.nan
+    v[0, int(lens[0]) :] = np.inf
+    bad = p.replace(k=k, v=v)
+    clean = p.replace(k=np.nan_to_num(k, nan=0.0), v=np.where(np.isinf(v), 0.0, v))
+    cot, cot_lse = _cotangents(p, 1)
+    for method in ("fast", "definition"):
+        o_bad, l_bad = bad.oracle(method)
+        o_ok, l_ok = clean.oracle(method)
+        np.testing.assert_array_equal(o_bad, o_ok)
+        np.testing.assert_array_equal(l_bad, l_ok)
+        for g_bad, g_ok in zip(
+            bad.oracle_vjp(cot, cot_lse, method),
+            clean.oracle_vjp(cot, cot_lse, method),
+            strict=True,
+        ):
+            if g_ok is not None:
+                live = np.isfinite(g_ok)
+                np.testing.assert_array_equal(np.where(live, g_bad, 0.0), np.where(live, g_ok, 0.0))
+
+
+def test_oracle_does_not_write_to_its_inputs():
+    cfg = ast.Config(batch=1, t=1, s=3, n=2, k=1, h=4, h_v=4, d_model=8, dtype="float64")
+    p = ast.make_kernel_problem(cfg, "none", 0)
+    before = [a.copy() for a in (p.q, p.k, p.v)]
+    cot, cot_lse = _cotangents(p, 0)
+    for method in ("fast", "definition"):
+        p.oracle(method)
+        p.oracle_vjp(cot, cot_lse, method)
+    for a, b in zip((p.q, p.k, p.v), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_oracle_refuses():
+    p = ast.make_kernel_problem(ast.Config(batch=1, t=3, s=3, n=1, k=1, h=2, h_v=2, d_model=4), "none", 0)
+    cot = np.zeros((1, 3, 1, 2))
+    with pytest.raises(ValueError, match="method"):
+        oracle.dot_product_attention(p.q, p.k, p.v, method="exact")
+    with pytest.raises(ValueError, match="cotangent"):
+        oracle.dot_product_attention_vjp(p.q, p.k, p.v, cotangent=cot[:, :2])
+    v = p.v.copy()
+    v[0, 1, 0, 0] = np.nan  # read by every query: no derivative
+    for method in ("fast", "definition"):
+        with pytest.raises(ValueError, match="non-finite value"):
+            oracle.dot_product_attention_vjp(p.q, p.k, v, cotangent=cot, method=method)
+
+
+def test_fast_oracle_memory_is_linear_in_t():
+    """At T = S = 4096 with 2 heads one ``[N, T, S]`` float64 array is 256 MiB; the fast oracle
+    streams over query blocks whose temporaries fit its 64 MiB budget (the inputs and outputs
+    add 2 MiB), so its peak stays below half of that array (an unstreamed softmax needs at
+    least the whole array)."""
+    rng = np.random.default_rng(0)
+    t, n, h = 4096, 2, 8
+    q, k, v = (rng.standard_normal((1, t, n, h)) for _ in range(3))
+    tracemalloc.start()
+    oracle.dot_product_attention(q, k, v)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    full = n * t * t * 8
+    assert peak < full / 2, f"peak {peak / 2**20:.1f} MiB >= half of [N, T, S] {full / 2**21:.0f}"
+
+
+def test_streamed_bound_equals_full_bound():
+    """``kernel_call_error_bound`` (streamed, any block size) equals ``kernel_error_bound`` given
+    the whole allowed set."""
+    cfg = ast.Config(batch=2, t=5, s=7, n=4, k=2, h=4, h_v=3, d_model=8)
+    for kind in ("combined", "causal", "neg_inf_bias"):
+        p = ast.make_kernel_problem(cfg, kind, 11, masked_rows="uniform")
+        full = tolerance.kernel_error_bound(
+            p.q,
+            p.k,
+            p.v,
+            p.allowed(),
+            p.options.get("bias"),
+            scale=p.options.get("scale"),
+            softcap=p.options.get("softcap"),
+            masked_rows="uniform",
+        )
+        for budget in (1, 10**9):
+            streamed = tolerance.kernel_call_error_bound(
+                p.q, p.k, p.v, budget=budget, masked_rows="uniform", **p.options
+            )
+            for a, b in zip(full, streamed, strict=True):
+                np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
