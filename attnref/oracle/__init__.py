@@ -16,13 +16,24 @@ from ._core import attention, attention_weights, head_outputs
 from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
 from ._kernel_grad import KernelGrads, dot_product_attention_vjp
 from ._linear import features, linear_attention, linear_multihead
+from ._linear_grad import (
+    LinearGrads,
+    LinearMultiheadGrads,
+    linear_attention_vjp,
+    linear_multihead_vjp,
+)
 from ._rope import rope, rope_attention
+from ._weight_grad import AttentionGrads, attention_vjp, rope_attention_vjp
 
 __all__ = [
+    "AttentionGrads",
     "KernelGrads",
+    "LinearGrads",
+    "LinearMultiheadGrads",
     "alibi_bias",
     "alibi_slopes",
     "attention",
+    "attention_vjp",
     "attention_weights",
     "dot_product_attention",
     "dot_product_attention_vjp",
@@ -30,7 +41,10 @@ __all__ = [
     "head_outputs",
     "kernel_allowed",
     "linear_attention",
+    "linear_attention_vjp",
     "linear_multihead",
+    "linear_multihead_vjp",
     "rope",
     "rope_attention",
+    "rope_attention_vjp",
 ]

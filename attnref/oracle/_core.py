@@ -24,16 +24,29 @@ Ainslie et al. 2023; ``K = 1`` is multi-query attention, Shazeer 2019; ``K = H``
 rounded to ``dtype`` (arithmetic between roundings in float64), which is how a straightforward
 implementation in that format behaves, with its own operation order. It is what the comparative
 tolerance rule for 16-bit formats measures against (see :mod:`attnref.tolerance`).
+
+Two implementations of the same equations, selected by ``method``:
+
+* ``"definition"``: the loops above, one batch element, head and query at a time (the root of
+  trust; it is what ``emulate`` rounds, in its own operation order).
+* ``"fast"`` (default): per batch element, every query head at once with float64 BLAS
+  (``Q_i K_i^T``, ``P_i V_i``, ``Z W_O``), streaming over blocks of queries so that the
+  temporaries ``[H, block, T_k]`` stay within about 64 MiB (:data:`_BUDGET_BYTES`) whatever
+  ``T_q``. Key/value heads are projected once per key/value head and read by the ``G`` query
+  heads of their group through one index (so grouped parameters and their repeated multi-head
+  twin give bit-identical results). Both are within the float64 bound of
+  :func:`attnref.tolerance.attention_error_bound` of the exact result.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_weight_level
+from ._checks import check_method, check_weight_level
 
 __all__ = ["attention", "attention_weights", "head_outputs"]
 
@@ -131,6 +144,203 @@ def _per_head_per_query(
     return weights, outs, w
 
 
+# ----------------------------------------------------------------------------- the fast path
+
+_BUDGET_BYTES = 64 * 2**20  # temporaries of one query block, about 64 MiB
+# float64 [H, block, T_k] arrays a forward block is budgeted for: the logits (turned into weights
+# in place) are kept, the rest is headroom for NumPy's temporaries and BLAS workspace
+_FORWARD_ARRAYS = 4
+
+# (batch index, query rows, vectors [H, rows, d]) -> the vectors rotated (RoPE) or unchanged
+Rotation = Callable[[tuple[int, ...], slice, np.ndarray], np.ndarray]
+
+
+class _Fast(NamedTuple):
+    """A validated weight-level problem in float64, as the vectorised paths read it."""
+
+    w: dict[str, np.ndarray | None]  # _unpack: w_k, w_v, b_k, b_v keep their K key/value heads
+    xq: np.ndarray  # [*batch, T_q, d_model]
+    xkv: np.ndarray  # [*batch, T_k, d_model] (x_q itself when x_kv is None)
+    mask: np.ndarray | None  # broadcast to [*batch, T_q, T_k]
+    bias: np.ndarray | None  # broadcast to [*batch, T_q, T_k], float64
+    scale: float
+    batch: tuple[int, ...]
+    kv_of: np.ndarray  # [H]: the key/value head i // G that query head i reads
+
+
+def _fast_problem(
+    params: Any, x_q: Any, x_kv: Any, mask: Any, bias: Any, scale: float | None
+) -> _Fast:
+    """Validate (as the definition does) and read the inputs as float64 arrays."""
+    batch, _, _, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
+    w = _unpack(params)
+    group = _group_size(w)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    w_q = w["w_q"]
+    assert w_q is not None
+    n_heads, _, d_k = w_q.shape
+    s = 1.0 / math.sqrt(d_k) if sc is None else sc
+    return _Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
+
+
+def _block_rows(n_heads: int, t_k: int, arrays: int) -> int:
+    """Query rows per block: ``arrays`` float64 temporaries ``[H, rows, T_k]`` fit the budget."""
+    return max(1, _BUDGET_BYTES // (arrays * 8 * n_heads * max(t_k, 1)))
+
+
+def _query_blocks(t_q: int, rows: int) -> Iterator[slice]:
+    """``slice(0, rows), slice(rows, 2 rows), ...`` covering ``range(t_q)``."""
+    for start in range(0, t_q, rows):
+        yield slice(start, min(start + rows, t_q))
+
+
+def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray:
+    """``x W[h] + b[h]`` for every head: ``x [n, d_model]``, ``W [heads, d_model, d]`` ->
+    ``[heads, n, d]`` (one BLAS product per head)."""
+    y = np.matmul(x, wt)
+    return y if bt is None else y + bt[:, None, :]
+
+
+def _keys_values(p: _Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``, one per
+    query head (each key/value head projected once, then read by its ``G`` query heads)."""
+    w_k, w_v = p.w["w_k"], p.w["w_v"]
+    assert w_k is not None and w_v is not None
+    keys = _project(p.xkv[idx], w_k, p.w["b_k"])[p.kv_of]
+    values = _project(p.xkv[idx], w_v, p.w["b_v"])[p.kv_of]
+    return keys, values
+
+
+def _allowed(p: _Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
+    """``mask & (bias != -inf)`` for the query ``rows`` of batch element ``idx``, ``[n, T_k]``;
+    ``None`` when every pair is allowed."""
+    keep = None if p.mask is None else p.mask[idx][rows]
+    if p.bias is not None:
+        finite = p.bias[idx][rows] != -np.inf
+        keep = finite if keep is None else keep & finite
+    return keep
+
+
+def _logits(
+    p: _Fast, idx: tuple[int, ...], rows: slice, q: np.ndarray, keys: np.ndarray
+) -> np.ndarray:
+    """``s = (q . k) * scale + bias``, ``[H, n, T_k]``, for queries ``q [H, n, d_k]``."""
+    s = np.matmul(q, np.swapaxes(keys, -1, -2))
+    s *= p.scale
+    if p.bias is not None:
+        s += p.bias[idx][rows]
+    return s
+
+
+def _softmax_block(scores: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """``p_j = exp(s_j - max s) / sum exp(s - max s)`` over the allowed keys of every row of
+    ``scores [..., T_k]``; a row without an allowed key is all zero. Overwrites ``scores``."""
+    if allowed is not None:
+        np.copyto(scores, -np.inf, where=~allowed)
+    top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
+    top[~np.isfinite(top)] = 0.0  # rows with no allowed key: every entry stays -inf, exp 0
+    scores -= top
+    np.exp(scores, out=scores)
+    total = np.sum(scores, axis=-1, keepdims=True)
+    total[total == 0.0] = 1.0
+    scores /= total
+    return scores
+
+
+class _Block(NamedTuple):
+    """One block of queries of one batch element, with what the forward computed for it."""
+
+    idx: tuple[int, ...]
+    rows: slice
+    q: np.ndarray  # [H, n, d_k], rotated when a rotation is given
+    keys: np.ndarray  # [H, T_k, d_k], rotated likewise
+    values: np.ndarray  # [H, T_k, d_v]
+    weights: np.ndarray  # [H, n, T_k]
+
+
+def _each_block(
+    p: _Fast,
+    visit: Callable[[_Block], None],
+    *,
+    rotate_q: Rotation | None = None,
+    rotate_k: Rotation | None = None,
+    arrays: int = _FORWARD_ARRAYS,
+) -> None:
+    """Call ``visit`` on the attention weights of one query block at a time (block size from the
+    memory budget for ``arrays`` temporaries ``[H, block, T_k]``; a callback rather than a
+    generator, so that no block outlives its visit). ``rotate_q(idx, rows, q)`` and
+    ``rotate_k(idx, slice(None), k)`` (RoPE) are applied to queries and keys after projection."""
+    w_q = p.w["w_q"]
+    assert w_q is not None
+    t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
+    step = _block_rows(w_q.shape[0], t_k, arrays)
+    for idx in np.ndindex(*p.batch):
+        keys, values = _keys_values(p, idx)
+        if rotate_k is not None:
+            keys = rotate_k(idx, slice(None), keys)
+        for rows in _query_blocks(t_q, step):
+            q = _project(p.xq[idx][rows], w_q, p.w["b_q"])
+            if rotate_q is not None:
+                q = rotate_q(idx, rows, q)
+            weights = _softmax_block(_logits(p, idx, rows, q, keys), _allowed(p, idx, rows))
+            visit(_Block(idx, rows, q, keys, values, weights))
+            del weights  # before the next block's logits are allocated
+
+
+def _fast_weights(p: _Fast) -> np.ndarray:
+    """Attention weights ``[*batch, H, T_q, T_k]`` (the full array: it is the result)."""
+    w_q = p.w["w_q"]
+    assert w_q is not None
+    out = np.zeros((*p.batch, w_q.shape[0], p.xq.shape[-2], p.xkv.shape[-2]))
+
+    def visit(blk: _Block) -> None:
+        out[blk.idx][:, blk.rows] = blk.weights
+
+    _each_block(p, visit)
+    return out
+
+
+def _fast_head_outputs(p: _Fast) -> np.ndarray:
+    """Per-head outputs ``o_i = P_i V_i W_O[i]``, ``[*batch, H, T_q, d_model]``."""
+    w_o = p.w["w_o"]
+    assert w_o is not None
+    out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], w_o.shape[2]))
+
+    def visit(blk: _Block) -> None:
+        out[blk.idx][:, blk.rows] = np.matmul(np.matmul(blk.weights, blk.values), w_o)
+
+    _each_block(p, visit)
+    return out
+
+
+def _fast_output(
+    p: _Fast,
+    *,
+    rotate_q: Rotation | None = None,
+    rotate_k: Rotation | None = None,
+    residual: bool = False,
+) -> np.ndarray:
+    """``y = sum_i P_i V_i W_O[i] (+ b_O) (+ x_q)``, ``[*batch, T_q, d_model]``: per block one
+    product ``[n, H d_v] @ [H d_v, d_model]`` of the concatenated heads, never ``[H, T_q, T_k]``."""
+    w_o = p.w["w_o"]
+    assert w_o is not None
+    n_heads, d_v, d_model = w_o.shape
+    w_cat = w_o.reshape(n_heads * d_v, d_model)
+    y = np.zeros((*p.batch, p.xq.shape[-2], d_model))
+
+    def visit(blk: _Block) -> None:
+        z = np.matmul(blk.weights, blk.values)  # [H, n, d_v]
+        y[blk.idx][blk.rows] = np.swapaxes(z, 0, 1).reshape(z.shape[1], n_heads * d_v) @ w_cat
+
+    _each_block(p, visit, rotate_q=rotate_q, rotate_k=rotate_k)
+    if p.w["b_o"] is not None:
+        y = y + p.w["b_o"]
+    if residual:
+        y = y + p.xq
+    return y
+
+
 def attention_weights(
     params: Any,
     x_q: Any,
@@ -139,6 +349,7 @@ def attention_weights(
     mask: Any = None,
     bias: Any = None,
     scale: float | None = None,
+    method: str = "fast",
 ) -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
 
@@ -153,6 +364,8 @@ def attention_weights(
         bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
             (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
         scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        method: ``"fast"`` (default; vectorised, streamed over query blocks) or
+            ``"definition"`` (one head and query at a time); see the module docstring.
 
     Returns:
         float64 weights ``[..., H, T_q, T_k]``.
@@ -160,11 +373,13 @@ def attention_weights(
     Raises:
         ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
             ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``).
+            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
         TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
             a non-floating bias, a non-real scale).
     """
-    return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[0]
+    if check_method(method) == "definition":
+        return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[0]
+    return _fast_weights(_fast_problem(params, x_q, x_kv, mask, bias, scale))
 
 
 def head_outputs(
@@ -175,6 +390,7 @@ def head_outputs(
     mask: Any = None,
     bias: Any = None,
     scale: float | None = None,
+    method: str = "fast",
 ) -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
 
@@ -189,6 +405,8 @@ def head_outputs(
         bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
             (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
         scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
+            ``[H, T_q, T_k]``) or ``"definition"`` (one head and query at a time).
 
     Returns:
         float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
@@ -196,11 +414,13 @@ def head_outputs(
     Raises:
         ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
             ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``).
+            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
         TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
             a non-floating bias, a non-real scale).
     """
-    return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[1]
+    if check_method(method) == "definition":
+        return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[1]
+    return _fast_head_outputs(_fast_problem(params, x_q, x_kv, mask, bias, scale))
 
 
 def attention(
@@ -213,10 +433,12 @@ def attention(
     scale: float | None = None,
     residual: bool = False,
     emulate: Any = None,
+    method: str = "fast",
 ) -> np.ndarray:
     """Multi-head attention output ``[..., T_q, d_model]`` in float64 (``x_q +`` it if residual).
 
-    ``emulate``: round every intermediate to this dtype (a same-precision reference).
+    ``emulate``: round every intermediate to this dtype (a same-precision reference); that is
+    the definition's operation order, so it runs the definition whatever ``method`` says.
 
     Args:
         params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
@@ -232,6 +454,10 @@ def attention(
         residual: If ``True``, return ``x_q + MultiHead`` (default ``False``).
         emulate: ``None`` (default; exact float64) or a dtype (e.g. ``np.float16``) to round
             every intermediate to.
+        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
+            ``[H, T_q, T_k]``) or ``"definition"`` (one head and query at a time). Emulation
+            rounds the definition's own operation order, so an ``emulate`` dtype other than
+            float64 always runs the definition, whatever ``method`` says.
 
     Returns:
         The block output ``[..., T_q, d_model]``, float64 (values rounded to ``emulate`` when
@@ -240,10 +466,14 @@ def attention(
     Raises:
         ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
             ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``).
+            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
         TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
             a non-floating bias, a non-real scale).
     """
+    emulating = emulate is not None and np.dtype(emulate) != np.float64
+    if check_method(method) == "fast" and not emulating:
+        p = _fast_problem(params, x_q, x_kv, mask, bias, scale)
+        return _fast_output(p, residual=residual)
     rd = _rounder(emulate)
     _, outs, w = _per_head_per_query(params, x_q, x_kv, mask, bias, scale, emulate)
     y = np.zeros(outs.shape[:-3] + outs.shape[-2:])

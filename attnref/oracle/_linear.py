@@ -1,14 +1,32 @@
 """Oracle of linear (kernel) attention: feature maps and ``linear_attention`` from their
-definitions, per head and per query, and the multi-head form. NumPy only, float64."""
+definitions, per head and per query, and the multi-head form. NumPy only, float64.
+
+Two evaluations of the same equations (``method``):
+
+* ``"definition"``: one batch element, head and query at a time, one key at a time (FAVOR+: one
+  query at a time, in log space); the root of trust.
+* ``"fast"`` (default): per batch element and head, streamed over blocks of queries. Every block
+  forms the *quadratic* form ``A = phi(Q_blk) phi(K)^T`` (masked), then ``A V`` and ``A 1``, so its
+  extra memory is ``O(block x T_k)`` (FAVOR+: ``O(block x T_k x m)``, the log-sum-exp over the
+  random features), the block chosen from a 64 MiB budget of temporaries. Causal blocks read only
+  the keys ``j < end of block``. The quadratic form was chosen over the associative
+  ``phi(Q) (phi(K)^T V)``: both sum the same products ``phi(q_i)_f phi(k_j)_f v_j``, so both obey
+  the same first-order componentwise bound (:func:`attnref.tolerance.linear_error_bound`,
+  ``gamma_{m + T_k}``), but only the quadratic one computes numerator and denominator from the
+  *same* rounded ``A_ij`` (for positive maps the output stays a convex combination of the values),
+  needs no prefix sums when causal (whose error would grow with the position), and leaves masked
+  entries exact zeros, as the definition skips them.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ._checks import check_flag
+from ._checks import check_flag, check_method
 from ._core import _group_size, _unpack
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
@@ -120,6 +138,162 @@ def _ratio_from_logs(ell: np.ndarray, vals: np.ndarray, eps: float, eps_policy: 
     return weights @ vals / den
 
 
+# ----------------------------------------------------------------------------- the fast path
+
+_BUDGET_BYTES = 64 * 2**20  # float64 temporaries of one query block
+
+
+def _block_rows(t_q: int, per_row: int) -> int:
+    """Query rows per block: ``per_row`` float64 temporaries a row within the 64 MiB budget
+    (at least 1, at most ``T_q``)."""
+    return max(1, min(t_q, _BUDGET_BYTES // (8 * max(per_row, 1))))
+
+
+def _blocks(t_q: int, t_k: int, per_key: int, causal: bool) -> Iterator[tuple[int, int, int]]:
+    """``(i0, i1, kk)``: query rows ``[i0, i1)`` and the keys ``[0, kk)`` any of them may read
+    (``kk = min(i1, T_k)`` when causal), ``per_key`` temporaries per (query, key) pair."""
+    step = _block_rows(t_q, per_key * max(t_k, 1))
+    for i0 in range(0, t_q, step):
+        i1 = min(i0 + step, t_q)
+        yield i0, i1, (min(i1, t_k) if causal else t_k)
+
+
+def _key_mask(key_mask: Any, batch: list[int], t_k: int) -> np.ndarray:
+    """``key_mask`` as a boolean ``[..., T_k]`` (all True for ``None``)."""
+    if key_mask is None:
+        return np.ones((*batch, t_k), bool)
+    return np.broadcast_to(np.asarray(key_mask, bool), (*batch, t_k))
+
+
+def _allowed(km: np.ndarray, i0: int, i1: int, causal: bool) -> np.ndarray:
+    """``[i1 - i0, kk]``: key ``j`` may be read by query ``i`` (``km [kk]``; ``j <= i`` when
+    causal)."""
+    ok = np.broadcast_to(km, (i1 - i0, km.shape[-1]))
+    if causal:
+        ok = ok & (np.arange(km.shape[-1]) <= np.arange(i0, i1)[:, None])
+    return ok
+
+
+def _masked_matmul(a: np.ndarray, ok: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``sum_j a_ij b_j`` over allowed ``j`` (``a [n, kk]``, 0 elsewhere; ``b [kk, p]``): ``a @ b``,
+    or, where ``b`` is not finite (``0 * inf`` would reach rows that may not read it), the sum
+    of the allowed terms only, as the definition skips the others."""
+    if np.isfinite(b).all():
+        return a @ b
+    with np.errstate(invalid="ignore"):  # 0 * inf only at the entries the where discards
+        return np.where(ok[..., None], a[..., None] * b, 0.0).sum(-2)
+
+
+def _adjusted(den: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
+    """``D = den + eps`` ("add") or ``max(den, eps)`` ("clamp")."""
+    return den + eps if eps_policy == "add" else np.maximum(den, eps)
+
+
+def _divide(num: np.ndarray, adj: np.ndarray) -> np.ndarray:
+    """``num_i / adj_i`` row-wise, exactly 0 where ``adj_i == 0``."""
+    zero = adj == 0
+    return np.where(zero[:, None], 0.0, num / np.where(zero, 1.0, adj)[:, None])
+
+
+def _omega(fm: Any, d: int) -> np.ndarray:
+    """FAVOR+'s ``omega [m, d]`` in float64, refused (as the definition refuses it) unless its
+    width is the inputs' ``d``."""
+    w = np.asarray(fm.omega, dtype=np.float64)
+    if w.shape[1] != d:
+        raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+    return w
+
+
+def _favor_parts(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token: ``x~ = x / d^(1/4)``, ``x~ w^T [..., m]`` and ``|x~|^2 / 2``."""
+    xs = x / x.shape[-1] ** 0.25
+    return xs, xs @ w.T, 0.5 * np.sum(xs * xs, axis=-1)
+
+
+def _favor_log_block(
+    qw: np.ndarray, kw: np.ndarray, nq: np.ndarray, nk: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_favor_log_kernel` for a block of queries: ``log A_ij = lse_f(z_ijf) - log m -
+    |q~_i|^2/2 - |k~_j|^2/2`` with ``z_ijf = w_f.q~_i + w_f.k~_j`` (``qw [n, m]``, ``kw [kk, m]``).
+
+    Returns ``(ell [n, kk], e [n, kk, m], total [n, kk])`` with ``e = exp(z - max_f z)`` and
+    ``total = sum_f e`` (``e / total`` is the softmax over the features, used by the gradient)."""
+    e = qw[:, None, :] + kw[None, :, :]
+    top = e.max(axis=-1)
+    np.subtract(e, top[..., None], out=e)
+    np.exp(e, out=e)
+    total = e.sum(axis=-1)
+    ell = top + np.log(total) - math.log(qw.shape[-1]) - nq[:, None] - nk[None, :]
+    return ell, e, total
+
+
+def _ratio_parts(
+    ell: np.ndarray, ok: np.ndarray, eps: float, eps_policy: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_ratio_from_logs` row-wise: with ``s_i = max(max_j log A_ij, log eps)`` over the
+    allowed ``j``, ``weights = exp(log A - s)`` (0 at other keys), ``sink = exp(log eps - s)``,
+    ``den = sum_j weights + sink`` ("add") or ``max(sum_j weights, sink)``.
+
+    Returns ``(weights [n, kk], den [n], depends [n])``: ``den`` is 1 in rows with no allowed key
+    (whose weights are all 0), ``depends`` whether ``D`` follows ``sum_j A_ij`` (always for "add";
+    for "clamp" where ``sum_j weights >= sink``, the side Python's ``max`` picks on a tie)."""
+    log_eps = math.log(eps) if eps > 0 else -math.inf
+    ell = np.where(ok, ell, -np.inf)
+    live = ok.any(axis=-1)
+    s = np.where(live, np.maximum(np.max(ell, axis=-1, initial=-np.inf), log_eps), 0.0)
+    weights = np.exp(ell - s[:, None])
+    sink = np.exp(log_eps - s)
+    total = weights.sum(axis=-1)
+    den = total + sink if eps_policy == "add" else np.maximum(total, sink)
+    depends = np.full(total.shape, True) if eps_policy == "add" else total >= sink
+    return weights, np.where(live, den, 1.0), depends
+
+
+def _linear_fast(
+    fm: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: bool,
+    key_mask: Any,
+    eps: float,
+    eps_policy: str,
+) -> np.ndarray:
+    """:func:`linear_attention` vectorised per (batch, head), streamed over query blocks (the
+    quadratic form; FAVOR+ in log space, as the definition)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    *batch, t_q, n_heads, d = q.shape
+    t_k, d_v = k.shape[-3], v.shape[-1]
+    km = _key_mask(key_mask, batch, t_k)
+    read = km[..., None, None]  # a padded key is never read: zeros in its place change nothing
+    k, v = np.where(read, k, 0.0), np.where(read, v, 0.0)
+    out = np.zeros((*batch, t_q, n_heads, d_v))
+    favor = fm.name == "favor_plus"
+    if favor:
+        w = _omega(fm, d)
+        (_, qw, nq), (_, kw, nk) = _favor_parts(w, q), _favor_parts(w, k)
+    else:
+        fq, fk = features(fm, q, "query"), features(fm, k, "key")
+    per_key = 2 * w.shape[0] + 4 if favor else 3
+    for idx in np.ndindex(*batch):
+        for h in range(n_heads):
+            vals = v[idx][:, h]
+            extra = 0 if np.isfinite(vals).all() else d_v
+            for i0, i1, kk in _blocks(t_q, t_k, per_key + extra, causal):
+                ok = _allowed(km[idx][:kk], i0, i1, causal)
+                if favor:
+                    ell = _favor_log_block(
+                        qw[idx][i0:i1, h], kw[idx][:kk, h], nq[idx][i0:i1, h], nk[idx][:kk, h]
+                    )[0]
+                    weights, den, _ = _ratio_parts(ell, ok, eps, eps_policy)
+                    out[idx][i0:i1, h] = _masked_matmul(weights, ok, vals[:kk]) / den[:, None]
+                    continue
+                a = np.where(ok, fq[idx][i0:i1, h] @ fk[idx][:kk, h].T, 0.0)
+                adj = _adjusted(a.sum(axis=-1), eps, eps_policy)
+                out[idx][i0:i1, h] = _divide(_masked_matmul(a, ok, vals[:kk]), adj)
+    return out
+
+
 def linear_attention(
     q: Any,
     k: Any,
@@ -130,6 +304,7 @@ def linear_attention(
     key_mask: Any = None,
     eps: float = 0.0,
     eps_policy: str = "add",
+    method: str = "fast",
 ) -> np.ndarray:
     """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
 
@@ -151,6 +326,8 @@ def linear_attention(
             allows every key.
         eps: The denominator's regulariser (default 0, the exact ratio).
         eps_policy: ``"add"`` (default) or ``"clamp"``.
+        method: ``"fast"`` (default; vectorised, streamed over query blocks, see the module
+            docstring) or ``"definition"`` (one query and key at a time).
 
     Returns:
         float64 ``y [..., T_q, H, d_v]``.
@@ -158,13 +335,15 @@ def linear_attention(
     Raises:
         TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
             bool (a truthy ``1`` or ``"False"`` would silently read as causal).
-        ValueError: If ``eps_policy`` is unknown. Shapes are not validated here.
+        ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
     fm = feature_map
     _check_map(fm)
     causal = check_flag("causal", causal)
     if eps_policy not in ("add", "clamp"):
         raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    if check_method(method) == "fast":
+        return _linear_fast(fm, q, k, v, causal, key_mask, eps, eps_policy)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch, t_q, n_heads, _ = q.shape
     t_k = k.shape[-3]
@@ -206,6 +385,7 @@ def linear_multihead(
     eps: float = 0.0,
     eps_policy: str = "add",
     residual: bool = False,
+    method: str = "fast",
 ) -> np.ndarray:
     """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
     ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
@@ -223,16 +403,19 @@ def linear_multihead(
         eps: The denominator's regulariser (default 0).
         eps_policy: ``"add"`` (default) or ``"clamp"``.
         residual: If ``True``, return ``x_q + y`` (default ``False``).
+        method: ``"fast"`` (default) or ``"definition"``: how :func:`linear_attention` is
+            evaluated (the projections are the same einsums either way).
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.
 
     Raises:
         ValueError: If a weight is missing, the head counts do not group (``H % K``), or
-            ``eps_policy`` is unknown.
+            ``eps_policy`` or ``method`` is unknown.
         TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
             bool.
     """
+    check_method(method)
     w = _unpack(params)
     group = _group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
@@ -256,6 +439,7 @@ def linear_multihead(
         key_mask=key_mask,
         eps=eps,
         eps_policy=eps_policy,
+        method=method,
     )
     assert w["w_o"] is not None
     y = np.einsum("...qhv,hvd->...qd", z, w["w_o"])

@@ -19,6 +19,13 @@ Attention with RoPE, for batch index ``b``, head ``n`` and query ``t`` (row conv
     s_j = (q . k_j) * scale + bias[b, t, j]                 for allowed keys j
     p_j = exp(s_j - max s) / sum exp(s - max s)             (all zero if no key is allowed)
     y[b, t] += sum_j p_j (x_kv[b, j] W_V[g] + b_V[g]) W_O[n];   y[b, t] += b_O once
+
+``method="definition"`` computes all of this one vector (and one pair) at a time;
+``method="fast"`` (default) rotates whole arrays at once from tables of ``cos(m theta_p)`` and
+``sin(m theta_p)`` per position and pair, and runs attention through the vectorised, query-block
+streaming path of :mod:`attnref.oracle._core` with queries and keys rotated after projection.
+Both are within the float64 bounds of :func:`attnref.tolerance.rope_map_error_bound` and
+:func:`attnref.tolerance.rope_attention_error_bound` of the exact result.
 """
 
 from __future__ import annotations
@@ -32,13 +39,14 @@ from ._checks import (
     check_base,
     check_convention,
     check_even_head_dim,
+    check_method,
     check_positions,
     check_weight_level,
     dtype_of,
     is_floating,
     shape_of,
 )
-from ._core import _softmax_row, _unpack
+from ._core import Rotation, _Fast, _fast_output, _fast_problem, _softmax_row, _unpack
 
 __all__ = ["rope", "rope_attention"]
 
@@ -68,32 +76,100 @@ def _positions(positions: Any, lead: tuple[int, ...], t: int, name: str) -> np.n
     return check_positions(name, positions, lead, t)
 
 
+# ----------------------------------------------------------------------------- the fast path
+
+
+def _pair_index(d: int, convention: str) -> tuple[np.ndarray, np.ndarray]:
+    """The members ``(i_p, j_p)`` of every pair ``p`` as two index arrays ``[d/2]``."""
+    p = np.arange(d // 2)
+    return (p, p + d // 2) if convention == "rotate_half" else (2 * p, 2 * p + 1)
+
+
+def _angles(positions: np.ndarray, d: int, base: float) -> np.ndarray:
+    """``m theta_p``, ``theta_p = base ** (-2 p / d)``: ``positions [...]`` -> ``[..., d/2]``."""
+    theta = np.power(float(base), -2.0 * np.arange(d // 2) / d)
+    return np.asarray(positions, dtype=np.float64)[..., None] * theta
+
+
+def _rotate(x: np.ndarray, angles: np.ndarray, convention: str) -> np.ndarray:
+    """Every pair ``(a, b)`` of the last axis of ``x [..., d]`` turned by its angle:
+    ``(a cos - b sin, a sin + b cos)``, with ``angles`` broadcasting to ``[..., d/2]``."""
+    i, j = _pair_index(x.shape[-1], convention)
+    c, s = np.cos(angles), np.sin(angles)
+    a, b = x[..., i], x[..., j]
+    out = np.empty(np.broadcast_shapes(x.shape, (*c.shape[:-1], x.shape[-1])))
+    out[..., i] = a * c - b * s
+    out[..., j] = a * s + b * c
+    return out
+
+
+def _rotation(positions: np.ndarray, base: float, convention: str, sign: float = 1.0) -> Rotation:
+    """The rotation of the fast path for ``positions [*batch, T]``: vectors ``[H, n, d]`` of
+    batch element ``idx`` at rows ``rows`` turned by ``sign m theta_p`` (``sign = -1``: the
+    inverse, which is the transpose ``R(m)^T = R(-m)``)."""
+
+    def turn(idx: tuple[int, ...], rows: slice, v: np.ndarray) -> np.ndarray:
+        angles = _angles(positions[idx][rows], v.shape[-1], base)
+        return _rotate(v, -angles if sign < 0 else angles, convention)
+
+    return turn
+
+
+def _rope_inputs(
+    params: Any,
+    x_q: Any,
+    x_kv: Any,
+    positions_q: Any,
+    positions_kv: Any,
+    mask: Any,
+    bias: Any,
+    scale: float | None,
+    base: float,
+    convention: str,
+) -> tuple[_Fast, np.ndarray, np.ndarray]:
+    """The checks of :func:`rope_attention` (same order, same errors) and the problem for the
+    fast path, with the positions broadcast to ``[*batch, T_q]`` and ``[*batch, T_k]``."""
+    check_convention(convention)
+    check_base(base)
+    batch, t_q, t_k, _, _, _ = check_weight_level(params, x_q, x_kv, mask, bias, scale)
+    d_k = shape_of(params["w_q"] if isinstance(params, dict) else params.w_q)[2]
+    check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
+    pq = _positions(positions_q, batch, t_q, "positions_q")
+    pk = _positions(positions_kv, batch, t_k, "positions_kv")
+    return _fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
+
+
 def rope(
     x: Any,
     positions: Any,
     *,
     base: float = 10000.0,
     convention: str = "rotate_half",
+    method: str = "fast",
 ) -> np.ndarray:
     """RoPE of ``x [..., T, N, d]`` (tokens, heads, head dim) at integer ``positions [..., T]``
-    (or ``[T]``), in float64, one vector at a time. Refuses what :func:`attnref.rope.apply_rope`
-    refuses (same exception types).
+    (or ``[T]``), in float64. Refuses what :func:`attnref.rope.apply_rope` refuses (same
+    exception types).
 
     Args:
         x: ``[..., T, N, d]``, floating, ``d`` even.
         positions: Integer positions ``[..., T]`` or ``[T]``.
         base: The frequency base (default 10000), a positive finite Python number.
         convention: ``"rotate_half"`` (default) or ``"interleaved"``.
+        method: ``"fast"`` (default; whole arrays from ``cos``/``sin`` tables) or
+            ``"definition"`` (one vector and pair at a time).
 
     Returns:
         The rotated ``x`` in float64, same shape.
 
     Raises:
         ValueError: If ``x`` has rank < 3 or an odd ``d``, ``positions`` do not broadcast to
-            ``[..., T]``, ``base`` is not positive and finite, or ``convention`` is unknown.
+            ``[..., T]``, ``base`` is not positive and finite, ``convention`` or ``method`` is
+            unknown.
         TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
             a Python number.
     """
+    check_method(method)
     check_convention(convention)
     shape = shape_of(x)
     if len(shape) < 3:
@@ -105,6 +181,8 @@ def rope(
     pos = check_positions("positions", positions, tuple(lead), t)
     check_base(base)
     xs = np.asarray(x, dtype=np.float64)
+    if method == "fast":
+        return _rotate(xs, _angles(pos[..., None], shape[-1], base), convention)
     out = np.empty_like(xs)
     for idx in np.ndindex(*lead, t):
         for n in range(n_heads):
@@ -125,6 +203,7 @@ def rope_attention(
     base: float = 10000.0,
     convention: str = "rotate_half",
     residual: bool = False,
+    method: str = "fast",
 ) -> np.ndarray:
     """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (see the module
     docstring); default positions ``arange(T_q)`` / ``arange(T_k)``; fully masked query rows
@@ -145,6 +224,8 @@ def rope_attention(
         base: The frequency base (default 10000), a positive finite Python number.
         convention: ``"rotate_half"`` (default) or ``"interleaved"``.
         residual: If ``True``, return ``x_q + y`` (default ``False``).
+        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
+            ``[H, T_q, T_k]``) or ``"definition"`` (one head, query and vector at a time).
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.
@@ -152,11 +233,21 @@ def rope_attention(
     Raises:
         ValueError: For what :func:`attnref.rope.rope_attention` refuses with ``ValueError``
             (malformed params, odd ``d_k``, token, mask, bias or position shapes, ``base``,
-            ``convention``).
+            ``convention``), or an unknown ``method``.
         TypeError: For what it refuses with ``TypeError`` (mixed dtypes, non-boolean mask,
             non-integer positions, a non-number ``base``).
     """
     # Refuses what attnref.rope.rope_attention refuses, with the same exception types.
+    if check_method(method) == "fast":
+        prob, pq, pk = _rope_inputs(
+            params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
+        )
+        return _fast_output(
+            prob,
+            rotate_q=_rotation(pq, base, convention),
+            rotate_k=_rotation(pk, base, convention),
+            residual=residual,
+        )
     check_convention(convention)
     check_base(base)
     batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)

@@ -1,0 +1,503 @@
+"""Gradient oracle of linear (kernel) attention: the vector-Jacobian product, analytic, NumPy only.
+
+For one batch element and head, with ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys (key
+padding, and ``j <= i`` when causal) and row vectors::
+
+    S_i = sum_j A_ij,   N_i = sum_j A_ij v_j,   y_i = N_i / D_i
+    D_i = S_i + eps ("add")   or   max(S_i, eps) ("clamp")
+
+the gradient of ``L = sum_i dy_i . y_i`` is, with ``c_i = 1`` where ``D_i`` follows ``S_i`` (always
+for "add"; for "clamp" where ``S_i >= eps``, the side Python's ``max`` picks on a tie) and
+``c_i = 0`` where the clamp holds ``D_i = eps``::
+
+    dv_j       = sum_i A_ij dy_i / D_i
+    dA_ij      = (dy_i . v_j - c_i dy_i . y_i) / D_i                    (allowed (i, j) only)
+    dphi(q_i)  = sum_j dA_ij phi(k_j),     dphi(k_j) = sum_i dA_ij phi(q_i)
+    dq_i       = J_phi(q_i)^T dphi(q_i),   dk_j      = J_phi(k_j)^T dphi(k_j)
+
+A row with ``D_i == 0`` has output 0 and contributes no gradient. The feature maps' Jacobians:
+``elu + 1``: ``1`` for ``x > 0``, else ``exp(x)``; ``relu``: ``1`` for ``x > 0``, else ``0`` (``0``
+at ``x = 0``, as ``jax.grad(jax.nn.relu)(0.0)``); identity: ``1``; ``taylor2``
+(``phi = [1, x~, vec(x~ x~^T)/sqrt 2]``, ``x~ = x / d^(1/4)``): with ``g = [g_0, g_1, G_2]``,
+``dx~ = g_1 + (G_2 + G_2^T) x~ / sqrt 2`` and ``dx = dx~ / d^(1/4)``.
+
+FAVOR+ (``phi_f(x) = m^(-1/2) exp(w_f.x~ - |x~|^2/2)``, both roles) is differentiated in log
+space, like its forward (never forming ``phi``, so nothing overflows): with ``W_ij = A_ij / D_i``
+(from ``log A_ij`` as :func:`attnref.oracle._linear._ratio_from_logs` forms it), the softmax over
+the features ``R_ijf = exp(z_ijf - lse_f z_ij)``, ``z_ijf = w_f.(q~_i + k~_j)``, and
+``E_ij = sum_f R_ijf w_f``, since ``dA_ij / dq~_i = A_ij (E_ij - q~_i)``::
+
+    G_ij = (dy_i . v_j - c_i dy_i . y_i) W_ij   (= dA_ij A_ij)
+    dq~_i = sum_j G_ij (E_ij - q~_i),   dk~_j = sum_i G_ij (E_ij - k~_j),   dv_j = sum_i W_ij dy_i
+
+``method="definition"`` loops over batch, head, query and key with these scalar formulas;
+``method="fast"`` evaluates them per (batch, head), streamed over query blocks as the fast
+forward (extra memory ``O(block x T_k)``, FAVOR+ ``O(block x T_k x m)``, 64 MiB budget).
+Gradients assume finite inputs. Error bounds:
+:func:`attnref.tolerance.linear_attention_vjp_error_bound` and
+:func:`attnref.tolerance.linear_multihead_vjp_error_bound`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._checks import check_flag, check_method, shape_of
+from ._core import _group_size, _unpack
+from ._linear import (
+    _adjusted,
+    _allowed,
+    _blocks,
+    _check_map,
+    _favor_log_block,
+    _favor_log_kernel,
+    _favor_parts,
+    _key_mask,
+    _masked_matmul,
+    _omega,
+    _ratio_parts,
+    features,
+)
+
+__all__ = ["LinearGrads", "LinearMultiheadGrads", "linear_attention_vjp", "linear_multihead_vjp"]
+
+
+class LinearGrads(NamedTuple):
+    """Gradients of :func:`attnref.oracle.linear_attention` with respect to its inputs."""
+
+    q: np.ndarray  # [..., T_q, H, d_k]
+    k: np.ndarray  # [..., T_k, H, d_k]
+    v: np.ndarray  # [..., T_k, H, d_v]
+
+
+class LinearMultiheadGrads(NamedTuple):
+    """Gradients of :func:`attnref.oracle.linear_multihead`: ``params`` holds one array per field
+    present in the parameters (``w_q``, ..., ``b_o`` where given); ``x_kv`` is ``None`` when the
+    call had no ``x_kv`` (then ``x_q`` carries both paths)."""
+
+    params: dict[str, np.ndarray]
+    x_q: np.ndarray
+    x_kv: np.ndarray | None
+
+
+# ----------------------------------------------------------------------------- feature maps
+
+
+def feature_vjp(fm: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``J_phi(x)^T g``: the gradient through the feature map ``phi`` of the last axis, for every
+    map but FAVOR+ (differentiated in log space with the kernel).
+
+    Args:
+        fm: A feature map (``name``: ``elu_plus_one``, ``relu``, ``identity``, ``taylor2``).
+        x: Inputs ``[..., d]``.
+        g: Gradient with respect to the features ``[..., m]``.
+
+    Returns:
+        float64 ``[..., d]``.
+
+    Raises:
+        ValueError: For FAVOR+ or an unknown map.
+    """
+    name, d = fm.name, x.shape[-1]
+    if name == "elu_plus_one":
+        return g * np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0)))
+    if name == "relu":
+        return g * (x > 0)  # step, 0 at x = 0 (jax.nn.relu's convention)
+    if name == "identity":
+        return g.copy()
+    if name != "taylor2":
+        raise ValueError(f"no feature Jacobian for {name!r} (FAVOR+ goes with its kernel)")
+    xs = x / d**0.25
+    g2 = g[..., 1 + d :].reshape(*g.shape[:-1], d, d)
+    sym = np.einsum("...ab,...b->...a", g2 + np.swapaxes(g2, -1, -2), xs)
+    return (g[..., 1 : 1 + d] + sym / math.sqrt(2.0)) / d**0.25
+
+
+def _favor_softmax_mean(w: np.ndarray, qs: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """``E = sum_f R_f w_f`` with ``R = softmax_f(w_f.(q~ + k~))``, for one pair (``[d]``)."""
+    z = (qs + ks) @ w.T
+    r = np.exp(z - z.max())
+    return (r / r.sum()) @ w
+
+
+# ----------------------------------------------------------------------------- definition
+
+
+def _vjp_definition_head(
+    fm: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any
+) -> tuple[np.ndarray, ...]:
+    """``(y, dq, dk, dv)`` of one (batch, head): ``q [T_q, d]``, ``k [T_k, d]``, ``v``, ``dy``,
+    one query and one key at a time."""
+    causal, eps, eps_policy = opt
+    t_q, t_k, d = q.shape[0], k.shape[0], q.shape[-1]
+    y, dq = np.zeros((t_q, v.shape[-1])), np.zeros(q.shape)
+    dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+    favor = fm.name == "favor_plus"
+    if favor:
+        w = _omega(fm, d)
+        qs, ks = q / d**0.25, k / d**0.25
+        dks = np.zeros(k.shape)
+        log_eps = math.log(eps) if eps > 0 else -math.inf
+    else:
+        fk = features(fm, k, "key")
+        dphik = np.zeros(fk.shape)
+    for i in range(t_q):
+        keys = [j for j in range(t_k) if km[j] and not (causal and j > i)]
+        if favor:
+            if not keys:
+                continue
+            ell = _favor_log_kernel(fm, q[i], k)
+            s = max(max(float(ell[j]) for j in keys), log_eps)
+            a = {j: math.exp(float(ell[j]) - s) for j in keys}  # A_ij exp(-s)
+            sink = math.exp(log_eps - s)
+            total = sum(a.values())
+            den = total + sink if eps_policy == "add" else max(total, sink)
+            depends = eps_policy == "add" or total >= sink
+        else:
+            fq = features(fm, q[i], "query")
+            a = {j: float(fq @ fk[j]) for j in keys}
+            total = sum(a.values())
+            den = total + eps if eps_policy == "add" else max(total, eps)
+            depends = eps_policy == "add" or total >= eps
+            if den == 0.0:
+                continue
+        for j in keys:
+            y[i] += a[j] / den * v[j]
+        dyy = float(dy[i] @ y[i]) if depends else 0.0
+        dphiq, dqs = np.zeros(0 if favor else fk.shape[-1]), np.zeros(d)
+        for j in keys:
+            dv[j] += a[j] / den * dy[i]
+            g = float(dy[i] @ v[j]) - dyy  # dA_ij D_i
+            if favor:
+                e = _favor_softmax_mean(w, qs[i], ks[j])
+                big_g = g * a[j] / den  # dA_ij A_ij
+                dqs += big_g * (e - qs[i])
+                dks[j] += big_g * (e - ks[j])
+            else:
+                dphiq += g / den * fk[j]
+                dphik[j] += g / den * fq
+        dq[i] = dqs / d**0.25 if favor else feature_vjp(fm, q[i], dphiq)
+    dk = dks / d**0.25 if favor else feature_vjp(fm, k, dphik)
+    return y, dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def _vjp_fast_head(
+    fm: Any, pre: Any, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any
+) -> tuple[np.ndarray, ...]:
+    """``(y, dq-part, dk-part, dv)`` of one (batch, head), streamed over query blocks: the
+    gradients with respect to the features (other maps) or to ``x~`` (FAVOR+). ``pre``: the
+    per-token precomputation (:func:`_precompute`) of this head."""
+    causal, eps, eps_policy = opt
+    favor = fm.name == "favor_plus"
+    qa, ka = pre[0], pre[1]  # features, or x~
+    t_q, t_k = qa.shape[0], ka.shape[0]
+    y, dv = np.zeros((t_q, v.shape[-1])), np.zeros(v.shape)
+    dqa, dka = np.zeros(qa.shape), np.zeros(ka.shape)
+    per_key = 3 * pre[2].shape[-1] + 6 if favor else 5
+    for i0, i1, kk in _blocks(t_q, t_k, per_key, causal):
+        ok = _allowed(km[:kk], i0, i1, causal)
+        vals, dyb = v[:kk], dy[i0:i1]
+        if favor:
+            qw, kw, nq, nk, w = pre[2:]
+            ell, r, total = _favor_log_block(qw[i0:i1], kw[:kk], nq[i0:i1], nk[:kk])
+            weights, den, depends = _ratio_parts(ell, ok, eps, eps_policy)
+            ratio = weights / den[:, None]  # W_ij = A_ij / D_i
+        else:
+            a = np.where(ok, qa[i0:i1] @ ka[:kk].T, 0.0)
+            s = a.sum(axis=-1)
+            adj = _adjusted(s, eps, eps_policy)
+            live = adj != 0
+            inv = np.where(live, 1.0 / np.where(live, adj, 1.0), 0.0)
+            ratio = a * inv[:, None]
+            depends = np.full(s.shape, True) if eps_policy == "add" else s >= eps
+        y[i0:i1] = _masked_matmul(ratio, ok, vals)
+        dyy = np.where(depends, np.sum(dyb * y[i0:i1], axis=-1), 0.0)
+        g = np.where(ok, dyb @ vals.T - dyy[:, None], 0.0)  # dA_ij D_i
+        dv[:kk] += ratio.T @ dyb
+        if favor:
+            big_g = g * ratio  # dA_ij A_ij
+            r /= total[..., None]  # softmax over the features
+            if not np.isfinite(r).all():
+                r = np.where(ok[..., None], r, 0.0)
+            gr_q = np.einsum("ij,ijf->if", big_g, r, optimize=True)
+            gr_k = np.einsum("ij,ijf->jf", big_g, r, optimize=True)
+            dqa[i0:i1] = gr_q @ w - qa[i0:i1] * big_g.sum(axis=1)[:, None]
+            dka[:kk] += gr_k @ w - ka[:kk] * big_g.sum(axis=0)[:, None]
+        else:
+            da = g * inv[:, None]
+            dqa[i0:i1] = _masked_matmul(da, ok, ka[:kk])
+            dka[:kk] += da.T @ qa[i0:i1]
+    return y, dqa, dka, dv
+
+
+def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per token, every head at once: the features ``(phi(q), phi(k))``, or for FAVOR+
+    ``(q~, k~, q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2, w)``."""
+    if fm.name != "favor_plus":
+        return features(fm, q, "query"), features(fm, k, "key")
+    w = _omega(fm, q.shape[-1])
+    (qs, qw, nq), (ks, kw, nk) = _favor_parts(w, q), _favor_parts(w, k)
+    return qs, ks, qw, kw, nq, nk, w
+
+
+def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
+    """From the gradient with respect to the features (or ``x~`` for FAVOR+) to ``x``."""
+    if fm.name == "favor_plus":
+        return dxa / x.shape[-1] ** 0.25
+    return feature_vjp(fm, x, dxa)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def _check_options(fm: Any, causal: Any, eps_policy: Any, method: Any) -> bool:
+    """The forward's refusals (feature map, ``causal``, ``eps_policy``) and ``method``'s."""
+    _check_map(fm)
+    causal = check_flag("causal", causal)
+    if eps_policy not in ("add", "clamp"):
+        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    check_method(method)
+    return causal
+
+
+def _vjp(
+    fm: Any,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_y: np.ndarray,
+    km: np.ndarray,
+    opt: tuple[bool, float, str],
+    method: str,
+) -> tuple[np.ndarray, LinearGrads]:
+    """``(y, grads)`` for checked float64 inputs (``km`` boolean ``[..., T_k]``)."""
+    *batch, t_q, n_heads, _ = q.shape
+    y = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
+    dv = np.zeros(v.shape)
+    pre = _precompute(fm, q, k) if method == "fast" else (q, k)
+    dqa, dka = np.zeros(pre[0].shape), np.zeros(pre[1].shape)
+    for idx in np.ndindex(*batch):
+        for h in range(n_heads):
+            args = (v[idx][:, h], d_y[idx][:, h], km[idx], opt)
+            if method == "fast":
+                out = _vjp_fast_head(fm, _head_of(pre, idx, h, fm), *args)
+            else:
+                out = _vjp_definition_head(fm, q[idx][:, h], k[idx][:, h], *args)
+            y[idx][:, h], dqa[idx][:, h], dka[idx][:, h], dv[idx][:, h] = out
+    if method == "fast":
+        dqa, dka = _to_inputs(fm, q, dqa), _to_inputs(fm, k, dka)
+    return y, LinearGrads(dqa, dka, dv)
+
+
+def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any) -> list[Any]:
+    """One (batch, head) slice of :func:`_precompute`'s arrays (FAVOR+'s ``w`` is shared)."""
+    if fm.name != "favor_plus":
+        return [a[idx][:, h] for a in pre]
+    return [a[idx][:, h] for a in pre[:-1]] + [pre[-1]]
+
+
+def linear_attention_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_y: Any,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    method: str = "fast",
+) -> LinearGrads:
+    """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
+    product), analytic (module docstring), float64.
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]``.
+        k: Keys ``[..., T_k, H, d_k]``.
+        v: Values ``[..., T_k, H, d_v]``.
+        d_y: The cotangent of the output ``[..., T_q, H, d_v]``.
+        feature_map: The feature map (as for :func:`attnref.oracle.features`).
+        causal: If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
+            allows every key.
+        eps: The denominator's regulariser (default 0).
+        eps_policy: ``"add"`` (default) or ``"clamp"`` (where the clamp holds ``D_i = eps``,
+            ``D_i`` is constant; on a tie ``S_i = eps`` it follows ``S_i``).
+        method: ``"fast"`` (default; vectorised, streamed over query blocks) or
+            ``"definition"`` (one batch element, head, query and key at a time).
+
+    Returns:
+        :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
+
+    Raises:
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a bool.
+        ValueError: If ``eps_policy`` or ``method`` is unknown, or ``d_y`` is not shaped as the
+            output.
+    """
+    fm = feature_map
+    causal = _check_options(fm, causal, eps_policy, method)
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    want = (*q.shape[:-1], v.shape[-1])
+    if shape_of(d_y) != want:
+        raise ValueError(f"d_y has shape {shape_of(d_y)}; expected the output's shape {want}")
+    d_y = np.asarray(d_y, dtype=np.float64)
+    km = _key_mask(key_mask, list(q.shape[:-3]), k.shape[-3])
+    return _vjp(fm, q, k, v, d_y, km, (causal, eps, eps_policy), method)[1]
+
+
+# ----------------------------------------------------------------------------- multi-head
+
+
+def _project(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``x W[i] + b[i]`` per head, ``[..., T, H, d]`` (the einsum of ``linear_multihead``)."""
+    y = np.einsum("...td,hde->...the", x, wt)
+    return y if b is None else y + b
+
+
+def _project_back_fast(
+    x: np.ndarray, wt: np.ndarray, dh: np.ndarray, bias: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(dx, dW, db)`` of ``h = x W + b`` given ``dh [..., T, H, d]``."""
+    axes = tuple(range(dh.ndim - 2))
+    dw = np.einsum("...td,...the->hde", x, dh, optimize=True)
+    dx = np.einsum("...the,hde->...td", dh, wt, optimize=True)
+    return dx, dw, dh.sum(axis=axes) if bias else None
+
+
+def _project_back_definition(
+    x: np.ndarray, wt: np.ndarray, dh: np.ndarray, bias: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`_project_back_fast` one batch element, head and token at a time."""
+    dx, dw = np.zeros(x.shape), np.zeros(wt.shape)
+    db = np.zeros(wt.shape[::2]) if bias else None
+    for idx in np.ndindex(*x.shape[:-2]):
+        for h in range(wt.shape[0]):
+            for t in range(x.shape[-2]):
+                dw[h] += np.outer(x[idx][t], dh[idx][t, h])
+                dx[idx][t] += wt[h] @ dh[idx][t, h]
+                if db is not None:
+                    db[h] += dh[idx][t, h]
+    return dx, dw, db
+
+
+def linear_multihead_vjp(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    residual: bool = False,
+    method: str = "fast",
+) -> LinearMultiheadGrads:
+    """Gradients of ``L = sum(d_y * linear_multihead(params, x_q, x_kv, ...))``, analytic, float64.
+
+    With ``q = x_q W_Q[h] + b_Q[h]`` (and ``k``, ``v`` from ``x_kv`` with key/value head
+    ``h // G``), ``z = linear_attention(q, k, v)`` and ``y = sum_h z_h W_O[h] + b_O``::
+
+        dW_O[h] = sum_t z_th^T dy_t,  db_O = sum_t dy_t,  dz_th = dy_t W_O[h]^T
+        (dq, dk, dv) = linear_attention_vjp(q, k, v, dz)
+        dW_Q[h] = sum_t x_t^T dq_th,  db_Q[h] = sum_t dq_th,  dx_t = sum_h dq_th W_Q[h]^T
+
+    (the key/value gradients summed over the ``G`` query heads sharing a key/value head), plus
+    ``dy`` itself into ``dx_q`` when ``residual``.
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (read as float64).
+        x_q: Query tokens ``[..., T_q, d_model]``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
+        d_y: The cotangent of the block output ``[..., T_q, d_model]`` (keyword-only).
+        feature_map: The feature map (as for :func:`attnref.oracle.features`).
+        causal: If ``True``, query ``t`` reads keys ``s <= t`` only; default ``False``.
+        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default).
+        eps: The denominator's regulariser (default 0).
+        eps_policy: ``"add"`` (default) or ``"clamp"``.
+        residual: If ``True``, the block returned ``x_q + y`` (default ``False``).
+        method: ``"fast"`` (default) or ``"definition"`` (every sum one term at a time).
+
+    Returns:
+        :class:`LinearMultiheadGrads` ``(params, x_q, x_kv)``: a dict with the gradient of
+        every field present in ``params``; ``x_kv`` is ``None`` when ``x_kv`` was ``None`` (its
+        gradient is then in ``x_q``).
+
+    Raises:
+        ValueError: If a weight is missing, the head counts do not group, ``eps_policy`` or
+            ``method`` is unknown, or ``d_y`` is not shaped as the output.
+        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` or
+            ``residual`` is not a bool.
+    """
+    fm = feature_map
+    causal = _check_options(fm, causal, eps_policy, method)
+    residual = check_flag("residual", residual)
+    w = _unpack(params)
+    group = _group_size(w)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    if shape_of(d_y) != xq.shape:
+        raise ValueError(f"d_y has shape {shape_of(d_y)}; expected the output's shape {xq.shape}")
+    dy = np.asarray(d_y, dtype=np.float64)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    n_kv = w_k.shape[0]
+    kv_of = [i // group for i in range(w_q.shape[0])]
+    q = _project(xq, w_q, w["b_q"])
+    k, v = _project(xkv, w_k, w["b_k"]), _project(xkv, w_v, w["b_v"])
+    km = _key_mask(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
+    back = _project_back_fast if method == "fast" else _project_back_definition
+    dz = _project_back_out(dy, w_o, method)
+    opt = (causal, eps, eps_policy)
+    z, g = _vjp(fm, q, k[..., kv_of, :], v[..., kv_of, :], dz, km, opt, method)
+    batch_k = (*k.shape[:-2], n_kv, group)
+    dk = g.k.reshape(*batch_k, -1).sum(axis=-2)  # query heads i = g G + r share head g
+    dv = g.v.reshape(*batch_k, -1).sum(axis=-2)
+    dxq, dwq, dbq = back(xq, w_q, g.q, w["b_q"] is not None)
+    dxk, dwk, dbk = back(xkv, w_k, dk, w["b_k"] is not None)
+    dxv, dwv, dbv = back(xkv, w_v, dv, w["b_v"] is not None)
+    dwo, dbo = _output_weights(z, dy, method, w["b_o"] is not None)
+    grads = {"w_q": dwq, "w_k": dwk, "w_v": dwv, "w_o": dwo}
+    for name, db in (("b_q", dbq), ("b_k", dbk), ("b_v", dbv), ("b_o", dbo)):
+        if db is not None:
+            grads[name] = db
+    dx_q = dxq + dy if residual else dxq
+    if x_kv is None:
+        return LinearMultiheadGrads(grads, dx_q + (dxk + dxv), None)
+    return LinearMultiheadGrads(grads, dx_q, dxk + dxv)
+
+
+def _project_back_out(dy: np.ndarray, w_o: np.ndarray, method: str) -> np.ndarray:
+    """``dz_th = dy_t W_O[h]^T``, ``[..., T_q, H, d_v]``."""
+    if method == "fast":
+        return np.einsum("...qd,hvd->...qhv", dy, w_o, optimize=True)
+    dz = np.zeros((*dy.shape[:-1], w_o.shape[0], w_o.shape[1]))
+    for idx in np.ndindex(*dy.shape[:-1]):
+        for h in range(w_o.shape[0]):
+            dz[idx][h] = w_o[h] @ dy[idx]
+    return dz
+
+
+def _output_weights(
+    z: np.ndarray, dy: np.ndarray, method: str, bias: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(dW_O, db_O)``: ``dW_O[h] = sum_t z_th^T dy_t`` and ``db_O = sum_t dy_t``."""
+    axes = tuple(range(dy.ndim - 1))
+    if method == "fast":
+        dwo = np.einsum("...qhv,...qd->hvd", z, dy, optimize=True)
+        return dwo, dy.sum(axis=axes) if bias else None
+    dwo, dbo = np.zeros((z.shape[-2], z.shape[-1], dy.shape[-1])), np.zeros(dy.shape[-1])
+    for idx in np.ndindex(*dy.shape[:-1]):
+        dbo += dy[idx]
+        for h in range(z.shape[-2]):
+            dwo[h] += np.outer(z[idx][h], dy[idx])
+    return dwo, dbo if bias else None

@@ -1,0 +1,452 @@
+"""Gradient oracle: the vector-Jacobian product of the weight-level attention oracle, from the
+analytic backward formulas (never autodiff). NumPy only, float64.
+
+For batch element ``b`` and query head ``i`` reading key/value head ``g = i // G`` (row
+convention; ``X_q [T_q, d_model]``, ``X_kv [T_k, d_model]`` the tokens of ``b``; ``R_m`` the RoPE
+rotation at position ``m``, the identity without RoPE)::
+
+    Q_i = R(X_q W_Q[i] + b_Q[i])        K_i = R(X_kv W_K[g] + b_K[g])     V_i = X_kv W_V[g] + b_V[g]
+    S_i = scale Q_i K_i^T + bias         P_i = softmax over the allowed keys of every row of S_i
+    Y   = sum_i P_i V_i W_O[i] + b_O  (+ X_q if residual)
+
+and a cotangent ``dY [T_q, d_model]``, the backward pass is::
+
+    dW_O[i] += (P_i V_i)^T dY             db_O += sum_t dY[t]
+    dZ_i     = dY W_O[i]^T                                        [T_q, d_v]
+    dV_i     = P_i^T dZ_i                                         [T_k, d_v]
+    dP_i     = dZ_i V_i^T                                         [T_q, T_k]
+    dS_i     = P_i * (dP_i - rowsum(P_i * dP_i))                  (zero where P_i is zero)
+    dbias   += sum_i dS_i   (then summed over the axes ``bias`` was broadcast along)
+    dQ_i     = R^T(scale dS_i K_i)        dK_i = R^T(scale dS_i^T Q_i)   (R^T(v) at m = R(v) at -m)
+    dW_Q[i] += X_q^T dQ_i    db_Q[i] += colsum dQ_i    dX_q += dQ_i W_Q[i]^T
+    dW_K[g] += X_kv^T dK_i   db_K[g] += colsum dK_i    dX_kv += dK_i W_K[g]^T
+    dW_V[g] += X_kv^T dV_i   db_V[g] += colsum dV_i    dX_kv += dV_i W_V[g]^T
+    dX_q += dY (residual);   dX_q += dX_kv when x_kv is None (self-attention: both paths)
+
+so the gradients of a shared key/value head sum over the ``G`` query heads that read it. A fully
+masked query row has ``P = 0``, hence ``dS = 0``: no gradient flows through its softmax (its
+output ``b_O`` still passes ``dY`` to ``db_O`` and, residually, to ``x_q``). ``mask`` and the
+integer positions have no gradient; the bias gradient is zero wherever ``bias`` is ``-inf`` or the
+pair is masked (``P = 0`` there).
+
+``method="definition"`` runs these formulas one batch element, head and query at a time, with
+scalar-by-scalar sums over keys; ``method="fast"`` runs them with float64 BLAS for every head at
+once, streaming over query blocks (temporaries ``[H, block, T_k]`` within the budget of
+:mod:`attnref.oracle._core`; the key/value-side sums ``dK``, ``dV`` are kept per batch element,
+``[H, T_k, d]``). Their error bound: :func:`attnref.tolerance.attention_vjp_error_bound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._checks import check_method, dtype_of, is_floating, shape_of
+from ._core import (
+    _FIELDS,
+    Rotation,
+    _Block,
+    _each_block,
+    _Fast,
+    _fast_problem,
+    _softmax_row,
+)
+from ._rope import _rope_inputs, _rotate_vector, _rotation
+
+__all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
+
+# float64 [H, block, T_k] arrays a backward block is budgeted for: the weights and dP (turned into
+# dS in place) are kept, the rest is headroom for NumPy's temporaries and BLAS workspace
+_GRAD_ARRAYS = 6
+
+# (vector, integer position) -> the vector rotated by that position (definition path)
+Turn = Callable[[np.ndarray, int], np.ndarray]
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of ``<d_y, attention(params, x_q, x_kv, bias=bias, ...)>``.
+
+    Attributes:
+        params: One entry per parameter field (``w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o``), the
+            shape of that parameter; ``None`` for an absent bias.
+        x_q: ``[..., T_q, d_model]`` (both paths when ``x_kv`` was ``None``).
+        x_kv: ``[..., T_k, d_model]``, or ``None`` when ``x_kv`` was ``None``.
+        bias: The shape of the ``bias`` argument (summed over its broadcast axes), or ``None``
+            when no bias was given.
+    """
+
+    params: dict[str, np.ndarray | None]
+    x_q: np.ndarray
+    x_kv: np.ndarray | None
+    bias: np.ndarray | None
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+def _cotangent(d_y: Any, p: _Fast) -> np.ndarray:
+    """``d_y`` as float64, refused unless floating and of the output's shape."""
+    w_o = p.w["w_o"]
+    assert w_o is not None
+    want = (*p.batch, p.xq.shape[-2], w_o.shape[2])
+    if d_y is None or shape_of(d_y) != want:
+        got = None if d_y is None else shape_of(d_y)
+        raise ValueError(
+            f"d_y has shape {got}; expected the output's shape [..., T_q, d_model] = {want}"
+        )
+    dt = dtype_of(d_y)
+    if not is_floating(dt):
+        raise TypeError(f"d_y must be floating, got dtype {dt}")
+    return np.asarray(d_y, dtype=np.float64)
+
+
+def _zero_grads(p: _Fast) -> dict[str, np.ndarray]:
+    """Zero accumulators of every field's shape (biases included, present or not)."""
+    w_q, w_k, w_v, w_o = p.w["w_q"], p.w["w_k"], p.w["w_v"], p.w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    return {
+        "w_q": np.zeros(w_q.shape),
+        "w_k": np.zeros(w_k.shape),
+        "w_v": np.zeros(w_v.shape),
+        "w_o": np.zeros(w_o.shape),
+        "b_q": np.zeros((w_q.shape[0], w_q.shape[2])),
+        "b_k": np.zeros((w_k.shape[0], w_k.shape[2])),
+        "b_v": np.zeros((w_v.shape[0], w_v.shape[2])),
+        "b_o": np.zeros(w_o.shape[2]),
+    }
+
+
+def _sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``a`` over the axes along which an array of ``shape`` was broadcast to ``a.shape``."""
+    a = a.sum(axis=tuple(range(a.ndim - len(shape))))
+    axes = tuple(k for k, n in enumerate(shape) if n == 1 and a.shape[k] != 1)
+    return a.sum(axis=axes, keepdims=True) if axes else a
+
+
+def _finish(
+    p: _Fast,
+    grads: dict[str, np.ndarray],
+    dxq: np.ndarray,
+    dxkv: np.ndarray,
+    d_bias: np.ndarray | None,
+    dy: np.ndarray,
+    *,
+    shared: bool,
+    residual: bool,
+) -> AttentionGrads:
+    """Add the residual and shared-token paths; ``None`` for absent biases and inputs."""
+    if residual:
+        dxq = dxq + dy
+    if shared:
+        dxq = dxq + dxkv
+    params = {name: (grads[name] if p.w[name] is not None else None) for name in _FIELDS}
+    return AttentionGrads(params, dxq, None if shared else dxkv, d_bias)
+
+
+# ----------------------------------------------------------------------------- definition
+
+
+def _definition(
+    p: _Fast,
+    dy: np.ndarray,
+    turn: Turn | None = None,
+    pos_q: np.ndarray | None = None,
+    pos_k: np.ndarray | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """The backward formulas one batch element, head and query at a time; returns
+    ``(param grads, dX_q, dX_kv, dbias [*batch, T_q, T_k])`` before the residual and shared
+    paths. ``turn(v, m)`` rotates one vector by position ``m`` (RoPE; ``R^T``: ``turn(v, -m)``)."""
+    w = p.w
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    n_heads, _, d_k = w_q.shape
+    d_v = w_v.shape[2]
+    t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
+    g = _zero_grads(p)
+    dxq, dxkv = np.zeros(p.xq.shape), np.zeros(p.xkv.shape)
+    d_bias = np.zeros((*p.batch, t_q, t_k))
+
+    def offset(name: str, i: int) -> Any:
+        b = w[name]
+        return 0.0 if b is None else b[i]
+
+    def rot(v: np.ndarray, pos: np.ndarray | None, idx: tuple[int, ...], t: int, sign: int):
+        return v if turn is None or pos is None else turn(v, sign * int(pos[idx][t]))
+
+    for idx in np.ndindex(*p.batch):
+        xq, xkv, dyb = p.xq[idx], p.xkv[idx], dy[idx]
+        for i in range(n_heads):
+            kv = int(p.kv_of[i])  # the key/value head that query head i reads
+            keys = np.zeros((t_k, d_k))
+            for j in range(t_k):
+                keys[j] = rot(xkv[j] @ w_k[kv] + offset("b_k", kv), pos_k, idx, j, 1)
+            values = xkv @ w_v[kv] + offset("b_v", kv)
+            d_keys, d_values = np.zeros((t_k, d_k)), np.zeros((t_k, d_v))
+            for t in range(t_q):
+                q = rot(xq[t] @ w_q[i] + offset("b_q", i), pos_q, idx, t, 1)
+                scores = np.array([q @ keys[j] for j in range(t_k)]) * p.scale
+                allowed = np.ones(t_k, dtype=bool)
+                if p.bias is not None:
+                    scores = scores + p.bias[idx][t]
+                    allowed &= p.bias[idx][t] != -np.inf
+                if p.mask is not None:
+                    allowed &= p.mask[idx][t]
+                pr = _softmax_row(scores, allowed, lambda a: a)
+                z = sum((pr[j] * values[j] for j in range(t_k)), np.zeros(d_v))
+                g["w_o"][i] += np.outer(z, dyb[t])  # dW_O = Z^T dY
+                dz = w_o[i] @ dyb[t]  # dZ = dY W_O^T
+                dp = np.array([dz @ values[j] for j in range(t_k)])  # dP = dZ V^T
+                c = sum((pr[j] * dp[j] for j in range(t_k)), 0.0)  # rowsum(P * dP)
+                ds = pr * (dp - c)  # dS = P * (dP - rowsum(P * dP))
+                d_bias[idx][t] += ds
+                dq = p.scale * sum((ds[j] * keys[j] for j in range(t_k)), np.zeros(d_k))
+                for j in range(t_k):
+                    d_keys[j] += p.scale * ds[j] * q  # dK = scale dS^T Q
+                    d_values[j] += pr[j] * dz  # dV = P^T dZ
+                dq = rot(dq, pos_q, idx, t, -1)  # R^T
+                g["w_q"][i] += np.outer(xq[t], dq)
+                g["b_q"][i] += dq
+                dxq[idx][t] += w_q[i] @ dq
+            for j in range(t_k):
+                dk = rot(d_keys[j], pos_k, idx, j, -1)
+                g["w_k"][kv] += np.outer(xkv[j], dk)
+                g["b_k"][kv] += dk
+                g["w_v"][kv] += np.outer(xkv[j], d_values[j])
+                g["b_v"][kv] += d_values[j]
+                dxkv[idx][j] += w_k[kv] @ dk + w_v[kv] @ d_values[j]
+        for t in range(t_q):
+            g["b_o"] += dyb[t]
+    return g, dxq, dxkv, d_bias
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+class _BiasGrad:
+    """The bias gradient accumulated block by block straight into ``bias``'s own (broadcast)
+    shape, so it never needs ``[*batch, T_q, T_k]`` unless ``bias`` has that shape."""
+
+    def __init__(self, shape: tuple[int, ...], n_batch: int) -> None:
+        self.shape = shape
+        self.acc = np.zeros((1,) * (n_batch + 2 - len(shape)) + shape)
+
+    def add(self, idx: tuple[int, ...], rows: slice, ds_sum: np.ndarray) -> None:
+        """Add ``sum_i dS_i`` of the query ``rows`` of batch element ``idx``, ``[n, T_k]``."""
+        at = tuple(0 if n == 1 else i for n, i in zip(self.acc.shape, idx, strict=False))
+        target = self.acc[at]  # [T_q or 1, T_k or 1], a view
+        if target.shape[1] == 1:
+            ds_sum = ds_sum.sum(axis=1, keepdims=True)
+        if target.shape[0] == 1:
+            target += ds_sum.sum(axis=0, keepdims=True)
+        else:
+            target[rows] += ds_sum
+
+    def result(self) -> np.ndarray:
+        return self.acc.reshape(self.shape)
+
+
+def _fast(
+    p: _Fast,
+    dy: np.ndarray,
+    bias_shape: tuple[int, ...] | None,
+    rotations: tuple[Rotation, Rotation, Rotation, Rotation] | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
+    """The backward formulas with BLAS for every head at once, one query block at a time;
+    ``rotations = (R_q, R_k, R_q^T, R_k^T)`` for RoPE. Returns what :func:`_definition` does,
+    with the bias gradient already in ``bias_shape``."""
+    w = p.w
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    n_heads, d_model, d_k = w_q.shape
+    n_kv, d_v = w_v.shape[0], w_v.shape[2]
+    t_k = p.xkv.shape[-2]
+    g = _zero_grads(p)
+    dxq, dxkv = np.zeros(p.xq.shape), np.zeros(p.xkv.shape)
+    d_keys = np.zeros((*p.batch, n_heads, t_k, d_k))  # per query head, rotated coordinates
+    d_values = np.zeros((*p.batch, n_heads, t_k, d_v))
+    bias_grad = None if bias_shape is None else _BiasGrad(bias_shape, len(p.batch))
+    w_q_t = np.swapaxes(w_q, -1, -2).reshape(n_heads * d_k, d_model)  # stacked W_Q[i]^T
+    w_o_t = np.swapaxes(w_o, -1, -2)  # [H, d_model, d_v]
+    rot_q, rot_k, back_q, back_k = (None,) * 4 if rotations is None else rotations
+
+    def visit(blk: _Block) -> None:
+        idx, rows, pr = blk.idx, blk.rows, blk.weights
+        dyb = dy[idx][rows]  # [n, d_model]
+        z = np.matmul(pr, blk.values)  # [H, n, d_v]
+        g["w_o"] += np.matmul(np.swapaxes(z, -1, -2), dyb)  # dW_O = Z^T dY
+        dz = np.matmul(dyb, w_o_t)  # dZ = dY W_O^T, [H, n, d_v]
+        d_values[idx] += np.matmul(np.swapaxes(pr, -1, -2), dz)  # dV = P^T dZ
+        ds = np.matmul(dz, np.swapaxes(blk.values, -1, -2))  # dP = dZ V^T, [H, n, T_k]
+        ds -= np.einsum("hnk,hnk->hn", pr, ds)[..., None]  # rowsum(P * dP), no temporary
+        ds *= pr  # dS = P * (dP - rowsum(P * dP))
+        if bias_grad is not None:
+            bias_grad.add(idx, rows, ds.sum(axis=0))
+        dk = np.matmul(np.swapaxes(ds, -1, -2), blk.q)
+        dk *= p.scale
+        d_keys[idx] += dk  # dK = scale dS^T Q
+        dq = np.matmul(ds, blk.keys)
+        dq *= p.scale  # dQ = scale dS K
+        if back_q is not None:
+            dq = back_q(idx, rows, dq)
+        g["w_q"] += np.matmul(p.xq[idx][rows].T, dq)
+        g["b_q"] += dq.sum(axis=1)
+        dxq[idx][rows] += np.swapaxes(dq, 0, 1).reshape(dq.shape[1], n_heads * d_k) @ w_q_t
+
+    _each_block(p, visit, rotate_q=rot_q, rotate_k=rot_k, arrays=_GRAD_ARRAYS)
+    group = n_heads // n_kv
+    w_kv_t = np.concatenate(
+        [
+            np.swapaxes(w_k, -1, -2).reshape(n_kv * d_k, d_model),
+            np.swapaxes(w_v, -1, -2).reshape(n_kv * d_v, d_model),
+        ]
+    )  # stacked W_K[g]^T then W_V[g]^T, [K (d_k + d_v), d_model]
+    for idx in np.ndindex(*p.batch):
+        dk = d_keys[idx] if back_k is None else back_k(idx, slice(None), d_keys[idx])
+        dk = dk.reshape(n_kv, group, t_k, d_k).sum(axis=1)  # shared heads: sum over the group
+        dv = d_values[idx].reshape(n_kv, group, t_k, d_v).sum(axis=1)
+        xt = p.xkv[idx].T
+        g["w_k"] += np.matmul(xt, dk)
+        g["b_k"] += dk.sum(axis=1)
+        g["w_v"] += np.matmul(xt, dv)
+        g["b_v"] += dv.sum(axis=1)
+        flat = np.concatenate(
+            [
+                np.swapaxes(dk, 0, 1).reshape(t_k, n_kv * d_k),
+                np.swapaxes(dv, 0, 1).reshape(t_k, n_kv * d_v),
+            ],
+            axis=1,
+        )
+        dxkv[idx] = flat @ w_kv_t
+    g["b_o"] = dy.sum(axis=tuple(range(dy.ndim - 1)))
+    return g, dxq, dxkv, None if bias_grad is None else bias_grad.result()
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def attention_vjp(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    residual: bool = False,
+    method: str = "fast",
+) -> AttentionGrads:
+    """Vector-Jacobian product of :func:`attnref.oracle.attention` with the cotangent ``d_y``:
+    the gradients of ``sum(d_y * attention(params, x_q, x_kv, mask=mask, bias=bias, ...))``
+    with respect to every parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64.
+
+    ``d_y`` is keyword-only (``attention_vjp(params, x_q, d_y=dy)`` for self-attention,
+    ``attention_vjp(params, x_q, x_kv, d_y=dy)`` for cross-attention).
+
+    Args:
+        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
+            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (its gradient then goes into ``x_q``'s).
+        d_y: The cotangent, floating, the output's shape ``[..., T_q, d_model]``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair. No gradient.
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
+            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, the forward is ``x_q + MultiHead`` (default ``False``).
+        method: ``"fast"`` (default; BLAS over all heads, streamed over query blocks) or
+            ``"definition"`` (one head and query at a time).
+
+    Returns:
+        :class:`AttentionGrads` (``params``: a dict of the eight fields, ``None`` for absent
+        biases; ``x_kv``: ``None`` when ``x_kv`` was ``None``; ``bias``: ``bias``'s own shape,
+        or ``None``).
+
+    Raises:
+        ValueError: For what :func:`attnref.oracle.attention` refuses with ``ValueError``, an
+            unknown ``method``, or a ``d_y`` not of the output's shape.
+        TypeError: For what :func:`attnref.oracle.attention` refuses with ``TypeError``, or a
+            non-floating ``d_y``.
+    """
+    fast = check_method(method) == "fast"
+    p = _fast_problem(params, x_q, x_kv, mask, bias, scale)
+    dy = _cotangent(d_y, p)
+    bias_shape = None if bias is None else shape_of(bias)
+    if fast:
+        g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape)
+    else:
+        g, dxq, dxkv, d_full = _definition(p, dy)
+        d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)
+    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=x_kv is None, residual=residual)
+
+
+def rope_attention_vjp(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    residual: bool = False,
+    method: str = "fast",
+) -> AttentionGrads:
+    """Vector-Jacobian product of :func:`attnref.oracle.rope_attention` with the cotangent
+    ``d_y`` (module docstring, with ``R`` the rotation at each token's position; positions are
+    integers and get no gradient), float64.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams` or a dict with its keys),
+            ``d_k`` even.
+        x_q: Query tokens ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
+        d_y: The cotangent, floating, the output's shape ``[..., T_q, d_model]``.
+        positions_q: Integer ``[..., T_q]`` or ``[T_q]``; ``None`` (default): ``arange(T_q)``.
+        positions_kv: Integer ``[..., T_k]`` or ``[T_k]``; ``None`` (default): ``arange(T_k)``.
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``; ``None`` (default).
+        bias: Floating, broadcastable to ``[..., T_q, T_k]``; ``None`` (default).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        base: The frequency base (default 10000), a positive finite Python number.
+        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
+        residual: If ``True``, the forward is ``x_q + y`` (default ``False``).
+        method: ``"fast"`` (default) or ``"definition"``.
+
+    Returns:
+        :class:`AttentionGrads`, as :func:`attention_vjp`.
+
+    Raises:
+        ValueError: For what :func:`attnref.oracle.rope_attention` refuses with ``ValueError``,
+            an unknown ``method``, or a ``d_y`` not of the output's shape.
+        TypeError: For what it refuses with ``TypeError``, or a non-floating ``d_y``.
+    """
+    fast = check_method(method) == "fast"
+    p, pq, pk = _rope_inputs(
+        params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
+    )
+    dy = _cotangent(d_y, p)
+    bias_shape = None if bias is None else shape_of(bias)
+    if fast:
+        rotations = (
+            _rotation(pq, base, convention),
+            _rotation(pk, base, convention),
+            _rotation(pq, base, convention, sign=-1.0),
+            _rotation(pk, base, convention, sign=-1.0),
+        )
+        g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape, rotations)
+    else:
+
+        def turn(v: np.ndarray, m: int) -> np.ndarray:
+            return _rotate_vector(v, m, float(base), convention)
+
+        g, dxq, dxkv, d_full = _definition(p, dy, turn, pq, pk)
+        d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)
+    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=x_kv is None, residual=residual)

@@ -1,0 +1,584 @@
+"""A derived float64 error bound for the linear-attention gradient oracle
+(:func:`attnref.oracle.linear_attention_vjp`, :func:`attnref.oracle.linear_multihead_vjp`).
+
+NumPy only; the oracle is imported lazily where a bound needs its feature maps. The bound is
+componentwise and first order in ``u`` (``u = 2^-53``, ``gamma_n = n u / (1 - n u)``, Higham 2002,
+Lemma 3.1 and eq. 3.13), and rigorous to that order for either method of the oracle (the counts
+below include spare roundings so that both evaluation orders are covered).
+
+**Rule.** Every quantity ``x`` of the backward pass (module docstring of
+``attnref.oracle._linear_grad``) is carried with an error bound ``E_x >= |fl(x) - x|``:
+
+* a sum of ``n`` computed terms ``sum_k t_k`` (any order): ``sum_k E_t_k + gamma_n sum_k |t_k|``;
+* a product ``a b``: ``E_a |b| + |a| E_b`` (its rounding counted in the enclosing ``gamma``);
+* a division by ``D`` with ``E_D < |D|``: relative error ``r = E_D / (|D| - E_D) + u`` of
+  ``1 / D``;
+* ``exp`` of an argument off by ``E``: relative ``expm1(E) + C_EXP u``;
+* input errors (``dq, dk, dv, d_dy``: zero for :func:`linear_attention_vjp_error_bound` called
+  by a user, the projections' errors for the multi-head bound) enter through the maps' first
+  *and second* derivatives, so the gradient's change with its inputs (the Hessian term) is
+  covered.
+
+So the bound is the backward pass evaluated on absolute values, each term weighted by the sum of
+its factors' relative errors plus ``gamma`` of its rounding count. Per (batch, head), with
+``Abar_ij = |phi(q_i)|.|phi(k_j)|``, ``m`` features, for the maps but FAVOR+::
+
+    E_A    = E_phi(q).|phi(k)| + |phi(q)|.E_phi(k) + gamma_m Abar
+    E_S    = sum_j E_A + gamma_{T_k+2} sum_j |A|,      E_D = E_S + u |D|  (clamp: E_S or 0)
+    E_y    = (sum_j E_A |v| + |A| E_v + gamma_{T_k+2} |A||v|) / |D| + |y| r
+    E_g    = E_{dy.v} + c E_{dy.y} + u (|dy.v| + c |dy.y|),   E_{a.b} = E_a.|b| + |a|.E_b
+             + gamma_{d_v} |a|.|b|
+    E_dA   = (E_g + |g| r) / |D|
+    E_dv   = sum_i (E_A |dy| + |A| E_dy + (r + gamma_{T_q+2}) |A||dy|) / |D|
+    E_dphi(q_i) = sum_j E_dA |phi(k)| + |dA| E_phi(k) + gamma_{T_k+2} |dA||phi(k)|  (k: T_q)
+    E_dq   = |J| E_dphi + E_J |dphi| + u |J||dphi|           (taylor2: its VJP, gamma_{2d+4})
+
+with ``E_phi``, ``E_J`` each map's evaluation error (elu: ``C_EXP + 1`` units; taylor2: ``3 u``
+for ``x~`` and for each product) plus its input error times the largest slope on the interval
+(elu: ``exp(min(x + dx, 0))`` bounds both ``phi'`` and ``phi''``; relu is exactly 0 below
+``-dx`` and its step can flip by 1 within ``|x| <= dx``). FAVOR+ (log space,
+``z_ijf = w_f.(q~_i + k~_j)``)::
+
+    E_z    = |w_f|.(E_q~ + E_k~) + gamma_{d+2} (|w_f|.|q~| + |w_f|.|k~| + |w_f|^2/2)
+    E_ell  = max_f E_z + u (max_f |z - max z| + |lse| + log m) + C_EXP u + gamma_m
+             + E_{|q~|^2/2} + E_{|k~|^2/2} + u log m + gamma_3 (|lse| + log m + |q~|^2/2 + |k~|^2/2)
+    weights exp(ell - s): relative rho = expm1(E_ell + u |ell - s|) + C_EXP u (the common shift's
+    error cancels in the ratio); eps's weight: expm1(u |log eps| + u |log eps - s|) + C_EXP u
+    D: relative delta = max(max_j rho + gamma_{T_k+1}, rho_eps) (+ u for "add")
+    W = A / D: relative omega = rho + delta / (1 - delta) + u
+    R = softmax_f z: relative 2 (expm1(2 max_f E_z + u max_f |z - max z|) + C_EXP u) + gamma_{m+1}
+    E_dq~_i = sum_j E_G (|R||w| + |q~_i|) + |G| (rho_R |R||w| + E_q~_i)
+              + gamma_{T_k+m+3} sum_j |G| (|R||w| + |q~_i|)
+
+(the ``|w_f|^2/2`` term covers evaluations through the stabilised features, whose exponents
+carry ``+-|w_f|^2/2``, as in :func:`attnref.tolerance.linear_error_bound`).
+
+**Undetermined rows.** Where ``|D_i| <= E_D`` (a signed map near cancellation) or, for "clamp",
+``|S_i - eps| <= E_S`` (the clamp's switch, where the gradient jumps), the gradient is not
+determined by the arithmetic: the bound is ``inf`` for ``dq_i`` and for every ``dk_j``, ``dv_j``
+that row reads. Rows with ``D_i = 0`` exactly and ``E_D = 0`` have zero gradient and zero bound.
+
+**Multi-head.** The projections ``q = x W + b`` carry ``gamma_{d_model+1} |x~||W~|`` into the
+kernel level, ``dz = dy W_O^T`` carries ``gamma_{d_model} |dy||W_O|``; the parameter gradients are
+sums over ``prod(batch) T`` positions (``gamma_{prod(batch) T + 2}``), the input gradients over
+``H d_k`` (``K (d_k + d_v)`` for ``x_kv``) terms plus the residual and self-attention additions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._core import _abs_heads, _get, _heads, _read_params
+from ._linear import _allowed_keys
+from ._rounding import C_EXP, gamma, unit_roundoff
+
+U = unit_roundoff(np.float64)
+
+
+def _g(n: int) -> float:
+    """``gamma_n`` in float64."""
+    return gamma(n, U)
+
+
+def _bt(a: np.ndarray) -> np.ndarray:
+    """Token-major ``[..., T, H, d]`` to head-major ``[..., H, T, d]`` and back."""
+    return np.swapaxes(a, -3, -2)
+
+
+# ----------------------------------------------------------------------------- feature maps
+
+
+def _elementwise_leaves(name: str, x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(phi, E_phi, J, E_J)`` of an elementwise map (elu + 1, relu, identity) at ``x`` known
+    to ``ex``: evaluation rounding plus the input error times the largest slope nearby."""
+    if name == "elu_plus_one":
+        e = np.exp(np.minimum(x, 0.0))
+        phi, jac = np.where(x > 0, x + 1.0, e), np.where(x > 0, 1.0, e)
+        slope = np.exp(np.minimum(x + ex, 0.0))  # sup of |phi'| and |phi''| on [x - ex, x + ex]
+        return phi, slope * ex + (C_EXP + 1) * U * phi, jac, slope * ex + C_EXP * U * jac
+    if name == "relu":
+        flips = (ex > 0) & (np.abs(x) <= ex)  # the step may change by 1 there
+        e_phi = np.where(x + ex > 0, ex, 0.0)  # relu stays exactly 0 below -ex
+        return np.maximum(x, 0.0), e_phi, (x > 0).astype(float), flips.astype(float)
+    if name == "identity":
+        return x, ex, np.ones(x.shape), np.zeros(x.shape)
+    raise ValueError(f"unknown feature map {name!r}")
+
+
+def _taylor2_leaves(x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(phi, E_phi, x~, E_x~)`` of taylor2: ``x~ = x / d^(1/4)`` (``3 u``: the power and the
+    division), products ``x~_a x~_b / sqrt 2`` (``3 u`` more)."""
+    d = x.shape[-1]
+    xs = x / d**0.25
+    exs = ex / d**0.25 + 3 * U * np.abs(xs)
+    ax = np.abs(xs)
+    outer = xs[..., :, None] * xs[..., None, :] / math.sqrt(2.0)
+    e_outer = (
+        exs[..., :, None] * ax[..., None, :]
+        + ax[..., :, None] * exs[..., None, :]
+        + 3 * U * ax[..., :, None] * ax[..., None, :]
+    ) / math.sqrt(2.0)
+    lead = x.shape[:-1]
+    phi = np.concatenate([np.ones((*lead, 1)), xs, outer.reshape(*lead, d * d)], -1)
+    e_phi = np.concatenate([np.zeros((*lead, 1)), exs, e_outer.reshape(*lead, d * d)], -1)
+    return phi, e_phi, xs, exs
+
+
+def _taylor2_vjp(
+    xs: np.ndarray, exs: np.ndarray, g: np.ndarray, eg: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(dx, E_dx)`` of ``dx = (g_1 + (G_2 + G_2^T) x~ / sqrt 2) / d^(1/4)``."""
+    d = xs.shape[-1]
+    g2 = g[..., 1 + d :].reshape(*g.shape[:-1], d, d)
+    e2 = eg[..., 1 + d :].reshape(g2.shape)
+    sym, a_sym = g2 + np.swapaxes(g2, -1, -2), np.abs(g2) + np.abs(np.swapaxes(g2, -1, -2))
+    e_sym = e2 + np.swapaxes(e2, -1, -2)
+
+    def mv(m: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return np.einsum("...ab,...b->...a", m, x)
+
+    r2 = math.sqrt(2.0)
+    dxs = g[..., 1 : 1 + d] + mv(sym, xs) / r2
+    mag = np.abs(g[..., 1 : 1 + d]) + mv(a_sym, np.abs(xs)) / r2
+    err = eg[..., 1 : 1 + d] + (mv(e_sym, np.abs(xs)) + mv(a_sym, exs)) / r2 + _g(2 * d + 4) * mag
+    dx = dxs / d**0.25
+    return dx, err / d**0.25 + 3 * U * np.abs(dx)
+
+
+# ----------------------------------------------------------------------------- shared steps
+
+
+def _dot_err(a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray, spec: str) -> Any:
+    """``(a.b, E)`` for an einsum contraction ``spec`` of ``n`` terms: ``E_a.|b| + |a|.E_b +
+    gamma_{n+2} |a|.|b|`` (``n`` the contracted size)."""
+    n = _contracted(spec, a, b)
+    val = np.einsum(spec, a, b, optimize=True)
+    mag = np.einsum(spec, np.abs(a), np.abs(b), optimize=True)
+    err = np.einsum(spec, ea, np.abs(b), optimize=True) + np.einsum(
+        spec, np.abs(a), eb, optimize=True
+    )
+    return val, err + _g(n + 2) * mag
+
+
+def _contracted(spec: str, a: np.ndarray, b: np.ndarray) -> int:
+    """The number of terms an einsum ``spec`` (two operands) sums per output entry."""
+    ins, out = spec.replace("...", "").split("->")
+    sa, sb = ins.split(",")
+    size = {c: a.shape[a.ndim - len(sa) + i] for i, c in enumerate(sa)}
+    size.update({c: b.shape[b.ndim - len(sb) + i] for i, c in enumerate(sb)})
+    return math.prod(n for c, n in size.items() if c not in out)
+
+
+def _cotangent_terms(
+    v: np.ndarray, ev: np.ndarray, dy: np.ndarray, edy: np.ndarray, y: np.ndarray, ey: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(dy_i.v_j, its error, dy_i.y_i, its error)``, head-major: ``[..., T_q, T_k]`` and
+    ``[..., T_q]``."""
+    p, ep = _dot_err(dy, edy, v, ev, "...iv,...jv->...ij")
+    qv, eq = _dot_err(dy, edy, y, ey, "...iv,...iv->...i")
+    return p, ep, qv, eq
+
+
+def _denominator(
+    s: np.ndarray, es: np.ndarray, eps: float, eps_policy: str, ulp: float
+) -> tuple[np.ndarray, ...]:
+    """``(D, E_D, c, live, bad)`` from ``S`` known to ``es``: ``c`` whether ``D`` follows ``S``;
+    ``live`` rows divide; ``bad`` rows are undetermined (``|D| <= E_D``, or the clamp's switch
+    within ``E_S``); the rest have ``D = 0`` exactly (zero gradient)."""
+    if eps_policy == "add":
+        d = s + eps
+        ed = es + ulp * np.abs(d)
+        c = np.ones(s.shape)
+        bad = np.zeros(s.shape, bool)
+    else:
+        d = np.maximum(s, eps)
+        ed = np.where(s >= eps, es, 0.0)
+        c = (s >= eps).astype(float)
+        bad = (np.abs(s - eps) <= es) & (es > 0)
+    zero = (d == 0) & (ed == 0)
+    bad = bad | (~zero & (np.abs(d) <= ed))
+    return d, ed, c, ~zero & ~bad, bad
+
+
+def _with_inf(
+    b: tuple[np.ndarray, np.ndarray, np.ndarray], bad: np.ndarray, allowed: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """``inf`` where an undetermined row reaches: ``dq_i`` of the row, ``dk_j, dv_j`` it reads
+    (head-major; ``bad [..., T_q]``, ``allowed [..., T_q, T_k]``)."""
+    hit = np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
+    bq = np.where(bad[..., None], np.inf, b[0])
+    return bq, np.where(hit, np.inf, b[1]), np.where(hit, np.inf, b[2])
+
+
+# ----------------------------------------------------------------------------- kernel level
+
+
+def _kernel_features(
+    fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
+) -> tuple[np.ndarray, ...]:
+    """Head-major bound for every map but FAVOR+: ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    v, ev, dy, edy, allowed = v
+    eps, eps_policy = opt
+    taylor = fm.name == "taylor2"
+    if taylor:
+        (fq, efq, xq, exq), (fk, efk, xk, exk) = _taylor2_leaves(q, eq), _taylor2_leaves(k, ek)
+    else:
+        fq, efq, jq, ejq = _elementwise_leaves(fm.name, q, eq)
+        fk, efk, jk, ejk = _elementwise_leaves(fm.name, k, ek)
+    al = allowed.astype(float)
+    t_q, t_k, m = q.shape[-2], k.shape[-2], fq.shape[-1]
+    a = al * np.einsum("...im,...jm->...ij", fq, fk)
+    abs_a = np.abs(a)
+    e_a = al * (
+        np.einsum("...im,...jm->...ij", efq, np.abs(fk))
+        + np.einsum("...im,...jm->...ij", np.abs(fq), efk)
+        + _g(m) * np.einsum("...im,...jm->...ij", np.abs(fq), np.abs(fk))
+    )
+    s = a.sum(-1)
+    e_s = e_a.sum(-1) + _g(t_k + 2) * abs_a.sum(-1)
+    d, ed, c, live, bad = _denominator(s, e_s, eps, eps_policy, U)
+    d_abs = np.where(live, np.abs(d), 1.0)
+    inv = np.where(live, 1.0 / d_abs, 0.0)
+    r = np.where(live, ed / (d_abs - np.where(live, ed, 0.0)) + U, 0.0)
+    signed_inv = np.where(live, 1.0 / np.where(live, d, 1.0), 0.0)
+    y = np.einsum("...ij,...jv->...iv", a, v) * signed_inv[..., None]
+    e_n = (
+        np.einsum("...ij,...jv->...iv", e_a, np.abs(v))
+        + np.einsum("...ij,...jv->...iv", abs_a, ev)
+        + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", abs_a, np.abs(v))
+    )
+    e_y = e_n * inv[..., None] + np.abs(y) * r[..., None]
+    p, ep, qv, eqv = _cotangent_terms(v, ev, dy, edy, y, e_y)
+    g = p - (c * qv)[..., None]
+    e_g = ep + (c * eqv)[..., None] + U * (np.abs(p) + (c * np.abs(qv))[..., None])
+    da = al * g * signed_inv[..., None]
+    e_da = al * (e_g + np.abs(g) * r[..., None]) * inv[..., None]
+    w_abs = abs_a * inv[..., None]
+    e_dv = (
+        np.einsum("...ij,...iv->...jv", e_a * inv[..., None], np.abs(dy))
+        + np.einsum("...ij,...iv->...jv", w_abs, edy)
+        + np.einsum("...ij,...iv->...jv", w_abs * (r[..., None] + _g(t_q + 2)), np.abs(dy))
+    )
+    dv = np.einsum("...ij,...iv->...jv", a * signed_inv[..., None], dy)
+    dfq, e_dfq = _dot_err(da, e_da, fk, efk, "...ij,...jm->...im")
+    dfk, e_dfk = _dot_err(da, e_da, fq, efq, "...ij,...im->...jm")
+    if taylor:
+        dq, e_dq = _taylor2_vjp(xq, exq, dfq, e_dfq)
+        dk, e_dk = _taylor2_vjp(xk, exk, dfk, e_dfk)
+    else:
+        dq, dk = jq * dfq, jk * dfk
+        e_dq = np.abs(jq) * e_dfq + ejq * np.abs(dfq) + U * np.abs(dq)
+        e_dk = np.abs(jk) * e_dfk + ejk * np.abs(dfk) + U * np.abs(dk)
+    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
+    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+
+
+def _favor_log_parts(
+    w: np.ndarray, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """``(ell, E_ell, R, rho_R, q~, E_q~, k~, E_k~)``, head-major: ``log A_ij`` and the softmax
+    over the features ``R [..., T_q, T_k, m]`` with their errors (module docstring)."""
+    d, m = q.shape[-1], w.shape[0]
+    aw = np.abs(w)
+    qs, ks = q / d**0.25, k / d**0.25
+    eqs, eks = eq / d**0.25 + 3 * U * np.abs(qs), ek / d**0.25 + 3 * U * np.abs(ks)
+    z = (qs @ w.T)[..., :, None, :] + (ks @ w.T)[..., None, :, :]
+    mag = (np.abs(qs) @ aw.T)[..., :, None, :] + (np.abs(ks) @ aw.T)[..., None, :, :]
+    e_in = (eqs @ aw.T)[..., :, None, :] + (eks @ aw.T)[..., None, :, :]
+    e_z = e_in + _g(d + 2) * (mag + 0.5 * np.sum(w * w, -1))
+    top = z.max(-1)
+    e = np.exp(z - top[..., None])
+    total = e.sum(-1)
+    lse = top + np.log(total)
+    spread = np.max(top[..., None] - z, axis=-1)
+    e_zmax = e_z.max(-1)
+    log_m = math.log(m)
+    e_lse = e_zmax + U * (spread + np.abs(lse) + log_m) + C_EXP * U + _g(m)
+    nq, nk = 0.5 * np.sum(qs * qs, -1), 0.5 * np.sum(ks * ks, -1)
+    e_nq = np.sum(np.abs(qs) * eqs, -1) + _g(d + 1) * nq
+    e_nk = np.sum(np.abs(ks) * eks, -1) + _g(d + 1) * nk
+    ell = lse - log_m - nq[..., :, None] - nk[..., None, :]
+    e_ell = (
+        e_lse
+        + e_nq[..., :, None]
+        + e_nk[..., None, :]
+        + U * log_m
+        + _g(3) * (np.abs(lse) + log_m + nq[..., :, None] + nk[..., None, :])
+    )
+    rho_r = 2 * (np.expm1(2 * e_zmax + U * spread) + C_EXP * U) + _g(m + 1)
+    return ell, e_ell, e / total[..., None], rho_r, qs, eqs, ks, eks
+
+
+def _kernel_favor(
+    fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
+) -> tuple[np.ndarray, ...]:
+    """Head-major bound for FAVOR+ (log space): ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    v, ev, dy, edy, allowed = v
+    eps, eps_policy = opt
+    w = np.asarray(fm.omega, dtype=np.float64)
+    t_q, t_k, m = q.shape[-2], k.shape[-2], w.shape[0]
+    ell, e_ell, r_soft, rho_r, qs, eqs, ks, eks = _favor_log_parts(w, q, eq, k, ek)
+    live = allowed.any(-1)
+    ell = np.where(allowed, ell, -np.inf)
+    log_eps = math.log(eps) if eps > 0 else -math.inf
+    s = np.where(live, np.maximum(ell.max(-1), log_eps), 0.0)
+    gap = np.where(allowed, np.abs(ell - s[..., None]), 0.0)
+    weights = np.where(allowed, np.exp(ell - s[..., None]), 0.0)
+    rho = np.where(allowed, np.expm1(np.where(allowed, e_ell, 0.0) + U * gap) + C_EXP * U, 0.0)
+    sink = np.exp(log_eps - s) if eps > 0 else np.zeros(s.shape)
+    rho_s = np.expm1(U * abs(log_eps) + U * np.abs(log_eps - s)) + C_EXP * U if eps > 0 else 0.0
+    total = weights.sum(-1)
+    rho_tot = rho.max(-1, initial=0.0) + _g(t_k + 1)
+    if eps_policy == "add":
+        den, c = total + sink, np.ones(s.shape)
+        delta = np.maximum(rho_tot, rho_s) + U
+        bad = np.zeros(s.shape, bool)
+    else:
+        den, c = np.maximum(total, sink), (total >= sink).astype(float)
+        delta = np.maximum(rho_tot, rho_s)
+        bad = live & (np.abs(total - sink) <= rho_tot * total + rho_s * sink)
+    ok = live & ~bad & (delta < 1)
+    bad = bad | (live & ~ok)
+    ratio = np.where(ok[..., None], weights / np.where(ok, den, 1.0)[..., None], 0.0)
+    omega = rho + np.where(ok, delta / (1 - np.where(ok, delta, 0.0)), 0.0)[..., None] + U
+    e_w = omega * ratio
+    y = np.einsum("...ij,...jv->...iv", ratio, v)
+    e_y = (
+        np.einsum("...ij,...jv->...iv", e_w, np.abs(v))
+        + np.einsum("...ij,...jv->...iv", ratio, ev)
+        + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", ratio, np.abs(v))
+    )
+    p, ep, qv, eqv = _cotangent_terms(v, ev, dy, edy, y, e_y)
+    g = p - (c * qv)[..., None]
+    e_g = ep + (c * eqv)[..., None] + U * (np.abs(p) + (c * np.abs(qv))[..., None])
+    big_g = g * ratio
+    e_big = e_g * ratio + np.abs(g) * (e_w + U * ratio)
+    abs_g = np.abs(big_g)
+    rw = r_soft @ w  # [..., T_q, T_k, d]
+    rw_abs = r_soft @ np.abs(w)
+    dqs = np.einsum("...ij,...ijd->...id", big_g, rw) - qs * big_g.sum(-1)[..., None]
+    dks = np.einsum("...ij,...ijd->...jd", big_g, rw) - ks * big_g.sum(-2)[..., None]
+
+    def err(axis: int, n: int, xs: np.ndarray, exs: np.ndarray) -> np.ndarray:
+        spec = "...ij,...ijd->...id" if axis == -1 else "...ij,...ijd->...jd"
+        weight = e_big + abs_g * (rho_r + _g(n + m + 3))
+        return (
+            np.einsum(spec, weight, rw_abs)
+            + (e_big + _g(n + m + 3) * abs_g).sum(axis)[..., None] * np.abs(xs)
+            + abs_g.sum(axis)[..., None] * exs
+        )
+
+    scale = q.shape[-1] ** 0.25
+    dq, dk = dqs / scale, dks / scale
+    e_dq = err(-1, t_k, qs, eqs) / scale + 3 * U * np.abs(dq)
+    e_dk = err(-2, t_q, ks, eks) / scale + 3 * U * np.abs(dk)
+    dv = np.einsum("...ij,...iv->...jv", ratio, dy)
+    e_dv = (
+        np.einsum("...ij,...iv->...jv", e_w, np.abs(dy))
+        + np.einsum("...ij,...iv->...jv", ratio, edy)
+        + _g(t_q + 2) * np.einsum("...ij,...iv->...jv", ratio, np.abs(dy))
+    )
+    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
+    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+
+
+def _kernel_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_y: Any,
+    errors: tuple[Any, Any, Any, Any],
+    fm: Any,
+    causal: bool,
+    key_mask: Any,
+    eps: float,
+    eps_policy: str,
+) -> tuple[np.ndarray, ...]:
+    """Token-major ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)`` for inputs known to ``errors``."""
+    from attnref.oracle._checks import check_flag
+    from attnref.oracle._linear import _check_map
+
+    _check_map(fm)
+    causal = check_flag("causal", causal)
+    if eps_policy not in ("add", "clamp"):
+        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    q, k, v, dy = (np.asarray(a, dtype=np.float64) for a in (q, k, v, d_y))
+    eq, ek, ev, edy = (
+        np.broadcast_to(np.asarray(e, np.float64), a.shape)
+        for e, a in zip(errors, (q, k, v, dy), strict=True)
+    )
+    allowed = _allowed_keys(q.shape, k.shape[-3], key_mask, causal)
+    rest = (_bt(v), _bt(ev), _bt(dy), _bt(edy), allowed)
+    kernel = _kernel_favor if fm.name == "favor_plus" else _kernel_features
+    out = kernel(fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy))
+    return tuple(_bt(a) for a in out)
+
+
+def linear_attention_vjp_error_bound(
+    q: Any,
+    k: Any,
+    v: Any,
+    d_y: Any,
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    dq: Any = 0.0,
+    dk: Any = 0.0,
+    dv: Any = 0.0,
+    d_dy: Any = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` in float64
+    (either ``method``), first order in ``u`` (module docstring).
+
+    Args:
+        q: Queries ``[..., T_q, H, d_k]``, as the oracle receives them.
+        k: Keys ``[..., T_k, H, d_k]``.
+        v: Values ``[..., T_k, H, d_v]``.
+        d_y: The output cotangent ``[..., T_q, H, d_v]``.
+        feature_map: The feature map (``attnref.linear.elu_plus_one()``, ...).
+        causal: Whether query ``i`` reads keys ``j <= i`` only.
+        key_mask: Boolean ``[..., T_k]``, ``True`` for keys that may be read.
+        eps: The denominator's ``eps``.
+        eps_policy: ``"add"`` or ``"clamp"``.
+        dq: Absolute errors already in ``q`` (broadcast; default 0: exact inputs).
+        dk: Absolute errors already in ``k``.
+        dv: Absolute errors already in ``v``.
+        d_dy: Absolute errors already in ``d_y``.
+
+    Returns:
+        :class:`attnref.oracle.LinearGrads` ``(q, k, v)`` of float64 bounds shaped as the inputs,
+        non-negative, ``inf`` where the gradient is not determined (near-cancelling
+        denominators, the clamp's switch).
+
+    Raises:
+        TypeError: If ``feature_map`` is not a feature map, or ``causal`` is not a bool.
+        ValueError: If ``eps_policy`` is unknown.
+    """
+    from attnref.oracle._linear_grad import LinearGrads
+
+    out = _kernel_bound(
+        q, k, v, d_y, (dq, dk, dv, d_dy), feature_map, causal, key_mask, eps, eps_policy
+    )
+    return LinearGrads(out[0], out[1], out[2])
+
+
+# ----------------------------------------------------------------------------- multi-head
+
+
+def _fold(a: np.ndarray, n_kv: int) -> np.ndarray:
+    """Sum token-major ``[..., T, H, d]`` over the ``G = H / K`` query heads of each K/V head."""
+    return a.reshape(*a.shape[:-2], n_kv, a.shape[-2] // n_kv, a.shape[-1]).sum(-2)
+
+
+def _param_bounds(
+    x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For ``h = x W + b`` with ``dh`` known to ``b`` (value ``g``, token-major): bounds on
+    ``(dW, db, dx)`` and the magnitude of ``dx`` (``sum_h |dh||W|^T``)."""
+    n_pos = math.prod(x.shape[:-1])
+    ax = np.abs(x)
+    dw = np.einsum("...td,...the->hde", ax, b, optimize=True) + _g(n_pos + 2) * np.einsum(
+        "...td,...the->hde", ax, np.abs(g), optimize=True
+    )
+    axes = tuple(range(g.ndim - 2))
+    db = b.sum(axis=axes) + _g(n_pos + 2) * np.abs(g).sum(axis=axes)
+    n_dx = wt.shape[0] * wt.shape[2]
+    mag = np.einsum("...the,hde->...td", np.abs(g), np.abs(wt))
+    dx = np.einsum("...the,hde->...td", b, np.abs(wt)) + _g(n_dx + 2) * mag
+    return dw, db, dx, mag
+
+
+def linear_multihead_vjp_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+    residual: bool = False,
+) -> Any:
+    """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` in float64 (either
+    ``method``), first order in ``u`` (module docstring, "Multi-head").
+
+    Args:
+        params: Per-head weights (``AttentionParams`` or a dict; grouped K/V heads allowed).
+        x_q: Query tokens ``[..., T_q, d_model]``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` (default ``x_q``).
+        d_y: The output cotangent ``[..., T_q, d_model]`` (keyword-only).
+        feature_map: The feature map.
+        causal: Whether query ``t`` reads keys ``s <= t`` only.
+        key_mask: Boolean ``[..., T_k]``, ``True`` for keys that may be read.
+        eps: The denominator's ``eps``.
+        eps_policy: ``"add"`` or ``"clamp"``.
+        residual: Whether the block returns ``x_q + attention``.
+
+    Returns:
+        :class:`attnref.oracle.LinearMultiheadGrads` of bounds: ``params`` a dict with one
+        bound per field present, ``x_q``, and ``x_kv`` (``None`` when ``x_kv`` is ``None``).
+
+    Raises:
+        ValueError: If ``params`` lacks a weight or its heads do not group, or ``eps_policy`` is
+            unknown.
+        TypeError: If ``feature_map`` is not a feature map.
+    """
+    from attnref.oracle._linear_grad import LinearMultiheadGrads
+
+    w = _read_params(params)  # K/V heads repeated to one per query head
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    raw_k = _get(params, "w_k")
+    assert raw_k is not None
+    n_kv = raw_k.shape[0]
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    dy = np.asarray(d_y, dtype=np.float64)
+    d_model = xq.shape[-1]
+
+    def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        wt, b = w["w_" + name], w["b_" + name]
+        assert wt is not None
+        return _heads(x, wt, b, "the"), _g(d_model + 1) * _abs_heads(x, wt, b, "the")
+
+    (q, eq), (k, ek), (v, ev) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
+    dz = np.einsum("...qd,hvd->...qhv", dy, w_o)
+    e_dz = _g(d_model + 2) * np.einsum("...qd,hvd->...qhv", np.abs(dy), np.abs(w_o))
+    bq, bk, bv, z, e_z, gq, gk, gv = _kernel_bound(
+        q, k, v, dz, (eq, ek, ev, e_dz), feature_map, causal, key_mask, eps, eps_policy
+    )
+    n_q = math.prod(xq.shape[:-1])
+    out = {
+        "w_o": np.einsum("...qhv,...qd->hvd", e_z, np.abs(dy), optimize=True)
+        + _g(n_q + 2) * np.einsum("...qhv,...qd->hvd", np.abs(z), np.abs(dy), optimize=True),
+        "b_o": _g(n_q + 2) * np.abs(dy).sum(axis=tuple(range(dy.ndim - 1))),
+    }
+    group = w_q.shape[0] // n_kv
+    kv_heads = slice(None, None, group)  # the first query head of each K/V group
+    fold_k = _fold(bk, n_kv) + _g(group + 1) * _fold(np.abs(gk), n_kv)
+    fold_v = _fold(bv, n_kv) + _g(group + 1) * _fold(np.abs(gv), n_kv)
+    out["w_q"], out["b_q"], dxq, mag_q = _param_bounds(xq, bq, gq, w_q)
+    out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, fold_k, _fold(gk, n_kv), w_k[kv_heads])
+    out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, fold_v, _fold(gv, n_kv), w_v[kv_heads])
+    present = [n for n in out if _get(params, n) is not None]
+    grads = {n: _no_nan(out[n]) for n in present}
+    dxkv = dxk + dxv + U * (mag_k + mag_v)
+    if residual:
+        dxq = dxq + U * (mag_q + np.abs(dy))
+    if x_kv is None:
+        bound_q = dxq + dxkv + U * (mag_q + np.abs(dy) + mag_k + mag_v)
+        return LinearMultiheadGrads(grads, _no_nan(bound_q), None)
+    return LinearMultiheadGrads(grads, _no_nan(dxq), _no_nan(dxkv))
+
+
+def _no_nan(b: np.ndarray) -> np.ndarray:
+    """``inf`` where an undetermined (``inf``) term met a zero magnitude (``0 * inf``)."""
+    return np.where(np.isnan(b), np.inf, b)

@@ -1,0 +1,424 @@
+"""Derived error bound for the weight-level gradient oracle (:func:`attnref.oracle.attention_vjp`
+and :func:`attnref.oracle.rope_attention_vjp`). NumPy only, float64.
+
+The bound is first order in the unit round-off ``u`` of ``dtype`` (every operation in that
+format, the worst-case model ``gamma_n = n u / (1 - n u)``, Higham 2002, Lemma 3.1 and eq. 3.13),
+componentwise, for *one* computation of the gradients from exact inputs (already in the format).
+Two float64 computations (the oracle's ``"fast"`` and ``"definition"`` methods) therefore differ
+by at most twice the float64 bound.
+
+**Model.** Every intermediate ``X`` of the backward formulas (module docstring of
+:mod:`attnref.oracle._weight_grad`) carries a magnitude ``M_X >= |X|`` and an error bound
+``E_X >= |fl(X) - X|``. A stage ``C = sum_l a_l b_l`` over ``n`` leaves (a product or a sum, in
+any order and any grouping, each leaf one product) adds ``gamma_n`` of its magnitude, and its
+inexact inputs propagate linearly (first order)::
+
+    M_C = sum |a| M_b ...,   E_C = sum (E_a M_b + M_a E_b) + gamma_{n + extra} M_C
+
+with ``extra`` the further roundings on a leaf's path (a scale multiply, a bias add). Magnitudes
+are the products of absolute values (``|x~||W~|``: homogeneous coordinates ``x~ = [x, 1]``,
+``W~ = [W; b]`` fold the biases in); ``P`` is the float64 softmax (its own error is second order
+in the magnitudes).
+
+**Forward stages** (per batch element and query head ``i``, reading key/value head ``g``):
+
+1. ``Q = x~_q W~_Q[i]``, ``K``, ``V`` likewise: ``d_model + 1`` leaves, ``E_Q = gamma_{d_model+1}
+   M_Q``. With RoPE, ``R`` turns each pair ``(a, b)``; ``|R v| <= J |v|`` (``J``: the sum over the
+   pair) and the computed rotation is off by ``(|a| + |b|) (e_p(m) + gamma_2)`` with ``e_p(m)``
+   the ``cos``/``sin`` error of :mod:`attnref.tolerance` (RoPE section), so
+   ``M_Qr = J M_Q``, ``E_Qr = J E_Q + (e(m) + gamma_2) M_Qr``.
+2. ``S = scale Q K^T + bias``: ``d_k`` leaves, the scale multiply and the bias add:
+   ``E_S = |scale| (E_Q M_K^T + M_Q E_K^T) + gamma_{d_k + 2} Ls + u |S - max S|``,
+   ``Ls = |scale| M_Q M_K^T + |bias|`` (the last term: the max subtraction).
+3. ``P``: logit errors ``<= E_row = max_j E_S`` move every weight by a factor in
+   ``[exp(-2 E_row), exp(2 E_row)]``; ``exp``, the row sum and the division add
+   ``gamma_{T_k + 2 + 2 C_EXP}`` (as in the forward bound): ``E_P = rho P``,
+   ``rho = exp(2 E_row) - 1 + gamma_{T_k + 2 + 2 C_EXP}``.
+4. ``Z = P V``: ``E_Z = E_P M_V + P E_V + gamma_{T_k} P M_V``.
+
+**Backward stages** (``A = |dY|``; ``dY`` and the weights are exact inputs):
+
+5. ``dZ = dY W_O^T``: ``M = A |W_O|^T``, ``E = gamma_{d_model} M``.
+6. ``dP = dZ V^T``: ``M_dP = M_dZ M_V^T``, ``E_dP = E_dZ M_V^T + M_dZ E_V^T + gamma_{d_v} M_dP``.
+7. ``dS = P (dP - c)``, ``c = sum_j P dP``: ``M_dS = P (M_dP + sum_j P M_dP)`` and
+   ``E_dS = E_P (M_dP + sum_j P M_dP) + P (E_dP + sum_j (E_P M_dP + P E_dP))
+   + gamma_{T_k + C_SOFTMAX_VJP} M_dS``. The longest leaf path (through ``c``) has ``T_k - 1``
+   additions and at most ``C_SOFTMAX_VJP = 5`` further roundings: 3 in ``P (dP - c)`` (the
+   product in ``c``, the subtraction, the product by ``P``), 5 in reverse-mode autodiff of
+   ``e / sum e`` (``g e``, ``sum^-2`` (2), their product, the add to ``g / sum``, the product
+   by ``e``), which is what JAX computes for the concatenated form; the ratios ``e / sum e``
+   carry the same ``rho`` as ``P``.
+8. ``dbias = sum_i dS_i``, summed over the broadcast axes: ``n = H r`` leaves (``r`` copies).
+9. ``dQ = scale dS K``: ``E = |scale| (E_dS M_K + M_dS E_K) + gamma_{T_k + 1} M``; then ``R^T``
+   (RoPE) as in stage 1.
+10. ``dK_i = scale dS^T Q`` and ``dV_i = P^T dZ``, per query head: ``gamma_{G T_q + 1}`` and
+    ``gamma_{G T_q}`` (covering a flat sum over the ``G T_q`` queries of a key/value group, as a
+    grouped product computes it); then ``R^T`` for ``dK``.
+11. Outputs, each a flat sum over ``n`` leaves in any order (the group sums of shared key/value
+    heads may come before or after the projections, which only shortens the paths):
+    ``dW~_Q[i] = sum x~_q^T dQ_i`` (``n = B T_q``, ``B`` the batch size), ``dW~_K[g]`` and
+    ``dW~_V[g]`` (``n = B G T_k``), ``dW_O[i] = sum Z_i^T dY`` and ``db_O`` (``n = B T_q``),
+    ``dX_kv = sum_i dK_i W_K^T + dV_i W_V^T`` (``n = H (d_k + d_v)``), ``dX_q = sum_i dQ_i
+    W_Q^T`` (``n = H d_k``, plus 1 with the residual path and ``H (d_k + d_v)`` when ``x_kv``
+    is ``x_q``).
+
+This covers the oracle's two methods (the same stages; the fast path sums a block's heads in one
+product and groups key/value heads before projecting them, the definition after) and the float64
+reverse-mode gradient of :func:`attnref.concat_attention` (the same stages, with the softmax VJP
+of stage 7). ``inf`` entries where ``gamma_n`` is (``n u >= 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ._core import (
+    _FIELDS,
+    _abs_heads,
+    _get,
+    _heads,
+    _hom,
+    _logits,
+    _read_problem,
+    _read_weights,
+    _softmax,
+)
+from ._rope import _check_rope, _pair_sum, _rope_angle_error, _rope_spread, _rope_theta
+from ._rounding import C_EXP, gamma, unit_roundoff
+
+if TYPE_CHECKING:
+    from attnref.oracle import AttentionGrads
+
+C_SOFTMAX_VJP = 5  # roundings on the softmax VJP's longest leaf path besides its row sum
+
+
+class _ME(NamedTuple):
+    """A magnitude ``m >= |X|`` and an error bound ``e >= |fl(X) - X|`` (same shape)."""
+
+    m: np.ndarray
+    e: np.ndarray
+
+
+def _ein(spec: str, *ops: np.ndarray) -> np.ndarray:
+    return np.einsum(spec, *ops, optimize=True)
+
+
+def _times(g: float, m: np.ndarray) -> np.ndarray:
+    """``g * m``, with ``0`` where ``m == 0`` even when ``g`` is ``inf`` (an exact zero)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(m > 0, g * m, 0.0)
+
+
+def _product(spec: str, a: _ME, b: _ME, g: float) -> _ME:
+    """``C = a (spec) b`` with ``gamma`` ``g`` for its own roundings: ``M_C = M_a M_b``,
+    ``E_C = E_a M_b + M_a E_b + g M_C``."""
+    m = _ein(spec, a.m, b.m)
+    return _ME(m, _ein(spec, a.e, b.m) + _ein(spec, a.m, b.e) + _times(g, m))
+
+
+def _exact(m: np.ndarray) -> _ME:
+    return _ME(m, np.zeros_like(m))
+
+
+def _group_sum(a: np.ndarray, n_kv: int) -> np.ndarray:
+    """``[H, ...] -> [K, ...]``: the sum over the ``G`` query heads of each key/value head."""
+    return a.reshape(n_kv, a.shape[0] // n_kv, *a.shape[1:]).sum(axis=1)
+
+
+def _sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``a`` over the axes along which an array of ``shape`` was broadcast to ``a.shape``."""
+    a = a.sum(axis=tuple(range(a.ndim - len(shape))))
+    axes = tuple(k for k, n in enumerate(shape) if n == 1 and a.shape[k] != 1)
+    return a.sum(axis=axes, keepdims=True) if axes else a
+
+
+class _Rope(NamedTuple):
+    """RoPE of the bound: positions broadcast to ``[..., T_q]``, ``[..., T_k]``."""
+
+    pos_q: np.ndarray
+    pos_k: np.ndarray
+    base: float
+    convention: str
+
+
+def _rope_error(pos: np.ndarray, d: int, r: _Rope, u: float) -> np.ndarray:
+    """``e_p(m) + gamma_2`` for every component ``[..., 1, T, d]`` (stage 1)."""
+    m_theta = np.abs(pos.astype(np.float64))[..., None] * _rope_theta(d, r.base)
+    e = _rope_angle_error(m_theta, u, r.base) + gamma(2, u)
+    return _rope_spread(e, r.convention)[..., None, :, :]
+
+
+def _turn(a: _ME, err: np.ndarray | None, convention: str) -> _ME:
+    """A rotation (or its transpose) of a quantity: ``M' = J M``, ``E' = J E + err M'``."""
+    if err is None:
+        return a
+    m = _pair_sum(a.m, convention)
+    return _ME(m, _pair_sum(a.e, convention) + err * m)
+
+
+def _rotated_heads(
+    x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, pos: np.ndarray | None, r: _Rope | None
+) -> np.ndarray:
+    """``R(x W[h] + b[h])`` per head, ``[..., H, T, d]`` (the float64 oracle's RoPE)."""
+    y = _heads(x, wt, b, "the")
+    if r is None:
+        return np.swapaxes(y, -2, -3)
+    from attnref.oracle import rope  # lazily: this module loads on its own (NumPy only)
+
+    return np.swapaxes(rope(y, pos, base=r.base, convention=r.convention), -2, -3)
+
+
+def _bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any,
+    d_y: Any,
+    *,
+    mask: Any,
+    bias: Any,
+    scale: float | None,
+    residual: bool,
+    dtype: Any,
+    rope: _Rope | None,
+) -> AttentionGrads:
+    """Stages 1 to 11 of the module docstring."""
+    from attnref.oracle import AttentionGrads  # lazily, as the oracle's RoPE
+
+    u = unit_roundoff(dtype)
+    w, d_k = _read_weights(params)  # key/value heads repeated to one per query head
+    w_k_given = _get(params, "w_k")
+    assert w_k_given is not None
+    n_kv = w_k_given.shape[0]  # key/value heads as given
+    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    n_heads, d_model, _, d_v, t_k = p.dims
+    t_q = p.xq.shape[-2]
+    batch = p.xq.shape[:-2]
+    n_b, group, s = math.prod(batch), n_heads // n_kv, abs(p.scale)
+    dy = np.asarray(d_y, dtype=np.float64)
+    if dy.shape != (*batch, t_q, d_model):
+        raise ValueError(f"d_y has shape {dy.shape}; expected {(*batch, t_q, d_model)}")
+    a_dy = np.abs(dy)
+
+    # 1. projections (and RoPE)
+    g_proj = gamma(d_model + 1, u)
+
+    def projected(x: np.ndarray, name: str) -> _ME:
+        wt = w["w_" + name]
+        assert wt is not None
+        m = _abs_heads(x, wt, w["b_" + name])
+        return _ME(m, _times(g_proj, m))
+
+    err_q = None if rope is None else _rope_error(rope.pos_q, d_k, rope, u)
+    err_k = None if rope is None else _rope_error(rope.pos_k, d_k, rope, u)
+    conv = "rotate_half" if rope is None else rope.convention
+    q = _turn(projected(p.xq, "q"), err_q, conv)
+    k = _turn(projected(p.xkv, "k"), err_k, conv)
+    v = projected(p.xkv, "v")
+
+    # 2.-3. logits and weights
+    pos_q = None if rope is None else rope.pos_q
+    pos_k = None if rope is None else rope.pos_k
+    logits, allowed = _logits(
+        p,
+        _rotated_heads(p.xq, w_q, w["b_q"], pos_q, rope),
+        _rotated_heads(p.xkv, w_k, w["b_k"], pos_k, rope),
+    )
+    sm = _softmax(logits, allowed)
+    pr = sm.weights
+    ls = s * _ein("...hqd,...hkd->...hqk", q.m, k.m) + np.abs(p.bias)
+    e_s = s * (_ein("...hqd,...hkd->...hqk", q.e, k.m) + _ein("...hqd,...hkd->...hqk", q.m, k.e))
+    e_s = np.where(allowed, e_s + _times(gamma(d_k + 2, u), ls) + u * sm.spread, 0.0)
+    e_row = np.max(e_s, axis=-1, keepdims=True, initial=0.0)
+    with np.errstate(over="ignore"):
+        rho = np.expm1(2.0 * e_row) + gamma(t_k + 2 + 2 * C_EXP, u)
+    with np.errstate(invalid="ignore"):
+        weights = _ME(pr, np.where(pr > 0, rho * pr, 0.0))
+
+    # 4.-7. Z, dZ, dP, dS
+    z = _product("...hqk,...hkv->...hqv", weights, v, gamma(t_k, u))
+    dz_m = _ein("...qd,hvd->...hqv", a_dy, np.abs(w_o))
+    dz = _ME(dz_m, _times(gamma(d_model, u), dz_m))
+    dp = _product("...hqv,...hkv->...hqk", dz, v, gamma(d_v, u))
+    c_m = np.sum(pr * dp.m, axis=-1, keepdims=True)
+    c_e = np.sum(weights.e * dp.m + pr * dp.e, axis=-1, keepdims=True)
+    ds_m = pr * (dp.m + c_m)
+    ds_e = weights.e * (dp.m + c_m) + pr * (dp.e + c_e)
+    ds = _ME(ds_m, ds_e + _times(gamma(t_k + C_SOFTMAX_VJP, u), ds_m))
+
+    # 8. bias
+    d_bias = None
+    if bias is not None:
+        shape = tuple(np.shape(bias))
+        full = ds.m.sum(axis=-3)
+        copies = n_heads * full.size // max(math.prod(shape), 1)
+        b_m = _sum_to_shape(full, shape)
+        b_e = _sum_to_shape(ds.e.sum(axis=-3), shape)
+        d_bias = b_e + _times(gamma(copies, u), b_m)
+
+    # 9.-10. dQ, dK, dV per query head
+    dq = _product("...hqk,...hkd->...hqd", ds, k, gamma(t_k + 1, u))
+    dq = _turn(_ME(s * dq.m, s * dq.e), err_q, conv)
+    dk = _product("...hqk,...hqd->...hkd", ds, q, gamma(group * t_q + 1, u))
+    dk = _turn(_ME(s * dk.m, s * dk.e), err_k, conv)
+    dv = _product("...hqk,...hqv->...hkv", weights, dz, gamma(group * t_q, u))
+
+    # 11. outputs
+    xq_t, xkv_t = _exact(np.abs(_hom(p.xq))), _exact(np.abs(_hom(p.xkv)))
+    g_q = _product("...qa,...hqe->hae", xq_t, dq, gamma(n_b * t_q, u))
+    g_k = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dk, 0.0)]
+    g_v = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dv, 0.0)]
+    g_kv = gamma(n_b * group * t_k, u)
+    g_o = _product("...hqv,...qd->hvd", z, _exact(a_dy), gamma(n_b * t_q, u))
+    grads = {
+        "w_q": g_q.e[:, :d_model],
+        "b_q": g_q.e[:, d_model],
+        "w_k": g_k[1][:, :d_model] + _times(g_kv, g_k[0][:, :d_model]),
+        "b_k": g_k[1][:, d_model] + _times(g_kv, g_k[0][:, d_model]),
+        "w_v": g_v[1][:, :d_model] + _times(g_kv, g_v[0][:, :d_model]),
+        "b_v": g_v[1][:, d_model] + _times(g_kv, g_v[0][:, d_model]),
+        "w_o": g_o.e,
+        "b_o": _times(gamma(n_b * t_q, u), a_dy.sum(axis=tuple(range(a_dy.ndim - 1)))),
+    }
+    x_from_q = _product("...hqe,hae->...qa", dq, _exact(np.abs(w_q)), 0.0)
+    x_from_k = _product("...hke,hae->...ka", dk, _exact(np.abs(w_k)), 0.0)
+    x_from_v = _product("...hkv,hav->...ka", dv, _exact(np.abs(w_v)), 0.0)
+    kv_m, kv_e = x_from_k.m + x_from_v.m, x_from_k.e + x_from_v.e
+    n_x, xq_m, xq_e = n_heads * d_k, x_from_q.m, x_from_q.e
+    if residual:
+        n_x, xq_m = n_x + 1, xq_m + a_dy
+    shared = x_kv is None
+    if shared:
+        n_x, xq_m, xq_e = n_x + n_heads * (d_k + d_v), xq_m + kv_m, xq_e + kv_e
+    bound_xq = xq_e + _times(gamma(n_x, u), xq_m)
+    bound_xkv = None if shared else kv_e + _times(gamma(n_heads * (d_k + d_v), u), kv_m)
+    params_out = {
+        name: (grads[name] if _get(params, name) is not None else None) for name in _FIELDS
+    }
+    return AttentionGrads(params_out, bound_xq, bound_xkv, d_bias)
+
+
+def attention_vjp_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    residual: bool = False,
+    dtype: Any = np.float64,
+) -> AttentionGrads:
+    """Componentwise bound on the rounding error of one computation of
+    :func:`attnref.oracle.attention_vjp` in ``dtype`` (every operation in its ``u``, the
+    worst-case model; module docstring, stages 1 to 11), from exact inputs.
+
+    Two float64 computations (``method="fast"`` and ``"definition"``, or the float64 autodiff
+    gradient of :func:`attnref.concat_attention`) differ by at most twice the float64 bound.
+
+    Args:
+        params: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+            ``w_o [H, d_v, d_model]`` and optional biases, as attributes or dict entries.
+        x_q: queries ``[..., T_q, d_model]``.
+        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``, self-attention).
+        d_y: the cotangent ``[..., T_q, d_model]``.
+        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
+        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
+        scale: logit scale (default ``1/sqrt(d_k)``).
+        residual: whether the forward is ``x_q + attention``.
+        dtype: the format of the computation (default float64).
+
+    Returns:
+        An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
+        of the gradient it bounds (``None`` where the gradient is ``None``).
+
+    Raises:
+        ValueError: ``params`` lacks a weight or has inconsistent heads, or ``d_y`` is not of the
+            output's shape.
+    """
+    return _bound(
+        params,
+        x_q,
+        x_kv,
+        d_y,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        residual=residual,
+        dtype=dtype,
+        rope=None,
+    )
+
+
+def rope_attention_vjp_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    d_y: Any,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    residual: bool = False,
+    dtype: Any = np.float64,
+) -> AttentionGrads:
+    """Componentwise bound on the rounding error of one computation of
+    :func:`attnref.oracle.rope_attention_vjp` in ``dtype`` (module docstring; the rotations add
+    their ``cos``/``sin`` error ``e_p(m)`` and ``gamma_2`` in stages 1, 9 and 10).
+
+    Args:
+        params: as :func:`attention_vjp_error_bound` (``d_k`` even).
+        x_q: queries ``[..., T_q, d_model]``.
+        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
+        d_y: the cotangent ``[..., T_q, d_model]``.
+        positions_q: integer query positions ``[..., T_q]`` (default ``arange(T_q)``).
+        positions_kv: integer key positions ``[..., T_k]`` (default ``arange(T_k)``).
+        mask: boolean ``[..., T_q, T_k]`` (broadcast).
+        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast).
+        scale: logit scale (default ``1/sqrt(d_k)``).
+        base: the RoPE base.
+        convention: ``"rotate_half"`` or ``"interleaved"``.
+        residual: whether the forward is ``x_q + attention``.
+        dtype: the format of the computation (default float64).
+
+    Returns:
+        An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
+
+    Raises:
+        ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, the
+            convention is unknown, or ``d_y`` is not of the output's shape.
+    """
+    _, d_k = _read_weights(params)
+    _check_rope(convention, d_k)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    batch, t_q, t_k = xq.shape[:-2], xq.shape[-2], xkv.shape[-2]
+    pq = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
+    pk = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
+    r = _Rope(
+        np.broadcast_to(pq, (*batch, t_q)),
+        np.broadcast_to(pk, (*batch, t_k)),
+        float(base),
+        convention,
+    )
+    return _bound(
+        params,
+        x_q,
+        x_kv,
+        d_y,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        residual=residual,
+        dtype=dtype,
+        rope=r,
+    )
