@@ -220,7 +220,9 @@ def test_oracle_does_not_write_to_its_inputs():
 
 
 def test_gradient_oracle_refuses():
-    p = ast.make_kernel_problem(ast.Config(batch=1, t=3, s=3, n=1, k=1, h=2, h_v=2, d_model=4), "none", 0)
+    p = ast.make_kernel_problem(
+        ast.Config(batch=1, t=3, s=3, n=1, k=1, h=2, h_v=2, d_model=4), "none", 0
+    )
     cot = np.zeros((1, 3, 1, 2))
     with pytest.raises(ValueError, match="method"):
         oracle.dot_product_attention(p.q, p.k, p.v, method="exact")
