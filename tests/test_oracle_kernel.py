@@ -251,25 +251,25 @@ def test_fast_oracle_memory_is_linear_in_t():
     assert peak < full / 2, f"peak {peak / 2**20:.1f} MiB >= half of [N, T, S] {full / 2**21:.0f}"
 
 
-def test_streamed_bound_equals_full_bound():
-    """``kernel_call_error_bound`` (streamed, any block size) equals ``kernel_error_bound`` given
-    the whole allowed set."""
-    cfg = ast.Config(batch=2, t=5, s=7, n=4, k=2, h=4, h_v=3, d_model=8)
-    for kind in ("combined", "causal", "neg_inf_bias"):
-        p = ast.make_kernel_problem(cfg, kind, 11, masked_rows="uniform")
-        full = tolerance.kernel_error_bound(
-            p.q,
-            p.k,
-            p.v,
-            p.allowed(),
-            p.options.get("bias"),
-            scale=p.options.get("scale"),
-            softcap=p.options.get("softcap"),
-            masked_rows="uniform",
-        )
-        for budget in (1, 10**9):
-            streamed = tolerance.kernel_call_error_bound(
-                p.q, p.k, p.v, budget=budget, masked_rows="uniform", **p.options
-            )
-            for a, b in zip(full, streamed, strict=True):
-                np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
+@given(problem=kproblems(dtypes=("float32", "bfloat16")), budget=st.sampled_from((1, 2**30)))
+@scaled(0.5)
+def test_streamed_bound_equals_full_bound(problem, budget):
+    """``kernel_call_error_bound`` (streamed with the oracle's blocks, one query row or all of
+    them per block) equals ``kernel_error_bound`` given the whole allowed set."""
+    p = problem
+    full = tolerance.kernel_error_bound(
+        p.q,
+        p.k,
+        p.v,
+        p.allowed(),
+        p.options.get("bias"),
+        scale=p.options.get("scale"),
+        softcap=p.options.get("softcap"),
+        masked_rows=p.masked_rows,
+        dtype=p.dtype,
+    )
+    streamed = tolerance.kernel_call_error_bound(
+        p.q, p.k, p.v, budget=budget, **p.semantics(), **p.options
+    )
+    for a, b in zip(full, streamed, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)

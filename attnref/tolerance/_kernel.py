@@ -208,7 +208,7 @@ def kernel_call_error_bound(
             ``ValueError``.
         TypeError: For those it refuses with ``TypeError``.
     """
-    from attnref.oracle._kernel_call import allowed_rows, parse
+    from attnref.oracle._kernel_call import parse
 
     c = parse(
         query,
@@ -226,28 +226,83 @@ def kernel_call_error_bound(
         causal_alignment=causal_alignment,
         masked_rows=masked_rows,
     )
-    b_size, n_heads, t, s = c.shape
-    out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
+    fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
+    return _streamed_bound(c, fmt, key_blocks, budget)
+
+
+def _streamed_bound(
+    c: Any, fmt: np.dtype[Any], key_blocks: int | None, budget: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kernel_call_error_bound` of a validated call: the forward's own blocks (one
+    (batch, key/value head) pair and a block of query rows at a time, only the keys the block
+    can reach), the two GEMMs of the bound (``|q| |k|^T`` and ``p |v|``) beside the oracle's."""
+    from attnref.oracle._kernel_call import query_block
+    from attnref.oracle._kernel_fast import (
+        block_live,
+        head_groups,
+        logits_block,
+        raw_logits,
+        row_blocks,
+    )
+
+    b_size, n_heads, t, s_len = c.shape
+    grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
+    work = np.dtype(np.float32) if _is_16bit(fmt) else fmt
+    units = (unit_roundoff(work), unit_roundoff(np.float64))
+    n_b = s_len if key_blocks is None else max(1, int(key_blocks))
+    extra = 2 * (C_EXP + 1) * (n_b - 1)
+    out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.zeros((b_size, t, n_heads))
-    rows = max(1, budget // max(1, n_heads * s * 8 * 12))
-    fmt = np.asarray(query).dtype if dtype is None else dtype
-    for b in range(b_size):
-        kg = np.repeat(c.k[b : b + 1], c.group, axis=2)
-        vg = np.repeat(c.v[b : b + 1], c.group, axis=2)
-        for i0 in range(0, t, rows):
-            i1 = min(i0 + rows, t)
-            ok = allowed_rows(c, b, slice(None), i0, i1, 0, s)
-            ok = np.ones((n_heads, i1 - i0, s), bool) if ok is None else ok
-            out[b : b + 1, i0:i1], lse[b : b + 1, i0:i1] = _bound_rows(
-                c.q[b : b + 1, i0:i1],
-                kg,
-                vg,
-                ok[None],
-                None if c.bias is None else c.bias[b : b + 1, :, i0:i1],
-                scale=c.scale,
-                softcap=c.softcap,
-                masked_rows=c.policy,
-                dtype=fmt,
-                key_blocks=key_blocks,
-            )
+    o_ref = np.zeros_like(out) if _is_16bit(fmt) else None
+    dead = np.ones((b_size, t, n_heads), bool)
+    rows = max(1, query_block(c, 6, budget))
+    for hg in head_groups(c):
+        abs_kt, abs_v = np.abs(hg.kt), np.abs(hg.v)
+        for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
+            s, ok = logits_block(c, hg, i0, i1, j0, j1)
+            live = block_live(ok, s.shape)
+            reads = np.broadcast_to(live[..., None], s.shape) if ok is None else ok
+            q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2)
+            mag = abs(c.scale) * (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
+            top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
+            with np.errstate(invalid="ignore"):
+                # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
+                local = np.where(reads, np.abs(s) + (top - s), 0.0)
+            if c.softcap is not None:
+                capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
+                local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
+            e = np.where(reads, np.exp(np.where(reads, s - top, 0.0)), 0.0)
+            total = e.sum(axis=-1)
+            p = e / np.where(live, total, 1.0)[..., None]
+            flat = (s.shape[0] * s.shape[1], j1 - j0)
+            o_mag = (p.reshape(flat) @ abs_v[j0:j1]).reshape(*s.shape[:2], h_v)
+            log_l = np.log(np.where(live, total, 1.0))
+            lse_ref = top[..., 0] + log_l
+            blk_out = np.zeros_like(o_mag)
+            blk_lse = np.zeros(s.shape[:2])
+            for u in units:
+                e_row = np.where(reads, gamma(h + 1, u) * mag + u * local, 0.0).max(
+                    axis=-1, initial=0.0
+                )
+                with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                    rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * C_EXP + extra, u)
+                    delta = np.expm1(e_row) + gamma(s_len + C_EXP + extra, u)
+                    d_lse = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+                blk_out += (rho + gamma(s_len, u))[..., None] * o_mag
+                d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+                blk_lse += np.where(live, d_lse, 0.0)
+            out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
+            lse[hg.b, i0:i1, hg.heads] = blk_lse.T
+            dead[hg.b, i0:i1, hg.heads] = ~live.T
+            if o_ref is not None:
+                ref = (p.reshape(flat) @ hg.v[j0:j1]).reshape(*s.shape[:2], h_v)
+                o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
+    if c.policy == "uniform":
+        vg = np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
+        g = sum(gamma(s_len + 1, u) for u in units)
+        out = np.where(dead[..., None], g * np.abs(vg).mean(axis=1)[:, None], out)
+        if o_ref is not None:
+            o_ref = np.where(dead[..., None], vg.mean(axis=1)[:, None], o_ref)
+    if o_ref is not None:
+        out = out + unit_roundoff(fmt) * (np.abs(o_ref) + out)
     return out, lse
