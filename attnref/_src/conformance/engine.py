@@ -5,6 +5,7 @@ options, runs the selected properties and returns the :class:`ConformanceReport`
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.reporting import with_reporter
 
 from attnref._src import closeness
+from attnref._src.conformance import production
 from attnref._src.conformance.context import Check, _Context
 from attnref._src.conformance.options import (
     _DEFAULT_SEMANTICS,
@@ -131,12 +133,41 @@ def _run_property(
     return "passed", "", None, int(state["count"]), None
 
 
+def _failure(exc: BaseException) -> tuple[str, str | None]:
+    """``(message, traceback)``: the traceback only for an exception that is not one of the
+    kit's comparisons."""
+    message = str(exc).strip() or type(exc).__name__
+    if _is_comparison_failure(exc):
+        return message, None
+    return f"{type(exc).__name__}: {message}", _format_traceback(exc)
+
+
+def _run_cases(
+    name: str,
+    cases: Sequence[production.Case],
+    check: Callable[[production.Case], None],
+    log: Callable[[str], None] | None,
+) -> tuple[str, str, str | None, int, str | None]:
+    """Run ``check`` on each production case in order, stopping at the first failure;
+    ``(status, detail, example, examples, traceback)`` as :func:`_run_property`."""
+    for i, case in enumerate(cases, start=1):
+        start = time.perf_counter()
+        try:
+            check(case)
+        except Exception as exc:
+            message, tb = _failure(exc)
+            return "failed", message, f"production case {i}/{len(cases)}: {case}", i, tb
+        if log is not None:
+            log(f"{name} {i}/{len(cases)}: {case} ({time.perf_counter() - start:.1f} s)")
+    return "passed", "", None, len(cases), None
+
+
 def check_attention(
     fn: Callable[..., Any],
     *,
     signature: str = "jax_nn",
     features: Sequence[str] | None = None,
-    max_examples: int = 20,
+    max_examples: int | None = None,
     seed: int = 0,
     masked_rows: str = "zeros",
     causal_alignment: str = "top_left",
@@ -144,6 +175,8 @@ def check_attention(
     properties: Sequence[str] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     target: str | None = None,
+    shapes: str = "small",
+    log: Callable[[str], None] | None = None,
 ) -> ConformanceReport:
     """Run the conformance properties (package docstring) against ``fn``: each is a Hypothesis
     test whose examples compare ``fn`` with the float64 oracle.
@@ -154,7 +187,8 @@ def check_attention(
             adapters, package docstring).
         features: What ``fn`` supports (:data:`FEATURES`; ``None`` = ``DEFAULT_FEATURES
             [signature]``); a property needing an absent feature is skipped with the reason.
-        max_examples: Hypothesis examples per property.
+        max_examples: Hypothesis examples per property (``None``: 20); with
+            ``shapes="production"``, the first cases of each property's sweep (``None``: all).
         seed: The Hypothesis seed of every property (a failure replays with it).
         masked_rows: The kernel's declared output on fully masked rows; the oracle is run with
             it, and the report lists it when it differs from attnref's default (``"zeros"``).
@@ -166,6 +200,11 @@ def check_attention(
         progress: ``progress(done, total, name)`` is called after each property with the number
             finished, the number to run and the name of the property just finished.
         target: The name shown in the report (default: ``fn``'s module and name).
+        shapes: ``"small"`` (default: Hypothesis draws over a few small buckets) or
+            ``"production"``: fixed sweeps at tile boundaries (lengths ``2^k - 1, 2^k, 2^k + 1``
+            up to 8193, head dims 64/128/256, up to 32 heads with GQA, every mask kind, ragged
+            lengths) against the fast float64 oracle (:mod:`attnref._src.conformance.production`).
+        log: ``log(line)`` is called after each production case with its sizes and time.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
@@ -186,7 +225,9 @@ def check_attention(
     check_properties(names)
     names = tuple(p for p in PROPERTIES if p in names)
     dts = check_dtypes(dtypes)
-    check_max_examples(max_examples)
+    if max_examples is not None:
+        check_max_examples(max_examples)
+    check_choice("shapes", shapes)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
 
@@ -202,21 +243,29 @@ def check_attention(
     )
     results: list[PropertyResult] = []
     for done, name in enumerate(names, start=1):
-        plan = _PLANS[name](ctx)
+        start = time.perf_counter()
+        if shapes == "production":
+            cases = production.cases(ctx, name)
+            plan: Any = cases if isinstance(cases, str) else (cases[:max_examples], None)
+        else:
+            plan = _PLANS[name](ctx)
         if isinstance(plan, str):
             results.append(PropertyResult(name, "skipped", plan, None, seed, 0))
         else:
-            strategy, check, *explicit = plan
             before = len(ctx.target.notes)
-            status, detail, example, count, tb = _run_property(
-                strategy, check, max_examples, seed, *explicit
-            )
+            if shapes == "production":
+                run = _run_cases(name, plan[0], production.check(ctx, name), log)
+            else:
+                strategy, check, *explicit = plan
+                run = _run_property(strategy, check, max_examples or 20, seed, *explicit)
+            status, detail, example, count, tb = run
             new_notes = ctx.target.notes[before:]
             if new_notes:
                 detail = "; ".join([detail, *new_notes]) if detail else "; ".join(new_notes)
             in_effect = tuple(f"{k}={declared[k]}" for k in _DEPENDS[name] if k in declared)
+            took = time.perf_counter() - start
             results.append(
-                PropertyResult(name, status, detail, example, seed, count, in_effect, tb)
+                PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
             )
         if progress is not None:
             progress(done, len(names), name)
@@ -226,4 +275,5 @@ def check_attention(
         features=feats,
         declared=declared,
         results=tuple(results),
+        shapes=shapes,
     )

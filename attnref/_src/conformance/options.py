@@ -17,6 +17,7 @@ __all__ = [
     "FEATURES",
     "MASKED_ROWS_POLICIES",
     "PROPERTIES",
+    "SHAPES",
     "SIGNATURES",
     "OptionError",
     "check_choice",
@@ -40,6 +41,8 @@ PROPERTIES = (
     "extreme_logits",
 )
 SIGNATURES = ("jax_nn", "qkv_mask", "numpy")
+# "small": Hypothesis draws over a few small buckets; "production": tile-boundary sweeps
+SHAPES = ("small", "production")
 FEATURES = (
     "mask",
     "bias",
@@ -71,6 +74,7 @@ _DEFAULT_SEMANTICS = {"masked_rows": "zeros", "causal_alignment": "top_left"}
 _CHOICES: dict[str, tuple[str, ...]] = {
     "masked_rows": MASKED_ROWS_POLICIES,
     "causal_alignment": CAUSAL_ALIGNMENTS,
+    "shapes": SHAPES,
 }
 # Which declared semantics can change each property's outcome (for PropertyResult.declared).
 _DEPENDS: dict[str, tuple[str, ...]] = {
@@ -161,11 +165,11 @@ def check_expressible(signature: str, features: Sequence[str]) -> None:
 
 
 def check_choice(option: str, value: str) -> None:
-    """A declared semantics must be one of the kernel's: ``masked_rows`` in
-    ``MASKED_ROWS_POLICIES``, ``causal_alignment`` in ``CAUSAL_ALIGNMENTS``.
+    """A named choice must be known: ``masked_rows`` in ``MASKED_ROWS_POLICIES``,
+    ``causal_alignment`` in ``CAUSAL_ALIGNMENTS`` (the kernel's own), ``shapes`` in ``SHAPES``.
 
     Args:
-        option: ``"masked_rows"`` or ``"causal_alignment"``.
+        option: ``"masked_rows"``, ``"causal_alignment"`` or ``"shapes"``.
         value: The declared value.
 
     Raises:

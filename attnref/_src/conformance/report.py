@@ -29,6 +29,7 @@ class PropertyResult:
         traceback: Where the failure is an exception rather than a failed comparison (the
             target raised, or returned something the kit could not use): where it was raised,
             with Hypothesis's own frames left out.
+        seconds: Wall-clock time the property took (0 when skipped).
     """
 
     name: str
@@ -39,6 +40,7 @@ class PropertyResult:
     examples: int
     declared: tuple[str, ...] = ()
     traceback: str | None = None
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,8 @@ class ConformanceReport:
         declared: The declared semantics that differ from attnref's defaults
             (``masked_rows="zeros"``, ``causal_alignment="top_left"``).
         results: One :class:`PropertyResult` per property run, in ``PROPERTIES`` order.
+        shapes: ``"small"`` (Hypothesis draws over small buckets) or ``"production"``
+            (tile-boundary sweeps).
     """
 
     target: str
@@ -59,6 +63,7 @@ class ConformanceReport:
     features: tuple[str, ...]
     declared: dict[str, str]
     results: tuple[PropertyResult, ...]
+    shapes: str = "small"
 
     @property
     def passed(self) -> bool:
@@ -76,15 +81,17 @@ class ConformanceReport:
             A readable table (property, status, examples, detail), the declared differences, and
             each failure's shrunk example with the seed that replays it.
         """
-        rows = [("property", "status", "examples", "detail")]
+        rows = [("property", "status", "examples", "time", "detail")]
         for r in self.results:
             first = r.detail.strip().splitlines()[0] if r.detail.strip() else ""
             if len(first) > 90:
                 first = first[:87] + "..."
-            rows.append((r.name, r.status, str(r.examples), first))
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+            took = f"{r.seconds:.1f} s" if r.status != "skipped" else ""
+            rows.append((r.name, r.status, str(r.examples), took, first))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        shapes = "" if self.shapes == "small" else f", shapes {self.shapes!r}"
         lines = [
-            f"attnref conformance: {self.target} (signature {self.signature!r})",
+            f"attnref conformance: {self.target} (signature {self.signature!r}{shapes})",
             f"features: {', '.join(self.features) or '(none)'}",
         ]
         if self.declared:
@@ -98,7 +105,7 @@ class ConformanceReport:
         lines.append("")
         for i, row in enumerate(rows):
             lines.append(
-                "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+                "  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
             )
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
@@ -117,10 +124,11 @@ class ConformanceReport:
                 lines.append(r.example.strip())
             if r.traceback:
                 lines.append(r.traceback.rstrip())
-            lines.append(
-                f"replay: check_attention(fn, properties=[{r.name!r}], seed={r.seed}, "
-                f"max_examples=..., ...)"
-            )
+            if self.shapes == "production":  # a fixed sweep: the failing case's index replays it
+                replay = f"shapes='production', max_examples={r.examples}"
+            else:
+                replay = f"seed={r.seed}, max_examples=..."
+            lines.append(f"replay: check_attention(fn, properties=[{r.name!r}], {replay}, ...)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +142,7 @@ class ConformanceReport:
             "signature": self.signature,
             "features": list(self.features),
             "declared": dict(self.declared),
+            "shapes": self.shapes,
             "passed": self.passed,
             "results": [
                 {**dataclasses.asdict(r), "declared": list(r.declared)} for r in self.results
