@@ -18,6 +18,10 @@ defects of issue 11 that the kit once passed:
 * ``all_nan``: NaN everywhere, of the right shape;
 * ``wrong_shape``: the output in the ``[B, N, T, H_v]`` layout;
 * ``raises``: raises from inside a helper (the report must show the traceback).
+
+``past_tile`` is jax.nn's attention with a tiling fault: when ``S`` is past one 128-key tile and
+not a multiple of 128, the keys of the last, partial tile are dropped (what a kernel that forgets
+its tail tile does). Every small shape (``S <= 8``) is right; ``shapes="production"`` catches it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ import attnref
 good = functools.partial(jax.nn.dot_product_attention, implementation="xla")
 
 NOT_CALLABLE = 3
+
+
+def past_tile(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+    """jax.nn's attention reading only the full 128-key tiles when ``S > 128``, ``S % 128``."""
+    s = key.shape[1]
+    if s > 128 and s % 128:
+        full = (s // 128) * 128
+        lens = kw.pop("key_value_seq_lengths", None)
+        cap = jnp.full((key.shape[0],), full, jnp.int32)
+        kw["key_value_seq_lengths"] = cap if lens is None else jnp.minimum(lens, cap)
+    return jax.nn.dot_product_attention(query, key, value, *args, implementation="xla", **kw)
 
 
 def wrong_scale(query: Any, key: Any, value: Any, *args: Any, scale: Any = None, **kw: Any) -> Any:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -28,6 +29,7 @@ from attnref.conformance import (
     Options,
     read_xfail_file,
 )
+from attnref.testing import check_attention
 
 pytest_plugins = ["pytester"]
 
@@ -67,6 +69,35 @@ def test_check_fails_on_a_broken_kernel_with_example_and_replay(capsys):
     # example:" before 6.15x and "Failing test case:" after): the drawn problem and its note
     assert "KernelProblem(Config(" in out and "config=Config(" in out
     assert f"attnref check {BROKEN} --properties oracle --seed" in out  # the replay line
+
+
+def test_production_shapes_catch_a_fault_past_the_first_128_key_tile(capsys):
+    """``past_tile`` drops the keys of a partial last tile: every small-shape property passes,
+    and the production sweep (``--shapes production``, its first two cases per property)
+    fails it at S = 129 with the case named, times each property and prints the replay."""
+    target = "tests.conformance_targets:past_tile"
+    common = ["--masked-rows", "uniform", "--properties", "oracle,masks", "--max-examples", "2"]
+    assert main(["check", target, *common]) == 0
+    capsys.readouterr()
+    status = main(["check", target, *common, "--shapes", "production"])
+    out, err = capsys.readouterr()
+    assert status == 1, out
+    assert "shapes 'production'" in out
+    assert "--- masks failed" in out
+    assert "production case 1/2: B=1 T=129 S=129" in out
+    assert re.search(r"oracle 1/2: B=1 T=\d+ S=\d+ .* \(\d+\.\d s\)", err)  # a line per case
+    assert "--shapes production" in out  # the replay line
+
+
+def test_production_shapes_pass_jax_nn_first_cases():
+    """jax.nn passes the first production cases of every property (the full sweep, minutes on
+    two cores, is in docs/benchmarks.md)."""
+    report = check_attention(
+        jax.nn.dot_product_attention, masked_rows="uniform", shapes="production", max_examples=1
+    )
+    assert report.passed, report.summary()
+    ran = {r.name for r in report.results if r.status == "passed"}
+    assert {"oracle", "masks", "gqa", "lse", "gradients", "fully_masked_rows"} <= ran
 
 
 @pytest.mark.parametrize(

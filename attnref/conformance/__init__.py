@@ -109,6 +109,7 @@ class Options:
         causal_alignment: The target's declared causal alignment (``ALIGNMENTS``).
         dtypes: The input dtypes; ``None``: ``check_attention``'s (float32).
         properties: The properties to run (``PROPERTIES``); ``None``: all.
+        shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (tile-boundary sweeps).
     """
 
     target: str
@@ -120,6 +121,7 @@ class Options:
     causal_alignment: str = "top_left"
     dtypes: tuple[str, ...] | None = None
     properties: tuple[str, ...] | None = None
+    shapes: str = "small"
 
     def validate(self) -> None:
         """Check the options before the target is loaded, with ``check_attention``'s own checks
@@ -135,6 +137,7 @@ class Options:
             check_properties(self.properties or ())
             check_choice("masked_rows", self.masked_rows)
             check_choice("causal_alignment", self.causal_alignment)
+            check_choice("shapes", self.shapes)
             if self.max_examples is not None:
                 check_max_examples(self.max_examples)
         except OptionError as e:
@@ -157,9 +160,11 @@ class Options:
         fn: Callable[..., Any],
         properties: Sequence[str] | None = None,
         progress: Callable[[int, int, str], None] | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> Any:
         """``check_attention(fn, ...)`` with these options; ``properties`` overrides the
-        selection (the plugin runs one property per test)."""
+        selection (the plugin runs one property per test); ``log`` receives one line per
+        production case."""
         kw: dict[str, Any] = dict(
             signature=self.signature,
             features=self.features,
@@ -169,6 +174,8 @@ class Options:
             properties=list(properties if properties is not None else self.selected()),
             progress=progress,
             target=self.target,
+            shapes=self.shapes,
+            log=log,
         )
         if self.max_examples is not None:
             kw["max_examples"] = self.max_examples
@@ -191,6 +198,8 @@ class Options:
             args += ["--causal-alignment", self.causal_alignment]
         if self.dtypes is not None:
             args += ["--dtypes", ",".join(self.dtypes)]
+        if self.shapes != "small":
+            args += ["--shapes", self.shapes]
         return shlex.join(args)
 
 

@@ -113,6 +113,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated input dtypes (default: float32)",
     )
     group.addoption(
+        "--attnref-shapes",
+        metavar="SHAPES",
+        default="small",
+        help="small (Hypothesis draws over small shapes; default) or production (tile-boundary "
+        "lengths up to 8193, head dims 64/128/256, up to 32 heads, against the fast oracle)",
+    )
+    group.addoption(
         "--attnref-xfail",
         metavar="FILE",
         default=None,
@@ -172,6 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
         causal_alignment=get("--attnref-causal-alignment"),
         dtypes=split_list(get("--attnref-dtypes")),
         properties=split_list(get("--attnref-properties")),
+        shapes=get("--attnref-shapes"),
     )
     try:
         options.validate()

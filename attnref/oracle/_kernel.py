@@ -90,12 +90,10 @@ def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left
     if np.ndim(slopes) != 1:
         raise ValueError(f"slopes must have shape [N], got shape {shape_of(slopes)}")
     offset = 0 if causal_alignment == "top_left" else s - t
-    out = np.zeros((1, len(slopes), t, s))
-    for n, m in enumerate(np.asarray(slopes, dtype=np.float64)):
-        for i in range(t):
-            for j in range(s):
-                out[0, n, i, j] = -m * abs(i + offset - j)
-    return out
+    distance = np.abs(np.arange(t)[:, None] + offset - np.arange(s)[None, :]).astype(np.float64)
+    m = np.asarray(slopes, dtype=np.float64)
+    # one product per entry, as -m * |i + offset - j| written entry by entry
+    return (-m[:, None, None] * distance)[None]
 
 
 def kernel_allowed(

@@ -92,7 +92,13 @@ def _sweep(
         if heads is None:
             continue
         out.append(Case(_config(b, t, s, *heads, h, ctx.primary), kind, seed=i))
-    return out
+    return sorted(out, key=_work)
+
+
+def _work(case: Case) -> int:
+    """``B N T S (H + H_v)``: the multiply-adds of the case's forward (cheapest first)."""
+    c = case.config
+    return c.b * c.n * c.t * c.s * (c.h + c.h_v)
 
 
 def _pairs(ctx: _Context) -> list[tuple[int, int]]:
@@ -100,7 +106,7 @@ def _pairs(ctx: _Context) -> list[tuple[int, int]]:
     pairs = [(n, n) for n in LENGTHS]
     if "cross" in ctx.features:
         pairs += [(1, 8193), (129, 4097), (4095, 255), (1023, 2049)]
-    return sorted(pairs, key=lambda p: p[0] * p[1])
+    return pairs
 
 
 def cases(ctx: _Context, name: str) -> list[Case] | str:
