@@ -47,13 +47,18 @@ def _weighted_values(e: np.ndarray, v: np.ndarray, ok: np.ndarray | None) -> np.
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
     """Contiguous copies for batch ``b`` and key/value head ``g`` (BLAS reads them at full
-    speed): ``kt = K^T [H, S]``, ``v [S, H_v]``, and the query heads ``g G .. g G + G - 1``."""
+    speed): ``kt = K^T [H, S]``, ``v [S, H_v]``, ``v1 = [V, 1] [S, H_v + 1]`` (one GEMM gives
+    the weighted values and the row sum), and the query heads ``g G .. g G + G - 1``."""
 
     b: int
     g: int
     kt: np.ndarray
     v: np.ndarray
     heads: slice
+
+    @property
+    def v1(self) -> np.ndarray:
+        return np.concatenate([self.v, np.ones((self.v.shape[0], 1))], axis=1)
 
 
 def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
@@ -102,13 +107,23 @@ def row_blocks(c: KernelCall, b: int, rows: int) -> Iterator[tuple[int, int, int
         yield i0, i1, j0, max(j0, j1)
 
 
-def softmax_block(s: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """In place: ``s <- exp(s - m)``; returns ``(s, m, l)`` with ``m`` the row max (0 on a row with
-    no allowed key, ``live`` False; its ``l`` is 0) and ``l`` the row sum, ``[..., rows]``."""
+# |max_j s_ij| below this: exp(s_ij) neither overflows nor underflows its largest term (e^700 and
+# e^-700 are normal float64 numbers), so the softmax needs no shift.
+_NO_SHIFT = 700.0
+
+
+def softmax_block(s: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """In place: ``s <- exp(s - m)``; returns ``(s, m)``. ``m`` is the row max, or 0 for every row
+    when each row's max lies in ``(-700, 700)``: ``exp(s - m) / sum exp(s - m)`` is the same
+    number for any ``m`` and the shift's pass over the block is saved. Rows with no allowed key
+    (``live`` False) have ``m = 0``."""
     top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)
-    s -= top[..., None]
+    if np.all(np.abs(top) < _NO_SHIFT):  # False for a NaN or infinite max
+        top = np.zeros_like(top)
+    else:
+        s -= top[..., None]
     np.exp(s, out=s)
-    return s, top, s.sum(axis=-1)
+    return s, top
 
 
 def block_live(ok: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -133,17 +148,20 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     grp, h_v = c.group, c.v.shape[-1]
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
-    rows = block or query_block(c, 2)
+    rows = block or min(max(1, 256 // grp), query_block(c, 2))
     for hg in head_groups(c):
+        v1 = hg.v1
         for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
             s, ok = logits_block(c, hg, i0, i1, j0, j1)
             live = block_live(ok, s.shape)
-            e, top, total = softmax_block(s, live)
+            e, top = softmax_block(s, live)
             flat = (grp * (i1 - i0), j1 - j0)
             flat_ok = None if ok is None else ok.reshape(flat)
-            o = _weighted_values(e.reshape(flat), hg.v[j0:j1], flat_ok)
+            o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok)
+            o1 = o1.reshape(grp, i1 - i0, h_v + 1)
+            total = o1[..., h_v]
             with np.errstate(divide="ignore", invalid="ignore"):
-                o = o.reshape(grp, i1 - i0, h_v) / total[..., None]
+                o = o1[..., :h_v] / total[..., None]
                 ls = top + np.log(total)
             out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
             lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
