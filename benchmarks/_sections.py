@@ -17,7 +17,10 @@ def write_section(path: str, name: str, text: str) -> None:
     """
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{text.rstrip()}\n{end}\n"
-    page = open(path).read() if os.path.exists(path) else ""
+    page = ""
+    if os.path.exists(path):
+        with open(path) as fh:
+            page = fh.read()
     if start in page and end in page:
         before, rest = page.split(start, 1)
         after = rest.split(end, 1)[1].lstrip("\n")

@@ -18,9 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 import attnref
-from _sections import write_section  # benchmarks/ is on sys.path when run as a script
 
 
 def _timeit(fn, *args, repeats: int) -> float:
