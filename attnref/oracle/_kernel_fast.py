@@ -128,7 +128,7 @@ def softmax_block(s: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def block_live(ok: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     """Rows ``[G, rows]`` of a logits block ``shape = (G, rows, S')`` with an allowed key."""
-    return np.full(shape[:-1], shape[-1] > 0) if ok is None else ok.any(axis=-1)
+    return np.full(shape[:-1], shape[-1] > 0) if ok is None else np.asarray(ok.any(axis=-1))
 
 
 def _dead_rows(c: KernelCall, b: int, n: int, out: np.ndarray, rows: np.ndarray) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
 from attnref._src.kernel import STATIC_OPTIONS
+from attnref.oracle import KernelGrads
 
 from ._masks import (
     BIAS_SHAPE_KINDS,
@@ -168,14 +169,15 @@ class KernelProblem:
             self.v,
             return_lse=True,
             method=method,
-            **self.semantics(),
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
             **self.options,
         )
         return out, lse
 
     def oracle_vjp(
         self, cotangent: Any, lse_cotangent: Any = None, method: str = "fast"
-    ) -> oracle.KernelGrads:
+    ) -> KernelGrads:
         """Float64 gradients ``(query, key, value, bias)`` of ``sum(cotangent * out) +
         sum(lse_cotangent * lse)`` from :func:`attnref.oracle.dot_product_attention_vjp`."""
         return oracle.dot_product_attention_vjp(
@@ -185,7 +187,8 @@ class KernelProblem:
             cotangent=cotangent,
             lse_cotangent=lse_cotangent,
             method=method,
-            **self.semantics(),
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
             **self.options,
         )
 
@@ -198,11 +201,12 @@ class KernelProblem:
             self.k,
             self.v,
             key_blocks=key_blocks,
-            **self.semantics(),
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
             **self.options,
         )
 
-    def grad_bound(self, cotangent: Any, lse_cotangent: Any = None) -> oracle.KernelGrads:
+    def grad_bound(self, cotangent: Any, lse_cotangent: Any = None) -> KernelGrads:
         """Componentwise bounds on the gradient error of a kernel computing in the problem's
         dtype (:func:`attnref.tolerance.kernel_grad_error_bound`)."""
         return tolerance.kernel_grad_error_bound(
@@ -211,7 +215,8 @@ class KernelProblem:
             self.v,
             cotangent=cotangent,
             lse_cotangent=lse_cotangent,
-            **self.semantics(),
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
             **self.options,
         )
 

@@ -34,6 +34,7 @@ first-order test.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -245,17 +246,17 @@ def kernel_grad_error_bound(
             g = sum(gamma(t * grp + 2, u) for u in units)
             out[2][b] += g * per_kv[None] / max(s_len, 1)
     if e_db is not None and a_db is not None:
-        m = int(np.prod(c.shape) // max(1, np.prod(c.bias_shape)))
+        m = math.prod(c.shape) // max(1, math.prod(e_db.shape))  # entries summed per entry
         e_db = e_db + sum(gamma(m, u) for u in units) * a_db
     grads = KernelGrads(out[0], out[1], out[2], e_db)
     if _is_16bit(fmt):
         ref = _reference_magnitudes(c, d_o, d_l)
-        grads = KernelGrads(
-            *(
-                None if e is None else e + unit_roundoff(fmt) * (np.abs(r) + e)
-                for e, r in zip(grads, ref, strict=True)
-            )
-        )
+        u16 = unit_roundoff(fmt)
+        final = [
+            None if e is None else e + u16 * (np.abs(r) + e)
+            for e, r in zip(grads, ref, strict=True)
+        ]
+        grads = KernelGrads(final[0], final[1], final[2], final[3])  # type: ignore[arg-type]
     return grads
 
 
