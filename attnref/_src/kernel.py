@@ -40,6 +40,7 @@ FlashAttention do) and the output is cast back; float64 inputs are computed in f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal, no_type_check
 
@@ -341,6 +342,40 @@ def prepare(
     return spec, inputs
 
 
+def index_conditions(
+    spec: KernelSpec,
+    x: KernelInputs,
+    qi: Int[Array, "1 tq 1"],
+    kj: Int[Array, "1 1 tk"],
+    q_seg: Int[Array, "B tq"] | None = None,
+    kv_seg: Int[Array, "B tk"] | None = None,
+) -> Bool[Array, "#B #tq #tk"] | None:
+    """The AND of the index-based options (lengths, causality, window, segments) for query indices
+    ``qi`` and key indices ``kj``; leading axis ``B`` or 1. ``None`` when no option restricts the
+    pairs (the indices are not checked against ``T`` and ``S``: that is the caller's)."""
+    conds: list[Array] = []
+    t_len = spec.t if x.q_lens is None else x.q_lens[:, None, None]
+    s_len = spec.s if x.kv_lens is None else x.kv_lens[:, None, None]
+    if x.q_lens is not None:
+        conds.append(qi < t_len)
+    if x.kv_lens is not None:
+        conds.append(kj < s_len)
+    if spec.is_causal or spec.window is not None:
+        offset: Any = 0 if spec.alignment == "top_left" else s_len - t_len
+        pos = qi + offset
+        if spec.is_causal:
+            conds.append(kj <= pos)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                conds.append(kj >= pos - left)
+            if right is not None:
+                conds.append(kj <= pos + right)
+    if q_seg is not None and kv_seg is not None:
+        conds.append(q_seg[:, :, None] == kv_seg[:, None, :])
+    return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
 def structural_allowed(
     spec: KernelSpec,
     x: KernelInputs,
@@ -357,26 +392,8 @@ def structural_allowed(
     qi = q_idx[None, :, None]
     kj = k_idx[None, None, :]
     allowed = jnp.logical_and(qi < spec.t, kj < spec.s)
-    t_len = spec.t if x.q_lens is None else x.q_lens[:, None, None]
-    s_len = spec.s if x.kv_lens is None else x.kv_lens[:, None, None]
-    if x.q_lens is not None:
-        allowed = jnp.logical_and(allowed, qi < t_len)
-    if x.kv_lens is not None:
-        allowed = jnp.logical_and(allowed, kj < s_len)
-    if spec.is_causal or spec.window is not None:
-        offset: Any = 0 if spec.alignment == "top_left" else s_len - t_len
-        pos = qi + offset
-        if spec.is_causal:
-            allowed = jnp.logical_and(allowed, kj <= pos)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                allowed = jnp.logical_and(allowed, kj >= pos - left)
-            if right is not None:
-                allowed = jnp.logical_and(allowed, kj <= pos + right)
-    if q_seg is not None and kv_seg is not None:
-        allowed = jnp.logical_and(allowed, q_seg[:, :, None] == kv_seg[:, None, :])
-    return allowed
+    conds = index_conditions(spec, x, qi, kj, q_seg, kv_seg)
+    return allowed if conds is None else jnp.logical_and(allowed, conds)
 
 
 def query_rows_valid(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B1 T"]:
@@ -456,15 +473,24 @@ def lengths_in_range(spec: KernelSpec, x: KernelInputs) -> Bool[Array, " B"]:
     return ok
 
 
-def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B N T S"]:
-    """Every allowed (query, key) pair of the call: structure, ``mask`` and ``bias != -inf``."""
-    t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
-    allowed = structural_allowed(spec, x, t_idx, s_idx, x.q_seg, x.kv_seg)[:, None]
+def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "#B #N #T S"] | None:
+    """Every allowed (query, key) pair of the call: the index-based options, ``mask`` and
+    ``bias != -inf``, at their broadcast shape (never broadcast to ``[B, N, T, S]``: a causal mask
+    stays ``[1, 1, T, S]``). ``None`` when every pair is allowed (no option restricts, ``S > 0``).
+    """
+    qi, kj = jnp.arange(spec.t)[None, :, None], jnp.arange(spec.s)[None, None, :]
+    parts = []
+    conds = index_conditions(spec, x, qi, kj, x.q_seg, x.kv_seg)
+    if conds is not None:
+        parts.append(conds[:, None])
     if x.mask is not None:
-        allowed = jnp.logical_and(allowed, x.mask)
+        parts.append(x.mask)
     if x.bias is not None:
-        allowed = jnp.logical_and(allowed, x.bias != -jnp.inf)
-    return jnp.broadcast_to(allowed, (spec.b, spec.n, spec.t, spec.s))
+        parts.append(x.bias != -jnp.inf)
+    if not parts:
+        return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
+    allowed = functools.reduce(jnp.logical_and, parts)
+    return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
 
 
 def bad_operands(x: KernelInputs) -> tuple[Array, Array, Array | None]:
@@ -479,53 +505,108 @@ def bad_operands(x: KernelInputs) -> tuple[Array, Array, Array | None]:
     return bad_q, bad_kv, bias_bad
 
 
+def _head_groups(a: Array, spec: KernelSpec) -> Array:
+    """``[B, N, ...] -> [B, K, G, ...]`` (:func:`grouped`); a size-1 head axis stays size 1."""
+    return a[:, :, None] if a.shape[1] == 1 else grouped(a, spec)
+
+
 def reads_bad(
     spec: KernelSpec,
-    allowed: Bool[Array, "B N tq tk"],
+    allowed: Bool[Array, "#B #N #tq tk"],
     bad_kv: Bool[Array, "B tk K"],
     bias_bad: Array | None,
-) -> Bool[Array, "B N tq"]:
-    """Query rows with an allowed key whose key/value row or bias entry is non-finite."""
+) -> Bool[Array, "B N #tq"]:
+    """Query rows with an allowed key whose key/value row or bias entry is non-finite.
+
+    ``allowed`` may keep size-1 (broadcast) batch, head and query axes; the result keeps the
+    query axis of ``allowed`` (and ``bias_bad``), size 1 where both broadcast.
+    """
     bad = jnp.swapaxes(bad_kv, 1, 2)[:, :, None, None, :]  # [B, K, 1, 1, tk]
     if bias_bad is not None:
-        bad = jnp.logical_or(bad, grouped(jnp.broadcast_to(bias_bad, allowed.shape), spec))
-    reads = jnp.any(jnp.logical_and(grouped(allowed, spec), bad), axis=-1)
-    return reads.reshape(allowed.shape[:-1])
+        bad = jnp.logical_or(bad, _head_groups(bias_bad, spec))
+    reads = jnp.any(jnp.logical_and(_head_groups(allowed, spec), bad), axis=-1)
+    tq = reads.shape[-1]
+    return jnp.broadcast_to(reads, (spec.b, spec.k, spec.group, tq)).reshape(spec.b, spec.n, tq)
+
+
+def _where(allowed: Array | None, a: Array, fill: float) -> Array:
+    """``where(allowed, a, fill)``; ``a`` itself when every pair is allowed (``None``)."""
+    return a if allowed is None else jnp.where(allowed, a, fill)
+
+
+def _logits(spec: KernelSpec, q: Array, k: Array) -> Float[Array, "B N T S"]:
+    """``q_i . k_j`` for every head; query head ``n = k G + g`` reads K/V head ``k``.
+
+    The query rows of a K/V head are laid out ``(g, t)`` before the product, so the ``[T, S]``
+    logits come out of the ``dot`` in their final order (no transposed copy of them).
+    """
+    qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
+    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(spec.b, spec.k, spec.group * spec.t, spec.h)
+    raw = jnp.einsum("bkmh,bskh->bkms", qg, k, precision=HIGHEST)
+    return raw.reshape(spec.b, spec.n, spec.t, spec.s)
+
+
+def _mix_values(spec: KernelSpec, p: Array, v: Array) -> Float[Array, "B T N H_v"]:
+    """``o_i = sum_j p_ij v_j`` per head, the ``dot`` reading ``p`` in place (rows ``(g, t)`` of
+    each K/V head); only the ``[T, H_v]`` output is transposed to ``[B, T, N, H_v]``."""
+    pg = p.reshape(spec.b, spec.k, spec.group * spec.t, spec.s)
+    o = jnp.einsum("bkms,bskh->bkmh", pg, v, precision=HIGHEST)
+    o = jnp.transpose(o.reshape(spec.b, spec.k, spec.group, spec.t, spec.h_v), (0, 3, 1, 2, 4))
+    return o.reshape(spec.b, spec.t, spec.n, spec.h_v)
 
 
 def _attend(
-    spec: KernelSpec, x: KernelInputs, q: Array, k: Array, v: Array, allowed: Array
+    spec: KernelSpec,
+    x: KernelInputs,
+    q: Array,
+    k: Array,
+    v: Array,
+    allowed: Bool[Array, "#B #N #T S"] | None,
+    live: Bool[Array, "#B #N #T"] | None,
 ) -> tuple[Array, Array]:
-    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype."""
-    live = jnp.any(allowed, axis=-1)  # [B, N, T]
-    qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
-    raw = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=HIGHEST)
-    s = logits_transform(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * x.scale)
+    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype.
+
+    ``allowed=None`` (and ``live=None``): every pair is allowed. One ``select`` feeds the max and
+    one the exponential, ``e_ij = exp(where(allowed, s_ij - top_i, -inf))``, exactly 0 on a pair
+    that is not allowed whatever its logit holds, and with a zero gradient there.
+    """
+    s = logits_transform(spec, _logits(spec, q, k) * x.scale)
     if x.bias is not None:
         s = s + finite_bias(x.bias)
-    top = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
-    top = jax.lax.stop_gradient(jnp.where(live[..., None], top, 0.0))
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - top, 0.0)), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(live[..., None], denom, 1.0)
-    lse = jnp.where(live, top[..., 0] + jnp.log(jnp.where(live, denom[..., 0], 1.0)), -jnp.inf)
-    o = jnp.einsum("bkgts,bskh->btkgh", grouped(p, spec), v, precision=HIGHEST)
-    return o.reshape(spec.b, spec.t, spec.n, spec.h_v), lse
+    top = jnp.max(_where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    if live is not None:
+        top = jnp.where(live[..., None], top, 0.0)
+    top = jax.lax.stop_gradient(top)
+    e = jnp.exp(_where(allowed, s - top, -jnp.inf))
+    denom = jnp.sum(e, axis=-1)
+    if live is not None:
+        denom = jnp.where(live, denom, 1.0)
+    lse = top[..., 0] + jnp.log(denom)
+    if live is not None:
+        lse = jnp.where(live, lse, -jnp.inf)
+    return _mix_values(spec, e / denom[..., None], v), lse
 
 
 def naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
     """The naive form: every ``T x S`` logit at once; output and ``lse [B, T, N]``.
 
     Computed on the finite parts of ``q``, ``k``, ``v`` and the bias; the rows that read a
-    non-finite value are NaN (``attnref._src.nonfinite``).
+    non-finite value are NaN (``attnref._src.nonfinite``). The allowed pairs keep their broadcast
+    shape, and the ``[B, N, T, S]`` tensors are never transposed (:func:`_logits`,
+    :func:`_mix_values`).
     """
     cd = spec.compute_dtype
     allowed = allowed_pairs(spec, x)
-    live = jnp.swapaxes(jnp.any(allowed, axis=-1), 1, 2)  # [B, T, N]
+    live_bnt = None if allowed is None else jnp.any(allowed, axis=-1)  # [B|1, N|1, T|1]
     q, k, v = (finite_part(a.astype(cd)) for a in (x.q, x.k, x.v))
-    out, lse = _attend(spec, x, q, k, v, allowed)
+    out, lse = _attend(spec, x, q, k, v, allowed, live_bnt)
+    shape = (spec.b, spec.n, spec.t)
+    live = jnp.ones(shape, bool) if live_bnt is None else jnp.broadcast_to(live_bnt, shape)
+    live = jnp.swapaxes(live, 1, 2)  # [B, T, N]
     bad_q, bad_kv, bias_bad = bad_operands(x)
-    reads = jnp.swapaxes(reads_bad(spec, allowed, bad_kv, bias_bad), 1, 2)
+    every = jnp.ones((1, 1, 1, spec.s), bool)
+    reads = reads_bad(spec, every if allowed is None else allowed, bad_kv, bias_bad)
+    reads = jnp.swapaxes(jnp.broadcast_to(reads, shape), 1, 2)
     dirty = jnp.logical_or(jnp.logical_and(bad_q, live), reads)  # [B, T, N]
     out, lse = poison_rows(dirty, (out, jnp.swapaxes(lse, 1, 2)))
     return finish(spec, x, out, lse, live)
