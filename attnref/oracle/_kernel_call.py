@@ -152,19 +152,29 @@ def allowed_rows(
     i = np.arange(i0, i1)[:, None]
     j = np.arange(j0, j1)[None, :]
     pos = i + _offset(c, b)
-    ok = (i < c.q_len[b]) & (j < c.kv_len[b])
-    if c.causal:
-        ok = ok & (j <= pos)
+    parts: list[np.ndarray] = []  # each condition once, only where it can be False
+    if i1 > c.q_len[b]:
+        parts.append(np.broadcast_to(i < c.q_len[b], (i1 - i0, j1 - j0)))
+    if j1 > c.kv_len[b]:
+        parts.append(j < c.kv_len[b])
+    if c.causal and j1 - 1 > i0 + _offset(c, b):
+        parts.append(j <= pos)
     if c.left is not None:
-        ok = ok & (j >= pos - c.left)
+        parts.append(j >= pos - c.left)
     if c.right is not None:
-        ok = ok & (j <= pos + c.right)
+        parts.append(j <= pos + c.right)
     if c.seg_q is not None and c.seg_k is not None:
-        ok = ok & (c.seg_q[b, i0:i1, None] == c.seg_k[b, None, j0:j1])
+        parts.append(c.seg_q[b, i0:i1, None] == c.seg_k[b, None, j0:j1])
     if c.mask is not None:
-        ok = ok & c.mask[b, heads, i0:i1, j0:j1]
+        parts.append(c.mask[b, heads, i0:i1, j0:j1])
     if c.bias is not None:
-        ok = ok & (c.bias[b, heads, i0:i1, j0:j1] != -np.inf)
+        parts.append(c.bias[b, heads, i0:i1, j0:j1] != -np.inf)
+    if not parts:
+        return None
+    ok = parts[0]
+    for part in parts[1:]:
+        ok = ok & part
+    ok = np.broadcast_to(ok, np.broadcast_shapes(ok.shape, (i1 - i0, j1 - j0)))
     if ok.ndim == 2:
         if ok.all():
             return None
