@@ -571,8 +571,9 @@ def _attend(
     that is not allowed whatever its logit holds, and with a zero gradient there.
     """
     s = logits_transform(spec, _logits(spec, q, k) * x.scale)
-    if x.bias is not None:
-        s = s + finite_bias(x.bias)
+    bias = finite_bias(x.bias)
+    if bias is not None:
+        s = s + bias
     top = jnp.max(_where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     if live is not None:
         top = jnp.where(live[..., None], top, 0.0)
