@@ -144,6 +144,19 @@ def key_range(c: KernelCall, b: int, i0: int, i1: int) -> tuple[int, int]:
     return max(j0, 0), max(j1, 0)
 
 
+def full_columns(c: KernelCall, b: int, i0: int, i1: int, j0: int, j1: int) -> int:
+    """The first key of ``[j0, j1)`` that some query row ``i0 .. i1 - 1`` of batch ``b`` may not
+    read (``j0`` unless only causality or a right window restricts the block: then every row reads
+    the keys up to the first row's limit, and only the block's diagonal band needs a mask)."""
+    index_only = c.mask is None and c.bias is None and c.seg_q is None and c.left is None
+    if not index_only or i1 > c.q_len[b] or not (c.causal or c.right is not None):
+        return j0
+    limit = i0 + _offset(c, b) + (0 if c.causal else int(c.right or 0))  # row i0's last key
+    if c.causal and c.right is not None:
+        limit = i0 + _offset(c, b) + min(0, int(c.right))
+    return int(min(max(j0, limit + 1), j1))
+
+
 def allowed_rows(
     c: KernelCall, b: int, heads: slice, i0: int, i1: int, j0: int, j1: int
 ) -> np.ndarray | None:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._kernel_call import KernelCall, allowed_rows, key_range, query_block
+from ._kernel_call import KernelCall, allowed_rows, full_columns, key_range, query_block
 
 
 def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -31,11 +31,17 @@ def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (np.where(bad, 0.0, v), bad) if bad.any() else (v, bad)
 
 
-def _weighted_values(e: np.ndarray, v: np.ndarray, ok: np.ndarray | None) -> np.ndarray:
-    """``sum_j e_ij v_j`` over the allowed keys only: ``e [R, S']`` (0 off ``ok``), ``v [S', H_v]``.
+def _weighted_values(
+    e: np.ndarray, v: np.ndarray, ok: np.ndarray | None, vt: np.ndarray | None = None
+) -> np.ndarray:
+    """``sum_j e_ij v_j`` over the allowed keys only: ``e [R, S']`` (0 off ``ok``), ``v [S', H_v]``
+    (``vt``: ``v^T``, contiguous, when ``v`` is known finite: the GEMM then runs as
+    ``(v^T e^T)^T``, which BLAS does faster for a narrow ``v``).
 
     A non-finite ``v_j`` enters only the rows that may read key ``j`` (as in the definition, where
     ``0 x inf = NaN`` for an allowed key whose weight underflowed)."""
+    if vt is not None:
+        return (vt @ e.T).T
     finite, bad = _masked_values(v)
     out = e @ finite
     for j, h in zip(*np.nonzero(bad), strict=True):
@@ -59,6 +65,10 @@ class HeadGroup:
     @property
     def v1(self) -> np.ndarray:
         return np.concatenate([self.v, np.ones((self.v.shape[0], 1))], axis=1)
+
+    @property
+    def finite_v(self) -> bool:
+        return bool(np.isfinite(self.v).all())
 
 
 def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
@@ -139,6 +149,59 @@ def _dead_rows(c: KernelCall, b: int, n: int, out: np.ndarray, rows: np.ndarray)
         out[b, rows, n] = c.v[b, :, n // c.group].mean(axis=0)
 
 
+def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
+    """Whether every logit of the head group lies in ``(-700, 700)`` by Cauchy-Schwarz,
+    ``|s_ij| <= |scale| |q_i| |k_j| + |bias_ij|`` (or the softcap ``c``), so ``exp`` needs no
+    shift and no row max is computed."""
+    top = abs(c.scale) * float(q_norm.max(initial=0.0)) * float(
+        np.sqrt((hg.kt * hg.kt).sum(axis=0)).max(initial=0.0)
+    )
+    if c.softcap is not None:
+        top = min(top, c.softcap)
+    if c.bias is not None:
+        bias = c.bias[hg.b, hg.heads]
+        if np.isnan(bias).any() or np.isposinf(bias).any():
+            return False  # a NaN or +inf logit: the shifted path gives the definition's NaN
+        top += float(np.abs(np.where(np.isneginf(bias), 0.0, bias)).max(initial=0.0))
+    return bool(np.isfinite(top) and top < _NO_SHIFT)
+
+
+def _forward_block(
+    c: KernelCall,
+    hg: HeadGroup,
+    i0: int,
+    i1: int,
+    j0: int,
+    j1: int,
+    shift_free: bool,
+    finite_v: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(e, shift, live, ok)`` of one block: ``e = exp(s - shift)`` with ``s = -inf`` off the
+    allowed set. Only the keys some row may not read are masked (the causal diagonal band), and
+    no row max is taken when ``shift_free``; ``ok`` is the full allowed set only where a
+    non-finite value needs it (else ``None``)."""
+    s = raw_logits(c, hg, i0, i1, j0, j1)
+    if c.softcap is not None:
+        np.tanh(s / c.softcap, out=s)
+        s *= c.softcap
+    if c.bias is not None:
+        s += c.bias[hg.b, hg.heads, i0:i1, j0:j1]
+    jp = full_columns(c, hg.b, i0, i1, j0, j1)
+    tail = allowed_rows(c, hg.b, hg.heads, i0, i1, jp, j1)
+    if tail is not None:
+        np.copyto(s[..., jp - j0 :], -np.inf, where=~tail)
+    live = np.ones(s.shape[:-1], bool) if jp > j0 else block_live(tail, s.shape)
+    if shift_free:
+        np.exp(s, out=s)
+        shift = np.zeros(s.shape[:-1])
+    else:
+        s, shift = softmax_block(s, live)
+    ok = None
+    if tail is not None and not finite_v:
+        ok = np.concatenate([np.ones((*s.shape[:-1], jp - j0), bool), tail], axis=-1)
+    return s, shift, live, ok
+
+
 def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks.
 
@@ -149,20 +212,27 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
     rows = block or min(max(1, 256 // grp), query_block(c, 2))
+    q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
     for hg in head_groups(c):
         v1 = hg.v1
+        finite = hg.finite_v
+        v1t = np.ascontiguousarray(v1.T) if finite else None
+        shift_free = finite and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
         for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
-            s, ok = logits_block(c, hg, i0, i1, j0, j1)
-            live = block_live(ok, s.shape)
-            e, top = softmax_block(s, live)
+            e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, shift_free, finite)
             flat = (grp * (i1 - i0), j1 - j0)
             flat_ok = None if ok is None else ok.reshape(flat)
-            o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok)
+            vt = None if v1t is None else v1t[:, j0:j1]
+            o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
             o1 = o1.reshape(grp, i1 - i0, h_v + 1)
             total = o1[..., h_v]
             with np.errstate(divide="ignore", invalid="ignore"):
                 o = o1[..., :h_v] / total[..., None]
                 ls = top + np.log(total)
+            if live.all():
+                out[hg.b, i0:i1, hg.heads] = o.transpose(1, 0, 2)
+                lse[hg.b, i0:i1, hg.heads] = ls.T
+                continue
             out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
             lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
             for n, r in zip(*np.nonzero(~live), strict=True):
