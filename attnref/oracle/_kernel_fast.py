@@ -153,8 +153,10 @@ def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
     """Whether every logit of the head group lies in ``(-700, 700)`` by Cauchy-Schwarz,
     ``|s_ij| <= |scale| |q_i| |k_j| + |bias_ij|`` (or the softcap ``c``), so ``exp`` needs no
     shift and no row max is computed."""
-    top = abs(c.scale) * float(q_norm.max(initial=0.0)) * float(
-        np.sqrt((hg.kt * hg.kt).sum(axis=0)).max(initial=0.0)
+    top = (
+        abs(c.scale)
+        * float(q_norm.max(initial=0.0))
+        * float(np.sqrt((hg.kt * hg.kt).sum(axis=0)).max(initial=0.0))
     )
     if c.softcap is not None:
         top = min(top, c.softcap)
@@ -202,6 +204,40 @@ def _forward_block(
     return s, shift, live, ok
 
 
+def _shift_free_block(
+    c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int, v1t: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([V, 1]^T exp(S)^T)^T [G rows, H_v + 1]`` and the live rows ``[G, rows]`` of a block whose
+    logits need no shift, summed over key chunks of ``chunk`` columns (no rescaling: without a
+    shift the partial sums simply add, and at long ``S`` a chunk's logits are reused by ``exp``
+    and the value GEMM before they leave the cache)."""
+    grp, rows = c.group, i1 - i0
+    jp = full_columns(c, hg.b, i0, i1, j0, j1)
+    acc = np.zeros((v1t.shape[0], grp * rows))
+    live = np.zeros((grp, rows), bool)
+    for a in range(j0, j1, chunk):
+        z = min(a + chunk, j1)
+        s = raw_logits(c, hg, i0, i1, a, z)
+        if c.softcap is not None:
+            np.tanh(s / c.softcap, out=s)
+            s *= c.softcap
+        if c.bias is not None:
+            s += c.bias[hg.b, hg.heads, i0:i1, a:z]
+        if a < jp:
+            live[:] = True
+        if z > jp:
+            m = max(a, jp)
+            tail = allowed_rows(c, hg.b, hg.heads, i0, i1, m, z)
+            if tail is None:
+                live[:] = True
+            else:
+                np.copyto(s[..., m - a :], -np.inf, where=~tail)
+                live |= tail.any(axis=-1)
+        np.exp(s, out=s)
+        acc += v1t[:, a:z] @ s.reshape(grp * rows, z - a).T
+    return acc.T, live
+
+
 def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks.
 
@@ -212,6 +248,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
     rows = block or min(max(1, 256 // grp), query_block(c, 2))
+    key_chunk = max(1, (8 << 20) // (8 * grp * rows))  # 8 MiB of logits per chunk (measured)
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
     for hg in head_groups(c):
         v1 = hg.v1
@@ -219,11 +256,15 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
         v1t = np.ascontiguousarray(v1.T) if finite else None
         shift_free = finite and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
         for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
-            e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, shift_free, finite)
-            flat = (grp * (i1 - i0), j1 - j0)
-            flat_ok = None if ok is None else ok.reshape(flat)
-            vt = None if v1t is None else v1t[:, j0:j1]
-            o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
+            if shift_free and v1t is not None:
+                o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
+                top = np.zeros(live.shape)
+            else:
+                e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, shift_free, finite)
+                flat = (grp * (i1 - i0), j1 - j0)
+                flat_ok = None if ok is None else ok.reshape(flat)
+                vt = None if v1t is None else v1t[:, j0:j1]
+                o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
             o1 = o1.reshape(grp, i1 - i0, h_v + 1)
             total = o1[..., h_v]
             with np.errstate(divide="ignore", invalid="ignore"):
