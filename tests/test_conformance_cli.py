@@ -187,6 +187,11 @@ def test_console_script_finds_targets_in_the_current_directory():
             "causal_alignment must be one of",
         ),
         ({"max_examples": 0}, "max_examples must be at least 1, got 0", "max_examples must be >="),
+        (
+            {"shapes": "huge"},
+            "shapes 'huge' is not one of ('small', 'production')",
+            "shapes must be one of",
+        ),
     ],
 )
 def test_options_run_the_engines_checks_in_the_clis_words(options, cli, engine):
@@ -208,6 +213,10 @@ def test_replay_command_and_xfail_file(tmp_path):
     assert opts.replay_command("causality", 123) == (
         "attnref check pkg.mod:fn --properties causality --seed 123 --signature numpy "
         "--max-examples 5 --masked-rows uniform"
+    )
+    production = Options(target="pkg.mod:fn", shapes="production", max_examples=3)
+    assert production.replay_command("masks", 0) == (
+        "attnref check pkg.mod:fn --properties masks --seed 0 --max-examples 3 --shapes production"
     )
     path = tmp_path / "xfails.txt"
     path.write_text("# known\noracle  # scale bug, #12\n\ntest_property[gqa]\n")
@@ -265,6 +274,16 @@ def test_plugin_failure_shows_message_example_and_seed(pytester):
             " --max-examples 2",
         ]
     )
+
+
+def test_plugin_production_shapes(pytester):
+    """``--attnref-shapes production`` reaches the engine: the tiling fault fails ``masks`` at its
+    first production case (S = 129), the replay line carries the option."""
+    target = "tests.conformance_targets:past_tile"
+    args = ("--attnref-examples=1", "--attnref-properties=masks", "--attnref-masked-rows=uniform")
+    result = _run(pytester, f"--attnref-target={target}", "--attnref-shapes=production", *args)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*production case 1/1: B=1 T=129 S=129*", "*--shapes production*"])
 
 
 def test_plugin_xfail_file(pytester):

@@ -210,7 +210,7 @@ def _cli_message(e: OptionError) -> str:
     if e.option in ("features", "properties") and e.accepted:
         label = {"features": "feature", "properties": "property"}[e.option]
         return f"unknown {label} {e.value[0]!r}; choose from {', '.join(e.accepted)}"
-    if e.option in ("masked_rows", "causal_alignment"):
+    if e.option in ("masked_rows", "causal_alignment", "shapes"):
         return f"{e.option} {e.value!r} is not one of {e.accepted}"
     if e.option == "max_examples":
         return f"max_examples must be at least 1, got {e.value}"
