@@ -589,3 +589,31 @@ def test_fast_paths_never_build_every_query_row():
         finally:
             tracemalloc.stop()
         assert peak < full / 2, f"{name}: peak {peak / 2**20:.1f} MiB, full {full / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("planted", [np.nan, np.inf, -np.inf])
+def test_fast_paths_skip_what_a_query_cannot_read(planted):
+    """A masked key/value token holding NaN or inf reaches no output of the fast paths, as in
+    the definition (which skips keys of weight 0); an allowed one poisons exactly its rows."""
+    p = attnref.init_params(0, d_model=4, num_heads=2, d_k=2, d_v=2, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    mask = np.ones((2, 3, 3), bool)
+    mask[0, :, 2] = False  # batch 0: token 2 is masked for every query
+    x_kv = x.copy()
+    x_kv[:, 2] = planted  # batch 1 reads it
+    # batch 0 must equal the same call with the masked token zeroed, within the float64 bound
+    # (both sides float64: the bound's float64 term counted twice covers their difference)
+    clean = x_kv[:1].copy()
+    clean[:, 2] = 0.0
+    bound = tolerance.attention_error_bound(p, x[:1], clean, mask=mask[:1], dtype=np.float64)
+    for fn in (oracle.attention, oracle.rope_attention):
+        with np.errstate(invalid="ignore", over="ignore"):
+            fast = fn(p, x, x_kv, mask=mask)
+            slow = fn(p, x, x_kv, mask=mask, method="definition")
+        np.testing.assert_array_equal(np.isnan(fast), np.isnan(slow))
+        assert np.all(np.isfinite(fast[0])), fn.__name__
+        if fn is oracle.attention:
+            assert np.all(np.abs(fast[:1] - fn(p, x[:1], clean, mask=mask[:1])) <= bound)
+    with np.errstate(invalid="ignore", over="ignore"):
+        heads = oracle.head_outputs(p, x, x_kv, mask=mask)
+    assert np.all(np.isfinite(heads[0]))

@@ -288,6 +288,19 @@ def _each_block(
             del weights  # before the next block's logits are allocated
 
 
+def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``z = P V`` per head, ``[H, n, d_v]``, as the definition sums it: a key whose weight is 0
+    (masked, or underflowed) is skipped, so its value, even NaN or inf, never reaches ``z``."""
+    bad = ~np.isfinite(values)  # [H, T_k, d_v]
+    if not bad.any():
+        return np.matmul(weights, values)
+    z = np.matmul(weights, np.where(bad, 0.0, values))
+    for h, j, d in zip(*np.nonzero(bad), strict=True):
+        reads = weights[h, :, j] != 0.0
+        z[h, reads, d] += weights[h, reads, j] * values[h, j, d]
+    return z
+
+
 def _fast_weights(p: _Fast) -> np.ndarray:
     """Attention weights ``[*batch, H, T_q, T_k]`` (the full array: it is the result)."""
     w_q = p.w["w_q"]
@@ -308,7 +321,7 @@ def _fast_head_outputs(p: _Fast) -> np.ndarray:
     out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], w_o.shape[2]))
 
     def visit(blk: _Block) -> None:
-        out[blk.idx][:, blk.rows] = np.matmul(np.matmul(blk.weights, blk.values), w_o)
+        out[blk.idx][:, blk.rows] = np.matmul(_weighted_values(blk.weights, blk.values), w_o)
 
     _each_block(p, visit)
     return out
@@ -330,7 +343,7 @@ def _fast_output(
     y = np.zeros((*p.batch, p.xq.shape[-2], d_model))
 
     def visit(blk: _Block) -> None:
-        z = np.matmul(blk.weights, blk.values)  # [H, n, d_v]
+        z = _weighted_values(blk.weights, blk.values)  # [H, n, d_v]
         y[blk.idx][blk.rows] = np.swapaxes(z, 0, 1).reshape(z.shape[1], n_heads * d_v) @ w_cat
 
     _each_block(p, visit, rotate_q=rotate_q, rotate_k=rotate_k)
