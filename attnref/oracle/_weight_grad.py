@@ -29,6 +29,12 @@ output ``b_O`` still passes ``dY`` to ``db_O`` and, residually, to ``x_q``). ``m
 integer positions have no gradient; the bias gradient is zero wherever ``bias`` is ``-inf`` or the
 pair is masked (``P = 0`` there).
 
+The inputs are assumed finite. Unlike the forward, which skips a key of weight 0 whatever its
+value, these products read every token: a NaN in a masked ``x_kv`` token reaches ``dW_K``,
+``dW_V`` and ``dx_kv`` through ``0 x NaN`` (in both methods alike). The kernel-level gradient
+oracle (:func:`attnref.oracle.dot_product_attention_vjp`) is the one that handles non-finite
+masked entries.
+
 ``method="definition"`` runs these formulas one batch element, head and query at a time, with
 scalar-by-scalar sums over keys; ``method="fast"`` runs them with float64 BLAS for every head at
 once, streaming over query blocks (temporaries ``[H, block, T_k]`` within the budget of
