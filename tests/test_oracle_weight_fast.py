@@ -617,3 +617,27 @@ def test_fast_paths_skip_what_a_query_cannot_read(planted):
     with np.errstate(invalid="ignore", over="ignore"):
         heads = oracle.head_outputs(p, x, x_kv, mask=mask)
     assert np.all(np.isfinite(heads[0]))
+
+
+@pytest.mark.parametrize("planted", [np.nan, np.inf])
+def test_gradient_oracle_ignores_a_token_no_query_reads(planted):
+    """A key/value token masked for every query passes nothing to any gradient, even NaN or inf:
+    both methods give exactly the gradients of the same call with that token zeroed."""
+    p = attnref.init_params(1, d_model=4, num_heads=2, d_k=2, d_v=2, bias=True, dtype=np.float64)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 4))
+    x_kv = rng.standard_normal((2, 4, 4))
+    mask = np.ones((2, 3, 4), bool)
+    mask[1, :, 3] = False  # batch 1: token 3 is never read
+    bad, zero = x_kv.copy(), x_kv.copy()
+    bad[1, 3], zero[1, 3] = planted, 0.0
+    dy = rng.standard_normal((2, 3, 4))
+    for fn in (oracle.attention_vjp, oracle.rope_attention_vjp):
+        for method in ("fast", "definition"):
+            g_bad = fn(p, x, bad, d_y=dy, mask=mask, method=method)
+            g_zero = fn(p, x, zero, d_y=dy, mask=mask, method=method)
+            np.testing.assert_array_equal(g_bad.x_kv, g_zero.x_kv)
+            np.testing.assert_array_equal(g_bad.x_q, g_zero.x_q)
+            for name, value in g_zero.params.items():
+                np.testing.assert_array_equal(g_bad.params[name], value, err_msg=name)
+            assert np.all(g_zero.x_kv[1, 3] == 0.0)

@@ -29,11 +29,10 @@ output ``b_O`` still passes ``dY`` to ``db_O`` and, residually, to ``x_q``). ``m
 integer positions have no gradient; the bias gradient is zero wherever ``bias`` is ``-inf`` or the
 pair is masked (``P = 0`` there).
 
-The inputs are assumed finite. Unlike the forward, which skips a key of weight 0 whatever its
-value, these products read every token: a NaN in a masked ``x_kv`` token reaches ``dW_K``,
-``dW_V`` and ``dx_kv`` through ``0 x NaN`` (in both methods alike). The kernel-level gradient
-oracle (:func:`attnref.oracle.dot_product_attention_vjp`) is the one that handles non-finite
-masked entries.
+A key/value token that no query may read (masked, or ``-inf`` bias, for every query) passes
+nothing, whatever it holds: it is read as zeros (its gradient is exactly zero either way), so a
+NaN or inf there never reaches ``dW_K``, ``dW_V`` or ``dx_kv`` through ``0 x NaN``. Other inputs
+are assumed finite (a non-finite token that some query reads has no derivative).
 
 ``method="definition"`` runs these formulas one batch element, head and query at a time, with
 scalar-by-scalar sums over keys; ``method="fast"`` runs them with float64 BLAS for every head at
@@ -90,6 +89,20 @@ class AttentionGrads(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- shared
+
+
+def _unread_tokens_as_zeros(p: _Fast, shared: bool) -> _Fast:
+    """``p`` with the non-finite ``x_kv`` tokens that no query may read replaced by zeros (their
+    keys and values only ever meet weights of exactly 0; with ``x_kv=None`` a token is also a
+    query, so nothing is replaced)."""
+    if shared or (p.mask is None and p.bias is None):
+        return p
+    parts = [a for a in (p.mask, None if p.bias is None else p.bias != -np.inf) if a is not None]
+    allowed = parts[0] if len(parts) == 1 else parts[0] & parts[1]
+    unread = ~allowed.any(axis=-2) & ~np.isfinite(p.xkv).all(axis=-1)  # [*batch, T_k]
+    if not unread.any():
+        return p
+    return p._replace(xkv=np.where(unread[..., None], 0.0, p.xkv))
 
 
 def _cotangent(d_y: Any, p: _Fast) -> np.ndarray:
@@ -379,7 +392,7 @@ def attention_vjp(
             non-floating ``d_y``.
     """
     fast = check_method(method) == "fast"
-    p = _fast_problem(params, x_q, x_kv, mask, bias, scale)
+    p = _unread_tokens_as_zeros(_fast_problem(params, x_q, x_kv, mask, bias, scale), x_kv is None)
     dy = _cotangent(d_y, p)
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
@@ -438,6 +451,7 @@ def rope_attention_vjp(
     p, pq, pk = _rope_inputs(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
+    p = _unread_tokens_as_zeros(p, x_kv is None)
     dy = _cotangent(d_y, p)
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
