@@ -595,3 +595,41 @@ def test_fast_path_block_size_keeps_to_its_budget():
         rows = _linear._block_rows(t_q, per_row)
         assert 1 <= rows <= t_q
         assert rows == 1 or rows * per_row * 8 <= budget_bytes
+
+
+@pytest.mark.parametrize("planted", [np.nan, np.inf])
+def test_gradient_oracles_ignore_a_key_no_query_reads(planted):
+    """A key masked by ``key_mask`` passes nothing to any gradient, even NaN or inf, at the
+    kernel level and through the projections: both methods give exactly the gradients of the
+    same call with that key zeroed."""
+    rng = np.random.default_rng(3)
+    km = np.array([[True, True, True, False]])
+    fm = attnref.linear.elu_plus_one()
+    q, k, v = (
+        rng.standard_normal((1, 3, 2, 4)),
+        rng.standard_normal((1, 4, 2, 4)),
+        rng.standard_normal((1, 4, 2, 3)),
+    )
+    dy = rng.standard_normal((1, 3, 2, 3))
+    k_bad, v_bad, k_zero, v_zero = k.copy(), v.copy(), k.copy(), v.copy()
+    k_bad[0, 3], v_bad[0, 3], k_zero[0, 3], v_zero[0, 3] = planted, planted, 0.0, 0.0
+    params = attnref.init_params(
+        2, d_model=4, num_heads=2, d_k=4, d_v=3, bias=True, dtype=np.float64
+    )
+    x_q, x_kv = rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 4, 4))
+    x_bad, x_zero = x_kv.copy(), x_kv.copy()
+    x_bad[0, 3], x_zero[0, 3] = planted, 0.0
+    d_model_dy = rng.standard_normal((1, 3, 4))
+    for method in ("fast", "definition"):
+        kw = dict(feature_map=fm, key_mask=km, method=method)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = oracle.linear_attention_vjp(q, k_bad, v_bad, dy, **kw)
+        for a, b in zip(bad, oracle.linear_attention_vjp(q, k_zero, v_zero, dy, **kw), strict=True):
+            np.testing.assert_array_equal(a, b)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad_m = oracle.linear_multihead_vjp(params, x_q, x_bad, d_y=d_model_dy, **kw)
+        zero_m = oracle.linear_multihead_vjp(params, x_q, x_zero, d_y=d_model_dy, **kw)
+        np.testing.assert_array_equal(bad_m.x_kv, zero_m.x_kv)
+        np.testing.assert_array_equal(bad_m.x_q, zero_m.x_q)
+        for name, value in zero_m.params.items():
+            np.testing.assert_array_equal(bad_m.params[name], value, err_msg=name)

@@ -33,7 +33,9 @@ the features ``R_ijf = exp(z_ijf - lse_f z_ij)``, ``z_ijf = w_f.(q~_i + k~_j)``,
 ``method="definition"`` loops over batch, head, query and key with these scalar formulas;
 ``method="fast"`` evaluates them per (batch, head), streamed over query blocks as the fast
 forward (extra memory ``O(block x T_k)``, FAVOR+ ``O(block x T_k x m)``, 64 MiB budget).
-Gradients assume finite inputs. Error bounds:
+A key no query reads (``key_mask`` False, or past the last query when causal) passes nothing,
+whatever it holds (its non-finite entries are read as zeros; its gradient is exactly 0); other
+inputs are assumed finite. Error bounds:
 :func:`attnref.tolerance.linear_attention_vjp_error_bound` and
 :func:`attnref.tolerance.linear_multihead_vjp_error_bound`.
 """
@@ -266,6 +268,22 @@ def _check_options(fm: Any, causal: Any, eps_policy: Any, method: Any) -> bool:
     return causal
 
 
+def _unread_keys_as_zeros(
+    k: np.ndarray, v: np.ndarray, km: np.ndarray, *, causal: bool, t_q: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``k``, ``v`` with the non-finite entries of keys no query reads (``key_mask`` False, or
+    past the last query when causal) replaced by zeros: such a key only meets ``A_ij = 0``, so
+    its gradient is exactly zero, and a NaN or inf there must not turn it into ``0 x NaN``."""
+    unread = ~km
+    if causal:
+        unread = unread | (np.arange(k.shape[-3]) >= t_q)
+    unread = unread[..., None, None]  # [..., T_k, 1, 1] against [..., T_k, H, d]
+    return (
+        np.where(unread & ~np.isfinite(k), 0.0, k),
+        np.where(unread & ~np.isfinite(v), 0.0, v),
+    )
+
+
 def _vjp(
     fm: Any,
     q: np.ndarray,
@@ -278,6 +296,7 @@ def _vjp(
 ) -> tuple[np.ndarray, LinearGrads]:
     """``(y, grads)`` for checked float64 inputs (``km`` boolean ``[..., T_k]``)."""
     *batch, t_q, n_heads, _ = q.shape
+    k, v = _unread_keys_as_zeros(k, v, km, causal=opt[0], t_q=t_q)
     y = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     dv = np.zeros(v.shape)
     pre = _precompute(fm, q, k) if method == "fast" else (q, k)
@@ -452,9 +471,12 @@ def linear_multihead_vjp(
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     n_kv = w_k.shape[0]
     kv_of = [i // group for i in range(w_q.shape[0])]
+    km = _key_mask(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
+    if x_kv is not None:  # a token no query reads: read as zeros (its gradient is 0 either way)
+        unread = ~km if not causal else ~km | (np.arange(xkv.shape[-2]) >= xq.shape[-2])
+        xkv = np.where(unread[..., None] & ~np.isfinite(xkv), 0.0, xkv)
     q = _project(xq, w_q, w["b_q"])
     k, v = _project(xkv, w_k, w["b_k"]), _project(xkv, w_v, w["b_v"])
-    km = _key_mask(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
     back = _project_back_fast if method == "fast" else _project_back_definition
     dz = _project_back_out(dy, w_o, method)
     opt = (causal, eps, eps_policy)
