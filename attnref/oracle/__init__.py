@@ -3,11 +3,21 @@
 This package imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
 agreement between the two is evidence, not tautology. Everything is computed in float64.
 
-* :mod:`attnref.oracle._core`: multi-head attention at the weight level (per head, per query).
-* :mod:`attnref.oracle._linear`: linear attention and its feature maps.
+Every function takes ``method="fast"`` (the default: float64 BLAS, streamed over blocks of query
+rows, extra memory ``O(block x S)``) or ``method="definition"`` (one element at a time, the root
+of trust the fast path is tested against); the ``*_vjp`` functions are the gradient oracles,
+from the analytic backward in both methods.
+
+* :mod:`attnref.oracle._core`: multi-head attention at the weight level.
+* :mod:`attnref.oracle._weight_grad`: its gradient oracle (``attention_vjp``,
+  ``rope_attention_vjp``).
+* :mod:`attnref.oracle._linear`, :mod:`attnref.oracle._linear_grad`: linear attention, its
+  feature maps and its gradient oracles.
 * :mod:`attnref.oracle._rope`: rotary position embedding and attention with it.
 * :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
-  every mask option, and the ALiBi helpers.
+  every mask option (the definition), and the ALiBi helpers; :mod:`attnref.oracle._kernel_call`
+  (one validated call, its allowed set by blocks), :mod:`attnref.oracle._kernel_fast` (the fast
+  path), :mod:`attnref.oracle._kernel_grad` (``dot_product_attention_vjp``).
 """
 
 from __future__ import annotations

@@ -63,8 +63,12 @@ imported lazily where a bound needs an exact intermediate):
 * :mod:`attnref.tolerance._core`: the weight-level bound (steps 1 to 3), its local error terms,
   the comparative rule, and the helpers the weight-level bounds share.
 * :mod:`attnref.tolerance._linear`: linear attention (every feature map and form).
-* :mod:`attnref.tolerance._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)``.
+* :mod:`attnref.tolerance._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)``,
+  given the allowed set or streamed from the call's arguments (``kernel_call_error_bound``).
 * :mod:`attnref.tolerance._rope`: rotary position embedding, the map and attention with it.
+* :mod:`attnref.tolerance._grad_kernel`, :mod:`attnref.tolerance._grad_weight`,
+  :mod:`attnref.tolerance._grad_linear`: bounds on gradients (the kernel level for a format;
+  the weight-level, RoPE and linear gradient oracles' own float64 error).
 """
 
 from __future__ import annotations
