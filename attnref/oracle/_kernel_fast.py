@@ -8,11 +8,17 @@ rows, with ``A`` the allowed pairs (:func:`attnref.oracle._kernel_call.allowed_r
     X = scale Q K^T              [G, rows, S']   (S' = the keys the block can reach)
     S = c tanh(X / c) + bias     (softcap, then bias; each when given)
     S = -inf where not A         (so a masked NaN or inf never reaches a live row)
-    m = max_j S,  E = exp(S - m),  l = sum_j E,  O = (E V) / l,  lse = m + log l
+    m = max_j S,  E = exp(S - m),  [E V, l] = E [V, 1],  O = (E V) / l,  lse = m + log l
 
-Extra memory is ``O(G x rows x S)`` (a 64 MiB budget picks ``rows``), never ``O(T x S)``. The
-error of each entry is within :func:`attnref.tolerance.kernel_error_bound`'s float64 term (any
-evaluation order of the same sums is covered). NumPy only.
+Two savings leave the result the same number up to rounding: when Cauchy-Schwarz
+(``|s_ij| <= |scale| |q_i| |k_j| + |bias_ij|``) keeps every logit in ``(-700, 700)``, ``m = 0``
+(no row max, no shift: ``exp`` neither overflows nor underflows) and the keys are summed in
+chunks (partial sums of unshifted exponentials simply add); and only the keys some row of the
+block may not read are masked (for causal attention, the diagonal band). Rows with no allowed
+key follow ``masked_rows``. Extra memory is ``O(G x rows x S)`` (a 64 MiB budget picks ``rows``),
+never ``O(T x S)``. The error of each entry is within
+:func:`attnref.tolerance.kernel_error_bound`'s float64 term (any evaluation order of the same sums
+is covered). NumPy only.
 """
 
 from __future__ import annotations
