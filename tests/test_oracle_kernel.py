@@ -273,3 +273,18 @@ def test_streamed_bound_equals_full_bound(problem, budget):
     )
     for a, b in zip(full, streamed, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bias", "padding"])
+def test_fast_oracle_with_logits_beyond_the_shift_free_range(kind):
+    """Logits up to ~1e3 (q and k scaled up): the fast path must take its shifted branch (a row
+    max per row) and still equal the definition within the float64 bound."""
+    cfg = ast.Config(batch=2, t=5, s=7, n=4, k=2, h=4, h_v=3, d_model=8, dtype="float64")
+    p = ast.make_kernel_problem(cfg, kind, 4, scale=40.0)
+    logits = np.einsum("btnh,bsnh->bnts", p.q, np.repeat(p.k, 2, axis=2)) / 2.0
+    assert np.abs(logits).max() > 700  # beyond the Cauchy-Schwarz shift-free range
+    out_f, lse_f = p.oracle()
+    out_d, lse_d = p.oracle(method="definition")
+    bound, lse_bound = p.bound()
+    _assert_within(out_f, out_d, bound, f"output {p!r}")
+    _assert_within(lse_f, lse_d, lse_bound, f"lse {p!r}")
