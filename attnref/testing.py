@@ -35,6 +35,7 @@ from attnref._src.conformance import (
     PropertyResult,
     check_attention,
     load_target,
+    production_plan,
 )
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "assert_within_bound",
     "check_attention",
     "load_target",
+    "production_plan",
 ]

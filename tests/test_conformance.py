@@ -28,12 +28,14 @@ import pytest
 import attnref
 from attnref import strategies as ast
 from attnref.testing import (
+    FEATURES,
     PROPERTIES,
     ConformanceReport,
     PropertyResult,
     assert_ratio_within,
     check_attention,
     load_target,
+    production_plan,
 )
 
 from . import conformance_targets as targets
@@ -525,3 +527,51 @@ def test_a_kernel_that_raises_shows_its_traceback():
     assert r.traceback.rstrip().endswith("kernel_helper_exploded on a query of shape (2, 4, 2, 4)")
     assert "in _broken_helper" in report.summary()
     assert report.to_dict()["results"][0]["traceback"] == r.traceback
+
+
+def _parse_case(label: str) -> dict[str, object]:
+    """``"B=1 T=129 S=129 N=32 K=8 H=64 causal"`` -> sizes and kind."""
+    parts = label.split()
+    sizes = {k: int(v) for k, v in (p.split("=") for p in parts if "=" in p)}
+    return {**sizes, "kind": parts[6], "ragged": "ragged" in parts}
+
+
+def test_production_plan_covers_the_tiling_cases():
+    """The production sweep (what ``shapes="production"`` runs) reaches what the issue asks:
+    every length 2^k - 1, 2^k, 2^k + 1 for k = 7..13 with T == S, T != S pairs, head dims 64,
+    128 and 256, 32 query heads over 8 (GQA) and over 1 (MQA) K/V head, every mask kind at a
+    length one past a 128-key tile, ragged two-element batches; cheapest case first."""
+    plan = production_plan(features=FEATURES)  # every feature jax_nn's signature can express
+    oracle_cases = [_parse_case(c) for c in plan["oracle"]]
+    lengths = {n for k in range(7, 14) for n in (2**k - 1, 2**k, 2**k + 1)}
+    assert lengths <= {c["T"] for c in oracle_cases if c["T"] == c["S"]}
+    assert any(c["T"] != c["S"] for c in oracle_cases)
+    everything = [_parse_case(c) for v in plan.values() if not isinstance(v, str) for c in v]
+    assert {64, 128, 256} <= {c["H"] for c in everything}
+    assert any(c["N"] == 32 and c["K"] == 8 for c in everything)
+    assert any(c["N"] == 32 and c["K"] == 1 for c in everything)
+    mask_cases = [_parse_case(c) for c in plan["masks"]]
+    assert set(ast.MASK_KINDS) - {"none"} <= {
+        c["kind"] for c in mask_cases if c["S"] > 128 and c["S"] % 128
+    }
+    for name in ("batch_independence", "fully_masked_rows"):
+        assert all(c["ragged"] and c["B"] == 2 for c in map(_parse_case, plan[name]))
+    for name in ("causality", "extreme_logits"):
+        assert isinstance(plan[name], str)
+    for name, cases in plan.items():
+        if not isinstance(cases, str):
+            work = [c["B"] * c["N"] * c["T"] * c["S"] * c["H"] for c in map(_parse_case, cases)]
+            assert work == sorted(work), name
+
+
+def test_production_plan_follows_the_features():
+    """Without ``gqa`` every case has K == N and the gqa property is skipped; the masks sweep
+    draws only the kinds the features allow."""
+    plan = production_plan(features=("mask", "causal"))
+    assert isinstance(plan["gqa"], str) and isinstance(plan["lse"], str)
+    assert all(_parse_case(c)["K"] == _parse_case(c)["N"] for c in plan["oracle"])
+    assert {_parse_case(c)["kind"] for c in plan["masks"]} == {
+        "causal",
+        "random",
+        "fully_masked_row",
+    }

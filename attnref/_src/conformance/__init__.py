@@ -46,12 +46,13 @@ Properties (each equality with the oracle uses the tolerance rules of
     A query row with no allowed key returns the declared ``masked_rows`` meaning (``"zeros"``,
     ``"uniform"``: the mean of every ``v`` row, ``"nan"``), and no other row is NaN.
 ``gradients`` (needs ``"grad"``)
-    The float32 gradients with respect to ``q``, ``k``, ``v`` (for a random output cotangent) meet
-    FlashAttention's comparative rule against the float64 gradients of
-    :func:`attnref.dot_product_attention`, with attnref's own float32 gradients as the
-    same-precision reference: ``max|g - g64| <= 2 max|g32 - g64| + gamma_{N_b}(u32) max|g64|``,
-    ``N_b = T G + S + H + H_v + 2`` the longest reduction of the backward pass (as in
-    ``tests/test_blockwise.py``).
+    The gradients with respect to ``q``, ``k``, ``v`` (for a random output cotangent) equal the
+    float64 NumPy gradient oracle :func:`attnref.oracle.dot_product_attention_vjp` (analytic, no
+    autodiff): within :func:`attnref.tolerance.kernel_grad_error_bound` (derived, any backward
+    order) in float32 and float64; in 16 bits by FlashAttention's comparative rule with
+    attnref's own 16-bit gradients as the same-precision reference:
+    ``max|g - g64| <= 2 max|g16 - g64| + gamma_{N_b}(u) max|g64|``, ``N_b = T G + S + H + H_v +
+    2`` the longest reduction of the backward pass.
 ``extreme_logits``
     With ``q`` and ``k`` scaled so that ``max |logit|`` is ``1e2``, ``1e3`` or ``1e4`` in float32,
     the output is finite and equals the oracle within the derived bound.
@@ -86,11 +87,14 @@ comparisons with the oracle), :mod:`~attnref._src.conformance.context` (the buck
 plan draws from), :mod:`~attnref._src.conformance.plans` (the nine properties) and
 :mod:`~attnref._src.conformance.engine` (the Hypothesis runner and :func:`check_attention`).
 The closeness rules the comparisons apply live in :mod:`attnref._src.closeness`.
+
+``shapes="production"`` replaces the Hypothesis draws by fixed sweeps at tile boundaries
+(:mod:`attnref._src.conformance.production`; :func:`production_plan` lists them).
 """
 
 from __future__ import annotations
 
-from attnref._src.conformance.engine import check_attention
+from attnref._src.conformance.engine import check_attention, production_plan
 from attnref._src.conformance.options import (
     CAUSAL_ALIGNMENTS,
     DEFAULT_FEATURES,
@@ -125,4 +129,5 @@ __all__ = [
     "check_properties",
     "check_signature",
     "load_target",
+    "production_plan",
 ]

@@ -34,7 +34,7 @@ from attnref._src.conformance.plans import _PLANS
 from attnref._src.conformance.report import ConformanceReport, PropertyResult
 from attnref._src.conformance.targets import _describe_target, _Target
 
-__all__ = ["check_attention"]
+__all__ = ["check_attention", "production_plan"]
 
 
 # A hypothesis.settings, typed as the test decorator it is used as: beartype (the suite's runtime
@@ -277,3 +277,39 @@ def check_attention(
         results=tuple(results),
         shapes=shapes,
     )
+
+
+def production_plan(
+    signature: str = "jax_nn", features: Sequence[str] | None = None
+) -> dict[str, tuple[str, ...] | str]:
+    """The cases ``check_attention(..., shapes="production")`` runs for a target of this
+    signature and these features, without running any: for each property the cases' one-line
+    labels (cheapest first), or the reason it is skipped.
+
+    Args:
+        signature: ``"jax_nn"`` (default), ``"qkv_mask"`` or ``"numpy"``.
+        features: What the target supports; ``None``: the signature's default.
+
+    Returns:
+        ``{property: labels or skip reason}`` in ``PROPERTIES`` order.
+
+    Raises:
+        ValueError: An unknown signature or feature, or one the signature cannot express.
+    """
+    check_signature(signature)
+    feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
+    check_features(feats)
+    check_expressible(signature, feats)
+    ctx = _Context(
+        target=_Target(lambda *a, **k: None, signature),
+        signature=signature,
+        features=frozenset(feats),
+        masked_rows="zeros",
+        causal_alignment="top_left",
+        dtypes=("float32",),
+    )
+    out: dict[str, tuple[str, ...] | str] = {}
+    for name in PROPERTIES:
+        cases = production.cases(ctx, name)
+        out[name] = cases if isinstance(cases, str) else tuple(str(c) for c in cases)
+    return out

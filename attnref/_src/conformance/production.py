@@ -10,8 +10,10 @@ and its streamed bound, stopping at the first failure:
 
 A case's work ``B N T S (H + H_v)`` is capped (:data:`WORK_BUDGET` multiply-adds; kinds that
 bring a ``[.., T, S]`` mask or bias also cap ``B N T S`` at :data:`ARRAY_BUDGET`) by taking fewer
-heads at longer lengths, so the whole run takes minutes on two cores. ``max_examples`` keeps the
-first cases of each list. ``causality`` and ``extreme_logits`` run at the small shapes only.
+heads at longer lengths (one head, at head dim 64, always runs), so the whole run takes minutes
+on two cores; array kinds skip the lengths whose ``[T, S]`` arrays exceed their cap.
+``max_examples`` keeps the first cases of each list. ``causality`` and ``extreme_logits`` run at
+the small shapes only.
 """
 
 from __future__ import annotations
@@ -61,16 +63,18 @@ def _config(b: int, t: int, s: int, n: int, k: int, h: int, dtype: str) -> ast.C
 
 def _heads(ctx: _Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[int, int] | None:
     """The most query heads (a power of two <= 32) the budgets allow, with K = N / 4 under
-    ``gqa`` (else K = N); ``None`` if not even one fits."""
+    ``gqa`` (else K = N). One head always runs when the case's arrays fit (every listed length
+    is checked at least once); ``None`` when they do not."""
+    if kind in _ARRAY_KINDS and b * t * s > ARRAY_BUDGET:
+        return None
     n = 32
-    while n >= 1:
+    while n > 1:
         work_ok = b * n * t * s * 2 * h <= WORK_BUDGET
         arrays_ok = kind not in _ARRAY_KINDS or b * n * t * s <= ARRAY_BUDGET
         if work_ok and arrays_ok:
-            k = max(1, n // 4) if "gqa" in ctx.features else n
-            return n, k
+            return n, (max(1, n // 4) if "gqa" in ctx.features else n)
         n //= 2
-    return None
+    return 1, 1
 
 
 def _tile_lengths(n: int) -> int:
@@ -86,8 +90,8 @@ def _sweep(
         kind = kinds[i % len(kinds)]
         h = HEAD_DIMS[i % len(HEAD_DIMS)]
         heads = _heads(ctx, b, t, s, h, kind)
-        while heads is None and h > 64:
-            h //= 2
+        while heads == (1, 1) and h > 64 and b * t * s * 2 * h > WORK_BUDGET:
+            h //= 2  # one head over budget: the smallest head dim instead
             heads = _heads(ctx, b, t, s, h, kind)
         if heads is None:
             continue
