@@ -124,11 +124,7 @@ def _run_property(
         cases = [n for n in notes if n.startswith(("Failing test case", "Falsifying"))]
         lines = list(dict.fromkeys(cases + [n for n in notes if n not in cases]))
         example = "\n".join(lines).strip() or None
-        message = str(exc).strip() or type(exc).__name__
-        tb = None
-        if not _is_comparison_failure(exc):
-            message = f"{type(exc).__name__}: {message}"
-            tb = _format_traceback(exc)
+        message, tb = _failure(exc)
         return "failed", message, example, int(state["count"]), tb
     return "passed", "", None, int(state["count"]), None
 
@@ -160,6 +156,29 @@ def _run_cases(
         if log is not None:
             log(f"{name} {i}/{len(cases)}: {case} ({time.perf_counter() - start:.1f} s)")
     return "passed", "", None, len(cases), None
+
+
+_Run = tuple[str, str, str | None, int, str | None]
+
+
+def _small(ctx: _Context, name: str, max_examples: int, seed: int) -> _Run | str:
+    """Property ``name`` as a Hypothesis test over the small buckets, or why it is skipped."""
+    plan = _PLANS[name](ctx)
+    if isinstance(plan, str):
+        return plan
+    strategy, check, *explicit = plan
+    return _run_property(strategy, check, max_examples, seed, *explicit)
+
+
+def _production(
+    ctx: _Context, name: str, max_examples: int | None, log: Callable[[str], None] | None
+) -> _Run | str:
+    """Property ``name`` over its production sweep (the first ``max_examples`` cases), or why
+    it is skipped."""
+    cases = production.cases(ctx, name)
+    if isinstance(cases, str):
+        return cases
+    return _run_cases(name, cases[:max_examples], production.check(ctx, name), log)
 
 
 def check_attention(
@@ -244,20 +263,14 @@ def check_attention(
     results: list[PropertyResult] = []
     for done, name in enumerate(names, start=1):
         start = time.perf_counter()
+        before = len(ctx.target.notes)
         if shapes == "production":
-            cases = production.cases(ctx, name)
-            plan: Any = cases if isinstance(cases, str) else (cases[:max_examples], None)
+            run = _production(ctx, name, max_examples, log)
         else:
-            plan = _PLANS[name](ctx)
-        if isinstance(plan, str):
-            results.append(PropertyResult(name, "skipped", plan, None, seed, 0))
+            run = _small(ctx, name, max_examples or 20, seed)
+        if isinstance(run, str):
+            results.append(PropertyResult(name, "skipped", run, None, seed, 0))
         else:
-            before = len(ctx.target.notes)
-            if shapes == "production":
-                run = _run_cases(name, plan[0], production.check(ctx, name), log)
-            else:
-                strategy, check, *explicit = plan
-                run = _run_property(strategy, check, max_examples or 20, seed, *explicit)
             status, detail, example, count, tb = run
             new_notes = ctx.target.notes[before:]
             if new_notes:
