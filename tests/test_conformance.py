@@ -88,6 +88,8 @@ def naive_kernel(
     e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
     axis = -2 if bug == "softmax_axis" else -1
     denom = jnp.sum(e, axis=axis, keepdims=True)
+    if bug == "stopped_denominator":  # forward exact; the backward drops the D_i term
+        denom = jax.lax.stop_gradient(denom)
     p = e / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bnts,bsnh->btnh", p, v, precision="highest")
     return out.astype(query.dtype)
@@ -191,6 +193,8 @@ BROKEN = {
     "no_max": (("oracle", "extreme_logits"), {"extreme_logits"}),
     "global_max": (("causality", "extreme_logits"), {"causality", "extreme_logits"}),
     "gqa_tiled": (("oracle", "gqa"), {"gqa"}),
+    # a backward-only bug: only the gradient oracle (dS = P (dP - D)) can see it
+    "stopped_denominator": (("oracle", "gradients"), {"gradients"}),
 }
 
 
