@@ -228,6 +228,12 @@ def test_gradient_oracle_refuses():
         oracle.dot_product_attention(p.q, p.k, p.v, method="exact")
     with pytest.raises(ValueError, match="cotangent"):
         oracle.dot_product_attention_vjp(p.q, p.k, p.v, cotangent=cot[:, :2])
+    with pytest.raises(TypeError, match="cotangent must be floating"):
+        oracle.dot_product_attention_vjp(p.q, p.k, p.v, cotangent=np.full(cot.shape, "a"))
+    with pytest.raises(ValueError, match="lse_cotangent"):
+        oracle.dot_product_attention_vjp(
+            p.q, p.k, p.v, cotangent=cot, lse_cotangent=np.zeros((1, 3))
+        )
     v = p.v.copy()
     v[0, 1, 0, 0] = np.nan  # read by every query: no derivative
     for method in ("fast", "definition"):

@@ -175,18 +175,11 @@ def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
 
 
 def _forward_block(
-    c: KernelCall,
-    hg: HeadGroup,
-    i0: int,
-    i1: int,
-    j0: int,
-    j1: int,
-    shift_free: bool,
-    finite_v: bool,
+    c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int, finite_v: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(e, shift, live, ok)`` of one block: ``e = exp(s - shift)`` with ``s = -inf`` off the
-    allowed set. Only the keys some row may not read are masked (the causal diagonal band), and
-    no row max is taken when ``shift_free``; ``ok`` is the full allowed set only where a
+    """``(e, shift, live, ok)`` of one block whose logits may need a shift (the general path):
+    ``e = exp(s - shift)`` with ``s = -inf`` off the allowed set. Only the keys some row may not
+    read are masked (the causal diagonal band); ``ok`` is the full allowed set only where a
     non-finite value needs it (else ``None``)."""
     s = raw_logits(c, hg, i0, i1, j0, j1)
     if c.softcap is not None:
@@ -199,11 +192,7 @@ def _forward_block(
     if tail is not None:
         np.copyto(s[..., jp - j0 :], -np.inf, where=~tail)
     live = np.ones(s.shape[:-1], bool) if jp > j0 else block_live(tail, s.shape)
-    if shift_free:
-        np.exp(s, out=s)
-        shift = np.zeros(s.shape[:-1])
-    else:
-        s, shift = softmax_block(s, live)
+    s, shift = softmax_block(s, live)
     ok = None
     if tail is not None and not finite_v:
         ok = np.concatenate([np.ones((*s.shape[:-1], jp - j0), bool), tail], axis=-1)
@@ -266,7 +255,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
                 o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
                 top = np.zeros(live.shape)
             else:
-                e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, shift_free, finite)
+                e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, finite)
                 flat = (grp * (i1 - i0), j1 - j0)
                 flat_ok = None if ok is None else ok.reshape(flat)
                 vt = None if v1t is None else v1t[:, j0:j1]

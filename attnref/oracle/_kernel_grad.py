@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_method, shape_of
+from ._checks import check_method, dtype_of, is_floating, shape_of
 from ._kernel import kernel_allowed
 from ._kernel_call import KernelCall, parse, query_block
 from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
@@ -59,6 +59,8 @@ def _cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.n
             continue
         if shape_of(x) != want[name]:
             raise ValueError(f"{name} has shape {shape_of(x)}; expected {want[name]}")
+        if not is_floating(dtype_of(x)):
+            raise TypeError(f"{name} must be floating, got dtype {dtype_of(x)}")
         out.append(np.asarray(x, dtype=np.float64))
     return out[0], out[1]
 
@@ -241,7 +243,8 @@ def dot_product_attention_vjp(
     Raises:
         ValueError: For the inputs the forward refuses with ``ValueError``, a cotangent of the
             wrong shape, or a non-finite logit or value in an allowed pair.
-        TypeError: For those the forward refuses with ``TypeError``.
+        TypeError: For those the forward refuses with ``TypeError``, or a non-floating
+            cotangent.
     """
     check_method(method)
     c = parse(

@@ -77,7 +77,7 @@ def _heads(ctx: _Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[in
     return 1, 1
 
 
-def _tile_lengths(n: int) -> int:
+def _past_tile(n: int) -> int:
     """A length one past a 128-tile below ``n`` (1 when ``n <= 129``)."""
     return max(1, ((n - 2) // 128) * 128 + 1)
 
@@ -160,8 +160,8 @@ def problem(ctx: _Context, case: Case, empty: bool = False) -> ast.KernelProblem
     p = ctx.problem(case.config, case.kind, case.seed)
     if case.ragged:
         c = case.config
-        q_len = np.array([c.t, _tile_lengths(c.t)], np.int32)
-        kv_len = np.array([c.s, 0 if empty else _tile_lengths(c.s)], np.int32)
+        q_len = np.array([c.t, _past_tile(c.t)], np.int32)
+        kv_len = np.array([c.s, 0 if empty else _past_tile(c.s)], np.int32)
         p = p.replace(options={"query_seq_lengths": q_len, "key_value_seq_lengths": kv_len})
     return p
 
