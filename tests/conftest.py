@@ -25,6 +25,11 @@ from pathlib import Path
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 )
+# Eight virtual CPU devices, for the distributed formulations' meshes of 1, 2, 4 and 8 devices
+# (tests/test_distributed*.py). Everything else runs on device 0 as before. Added to a caller's
+# XLA_FLAGS unless they set a device count themselves.
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import jax
 import jaxtyping

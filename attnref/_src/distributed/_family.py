@@ -1,0 +1,136 @@
+"""The distributed family: its :class:`~attnref._src.family.Family`, the mesh helpers every scheme
+shares, and the row-form adapter that turns a kernel-level scheme into a registry ``apply``.
+
+A kernel-level scheme takes the layout and options of ``jax.nn.dot_product_attention``
+(``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``, global arrays in natural
+token order, sharded or not) plus ``mesh`` and ``axis_name``; it shards what it needs over the
+mesh axis itself (``shard_map``) and returns the global output. Its row form
+(``<id>_attention(params, x_q, x_kv, *, mask, bias, scale, residual, mesh)``) projects the heads,
+calls the scheme and applies ``W_O``: the same function as every softmax-family entry, checked
+by the same oracle (:func:`attnref.oracle.attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jaxtyping import Array
+
+from attnref import oracle, tolerance
+from attnref._src.common import Prepared, prepare_rows
+from attnref._src.decode import _project as _kernel_heads
+from attnref._src.family import Family
+from attnref._src.kernel_forms import _flat, _output, _pairs
+from attnref._src.params import AttentionParams
+
+DEFAULT_AXIS = "devices"
+
+
+@functools.cache
+def default_mesh(devices: int | None = None) -> Mesh:
+    """A 1-D mesh (axis ``"devices"``) over the first ``devices`` devices (default: all).
+
+    Args:
+        devices: How many of ``jax.devices()`` to use; ``None`` (default) means all of them.
+
+    Returns:
+        The mesh (cached: equal arguments give the same mesh, so jitted callers reuse programs).
+
+    Raises:
+        ValueError: If ``devices`` is not a positive int at most ``jax.device_count()``.
+    """
+    available = jax.devices()
+    n = len(available) if devices is None else devices
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(available):
+        raise ValueError(
+            f"devices must be an int in [1, {len(available)}] (jax.device_count()), got "
+            f"{devices!r}; on one host, XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+            "gives 8 virtual CPU devices"
+        )
+    return Mesh(available[:n], (DEFAULT_AXIS,))
+
+
+def mesh_axis(mesh: Any, axis_name: str | None) -> tuple[str, int]:
+    """The mesh axis a scheme runs over and its size ``P``.
+
+    Args:
+        mesh: A ``jax.sharding.Mesh``.
+        axis_name: One of ``mesh.axis_names``; ``None`` means the only axis of a 1-D mesh.
+
+    Returns:
+        ``(axis_name, P)``.
+
+    Raises:
+        TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+        ValueError: If ``axis_name`` is not an axis of the mesh, or is ``None`` for a mesh with
+            several axes.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if axis_name is None:
+        if len(names) != 1:
+            raise ValueError(
+                f"mesh has axes {names} (shape {dict(mesh.shape)}); name the one to run over "
+                "with axis_name="
+            )
+        axis_name = names[0]
+    if axis_name not in names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes {names})")
+    return axis_name, int(mesh.shape[axis_name])
+
+
+def row_form(
+    native: Callable[..., Any],
+    params: AttentionParams,
+    x_q: Any,
+    x_kv: Any,
+    mask: Any,
+    bias: Any,
+    scale: float | None,
+    residual: bool,
+    mesh: Mesh | None,
+) -> Array:
+    """``sum_n native(x_q W_Q, x_kv W_K, x_kv W_V)_n W_O[n] + b_O`` (``x_q +`` that with
+    ``residual``): the row form of a kernel-level scheme, with the non-finite guard of every
+    row form (:meth:`attnref._src.common.Prepared.guarded`). ``mesh=None``: all devices."""
+    mesh = default_mesh() if mesh is None else mesh
+
+    def compute(p: Prepared) -> Array:
+        xq, xkv, b = _flat(p)
+        o = native(
+            _kernel_heads(xq, params.w_q, params.b_q),
+            _kernel_heads(xkv, params.w_k, params.b_k),
+            _kernel_heads(xkv, params.w_v, params.b_v),
+            _pairs(p, p.bias, b),
+            _pairs(p, p.mask, b),
+            mesh=mesh,
+            scale=scale,
+        )
+        return _output(p, params, o, residual)
+
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+
+
+DISTRIBUTED = Family(
+    name="distributed",
+    oracle=oracle.attention,
+    bound=tolerance.attention_error_bound,
+    signature=(
+        "apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None, residual=False, "
+        "mesh=None)"
+    ),
+    note=(
+        "The softmax family's function, computed on a `jax.sharding.Mesh` (`mesh=None`: a 1-D "
+        "mesh over all devices); the kernel-level form (`native`) takes the layout and options "
+        "of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
+        "device count does not divide are padded inside (padded keys are never attended, padded "
+        "queries are dropped), so every length is exact. See [distributed](../distributed.md)."
+    ),
+    equation_symbols=("softmax", "lse", "psum", "all"),
+    static_argnames=("residual", "mesh"),
+)
