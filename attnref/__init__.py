@@ -75,6 +75,9 @@ _EXPORTS = {
     "edges_from_mask": "attnref._src.graph",
     "blockwise_attention": "attnref._src.kernel_forms",
     "kv_cache_attention": "attnref._src.kernel_forms",
+    "state_merge_attention": "attnref._src.state_merge",
+    "merge_states": "attnref._src.states",
+    "merge_state_stack": "attnref._src.states",
     "check_attention": "attnref.testing",
 }
 
@@ -210,6 +213,8 @@ __all__ = [
     "linear",
     "mask_to_bias",
     "masked_softmax",
+    "merge_state_stack",
+    "merge_states",
     "models",
     "oracle",
     "padding_mask",
@@ -221,6 +226,7 @@ __all__ = [
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",
+    "state_merge_attention",
     "strategies",
     "testing",
     "tolerance",
@@ -279,4 +285,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time the names l
         head_outputs,
         per_head_sum_attention,
     )
+    from attnref._src.state_merge import state_merge_attention
+    from attnref._src.states import merge_state_stack, merge_states
     from attnref.testing import check_attention

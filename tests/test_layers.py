@@ -5,7 +5,8 @@ Layers, bottom up (``docs/conventions.md``):
 0. the float64 NumPy oracle and the rounding model (``attnref.oracle``, ``attnref.tolerance``):
    NumPy only, never JAX, so that their agreement with the JAX code is evidence;
 1. the formulations (``attnref._src`` and the namespaces ``attnref.linear``, ``attnref.rope``,
-   ``attnref.decode``, ``attnref.interp``, ``attnref.interop``, ``attnref.costs``);
+   ``attnref.decode``, ``attnref.interp``, ``attnref.interop``, ``attnref.costs``,
+   ``attnref.distributed``);
 2. the testing kit (closeness rules, strategies, the conformance engine and its front ends);
 3. the tools built on the formulations and the kit (the report, the docs generator, the models);
 4. the command line.
@@ -38,6 +39,7 @@ LAYERS = {
     "attnref.interp": 1,
     "attnref.interop": 1,
     "attnref.costs": 1,
+    "attnref.distributed": 1,
     "attnref._src.closeness": 2,
     "attnref._src.conformance": 2,
     "attnref.testing": 2,
