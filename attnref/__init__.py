@@ -7,8 +7,9 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 The top level holds the softmax formulations (``<id>_attention(params, x_q, x_kv, ...)`` is the
 multi-head row form of registry entry ``<id>``), the kernel level (``dot_product_attention`` and
 its helpers) and the registry. The rest lives in namespaces: :mod:`attnref.linear`,
-:mod:`attnref.rope`, :mod:`attnref.decode`, :mod:`attnref.interp`, :mod:`attnref.interop`,
-:mod:`attnref.costs`, :mod:`attnref.models`, and the NumPy layers :mod:`attnref.oracle` and
+:mod:`attnref.rope`, :mod:`attnref.decode`, :mod:`attnref.distributed`,
+:mod:`attnref.interp`, :mod:`attnref.interop`, :mod:`attnref.costs`, :mod:`attnref.models`,
+and the NumPy layers :mod:`attnref.oracle` and
 :mod:`attnref.tolerance`, and the testing kit :mod:`attnref.testing`,
 :mod:`attnref.strategies`, :mod:`attnref.conformance`.
 
@@ -28,6 +29,7 @@ _NAMESPACES = (
     "conformance",
     "costs",
     "decode",
+    "distributed",
     "interop",
     "interp",
     "linear",
@@ -198,6 +200,7 @@ __all__ = [
     "conformance",
     "costs",
     "decode",
+    "distributed",
     "dot_product_attention",
     "edges_from_mask",
     "formulations",
@@ -254,6 +257,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time the names l
         conformance,
         costs,
         decode,
+        distributed,
         interop,
         interp,
         linear,

@@ -91,12 +91,25 @@ def _parser() -> argparse.ArgumentParser:
         "lengths (2^k - 1, 2^k, 2^k + 1 up to 8193), head dims 64/128/256, up to 32 heads with "
         "GQA, every mask kind, against the fast float64 oracle (minutes on 2 cores)",
     )
+    c.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST",
+        help="check a distributed kernel (fn(query, key, value, ..., mesh=, axis_name=)) on "
+        "1-D meshes of these sizes, e.g. 1,2,4,8: every property on each size, plus "
+        "ring_size_growth. The host needs that many devices: on a CPU host run with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 (otherwise a clear error, exit 2)",
+    )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        devices = kit.split_devices(args.devices)
+    except ValueError as e:
+        parser.error(str(e))  # exits 2
     options = kit.Options(
         target=args.target,
         signature=args.signature,
@@ -108,6 +121,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dtypes=kit.split_list(args.dtypes),
         properties=kit.split_list(args.properties),
         shapes=args.shapes,
+        devices=devices,
     )
     try:
         options.validate()
@@ -152,7 +166,7 @@ def _check_text(report: Any, options: kit.Options) -> str:
     failed = [r for r in report.results if r.status == "failed"]
     if failed:
         text += "\n\nreplay from the shell:\n" + "\n".join(
-            f"  {options.replay_command(r.name, r.seed)}" for r in failed
+            f"  {options.replay_command(r.name, r.seed, kit.failed_devices(r))}" for r in failed
         )
     return text
 

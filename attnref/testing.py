@@ -11,7 +11,10 @@ the worst index, and the error in units of the allowance.
 rules by name (``"bound"``, ``"flash"``, ``"torch"``; see ``docs/tolerances.md``).
 
 The conformance kit (:mod:`attnref._src.conformance`): :func:`check_attention` runs attnref's
-properties against anyone's attention function and returns a :class:`ConformanceReport`.
+properties against anyone's attention function (``devices=(1, 2, 4, 8)``: a distributed one, on
+meshes of those sizes, with the ring-size growth of its error) and returns a
+:class:`ConformanceReport`; :func:`check_merge_states` runs the state-algebra properties (oracle,
+commutative, associative, identity, stability, dtypes) against anyone's ``merge_states``.
 """
 
 from __future__ import annotations
@@ -27,31 +30,38 @@ from attnref._src.closeness import (
 )
 from attnref._src.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, not in __all__
 from attnref._src.conformance import (
+    ALL_PROPERTIES,
     DEFAULT_FEATURES,
     FEATURES,
     PROPERTIES,
     SIGNATURES,
     ConformanceReport,
+    MeshResult,
     PropertyResult,
     check_attention,
     load_target,
     production_plan,
 )
+from attnref._src.conformance.states import MERGE_PROPERTIES, check_merge_states
 
 __all__ = [
+    "ALL_PROPERTIES",
     "DEFAULT_FEATURES",
     "FEATURES",
+    "MERGE_PROPERTIES",
     "PROPERTIES",
     "RULES",
     "SIGNATURES",
     "Closeness",
     "ConformanceReport",
+    "MeshResult",
     "PropertyResult",
     "assert_attention_close",
     "assert_comparative",
     "assert_ratio_within",
     "assert_within_bound",
     "check_attention",
+    "check_merge_states",
     "load_target",
     "production_plan",
 ]

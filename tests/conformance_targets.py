@@ -22,16 +22,35 @@ defects of issue 11 that the kit once passed:
 ``past_tile`` is jax.nn's attention with a tiling fault: when ``S`` is past one 128-key tile and
 not a multiple of 128, the keys of the last, partial tile are dropped (what a kernel that forgets
 its tail tile does). Every small shape (``S <= 8``) is right; ``shapes="production"`` catches it.
+
+Distributed kernels (``check_attention(fn, devices=...)``), written the way a user would, with
+``jax.shard_map`` and ``jax.lax.ppermute`` directly: ring attention (K/V chunks rotated around the
+mesh, each device's state ``(o, lse)`` merged with the next chunk's, Liu et al. 2023), forward
+only, with causal masking by global positions, GQA, ``T != S`` and the lse. Lengths must be
+multiples of ``P`` (``2P`` for zigzag): the kit draws such lengths.
+
+* ``ring``: contiguous layout, the stable merge in float32 (correct);
+* ``zigzag``: the zigzag layout (device ``d`` holds chunks ``d`` and ``2P - 1 - d`` of ``2P``), the
+  same merge (correct);
+* ``zigzag_misordered``: zigzag whose inverse layout puts the second halves back in device order
+  instead of reversed: at ``P = 2`` chunks 2 and 3 trade places (right at ``P = 1``);
+* ``ring_naive_merge``: the merge written ``lse + log(1 + exp(lse_b - lse))``, which overflows
+  ``exp`` once a later chunk's lse exceeds the running one by 88 in float32 (EasyContext #14);
+* ``ring_state_in_input_dtype``: the running output kept in the input dtype, so bfloat16 inputs
+  round it to bfloat16 at every ring step and the error grows with ``P`` (ring-flash-attention
+  #42; float32 inputs are unaffected).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 import attnref
 
@@ -123,3 +142,148 @@ def _broken_helper(query: Any) -> Any:
 def raises(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
     """Raises from inside ``_broken_helper``, jitted or not."""
     return _broken_helper(query)
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+def _merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """``(o, lse)`` of two attention states over disjoint keys, stably: both weights
+    ``exp(lse - max)`` are at most 1; an empty state (``lse = -inf``) is the identity."""
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = w_a + w_b
+    o = (o_a * w_a[..., None] + o_b * w_b[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o, top + jnp.log(total)
+
+
+def _merge_naive(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """The same merge written the naive way: ``exp(lse_b - lse_a)`` overflows."""
+    lse = lse_a + jnp.log(1 + jnp.exp(lse_b - lse_a))
+    o = jnp.exp(lse_a - lse)[..., None] * o_a + jnp.exp(lse_b - lse)[..., None] * o_b
+    return o, lse
+
+
+def _chunk(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, scale: float, causal: bool) -> Any:
+    """The state ``(o [B, T, N, H_v], lse [B, T, N])`` of local queries against one key chunk,
+    in float32 (at least); a query with no allowed key gets ``(0, -inf)``."""
+    work = jnp.promote_types(q.dtype, jnp.float32)
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2).astype(work), jnp.repeat(v, group, axis=2).astype(work)
+    s = jnp.einsum("btnh,bsnh->bnts", q.astype(work), k, precision="highest") * scale
+    if causal:
+        s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.exp(s - top)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("bnts,bsnh->btnh", e / jnp.where(total > 0, total, 1.0), v, precision="highest")
+    lse = jnp.swapaxes((top + jnp.log(total))[..., 0], 1, 2)
+    return o, lse
+
+
+def _ring_body(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_pos: Any,
+    k_pos: Any,
+    *,
+    axis: str,
+    p: int,
+    scale: float,
+    causal: bool,
+    merge: Callable[..., Any],
+    state_dtype: Any,
+) -> tuple[Any, Any]:
+    """One device: its own chunk first, then ``P - 1`` chunks received from the left neighbour
+    (``ppermute`` ``d -> d + 1``), each merged into the running state."""
+    work = jnp.promote_types(q.dtype, jnp.float32)
+    o, lse = _chunk(q, k, v, q_pos, k_pos, scale, causal)
+    perm = [(i, (i + 1) % p) for i in range(p)]
+
+    def step(_: Any, carry: Any) -> Any:
+        o, lse, k, v, k_pos = carry
+        k, v, k_pos = (jax.lax.ppermute(x, axis, perm) for x in (k, v, k_pos))
+        o_b, lse_b = _chunk(q, k, v, q_pos, k_pos, scale, causal)
+        o, lse = merge(o.astype(work), lse, o_b, lse_b)
+        return o.astype(state_dtype), lse, k, v, k_pos
+
+    o, lse, *_ = jax.lax.fori_loop(1, p, step, (o.astype(state_dtype), lse, k, v, k_pos))
+    return o.astype(q.dtype), lse
+
+
+def _to_zigzag(x: Any, p: int) -> Any:
+    """``x [B, L, ...]`` in device-major zigzag order: device ``d`` gets chunks ``d`` and
+    ``2P - 1 - d`` of ``2P``."""
+    b, n = x.shape[:2]
+    chunks = x.reshape(b, 2 * p, n // (2 * p), *x.shape[2:])
+    pairs = jnp.stack([chunks[:, :p], chunks[:, p:][:, ::-1]], axis=2)  # [B, P, 2, C, ...]
+    return pairs.reshape(x.shape)
+
+
+def _from_zigzag(y: Any, p: int, *, reverse: bool = True) -> Any:
+    """The inverse of :func:`_to_zigzag`; ``reverse=False`` is the bug: the second halves are
+    put back in device order."""
+    b, n = y.shape[:2]
+    pairs = y.reshape(b, p, 2, n // (2 * p), *y.shape[2:])
+    second = pairs[:, ::-1, 1] if reverse else pairs[:, :, 1]
+    return jnp.concatenate([pairs[:, :, 0], second], axis=1).reshape(y.shape)
+
+
+def _ring_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    mesh: Any,
+    axis_name: str | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_lse: bool = False,
+    zigzag: bool = False,
+    restore_reversed: bool = True,
+    merge: Callable[..., Any] = _merge,
+    state_in_input_dtype: bool = False,
+) -> Any:
+    if bias is not None or mask is not None:
+        raise NotImplementedError("this ring kernel takes no bias or mask")
+    axis = mesh.axis_names[0] if axis_name is None else axis_name
+    p = mesh.shape[axis]
+    t, s, h = query.shape[1], key.shape[1], query.shape[3]
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    if zigzag:
+        to = functools.partial(_to_zigzag, p=p)
+        back = functools.partial(_from_zigzag, p=p, reverse=restore_reversed)
+    else:
+        to = back = lambda x: x
+    q_pos, k_pos = to(jnp.arange(t)[None])[0], to(jnp.arange(s)[None])[0]
+    work = jnp.promote_types(query.dtype, jnp.float32)
+    body = functools.partial(
+        _ring_body,
+        axis=axis,
+        p=p,
+        scale=scale,
+        causal=is_causal,
+        merge=merge,
+        state_dtype=query.dtype if state_in_input_dtype else work,
+    )
+    seq = PartitionSpec(None, axis)
+    o, lse = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(seq, seq, seq, PartitionSpec(axis), PartitionSpec(axis)),
+        out_specs=(seq, seq),
+    )(to(query), to(key), to(value), q_pos, k_pos)
+    o, lse = back(o), back(lse)
+    return (o, lse) if return_lse else o
+
+
+ring = functools.partial(_ring_attention)
+zigzag = functools.partial(_ring_attention, zigzag=True)
+zigzag_misordered = functools.partial(_ring_attention, zigzag=True, restore_reversed=False)
+ring_naive_merge = functools.partial(_ring_attention, merge=_merge_naive)
+ring_state_in_input_dtype = functools.partial(_ring_attention, state_in_input_dtype=True)

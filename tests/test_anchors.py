@@ -506,3 +506,21 @@ def test_every_oracle_function_has_an_anchor():
     it (that anchor checks the result's type and every field it reads by hand)."""
     anchored = ANCHORED | _returned_classes(ANCHORED & set(oracle.__all__))
     assert set(oracle.__all__) <= anchored, sorted(set(oracle.__all__) - anchored)
+
+
+@anchors("merge_states", "merge_state_stack")
+def test_merge_states_by_hand():
+    """Logits 0, ln 2, ln 3 (weights 1, 2, 3), values 1, 2, 3: whole lse ln 6, o (1+4+9)/6 = 7/3.
+    Pieces {0,1},{2}: lse ln 3, ln 3, o 5/3, 3; pieces {0},{1,2}: lse 0, ln 5, o 1, 13/5. An empty
+    piece (lse -inf, o NaN) is the identity; two empty pieces give o = 0, lse = -inf."""
+    splits = (((math.log(3), 5 / 3), (math.log(3), 3.0)), ((0.0, 1.0), (math.log(5), 13 / 5)))
+    for (la, oa), (lb, ob) in splits:
+        o, lse = oracle.merge_states(np.array([[oa]]), np.array([la]), [[ob]], np.array([lb]))
+        _close(lse, [math.log(6)])
+        _close(o, [[7 / 3]])
+        stack = np.array([[[oa]], [[ob]], [[np.nan]]]), np.array([[la], [lb], [-np.inf]])
+        o, lse = oracle.merge_state_stack(*stack)
+        _close(lse, [math.log(6)])
+        _close(o, [[7 / 3]])
+    o, lse = oracle.merge_states([[np.nan]], np.array([-np.inf]), [[np.nan]], np.array([-np.inf]))
+    assert o[0, 0] == 0 and np.isneginf(lse[0])

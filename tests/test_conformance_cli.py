@@ -325,26 +325,39 @@ def test_entry_point_and_testpaths_are_declared():
 
 def test_docs_testing_your_kernel_examples_run(monkeypatch):
     """docs/testing_your_kernel.md: its kernel passes, its broken kernel fails the oracle
-    property, and its assert_attention_close example runs."""
+    property, its distributed ring passes on 1 and 2 devices, and its assert_attention_close
+    example runs."""
     import types
 
     from attnref.testing import check_attention
 
     text = (ROOT / "docs" / "testing_your_kernel.md").read_text()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    kernel_src, broken_src, tolerance_src = blocks
+    named = {b.splitlines()[0].removeprefix("# "): b for b in blocks if b.startswith("# mypkg/")}
+    assert sorted(named) == ["mypkg/broken.py", "mypkg/kernels.py", "mypkg/ring.py"]
+    (tolerance_src,) = (b for b in blocks if not b.startswith("# mypkg/"))
     package = types.ModuleType("mypkg")
+    monkeypatch.setitem(sys.modules, "mypkg", package)
     modules = {}
-    for name, src in (("kernels", kernel_src), ("broken", broken_src)):
+    for name in ("kernels", "broken", "ring"):
         module = types.ModuleType(f"mypkg.{name}")
         monkeypatch.setitem(sys.modules, f"mypkg.{name}", module)
         setattr(package, name, module)
-        monkeypatch.setitem(sys.modules, "mypkg", package)
-        exec(compile(src, f"docs mypkg/{name}.py", "exec"), module.__dict__)
+        exec(compile(named[f"mypkg/{name}.py"], f"docs mypkg/{name}.py", "exec"), module.__dict__)
         modules[name] = module
     features = ["mask", "bias", "causal", "gqa", "cross", "grad"]
     kw = dict(features=features, properties=["oracle", "gqa"], max_examples=3)
     assert check_attention(modules["kernels"].attention, **kw).passed
     report = check_attention(modules["broken"].attention, **kw)
     assert [r.status for r in report.results] == ["failed", "failed"]
+    if jax.device_count() >= 2:
+        report = check_attention(
+            modules["ring"].attention,
+            features=("gqa", "cross"),
+            properties=["ring_size_growth"],
+            devices=(1, 2),
+            dtypes=("float32", "bfloat16"),
+            max_examples=2,
+        )
+        assert report.passed, report.summary()
     exec(compile(tolerance_src, "docs tolerance example", "exec"), {})

@@ -42,7 +42,7 @@ def test_a_family_is_an_object():
     """Each entry's family carries its oracle and bound; families compare by identity (code calls
     a family, it never compares names); filters take the object or its name."""
     fams = list(dict.fromkeys(f.family for f in attnref.formulations()))
-    assert [fam.name for fam in fams] == ["softmax", "linear", "rope"]
+    assert [fam.name for fam in fams] == ["softmax", "linear", "rope", "distributed"]
     for fam in fams:
         assert isinstance(fam, attnref.Family)
         assert fam != fam.name and sum(other is fam for other in fams) == 1

@@ -330,7 +330,7 @@ def blockwise_dot_product_attention(
     *,
     block_q: int = 128,
     block_k: int = 128,
-    scale: float | None = None,
+    scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     query_seq_lengths: Int[ArrayLike, " B"] | None = None,
     key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,

@@ -23,6 +23,12 @@ Counting conventions (XLA's, so the model can be checked against ``cost_analysis
 Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T`` (or ``T / C``)
 times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
 ``loop_trips`` and ``per_trip_*`` for comparing with XLA.
+
+Distributed forms (``Dims.devices = P > 1``, ``attnref._src.distributed.cost``) count **per
+device**, as XLA's ``cost_analysis`` of an SPMD program does, and list their communication in
+:attr:`Cost.collectives` (:class:`Collective`: the kind, the operand bytes of one call on one
+device, the number of calls). :func:`hlo_collectives` reads the same from compiled HLO, ``while``
+trip counts included, so the model's communication is checked against the compiler.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class Dims:
         chunk: The chunk size of ``linear_chunked`` (default 16).
         itemsize: Bytes per element (default 4, float32).
         causal: Whether the linear forms run causally (default ``False``).
+        devices: The device count ``P`` of a distributed form (default 1); its cost is per
+            device.
     """
 
     batch: int
@@ -67,6 +75,68 @@ class Dims:
     chunk: int = 16
     itemsize: int = 4
     causal: bool = False
+    devices: int = 1
+
+
+# The collectives of a distributed program, as HLO names them (``jax.lax.ppermute``,
+# ``all_gather``, ``all_to_all``, ``psum``, and ``psum_scatter``).
+COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective a device runs ``calls`` times, each call on ``operand_bytes`` of its own.
+
+    ``operand_bytes`` is what HLO shows: the operand of ``collective-permute``, ``all-to-all``
+    and ``all-reduce`` (the result's size), the local shard of ``all-gather`` (the result over
+    ``devices``), the full input of ``reduce-scatter`` (the result times ``devices``).
+    :attr:`sent_bytes_per_call` is what one device sends in one call under the bandwidth-optimal
+    algorithms (a permute sends its operand once; a ring all-gather sends its shard ``P - 1``
+    times; an all-to-all keeps ``1/P`` of its operand; a ring all-reduce is a reduce-scatter then
+    an all-gather, ``2 (P - 1) / P`` of its operand).
+
+    Attributes:
+        kind: One of :data:`COLLECTIVES`.
+        operand_bytes: Bytes of one call's operand(s) on one device (as above).
+        calls: How many times each device runs it (the communication steps).
+        devices: The group size ``P``.
+        in_shard_map: ``True`` for a scheme's own collectives (a model's, and those HLO
+            metadata places in a ``shard_map``); ``False`` for those XLA's SPMD partitioner adds
+            around it to reshard the global arrays (:func:`hlo_collectives`).
+        conditional: ``True`` when HLO runs it in a branch of a ``conditional``:
+            :func:`hlo_collectives` then counts a call per run of the enclosing computation,
+            an upper bound (a ring that skips its last send). Always ``False`` in a model.
+    """
+
+    kind: str
+    operand_bytes: int
+    calls: int
+    devices: int
+    in_shard_map: bool = True
+    conditional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVES:
+            raise ValueError(f"kind must be one of {COLLECTIVES}, got {self.kind!r}")
+
+    @property
+    def sent_bytes_per_call(self) -> float:
+        """Bytes one device sends in one call (the algorithms in the class docstring)."""
+        p, n = self.devices, self.operand_bytes
+        if p <= 1:
+            return 0.0
+        return {
+            "collective-permute": float(n),
+            "all-gather": float((p - 1) * n),
+            "all-to-all": (p - 1) * n / p,
+            "all-reduce": 2 * (p - 1) * n / p,
+            "reduce-scatter": (p - 1) * n / p,
+        }[self.kind]
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends over all its calls."""
+        return self.calls * self.sent_bytes_per_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +155,8 @@ class Cost:
         per_trip_matmul_flops: The part of ``matmul_flops`` inside the loop, per trip.
         per_trip_elementwise_flops: Likewise for ``elementwise_flops``.
         per_trip_transcendentals: Likewise for ``transcendentals``.
+        collectives: A distributed form's communication per device (:class:`Collective`);
+            empty for single-device forms.
     """
 
     matmul_flops: int
@@ -98,6 +170,12 @@ class Cost:
     per_trip_matmul_flops: int = 0  # the part of matmul_flops inside the loop, per trip
     per_trip_elementwise_flops: int = 0
     per_trip_transcendentals: int = 0
+    collectives: tuple[Collective, ...] = ()  # per device, distributed forms only
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends over the whole call (:attr:`Collective.sent_bytes`)."""
+        return float(sum(c.sent_bytes for c in self.collectives))
 
     @property
     def flops(self) -> int:
@@ -390,6 +468,159 @@ def hlo_dot_flops(hlo_text: str) -> int:
     return total
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
+_ITEMSIZE |= {"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_COLLECTIVE = re.compile(
+    r"= (.*?) (collective-permute|all-gather|all-to-all|all-reduce|reduce-scatter)(-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_GROUPS = re.compile(
+    r"replica_groups=(\{\{([\d,]*)\}|\[(\d+),(\d+)\]|\{\}|mesh\[([^\]]*)\] \{([^}]*)\})"
+)
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _itemsize(hlo_type: str) -> int:
+    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``f8e4m3fn``, ...)."""
+    if hlo_type.startswith("f8"):
+        return 1
+    if hlo_type not in _ITEMSIZE:
+        raise ValueError(f"unknown HLO element type {hlo_type!r}")
+    return _ITEMSIZE[hlo_type]
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of each computation of HLO text, and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int | None], set[str]]:
+    """How many times each computation runs per call of the entry, and which run in a branch of
+    a conditional. A ``while`` body runs its known trip count times per run of its caller
+    (``None``: a loop on the way has no known trip count); every other callee (fusions, calls,
+    reductions, branches) once per run of its caller, which for a branch is an upper bound."""
+    edges: dict[str, list[tuple[str, int | None, bool]]] = {name: [] for name in comps}
+    for name, lines in comps.items():
+        for line in lines:
+            for role, callee in _CALLEE.findall(line):
+                if role != "body":
+                    branch = role in ("true_computation", "false_computation")
+                    edges[name].append((callee, 1, branch))
+                    continue
+                trips = _TRIPS.search(line)
+                edges[name].append((callee, None if trips is None else int(trips.group(1)), False))
+            for branches in _BRANCHES.findall(line):
+                edges[name] += [(b.strip().lstrip("%"), 1, True) for b in branches.split(",")]
+    order: list[str] = []  # callers before callees (HLO call graphs are acyclic)
+    seen: set[str] = set()
+
+    def post(name: str) -> None:
+        seen.add(name)
+        for callee, _, _ in edges.get(name, []):
+            if callee not in seen:
+                post(callee)
+        order.append(name)
+
+    post(entry)
+    counts: dict[str, int | None] = {name: 0 for name in order}
+    counts[entry] = 1
+    branched: set[str] = set()
+    for name in reversed(order):
+        times = counts[name]
+        for callee, k, branch in edges.get(name, []):
+            add = None if times is None or k is None else times * k
+            prev = counts[callee]
+            counts[callee] = None if add is None or prev is None else prev + add
+            if branch or name in branched:
+                branched.add(callee)
+    return counts, branched
+
+
+def _group_size(line: str, kind: str, partitions: int) -> int:
+    """The group size of a collective instruction: ``{{0,1,..}}`` (explicit groups),
+    ``[G,P]<=[N]`` (iota groups), ``mesh[...] {'axis'}`` (mesh axes), ``{}`` (every partition);
+    for ``collective-permute``, the number of source-target pairs."""
+    if kind == "collective-permute":
+        pairs = _PAIRS.search(line)
+        return len(pairs.group(1).split("},{")) if pairs else 1
+    g = _GROUPS.search(line)
+    if g is None or g.group(1) == "{}":
+        return partitions
+    if g.group(2) is not None:
+        return len(_dims(g.group(2)))
+    if g.group(4) is not None:
+        return int(g.group(4))
+    sizes = dict((name, int(n)) for name, n in _MESH_AXIS.findall(g.group(5)))
+    return math.prod(sizes[a.strip().strip("'")] for a in g.group(6).split(",") if a.strip())
+
+
+def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
+    """The collectives of compiled (SPMD, per-device) HLO text, one per instruction, each with
+    the number of times it runs (``while`` trip counts included; in a branch of a
+    ``conditional``, an upper bound, flagged :attr:`Collective.conditional`), its operand bytes
+    (a tuple-shaped collective's operands summed), its group size, and whether its metadata
+    places it in a ``shard_map`` (the scheme's) or not (the SPMD partitioner's resharding).
+
+    Args:
+        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
+
+    Returns:
+        The collectives (empty when there are none).
+
+    Raises:
+        ValueError: If a collective runs inside a ``while`` loop with no known trip count, or
+            is asynchronous (``*-start``; the CPU backend emits none).
+    """
+    comps, entry = _computations(hlo_text)
+    runs, branched = _executions(comps, entry)
+    found = _PARTITIONS.search(hlo_text)
+    partitions = int(found.group(1)) if found else 1
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _COLLECTIVE.search(line)
+            if m is None:
+                continue
+            if m.group(3):
+                raise ValueError(f"asynchronous collective {m.group(2)}-start is not counted")
+            kind = m.group(2)
+            if runs.get(name, 0) is None:
+                raise ValueError(
+                    f"{kind} in %{name} runs inside a while loop with no known trip count"
+                )
+            size = sum(_itemsize(t) * math.prod(_dims(d)) for t, d in _ARRAY.findall(m.group(1)))
+            p = _group_size(line, kind, partitions)
+            if kind == "all-gather":
+                size //= p
+            elif kind == "reduce-scatter":
+                size *= p
+            calls = runs.get(name, 0) or 0
+            scheme = "/shard_map/" in line
+            out.append(Collective(kind, size, calls, p, scheme, conditional=name in branched))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaCounts:
     """XLA's own counts for one compiled function (see :func:`xla_counts`).
@@ -399,12 +630,15 @@ class XlaCounts:
         transcendentals: ``cost_analysis()["transcendentals"]``.
         dot_flops: The dot FLOPs of the optimised HLO (:func:`hlo_dot_flops`).
         temp_bytes: ``memory_analysis().temp_size_in_bytes``.
+        collectives: The collectives of the optimised HLO (:func:`hlo_collectives`), each with
+            its ``while`` trip counts.
     """
 
     flops: float  # cost_analysis()["flops"]: dots plus every elementwise op XLA executes
     transcendentals: float
     dot_flops: int  # from the optimised HLO's dot instructions
     temp_bytes: int  # memory_analysis().temp_size_in_bytes
+    collectives: tuple[Collective, ...] = ()  # from the optimised HLO, trip counts included
 
     @property
     def other_flops(self) -> float:
@@ -426,9 +660,11 @@ def xla_counts(fn: Callable[..., object], *args: object, **kwargs: object) -> Xl
     compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    text = compiled.as_text()
     return XlaCounts(
         float(ca.get("flops", 0.0)),
         float(ca.get("transcendentals", 0.0)),
-        hlo_dot_flops(compiled.as_text()),
+        hlo_dot_flops(text),
         int(compiled.memory_analysis().temp_size_in_bytes),
+        hlo_collectives(text),
     )

@@ -621,7 +621,7 @@ def dot_product_attention(
     bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
     mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
     *,
-    scale: float | None = None,
+    scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     query_seq_lengths: Int[ArrayLike, " B"] | None = None,
     key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,

@@ -42,6 +42,10 @@ FORMULATION_MODULES = (
     "attnref._src.kernel_forms",
     "attnref._src.state_merge",
     "attnref._src.rope",
+    "attnref._src.distributed.ring",
+    "attnref._src.distributed.all_gather",
+    "attnref._src.distributed.ulysses",
+    "attnref._src.distributed.tensor_parallel",
 )
 
 

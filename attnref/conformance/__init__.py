@@ -2,7 +2,8 @@
 
 * ``attnref check package.module:function [--signature ...] [--masked-rows uniform] ...``: a
   progress bar, the summary table, the declared differences, exit status 0 / 1 (a property
-  failed) / 2 (the target cannot be loaded).
+  failed) / 2 (the target cannot be loaded); ``--devices 1,2,4,8`` checks a distributed kernel
+  on meshes of those sizes.
 * ``pytest --pyargs attnref.conformance --attnref-target=package.module:function``: one pytest
   test per property (:mod:`attnref.conformance.test_conformance`), with the options of
   :mod:`attnref.conformance.plugin` (registered through the ``pytest11`` entry point).
@@ -23,13 +24,16 @@ from typing import Any
 
 from attnref._src import conformance as _engine
 from attnref._src.conformance import (
+    ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
     FEATURES,
+    GROWTH,
     MASKED_ROWS_POLICIES,
     PROPERTIES,
     SIGNATURES,
     OptionError,
     check_choice,
+    check_devices,
     check_features,
     check_max_examples,
     check_properties,
@@ -38,6 +42,7 @@ from attnref._src.conformance import (
 
 __all__ = [
     "ALIGNMENTS",
+    "ALL_PROPERTIES",
     "FEATURES",
     "MASKED_ROWS",
     "PROPERTIES",
@@ -45,9 +50,11 @@ __all__ = [
     "OptionError",
     "Options",
     "TargetError",
+    "failed_devices",
     "format_failure",
     "load",
     "read_xfail_file",
+    "split_devices",
     "split_list",
 ]
 
@@ -64,6 +71,23 @@ def split_list(text: str | None) -> tuple[str, ...] | None:
     if text is None or not text.strip():
         return None
     return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def split_devices(text: str | None) -> tuple[int, ...] | None:
+    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None`` (a single-device target).
+
+    Raises:
+        ValueError: For an entry that is not an integer.
+    """
+    items = split_list(text)
+    if items is None:
+        return None
+    try:
+        return tuple(int(s) for s in items)
+    except ValueError:
+        raise ValueError(
+            f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
+        ) from None
 
 
 def load(spec: str) -> Callable[..., Any]:
@@ -108,8 +132,11 @@ class Options:
         masked_rows: The target's declared output on fully masked rows (``MASKED_ROWS``).
         causal_alignment: The target's declared causal alignment (``ALIGNMENTS``).
         dtypes: The input dtypes; ``None``: ``check_attention``'s (float32).
-        properties: The properties to run (``PROPERTIES``); ``None``: all.
+        properties: The properties to run (``ALL_PROPERTIES``); ``None``: all (the nine of
+            ``PROPERTIES``, and ``ring_size_growth`` with ``devices``).
         shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (tile-boundary sweeps).
+        devices: Mesh sizes for a distributed target (``check_attention(devices=...)``);
+            ``None``: a single-device target.
     """
 
     target: str
@@ -122,6 +149,7 @@ class Options:
     dtypes: tuple[str, ...] | None = None
     properties: tuple[str, ...] | None = None
     shapes: str = "small"
+    devices: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         """Check the options before the target is loaded, with ``check_attention``'s own checks
@@ -140,12 +168,16 @@ class Options:
             check_choice("shapes", self.shapes)
             if self.max_examples is not None:
                 check_max_examples(self.max_examples)
+            if self.devices is not None:
+                check_devices(self.devices)
         except OptionError as e:
             raise ValueError(_cli_message(e)) from e
 
     def selected(self) -> tuple[str, ...]:
         """The properties to run, in the engine's order."""
-        return tuple(p for p in PROPERTIES if self.properties is None or p in self.properties)
+        if self.properties is None:
+            return PROPERTIES if self.devices is None else (*PROPERTIES, GROWTH)
+        return tuple(p for p in ALL_PROPERTIES if p in self.properties)
 
     def preflight(self, fn: Callable[..., Any]) -> None:
         """Let ``check_attention`` validate these options against ``fn`` without running a
@@ -164,7 +196,7 @@ class Options:
     ) -> Any:
         """``check_attention(fn, ...)`` with these options; ``properties`` overrides the
         selection (the plugin runs one property per test); ``log`` receives one line per
-        production case."""
+        production case, or per property and mesh size with ``devices``."""
         kw: dict[str, Any] = dict(
             signature=self.signature,
             features=self.features,
@@ -181,10 +213,13 @@ class Options:
             kw["max_examples"] = self.max_examples
         if self.dtypes is not None:
             kw["dtypes"] = self.dtypes
+        if self.devices is not None:
+            kw["devices"] = self.devices
         return _engine.check_attention(fn, **kw)
 
-    def replay_command(self, name: str, seed: int) -> str:
-        """The ``attnref check`` line that reruns property ``name`` from ``seed``."""
+    def replay_command(self, name: str, seed: int, devices: int | None = None) -> str:
+        """The ``attnref check`` line that reruns property ``name`` from ``seed`` (on a mesh of
+        ``devices`` devices alone, when given; else on the options' own mesh sizes)."""
         args = ["attnref", "check", self.target, "--properties", name, "--seed", str(seed)]
         if self.signature != "jax_nn":
             args += ["--signature", self.signature]
@@ -200,6 +235,9 @@ class Options:
             args += ["--dtypes", ",".join(self.dtypes)]
         if self.shapes != "small":
             args += ["--shapes", self.shapes]
+        sizes = (devices,) if devices is not None else self.devices
+        if sizes is not None:
+            args += ["--devices", ",".join(map(str, sizes))]
         return shlex.join(args)
 
 
@@ -217,6 +255,17 @@ def _cli_message(e: OptionError) -> str:
     return str(e)
 
 
+def _mesh_text(m: Any) -> str:
+    ratio = "" if m.ratio is None else f" (error / allowance {m.ratio:.3g})"
+    return f"P={m.devices} {m.status}{ratio}"
+
+
+def failed_devices(result: Any) -> int | None:
+    """The first mesh size a distributed property failed on (``None``: not distributed)."""
+    meshes = getattr(result, "meshes", ())
+    return next((m.devices for m in meshes if m.status == "failed"), None)
+
+
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line if line else line for line in text.splitlines())
 
@@ -232,7 +281,10 @@ def format_failure(result: Any, options: Options) -> str:
         lines += ["traceback:", _indent(result.traceback.rstrip(), "  ")]
     if result.declared:
         lines.append(f"declared: {', '.join(result.declared)}")
-    lines.append(f"replay (seed {result.seed}): {options.replay_command(result.name, result.seed)}")
+    if getattr(result, "meshes", ()):
+        lines.append("per mesh size: " + ", ".join(_mesh_text(m) for m in result.meshes))
+    replay = options.replay_command(result.name, result.seed, failed_devices(result))
+    lines.append(f"replay (seed {result.seed}): {replay}")
     return "\n".join(lines)
 
 

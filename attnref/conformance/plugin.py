@@ -8,6 +8,8 @@ Without ``--attnref-target`` the options do nothing and the shipped tests skip. 
 is loaded and every option validated once at start-up; a bad target or option is a usage error
 (pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
+``--attnref-devices=1,2,4,8`` checks a distributed kernel on meshes of those sizes (each test then
+covers every size, and ``ring_size_growth`` is one more test).
 
 This module uses the kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) only in
 :func:`pytest_configure`, once an ``--attnref-*`` option asks for it. Loading the plugin still
@@ -120,6 +122,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "lengths up to 8193, head dims 64/128/256, up to 32 heads, against the fast oracle)",
     )
     group.addoption(
+        "--attnref-devices",
+        metavar="LIST",
+        default=None,
+        help="check a distributed kernel (fn(..., mesh=, axis_name=)) on 1-D meshes of these "
+        "sizes, e.g. 1,2,4,8: every property on each size, plus ring_size_growth (on a CPU "
+        "host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+    )
+    group.addoption(
         "--attnref-xfail",
         metavar="FILE",
         default=None,
@@ -157,18 +167,24 @@ def pytest_configure(config: pytest.Config) -> None:
     spec = get("--attnref-target")
     xfail_file = get("--attnref-xfail")
     declared = (get("--attnref-masked-rows"), get("--attnref-causal-alignment"))
-    if spec is None and xfail_file is None and declared == ("zeros", "top_left"):
+    quiet = get("--attnref-devices") is None and declared == ("zeros", "top_left")
+    if spec is None and xfail_file is None and quiet:
         config.stash[_KEY] = Session(None, None, (), {})
         return
     from attnref.conformance import (
-        PROPERTIES,
+        ALL_PROPERTIES,
         Options,
         TargetError,
         load,
         read_xfail_file,
+        split_devices,
         split_list,
     )
 
+    try:
+        devices = split_devices(get("--attnref-devices"))
+    except ValueError as e:
+        raise pytest.UsageError(f"attnref: --attnref-devices: {e}") from e
     options = Options(
         target=spec or "",
         signature=get("--attnref-signature"),
@@ -180,13 +196,14 @@ def pytest_configure(config: pytest.Config) -> None:
         dtypes=split_list(get("--attnref-dtypes")),
         properties=split_list(get("--attnref-properties")),
         shapes=get("--attnref-shapes"),
+        devices=devices,
     )
     try:
         options.validate()
-        xfail = {} if xfail_file is None else read_xfail_file(xfail_file, PROPERTIES)
+        xfail = {} if xfail_file is None else read_xfail_file(xfail_file, ALL_PROPERTIES)
     except (ValueError, OSError) as e:
         raise pytest.UsageError(f"attnref: {e}") from e
-    if spec is None and xfail_file is None:  # only declared semantics, now validated
+    if spec is None and xfail_file is None:  # only declared semantics or devices, validated
         config.stash[_KEY] = Session(None, None, (), {})
         return
     fn = None
@@ -219,6 +236,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"attnref: target {o.target} (signature {o.signature}"
         + (f", features {','.join(o.features)}" if o.features is not None else "")
         + f", seed {o.seed}"
+        + (f", devices {','.join(map(str, o.devices))}" if o.devices is not None else "")
         + (f", declared {', '.join(declared)}" if declared else "")
         + ")"
     )

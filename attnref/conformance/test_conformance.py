@@ -4,7 +4,9 @@
 
 Options (``pytest --help``, group "attnref"): ``--attnref-signature``, ``--attnref-features``,
 ``--attnref-properties``, ``--attnref-examples``, ``--attnref-seed``, ``--attnref-masked-rows``,
-``--attnref-causal-alignment``, ``--attnref-dtypes`` and ``--attnref-xfail=FILE``.
+``--attnref-causal-alignment``, ``--attnref-dtypes``, ``--attnref-shapes``,
+``--attnref-devices`` (a distributed kernel: meshes of these sizes, plus the ring-size growth
+property) and ``--attnref-xfail=FILE``.
 
 Each test runs :func:`attnref.testing.check_attention` for its own property, so ``-k``, ``-x``
 and ``pytest-xdist`` work per property and a failure's seed replays exactly that property. A

@@ -18,6 +18,8 @@ from the analytic backward in both methods.
   every mask option (the definition), and the ALiBi helpers; :mod:`attnref.oracle._kernel_call`
   (one validated call, its allowed set by blocks), :mod:`attnref.oracle._kernel_fast` (the fast
   path), :mod:`attnref.oracle._kernel_grad` (``dot_product_attention_vjp``).
+* :mod:`attnref.oracle._states`: the attention state algebra (``merge_states``,
+  ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ._linear_grad import (
     linear_multihead_vjp,
 )
 from ._rope import rope, rope_attention
+from ._states import merge_state_stack, merge_states
 from ._weight_grad import AttentionGrads, attention_vjp, rope_attention_vjp
 
 __all__ = [
@@ -54,6 +57,8 @@ __all__ = [
     "linear_attention_vjp",
     "linear_multihead",
     "linear_multihead_vjp",
+    "merge_state_stack",
+    "merge_states",
     "rope",
     "rope_attention",
     "rope_attention_vjp",

@@ -51,9 +51,16 @@ Kernel problems use the layout of :func:`attnref.dot_product_attention` (``q [B,
 :func:`attnref.oracle.attention` (``x_q [B, T, d_model]``, ``x_kv [B, S, d_model]``, parameters
 from :func:`attnref.init_params`, GQA through ``num_kv_heads``).
 
+**Attention states** (:mod:`._states`): :func:`attention_states` draws ``P`` states ``(o, lse)``
+where merges break (``|lse|`` up to ``1e4``, differences beyond 88 and 709, ties, empty states
+whose ``o`` is NaN; :class:`StateStack`), :func:`merge_trees` a random order and grouping, and
+:func:`key_partitions` a kernel problem's keys split into ``P`` pieces (:class:`KeyPartition`:
+each piece is the call with an extra key mask; ``.bound()`` is the derived allowance of the
+merged pieces against the whole call).
+
 Submodules: :mod:`._shapes` (Config, buckets, broadcast shapes), :mod:`._masks` (mask kinds and
 their builder), :mod:`._kernel` (kernel-level problems), :mod:`._mixes` (option mixes),
-:mod:`._weight` (weight-level problems).
+:mod:`._weight` (weight-level problems), :mod:`._states` (states, merge trees, key partitions).
 """
 
 from __future__ import annotations
@@ -89,6 +96,26 @@ from ._shapes import (
     broadcast_shapes,
     configs,
 )
+from ._states import (
+    CENTERS,
+    LAYOUTS,
+    SPREADS,
+    STATE_DTYPES,
+    STATE_SHAPES,
+    KeyPartition,
+    StateStack,
+    Tree,
+    apply_merge_tree,
+    attention_states,
+    balanced_tree,
+    key_partitions,
+    make_key_partition,
+    make_state_stack,
+    merge_trees,
+    sequential_tree,
+    tree_depth,
+    tree_leaves,
+)
 from ._weight import (
     WEIGHT_KINDS,
     AttentionProblem,
@@ -101,11 +128,16 @@ __all__ = [
     "BIAS_SHAPE_KINDS",
     "BROADCAST_SHAPES",
     "BUCKETS",
+    "CENTERS",
     "IDENTICAL",
     "KERNEL_BUCKETS",
     "KIND_FEATURES",
+    "LAYOUTS",
     "MASK_KINDS",
     "MASK_SHAPE_KINDS",
+    "SPREADS",
+    "STATE_DTYPES",
+    "STATE_SHAPES",
     "STATIC_OPTIONS",
     "STATIC_PROFILES",
     "WEIGHT_BUCKETS",
@@ -114,17 +146,30 @@ __all__ = [
     "Config",
     "DrawFn",
     "KernelProblem",
+    "KeyPartition",
+    "StateStack",
+    "Tree",
+    "apply_merge_tree",
     "attention_problems",
+    "attention_states",
+    "balanced_tree",
     "broadcast_shape",
     "broadcast_shapes",
     "configs",
     "kernel_inputs",
     "kernel_problems",
+    "key_partitions",
     "make_attention_problem",
     "make_kernel_problem",
+    "make_key_partition",
     "make_options",
+    "make_state_stack",
     "mask_kinds",
+    "merge_trees",
     "mixed_kernel_problems",
     "segment_ids",
     "seq_lengths",
+    "sequential_tree",
+    "tree_depth",
+    "tree_leaves",
 ]

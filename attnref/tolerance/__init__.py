@@ -69,6 +69,9 @@ imported lazily where a bound needs an exact intermediate):
 * :mod:`attnref.tolerance._grad_kernel`, :mod:`attnref.tolerance._grad_weight`,
   :mod:`attnref.tolerance._grad_linear`: bounds on gradients (the kernel level for a format;
   the weight-level, RoPE and linear gradient oracles' own float64 error).
+* :mod:`attnref.tolerance._states`: the merge of attention states (``merge_error_bound``: ``P``
+  states merged by a binary tree of depth ``D`` or one stacked merge, linear in ``D``, with the
+  pieces' own errors; ``docs/states.md``).
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ from ._rounding import C_TRIG as C_TRIG
 from ._rounding import K_S as K_S
 from ._rounding import K_Y as K_Y
 from ._rounding import gamma, unit_roundoff
+from ._states import TREES, merge_depth, merge_error_bound
 
 __all__ = [
+    "TREES",
     "attention_error_bound",
     "attention_local_errors",
     "attention_vjp_error_bound",
@@ -105,6 +110,8 @@ __all__ = [
     "linear_error_bound",
     "linear_multihead_error_bound",
     "linear_multihead_vjp_error_bound",
+    "merge_depth",
+    "merge_error_bound",
     "rope_attention_error_bound",
     "rope_attention_vjp_error_bound",
     "rope_map_error_bound",

@@ -55,7 +55,29 @@ Properties (each equality with the oracle uses the tolerance rules of
     2`` the longest reduction of the backward pass.
 ``extreme_logits``
     With ``q`` and ``k`` scaled so that ``max |logit|`` is ``1e2``, ``1e3`` or ``1e4`` in float32,
-    the output is finite and equals the oracle within the derived bound.
+    the output is finite and equals the oracle within the derived bound. (A distributed kernel's
+    pieces then have log-sum-exps hundreds apart: a merge written ``lse + log(1 + exp(lse_b -
+    lse))`` overflows here.)
+``ring_size_growth`` (a distributed kernel only, ``devices=``)
+    On each mesh size ``P``, for each requested dtype and the kinds ``none`` and ``causal``:
+    ``|o_P - o64| <= bound + 2 e_1`` componentwise, ``bound`` the derived bound
+    (:func:`attnref.tolerance.kernel_call_error_bound` with ``key_blocks=None``: valid for any
+    number of merged pieces up to ``S``, so for a ring whose devices tile their own chunk too),
+    ``e_1 = 0`` in float32 and float64 and, in 16 bits, the target's own excess over the bound
+    on one device, ``e_1 = max(|o_1 - o64| - bound)^+`` (the kit's comparative rule: a kernel
+    that stores 16-bit intermediates, as FlashAttention stores ``P``, may do so on ``P``
+    devices at most twice as badly, but merging pieces may add no 16-bit rounding). The bound
+    allows one rounding of the output to 16 bits, so a ring that rounds its running output to
+    16 bits at every step (ring-flash-attention #42) fails, by a factor that grows with ``P``.
+    The report gives, per size, the worst error / allowance over the examples.
+
+Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` takes jax.nn's arguments plus ``mesh=``
+(a 1-D ``jax.sharding.Mesh``, axis ``"devices"``, over the first ``P`` of ``jax.devices()``) and
+``axis_name="devices"`` when it names that parameter; ``q, k, v`` are global arrays sharded along
+the sequence axis (``NamedSharding``), and every length is a multiple of ``2 lcm(devices)`` (the
+buckets' lengths times that), so that a contiguous, striped or zigzag layout of every size divides
+it. Every property runs on every size (one :class:`MeshResult` each, in
+:attr:`PropertyResult.meshes`); a failure names the size.
 
 Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
 is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.
@@ -81,10 +103,11 @@ Adapters (``signature``):
 
 Modules, one job each: :mod:`~attnref._src.conformance.options` (the accepted names and the
 check of each option), :mod:`~attnref._src.conformance.report` (:class:`PropertyResult`,
-:class:`ConformanceReport`), :mod:`~attnref._src.conformance.targets` (loading the target and the
-adapter that calls it), :mod:`~attnref._src.conformance.references` (attnref's own passes and the
-comparisons with the oracle), :mod:`~attnref._src.conformance.context` (the buckets and what a
-plan draws from), :mod:`~attnref._src.conformance.plans` (the nine properties) and
+:class:`MeshResult`, :class:`ConformanceReport`), :mod:`~attnref._src.conformance.targets`
+(loading the target, the meshes, and the adapter that calls it),
+:mod:`~attnref._src.conformance.references` (attnref's own passes and the comparisons with the
+oracle), :mod:`~attnref._src.conformance.context` (the buckets and what a
+plan draws from), :mod:`~attnref._src.conformance.plans` (the ten properties) and
 :mod:`~attnref._src.conformance.engine` (the Hypothesis runner and :func:`check_attention`).
 The closeness rules the comparisons apply live in :mod:`attnref._src.closeness`.
 
@@ -96,34 +119,43 @@ from __future__ import annotations
 
 from attnref._src.conformance.engine import check_attention, production_plan
 from attnref._src.conformance.options import (
+    ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
     DEFAULT_FEATURES,
+    DISTRIBUTED_PROPERTIES,
     FEATURES,
+    GROWTH,
     MASKED_ROWS_POLICIES,
     PROPERTIES,
     SIGNATURES,
     OptionError,
     check_choice,
+    check_devices,
     check_features,
     check_max_examples,
     check_properties,
     check_signature,
 )
-from attnref._src.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.conformance.targets import load_target
 
 __all__ = [
+    "ALL_PROPERTIES",
     "CAUSAL_ALIGNMENTS",
     "DEFAULT_FEATURES",
+    "DISTRIBUTED_PROPERTIES",
     "FEATURES",
+    "GROWTH",
     "MASKED_ROWS_POLICIES",
     "PROPERTIES",
     "SIGNATURES",
     "ConformanceReport",
+    "MeshResult",
     "OptionError",
     "PropertyResult",
     "check_attention",
     "check_choice",
+    "check_devices",
     "check_features",
     "check_max_examples",
     "check_properties",

@@ -1,6 +1,7 @@
 """What the property plans draw from: the conformance buckets (few shapes, so that a jitted
 target compiles a handful of programs), the drawn :class:`_Case`, and the :class:`_Context` of one
-``check_attention`` call (the target, its features and declared semantics, the dtypes)."""
+``check_attention`` call (the target, its features and declared semantics, the dtypes) or, for a
+distributed target, of one mesh size of it."""
 
 from __future__ import annotations
 
@@ -45,12 +46,22 @@ class _Case:
 
 @dataclasses.dataclass
 class _Context:
+    """One target as the plans see it. A distributed target has one context per mesh size:
+    ``devices`` is ``P``, ``anchor`` the same function on one device (the growth rule's
+    reference), and every bucket's lengths are multiplied by ``length_multiple`` (so that every
+    layout of every mesh size divides them). ``ratios`` collects each example's worst
+    error / allowance where a plan reports one."""
+
     target: _Target
     signature: str
     features: frozenset[str]
     masked_rows: str
     causal_alignment: str
     dtypes: tuple[str, ...]
+    devices: int | None = None
+    anchor: _Target | None = None
+    length_multiple: int = 1
+    ratios: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def primary(self) -> str:
@@ -61,9 +72,11 @@ class _Context:
         """The conformance buckets of the named shapes the features allow (few, so that a
         jitted target compiles a handful of programs): ``"self"`` (T == S, N == K, batch 2),
         ``"general"`` (T < S when ``"cross"``, N = 2K when ``"gqa"``, batch 2), ``"tall"``
-        (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K)."""
+        (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K); ``T`` and ``S``
+        times :attr:`length_multiple`."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
         out: list[ast.Config] = []
+        m = self.length_multiple
         for name in shapes:
             if name == "self":
                 out.append(_SELF)
@@ -80,6 +93,7 @@ class _Context:
                 out.append(_GQA)
             elif name == "mqa" and gqa:
                 out.append(_MQA)
+        out = [dataclasses.replace(c, t=c.t * m, s=c.s * m) for c in out]
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:

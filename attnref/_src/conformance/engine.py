@@ -1,6 +1,7 @@
 """The conformance kit's engine: each property plan run as a Hypothesis test (settings, the
 runner that turns a failure into a report entry) and :func:`check_attention`, which validates its
-options, runs the selected properties and returns the :class:`ConformanceReport`."""
+options, runs the selected properties (on each mesh size, for a distributed target) and returns
+the :class:`ConformanceReport`."""
 
 from __future__ import annotations
 
@@ -20,19 +21,24 @@ from attnref._src.conformance.context import Check, _Context
 from attnref._src.conformance.options import (
     _DEFAULT_SEMANTICS,
     _DEPENDS,
+    ALL_PROPERTIES,
     DEFAULT_FEATURES,
+    GROWTH,
     PROPERTIES,
+    OptionError,
     check_choice,
+    check_devices,
     check_dtypes,
     check_expressible,
     check_features,
     check_max_examples,
     check_properties,
     check_signature,
+    length_multiple,
 )
 from attnref._src.conformance.plans import _PLANS
-from attnref._src.conformance.report import ConformanceReport, PropertyResult
-from attnref._src.conformance.targets import _describe_target, _Target
+from attnref._src.conformance.report import ConformanceReport, MeshResult, PropertyResult
+from attnref._src.conformance.targets import _describe_target, _Target, mesh, takes_keyword
 
 __all__ = ["check_attention", "production_plan"]
 
@@ -181,6 +187,104 @@ def _production(
     return _run_cases(name, cases[:max_examples], production.check(ctx, name), log)
 
 
+def _with_notes(detail: str, notes: list[str]) -> str:
+    if not notes:
+        return detail
+    return "; ".join([detail, *notes]) if detail else "; ".join(notes)
+
+
+def _on_meshes(
+    contexts: dict[int, _Context],
+    name: str,
+    max_examples: int,
+    seed: int,
+    log: Callable[[str], None] | None,
+) -> tuple[MeshResult, ...] | str:
+    """Property ``name`` on each mesh size (ascending; ``log`` gets a line after each), or why
+    it is skipped (a plan's reason depends on the features only, so it is the same at every
+    size)."""
+    out: list[MeshResult] = []
+    for size, ctx in contexts.items():
+        start = time.perf_counter()
+        before = len(ctx.target.notes)
+        ctx.ratios.clear()
+        run = _small(ctx, name, max_examples, seed)
+        if isinstance(run, str):
+            return run
+        status, detail, example, count, tb = run
+        detail = _with_notes(detail, ctx.target.notes[before:])
+        ratio = max(ctx.ratios) if ctx.ratios else None
+        took = time.perf_counter() - start
+        out.append(MeshResult(size, status, detail, example, count, tb, took, ratio))
+        if log is not None:
+            log(f"{name} P={size}: {status} ({took:.1f} s)")
+    return tuple(out)
+
+
+def _combined(
+    name: str, meshes: tuple[MeshResult, ...], seed: int, in_effect: tuple[str, ...]
+) -> PropertyResult:
+    """One property's result over every mesh size: failed where any size failed (its message,
+    example and traceback those of the first such size, the message prefixed ``P=<size>: ``)."""
+    failed = [m for m in meshes if m.status == "failed"]
+    first = failed[0] if failed else None
+    return PropertyResult(
+        name,
+        "failed" if failed else "passed",
+        f"P={first.devices}: {first.detail}" if first else "",
+        first.example if first else None,
+        seed,
+        sum(m.examples for m in meshes),
+        in_effect,
+        first.traceback if first else None,
+        sum(m.seconds for m in meshes),
+        meshes,
+    )
+
+
+def _mesh_contexts(
+    fn: Callable[..., Any], sizes: tuple[int, ...], **common: Any
+) -> dict[int, _Context]:
+    """A distributed target's contexts, one per mesh size: they share the one-device target
+    (the growth rule's anchor) and lengths that every layout of every size divides."""
+    anchor = _Target(fn, common["signature"], mesh(1))
+    multiple = length_multiple(sizes)
+    return {
+        size: _Context(
+            target=anchor if size == 1 else _Target(fn, common["signature"], mesh(size)),
+            devices=size,
+            anchor=anchor,
+            length_multiple=multiple,
+            **common,
+        )
+        for size in sizes
+    }
+
+
+def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
+    """What a distributed target (``devices=``) needs: the ``jax_nn`` signature, the small
+    shapes, and a ``mesh`` keyword."""
+    if signature != "jax_nn":
+        raise OptionError(
+            f"devices= needs signature 'jax_nn' (a distributed kernel takes jax.nn's arguments "
+            f"plus mesh=), got {signature!r}",
+            "devices",
+            signature,
+        )
+    if shapes != "small":
+        raise OptionError(
+            "devices= runs the small shapes only (shapes='small'); the production sweep's "
+            "lengths are not multiples of the device counts",
+            "devices",
+            shapes,
+        )
+    if takes_keyword(fn, "mesh") is False:
+        raise TypeError(
+            f"devices= checks a distributed kernel, called as fn(query, key, value, ..., "
+            f"mesh=<jax.sharding.Mesh>); {_describe_target(fn)} takes no mesh keyword"
+        )
+
+
 def check_attention(
     fn: Callable[..., Any],
     *,
@@ -196,6 +300,7 @@ def check_attention(
     target: str | None = None,
     shapes: str = "small",
     log: Callable[[str], None] | None = None,
+    devices: Sequence[int] | None = None,
 ) -> ConformanceReport:
     """Run the conformance properties (package docstring) against ``fn``: each is a Hypothesis
     test whose examples compare ``fn`` with the float64 oracle.
@@ -215,7 +320,8 @@ def check_attention(
             (attnref's default: ``"top_left"``).
         dtypes: The oracle property runs each; the others run in float32 when requested, else
             in the first dtype (float64 runs inside ``jax.enable_x64``).
-        properties: A subset of :data:`PROPERTIES` (default all), run in that order.
+        properties: A subset of :data:`ALL_PROPERTIES` (default: :data:`PROPERTIES`, and
+            ``"ring_size_growth"`` with ``devices``), run in that order.
         progress: ``progress(done, total, name)`` is called after each property with the number
             finished, the number to run and the name of the property just finished.
         target: The name shown in the report (default: ``fn``'s module and name).
@@ -223,16 +329,26 @@ def check_attention(
             ``"production"``: fixed sweeps at tile boundaries (lengths ``2^k - 1, 2^k, 2^k + 1``
             up to 8193, head dims 64/128/256, up to 32 heads with GQA, every mask kind, ragged
             lengths) against the fast float64 oracle (:mod:`attnref._src.conformance.production`).
-        log: ``log(line)`` is called after each production case with its sizes and time.
+        log: ``log(line)`` is called after each production case with its sizes and time, and
+            with ``devices`` after each property on each mesh size.
+        devices: Check a distributed kernel on meshes of these sizes, e.g. ``(1, 2, 4, 8)``:
+            ``fn`` takes jax.nn's arguments plus ``mesh=`` (a 1-D ``jax.sharding.Mesh`` over the
+            first ``P`` of ``jax.devices()``, axis ``"devices"``) and ``axis_name=`` where it
+            names that parameter; ``q, k, v`` come as global arrays sharded along the sequence
+            axis, every length a multiple of ``2 lcm(devices)``. Each property runs on each size
+            (a :class:`MeshResult` per size), and ``ring_size_growth`` with them. ``None``
+            (default): a single-device function.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
 
     Raises:
         ValueError: An unknown signature, feature, semantics or property; a feature the
-            signature cannot express; no dtypes; ``max_examples < 1`` (an ``OptionError``,
-            checked in that order).
-        TypeError: A dtype NumPy does not know, or ``fn`` not callable.
+            signature cannot express; no dtypes; ``max_examples < 1``; bad ``devices`` or more
+            than the host has; ``devices`` with another signature than ``jax_nn`` or with
+            production shapes (an ``OptionError``, checked in that order).
+        TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
+            ``fn`` that takes no ``mesh`` keyword.
     """
     check_signature(signature)
     feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
@@ -240,28 +356,43 @@ def check_attention(
     check_expressible(signature, feats)
     check_choice("masked_rows", masked_rows)
     check_choice("causal_alignment", causal_alignment)
-    names = tuple(PROPERTIES if properties is None else properties)
+    default = PROPERTIES if devices is None else (*PROPERTIES, GROWTH)
+    names = tuple(default if properties is None else properties)
     check_properties(names)
-    names = tuple(p for p in PROPERTIES if p in names)
+    names = tuple(p for p in ALL_PROPERTIES if p in names)
     dts = check_dtypes(dtypes)
     if max_examples is not None:
         check_max_examples(max_examples)
     check_choice("shapes", shapes)
+    sizes = None if devices is None else check_devices(devices)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if sizes is not None:
+        _check_distributed(fn, signature, shapes)
 
     semantics = {"masked_rows": masked_rows, "causal_alignment": causal_alignment}
     declared = {k: v for k, v in semantics.items() if v != _DEFAULT_SEMANTICS[k]}
-    ctx = _Context(
-        target=_Target(fn, signature),
+    common: dict[str, Any] = dict(
         signature=signature,
         features=frozenset(feats),
         masked_rows=masked_rows,
         causal_alignment=causal_alignment,
         dtypes=dts,
     )
+    ctx = _Context(target=_Target(fn, signature), **common)
+    contexts = {} if sizes is None else _mesh_contexts(fn, sizes, **common)
     results: list[PropertyResult] = []
     for done, name in enumerate(names, start=1):
+        in_effect = tuple(f"{k}={declared[k]}" for k in _DEPENDS[name] if k in declared)
+        if contexts:
+            meshes = _on_meshes(contexts, name, max_examples or 20, seed, log)
+            if isinstance(meshes, str):
+                results.append(PropertyResult(name, "skipped", meshes, None, seed, 0))
+            else:
+                results.append(_combined(name, meshes, seed, in_effect))
+            if progress is not None:
+                progress(done, len(names), name)
+            continue
         start = time.perf_counter()
         before = len(ctx.target.notes)
         if shapes == "production":
@@ -272,10 +403,7 @@ def check_attention(
             results.append(PropertyResult(name, "skipped", run, None, seed, 0))
         else:
             status, detail, example, count, tb = run
-            new_notes = ctx.target.notes[before:]
-            if new_notes:
-                detail = "; ".join([detail, *new_notes]) if detail else "; ".join(new_notes)
-            in_effect = tuple(f"{k}={declared[k]}" for k in _DEPENDS[name] if k in declared)
+            detail = _with_notes(detail, ctx.target.notes[before:])
             took = time.perf_counter() - start
             results.append(
                 PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
@@ -289,6 +417,7 @@ def check_attention(
         declared=declared,
         results=tuple(results),
         shapes=shapes,
+        devices=sizes or (),
     )
 
 

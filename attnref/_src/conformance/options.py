@@ -4,23 +4,29 @@ same checks through :class:`attnref.conformance.Options`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from attnref._src.kernel import CAUSAL_ALIGNMENTS, MASKED_ROWS_POLICIES
 
 __all__ = [
+    "ALL_PROPERTIES",
     "CAUSAL_ALIGNMENTS",
     "DEFAULT_FEATURES",
+    "DISTRIBUTED_PROPERTIES",
     "FEATURES",
+    "GROWTH",
     "MASKED_ROWS_POLICIES",
     "PROPERTIES",
     "SHAPES",
     "SIGNATURES",
     "OptionError",
     "check_choice",
+    "check_devices",
     "check_dtypes",
     "check_expressible",
     "check_features",
@@ -40,6 +46,11 @@ PROPERTIES = (
     "gradients",
     "extreme_logits",
 )
+# The property of a distributed kernel alone (check_attention(..., devices=...)): the error
+# against the oracle at each mesh size within the derived bound.
+GROWTH = "ring_size_growth"
+DISTRIBUTED_PROPERTIES = (GROWTH,)
+ALL_PROPERTIES = PROPERTIES + DISTRIBUTED_PROPERTIES
 SIGNATURES = ("jax_nn", "qkv_mask", "numpy")
 # "small": Hypothesis draws over a few small buckets; "production": tile-boundary sweeps
 SHAPES = ("small", "production")
@@ -87,6 +98,7 @@ _DEPENDS: dict[str, tuple[str, ...]] = {
     "fully_masked_rows": ("masked_rows",),
     "gradients": ("causal_alignment",),
     "extreme_logits": ("causal_alignment",),
+    GROWTH: ("causal_alignment",),
 }
 
 
@@ -183,7 +195,8 @@ def check_choice(option: str, value: str) -> None:
 
 
 def check_properties(properties: Sequence[str]) -> None:
-    """Every property must be known: ``set(properties) <= set(PROPERTIES)``.
+    """Every property must be known: ``set(properties) <= set(ALL_PROPERTIES)`` (the nine of
+    :data:`PROPERTIES` and the distributed kernel's :data:`GROWTH`).
 
     Args:
         properties: The properties asked for.
@@ -191,10 +204,13 @@ def check_properties(properties: Sequence[str]) -> None:
     Raises:
         OptionError: Naming the unknown properties (``value``: their list, in the given order).
     """
-    bad = [p for p in properties if p not in PROPERTIES]
+    bad = [p for p in properties if p not in ALL_PROPERTIES]
     if bad:
         raise OptionError(
-            f"unknown properties {bad}; choose from {PROPERTIES}", "properties", bad, PROPERTIES
+            f"unknown properties {bad}; choose from {ALL_PROPERTIES}",
+            "properties",
+            bad,
+            ALL_PROPERTIES,
         )
 
 
@@ -230,3 +246,44 @@ def check_max_examples(max_examples: int) -> None:
         raise OptionError(
             f"max_examples must be >= 1, got {max_examples}", "max_examples", max_examples
         )
+
+
+def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
+    """Mesh sizes for a distributed kernel: positive ints, at most ``jax.device_count()``.
+
+    Args:
+        devices: The mesh sizes ``P`` to run on, e.g. ``(1, 2, 4, 8)``.
+
+    Returns:
+        The sizes, ascending, without repeats.
+
+    Raises:
+        OptionError: For an empty list, a size that is not a positive int, or more devices than
+            this host has (the message says how to get virtual CPU devices).
+    """
+    sizes = tuple(devices)
+    bad = [p for p in sizes if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1]
+    if bad or not sizes:
+        raise OptionError(
+            f"devices must be a non-empty list of positive ints (mesh sizes), got {devices!r}",
+            "devices",
+            devices,
+        )
+    out = tuple(sorted({int(p) for p in sizes}))
+    available = jax.devices()
+    if out[-1] > len(available):
+        raise OptionError(
+            f"devices={out} asks for a mesh of {out[-1]} devices but this host has "
+            f"{len(available)} ({available[0].platform}); on a CPU host start Python with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={out[-1]} (set before JAX "
+            "starts) for virtual CPU devices",
+            "devices",
+            out,
+        )
+    return out
+
+
+def length_multiple(devices: Sequence[int]) -> int:
+    """``2 lcm(devices)``: sequence lengths that every layout of every mesh size divides (a
+    zigzag layout cuts the sequence into ``2P`` chunks)."""
+    return 2 * math.lcm(*devices)

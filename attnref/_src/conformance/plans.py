@@ -1,5 +1,5 @@
-"""The nine property plans: for each property, the Hypothesis strategy of its examples and the
-check run on each (or the reason it is skipped). The properties are described in the package
+"""The property plans: for each property, the Hypothesis strategy of its examples and the check
+run on each (or the reason it is skipped). The properties are described in the package
 docstring (:mod:`attnref._src.conformance`)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import strategies as ast
-from attnref._src.closeness import assert_ratio_within
+from attnref._src.closeness import FLASH_FACTOR, assert_ratio_within
 from attnref._src.conformance.context import Plan, _Case, _cases, _Context
+from attnref._src.conformance.options import GROWTH
 from attnref._src.conformance.references import (
     _assert_lse,
     _assert_output,
@@ -397,6 +398,60 @@ def _plan_extreme(ctx: _Context) -> Plan | str:
     return strategy, check
 
 
+def _plan_growth(ctx: _Context) -> Plan | str:
+    anchor = ctx.anchor
+    if ctx.devices is None or anchor is None:
+        return "needs devices= (a distributed kernel, run on meshes of several sizes)"
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: _Case) -> None:
+        for dtype in ctx.dtypes:
+            config = dataclasses.replace(case.config, dtype=dtype)
+            for kind in kinds:
+                p = ctx.view(ctx.problem(config, kind, case.seed))
+                _assert_growth(ctx, anchor, p, kind)
+
+    return _cases(ctx.configs(ctx.pool("self", "general"))), check
+
+
+def _assert_growth(ctx: _Context, anchor: Any, p: ast.KernelProblem, kind: str) -> None:
+    """The growth rule on ``P = ctx.devices`` devices: ``|o_P - o64| <= bound + 2 e_1``
+    componentwise, ``bound`` the derived bound (``key_blocks=None``: any number of merged
+    pieces), ``e_1 = 0`` in float32 and float64, and in 16 bits ``e_1 = max(|o_1 - o64| -
+    bound)^+``, the target's own excess over the bound on one device (``FLASH_FACTOR`` = 2 is
+    the comparative rule's factor; ``anchor`` is the target on one device). Appends the worst
+    ratio to ``ctx.ratios``."""
+    label = f"{GROWTH} [P={ctx.devices}, {p.dtype}, {kind}]"
+    ref, _ = p.oracle()
+    bound, _ = p.bound()
+    out, _ = ctx.run(p)
+    rule = "the derived bound"
+    allowed = bound
+    if _is_16bit(p.dtype):
+        one, _ = anchor.forward(p)
+        over = np.abs(np.asarray(one, np.float64) - ref) - bound
+        # a non-finite anchor fails the oracle property at P = 1; it widens nothing here
+        excess = float(np.max(np.where(np.isfinite(over), over, 0.0), initial=0.0))
+        allowed = bound + FLASH_FACTOR * excess
+        rule += f" + {FLASH_FACTOR:g} x the excess on 1 device, {excess:.3e}"
+    got = np.asarray(out, np.float64)
+    err = np.abs(got - ref)
+    err = np.where(np.isfinite(err), err, np.inf)  # NaN or inf where the oracle is finite
+    err = np.where(np.isnan(ref) & np.isnan(got), 0.0, err)  # masked_rows="nan", declared
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ctx.ratios.append(float(np.max(np.where(err == 0, 0.0, err / allowed))))
+    assert_ratio_within(
+        err,
+        allowed,
+        "{label}: |o - oracle| = {error:.3e} at index {index} > {allowed:.3e} ({ratio:.3g} x "
+        "the allowance: " + rule + "); got {got!r}, oracle {want!r}",
+        require_finite=True,
+        label=label,
+        got=got,
+        want=ref,
+    )
+
+
 _PLANS: dict[str, Callable[[_Context], Plan | str]] = {
     "oracle": _plan_oracle,
     "masks": _plan_masks,
@@ -407,4 +462,5 @@ _PLANS: dict[str, Callable[[_Context], Plan | str]] = {
     "fully_masked_rows": _plan_fully_masked,
     "gradients": _plan_gradients,
     "extreme_logits": _plan_extreme,
+    GROWTH: _plan_growth,
 }

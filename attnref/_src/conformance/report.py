@@ -1,6 +1,7 @@
-"""The conformance kit's report: one :class:`PropertyResult` per property, in a
-:class:`ConformanceReport` that prints as a table (:meth:`ConformanceReport.summary`) and as
-JSON (:meth:`ConformanceReport.to_dict`)."""
+"""The conformance kit's report: one :class:`PropertyResult` per property (for a distributed
+target, with one :class:`MeshResult` per mesh size), in a :class:`ConformanceReport` that prints
+as a table (:meth:`ConformanceReport.summary`: a row per property, or per property and mesh size)
+and as JSON (:meth:`ConformanceReport.to_dict`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,33 @@ from typing import Any
 
 from attnref._src.conformance.options import _DEFAULT_SEMANTICS
 
-__all__ = ["ConformanceReport", "PropertyResult"]
+__all__ = ["ConformanceReport", "MeshResult", "PropertyResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshResult:
+    """The outcome of one property of a distributed target on a mesh of ``devices`` devices.
+
+    Attributes:
+        devices: The mesh size ``P``.
+        status: ``"passed"``, ``"failed"`` or ``"skipped"``.
+        detail: The failure message (or skip reason).
+        example: Hypothesis's shrunk falsifying example and notes.
+        examples: The examples run at this size.
+        traceback: As :attr:`PropertyResult.traceback`.
+        seconds: Wall-clock time at this size.
+        ratio: The worst error / allowance over the examples, for properties that measure one
+            (``ring_size_growth``); ``None`` otherwise.
+    """
+
+    devices: int
+    status: str
+    detail: str
+    example: str | None
+    examples: int
+    traceback: str | None = None
+    seconds: float = 0.0
+    ratio: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +57,10 @@ class PropertyResult:
             target raised, or returned something the kit could not use): where it was raised,
             with Hypothesis's own frames left out.
         seconds: Wall-clock time the property took (0 when skipped).
+        meshes: For a distributed target, the outcome on each mesh size (ascending); the
+            property failed when it failed on any, and ``detail``, ``example`` and
+            ``traceback`` are those of the first size it failed on, ``detail`` prefixed with
+            ``P=<size>: ``.
     """
 
     name: str
@@ -41,6 +72,7 @@ class PropertyResult:
     declared: tuple[str, ...] = ()
     traceback: str | None = None
     seconds: float = 0.0
+    meshes: tuple[MeshResult, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +88,7 @@ class ConformanceReport:
         results: One :class:`PropertyResult` per property run, in ``PROPERTIES`` order.
         shapes: ``"small"`` (Hypothesis draws over small buckets) or ``"production"``
             (tile-boundary sweeps).
+        devices: The mesh sizes a distributed target ran on (``()``: a single-device target).
     """
 
     target: str
@@ -64,6 +97,7 @@ class ConformanceReport:
     declared: dict[str, str]
     results: tuple[PropertyResult, ...]
     shapes: str = "small"
+    devices: tuple[int, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -75,23 +109,36 @@ class ConformanceReport:
         return all(r.status != "failed" for r in self.results)
 
     def summary(self) -> str:
-        """The report as text: one row per property, then each failure in full.
+        """The report as text: one row per property (per property and mesh size for a
+        distributed target, with the worst error / allowance where the property measures one),
+        then each failure in full.
 
         Returns:
             A readable table (property, status, examples, detail), the declared differences, and
             each failure's shrunk example with the seed that replays it.
         """
-        rows = [("property", "status", "examples", "time", "detail")]
+        meshes = bool(self.devices)
+        head: tuple[str, ...] = ("property", "status", "examples", "time")
+        if meshes:
+            head = ("property", "P", *head[1:], "ratio")
+        rows: list[tuple[str, ...]] = [(*head, "detail")]
         for r in self.results:
-            first = r.detail.strip().splitlines()[0] if r.detail.strip() else ""
-            if len(first) > 90:
-                first = first[:87] + "..."
-            took = f"{r.seconds:.1f} s" if r.status != "skipped" else ""
-            rows.append((r.name, r.status, str(r.examples), took, first))
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            if r.meshes:
+                for m in r.meshes:
+                    ratio = "" if m.ratio is None else f"{m.ratio:.3g}"
+                    six = (r.name, str(m.devices), m.status, str(m.examples), _took(m), ratio)
+                    rows.append((*six, _first_line(m.detail)))
+            else:
+                cells: tuple[str, ...] = (r.name, r.status, str(r.examples), _took(r))
+                if meshes:
+                    cells = (r.name, "", *cells[1:], "")
+                rows.append((*cells, _first_line(r.detail)))
+        n = len(head)
+        widths = [max(len(row[i]) for row in rows) for i in range(n)]
         shapes = "" if self.shapes == "small" else f", shapes {self.shapes!r}"
+        on = f", devices {', '.join(map(str, self.devices))}" if meshes else ""
         lines = [
-            f"attnref conformance: {self.target} (signature {self.signature!r}{shapes})",
+            f"attnref conformance: {self.target} (signature {self.signature!r}{shapes}{on})",
             f"features: {', '.join(self.features) or '(none)'}",
         ]
         if self.declared:
@@ -105,7 +152,7 @@ class ConformanceReport:
         lines.append("")
         for i, row in enumerate(rows):
             lines.append(
-                "  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
+                "  ".join(c.ljust(w) for c, w in zip(row[:n], widths, strict=True)) + "  " + row[n]
             )
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
@@ -119,16 +166,24 @@ class ConformanceReport:
         for r in self.results:
             if r.status != "failed":
                 continue
-            lines += ["", f"--- {r.name} failed (seed {r.seed}) ---", r.detail.strip()]
-            if r.example:
-                lines.append(r.example.strip())
-            if r.traceback:
-                lines.append(r.traceback.rstrip())
-            if self.shapes == "production":  # a fixed sweep: the failing case's index replays it
-                replay = f"shapes='production', max_examples={r.examples}"
-            else:
-                replay = f"seed={r.seed}, max_examples=..."
-            lines.append(f"replay: check_attention(fn, properties=[{r.name!r}], {replay}, ...)")
+            failures: list[Any] = [m for m in r.meshes if m.status == "failed"] or [r]
+            for f in failures:
+                at = f" at P={f.devices}" if isinstance(f, MeshResult) else ""
+                lines += ["", f"--- {r.name} failed{at} (seed {r.seed}) ---", f.detail.strip()]
+                if f.example:
+                    lines.append(f.example.strip())
+                if f.traceback:
+                    lines.append(f.traceback.rstrip())
+                if self.shapes == "production":  # a fixed sweep: the failing case's index
+                    replay = f"shapes='production', max_examples={r.examples}"
+                else:
+                    replay = f"seed={r.seed}, max_examples=..."
+                if isinstance(f, MeshResult):
+                    replay = f"devices=({f.devices},), " + replay
+                check = (
+                    "check_merge_states" if self.signature == "merge_states" else "check_attention"
+                )
+                lines.append(f"replay: {check}(fn, properties=[{r.name!r}], {replay}, ...)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,8 +198,23 @@ class ConformanceReport:
             "features": list(self.features),
             "declared": dict(self.declared),
             "shapes": self.shapes,
+            "devices": list(self.devices),
             "passed": self.passed,
             "results": [
-                {**dataclasses.asdict(r), "declared": list(r.declared)} for r in self.results
+                {
+                    **dataclasses.asdict(r),
+                    "declared": list(r.declared),
+                    "meshes": [dataclasses.asdict(m) for m in r.meshes],
+                }
+                for r in self.results
             ],
         }
+
+
+def _first_line(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first[:87] + "..." if len(first) > 90 else first
+
+
+def _took(r: PropertyResult | MeshResult) -> str:
+    return f"{r.seconds:.1f} s" if r.status != "skipped" else ""

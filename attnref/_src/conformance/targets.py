@@ -1,7 +1,8 @@
 """The conformance kit's view of the target: loading it by name, and the adapter
 (:class:`_Target`) that calls it through its signature, jitted where the signature is JAX's (one
 jitted callable per static option set, shared across ``check_attention`` calls), and checks the
-shape of what it returns."""
+shape of what it returns. A distributed target gets a ``mesh`` (:func:`mesh`) and its inputs
+``q, k, v`` sharded along the sequence axis over it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from attnref import strategies as ast
 from attnref._src.checks import enable_x64
 
 __all__ = ["load_target"]
+
+# The axis of the kit's meshes (attnref's own distributed schemes name theirs the same).
+AXIS = "devices"
 
 _STATIC = ("scale", "is_causal", "local_window_size", "softcap")
 _ARRAYS = ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segment_ids")
@@ -73,6 +78,29 @@ def _describe_target(fn: Any) -> str:
     if module and name:
         return f"{module}:{name}"
     return repr(fn)
+
+
+@functools.cache
+def mesh(devices: int) -> Mesh:
+    """The 1-D mesh (axis :data:`AXIS`) over the first ``devices`` of ``jax.devices()``; cached,
+    so that jitted callers see the same mesh and reuse their programs."""
+    return Mesh(jax.devices()[:devices], (AXIS,))
+
+
+def _parameters(fn: Any) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def takes_keyword(fn: Any, name: str) -> bool | None:
+    """Whether ``fn`` accepts the keyword ``name`` (by name or through ``**kwargs``); ``None``
+    when its signature cannot be read."""
+    params = _parameters(fn)
+    if params is None:
+        return None
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _lse_keyword(fn: Any) -> str:
@@ -130,32 +158,55 @@ def _checked_array(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
 
 
 class _Target:
-    """Calls the user's function through its adapter, jitted where the signature is JAX's."""
+    """Calls the user's function through its adapter, jitted where the signature is JAX's; with a
+    ``mesh`` (a distributed target), passes ``mesh=`` (and ``axis_name=`` where ``fn`` names that
+    parameter) and shards ``q, k, v`` along their sequence axis over the mesh."""
 
-    def __init__(self, fn: Callable[..., Any], signature: str) -> None:
+    def __init__(self, fn: Callable[..., Any], signature: str, mesh: Mesh | None = None) -> None:
         self.fn = fn
         self.signature = signature
+        self.mesh = mesh
         self._eager: set[tuple[Any, ...]] = set()  # (kind, static, lse, dtype) that failed jit
         self.notes: list[str] = []
         self.lse_keyword = _lse_keyword(fn)
+        params = _parameters(fn) or {}
+        self._mesh_kw: dict[str, Any] = {}
+        if mesh is not None:
+            self._mesh_kw["mesh"] = mesh
+            if "axis_name" in params:
+                self._mesh_kw["axis_name"] = AXIS
 
     # the raw call: (q, k, v, arrays) -> whatever fn returns
     def _raw(self, static: tuple[tuple[str, Any], ...], want_lse: bool) -> Callable[..., Any]:
-        fn, signature, lse_kw = self.fn, self.signature, self.lse_keyword
+        fn, signature, lse_kw, mesh_kw = self.fn, self.signature, self.lse_keyword, self._mesh_kw
 
         def call(q: Any, k: Any, v: Any, arrays: dict[str, Any]) -> Any:
             if signature == "qkv_mask":
                 return fn(q, k, v, arrays["mask"])
             kw = dict(arrays)
             kw.update(static)
+            kw.update(mesh_kw)
             if want_lse:
                 kw[lse_kw] = True
             return fn(q, k, v, **kw)
 
         return call
 
+    def _sharded(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``q, k, v`` (the first three arguments) placed on the mesh, sharded along the
+        sequence axis (axis 1) where the mesh size divides it, else replicated."""
+        on = self.mesh
+        if on is None:
+            return args
+
+        def place(x: Any) -> Any:
+            spec = PartitionSpec(None, AXIS) if np.shape(x)[1] % on.size == 0 else PartitionSpec()
+            return jax.device_put(x, NamedSharding(on, spec))
+
+        return (*(place(x) for x in args[:3]), *args[3:])
+
     def _jitted(self, key: tuple[Any, ...], fn: Callable[..., Any]) -> Any:
-        full = (self.fn, self.signature, *key)
+        full = (self.fn, self.signature, self.mesh, *key)
         try:
             hit = _JIT_CACHE.get(full)
         except TypeError:  # an unhashable fn: no sharing across calls
@@ -175,6 +226,7 @@ class _Target:
         a staging program per shape); an eager JAX call gets jax arrays. float64 runs inside
         ``jax.enable_x64``."""
         with enable_x64() if np.dtype(dtype) == np.float64 else contextlib.nullcontext():
+            args = self._sharded(args)
             eager_key = (*key, str(np.dtype(dtype)))
             if self.signature != "numpy" and eager_key not in self._eager:
                 try:

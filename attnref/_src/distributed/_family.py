@@ -54,6 +54,21 @@ def default_mesh(devices: int | None = None) -> Mesh:
     return Mesh(available[:n], (DEFAULT_AXIS,))
 
 
+def head_mesh(num_heads: int) -> Mesh:
+    """The default mesh of a head-parallel scheme: :func:`default_mesh` over the largest device
+    count ``P <= jax.device_count()`` that divides ``num_heads`` (each device takes ``H / P``
+    whole heads).
+
+    Args:
+        num_heads: The number of query heads ``H``, a positive int.
+
+    Returns:
+        The cached 1-D mesh.
+    """
+    n = max(p for p in range(1, jax.device_count() + 1) if num_heads % p == 0)
+    return default_mesh(n)
+
+
 def mesh_axis(mesh: Any, axis_name: str | None) -> tuple[str, int]:
     """The mesh axis a scheme runs over and its size ``P``.
 
@@ -126,7 +141,9 @@ DISTRIBUTED = Family(
     ),
     note=(
         "The softmax family's function, computed on a `jax.sharding.Mesh` (`mesh=None`: a 1-D "
-        "mesh over all devices); the kernel-level form (`native`) takes the layout and options "
+        "mesh over all devices, or for the head-parallel schemes over the most devices whose "
+        "count divides the head count); the kernel-level form (`native`) takes the layout and "
+        "options "
         "of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
         "device count does not divide are padded inside (padded keys are never attended, padded "
         "queries are dropped), so every length is exact. See [distributed](../distributed.md)."

@@ -63,7 +63,9 @@ def positions(n_pad: int, devices: int, layout: str) -> np.ndarray:
     return table
 
 
-def to_layout(x: Array, axis: int, n_pad: int, devices: int, layout: str, fill: float = 0) -> Array:
+def to_layout(
+    x: Array, axis: int, n_pad: int, devices: int, layout: str, fill: float | int | bool = 0
+) -> Array:
     """``x`` (natural order along ``axis``, length ``n``) padded with ``fill`` to ``n_pad`` and
     permuted into device-major order: shard ``d`` of the result holds ``positions[d]``."""
     n = x.shape[axis]

@@ -1,0 +1,60 @@
+"""Distributed attention on a JAX mesh: the same function, computed in pieces on several devices.
+
+Kernel level (the layout and options of ``jax.nn.dot_product_attention`` plus ``mesh`` and
+``axis_name``; global arrays in, global arrays out): :func:`ring_dot_product_attention`,
+:func:`striped_dot_product_attention`, :func:`zigzag_dot_product_attention` (K/V rotated around
+a ring with ``ppermute``, states merged online), :func:`all_gather_dot_product_attention` (K/V
+all-gathered), :func:`ulysses_dot_product_attention` (``all_to_all`` between sequence and head
+sharding) and :func:`tensor_parallel_dot_product_attention` (heads sharded). Row forms
+(``<id>_attention(params, x_q, x_kv, *, mask, bias, scale, residual, mesh)``, the registry's
+``apply``) of the same names. :func:`default_mesh` builds a 1-D mesh over the first devices;
+:data:`DISTRIBUTED` is the family. The pieces merge with :func:`attnref.merge_states`.
+:func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load
+balance of a layout (``"contiguous"``, ``"striped"``, ``"zigzag"``).
+
+On one host, ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before JAX starts)
+gives 8 virtual CPU devices. See ``docs/distributed.md``.
+"""
+
+from attnref._src.distributed._family import DISTRIBUTED, default_mesh
+from attnref._src.distributed.cost import load_balance, useful_flops, useful_pairs
+from attnref._src.distributed.all_gather import (
+    all_gather_attention,
+    all_gather_dot_product_attention,
+)
+from attnref._src.distributed.ring import (
+    ring_attention,
+    ring_dot_product_attention,
+    striped_attention,
+    striped_dot_product_attention,
+    zigzag_attention,
+    zigzag_dot_product_attention,
+)
+from attnref._src.distributed.tensor_parallel import (
+    tensor_parallel_attention,
+    tensor_parallel_dot_product_attention,
+)
+from attnref._src.distributed.ulysses import (
+    ulysses_attention,
+    ulysses_dot_product_attention,
+)
+
+__all__ = [
+    "DISTRIBUTED",
+    "all_gather_attention",
+    "all_gather_dot_product_attention",
+    "default_mesh",
+    "load_balance",
+    "ring_attention",
+    "ring_dot_product_attention",
+    "striped_attention",
+    "striped_dot_product_attention",
+    "tensor_parallel_attention",
+    "tensor_parallel_dot_product_attention",
+    "useful_flops",
+    "useful_pairs",
+    "ulysses_attention",
+    "ulysses_dot_product_attention",
+    "zigzag_attention",
+    "zigzag_dot_product_attention",
+]

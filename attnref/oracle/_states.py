@@ -1,0 +1,154 @@
+"""Oracle twin of the attention state algebra: merging states ``(o, lse)`` in float64 NumPy.
+
+For one query row and a set ``A`` of allowed keys the state is ``lse_A = log sum_{j in A} e^{s_j}``
+and ``o_A = sum_{j in A} e^{s_j - lse_A} v_j``. For disjoint key sets ``A_1, ..., A_P`` the state
+of their union follows from the definition by grouping the sum by piece::
+
+    lse = log sum_p e^{lse_p}                  computed as  m + log sum_p e^{lse_p - m}
+    o   = sum_p e^{lse_p - lse} o_p            (pi_p = e^{lse_p - lse}: the pieces' shares)
+
+with ``m = max_p lse_p`` (no ``exp`` overflows; Milakov & Gimelshein 2018). Written here from
+these equations (the shares form, not the JAX code's ``sum w o / sum w``), independently of
+:mod:`attnref._src.states`, whose semantics it shares:
+
+* an empty state (``lse = -inf``) is the identity: its ``o`` is never read (NaN allowed);
+* a NaN or ``+inf`` ``lse`` makes the merged ``o`` and ``lse`` NaN; a finite ``lse`` with a NaN
+  ``o`` gives a NaN ``o``;
+* a row where every state is empty is empty (``lse = -inf``) and its ``o`` follows
+  ``masked_rows``: ``"zeros"`` (0) or ``"nan"`` (``"uniform"``, the mean of the values over all
+  keys, is not a function of the states and is refused);
+* inputs of any floating dtype (bfloat16 included) are read exactly into float64, and the result
+  is float64.
+
+Bad input is refused as the JAX functions refuse it (same exception type, the argument and its
+shape named). NumPy only, no JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._checks import dtype_of, is_floating, shape_of
+
+STATE_POLICIES = ("zeros", "nan")
+
+
+def _check_policy(masked_rows: Any) -> None:
+    if not isinstance(masked_rows, str) or masked_rows not in STATE_POLICIES:
+        raise ValueError(
+            f"masked_rows must be one of {STATE_POLICIES} for a merge of states, got "
+            f"{masked_rows!r} ('uniform' is the mean of the values over all keys, which the "
+            "states do not carry: fill those rows after the merge)"
+        )
+
+
+def _check_state(name: str, o: Any, lse: Any) -> None:
+    """``o [..., H_v]`` and ``lse [...]`` floating, ``lse``'s shape ``o``'s without the last."""
+    o_shape, l_shape = shape_of(o), shape_of(lse)
+    if len(o_shape) < 1:
+        raise ValueError(f"o_{name} must have rank >= 1 ([..., H_v]), got shape {o_shape}")
+    if l_shape != o_shape[:-1]:
+        raise ValueError(
+            f"lse_{name} has shape {l_shape}; expected {o_shape[:-1]} (the shape of o_{name} "
+            f"{o_shape} without its last axis)"
+        )
+    for label, x in ((f"o_{name}", o), (f"lse_{name}", lse)):
+        if not is_floating(dtype_of(x)):
+            raise TypeError(f"{label} must be floating, got dtype {dtype_of(x)}")
+
+
+def _merge_last(o: np.ndarray, lse: np.ndarray, masked_rows: str) -> tuple[np.ndarray, np.ndarray]:
+    """The merge of ``P`` states stacked on the last axis of ``lse [..., P]`` and the
+    second-to-last of ``o [..., P, H_v]`` (float64)."""
+    live = np.isfinite(lse)  # the states that take part (-inf: empty, never read)
+    poisoned = np.isnan(lse).any(axis=-1) | np.isposinf(lse).any(axis=-1)
+    some = live.any(axis=-1)
+    empty = ~some & ~poisoned
+    top = np.where(some, np.where(live, lse, -np.inf).max(axis=-1, initial=-np.inf), 0.0)
+    with np.errstate(under="ignore"):
+        e = np.where(live, np.exp(np.where(live, lse - top[..., None], 0.0)), 0.0)
+    total = e.sum(axis=-1)
+    merged_lse = top + np.log(np.where(some, total, 1.0))
+    with np.errstate(under="ignore"):
+        share = np.where(live, np.exp(np.where(live, lse - merged_lse[..., None], 0.0)), 0.0)
+    # o = sum_p pi_p o_p over the live states only (an empty state's o is never read)
+    terms = np.where(live[..., None], share[..., None] * np.where(live[..., None], o, 0.0), 0.0)
+    merged_o = terms.sum(axis=-2)
+    fill = 0.0 if masked_rows == "zeros" else np.nan
+    merged_o = np.where(empty[..., None], fill, np.where(poisoned[..., None], np.nan, merged_o))
+    merged_lse = np.where(empty, -np.inf, np.where(poisoned, np.nan, merged_lse))
+    return merged_o, merged_lse
+
+
+def merge_states(
+    o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, *, masked_rows: str = "zeros"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The state of ``A u B`` from the states of disjoint key sets ``A`` and ``B``, in float64.
+
+    ``lse = log(e^{lse_a} + e^{lse_b})``, ``o = e^{lse_a - lse} o_a + e^{lse_b - lse} o_b``
+    (module docstring: the empty state is the identity, NaN and ``+inf`` poison the row).
+
+    Args:
+        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
+        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
+        o_b: Normalised output of ``B``, the shape of ``o_a``.
+        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
+        masked_rows: ``o`` of a row where both states are empty: ``"zeros"`` (default) or
+            ``"nan"``.
+
+    Returns:
+        ``(o [..., H_v], lse [...])`` in float64.
+
+    Raises:
+        ValueError: If a ``lse`` does not have the shape of its ``o`` without the last axis, the
+            two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
+        TypeError: If an input is not floating.
+    """
+    _check_policy(masked_rows)
+    _check_state("a", o_a, lse_a)
+    _check_state("b", o_b, lse_b)
+    if shape_of(o_a) != shape_of(o_b):
+        raise ValueError(
+            f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
+        )
+    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
+    lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
+    return _merge_last(o, lse, masked_rows)
+
+
+def merge_state_stack(
+    o: Any, lse: Any, *, axis: int = 0, masked_rows: str = "zeros"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The state of the union of ``P`` disjoint key sets, their states stacked along ``axis``,
+    in float64: ``lse = log sum_p e^{lse_p}``, ``o = sum_p e^{lse_p - lse} o_p``.
+
+    Args:
+        o: ``P`` normalised outputs stacked along ``axis`` of ``lse``'s shape plus ``H_v``:
+            ``[..., P, ..., H_v]``, floating.
+        lse: Their log-sum-exps, ``o``'s shape without the last axis (``-inf``: empty).
+        axis: The stacking axis of ``lse`` (negative counts from ``lse``'s last axis);
+            ``P = 0`` gives the empty state.
+        masked_rows: ``o`` of a row where every state is empty: ``"zeros"`` (default) or
+            ``"nan"``.
+
+    Returns:
+        ``(o, lse)`` with ``axis`` removed, in float64.
+
+    Raises:
+        ValueError: If ``lse`` does not have ``o``'s shape without the last axis, ``axis`` is
+            out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
+        TypeError: If an input is not floating or ``axis`` is not an int.
+    """
+    _check_policy(masked_rows)
+    _check_state("stack", o, lse)
+    rank = len(shape_of(lse))
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis={axis} is out of range for lse of shape {shape_of(lse)}")
+    ax = int(axis) % rank
+    lse64 = np.moveaxis(np.asarray(lse, np.float64), ax, -1)
+    o64 = np.moveaxis(np.asarray(o, np.float64), ax, -2)
+    return _merge_last(o64, lse64, masked_rows)

@@ -1,0 +1,504 @@
+"""Attention states and key partitions: :class:`StateStack` (``P`` states ``(o, lse)`` to merge)
+with :func:`attention_states`, merge trees (:func:`merge_trees`, :func:`apply_merge_tree`), and
+:class:`KeyPartition` (a kernel problem's keys split into ``P`` pieces) with
+:func:`key_partitions`.
+
+States are drawn where merges break: ``|lse|`` up to ``1e4``, differences between states beyond
+88 (``exp`` of the difference overflows float32, so ``lse + log(1 + exp(lse_b - lse))`` is
+``inf``) and beyond 709 (float64), exact ties, and empty states (``lse = -inf``) whose ``o``
+holds NaN (never to be read). A merge tree is a nested pair of piece indices: every order and
+grouping of ``P`` pieces is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import oracle, tolerance
+
+from ._kernel import KernelProblem, kernel_problems
+from ._shapes import DrawFn
+
+# (rows, H_v): the shape of lse and the value dim; few, so a jitted merge compiles few programs.
+STATE_SHAPES: tuple[tuple[tuple[int, ...], int], ...] = (((4,), 3), ((2, 3, 2), 4))
+STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+# How far apart the pieces' lse are: "tied" (equal, exact ties), "small" (N(0, 3)), "large"
+# (consecutive differences in [89, 150]: exp overflows float32), "huge" (uniform in
+# [-1e4, 1e4]: differences beyond 709 overflow float64 too).
+SPREADS = ("tied", "small", "large", "huge")
+CENTERS = (0.0, 1e4, -1e4)  # where the lse of a row sit (clipped to |lse| <= 1e4)
+LAYOUTS = ("contiguous", "striped", "random")  # how keys are assigned to pieces
+
+# A merge tree: a piece index, or a pair of trees (nested; typed one level deep for the runtime
+# checks).
+Tree = int | tuple[Any, Any]
+
+
+def _as_dtype(name: Any) -> np.dtype[Any]:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, str(name)))
+
+
+@dataclasses.dataclass
+class StateStack:
+    """``P`` attention states stacked on axis 0: ``o [P, *rows, H_v]`` in ``dtype`` and
+    ``lse [P, *rows]`` in ``lse_dtype`` (``-inf``: an empty state, its ``o`` NaN).
+
+    Attributes:
+        o: The normalised outputs ``[P, *rows, H_v]``.
+        lse: The log-sum-exps ``[P, *rows]``.
+        spread: How far apart the states' ``lse`` are (:data:`SPREADS`).
+        center: Where they sit (:data:`CENTERS`).
+        seed: The data seed.
+    """
+
+    o: np.ndarray
+    lse: np.ndarray
+    spread: str = "small"
+    center: float = 0.0
+    seed: int = 0
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"StateStack(P={self.pieces}, o={self.o.dtype}{list(self.o.shape)}, "
+            f"lse={self.lse.dtype}, spread={self.spread!r}, center={self.center}, "
+            f"seed={self.seed})"
+        )
+
+    @property
+    def pieces(self) -> int:
+        """``P``, the number of states."""
+        return int(self.lse.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The dtype of ``o``."""
+        return self.o.dtype
+
+    @property
+    def lse_dtype(self) -> np.dtype[Any]:
+        """The dtype of ``lse``."""
+        return self.lse.dtype
+
+    def state(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """State ``p``: ``(o[p], lse[p])``."""
+        return self.o[p], self.lse[p]
+
+    def oracle(self, masked_rows: str = "zeros") -> tuple[np.ndarray, np.ndarray]:
+        """The float64 merge of all ``P`` states (:func:`attnref.oracle.merge_state_stack`)."""
+        return oracle.merge_state_stack(self.o, self.lse, masked_rows=masked_rows)
+
+    def bound(self, tree: str | int = "sequential") -> tuple[np.ndarray, np.ndarray]:
+        """:func:`attnref.tolerance.merge_error_bound` of merging these states in their
+        formats by ``tree``."""
+        return tolerance.merge_error_bound(
+            self.o, self.lse, dtype=self.dtype, lse_dtype=self.lse_dtype, tree=tree
+        )
+
+    def subset(self, pieces: Sequence[int]) -> StateStack:
+        """The stack of the states ``pieces`` (in that order)."""
+        idx = list(pieces)
+        return dataclasses.replace(self, o=self.o[idx], lse=self.lse[idx])
+
+
+def make_state_stack(
+    pieces: int,
+    rows: tuple[int, ...],
+    h_v: int,
+    seed: int,
+    *,
+    dtype: Any = "float32",
+    lse_dtype: Any = None,
+    spread: str = "small",
+    center: float = 0.0,
+    empty: float = 0.0,
+    empty_row: bool = False,
+    max_abs_lse: float = 1e4,
+) -> StateStack:
+    """The deterministic :class:`StateStack` behind one draw of :func:`attention_states`.
+
+    ``o`` standard normal from PCG64 ``seed``; per row, ``lse`` = ``center`` plus a random
+    offset plus the ``spread`` offsets of the states, clipped to ``|lse| <= max_abs_lse``; then
+    each state is empty with probability ``empty`` (``lse = -inf`` and ``o`` NaN), and with
+    ``empty_row`` the first row is empty in every state. Rounded to ``dtype`` / ``lse_dtype``.
+
+    Args:
+        pieces: ``P >= 0``.
+        rows: The shape of ``lse`` per state.
+        h_v: The value dim.
+        seed: The PCG64 seed.
+        dtype: The dtype of ``o`` (default float32).
+        lse_dtype: The dtype of ``lse`` (default ``dtype``).
+        spread: One of :data:`SPREADS`.
+        center: Where the row's ``lse`` sit.
+        empty: The probability of an empty state.
+        empty_row: Make the first row empty in every state.
+        max_abs_lse: The largest ``|lse|``.
+
+    Returns:
+        A :class:`StateStack`.
+
+    Raises:
+        ValueError: An unknown ``spread``.
+    """
+    if spread not in SPREADS:
+        raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
+    rng = np.random.default_rng(seed)
+    shape = (pieces, *rows)
+    o = rng.standard_normal((*shape, h_v))
+    base = center + rng.uniform(-5.0, 5.0, size=rows)
+    if spread == "tied":
+        offsets = np.zeros(shape)
+    elif spread == "small":
+        offsets = 3.0 * rng.standard_normal(shape)
+    elif spread == "large":
+        steps = np.cumsum(rng.uniform(89.0, 150.0, size=shape), axis=0)
+        offsets = rng.permuted(steps - steps.mean(axis=0, keepdims=True), axis=0)
+    else:
+        offsets = rng.uniform(-max_abs_lse, max_abs_lse, size=shape) - base
+    lse = np.clip(base + offsets, -max_abs_lse, max_abs_lse)
+    gone = rng.random(shape) < empty
+    if empty_row and len(rows) and pieces:
+        gone[(slice(None),) + (0,) * len(rows)] = True
+    lse = np.where(gone, -np.inf, lse)
+    o = np.where(gone[..., None], np.nan, o)
+    o_dt = _as_dtype(dtype)
+    l_dt = o_dt if lse_dtype is None else _as_dtype(lse_dtype)
+    return StateStack(o.astype(o_dt), lse.astype(l_dt), spread, float(center), int(seed))
+
+
+@st.composite
+def attention_states(
+    draw: DrawFn,
+    *,
+    min_pieces: int = 1,
+    max_pieces: int = 5,
+    shapes: tuple[tuple[tuple[int, ...], int], ...] = STATE_SHAPES,
+    dtypes: tuple[str, ...] = ("float32",),
+    lse_dtypes: tuple[str, ...] | None = None,
+    spreads: tuple[str, ...] = SPREADS,
+    centers: tuple[float, ...] = CENTERS,
+    empty: bool = True,
+) -> StateStack:
+    """A :class:`StateStack`: the number of states, a shape, dtypes, a spread, a center, whether
+    states may be empty (and a row of empty states), and a seed, each a labelled draw.
+
+    Args:
+        min_pieces: The fewest states (default 1).
+        max_pieces: The most states (default 5).
+        shapes: ``(rows, H_v)`` pairs to draw from (default :data:`STATE_SHAPES`).
+        dtypes: Dtypes of ``o`` (default float32; :data:`STATE_DTYPES` lists all four).
+        lse_dtypes: Dtypes of ``lse``; ``None`` (default): ``o``'s, or float32 for a 16-bit
+            ``o`` one draw in two (kernels keep ``lse`` in float32).
+        spreads: Spreads to draw from (default all of :data:`SPREADS`).
+        centers: Centers to draw from (default :data:`CENTERS`: 0 and ``+-1e4``).
+        empty: Allow empty states (``lse = -inf``, ``o`` NaN) and empty rows (default True).
+
+    Returns:
+        A strategy of :class:`StateStack` (:func:`make_state_stack`).
+    """
+    pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
+    rows, h_v = draw(st.sampled_from(tuple(shapes)), label="shape")
+    dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
+    if lse_dtypes is not None:
+        lse_dtype = draw(st.sampled_from(tuple(lse_dtypes)), label="lse dtype")
+    elif _as_dtype(dtype).itemsize == 2:
+        lse_dtype = draw(st.sampled_from((dtype, "float32")), label="lse dtype")
+    else:
+        lse_dtype = dtype
+    spread = draw(st.sampled_from(tuple(spreads)), label="spread")
+    center = draw(st.sampled_from(tuple(centers)), label="center")
+    p_empty, empty_row = 0.0, False
+    if empty:
+        p_empty = draw(st.sampled_from((0.0, 0.25, 0.5)), label="empty fraction")
+        empty_row = draw(st.booleans(), label="empty row")
+    seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+    note(
+        f"pieces={pieces} rows={rows} h_v={h_v} dtype={dtype} lse_dtype={lse_dtype} "
+        f"spread={spread} center={center} empty={p_empty} empty_row={empty_row} seed={seed}"
+    )
+    return make_state_stack(
+        pieces,
+        rows,
+        h_v,
+        seed,
+        dtype=dtype,
+        lse_dtype=lse_dtype,
+        spread=spread,
+        center=center,
+        empty=p_empty,
+        empty_row=empty_row,
+    )
+
+
+# ----------------------------------------------------------------------------- merge trees
+
+
+def tree_leaves(tree: Tree) -> tuple[int, ...]:
+    """The piece indices of ``tree``, left to right."""
+    if isinstance(tree, tuple):
+        return tree_leaves(tree[0]) + tree_leaves(tree[1])
+    return (int(tree),)
+
+
+def tree_depth(tree: Tree) -> int:
+    """The number of merges on the longest path from a piece to the result (0 for one piece)."""
+    if isinstance(tree, tuple):
+        return 1 + max(tree_depth(tree[0]), tree_depth(tree[1]))
+    return 0
+
+
+def sequential_tree(order: Sequence[int]) -> Tree:
+    """``(((o0, o1), o2), ...)``: one state after another (a ring, an online softmax).
+
+    Raises:
+        ValueError: If ``order`` is empty.
+    """
+    if not len(order):
+        raise ValueError("a merge tree needs at least one piece")
+    tree: Tree = int(order[0])
+    for p in order[1:]:
+        tree = (tree, int(p))
+    return tree
+
+
+def balanced_tree(order: Sequence[int]) -> Tree:
+    """Pairs, then pairs of pairs: depth ``ceil(log2 P)``.
+
+    Raises:
+        ValueError: If ``order`` is empty.
+    """
+    if not len(order):
+        raise ValueError("a merge tree needs at least one piece")
+    if len(order) == 1:
+        return int(order[0])
+    half = (len(order) + 1) // 2
+    return (balanced_tree(order[:half]), balanced_tree(order[half:]))
+
+
+@st.composite
+def merge_trees(draw: DrawFn, pieces: int) -> Tree:
+    """A binary merge tree over ``range(pieces)``: a random order of the pieces and a random
+    grouping (every order and grouping can be drawn; shrinks towards the sequential tree in
+    index order).
+
+    Args:
+        pieces: ``P >= 1``.
+
+    Returns:
+        A strategy of nested pairs of piece indices.
+    """
+    order = draw(st.permutations(range(pieces)), label="merge order")
+
+    def group(leaves: Sequence[int]) -> Tree:
+        if len(leaves) == 1:
+            return int(leaves[0])
+        cut = draw(st.integers(1, len(leaves) - 1).map(lambda k: len(leaves) - k))
+        return (group(leaves[:cut]), group(leaves[cut:]))
+
+    return group(list(order))
+
+
+def apply_merge_tree(merge: Callable[..., Any], tree: Tree, o: Any, lse: Any) -> tuple[Any, Any]:
+    """Merge the states ``(o[p], lse[p])`` by ``tree`` with a binary
+    ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``.
+
+    Args:
+        merge: The binary merge (e.g. :func:`attnref.merge_states`).
+        tree: Nested pairs of piece indices (:func:`merge_trees`).
+        o: The states' outputs, stacked on axis 0.
+        lse: Their log-sum-exps, stacked on axis 0.
+
+    Returns:
+        The merged ``(o, lse)``, as ``merge`` returns them (a single piece: its state).
+    """
+    if isinstance(tree, tuple):
+        o_a, l_a = apply_merge_tree(merge, tree[0], o, lse)
+        o_b, l_b = apply_merge_tree(merge, tree[1], o, lse)
+        out = merge(o_a, l_a, o_b, l_b)
+        return out[0], out[1]
+    return o[tree], lse[tree]
+
+
+# ----------------------------------------------------------------------------- key partitions
+
+
+@dataclasses.dataclass
+class KeyPartition:
+    """A kernel problem whose keys are split into ``P`` pieces, and a merge tree over them.
+
+    Piece ``p`` is the same call with the extra key mask ``assignment == p`` (combined with the
+    problem's own mask), so every option (causal, windows, lengths, segments, biases) keeps its
+    meaning on global key positions, and a query row with no key in the piece gets the empty
+    state. Merging the pieces' states by any tree gives the state of the whole call.
+
+    Attributes:
+        problem: The whole call (``masked_rows`` ``"zeros"`` or ``"nan"``).
+        assignment: ``[S]`` ints in ``[0, P)``: the piece of each key.
+        pieces: ``P``.
+        tree: The merge tree (nested pairs of piece indices).
+        layout: How keys were assigned (:data:`LAYOUTS`).
+    """
+
+    problem: KernelProblem
+    assignment: np.ndarray
+    pieces: int
+    tree: Tree
+    layout: str = "contiguous"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyPartition({self.problem!r}, pieces={self.pieces}, layout={self.layout!r}, "
+            f"assignment={self.assignment.tolist()}, tree={self.tree!r})"
+        )
+
+    @property
+    def depth(self) -> int:
+        """The depth of :attr:`tree`."""
+        return tree_depth(self.tree)
+
+    def piece_mask(self, p: int) -> np.ndarray:
+        """Boolean ``[1, 1, 1, S]``: the keys of piece ``p``."""
+        return (self.assignment == p)[None, None, None, :]
+
+    def piece(self, p: int, masked_rows: str = "nan") -> KernelProblem:
+        """The call restricted to piece ``p``'s keys: the problem with its mask combined with
+        :meth:`piece_mask` and ``masked_rows`` (default ``"nan"``: a row with no key in the
+        piece gets ``o`` NaN and ``lse = -inf``, the empty state)."""
+        opts = dict(self.problem.options)
+        keep = self.piece_mask(p)
+        opts["mask"] = keep if "mask" not in opts else np.logical_and(opts["mask"], keep)
+        return dataclasses.replace(self.problem, options=opts, masked_rows=masked_rows)
+
+    def oracle_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces' float64 oracle states: ``o [P, B, T, N, H_v]``, ``lse [P, B, T, N]``."""
+        states = [self.piece(p).oracle() for p in range(self.pieces)]
+        return np.stack([s[0] for s in states]), np.stack([s[1] for s in states])
+
+    def piece_bounds(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Each piece's kernel bound in the problem's dtype
+        (:func:`attnref.tolerance.kernel_call_error_bound`), stacked like
+        :meth:`oracle_states`."""
+        bounds = [self.piece(p).bound(key_blocks) for p in range(self.pieces)]
+        return np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
+
+    def bound(
+        self, tree: str | int | None = None, key_blocks: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Bounds on ``|merged - whole-call oracle|`` for ``o [B, T, N, H_v]`` and
+        ``lse [B, T, N]`` when each piece is computed by a kernel in the problem's dtype (``lse``
+        in float32 for 16-bit problems, as attnref's kernels return it) and merged by ``tree``
+        (default: a binary tree of :attr:`depth`): :func:`attnref.tolerance.merge_error_bound`
+        with the pieces' kernel bounds as their errors, plus the whole call's float64 oracle
+        error."""
+        o_ref, l_ref = self.oracle_states()
+        o_err, l_err = self.piece_bounds(key_blocks)
+        dt = self.problem.dtype
+        lse_dt = np.float32 if dt.itemsize == 2 else dt
+        o_b, l_b = tolerance.merge_error_bound(
+            o_ref,
+            l_ref,
+            dtype=dt,
+            lse_dtype=lse_dt,
+            tree=self.depth if tree is None else tree,
+            o_error=np.where(np.isnan(o_err), 0.0, o_err),
+            lse_error=l_err,
+        )
+        whole = self.problem.astype(np.float64).bound()
+        return o_b + whole[0], l_b + whole[1]
+
+
+def make_key_partition(
+    problem: KernelProblem,
+    pieces: int,
+    layout: str = "contiguous",
+    seed: int = 0,
+    tree: Tree | None = None,
+) -> KeyPartition:
+    """The :class:`KeyPartition` behind one draw of :func:`key_partitions`.
+
+    Args:
+        problem: The whole call; its ``masked_rows`` must be ``"zeros"`` or ``"nan"``.
+        pieces: ``P >= 1`` (a piece may get no key: its state is empty).
+        layout: ``"contiguous"`` (``P`` chunks in order), ``"striped"`` (key ``j`` to piece
+            ``j mod P``) or ``"random"`` (seeded by ``seed``).
+        seed: The PCG64 seed of a random layout.
+        tree: The merge tree (default: sequential in index order).
+
+    Returns:
+        A :class:`KeyPartition`.
+
+    Raises:
+        ValueError: An unknown layout, ``pieces < 1``, a ``tree`` that is not over
+            ``range(pieces)``, or a problem with ``masked_rows="uniform"`` (the mean over all
+            keys is not a function of the pieces' states).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(pieces, (int, np.integer)) or pieces < 1:
+        raise ValueError(f"pieces must be an int >= 1, got {pieces!r}")
+    if problem.masked_rows not in ("zeros", "nan"):
+        raise ValueError(
+            f"a key partition's problem needs masked_rows 'zeros' or 'nan', got "
+            f"{problem.masked_rows!r} (the mean over all keys is not a function of the states)"
+        )
+    s = problem.k.shape[1]
+    if layout == "contiguous":
+        assignment = (np.arange(s) * pieces) // max(s, 1)
+    elif layout == "striped":
+        assignment = np.arange(s) % pieces
+    else:
+        assignment = np.random.default_rng(seed).integers(0, pieces, size=s)
+    tree = sequential_tree(range(pieces)) if tree is None else tree
+    if sorted(tree_leaves(tree)) != list(range(pieces)):
+        raise ValueError(f"tree must hold each of range({pieces}) once, got {tree!r}")
+    return KeyPartition(problem, assignment.astype(np.int64), int(pieces), tree, layout)
+
+
+@st.composite
+def key_partitions(
+    draw: DrawFn,
+    problems: st.SearchStrategy[KernelProblem] | None = None,
+    *,
+    min_pieces: int = 1,
+    max_pieces: int = 4,
+    layouts: tuple[str, ...] = LAYOUTS,
+) -> KeyPartition:
+    """A :class:`KeyPartition`: a kernel problem, the number of pieces, a layout (and its seed)
+    and a merge tree with a random order and grouping, each a labelled draw.
+
+    Args:
+        problems: A :class:`KernelProblem` strategy (default :func:`kernel_problems`, whose
+            ``masked_rows`` is ``"zeros"``).
+        min_pieces: The fewest pieces (default 1).
+        max_pieces: The most pieces (default 4).
+        layouts: Layouts to draw from (default :data:`LAYOUTS`).
+
+    Returns:
+        A strategy of :class:`KeyPartition` (:func:`make_key_partition`).
+    """
+    problem = draw(kernel_problems() if problems is None else problems, label="problem")
+    pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
+    layout = draw(st.sampled_from(tuple(layouts)), label="layout")
+    seed = draw(st.integers(0, 2**32 - 1), label="layout seed") if layout == "random" else 0
+    tree = draw(merge_trees(pieces), label="merge tree")
+    note(f"pieces={pieces} layout={layout} seed={seed} tree={tree!r}")
+    return make_key_partition(problem, pieces, layout, seed, tree)

@@ -1,0 +1,272 @@
+"""Ring, striped and zigzag attention (``attnref._src.distributed.ring``) on meshes of 1, 2, 4
+and 8 virtual CPU devices, against the float64 NumPy oracle.
+
+Tolerances, all derived (none tuned):
+
+* Forward: :func:`attnref.tolerance.kernel_call_error_bound` with ``key_blocks=P``. Each device
+  computes its queries' state against one K/V chunk with a full softmax and merges the ``P``
+  chunk states one at a time: an online softmax over ``P`` key blocks, each merge rescaling the
+  running state once (the bound's ``2 (C_EXP + 1)(n_b - 1)`` term).
+* Gradients: :func:`attnref.tolerance.kernel_grad_error_bound` (first order, any evaluation
+  order of the backward equations, ``p`` recomputed from a saved lse included) around
+  :func:`attnref.oracle.dot_product_attention_vjp`.
+* Row forms: :func:`attnref.tolerance.attention_error_bound` around
+  :func:`attnref.oracle.attention`.
+
+Shapes come from :data:`attnref.strategies.KERNEL_BUCKETS` (``T, S`` of 5 and 7, 6 and 4: most
+are not multiples of ``P`` or ``2P``, so the layouts pad), and each jitted function is compiled
+once per (scheme, mesh, bucket, dtype, static options).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnref._src.distributed.ring as ring
+from attnref import oracle, tolerance
+from attnref import strategies as ast
+from attnref._src.distributed._family import default_mesh
+from attnref._src.kernel import STATIC_OPTIONS
+from attnref.testing import assert_within_bound
+
+from .helpers import scaled
+from .kernel_helpers import assert_kernel_close, kproblems
+
+SCHEMES = ("ring", "striped", "zigzag")
+MESHES = (1, 2, 4, 8)
+KERNELS = {s: getattr(ring, f"{s}_dot_product_attention") for s in SCHEMES}
+ROWS = {s: getattr(ring, f"{s}_attention") for s in SCHEMES}
+STATIC = (*STATIC_OPTIONS, "mesh")
+JITTED = {s: jax.jit(fn, static_argnames=STATIC) for s, fn in KERNELS.items()}
+
+
+def _call(scheme, devices, p):
+    """The jitted kernel on a problem, with its lse."""
+    return JITTED[scheme](p.q, p.k, p.v, mesh=default_mesh(devices), return_lse=True, **p.kwargs)
+
+
+def _check_forward(scheme, devices, p):
+    out, lse = _call(scheme, devices, p)
+    assert out.dtype == p.dtype and out.shape == (*p.q.shape[:3], p.v.shape[-1])
+    assert_kernel_close(out, lse, p, f"{scheme} on {devices}", key_blocks=devices)
+
+
+@given(scheme=st.sampled_from(SCHEMES), devices=st.sampled_from(MESHES), problem=kproblems())
+@scaled(0.25)
+def test_matches_oracle_on_every_mesh(scheme, devices, problem):
+    """Any scheme on any mesh, lengths the layout must pad, every option of the kernel mixed
+    (masks and biases of any broadcast shape, causal in both alignments, windows, lengths,
+    segments, GQA/MQA, softcap, every masked-rows policy; rows left without a key by
+    accident), output and lse within the derived bound of the oracle, NaN and ``-inf`` exactly
+    where it has them."""
+    _check_forward(scheme, devices, problem)
+
+
+# (scheme, devices, bucket, array kinds, static profile, mask shape, bias shape, dtype): the
+# meshes the other tests leave out, each with options the gradient cases do not have.
+FORWARD_CASES = (
+    # T = S = 6 on 2 devices; one segment_ids array for queries and keys; top-left causal.
+    ("striped", 2, 1, ("random", "segments"), 1, "BNTS", None, np.float64),
+    # zigzag on 1 device still pads to 2 chunks; a -inf bias; a window right of the query.
+    ("zigzag", 1, 2, ("neg_inf_bias", "fully_masked_row"), 5, "B1TS", "BN1S", np.float32),
+    # 8 devices for T = 5, S = 7; bottom-right causal window; ALiBi; a per-head mask.
+    ("ring", 8, 0, ("alibi", "padding", "random"), 2, "1NTS", None, np.float32),
+)
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_matches_oracle(case):
+    """Fixed option sets on the meshes the other tests do not use, jitted."""
+    scheme, devices, bucket, kinds, profile, mask_shape, bias_shape, dtype = case
+    p = ast.make_kernel_problem(
+        ast.KERNEL_BUCKETS[bucket],
+        kinds,
+        7,
+        dtype,
+        static=ast.STATIC_PROFILES[profile],
+        mask_shape=mask_shape,
+        bias_shape=bias_shape,
+    )
+    _check_forward(scheme, devices, p)
+
+
+def _loss_outputs(scheme, devices, static, q, k, v, bias, arrays):
+    fn = KERNELS[scheme]
+    mesh = default_mesh(devices)
+    return fn(q, k, v, bias, mesh=mesh, return_lse=True, **dict(static), **arrays)
+
+
+def _loss(scheme, devices, static, q, k, v, bias, arrays, cot, cot_lse):
+    """A linear functional of the output and lse (NaN rows and ``-inf`` lse contribute 0)."""
+    out, lse = _loss_outputs(scheme, devices, static, q, k, v, bias, arrays)
+    out = jnp.where(jnp.isnan(out), 0.0, out)
+    return jnp.sum(out * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * cot_lse, 0.0))
+
+
+_GRAD = jax.grad(_loss, argnums=(3, 4, 5, 6))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _outputs_and_grads(scheme, devices, static, q, k, v, bias, arrays, cot, cot_lse):
+    """``(out, lse)`` and the gradient in one compiled program."""
+    args = (scheme, devices, static, q, k, v, bias, arrays)
+    out, lse = _loss_outputs(*args)
+    return (out, lse), _GRAD(*args, cot, cot_lse)
+
+
+# (scheme, devices, static profile, array kinds, mask shape, bias shape): each backward path.
+# A bias broadcast along T is shared by every device (its gradient is a psum), one laid out
+# along T is sharded; "uniform" rows read every value (a psum in the forward).
+GRAD_CASES = (
+    ("ring", 2, ast.STATIC_PROFILES[4], ("random", "bias", "padding"), "B1TS", "1N1S"),
+    ("striped", 4, ast.STATIC_PROFILES[3], ("bias", "segments", "padding"), None, "BNTS"),
+    ("zigzag", 8, ast.STATIC_PROFILES[1], ("random", "bias", "padding"), "111S", "B1T1"),
+)
+
+
+def _poison_padding(p):
+    """``p`` with NaN keys and infinite values beyond each ``key_value_seq_lengths`` (keys no
+    query may read; values only without ``masked_rows="uniform"``, whose rows read every
+    value by definition)."""
+    k, v = p.k.copy(), p.v.copy()
+    for b, n in enumerate(p.options["key_value_seq_lengths"]):
+        k[b, n:] = np.nan
+        if p.masked_rows != "uniform":
+            v[b, n:] = np.inf
+    return p.replace(k=k, v=v)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_gradients_match_the_gradient_oracle(case):
+    """``d/dq``, ``d/dk``, ``d/dv`` and ``d/dbias`` of a functional of the output and lse,
+    through the custom_vjp (the ring run again, dK/dV travelling with the chunks), in float32
+    and jitted, within the derived gradient bound of the float64 NumPy gradient oracle; keys
+    and values no query may read hold NaN and inf and change nothing (outputs, lse and every
+    gradient are those of the clean problem)."""
+    scheme, devices, profile, kinds, mask_shape, bias_shape = case
+    bucket = ast.KERNEL_BUCKETS[0]
+    p = ast.make_kernel_problem(
+        bucket, kinds, 3, np.float32, static=profile, mask_shape=mask_shape, bias_shape=bias_shape
+    )
+    if "segments" in kinds:  # independent packings: some rows have no key
+        q_seg, kv_seg = (np.sort(np.arange(n) % 2)[None].repeat(2, 0) for n in (5, 7))
+        p.options["segment_ids"] = (q_seg.astype(np.int32), kv_seg.astype(np.int32))
+    poisoned = _poison_padding(p)
+    b = p.config
+    rng = np.random.default_rng(0)
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v)).astype(np.float32)
+    cot_lse = rng.standard_normal((b.batch, b.t, b.n)).astype(np.float32)
+    kw = dict(poisoned.options)
+    bias = kw.pop("bias")
+    static = tuple(sorted((n, a) for n, a in poisoned.kwargs.items() if n in STATIC_OPTIONS))
+    arrays = {n: a for n, a in kw.items() if n not in STATIC_OPTIONS}
+    args = (poisoned.q, poisoned.k, poisoned.v, bias, arrays, cot, cot_lse)
+    (out, lse), got = _outputs_and_grads(scheme, devices, static, *args)
+    assert_kernel_close(out, lse, p, f"{scheme} poisoned", key_blocks=devices)
+    exact = p.oracle_vjp(cot, cot_lse)
+    bound = p.grad_bound(cot, cot_lse)
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+        assert g.shape == e.shape, (name, g.shape, e.shape)
+        assert_within_bound(np.asarray(g, np.float64), e, bd, label=f"{scheme} d/d{name}")
+
+
+def test_outputs_and_gradients_eagerly():
+    """Without ``jax.jit`` (the kernel jits its own ``shard_map``): output, lse and the
+    gradients of ``jax.vjp`` in float64 on 4 devices (zigzag: 8 chunks for ``T = S = 4``, so half
+    the chunks are padding), with causality, a bias and key lengths."""
+    p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[2], ("causal", "bias"), 5, np.float64)
+    p.options["key_value_seq_lengths"] = np.array([3, 4], np.int32)
+    b = p.config
+    rng = np.random.default_rng(1)
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v))
+    cot_lse = rng.standard_normal((b.batch, b.t, b.n))
+    arrays = {"key_value_seq_lengths": p.options["key_value_seq_lengths"]}
+    static = (("is_causal", True),)
+    (out, lse), vjp = jax.vjp(
+        functools.partial(_loss_outputs, "zigzag", 4, static, arrays=arrays),
+        p.q,
+        p.k,
+        p.v,
+        p.options["bias"],
+    )
+    assert_kernel_close(out, lse, p, "zigzag eagerly", key_blocks=4)
+    got = vjp((cot, cot_lse))
+    exact, bound = p.oracle_vjp(cot, cot_lse), p.grad_bound(cot, cot_lse)
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+        assert_within_bound(np.asarray(g), e, bd, label=f"eager d/d{name}")
+
+
+def test_bfloat16_states_are_not_rounded_per_step():
+    """bfloat16 on 8 devices has the error scale of 1 device: the chunk states and their merges
+    stay in float32 and the output is rounded to bfloat16 once.
+
+    Allowance (derived): the float32 result is within ``e_32`` (the float32 bound with ``P`` key
+    blocks, ``~1e-6 |o|``) of the exact output and the one rounding adds ``u_16 |o|`` with
+    ``u_16 = 2^-8``: :func:`kernel_call_error_bound` in bfloat16 with ``key_blocks=P`` is
+    ``e_32 + u_16 (|o| + e_32)``, the bound of ``P = 1`` but for ``e_32`` (here the two differ
+    by at most ``7e-6`` where they reach ``4.5e-3``). States rounded to bfloat16 at each of the
+    8 merges would add up to ``8 u_16 |o|`` (about ``sqrt(8) u_16 |o|`` at random), beyond it
+    on some of the 1024 entries (seen: a mutant that rounds the running state after each merge
+    fails here by a factor of 80)."""
+    config = ast.Config(batch=2, t=16, s=16, n=4, k=2, h=8, h_v=8, d_model=8)
+    p = ast.make_kernel_problem(config, "none", 11, ml_dtypes.bfloat16)
+    assert p.q.dtype == ml_dtypes.bfloat16
+    out, lse = _call("ring", 8, p)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert_kernel_close(out, lse, p, "bfloat16 on 8 devices", key_blocks=8)
+
+
+ROW_MESHES = {"ring": 4, "striped": 8, "zigzag": 2}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_form_matches_the_oracle(scheme):
+    """``<scheme>_attention(params, x_q, x_kv, mask=..., bias=..., mesh=...)`` (the registry's
+    ``apply``), jitted, within the derived weight-level bound of :func:`attnref.oracle.attention`
+    (cross-attention, T = 5 and S = 7, a causal mask, key padding and a bias)."""
+    p = ast.make_attention_problem(ast.WEIGHT_BUCKETS[1], "combined", 2, np.float32)
+    args, inputs = (p.params, p.x_q, p.x_kv), p.inputs()
+    ref = oracle.attention(*args, **inputs)
+    bound = tolerance.attention_error_bound(*args, dtype=p.dtype, **inputs)
+    apply = jax.jit(ROWS[scheme], static_argnames=("residual", "mesh"))
+    y = apply(*args, mesh=default_mesh(ROW_MESHES[scheme]), **inputs)
+    assert y.dtype == p.dtype
+    assert_within_bound(np.asarray(y, np.float64), ref, bound, label=f"{scheme}_attention")
+
+
+def test_every_length_including_empty():
+    """``T = 0`` and ``S = 0`` (nothing to distribute) give the kernel's answer; ``T = 1`` on 8
+    devices leaves 7 devices with padding only."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 2, 4))
+    k = rng.standard_normal((1, 3, 2, 4))
+    for t, s in ((1, 3), (0, 3), (1, 0)):
+        out, lse = JITTED["zigzag"](
+            q[:, :t], k[:, :s], k[:, :s], mesh=default_mesh(8), return_lse=True
+        )
+        config = ast.Config(batch=1, t=t, s=s, n=2, k=2, h=4, h_v=4, d_model=8, dtype="float64")
+        p = ast.KernelProblem(q[:, :t], k[:, :s], k[:, :s], {}, config)
+        assert out.shape == (1, t, 2, 4) and lse.shape == (1, t, 2)
+        assert_kernel_close(out, lse, p, f"T={t}, S={s}", key_blocks=8)
+
+
+def test_bad_input_names_the_argument(unchecked_annotations):
+    q = np.zeros((1, 4, 2, 4), np.float32)
+    with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh"):
+        ring.ring_dot_product_attention(q, q, q, mesh="devices")
+    with pytest.raises(ValueError, match="axis_name 'model' is not an axis"):
+        ring.striped_dot_product_attention(q, q, q, mesh=default_mesh(2), axis_name="model")
+    with pytest.raises(ValueError, match=r"key has head dim 3 \(shape \(1, 4, 2, 3\)\)"):
+        ring.zigzag_dot_product_attention(q, q[..., :3], q, mesh=default_mesh(2))
+    with pytest.raises(ValueError, match="key_value_seq_lengths"):
+        ring.ring_dot_product_attention(
+            q, q, q, mesh=default_mesh(2), key_value_seq_lengths=np.array([5], np.int32)
+        )
