@@ -78,6 +78,8 @@ _EXPORTS = {
     "blockwise_attention": "attnref._src.kernel_forms",
     "kv_cache_attention": "attnref._src.kernel_forms",
     "state_merge_attention": "attnref._src.state_merge",
+    "split_kv_attention": "attnref._src.split_kv",
+    "split_kv_dot_product_attention": "attnref._src.split_kv",
     "merge_states": "attnref._src.states",
     "merge_state_stack": "attnref._src.states",
     "check_attention": "attnref.testing",
@@ -229,6 +231,8 @@ __all__ = [
     "scores_messages_attention",
     "soft_search",
     "soft_search_attention",
+    "split_kv_attention",
+    "split_kv_dot_product_attention",
     "state_merge_attention",
     "strategies",
     "testing",
@@ -283,6 +287,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time the names l
     from attnref._src.registry import Formulation, formulations, get, ids
     from attnref._src.soft_search import soft_search, soft_search_attention
     from attnref._src.softmax import masked_softmax
+    from attnref._src.split_kv import split_kv_attention, split_kv_dot_product_attention
     from attnref._src.standard import (
         attention_weights,
         concat_attention,

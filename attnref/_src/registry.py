@@ -40,6 +40,7 @@ FORMULATION_MODULES = (
     "attnref._src.graph",
     "attnref._src.linear.multihead",
     "attnref._src.kernel_forms",
+    "attnref._src.split_kv",
     "attnref._src.state_merge",
     "attnref._src.rope",
     "attnref._src.distributed.ring",
