@@ -17,11 +17,11 @@ gives 8 virtual CPU devices. See ``docs/distributed.md``.
 """
 
 from attnref._src.distributed._family import DISTRIBUTED, default_mesh
-from attnref._src.distributed.cost import load_balance, useful_flops, useful_pairs
 from attnref._src.distributed.all_gather import (
     all_gather_attention,
     all_gather_dot_product_attention,
 )
+from attnref._src.distributed.cost import load_balance, useful_flops, useful_pairs
 from attnref._src.distributed.ring import (
     ring_attention,
     ring_dot_product_attention,
@@ -51,10 +51,10 @@ __all__ = [
     "striped_dot_product_attention",
     "tensor_parallel_attention",
     "tensor_parallel_dot_product_attention",
-    "useful_flops",
-    "useful_pairs",
     "ulysses_attention",
     "ulysses_dot_product_attention",
+    "useful_flops",
+    "useful_pairs",
     "zigzag_attention",
     "zigzag_dot_product_attention",
 ]

@@ -6,18 +6,16 @@ decoding against a long cache, its row form and cost model, and its refusals.
 Tolerances (derived, nothing hand-picked):
 
 * Forward. The kernel computes each split's state with the naive kernel on that split's keys (in
-  the compute dtype) and merges the ``P`` states in one stacked merge, so its bound is the
-  composition of the library's two derived bounds: each split's
-  :func:`attnref.tolerance.kernel_call_error_bound` (``key_blocks=1``, on the split's keys with
-  the call's allowed pairs) as the pieces' errors ``o_error``/``lse_error`` of
-  :func:`attnref.tolerance.merge_error_bound` (``tree="stack"``), which then bounds the distance
-  from attention over all keys (its docstring: "computed piece by piece and merged vs the whole
-  call"). Fully masked rows, where the merge is exact and ``"uniform"`` returns the mean of
-  ``v``, take the whole call's kernel bound (its ``gamma_{S+1} mean|v|`` term), and 16-bit
-  outputs add the final cast's ``u_16 (|o| + bound)``, as the kernel bound does. (The kernel
-  bound with ``key_blocks=P`` models an online softmax, whose rescaling never stores a partial
-  ``lse``; the merge stores each split's ``lse = top + log l`` before forming its weight, a
-  shift of ``u |lse_p|`` that the merge bound lists and the online-softmax model does not.)
+  the compute dtype) and merges the ``P`` states in one stacked merge, so its bound is
+  :func:`attnref.tolerance.pieces_error_bound` (the kernel's splits of ``ceil(S / P)`` keys,
+  ``key_blocks=1``, ``tree="stack"``): each split's
+  :func:`attnref.tolerance.kernel_call_error_bound` carried as the pieces' errors through
+  :func:`attnref.tolerance.merge_error_bound`, plus the whole call's float64 oracle error; fully
+  masked rows under ``"uniform"`` (the mean of ``v``) take the whole call's kernel bound, and
+  16-bit outputs add the final cast's ``u_16 (|o| + bound)``. (The kernel bound with
+  ``key_blocks=P`` models an online softmax, whose rescaling never stores a partial ``lse``; the
+  merge stores each split's ``lse = top + log l`` before forming its weight, a shift of
+  ``u |lse_p|`` that the merge bound lists and the online-softmax model does not.)
 * Gradients: :func:`attnref.tolerance.kernel_grad_error_bound` (first order, any tiling of the
   keys and any evaluation order of the backward equations) against
   :func:`attnref.oracle.dot_product_attention_vjp`.
@@ -35,8 +33,8 @@ from hypothesis import strategies as st
 
 import attnref
 import attnref._src.split_kv  # registers "split_kv" (until the registry lists the module)
-from attnref import oracle, tolerance
 from attnref import strategies as ast
+from attnref import tolerance
 from attnref._src.split_kv import (
     split_kv_attention,
     split_kv_cost,
@@ -45,7 +43,6 @@ from attnref._src.split_kv import (
 )
 from attnref.costs import Dims, xla_counts
 from attnref.testing import assert_ratio_within
-from attnref.tolerance._rounding import unit_roundoff
 
 from .helpers import check_formulation, problems, scaled
 from .kernel_helpers import kproblems
@@ -60,59 +57,27 @@ _SPLIT_KV = jax.jit(split_kv_dot_product_attention, static_argnames=STATIC)
 # ----------------------------------------------------------------------------- the bound
 
 
-def _work(dtype: np.dtype) -> type:
-    """The compute dtype: float32 for 16-bit inputs (the kernel promotes), else the input's."""
-    return np.float32 if np.dtype(dtype).itemsize == 2 else np.dtype(dtype).type
-
-
-def _split_pieces(p: ast.KernelProblem, num_splits: int) -> tuple[list[np.ndarray], ...]:
-    """Per split: the oracle's state ``(o_p, lse_p)`` of the call restricted to the split's keys
-    (the call's allowed pairs on those columns) and its kernel bound computed in the compute
-    dtype. A split of padding alone is the empty state with no error."""
-    c, work = p.config, _work(p.dtype)
-    allowed = p.allowed()
-    bias = p.options.get("bias")
-    if bias is not None:
-        bias = np.broadcast_to(np.asarray(bias, np.float64), (c.b, c.n, c.t, c.s))
-    kw = {"scale": p.options.get("scale"), "softcap": p.options.get("softcap")}
-    pieces: tuple[list[np.ndarray], ...] = ([], [], [], [])
-    for cols in split_positions(c.s, num_splits):
-        cols = cols[cols < c.s]
-        if cols.size == 0:
-            o, lse = np.zeros((c.b, c.t, c.n, c.h_v)), np.full((c.b, c.t, c.n), -np.inf)
-            e_o, e_l = np.zeros_like(o), np.zeros_like(lse)
-        else:
-            args = (
-                p.q.astype(np.float64),
-                p.k[:, cols].astype(np.float64),
-                p.v[:, cols].astype(np.float64),
-                None if bias is None else bias[..., cols],
-                allowed[..., cols],
-            )
-            o, lse = oracle.dot_product_attention(*args, return_lse=True, **kw)
-            e_o, e_l = tolerance.kernel_call_error_bound(*args, key_blocks=1, dtype=work, **kw)
-        for acc, a in zip(pieces, (o, lse, e_o, e_l), strict=True):
-            acc.append(a)
-    return pieces
-
-
 def split_kv_bound(p: ast.KernelProblem, num_splits: int) -> tuple[np.ndarray, np.ndarray]:
     """Bounds on ``|o - oracle|`` and ``|lse - oracle lse|`` of the split-KV kernel (module
-    docstring): the splits' kernel bounds carried through the stacked merge's bound."""
-    o, lse, e_o, e_l = (np.stack(a) for a in _split_pieces(p, num_splits))
-    work = _work(p.dtype)
-    out_b, lse_b = tolerance.merge_error_bound(
-        o, lse, axis=0, dtype=work, tree="stack", o_error=e_o, lse_error=e_l
+    docstring): :func:`attnref.tolerance.pieces_error_bound` with the kernel's own splits
+    (:func:`split_positions`; a split of padding alone is an empty state, still merged), each a
+    full softmax (``key_blocks=1``) with its state in the compute dtype, merged in one stacked
+    merge."""
+    s = p.config.s
+    ids = np.full(s, -1)
+    for split, cols in enumerate(split_positions(s, num_splits)):
+        ids[cols[cols < s]] = split
+    return tolerance.pieces_error_bound(
+        p.q,
+        p.k,
+        p.v,
+        pieces=ids,
+        num_pieces=num_splits,
+        tree="stack",
+        key_blocks=1,
+        **p.semantics(),
+        **p.options,
     )
-    ref, ref_lse = p.oracle()
-    dead_b, _ = tolerance.kernel_call_error_bound(
-        p.q, p.k, p.v, key_blocks=1, dtype=work, **p.semantics(), **p.options
-    )
-    out_b = np.where(np.isneginf(ref_lse)[..., None], dead_b, out_b)
-    if np.dtype(p.dtype).itemsize == 2:  # the output is rounded once to the 16-bit format
-        u16 = unit_roundoff(p.dtype)
-        out_b = out_b + u16 * (np.abs(np.nan_to_num(ref)) + out_b)
-    return out_b, lse_b
 
 
 def assert_split_close(out, lse, p: ast.KernelProblem, num_splits: int, label: str) -> None:

@@ -404,26 +404,28 @@ class KeyPartition:
         self, tree: str | int | None = None, key_blocks: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Bounds on ``|merged - whole-call oracle|`` for ``o [B, T, N, H_v]`` and
-        ``lse [B, T, N]`` when each piece is computed by a kernel in the problem's dtype (``lse``
-        in float32 for 16-bit problems, as attnref's kernels return it) and merged by ``tree``
-        (default: a binary tree of :attr:`depth`): :func:`attnref.tolerance.merge_error_bound`
-        with the pieces' kernel bounds as their errors, plus the whole call's float64 oracle
-        error."""
-        o_ref, l_ref = self.oracle_states()
-        o_err, l_err = self.piece_bounds(key_blocks)
-        dt = self.problem.dtype
-        lse_dt = np.float32 if dt.itemsize == 2 else dt
-        o_b, l_b = tolerance.merge_error_bound(
-            o_ref,
-            l_ref,
-            dtype=dt,
-            lse_dtype=lse_dt,
+        ``lse [B, T, N]`` when each piece is computed by a kernel in the problem's dtype (``o``
+        stored in it, ``lse`` in float32 for 16-bit problems, as attnref's kernels return them;
+        ``key_blocks`` per piece, ``None``: any tiling) and merged by ``tree`` (default: a binary
+        tree of :attr:`depth`): :func:`attnref.tolerance.pieces_error_bound` (the pieces' kernel
+        bounds carried through the merge bound, plus the whole call's float64 oracle error)."""
+        p = self.problem
+        dt = p.dtype
+        return tolerance.pieces_error_bound(
+            p.q,
+            p.k,
+            p.v,
+            pieces=self.assignment,
+            num_pieces=self.pieces,
             tree=self.depth if tree is None else tree,
-            o_error=np.where(np.isnan(o_err), 0.0, o_err),
-            lse_error=l_err,
+            dtype=dt,
+            state_dtype=dt,
+            lse_dtype=np.float32 if dt.itemsize == 2 else dt,
+            key_blocks=key_blocks,
+            masked_rows=p.masked_rows,
+            causal_alignment=p.causal_alignment,
+            **p.options,
         )
-        whole = self.problem.astype(np.float64).bound()
-        return o_b + whole[0], l_b + whole[1]
 
 
 def make_key_partition(

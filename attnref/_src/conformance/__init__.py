@@ -60,9 +60,10 @@ Properties (each equality with the oracle uses the tolerance rules of
     lse))`` overflows here.)
 ``ring_size_growth`` (a distributed kernel only, ``devices=``)
     On each mesh size ``P``, for each requested dtype and the kinds ``none`` and ``causal``:
-    ``|o_P - o64| <= bound + 2 e_1`` componentwise, ``bound`` the derived bound
-    (:func:`attnref.tolerance.kernel_call_error_bound` with ``key_blocks=None``: valid for any
-    number of merged pieces up to ``S``, so for a ring whose devices tile their own chunk too),
+    ``|o_P - o64| <= bound + 2 e_1`` componentwise, ``bound`` the derived bound of merged
+    states (:func:`attnref.tolerance.pieces_error_bound` with ``pieces=None``: any partition of
+    the keys merged in any tree, every key its own piece at worst, states in float32 or wider;
+    so it holds for a ring whose devices tile their own chunk too, at any ``|lse|``),
     ``e_1 = 0`` in float32 and float64 and, in 16 bits, the target's own excess over the bound
     on one device, ``e_1 = max(|o_1 - o64| - bound)^+`` (the kit's comparative rule: a kernel
     that stores 16-bit intermediates, as FlashAttention stores ``P``, may do so on ``P``

@@ -14,6 +14,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import strategies as ast
+from attnref import tolerance
 from attnref._src.conformance.references import _to_target
 from attnref._src.conformance.targets import _Target
 
@@ -42,6 +43,40 @@ class _Case:
 
     def get(self, name: str) -> Any:
         return dict(self.extra)[name]
+
+
+@dataclasses.dataclass
+class _MergedProblem(ast.KernelProblem):
+    """A kernel problem as a distributed target sees it: the same call, and :meth:`bound` the
+    allowance of a scheme that computes pieces of the keys and merges their states ``(o, lse)``
+    in any way the kit cannot see (any partition, any tiling inside a piece, any merge order and
+    grouping, states in the compute format).
+
+    That allowance is :func:`attnref.tolerance.pieces_error_bound` with ``pieces=None``: the
+    merge bound of the one-key states ``(v_j, s_ij)`` (every key its own piece, a binary merge
+    tree of depth ``S - 1``) carrying errors that dominate every piece's kernel bound, which
+    covers every coarser partition and every tree (its module docstring). Beyond the kernel bound
+    (``key_blocks=None``) it counts the rounding of every stored partial ``lse`` (``u |lse|`` per
+    merge level), so a correct lse-merging ring cannot fail at large logits; its states are in
+    float32 for 16-bit inputs, so a ring that rounds its running state to 16 bits still exceeds
+    it (``ring_size_growth``)."""
+
+    def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` of a distributed kernel
+        (``key_blocks`` must be ``None``: the pieces and their tilings are unknown)."""
+        if key_blocks is not None:
+            raise ValueError(
+                "a distributed target's allowance assumes any tiling (key_blocks=None)"
+            )
+        return tolerance.pieces_error_bound(
+            self.q,
+            self.k,
+            self.v,
+            pieces=None,
+            tree="sequential",
+            **self.semantics(),
+            **self.options,
+        )
 
 
 @dataclasses.dataclass
@@ -116,7 +151,12 @@ class _Context:
         return self.target.forward(_to_target(p, self.signature), want_lse)
 
     def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
-        return _to_target(p, self.signature)
+        """The problem as the target sees it (:func:`_to_target`); for a distributed target a
+        :class:`_MergedProblem`, whose ``bound()`` allows for the merge of states."""
+        p = _to_target(p, self.signature)
+        if self.devices is None:
+            return p
+        return _MergedProblem(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
 
 
 @st.composite

@@ -416,11 +416,13 @@ def _plan_growth(ctx: _Context) -> Plan | str:
 
 def _assert_growth(ctx: _Context, anchor: Any, p: ast.KernelProblem, kind: str) -> None:
     """The growth rule on ``P = ctx.devices`` devices: ``|o_P - o64| <= bound + 2 e_1``
-    componentwise, ``bound`` the derived bound (``key_blocks=None``: any number of merged
-    pieces), ``e_1 = 0`` in float32 and float64, and in 16 bits ``e_1 = max(|o_1 - o64| -
-    bound)^+``, the target's own excess over the bound on one device (``FLASH_FACTOR`` = 2 is
-    the comparative rule's factor; ``anchor`` is the target on one device). Appends the worst
-    ratio to ``ctx.ratios``."""
+    componentwise, ``bound`` the derived allowance of a distributed kernel (``p`` is
+    ``ctx.view``'s :class:`~attnref._src.conformance.context._MergedProblem`: any partition of
+    the keys, any tiling, states merged in float32 or wider by any tree, every stored partial
+    ``lse``'s rounding counted; one rounding of the output to a 16-bit dtype), ``e_1 = 0`` in
+    float32 and float64, and in 16 bits ``e_1 = max(|o_1 - o64| - bound)^+``, the target's own
+    excess over the bound on one device (``FLASH_FACTOR`` = 2 is the comparative rule's factor;
+    ``anchor`` is the target on one device). Appends the worst ratio to ``ctx.ratios``."""
     label = f"{GROWTH} [P={ctx.devices}, {p.dtype}, {kind}]"
     ref, _ = p.oracle()
     bound, _ = p.bound()

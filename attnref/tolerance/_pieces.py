@@ -1,0 +1,331 @@
+"""The bound of attention computed in pieces whose states are merged:
+:func:`pieces_error_bound` for split-KV decoding, ring / striped / zigzag attention, or any scheme
+that computes the state ``(o, lse)`` of each piece of the keys and merges the states. NumPy only,
+float64.
+
+**Why the kernel bound is not enough.** :func:`attnref.tolerance.kernel_call_error_bound` with
+``key_blocks=P`` models an online softmax over ``P`` key blocks: a running max ``m`` kept exactly
+and a running sum rescaled by ``exp(m - m')`` once per block, so its ``P``-dependent term does not
+depend on ``|lse|``. A merge of states stores each piece's ``lse_p = m_p + log l_p`` (rounded:
+off by ``u |lse_p|``) and each partial merge's ``lse`` (off by ``u |lse|`` again), and every
+such error is a shift of the weights of everything merged below it. After a chain of depth
+``D`` the weights are off by about ``D u Lmax`` in log terms (``Lmax`` the largest ``|lse|``):
+with ``|lse| ~ 1e4`` in float32 that is ``D x 6e-4``, far beyond the kernel bound.
+
+**The composition** (derivation of each factor: :func:`kernel_call_error_bound` and
+:func:`attnref.tolerance.merge_error_bound`, ``docs/states.md``). Pieces ``p = 1..P`` hold
+disjoint key sets ``A_p``; piece ``p`` is the call restricted to ``A_p`` (the whole call's allowed
+pairs on those columns), computed by a kernel whose states are stored in ``state_dtype``:
+
+1. Each piece's state is within ``(e_p, lambda_p)`` of its exact state, ``e_p, lambda_p`` the
+   kernel bound of the piece's call (``key_blocks`` blocks per piece; 16-bit states add the
+   cast of ``o_p``, a 16-bit ``lse_p`` its cast ``u_16 (|lse_p| + lambda_p)``). A row with no
+   key in ``A_p`` has the empty state, which the merge ignores.
+2. The merge of the exact pieces' states is the state of the whole call (the state algebra), so
+   :func:`merge_error_bound` with ``o_error = e_p`` and ``lse_error = lambda_p`` bounds the
+   distance of the merged result from the exact whole-call state, for a binary tree of depth
+   ``D`` (``"sequential"``: ``P - 1``, every order and grouping; ``"balanced"``:
+   ``ceil(log2 P)``; an int: the depth used) or one stacked merge (``"stack"``).
+3. The whole call's float64 oracle error (its kernel bound in float64, which counts it twice)
+   is added, so the result bounds ``|merged - oracle.dot_product_attention(all keys)|``.
+4. Rows with no allowed key at all: the merge is exact (``o = 0`` or NaN, ``lse = -inf``);
+   under ``masked_rows="uniform"`` the scheme fills them with the mean of ``v``, whose bound is
+   the whole call's kernel bound there.
+5. A 16-bit ``dtype`` with states in a wider format (attnref's schemes: float32 states) rounds
+   the merged output once: ``+ u_16 (|o| + bound)``.
+
+**Unknown pieces** (``pieces=None``: the conformance kit's allowance for a user's distributed
+kernel, which may split the keys and merge the states in any way). Every partition into at most
+``S`` pieces, each computed by a kernel with any tiling, merged by a binary tree of depth at most
+``D = depth(tree, S)``, is covered by the merge bound of the one-key states ``(v_j, s_ij)``
+(every key its own piece) with errors that dominate every piece's:
+
+* ``o_error_j = c_i |v_j|`` with ``c_i = K_i / sum_j p_ij |v_j|``, ``K_i`` the whole call's
+  kernel bound (``key_blocks=None``: ``rho_i + gamma_S``, which no piece's ``rho + gamma_{S_p}``
+  exceeds since a piece's logits, spread and key count are at most the whole call's). Then
+  ``sum_p pi_p e_p <= sum_j p_ij c_i |v_j|`` (``pi_p p^(p)_j = p_ij``) and ``max_p e_p <=
+  max_j c_i |v_j|``: the merge bound's carried term is at least every partition's.
+* ``lse_error = K^lse_i + sum_u u ((C_EXP + 1) ln S + max_j |s_ij| + ln S)``: a piece's
+  ``|log l_p| <= ln S`` and ``|lse_p| <= max_j |s_ij| + ln S``, so every ``lambda_p`` is below it.
+* The states' statistics dominate every partition's: ``V = max_j |v_j|`` and the range ``R`` of
+  the ``v_j`` bound those of the convex combinations ``o_p``; ``max_j |s_ij| + ln S`` bounds
+  ``|lse|`` of every partial merge of every partition (the lse of a key subset); ``D`` is at
+  least the depth of any tree of that kind over ``P <= S`` pieces; every term of the merge bound
+  is non-decreasing in each of them.
+
+Memory: the allowed set ``[B, N, T, S]``, and ``P`` (``S`` with ``pieces=None``) states of
+``[B, T, N, H_v]``: a bound for test-sized calls.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._kernel import kernel_call_error_bound
+from ._rounding import C_EXP, _is_16bit, unit_roundoff
+from ._states import _as_dtype, merge_depth, merge_error_bound
+
+
+def _assignment(pieces: Any, num_pieces: Any, s: int) -> tuple[np.ndarray, int]:
+    """``(ids [S], P)``: each key's piece (``-1``: none) and the number of merged states."""
+    if isinstance(pieces, (bool, np.bool_)):
+        raise TypeError(f"pieces must be an int, an int array [S] or None, got {pieces!r}")
+    if isinstance(pieces, (int, np.integer)):
+        if num_pieces is not None:
+            raise ValueError("num_pieces is only for an array of piece ids (an int is P itself)")
+        if pieces < 1:
+            raise ValueError(f"pieces must be >= 1, got {pieces}")
+        chunk = max(-(-s // int(pieces)), 1)
+        return np.arange(s) // chunk, int(pieces)
+    ids = np.asarray(pieces)
+    if ids.ndim != 1 or ids.shape[0] != s or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"pieces must be an int or an int array [S] = [{s}] of piece ids, got "
+            f"{ids.dtype} array of shape {ids.shape}"
+        )
+    top = int(ids.max(initial=-1)) + 1
+    count = top if num_pieces is None else num_pieces
+    if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):
+        raise TypeError(f"num_pieces must be an int, got {num_pieces!r}")
+    if (ids < -1).any() or count < top:
+        raise ValueError(
+            f"piece ids must lie in [-1, num_pieces) = [-1, {count}), got ids in "
+            f"[{int(ids.min(initial=0))}, {top - 1}]"
+        )
+    return ids.astype(np.int64), int(count)
+
+
+def _allowed(c: Any) -> np.ndarray:
+    """The call's allowed pairs ``[B, N, T, S]`` (the oracle's rules)."""
+    from attnref.oracle._kernel_call import allowed_rows
+
+    b_size, n_heads, t, s = c.shape
+    out = np.ones((b_size, n_heads, t, s), bool)
+    for b in range(b_size):
+        ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
+        if ok is not None:
+            out[b] = ok
+    return out
+
+
+def _logits(c: Any) -> np.ndarray:
+    """The call's logits ``[B, N, T, S]`` (capped, biased), ``-inf`` off the allowed set."""
+    from attnref.oracle._kernel_fast import head_groups, logits_block
+
+    b_size, n_heads, t, s = c.shape
+    out = np.full((b_size, n_heads, t, s), -np.inf)
+    for hg in head_groups(c):
+        out[hg.b, hg.heads] = logits_block(c, hg, 0, t, 0, s)[0]
+    return out
+
+
+def _piece_states(
+    c: Any,
+    allowed: np.ndarray,
+    ids: np.ndarray,
+    count: int,
+    state_fmt: np.dtype[Any],
+    lse_fmt: np.dtype[Any],
+    key_blocks: int | None,
+) -> tuple[np.ndarray, ...]:
+    """Step 1: per piece, the oracle's state of the call restricted to the piece's keys and its
+    kernel bound in the states' format, stacked on axis 0 (an empty piece: the empty state)."""
+    from attnref.oracle import dot_product_attention
+
+    b_size, n_heads, t, _ = c.shape
+    h_v = c.v.shape[-1]
+    bias = None if c.bias is None else np.where(allowed, c.bias, 0.0)  # masked: never read
+    o = np.zeros((count, b_size, t, n_heads, h_v))
+    lse = np.full((count, b_size, t, n_heads), -np.inf)
+    e_o, e_l = np.zeros_like(o), np.zeros_like(lse)
+    kw = {"scale": c.scale, "softcap": c.softcap}
+    for p in range(count):
+        cols = np.flatnonzero(ids == p)
+        if cols.size == 0:
+            continue
+        args = (c.q, c.k[:, cols], c.v[:, cols], None if bias is None else bias[..., cols])
+        mask = allowed[..., cols]
+        o[p], lse[p] = dot_product_attention(*args, mask, return_lse=True, **kw)
+        e_o[p], e_l[p] = kernel_call_error_bound(
+            *args, mask, dtype=state_fmt, key_blocks=key_blocks, **kw
+        )
+    if _is_16bit(lse_fmt):  # each piece's lse stored in 16 bits
+        live = np.isfinite(lse)
+        e_l = e_l + unit_roundoff(lse_fmt) * (np.abs(np.where(live, lse, 0.0)) + e_l)
+    # inf x 0 in the kernel bound: every attended value is 0, so the output is exactly 0
+    return o, lse, np.where(np.isnan(e_o), 0.0, e_o), e_l
+
+
+def _key_states(
+    c: Any,
+    call: dict[str, Any],
+    allowed: np.ndarray,
+    work: np.dtype[Any],
+    state_fmt: np.dtype[Any],
+    lse_fmt: np.dtype[Any],
+) -> tuple[np.ndarray, ...]:
+    """Unknown pieces (module docstring): the one-key states ``(v_j, s_ij)`` stacked on axis 0
+    and errors that dominate those of every piece of every partition."""
+    from attnref.oracle import dot_product_attention
+
+    b_size, n_heads, t, s = c.shape
+    k_out, k_lse = kernel_call_error_bound(**call, dtype=work, key_blocks=None)
+    absolute = {"query": c.q, "key": c.k, "value": np.abs(c.v), "masked_rows": "zeros"}
+    mag = dot_product_attention(**{**call, **absolute})  # sum_j p_ij |v_j|
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(mag > 0, k_out / np.where(mag > 0, mag, 1.0), 0.0)
+    factor = ratio.max(axis=-1, keepdims=True, initial=0.0)  # c_i, [B, T, N, 1]
+    if _is_16bit(state_fmt):  # each piece's o stored in 16 bits
+        factor = (1.0 + unit_roundoff(state_fmt)) * factor + unit_roundoff(state_fmt)
+    vg = np.repeat(c.v, c.group, axis=2)  # [B, S, N, H_v]
+    o = np.broadcast_to(vg.transpose(1, 0, 2, 3)[:, :, None], (s, b_size, t, n_heads, vg.shape[-1]))
+    logits = _logits(c)
+    lse = logits.transpose(3, 0, 2, 1)  # [S, B, T, N]
+    live = np.isfinite(logits)
+    top = np.where(live, np.abs(np.where(live, logits, 0.0)), 0.0).max(axis=-1, initial=0.0)
+    top = top.transpose(0, 2, 1)  # max_j |s_ij| over allowed keys, [B, T, N]
+    ln_s = math.log(max(s, 1))
+    units = unit_roundoff(work) + unit_roundoff(np.float64)
+    lam = k_lse + units * ((C_EXP + 1) * ln_s + top + ln_s)
+    if _is_16bit(lse_fmt):
+        lam = lam + unit_roundoff(lse_fmt) * (top + ln_s + lam)
+    e_o = factor[None] * np.abs(o)
+    return o, lse, e_o, np.broadcast_to(lam, lse.shape)
+
+
+def pieces_error_bound(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    pieces: Any,
+    num_pieces: int | None = None,
+    tree: str | int = "sequential",
+    dtype: Any = None,
+    state_dtype: Any = None,
+    lse_dtype: Any = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+    key_blocks: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` of attention
+    computed in pieces: each piece of the keys by a kernel (its own
+    :func:`kernel_call_error_bound`), the pieces' states ``(o_p, lse_p)`` merged by ``tree``
+    (:func:`merge_error_bound`), against the float64 oracle of the whole call
+    (:func:`attnref.oracle.dot_product_attention`). Derivation: module docstring.
+
+    Unlike the kernel bound with ``key_blocks=P`` (an online softmax, whose running max is exact
+    and which never stores a partial ``lse``), this counts the rounding of every stored partial
+    ``lse``, ``u |lse|`` per merge level, which dominates at large logits.
+
+    Args:
+        query: ``[B, T, N, H]``, exactly as the kernel received it.
+        key: ``[B, S, K, H]``.
+        value: ``[B, S, K, H_v]``.
+        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        pieces: The piece of each key: an int ``P`` (the keys padded to a multiple of ``P``
+            and cut into ``P`` contiguous chunks of ``ceil(S / P)``, as split-KV and a
+            contiguous ring do; trailing chunks of padding alone are empty states), an int
+            array ``[S]`` of piece ids (``-1``: a key in no piece, which no query may attend),
+            or ``None``: unknown (any partition into at most ``S`` pieces, each with any
+            tiling: the worst case, module docstring).
+        num_pieces: With an array of ids, the number of states merged (default ``max id +
+            1``; more when pieces of padding alone are merged too).
+        tree: ``"sequential"`` (default: depth ``P - 1``, valid for every binary order and
+            grouping, a ring), ``"balanced"`` (``ceil(log2 P)``), ``"stack"`` (one stacked
+            merge, split-KV) or an int, the depth of the binary tree used.
+        dtype: The format of the inputs and the output; ``None`` (default) is ``query``'s.
+        state_dtype: The format the pieces' ``o`` are stored and merged in; ``None``
+            (default): the compute format (float32 for 16-bit inputs, as attnref's schemes),
+            the output then rounded once to ``dtype``.
+        lse_dtype: The format of the stored ``lse``; ``None`` (default): float32 for 16-bit
+            states, else ``state_dtype``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: The kernel's causal flag (default ``False``).
+        query_seq_lengths: Integer ``[B]``; ``None`` (default).
+        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
+        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
+        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
+        softcap: ``c`` of the logit cap; ``None`` (default).
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``: the whole call's
+            policy for rows with no allowed key (the pieces' states are empty there).
+        key_blocks: Key blocks of each piece's online softmax; ``None`` (default): any tiling.
+            Must be ``None`` with ``pieces=None``.
+
+    Returns:
+        ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64, non-negative.
+
+    Raises:
+        ValueError: For the arguments :func:`attnref.oracle.dot_product_attention` refuses with
+            ``ValueError``; bad ``pieces``/``num_pieces``; an attended key in no piece; a bad
+            ``tree`` (:func:`attnref.tolerance.merge_depth`); ``key_blocks`` with
+            ``pieces=None``.
+        TypeError: For those it refuses with ``TypeError``; ``pieces`` a bool; ``tree``
+            neither a string nor an int.
+    """
+    from attnref.oracle import dot_product_attention
+    from attnref.oracle._kernel_call import parse
+
+    options = {
+        "scale": scale,
+        "is_causal": is_causal,
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+        "local_window_size": local_window_size,
+        "segment_ids": segment_ids,
+        "softcap": softcap,
+        "causal_alignment": causal_alignment,
+        "masked_rows": masked_rows,
+    }
+    c = parse(query, key, value, bias, mask, **options)
+    call = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask, **options}
+    fmt = _as_dtype(np.asarray(query).dtype if dtype is None else dtype)
+    work = np.dtype(np.float32) if _is_16bit(fmt) else fmt
+    state_fmt = work if state_dtype is None else _as_dtype(state_dtype)
+    if lse_dtype is not None:
+        lse_fmt = _as_dtype(lse_dtype)
+    else:
+        lse_fmt = np.dtype(np.float32) if _is_16bit(state_fmt) else state_fmt
+    s = c.shape[3]
+    allowed = _allowed(c)
+    if pieces is None:
+        if key_blocks is not None:
+            raise ValueError("key_blocks needs known pieces (pieces=None assumes any tiling)")
+        merge_depth(tree, s)
+        states = _key_states(c, call, allowed, work, state_fmt, lse_fmt)
+    else:
+        ids, count = _assignment(pieces, num_pieces, s)
+        merge_depth(tree, count)
+        orphan = ids < 0
+        if (allowed & orphan).any():
+            j = int(np.flatnonzero((allowed & orphan).any(axis=(0, 1, 2)))[0])
+            raise ValueError(f"key {j} is in no piece (id -1) but some query may attend it")
+        states = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
+    o, lse, e_o, e_l = states
+    out_b, lse_b = merge_error_bound(
+        o, lse, axis=0, dtype=state_fmt, lse_dtype=lse_fmt, tree=tree, o_error=e_o, lse_error=e_l
+    )
+    whole64 = kernel_call_error_bound(**call, dtype=np.float64, key_blocks=1)
+    out_b, lse_b = out_b + whole64[0], lse_b + whole64[1]
+    if masked_rows == "uniform":
+        dead = ~allowed.any(axis=-1).transpose(0, 2, 1)  # [B, T, N]
+        whole = kernel_call_error_bound(**call, dtype=state_fmt, key_blocks=None)[0]
+        out_b = np.where(dead[..., None], whole + whole64[0], out_b)
+    if unit_roundoff(fmt) > unit_roundoff(state_fmt):  # the output rounded once to dtype
+        ref = np.nan_to_num(dot_product_attention(**call))
+        out_b = out_b + unit_roundoff(fmt) * (np.abs(ref) + out_b)
+    return out_b, lse_b
