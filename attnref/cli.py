@@ -1,4 +1,5 @@
-"""The ``attnref`` command line: ``attnref report``, ``attnref list`` and ``attnref check``."""
+"""The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check`` and
+``attnref check-merge``."""
 
 from __future__ import annotations
 
@@ -102,7 +103,61 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    m = sub.add_parser(
+        "check-merge",
+        help="run the state-algebra properties against your merge_states",
+        description="Run the attention state algebra's properties (check_merge_states: oracle, "
+        "commutative, associative, identity, stability, dtypes) against a function "
+        "merge(o_a, lse_a, o_b, lse_b) -> (o, lse). Exit status: 0 all passed, 1 a property "
+        "failed, 2 the target cannot be loaded or an option is invalid.",
+    )
+    m.add_argument("target", help="package.module:function")
+    m.add_argument(
+        "--properties", default=None, help="comma-separated properties to run (default: all)"
+    )
+    m.add_argument("--max-examples", type=int, default=None, help="examples per property (20)")
+    m.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every property")
+    m.add_argument(
+        "--dtypes", default=None, help="comma-separated formats (float32,float64,bfloat16,float16)"
+    )
+    m.add_argument(
+        "--masked-rows",
+        default="zeros",
+        choices=("zeros", "nan"),
+        help="the declared o of a merge of empty states",
+    )
+    m.add_argument("--json", action="store_true", help="machine-readable report")
     return p
+
+
+def _check_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from attnref.testing import check_merge_states
+
+    try:
+        fn = kit.load(args.target)
+    except kit.TargetError as e:
+        print(f"attnref check-merge: {e}", file=sys.stderr)
+        return 2
+    kwargs: dict[str, Any] = {}
+    if args.dtypes is not None:
+        kwargs["dtypes"] = tuple(kit.split_list(args.dtypes) or ())
+    try:
+        report = check_merge_states(
+            fn,
+            max_examples=args.max_examples,
+            seed=args.seed,
+            masked_rows=args.masked_rows,
+            properties=kit.split_list(args.properties) or None,
+            target=args.target,
+            **kwargs,
+        )
+    except ValueError as e:
+        parser.error(str(e))  # exits 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.summary().rstrip())
+    return 0 if report.passed else 1
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -176,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args, parser)
+    if args.command == "check-merge":
+        return _check_merge(args, parser)
     if args.command == "list":
         for f in formulations():
             print(

@@ -287,3 +287,10 @@ zigzag = functools.partial(_ring_attention, zigzag=True)
 zigzag_misordered = functools.partial(_ring_attention, zigzag=True, restore_reversed=False)
 ring_naive_merge = functools.partial(_ring_attention, merge=_merge_naive)
 ring_state_in_input_dtype = functools.partial(_ring_attention, state_in_input_dtype=True)
+
+
+def merge_states_naive(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """A user's state merge written the naive way (``attnref check-merge`` target): overflows
+    when ``lse_b - lse_a > 88`` in float32, and NaN for an empty (``-inf``) state."""
+    o_a, lse_a, o_b, lse_b = (jnp.asarray(x) for x in (o_a, lse_a, o_b, lse_b))
+    return _merge_naive(o_a, lse_a, o_b, lse_b)

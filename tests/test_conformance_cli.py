@@ -29,7 +29,7 @@ from attnref.conformance import (
     Options,
     read_xfail_file,
 )
-from attnref.testing import check_attention
+from attnref.testing import MERGE_PROPERTIES, check_attention
 
 pytest_plugins = ["pytester"]
 
@@ -116,6 +116,25 @@ def test_check_rejects_issue_11_targets(capsys, target, prop, message):
     out, _ = capsys.readouterr()
     assert status == 1, out
     assert message in out, out
+
+
+def test_check_merge_passes_attnref_and_fails_the_naive_merge(capsys):
+    """``attnref check-merge``: attnref's own merge passes every state-algebra property (exit
+    0); the naive ``lse + log(1 + exp(lse_b - lse))`` fails stability and identity (exit 1,
+    each failure with its example and replay); a bad option or target exits 2."""
+    assert main(["check-merge", "attnref:merge_states", "--max-examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "6 passed, 0 failed" in out and "PASS" in out
+    naive = "tests.conformance_targets:merge_states_naive"
+    code = main(["check-merge", naive, "--max-examples", "3", "--properties", "stability,identity"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert re.search(r"stability\s+failed", out) and re.search(r"identity\s+failed", out), out
+    assert "replay: check_merge_states(fn, properties=['stability']" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["check-merge", "attnref:merge_states", "--properties", "bogus"])
+    assert exc.value.code == 2 and "unknown properties" in capsys.readouterr().err
+    assert main(["check-merge", "no_such_module_xyz:merge"]) == 2
 
 
 def test_check_json(capsys):
@@ -232,6 +251,10 @@ def test_replay_command_and_xfail_file(tmp_path):
 # --- the pytest plugin --------------------------------------------------------------------
 
 
+# The shipped file's state-merge tests, which skip without --attnref-merge-target.
+NO_MERGE = len(MERGE_PROPERTIES)
+
+
 def _run(pytester, *args):
     return pytester.runpytest_inprocess(
         *PLUGIN, "-p", "no:cacheprovider", "-rsxXf", "--pyargs", "attnref.conformance", *args
@@ -240,7 +263,7 @@ def _run(pytester, *args):
 
 def test_plugin_without_target_skips_every_property(pytester):
     result = _run(pytester)
-    result.assert_outcomes(skipped=len(PROPERTIES))
+    result.assert_outcomes(skipped=len(PROPERTIES) + NO_MERGE)
     result.stdout.fnmatch_lines(["*no --attnref-target given*"])
 
 
@@ -253,7 +276,7 @@ def test_plugin_passes_skips_and_reports_declared_semantics(pytester):
         "--attnref-examples=2",
         "--attnref-properties=oracle,lse",
     )
-    result.assert_outcomes(passed=1, skipped=1)  # lse is not among the declared features
+    result.assert_outcomes(passed=1, skipped=1 + NO_MERGE)  # lse: not a declared feature
     result.stdout.fnmatch_lines(
         [
             f"attnref: target {GOOD} (signature jax_nn, features mask,bias, seed 0, "
@@ -266,7 +289,7 @@ def test_plugin_passes_skips_and_reports_declared_semantics(pytester):
 def test_plugin_failure_shows_message_example_and_seed(pytester):
     args = ("--attnref-examples=2", "--attnref-properties=oracle")
     result = _run(pytester, f"--attnref-target={BROKEN}", *args)
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=1, skipped=NO_MERGE)
     result.stdout.fnmatch_lines(
         [
             "*property 'oracle' failed*",
@@ -276,13 +299,29 @@ def test_plugin_failure_shows_message_example_and_seed(pytester):
     )
 
 
+def test_plugin_checks_a_merge_target(pytester):
+    """``--attnref-merge-target``: one test per state-algebra property; attnref's merge passes
+    them, the naive merge fails stability (the attention tests skip without a target)."""
+    good = _run(pytester, "--attnref-merge-target=attnref:merge_states", "--attnref-examples=2")
+    good.assert_outcomes(passed=NO_MERGE, skipped=len(PROPERTIES))
+    naive = _run(
+        pytester,
+        "--attnref-merge-target=tests.conformance_targets:merge_states_naive",
+        "--attnref-examples=3",
+        "-k",
+        "stability",
+    )
+    naive.assert_outcomes(failed=1)
+    naive.stdout.fnmatch_lines(["*stability*failed*"])
+
+
 def test_plugin_production_shapes(pytester):
     """``--attnref-shapes production`` reaches the engine: the tiling fault fails ``masks`` at its
     first production case (S = 129), the replay line carries the option."""
     target = "tests.conformance_targets:past_tile"
     args = ("--attnref-examples=1", "--attnref-properties=masks", "--attnref-masked-rows=uniform")
     result = _run(pytester, f"--attnref-target={target}", "--attnref-shapes=production", *args)
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=1, skipped=NO_MERGE)
     result.stdout.fnmatch_lines(["*production case 1/1: B=1 T=129 S=129*", "*--shapes production*"])
 
 
@@ -295,7 +334,7 @@ def test_plugin_xfail_file(pytester):
         "--attnref-properties=oracle",
         f"--attnref-xfail={xfails}",
     )
-    result.assert_outcomes(xfailed=1)
+    result.assert_outcomes(xfailed=1, skipped=NO_MERGE)
 
 
 @pytest.mark.parametrize(

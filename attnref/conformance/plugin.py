@@ -9,7 +9,9 @@ is loaded and every option validated once at start-up; a bad target or option is
 (pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
 ``--attnref-devices=1,2,4,8`` checks a distributed kernel on meshes of those sizes (each test then
-covers every size, and ``ring_size_growth`` is one more test).
+covers every size, and ``ring_size_growth`` is one more test). ``--attnref-merge-target`` checks
+a state merge (``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``) with the state algebra's
+properties, one test each (``test_merge_property``).
 
 This module uses the kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) only in
 :func:`pytest_configure`, once an ``--attnref-*`` option asks for it. Loading the plugin still
@@ -46,6 +48,7 @@ class Session:
     fn: Callable[..., Any] | None
     properties: tuple[str, ...]
     xfail: dict[str, str]
+    merge_fn: Callable[..., Any] | None = None  # --attnref-merge-target's function
 
 
 _KEY = pytest.StashKey[Session]()
@@ -130,6 +133,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
     group.addoption(
+        "--attnref-merge-target",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="a state merge merge(o_a, lse_a, o_b, lse_b) -> (o, lse) to check with the state "
+        "algebra's properties (check_merge_states; --attnref-examples and --attnref-seed apply)",
+    )
+    group.addoption(
         "--attnref-xfail",
         metavar="FILE",
         default=None,
@@ -164,12 +174,13 @@ def pytest_load_initial_conftests(
 
 def pytest_configure(config: pytest.Config) -> None:
     get = config.getoption
+    merge_fn = _merge_target(get("--attnref-merge-target"))
     spec = get("--attnref-target")
     xfail_file = get("--attnref-xfail")
     declared = (get("--attnref-masked-rows"), get("--attnref-causal-alignment"))
     quiet = get("--attnref-devices") is None and declared == ("zeros", "top_left")
     if spec is None and xfail_file is None and quiet:
-        config.stash[_KEY] = Session(None, None, (), {})
+        config.stash[_KEY] = Session(None, None, (), {}, merge_fn)
         return
     from attnref.conformance import (
         ALL_PROPERTIES,
@@ -204,7 +215,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except (ValueError, OSError) as e:
         raise pytest.UsageError(f"attnref: {e}") from e
     if spec is None and xfail_file is None:  # only declared semantics or devices, validated
-        config.stash[_KEY] = Session(None, None, (), {})
+        config.stash[_KEY] = Session(None, None, (), {}, merge_fn)
         return
     fn = None
     if spec is not None:
@@ -216,7 +227,19 @@ def pytest_configure(config: pytest.Config) -> None:
             options.preflight(fn)
         except ValueError as e:
             raise pytest.UsageError(f"attnref: {e}") from e
-    config.stash[_KEY] = Session(options if spec else None, fn, options.selected(), xfail)
+    config.stash[_KEY] = Session(options if spec else None, fn, options.selected(), xfail, merge_fn)
+
+
+def _merge_target(spec: str | None) -> Callable[..., Any] | None:
+    """The function named by ``--attnref-merge-target`` (``None`` without it)."""
+    if spec is None:
+        return None
+    from attnref.conformance import TargetError, load
+
+    try:
+        return load(spec)
+    except TargetError as e:
+        raise pytest.UsageError(f"attnref: --attnref-merge-target: {e}") from e
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

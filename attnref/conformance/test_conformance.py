@@ -6,7 +6,8 @@ Options (``pytest --help``, group "attnref"): ``--attnref-signature``, ``--attnr
 ``--attnref-properties``, ``--attnref-examples``, ``--attnref-seed``, ``--attnref-masked-rows``,
 ``--attnref-causal-alignment``, ``--attnref-dtypes``, ``--attnref-shapes``,
 ``--attnref-devices`` (a distributed kernel: meshes of these sizes, plus the ring-size growth
-property) and ``--attnref-xfail=FILE``.
+property), ``--attnref-merge-target`` (a state merge: one ``test_merge_property`` per
+state-algebra property) and ``--attnref-xfail=FILE``.
 
 Each test runs :func:`attnref.testing.check_attention` for its own property, so ``-k``, ``-x``
 and ``pytest-xdist`` work per property and a failure's seed replays exactly that property. A
@@ -21,6 +22,7 @@ import pytest
 
 from attnref.conformance import PROPERTIES, format_failure
 from attnref.conformance.plugin import session
+from attnref.testing import MERGE_PROPERTIES, check_merge_states
 
 NO_TARGET = (
     "no --attnref-target given; run `python -m pytest --pyargs attnref.conformance "
@@ -32,7 +34,15 @@ NO_PLUGIN = (
 )
 
 
+NO_MERGE_TARGET = (
+    "no --attnref-merge-target given; run `python -m pytest --pyargs attnref.conformance "
+    "--attnref-merge-target=package.module:merge`"
+)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "attnref_merge_property" in metafunc.fixturenames:
+        metafunc.parametrize("attnref_merge_property", MERGE_PROPERTIES)
     if "attnref_property" not in metafunc.fixturenames:
         return
     state = session(metafunc.config)
@@ -64,4 +74,24 @@ def test_property(attnref_property: str, request: pytest.FixtureRequest) -> None
         pytest.skip(f"{attnref_property}: {result.detail}")
     if result.status == "failed":
         pytest.fail(format_failure(result, state.options), pytrace=False)
+    assert result.status == "passed", result
+
+
+def test_merge_property(attnref_merge_property: str, request: pytest.FixtureRequest) -> None:
+    state = session(request.config)
+    if state is None:
+        pytest.skip(NO_PLUGIN)
+    if state.merge_fn is None:
+        pytest.skip(NO_MERGE_TARGET)
+    get = request.config.getoption
+    report = check_merge_states(
+        state.merge_fn,
+        max_examples=get("--attnref-examples"),
+        seed=get("--attnref-seed"),
+        properties=[attnref_merge_property],
+        target=get("--attnref-merge-target"),
+    )
+    (result,) = report.results
+    if result.status == "failed":
+        pytest.fail(report.summary(), pytrace=False)
     assert result.status == "passed", result
