@@ -98,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="check a distributed kernel (fn(query, key, value, ..., mesh=, axis_name=)) on "
         "1-D meshes of these sizes, e.g. 1,2,4,8: every property on each size, plus "
-        "ring_size_growth. The host needs that many devices: on a CPU host run with "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=8 (otherwise a clear error, exit 2)",
+        "ring_size_growth and uneven_lengths. The host needs that many devices: on a CPU host "
+        "run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (otherwise a clear error, "
+        "exit 2)",
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

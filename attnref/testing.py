@@ -32,6 +32,7 @@ from attnref._src.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, n
 from attnref._src.conformance import (
     ALL_PROPERTIES,
     DEFAULT_FEATURES,
+    DISTRIBUTED_PROPERTIES,
     FEATURES,
     PROPERTIES,
     SIGNATURES,
@@ -47,6 +48,7 @@ from attnref._src.conformance.states import MERGE_PROPERTIES, check_merge_states
 __all__ = [
     "ALL_PROPERTIES",
     "DEFAULT_FEATURES",
+    "DISTRIBUTED_PROPERTIES",
     "FEATURES",
     "MERGE_PROPERTIES",
     "PROPERTIES",

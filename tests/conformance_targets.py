@@ -38,7 +38,18 @@ multiples of ``P`` (``2P`` for zigzag): the kit draws such lengths.
   ``exp`` once a later chunk's lse exceeds the running one by 88 in float32 (EasyContext #14);
 * ``ring_state_in_input_dtype``: the running output kept in the input dtype, so bfloat16 inputs
   round it to bfloat16 at every ring step and the error grows with ``P`` (ring-flash-attention
-  #42; float32 inputs are unaffected).
+  #42; float32 inputs are unaffected);
+* ``zigzag_padded_unmasked``: zigzag that accepts any length by padding ``T`` and ``S`` with
+  zeros up to a multiple of ``2P`` and dropping the padded query rows, but forgets to mask the
+  padded keys: each is a logit 0 with a zero value, so a non-causal row's weights are diluted
+  (EasyContext #57's lengths; a causal row never reaches the padding, which comes after every
+  real key). Right whenever ``2P`` divides the lengths, as in every property but
+  ``uneven_lengths``.
+
+On lengths the mesh does not divide, ``ring`` refuses through ``jax.shard_map`` (a ``ValueError``:
+"not evenly divisible") where ``P`` does not divide them and computes where it does; ``zigzag``
+refuses through ``jnp.reshape`` (a ``TypeError``: "cannot reshape array of shape ...") wherever
+``2P`` does not divide them.
 """
 
 from __future__ import annotations
@@ -287,6 +298,32 @@ zigzag = functools.partial(_ring_attention, zigzag=True)
 zigzag_misordered = functools.partial(_ring_attention, zigzag=True, restore_reversed=False)
 ring_naive_merge = functools.partial(_ring_attention, merge=_merge_naive)
 ring_state_in_input_dtype = functools.partial(_ring_attention, state_in_input_dtype=True)
+
+
+def zigzag_padded_unmasked(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    mesh: Any,
+    axis_name: str | None = None,
+    return_lse: bool = False,
+    **kw: Any,
+) -> Any:
+    """``zigzag`` on ``T`` and ``S`` padded with zeros to multiples of ``2P``, the padded query
+    rows dropped, the padded keys not masked (the defect)."""
+    p = mesh.shape[mesh.axis_names[0] if axis_name is None else axis_name]
+    t, s = query.shape[1], key.shape[1]
+
+    def pad(x: Any, n: int) -> Any:
+        return jnp.pad(x, ((0, 0), (0, -n % (2 * p)), (0, 0), (0, 0)))
+
+    q, k, v = pad(query, t), pad(key, s), pad(value, s)
+    out = zigzag(q, k, v, bias, mask, mesh=mesh, axis_name=axis_name, return_lse=True, **kw)
+    o, lse = out[0][:, :t], out[1][:, :t]
+    return (o, lse) if return_lse else o
 
 
 def merge_states_naive(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:

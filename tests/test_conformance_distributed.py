@@ -12,7 +12,13 @@ fails, and the report names the property and the mesh size:
   of order one never overflow;
 * a ring that keeps its running output in the input dtype: with bfloat16 inputs its ``oracle``
   property passes on every mesh (FlashAttention's comparative rule, whose floor allows eight
-  16-bit roundings), and ``ring_size_growth`` fails, by a factor that grows with ``P``.
+  16-bit roundings), and ``ring_size_growth`` fails, by a factor that grows with ``P``;
+* a zigzag that pads lengths ``2P`` does not divide but leaves the padded keys unmasked
+  (EasyContext #57): ``uneven_lengths`` on every mesh size, ``P = 1`` included (odd lengths).
+
+``uneven_lengths`` passes the correct ring and zigzag, which refuse the lengths they cannot lay
+out (``jax.shard_map``'s and ``jnp.reshape``'s errors), and attnref's own zigzag, which pads them
+inside and computes the exact answer.
 
 Few examples, lengths multiplied by ``2 lcm(devices)`` from the kit's small buckets, and one
 compiled program per (target, mesh size, bucket, option set), reused across examples.
@@ -23,11 +29,13 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attnref.cli import main
-from attnref.conformance import Options
+from attnref.conformance import DISTRIBUTED_PROPERTIES, Options
+from attnref.distributed import zigzag_dot_product_attention
 from attnref.testing import (
     ALL_PROPERTIES,
     PROPERTIES,
@@ -44,6 +52,7 @@ DEVICES = (1, 2, 4, 8)
 EXAMPLES = 2
 FEATURES = ("causal", "lse")
 GROWTH = "ring_size_growth"
+UNEVEN = "uneven_lengths"
 PLUGIN = ("-p", "no:attnref", "-p", "attnref.conformance.plugin")
 
 
@@ -180,6 +189,146 @@ def test_state_rounded_to_bfloat16_each_step_fails_ring_size_growth():
     assert float32.passed, float32.summary()
 
 
+# ----------------------------------------------------------------------------- uneven lengths
+
+
+def test_correct_ring_kernels_refuse_the_lengths_they_cannot_lay_out():
+    """``ring`` computes every length on one device and refuses, through ``jax.shard_map``'s
+    "not evenly divisible" ``ValueError``, the lengths ``P`` does not divide (the first drawn
+    example has offset 1); ``zigzag`` refuses every length ``2P`` does not divide, odd ones on
+    one device included, through ``jnp.reshape``'s ``TypeError``. Each size's detail is the
+    first refusal's line and the tally."""
+    calls = 2 * EXAMPLES  # the kinds none and causal per example
+    ring = check_attention(
+        targets.ring, features=FEATURES, properties=[UNEVEN], devices=DEVICES, max_examples=EXAMPLES
+    )
+    (r,) = ring.results
+    assert r.status == "passed" and _statuses(r) == dict.fromkeys(DEVICES, "passed"), ring.summary()
+    details = {m.devices: m.detail for m in r.meshes}
+    assert details[1] == f"0 of {calls} calls refused, {calls} computed and equal to the oracle"
+    for p in DEVICES[1:]:
+        assert details[p].startswith("refused: ValueError: shard_map applied to"), details[p]
+        assert "not evenly divisible" in details[p] and " at 0x" not in details[p]
+    zigzag = check_attention(
+        targets.zigzag,
+        features=FEATURES,
+        properties=[UNEVEN],
+        devices=DEVICES,
+        max_examples=EXAMPLES,
+    )
+    (z,) = zigzag.results
+    assert z.status == "passed", zigzag.summary()
+    for m in z.meshes:
+        assert m.detail.startswith("refused: TypeError: cannot reshape array of shape"), m.detail
+        assert m.detail.endswith(
+            f"; {calls} of {calls} calls refused, 0 computed and equal to the oracle"
+        )
+    assert any(
+        line.split()[:3] == [UNEVEN, "2", "passed"] and "refused: TypeError" in line
+        for line in zigzag.summary().splitlines()
+    ), zigzag.summary()
+
+
+def test_attnref_zigzag_pads_inside_and_computes_the_exact_answer():
+    """attnref's zigzag pads lengths ``2P`` does not divide and masks the padding: every call
+    computes, equal to the oracle, on 1, 2 and 4 devices; the kernel saw only such lengths, with
+    ``T == S`` and ``T != S``."""
+    seen = set()
+
+    def spy(query, key, value, *, mesh, **kw):
+        seen.add((mesh.size, query.shape[1], key.shape[1]))
+        return zigzag_dot_product_attention(query, key, value, mesh=mesh, **kw)
+
+    report = check_attention(
+        spy, features=(*FEATURES, "cross"), properties=[UNEVEN], devices=(1, 2, 4), max_examples=2
+    )
+    (r,) = report.results
+    assert r.status == "passed", report.summary()
+    for m in r.meshes:
+        assert m.detail == "0 of 4 calls refused, 4 computed and equal to the oracle", m.detail
+    assert {p for p, _, _ in seen} == {1, 2, 4}
+    assert all(t % (2 * p) and s % (2 * p) for p, t, s in seen), seen
+    assert any(t == s for _, t, s in seen) and any(t != s for _, t, s in seen), seen
+
+
+def test_padded_unmasked_zigzag_fails_uneven_lengths_on_every_size():
+    """Padding to a multiple of ``2P`` without masking the padded keys is right on the lengths
+    of every other property (``oracle`` passes) and wrong on any other length, non-causal, on
+    every mesh size: on one device a zigzag still cuts the sequence in two."""
+    report = check_attention(
+        targets.zigzag_padded_unmasked,
+        features=FEATURES,
+        properties=["oracle", UNEVEN],
+        devices=(1, 2, 4),
+        max_examples=1,
+    )
+    by_name = _by_name(report)
+    assert by_name["oracle"].status == "passed", report.summary()
+    r = by_name[UNEVEN]
+    assert _statuses(r) == {1: "failed", 2: "failed", 4: "failed"}, report.summary()
+    assert r.detail.startswith(f"P=1: {UNEVEN} [P=1, T="), r.detail
+    assert "float32, none]: rule 'bound' failed" in r.detail and r.traceback is None
+    assert "t_offset=" in r.example
+    text = report.summary()
+    for p in (2, 4):
+        assert f"--- {UNEVEN} failed at P={p} (seed 0) ---" in text
+        assert f"{UNEVEN} [P={p}, T=" in text
+
+
+def _no_uneven_answer(how):
+    """A distributed target that, on the uneven lengths, raises ``how`` (an exception), returns
+    NaN (``"nan"``) or returns its output one row short (``"short"``)."""
+
+    def kernel(query, key, value, *, mesh):
+        if isinstance(how, Exception):
+            raise how
+        b, t, n, _ = query.shape
+        if how == "nan":
+            return jnp.full((b, t, n, value.shape[-1]), jnp.nan, query.dtype)
+        return jnp.zeros((b, t - 1, n, value.shape[-1]), query.dtype)
+
+    return kernel
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "detail"),
+    [
+        (
+            NotImplementedError("sequence length must be a multiple of 2 x devices"),
+            "passed",
+            "refused: NotImplementedError: sequence length must be a multiple of 2 x devices; "
+            "1 of 1 calls refused",
+        ),
+        (
+            ValueError("block table out of range"),
+            "failed",
+            f"P=1: {UNEVEN} [P=1, T=9, S=9, float32, none]: fn raised ValueError: block table "
+            "out of range; not a refusal",
+        ),
+        (IndexError("chunk 3 of 2"), "failed", "fn raised IndexError: chunk 3 of 2; not a refusal"),
+        ("nan", "failed", f"P=1: {UNEVEN} [P=1, T=9, S=9, float32, none]: NaN at index"),
+        ("short", "failed", "output [B, T, N, H_v] with shape (2, 8, 2, 4); expected (2, 9, 2, 4)"),
+    ],
+    ids=["clear-refusal", "unclear-valueerror", "indexerror", "nan", "short"],
+)
+def test_uneven_lengths_outcome_rule(how, status, detail):
+    """A refusal is a ValueError, NotImplementedError or TypeError that names the length; any
+    other exception, a NaN output or a wrong shape fails (the exception with its traceback). On
+    one device the lengths are the bucket's 4 x 2 lcm(1) = 8, plus 1."""
+    report = check_attention(
+        _no_uneven_answer(how), features=(), properties=[UNEVEN], devices=(1,), max_examples=1
+    )
+    (r,) = report.results
+    assert r.status == status, report.summary()
+    (m,) = r.meshes
+    assert detail in (m.detail if status == "passed" else r.detail), r
+    if isinstance(how, Exception) and status == "failed":
+        assert r.traceback is not None and "in kernel" in r.traceback, r.traceback
+        assert "whose message contains one of divisib, divide, multiple" in r.detail
+    elif status == "failed":
+        assert r.traceback is None
+
+
 # ----------------------------------------------------------------------------- options, report
 
 
@@ -203,9 +352,12 @@ def test_growth_needs_devices_and_defaults_follow_them():
     (r,) = report.results
     assert r.status == "skipped" and "needs devices=" in r.detail
     assert report.devices == () and "P " not in report.summary().splitlines()[3]
-    assert (*PROPERTIES, GROWTH) == ALL_PROPERTIES
+    assert DISTRIBUTED_PROPERTIES == (GROWTH, UNEVEN)
+    assert (*PROPERTIES, GROWTH, UNEVEN) == ALL_PROPERTIES
     assert Options(target="m:f").selected() == PROPERTIES
-    assert Options(target="m:f", devices=(1, 2)).selected() == (*PROPERTIES, GROWTH)
+    assert Options(target="m:f", devices=(1, 2)).selected() == (*PROPERTIES, GROWTH, UNEVEN)
+    uneven = check_attention(targets.ring, features=FEATURES, properties=[UNEVEN])
+    assert uneven.results[0].status == "skipped" and "needs devices=" in uneven.results[0].detail
 
 
 def test_report_json_and_skips_with_devices():

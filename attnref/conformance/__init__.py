@@ -3,7 +3,7 @@
 * ``attnref check package.module:function [--signature ...] [--masked-rows uniform] ...``: a
   progress bar, the summary table, the declared differences, exit status 0 / 1 (a property
   failed) / 2 (the target cannot be loaded); ``--devices 1,2,4,8`` checks a distributed kernel
-  on meshes of those sizes.
+  on meshes of those sizes (every property, and ``ring_size_growth`` and ``uneven_lengths``).
 * ``pytest --pyargs attnref.conformance --attnref-target=package.module:function``: one pytest
   test per property (:mod:`attnref.conformance.test_conformance`), with the options of
   :mod:`attnref.conformance.plugin` (registered through the ``pytest11`` entry point).
@@ -26,8 +26,8 @@ from attnref._src import conformance as _engine
 from attnref._src.conformance import (
     ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
+    DISTRIBUTED_PROPERTIES,
     FEATURES,
-    GROWTH,
     MASKED_ROWS_POLICIES,
     PROPERTIES,
     SIGNATURES,
@@ -43,6 +43,7 @@ from attnref._src.conformance import (
 __all__ = [
     "ALIGNMENTS",
     "ALL_PROPERTIES",
+    "DISTRIBUTED_PROPERTIES",
     "FEATURES",
     "MASKED_ROWS",
     "PROPERTIES",
@@ -133,7 +134,8 @@ class Options:
         causal_alignment: The target's declared causal alignment (``ALIGNMENTS``).
         dtypes: The input dtypes; ``None``: ``check_attention``'s (float32).
         properties: The properties to run (``ALL_PROPERTIES``); ``None``: all (the nine of
-            ``PROPERTIES``, and ``ring_size_growth`` with ``devices``).
+            ``PROPERTIES``, and with ``devices`` the ``DISTRIBUTED_PROPERTIES``,
+            ``ring_size_growth`` and ``uneven_lengths``).
         shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (tile-boundary sweeps).
         devices: Mesh sizes for a distributed target (``check_attention(devices=...)``);
             ``None``: a single-device target.
@@ -176,7 +178,7 @@ class Options:
     def selected(self) -> tuple[str, ...]:
         """The properties to run, in the engine's order."""
         if self.properties is None:
-            return PROPERTIES if self.devices is None else (*PROPERTIES, GROWTH)
+            return PROPERTIES if self.devices is None else (*PROPERTIES, *DISTRIBUTED_PROPERTIES)
         return tuple(p for p in ALL_PROPERTIES if p in self.properties)
 
     def preflight(self, fn: Callable[..., Any]) -> None:

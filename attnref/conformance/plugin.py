@@ -9,9 +9,9 @@ is loaded and every option validated once at start-up; a bad target or option is
 (pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
 ``--attnref-devices=1,2,4,8`` checks a distributed kernel on meshes of those sizes (each test then
-covers every size, and ``ring_size_growth`` is one more test). ``--attnref-merge-target`` checks
-a state merge (``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``) with the state algebra's
-properties, one test each (``test_merge_property``).
+covers every size, and ``ring_size_growth`` and ``uneven_lengths`` are two more tests).
+``--attnref-merge-target`` checks a state merge (``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``)
+with the state algebra's properties, one test each (``test_merge_property``).
 
 This module uses the kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) only in
 :func:`pytest_configure`, once an ``--attnref-*`` option asks for it. Loading the plugin still
@@ -129,7 +129,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="LIST",
         default=None,
         help="check a distributed kernel (fn(..., mesh=, axis_name=)) on 1-D meshes of these "
-        "sizes, e.g. 1,2,4,8: every property on each size, plus ring_size_growth (on a CPU "
+        "sizes, e.g. 1,2,4,8: every property on each size, plus ring_size_growth and "
+        "uneven_lengths (on a CPU "
         "host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
     group.addoption(

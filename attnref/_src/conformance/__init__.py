@@ -71,14 +71,33 @@ Properties (each equality with the oracle uses the tolerance rules of
     allows one rounding of the output to 16 bits, so a ring that rounds its running output to
     16 bits at every step (ring-flash-attention #42) fails, by a factor that grows with ``P``.
     The report gives, per size, the worst error / allowance over the examples.
+``uneven_lengths`` (a distributed kernel only, ``devices=``)
+    On each mesh size ``P`` (``P = 1`` included: a zigzag layout cuts the sequence in ``2P``
+    chunks, so one device already needs even lengths), lengths that ``2P`` does not divide: a
+    bucket's lengths (multiples of ``2 lcm(devices)``) plus an offset drawn from ``1 .. 2P - 1``,
+    the same for ``T`` and ``S`` in the ``T == S`` bucket and drawn apart in the ``T != S`` one
+    (with ``"cross"``), for the kinds ``none`` and ``causal``, in the first dtype (float32 when
+    requested). Each call passes either as a refusal or as an answer. A refusal is an exception
+    of type ``ValueError``, ``NotImplementedError`` or ``TypeError`` whose message contains
+    (case-insensitive) ``divisib``, ``divide``, ``multiple``, ``length``, ``pad`` or
+    ``reshape``: ``jax.shard_map``'s "not evenly divisible" ``ValueError`` and
+    ``jax.numpy``'s "cannot reshape array" ``TypeError`` (a kernel that cuts the sequence into
+    equal chunks) are refusals. An answer must equal the oracle within the ``oracle``
+    property's allowance for a distributed kernel (the merged-states bound in float32 and
+    float64, the comparative rule in 16 bits). Anything else fails: another exception (an
+    ``AssertionError`` too: ``python -O`` strips it), NaN where the oracle is finite, a wrong
+    shape. A size that passes has the tally as its detail: the first refusal's ``"refused:
+    <Type>: <first line>"`` and how many calls were refused and computed. A kernel that pads
+    to a multiple of ``2P`` and forgets to mask the padded keys fails (EasyContext #57).
 
 Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` takes jax.nn's arguments plus ``mesh=``
 (a 1-D ``jax.sharding.Mesh``, axis ``"devices"``, over the first ``P`` of ``jax.devices()``) and
 ``axis_name="devices"`` when it names that parameter; ``q, k, v`` are global arrays sharded along
-the sequence axis (``NamedSharding``), and every length is a multiple of ``2 lcm(devices)`` (the
-buckets' lengths times that), so that a contiguous, striped or zigzag layout of every size divides
-it. Every property runs on every size (one :class:`MeshResult` each, in
-:attr:`PropertyResult.meshes`); a failure names the size.
+the sequence axis (``NamedSharding``) where ``P`` divides their length, else replicated. Every
+length is a multiple of ``2 lcm(devices)`` (the buckets' lengths times that), so that a
+contiguous, striped or zigzag layout of every size divides it, except in ``uneven_lengths``,
+which draws the lengths ``2P`` does not divide. Every property runs on every size (one
+:class:`MeshResult` each, in :attr:`PropertyResult.meshes`); a failure names the size.
 
 Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
 is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.
@@ -108,7 +127,7 @@ check of each option), :mod:`~attnref._src.conformance.report` (:class:`Property
 (loading the target, the meshes, and the adapter that calls it),
 :mod:`~attnref._src.conformance.references` (attnref's own passes and the comparisons with the
 oracle), :mod:`~attnref._src.conformance.context` (the buckets and what a
-plan draws from), :mod:`~attnref._src.conformance.plans` (the ten properties) and
+plan draws from), :mod:`~attnref._src.conformance.plans` (the eleven properties) and
 :mod:`~attnref._src.conformance.engine` (the Hypothesis runner and :func:`check_attention`).
 The closeness rules the comparisons apply live in :mod:`attnref._src.closeness`.
 
@@ -129,6 +148,7 @@ from attnref._src.conformance.options import (
     MASKED_ROWS_POLICIES,
     PROPERTIES,
     SIGNATURES,
+    UNEVEN,
     OptionError,
     check_choice,
     check_devices,
@@ -150,6 +170,7 @@ __all__ = [
     "MASKED_ROWS_POLICIES",
     "PROPERTIES",
     "SIGNATURES",
+    "UNEVEN",
     "ConformanceReport",
     "MeshResult",
     "OptionError",

@@ -85,7 +85,9 @@ class _Context:
     ``devices`` is ``P``, ``anchor`` the same function on one device (the growth rule's
     reference), and every bucket's lengths are multiplied by ``length_multiple`` (so that every
     layout of every mesh size divides them). ``ratios`` collects each example's worst
-    error / allowance where a plan reports one."""
+    error / allowance where a plan reports one; ``calls`` each call's outcome where a plan
+    tallies them (``uneven_lengths``: ``"computed"`` or ``"refused: <the exception's first
+    line>"``)."""
 
     target: _Target
     signature: str
@@ -97,6 +99,7 @@ class _Context:
     anchor: _Target | None = None
     length_multiple: int = 1
     ratios: list[float] = dataclasses.field(default_factory=list)
+    calls: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def primary(self) -> str:

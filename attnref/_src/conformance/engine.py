@@ -23,7 +23,7 @@ from attnref._src.conformance.options import (
     _DEPENDS,
     ALL_PROPERTIES,
     DEFAULT_FEATURES,
-    GROWTH,
+    DISTRIBUTED_PROPERTIES,
     PROPERTIES,
     OptionError,
     check_choice,
@@ -36,7 +36,7 @@ from attnref._src.conformance.options import (
     check_signature,
     length_multiple,
 )
-from attnref._src.conformance.plans import _PLANS
+from attnref._src.conformance.plans import _PLANS, TargetRaised, calls_detail
 from attnref._src.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.conformance.targets import _describe_target, _Target, mesh, takes_keyword
 
@@ -137,8 +137,10 @@ def _run_property(
 
 def _failure(exc: BaseException) -> tuple[str, str | None]:
     """``(message, traceback)``: the traceback only for an exception that is not one of the
-    kit's comparisons."""
+    kit's comparisons (for a :class:`TargetRaised`, its cause's: the target's exception)."""
     message = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, TargetRaised) and exc.__cause__ is not None:
+        return message, _format_traceback(exc.__cause__)
     if _is_comparison_failure(exc):
         return message, None
     return f"{type(exc).__name__}: {message}", _format_traceback(exc)
@@ -202,16 +204,20 @@ def _on_meshes(
 ) -> tuple[MeshResult, ...] | str:
     """Property ``name`` on each mesh size (ascending; ``log`` gets a line after each), or why
     it is skipped (a plan's reason depends on the features only, so it is the same at every
-    size)."""
+    size). A passing size whose plan tallied its calls (``uneven_lengths``) has the tally as
+    its detail."""
     out: list[MeshResult] = []
     for size, ctx in contexts.items():
         start = time.perf_counter()
         before = len(ctx.target.notes)
         ctx.ratios.clear()
+        ctx.calls.clear()
         run = _small(ctx, name, max_examples, seed)
         if isinstance(run, str):
             return run
         status, detail, example, count, tb = run
+        if status == "passed" and ctx.calls:
+            detail = calls_detail(ctx.calls)
         detail = _with_notes(detail, ctx.target.notes[before:])
         ratio = max(ctx.ratios) if ctx.ratios else None
         took = time.perf_counter() - start
@@ -321,7 +327,8 @@ def check_attention(
         dtypes: The oracle property runs each; the others run in float32 when requested, else
             in the first dtype (float64 runs inside ``jax.enable_x64``).
         properties: A subset of :data:`ALL_PROPERTIES` (default: :data:`PROPERTIES`, and
-            ``"ring_size_growth"`` with ``devices``), run in that order.
+            with ``devices`` the :data:`DISTRIBUTED_PROPERTIES` ``"ring_size_growth"`` and
+            ``"uneven_lengths"``), run in that order.
         progress: ``progress(done, total, name)`` is called after each property with the number
             finished, the number to run and the name of the property just finished.
         target: The name shown in the report (default: ``fn``'s module and name).
@@ -335,9 +342,10 @@ def check_attention(
             ``fn`` takes jax.nn's arguments plus ``mesh=`` (a 1-D ``jax.sharding.Mesh`` over the
             first ``P`` of ``jax.devices()``, axis ``"devices"``) and ``axis_name=`` where it
             names that parameter; ``q, k, v`` come as global arrays sharded along the sequence
-            axis, every length a multiple of ``2 lcm(devices)``. Each property runs on each size
-            (a :class:`MeshResult` per size), and ``ring_size_growth`` with them. ``None``
-            (default): a single-device function.
+            axis, every length a multiple of ``2 lcm(devices)`` (but in ``uneven_lengths``,
+            whose lengths ``2P`` does not divide). Each property runs on each size (a
+            :class:`MeshResult` per size), and ``ring_size_growth`` and ``uneven_lengths`` with
+            them. ``None`` (default): a single-device function.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
@@ -356,7 +364,7 @@ def check_attention(
     check_expressible(signature, feats)
     check_choice("masked_rows", masked_rows)
     check_choice("causal_alignment", causal_alignment)
-    default = PROPERTIES if devices is None else (*PROPERTIES, GROWTH)
+    default = PROPERTIES if devices is None else (*PROPERTIES, *DISTRIBUTED_PROPERTIES)
     names = tuple(default if properties is None else properties)
     check_properties(names)
     names = tuple(p for p in ALL_PROPERTIES if p in names)

@@ -24,6 +24,7 @@ __all__ = [
     "PROPERTIES",
     "SHAPES",
     "SIGNATURES",
+    "UNEVEN",
     "OptionError",
     "check_choice",
     "check_devices",
@@ -46,10 +47,12 @@ PROPERTIES = (
     "gradients",
     "extreme_logits",
 )
-# The property of a distributed kernel alone (check_attention(..., devices=...)): the error
-# against the oracle at each mesh size within the derived bound.
+# The properties of a distributed kernel alone (check_attention(..., devices=...)): the error
+# against the oracle at each mesh size within the derived bound; lengths the mesh does not divide
+# refused clearly or answered right.
 GROWTH = "ring_size_growth"
-DISTRIBUTED_PROPERTIES = (GROWTH,)
+UNEVEN = "uneven_lengths"
+DISTRIBUTED_PROPERTIES = (GROWTH, UNEVEN)
 ALL_PROPERTIES = PROPERTIES + DISTRIBUTED_PROPERTIES
 SIGNATURES = ("jax_nn", "qkv_mask", "numpy")
 # "small": Hypothesis draws over a few small buckets; "production": tile-boundary sweeps
@@ -99,6 +102,7 @@ _DEPENDS: dict[str, tuple[str, ...]] = {
     "gradients": ("causal_alignment",),
     "extreme_logits": ("causal_alignment",),
     GROWTH: ("causal_alignment",),
+    UNEVEN: ("causal_alignment",),
 }
 
 
@@ -196,7 +200,7 @@ def check_choice(option: str, value: str) -> None:
 
 def check_properties(properties: Sequence[str]) -> None:
     """Every property must be known: ``set(properties) <= set(ALL_PROPERTIES)`` (the nine of
-    :data:`PROPERTIES` and the distributed kernel's :data:`GROWTH`).
+    :data:`PROPERTIES` and the distributed kernel's :data:`DISTRIBUTED_PROPERTIES`).
 
     Args:
         properties: The properties asked for.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from attnref import strategies as ast
 from attnref._src.closeness import FLASH_FACTOR, assert_ratio_within
 from attnref._src.conformance.context import Plan, _Case, _cases, _Context
-from attnref._src.conformance.options import GROWTH
+from attnref._src.conformance.options import GROWTH, UNEVEN
 from attnref._src.conformance.references import (
     _assert_lse,
     _assert_output,
@@ -454,6 +455,88 @@ def _assert_growth(ctx: _Context, anchor: Any, p: ast.KernelProblem, kind: str) 
     )
 
 
+# uneven_lengths' refusal rule: the exception types, and the words (case-insensitive, anywhere in
+# the message) that say the refusal is about the length. "reshape" is jax.numpy's refusal
+# ("cannot reshape array of shape (1, 65) ... into shape (1, 4, 16)") in a kernel that cuts the
+# sequence into equal chunks; shard_map's own refusal says "not evenly divisible".
+REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
+REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
+_REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
+
+
+class TargetRaised(AssertionError):
+    """A property's failure that is an exception the target raised (``__cause__``): the report
+    gives the property's message and the cause's traceback."""
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a clear refusal of a length: an instance of :data:`REFUSAL_TYPES`
+    whose message contains one of :data:`REFUSAL_WORDS` (case-insensitive)."""
+    return isinstance(exc, REFUSAL_TYPES) and _REFUSAL.search(str(exc)) is not None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``"<Type>: <the message's first line>"``, memory addresses dropped (a function's repr in
+    shard_map's message) and cut at 300 characters."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    line = re.sub(r" at 0x[0-9a-fA-F]+", "", line)
+    line = line if len(line) <= 300 else line[:297] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _plan_uneven(ctx: _Context) -> Plan | str:
+    if ctx.devices is None:
+        return "needs devices= (a distributed kernel, run on meshes of several sizes)"
+    kinds = ctx.kinds(("none", "causal"))
+    offsets = st.integers(1, 2 * ctx.devices - 1)
+
+    def check(case: _Case) -> None:
+        c = case.config
+        t = c.t + case.get("t_offset")
+        s = t if c.s == c.t else c.s + case.get("s_offset")
+        config = dataclasses.replace(c, t=t, s=s)
+        for kind in kinds:
+            _assert_uneven(ctx, ctx.view(ctx.problem(config, kind, case.seed)), kind)
+
+    pool = ctx.pool("self", "general")
+    return _cases(ctx.configs(pool), t_offset=offsets, s_offset=offsets), check
+
+
+def _assert_uneven(ctx: _Context, p: ast.KernelProblem, kind: str) -> None:
+    """One call on lengths ``2P`` does not divide: a refusal (:func:`is_refusal`) passes and is
+    tallied in ``ctx.calls``; an output must equal the oracle within the ``oracle`` property's
+    allowance (:func:`_assert_output`, the merged-states bound of a distributed target); any
+    other exception fails (:class:`TargetRaised`, with its traceback)."""
+    c = p.config
+    label = f"{UNEVEN} [P={ctx.devices}, T={c.t}, S={c.s}, {p.dtype}, {kind}]"
+    try:
+        out, _ = ctx.run(p)
+    except AssertionError:  # the kit's shape checks (or the target's own assert)
+        raise
+    except Exception as exc:
+        if is_refusal(exc):
+            ctx.calls.append(f"refused: {_first_line(exc)}")
+            return
+        raise TargetRaised(
+            f"{label}: fn raised {_first_line(exc)}; not a refusal (a {UNEVEN} refusal is a "
+            f"{', '.join(t.__name__ for t in REFUSAL_TYPES)} whose message contains one of "
+            f"{', '.join(REFUSAL_WORDS)})"
+        ) from exc
+    _assert_output(out, p, label)
+    ctx.calls.append("computed")
+
+
+def calls_detail(calls: list[str]) -> str:
+    """The detail of a passing ``uneven_lengths`` run from its tally: the first refusal's line
+    (``"refused: <Type>: <first line>"``), then how many calls were refused and computed."""
+    refused = [c for c in calls if c != "computed"]
+    counts = (
+        f"{len(refused)} of {len(calls)} calls refused, {len(calls) - len(refused)} computed "
+        "and equal to the oracle"
+    )
+    return f"{refused[0]}; {counts}" if refused else counts
+
+
 _PLANS: dict[str, Callable[[_Context], Plan | str]] = {
     "oracle": _plan_oracle,
     "masks": _plan_masks,
@@ -465,4 +548,5 @@ _PLANS: dict[str, Callable[[_Context], Plan | str]] = {
     "gradients": _plan_gradients,
     "extreme_logits": _plan_extreme,
     GROWTH: _plan_growth,
+    UNEVEN: _plan_uneven,
 }

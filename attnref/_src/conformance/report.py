@@ -20,7 +20,9 @@ class MeshResult:
     Attributes:
         devices: The mesh size ``P``.
         status: ``"passed"``, ``"failed"`` or ``"skipped"``.
-        detail: The failure message (or skip reason).
+        detail: The failure message (or skip reason); where ``uneven_lengths`` passed, its
+            tally (the first refusal's ``"refused: <Type>: <first line>"``, and how many calls
+            were refused and how many computed).
         example: Hypothesis's shrunk falsifying example and notes.
         examples: The examples run at this size.
         traceback: As :attr:`PropertyResult.traceback`.
