@@ -121,7 +121,7 @@ def split_kv_dot_product_attention(
     mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
     *,
     num_splits: int = NUM_SPLITS,
-    scale: float | None = None,
+    scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     query_seq_lengths: Int[ArrayLike, " B"] | None = None,
     key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,

@@ -144,7 +144,7 @@ def all_gather_dot_product_attention(
     *,
     mesh: Mesh,
     axis_name: str | None = None,
-    scale: float | None = None,
+    scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     query_seq_lengths: Int[ArrayLike, " B"] | None = None,
     key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,

@@ -482,7 +482,7 @@ def _kernel(scheme: str) -> Any:
         *,
         mesh: Any,
         axis_name: str | None = None,
-        scale: float | None = None,
+        scale: float | ArrayLike | None = None,
         is_causal: bool = False,
         query_seq_lengths: Int[ArrayLike, " B"] | None = None,
         key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
