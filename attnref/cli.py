@@ -1,5 +1,5 @@
-"""The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check`` and
-``attnref check-merge``."""
+"""The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check``,
+``attnref check-merge``, ``attnref cite`` and ``attnref --version``."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from attnref import __version__
 from attnref import conformance as kit
 from attnref import report as _report
+from attnref._src import citations
 from attnref._src.checks import enable_x64
 from attnref._src.feature_maps import MAP_NAMES
-from attnref._src.registry import formulations
+from attnref._src.registry import formulations, get, ids
 from attnref.conformance import ALIGNMENTS, MASKED_ROWS
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnref", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="every formulation against the float64 oracle")
     d = _report.Problem()
@@ -128,7 +131,34 @@ def _parser() -> argparse.ArgumentParser:
         help="the declared o of a merge of empty states",
     )
     m.add_argument("--json", action="store_true", help="machine-readable report")
+    k = sub.add_parser(
+        "cite",
+        help="how to cite a formulation: its sources and attnref",
+        description="Print the citation of a registered formulation: its title, its sources "
+        "and attnref (plain text), or BibTeX entries for them with --bibtex.",
+    )
+    k.add_argument("id", type=_formulation_id, help="a registry id (attnref list shows them)")
+    k.add_argument("--bibtex", action="store_true", help="BibTeX entries instead of plain text")
     return p
+
+
+def _formulation_id(text: str) -> str:
+    """``text`` if it is a registry id; otherwise argparse's one-line error naming the known ids."""
+    known = ids()
+    if text not in known:
+        raise argparse.ArgumentTypeError(
+            f"unknown formulation {text!r} (known: {', '.join(known)})"
+        )
+    return text
+
+
+def _cite(fid: str, bibtex: bool) -> str:
+    """The citation of registry entry ``fid``: plain text (title, the registry's citation,
+    attnref's) or BibTeX (its sources' entries, then attnref's)."""
+    if bibtex:
+        return citations.formulation_bibtex(fid).rstrip()
+    f = get(fid)
+    return f"{f.title} ({fid})\n\nSources: {f.citation}\n\nattnref: {citations.attnref_text()}"
 
 
 def _check_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -234,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check(args, parser)
     if args.command == "check-merge":
         return _check_merge(args, parser)
+    if args.command == "cite":
+        print(_cite(args.id, args.bibtex))
+        return 0
     if args.command == "list":
         for f in formulations():
             print(

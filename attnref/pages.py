@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from attnref._src.citations import formulation_bibtex
 from attnref._src.family import public_path
 from attnref._src.kernel_forms import decode_attention
 from attnref._src.probes import attention_logits, attention_probes, residual_update
@@ -169,6 +170,14 @@ def _family(f: Formulation) -> str:
     )
 
 
+def _cite(f: Formulation) -> str:
+    """The "Cite" block: BibTeX for the formulation's sources and for attnref."""
+    return (
+        f"**Cite.** BibTeX for the sources above and for attnref (`attnref cite {f.id} "
+        f"--bibtex` prints it):\n\n```bibtex\n{formulation_bibtex(f.id)}```"
+    )
+
+
 def render(f: Formulation) -> str:
     """The Markdown page of one formulation.
 
@@ -193,6 +202,7 @@ def render(f: Formulation) -> str:
         f"{doc}\n\n"
         f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"
         f"**Citation.** {f.citation}\n\n"
+        f"{_cite(f)}\n\n"
         "*This page is generated from the registry by `python -m attnref.pages`; "
         "`tests/test_docs_pages.py` checks it is current and that every name and signature on it "
         "is the code's.*\n"

@@ -1,0 +1,410 @@
+"""Citations as data: a BibTeX entry for every source the registry cites, and the map from each
+registry id to the keys of its sources.
+
+``ENTRIES`` holds the sources (key -> :class:`Entry`); ``SOURCES`` maps every registry id to
+the keys of the sources its ``Formulation.citation`` names (``tests/test_citations.py`` fails
+for an id without one, and for a source named in the text but not mapped). The seed posts
+name no author; they are cited by title, site (where the post names one) and date. attnref's
+own entry takes its version from ``attnref.__version__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTNREF_KEY = "attnref"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One BibTeX entry.
+
+    Attributes:
+        kind: The entry type (``article``, ``inproceedings``, ``misc``).
+        fields: ``(name, value)`` pairs in output order; values are BibTeX text (braces kept).
+    """
+
+    kind: str
+    fields: tuple[tuple[str, str], ...]
+
+
+def _arxiv(eprint: str, primary: str) -> tuple[tuple[str, str], ...]:
+    return (
+        ("eprint", eprint),
+        ("archivePrefix", "arXiv"),
+        ("primaryClass", primary),
+        ("url", f"https://arxiv.org/abs/{eprint}"),
+    )
+
+
+def _preprint(author: str, title: str, year: str, eprint: str, primary: str) -> Entry:
+    return Entry(
+        "misc",
+        (
+            ("author", author),
+            ("title", title),
+            ("howpublished", f"arXiv preprint arXiv:{eprint}"),
+            ("year", year),
+            *_arxiv(eprint, primary),
+        ),
+    )
+
+
+def _seed(title: str, date: str, site: str = "") -> Entry:
+    year, month, _ = date.split("-")
+    where = f"Blog post, {site}" if site else "Blog post"
+    return Entry(
+        "misc",
+        (
+            ("title", title),
+            ("howpublished", where),
+            ("year", year),
+            ("month", month.lstrip("0")),
+            ("note", f"Published {date}"),
+        ),
+    )
+
+
+ENTRIES: dict[str, Entry] = {
+    "vaswani2017attention": Entry(
+        "inproceedings",
+        (
+            (
+                "author",
+                "Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and "
+                "Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia",
+            ),
+            ("title", "Attention Is All You Need"),
+            ("booktitle", "Advances in Neural Information Processing Systems 30 (NeurIPS 2017)"),
+            ("year", "2017"),
+            *_arxiv("1706.03762", "cs.CL"),
+        ),
+    ),
+    "elhage2021mathematical": Entry(
+        "article",
+        (
+            (
+                "author",
+                "Elhage, Nelson and Nanda, Neel and Olsson, Catherine and Henighan, Tom and "
+                "Joseph, Nicholas and Mann, Ben and Askell, Amanda and Bai, Yuntao and Chen, Anna "
+                "and Conerly, Tom and DasSarma, Nova and Drain, Dawn and Ganguli, Deep and "
+                "Hatfield-Dodds, Zac and Hernandez, Danny and Jones, Andy and Kernion, Jackson "
+                "and Lovitt, Liane and Ndousse, Kamal and Amodei, Dario and Brown, Tom and Clark, "
+                "Jack and Kaplan, Jared and McCandlish, Sam and Olah, Chris",
+            ),
+            ("title", "A Mathematical Framework for Transformer Circuits"),
+            ("journal", "Transformer Circuits Thread"),
+            ("year", "2021"),
+            ("url", "https://transformer-circuits.pub/2021/framework/index.html"),
+        ),
+    ),
+    # The seed posts (../shared/seeds): no author named; far.in.net names its site.
+    "hidden_messages2025": _seed("The Hidden Messages of Multi-Head Attention", "2025-02-17"),
+    "reframing_attention2025": _seed(
+        "Reframing Attention: A Matrix Decomposition Perspective", "2025-02-18"
+    ),
+    "refactoring_attention2025": _seed(
+        "Refactoring the Attention Equations: Patterns and Messages", "2025-02-19"
+    ),
+    "attention_all_you_need_to_know2025": _seed(
+        "Attention: All you need to know", "2025-03-29", site="far.in.net"
+    ),
+    "attention_mechanism_concept2025": _seed(
+        "[Concept] The Attention Mechanism of Transformer Models", "2025-08-22"
+    ),
+    "karpathy2023cs25": Entry(
+        "misc",
+        (
+            ("author", "Karpathy, Andrej"),
+            ("title", "Introduction to Transformers"),
+            ("howpublished", "Lecture, Stanford {CS25}: Transformers United"),
+            ("year", "2023"),
+        ),
+    ),
+    "milakov2018online": _preprint(
+        "Milakov, Maxim and Gimelshein, Natalia",
+        "Online normalizer calculation for softmax",
+        "2018",
+        "1805.02867",
+        "cs.PF",
+    ),
+    "dao2022flashattention": Entry(
+        "inproceedings",
+        (
+            (
+                "author",
+                "Dao, Tri and Fu, Daniel Y. and Ermon, Stefano and Rudra, Atri and "
+                "R{\\'e}, Christopher",
+            ),
+            (
+                "title",
+                "{FlashAttention}: Fast and Memory-Efficient Exact Attention with {IO}-Awareness",
+            ),
+            ("booktitle", "Advances in Neural Information Processing Systems 35 (NeurIPS 2022)"),
+            ("year", "2022"),
+            *_arxiv("2205.14135", "cs.LG"),
+        ),
+    ),
+    "dao2024flashattention2": Entry(
+        "inproceedings",
+        (
+            ("author", "Dao, Tri"),
+            (
+                "title",
+                "{FlashAttention-2}: Faster Attention with Better Parallelism and Work "
+                "Partitioning",
+            ),
+            ("booktitle", "International Conference on Learning Representations (ICLR 2024)"),
+            ("year", "2024"),
+            *_arxiv("2307.08691", "cs.LG"),
+        ),
+    ),
+    "dao2023flashdecoding": Entry(
+        "misc",
+        (
+            ("author", "Dao, Tri and Haziza, Daniel and Massa, Francisco and Sizov, Grigory"),
+            ("title", "{Flash-Decoding} for long-context inference"),
+            ("howpublished", "PyTorch and Stanford {CRFM} blog posts"),
+            ("year", "2023"),
+            ("month", "10"),
+        ),
+    ),
+    "rabe2021selfattention": _preprint(
+        "Rabe, Markus N. and Staats, Charles",
+        "Self-attention Does Not Need {$O(n^2)$} Memory",
+        "2021",
+        "2112.05682",
+        "cs.LG",
+    ),
+    "ainslie2023gqa": Entry(
+        "inproceedings",
+        (
+            (
+                "author",
+                "Ainslie, Joshua and Lee-Thorp, James and de Jong, Michiel and Zemlyanskiy, Yury "
+                "and Lebr{\\'o}n, Federico and Sanghai, Sumit",
+            ),
+            (
+                "title",
+                "{GQA}: Training Generalized Multi-Query Transformer Models from Multi-Head "
+                "Checkpoints",
+            ),
+            (
+                "booktitle",
+                "Proceedings of the 2023 Conference on Empirical Methods in Natural Language "
+                "Processing (EMNLP)",
+            ),
+            ("year", "2023"),
+            *_arxiv("2305.13245", "cs.CL"),
+        ),
+    ),
+    "shazeer2019fast": _preprint(
+        "Shazeer, Noam",
+        "Fast Transformer Decoding: One Write-Head is All You Need",
+        "2019",
+        "1911.02150",
+        "cs.NE",
+    ),
+    "su2021roformer": _preprint(
+        "Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and "
+        "Liu, Yunfeng",
+        "{RoFormer}: Enhanced Transformer with Rotary Position Embedding",
+        "2021",
+        "2104.09864",
+        "cs.CL",
+    ),
+    "press2021train": _preprint(
+        "Press, Ofir and Smith, Noah A. and Lewis, Mike",
+        "Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation",
+        "2021",
+        "2108.12409",
+        "cs.CL",
+    ),
+    "katharopoulos2020transformers": Entry(
+        "inproceedings",
+        (
+            (
+                "author",
+                "Katharopoulos, Angelos and Vyas, Apoorv and Pappas, Nikolaos and "
+                "Fleuret, Fran{\\c{c}}ois",
+            ),
+            (
+                "title",
+                "Transformers are {RNNs}: Fast Autoregressive Transformers with Linear Attention",
+            ),
+            ("booktitle", "Proceedings of the 37th International Conference on Machine Learning"),
+            ("year", "2020"),
+            *_arxiv("2006.16236", "cs.LG"),
+        ),
+    ),
+    "choromanski2021performers": Entry(
+        "inproceedings",
+        (
+            (
+                "author",
+                "Choromanski, Krzysztof and Likhosherstov, Valerii and Dohan, David and Song, "
+                "Xingyou and Gane, Andreea and Sarlos, Tamas and Hawkins, Peter and Davis, Jared "
+                "and Mohiuddin, Afroz and Kaiser, Lukasz and Belanger, David and Colwell, Lucy "
+                "and Weller, Adrian",
+            ),
+            ("title", "Rethinking Attention with Performers"),
+            ("booktitle", "International Conference on Learning Representations (ICLR 2021)"),
+            ("year", "2021"),
+            *_arxiv("2009.14794", "cs.LG"),
+        ),
+    ),
+    "liu2023ring": _preprint(
+        "Liu, Hao and Zaharia, Matei and Abbeel, Pieter",
+        "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+        "2023",
+        "2310.01889",
+        "cs.CL",
+    ),
+    "brandon2023striped": _preprint(
+        "Brandon, William and Nrusimha, Aniruddha and Qian, Kevin and Ankner, Zachary and "
+        "Jin, Tian and Song, Zhiye and Ragan-Kelley, Jonathan",
+        "Striped Attention: Faster Ring Attention for Causal Transformers",
+        "2023",
+        "2311.09431",
+        "cs.LG",
+    ),
+    "zhu2024ringflashattention": Entry(
+        "misc",
+        (
+            ("author", "Zhu, Zilin"),
+            ("title", "ring-flash-attention"),
+            ("howpublished", "GitHub repository zhuzilin/ring-flash-attention"),
+            ("year", "2024"),
+            ("url", "https://github.com/zhuzilin/ring-flash-attention"),
+        ),
+    ),
+    "jacobs2023ulysses": _preprint(
+        "Jacobs, Sam Ade and Tanaka, Masahiro and Zhang, Chengming and Zhang, Minjia and "
+        "Song, Shuaiwen Leon and Rajbhandari, Samyam and He, Yuxiong",
+        "{DeepSpeed Ulysses}: System Optimizations for Enabling Training of Extreme Long "
+        "Sequence Transformer Models",
+        "2023",
+        "2309.14509",
+        "cs.LG",
+    ),
+    "shoeybi2019megatron": _preprint(
+        "Shoeybi, Mohammad and Patwary, Mostofa and Puri, Raul and LeGresley, Patrick and "
+        "Casper, Jared and Catanzaro, Bryan",
+        "{Megatron-LM}: Training Multi-Billion Parameter Language Models Using Model Parallelism",
+        "2019",
+        "1909.08053",
+        "cs.CL",
+    ),
+    "dubey2024llama3": _preprint(
+        "Dubey, Abhimanyu and others",
+        "The {Llama} 3 Herd of Models",
+        "2024",
+        "2407.21783",
+        "cs.AI",
+    ),
+}
+
+_BLOCKWISE = ("milakov2018online", "dao2022flashattention", "ainslie2023gqa", "shazeer2019fast")
+_SEEDS_MESSAGES = ("refactoring_attention2025", "reframing_attention2025")
+_LINEAR = ("katharopoulos2020transformers",)
+
+# Registry id -> the keys of the sources its ``citation`` names, in the order it names them.
+SOURCES: dict[str, tuple[str, ...]] = {
+    "concat": ("vaswani2017attention",),
+    "per_head_sum": ("vaswani2017attention", *_SEEDS_MESSAGES),
+    "scores_messages": _SEEDS_MESSAGES,
+    "patterns_messages": _SEEDS_MESSAGES,
+    "column": ("elhage2021mathematical", "attention_all_you_need_to_know2025"),
+    "soft_search": ("refactoring_attention2025", "attention_all_you_need_to_know2025"),
+    "graph": ("karpathy2023cs25", "attention_all_you_need_to_know2025"),
+    "linear_quadratic": (*_LINEAR, "choromanski2021performers"),
+    "linear_associative": _LINEAR,
+    "linear_prefix_sum": _LINEAR,
+    "linear_recurrent": _LINEAR,
+    "linear_chunked": _LINEAR,
+    "linear_messages": (*_LINEAR, *_SEEDS_MESSAGES),
+    "blockwise": _BLOCKWISE,
+    "kv_cache": ("vaswani2017attention", "ainslie2023gqa", "shazeer2019fast"),
+    "split_kv": ("dao2023flashdecoding", "dao2024flashattention2", *_BLOCKWISE),
+    "state_merge": ("milakov2018online", "rabe2021selfattention"),
+    "rope": ("su2021roformer",),
+    "rope_patterns": ("su2021roformer", *_SEEDS_MESSAGES),
+    "ring": ("liu2023ring",),
+    "striped": ("brandon2023striped", "liu2023ring"),
+    "zigzag": ("zhu2024ringflashattention", "dubey2024llama3", "liu2023ring"),
+    "all_gather": ("dubey2024llama3",),
+    "ulysses": ("jacobs2023ulysses",),
+    "tensor_parallel": ("shoeybi2019megatron",),
+}
+
+# attnref's first commit is dated 2026-11-22.
+_ATTNREF_YEAR = "2026"
+_ATTNREF_TITLE = (
+    "attnref: every equivalent formulation of multi-head attention, a float64 oracle, and "
+    "property tests that prove they agree"
+)
+
+
+def attnref_entry() -> Entry:
+    """attnref's own entry, its version ``attnref.__version__``."""
+    from attnref import __version__
+
+    return Entry(
+        "misc",
+        (
+            ("author", "{attnref developers}"),
+            ("title", "{attnref}: " + _ATTNREF_TITLE.split(": ", 1)[1]),
+            ("howpublished", f"Python package, version {__version__}"),
+            ("year", _ATTNREF_YEAR),
+            ("version", __version__),
+        ),
+    )
+
+
+def attnref_text() -> str:
+    """attnref's citation as one line of plain text."""
+    from attnref import __version__
+
+    return f"attnref developers ({_ATTNREF_YEAR}), {_ATTNREF_TITLE}, version {__version__}."
+
+
+def bibtex(key: str, entry: Entry) -> str:
+    """``entry`` as BibTeX text under ``key``.
+
+    Args:
+        key: The citation key.
+        entry: The entry.
+
+    Returns:
+        ``@kind{key,`` then one ``name = {value},`` line per field, then ``}``.
+    """
+    width = max(len(name) for name, _ in entry.fields)
+    lines = [f"  {name:<{width}} = {{{value}}}," for name, value in entry.fields]
+    return f"@{entry.kind}{{{key},\n" + "\n".join(lines) + "\n}"
+
+
+def keys(fid: str) -> tuple[str, ...]:
+    """The keys of the sources of registry entry ``fid``, attnref's last.
+
+    Args:
+        fid: A registry id.
+
+    Returns:
+        The keys of :data:`SOURCES` ``[fid]`` followed by ``"attnref"``.
+
+    Raises:
+        KeyError: ``fid`` has no mapping in :data:`SOURCES`.
+    """
+    if fid not in SOURCES:
+        raise KeyError(f"no citation mapping for registry id {fid!r}; add it to SOURCES")
+    return (*SOURCES[fid], ATTNREF_KEY)
+
+
+def formulation_bibtex(fid: str) -> str:
+    """BibTeX for registry entry ``fid``: its sources, then attnref, separated by blank lines.
+
+    Raises:
+        KeyError: ``fid`` has no mapping in :data:`SOURCES`.
+    """
+    entries = [bibtex(k, attnref_entry() if k == ATTNREF_KEY else ENTRIES[k]) for k in keys(fid)]
+    return "\n\n".join(entries) + "\n"
