@@ -1,8 +1,11 @@
-"""nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s lowest``."""
+"""nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s lowest``,
+``nox -s docs``, ``nox -s citation``."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import nox
@@ -59,3 +62,45 @@ def lowest(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pip", "freeze")
     session.run("pytest", "-q", *session.posargs)
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; tests/site/ drives it headless
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """Install Debian's Chromium (no recommended packages) where ``/usr/bin/chromium`` is
+    missing: as root, ``apt-get update`` and ``apt-get install``; otherwise stop with the command
+    to run."""
+    if Path(CHROMIUM).exists():
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.error(
+            f"{CHROMIUM} is missing and this session cannot install it (it needs root and "
+            "apt-get): run `sudo apt-get update && sudo apt-get install -y "
+            "--no-install-recommends chromium` (Debian/Ubuntu), then `nox -s docs` again"
+        )
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    # Fresh package lists: a container's may be missing or stale (old versions 404 on a mirror).
+    session.run("apt-get", "update", external=True, env=env)
+    session.run(
+        "apt-get", "install", "-y", "--no-install-recommends", "chromium", external=True, env=env
+    )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site: ``sphinx-build`` with warnings as errors (no network: MathJax is
+    bundled), then the tests of the built site in headless Chromium and the docs' slow shell
+    examples (``pytest -n 0 -m "site or docs_shell"``; ``nox -s docs -- -k math`` passes
+    arguments to pytest). The site is ``docs/_build/html/index.html``."""
+    session.install("-e", ".[docs,test]")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+    _ensure_chromium(session)
+    session.run("pytest", "-n", "0", "-m", "site or docs_shell", *session.posargs)
+
+
+@nox.session
+def citation(session: nox.Session) -> None:
+    """``CITATION.cff`` against the Citation File Format schema (cffconvert)."""
+    session.install("cffconvert")
+    session.run("cffconvert", "--validate", "-i", "CITATION.cff")

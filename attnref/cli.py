@@ -1,20 +1,30 @@
 """The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check``,
-``attnref check-merge``, ``attnref cite`` and ``attnref --version``."""
+``attnref check-merge``, ``attnref cite`` and ``attnref --version``.
+
+Tables print as plain text when piped, drawn by rich on a terminal; a progress bar shows on
+stderr only when it is a terminal. Exit status 2 is a usage error (one line of error on stderr).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
 from attnref import __version__
 from attnref import conformance as kit
-from attnref import report as _report
-from attnref._src import citations
+from attnref import report as _report_mod
+from attnref._src import citations, console
 from attnref._src.checks import enable_x64
+from attnref._src.console import is_terminal
 from attnref._src.feature_maps import MAP_NAMES
 from attnref._src.registry import formulations, get, ids
 from attnref.conformance import ALIGNMENTS, MASKED_ROWS
@@ -25,15 +35,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="every formulation against the float64 oracle")
-    d = _report.Problem()
-    for name in ("batch", "t_q", "t_k", "num_heads", "d_model", "d_k", "d_v", "seed"):
-        r.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    d = _report_mod.Problem()
+    for name in ("batch", "t_q", "t_k", "num_heads", "d_model", "d_k", "d_v"):
+        r.add_argument(f"--{name.replace('_', '-')}", type=_positive, default=getattr(d, name))
+    r.add_argument("--seed", type=_nonnegative, default=d.seed)
     r.add_argument("--no-bias", action="store_true", help="parameters without biases")
     r.add_argument("--no-causal", action="store_true", help="no causal mask")
     r.add_argument(
-        "--formulations", default=None, help="comma-separated registry ids (default: all)"
+        "--formulations",
+        type=_formulation_ids,
+        default=None,
+        help="comma-separated registry ids (default: all)",
     )
-    r.add_argument("--dtypes", default="float32,float64", help="comma-separated dtypes")
+    r.add_argument(
+        "--dtypes",
+        type=_report_dtypes,
+        default=REPORT_DTYPES,
+        help=f"comma-separated dtypes, from {', '.join(REPORT_DTYPES)} (default: both)",
+    )
     r.add_argument(
         "--feature-map",
         default="elu_plus_one",
@@ -41,15 +60,20 @@ def _parser() -> argparse.ArgumentParser:
         help="feature map for the linear family",
     )
     r.add_argument("--json", action="store_true", help="machine-readable output")
-    r.add_argument("--repeats", type=int, default=5, help="timed calls per formulation")
+    r.add_argument("--repeats", type=_positive, default=5, help="timed calls per formulation")
     r.add_argument(
         "--plot",
         metavar="DIR",
         default=None,
         help="also sweep T and write log-log PNGs to DIR (needs attnref[plot])",
     )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    sub.add_parser("list", help="registered formulations with their equations")
+    r.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
+    sub.add_parser(
+        "list",
+        help="registered formulations with their equations",
+        description="One line per registered formulation: id, family, convention, title, "
+        "equation, cost and citation (a table; plain text when piped).",
+    )
     c = sub.add_parser(
         "check",
         help="run the conformance properties against your attention function",
@@ -106,7 +130,13 @@ def _parser() -> argparse.ArgumentParser:
         "exit 2)",
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
+    c.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print a line per production case and per mesh size to stderr even when it is not "
+        "a terminal (on a terminal these lines show above the progress bar anyway)",
+    )
     m = sub.add_parser(
         "check-merge",
         help="run the state-algebra properties against your merge_states",
@@ -142,6 +172,60 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+PROGRESS_HELP = "no progress bar (one is shown only when stderr is a terminal)"
+REPORT_DTYPES = ("float32", "float64")
+
+
+def _positive(text: str) -> int:
+    """``text`` as an integer of at least 1; otherwise argparse's one-line error."""
+    value = _nonnegative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    """``text`` as an integer of at least 0; otherwise argparse's one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
+    return value
+
+
+def _formulation_ids(text: str) -> list[str]:
+    """Comma-separated registry ids; otherwise argparse's one-line error naming the known ids."""
+    return [_formulation_id(s) for s in _items(text)]
+
+
+def _report_dtypes(text: str) -> list[str]:
+    """Comma-separated dtypes of :data:`REPORT_DTYPES`; otherwise argparse's one-line error."""
+    chosen = _items(text)
+    for name in chosen:
+        if name not in REPORT_DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"unknown dtype {name!r} (choose from {', '.join(REPORT_DTYPES)})"
+            )
+    return chosen
+
+
+def _items(text: str) -> list[str]:
+    """The non-empty items of a comma-separated list (at least one)."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _fail(command: str, error: Exception) -> SystemExit:
+    """Print ``attnref <command>: error: <error>`` (one line) to stderr; the exit to raise."""
+    message = " ".join(line.strip() for line in str(error).strip().splitlines())
+    print(f"attnref {command}: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def _formulation_id(text: str) -> str:
     """``text`` if it is a registry id; otherwise argparse's one-line error naming the known ids."""
     known = ids()
@@ -161,13 +245,13 @@ def _cite(fid: str, bibtex: bool) -> str:
     return f"{f.title} ({fid})\n\nSources: {f.citation}\n\nattnref: {citations.attnref_text()}"
 
 
-def _check_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _check_merge(args: argparse.Namespace) -> int:
     from attnref.testing import check_merge_states
 
     try:
         fn = kit.load(args.target)
     except kit.TargetError as e:
-        print(f"attnref check-merge: {e}", file=sys.stderr)
+        _fail("check-merge", e)
         return 2
     kwargs: dict[str, Any] = {}
     if args.dtypes is not None:
@@ -183,19 +267,19 @@ def _check_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             **kwargs,
         )
     except ValueError as e:
-        parser.error(str(e))  # exits 2
+        raise _fail("check-merge", e) from None
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(report.summary().rstrip())
+        console.emit(report)
     return 0 if report.passed else 1
 
 
-def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _check(args: argparse.Namespace) -> int:
     try:
         devices = kit.split_devices(args.devices)
     except ValueError as e:
-        parser.error(str(e))  # exits 2
+        raise _fail("check", e) from None
     options = kit.Options(
         target=args.target,
         signature=args.signature,
@@ -212,85 +296,149 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         options.validate()
     except ValueError as e:
-        parser.error(str(e))  # exits 2
+        raise _fail("check", e) from None
     try:
         fn = kit.load(args.target)
     except kit.TargetError as e:
-        print(f"attnref check: {e}", file=sys.stderr)
+        _fail("check", e)
         return 2
     try:
         options.preflight(fn)  # the engine's own checks (e.g. a feature the signature lacks)
     except ValueError as e:
-        parser.error(str(e))
-    stream = None if args.no_progress else sys.stderr
+        raise _fail("check", e) from None
     names = options.selected()
+    log = sys.stderr if args.verbose else None
+    with console.progress_bar(not args.no_progress, log=log) as bar:
 
-    def progress(done: int, total: int, name: str) -> None:
-        # the engine reports each finished property; the bar names the one running next
-        label = f"{names[done]} ..." if done < len(names) else "done"
-        _report._progress(done, total, label, stream)
+        def progress(done: int, total: int, name: str) -> None:
+            # the engine reports each finished property; the bar names the one running next
+            bar.update(done, total, f"{names[done]} ..." if done < len(names) else "done")
 
-    if names:
-        _report._progress(0, len(names), f"{names[0]} ...", stream)
-
-    def log(line: str) -> None:
-        if stream is not None:
-            print(f"\r  {line:<70}", file=stream, flush=True)
-
-    report = options.run(fn, progress=progress, log=log)
+        if names:
+            progress(0, len(names), names[0])
+        report = options.run(fn, progress=progress, log=bar.log)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(_check_text(report, options))
+        console.emit(report)
+        replay = _replay_text(report, options)
+        if replay:
+            print(replay)
     return 0 if report.passed else 1
 
 
-def _check_text(report: Any, options: kit.Options) -> str:
-    """The engine's summary (table, declared differences, each failure's message, shrunk
-    example and seed) and, per failure, the shell command that replays it."""
-    text = report.summary().rstrip()
+def _replay_text(report: Any, options: kit.Options) -> str:
+    """Per failure, the shell command that replays it (empty if none failed)."""
     failed = [r for r in report.results if r.status == "failed"]
-    if failed:
-        text += "\n\nreplay from the shell:\n" + "\n".join(
-            f"  {options.replay_command(r.name, r.seed, kit.failed_devices(r))}" for r in failed
-        )
-    return text
+    if not failed:
+        return ""
+    return "\nreplay from the shell:\n" + "\n".join(
+        f"  {options.replay_command(r.name, r.seed, kit.failed_devices(r))}" for r in failed
+    )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "check":
-        return _check(args, parser)
-    if args.command == "check-merge":
-        return _check_merge(args, parser)
-    if args.command == "cite":
-        print(_cite(args.id, args.bibtex))
-        return 0
-    if args.command == "list":
-        for f in formulations():
-            print(
-                f"{f.id:<18} [{f.family.name}, {f.convention}] {f.title}\n    {f.equation}\n"
-                f"    cost: {f.cost}\n    {f.citation}"
-            )
-        return 0
-    sizes = {f.name for f in dataclasses.fields(_report.Problem)} - {"bias", "causal"}
-    problem = _report.Problem(
+def _list() -> Table:
+    """The registry as a table: a row per formulation, its title, equation, cost and citation
+    on consecutive lines of the last column, a blank line between rows."""
+    headings = ("id", "family", "convention", "title, equation, cost, citation")
+    table = console.table(headings, terminal=is_terminal(sys.stdout))
+    table.leading = 1
+    for f in formulations():
+        about = "\n".join((f.title, f.equation, f"cost: {f.cost}", f.citation))
+        table.add_row(f.id, f.family.name, f.convention, Text(about))
+    return table
+
+
+def _report(args: argparse.Namespace) -> int:
+    sizes = {f.name for f in dataclasses.fields(_report_mod.Problem)} - {"bias", "causal"}
+    problem = _report_mod.Problem(
         **{name: getattr(args, name) for name in sizes},
         bias=not args.no_bias,
         causal=not args.no_causal,
     )
-    ids = None if args.formulations is None else [s.strip() for s in args.formulations.split(",")]
-    stream = None if args.no_progress else sys.stderr
-    chosen_dtypes = [s.strip() for s in args.dtypes.split(",")]
-    with enable_x64():  # the table includes float64 rows; float32 rows stay float32
-        rows = _report.run(problem, ids, chosen_dtypes, repeats=args.repeats, progress=stream)
+    with enable_x64(), console.progress_bar(not args.no_progress) as bar:
+        # the table includes float64 rows; float32 rows stay float32
+        rows = _report_mod.run(
+            problem, args.formulations, args.dtypes, repeats=args.repeats, progress=bar.update
+        )
         if args.plot:
-            swept = _report.sweep(problem, ids, progress=stream)
-            for path in _report.plot(swept, args.plot):
+            swept = _report_mod.sweep(problem, args.formulations, progress=bar.update)
+            try:
+                paths = _report_mod.plot(swept, args.plot, problem)
+            except OSError as e:
+                raise _fail("report", e) from None
+            for path in paths:
                 print(f"wrote {path}", file=sys.stderr)
-    print(_report.to_json(rows, problem) if args.json else _report.format_table(rows, problem))
+    if args.json:
+        print(_report_mod.to_json(rows, problem))
+    else:
+        console.emit(_report_mod.Table(rows, problem))
     return 0 if all(r.bound_ratio <= 1.0 for r in rows) else 1
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run the command; argparse exits 2 on a bad flag or value."""
+    args = _parser().parse_args(argv)
+    if args.command == "check":
+        return _check(args)
+    if args.command == "check-merge":
+        return _check_merge(args)
+    if args.command == "cite":
+        print(_cite(args.id, args.bibtex))
+        return 0
+    if args.command == "list":
+        console.emit(_list())
+        return 0
+    return _report(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``attnref`` with ``argv`` (default: ``sys.argv[1:]``).
+
+    A closed pipe (``attnref list | head -1``) ends the command quietly with status 141
+    (128 + SIGPIPE, as a tool killed by the signal reports), Ctrl-C with status 130; neither
+    prints a traceback.
+
+    Args:
+        argv: The arguments after ``attnref``.
+
+    Returns:
+        The exit status: 0 success, 1 a check or a bound failed, 2 a usage error.
+    """
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        print("attnref: interrupted", file=sys.stderr)
+        if argv is None:  # the console script: leave now, without the interpreter's teardown
+            _leave(130)
+        return 130
+    return status
+
+
+def _leave(status: int) -> None:
+    """Exit at once with ``status``, after flushing the standard streams: an interrupted JAX
+    compilation can crash the interpreter's ordinary teardown (a segmentation fault, status
+    -11, instead of 130)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of the output a closed
+    pipe refused raises nothing (the recipe of Python's ``signal`` documentation)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (pytest's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Render the per-formulation Markdown pages of ``docs/formulations/`` from the registry, and
 ``docs/distributed.md`` (:func:`render_distributed`) from the distributed family's entries and
-their cost models.
+their cost models; and, for the documentation site, one page per test module
+(:func:`write_test_pages`, run by ``docs/conf.py`` at build time) and the list of property tests
+each formulation page cites (:data:`PROPERTY_TESTS`, :func:`covered_ids`).
 
 The export rule (checked by ``tests/test_docs_pages.py``): every registered formulation's
 ``native`` and ``apply`` are exported under their ``__name__``, from ``attnref`` or from one of
@@ -13,9 +15,11 @@ belongs to shows it.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -139,26 +143,55 @@ def public_name(fn: Callable[..., Any]) -> str:
     )
 
 
-def _code_block(fn: Callable[..., Any]) -> str:
-    """``fn``'s public name and its ``inspect.signature``, verbatim, as a Python code block."""
-    return f"```python\n{public_name(fn)}{inspect.signature(fn)}\n```"
+def _autodoc(fn: Callable[..., Any]) -> str:
+    """An autodoc block for ``fn`` under its public name: the site shows the signature and the
+    docstring from the code (``:no-index:``: the API reference is the indexed entry)."""
+    return f"```{{eval-rst}}\n.. autofunction:: {public_name(fn)}\n   :no-index:\n```"
 
 
 def _code(f: Formulation) -> str:
     family = f"registry `apply` ({f.family.name} family)"
     if f.native is f.apply:
-        text = f"**Code.** Native form and {family}:\n\n{_code_block(f.native)}"
+        text = f"**Code.** Native form and {family}:\n\n{_autodoc(f.native)}"
     else:
         text = (
-            f"**Code.** Native form:\n\n{_code_block(f.native)}\n\n"
-            f"{family[0].upper()}{family[1:]}:\n\n{_code_block(f.apply)}"
+            f"**Code.** Native form:\n\n{_autodoc(f.native)}\n\n"
+            f"{family[0].upper()}{family[1:]}:\n\n{_autodoc(f.apply)}"
         )
     helpers = [h for h in HELPERS if h.formulation == f.id]
     if helpers:
         text += "\n\n**Helpers** (exported multi-head functions that are not registry entries):"
         for h in helpers:
-            text += f"\n\n{_code_block(h.fn)}\n\n{h.reason}"
+            text += f"\n\n{_autodoc(h.fn)}\n\n{h.reason}"
     return text
+
+
+_DIMS = re.compile(r"\[\s*\w+\s*,\s*['\"]([^'\"]*)['\"]\s*\]")
+
+
+def _dims(annotation: Any) -> str | None:
+    """``[..., T_q, d_model]`` from a jaxtyping annotation ``Float[ArrayLike, '... T_q
+    d_model']`` (a string under ``from __future__ import annotations``); ``None`` if none."""
+    if not isinstance(annotation, str):
+        return None
+    m = _DIMS.search(annotation)
+    return None if m is None else "[" + ", ".join(m.group(1).split()) + "]"
+
+
+def _shapes(f: Formulation) -> str:
+    """The array arguments of the native form and their shapes, from its annotations."""
+    sig = inspect.signature(f.native)
+    args = [
+        f"`{name} {dims}`"
+        for name, par in sig.parameters.items()
+        if (dims := _dims(par.annotation)) is not None
+    ]
+    out = _dims(sig.return_annotation)
+    returns = f"; returns `{out}`" if out is not None else ""
+    return (
+        f"**Shapes** (the annotations of `{public_name(f.native)}`; a leading `#` marks an axis "
+        f"that may be 1 and broadcasts): {', '.join(args)}{returns}."
+    )
 
 
 def _family(f: Formulation) -> str:
@@ -178,16 +211,17 @@ def _cite(f: Formulation) -> str:
     )
 
 
-def render(f: Formulation) -> str:
+def render(f: Formulation, tests_dir: Path | None = None) -> str:
     """The Markdown page of one formulation.
 
     Args:
         f: A registry entry.
+        tests_dir: The test suite whose property tests the page lists (:func:`covered_ids`);
+            ``None`` (default) means ``tests/`` of this checkout.
 
     Returns:
         The page's Markdown text.
     """
-    doc = inspect.getdoc(f.native) or ""
     module = inspect.getmodule(f.native)
     details = (inspect.getdoc(module) or "") if module is not None else ""
     return (
@@ -196,16 +230,18 @@ def render(f: Formulation) -> str:
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
         f"**Cost.** {f.cost}\n\n"
+        f"{_shapes(f)}\n\n"
         f"**Convention.** {_CONVENTION_NOTE[f.convention]} {f.family.note}\n\n"
         f"{_family(f)}\n\n"
+        f"{_tests(f, TESTS if tests_dir is None else tests_dir)}\n\n"
         f"{_code(f)}\n\n"
-        f"{doc}\n\n"
-        f"**Details** (from `{f.native.__module__}`).\n\n{details}\n\n"
+        f"**Details** (from `{f.native.__module__}`).\n\n"
+        f"```{{eval-rst}}\n{details}\n```\n\n"
         f"**Citation.** {f.citation}\n\n"
         f"{_cite(f)}\n\n"
         "*This page is generated from the registry by `python -m attnref.pages`; "
-        "`tests/test_docs_pages.py` checks it is current and that every name and signature on it "
-        "is the code's.*\n"
+        "`tests/test_docs_pages.py` checks it is current and that every name on it is the "
+        "code's.*\n"
     )
 
 
@@ -217,6 +253,234 @@ def write(directory: Path) -> list[Path]:
         path = directory / f"{f.id}.md"
         path.write_text(render(f))
         paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- the tests' pages
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # the suite of this checkout
+
+# The property tests that run formulations against the oracle and against each other, as
+# ``<module>.<function>`` or ``<module>.<Class>.<method>`` (their site labels are ``tests.`` and
+# this). Which formulations each one runs is read from its source (:func:`covered_ids`), not
+# written here, and each formulation page lists the ones that run it;
+# ``tests/test_docs_pages.py`` checks that every entry exists and runs at least one
+# formulation, and that every formulation is run by at least one entry. The reading is an
+# over-approximation (a test that filters what it names, as the linear kernel-level test does
+# with the forms that have a ``(q, k, v)`` level, would be credited with the whole family), so
+# only tests that run every formulation they name belong here.
+PROPERTY_TESTS: tuple[str, ...] = (
+    "test_formulations.AgreementTest.test_every_formulation_matches_oracle_and_each_other",
+    "test_formulations.AgreementTest.test_every_formulation_matches_oracle_eagerly",
+    "test_formulations.LowPrecisionTest.test_16bit_formats_meet_flashattention_rule",
+    "test_formulations.test_residual_form",
+    "test_formulations.test_every_broadcast_shape_of_mask_and_bias",
+    "test_gradients.GradientAgreementTest.test_gradients_agree_across_formulations",
+    "test_gqa.SoftmaxGQATest.test_every_formulation_matches_oracle",
+    "test_rope.RopeRegistryTest.test_every_rope_entry_matches_oracle",
+    "test_rope.RopeRegistryTest.test_every_rope_entry_matches_oracle_eagerly",
+    "test_linear.test_multihead_forms_match_oracle",
+    "test_gqa.LinearGQATest.test_every_linear_formulation_matches_oracle",
+    "test_gqa.LinearGQATest.test_every_linear_formulation_matches_oracle_eagerly",
+    "test_distributed_ring.test_matches_oracle_on_every_mesh",
+    "test_distributed_ring.test_row_form_matches_the_oracle",
+    "test_distributed_heads.ForwardTest.test_matches_oracle_on_every_mesh",
+    "test_distributed_heads.test_row_form_matches_the_oracle",
+)
+
+
+def site_label(test: str) -> str:
+    """The site label of ``test`` (``<module>.<function>`` or ``<module>.<Class>.<method>``):
+    ``tests.<module>.<function>``; link to it with ``{ref}`tests.<module>.<function>```."""
+    return f"tests.{test}"
+
+
+def suite_functions(source: str) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """The test functions of a module's ``source``, in order: top-level ``test_*`` functions
+    and the ``test_*`` methods of top-level classes, as ``(qualname, node)``."""
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name.startswith("test"):
+                yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    item.name.startswith("test")
+                ):
+                    yield f"{node.name}.{item.name}", item
+
+
+def _definitions(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level functions, classes and assigned names of ``tree`` (a method as
+    ``Class.method``), each with the node that defines it."""
+    defs: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            defs[node.name] = node
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defs[f"{node.name}.{item.name}"] = item
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and node.value is not None:
+                    defs[target.id] = node.value
+    return defs
+
+
+def covered_ids(test: str, tests_dir: Path = TESTS) -> frozenset[str]:
+    """The registry ids that property test ``test`` (an entry of :data:`PROPERTY_TESTS`) runs,
+    read from its source: the test function, and transitively the module-level functions,
+    methods of its class and module-level names it uses, are searched for
+    ``formulations("<family>")`` / ``ids("<family>")`` (the whole family) and for tuples or
+    lists of registered ids written out (``SCHEMES = ("ring", "striped", "zigzag")``).
+
+    Args:
+        test: ``<module>.<function>`` or ``<module>.<Class>.<method>``.
+        tests_dir: The directory of the test modules.
+
+    Returns:
+        The ids, possibly empty.
+
+    Raises:
+        LookupError: The module has no such test function.
+    """
+    from attnref._src.registry import formulations as _formulations
+
+    module, qualname = test.split(".", 1)
+    tree = ast.parse((tests_dir / f"{module}.py").read_text())
+    defs = _definitions(tree)
+    if qualname not in defs or not qualname.rsplit(".", 1)[-1].startswith("test"):
+        raise LookupError(f"tests/{module}.py has no test function {qualname}")
+    cls = qualname.split(".")[0] if "." in qualname else None
+    families = {f.family.name for f in _formulations()}
+    registered = {f.id for f in _formulations()}
+    ids: set[str] = set()
+    seen: set[str] = set()
+    todo = [qualname]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(defs[name]):
+            if isinstance(node, ast.Name) and node.id in defs:
+                todo.append(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+                and cls is not None
+                and f"{cls}.{node.attr}" in defs
+            ):
+                todo.append(f"{cls}.{node.attr}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, (ast.Name, ast.Attribute))
+                and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr)
+                in ("formulations", "ids")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value in families
+            ):
+                ids.update(f.id for f in _formulations(node.args[0].value))
+            if isinstance(node, (ast.Tuple, ast.List)):
+                ids.update(
+                    e.value
+                    for e in node.elts
+                    if isinstance(e, ast.Constant) and e.value in registered
+                )
+    return frozenset(ids)
+
+
+def _tests(f: Formulation, tests_dir: Path) -> str:
+    """The page's list of the property tests that run ``f`` (:func:`covered_ids`)."""
+    runs = [t for t in PROPERTY_TESTS if f.id in covered_ids(t, tests_dir)]
+    items = "\n".join(f"* {{ref}}`{site_label(t)}`" for t in runs)
+    return (
+        f"**Tests that prove it equal to the others.** The property tests that run `{f.id}` "
+        f"with the other formulations they name against `{public_path(f.family.oracle)}` "
+        "(each page of the test suite shows the test's source):\n\n"
+        f"{items}"
+    )
+
+
+_ROLE = re.compile(r":(func|class|mod|meth|data|attr|exc|obj):`(~?[\w.]+)`")
+
+
+def _test_docstring(doc: str) -> str:
+    """A test's docstring as Markdown: the tests' docstrings are prose with ``code`` spans (which
+    Markdown reads alike), not reStructuredText (``|x|`` is an absolute value there, not a
+    substitution); their Sphinx roles become MyST's (``{py:func}`...```)."""
+    return _ROLE.sub(lambda m: f"{{py:{m[1]}}}`{m[2]}`", doc)
+
+
+def render_test_page(module: str, source: str) -> str:
+    """The site page of test module ``tests/<module>.py``: its docstring, then per test function
+    its label (:func:`site_label`), a heading with its name, its docstring and its source.
+
+    Args:
+        module: The module's name (``test_formulations``).
+        source: Its source text.
+
+    Returns:
+        The page's Markdown text.
+    """
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree)
+    parts = [f"# tests/{module}.py\n"]
+    if doc:
+        parts.append(_test_docstring(doc) + "\n")
+    for qualname, node in suite_functions(source):
+        parts.append(f"({site_label(f'{module}.{qualname}')})=\n## {qualname}\n")
+        fdoc = ast.get_docstring(node)
+        if fdoc:
+            parts.append(_test_docstring(fdoc) + "\n")
+        dedent = ":dedent:\n" if "." in qualname else ""  # a method: out of its class
+        parts.append(
+            f"```{{literalinclude}} ../../tests/{module}.py\n:language: python\n"
+            f":pyobject: {qualname}\n{dedent}```\n"
+        )
+    return "\n".join(parts)
+
+
+def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
+    """Write ``out/<module>.md`` for every ``tests_dir/test_*.py`` and ``out/index.md`` (their
+    table of contents); remove pages of modules that are gone. ``docs/conf.py`` calls it at
+    every build, so the pages are always the suite's (nothing to commit).
+
+    Args:
+        tests_dir: The test suite (``tests/``).
+        out: The pages' directory (``docs/tests/``).
+
+    Returns:
+        The paths written, the index last.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    modules = sorted(p.stem for p in tests_dir.glob("test_*.py"))
+    for stale in out.glob("*.md"):
+        if stale.stem not in modules and stale.stem != "index":
+            stale.unlink()
+    paths = []
+    for module in modules:
+        path = out / f"{module}.md"
+        text = render_test_page(module, (tests_dir / f"{module}.py").read_text())
+        if not path.exists() or path.read_text() != text:  # unchanged: Sphinx reuses its read
+            path.write_text(text)
+        paths.append(path)
+    index = out / "index.md"
+    text = (
+        "# The test suite\n\n"
+        "One page per test module of `tests/`, generated at every build of the site from the "
+        "suite itself: each test function with its docstring and its source. The formulation "
+        "pages and the atlas link to the property that checks each claim.\n\n"
+        "```{toctree}\n:maxdepth: 1\n\n" + "\n".join(modules) + "\n```\n"
+    )
+    if not index.exists() or index.read_text() != text:
+        index.write_text(text)
+    paths.append(index)
     return paths
 
 

@@ -37,7 +37,7 @@ MENTIONS = {
     "ainslie2023gqa": "Ainslie",
     "shazeer2019fast": "Shazeer",
     "su2021roformer": "Su et al.",
-    "press2021train": "Press et al.",
+    "press2022train": "Press et al.",
     "katharopoulos2020transformers": "Katharopoulos",
     "choromanski2021performers": "Choromanski",
     "liu2023ring": "Liu",
@@ -46,6 +46,24 @@ MENTIONS = {
     "jacobs2023ulysses": "Jacobs",
     "shoeybi2019megatron": "Shoeybi",
     "dubey2024llama3": "Dubey",
+}
+
+# The seed posts (../shared/seeds/README.md): title and date as each post gives them.
+SEEDS = {
+    "hidden_messages2025": ("The Hidden Messages of Multi-Head Attention", "2025-02-17"),
+    "reframing_attention2025": (
+        "Reframing Attention: A Matrix Decomposition Perspective",
+        "2025-02-18",
+    ),
+    "refactoring_attention2025": (
+        "Refactoring the Attention Equations: Patterns and Messages",
+        "2025-02-19",
+    ),
+    "attention_all_you_need_to_know2025": ("Attention: All you need to know", "2025-03-29"),
+    "attention_mechanism_concept2025": (
+        "[Concept] The Attention Mechanism of Transformer Models",
+        "2025-08-22",
+    ),
 }
 
 # Required fields per entry type (BibTeX's standard styles); a tuple is "one of".
@@ -163,6 +181,44 @@ def test_all_entries_parse_and_keys_are_unique():
     parsed = parse_bibtex(text)
     keys = [k for _, k, _ in parsed]
     assert len(keys) == len(set(keys)) == len(citations.ENTRIES) + 1
+
+
+def test_arxiv_fields_agree_with_each_other():
+    """An entry with an ``eprint`` has a well-formed arXiv id, its abstract page as ``url``, a
+    category only in arXiv's form, and (a preprint) ``howpublished`` naming the same id."""
+    with_eprint = 0
+    for key, entry in citations.ENTRIES.items():
+        fields = dict(entry.fields)
+        if "eprint" not in fields:
+            assert "archivePrefix" not in fields and "primaryClass" not in fields, key
+            continue
+        with_eprint += 1
+        eprint = fields["eprint"]
+        assert re.fullmatch(r"\d{4}\.\d{4,5}", eprint), key
+        assert fields["archivePrefix"] == "arXiv", key
+        assert fields["url"] == f"https://arxiv.org/abs/{eprint}", key
+        assert re.fullmatch(r"cs\.[A-Z]{2}", fields.get("primaryClass", "cs.XX")), key
+        if fields.get("howpublished", "").startswith("arXiv"):
+            assert fields["howpublished"] == f"arXiv preprint arXiv:{eprint}", key
+    assert with_eprint >= 15
+
+
+def test_seed_posts_say_what_they_do_not_name():
+    """The blog posts name no author: their entries have none, and a note that starts with the
+    publication date and says what the post leaves out; an address is given only with the site
+    it belongs to."""
+    for key, (title, date) in SEEDS.items():
+        fields = dict(citations.ENTRIES[key].fields)
+        assert fields["title"] == title, key
+        assert fields["howpublished"].startswith("Blog post"), key
+        assert "author" not in fields, key
+        year, month, _ = date.split("-")
+        assert (fields["year"], fields["month"]) == (year, month.lstrip("0")), key
+        assert fields["note"].startswith(f"Published {date}. "), key
+        assert "no author" in fields["note"] or "neither its author" in fields["note"], key
+        if "url" in fields:
+            site = fields["howpublished"].removeprefix("Blog post, ")
+            assert fields["url"] == f"https://{site}", key
 
 
 def test_keys_of_an_unmapped_id_raise():

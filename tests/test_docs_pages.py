@@ -5,7 +5,12 @@
   attributes of ``attnref``), and so does every Sphinx role target (``:func:`cached_attention```)
   from the docstrings a page quotes, looked up in ``attnref`` or the quoted module.
 * Where a page shows a signature, ``attnref.<name>(...)`` at the start of a code line or span,
-  the text after the name is exactly ``str(inspect.signature(obj))``.
+  the text after the name is exactly ``str(inspect.signature(obj))``; the code of a formulation
+  is shown by autodoc (``.. autofunction:: attnref.<name>``), one directive per function.
+* The property tests a page lists (:data:`attnref.pages.PROPERTY_TESTS`) exist and run the
+  formulations :func:`attnref.pages.covered_ids` credits them with; every formulation is run by
+  one; every ``{ref}`tests.<module>.<function>``` in ``docs/`` names a test function of the
+  suite, which the generated test pages (:func:`attnref.pages.write_test_pages`) label.
 * The export rule of :mod:`attnref.pages`: registered callables are exported under their
   ``__name__`` from ``attnref`` or one of its namespaces (``attnref.linear``, ``attnref.rope``,
   ``attnref.decode``, ...), and their page shows that qualified name; every function with the
@@ -33,6 +38,10 @@ NAME = re.compile(r"attnref(?:\.[A-Za-z_]\w*)+")
 ROLE = re.compile(r":(?:func|class|mod|meth|data|attr):`~?([\w.]+)`")
 FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+AUTODOC = re.compile(r"^\.\. autofunction:: (attnref(?:\.\w+)+)$", re.M)
+TEST_REF = re.compile(r"\{ref\}`(?:[^`<]*<)?(tests\.[\w.]+)>?`")  # `name` or `text <name>`
+DOCS = PAGES.parent
+TESTS = DOCS.parent / "tests"
 
 
 def _resolve(dotted: str) -> Any:
@@ -102,7 +111,7 @@ def _problems(page: str, module: Any) -> tuple[list[str], int]:
             continue  # reported above
         if m.group(2) != real:
             problems.append(f"{m.group(1)}: shown {m.group(2)}, real {real}")
-    return problems, shown
+    return problems, shown + len(AUTODOC.findall(page))
 
 
 @pytest.mark.parametrize("fid", attnref.ids())
@@ -155,13 +164,13 @@ def test_export_rule():
         for fn in (f.native, f.apply):
             name = docs.public_name(fn)  # LookupError: exported nowhere under its __name__
             assert _resolve(name) is fn and name.rsplit(".", 1)[1] == fn.__name__, name
-            assert f"{name}(" in page, f"{f.id}.md does not show {name}"
+            assert f".. autofunction:: {name}\n" in page, f"{f.id}.md does not show {name}"
     helpers = {h.fn for h in HELPERS}
     assert not helpers & registered
     for h in HELPERS:
         name = docs.public_name(h.fn)
         assert _resolve(name) is h.fn
-        assert f"{name}(" in (PAGES / f"{h.formulation}.md").read_text()
+        assert f".. autofunction:: {name}\n" in (PAGES / f"{h.formulation}.md").read_text()
         assert h.reason
     row_forms = _exported_row_forms()
     assert {attnref.decode.decode_attention, attnref.kv_cache_attention} <= row_forms
@@ -182,3 +191,109 @@ def test_public_name_prefers_the_top_level_and_rejects_unexported():
 
     with pytest.raises(LookupError, match="not_exported"):
         docs.public_name(not_exported)
+
+
+def test_no_generated_page_holds_a_program():
+    """The docs runner executes ```python / ```bash blocks: the generated pages show code through
+    autodoc and BibTeX, never as a program to run."""
+    for page in _pages().values():
+        assert not re.search(r"^```(?:python|bash|sh|console)\b", page, re.M)
+
+
+def test_every_property_test_exists_and_runs_formulations():
+    covered: dict[str, frozenset[str]] = {}
+    for test in docs.PROPERTY_TESTS:
+        covered[test] = docs.covered_ids(test)  # LookupError: no such test function
+        assert covered[test], f"{test} runs no registered formulation"
+    for fid in attnref.ids():
+        runs = [t for t, ids in covered.items() if fid in ids]
+        assert runs, f"no property test of attnref.pages.PROPERTY_TESTS runs {fid}"
+        page = (PAGES / f"{fid}.md").read_text()
+        assert all(f"{{ref}}`tests.{t}`" in page for t in runs), fid
+
+
+def test_covered_ids_reads_the_source(tmp_path):
+    """Families by ``formulations("...")`` / ``ids("...")`` through helpers, methods and
+    module-level names; ids written out in tuples; nothing from a test that names none."""
+    (tmp_path / "test_fake.py").write_text(
+        "import attnref\n"
+        "ROPE = attnref.formulations('rope')\n"
+        "SCHEMES = ('ring', 'ulysses', 'not_an_id')\n"
+        "def _loop():\n    return [f.id for f in ROPE]\n"
+        "def test_family():\n    _loop()\n"
+        "class Case:\n"
+        "    def _check(self):\n        return attnref.ids('linear')\n"
+        "    def test_method(self):\n        self._check()\n"
+        "def test_listed(scheme=SCHEMES):\n    pass\n"
+        "def test_nothing():\n    return ('concat',)[0:0] and None\n"
+        "def test_none():\n    return 1\n"
+    )
+
+    def ids(t):
+        return docs.covered_ids(t, tmp_path)
+
+    assert ids("test_fake.test_family") == frozenset(attnref.ids("rope"))
+    assert ids("test_fake.Case.test_method") == frozenset(attnref.ids("linear"))
+    assert ids("test_fake.test_listed") == {"ring", "ulysses"}
+    assert ids("test_fake.test_none") == frozenset()
+    with pytest.raises(LookupError, match="test_missing"):
+        ids("test_fake.test_missing")
+    with pytest.raises(LookupError, match="_loop"):
+        ids("test_fake._loop")
+
+
+def _suite_labels() -> set[str]:
+    labels = set()
+    for path in TESTS.glob("test_*.py"):
+        labels |= {
+            docs.site_label(f"{path.stem}.{q}") for q, _ in docs.suite_functions(path.read_text())
+        }
+    return labels
+
+
+def test_test_pages_label_every_test_function(tmp_path):
+    paths = docs.write_test_pages(TESTS, tmp_path)
+    assert {p.stem for p in paths} == {p.stem for p in TESTS.glob("test_*.py")} | {"index"}
+    text = (tmp_path / "test_formulations.md").read_text()
+    label = "tests.test_formulations.AgreementTest.test_every_formulation_matches_oracle_eagerly"
+    assert f"({label})=\n## AgreementTest.test_every_formulation_matches_oracle_eagerly\n" in text
+    assert "(tests.test_formulations.test_residual_form)=\n## test_residual_form\n" in text
+    written = {m for p in paths for m in re.findall(r"^\((tests\.[\w.]+)\)=$", p.read_text(), re.M)}
+    assert written == _suite_labels()
+    (tmp_path / "test_gone.md").write_text("stale")
+    docs.write_test_pages(TESTS, tmp_path)
+    assert not (tmp_path / "test_gone.md").exists()
+
+
+def test_every_test_reference_in_the_docs_names_a_test():
+    """Before a site build: each ``{ref}`tests.<module>.<function>``` in ``docs/`` (the atlas, the
+    formulation pages, ...) names a test function of the suite."""
+    labels = _suite_labels()
+    refs = {
+        (path.relative_to(DOCS), ref)
+        for path in DOCS.rglob("*.md")
+        if "_build" not in path.parts and path.parent.name != "tests"
+        for ref in TEST_REF.findall(path.read_text())
+    }
+    assert refs, "no page links to a test"
+    missing = sorted(f"{page}: {ref}" for page, ref in refs if ref not in labels)
+    assert not missing, f"links to tests that do not exist: {missing}"
+
+
+def test_the_api_reference_has_a_page_per_namespace():
+    """``docs/api/<namespace>.md`` documents each public namespace (``automodule`` of its
+    ``__all__``), but the CLI's report and this generator; the top-level page leaves the
+    namespaces to their pages."""
+    api = DOCS / "api"
+    left_out = {"pages", "report"}
+    expected = {ns for ns in attnref._NAMESPACES if ns not in left_out}
+    pages = {p.stem for p in api.glob("*.md")} - {"index", "attnref"}
+    assert pages == expected
+    toc = (api / "index.md").read_text()
+    for ns in expected:
+        assert f".. automodule:: attnref.{ns}\n   :members:\n" in (api / f"{ns}.md").read_text()
+        assert f"\n{ns}\n" in toc, ns
+    top = (api / "attnref.md").read_text()
+    excluded = re.search(r":exclude-members: (.*)", top)
+    assert excluded is not None
+    assert set(excluded[1].split(", ")) == set(attnref._NAMESPACES)

@@ -49,6 +49,7 @@ LAYERS = {
     "attnref.pages": 3,
     "attnref.models": 3,
     "attnref.cli": 4,
+    "attnref.__main__": 4,
 }
 NUMPY_ONLY = {"numpy", "ml_dtypes", "math", "__future__", "typing", "dataclasses", "itertools"}
 

@@ -3,9 +3,14 @@ registry id to the keys of its sources.
 
 ``ENTRIES`` holds the sources (key -> :class:`Entry`); ``SOURCES`` maps every registry id to
 the keys of the sources its ``Formulation.citation`` names (``tests/test_citations.py`` fails
-for an id without one, and for a source named in the text but not mapped). The seed posts
-name no author; they are cited by title, site (where the post names one) and date. attnref's
-own entry takes its version from ``attnref.__version__``.
+for an id without one, and for a source named in the text but not mapped). attnref's own entry
+takes its version from ``attnref.__version__``.
+
+Each entry was checked against a source: the paper's arXiv listing or its authors' repository
+(the BibTeX in its README), or, for a field no primary source at hand showed, a reference list
+that cites it; ``primaryClass`` is given only where the arXiv category was seen. The seed posts
+(``../shared/seeds``) are cited with what each post names of itself: none names its author;
+one names its site (far.in.net); none gives its own address. Each entry's ``note`` says so.
 """
 
 from __future__ import annotations
@@ -28,16 +33,20 @@ class Entry:
     fields: tuple[tuple[str, str], ...]
 
 
-def _arxiv(eprint: str, primary: str) -> tuple[tuple[str, str], ...]:
+def _arxiv(eprint: str, primary: str | None) -> tuple[tuple[str, str], ...]:
+    """The arXiv fields; ``primary`` ``None`` where the category was not checked."""
+    category = (("primaryClass", primary),) if primary else ()
     return (
         ("eprint", eprint),
         ("archivePrefix", "arXiv"),
-        ("primaryClass", primary),
+        *category,
         ("url", f"https://arxiv.org/abs/{eprint}"),
     )
 
 
-def _preprint(author: str, title: str, year: str, eprint: str, primary: str) -> Entry:
+def _preprint(
+    author: str, title: str, year: str, eprint: str, primary: str | None, note: str = ""
+) -> Entry:
     return Entry(
         "misc",
         (
@@ -46,11 +55,17 @@ def _preprint(author: str, title: str, year: str, eprint: str, primary: str) -> 
             ("howpublished", f"arXiv preprint arXiv:{eprint}"),
             ("year", year),
             *_arxiv(eprint, primary),
+            *((("note", note),) if note else ()),
         ),
     )
 
 
-def _seed(title: str, date: str, site: str = "") -> Entry:
+_NO_NAME = "The post names no author, no site and no address of its own; cited by title and date"
+
+
+def _seed(title: str, date: str, note: str, site: str = "", url: str = "") -> Entry:
+    """A seed post: its title and date; the site and address only where the post names them;
+    ``note`` says what the post does not name."""
     year, month, _ = date.split("-")
     where = f"Blog post, {site}" if site else "Blog post"
     return Entry(
@@ -60,7 +75,8 @@ def _seed(title: str, date: str, site: str = "") -> Entry:
             ("howpublished", where),
             ("year", year),
             ("month", month.lstrip("0")),
-            ("note", f"Published {date}"),
+            *((("url", url),) if url else ()),
+            ("note", f"Published {date}. {note}"),
         ),
     )
 
@@ -75,7 +91,9 @@ ENTRIES: dict[str, Entry] = {
                 "Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia",
             ),
             ("title", "Attention Is All You Need"),
-            ("booktitle", "Advances in Neural Information Processing Systems 30 (NeurIPS 2017)"),
+            ("booktitle", "Advances in Neural Information Processing Systems"),
+            ("volume", "30"),
+            ("publisher", "Curran Associates, Inc."),
             ("year", "2017"),
             *_arxiv("1706.03762", "cs.CL"),
         ),
@@ -98,26 +116,46 @@ ENTRIES: dict[str, Entry] = {
             ("url", "https://transformer-circuits.pub/2021/framework/index.html"),
         ),
     ),
-    # The seed posts (../shared/seeds): no author named; far.in.net names its site.
-    "hidden_messages2025": _seed("The Hidden Messages of Multi-Head Attention", "2025-02-17"),
+    # The seed posts (../shared/seeds), each read for what it names of itself.
+    "hidden_messages2025": _seed(
+        "The Hidden Messages of Multi-Head Attention",
+        "2025-02-17",
+        f"{_NO_NAME}.",
+    ),
     "reframing_attention2025": _seed(
-        "Reframing Attention: A Matrix Decomposition Perspective", "2025-02-18"
+        "Reframing Attention: A Matrix Decomposition Perspective",
+        "2025-02-18",
+        f"{_NO_NAME}. The one link it gives is to a video by its author, not to the post.",
     ),
     "refactoring_attention2025": _seed(
-        "Refactoring the Attention Equations: Patterns and Messages", "2025-02-19"
+        "Refactoring the Attention Equations: Patterns and Messages",
+        "2025-02-19",
+        f"{_NO_NAME}.",
     ),
     "attention_all_you_need_to_know2025": _seed(
-        "Attention: All you need to know", "2025-03-29", site="far.in.net"
+        "Attention: All you need to know",
+        "2025-03-29",
+        "The post names its site, far.in.net (the address given here), but neither its author "
+        "nor an address of its own.",
+        site="far.in.net",
+        url="https://far.in.net",
     ),
     "attention_mechanism_concept2025": _seed(
-        "[Concept] The Attention Mechanism of Transformer Models", "2025-08-22"
+        "[Concept] The Attention Mechanism of Transformer Models",
+        "2025-08-22",
+        f"{_NO_NAME}. The address it gives, "
+        "https://learnopencv.com/attention-mechanism-in-transformer-neural-networks/, is its "
+        "source, not the post.",
     ),
     "karpathy2023cs25": Entry(
         "misc",
         (
             ("author", "Karpathy, Andrej"),
             ("title", "Introduction to Transformers"),
-            ("howpublished", "Lecture, Stanford {CS25}: Transformers United"),
+            (
+                "howpublished",
+                "Lecture, Stanford {CS25}: Transformers United {V2}, Stanford Online (YouTube)",
+            ),
             ("year", "2023"),
         ),
     ),
@@ -140,7 +178,7 @@ ENTRIES: dict[str, Entry] = {
                 "title",
                 "{FlashAttention}: Fast and Memory-Efficient Exact Attention with {IO}-Awareness",
             ),
-            ("booktitle", "Advances in Neural Information Processing Systems 35 (NeurIPS 2022)"),
+            ("booktitle", "Advances in Neural Information Processing Systems (NeurIPS)"),
             ("year", "2022"),
             *_arxiv("2205.14135", "cs.LG"),
         ),
@@ -154,7 +192,7 @@ ENTRIES: dict[str, Entry] = {
                 "{FlashAttention-2}: Faster Attention with Better Parallelism and Work "
                 "Partitioning",
             ),
-            ("booktitle", "International Conference on Learning Representations (ICLR 2024)"),
+            ("booktitle", "International Conference on Learning Representations (ICLR)"),
             ("year", "2024"),
             *_arxiv("2307.08691", "cs.LG"),
         ),
@@ -167,6 +205,7 @@ ENTRIES: dict[str, Entry] = {
             ("howpublished", "PyTorch and Stanford {CRFM} blog posts"),
             ("year", "2023"),
             ("month", "10"),
+            ("url", "https://crfm.stanford.edu/2023/10/12/flashdecoding.html"),
         ),
     ),
     "rabe2021selfattention": _preprint(
@@ -213,12 +252,19 @@ ENTRIES: dict[str, Entry] = {
         "2104.09864",
         "cs.CL",
     ),
-    "press2021train": _preprint(
-        "Press, Ofir and Smith, Noah A. and Lewis, Mike",
-        "Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation",
-        "2021",
-        "2108.12409",
-        "cs.CL",
+    "press2022train": Entry(
+        "inproceedings",
+        (
+            ("author", "Press, Ofir and Smith, Noah A. and Lewis, Mike"),
+            (
+                "title",
+                "Train Short, Test Long: Attention with Linear Biases Enables Input Length "
+                "Extrapolation",
+            ),
+            ("booktitle", "International Conference on Learning Representations (ICLR)"),
+            ("year", "2022"),
+            *_arxiv("2108.12409", "cs.CL"),
+        ),
     ),
     "katharopoulos2020transformers": Entry(
         "inproceedings",
@@ -233,6 +279,9 @@ ENTRIES: dict[str, Entry] = {
                 "Transformers are {RNNs}: Fast Autoregressive Transformers with Linear Attention",
             ),
             ("booktitle", "Proceedings of the 37th International Conference on Machine Learning"),
+            ("series", "Proceedings of Machine Learning Research"),
+            ("volume", "119"),
+            ("pages", "5156--5165"),
             ("year", "2020"),
             *_arxiv("2006.16236", "cs.LG"),
         ),
@@ -248,7 +297,7 @@ ENTRIES: dict[str, Entry] = {
                 "and Weller, Adrian",
             ),
             ("title", "Rethinking Attention with Performers"),
-            ("booktitle", "International Conference on Learning Representations (ICLR 2021)"),
+            ("booktitle", "International Conference on Learning Representations (ICLR)"),
             ("year", "2021"),
             *_arxiv("2009.14794", "cs.LG"),
         ),
@@ -259,6 +308,7 @@ ENTRIES: dict[str, Entry] = {
         "2023",
         "2310.01889",
         "cs.CL",
+        note="Also in the International Conference on Learning Representations (ICLR), 2024",
     ),
     "brandon2023striped": _preprint(
         "Brandon, William and Nrusimha, Aniruddha and Qian, Kevin and Ankner, Zachary and "
@@ -266,7 +316,7 @@ ENTRIES: dict[str, Entry] = {
         "Striped Attention: Faster Ring Attention for Causal Transformers",
         "2023",
         "2311.09431",
-        "cs.LG",
+        None,
     ),
     "zhu2024ringflashattention": Entry(
         "misc",
@@ -296,11 +346,12 @@ ENTRIES: dict[str, Entry] = {
         "cs.CL",
     ),
     "dubey2024llama3": _preprint(
-        "Dubey, Abhimanyu and others",
+        "Grattafiori, Aaron and Dubey, Abhimanyu and others",
         "The {Llama} 3 Herd of Models",
         "2024",
         "2407.21783",
         "cs.AI",
+        note="Llama Team, AI @ Meta; the first arXiv versions list Abhimanyu Dubey first",
     ),
 }
 

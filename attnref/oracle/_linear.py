@@ -308,9 +308,9 @@ def linear_attention(
 ) -> np.ndarray:
     """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
 
-    A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
-    y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
-    y_i  = 0 where D_i == 0
+        A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
+        y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
+        y_i  = 0 where D_i == 0
 
     FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
     (:func:`_favor_log_kernel`), with no stabilised features: ``eps`` is compared with the

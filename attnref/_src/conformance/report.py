@@ -1,13 +1,20 @@
 """The conformance kit's report: one :class:`PropertyResult` per property (for a distributed
 target, with one :class:`MeshResult` per mesh size), in a :class:`ConformanceReport` that prints
-as a table (:meth:`ConformanceReport.summary`: a row per property, or per property and mesh size)
-and as JSON (:meth:`ConformanceReport.to_dict`)."""
+as a table (:meth:`ConformanceReport.summary`: a row per property, or per property and mesh size;
+rich renders the same table in colour on a terminal) and as JSON
+(:meth:`ConformanceReport.to_dict`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from attnref._src import console
 from attnref._src.conformance.options import _DEFAULT_SEMANTICS
 
 __all__ = ["ConformanceReport", "MeshResult", "PropertyResult"]
@@ -62,7 +69,7 @@ class PropertyResult:
         meshes: For a distributed target, the outcome on each mesh size (ascending); the
             property failed when it failed on any, and ``detail``, ``example`` and
             ``traceback`` are those of the first size it failed on, ``detail`` prefixed with
-            ``P=<size>: ``.
+            ``P=<size>:`` and a space.
     """
 
     name: str
@@ -111,60 +118,75 @@ class ConformanceReport:
         return all(r.status != "failed" for r in self.results)
 
     def summary(self) -> str:
-        """The report as text: one row per property (per property and mesh size for a
+        """The report as plain text: one row per property (per property and mesh size for a
         distributed target, with the worst error / allowance where the property measures one),
         then each failure in full.
 
         Returns:
-            A readable table (property, status, examples, detail), the declared differences, and
-            each failure's shrunk example with the seed that replays it.
+            The heading (target, signature, features, declared differences), a table (property,
+            status, examples, time, detail), the line ``N passed, M failed, K skipped:
+            PASS|FAIL``, and each failure's message, shrunk example and the call that replays
+            it; ASCII layout, no terminal codes, no line wrapped. ``rich.print(report)`` draws
+            the same on a terminal, in colour.
         """
-        meshes = bool(self.devices)
-        head: tuple[str, ...] = ("property", "status", "examples", "time")
-        if meshes:
-            head = ("property", "P", *head[1:], "ratio")
-        rows: list[tuple[str, ...]] = [(*head, "detail")]
-        for r in self.results:
-            if r.meshes:
-                for m in r.meshes:
-                    ratio = "" if m.ratio is None else f"{m.ratio:.3g}"
-                    six = (r.name, str(m.devices), m.status, str(m.examples), _took(m), ratio)
-                    rows.append((*six, _first_line(m.detail)))
-            else:
-                cells: tuple[str, ...] = (r.name, r.status, str(r.examples), _took(r))
-                if meshes:
-                    cells = (r.name, "", *cells[1:], "")
-                rows.append((*cells, _first_line(r.detail)))
-        n = len(head)
-        widths = [max(len(row[i]) for row in rows) for i in range(n)]
+        return console.plain(self)
+
+    def __rich_console__(self, con: Console, options: ConsoleOptions) -> Iterator[RenderableType]:
+        """The report as rich renders it (:meth:`summary` is this, as plain text)."""
+        terminal = con.is_terminal
         shapes = "" if self.shapes == "small" else f", shapes {self.shapes!r}"
-        on = f", devices {', '.join(map(str, self.devices))}" if meshes else ""
-        lines = [
-            f"attnref conformance: {self.target} (signature {self.signature!r}{shapes}{on})",
-            f"features: {', '.join(self.features) or '(none)'}",
-        ]
+        on = f", devices {', '.join(map(str, self.devices))}" if self.devices else ""
+        yield Text(f"attnref conformance: {self.target} (signature {self.signature!r}{shapes}{on})")
+        yield Text(f"features: {', '.join(self.features) or '(none)'}")
         if self.declared:
-            lines.append(
+            yield Text(
                 "declared differences: "
                 + ", ".join(
                     f"{k}={v} (attnref default: {_DEFAULT_SEMANTICS[k]})"
                     for k, v in sorted(self.declared.items())
                 )
             )
-        lines.append("")
-        for i, row in enumerate(rows):
-            lines.append(
-                "  ".join(c.ljust(w) for c, w in zip(row[:n], widths, strict=True)) + "  " + row[n]
-            )
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        yield Text("")
+        yield self._table(terminal)
         counts = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed")}
         skipped = len(self.results) - counts["passed"] - counts["failed"]
-        lines.append("")
-        lines.append(
-            f"{counts['passed']} passed, {counts['failed']} failed, {skipped} skipped: "
-            + ("PASS" if self.passed else "FAIL")
+        verdict = "PASS" if self.passed else "FAIL"
+        yield Text("")
+        yield Text.assemble(
+            f"{counts['passed']} passed, {counts['failed']} failed, {skipped} skipped: ",
+            (verdict, console.status_style("passed" if self.passed else "failed", terminal)),
         )
+        for line in self._failures():
+            yield Text(line)
+
+    def _table(self, terminal: bool) -> Table:
+        """One row per property (per property and mesh size for a distributed target)."""
+        meshes = bool(self.devices)
+        head: tuple[str, ...] = ("property", "status", "examples", "time")
+        if meshes:
+            head = ("property", "P", *head[1:], "ratio")
+        right = ("P", "examples", "time", "ratio")
+        table = console.table((*head, "detail"), right=right, terminal=terminal)
+        for r in self.results:
+            runs: list[Any] = list(r.meshes) or [r]
+            for m in runs:
+                cells: list[Any] = [r.name]
+                if meshes:
+                    cells.append(str(m.devices) if isinstance(m, MeshResult) else "")
+                cells += [
+                    Text(m.status, console.status_style(m.status, terminal)),
+                    str(m.examples),
+                    _took(m),
+                ]
+                if meshes:
+                    ratio = getattr(m, "ratio", None)
+                    cells.append("" if ratio is None else f"{ratio:.3g}")
+                table.add_row(*cells, _first_line(m.detail))
+        return table
+
+    def _failures(self) -> list[str]:
+        """Each failure (per failing mesh size) in full: message, example, traceback, replay."""
+        lines: list[str] = []
         for r in self.results:
             if r.status != "failed":
                 continue
@@ -186,7 +208,7 @@ class ConformanceReport:
                     "check_merge_states" if self.signature == "merge_states" else "check_attention"
                 )
                 lines.append(f"replay: {check}(fn, properties=[{r.name!r}], {replay}, ...)")
-        return "\n".join(lines)
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data: the fields, ``passed``, and each result as a dict.

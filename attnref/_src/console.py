@@ -1,0 +1,207 @@
+"""Terminal output of the command line and the reports, through rich.
+
+On a terminal, tables are drawn by rich (bold headings, coloured statuses) and a progress bar
+runs on stderr. Anywhere else (a pipe, a file, a CI log, a captured stream) a table is plain
+ASCII text: no ANSI escape, no line wrapped at 80 columns, no trailing spaces, and there is no
+progress bar at all. One rule decides: ``stream.isatty()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Console, RenderableType
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+__all__ = ["emit", "is_terminal", "make_console", "plain", "progress_bar", "table"]
+
+# Wide enough that no line of a report is ever wrapped or cropped in plain text.
+PLAIN_WIDTH = 100_000
+
+# rich's SIMPLE_HEAD in ASCII: no frame, a row of '-' under the headings, a gap between columns.
+ASCII_HEAD = box.Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
+
+STATUS_STYLES = {"passed": "green", "ok": "green", "failed": "bold red", "FAIL": "bold red"}
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an open terminal (``stream.isatty()``; False for anything else).
+
+    Args:
+        stream: A file object, or anything (``None``, a closed file) that is not a terminal.
+
+    Returns:
+        True iff ``stream.isatty()`` answers True.
+    """
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def make_console(stream: Any) -> Console:
+    """A rich console on ``stream``: rich's own on a terminal, plain text elsewhere.
+
+    Markup, highlighting and emoji codes are off either way, so text such as ``[float32]`` or
+    ``:bias:`` prints as written.
+
+    Args:
+        stream: A text stream (any object with ``write``): where the console writes.
+
+    Returns:
+        A :class:`rich.console.Console`; when ``stream`` is not a terminal, one without colour,
+        without terminal codes and :data:`PLAIN_WIDTH` columns wide.
+    """
+    common: dict[str, Any] = {"file": stream, "markup": False, "highlight": False, "emoji": False}
+    if is_terminal(stream):
+        return Console(**common)
+    return Console(**common, force_terminal=False, color_system=None, width=PLAIN_WIDTH)
+
+
+def table(
+    headings: Sequence[str],
+    *,
+    right: Sequence[str] = (),
+    wrap: Sequence[str] | None = None,
+    terminal: bool = False,
+) -> Table:
+    """An empty rich table with ``headings``, in attnref's style.
+
+    No frame and no edge padding (a row starts with its first cell), headings underlined by a
+    rule, two spaces between columns. In plain text (``terminal=False``) the rule is ASCII
+    ``-`` and no cell wraps; on a terminal narrower than the table, rich wraps the ``wrap``
+    columns' cells at spaces (ids and numbers stay whole).
+
+    Args:
+        headings: The column headings, left to right.
+        right: The headings of the right-aligned (numeric) columns.
+        wrap: The headings of the text columns that may wrap on a terminal (default: the last).
+        terminal: Whether the table will be drawn on a terminal.
+
+    Returns:
+        A :class:`rich.table.Table` to which rows of strings or :class:`rich.text.Text` are added.
+    """
+    t = Table(
+        box=box.SIMPLE_HEAD if terminal else ASCII_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        header_style="bold" if terminal else "",
+        highlight=False,
+        padding=(0, 1, 0, 0),  # with the rule's gap: two spaces between columns
+    )
+    wrapping = set(headings[-1:] if wrap is None else wrap) if terminal else set()
+    for heading in headings:
+        t.add_column(
+            heading,
+            justify="right" if heading in right else "left",
+            no_wrap=heading not in wrapping,
+            overflow="fold",
+        )
+    return t
+
+
+def status_style(status: str, terminal: bool) -> str:
+    """The style of a status cell (``passed``, ``failed``, ``ok``, ``FAIL``): colour on a
+    terminal, none in plain text."""
+    return STATUS_STYLES.get(status, "") if terminal else ""
+
+
+def plain(renderable: RenderableType) -> str:
+    """``renderable`` as plain text, as :func:`emit` writes it to a pipe.
+
+    Args:
+        renderable: Anything rich prints (a table, a text, an object with ``__rich_console__``).
+
+    Returns:
+        The text, without ANSI codes, trailing spaces or a final newline.
+    """
+    buffer = io.StringIO()
+    make_console(buffer).print(renderable)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).rstrip("\n")
+
+
+def emit(renderable: RenderableType, stream: Any = None) -> None:
+    """Print ``renderable`` to ``stream`` (default: ``sys.stdout`` now): drawn by rich on a
+    terminal, :func:`plain` text otherwise.
+
+    Args:
+        renderable: What to print.
+        stream: Where to print it.
+    """
+    stream = sys.stdout if stream is None else stream
+    if is_terminal(stream):
+        make_console(stream).print(renderable)
+    else:
+        print(plain(renderable), file=stream)
+
+
+class Bar:
+    """The handle :func:`progress_bar` yields: ``update`` moves the bar, ``log`` prints a line
+    above it; both do nothing when no bar is shown."""
+
+    def __init__(self, progress: Progress | None, log_stream: Any) -> None:
+        self._progress = progress
+        self._task = None if progress is None else progress.add_task("", total=None)
+        self._log_stream = log_stream
+        self._label: str | None = None
+
+    @property
+    def shown(self) -> bool:
+        """Whether a bar is drawn."""
+        return self._progress is not None
+
+    def update(self, done: int, total: int, label: str) -> None:
+        """Show ``done`` of ``total`` steps, the step now running named ``label`` (drawn at once
+        when the step changes, so a step shorter than the refresh interval is still named)."""
+        if self._progress is not None and self._task is not None:
+            changed, self._label = label != self._label, label
+            self._progress.update(
+                self._task, completed=done, total=total, description=label, refresh=changed
+            )
+
+    def log(self, line: str) -> None:
+        """Print ``line`` above the bar on the terminal (or to the log stream; else nowhere)."""
+        if self._progress is not None:
+            self._progress.console.print(line)
+        elif self._log_stream is not None:
+            print(line, file=self._log_stream, flush=True)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool = True, *, log: Any = None) -> Iterator[Bar]:
+    """A rich progress bar on ``sys.stderr``, shown only if ``enabled`` and stderr is a terminal.
+
+    The bar is transient: it is erased when the block ends (normally, or by an exception such
+    as ``KeyboardInterrupt``), so what stays on the terminal is the command's output.
+
+    Args:
+        enabled: False (``--no-progress``) shows no bar even on a terminal.
+        log: Where :meth:`Bar.log` lines go when no bar is shown (``None``: nowhere).
+
+    Yields:
+        A :class:`Bar`.
+    """
+    stream = sys.stderr
+    if not (enabled and is_terminal(stream)):
+        yield Bar(None, log)
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=make_console(stream), transient=True) as progress:
+        yield Bar(progress, None)
