@@ -29,7 +29,9 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", "attnref", "tests", "noxfile.py")
+    session.run(
+        "ruff", "format", "--check", "attnref", "tests", "noxfile.py", "docs/conf.py", "benchmarks"
+    )
 
 
 @nox.session
