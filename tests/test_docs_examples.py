@@ -1,7 +1,8 @@
 """Every program block in README.md and docs/ runs, and shows what it really prints.
 
 The runner collects every fenced block (```` ``` ```` or ``~~~``) of ``README.md`` and
-``docs/**/*.md`` (``docs/_build`` left out; generated pages included) and runs, one test per
+``docs/**/*.md`` (``docs/_build`` and the site's generated test pages ``docs/tests`` left out;
+the generated formulation pages included) and runs, one test per
 block with the id ``<file>:<line>`` (the line of the opening fence):
 
 * ``python``: executed in-process (JAX is already imported, so it is cheap), in a fresh
@@ -73,7 +74,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
     [ROOT / "README.md"]
-    + [p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.relative_to(ROOT).parts]
+    + [
+        p
+        for p in (ROOT / "docs").rglob("*.md")
+        # _build: Sphinx's output; tests: the site's pages of the test suite, generated from
+        # tests/*.py at build time (gitignored; their blocks are the tests' own source)
+        if not {"_build", "tests"} & set(p.relative_to(ROOT / "docs").parts[:1])
+    ]
 )
 PROGRAMS = {"python", "console", "bash", "sh"}
 OUTPUTS = {"", "text", "bibtex", "none"}
