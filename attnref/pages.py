@@ -584,7 +584,9 @@ def _distributed_name(fn: Callable[..., Any]) -> str:
 
 def _scheme(f: Formulation) -> str:
     model = f.cost_model
-    comm = (inspect.getdoc(model) or "") if model is not None else ""
+    if model is None:
+        raise ValueError(f"{f.id}: a distributed scheme without a cost model")
+    comm = inspect.getdoc(model) or ""
     return (
         f"### {f.title} (`{f.id}`)\n\n"
         f"$$\n{f.equation}\n$$\n\n"

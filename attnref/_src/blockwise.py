@@ -100,7 +100,7 @@ class _Tiles:
     def k_rows(self, a: Array, j: Array, axis: int = 1) -> Array:
         return _slice(a, axis, j * self.bk, self.bk)
 
-    def tile(self, i: Array, j: Array, find_dirty: bool = False) -> dict[str, Array]:
+    def tile(self, i: Array, j: Array, find_dirty: bool = False) -> dict[str, Any]:
         """Allowed pairs, operands (the finite parts of the inputs) and logits of query tile
         ``i`` and key tile ``j``; ``find_dirty`` adds the tile's rows that read a non-finite
         key, value or bias entry (``attnref._src.nonfinite``)."""
@@ -279,7 +279,8 @@ def _flash_fwd(
     """The online softmax on finite operands; the rows that read a non-finite value are NaN
     (``attnref._src.nonfinite``); the residuals are the finite path's."""
     o, lse, live, dirty = _forward(_Tiles(spec, x, bq, bk))
-    out, lse_out = finish(spec, x, *poison_rows(dirty, (o, lse)), live)
+    o_out, lse_in = poison_rows(dirty, (o, lse))
+    out, lse_out = finish(spec, x, o_out, lse_in, live)
     # The backward differentiates the finite path; dirty rows have no gradient.
     return (out, lse_out), (x, o, lse, live, dirty)
 

@@ -37,6 +37,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +366,7 @@ def _linear_tensors(d: Dims) -> list[int]:
     ]
 
 
-def _linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: int) -> Cost:
+def _linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: Any) -> Cost:
     mmq, elq, trq, m = _feature_cost(d, d.t_q)
     mmk, elk, trk, _ = _feature_cost(d, d.t_k)
     mm_p, el_p = _linear_proj(d)

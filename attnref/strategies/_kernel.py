@@ -129,7 +129,7 @@ class KernelProblem:
         """The inputs' dtype, ``config.dtype``."""
         return np.dtype(self.config.dtype)
 
-    def semantics(self) -> dict[str, str]:
+    def semantics(self) -> dict[str, Any]:
         """``{"masked_rows": ..., "causal_alignment": ...}``, the oracle's semantics."""
         return {"masked_rows": self.masked_rows, "causal_alignment": self.causal_alignment}
 

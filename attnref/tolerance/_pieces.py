@@ -322,7 +322,7 @@ def pieces_error_bound(
     whole64 = kernel_call_error_bound(**call, dtype=np.float64, key_blocks=1)
     out_b, lse_b = out_b + whole64[0], lse_b + whole64[1]
     if masked_rows == "uniform":
-        dead = ~allowed.any(axis=-1).transpose(0, 2, 1)  # [B, T, N]
+        dead = np.transpose(~np.any(allowed, axis=-1), (0, 2, 1))  # [B, T, N]
         whole = kernel_call_error_bound(**call, dtype=state_fmt, key_blocks=None)[0]
         out_b = np.where(dead[..., None], whole + whole64[0], out_b)
     if unit_roundoff(fmt) > unit_roundoff(state_fmt):  # the output rounded once to dtype

@@ -31,8 +31,10 @@ from attnref._src.kernel import (
 
 
 def lengths_only(q_lens: Array | None, kv_lens: Array | None) -> KernelInputs:
-    """A :class:`KernelInputs` carrying only the lengths (what the position rules read)."""
-    return KernelInputs(None, None, None, None, None, q_lens, kv_lens, None, None, None)
+    """A :class:`KernelInputs` carrying only the lengths (what the position rules read; the
+    arrays they never read are ``None``)."""
+    unread: Any = None
+    return KernelInputs(unread, unread, unread, None, None, q_lens, kv_lens, None, None, unread)
 
 
 def columns(rows: Array | None, k_pos: Int[Array, " tk"], s: int) -> Array | None:
