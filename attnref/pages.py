@@ -16,6 +16,7 @@ belongs to shows it.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -347,11 +348,17 @@ def covered_ids(test: str, tests_dir: Path = TESTS) -> frozenset[str]:
     Raises:
         LookupError: The module has no such test function.
     """
+    module, qualname = test.split(".", 1)
+    return _covered_in(module, qualname, (tests_dir / f"{module}.py").read_text())
+
+
+@functools.lru_cache(maxsize=256)
+def _covered_in(module: str, qualname: str, source: str) -> frozenset[str]:
+    """:func:`covered_ids` of ``qualname`` in a module's ``source`` (cached by the source's
+    text: rendering every page asks for each test once per formulation)."""
     from attnref._src.registry import formulations as _formulations
 
-    module, qualname = test.split(".", 1)
-    tree = ast.parse((tests_dir / f"{module}.py").read_text())
-    defs = _definitions(tree)
+    defs = _definitions(ast.parse(source))
     if qualname not in defs or not qualname.rsplit(".", 1)[-1].startswith("test"):
         raise LookupError(f"tests/{module}.py has no test function {qualname}")
     cls = qualname.split(".")[0] if "." in qualname else None
