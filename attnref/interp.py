@@ -1,8 +1,10 @@
 """Interpretability tools: merged matrices, probes, composition scores and low-rank refactoring.
 
 Row vectors, per head ``i``: ``W_P[i] = W_Q[i] W_K[i]^T`` (pattern), ``W_M[i] = W_V[i] W_O[i]``
-(message), and their bias-augmented forms ``W_A``/``W_I`` (Elhage et al. 2021, "A Mathematical
-Framework for Transformer Circuits"). See ``docs/probes.md`` and ``docs/refactor_minilm.md``.
+(message), and their transposes ``W_A = W_P^T``/``W_I = W_M^T`` in the column notation of
+"Attention: All you need to know" (the QK and OV circuits of Elhage et al. 2021, "A Mathematical
+Framework for Transformer Circuits", who write ``W_Q^T W_K`` and ``W_OV = W_O W_V``). See
+``docs/probes.md`` and ``docs/refactor_minilm.md``.
 """
 
 from attnref._src.composition import composition_baseline, composition_scores, top_aligned

@@ -1,4 +1,4 @@
-"""Rotary position embedding (Su et al. 2021) and attention with it.
+"""Rotary position embedding (Su et al. 2024) and attention with it.
 
 ``q_m -> R(m theta) q_m``, ``k_n -> R(n theta) k_n``, so the logit depends on ``n - m`` only:
 ``q_m^T R((n - m) theta) k_n``. Kernel layout ``[..., T, H, d]`` for :func:`apply_rope`; the

@@ -153,10 +153,11 @@ C1, S1, C2, S2 = math.cos(1.0), math.sin(1.0), math.cos(0.01), math.sin(0.01)
 @anchors("rope")
 def test_rope_rotation_direction_and_pairing_by_hand():
     """x = [1, 2, 3, 4] at position m = 1, base 10000, d = 4: theta_p = 10000^(-2p/4), so
-    theta_0 = 1 and theta_1 = 0.01. Su et al. (2021), eq. 34, and the rotate-half form of
-    GPT-NeoX / Hugging Face: x R = x cos + rotate_half(x) sin, rotate_half(x) = [-x_3, -x_4, x_1,
-    x_2], i.e. pairs (x_p, x_{p + d/2}) rotated counter-clockwise: (a, b) -> (a cos - b sin,
-    b cos + a sin). Interleaved (the paper's and Meta LLaMA's layout): pairs (x_{2p}, x_{2p+1})."""
+    theta_0 = 1 and theta_1 = 0.01. Su et al. (2024; eq. 34 of arXiv:2104.09864), and the
+    rotate-half form of GPT-NeoX / Hugging Face: x R = x cos + rotate_half(x) sin,
+    rotate_half(x) = [-x_3, -x_4, x_1, x_2], i.e. pairs (x_p, x_{p + d/2}) rotated
+    counter-clockwise: (a, b) -> (a cos - b sin, b cos + a sin). Interleaved (the paper's and Meta
+    LLaMA's layout): pairs (x_{2p}, x_{2p+1})."""
     x = np.array([1.0, 2.0, 3.0, 4.0])[None, None, :]  # [T=1, N=1, d=4]
     rotate_half = [
         1 * C1 - 3 * S1,  # -1.9841106485555495

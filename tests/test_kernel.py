@@ -386,7 +386,7 @@ def test_documented_difference_from_jax_nn_on_fully_masked_rows():
 
 
 def test_alibi_slopes():
-    """Press et al. (2021): 8 heads give 1/2, 1/4, ..., 1/256; other counts follow the paper's
+    """Press et al. (2022): 8 heads give 1/2, 1/4, ..., 1/256; other counts follow the paper's
     reference rule (the JAX helper and the NumPy oracle are written independently)."""
     np.testing.assert_array_equal(attnref.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
     # Each side: the exponent's rounding (u) amplified by |x| ln 2 <= 8 ln 2 < 6 in 2^x, plus at

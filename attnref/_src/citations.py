@@ -8,9 +8,16 @@ takes its version from ``attnref.__version__``.
 
 Each entry was checked against a source: the paper's arXiv listing or its authors' repository
 (the BibTeX in its README), or, for a field no primary source at hand showed, a reference list
-that cites it; ``primaryClass`` is given only where the arXiv category was seen. The seed posts
-(``../shared/seeds``) are cited with what each post names of itself: none names its author;
-one names its site (far.in.net); none gives its own address. Each entry's ``note`` says so.
+that cites it; ``primaryClass`` is given only where the arXiv category was seen. A paper that has
+been published is cited as published (venue, year, pages, DOI), with its arXiv id kept; the year
+is the published one, and the prose uses the same year and the same first author. Every entry is
+cited by at least one registry id (``tests/test_citations.py``), and no entry carries a ``note``:
+a bibliography would print it.
+
+The seed posts (``../shared/seeds``) are cited with what each post names of itself: none names
+its author; one names its site (far.in.net, given as ``url``); none gives its own address. Their
+entries say no more than that (title, site, year and month); the comments below record what each
+post leaves out.
 """
 
 from __future__ import annotations
@@ -44,9 +51,7 @@ def _arxiv(eprint: str, primary: str | None) -> tuple[tuple[str, str], ...]:
     )
 
 
-def _preprint(
-    author: str, title: str, year: str, eprint: str, primary: str | None, note: str = ""
-) -> Entry:
+def _preprint(author: str, title: str, year: str, eprint: str, primary: str | None) -> Entry:
     return Entry(
         "misc",
         (
@@ -55,17 +60,13 @@ def _preprint(
             ("howpublished", f"arXiv preprint arXiv:{eprint}"),
             ("year", year),
             *_arxiv(eprint, primary),
-            *((("note", note),) if note else ()),
         ),
     )
 
 
-_NO_NAME = "The post names no author, no site and no address of its own; cited by title and date"
-
-
-def _seed(title: str, date: str, note: str, site: str = "", url: str = "") -> Entry:
-    """A seed post: its title and date; the site and address only where the post names them;
-    ``note`` says what the post does not name."""
+def _seed(title: str, date: str, site: str = "", url: str = "") -> Entry:
+    """A seed post: its title, and the year and month of its ``date`` (``YYYY-MM-DD``); the site
+    and address only where the post names them. No author: none of the posts names one."""
     year, month, _ = date.split("-")
     where = f"Blog post, {site}" if site else "Blog post"
     return Entry(
@@ -76,7 +77,6 @@ def _seed(title: str, date: str, note: str, site: str = "", url: str = "") -> En
             ("year", year),
             ("month", month.lstrip("0")),
             *((("url", url),) if url else ()),
-            ("note", f"Published {date}. {note}"),
         ),
     )
 
@@ -116,36 +116,33 @@ ENTRIES: dict[str, Entry] = {
             ("url", "https://transformer-circuits.pub/2021/framework/index.html"),
         ),
     ),
-    # The seed posts (../shared/seeds), each read for what it names of itself.
+    # The seed posts (../shared/seeds), each read for what it names of itself. None names its
+    # author. All but "Attention: All you need to know" name no site and no address of their own
+    # (cited by title and date); that one names its site, far.in.net, the address given.
     "hidden_messages2025": _seed(
         "The Hidden Messages of Multi-Head Attention",
         "2025-02-17",
-        f"{_NO_NAME}.",
     ),
+    # Its one link is to a video by its author, not to the post.
     "reframing_attention2025": _seed(
         "Reframing Attention: A Matrix Decomposition Perspective",
         "2025-02-18",
-        f"{_NO_NAME}. The one link it gives is to a video by its author, not to the post.",
     ),
     "refactoring_attention2025": _seed(
         "Refactoring the Attention Equations: Patterns and Messages",
         "2025-02-19",
-        f"{_NO_NAME}.",
     ),
     "attention_all_you_need_to_know2025": _seed(
         "Attention: All you need to know",
         "2025-03-29",
-        "The post names its site, far.in.net (the address given here), but neither its author "
-        "nor an address of its own.",
         site="far.in.net",
         url="https://far.in.net",
     ),
+    # The address it gives (learnopencv.com/attention-mechanism-in-transformer-neural-networks/)
+    # is its source, not the post.
     "attention_mechanism_concept2025": _seed(
         "[Concept] The Attention Mechanism of Transformer Models",
         "2025-08-22",
-        f"{_NO_NAME}. The address it gives, "
-        "https://learnopencv.com/attention-mechanism-in-transformer-neural-networks/, is its "
-        "source, not the post.",
     ),
     "karpathy2023cs25": Entry(
         "misc",
@@ -181,20 +178,6 @@ ENTRIES: dict[str, Entry] = {
             ("booktitle", "Advances in Neural Information Processing Systems (NeurIPS)"),
             ("year", "2022"),
             *_arxiv("2205.14135", "cs.LG"),
-        ),
-    ),
-    "dao2024flashattention2": Entry(
-        "inproceedings",
-        (
-            ("author", "Dao, Tri"),
-            (
-                "title",
-                "{FlashAttention-2}: Faster Attention with Better Parallelism and Work "
-                "Partitioning",
-            ),
-            ("booktitle", "International Conference on Learning Representations (ICLR)"),
-            ("year", "2024"),
-            *_arxiv("2307.08691", "cs.LG"),
         ),
     ),
     "dao2023flashdecoding": Entry(
@@ -233,7 +216,10 @@ ENTRIES: dict[str, Entry] = {
                 "Proceedings of the 2023 Conference on Empirical Methods in Natural Language "
                 "Processing (EMNLP)",
             ),
+            ("pages", "4895--4901"),
+            ("publisher", "Association for Computational Linguistics"),
             ("year", "2023"),
+            ("doi", "10.18653/v1/2023.emnlp-main.298"),
             *_arxiv("2305.13245", "cs.CL"),
         ),
     ),
@@ -244,26 +230,24 @@ ENTRIES: dict[str, Entry] = {
         "1911.02150",
         "cs.NE",
     ),
-    "su2021roformer": _preprint(
-        "Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and "
-        "Liu, Yunfeng",
-        "{RoFormer}: Enhanced Transformer with Rotary Position Embedding",
-        "2021",
-        "2104.09864",
-        "cs.CL",
-    ),
-    "press2022train": Entry(
-        "inproceedings",
+    # The journal version (Neurocomputing 568, 2024; arXiv:2104.09864 is the preprint, 2021).
+    # Its record lists the authors in this order and form (arXiv: Su, Lu, Pan, Ahmed Murtadha,
+    # Bo Wen, Liu), as the reference lists that cite its DOI print them.
+    "su2024roformer": Entry(
+        "article",
         (
-            ("author", "Press, Ofir and Smith, Noah A. and Lewis, Mike"),
             (
-                "title",
-                "Train Short, Test Long: Attention with Linear Biases Enables Input Length "
-                "Extrapolation",
+                "author",
+                "Su, Jianlin and Ahmed, Murtadha and Lu, Yu and Pan, Shengfeng and Bo, Wen and "
+                "Liu, Yunfeng",
             ),
-            ("booktitle", "International Conference on Learning Representations (ICLR)"),
-            ("year", "2022"),
-            *_arxiv("2108.12409", "cs.CL"),
+            ("title", "{RoFormer}: Enhanced Transformer with Rotary Position Embedding"),
+            ("journal", "Neurocomputing"),
+            ("volume", "568"),
+            ("pages", "127063"),
+            ("year", "2024"),
+            ("doi", "10.1016/j.neucom.2023.127063"),
+            *_arxiv("2104.09864", "cs.CL"),
         ),
     ),
     "katharopoulos2020transformers": Entry(
@@ -308,7 +292,6 @@ ENTRIES: dict[str, Entry] = {
         "2023",
         "2310.01889",
         "cs.CL",
-        note="Also in the International Conference on Learning Representations (ICLR), 2024",
     ),
     "brandon2023striped": _preprint(
         "Brandon, William and Nrusimha, Aniruddha and Qian, Kevin and Ankner, Zachary and "
@@ -345,13 +328,14 @@ ENTRIES: dict[str, Entry] = {
         "1909.08053",
         "cs.CL",
     ),
-    "dubey2024llama3": _preprint(
+    # Llama Team, AI @ Meta. The current arXiv version lists Aaron Grattafiori first (the first
+    # versions list Abhimanyu Dubey first): "Grattafiori et al." in a bibliography and here.
+    "grattafiori2024llama3": _preprint(
         "Grattafiori, Aaron and Dubey, Abhimanyu and others",
         "The {Llama} 3 Herd of Models",
         "2024",
         "2407.21783",
         "cs.AI",
-        note="Llama Team, AI @ Meta; the first arXiv versions list Abhimanyu Dubey first",
     ),
 }
 
@@ -362,12 +346,16 @@ _LINEAR = ("katharopoulos2020transformers",)
 # Registry id -> the keys of the sources its ``citation`` names, in the order it names them.
 SOURCES: dict[str, tuple[str, ...]] = {
     "concat": ("vaswani2017attention",),
-    "per_head_sum": ("vaswani2017attention", *_SEEDS_MESSAGES),
-    "scores_messages": _SEEDS_MESSAGES,
+    "per_head_sum": ("vaswani2017attention", "hidden_messages2025", *_SEEDS_MESSAGES),
+    "scores_messages": ("hidden_messages2025", *_SEEDS_MESSAGES),
     "patterns_messages": _SEEDS_MESSAGES,
-    "column": ("elhage2021mathematical", "attention_all_you_need_to_know2025"),
+    "column": ("attention_all_you_need_to_know2025", "elhage2021mathematical"),
     "soft_search": ("refactoring_attention2025", "attention_all_you_need_to_know2025"),
-    "graph": ("karpathy2023cs25", "attention_all_you_need_to_know2025"),
+    "graph": (
+        "karpathy2023cs25",
+        "attention_all_you_need_to_know2025",
+        "attention_mechanism_concept2025",
+    ),
     "linear_quadratic": (*_LINEAR, "choromanski2021performers"),
     "linear_associative": _LINEAR,
     "linear_prefix_sum": _LINEAR,
@@ -375,15 +363,15 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "linear_chunked": _LINEAR,
     "linear_messages": (*_LINEAR, *_SEEDS_MESSAGES),
     "blockwise": _BLOCKWISE,
-    "kv_cache": ("vaswani2017attention", "ainslie2023gqa", "shazeer2019fast"),
-    "split_kv": ("dao2023flashdecoding", "dao2024flashattention2", *_BLOCKWISE),
+    "kv_cache": ("shazeer2019fast", "ainslie2023gqa"),
+    "split_kv": ("dao2023flashdecoding", *_BLOCKWISE),
     "state_merge": ("milakov2018online", "rabe2021selfattention"),
-    "rope": ("su2021roformer",),
-    "rope_patterns": ("su2021roformer", *_SEEDS_MESSAGES),
+    "rope": ("su2024roformer",),
+    "rope_patterns": ("su2024roformer", *_SEEDS_MESSAGES),
     "ring": ("liu2023ring",),
     "striped": ("brandon2023striped", "liu2023ring"),
-    "zigzag": ("zhu2024ringflashattention", "dubey2024llama3", "liu2023ring"),
-    "all_gather": ("dubey2024llama3",),
+    "zigzag": ("zhu2024ringflashattention", "liu2023ring"),
+    "all_gather": ("grattafiori2024llama3",),
     "ulysses": ("jacobs2023ulysses",),
     "tensor_parallel": ("shoeybi2019megatron",),
 }

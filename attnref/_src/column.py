@@ -1,4 +1,10 @@
-"""The column-vector form of Elhage et al. (2021), as written in "Attention: All you need to know".
+"""The column-vector form of "Attention: All you need to know" (far.in.net, 2025-03-29).
+
+The notation (``softmax_col``, ``W_A = W_K^T W_Q``, ``W_I = W_O^T W_V``) is that post's; its
+footnote 2 makes column vectors its own choice. The two products are the QK and OV circuits of
+Elhage et al. (2021), who write ``A = softmax(x^T W_Q^T W_K x)`` (query ``i`` in row ``i``) and
+``W_OV = W_O W_V`` (their ``W_O`` is ``d_model x d_head``): ``W_A`` is the transpose of their
+``W_Q^T W_K``, and ``W_I`` is their ``W_OV`` with ``W_O`` stored ``d_v x d_model``.
 
 Tokens are columns: ``X [..., d_model, T]``. Per head, ``A_i = X_kv^T W_A[i] X_q`` (``T_k x T_q``,
 entry ``[j, i]`` scores key ``j`` for query ``i``), ``~A_i = softmax_col(A_i / sqrt(d_k))`` is
@@ -195,10 +201,12 @@ def column_attention(
 
 # ----------------------------------------------------------------------------- registry entry
 
-ELHAGE = (
-    "Elhage et al. (2021), A Mathematical Framework for Transformer Circuits, Transformer "
-    "Circuits Thread; column form as written in Attention: All you need to know "
-    "(far.in.net, 2025-03-29)."
+COLUMN = (
+    "The column form and its notation (softmax_col, W_A = W_K^T W_Q, W_I = W_O^T W_V): "
+    "Attention: All you need to know (far.in.net, 2025-03-29), column vectors by its own choice "
+    "(footnote 2). The two products: the QK and OV circuits of Elhage et al. (2021), A "
+    "Mathematical Framework for Transformer Circuits, Transformer Circuits Thread, written "
+    "A = softmax(x^T W_Q^T W_K x) and W_OV = W_O W_V."
 )
 
 
@@ -235,14 +243,14 @@ def column_cost(d: _cost.Dims) -> _cost.Cost:
 register(
     Formulation(
         id="column",
-        title="Column-vector form (Elhage et al. 2021)",
+        title='Column-vector form ("Attention: All you need to know")',
         equation=(
             r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma\!\big(X_{kv}^\top W_{A,i} X\big) + b_O"
             r"\mathbf{1}^\top,\quad W_{A,i} = W_{K}^\top W_{Q},\ W_{I,i} = W_{O}^\top W_{V}"
             r"\ \text{(column convention)}"
         ),
         convention="column",
-        citation=ELHAGE,
+        citation=COLUMN,
         apply=column_attention,
         native=column_form,
         summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",

@@ -1,5 +1,8 @@
 """Attention as message passing on a graph (Karpathy 2023, via "Attention: All you need to know").
 
+The graph view, tokens as nodes and attention as a graph-neural-network layer, is also that of
+"[Concept] The Attention Mechanism of Transformer Models" (2025-08-22).
+
 Nodes are tokens; a directed edge ``s -> r`` lets receiver ``r`` listen to sender ``s``; the mask
 is the adjacency matrix. Per head ``i`` and edge ``e = (s, r)``: score
 ``a_e = (x_r W_Q[i] + b_Q[i]) . (x_s W_K[i] + b_K[i]) * scale + bias_e``; a segment softmax over
@@ -317,7 +320,9 @@ def graph_attention(
 
 KARPATHY = (
     "Karpathy (2023), Stanford CS25 lecture on transformers, attention as message exchange; as "
-    "presented in Attention: All you need to know (far.in.net, 2025-03-29)."
+    "presented in Attention: All you need to know (far.in.net, 2025-03-29). Tokens as the nodes "
+    "of a graph, attention as a graph-neural-network layer: [Concept] The Attention Mechanism of "
+    "Transformer Models (blog post, 2025-08-22)."
 )
 
 

@@ -711,7 +711,7 @@ def dot_product_attention(
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi head slopes (Press et al. 2021), float64 ``[num_heads]``.
+    """ALiBi head slopes (Press et al. 2022), float64 ``[num_heads]``.
 
     For ``n`` a power of two, ``m_h = 2^(-8 h / n)``, ``h = 1..n``; otherwise the slopes of the
     closest lower power of two ``c`` followed by every other slope of ``2c`` (the paper's

@@ -431,8 +431,10 @@ register(
         ),
         convention="kernel",
         citation=(
-            "Incremental decoding with cached keys and values as in Vaswani et al. (2017) and "
-            "every decoder since; " + GQA
+            "Incremental decoding with the keys and values of earlier steps cached: Shazeer "
+            "(2019), Fast Transformer Decoding: One Write-Head is All You Need, section 2.4 "
+            "(and MQA); Ainslie et al. (2023), GQA: Training Generalized Multi-Query Transformer "
+            "Models from Multi-Head Checkpoints, EMNLP."
         ),
         apply=kv_cache_attention,
         native=cache_attend,

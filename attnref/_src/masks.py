@@ -1,7 +1,8 @@
 """Boolean attention masks (``True`` = the query may attend to the key) and additive biases.
 
 Row convention: masks broadcast to ``[..., T_q, T_k]``, entry ``[i, j]`` says whether query ``i``
-may read key ``j``. The column form of Elhage et al. uses the transpose, ``M[j, i]``.
+may read key ``j``. The column form ("Attention: All you need to know") uses the transpose,
+``M[j, i]``.
 
 A query row with no allowed key is *fully masked*. Every attnref formulation gives such a row
 zero attention weights, so each head contributes nothing and the block output is ``b_O`` (zero

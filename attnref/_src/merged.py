@@ -27,7 +27,7 @@ from attnref._src import cost as _cost
 from attnref._src.checks import check_tokens, float64_scoped
 from attnref._src.common import HIGHEST, Prepared, add_output_bias, prepare_rows, residual_or
 from attnref._src.params import AttentionParams, _w_m, _w_p, repeat_heads
-from attnref._src.registry import REFACTOR, Formulation, register
+from attnref._src.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.softmax import masked_softmax
 from attnref._src.standard import _weights
 
@@ -251,7 +251,7 @@ register(
             r"\quad W_{M,i} = W_{V,i} W_{O,i}"
         ),
         convention="row",
-        citation=REFACTOR,
+        citation="Messages: " + HIDDEN_MESSAGES + ", which introduces them; " + REFACTOR,
         apply=scores_messages_attention,
         native=scores_messages_attention,
         summary="Value and output projections merged into a d_model x d_model message matrix.",

@@ -339,10 +339,14 @@ def w_m(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
 
 @float64_scoped
 def w_a(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
-    """Column-convention score matrices ``W_A[i] = W_K^T W_Q`` of Elhage et al. (2021).
+    """Column-convention score matrices ``W_A[i] = W_K^T W_Q``, one per query head.
 
-    With column vectors, ``q = W_Q^c x`` where ``W_Q^c = W_Q[i]^T`` is ``d_k x d_model``, so
+    The notation of "Attention: All you need to know" (far.in.net, 2025-03-29), which writes
+    tokens as columns by its own choice. With column vectors, ``q = W_Q^c x`` where
+    ``W_Q^c = W_Q[i]^T`` is ``d_k x d_model``, so
     ``W_A = (W_K^c)^T W_Q^c = W_K[i // G] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``.
+    Elhage et al. (2021) write the scores ``A = softmax(x^T W_Q^T W_K x)`` (query ``i`` in row
+    ``i``): ``W_A`` is the transpose of their QK matrix ``W_Q^T W_K``.
 
     Args:
         params: Per-head weights (:class:`AttentionParams`, row convention).
@@ -360,11 +364,13 @@ def w_a(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
 
 @float64_scoped
 def w_i(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
-    """Column-convention output-value matrices ``W_I[i] = W_O^T W_V`` of Elhage et al. (2021).
+    """Column-convention output-value matrices ``W_I[i] = W_O^T W_V``, one per query head.
 
-    Column convention stores ``W_V^c = W_V[i // G]^T`` (``d_v x d_model``) and
-    ``W_O^c = W_O[i]`` (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i // G]^T
-    = W_M[i]^T``.
+    The notation of "Attention: All you need to know" (far.in.net, 2025-03-29), which writes
+    tokens as columns by its own choice. It stores ``W_V^c = W_V[i // G]^T`` (``d_v x d_model``)
+    and ``W_O^c = W_O[i]`` (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c
+    = W_O[i]^T W_V[i // G]^T = W_M[i]^T``. Elhage et al. (2021) store the output weights as
+    ``d_model x d_v`` and write the same matrix ``W_OV = W_O W_V`` (the OV circuit).
 
     Args:
         params: Per-head weights (:class:`AttentionParams`, row convention).

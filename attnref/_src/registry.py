@@ -30,6 +30,8 @@ REFACTOR = (
     "Refactoring the Attention Equations: Patterns and Messages (blog post, 2025-02-19); "
     "Reframing Attention: A Matrix Decomposition Perspective (blog post, 2025-02-18)."
 )
+# The post that introduces the per-head split of W_O and the messages M_i = X W_V[i] W_O[i].
+HIDDEN_MESSAGES = "The Hidden Messages of Multi-Head Attention (blog post, 2025-02-17)"
 
 # The modules that register formulations, in registry order.
 FORMULATION_MODULES = (

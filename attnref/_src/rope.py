@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE; Su et al. 2021, RoFormer) and the relative-pattern view.
+"""Rotary position embedding (RoPE; Su et al. 2024, RoFormer) and the relative-pattern view.
 
 **Frequencies.** For an even head dimension ``d`` there are ``d/2`` planes with frequencies
 ``theta_p = base^(-2p/d)``, ``p = 0 .. d/2 - 1`` (``base = 10000`` in the paper).
@@ -714,8 +714,8 @@ ROPE = Family(
 # ``attnref._src.cost``.
 
 ROFORMER = (
-    "Su et al. (2021), RoFormer: Enhanced Transformer with Rotary Position Embedding, "
-    "arXiv:2104.09864."
+    "Su et al. (2024), RoFormer: Enhanced Transformer with Rotary Position Embedding, "
+    "Neurocomputing 568 (arXiv:2104.09864)."
 )
 
 

@@ -17,11 +17,13 @@ padding, lengths out of range) then run once on the merged state; ``masked_rows=
 reads the sum of the values, which each split contributes (``value_sum``).
 
 This is the decoding kernel of Dao, Haziza, Massa & Sizov (2023), "Flash-Decoding for
-long-context inference", and FlashAttention-2's split-KV path: with one query (``T = 1``) and a
-long cache, the splits are what runs in parallel. Splits are computed in the compute dtype
-(float32 for 16-bit inputs) and the output is cast once, after the merge. Gradients are by
-autodiff through the splits and the merge; a key, value or bias entry a query may not read
-never reaches its output or gradients (each split's kernel runs on finite parts).
+long-context inference" (the PyTorch and Stanford CRFM blog posts, October 2023; in the
+flash-attn repository, ``flash_fwd_splitkv_kernel`` then ``flash_fwd_splitkv_combine_kernel``
+when ``num_splits > 1``): with one query (``T = 1``) and a long cache, the splits are what runs
+in parallel. Splits are computed in the compute dtype (float32 for 16-bit inputs) and the output
+is cast once, after the merge. Gradients are by autodiff through the splits and the merge; a
+key, value or bias entry a query may not read never reaches its output or gradients (each
+split's kernel runs on finite parts).
 """
 
 from __future__ import annotations
@@ -361,8 +363,7 @@ def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
 
 FLASH_DECODING = (
     "Dao, Haziza, Massa & Sizov (2023), Flash-Decoding for long-context inference (PyTorch and "
-    "Stanford CRFM blog posts, October 2023); Dao (2024), FlashAttention-2: Faster Attention "
-    "with Better Parallelism and Work Partitioning, ICLR (split-KV)."
+    "Stanford CRFM blog posts, October 2023)."
 )
 
 register(

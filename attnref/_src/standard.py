@@ -30,7 +30,7 @@ from attnref._src.common import (
     residual_or,
 )
 from attnref._src.params import AttentionParams
-from attnref._src.registry import REFACTOR, Formulation, register
+from attnref._src.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.softmax import masked_softmax
 
 
@@ -295,7 +295,13 @@ register(
             r"\Big) V_i"
         ),
         convention="row",
-        citation=VASWANI + " Split of W_O by head: " + REFACTOR,
+        citation=(
+            VASWANI
+            + " Split of W_O by head: "
+            + HIDDEN_MESSAGES
+            + ", which introduces it; "
+            + REFACTOR
+        ),
         apply=per_head_sum_attention,
         native=per_head_sum_attention,
         summary=(

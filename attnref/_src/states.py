@@ -9,8 +9,9 @@ with ``p_j = exp(s_j - lse_A)`` and ``lse_A = log sum_{j in A} exp(s_j)``. For d
 
 with ``m = max(lse_A, lse_B)`` and ``w = exp(lse - m)``, so no ``exp`` overflows (the larger
 weight is exactly 1) and the result is the state of ``A u B`` (Milakov & Gimelshein 2018; the
-merge of FlashAttention-2's split-KV decoding and of FlashInfer's ``merge_state``). The merge is
-commutative and associative, and the empty state ``lse = -inf`` (any ``o``) is its identity.
+merge of Flash-Decoding's split-KV decoding, Dao et al. 2023, and of FlashInfer's
+``merge_state``). The merge is commutative and associative, and the empty state ``lse = -inf``
+(any ``o``) is its identity.
 
 Non-finite states: a NaN or ``+inf`` ``lse`` (a row that read a non-finite value) makes the
 merge NaN in ``o`` and ``lse``; an empty state's ``o`` is never read (it may hold anything,

@@ -39,7 +39,7 @@ from ._kernel_fast import forward
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-    """Press et al. (2021): geometric slopes starting at ``2^(-8/n)`` with ratio ``2^(-8/n)``
+    """Press et al. (2022): geometric slopes starting at ``2^(-8/n)`` with ratio ``2^(-8/n)``
     for ``n`` a power of two; otherwise those of the largest power of two ``c < n``, then the
     odd-indexed slopes of ``2c``.
 

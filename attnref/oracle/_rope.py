@@ -1,4 +1,4 @@
-"""Oracle for rotary position embedding (RoPE; Su et al. 2021), NumPy only, float64.
+"""Oracle for rotary position embedding (RoPE; Su et al. 2024), NumPy only, float64.
 
 Written from the equations, independently of :mod:`attnref._src.rope` (no JAX is imported). For
 an even head dimension ``d`` and pair ``p = 0 .. d/2 - 1`` with frequency

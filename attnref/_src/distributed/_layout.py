@@ -6,8 +6,10 @@ and cut into ``P`` equal shards of ``c = n_pad / P`` tokens. Device ``d`` holds 
 
 * ``"contiguous"`` (ring attention, Liu et al. 2023): ``d c, ..., d c + c - 1``;
 * ``"striped"`` (Brandon et al. 2023): ``d, d + P, d + 2P, ...`` (every ``P``-th token);
-* ``"zigzag"`` (load-balanced causal, the Llama 3 report's context parallelism): the sequence in
-  ``2P`` chunks of ``h = n_pad / 2P``; device ``d`` holds chunk ``d`` then chunk ``2P - 1 - d``.
+* ``"zigzag"`` (load-balanced causal: the zigzag ring of zhuzilin/ring-flash-attention, and the
+  chunks of the Llama 3 report's all-gather context parallelism, Grattafiori et al. 2024): the
+  sequence in ``2P`` chunks of ``h = n_pad / 2P``; device ``d`` holds chunk ``d`` then chunk
+  ``2P - 1 - d``.
 
 Positions ``>= n`` are padding: never attended as keys (the allowed rule tests ``j < S``) and
 dropped as queries. :func:`to_layout` and :func:`from_layout` move a natural-order array into the

@@ -1,4 +1,4 @@
-"""All-gather context parallelism (the Llama 3 report, Dubey et al. 2024).
+"""All-gather context parallelism (the Llama 3 report, Grattafiori et al. 2024).
 
 The sequence is split over ``P`` devices in the load-balanced zigzag layout (``2P`` chunks;
 device ``d`` holds chunks ``d`` and ``2P - 1 - d``, :mod:`attnref._src.distributed._layout`), so
@@ -279,8 +279,9 @@ register(
         ),
         convention="kernel",
         citation=(
-            "Dubey et al. (2024), The Llama 3 Herd of Models, arXiv:2407.21783 (context "
-            "parallelism)."
+            "Grattafiori et al. (2024), The Llama 3 Herd of Models, arXiv:2407.21783 (context "
+            "parallelism: all-gathered keys and values, each rank holding chunks i and "
+            "2P - 1 - i)."
         ),
         apply=all_gather_attention,
         native=all_gather_dot_product_attention,

@@ -50,9 +50,10 @@ respect to the scale, the mask, lengths or segment ids.
 
 References: Liu, Zaharia & Abbeel (2023), *Ring Attention with Blockwise Transformers for
 Near-Infinite Context*, arXiv:2310.01889; Brandon et al. (2023), *Striped Attention: Faster Ring
-Attention for Causal Transformers*, arXiv:2311.09431; the zigzag layout of
-zhuzilin/ring-flash-attention and the context parallelism of the Llama 3 report (Dubey et al.
-2024, arXiv:2407.21783).
+Attention for Causal Transformers*, arXiv:2311.09431; the zigzag ring of
+zhuzilin/ring-flash-attention (GitHub, 2024). The Llama 3 report (Grattafiori et al. 2024,
+arXiv:2407.21783) puts its context-parallel chunks in the same layout but all-gathers the keys
+and values instead of passing them around a ring: that scheme is ``all_gather``.
 """
 
 from __future__ import annotations
@@ -537,8 +538,7 @@ _SCHEMES = {
         "``2P - 1 - d``.",
         "the sequence in ``2P`` chunks; device ``d`` holds chunk ``d`` and chunk ``2P - 1 - d``, "
         "one early and one late, which balances the causal work",
-        "zhuzilin/ring-flash-attention; the Llama 3 report's context parallelism (Dubey et al. "
-        "2024, arXiv:2407.21783).",
+        "The zigzag ring of zhuzilin/ring-flash-attention (GitHub, 2024).",
         "``2P``",
     ),
 }
@@ -638,9 +638,8 @@ _CITATIONS = {
         "Transformers, arXiv:2311.09431; the ring of Liu et al. (2023), arXiv:2310.01889."
     ),
     "zigzag": (
-        "The zigzag layout of zhuzilin/ring-flash-attention (GitHub) and the context "
-        "parallelism of the Llama 3 report (Dubey et al. 2024, The Llama 3 Herd of Models, "
-        "arXiv:2407.21783); the ring of Liu et al. (2023), arXiv:2310.01889."
+        "The zigzag ring layout of zhuzilin/ring-flash-attention (GitHub, 2024); the ring of "
+        "Liu et al. (2023), arXiv:2310.01889."
     ),
 }
 _SUMMARIES = {
