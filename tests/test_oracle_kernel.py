@@ -13,6 +13,7 @@ implementation of the forward, differentiated by JAX).
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import jax
@@ -294,3 +295,118 @@ def test_fast_oracle_with_logits_beyond_the_shift_free_range(kind):
     bound, lse_bound = p.bound()
     _assert_within(out_f, out_d, bound, f"output {p!r}")
     _assert_within(lse_f, lse_d, lse_bound, f"lse {p!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows whose every logit lies near -1000 (issue 22). The fast path skips the max shift when its
+# Cauchy-Schwarz estimate (or, per block, the row maxes) lie within (-700, 700) in *absolute*
+# value; exp(-1000) = 0 in float64 (the smallest subnormal is ~e^-745), so a row near -1000 must
+# be shifted or it becomes 0/0. Each case below reaches -1000 by a different term of the estimate
+# (|scale|, |q||k|, |bias|), so dropping any one abs() sends some case down the unshifted road.
+
+_FAR = dict(b=2, t=4, s=5, n=2, k=1, h=4, h_v=3)
+
+
+def _far_case(case: str, masking: str) -> tuple[tuple[np.ndarray, ...], dict[str, object]]:
+    """``(q, k, v, bias), kwargs`` whose logits all lie near a far centre (``case``):
+
+    * ``"-1000"``, ``"+1000"``: ``q[..., 0] = 1``, ``k[..., 0] = -/+2000`` (scale 1/2), the other
+      components O(1): every logit is the centre + O(1);
+    * ``"-1000 +- 20"``: as ``"-1000"`` with ``k[..., 0]`` spread by +-40, so one row spans
+      about -1020 .. -980 (no single key dominates);
+    * ``"+-1000 rows"``: ``q[..., 0] = +-1`` by row, so some rows sit at +1000, others at -1000;
+    * ``"bias -1000"``: small ``q . k`` (no scaling) plus a bias of -1000 + N(0, 9);
+    * ``"scale < 0"``: ``scale = -1/2`` with ``k[..., 0] = +2000``: logits near -1000.
+
+    ``masking``: ``"none"``; ``"mask"`` (a random boolean mask with one fully masked row, plus
+    ``-inf`` bias entries in the bias case); ``"causal"``."""
+    d = _FAR
+    rng = np.random.default_rng([22, len(case), len(masking)])
+    q = rng.standard_normal((d["b"], d["t"], d["n"], d["h"]))
+    k = rng.standard_normal((d["b"], d["s"], d["k"], d["h"]))
+    v = rng.standard_normal((d["b"], d["s"], d["k"], d["h_v"]))
+    bias = None
+    kw: dict[str, object] = {"scale": 0.5}
+    if case == "bias -1000":
+        bias = -1000.0 + 3.0 * rng.standard_normal((d["b"], d["n"], d["t"], d["s"]))
+    else:
+        q[..., 0] = 1.0
+        k[..., 0] = 2000.0 if case in ("+1000", "+-1000 rows", "scale < 0") else -2000.0
+        if case == "-1000 +- 20":
+            k[..., 0] += rng.uniform(-40.0, 40.0, k.shape[:-1])
+        if case == "+-1000 rows":
+            q[:, 1::2, :, 0] = -1.0
+        if case == "scale < 0":
+            kw["scale"] = -0.5
+    if masking == "mask":
+        mask = rng.random((d["b"], d["n"], d["t"], d["s"])) < 0.6
+        mask[..., 0] |= True  # every row keeps key 0 ...
+        mask[0, 1, 2] = False  # ... but one, fully masked (output 0, lse -inf)
+        kw["mask"] = mask
+        if bias is not None:
+            bias[..., 3] = -np.inf
+    elif masking == "causal":
+        kw["is_causal"] = True
+    return (q, k, v, bias), kw
+
+
+def _by_definition(q, k, v, bias, scale, mask=None, is_causal=False):
+    """``o_i = sum_j e_ij v_j / sum_j e_ij``, ``e_ij = exp(s_ij - max_A s_i)`` over the allowed
+    keys ``A`` (``mask``, causal ``j <= i``, ``bias != -inf``), ``s_ij = scale fsum_h q_ih k_jh
+    + bias_ij``, ``lse_i = max_A s_i + log sum_j e_ij``; a row with no allowed key: 0, -inf.
+    Written here from the definition (sums by ``math.fsum``), sharing nothing with the oracle."""
+    b_size, t, n, _ = q.shape
+    s_len, n_kv, h_v = k.shape[1], k.shape[2], v.shape[-1]
+    out, lse = np.zeros((b_size, t, n, h_v)), np.full((b_size, t, n), -np.inf)
+    for b, i, hd in np.ndindex(b_size, t, n):
+        g = hd // (n // n_kv)
+        logits = {}
+        for j in range(s_len):
+            bij = 0.0 if bias is None else float(bias[b, hd, i, j])
+            if (mask is not None and not mask[b, hd, i, j]) or (is_causal and j > i):
+                continue
+            if bij == -np.inf:
+                continue
+            logits[j] = scale * math.fsum(q[b, i, hd] * k[b, j, g]) + bij
+        if not logits:
+            continue
+        top = max(logits.values())
+        e = {j: math.exp(s - top) for j, s in logits.items()}
+        total = math.fsum(e.values())
+        for c in range(h_v):
+            out[b, i, hd, c] = math.fsum(e[j] * v[b, j, g, c] for j in e) / total
+        lse[b, i, hd] = top + math.log(total)
+    return out, lse
+
+
+FAR_CASES = ("-1000", "+1000", "-1000 +- 20", "+-1000 rows", "bias -1000", "scale < 0")
+
+
+@pytest.mark.parametrize("masking", ["none", "mask", "causal"])
+def test_fast_oracle_rows_near_plus_or_minus_1000_equal_the_definition(masking):
+    """Every case of :func:`_far_case`: the fast oracle's output and lse are finite (0 and -inf
+    on a fully masked row) and within :func:`attnref.tolerance.kernel_call_error_bound` in
+    float64 of :func:`_by_definition`. That bound is the float64 first-order bound of any
+    evaluation order of these sums, counted twice; the oracle is such an evaluation, and so is
+    ``_by_definition`` (its dot products are exactly rounded fsums, its exp, subtraction and
+    division one rounding each, all inside the bound's ``gamma_{H+1}``, ``u |s - max s|``,
+    ``C_EXP u`` and ``gamma_S`` terms), so their difference is within it. An unshifted
+    ``exp(-1000)`` gives 0/0 = NaN rows and fails."""
+    failures = []
+    for case in FAR_CASES:
+        (q, k, v, bias), kw = _far_case(case, masking)
+        out, lse = oracle.dot_product_attention(q, k, v, bias, return_lse=True, **kw)
+        ref, ref_lse = _by_definition(q, k, v, bias, **kw)
+        bound, lse_bound = tolerance.kernel_call_error_bound(q, k, v, bias, dtype=np.float64, **kw)
+        live = np.isfinite(ref_lse)
+        with np.errstate(invalid="ignore"):
+            bad = ~np.all(np.abs(out - ref) <= bound, axis=-1)  # [B, T, N]; True on NaN
+            bad |= np.isfinite(lse) != live
+            bad |= live & ~(np.abs(np.where(live, lse - ref_lse, 0.0)) <= lse_bound)
+        if bad.any():
+            r = tuple(int(i) for i in np.argwhere(bad)[0])
+            failures.append(
+                f"{case}: {bad.sum()} bad rows, first {r}: out {out[r]} vs definition "
+                f"{ref[r]}, lse {lse[r]:.8g} vs {ref_lse[r]:.8g}"
+            )
+    assert not failures, f"masking {masking}:\n" + "\n".join(failures)
