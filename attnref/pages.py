@@ -633,6 +633,7 @@ def render_distributed(existing: str = "") -> str:
     """
     import attnref.distributed  # noqa: F401  (registers the schemes)
     from attnref._src.distributed import cost as dcost
+    from attnref._src.distributed._family import GRADIENTS
 
     schemes = "\n\n".join(_scheme(f) for f in _distributed())
     r = REFERENCE
@@ -660,6 +661,7 @@ def render_distributed(existing: str = "") -> str:
         "`T = 10` on `P = 4` (padding in italics; contiguous and striped pad to 12, zigzag to "
         f"16):\n\n{_positions_table(10, 4)}\n\n"
         f"## Schemes\n\n{schemes}\n\n"
+        f"{GRADIENTS}\n\n"
         "## Communication and work per device\n\n"
         "Every cost model (`attnref.costs.cost` on `Dims(..., devices=P)`) counts per device, as "
         "XLA's `cost_analysis()` of the SPMD program does, and lists the scheme's collectives "

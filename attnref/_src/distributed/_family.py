@@ -131,6 +131,54 @@ def row_form(
     return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
 
 
+# The gradients section of docs/distributed.md (attnref.pages.render_distributed).
+GRADIENTS = "\n\n".join(
+    (
+        "## Gradients",
+        (
+            "Every scheme is differentiable in reverse mode (`jax.grad`, `jax.vjp`, `jax.jacrev`) "
+            "with respect to `query`, `key`, `value`, `bias` and `scale` (where it is traced, as "
+            "under `jax.grad` with respect to it; the cotangent has its shape and dtype); there are"
+            " no gradients with respect to the mask, lengths or segment ids. With `x_ij = q_i . "
+            "k_j` and `dS_ij = p_ij (dP_ij - D_i + dlse_i)` the flash backward's logit cotangent, "
+            "`dL/dscale = sum_ij dX_ij x_ij`, where `dX = dS` without a softcap and `dX = dS (1 - "
+            "tanh^2(scale x / c))` with a softcap `c`."
+        ),
+        (
+            "**Ring, striped, zigzag.** The backward is a `jax.custom_vjp` that runs the ring again"
+            " (module docstring of `attnref._src.distributed.ring`): each step recomputes its "
+            "chunk's state and takes its `jax.vjp`, the scale included; `dq` and the scale's "
+            "cotangent accumulate on the device, `dK`/`dV` travel with the chunk back to its owner,"
+            " and what every device shares (a bias broadcast along `T`, the scale) has its "
+            "per-device cotangents summed (`psum`). JAX has no forward-mode rule for a "
+            "`custom_vjp`, so **forward mode is not supported**: `jax.jvp` and `jax.jacfwd` of "
+            "these kernels raise `TypeError: <scheme>_dot_product_attention does not support "
+            "forward-mode differentiation (...)`, which names the way out (reverse mode, or "
+            "`all_gather_dot_product_attention`). Under an outer `jax.jit` (`jax.jvp(jax.jit(f), "
+            "...)`, `jax.jit(lambda x: jax.jvp(f, ...))`) and for the function `jax.linearize` "
+            "returns, the failure only shows when JAX compiles or runs the derivative, after the "
+            "kernel has returned, as JAX's own `TypeError: can't apply forward-mode autodiff (jvp) "
+            "to a custom_vjp function.` Supporting it would take a `custom_jvp`, from which JAX "
+            "derives the reverse mode by transposing the tangent ring: every step's probabilities "
+            "kept, the memory this backward exists to avoid. Forward over reverse works "
+            "(`jax.hessian`, `jax.jvp` of `jax.grad`): the outer forward mode differentiates the "
+            "`custom_vjp`'s own rules, ordinary JAX code."
+        ),
+        (
+            "**All-gather, Ulysses, tensor parallelism.** No custom rule: JAX differentiates them "
+            "in either mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`)."
+        ),
+        (
+            "`tests/test_distributed_grad.py` checks the scale's cotangent of all six schemes and "
+            "of the kernel against a float64 reference within a derived bound, the refusal's "
+            "message, forward mode of the other three and the ring's Hessian; "
+            "`tests/test_distributed_ring.py` and `tests/test_distributed_heads.py` check the other"
+            " gradients."
+        ),
+    )
+)
+
+
 DISTRIBUTED = Family(
     name="distributed",
     oracle=oracle.attention,

@@ -44,9 +44,24 @@ chunk function, accumulating ``dq`` locally and ``dk``, ``dv`` in accumulators t
 with the chunk; after ``P`` rotations each accumulator is back at its owner. The bias gradient
 of the local rows accumulates over the steps (a bias broadcast along ``T`` is shared by every
 device: its per-device gradients are summed by the transpose of the ``pcast`` that shares it,
-a ``psum``). Rows with ``L = -inf`` (no key) or a non-finite ``L`` (a row that read a
+a ``psum``). A traced scale is an argument of the chunk function too, so each step's
+``jax.vjp`` also gives its cotangent, ``sum_ij dX_ij x_ij`` over the chunk's pairs
+(``x_ij = q_i . k_j``; ``dX`` the cotangent of ``scale x``, ``dS (1 - tanh^2(scale x / c))``
+under a softcap ``c``, ``dS`` the logit cotangent); it accumulates over the steps and, the
+scale being shared like such a bias, is summed over the devices by the same ``pcast``
+transpose. Rows with ``L = -inf`` (no key) or a non-finite ``L`` (a row that read a
 non-finite value) get ``w_c = 0``: no NaN reaches a gradient. There are no gradients with
-respect to the scale, the mask, lengths or segment ids.
+respect to the mask, lengths or segment ids.
+
+**Forward mode.** JAX has no forward-mode rule for a ``custom_vjp``: ``jax.jvp``,
+``jax.jacfwd`` and ``jax.linearize`` of these kernels are refused: a ``TypeError`` that names
+the kernel when the transform calls it directly; under an outer ``jax.jit`` (and for the
+function ``jax.linearize`` returns) the failure only shows when JAX compiles or runs the
+derivative, after the kernel has returned, as JAX's own ``TypeError``. A ``custom_jvp``
+would make JAX derive the reverse mode by transposing the tangent ring, keeping every step's
+probabilities: the memory this backward avoids. Forward over reverse (``jax.hessian``,
+``jax.jvp`` of ``jax.grad``) works: it differentiates the ``custom_vjp``'s forward and
+backward rules, which are ordinary JAX code.
 
 References: Liu, Zaharia & Abbeel (2023), *Ring Attention with Blockwise Transformers for
 Near-Infinite Context*, arXiv:2310.01889; Brandon et al. (2023), *Striped Attention: Faster Ring
@@ -160,13 +175,27 @@ def _reachable(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array) -> Array:
 
 
 def _state_fn(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
-    """``(q, k, v, bias) -> (o, lse)`` of the local queries against a chunk at ``k_pos``."""
+    """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
+    (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
+    argument, so the backward's ``jax.vjp`` gives its cotangent)."""
     lengths = _chunk.lengths_only(x.q_lens, x.kv_lens)
-    scale = ring.scale if x.scale is None else x.scale
 
-    def state(q: Array, k: Array, v: Array, bias: Array | None) -> tuple[Array, Array]:
+    def state(
+        q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
+    ) -> tuple[Array, Array]:
         return _chunk.chunk_state(
-            ring.spec, lengths, scale, q, q_pos, x.q_seg, k, v, k_pos, kv_seg, bias, x.mask
+            ring.spec,
+            lengths,
+            ring.scale if scale is None else scale,
+            q,
+            q_pos,
+            x.q_seg,
+            k,
+            v,
+            k_pos,
+            kv_seg,
+            bias,
+            x.mask,
         )
 
     return state
@@ -203,7 +232,7 @@ def _forward(ring: _Ring, x: _Local) -> tuple[Array, Array]:
         state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
         return jax.lax.cond(
             _reachable(ring, x, q_pos, k_pos),
-            lambda: state(q, k.astype(cd), v.astype(cd), x.bias),
+            lambda: state(q, k.astype(cd), v.astype(cd), x.bias, x.scale),
             lambda: _empty_state(ring, q),
         )
 
@@ -245,13 +274,13 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
         state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
 
         def compute() -> tuple[Any, ...]:
-            (o_c, lse_c), vjp = jax.vjp(state, q, k.astype(cd), v.astype(cd), x.bias)
+            (o_c, lse_c), vjp = jax.vjp(state, q, k.astype(cd), v.astype(cd), x.bias, x.scale)
             w = jnp.where(ok, jnp.exp(jnp.where(ok, lse_c, -jnp.inf) - lse_safe), 0.0)
             spread = jnp.sum(do * (jnp.where(ok[..., None], o_c, 0.0) - o_safe), axis=-1)
             return vjp((w[..., None] * do, w * (spread + dlse)))
 
         def skip() -> tuple[Any, ...]:
-            return _zeros(ring, (q, k, v, x.bias))
+            return _zeros(ring, (q, k, v, x.bias, x.scale))
 
         return jax.lax.cond(_reachable(ring, x, q_pos, k_pos), compute, skip)
 
@@ -259,15 +288,15 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
         return tuple(None if a is None else a + b for a, b in zip(acc, g, strict=True))
 
     def body(step: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        k, v, kv_seg, dq, dk, dv, db = carry
-        dq, dk, dv, db = add((dq, dk, dv, db), grads(step, k, v, kv_seg))
+        k, v, kv_seg, dq, dk, dv, db, ds = carry
+        dq, dk, dv, db, ds = add((dq, dk, dv, db, ds), grads(step, k, v, kv_seg))
         # The accumulators move at every step (P rotations bring each back to its owner).
         dk, dv = ring.rotate((dk, dv))
         k, v, kv_seg = ring.pass_on(step, (k, v, kv_seg))
-        return k, v, kv_seg, dq, dk, dv, db
+        return k, v, kv_seg, dq, dk, dv, db, ds
 
-    zeros = _zeros(ring, (x.q, x.k, x.v, x.bias))
-    dq, dk, dv, db = jax.lax.fori_loop(0, ring.devices, body, (x.k, x.v, x.kv_seg, *zeros))[3:]
+    zeros = _zeros(ring, (x.q, x.k, x.v, x.bias, x.scale))
+    dq, dk, dv, db, ds = jax.lax.fori_loop(0, ring.devices, body, (x.k, x.v, x.kv_seg, *zeros))[3:]
     grads_x = _Local(
         q=dq.astype(x.q.dtype),
         k=dk.astype(x.k.dtype),
@@ -278,7 +307,8 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
         kv_seg=None,
         q_lens=None,
         kv_lens=None,
-        scale=None,
+        # This device's share: the pcast that shares a traced scale (_device) sums the shares.
+        scale=None if ds is None else ds.astype(x.scale.dtype),
     )
     return (grads_x,)
 
@@ -292,6 +322,8 @@ def _device(ring: _Ring, x: _Local) -> tuple[Array, Array]:
     if x.bias is not None and ring.bias_shared:
         # One bias for every device: typed as varying, so its gradient is summed (psum).
         x = dataclasses.replace(x, bias=_varying(ring, x.bias))
+    if x.scale is not None:  # a traced scale, the same on every device: likewise
+        x = dataclasses.replace(x, scale=_varying(ring, x.scale))
     o, lse = _ring_states(ring, x)
     v_total = None
     if spec.masked_rows == "uniform":  # the mean of all S values: each chunk's sum, psum
@@ -366,6 +398,18 @@ def _shard(
     return local, specs
 
 
+# JAX's error for forward-mode differentiation of a ``custom_vjp`` (raised while ``jax.jvp``
+# traces the ring's program), and the one the kernels raise instead.
+_JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+_FORWARD_MODE = (
+    "{name} does not support forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize): "
+    "its backward is a jax.custom_vjp that runs the ring again, and JAX has no forward-mode rule "
+    "for a custom_vjp. Use reverse mode (jax.grad, jax.vjp, jax.jacrev; forward-over-reverse "
+    "such as jax.hessian works), or all_gather_dot_product_attention, which has no custom rule "
+    "and supports both modes."
+)
+
+
 def _sequence_parallel(
     layout: str,
     query: Any,
@@ -401,7 +445,13 @@ def _sequence_parallel(
         bias_shared=specs.bias == PartitionSpec(),
         scale=None if scale is None or traced_scale else float(scale),
     )
-    o, lse = _program(ring, mesh, specs)(local)
+    try:
+        o, lse = _program(ring, mesh, specs)(local)
+    except TypeError as error:
+        if _JVP_ERROR not in str(error):
+            raise
+        scheme = next(s for s, lay in LAYOUT_OF.items() if lay == layout)
+        raise TypeError(_FORWARD_MODE.format(name=f"{scheme}_dot_product_attention")) from error
     out = _layout.from_layout(o, 1, spec.t, devices, layout)
     lse = _layout.from_layout(lse, 1, spec.t, devices, layout)
     return (out, lse) if return_lse else out
@@ -457,15 +507,22 @@ _KERNEL_DOC = """{title}
 
     Returns:
         ``o [B, T, N, H_v]`` in the dtype of ``query`` (natural order), or ``(o, lse)`` with
-        ``lse [B, T, N]`` in the compute dtype when ``return_lse`` (both differentiable with
-        respect to ``query``, ``key``, ``value`` and ``bias``).
+        ``lse [B, T, N]`` in the compute dtype when ``return_lse`` (both differentiable in
+        reverse mode with respect to ``query``, ``key``, ``value``, ``bias`` and a traced
+        ``scale``; forward over reverse, as ``jax.hessian``, works too).
 
     Raises:
         ValueError: For every argument :func:`attnref.dot_product_attention` refuses with
             ``ValueError`` (shapes, option values, concrete lengths out of range), or if
             ``axis_name`` is not an axis of ``mesh`` (or ``None`` for a mesh of several axes).
         TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``, or for the dtype and type errors
-            of :func:`attnref.dot_product_attention`.
+            of :func:`attnref.dot_product_attention`; or under forward-mode differentiation
+            (``jax.jvp``, ``jax.jacfwd``) of the kernel: its backward is a ``jax.custom_vjp``,
+            which JAX cannot differentiate forward (the message names the kernel; under an
+            outer ``jax.jit``, JAX's own ``TypeError`` comes instead, when the derivative is
+            compiled). Use ``jax.grad``/``jax.vjp``, or
+            :func:`attnref.distributed.all_gather_dot_product_attention`, which supports both
+            modes.
     """
 
 
