@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         "check-merge",
         help="run the state-algebra properties against your merge_states",
         description="Run the attention state algebra's properties (check_merge_states: oracle, "
-        "commutative, associative, identity, stability, dtypes) against a function "
+        "commutative, associative, identity, stability, dtypes, gradients) against a function "
         "merge(o_a, lse_a, o_b, lse_b) -> (o, lse). Exit status: 0 all passed, 1 a property "
         "failed, 2 the target cannot be loaded or an option is invalid.",
     )
@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
         default="zeros",
         choices=("zeros", "nan"),
         help="the declared o of a merge of empty states",
+    )
+    m.add_argument(
+        "--no-grad",
+        action="store_true",
+        help="the merge cannot be differentiated by jax.vjp (NumPy inside): skip gradients",
     )
     m.add_argument("--json", action="store_true", help="machine-readable report")
     k = sub.add_parser(
@@ -264,6 +269,7 @@ def _check_merge(args: argparse.Namespace) -> int:
             masked_rows=args.masked_rows,
             properties=kit.split_list(args.properties) or None,
             target=args.target,
+            grad=not args.no_grad,
             **kwargs,
         )
     except ValueError as e:

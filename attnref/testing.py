@@ -14,7 +14,8 @@ The conformance kit (:mod:`attnref._src.conformance`): :func:`check_attention` r
 properties against anyone's attention function (``devices=(1, 2, 4, 8)``: a distributed one, on
 meshes of those sizes, with the ring-size growth of its error) and returns a
 :class:`ConformanceReport`; :func:`check_merge_states` runs the state-algebra properties (oracle,
-commutative, associative, identity, stability, dtypes) against anyone's ``merge_states``.
+commutative, associative, identity, stability, dtypes, gradients) against anyone's
+``merge_states``.
 """
 
 from __future__ import annotations

@@ -119,12 +119,17 @@ def test_check_rejects_issue_11_targets(capsys, target, prop, message):
 
 
 def test_check_merge_passes_attnref_and_fails_the_naive_merge(capsys):
-    """``attnref check-merge``: attnref's own merge passes every state-algebra property (exit
-    0); the naive ``lse + log(1 + exp(lse_b - lse))`` fails stability and identity (exit 1,
-    each failure with its example and replay); a bad option or target exits 2."""
+    """``attnref check-merge``: attnref's own merge passes every state-algebra property, its
+    gradients included (exit 0); ``--no-grad`` skips the gradients; the naive
+    ``lse + log(1 + exp(lse_b - lse))`` fails stability and identity (exit 1, each failure with
+    its example and replay); a bad option or target exits 2."""
     assert main(["check-merge", "attnref:merge_states", "--max-examples", "2"]) == 0
     out = capsys.readouterr().out
-    assert "6 passed, 0 failed" in out and "PASS" in out
+    assert "7 passed, 0 failed" in out and "PASS" in out and "features: grad" in out
+    args = ["--properties", "gradients", "--no-grad"]
+    assert main(["check-merge", "attnref:merge_states", *args]) == 0
+    out = capsys.readouterr().out
+    assert "0 passed, 0 failed, 1 skipped" in out and "grad=False" in out, out
     naive = "tests.conformance_targets:merge_states_naive"
     code = main(["check-merge", naive, "--max-examples", "3", "--properties", "stability,identity"])
     out = capsys.readouterr().out

@@ -7,7 +7,10 @@ derivative) against the NumPy oracle merge within the derived bound
 :func:`attnref.tolerance.merge_error_bound`; partitions of drawn kernel problems computed piece by
 piece with :func:`attnref.dot_product_attention` in float32/float64/bfloat16/float16 and merged
 in random orders and groupings, against the oracle of the whole call; and the kit
-(:func:`check_merge_states`) passing attnref's merge and catching the naive one.
+(:func:`check_merge_states`) passing attnref's merge and catching the naive one, and its
+``gradients`` property: the float64 gradient oracle of a merge (derived by hand) against worked
+numbers and finite differences, and the kit catching merges that are exact forward but whose
+gradients are wrong (weights behind ``stop_gradient``; ``log(0)`` on an empty row).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from hypothesis import strategies as st
 import attnref
 from attnref import oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.conformance.states import check_merge_states
+from attnref._src.conformance.states import MERGE_PROPERTIES, check_merge_states
 from attnref._src.kernel import STATIC_OPTIONS
 from attnref._src.states import merge_state_stack, merge_states
+from attnref.oracle._states import merge_states_vjp
 from attnref.testing import assert_ratio_within
+from attnref.tolerance._states import merge_grad_error_bound
 
 _MERGE = jax.jit(merge_states, static_argnames="masked_rows")
 _STACK = jax.jit(merge_state_stack, static_argnames=("axis", "masked_rows"))
@@ -556,14 +561,16 @@ def _lse_in_bfloat16(o_a, lse_a, o_b, lse_b):
 
 
 def test_kit_passes_attnref_merge_and_catches_broken_ones():
-    """check_merge_states passes attnref's merge (jitted) on every property and dtype; it fails
+    """check_merge_states passes attnref's merge (jitted) on every property and dtype, its
+    gradients included; it fails
     the naive merge on stability and identity (and the oracle property, on empty rows), and a
     merge that rounds lse to bfloat16 on the oracle property."""
     good = check_merge_states(_MERGE, max_examples=4)
     assert good.passed, good.summary()
     assert [r.name for r in good.results] == list(
-        ("oracle", "commutative", "associative", "identity", "stability", "dtypes")
+        ("oracle", "commutative", "associative", "identity", "stability", "dtypes", "gradients")
     )
+    assert good.features == ("grad",)
     naive = check_merge_states(
         _naive_merge, max_examples=4, properties=("oracle", "identity", "stability")
     )
@@ -578,3 +585,169 @@ def test_kit_passes_attnref_merge_and_catches_broken_ones():
         _lse_in_bfloat16, max_examples=4, properties=("oracle",), dtypes=("float32",)
     )
     assert not sloppy.passed and "derived bound" in sloppy.results[0].detail, sloppy.summary()
+
+
+# ----------------------------------------------------------------------------- the kit: gradients
+
+
+def _stop_gradient_merge(o_a, lse_a, o_b, lse_b):
+    """attnref's merge (:func:`attnref.merge_states`) step for step, with its weights
+    ``w = exp(lse - m)`` behind ``jax.lax.stop_gradient``: exact forward (bit for bit the same
+    values), and ``d o_p = pi_p g_o`` survives, but ``d lse_p`` keeps only what flows through the
+    shift ``m`` (all of ``g_lse`` to the larger state) and loses ``pi_p g_o . (o_p - o)``."""
+    dt = jnp.promote_types(jnp.result_type(o_a, o_b), jnp.float32)
+    la, lb = jnp.asarray(lse_a, dt), jnp.asarray(lse_b, dt)
+    m = jnp.maximum(la, lb)
+    ok = jnp.isfinite(m)
+    m_safe = jnp.where(ok, m, 0.0)
+    wa = jax.lax.stop_gradient(jnp.exp(jnp.where(ok, la, -jnp.inf) - m_safe))
+    wb = jax.lax.stop_gradient(jnp.exp(jnp.where(ok, lb, -jnp.inf) - m_safe))
+    oa = jnp.where(jnp.isneginf(la)[..., None], 0.0, jnp.asarray(o_a, dt))
+    ob = jnp.where(jnp.isneginf(lb)[..., None], 0.0, jnp.asarray(o_b, dt))
+    o = (wa[..., None] * oa + wb[..., None] * ob) / jnp.where(ok, wa + wb, 1.0)[..., None]
+    lse = m_safe + jnp.log1p(jnp.where(ok, jnp.minimum(wa, wb), 0.0))
+    o = jnp.where(jnp.isneginf(m)[..., None], 0.0, o)
+    lse = jnp.where(jnp.isneginf(m), -jnp.inf, lse)
+    return o.astype(jnp.result_type(o_a, o_b)), lse.astype(jnp.result_type(lse_a, lse_b))
+
+
+def _log_total_merge(o_a, lse_a, o_b, lse_b):
+    """A merge that is exact forward but writes ``lse = m + log(w_a + w_b)`` (weights relative
+    to the larger lse, an empty state's o masked): on a row where both states are empty the
+    total is 0, ``log(0) = -inf`` is the right value, but ``log``'s derivative ``1 / 0`` makes
+    the gradient NaN (``0 * inf`` through ``exp(-inf)``)."""
+    dt = jnp.promote_types(jnp.result_type(o_a, o_b), jnp.float32)
+    la, lb = jnp.asarray(lse_a, dt), jnp.asarray(lse_b, dt)
+    m = jnp.maximum(la, lb)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    wa, wb = jnp.exp(la - m)[..., None], jnp.exp(lb - m)[..., None]
+    oa = jnp.where(wa > 0, jnp.asarray(o_a, dt), 0.0)
+    ob = jnp.where(wb > 0, jnp.asarray(o_b, dt), 0.0)
+    total = wa + wb
+    o = (wa * oa + wb * ob) / jnp.where(total > 0, total, 1.0)
+    lse = m + jnp.log(total[..., 0])
+    return o.astype(jnp.result_type(o_a, o_b)), lse.astype(jnp.result_type(lse_a, lse_b))
+
+
+def test_merge_gradient_oracle_by_hand():
+    """merge_states_vjp on worked numbers. Row 0: lse = (0, ln 3), so L = ln 4 and pi = (1/4,
+    3/4); o_a = (1, 2), o_b = (5, -2), o = (4, -1); g_o = (1, 0), g_lse = 2: d o_a = (1/4, 0),
+    d o_b = (3/4, 0), d lse_a = 1/4 (1 - 4 + 2) = -1/4, d lse_b = 3/4 (5 - 4 + 2) = 9/4 (they
+    sum to g_lse: shifting both lse shifts L). Row 1: a empty (o NaN): a gets 0, b gets g_o
+    and g_lse. Row 2: both empty: all 0. Row 3: a NaN lse: NaN. Tolerance: a few float64
+    roundings of values of order 1 (``16 u_64``); a wrong term moves a value by >= 1/4."""
+    nan, inf = np.nan, np.inf
+    o_a = np.array([[1.0, 2.0], [nan, nan], [nan, nan], [1.0, 1.0]])
+    o_b = np.array([[5.0, -2.0], [3.0, 7.0], [nan, nan], [1.0, 1.0]])
+    lse_a = np.array([0.0, -inf, -inf, nan])
+    lse_b = np.array([math.log(3.0), 0.5, -inf, 0.0])
+    g_o = np.array([[1.0, 0.0], [1.0, -1.0], [1.0, 1.0], [1.0, 1.0]])
+    g_l = np.array([2.0, 3.0, 1.0, 1.0])
+    d_oa, d_la, d_ob, d_lb = merge_states_vjp(o_a, lse_a, o_b, lse_b, g_o, g_l)
+    tol = dict(rtol=16 * U64, atol=16 * U64)
+    np.testing.assert_allclose(d_oa[:3], [[0.25, 0.0], [0, 0], [0, 0]], **tol)
+    np.testing.assert_allclose(d_ob[:3], [[0.75, 0.0], [1, -1], [0, 0]], **tol)
+    np.testing.assert_allclose(d_la[:3], [-0.25, 0.0, 0.0], **tol)
+    np.testing.assert_allclose(d_lb[:3], [2.25, 3.0, 0.0], **tol)
+    assert np.all(d_oa[1:3] == 0) and np.all(d_la[1:3] == 0) and np.all(d_ob[2] == 0)
+    assert np.isnan(d_la[3]) and np.isnan(d_lb[3]) and np.isnan(d_oa[3]).all()
+    with pytest.raises(ValueError, match="g_lse"):
+        merge_states_vjp(o_a, lse_a, o_b, lse_b, g_o, g_l[:2])
+
+
+def test_merge_gradient_oracle_is_the_derivative_of_the_oracle_merge():
+    """Central differences of the float64 oracle merge (no derivative formula involved) agree
+    with merge_states_vjp. Step h = 1e-5 on values of order 1: truncation h^2 |f'''| / 6 ~ 1e-10
+    plus rounding ~ u_64 |f| / h ~ 1e-11, so 1e-8 absolute has room, while a wrong or missing
+    term is of order 0.1."""
+    s = ast.make_state_stack(2, (3,), 3, 4, dtype="float64", spread="small")
+    rng = np.random.default_rng(0)
+    g_o, g_l = rng.standard_normal(s.o.shape[1:]), rng.standard_normal(s.lse.shape[1:])
+
+    def loss(args):
+        o, lse = oracle.merge_states(*args)
+        return float((o * g_o).sum() + (lse * g_l).sum())
+
+    base = [x.copy() for x in (*s.state(0), *s.state(1))]
+    want = merge_states_vjp(*base, g_o, g_l)
+    h = 1e-5
+    for i, w in enumerate(want):
+        fd = np.zeros_like(base[i])
+        for idx in np.ndindex(base[i].shape):
+            up, down = [x.copy() for x in base], [x.copy() for x in base]
+            up[i][idx] += h
+            down[i][idx] -= h
+            fd[idx] = (loss(up) - loss(down)) / (2 * h)
+        np.testing.assert_allclose(fd, w, rtol=0, atol=1e-8)
+
+
+def test_merge_grad_error_bound_is_zero_where_the_gradient_is_exact():
+    """The gradient bound is 0 for an empty state and on an empty row (exp(-inf) = 0 exactly,
+    so a correct backward gives exactly 0 there), positive on live states, and refuses
+    mismatched shapes."""
+    s = ast.make_state_stack(2, (4,), 3, 1, spread="small")
+    s.lse[:, 0] = s.lse[0, 1] = s.lse[1, 2] = -np.inf  # row 0 empty, a empty on 1, b on 2
+    s.o[np.isneginf(s.lse)] = np.nan
+    g_o, g_l = np.ones(s.o.shape[1:]), np.ones(s.lse.shape[1:])
+    b_oa, b_la, b_ob, b_lb = merge_grad_error_bound(*s.state(0), *s.state(1), g_o, g_l)
+    for p, b_o, b_l in ((0, b_oa, b_la), (1, b_ob, b_lb)):
+        live = np.isfinite(s.lse[p])
+        assert np.all(b_l[~live] == 0) and np.all(b_o[~live] == 0)
+        assert np.all(b_l[live] > 0) and np.all(b_o[live] > 0)
+    with pytest.raises(ValueError, match="g_lse"):
+        merge_grad_error_bound(*s.state(0), *s.state(1), g_o, g_l[:2])
+
+
+def test_kit_gradients_catch_a_stop_gradient_merge():
+    """A merge whose weights sit behind jax.lax.stop_gradient is exact forward (the same
+    values as attnref's merge, bit for bit) and passes every forward property; only the
+    gradients property fails it, on d lse (the derived bound is about 1e-5 there, the missing
+    term pi_p g_o . (o_p - o) of order 1)."""
+    s = ast.make_state_stack(2, (2, 3), 4, 0, spread="small", empty=0.3, empty_row=True)
+    for got, want in zip(
+        _stop_gradient_merge(*s.state(0), *s.state(1)),
+        _MERGE(*s.state(0), *s.state(1)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    report = check_merge_states(_stop_gradient_merge, max_examples=3)
+    status = {r.name: r.status for r in report.results}
+    assert status == {
+        **{p: "passed" for p in MERGE_PROPERTIES if p != "gradients"},
+        "gradients": "failed",
+    }, report.summary()
+    (grads,) = (r for r in report.results if r.name == "gradients")
+    assert "d/dlse_" in grads.detail and "derived gradient bound" in grads.detail, grads.detail
+    assert grads.traceback is None  # a failed comparison, not an exception
+
+
+def test_kit_gradients_catch_nan_on_empty_rows():
+    """``lse = m + log(w_a + w_b)`` is exact forward (log(0) = -inf on a row of empty states),
+    but its gradient there is NaN: the gradients property fails it, naming the row of empty
+    states, and the forward properties that draw empty rows pass it."""
+    props = ("oracle", "identity", "gradients")
+    report = check_merge_states(_log_total_merge, max_examples=3, properties=props)
+    status = {r.name: r.status for r in report.results}
+    assert status == {"oracle": "passed", "identity": "passed", "gradients": "failed"}, (
+        report.summary()
+    )
+    assert "both states are empty" in report.results[-1].detail, report.results[-1].detail
+
+
+def test_kit_gradients_of_a_numpy_merge():
+    """A NumPy merge (here the float64 oracle's) cannot be differentiated by jax.vjp: the
+    gradients property fails with a message that says so and how to declare it; declared with
+    grad=False it is skipped with the reason (and the report lists no features), while the
+    forward properties run as before."""
+
+    def numpy_merge(o_a, lse_a, o_b, lse_b):
+        return oracle.merge_states(o_a, lse_a, o_b, lse_b)
+
+    props = ("oracle", "gradients")
+    report = check_merge_states(numpy_merge, max_examples=2, properties=props)
+    assert [r.status for r in report.results] == ["passed", "failed"], report.summary()
+    assert "grad=False" in report.results[1].detail, report.results[1].detail
+    declared = check_merge_states(numpy_merge, max_examples=2, properties=props, grad=False)
+    assert declared.passed and declared.features == ()
+    assert [r.status for r in declared.results] == ["passed", "skipped"]
+    assert "grad=False" in declared.results[1].detail

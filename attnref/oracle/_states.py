@@ -20,6 +20,16 @@ these equations (the shares form, not the JAX code's ``sum w o / sum w``), indep
 * inputs of any floating dtype (bfloat16 included) are read exactly into float64, and the result
   is float64.
 
+The gradient (:func:`merge_states_vjp`) is differentiated by hand from the same equations: with
+cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on the merged ``lse``, ``d pi_p / d lse_q =
+pi_p ([p = q] - pi_q)`` and ``d L / d lse_p = pi_p`` give::
+
+    d o_p   = pi_p g_o
+    d lse_p = pi_p (g_o . (o_p - o) + g_lse)
+
+An empty state (``lse_p = -inf``: ``-inf`` plus any finite perturbation is ``-inf``, so the
+merge does not move) gets 0 in both, and so does every state of a row where all are empty.
+
 Bad input is refused as the JAX functions refuse it (same exception type, the argument and its
 shape named). NumPy only, no JAX.
 """
@@ -82,6 +92,30 @@ def _merge_last(o: np.ndarray, lse: np.ndarray, masked_rows: str) -> tuple[np.nd
     return merged_o, merged_lse
 
 
+def _merge_last_vjp(
+    o: np.ndarray, lse: np.ndarray, g_o: np.ndarray, g_lse: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(d o [..., P, H_v], d lse [..., P])`` of the merge of the ``P`` states on the last axis
+    of ``lse [..., P]`` for cotangents ``g_o [..., H_v]``, ``g_lse [...]`` (float64)."""
+    live = np.isfinite(lse)
+    poisoned = np.isnan(lse).any(axis=-1) | np.isposinf(lse).any(axis=-1)
+    merged_o, merged_lse = _merge_last(o, lse, "zeros")
+    finite = np.isfinite(merged_lse)
+    use = live & finite[..., None]  # a live state of a row that is not empty
+    shift = np.where(
+        use, np.where(use, lse, 0.0) - np.where(finite, merged_lse, 0.0)[..., None], 0.0
+    )
+    with np.errstate(under="ignore"):
+        share = np.where(use, np.exp(shift), 0.0)
+    oo = np.where(use[..., None], o, 0.0)  # an empty state's o (NaN allowed) is never read
+    dev = np.where(use, ((oo - merged_o[..., None, :]) * g_o[..., None, :]).sum(axis=-1), 0.0)
+    d_o = share[..., None] * g_o[..., None, :]
+    d_lse = share * (dev + g_lse[..., None])
+    d_o = np.where(poisoned[..., None, None], np.nan, d_o)
+    d_lse = np.where(poisoned[..., None], np.nan, d_lse)
+    return d_o, d_lse
+
+
 def merge_states(
     o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, *, masked_rows: str = "zeros"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -116,6 +150,55 @@ def merge_states(
     o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
     lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
     return _merge_last(o, lse, masked_rows)
+
+
+def merge_states_vjp(
+    o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, g_o: Any, g_lse: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The gradient of ``<g_o, o> + <g_lse, lse>`` of :func:`merge_states` with respect to both
+    states, in float64, derived by hand (no autodiff)::
+
+        d o_p   = pi_p g_o
+        d lse_p = pi_p (g_o . (o_p - o) + g_lse),      pi_p = e^{lse_p - lse},  p in {a, b}
+
+    where ``(o, lse)`` is the merged state. An empty state (``lse_p = -inf``) gets exactly 0
+    (its ``o``, NaN allowed, is never read), and so does a row where both are empty (the merge is
+    the constant empty state there, whatever ``masked_rows``); a NaN or ``+inf`` ``lse`` makes
+    the row's gradients NaN, and a NaN ``o`` of a live state its row's ``d lse``.
+
+    Args:
+        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
+        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
+        o_b: Normalised output of ``B``, the shape of ``o_a``.
+        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
+        g_o: The cotangent of the merged ``o``, the shape of ``o_a``.
+        g_lse: The cotangent of the merged ``lse``, the shape of ``lse_a``.
+
+    Returns:
+        ``(d o_a, d lse_a, d o_b, d lse_b)`` in float64, the shapes of the inputs.
+
+    Raises:
+        ValueError: If a ``lse`` does not have the shape of its ``o`` without the last axis, or
+            the states' or the cotangents' shapes differ from ``o_a``'s and ``lse_a``'s.
+        TypeError: If an input is not floating.
+    """
+    _check_state("a", o_a, lse_a)
+    _check_state("b", o_b, lse_b)
+    for name, x, like, want in (
+        ("o_b", o_b, "o_a", shape_of(o_a)),
+        ("g_o", g_o, "o_a", shape_of(o_a)),
+        ("g_lse", g_lse, "lse_a", shape_of(lse_a)),
+    ):
+        if shape_of(x) != want:
+            raise ValueError(
+                f"{like} has shape {want} but {name} has {shape_of(x)}; they must agree"
+            )
+        if not is_floating(dtype_of(x)):
+            raise TypeError(f"{name} must be floating, got dtype {dtype_of(x)}")
+    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
+    lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
+    d_o, d_lse = _merge_last_vjp(o, lse, np.asarray(g_o, np.float64), np.asarray(g_lse, np.float64))
+    return d_o[..., 0, :], d_lse[..., 0], d_o[..., 1, :], d_lse[..., 1]
 
 
 def merge_state_stack(

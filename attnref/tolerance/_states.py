@@ -70,6 +70,59 @@ The float64 oracle's own error (:func:`attnref.oracle.merge_state_stack`, the sh
 ``L``'s error, the sum ``gamma_P``) is added, so ``|merged - oracle merge| <= bound`` is a
 rigorous first-order test. Rows whose merge is empty (every ``lse = -inf``) or NaN (a NaN or
 ``+inf`` ``lse``) are exact and get 0.
+
+**The gradient of one binary merge** (:func:`merge_grad_error_bound`). For cotangents ``g_o`` on
+the merged ``o`` and ``g_l`` on the merged ``lse`` the exact VJP is ``d o_p = pi_p g_o`` and
+``d lse_p = pi_p (g_o . (o_p - o) + g_l)``, ``p in {a, b}`` (the float64 oracle
+``attnref.oracle._states.merge_states_vjp``, differentiated by hand). A backward pass (autodiff
+of the merge above, or one written by hand) evaluates these as sums of terms, each a computed
+share times a product of cotangent and ``o`` entries. Per row, with ``|g_o| . x = sum_h |g_o,h|
+x_h`` and ``M_p = |g_l| + |g_o| . (|o_p| + |o| + delta_o)`` (the magnitude of ``d lse_p``'s
+terms over ``pi_p``):
+
+1. **Shares.** ``pi_p`` is computed as ``w_p / (w_a + w_b)`` with ``w_p = exp(fl(lse_p - m))``,
+   or as ``exp(fl(lse_p - lse))`` from the computed ``lse``. Either way it is
+   ``pi_p e^{theta_p}`` with ``|theta_p| <= theta_0 + |lse_p - L| u``, ``theta_0 = l + C_EXP u``:
+   the computed ``lse`` is within ``l`` (step 4 of one merge), the subtraction rounds once
+   (``|lse_p - L| u``; the weights form's ``|d_p| <= |lse_p - L|``), ``exp`` adds ``C_EXP u``,
+   and the weights form's total and division, ``(2 + 1/e + C_EXP) u`` beyond its weight's
+   ``(|d_p| + C_EXP) u``, are within ``l``'s ``(1/e + C_EXP + C_EXP ln 2) u`` plus the other
+   ``C_EXP u`` since ``C_EXP ln 2 >= 2``. The relative error of a share is at most
+   ``rho_p = e^{theta_0 + |lse_p - L| u} - 1`` (so ``pi_p |lse_p - L| u <= u / e``: a tiny share
+   costs nothing).
+2. **Rounding.** Every term passes through at most ``K = H_v + 12`` rounded operations: the dot
+   product with ``g_o`` (``H_v``), the products with the share and the cotangent, the division
+   by the total, the subtraction of ``g_o . o``, ``exp``'s and ``log1p``'s derivatives (a product
+   and a division), and the sums of the direct, ``lse`` and shift paths into ``d lse_p``, with
+   room: ``gamma_K`` relative to the term.
+3. **The shift.** A backward that differentiates through the shift ``m = max(lse_a, lse_b)``
+   (or any shift that is not a ``stop_gradient``) adds to the state the shift was taken from a
+   sum of terms that is exactly 0: ``g_l`` and every term of both states' ``lse`` paths,
+   ``|g_l| + sum_q pi_q M_q`` in magnitude, hence ``gamma_K |g_l| + sum_q pi_q (rho_q +
+   gamma_K) M_q`` computed. Which state receives it depends on the implementation (both, halved,
+   on a tie), so every live state is allowed it.
+4. **The merged ``o``** a backward reads is the computed one (a kernel's backward reads its
+   stored output, as FlashAttention's ``D = rowsum(dO * O)`` does), within the forward bound
+   ``delta_o`` of one merge (:func:`merge_error_bound`): it moves ``d lse_p`` by
+   ``pi_p |g_o| . delta_o`` directly and by ``|g_o| . delta_o`` through the shift.
+5. **Underflow.** An ``exp`` or product that underflows (or is flushed to zero) is off by at
+   most ``tiny``: ``4 tiny`` per term's magnitude covers the share's ``exp`` and division and
+   the products.
+6. **The store.** The gradients are returned in the states' formats: a 16-bit ``d o`` adds
+   ``r_o`` of its value (``<= pi_p |g_o|``) plus ``r_o tiny_o`` (half the format's subnormal
+   spacing), and likewise ``r_l`` for ``d lse`` (value ``<= pi_p M_p``).
+
+Hence::
+
+    |d(d o_p)|   <= (1 + r_o) [pi_p (rho_p + gamma_K) + 4 tiny] |g_o|
+                    + r_o (pi_p |g_o| + tiny_o)
+    |d(d lse_p)| <= (1 + r_l) [pi_p (rho_p + gamma_K) M_p + gamma_K |g_l|
+                    + sum_q pi_q (rho_q + gamma_K) M_q + (1 + pi_p) |g_o| . delta_o
+                    + 4 tiny (|g_l| + |g_o| . (V + |o| + delta_o))] + r_l (pi_p M_p + tiny_l)
+
+plus the float64 oracle's own error (the same expression at ``u_64``, no store). An empty state
+(``lse = -inf``) and every state of an empty row get 0: ``exp(-inf) = 0`` exactly, so a correct
+backward gives exactly 0 there (never NaN from an empty state's NaN ``o``).
 """
 
 from __future__ import annotations
@@ -324,3 +377,143 @@ def merge_error_bound(
     exact = st["exact"]
     exact_o = exact[..., None] | st["bad_o"]
     return np.where(exact_o, 0.0, d_o), np.where(exact, 0.0, d_lse)
+
+
+def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """The formats of the states' ``o`` and ``lse`` (``lse_dtype`` defaults to ``dtype``)."""
+    o_fmt = _as_dtype(dtype)
+    return o_fmt, (o_fmt if lse_dtype is None else _as_dtype(lse_dtype))
+
+
+def _formats(dtype: Any, lse_dtype: Any) -> tuple[float, float, float, float]:
+    """``(u, tiny, r_o, r_l)``: the working format's unit round-off and smallest normal (float32
+    for 16-bit states) and the store round-offs of a 16-bit ``o`` and ``lse`` (else 0)."""
+    o_fmt, l_fmt = _store_formats(dtype, lse_dtype)
+    work = np.result_type(np.float32, *(np.float32 if _is_16bit(f) else f for f in (o_fmt, l_fmt)))
+    r_o = unit_roundoff(o_fmt) if _is_16bit(o_fmt) else 0.0
+    r_l = unit_roundoff(l_fmt) if _is_16bit(l_fmt) else 0.0
+    return unit_roundoff(work), float(_finfo(work).tiny), r_o, r_l
+
+
+def _grad_terms(
+    st: dict[str, np.ndarray],
+    m_p: np.ndarray,
+    gap: np.ndarray,
+    mag: np.ndarray,
+    read_o: np.ndarray,
+    g_abs: np.ndarray,
+    g_l_abs: np.ndarray,
+    u: float,
+    tiny: float,
+    r_l: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-5 of the gradient bound (module docstring), before the store: ``(e_o [..., P,
+    H_v], e_lse [..., P])`` in a format of unit round-off ``u``, pieces on the last axis;
+    ``gap = |lse_p - L|``, ``mag = |g_l| + |g_o| . (V + |o| + delta_o)``, ``read_o = |g_o| .
+    delta_o``."""
+    gam = gamma(g_abs.shape[-1] + 12, u)
+    ell = (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
+    rho = np.expm1((ell + C_EXP * u)[..., None] + gap * u)
+    pi = st["share"]
+    shift = gam * g_l_abs + (pi * (rho + gam) * m_p).sum(axis=-1)
+    e_o = (pi * (rho + gam) + 4.0 * tiny)[..., None] * g_abs[..., None, :]
+    e_l = (
+        pi * (rho + gam) * m_p
+        + shift[..., None]
+        + (1.0 + pi) * read_o[..., None]
+        + 4.0 * tiny * mag[..., None]
+    )
+    return e_o, e_l
+
+
+def merge_grad_error_bound(
+    o_a: Any,
+    lse_a: Any,
+    o_b: Any,
+    lse_b: Any,
+    g_o: Any,
+    g_lse: Any,
+    *,
+    dtype: Any = np.float32,
+    lse_dtype: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Componentwise bounds on the error of the gradient of one binary merge computed in
+    ``dtype``, against the exact VJP ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) +
+    g_lse)`` (derivation: module docstring, "The gradient of one binary merge")::
+
+        |d(d o_p)|   <= (1 + r_o) [pi_p (rho_p + gamma_K) + 4 tiny] |g_o|
+                        + r_o (pi_p |g_o| + tiny_o)
+        |d(d lse_p)| <= (1 + r_l) [pi_p (rho_p + gamma_K) M_p + gamma_K |g_lse|
+                        + sum_q pi_q (rho_q + gamma_K) M_q + (1 + pi_p) |g_o| . delta_o
+                        + 4 tiny (|g_lse| + |g_o| . (V + |o| + delta_o))]
+                        + r_l (pi_p M_p + tiny_l),
+
+    ``rho_p = exp(l + C_EXP u + |lse_p - lse| u) - 1`` (a share's relative error; ``l`` the
+    merged ``lse``'s error in :func:`merge_error_bound`), ``K = H_v + 12``, ``M_p = |g_lse| +
+    |g_o| . (|o_p| + |o| + delta_o)``, ``delta_o`` the forward bound of ``o`` (one merge); plus
+    the float64 oracle's own error.
+
+    Args:
+        o_a: State ``A``'s output ``[..., H_v]`` (as the merge received it).
+        lse_a: State ``A``'s log-sum-exp ``[...]`` (``-inf``: empty).
+        o_b: State ``B``'s output, the shape of ``o_a``.
+        lse_b: State ``B``'s log-sum-exp, the shape of ``lse_a``.
+        g_o: The cotangent of the merged ``o``, the shape of ``o_a``.
+        g_lse: The cotangent of the merged ``lse``, the shape of ``lse_a``.
+        dtype: The format of the states' ``o`` (and of ``d o``); 16-bit states are merged in
+            float32.
+        lse_dtype: The format of the states' ``lse`` (and of ``d lse``; default ``dtype``).
+
+    Returns:
+        ``(bound of d o_a, of d lse_a, of d o_b, of d lse_b)``, float64, non-negative, the
+        inputs' shapes; 0 for an empty state, on a row whose merge is empty or NaN, and for
+        ``d lse`` on a row where a live state's ``o`` is not finite (the gradient is exact, or
+        NaN, there).
+
+    Raises:
+        ValueError: If the shapes do not agree (every ``o`` and ``g_o`` one shape, every ``lse``
+            and ``g_lse`` that shape without its last axis).
+    """
+    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)])
+    lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)])
+    g_abs, g_l_abs = np.abs(np.asarray(g_o, np.float64)), np.abs(np.asarray(g_lse, np.float64))
+    if not (o.ndim >= 2 and lse.shape == o.shape[:-1] and g_abs.shape == o.shape[1:]) or (
+        g_l_abs.shape != lse.shape[1:]
+    ):
+        raise ValueError(
+            f"shapes o_a {np.shape(o_a)}, lse_a {np.shape(lse_a)}, o_b {np.shape(o_b)}, lse_b "
+            f"{np.shape(lse_b)}, g_o {np.shape(g_o)}, g_lse {np.shape(g_lse)}: o_a, o_b and g_o "
+            "must have one shape, and lse_a, lse_b and g_lse that shape without its last axis"
+        )
+    delta_o = merge_error_bound(o, lse, dtype=dtype, lse_dtype=lse_dtype, tree=1)[0]
+    ls, os_ = np.moveaxis(lse, 0, -1), np.moveaxis(o, 0, -2)  # pieces last
+    st = _live_stats(os_, ls)
+    pi, live, exact = st["share"], st["live"], st["exact"]
+    # |o_p| of the live states and |o| of the exact merge (0 in a component a live o_p holds
+    # NaN or inf: the gradient is NaN there, and only d o, which does not read o, is compared)
+    o_read = np.where(live[..., None] & ~st["bad_o"][..., None, :], os_, 0.0)
+    o_live = np.abs(o_read)
+    merged_abs = np.abs((pi[..., None] * o_read).sum(axis=-2))
+    reach = merged_abs + delta_o  # a bound on |o| of the computed merge
+    m_p = g_l_abs[..., None] + (g_abs[..., None, :] * (o_live + reach[..., None, :])).sum(axis=-1)
+    mag = g_l_abs + (g_abs * (st["V"] + reach)).sum(axis=-1)
+    read_o = (g_abs * delta_o).sum(axis=-1)
+    top = np.where(live, ls, -np.inf).max(axis=-1)
+    top = np.where(exact, 0.0, top)
+    with np.errstate(under="ignore"):
+        shifted = np.where(live, np.where(live, ls, 0.0) - top[..., None], 0.0)
+        total = np.where(live, np.exp(shifted), 0.0).sum(axis=-1)
+    big_l = top + np.log(np.where(exact, 1.0, total))
+    gap = np.where(live, np.abs(np.where(live, ls, 0.0) - big_l[..., None]), 0.0)
+    u, tiny, r_o, r_l = _formats(dtype, lse_dtype)
+    args = (st, m_p, gap, mag, read_o, g_abs, g_l_abs)
+    e_o, e_l = _grad_terms(*args, u, tiny, r_l)
+    f_o, f_l = _grad_terms(*args, unit_roundoff(np.float64), float(np.finfo(np.float64).tiny), 0.0)
+    tiny_o, tiny_l = (float(_finfo(f).tiny) for f in _store_formats(dtype, lse_dtype))
+    b_o = (1.0 + r_o) * e_o + r_o * (pi[..., None] * g_abs[..., None, :] + tiny_o) + f_o
+    b_l = (1.0 + r_l) * e_l + r_l * (pi * m_p + tiny_l) + f_l
+    off = ~live | exact[..., None]
+    b_o = np.where(off[..., None], 0.0, b_o)
+    bad_row = np.asarray(st["bad_o"].any(axis=-1))  # a live o not finite: d lse is NaN
+    b_l = np.where(off | bad_row[..., None], 0.0, b_l)
+    return b_o[..., 0, :], b_l[..., 0], b_o[..., 1, :], b_l[..., 1]

@@ -30,6 +30,18 @@ Properties (:data:`MERGE_PROPERTIES`):
     bfloat16, float16; a 16-bit ``o`` with its ``lse`` in float32 and in the same 16-bit format)
     and merged in each, within the bound of that format (16-bit states merged in float32, each
     result stored in the states' formats). float64 runs inside ``jax.enable_x64``.
+``gradients`` (skipped with ``grad=False``)
+    ``jax.vjp`` of the merge, for random cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on
+    its ``lse``, with respect to both states' ``o`` and ``lse``, equals the float64 gradient
+    derived by hand from the merge's definition (``attnref.oracle._states.merge_states_vjp``)::
+
+        d o_p   = pi_p g_o,   d lse_p = pi_p (g_o . (o_p - o) + g_lse),   pi_p = e^{lse_p - lse}
+
+    within the derived bound ``attnref.tolerance._states.merge_grad_error_bound``, on the drawn
+    states of the forward properties in their format (float32 when requested; ties, differences
+    past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state (``lse = -inf``, weight 0) and every state of an empty
+    row get exactly 0, never NaN. A merge that is exact forward but ``stop_gradient``s its weights
+    loses the ``pi_p g_o . (o_p - o)`` term and fails here only.
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
@@ -50,11 +64,21 @@ from attnref._src.conformance.engine import _run_property
 from attnref._src.conformance.options import OptionError, check_max_examples
 from attnref._src.conformance.report import ConformanceReport, PropertyResult
 from attnref._src.conformance.targets import _describe_target
+from attnref.oracle._states import merge_states_vjp
 from attnref.strategies._states import _as_dtype
+from attnref.tolerance._states import merge_grad_error_bound
 
 __all__ = ["MERGE_DTYPES", "MERGE_PROPERTIES", "check_merge_states"]
 
-MERGE_PROPERTIES = ("oracle", "commutative", "associative", "identity", "stability", "dtypes")
+MERGE_PROPERTIES = (
+    "oracle",
+    "commutative",
+    "associative",
+    "identity",
+    "stability",
+    "dtypes",
+    "gradients",
+)
 MERGE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _POLICIES = ("zeros", "nan")
 _SHAPE = (((2, 3), 4),)  # one (rows, H_v) bucket: a jitted target compiles one program per dtype
@@ -77,10 +101,13 @@ def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
 
 
 class _Merge:
-    """Calls the target on NumPy states and reads back ``(o, lse)`` as float64."""
+    """Calls the target on NumPy states and reads back ``(o, lse)`` as float64; :meth:`vjp`
+    differentiates it with ``jax.vjp``."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
+        self.jitted_pull = jax.jit(self._pull)
+        self.eager = False  # set once the target fails to trace under jit
 
     def __call__(self, o_a: Any, l_a: Any, o_b: Any, l_b: Any) -> tuple[np.ndarray, np.ndarray]:
         wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
@@ -95,6 +122,54 @@ class _Merge:
                 f"and lse {np.shape(l_a)} (the inputs' shapes)"
             )
         return o, lse
+
+    def _pair(self, *states: Any) -> tuple[Any, Any]:
+        out = self.fn(*states)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise AssertionError(f"merge must return a pair (o, lse), got {type(out).__name__}")
+        return out[0], out[1]
+
+    def _pull(self, states: tuple[Any, ...], cot: tuple[Any, Any]) -> tuple[Any, ...]:
+        (o, lse), pull = jax.vjp(self._pair, *states)
+        if o.shape != states[0].shape or lse.shape != states[1].shape:
+            raise AssertionError(
+                f"merge returned o {o.shape} and lse {lse.shape}; expected o "
+                f"{states[0].shape} and lse {states[1].shape} (the inputs' shapes)"
+            )
+        return tuple(pull((cot[0].astype(o.dtype), cot[1].astype(lse.dtype))))
+
+    def vjp(
+        self, o_a: Any, l_a: Any, o_b: Any, l_b: Any, g_o: np.ndarray, g_l: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        """``jax.vjp`` of the target at the states for the cotangents ``(g_o, g_l)`` of its
+        ``(o, lse)``: ``(d o_a, d lse_a, d o_b, d lse_b)`` as float64 (the inputs' shapes).
+        Forward and backward are jitted together (one compile per format); a target that
+        cannot be traced under ``jit`` (Python control flow on values) is differentiated
+        eagerly."""
+        wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
+        with enable_x64() if wide else contextlib.nullcontext():
+            states = tuple(jnp.asarray(x) for x in (o_a, l_a, o_b, l_b))
+            cot = (jnp.asarray(g_o), jnp.asarray(g_l))
+            try:
+                if not self.eager:
+                    try:
+                        grads = self.jitted_pull(states, cot)
+                    except (
+                        jax.errors.ConcretizationTypeError,
+                        jax.errors.TracerArrayConversionError,
+                        jax.errors.TracerIntegerConversionError,
+                    ):
+                        self.eager = True
+                if self.eager:
+                    grads = self._pull(states, cot)
+            except jax.errors.TracerArrayConversionError:
+                raise AssertionError(
+                    "jax.vjp cannot differentiate the merge: it converts its inputs to NumPy "
+                    "arrays (TracerArrayConversionError). A NumPy merge has no JAX gradient: "
+                    "declare it with grad=False (attnref check-merge --no-grad) to skip this "
+                    "property"
+                ) from None
+            return tuple(np.asarray(g).astype(np.float64) for g in grads)
 
 
 def _merge_tree(merge: _Merge, tree: ast.Tree, s: ast.StateStack) -> tuple[Any, Any]:
@@ -176,6 +251,64 @@ def _check_against(
             got=x,
             want=ref,
         )
+
+
+_GRAD_NAMES = ("o_a", "lse_a", "o_b", "lse_b")
+
+
+def _check_gradients(
+    got: tuple[np.ndarray, ...], s: ast.StateStack, g_o: np.ndarray, g_l: np.ndarray, label: str
+) -> None:
+    """``got = (d o_a, d lse_a, d o_b, d lse_b)`` equals the float64 gradient oracle
+    ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) + g_lse)`` within the derived bound
+    (``merge_grad_error_bound``): exactly 0 for an empty state and on an empty row (weight 0),
+    finite wherever the oracle is."""
+    states = (*s.state(0), *s.state(1))
+    want = merge_states_vjp(*states, g_o, g_l)
+    bounds = merge_grad_error_bound(*states, g_o, g_l, dtype=s.dtype, lse_dtype=s.lse_dtype)
+    both = np.asarray(np.isneginf(s.lse).all(axis=0))  # rows where every state is empty
+    for i, (name, x, ref, b) in enumerate(zip(_GRAD_NAMES, got, want, bounds, strict=True)):
+        empty = np.isneginf(s.lse[i // 2])
+        zero = empty if name.startswith("lse") else empty[..., None]
+        if np.any(zero & (x != 0)):
+            idx = tuple(int(j) for j in np.argwhere(zero & (x != 0))[0])
+            where = (
+                "both states are empty (the merge is the constant empty state)"
+                if both[idx[: both.ndim]]
+                else f"state {name[-1]} is empty (lse = -inf: weight 0, its o never read)"
+            )
+            raise AssertionError(
+                f"{label}: d/d{name} = {x[idx]!r} at index {idx}, where {where}, so the gradient "
+                "is exactly 0"
+            )
+        defined = np.isfinite(ref)
+        bad = defined & ~np.isfinite(x)
+        if np.any(bad):
+            idx = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise AssertionError(
+                f"{label}: non-finite d/d{name} {x[idx]!r} at index {idx} where the oracle's "
+                f"gradient is {ref[idx]!r}"
+            )
+        assert_ratio_within(
+            np.abs(np.where(defined, x, 0.0) - np.where(defined, ref, 0.0)),
+            np.where(defined, b, 0.0),
+            "{label}: |d/d{name} - oracle| = {error:.3e} at index {index} exceeds the derived "
+            "gradient bound {allowed:.3e} ({ratio:.3g} x); got {got!r}, oracle {want!r}",
+            label=label,
+            name=name,
+            got=x,
+            want=ref,
+        )
+
+
+def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
+    """``s`` (two states over rows ``(2, 3)``) with row ``(0, 0)`` empty in both, state ``a``
+    empty on row ``(0, 1)`` and state ``b`` on row ``(1, 0)`` (``lse = -inf``, ``o`` NaN)."""
+    o, lse = s.o.copy(), s.lse.copy()
+    for p, row in ((0, (0, 0)), (1, (0, 0)), (0, (0, 1)), (1, (1, 0))):
+        lse[(p, *row)] = -np.inf
+        o[(p, *row)] = np.nan
+    return ast.StateStack(o, lse, s.spread, s.center, s.seed)
 
 
 def _same_places(x: np.ndarray, y: np.ndarray, label: str) -> None:
@@ -299,6 +432,21 @@ def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tup
         explicit = (_explicit(primary, "large", 1e4), _explicit(primary, "huge", 0.0))
         return strategy, check_stable, explicit
 
+    if name == "gradients":
+
+        def check_gradients(s: ast.StateStack) -> None:
+            rng = np.random.default_rng([s.seed, 1])
+            g_o = rng.standard_normal(s.o.shape[1:]).astype(s.dtype)
+            g_l = rng.standard_normal(s.lse.shape[1:]).astype(s.lse_dtype)
+            got = merge.vjp(*s.state(0), *s.state(1), g_o, g_l)
+            _check_gradients(got, s, g_o, g_l, "gradients of merge(a, b)")
+
+        explicit = (
+            _with_empty_states(_explicit(primary, "tied", 0.0)),
+            _explicit(primary, "large", 1e4),
+        )
+        return _states((2, 2), primary), check_gradients, explicit
+
     formats = _formats(dtypes)
 
     def check_dtypes(s: ast.StateStack) -> None:
@@ -320,6 +468,7 @@ def check_merge_states(
     properties: Sequence[str] | None = None,
     target: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    grad: bool = True,
 ) -> ConformanceReport:
     """Run the state-algebra properties (module docstring) against a user's binary merge.
 
@@ -336,6 +485,9 @@ def check_merge_states(
         properties: A subset of :data:`MERGE_PROPERTIES` (default all), run in that order.
         target: The name shown in the report (default: ``merge``'s module and name).
         progress: ``progress(done, total, name)`` after each property.
+        grad: Whether ``jax.vjp`` can differentiate ``merge`` (default True; the report's
+            features then list ``"grad"``). ``False`` for a merge JAX cannot trace (NumPy
+            inside): the ``gradients`` property is skipped with the reason.
 
     Returns:
         A :class:`ConformanceReport` (signature ``"merge_states"``), one
@@ -344,7 +496,7 @@ def check_merge_states(
     Raises:
         ValueError: An unknown property, dtype or ``masked_rows``; no dtypes;
             ``max_examples < 1`` (an ``OptionError``).
-        TypeError: ``merge`` not callable.
+        TypeError: ``merge`` not callable, or ``grad`` not a bool.
     """
     if masked_rows not in _POLICIES:
         raise OptionError(
@@ -376,16 +528,27 @@ def check_merge_states(
         check_max_examples(max_examples)
     if not callable(merge):
         raise TypeError(f"merge must be callable, got {type(merge).__name__}")
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be a bool, got {type(grad).__name__}")
     declared = {"masked_rows": masked_rows} if masked_rows != "zeros" else {}
     target_merge = _Merge(merge)
     results: list[PropertyResult] = []
     for done, name in enumerate(names, start=1):
+        if name == "gradients" and not grad:
+            reason = "needs gradient support (grad=False: a merge JAX cannot differentiate)"
+            results.append(PropertyResult(name, "skipped", reason, None, seed, 0))
+            if progress is not None:
+                progress(done, len(names), name)
+            continue
         start = time.perf_counter()
         strategy, check, explicit = _plan(name, target_merge, masked_rows, dts)
         status, detail, example, count, tb = _run_property(
             strategy, check, max_examples or 20, seed, explicit
         )
-        in_effect = tuple(f"{k}={v}" for k, v in declared.items() if name != "stability")
+        # no empty row in stability; a gradient is 0 on empty rows whatever their o
+        in_effect = tuple(
+            f"{k}={v}" for k, v in declared.items() if name not in ("stability", "gradients")
+        )
         results.append(
             PropertyResult(
                 name=name,
@@ -404,7 +567,7 @@ def check_merge_states(
     return ConformanceReport(
         target=target or _describe_target(merge),
         signature="merge_states",
-        features=(),
+        features=("grad",) if grad else (),
         declared=declared,
         results=tuple(results),
     )
