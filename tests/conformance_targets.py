@@ -19,9 +19,17 @@ defects of issue 11 that the kit once passed:
 * ``wrong_shape``: the output in the ``[B, N, T, H_v]`` layout;
 * ``raises``: raises from inside a helper (the report must show the traceback).
 
-``past_tile`` is jax.nn's attention with a tiling fault: when ``S`` is past one 128-key tile and
-not a multiple of 128, the keys of the last, partial tile are dropped (what a kernel that forgets
-its tail tile does). Every small shape (``S <= 8``) is right; ``shapes="production"`` catches it.
+Tail-tile faults, the commonest bug of a real kernel: jax.nn's attention with one tiling fault
+each, right at every length below its tile (so the small buckets, ``T, S <= 7``, never see it);
+the default check draws tile-straddling lengths and must fail each:
+
+* ``past_tile`` (= ``skip_key_tail_128``): when ``S`` is past one 128-key tile and not a multiple
+  of 128, the keys of the last, partial tile are dropped (never visited);
+* ``skip_key_tail_64``: the same with 64-key tiles;
+* ``skip_query_tail_64``: when ``T`` is past one 64-query tile and not a multiple of 64, the rows
+  of the last, partial query tile are never written (left at zero);
+* ``drop_key_128``: when ``S > 128``, key 128, the first one past the first 128-key tile, is
+  skipped (an off-by-one at the tile boundary).
 
 Distributed kernels (``check_attention(fn, devices=...)``), written the way a user would, with
 ``jax.shard_map`` and ``jax.lax.ppermute`` directly: ring attention (K/V chunks rotated around the
@@ -70,15 +78,44 @@ good = functools.partial(jax.nn.dot_product_attention, implementation="xla")
 NOT_CALLABLE = 3
 
 
-def past_tile(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
-    """jax.nn's attention reading only the full 128-key tiles when ``S > 128``, ``S % 128``."""
+def _skip_key_tail(tile: int) -> Callable[..., Any]:
+    def fn(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+        """jax.nn's attention reading only the full key tiles when ``S > tile``, ``S % tile``."""
+        s = key.shape[1]
+        if s > tile and s % tile:
+            full = (s // tile) * tile
+            lens = kw.pop("key_value_seq_lengths", None)
+            cap = jnp.full((key.shape[0],), full, jnp.int32)
+            kw["key_value_seq_lengths"] = cap if lens is None else jnp.minimum(lens, cap)
+        return jax.nn.dot_product_attention(query, key, value, *args, implementation="xla", **kw)
+
+    fn.__name__ = fn.__qualname__ = f"skip_key_tail_{tile}"
+    return fn
+
+
+skip_key_tail_64 = _skip_key_tail(64)
+skip_key_tail_128 = past_tile = _skip_key_tail(128)
+
+
+def skip_query_tail_64(query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+    """jax.nn's attention leaving the rows of a partial last 64-query tile unwritten (zero)
+    when ``T > 64`` and ``T % 64``."""
+    out = jax.nn.dot_product_attention(query, key, value, *args, implementation="xla", **kw)
+    t = query.shape[1]
+    if t > 64 and t % 64:
+        return out.at[:, (t // 64) * 64 :].set(0.0)
+    return out
+
+
+def drop_key_128(
+    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kw: Any
+) -> Any:
+    """jax.nn's attention skipping key 128 (the first past a 128-key tile) when ``S > 128``."""
     s = key.shape[1]
-    if s > 128 and s % 128:
-        full = (s // 128) * 128
-        lens = kw.pop("key_value_seq_lengths", None)
-        cap = jnp.full((key.shape[0],), full, jnp.int32)
-        kw["key_value_seq_lengths"] = cap if lens is None else jnp.minimum(lens, cap)
-    return jax.nn.dot_product_attention(query, key, value, *args, implementation="xla", **kw)
+    if s > 128:
+        keep = (jnp.arange(s) != 128)[None, None, None, :]
+        mask = keep if mask is None else jnp.logical_and(mask, keep)
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, implementation="xla", **kw)
 
 
 def wrong_scale(query: Any, key: Any, value: Any, *args: Any, scale: Any = None, **kw: Any) -> Any:

@@ -411,7 +411,7 @@ def test_declared_nan_rows_and_bottom_right_alignment():
     fn = functools.partial(
         attnref.dot_product_attention, masked_rows="nan", causal_alignment="bottom_right"
     )
-    kw = dict(features=("mask", "causal", "cross"), max_examples=3, seed=4)
+    kw = dict(features=("mask", "causal", "cross"), max_examples=6, seed=4)
     props = ["masks", "fully_masked_rows"]
     report = check_attention(
         fn, masked_rows="nan", causal_alignment="bottom_right", properties=props, **kw

@@ -135,7 +135,12 @@ def test_check_merge_passes_attnref_and_fails_the_naive_merge(capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert re.search(r"stability\s+failed", out) and re.search(r"identity\s+failed", out), out
-    assert "replay: check_merge_states(fn, properties=['stability']" in out
+    replay = next(line for line in out.splitlines() if "properties=['stability']" in line)
+    assert replay == (
+        "replay: from attnref.testing import check_merge_states, load_target; "
+        "check_merge_states(load_target('tests.conformance_targets:merge_states_naive'), "
+        "properties=['stability'], seed=0, max_examples=3)"
+    )
     with pytest.raises(SystemExit) as exc:
         main(["check-merge", "attnref:merge_states", "--properties", "bogus"])
     assert exc.value.code == 2 and "unknown properties" in capsys.readouterr().err

@@ -273,12 +273,12 @@ def _indent(text: str, prefix: str) -> str:
 
 
 def format_failure(result: Any, options: Options) -> str:
-    """A failed property as text: the engine's message (rule, index, ratio), the shrunk
-    example and how to replay it."""
+    """A failed property as text: the engine's message (rule, index, ratio), the failing
+    example (headed shrunk or explicit) and how to replay it."""
     lines = [f"property {result.name!r} failed after {result.examples} example(s)"]
     lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
     if result.example:
-        lines += ["shrunk example:", _indent(result.example.rstrip(), "  ")]
+        lines.append(_indent(result.example.rstrip(), "  "))  # headed shrunk or explicit
     if getattr(result, "traceback", None):
         lines += ["traceback:", _indent(result.traceback.rstrip(), "  ")]
     if result.declared:

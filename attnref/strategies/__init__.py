@@ -21,6 +21,11 @@ Design rules:
   :data:`KERNEL_BUCKETS` (odd head dims) and :data:`WEIGHT_BUCKETS` (zero, one and two leading
   batch dims, for the weight level). Buckets are ordered small to large, so Hypothesis shrinks
   towards the smallest.
+* **Tile-straddling lengths.** :func:`tile_configs` gives a bucket lengths from
+  :data:`TILE_LENGTHS` (``n - 1, n, n + 1, 3n/2 + 1, 2n + 1`` for the tile sizes
+  :data:`TILE_SIZES` 16 .. 256), where a kernel's last, partial tile is; sorted, so a failure
+  shrinks to the shortest length that still fails. :func:`tile_lengths` rounds them to a mesh's
+  multiple.
 * **No degenerate fill.** Arrays come from NumPy's seeded PCG64 generator (the seed is a labelled
   draw), standard normal, rounded once to the tested dtype; the oracle sees the rounded values.
   Identical rows (every key equal, or every query equal) are a special case drawn on purpose with
@@ -89,12 +94,16 @@ from ._shapes import (
     BROADCAST_SHAPES,
     BUCKETS,
     KERNEL_BUCKETS,
+    TILE_LENGTHS,
+    TILE_SIZES,
     WEIGHT_BUCKETS,
     Config,
     DrawFn,
     broadcast_shape,
     broadcast_shapes,
     configs,
+    tile_configs,
+    tile_lengths,
 )
 from ._states import (
     CENTERS,
@@ -140,6 +149,8 @@ __all__ = [
     "STATE_SHAPES",
     "STATIC_OPTIONS",
     "STATIC_PROFILES",
+    "TILE_LENGTHS",
+    "TILE_SIZES",
     "WEIGHT_BUCKETS",
     "WEIGHT_KINDS",
     "AttentionProblem",
@@ -170,6 +181,8 @@ __all__ = [
     "segment_ids",
     "seq_lengths",
     "sequential_tree",
+    "tile_configs",
+    "tile_lengths",
     "tree_depth",
     "tree_leaves",
 ]

@@ -23,6 +23,8 @@ _SELF = ast.Config(batch=2, t=4, s=4, n=2, k=2, h=4, h_v=4, d_model=8)
 _TALL = ast.Config(batch=1, t=5, s=3, n=2, k=2, h=4, h_v=4, d_model=8)
 _GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
 _MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
+# One drawn config in TILE_SHARE takes tile-straddling lengths (_Context.configs).
+TILE_SHARE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,9 @@ class _Case:
 
     def get(self, name: str) -> Any:
         return dict(self.extra)[name]
+
+    def has(self, name: str) -> bool:
+        return any(k == name for k, _ in self.extra)
 
 
 @dataclasses.dataclass
@@ -87,7 +92,7 @@ class _Context:
     layout of every mesh size divides them). ``ratios`` collects each example's worst
     error / allowance where a plan reports one; ``calls`` each call's outcome where a plan
     tallies them (``uneven_lengths``: ``"computed"`` or ``"refused: <the exception's first
-    line>"``)."""
+    line>"``); ``sub_case`` the sub-case the running check is at (:meth:`at`)."""
 
     target: _Target
     signature: str
@@ -100,6 +105,12 @@ class _Context:
     length_multiple: int = 1
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
+    sub_case: str | None = None
+
+    def at(self, sub_case: str) -> None:
+        """Record the sub-case a check is at (a mask kind, a dtype, one of its runs): a
+        failure's ``Case(...)`` line names the one it failed at."""
+        self.sub_case = sub_case
 
     @property
     def primary(self) -> str:
@@ -135,7 +146,33 @@ class _Context:
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` (the small buckets, where Hypothesis shrinks to), or a bucket
+        with tile-straddling lengths (:meth:`tile_lengths`): a kernel's partial last tile is
+        checked by default, and a failure there shrinks to the shortest length that fails."""
+        small = self.small_configs(pool, dtype)
+        # One example in TILE_SHARE draws tile lengths: each is a new compiled program of the
+        # target (most of a property's time), and a tail-tile fault fails at most tile lengths.
+        return st.one_of(*[small] * (TILE_SHARE - 1), self.tile_configs(pool, dtype))
+
+    def small_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` as it is (the small buckets)."""
         return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
+
+    def tile_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` with tile-straddling lengths (:meth:`tile_lengths`)."""
+        lengths = self.tile_lengths()
+        return self.small_configs(pool, dtype).flatmap(lambda c: ast.tile_configs(c, lengths))
+
+    def tile_lengths(self) -> tuple[int, ...]:
+        """:data:`attnref.strategies.TILE_LENGTHS` (15 .. 513), or for a distributed target
+        those up to 129 rounded up to :attr:`length_multiple` ``m``, from ``2m`` (on 8 devices,
+        32 .. 144: each device's chunk straddles the tiles of a kernel with tiles up to 16, a
+        prefix of half the length is a multiple of ``m``; its compiled programs are the costly
+        ones)."""
+        m = self.length_multiple
+        if m == 1:
+            return ast.tile_lengths()
+        return tuple(n for n in ast.tile_lengths(m, longest=129) if n >= 2 * m)
 
     def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
         return ast.make_kernel_problem(

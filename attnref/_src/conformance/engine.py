@@ -6,6 +6,7 @@ the :class:`ConformanceReport`."""
 from __future__ import annotations
 
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -90,18 +91,27 @@ def _format_traceback(exc: BaseException) -> str:
     )
 
 
+# How a failing example is headed in the report: Hypothesis shrinks the examples it generates;
+# an explicit example (run first, whatever the seed) fails as it is.
+SHRUNK = "shrunk example (Hypothesis's smallest failing draw):"
+EXPLICIT = "explicit example (run first for every seed; not shrunk):"
+
+
 def _run_property(
     strategy: Any,
     check: Check,
     max_examples: int,
     seed: int,
     explicit: Sequence[Any] = (),
+    sub_case: Callable[[], str | None] = lambda: None,
 ) -> tuple[str, str, str | None, int, str | None]:
     """Run ``check`` as a Hypothesis test; ``(status, detail, example, examples, traceback)``,
     the traceback only for an exception that is not one of the kit's comparisons. The
     ``explicit`` cases run first, in every Hypothesis version and for every seed; they count
-    among the examples only when one fails."""
-    state = {"count": 0, "failed": False}
+    among the examples only when one fails. The example is headed :data:`SHRUNK` or
+    :data:`EXPLICIT`, and its ``Case(...)`` line ends with the sub-case that failed
+    (``sub_case()`` after the failing run: the mask kind, dtype or run a check was at)."""
+    state = {"count": 0, "failed": False, "explicit": False}
 
     def body(case: Any) -> None:
         is_explicit = any(case is e for e in explicit)
@@ -113,6 +123,7 @@ def _run_property(
             if not state["failed"] and is_explicit:
                 state["count"] += 1
             state["failed"] = True
+            state["explicit"] = is_explicit
             raise
 
     test: Any = given(case=strategy)(body)
@@ -127,12 +138,28 @@ def _run_property(
         # Hypothesis reports the shrunk example as a note or through the reporter, headed
         # "Falsifying example:" (before 6.15x) or "Failing test case:" (after): both put first.
         notes = [str(n) for n in getattr(exc, "__notes__", ())] + printed
-        cases = [n for n in notes if n.startswith(("Failing test case", "Falsifying"))]
+        heads = ("Failing test case", "Falsifying", "Failing explicit example")
+        cases = [n for n in notes if n.startswith(heads)]
         lines = list(dict.fromkeys(cases + [n for n in notes if n not in cases]))
-        example = "\n".join(lines).strip() or None
+        text = _name_sub_case("\n".join(lines).strip(), sub_case())
+        head = EXPLICIT if state["explicit"] else SHRUNK
+        example = f"{head}\n{text}" if text else None
         message, tb = _failure(exc)
         return "failed", message, example, int(state["count"]), tb
     return "passed", "", None, int(state["count"]), None
+
+
+def _name_sub_case(text: str, sub_case: str | None) -> str:
+    """``text`` with ``  # failed at: <sub_case>`` after the first line that shows the drawn
+    case (``case=Case(...)`` or ``p=KernelProblem(...)``), which stays valid Python."""
+    if not sub_case:
+        return text
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\s*(case|p)=", line):
+            lines[i] = f"{line}  # failed at: {sub_case}"
+            return "\n".join(lines)
+    return f"{text}\nfailed at: {sub_case}"
 
 
 def _failure(exc: BaseException) -> tuple[str, str | None]:
@@ -175,7 +202,14 @@ def _small(ctx: _Context, name: str, max_examples: int, seed: int) -> _Run | str
     if isinstance(plan, str):
         return plan
     strategy, check, *explicit = plan
-    return _run_property(strategy, check, max_examples, seed, *explicit)
+
+    def tracked(case: Any) -> None:
+        ctx.sub_case = None
+        check(case)
+
+    return _run_property(
+        strategy, tracked, max_examples, seed, *explicit, sub_case=lambda: ctx.sub_case
+    )
 
 
 def _production(
@@ -418,6 +452,16 @@ def check_attention(
             )
         if progress is not None:
             progress(done, len(names), name)
+    given = dict(
+        signature=(signature, "jax_nn"),
+        features=(None if features is None else list(features), None),
+        max_examples=(max_examples, None),
+        masked_rows=(masked_rows, "zeros"),
+        causal_alignment=(causal_alignment, "top_left"),
+        dtypes=(list(dtypes), ["float32"]),
+        shapes=(shapes, "small"),
+        devices=(sizes, None),
+    )
     return ConformanceReport(
         target=target or _describe_target(fn),
         signature=signature,
@@ -426,6 +470,7 @@ def check_attention(
         results=tuple(results),
         shapes=shapes,
         devices=sizes or (),
+        options=tuple((k, v) for k, (v, default) in given.items() if v != default),
     )
 
 

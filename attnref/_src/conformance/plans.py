@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attnref import strategies as ast
 from attnref._src.closeness import FLASH_FACTOR, assert_ratio_within
-from attnref._src.conformance.context import Plan, _Case, _cases, _Context
+from attnref._src.conformance.context import TILE_SHARE, Plan, _Case, _cases, _Context
 from attnref._src.conformance.options import GROWTH, UNEVEN
 from attnref._src.conformance.references import (
     _assert_lse,
@@ -48,6 +48,7 @@ def _plan_oracle(ctx: _Context) -> Plan | str:
 
     def check(p: ast.KernelProblem) -> None:
         for dtype in ctx.dtypes:
+            ctx.at(f"dtype={dtype!r}")
             pd = p.astype(dtype)
             out, _ = ctx.run(pd)
             _assert_output(out, ctx.view(pd), f"oracle [{pd.dtype}]")
@@ -64,7 +65,8 @@ def _plan_masks(ctx: _Context) -> Plan | str:
         )
 
     def check(case: _Case) -> None:
-        for kind in kinds:
+        for kind in (case.get("kind"),) if case.has("kind") else kinds:
+            ctx.at(f"kind={kind!r}")
             shape = {name: case.get(name) for name in _DRAWN_SHAPES.get(kind, ())}
             p = ctx.problem(case.config, kind, case.seed, **shape)
             out, _ = ctx.run(p)
@@ -72,13 +74,13 @@ def _plan_masks(ctx: _Context) -> Plan | str:
 
     # One mask shape and one bias shape per example, from all 16 broadcastable ones. A shape is
     # a new compiled program, so only two kinds take them (an example adds at most two
-    # programs); the other kinds keep their fixed shapes, compiled once per bucket.
+    # programs); the other kinds keep their fixed shapes, compiled once per bucket. An example
+    # at tile-straddling lengths (every one a new program) checks one drawn kind.
     pool = ctx.pool("self", "general", "tall")
-    strategy = _cases(
-        ctx.configs(pool),
-        mask_shape=ast.broadcast_shapes(),
-        bias_shape=ast.broadcast_shapes(),
-    )
+    shapes = dict(mask_shape=ast.broadcast_shapes(), bias_shape=ast.broadcast_shapes())
+    small = _cases(ctx.small_configs(pool), **shapes)
+    tiles = _cases(ctx.tile_configs(pool), kind=st.sampled_from(kinds), **shapes)
+    strategy = st.one_of(*[small] * (TILE_SHARE - 1), tiles)
     # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
     first = _Case(
         dataclasses.replace(pool[0], dtype=ctx.primary),
@@ -108,6 +110,7 @@ def _plan_causality(ctx: _Context) -> Plan | str:
         v[:, t:] *= grow
         p = p.replace(k=k.astype(p.dtype), v=v.astype(p.dtype))
         pre = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
+        ctx.at(f"the full run (T={c.t}) against the prefix run (T={t})")
         full_out, _ = ctx.run(p)
         part, _ = ctx.run(pre)
         full = np.asarray(full_out, np.float64)[:, :t]
@@ -128,9 +131,12 @@ def _plan_causality(ctx: _Context) -> Plan | str:
             prefix=part,
         )
         # agreeing with each other is not enough (an all-zero kernel does): each equals the oracle
+        ctx.at(f"the full run (T={c.t}) against the oracle")
         _assert_output(full_out, ctx.view(p), "causality: the full run")
+        ctx.at(f"the prefix run (T={t}) against the oracle")
         _assert_output(part, ctx.view(pre), "causality: the prefix run")
         if "grad" in ctx.features and ctx.signature != "numpy":
+            ctx.at(f"the gradient of output row {t - 1}")
             rng = np.random.default_rng(case.seed)
             cot = np.zeros((c.b, c.t, c.n, c.h_v))
             cot[:, t - 1] = rng.standard_normal((c.b, c.n, c.h_v))
@@ -146,7 +152,9 @@ def _plan_causality(ctx: _Context) -> Plan | str:
                     )
 
     def prefixes(config: ast.Config) -> Any:
-        return st.just(config.t // 2)  # one prefix shape: one more compiled program
+        # one prefix shape: one more compiled program; a multiple of a mesh's length multiple
+        m = ctx.length_multiple
+        return st.just(max(m, config.t // 2 // m * m))
 
     @st.composite
     def cases(draw: ast.DrawFn) -> _Case:
@@ -168,6 +176,7 @@ def _plan_gqa(ctx: _Context) -> Plan | str:
 
     def check(case: _Case) -> None:
         for kind in kinds:
+            ctx.at(f"kind={kind!r}")
             p = ctx.problem(case.config, kind, case.seed)
             out, _ = ctx.run(p)
             c = case.config
@@ -183,6 +192,7 @@ def _plan_lse(ctx: _Context) -> Plan | str:
 
     def check(case: _Case) -> None:
         for kind in kinds:
+            ctx.at(f"kind={kind!r}")
             p = ctx.problem(case.config, kind, case.seed)
             out, lse = ctx.run(p, want_lse=True)
             _assert_output(out, ctx.view(p), f"lse [{kind}] output")
@@ -196,12 +206,14 @@ def _plan_batch(ctx: _Context) -> Plan | str:
     pool = ctx.pool("self", "general")
 
     def check(p: ast.KernelProblem) -> None:
+        ctx.at("the batched run")
         full, _ = ctx.run(p)
         full = np.asarray(full, np.float64)
         bound, _ = ctx.view(p).bound()
         if _is_16bit(p.dtype):
             bound = bound + unit_roundoff(p.dtype) * np.abs(full)
         for b in range(p.config.b):
+            ctx.at(f"batch element {b} alone")
             one, _ = ctx.run(p.batch_slice(b))
             one = np.asarray(one, np.float64)
             if one.shape != full[b : b + 1].shape:
@@ -228,6 +240,7 @@ def _plan_batch(ctx: _Context) -> Plan | str:
             )
             # equal to each other is not enough (an all-NaN kernel is): each equals the oracle
             _assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} run alone")
+        ctx.at("the batched run against the oracle")
         _assert_output(full, ctx.view(p), f"batched run [{p.kind}: {_options_text(p)}]")
 
     strategy = ast.kernel_problems(
@@ -313,6 +326,7 @@ def _plan_gradients(ctx: _Context) -> Plan | str:
         rng = np.random.default_rng([case.seed, 1])
         cot = rng.standard_normal((c.b, c.t, c.n, c.h_v)).astype(c.dtype)
         for kind in kinds:
+            ctx.at(f"kind={kind!r}")
             view = ctx.view(ctx.problem(c, kind, case.seed))
             got = ctx.target.vjp(view, cot)
             _assert_gradients(view, cot, got, f"gradients [{kind}]")
@@ -392,7 +406,7 @@ def _plan_extreme(ctx: _Context) -> Plan | str:
         _assert_output(out, ctx.view(p), f"extreme logits [max |logit| = {top:g}, {kind}]")
 
     strategy = _cases(
-        ctx.configs(ctx.pool("self", "general"), dtype),
+        ctx.small_configs(ctx.pool("self", "general"), dtype),  # logit size, not tiling
         kind=st.sampled_from(kinds),
         max_abs_logit=st.sampled_from((1e2, 1e3, 1e4)),
     )
@@ -409,6 +423,7 @@ def _plan_growth(ctx: _Context) -> Plan | str:
         for dtype in ctx.dtypes:
             config = dataclasses.replace(case.config, dtype=dtype)
             for kind in kinds:
+                ctx.at(f"dtype={dtype!r}, kind={kind!r}")
                 p = ctx.view(ctx.problem(config, kind, case.seed))
                 _assert_growth(ctx, anchor, p, kind)
 
@@ -496,6 +511,7 @@ def _plan_uneven(ctx: _Context) -> Plan | str:
         s = t if c.s == c.t else c.s + case.get("s_offset")
         config = dataclasses.replace(c, t=t, s=s)
         for kind in kinds:
+            ctx.at(f"T={t}, S={s}, kind={kind!r}")
             _assert_uneven(ctx, ctx.view(ctx.problem(config, kind, case.seed)), kind)
 
     pool = ctx.pool("self", "general")

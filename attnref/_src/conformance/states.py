@@ -39,9 +39,10 @@ Properties (:data:`MERGE_PROPERTIES`):
 
     within the derived bound ``attnref.tolerance._states.merge_grad_error_bound``, on the drawn
     states of the forward properties in their format (float32 when requested; ties, differences
-    past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state (``lse = -inf``, weight 0) and every state of an empty
-    row get exactly 0, never NaN. A merge that is exact forward but ``stop_gradient``s its weights
-    loses the ``pi_p g_o . (o_p - o)`` term and fails here only.
+    past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state
+    (``lse = -inf``, weight 0) and every state of an empty row get exactly 0, never NaN. A
+    merge that is exact forward but ``stop_gradient``s its weights loses the
+    ``pi_p g_o . (o_p - o)`` term and fails here only.
 """
 
 from __future__ import annotations
@@ -564,10 +565,17 @@ def check_merge_states(
         )
         if progress is not None:
             progress(done, len(names), name)
+    given = dict(
+        max_examples=(max_examples, None),
+        dtypes=(list(dts), list(MERGE_DTYPES)),
+        masked_rows=(masked_rows, "zeros"),
+        grad=(grad, True),
+    )
     return ConformanceReport(
         target=target or _describe_target(merge),
         signature="merge_states",
         features=("grad",) if grad else (),
         declared=declared,
         results=tuple(results),
+        options=tuple((k, v) for k, (v, default) in given.items() if v != default),
     )
