@@ -117,14 +117,14 @@ def _reference(seed, scale, is_causal, softcap=None, dtype=np.float32):
 # case with a softcap, whose chain rule the chunk's vjp takes); the other three schemes on one
 # mesh each; None: the non-distributed kernel (JAX's autodiff of its naive forward), the
 # baseline every scheme must agree with.
+# Each ring scheme on 2 and 4 devices, one causal and one not (a compiled ring program is the
+# file's main cost): every scheme, mesh size and causal flag is reached.
 SCALE_CASES = (
-    *(
-        (s, d, c, None)
-        for s in RING
-        for d in (2, 4)
-        for c in (False, True)
-        if (s, d, c) != ("zigzag", 4, True)
-    ),
+    ("ring", 2, False, None),
+    ("ring", 4, True, None),
+    ("striped", 2, True, None),
+    ("striped", 4, False, None),
+    ("zigzag", 2, False, None),
     ("zigzag", 4, True, 1.5),
     ("all_gather", 4, False, None),
     ("ulysses", 2, True, None),
