@@ -4,8 +4,16 @@
 through an adapter, compares with the float64 oracle :func:`attnref.oracle.dot_product_attention`
 and returns a :class:`ConformanceReport`. Each property is a Hypothesis test run programmatically
 (``max_examples`` examples, ``hypothesis.seed(seed)``, no example database), so a failure comes
-back with Hypothesis's shrunk falsifying example and the seed that replays it:
-``check_attention(fn, properties=[name], seed=result.seed, ...)`` with the same other arguments.
+back with Hypothesis's shrunk falsifying example (or the explicit example that failed, headed as
+such), the sub-case it failed at, and the Python line that replays it
+(:meth:`ConformanceReport.replay`: the same options and seed).
+
+Shapes: a few small buckets (``T, S <= 7``, two to four heads, head dim 4), where Hypothesis
+shrinks to, and in one example in four (every property but ``extreme_logits``) a bucket with
+tile-straddling lengths: ``T`` and ``S`` from :data:`attnref.strategies.TILE_LENGTHS` (15 to
+513: ``n - 1, n, n + 1, 3n/2 + 1, 2n + 1`` around tiles ``n`` of 16 to 256), where a kernel's
+last, partial tile is. A tail-tile fault therefore fails the default run, shrunk to the shortest
+length that fails. ``shapes="production"`` sweeps longer lengths, more heads and head dims.
 
 Properties (each equality with the oracle uses the tolerance rules of
 :func:`attnref.testing.assert_attention_close`):
