@@ -122,7 +122,16 @@ def _parser() -> argparse.ArgumentParser:
         choices=ALIGNMENTS,
         help="the function's declared causal alignment when T != S (FlashAttention: bottom_right)",
     )
-    c.add_argument("--dtypes", default=None, help="comma-separated input dtypes (float32)")
+    c.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated input dtypes the function takes (default float32): the oracle "
+        "property runs in each, the others in the first (float32 when listed); with --devices, "
+        "ring_size_growth runs in each, so list a 16-bit format next to float32 "
+        "(float32,bfloat16) to check a 16-bit ring. A 16-bit merge of partial states must "
+        "accumulate in float32 (the running output and lse), else the error grows with the "
+        "ring size",
+    )
     c.add_argument(
         "--shapes",
         default="small",
@@ -137,9 +146,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="check a distributed kernel (fn(query, key, value, ..., mesh=, axis_name=)) on "
         "1-D meshes of these sizes, e.g. 1,2,4,8: every property on each size, plus "
-        "ring_size_growth and uneven_lengths. The host needs that many devices: on a CPU host "
-        "run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (otherwise a clear error, "
-        "exit 2)",
+        "ring_size_growth (in every --dtypes format: a 16-bit merge of partial states must "
+        "accumulate in float32, the running output and lse, else the error grows with the ring "
+        "size) and uneven_lengths. Lengths are multiples of 2 lcm(sizes), K/V head counts of "
+        "lcm(sizes), so a head-parallel kernel can split them. The host needs that many "
+        "devices: on a CPU host run with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+        "(otherwise a clear error, exit 2)",
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)

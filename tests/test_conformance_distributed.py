@@ -20,8 +20,13 @@ fails, and the report names the property and the mesh size:
 out (``jax.shard_map``'s and ``jnp.reshape``'s errors), and attnref's own zigzag, which pads them
 inside and computes the exact answer.
 
-Few examples, lengths multiplied by ``2 lcm(devices)`` from the kit's small buckets, and one
-compiled program per (target, mesh size, bucket, option set), reused across examples.
+A target declares 16-bit support by listing the format in ``dtypes``: the default distributed
+check then runs ``ring_size_growth`` in it as well as in float32, and fails the 16-bit state.
+
+Few examples, lengths multiplied by ``2 lcm(devices)`` from the kit's small buckets (and K/V heads
+by the least factor that makes them a multiple of ``lcm(devices)``; attnref's own schemes, the
+head-parallel ones among them, are ``tests/test_kit_schemes.py``'s), and one compiled program per
+(target, mesh size, bucket, option set), reused across examples.
 """
 
 from __future__ import annotations
@@ -193,6 +198,37 @@ def test_state_rounded_to_bfloat16_each_step_fails_ring_size_growth():
         seed=0,
     )
     assert float32.passed, float32.summary()
+
+
+def test_a_declared_16_bit_format_runs_ring_size_growth_in_it_by_default():
+    """A target declares 16-bit support by listing the format in ``dtypes`` next to float32;
+    the default distributed check (no ``properties``) then runs ``ring_size_growth`` in it as
+    well as in float32, while the other properties but ``oracle`` stay in float32. The ring
+    that keeps its running output in the input dtype fails that property alone, from two
+    devices, its message naming the growth rule and bfloat16; declared float32 only, the same
+    check passes (its state is float32 then); the correct ring passes the bfloat16 check."""
+    kw = dict(features=(), devices=(1, 2), max_examples=EXAMPLES, seed=0)
+    declared = ("float32", "bfloat16")
+    report = check_attention(targets.ring_state_in_input_dtype, dtypes=declared, **kw)
+    assert [r.name for r in report.results] == [
+        *PROPERTIES,
+        GROWTH,
+        UNEVEN,
+    ], report.summary()
+    failed = [r.name for r in report.results if r.status == "failed"]
+    assert failed == [GROWTH], report.summary()
+    growth = _by_name(report)[GROWTH]
+    assert _statuses(growth) == {1: "passed", 2: "failed"}, report.summary()
+    assert growth.detail.startswith(f"P=2: {GROWTH} [P=2, bfloat16, none]: |o - oracle| ="), (
+        growth.detail
+    )
+    assert "# failed at: dtype='bfloat16', kind='none'" in growth.example
+    assert "dtypes=['float32', 'bfloat16'], devices=(2,))" in report.summary()
+    float32 = check_attention(targets.ring_state_in_input_dtype, **kw)
+    assert float32.passed, float32.summary()
+    correct = check_attention(targets.ring, dtypes=declared, **kw)
+    assert correct.passed, correct.summary()
+    assert _statuses(_by_name(correct)[GROWTH]) == {1: "passed", 2: "passed"}
 
 
 # ----------------------------------------------------------------------------- uneven lengths
@@ -408,7 +444,19 @@ def test_cli_devices(capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["check", "--help"])
-    assert "xla_force_host_platform_device_count=8" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "xla_force_host_platform_device_count=8" in help_text
+    # --dtypes and --devices: growth runs in every listed format; 16-bit merges in float32
+    sentence = (
+        "A 16-bit merge of partial states must accumulate in float32 (the running output and "
+        "lse), else the error grows with the ring size"
+    )
+    assert sentence in help_text
+    assert (
+        "ring_size_growth (in every --dtypes format: a 16-bit merge of partial states must "
+        "accumulate in float32" in help_text
+    )
+    assert "K/V head counts of lcm(sizes), so a head-parallel kernel can split them" in help_text
 
 
 def test_plugin_devices(pytester):

@@ -6,6 +6,7 @@ distributed target, of one mesh size of it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,11 +89,13 @@ class _MergedProblem(ast.KernelProblem):
 class _Context:
     """One target as the plans see it. A distributed target has one context per mesh size:
     ``devices`` is ``P``, ``anchor`` the same function on one device (the growth rule's
-    reference), and every bucket's lengths are multiplied by ``length_multiple`` (so that every
-    layout of every mesh size divides them). ``ratios`` collects each example's worst
-    error / allowance where a plan reports one; ``calls`` each call's outcome where a plan
-    tallies them (``uneven_lengths``: ``"computed"`` or ``"refused: <the exception's first
-    line>"``); ``sub_case`` the sub-case the running check is at (:meth:`at`)."""
+    reference), every bucket's lengths are multiplied by ``length_multiple`` (so that every
+    layout of every mesh size divides them) and its head counts scaled so that ``head_multiple``
+    divides ``K`` (:meth:`pool`: a head-parallel kernel splits the heads on every mesh size).
+    ``ratios`` collects each example's worst error / allowance where a plan reports one;
+    ``calls`` each call's outcome where a plan tallies them (``uneven_lengths``:
+    ``"computed"`` or ``"refused: <the exception's first line>"``); ``sub_case`` the sub-case
+    the running check is at (:meth:`at`)."""
 
     target: _Target
     signature: str
@@ -103,6 +106,7 @@ class _Context:
     devices: int | None = None
     anchor: _Target | None = None
     length_multiple: int = 1
+    head_multiple: int = 1
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
@@ -122,7 +126,9 @@ class _Context:
         jitted target compiles a handful of programs): ``"self"`` (T == S, N == K, batch 2),
         ``"general"`` (T < S when ``"cross"``, N = 2K when ``"gqa"``, batch 2), ``"tall"``
         (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K); ``T`` and ``S``
-        times :attr:`length_multiple`."""
+        times :attr:`length_multiple`, ``N`` and ``K`` times the least factor that makes ``K``
+        a multiple of :attr:`head_multiple` (the ratio ``N / K`` kept: on meshes of 2, 4 and
+        8, ``K = 8`` and ``N`` 8, 16 or 32; one K/V head, the ``"mqa"`` bucket's, becomes 8)."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
         out: list[ast.Config] = []
         m = self.length_multiple
@@ -142,7 +148,11 @@ class _Context:
                 out.append(_GQA)
             elif name == "mqa" and gqa:
                 out.append(_MQA)
-        out = [dataclasses.replace(c, t=c.t * m, s=c.s * m) for c in out]
+        out = [
+            dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f)
+            for c in out
+            for f in (self.head_multiple // math.gcd(c.k, self.head_multiple),)
+        ]
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:

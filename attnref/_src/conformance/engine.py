@@ -35,6 +35,7 @@ from attnref._src.conformance.options import (
     check_max_examples,
     check_properties,
     check_signature,
+    head_multiple,
     length_multiple,
 )
 from attnref._src.conformance.plans import _PLANS, TargetRaised, calls_detail
@@ -207,8 +208,9 @@ def _small(ctx: _Context, name: str, max_examples: int, seed: int) -> _Run | str
         ctx.sub_case = None
         check(case)
 
+    first = explicit[0] if explicit else ()
     return _run_property(
-        strategy, tracked, max_examples, seed, *explicit, sub_case=lambda: ctx.sub_case
+        strategy, tracked, max_examples, seed, first, sub_case=lambda: ctx.sub_case
     )
 
 
@@ -286,15 +288,18 @@ def _mesh_contexts(
     fn: Callable[..., Any], sizes: tuple[int, ...], **common: Any
 ) -> dict[int, _Context]:
     """A distributed target's contexts, one per mesh size: they share the one-device target
-    (the growth rule's anchor) and lengths that every layout of every size divides."""
+    (the growth rule's anchor), lengths that every layout of every size divides and head counts
+    that every size divides (the same shapes at every size)."""
     anchor = _Target(fn, common["signature"], mesh(1))
     multiple = length_multiple(sizes)
+    heads = head_multiple(sizes)
     return {
         size: _Context(
             target=anchor if size == 1 else _Target(fn, common["signature"], mesh(size)),
             devices=size,
             anchor=anchor,
             length_multiple=multiple,
+            head_multiple=heads,
             **common,
         )
         for size in sizes
@@ -358,8 +363,13 @@ def check_attention(
             it, and the report lists it when it differs from attnref's default (``"zeros"``).
         causal_alignment: The kernel's declared causal alignment when ``T != S``, likewise
             (attnref's default: ``"top_left"``).
-        dtypes: The oracle property runs each; the others run in float32 when requested, else
-            in the first dtype (float64 runs inside ``jax.enable_x64``).
+        dtypes: The input dtypes ``fn`` takes (default float32 alone). The oracle property
+            runs each; the others run in float32 when requested, else in the first dtype
+            (float64 runs inside ``jax.enable_x64``). With ``devices``, ``ring_size_growth``
+            runs each too: a kernel that takes 16-bit inputs declares it here, e.g.
+            ``("float32", "bfloat16")``, and its growth rule then runs in bfloat16 as well
+            as float32 (a 16-bit merge of partial states must accumulate in float32, the
+            running output and lse, else the error grows with the ring size).
         properties: A subset of :data:`ALL_PROPERTIES` (default: :data:`PROPERTIES`, and
             with ``devices`` the :data:`DISTRIBUTED_PROPERTIES` ``"ring_size_growth"`` and
             ``"uneven_lengths"``), run in that order.
@@ -377,9 +387,13 @@ def check_attention(
             first ``P`` of ``jax.devices()``, axis ``"devices"``) and ``axis_name=`` where it
             names that parameter; ``q, k, v`` come as global arrays sharded along the sequence
             axis, every length a multiple of ``2 lcm(devices)`` (but in ``uneven_lengths``,
-            whose lengths ``2P`` does not divide). Each property runs on each size (a
-            :class:`MeshResult` per size), and ``ring_size_growth`` and ``uneven_lengths`` with
-            them. ``None`` (default): a single-device function.
+            whose lengths ``2P`` does not divide) and every K/V head count (so every query
+            head count) a multiple of ``lcm(devices)``: the buckets' heads are scaled up with
+            their ratio ``N / K`` kept (``K = 8`` on meshes of 1, 2, 4 and 8, the MQA bucket's
+            one K/V head included), so a head-parallel kernel (Ulysses, tensor parallelism)
+            splits them on every size; a sequence-parallel one ignores them. Each property runs
+            on each size (a :class:`MeshResult` per size), and ``ring_size_growth`` and
+            ``uneven_lengths`` with them. ``None`` (default): a single-device function.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.

@@ -291,3 +291,9 @@ def length_multiple(devices: Sequence[int]) -> int:
     """``2 lcm(devices)``: sequence lengths that every layout of every mesh size divides (a
     zigzag layout cuts the sequence into ``2P`` chunks)."""
     return 2 * math.lcm(*devices)
+
+
+def head_multiple(devices: Sequence[int]) -> int:
+    """``lcm(devices)``: K/V head counts (and so query head counts) that every mesh size
+    divides, so that a head-parallel kernel (Ulysses, tensor parallelism) can split them."""
+    return math.lcm(*devices)
