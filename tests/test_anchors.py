@@ -525,3 +525,38 @@ def test_merge_states_by_hand():
         _close(o, [[7 / 3]])
     o, lse = oracle.merge_states([[np.nan]], np.array([-np.inf]), [[np.nan]], np.array([-np.inf]))
     assert o[0, 0] == 0 and np.isneginf(lse[0])
+
+
+@anchors("merge_states_vjp")
+def test_merge_states_vjp_by_hand():
+    """``o = (e^{l_a} o_a + e^{l_b} o_b) / (e^{l_a} + e^{l_b})``, ``lse = log(e^{l_a} + e^{l_b})``
+    differentiated by hand: ``do/do_p = pi_p``, ``do/dl_p = pi_p (o_p - o)``, ``dlse/dl_p =
+    pi_p`` with ``pi_p = e^{l_p - lse}``. States ``l_a = 0, o_a = 1`` and ``l_b = ln 2, o_b = 4``:
+    ``lse = ln 3``, ``pi = (1/3, 2/3)``, ``o = 1/3 + 8/3 = 3``. With cotangents ``g_o = 1``,
+    ``g_lse = 1``: ``d o_a = 1/3``, ``d o_b = 2/3``, ``d l_a = 1/3 (1 - 3) + 1/3 = -1/3``,
+    ``d l_b = 2/3 (4 - 3) + 2/3 = 4/3``. An empty ``B`` (``l_b = -inf``, ``o_b`` NaN) gets 0,
+    and ``A`` gets ``d o_a = g_o``, ``d l_a = g_lse``."""
+    one = np.array([1.0])
+    d_oa, d_la, d_ob, d_lb = oracle.merge_states_vjp(
+        np.array([[1.0]]),
+        np.array([0.0]),
+        np.array([[4.0]]),
+        np.array([math.log(2)]),
+        np.array([[1.0]]),
+        one,
+    )
+    _close(d_oa, [[1 / 3]])
+    _close(d_ob, [[2 / 3]])
+    _close(d_la, [-1 / 3])
+    _close(d_lb, [4 / 3])
+    d_oa, d_la, d_ob, d_lb = oracle.merge_states_vjp(
+        np.array([[1.0]]),
+        np.array([0.0]),
+        np.array([[np.nan]]),
+        np.array([-np.inf]),
+        np.array([[2.0]]),
+        np.array([5.0]),
+    )
+    _close(d_oa, [[2.0]])
+    _close(d_la, [5.0])
+    assert d_ob[0, 0] == 0.0 and d_lb[0] == 0.0

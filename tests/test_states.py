@@ -30,9 +30,9 @@ from attnref import strategies as ast
 from attnref._src.conformance.states import MERGE_PROPERTIES, check_merge_states
 from attnref._src.kernel import STATIC_OPTIONS
 from attnref._src.states import merge_state_stack, merge_states
-from attnref.oracle._states import merge_states_vjp
+from attnref.oracle import merge_states_vjp
 from attnref.testing import assert_ratio_within
-from attnref.tolerance._states import merge_grad_error_bound
+from attnref.tolerance import merge_grad_error_bound
 
 _MERGE = jax.jit(merge_states, static_argnames="masked_rows")
 _STACK = jax.jit(merge_state_stack, static_argnames=("axis", "masked_rows"))

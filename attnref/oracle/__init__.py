@@ -19,7 +19,8 @@ from the analytic backward in both methods.
   (one validated call, its allowed set by blocks), :mod:`attnref.oracle._kernel_fast` (the fast
   path), :mod:`attnref.oracle._kernel_grad` (``dot_product_attention_vjp``).
 * :mod:`attnref.oracle._states`: the attention state algebra (``merge_states``,
-  ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets).
+  ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets;
+  ``merge_states_vjp``: its gradient, by hand).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ._linear_grad import (
     linear_multihead_vjp,
 )
 from ._rope import rope, rope_attention
-from ._states import merge_state_stack, merge_states
+from ._states import merge_state_stack, merge_states, merge_states_vjp
 from ._weight_grad import AttentionGrads, attention_vjp, rope_attention_vjp
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "linear_multihead_vjp",
     "merge_state_stack",
     "merge_states",
+    "merge_states_vjp",
     "rope",
     "rope_attention",
     "rope_attention_vjp",

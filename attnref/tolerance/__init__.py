@@ -71,7 +71,7 @@ imported lazily where a bound needs an exact intermediate):
   the weight-level, RoPE and linear gradient oracles' own float64 error).
 * :mod:`attnref.tolerance._states`: the merge of attention states (``merge_error_bound``: ``P``
   states merged by a binary tree of depth ``D`` or one stacked merge, linear in ``D``, with the
-  pieces' own errors; ``docs/states.md``).
+  pieces' own errors; ``merge_grad_error_bound``: the gradient of one merge; ``docs/states.md``).
 * :mod:`attnref.tolerance._pieces`: attention computed in pieces whose states are merged
   (``pieces_error_bound``: each piece's kernel bound carried through the merge bound, against
   the whole call; split-KV, ring schemes, and the worst case of unknown pieces).
@@ -98,7 +98,7 @@ from ._rounding import C_TRIG as C_TRIG
 from ._rounding import K_S as K_S
 from ._rounding import K_Y as K_Y
 from ._rounding import gamma, unit_roundoff
-from ._states import TREES, merge_depth, merge_error_bound
+from ._states import TREES, merge_depth, merge_error_bound, merge_grad_error_bound
 
 __all__ = [
     "TREES",
@@ -116,6 +116,7 @@ __all__ = [
     "linear_multihead_vjp_error_bound",
     "merge_depth",
     "merge_error_bound",
+    "merge_grad_error_bound",
     "pieces_error_bound",
     "rope_attention_error_bound",
     "rope_attention_vjp_error_bound",

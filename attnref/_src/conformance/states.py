@@ -33,11 +33,11 @@ Properties (:data:`MERGE_PROPERTIES`):
 ``gradients`` (skipped with ``grad=False``)
     ``jax.vjp`` of the merge, for random cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on
     its ``lse``, with respect to both states' ``o`` and ``lse``, equals the float64 gradient
-    derived by hand from the merge's definition (``attnref.oracle._states.merge_states_vjp``)::
+    derived by hand from the merge's definition (:func:`attnref.oracle.merge_states_vjp`)::
 
         d o_p   = pi_p g_o,   d lse_p = pi_p (g_o . (o_p - o) + g_lse),   pi_p = e^{lse_p - lse}
 
-    within the derived bound ``attnref.tolerance._states.merge_grad_error_bound``, on the drawn
+    within the derived bound :func:`attnref.tolerance.merge_grad_error_bound`, on the drawn
     states of the forward properties in their format (float32 when requested; ties, differences
     past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state
     (``lse = -inf``, weight 0) and every state of an empty row get exactly 0, never NaN. A
@@ -65,9 +65,9 @@ from attnref._src.conformance.engine import _run_property
 from attnref._src.conformance.options import OptionError, check_max_examples
 from attnref._src.conformance.report import ConformanceReport, PropertyResult
 from attnref._src.conformance.targets import _describe_target
-from attnref.oracle._states import merge_states_vjp
+from attnref.oracle import merge_states_vjp
 from attnref.strategies._states import _as_dtype
-from attnref.tolerance._states import merge_grad_error_bound
+from attnref.tolerance import merge_grad_error_bound
 
 __all__ = ["MERGE_DTYPES", "MERGE_PROPERTIES", "check_merge_states"]
 
