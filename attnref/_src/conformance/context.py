@@ -175,14 +175,15 @@ class _Context:
 
     def tile_lengths(self) -> tuple[int, ...]:
         """:data:`attnref.strategies.TILE_LENGTHS` (15 .. 513), or for a distributed target
-        those up to 129 rounded up to :attr:`length_multiple` ``m``, from ``2m`` (on 8 devices,
-        32 .. 144: each device's chunk straddles the tiles of a kernel with tiles up to 16, a
-        prefix of half the length is a multiple of ``m``; its compiled programs are the costly
-        ones)."""
+        those up to 65 rounded up to :attr:`length_multiple` ``m``, from ``2m`` (on 8 devices
+        32, 48, 64, 80: a prefix of half the length is a multiple of ``m``). A distributed
+        target's programs on up to 8 devices, with heads times ``lcm(devices)``, are the costly
+        ones, and its own question about lengths, those the mesh does not divide, is
+        ``uneven_lengths``'."""
         m = self.length_multiple
         if m == 1:
             return ast.tile_lengths()
-        return tuple(n for n in ast.tile_lengths(m, longest=129) if n >= 2 * m)
+        return tuple(n for n in ast.tile_lengths(m, longest=65) if n >= 2 * m)
 
     def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
         return ast.make_kernel_problem(
