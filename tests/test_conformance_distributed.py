@@ -282,12 +282,12 @@ def test_attnref_zigzag_pads_inside_and_computes_the_exact_answer():
         return zigzag_dot_product_attention(query, key, value, mesh=mesh, **kw)
 
     report = check_attention(
-        spy, features=(*FEATURES, "cross"), properties=[UNEVEN], devices=(1, 2, 4), max_examples=4
+        spy, features=(*FEATURES, "cross"), properties=[UNEVEN], devices=(1, 2, 4), max_examples=2
     )
     (r,) = report.results
     assert r.status == "passed", report.summary()
-    for m in r.meshes:  # two calls (kinds none, causal) per example
-        assert m.detail == "0 of 8 calls refused, 8 computed and equal to the oracle", m.detail
+    for m in r.meshes:
+        assert m.detail == "0 of 4 calls refused, 4 computed and equal to the oracle", m.detail
     assert {p for p, _, _ in seen} == {1, 2, 4}
     assert all(t % (2 * p) and s % (2 * p) for p, t, s in seen), seen
     assert any(t == s for _, t, s in seen) and any(t != s for _, t, s in seen), seen

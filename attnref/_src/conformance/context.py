@@ -157,33 +157,30 @@ class _Context:
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
         """A config from ``pool`` (the small buckets, where Hypothesis shrinks to), or a bucket
-        with tile-straddling lengths (:meth:`tile_lengths`): a kernel's partial last tile is
+        with tile-straddling lengths (:meth:`tile_configs`): a kernel's partial last tile is
         checked by default, and a failure there shrinks to the shortest length that fails."""
-        small = self.small_configs(pool, dtype)
-        # One example in TILE_SHARE draws tile lengths: each is a new compiled program of the
-        # target (most of a property's time), and a tail-tile fault fails at most tile lengths.
-        return st.one_of(*[small] * (TILE_SHARE - 1), self.tile_configs(pool, dtype))
+        return self.mix(self.small_configs(pool, dtype), self.tile_configs(pool, dtype))
+
+    def mix(self, small: Any, tiles: Any) -> Any:
+        """``small`` in ``TILE_SHARE - 1`` examples of ``TILE_SHARE``, ``tiles`` in the other:
+        each tile example is a new compiled program of the target (most of a property's time),
+        and a tail-tile fault fails at most tile lengths. A distributed target draws ``small``
+        alone: its buckets' lengths are already ``2 lcm(devices)`` times 3 to 5 (48 to 80 on 8
+        devices, each device's chunk of 3 to 10 keys), and its own question about lengths, those
+        the mesh does not divide, is ``uneven_lengths``'; its programs on up to 8 devices, with
+        heads times ``lcm(devices)``, are the costly ones."""
+        if self.devices is not None:
+            return small
+        return st.one_of(*[small] * (TILE_SHARE - 1), tiles)
 
     def small_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
         """A config from ``pool`` as it is (the small buckets)."""
         return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
 
     def tile_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
-        """A config from ``pool`` with tile-straddling lengths (:meth:`tile_lengths`)."""
-        lengths = self.tile_lengths()
-        return self.small_configs(pool, dtype).flatmap(lambda c: ast.tile_configs(c, lengths))
-
-    def tile_lengths(self) -> tuple[int, ...]:
-        """:data:`attnref.strategies.TILE_LENGTHS` (15 .. 513), or for a distributed target
-        those up to 65 rounded up to :attr:`length_multiple` ``m``, from ``2m`` (on 8 devices
-        32, 48, 64, 80: a prefix of half the length is a multiple of ``m``). A distributed
-        target's programs on up to 8 devices, with heads times ``lcm(devices)``, are the costly
-        ones, and its own question about lengths, those the mesh does not divide, is
-        ``uneven_lengths``'."""
-        m = self.length_multiple
-        if m == 1:
-            return ast.tile_lengths()
-        return tuple(n for n in ast.tile_lengths(m, longest=65) if n >= 2 * m)
+        """A config from ``pool`` with ``T`` and ``S`` from
+        :data:`attnref.strategies.TILE_LENGTHS` (15 .. 513)."""
+        return self.small_configs(pool, dtype).flatmap(ast.tile_configs)
 
     def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
         return ast.make_kernel_problem(

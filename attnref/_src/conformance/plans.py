@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attnref import strategies as ast
 from attnref._src.closeness import FLASH_FACTOR, assert_ratio_within
-from attnref._src.conformance.context import TILE_SHARE, Plan, _Case, _cases, _Context
+from attnref._src.conformance.context import Plan, _Case, _cases, _Context
 from attnref._src.conformance.options import GROWTH, UNEVEN
 from attnref._src.conformance.references import (
     _assert_lse,
@@ -80,7 +80,7 @@ def _plan_masks(ctx: _Context) -> Plan | str:
     shapes = dict(mask_shape=ast.broadcast_shapes(), bias_shape=ast.broadcast_shapes())
     small = _cases(ctx.small_configs(pool), **shapes)
     tiles = _cases(ctx.tile_configs(pool), kind=st.sampled_from(kinds), **shapes)
-    strategy = st.one_of(*[small] * (TILE_SHARE - 1), tiles)
+    strategy = ctx.mix(small, tiles)
     # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
     first = _Case(
         dataclasses.replace(pool[0], dtype=ctx.primary),
