@@ -12,8 +12,9 @@ Shapes: a few small buckets (``T, S <= 7``, two to four heads, head dim 4), wher
 shrinks to, and for a single-device target in one example in four (every property but
 ``extreme_logits``) a bucket with tile-straddling lengths: ``T`` and ``S`` from
 :data:`attnref.strategies.TILE_LENGTHS` (15 to 513: ``n - 1, n, n + 1, 3n/2 + 1, 2n + 1``
-around tiles ``n`` of 16 to 256), where a kernel's last, partial tile is. A tail-tile fault therefore fails the default run, shrunk to the shortest
-length that fails. ``shapes="production"`` sweeps longer lengths, more heads and head dims.
+around tiles ``n`` of 16 to 256), where a kernel's last, partial tile is. A tail-tile fault
+therefore fails the default run, shrunk to the shortest length that fails.
+``shapes="production"`` sweeps longer lengths, more heads and head dims.
 
 Properties (each equality with the oracle uses the tolerance rules of
 :func:`attnref.testing.assert_attention_close`):

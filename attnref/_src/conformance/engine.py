@@ -376,10 +376,12 @@ def check_attention(
         progress: ``progress(done, total, name)`` is called after each property with the number
             finished, the number to run and the name of the property just finished.
         target: The name shown in the report (default: ``fn``'s module and name).
-        shapes: ``"small"`` (default: Hypothesis draws over a few small buckets) or
-            ``"production"``: fixed sweeps at tile boundaries (lengths ``2^k - 1, 2^k, 2^k + 1``
-            up to 8193, head dims 64/128/256, up to 32 heads with GQA, every mask kind, ragged
-            lengths) against the fast float64 oracle (:mod:`attnref._src.conformance.production`).
+        shapes: ``"small"`` (default: Hypothesis draws over a few small buckets and, for a
+            single-device ``fn``, in one example in four over tile-straddling lengths 15 to
+            513, :data:`attnref.strategies.TILE_LENGTHS`) or ``"production"``: fixed sweeps
+            at tile boundaries (lengths ``2^k - 1, 2^k, 2^k + 1`` up to 8193, head dims
+            64/128/256, up to 32 heads with GQA, every mask kind, ragged lengths) against the
+            fast float64 oracle (:mod:`attnref._src.conformance.production`).
         log: ``log(line)`` is called after each production case with its sizes and time, and
             with ``devices`` after each property on each mesh size.
         devices: Check a distributed kernel on meshes of these sizes, e.g. ``(1, 2, 4, 8)``:
