@@ -24,8 +24,7 @@ Design rules:
 * **Tile-straddling lengths.** :func:`tile_configs` gives a bucket lengths from
   :data:`TILE_LENGTHS` (``n - 1, n, n + 1, 3n/2 + 1, 2n + 1`` for the tile sizes
   :data:`TILE_SIZES` 16 .. 256), where a kernel's last, partial tile is; sorted, so a failure
-  shrinks to the shortest length that still fails. :func:`tile_lengths` rounds them to a mesh's
-  multiple.
+  shrinks to the shortest length that still fails.
 * **No degenerate fill.** Arrays come from NumPy's seeded PCG64 generator (the seed is a labelled
   draw), standard normal, rounded once to the tested dtype; the oracle sees the rounded values.
   Identical rows (every key equal, or every query equal) are a special case drawn on purpose with
@@ -103,7 +102,6 @@ from ._shapes import (
     broadcast_shapes,
     configs,
     tile_configs,
-    tile_lengths,
 )
 from ._states import (
     CENTERS,
@@ -182,7 +180,6 @@ __all__ = [
     "seq_lengths",
     "sequential_tree",
     "tile_configs",
-    "tile_lengths",
     "tree_depth",
     "tree_leaves",
 ]

@@ -131,38 +131,15 @@ WEIGHT_BUCKETS: tuple[Config, ...] = (
     Config(batch=(2, 2), t=4, s=4, n=3, k=3, h=2, h_v=5, d_model=6),  # two batch dims
 )
 
-# Tile-straddling lengths: where real kernels break. A kernel cuts T and S into tiles of 16 to 256
-# (FlashAttention's blocks are 64 or 128; Pallas's default 128); the commonest bug is the last,
-# partial tile (never visited, never written, or read past its end). For each tile size n:
+# Tile-straddling lengths: where real kernels break. A kernel cuts T and S into tiles, commonly
+# of 16 to 256 rows or keys; the commonest bug is the last, partial tile (never visited, never
+# written, or read past its end). For each tile size n:
 # n - 1, n, n + 1, 3n/2 + 1 (odd, between n and 2n) and 2n + 1 (two full tiles and one key).
 # Sorted, so Hypothesis shrinks a failure to the smallest length that still fails.
 TILE_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 TILE_LENGTHS: tuple[int, ...] = tuple(
     sorted({m for n in TILE_SIZES for m in (n - 1, n, n + 1, n + n // 2 + 1, 2 * n + 1)})
 )
-
-
-def tile_lengths(multiple: int = 1, longest: int | None = None) -> tuple[int, ...]:
-    """The :data:`TILE_LENGTHS` up to ``longest``, rounded up to multiples of ``multiple`` (a
-    distributed kernel's lengths, which its mesh must divide).
-
-    Args:
-        multiple: Every length a multiple of this (default 1: the lengths as they are).
-        longest: Drop the tile lengths above this (before rounding); ``None``: keep all.
-
-    Returns:
-        The sorted, distinct lengths.
-
-    Raises:
-        ValueError: If ``multiple < 1`` or no length is left.
-    """
-    if multiple < 1:
-        raise ValueError(f"multiple must be at least 1, got {multiple}")
-    kept = [n for n in TILE_LENGTHS if longest is None or n <= longest]
-    out = sorted({-(-n // multiple) * multiple for n in kept})
-    if not out:
-        raise ValueError(f"no tile length is <= longest={longest} (multiple {multiple})")
-    return tuple(out)
 
 
 @st.composite
