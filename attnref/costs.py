@@ -8,7 +8,7 @@ SPMD program, which the distributed schemes' models (:class:`Collective`) are ch
 See ``docs/cost.md``.
 """
 
-from attnref._src.cost import (
+from attnref._src.core.cost import (
     Collective,
     Cost,
     Dims,

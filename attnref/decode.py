@@ -7,7 +7,7 @@ Weight level (``params`` and row-vector tokens ``[B, L, d_model]``): :func:`init
 and :func:`decode_attention` (the multi-head row form of a whole sequence, decoded).
 """
 
-from attnref._src.decode import (
+from attnref._src.formulations.decode import (
     KVCache,
     cache_attend,
     cached_attention,
@@ -18,7 +18,7 @@ from attnref._src.decode import (
     scan,
     step,
 )
-from attnref._src.kernel_forms import decode_attention
+from attnref._src.formulations.kernel_forms import decode_attention
 
 __all__ = [
     "KVCache",

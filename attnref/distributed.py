@@ -16,13 +16,13 @@ On one host, ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before 
 gives 8 virtual CPU devices. See ``docs/distributed.md``.
 """
 
-from attnref._src.distributed._family import DISTRIBUTED, default_mesh
-from attnref._src.distributed.all_gather import (
+from attnref._src.formulations.distributed.all_gather import (
     all_gather_attention,
     all_gather_dot_product_attention,
 )
-from attnref._src.distributed.cost import load_balance, useful_flops, useful_pairs
-from attnref._src.distributed.ring import (
+from attnref._src.formulations.distributed.cost import load_balance, useful_flops, useful_pairs
+from attnref._src.formulations.distributed.family import DISTRIBUTED, default_mesh
+from attnref._src.formulations.distributed.ring import (
     ring_attention,
     ring_dot_product_attention,
     striped_attention,
@@ -30,11 +30,11 @@ from attnref._src.distributed.ring import (
     zigzag_attention,
     zigzag_dot_product_attention,
 )
-from attnref._src.distributed.tensor_parallel import (
+from attnref._src.formulations.distributed.tensor_parallel import (
     tensor_parallel_attention,
     tensor_parallel_dot_product_attention,
 )
-from attnref._src.distributed.ulysses import (
+from attnref._src.formulations.distributed.ulysses import (
     ulysses_attention,
     ulysses_dot_product_attention,
 )

@@ -8,7 +8,7 @@ d_model, d_v]``, ``w_o: [H, d_v, d_model]`` (row vectors, ``y = x W``). Flax's
 key/value heads (GQA) to one per query head.
 """
 
-from attnref._src.params import (
+from attnref._src.core.params import (
     from_flax,
     from_hf_bert,
     from_torch_mha,

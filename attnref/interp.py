@@ -7,16 +7,16 @@ Framework for Transformer Circuits", who write ``W_Q^T W_K`` and ``W_OV = W_O W_
 ``docs/probes.md`` and ``docs/refactor_minilm.md``.
 """
 
-from attnref._src.composition import composition_baseline, composition_scores, top_aligned
-from attnref._src.merged import messages, patterns
-from attnref._src.params import w_a, w_i, w_m, w_p
-from attnref._src.probes import (
+from attnref._src.core.params import w_a, w_i, w_m, w_p
+from attnref._src.formulations.merged import messages, patterns
+from attnref._src.interp.composition import composition_baseline, composition_scores, top_aligned
+from attnref._src.interp.probes import (
     AttentionProbes,
     attention_logits,
     attention_probes,
     residual_update,
 )
-from attnref._src.refactor import (
+from attnref._src.interp.refactor import (
     FactoredSVD,
     Refactored,
     effective_rank,

@@ -7,7 +7,7 @@
 See ``docs/linear_attention.md``.
 """
 
-from attnref._src.feature_maps import (
+from attnref._src.formulations.feature_maps import (
     FeatureMap,
     elu_plus_one,
     favor_plus,
@@ -15,7 +15,7 @@ from attnref._src.feature_maps import (
     relu_features,
     taylor2,
 )
-from attnref._src.linear import (
+from attnref._src.formulations.linear import (
     EPS_POLICIES,
     LinearState,
     linear_associative,

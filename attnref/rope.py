@@ -5,7 +5,7 @@
 multi-head forms take row-vector tokens ``[..., T, d_model]``. See ``docs/rope.md``.
 """
 
-from attnref._src.rope import (
+from attnref._src.formulations.rope import (
     CONVENTIONS,
     apply_rope,
     apply_rope_complex,

@@ -1,6 +1,6 @@
 """Assertions for checking attention outputs against the oracle, and the conformance kit.
 
-The closeness rules (:mod:`attnref._src.closeness`): ``assert_within_bound`` compares
+The closeness rules (:mod:`attnref._src.kit.closeness`): ``assert_within_bound`` compares
 componentwise against a bound from :func:`attnref.tolerance.attention_error_bound`;
 ``assert_comparative`` applies FlashAttention's rule (error at most ``factor`` times a
 same-precision reference's error plus a rounding floor). Both fail on any NaN/inf where the
@@ -10,7 +10,7 @@ the worst index, and the error in units of the allowance.
 :func:`assert_attention_close` is the one entry point for kernel authors: it offers the three
 rules by name (``"bound"``, ``"flash"``, ``"torch"``; see ``docs/tolerances.md``).
 
-The conformance kit (:mod:`attnref._src.conformance`): :func:`check_attention` runs attnref's
+The conformance kit (:mod:`attnref._src.kit.conformance`): :func:`check_attention` runs attnref's
 properties against anyone's attention function (``devices=(1, 2, 4, 8)``: a distributed one, on
 meshes of those sizes, with the ring-size growth of its error) and returns a
 :class:`ConformanceReport`; :func:`check_merge_states` runs the state-algebra properties (oracle,
@@ -20,8 +20,8 @@ commutative, associative, identity, stability, dtypes, gradients) against anyone
 
 from __future__ import annotations
 
-from attnref._src.closeness import FLASH_FACTOR as FLASH_FACTOR  # importable, not in __all__
-from attnref._src.closeness import (
+from attnref._src.kit.closeness import FLASH_FACTOR as FLASH_FACTOR  # importable, not in __all__
+from attnref._src.kit.closeness import (
     RULES,
     Closeness,
     assert_attention_close,
@@ -29,8 +29,8 @@ from attnref._src.closeness import (
     assert_ratio_within,
     assert_within_bound,
 )
-from attnref._src.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, not in __all__
-from attnref._src.conformance import (
+from attnref._src.kit.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, not in __all__
+from attnref._src.kit.conformance import (
     ALL_PROPERTIES,
     DEFAULT_FEATURES,
     DISTRIBUTED_PROPERTIES,
@@ -44,7 +44,7 @@ from attnref._src.conformance import (
     load_target,
     production_plan,
 )
-from attnref._src.conformance.states import MERGE_PROPERTIES, check_merge_states
+from attnref._src.kit.conformance.states import MERGE_PROPERTIES, check_merge_states
 
 __all__ = [
     "ALL_PROPERTIES",

@@ -3,8 +3,8 @@
 Not a test: run ``python benchmarks/bench_distributed.py [--out docs/distributed.md]`` (needs
 matplotlib for ``docs/img/distributed.png``). For each scheme and ``T`` (causal self-attention,
 kernel level, ``B = 1``, float32) it reports the per-device useful-FLOP balance (allowed causal
-pairs, :func:`attnref._src.distributed.cost.load_balance`), the bytes each device sends (the cost
-model's and the compiled HLO's, :func:`attnref._src.cost.hlo_collectives`), the temporary memory
+pairs, :func:`attnref._src.formulations.distributed.cost.load_balance`), the bytes each device sends (the cost
+model's and the compiled HLO's, :func:`attnref._src.core.cost.hlo_collectives`), the temporary memory
 per device (XLA's ``memory_analysis()``, per device for an SPMD program) and the time relative
 to single-device :func:`attnref.blockwise_dot_product_attention` on the same host. The eight
 virtual devices share the host's cores, so that ratio measures the overhead of distributing the
@@ -34,9 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import attnref  # noqa: E402
 import attnref.distributed as dist  # noqa: E402
-from attnref._src.cost import Dims, hlo_collectives  # noqa: E402
-from attnref._src.distributed import cost as dcost  # noqa: E402
-from attnref._src.distributed._layout import padded_length, positions  # noqa: E402
+from attnref._src.core.cost import Dims, hlo_collectives  # noqa: E402
+from attnref._src.formulations.distributed import cost as dcost  # noqa: E402
+from attnref._src.formulations.distributed.layout import padded_length, positions  # noqa: E402
 
 # Scheme -> (kernel, the layout its useful work follows; None: heads split, every device alike)
 RINGS = ("ring", "striped", "zigzag")

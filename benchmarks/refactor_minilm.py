@@ -2,7 +2,7 @@
 
 For every layer and head the merged matrices ``W_P = W_Q W_K^T`` (patterns) and
 ``W_M = W_V W_O`` (messages) are replaced by their best rank-``r`` approximations
-(:func:`attnref._src.refactor.refactor`, truncated SVD from the factors, computed in float64,
+(:func:`attnref._src.interp.refactor.refactor`, truncated SVD from the factors, computed in float64,
 stored in float32; ``b_Q`` in homogeneous coordinates, ``b_K`` dropped, ``b_V`` folded into
 ``b_O``), for ``r`` in {32, 24, 16, 12, 8, 4} applied to ``W_P`` only, ``W_M`` only, and both.
 ``d_k = d_v = 32``, so ``r = 32`` is the unmodified function and ``r = 16`` halves the attention
@@ -29,7 +29,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from attnref._src.refactor import effective_rank, message_svd, param_count, pattern_svd, refactor
+from attnref._src.interp.refactor import (
+    effective_rank,
+    message_svd,
+    param_count,
+    pattern_svd,
+    refactor,
+)
 from attnref.models import layer_attention, load_minilm, with_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +135,7 @@ def write_markdown(res: dict, out: Path, png: Path) -> None:
         "Every layer and head is refactored the same way: the merged pattern matrix "
         "$[W_Q; b_Q] W_K^\\top$ and/or message matrix $W_V W_O$ of each of the 72 heads is "
         "replaced by its best rank-$r$ approximation (truncated SVD computed from the factors; "
-        "[conventions](conventions.md), `attnref._src.refactor`), with no retraining. "
+        "[conventions](conventions.md), `attnref._src.interp.refactor`), with no retraining. "
         "$d_k = d_v = 32$, so $r = 32$ is the original function and $r = 16$ halves the "
         f"attention matrices. Original attention parameters: {count0:,} (6 layers, weights and "
         "biases; refactoring drops $b_K$, which cancels in the softmax, and folds $b_V W_O$ into "

@@ -28,9 +28,9 @@ from rich.console import Console
 
 from attnref import cli
 from attnref import report as report_mod
-from attnref._src import console
-from attnref._src.conformance.report import ConformanceReport, MeshResult, PropertyResult
-from attnref._src.registry import ids
+from attnref._src.core.registry import ids
+from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
+from attnref._src.tools import console
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = "tests.conformance_targets:good"

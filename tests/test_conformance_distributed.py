@@ -494,7 +494,7 @@ def test_the_target_gets_the_mesh_its_axis_and_sharded_inputs():
     """A target is called with the kit's mesh over the first P devices (cached, axis
     ``"devices"``) and, where it names the parameter, ``axis_name``; ``q, k, v`` arrive sharded
     along the sequence axis."""
-    from attnref._src.conformance.targets import AXIS, _Target, mesh
+    from attnref._src.kit.conformance.targets import AXIS, Target, mesh
 
     seen = []
 
@@ -508,6 +508,6 @@ def test_the_target_gets_the_mesh_its_axis_and_sharded_inputs():
     assert m4 is mesh(4) and m4.axis_names == (AXIS,) and list(m4.devices) == jax.devices()[:4]
     assert seen and all(s == (m4, AXIS) for s in seen)
     q = np.zeros((1, 8, 1, 4), np.float32)
-    placed = _Target(spy, "jax_nn", m4)._sharded((q, q, q, {}))
+    placed = Target(spy, "jax_nn", m4)._sharded((q, q, q, {}))
     for x in placed[:3]:
         assert x.sharding == jax.sharding.NamedSharding(m4, jax.sharding.PartitionSpec(None, AXIS))

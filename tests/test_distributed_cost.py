@@ -13,7 +13,7 @@ layouts; ``docs/distributed.md`` is current.
   :func:`hlo_collectives` itself is checked on a hand-built program of known sizes.
 * Load balance: the allowed pairs per device against a brute-force count over the causal mask,
   for ``P`` in {2, 4, 8} and drawn lengths, and the closed forms of
-  :data:`attnref._src.distributed.cost.CLOSED_FORMS`.
+  :data:`attnref._src.formulations.distributed.cost.CLOSED_FORMS`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from jax.sharding import PartitionSpec
 
 import attnref
 from attnref import pages
-from attnref._src.cost import Collective, Cost, Dims, hlo_collectives, xla_counts
-from attnref._src.distributed import all_gather, ring, tensor_parallel, ulysses  # noqa: F401
-from attnref._src.distributed import cost as dcost
-from attnref._src.distributed._family import default_mesh
-from attnref._src.distributed._layout import LAYOUTS, padded_length, positions
+from attnref._src.core.cost import Collective, Cost, Dims, hlo_collectives, xla_counts
+from attnref._src.formulations.distributed import all_gather, ring, tensor_parallel, ulysses  # noqa: F401
+from attnref._src.formulations.distributed import cost as dcost
+from attnref._src.formulations.distributed.family import default_mesh
+from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
 from tests.test_docs_pages import _problems
 
 SCHEMES = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")

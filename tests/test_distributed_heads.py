@@ -1,5 +1,5 @@
 """All-gather context parallelism, DeepSpeed-Ulysses and tensor-parallel heads
-(``attnref._src.distributed.{all_gather,ulysses,tensor_parallel}``) on meshes of 1, 2, 4 and 8
+(``attnref._src.formulations.distributed.{all_gather,ulysses,tensor_parallel}``) on meshes of 1, 2, 4 and 8
 virtual CPU devices, against the float64 NumPy oracle.
 
 Tolerances, all derived (none tuned):
@@ -37,15 +37,15 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import attnref
-import attnref._src.distributed.all_gather as all_gather
-import attnref._src.distributed.cost as distributed_cost
-import attnref._src.distributed.tensor_parallel as tensor_parallel
-import attnref._src.distributed.ulysses as ulysses
+import attnref._src.formulations.distributed.all_gather as all_gather
+import attnref._src.formulations.distributed.cost as distributed_cost
+import attnref._src.formulations.distributed.tensor_parallel as tensor_parallel
+import attnref._src.formulations.distributed.ulysses as ulysses
 from attnref import oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.distributed._family import DISTRIBUTED, default_mesh
-from attnref._src.kernel import STATIC_OPTIONS
-from attnref._src.registry import _REGISTRY
+from attnref._src.core.registry import REGISTRY
+from attnref._src.formulations.distributed.family import DISTRIBUTED, default_mesh
+from attnref._src.formulations.kernel import STATIC_OPTIONS
 from attnref.testing import assert_within_bound
 
 from .helpers import scaled
@@ -353,7 +353,7 @@ def test_registry_entries():
     """Each module registers its entry on import (``_REGISTRY``: ``registry.get`` would import
     every formulation module first)."""
     for scheme in SCHEMES:
-        f = _REGISTRY[scheme]
+        f = REGISTRY[scheme]
         assert f.id == scheme and f.family is DISTRIBUTED and f.convention == "kernel"
         assert f.apply is ROWS[scheme] and f.native is KERNELS[scheme]
         assert any(sym in f.equation for sym in DISTRIBUTED.equation_symbols), f.equation

@@ -1,11 +1,11 @@
-"""Ring, striped and zigzag attention (``attnref._src.distributed.ring``) on meshes of 1, 2, 4
+"""Ring, striped and zigzag attention (``attnref._src.formulations.distributed.ring``) on meshes of 1, 2, 4
 and 8 virtual CPU devices, against the float64 NumPy oracle.
 
 Tolerances, all derived (none tuned):
 
 * Forward: :func:`attnref.tolerance.pieces_error_bound` with the pieces the ring merges: each
   device computes its queries' state against one K/V chunk (the keys
-  ``attnref._src.distributed._layout.positions(s_pad, P, layout)[d]``) with a full softmax
+  ``attnref._src.formulations.distributed.layout.positions(s_pad, P, layout)[d]``) with a full softmax
   (``key_blocks=1``) in the compute dtype, and merges the ``P`` chunk states one at a time
   (``tree="sequential"``: depth ``P - 1``; the first merge, with the empty state, is exact). Not
   the kernel bound with ``key_blocks=P``: that models an online softmax, whose running max is
@@ -37,12 +37,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import attnref._src.distributed.ring as ring
+import attnref._src.formulations.distributed.ring as ring
 from attnref import oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.distributed import _layout
-from attnref._src.distributed._family import default_mesh
-from attnref._src.kernel import STATIC_OPTIONS
+from attnref._src.formulations.distributed import _layout
+from attnref._src.formulations.distributed.family import default_mesh
+from attnref._src.formulations.kernel import STATIC_OPTIONS
 from attnref.testing import assert_ratio_within, assert_within_bound
 
 from .helpers import scaled

@@ -1,7 +1,7 @@
 """The generated pages ``docs/formulations/*.md`` tell the truth about the code.
 
 * The committed pages are exactly a fresh generation (one page per registry id, no stale extras).
-* Every ``attnref.<name>`` a page shows resolves (``attnref._src.decode`` as a module, the rest as
+* Every ``attnref.<name>`` a page shows resolves (``attnref._src.formulations.decode`` as a module, the rest as
   attributes of ``attnref``), and so does every Sphinx role target (``:func:`cached_attention```)
   from the docstrings a page quotes, looked up in ``attnref`` or the quoted module.
 * Where a page shows a signature, ``attnref.<name>(...)`` at the start of a code line or span,

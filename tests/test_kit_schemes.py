@@ -17,9 +17,9 @@ import jax
 import pytest
 
 import attnref.distributed
-from attnref._src.conformance.context import _Context
-from attnref._src.conformance.engine import _mesh_contexts
-from attnref._src.conformance.targets import _Target
+from attnref._src.kit.conformance.context import Context
+from attnref._src.kit.conformance.engine import mesh_contexts
+from attnref._src.kit.conformance.targets import Target
 from attnref.testing import check_attention
 
 SCHEMES = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")
@@ -66,9 +66,9 @@ def _none(*args, **kwargs):
     return None
 
 
-def _single(features: frozenset[str]) -> _Context:
-    return _Context(
-        target=_Target(_none, "jax_nn"),
+def _single(features: frozenset[str]) -> Context:
+    return Context(
+        target=Target(_none, "jax_nn"),
         signature="jax_nn",
         features=features,
         masked_rows="zeros",
@@ -98,7 +98,7 @@ def test_distributed_buckets_have_head_counts_every_size_divides(devices, heads)
     names = ("self", "general", "tall", "gqa", "mqa")
     single = _single(features).pool(*names)
     assert [(c.n, c.k) for c in single] == SINGLE_HEADS
-    contexts = _mesh_contexts(
+    contexts = mesh_contexts(
         _none,
         devices,
         signature="jax_nn",

@@ -32,22 +32,26 @@ ROOT = Path(__file__).resolve().parents[1] / "attnref"
 LAYERS = {
     "attnref.oracle": 0,
     "attnref.tolerance": 0,
-    "attnref._src": 1,
+    "attnref._src.core": 1,
+    "attnref._src.formulations": 1,
     "attnref.linear": 1,
     "attnref.rope": 1,
     "attnref.decode": 1,
-    "attnref.interp": 1,
     "attnref.interop": 1,
     "attnref.costs": 1,
     "attnref.distributed": 1,
-    "attnref._src.closeness": 2,
-    "attnref._src.conformance": 2,
+    "attnref._src.kit.closeness": 2,
+    "attnref._src.kit.conformance": 2,
     "attnref.testing": 2,
     "attnref.strategies": 2,
     "attnref.conformance": 2,
+    "attnref._src.interp": 3,
+    "attnref.interp": 3,
+    "attnref._src.tools": 3,
     "attnref.report": 3,
     "attnref.pages": 3,
     "attnref.models": 3,
+    "attnref._src.tools.cli": 4,
     "attnref.cli": 4,
     "attnref.__main__": 4,
 }
@@ -183,7 +187,7 @@ def test_the_detector_sees_upward_imports():
     """The check can fail: upward imports written every way are flagged, a TYPE_CHECKING one not."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "from attnref._src import kernel\n"
+        "from attnref._src.formulations import kernel\n"
         "import attnref.testing\n"
         "from .. import strategies\n"
         "def f():\n    from attnref.cli import main\n"
@@ -192,7 +196,7 @@ def test_the_detector_sees_upward_imports():
     )
     flagged = upward(source, "attnref.oracle._core")
     assert [f.split(": ")[1].split(" ")[0] for f in flagged] == [
-        "attnref._src.kernel",
+        "attnref._src.formulations.kernel",
         "attnref.testing",
         "attnref.strategies",
         "attnref.cli",

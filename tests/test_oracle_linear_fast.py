@@ -113,12 +113,12 @@ def problems(draw, maps=MAPS, buckets=BUCKETS):
 @contextlib.contextmanager
 def budget(nbytes: int | None) -> Iterator[None]:
     """The fast path's temporaries budget set to ``nbytes`` (``None``: the default)."""
-    old = _linear._BUDGET_BYTES
-    _linear._BUDGET_BYTES = old if nbytes is None else nbytes
+    old = _linear.BUDGET_BYTES
+    _linear.BUDGET_BYTES = old if nbytes is None else nbytes
     try:
         yield
     finally:
-        _linear._BUDGET_BYTES = old
+        _linear.BUDGET_BYTES = old
 
 
 @dataclasses.dataclass
@@ -592,7 +592,7 @@ def test_fast_path_block_size_keeps_to_its_budget():
     """Blocks of ``per_row`` float64 temporaries fit 64 MiB, never fewer than one row."""
     budget_bytes = 64 * 2**20
     for t_q, per_row in ((10, 3), (100_000, 4096 * 64), (7, 10**9)):
-        rows = _linear._block_rows(t_q, per_row)
+        rows = _linear.block_rows(t_q, per_row)
         assert 1 <= rows <= t_q
         assert rows == 1 or rows * per_row * 8 <= budget_bytes
 

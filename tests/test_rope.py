@@ -28,11 +28,11 @@ from attnref import strategies as ast
 from attnref.oracle import _rope as rope_oracle
 from attnref.testing import assert_comparative, assert_within_bound
 from attnref.tolerance import (
-    _pair_sum,
-    _rope_angle_error,
-    _rope_logit_error,
     gamma,
+    pair_sum,
+    rope_angle_error,
     rope_attention_error_bound,
+    rope_logit_error,
     rope_map_error_bound,
     unit_roundoff,
 )
@@ -405,11 +405,11 @@ def test_logits_three_ways(seed, dtype, convention):
     outs = THREE_LOGITS(w, q, k, p.x_q, p.x_kv, pq, pk, convention=convention)
     qa = np.einsum("...td,hde->...hte", np.abs(p.x_q), np.abs(w.w_q))
     ka = np.einsum("...td,hde->...hte", np.abs(p.x_kv), np.abs(w.w_k))
-    ls = np.einsum("...hqd,...hkd->...hqk", _pair_sum(qa, convention), _pair_sum(ka, convention))
+    ls = np.einsum("...hqd,...hkd->...hqk", pair_sum(qa, convention), pair_sum(ka, convention))
     n_s = 2 * (b.d_model + 3) + 2 * b.d_k + 2
     bound = sum(
         gamma(n_s, unit_roundoff(dt)) * ls
-        + _rope_logit_error(qa, ka, pq, pk, convention, unit_roundoff(dt), BASE)
+        + rope_logit_error(qa, ka, pq, pk, convention, unit_roundoff(dt), BASE)
         for dt in (dtype, np.float64)
     )
     for label, y in zip(("real", "complex", "patterns"), outs, strict=True):
@@ -443,7 +443,7 @@ def test_rotation_matrix_group_properties(seed, dtype, convention, head_dim):
     u = unit_roundoff(dtype)
 
     def e(delta):  # [8, 1, 1], the largest frequency theta_0 = 1
-        return _rope_angle_error(np.abs(delta).astype(np.float64), u, BASE)[:, None, None]
+        return rope_angle_error(np.abs(delta).astype(np.float64), u, BASE)[:, None, None]
 
     eye = np.broadcast_to(np.eye(head_dim), ra.shape)
     np.testing.assert_array_equal(np.asarray(ROTATION(np.zeros(8, np.int64), **kw)), eye)
@@ -460,7 +460,7 @@ def test_rotation_matrix_group_properties(seed, dtype, convention, head_dim):
     q = rng.standard_normal((8, 1, head_dim)).astype(dtype)
     rot = np.asarray(R.apply_rope(q, a, base=BASE, convention=convention))
     row = np.einsum("tnd,tde->tne", q.astype(np.float64), ra.astype(np.float64))
-    mag = _pair_sum(np.abs(q.astype(np.float64)), convention)
+    mag = pair_sum(np.abs(q.astype(np.float64)), convention)
     tol = mag * (2 * e(a) + gamma(2, u) + gamma(head_dim, u))
     assert_within_bound(rot, row, tol, label="rope(q, m) = q R(m)")
 

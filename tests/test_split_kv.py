@@ -32,10 +32,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnref
-import attnref._src.split_kv  # registers "split_kv" (until the registry lists the module)
+import attnref._src.formulations.split_kv  # registers "split_kv" (until the registry lists the module)
 from attnref import strategies as ast
 from attnref import tolerance
-from attnref._src.split_kv import (
+from attnref._src.formulations.split_kv import (
     split_kv_attention,
     split_kv_cost,
     split_kv_dot_product_attention,

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from attnref._src import conformance as _engine
-from attnref._src.conformance import (
+from attnref._src.kit import conformance as _engine
+from attnref._src.kit.conformance import (
     ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
     DISTRIBUTED_PROPERTIES,

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from attnref._src.checks import float64_scoped
-from attnref._src.common import HIGHEST
-from attnref._src.family import SOFTMAX
-from attnref._src.params import AttentionParams, from_hf_bert
-from attnref._src.registry import get
+from attnref._src.core.checks import float64_scoped
+from attnref._src.core.common import HIGHEST
+from attnref._src.core.family import SOFTMAX
+from attnref._src.core.params import AttentionParams, from_hf_bert
+from attnref._src.core.registry import get
 
 __all__ = [
     "BertConfig",

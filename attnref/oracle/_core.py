@@ -50,7 +50,7 @@ from ._checks import check_method, check_weight_level
 
 __all__ = ["attention", "attention_weights", "head_outputs"]
 
-_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
 
 def _get(params: Any, name: str) -> np.ndarray | None:
@@ -58,15 +58,15 @@ def _get(params: Any, name: str) -> np.ndarray | None:
     return None if value is None else np.asarray(value, dtype=np.float64)
 
 
-def _unpack(params: Any) -> dict[str, np.ndarray | None]:
-    out = {name: _get(params, name) for name in _FIELDS}
+def unpack(params: Any) -> dict[str, np.ndarray | None]:
+    out = {name: _get(params, name) for name in FIELDS}
     for name in ("w_q", "w_k", "w_v", "w_o"):
         if out[name] is None:
             raise ValueError(f"params.{name} is required")
     return out
 
 
-def _group_size(w: dict[str, np.ndarray | None]) -> int:
+def group_size(w: dict[str, np.ndarray | None]) -> int:
     """``G = H / K`` from ``w_q [H, ...]`` and ``w_k, w_v [K, ...]``; query head i reads i // G."""
     w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
     assert w_q is not None and w_k is not None and w_v is not None
@@ -85,7 +85,7 @@ def _rounder(emulate: Any) -> Any:
     return lambda a: np.asarray(a).astype(emulate).astype(np.float64)
 
 
-def _softmax_row(scores: np.ndarray, allowed: np.ndarray, rd: Any) -> np.ndarray:
+def softmax_row(scores: np.ndarray, allowed: np.ndarray, rd: Any) -> np.ndarray:
     """Max-subtracted softmax over the allowed entries of one query row; zeros if none."""
     p = np.zeros_like(scores)
     if not allowed.any():
@@ -109,8 +109,8 @@ def _per_head_per_query(
     # Every bad input the JAX formulations refuse is refused here too (same exception types).
     batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
     rd = _rounder(emulate)
-    w = _unpack(params)
-    group = _group_size(w)
+    w = unpack(params)
+    group = group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
@@ -134,7 +134,7 @@ def _per_head_per_query(
                     allowed &= b[idx][t] != -np.inf
                 if m is not None:
                     allowed &= m[idx][t]
-                p = _softmax_row(scores, allowed, rd)
+                p = softmax_row(scores, allowed, rd)
                 weights[idx][i, t] = p
                 z = np.zeros(values.shape[-1])
                 for j in range(t_k):
@@ -155,7 +155,7 @@ _FORWARD_ARRAYS = 4
 Rotation = Callable[[tuple[int, ...], slice, np.ndarray], np.ndarray]
 
 
-class _Fast(NamedTuple):
+class Fast(NamedTuple):
     """A validated weight-level problem in float64, as the vectorised paths read it."""
 
     w: dict[str, np.ndarray | None]  # _unpack: w_k, w_v, b_k, b_v keep their K key/value heads
@@ -168,20 +168,20 @@ class _Fast(NamedTuple):
     kv_of: np.ndarray  # [H]: the key/value head i // G that query head i reads
 
 
-def _fast_problem(
+def fast_problem(
     params: Any, x_q: Any, x_kv: Any, mask: Any, bias: Any, scale: float | None
-) -> _Fast:
+) -> Fast:
     """Validate (as the definition does) and read the inputs as float64 arrays."""
     batch, _, _, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    w = _unpack(params)
-    group = _group_size(w)
+    w = unpack(params)
+    group = group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     w_q = w["w_q"]
     assert w_q is not None
     n_heads, _, d_k = w_q.shape
     s = 1.0 / math.sqrt(d_k) if sc is None else sc
-    return _Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
+    return Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
 
 
 def _block_rows(n_heads: int, t_k: int, arrays: int) -> int:
@@ -202,7 +202,7 @@ def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray
     return y if bt is None else y + bt[:, None, :]
 
 
-def _keys_values(p: _Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def _keys_values(p: Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``, one per
     query head (each key/value head projected once, then read by its ``G`` query heads)."""
     w_k, w_v = p.w["w_k"], p.w["w_v"]
@@ -212,7 +212,7 @@ def _keys_values(p: _Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray
     return keys, values
 
 
-def _allowed(p: _Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
+def _allowed(p: Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
     """``mask & (bias != -inf)`` for the query ``rows`` of batch element ``idx``, ``[n, T_k]``;
     ``None`` when every pair is allowed."""
     keep = None if p.mask is None else p.mask[idx][rows]
@@ -223,7 +223,7 @@ def _allowed(p: _Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
 
 
 def _logits(
-    p: _Fast, idx: tuple[int, ...], rows: slice, q: np.ndarray, keys: np.ndarray
+    p: Fast, idx: tuple[int, ...], rows: slice, q: np.ndarray, keys: np.ndarray
 ) -> np.ndarray:
     """``s = (q . k) * scale + bias``, ``[H, n, T_k]``, for queries ``q [H, n, d_k]``."""
     s = np.matmul(q, np.swapaxes(keys, -1, -2))
@@ -248,7 +248,7 @@ def _softmax_block(scores: np.ndarray, allowed: np.ndarray | None) -> np.ndarray
     return scores
 
 
-class _Block(NamedTuple):
+class Block(NamedTuple):
     """One block of queries of one batch element, with what the forward computed for it."""
 
     idx: tuple[int, ...]
@@ -259,9 +259,9 @@ class _Block(NamedTuple):
     weights: np.ndarray  # [H, n, T_k]
 
 
-def _each_block(
-    p: _Fast,
-    visit: Callable[[_Block], None],
+def each_block(
+    p: Fast,
+    visit: Callable[[Block], None],
     *,
     rotate_q: Rotation | None = None,
     rotate_k: Rotation | None = None,
@@ -284,7 +284,7 @@ def _each_block(
             if rotate_q is not None:
                 q = rotate_q(idx, rows, q)
             weights = _softmax_block(_logits(p, idx, rows, q, keys), _allowed(p, idx, rows))
-            visit(_Block(idx, rows, q, keys, values, weights))
+            visit(Block(idx, rows, q, keys, values, weights))
             del weights  # before the next block's logits are allocated
 
 
@@ -301,34 +301,34 @@ def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
     return z
 
 
-def _fast_weights(p: _Fast) -> np.ndarray:
+def _fast_weights(p: Fast) -> np.ndarray:
     """Attention weights ``[*batch, H, T_q, T_k]`` (the full array: it is the result)."""
     w_q = p.w["w_q"]
     assert w_q is not None
     out = np.zeros((*p.batch, w_q.shape[0], p.xq.shape[-2], p.xkv.shape[-2]))
 
-    def visit(blk: _Block) -> None:
+    def visit(blk: Block) -> None:
         out[blk.idx][:, blk.rows] = blk.weights
 
-    _each_block(p, visit)
+    each_block(p, visit)
     return out
 
 
-def _fast_head_outputs(p: _Fast) -> np.ndarray:
+def _fast_head_outputs(p: Fast) -> np.ndarray:
     """Per-head outputs ``o_i = P_i V_i W_O[i]``, ``[*batch, H, T_q, d_model]``."""
     w_o = p.w["w_o"]
     assert w_o is not None
     out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], w_o.shape[2]))
 
-    def visit(blk: _Block) -> None:
+    def visit(blk: Block) -> None:
         out[blk.idx][:, blk.rows] = np.matmul(_weighted_values(blk.weights, blk.values), w_o)
 
-    _each_block(p, visit)
+    each_block(p, visit)
     return out
 
 
-def _fast_output(
-    p: _Fast,
+def fast_output(
+    p: Fast,
     *,
     rotate_q: Rotation | None = None,
     rotate_k: Rotation | None = None,
@@ -342,11 +342,11 @@ def _fast_output(
     w_cat = w_o.reshape(n_heads * d_v, d_model)
     y = np.zeros((*p.batch, p.xq.shape[-2], d_model))
 
-    def visit(blk: _Block) -> None:
+    def visit(blk: Block) -> None:
         z = _weighted_values(blk.weights, blk.values)  # [H, n, d_v]
         y[blk.idx][blk.rows] = np.swapaxes(z, 0, 1).reshape(z.shape[1], n_heads * d_v) @ w_cat
 
-    _each_block(p, visit, rotate_q=rotate_q, rotate_k=rotate_k)
+    each_block(p, visit, rotate_q=rotate_q, rotate_k=rotate_k)
     if p.w["b_o"] is not None:
         y = y + p.w["b_o"]
     if residual:
@@ -392,7 +392,7 @@ def attention_weights(
     """
     if check_method(method) == "definition":
         return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[0]
-    return _fast_weights(_fast_problem(params, x_q, x_kv, mask, bias, scale))
+    return _fast_weights(fast_problem(params, x_q, x_kv, mask, bias, scale))
 
 
 def head_outputs(
@@ -433,7 +433,7 @@ def head_outputs(
     """
     if check_method(method) == "definition":
         return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[1]
-    return _fast_head_outputs(_fast_problem(params, x_q, x_kv, mask, bias, scale))
+    return _fast_head_outputs(fast_problem(params, x_q, x_kv, mask, bias, scale))
 
 
 def attention(
@@ -485,8 +485,8 @@ def attention(
     """
     emulating = emulate is not None and np.dtype(emulate) != np.float64
     if check_method(method) == "fast" and not emulating:
-        p = _fast_problem(params, x_q, x_kv, mask, bias, scale)
-        return _fast_output(p, residual=residual)
+        p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+        return fast_output(p, residual=residual)
     rd = _rounder(emulate)
     _, outs, w = _per_head_per_query(params, x_q, x_kv, mask, bias, scale, emulate)
     y = np.zeros(outs.shape[:-3] + outs.shape[-2:])

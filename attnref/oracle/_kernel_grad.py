@@ -49,7 +49,7 @@ class KernelGrads(NamedTuple):
     bias: np.ndarray | None
 
 
-def _cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.ndarray, ...]:
+def cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.ndarray, ...]:
     b, n, t, _ = c.shape
     want = {"cotangent": (b, t, n, c.v.shape[-1]), "lse_cotangent": (b, t, n)}
     out = []
@@ -72,7 +72,7 @@ def _refuse_nonfinite(where: str) -> None:
     )
 
 
-def _bias_add(
+def bias_add(
     acc: np.ndarray, ds: np.ndarray, b: int, heads: slice, rows: slice, keys: slice
 ) -> None:
     """``acc`` (the bias's own shape) += ``ds [heads, rows, keys]``, summed over the axes the
@@ -95,7 +95,7 @@ def _dead_rows_uniform(c: KernelCall, d_o: np.ndarray, dead: np.ndarray, dv: np.
     dv += per_kv[:, None] / s
 
 
-def _fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
+def fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
     b_size, n_heads, t, _ = c.shape
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
     dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
@@ -128,7 +128,7 @@ def _fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
             ds = p2 * (dp - big_d + dl)
             if db is not None:
                 blk = ds.reshape(grp, i1 - i0, n_k)
-                _bias_add(db, blk, hg.b, hg.heads, slice(i0, i1), slice(j0, j1))
+                bias_add(db, blk, hg.b, hg.heads, slice(i0, i1), slice(j0, j1))
             if c.softcap is not None:
                 x = raw_logits(c, hg, i0, i1, j0, j1).reshape(m, n_k)
                 ds = ds * (1.0 - np.tanh(x / c.softcap) ** 2)
@@ -263,9 +263,9 @@ def dot_product_attention_vjp(
         causal_alignment=causal_alignment,
         masked_rows=masked_rows,
     )
-    d_o, d_l = _cotangents(c, cotangent, lse_cotangent)
+    d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     if method == "fast":
-        return _fast(c, d_o, d_l)
+        return fast(c, d_o, d_l)
     allowed = kernel_allowed(
         c.shape,
         bias,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_flag, check_method
-from ._core import _group_size, _unpack
+from ._core import group_size, unpack
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
 
@@ -35,7 +35,7 @@ __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"
 _FACTORIES = ("elu_plus_one", "relu_features", "identity_features", "taylor2", "favor_plus")
 
 
-def _check_map(fm: Any) -> None:
+def check_map(fm: Any) -> None:
     """A clear ``TypeError`` for a map factory passed uncalled (or anything without ``.name``)."""
     name = getattr(fm, "__name__", None)
     if callable(fm) and name in _FACTORIES and not hasattr(fm, "num_features"):
@@ -49,7 +49,7 @@ def _check_map(fm: Any) -> None:
 
 def features(fm: Any, x: Any, role: str) -> np.ndarray:
     """Features ``phi(x)`` of the last axis, float64, for a map given by ``fm.name`` (and
-    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.feature_maps``.
+    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.formulations.feature_maps``.
 
     For FAVOR+ these are the *stabilised* features (keys ``exp(-|x~ - w_i|^2/2) / sqrt(m)``,
     queries shifted by their own max), whose products are ``exp(-c_q)`` times the defined kernel
@@ -68,7 +68,7 @@ def features(fm: Any, x: Any, role: str) -> np.ndarray:
         TypeError: If ``fm`` is a factory passed uncalled or has no ``name``.
         ValueError: If ``fm.name`` is unknown.
     """
-    _check_map(fm)
+    check_map(fm)
     x = np.asarray(x, dtype=np.float64)
     name, d = fm.name, x.shape[-1]
     if name == "elu_plus_one":
@@ -96,7 +96,7 @@ def features(fm: Any, x: Any, role: str) -> np.ndarray:
 def query_log_scale(fm: Any, x: Any) -> np.ndarray:
     """``c(x)`` with ``features(q).features(k) = exp(-c(q)) phi(q).phi(k)``, ``[...]``: for FAVOR+
     ``c = max_i(w_i.x~ + |w_i|^2/2) - |x~|^2/2``, for every other map 0."""
-    _check_map(fm)
+    check_map(fm)
     x = np.asarray(x, dtype=np.float64)
     if fm.name != "favor_plus":
         return np.zeros(x.shape[:-1])
@@ -106,7 +106,7 @@ def query_log_scale(fm: Any, x: Any) -> np.ndarray:
     return expo.max(axis=-1) - 0.5 * np.sum(xs * xs, axis=-1)
 
 
-def _favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+def favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """``log(phi(q).phi(k_j))`` for one query ``q [d]`` and keys ``k [T_k, d]``, from the
     definition ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2/2)``, ``x~ = x / d^(1/4)``::
 
@@ -140,32 +140,32 @@ def _ratio_from_logs(ell: np.ndarray, vals: np.ndarray, eps: float, eps_policy: 
 
 # ----------------------------------------------------------------------------- the fast path
 
-_BUDGET_BYTES = 64 * 2**20  # float64 temporaries of one query block
+BUDGET_BYTES = 64 * 2**20  # float64 temporaries of one query block
 
 
-def _block_rows(t_q: int, per_row: int) -> int:
+def block_rows(t_q: int, per_row: int) -> int:
     """Query rows per block: ``per_row`` float64 temporaries a row within the 64 MiB budget
     (at least 1, at most ``T_q``)."""
-    return max(1, min(t_q, _BUDGET_BYTES // (8 * max(per_row, 1))))
+    return max(1, min(t_q, BUDGET_BYTES // (8 * max(per_row, 1))))
 
 
-def _blocks(t_q: int, t_k: int, per_key: int, causal: bool) -> Iterator[tuple[int, int, int]]:
+def blocks(t_q: int, t_k: int, per_key: int, causal: bool) -> Iterator[tuple[int, int, int]]:
     """``(i0, i1, kk)``: query rows ``[i0, i1)`` and the keys ``[0, kk)`` any of them may read
     (``kk = min(i1, T_k)`` when causal), ``per_key`` temporaries per (query, key) pair."""
-    step = _block_rows(t_q, per_key * max(t_k, 1))
+    step = block_rows(t_q, per_key * max(t_k, 1))
     for i0 in range(0, t_q, step):
         i1 = min(i0 + step, t_q)
         yield i0, i1, (min(i1, t_k) if causal else t_k)
 
 
-def _key_mask(key_mask: Any, batch: list[int], t_k: int) -> np.ndarray:
+def key_mask_array(key_mask: Any, batch: list[int], t_k: int) -> np.ndarray:
     """``key_mask`` as a boolean ``[..., T_k]`` (all True for ``None``)."""
     if key_mask is None:
         return np.ones((*batch, t_k), bool)
     return np.broadcast_to(np.asarray(key_mask, bool), (*batch, t_k))
 
 
-def _allowed(km: np.ndarray, i0: int, i1: int, causal: bool) -> np.ndarray:
+def allowed(km: np.ndarray, i0: int, i1: int, causal: bool) -> np.ndarray:
     """``[i1 - i0, kk]``: key ``j`` may be read by query ``i`` (``km [kk]``; ``j <= i`` when
     causal)."""
     ok = np.broadcast_to(km, (i1 - i0, km.shape[-1]))
@@ -174,7 +174,7 @@ def _allowed(km: np.ndarray, i0: int, i1: int, causal: bool) -> np.ndarray:
     return ok
 
 
-def _masked_matmul(a: np.ndarray, ok: np.ndarray, b: np.ndarray) -> np.ndarray:
+def masked_matmul(a: np.ndarray, ok: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``sum_j a_ij b_j`` over allowed ``j`` (``a [n, kk]``, 0 elsewhere; ``b [kk, p]``): ``a @ b``,
     or, where ``b`` is not finite (``0 * inf`` would reach rows that may not read it), the sum
     of the allowed terms only, as the definition skips the others."""
@@ -184,7 +184,7 @@ def _masked_matmul(a: np.ndarray, ok: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(ok[..., None], a[..., None] * b, 0.0).sum(-2)
 
 
-def _adjusted(den: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
+def adjusted(den: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
     """``D = den + eps`` ("add") or ``max(den, eps)`` ("clamp")."""
     return den + eps if eps_policy == "add" else np.maximum(den, eps)
 
@@ -195,7 +195,7 @@ def _divide(num: np.ndarray, adj: np.ndarray) -> np.ndarray:
     return np.where(zero[:, None], 0.0, num / np.where(zero, 1.0, adj)[:, None])
 
 
-def _omega(fm: Any, d: int) -> np.ndarray:
+def favor_omega(fm: Any, d: int) -> np.ndarray:
     """FAVOR+'s ``omega [m, d]`` in float64, refused (as the definition refuses it) unless its
     width is the inputs' ``d``."""
     w = np.asarray(fm.omega, dtype=np.float64)
@@ -204,13 +204,13 @@ def _omega(fm: Any, d: int) -> np.ndarray:
     return w
 
 
-def _favor_parts(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def favor_parts(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per token: ``x~ = x / d^(1/4)``, ``x~ w^T [..., m]`` and ``|x~|^2 / 2``."""
     xs = x / x.shape[-1] ** 0.25
     return xs, xs @ w.T, 0.5 * np.sum(xs * xs, axis=-1)
 
 
-def _favor_log_block(
+def favor_log_block(
     qw: np.ndarray, kw: np.ndarray, nq: np.ndarray, nk: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_favor_log_kernel` for a block of queries: ``log A_ij = lse_f(z_ijf) - log m -
@@ -227,7 +227,7 @@ def _favor_log_block(
     return ell, e, total
 
 
-def _ratio_parts(
+def ratio_parts(
     ell: np.ndarray, ok: np.ndarray, eps: float, eps_policy: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_ratio_from_logs` row-wise: with ``s_i = max(max_j log A_ij, log eps)`` over the
@@ -264,14 +264,14 @@ def _linear_fast(
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch, t_q, n_heads, d = q.shape
     t_k, d_v = k.shape[-3], v.shape[-1]
-    km = _key_mask(key_mask, batch, t_k)
+    km = key_mask_array(key_mask, batch, t_k)
     read = km[..., None, None]  # a padded key is never read: zeros in its place change nothing
     k, v = np.where(read, k, 0.0), np.where(read, v, 0.0)
     out = np.zeros((*batch, t_q, n_heads, d_v))
     favor = fm.name == "favor_plus"
     if favor:
-        w = _omega(fm, d)
-        (_, qw, nq), (_, kw, nk) = _favor_parts(w, q), _favor_parts(w, k)
+        w = favor_omega(fm, d)
+        (_, qw, nq), (_, kw, nk) = favor_parts(w, q), favor_parts(w, k)
     else:
         fq, fk = features(fm, q, "query"), features(fm, k, "key")
     per_key = 2 * w.shape[0] + 4 if favor else 3
@@ -279,18 +279,18 @@ def _linear_fast(
         for h in range(n_heads):
             vals = v[idx][:, h]
             extra = 0 if np.isfinite(vals).all() else d_v
-            for i0, i1, kk in _blocks(t_q, t_k, per_key + extra, causal):
-                ok = _allowed(km[idx][:kk], i0, i1, causal)
+            for i0, i1, kk in blocks(t_q, t_k, per_key + extra, causal):
+                ok = allowed(km[idx][:kk], i0, i1, causal)
                 if favor:
-                    ell = _favor_log_block(
+                    ell = favor_log_block(
                         qw[idx][i0:i1, h], kw[idx][:kk, h], nq[idx][i0:i1, h], nk[idx][:kk, h]
                     )[0]
-                    weights, den, _ = _ratio_parts(ell, ok, eps, eps_policy)
-                    out[idx][i0:i1, h] = _masked_matmul(weights, ok, vals[:kk]) / den[:, None]
+                    weights, den, _ = ratio_parts(ell, ok, eps, eps_policy)
+                    out[idx][i0:i1, h] = masked_matmul(weights, ok, vals[:kk]) / den[:, None]
                     continue
                 a = np.where(ok, fq[idx][i0:i1, h] @ fk[idx][:kk, h].T, 0.0)
-                adj = _adjusted(a.sum(axis=-1), eps, eps_policy)
-                out[idx][i0:i1, h] = _divide(_masked_matmul(a, ok, vals[:kk]), adj)
+                adj = adjusted(a.sum(axis=-1), eps, eps_policy)
+                out[idx][i0:i1, h] = _divide(masked_matmul(a, ok, vals[:kk]), adj)
     return out
 
 
@@ -338,7 +338,7 @@ def linear_attention(
         ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
     fm = feature_map
-    _check_map(fm)
+    check_map(fm)
     causal = check_flag("causal", causal)
     if eps_policy not in ("add", "clamp"):
         raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
@@ -354,7 +354,7 @@ def linear_attention(
             if fm.name == "favor_plus":
                 for i in range(t_q):
                     ok = km[idx] & (np.arange(t_k) <= i if causal else True)
-                    ell = _favor_log_kernel(fm, q[idx][i, h], k[idx][:, h])
+                    ell = favor_log_kernel(fm, q[idx][i, h], k[idx][:, h])
                     out[idx][i, h] = _ratio_from_logs(ell[ok], v[idx][ok, h], eps, eps_policy)
                 continue
             fk = features(fm, k[idx][:, h], "key")
@@ -416,8 +416,8 @@ def linear_multihead(
             bool.
     """
     check_method(method)
-    w = _unpack(params)
-    group = _group_size(w)
+    w = unpack(params)
+    group = group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
 

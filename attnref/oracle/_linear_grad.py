@@ -48,20 +48,20 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_flag, check_method, shape_of
-from ._core import _group_size, _unpack
+from ._core import group_size, unpack
 from ._linear import (
-    _adjusted,
-    _allowed,
-    _blocks,
-    _check_map,
-    _favor_log_block,
-    _favor_log_kernel,
-    _favor_parts,
-    _key_mask,
-    _masked_matmul,
-    _omega,
-    _ratio_parts,
+    adjusted,
+    allowed,
+    blocks,
+    check_map,
+    favor_log_block,
+    favor_log_kernel,
+    favor_omega,
+    favor_parts,
     features,
+    key_mask_array,
+    masked_matmul,
+    ratio_parts,
 )
 
 __all__ = ["LinearGrads", "LinearMultiheadGrads", "linear_attention_vjp", "linear_multihead_vjp"]
@@ -139,7 +139,7 @@ def _vjp_definition_head(
     dk, dv = np.zeros(k.shape), np.zeros(v.shape)
     favor = fm.name == "favor_plus"
     if favor:
-        w = _omega(fm, d)
+        w = favor_omega(fm, d)
         qs, ks = q / d**0.25, k / d**0.25
         dks = np.zeros(k.shape)
         log_eps = math.log(eps) if eps > 0 else -math.inf
@@ -151,7 +151,7 @@ def _vjp_definition_head(
         if favor:
             if not keys:
                 continue
-            ell = _favor_log_kernel(fm, q[i], k)
+            ell = favor_log_kernel(fm, q[i], k)
             s = max(max(float(ell[j]) for j in keys), log_eps)
             a = {j: math.exp(float(ell[j]) - s) for j in keys}  # A_ij exp(-s)
             sink = math.exp(log_eps - s)
@@ -202,23 +202,23 @@ def _vjp_fast_head(
     y, dv = np.zeros((t_q, v.shape[-1])), np.zeros(v.shape)
     dqa, dka = np.zeros(qa.shape), np.zeros(ka.shape)
     per_key = 3 * pre[2].shape[-1] + 6 if favor else 5
-    for i0, i1, kk in _blocks(t_q, t_k, per_key, causal):
-        ok = _allowed(km[:kk], i0, i1, causal)
+    for i0, i1, kk in blocks(t_q, t_k, per_key, causal):
+        ok = allowed(km[:kk], i0, i1, causal)
         vals, dyb = v[:kk], dy[i0:i1]
         if favor:
             qw, kw, nq, nk, w = pre[2:]
-            ell, r, total = _favor_log_block(qw[i0:i1], kw[:kk], nq[i0:i1], nk[:kk])
-            weights, den, depends = _ratio_parts(ell, ok, eps, eps_policy)
+            ell, r, total = favor_log_block(qw[i0:i1], kw[:kk], nq[i0:i1], nk[:kk])
+            weights, den, depends = ratio_parts(ell, ok, eps, eps_policy)
             ratio = weights / den[:, None]  # W_ij = A_ij / D_i
         else:
             a = np.where(ok, qa[i0:i1] @ ka[:kk].T, 0.0)
             s = a.sum(axis=-1)
-            adj = _adjusted(s, eps, eps_policy)
+            adj = adjusted(s, eps, eps_policy)
             live = adj != 0
             inv = np.where(live, 1.0 / np.where(live, adj, 1.0), 0.0)
             ratio = a * inv[:, None]
             depends = np.full(s.shape, True) if eps_policy == "add" else s >= eps
-        y[i0:i1] = _masked_matmul(ratio, ok, vals)
+        y[i0:i1] = masked_matmul(ratio, ok, vals)
         dyy = np.where(depends, np.sum(dyb * y[i0:i1], axis=-1), 0.0)
         g = np.where(ok, dyb @ vals.T - dyy[:, None], 0.0)  # dA_ij D_i
         dv[:kk] += ratio.T @ dyb
@@ -233,7 +233,7 @@ def _vjp_fast_head(
             dka[:kk] += gr_k @ w - ka[:kk] * big_g.sum(axis=0)[:, None]
         else:
             da = g * inv[:, None]
-            dqa[i0:i1] = _masked_matmul(da, ok, ka[:kk])
+            dqa[i0:i1] = masked_matmul(da, ok, ka[:kk])
             dka[:kk] += da.T @ qa[i0:i1]
     return y, dqa, dka, dv
 
@@ -243,8 +243,8 @@ def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]
     ``(q~, k~, q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2, w)``."""
     if fm.name != "favor_plus":
         return features(fm, q, "query"), features(fm, k, "key")
-    w = _omega(fm, q.shape[-1])
-    (qs, qw, nq), (ks, kw, nk) = _favor_parts(w, q), _favor_parts(w, k)
+    w = favor_omega(fm, q.shape[-1])
+    (qs, qw, nq), (ks, kw, nk) = favor_parts(w, q), favor_parts(w, k)
     return qs, ks, qw, kw, nq, nk, w
 
 
@@ -260,7 +260,7 @@ def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
 
 def _check_options(fm: Any, causal: Any, eps_policy: Any, method: Any) -> bool:
     """The forward's refusals (feature map, ``causal``, ``eps_policy``) and ``method``'s."""
-    _check_map(fm)
+    check_map(fm)
     causal = check_flag("causal", causal)
     if eps_policy not in ("add", "clamp"):
         raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
@@ -367,7 +367,7 @@ def linear_attention_vjp(
     if shape_of(d_y) != want:
         raise ValueError(f"d_y has shape {shape_of(d_y)}; expected the output's shape {want}")
     d_y = np.asarray(d_y, dtype=np.float64)
-    km = _key_mask(key_mask, list(q.shape[:-3]), k.shape[-3])
+    km = key_mask_array(key_mask, list(q.shape[:-3]), k.shape[-3])
     return _vjp(fm, q, k, v, d_y, km, (causal, eps, eps_policy), method)[1]
 
 
@@ -460,8 +460,8 @@ def linear_multihead_vjp(
     fm = feature_map
     causal = _check_options(fm, causal, eps_policy, method)
     residual = check_flag("residual", residual)
-    w = _unpack(params)
-    group = _group_size(w)
+    w = unpack(params)
+    group = group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     if shape_of(d_y) != xq.shape:
@@ -471,7 +471,7 @@ def linear_multihead_vjp(
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     n_kv = w_k.shape[0]
     kv_of = [i // group for i in range(w_q.shape[0])]
-    km = _key_mask(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
+    km = key_mask_array(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
     if x_kv is not None:  # a token no query reads: read as zeros (its gradient is 0 either way)
         unread = ~km if not causal else ~km | (np.arange(xkv.shape[-2]) >= xq.shape[-2])
         xkv = np.where(unread[..., None] & ~np.isfinite(xkv), 0.0, xkv)

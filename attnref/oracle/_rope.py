@@ -1,6 +1,6 @@
 """Oracle for rotary position embedding (RoPE; Su et al. 2024), NumPy only, float64.
 
-Written from the equations, independently of :mod:`attnref._src.rope` (no JAX is imported). For
+Written from the equations, independently of :mod:`attnref._src.formulations.rope` (no JAX is imported). For
 an even head dimension ``d`` and pair ``p = 0 .. d/2 - 1`` with frequency
 ``theta_p = base ** (-2 p / d)``, a token at integer position ``m`` has its pair ``(a, b)``
 replaced by::
@@ -46,7 +46,7 @@ from ._checks import (
     is_floating,
     shape_of,
 )
-from ._core import Rotation, _Fast, _fast_output, _fast_problem, _softmax_row, _unpack
+from ._core import Fast, Rotation, fast_output, fast_problem, softmax_row, unpack
 
 __all__ = ["rope", "rope_attention"]
 
@@ -57,7 +57,7 @@ def _pairs(d: int, convention: str) -> list[tuple[int, int]]:
     return [(2 * p, 2 * p + 1) for p in range(d // 2)]
 
 
-def _rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.ndarray:
+def rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.ndarray:
     """RoPE of one vector ``v [d]`` at position ``m``, pair by pair."""
     d = v.shape[0]
     out = np.empty(d)
@@ -103,7 +103,7 @@ def _rotate(x: np.ndarray, angles: np.ndarray, convention: str) -> np.ndarray:
     return out
 
 
-def _rotation(positions: np.ndarray, base: float, convention: str, sign: float = 1.0) -> Rotation:
+def rotation(positions: np.ndarray, base: float, convention: str, sign: float = 1.0) -> Rotation:
     """The rotation of the fast path for ``positions [*batch, T]``: vectors ``[H, n, d]`` of
     batch element ``idx`` at rows ``rows`` turned by ``sign m theta_p`` (``sign = -1``: the
     inverse, which is the transpose ``R(m)^T = R(-m)``)."""
@@ -115,7 +115,7 @@ def _rotation(positions: np.ndarray, base: float, convention: str, sign: float =
     return turn
 
 
-def _rope_inputs(
+def rope_inputs(
     params: Any,
     x_q: Any,
     x_kv: Any,
@@ -126,7 +126,7 @@ def _rope_inputs(
     scale: float | None,
     base: float,
     convention: str,
-) -> tuple[_Fast, np.ndarray, np.ndarray]:
+) -> tuple[Fast, np.ndarray, np.ndarray]:
     """The checks of :func:`rope_attention` (same order, same errors) and the problem for the
     fast path, with the positions broadcast to ``[*batch, T_q]`` and ``[*batch, T_k]``."""
     check_convention(convention)
@@ -136,7 +136,7 @@ def _rope_inputs(
     check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
     pq = _positions(positions_q, batch, t_q, "positions_q")
     pk = _positions(positions_kv, batch, t_k, "positions_kv")
-    return _fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
+    return fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
 
 
 def rope(
@@ -186,7 +186,7 @@ def rope(
     out = np.empty_like(xs)
     for idx in np.ndindex(*lead, t):
         for n in range(n_heads):
-            out[idx][n] = _rotate_vector(xs[idx][n], int(pos[idx]), float(base), convention)
+            out[idx][n] = rotate_vector(xs[idx][n], int(pos[idx]), float(base), convention)
     return out
 
 
@@ -239,19 +239,19 @@ def rope_attention(
     """
     # Refuses what attnref.rope.rope_attention refuses, with the same exception types.
     if check_method(method) == "fast":
-        prob, pq, pk = _rope_inputs(
+        prob, pq, pk = rope_inputs(
             params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
         )
-        return _fast_output(
+        return fast_output(
             prob,
-            rotate_q=_rotation(pq, base, convention),
-            rotate_k=_rotation(pk, base, convention),
+            rotate_q=rotation(pq, base, convention),
+            rotate_k=rotation(pk, base, convention),
             residual=residual,
         )
     check_convention(convention)
     check_base(base)
     batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    w = _unpack(params)
+    w = unpack(params)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     xq = np.asarray(x_q, dtype=np.float64)
@@ -275,12 +275,12 @@ def rope_attention(
             wv, bv = head("v", n // (n_heads // kv_v))
             wq, bq = head("q", n)
             keys = [
-                _rotate_vector(xkv[idx][j] @ wk + bk, int(pk[idx][j]), float(base), convention)
+                rotate_vector(xkv[idx][j] @ wk + bk, int(pk[idx][j]), float(base), convention)
                 for j in range(t_k)
             ]
             values = xkv[idx] @ wv + bv
             for t in range(t_q):
-                q = _rotate_vector(xq[idx][t] @ wq + bq, int(pq[idx][t]), float(base), convention)
+                q = rotate_vector(xq[idx][t] @ wq + bq, int(pq[idx][t]), float(base), convention)
                 scores = np.array([q @ keys[j] for j in range(t_k)]) * s
                 allowed = np.ones(t_k, dtype=bool)
                 if b is not None:
@@ -288,7 +288,7 @@ def rope_attention(
                     allowed &= b[idx][t] != -np.inf
                 if m is not None:
                     allowed &= m[idx][t]
-                p = _softmax_row(scores, allowed, lambda a: a)
+                p = softmax_row(scores, allowed, lambda a: a)
                 z = sum(
                     (p[j] * values[j] for j in range(t_k) if p[j] != 0.0), np.zeros(wv.shape[1])
                 )

@@ -9,7 +9,7 @@ of their union follows from the definition by grouping the sum by piece::
 
 with ``m = max_p lse_p`` (no ``exp`` overflows; Milakov & Gimelshein 2018). Written here from
 these equations (the shares form, not the JAX code's ``sum w o / sum w``), independently of
-:mod:`attnref._src.states`, whose semantics it shares:
+:mod:`attnref._src.formulations.states`, whose semantics it shares:
 
 * an empty state (``lse = -inf``) is the identity: its ``o`` is never read (NaN allowed);
 * a NaN or ``+inf`` ``lse`` makes the merged ``o`` and ``lse`` NaN; a finite ``lse`` with a NaN

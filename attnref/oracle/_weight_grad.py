@@ -50,15 +50,15 @@ import numpy as np
 
 from ._checks import check_method, dtype_of, is_floating, shape_of
 from ._core import (
-    _FIELDS,
+    FIELDS,
+    Block,
+    Fast,
     Rotation,
-    _Block,
-    _each_block,
-    _Fast,
-    _fast_problem,
-    _softmax_row,
+    each_block,
+    fast_problem,
+    softmax_row,
 )
-from ._rope import _rope_inputs, _rotate_vector, _rotation
+from ._rope import rope_inputs, rotate_vector, rotation
 
 __all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
 
@@ -91,7 +91,7 @@ class AttentionGrads(NamedTuple):
 # ----------------------------------------------------------------------------- shared
 
 
-def _unread_tokens_as_zeros(p: _Fast, shared: bool) -> _Fast:
+def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
     """``p`` with the non-finite ``x_kv`` tokens that no query may read replaced by zeros (their
     keys and values only ever meet weights of exactly 0; with ``x_kv=None`` a token is also a
     query, so nothing is replaced)."""
@@ -105,7 +105,7 @@ def _unread_tokens_as_zeros(p: _Fast, shared: bool) -> _Fast:
     return p._replace(xkv=np.where(unread[..., None], 0.0, p.xkv))
 
 
-def _cotangent(d_y: Any, p: _Fast) -> np.ndarray:
+def _cotangent(d_y: Any, p: Fast) -> np.ndarray:
     """``d_y`` as float64, refused unless floating and of the output's shape."""
     w_o = p.w["w_o"]
     assert w_o is not None
@@ -121,7 +121,7 @@ def _cotangent(d_y: Any, p: _Fast) -> np.ndarray:
     return np.asarray(d_y, dtype=np.float64)
 
 
-def _zero_grads(p: _Fast) -> dict[str, np.ndarray]:
+def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
     """Zero accumulators of every field's shape (biases included, present or not)."""
     w_q, w_k, w_v, w_o = p.w["w_q"], p.w["w_k"], p.w["w_v"], p.w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
@@ -145,7 +145,7 @@ def _sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _finish(
-    p: _Fast,
+    p: Fast,
     grads: dict[str, np.ndarray],
     dxq: np.ndarray,
     dxkv: np.ndarray,
@@ -160,7 +160,7 @@ def _finish(
         dxq = dxq + dy
     if shared:
         dxq = dxq + dxkv
-    params = {name: (grads[name] if p.w[name] is not None else None) for name in _FIELDS}
+    params = {name: (grads[name] if p.w[name] is not None else None) for name in FIELDS}
     return AttentionGrads(params, dxq, None if shared else dxkv, d_bias)
 
 
@@ -168,7 +168,7 @@ def _finish(
 
 
 def _definition(
-    p: _Fast,
+    p: Fast,
     dy: np.ndarray,
     turn: Turn | None = None,
     pos_q: np.ndarray | None = None,
@@ -212,7 +212,7 @@ def _definition(
                     allowed &= p.bias[idx][t] != -np.inf
                 if p.mask is not None:
                     allowed &= p.mask[idx][t]
-                pr = _softmax_row(scores, allowed, lambda a: a)
+                pr = softmax_row(scores, allowed, lambda a: a)
                 z = sum((pr[j] * values[j] for j in range(t_k)), np.zeros(d_v))
                 g["w_o"][i] += np.outer(z, dyb[t])  # dW_O = Z^T dY
                 dz = w_o[i] @ dyb[t]  # dZ = dY W_O^T
@@ -267,7 +267,7 @@ class _BiasGrad:
 
 
 def _fast(
-    p: _Fast,
+    p: Fast,
     dy: np.ndarray,
     bias_shape: tuple[int, ...] | None,
     rotations: tuple[Rotation, Rotation, Rotation, Rotation] | None = None,
@@ -290,7 +290,7 @@ def _fast(
     w_o_t = np.swapaxes(w_o, -1, -2)  # [H, d_model, d_v]
     rot_q, rot_k, back_q, back_k = (None,) * 4 if rotations is None else rotations
 
-    def visit(blk: _Block) -> None:
+    def visit(blk: Block) -> None:
         idx, rows, pr = blk.idx, blk.rows, blk.weights
         dyb = dy[idx][rows]  # [n, d_model]
         z = np.matmul(pr, blk.values)  # [H, n, d_v]
@@ -313,7 +313,7 @@ def _fast(
         g["b_q"] += dq.sum(axis=1)
         dxq[idx][rows] += np.swapaxes(dq, 0, 1).reshape(dq.shape[1], n_heads * d_k) @ w_q_t
 
-    _each_block(p, visit, rotate_q=rot_q, rotate_k=rot_k, arrays=_GRAD_ARRAYS)
+    each_block(p, visit, rotate_q=rot_q, rotate_k=rot_k, arrays=_GRAD_ARRAYS)
     group = n_heads // n_kv
     w_kv_t = np.concatenate(
         [
@@ -392,7 +392,7 @@ def attention_vjp(
             non-floating ``d_y``.
     """
     fast = check_method(method) == "fast"
-    p = _unread_tokens_as_zeros(_fast_problem(params, x_q, x_kv, mask, bias, scale), x_kv is None)
+    p = _unread_tokens_as_zeros(fast_problem(params, x_q, x_kv, mask, bias, scale), x_kv is None)
     dy = _cotangent(d_y, p)
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
@@ -448,7 +448,7 @@ def rope_attention_vjp(
         TypeError: For what it refuses with ``TypeError``, or a non-floating ``d_y``.
     """
     fast = check_method(method) == "fast"
-    p, pq, pk = _rope_inputs(
+    p, pq, pk = rope_inputs(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
     p = _unread_tokens_as_zeros(p, x_kv is None)
@@ -456,16 +456,16 @@ def rope_attention_vjp(
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
         rotations = (
-            _rotation(pq, base, convention),
-            _rotation(pk, base, convention),
-            _rotation(pq, base, convention, sign=-1.0),
-            _rotation(pk, base, convention, sign=-1.0),
+            rotation(pq, base, convention),
+            rotation(pk, base, convention),
+            rotation(pq, base, convention, sign=-1.0),
+            rotation(pk, base, convention, sign=-1.0),
         )
         g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape, rotations)
     else:
 
         def turn(v: np.ndarray, m: int) -> np.ndarray:
-            return _rotate_vector(v, m, float(base), convention)
+            return rotate_vector(v, m, float(base), convention)
 
         g, dxq, dxkv, d_full = _definition(p, dy, turn, pq, pk)
         d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)

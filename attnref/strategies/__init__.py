@@ -69,7 +69,7 @@ their builder), :mod:`._kernel` (kernel-level problems), :mod:`._mixes` (option 
 
 from __future__ import annotations
 
-from attnref._src.kernel import STATIC_OPTIONS
+from attnref._src.formulations.kernel import STATIC_OPTIONS
 
 from ._kernel import (
     IDENTICAL,

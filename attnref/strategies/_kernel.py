@@ -11,26 +11,26 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
-from attnref._src.kernel import STATIC_OPTIONS
+from attnref._src.formulations.kernel import STATIC_OPTIONS
 from attnref.oracle import KernelGrads
 
 from ._masks import (
     BIAS_SHAPE_KINDS,
     MASK_KINDS,
     MASK_SHAPE_KINDS,
-    _kind_name,
-    _kinds,
+    kind_name,
     make_options,
+    mask_kind_tuple,
     mask_kinds,
 )
 from ._shapes import (
     BROADCAST_SHAPES,
     Config,
     DrawFn,
-    _check_kernel_batch,
-    _configs,
-    _with_dtype,
     broadcast_shapes,
+    check_kernel_batch,
+    configs_strategy,
+    with_dtype,
 )
 
 IDENTICAL = ("none", "keys", "queries")  # the "identical rows" special case
@@ -57,7 +57,7 @@ def kernel_inputs(
     """
     if identical not in IDENTICAL:
         raise ValueError(f"identical must be one of {IDENTICAL}, got {identical!r}")
-    _check_kernel_batch(config)
+    check_kernel_batch(config)
     c = config
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((c.b, c.t, c.n, c.h)) * scale
@@ -297,14 +297,14 @@ def make_kernel_problem(
         ValueError: If ``static`` has a non-static option (or ``return_lse``), or for the
             errors of :func:`make_options` and :func:`kernel_inputs`.
     """
-    c = _with_dtype(config, dtype)
+    c = with_dtype(config, dtype)
     extra = dict(static or {})
     masked_rows = extra.pop("masked_rows", masked_rows)
     causal_alignment = extra.pop("causal_alignment", causal_alignment)
     unknown = set(extra) - set(STATIC_OPTIONS) - {"return_lse"}
     if unknown or "return_lse" in extra:
         raise ValueError(f"static takes static options {STATIC_OPTIONS}, got {sorted(extra)}")
-    kinds = _kinds(kind)
+    kinds = mask_kind_tuple(kind)
     q, k, v = kernel_inputs(c, seed, identical=identical, scale=scale)
     opts = make_options(
         c,
@@ -316,7 +316,7 @@ def make_kernel_problem(
         empty_rows=empty_rows,
     )
     opts.update(extra)
-    name = kind if isinstance(kind, str) else _kind_name(kinds)
+    name = kind if isinstance(kind, str) else kind_name(kinds)
     return KernelProblem(q, k, v, opts, c, name, seed, identical, masked_rows, causal_alignment)
 
 
@@ -351,7 +351,7 @@ def kernel_problems(
     Returns:
         A strategy of :class:`KernelProblem` (:func:`make_kernel_problem`).
     """
-    strategy = _configs() if configs is None else configs
+    strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
     mask_shape = bias_shape = None

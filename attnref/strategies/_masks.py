@@ -88,7 +88,7 @@ _KIND_PARTS: dict[str, tuple[str, ...]] = {
 _BIAS_PARTS = ("bias", "alibi", "neg_inf_bias")
 
 
-def _build(
+def build(
     rng: np.random.Generator,
     c: Config,
     parts: frozenset[str],
@@ -155,7 +155,7 @@ def _build(
     return out
 
 
-def _kinds(kind: str | tuple[str, ...]) -> tuple[str, ...]:
+def mask_kind_tuple(kind: str | tuple[str, ...]) -> tuple[str, ...]:
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
     bad = [k for k in kinds if k not in MASK_KINDS]
     if bad:
@@ -163,7 +163,7 @@ def _kinds(kind: str | tuple[str, ...]) -> tuple[str, ...]:
     return kinds
 
 
-def _kind_name(kinds: tuple[str, ...]) -> str:
+def kind_name(kinds: tuple[str, ...]) -> str:
     return "+".join(kinds) or "none"
 
 
@@ -206,13 +206,13 @@ def make_options(
         ValueError: If a kind is unknown, more than one bias kind is given, a shape pattern is
             not in :data:`BROADCAST_SHAPES`, or ``config.batch`` is not an int.
     """
-    kinds = _kinds(kind)
+    kinds = mask_kind_tuple(kind)
     index = [MASK_KINDS.index(k) for k in kinds]
     rng = np.random.default_rng([seed, *index])
     parts = frozenset(p for k in kinds for p in _KIND_PARTS[k])
     default_mask = next((MASK_SHAPE_KINDS[k] for k in kinds if k in MASK_SHAPE_KINDS), "BNTS")
     default_bias = next((BIAS_SHAPE_KINDS[k] for k in kinds if k in BIAS_SHAPE_KINDS), "BNTS")
-    return _build(
+    return build(
         rng,
         config,
         parts,

@@ -9,8 +9,8 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from ._kernel import KernelProblem, make_kernel_problem
-from ._masks import _kind_name, segment_ids, seq_lengths
-from ._shapes import BROADCAST_SHAPES, Config, DrawFn, _configs, broadcast_shapes
+from ._masks import kind_name, segment_ids, seq_lengths
+from ._shapes import BROADCAST_SHAPES, Config, DrawFn, broadcast_shapes, configs_strategy
 
 # The kinds that are arrays (or an array pair), which mixed_kernel_problems combines (at most one
 # of bias, alibi and neg_inf_bias per problem).
@@ -66,7 +66,7 @@ def mixed_kernel_problems(
     bad = [k for k in kinds if k not in ARRAY_KINDS]
     if bad or not profiles:
         raise ValueError(f"kinds must be a subset of ARRAY_KINDS and profiles non-empty: {bad}")
-    strategy = _configs() if configs is None else configs
+    strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     profile = draw(st.sampled_from(tuple(profiles)), label="static profile")
     chosen = draw(st.sets(st.sampled_from(tuple(kinds)), max_size=max_kinds), label="array kinds")
@@ -107,5 +107,5 @@ def mixed_kernel_problems(
         q_seg = draw(segment_ids(c.b, c.t), label="query segment ids")
         kv_seg = draw(segment_ids(c.b, c.s), label="key/value segment ids")
         problem.options["segment_ids"] = (q_seg, kv_seg)
-    problem.kind = _kind_name(picked)
+    problem.kind = kind_name(picked)
     return problem

@@ -194,12 +194,12 @@ def broadcast_shape(config: Config, pattern: str) -> tuple[int, int, int, int]:
         raise ValueError(
             f"pattern must be one of BROADCAST_SHAPES (each of 'BNTS' or '1'), got {pattern!r}"
         )
-    _check_kernel_batch(config)
+    check_kernel_batch(config)
     full = {"B": config.batch, "N": config.n, "T": config.t, "S": config.s}
     return tuple(full.get(ch, 1) for ch in pattern)  # type: ignore[return-value]
 
 
-def _check_kernel_batch(config: Config) -> None:
+def check_kernel_batch(config: Config) -> None:
     if not isinstance(config.batch, (int, np.integer)):
         raise ValueError(
             f"kernel-level problems take one batch axis (an int batch), got batch={config.batch!r}"
@@ -272,8 +272,8 @@ def configs(
     return dataclasses.replace(bucket, dtype=str(np.dtype(dtype)))
 
 
-_configs = configs  # the strategy, for functions whose ``configs`` parameter shadows it
+configs_strategy = configs  # the strategy, for functions whose ``configs`` parameter shadows it
 
 
-def _with_dtype(config: Config, dtype: Any) -> Config:
+def with_dtype(config: Config, dtype: Any) -> Config:
     return config if dtype is None else dataclasses.replace(config, dtype=str(np.dtype(dtype)))

@@ -40,7 +40,7 @@ LAYOUTS = ("contiguous", "striped", "random")  # how keys are assigned to pieces
 Tree = int | tuple[Any, Any]
 
 
-def _as_dtype(name: Any) -> np.dtype[Any]:
+def as_dtype(name: Any) -> np.dtype[Any]:
     try:
         return np.dtype(name)
     except TypeError:
@@ -176,8 +176,8 @@ def make_state_stack(
         gone[(slice(None),) + (0,) * len(rows)] = True
     lse = np.where(gone, -np.inf, lse)
     o = np.where(gone[..., None], np.nan, o)
-    o_dt = _as_dtype(dtype)
-    l_dt = o_dt if lse_dtype is None else _as_dtype(lse_dtype)
+    o_dt = as_dtype(dtype)
+    l_dt = o_dt if lse_dtype is None else as_dtype(lse_dtype)
     return StateStack(o.astype(o_dt), lse.astype(l_dt), spread, float(center), int(seed))
 
 
@@ -216,7 +216,7 @@ def attention_states(
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
     if lse_dtypes is not None:
         lse_dtype = draw(st.sampled_from(tuple(lse_dtypes)), label="lse dtype")
-    elif _as_dtype(dtype).itemsize == 2:
+    elif as_dtype(dtype).itemsize == 2:
         lse_dtype = draw(st.sampled_from((dtype, "float32")), label="lse dtype")
     else:
         lse_dtype = dtype

@@ -12,10 +12,10 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
-from attnref._src.params import AttentionParams, init_params
+from attnref._src.core.params import AttentionParams, init_params
 
-from ._masks import _build, mask_kinds
-from ._shapes import Config, DrawFn, _configs, _with_dtype
+from ._masks import build, mask_kinds
+from ._shapes import Config, DrawFn, configs_strategy, with_dtype
 
 WEIGHT_KINDS = ("none", "causal", "padding", "random", "bias", "fully_masked_row", "combined")
 # The builder's parts of each weight-level kind: padding pads the keys only (the weight level has
@@ -133,7 +133,7 @@ def make_attention_problem(
     """
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
-    c = _with_dtype(config, dtype)
+    c = with_dtype(config, dtype)
     rng = np.random.default_rng(seed)
     params = init_params(
         seed,
@@ -151,7 +151,7 @@ def make_attention_problem(
     x_kv = x_q if shared else rng.standard_normal((*batch, c.s, c.d_model))
     # One head, the batch dims flattened: the builder's [B, 1, T, S] arrays, then [*batch, T, S].
     flat = dataclasses.replace(c, batch=math.prod(batch), n=1, k=1)
-    opts = _build(
+    opts = build(
         rng,
         flat,
         frozenset(_WEIGHT_PARTS[kind]),
@@ -192,7 +192,7 @@ def attention_problems(
     Returns:
         A strategy of :class:`AttentionProblem` (:func:`make_attention_problem`).
     """
-    strategy = _configs() if configs is None else configs
+    strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
     with_bias = draw(st.booleans(), label="parameter biases") if param_bias is None else param_bias

@@ -89,10 +89,10 @@ from ._pieces import pieces_error_bound
 
 # Private helpers kept importable from here: tests/test_rope.py rebuilds the RoPE logit bound
 # from its parts.
-from ._rope import _pair_sum as _pair_sum
-from ._rope import _rope_angle_error as _rope_angle_error
-from ._rope import _rope_logit_error as _rope_logit_error
+from ._rope import pair_sum as pair_sum
+from ._rope import rope_angle_error as rope_angle_error
 from ._rope import rope_attention_error_bound, rope_map_error_bound
+from ._rope import rope_logit_error as rope_logit_error
 from ._rounding import C_EXP as C_EXP
 from ._rounding import C_TRIG as C_TRIG
 from ._rounding import K_S as K_S

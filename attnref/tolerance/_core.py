@@ -11,26 +11,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._rounding import C_EXP, K_S, K_Y, _is_16bit, gamma, unit_roundoff
+from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
 
 # ----------------------------------------------------------------------------- shared helpers
 
-_FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
 
-def _get(params: Any, name: str) -> np.ndarray | None:
+def get_param(params: Any, name: str) -> np.ndarray | None:
     """``params.name`` (or ``params[name]``) as a float64 array, ``None`` where absent."""
     value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
     return None if value is None else np.asarray(value, dtype=np.float64)
 
 
-def _read_params(params: Any) -> dict[str, np.ndarray | None]:
+def read_params(params: Any) -> dict[str, np.ndarray | None]:
     """The parameters as float64 arrays, key/value heads repeated to one per query head.
 
     ``w_k, w_v [K, ...]`` and ``b_k, b_v [K, d]`` become ``[H, ...]`` with entry ``i`` taken from
     key/value head ``i // G`` (``G = H / K``); multi-head parameters pass through unchanged.
     """
-    w = {n: _get(params, n) for n in _FIELDS}
+    w = {n: get_param(params, n) for n in FIELDS}
     w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
     if w_q is None or w_k is None or w_v is None or w["w_o"] is None:
         raise ValueError("params must have w_q, w_k, w_v and w_o")
@@ -48,7 +48,7 @@ def _read_params(params: Any) -> dict[str, np.ndarray | None]:
     return w
 
 
-def _hom(x: np.ndarray) -> np.ndarray:
+def hom(x: np.ndarray) -> np.ndarray:
     """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
     return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
 
@@ -59,7 +59,9 @@ def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return np.abs(np.concatenate([w, bias], axis=1))
 
 
-def _heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte") -> np.ndarray:
+def project_heads(
+    x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
+) -> np.ndarray:
     """``x W[i] + b[i]`` per head (float64): ``[..., H, T, d]`` for ``layout="hte"`` (head-major),
     ``[..., T, H, d]`` for ``"the"`` (token-major, the layout of the oracle's RoPE and linear
     attention)."""
@@ -69,18 +71,18 @@ def _heads(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "h
     return y + (b[:, None, :] if layout == "hte" else b)
 
 
-def _abs_heads(
+def abs_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
     """``|x~||W~[i]|`` per head, the magnitude of :func:`_heads` (same ``layout``)."""
-    return np.einsum(f"...td,hde->...{layout}", np.abs(_hom(x)), _homogeneous_abs(wt, b))
+    return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), _homogeneous_abs(wt, b))
 
 
-def _value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:
+def value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:
     """``G_hj = |x~_j||W~_V[h]||W_O[h]|``, ``[..., H, T_k, d_model]``."""
     w_v, w_o = w["w_v"], w["w_o"]
     assert w_v is not None and w_o is not None
-    return np.einsum("...hkv,hvd->...hkd", _abs_heads(xkv, w_v, w["b_v"]), np.abs(w_o))
+    return np.einsum("...hkv,hvd->...hkd", abs_heads(xkv, w_v, w["b_v"]), np.abs(w_o))
 
 
 class _Softmax(NamedTuple):
@@ -94,7 +96,7 @@ class _Softmax(NamedTuple):
     spread: np.ndarray  # |s_ij - top| at allowed keys, 0 elsewhere: the max subtraction's size
 
 
-def _softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
+def softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
     """``p_ij = exp(s_ij - max_j s_ij) / sum_j exp(s_ij - max_j s_ij)`` over the allowed ``j``."""
     top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
     live = np.isfinite(top)
@@ -118,14 +120,14 @@ class _Problem(NamedTuple):
     dims: tuple[int, int, int, int, int]  # (H, d_model, d_k, d_v, T_k)
 
 
-def _read_weights(params: Any) -> tuple[dict[str, np.ndarray | None], int]:
+def read_weights(params: Any) -> tuple[dict[str, np.ndarray | None], int]:
     """:func:`_read_params` and ``d_k`` (raises on missing or inconsistent parameters)."""
-    w = _read_params(params)
+    w = read_params(params)
     assert w["w_q"] is not None
     return w, w["w_q"].shape[2]
 
 
-def _read_problem(
+def read_problem(
     w: dict[str, np.ndarray | None],
     x_q: Any,
     x_kv: Any,
@@ -151,7 +153,7 @@ def _read_problem(
     return _Problem(w, xq, xkv, s, finite_bias, keep, (h, d_model, d_k, w_v.shape[2], t_k))
 
 
-def _logits(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def problem_logits(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``s = scale q k^T + bias`` ``[..., H, T_q, T_k]`` from per-head ``q, k [..., H, T, d]``,
     and the allowed pairs broadcast to its shape."""
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * p.scale + p.bias
@@ -161,7 +163,7 @@ def _logits(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.n
 # ----------------------------------------------------------------------------- the arithmetic
 
 
-def _worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
+def worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
     """``(gamma_{N_s}, u, gamma_{T_k + 2 + 2 C_EXP}, gamma_{N_y})``: every operation in ``u``."""
     return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
 
@@ -169,13 +171,13 @@ def _worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, fl
 def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
     """``(g_s, u_sub, g_soft, g_y)`` for the dtype's arithmetic model (see the module docstring)."""
     u = unit_roundoff(dtype)
-    if _is_16bit(dtype):
+    if is_16bit(dtype):
         u32 = unit_roundoff(np.float32)
         g_s = K_S * u + gamma(n_s, u32)
         g_soft = 4 * u + gamma(t_k + 2 + 2 * C_EXP, u32)
         g_y = K_Y * u + gamma(t_k, u) + gamma(n_y, u32)
         return g_s, u, g_soft, g_y
-    return _worst_case_terms(u, n_s, n_y, t_k)
+    return worst_case_terms(u, n_s, n_y, t_k)
 
 
 def _bound_for(
@@ -247,20 +249,22 @@ def attention_error_bound(
     Raises:
         ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
     """
-    w, _ = _read_weights(params)
-    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    w, _ = read_weights(params)
+    p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
-    logits, allowed = _logits(p, _heads(p.xq, w_q, w["b_q"]), _heads(p.xkv, w_k, w["b_k"]))
-    sm = _softmax(logits, allowed)
-    qa, ka = _abs_heads(p.xq, w_q, w["b_q"]), _abs_heads(p.xkv, w_k, w["b_k"])
+    logits, allowed = problem_logits(
+        p, project_heads(p.xq, w_q, w["b_q"]), project_heads(p.xkv, w_k, w["b_k"])
+    )
+    sm = softmax(logits, allowed)
+    qa, ka = abs_heads(p.xq, w_q, w["b_q"]), abs_heads(p.xkv, w_k, w["b_k"])
     ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka) + np.abs(p.bias)
     kwargs = dict(
         ls=ls,
         spread=sm.spread,
         allowed=allowed,
         weights=sm.weights,
-        g_mag=_value_magnitude(p.xkv, w),
+        g_mag=value_magnitude(p.xkv, w),
         b_o=w["b_o"],
         dims=p.dims,
     )
@@ -269,7 +273,7 @@ def attention_error_bound(
         y = np.einsum(
             "...hqk,...hkd->...qd",
             sm.weights,
-            np.einsum("...hkv,hvd->...hkd", _heads(p.xkv, w_v, w["b_v"]), w_o),
+            np.einsum("...hkv,hvd->...hkd", project_heads(p.xkv, w_v, w["b_v"]), w_o),
         )
         bound = bound + unit_roundoff(dtype) * np.abs(p.xq + y)
     return bound
@@ -317,15 +321,17 @@ def attention_local_errors(
     Raises:
         ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
     """
-    w, _ = _read_weights(params)
-    p = _read_problem(w, x_q, x_kv, mask=mask, bias=None, scale=scale)
+    w, _ = read_weights(params)
+    p = read_problem(w, x_q, x_kv, mask=mask, bias=None, scale=scale)
     w_q, w_k = w["w_q"], w["w_k"]
     assert w_q is not None and w_k is not None
-    logits, allowed = _logits(p, _heads(p.xq, w_q, w["b_q"]), _heads(p.xkv, w_k, w["b_k"]))
-    sm = _softmax(logits, allowed)
-    qa, ka = _abs_heads(p.xq, w_q, w["b_q"]), _abs_heads(p.xkv, w_k, w["b_k"])
+    logits, allowed = problem_logits(
+        p, project_heads(p.xq, w_q, w["b_q"]), project_heads(p.xkv, w_k, w["b_k"])
+    )
+    sm = softmax(logits, allowed)
+    qa, ka = abs_heads(p.xq, w_q, w["b_q"]), abs_heads(p.xkv, w_k, w["b_k"])
     ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
-    mixed = np.einsum("...hqk,...hkd->...qd", sm.weights, _value_magnitude(p.xkv, w))
+    mixed = np.einsum("...hqk,...hkd->...qd", sm.weights, value_magnitude(p.xkv, w))
     if w["b_o"] is not None:
         mixed = mixed + np.abs(w["b_o"])
     h, d_model, d_k, d_v, t_k = p.dims

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import _softmax
-from ._rounding import C_EXP, _is_16bit, gamma, unit_roundoff
+from ._core import softmax
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
 
 __all__ = ["kernel_grad_error_bound"]
 
@@ -79,7 +79,7 @@ def _block(
     mag = abs(sc) * (np.abs(q) @ np.abs(kt))
     capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
     logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
-    sm = _softmax(logits, ok)
+    sm = softmax(logits, ok)
     p = sm.weights
     err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * sm.spread
     if softcap is not None:
@@ -179,7 +179,7 @@ def kernel_grad_error_bound(
         TypeError: For those it refuses with ``TypeError``.
     """
     from attnref.oracle._kernel_call import allowed_rows, parse
-    from attnref.oracle._kernel_grad import KernelGrads, _bias_add, _cotangents
+    from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents
 
     c = parse(
         query,
@@ -197,9 +197,9 @@ def kernel_grad_error_bound(
         causal_alignment=causal_alignment,
         masked_rows=masked_rows,
     )
-    d_o, d_l = _cotangents(c, cotangent, lse_cotangent)
+    d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
-    work = np.float32 if _is_16bit(fmt) else fmt
+    work = np.float32 if is_16bit(fmt) else fmt
     b_size, n_heads, t, s_len = c.shape
     grp = c.group
     n_kv = c.k.shape[2]
@@ -237,9 +237,9 @@ def kernel_grad_error_bound(
                 out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
                 out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
                 if e_db is not None and a_db is not None:
-                    _bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+                    bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
                     if u == units[0]:
-                        _bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+                        bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
         if c.policy == "uniform":
             dead_do = np.where(dead[..., None], np.abs(d_o[b]), 0.0).sum(0)  # [N, H_v]
             per_kv = dead_do.reshape(n_kv, grp, -1).sum(1)
@@ -249,7 +249,7 @@ def kernel_grad_error_bound(
         m = math.prod(c.shape) // max(1, math.prod(e_db.shape))  # entries summed per entry
         e_db = e_db + sum(gamma(m, u) for u in units) * a_db
     grads = KernelGrads(out[0], out[1], out[2], e_db)
-    if _is_16bit(fmt):
+    if is_16bit(fmt):
         ref = _reference_magnitudes(c, d_o, d_l)
         u16 = unit_roundoff(fmt)
         final = [
@@ -262,6 +262,6 @@ def kernel_grad_error_bound(
 
 def _reference_magnitudes(c: Any, d_o: np.ndarray, d_l: np.ndarray) -> Any:
     """The float64 gradients themselves (their final rounding to a 16-bit format)."""
-    from attnref.oracle._kernel_grad import _fast
+    from attnref.oracle._kernel_grad import fast
 
-    return _fast(c, d_o, d_l)
+    return fast(c, d_o, d_l)

@@ -71,8 +71,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import _abs_heads, _get, _heads, _read_params
-from ._linear import _allowed_keys
+from ._core import abs_heads, get_param, project_heads, read_params
+from ._linear import allowed_keys
 from ._rounding import C_EXP, gamma, unit_roundoff
 
 U = unit_roundoff(np.float64)
@@ -399,9 +399,9 @@ def _kernel_bound(
 ) -> tuple[np.ndarray, ...]:
     """Token-major ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)`` for inputs known to ``errors``."""
     from attnref.oracle._checks import check_flag
-    from attnref.oracle._linear import _check_map
+    from attnref.oracle._linear import check_map
 
-    _check_map(fm)
+    check_map(fm)
     causal = check_flag("causal", causal)
     if eps_policy not in ("add", "clamp"):
         raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
@@ -410,7 +410,7 @@ def _kernel_bound(
         np.broadcast_to(np.asarray(e, np.float64), a.shape)
         for e, a in zip(errors, (q, k, v, dy), strict=True)
     )
-    allowed = _allowed_keys(q.shape, k.shape[-3], key_mask, causal)
+    allowed = allowed_keys(q.shape, k.shape[-3], key_mask, causal)
     rest = (_bt(v), _bt(ev), _bt(dy), _bt(edy), allowed)
     kernel = _kernel_favor if fm.name == "favor_plus" else _kernel_features
     out = kernel(fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy))
@@ -533,10 +533,10 @@ def linear_multihead_vjp_error_bound(
     """
     from attnref.oracle._linear_grad import LinearMultiheadGrads
 
-    w = _read_params(params)  # K/V heads repeated to one per query head
+    w = read_params(params)  # K/V heads repeated to one per query head
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
-    raw_k = _get(params, "w_k")
+    raw_k = get_param(params, "w_k")
     assert raw_k is not None
     n_kv = raw_k.shape[0]
     xq = np.asarray(x_q, dtype=np.float64)
@@ -547,7 +547,7 @@ def linear_multihead_vjp_error_bound(
     def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
         wt, b = w["w_" + name], w["b_" + name]
         assert wt is not None
-        return _heads(x, wt, b, "the"), _g(d_model + 1) * _abs_heads(x, wt, b, "the")
+        return project_heads(x, wt, b, "the"), _g(d_model + 1) * abs_heads(x, wt, b, "the")
 
     (q, eq), (k, ek), (v, ev) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
     dz = np.einsum("...qd,hvd->...qhv", dy, w_o)
@@ -568,7 +568,7 @@ def linear_multihead_vjp_error_bound(
     out["w_q"], out["b_q"], dxq, mag_q = _param_bounds(xq, bq, gq, w_q)
     out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, fold_k, _fold(gk, n_kv), w_k[kv_heads])
     out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, fold_v, _fold(gv, n_kv), w_v[kv_heads])
-    present = [n for n in out if _get(params, n) is not None]
+    present = [n for n in out if get_param(params, n) is not None]
     grads = {n: _no_nan(out[n]) for n in present}
     dxkv = dxk + dxv + U * (mag_k + mag_v)
     if residual:

@@ -76,17 +76,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ._core import (
-    _FIELDS,
-    _abs_heads,
-    _get,
-    _heads,
-    _hom,
-    _logits,
-    _read_problem,
-    _read_weights,
-    _softmax,
+    FIELDS,
+    abs_heads,
+    get_param,
+    hom,
+    problem_logits,
+    project_heads,
+    read_problem,
+    read_weights,
+    softmax,
 )
-from ._rope import _check_rope, _pair_sum, _rope_angle_error, _rope_spread, _rope_theta
+from ._rope import check_rope, pair_sum, rope_angle_error, rope_spread, rope_theta
 from ._rounding import C_EXP, gamma, unit_roundoff
 
 if TYPE_CHECKING:
@@ -146,24 +146,24 @@ class _Rope(NamedTuple):
 
 def _rope_error(pos: np.ndarray, d: int, r: _Rope, u: float) -> np.ndarray:
     """``e_p(m) + gamma_2`` for every component ``[..., 1, T, d]`` (stage 1)."""
-    m_theta = np.abs(pos.astype(np.float64))[..., None] * _rope_theta(d, r.base)
-    e = _rope_angle_error(m_theta, u, r.base) + gamma(2, u)
-    return _rope_spread(e, r.convention)[..., None, :, :]
+    m_theta = np.abs(pos.astype(np.float64))[..., None] * rope_theta(d, r.base)
+    e = rope_angle_error(m_theta, u, r.base) + gamma(2, u)
+    return rope_spread(e, r.convention)[..., None, :, :]
 
 
 def _turn(a: _ME, err: np.ndarray | None, convention: str) -> _ME:
     """A rotation (or its transpose) of a quantity: ``M' = J M``, ``E' = J E + err M'``."""
     if err is None:
         return a
-    m = _pair_sum(a.m, convention)
-    return _ME(m, _pair_sum(a.e, convention) + err * m)
+    m = pair_sum(a.m, convention)
+    return _ME(m, pair_sum(a.e, convention) + err * m)
 
 
 def _rotated_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, pos: np.ndarray | None, r: _Rope | None
 ) -> np.ndarray:
     """``R(x W[h] + b[h])`` per head, ``[..., H, T, d]`` (the float64 oracle's RoPE)."""
-    y = _heads(x, wt, b, "the")
+    y = project_heads(x, wt, b, "the")
     if r is None:
         return np.swapaxes(y, -2, -3)
     from attnref.oracle import rope  # lazily: this module loads on its own (NumPy only)
@@ -188,11 +188,11 @@ def _bound(
     from attnref.oracle import AttentionGrads  # lazily, as the oracle's RoPE
 
     u = unit_roundoff(dtype)
-    w, d_k = _read_weights(params)  # key/value heads repeated to one per query head
-    w_k_given = _get(params, "w_k")
+    w, d_k = read_weights(params)  # key/value heads repeated to one per query head
+    w_k_given = get_param(params, "w_k")
     assert w_k_given is not None
     n_kv = w_k_given.shape[0]  # key/value heads as given
-    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     n_heads, d_model, _, d_v, t_k = p.dims
@@ -210,7 +210,7 @@ def _bound(
     def projected(x: np.ndarray, name: str) -> _ME:
         wt = w["w_" + name]
         assert wt is not None
-        m = _abs_heads(x, wt, w["b_" + name])
+        m = abs_heads(x, wt, w["b_" + name])
         return _ME(m, _times(g_proj, m))
 
     err_q = None if rope is None else _rope_error(rope.pos_q, d_k, rope, u)
@@ -223,12 +223,12 @@ def _bound(
     # 2.-3. logits and weights
     pos_q = None if rope is None else rope.pos_q
     pos_k = None if rope is None else rope.pos_k
-    logits, allowed = _logits(
+    logits, allowed = problem_logits(
         p,
         _rotated_heads(p.xq, w_q, w["b_q"], pos_q, rope),
         _rotated_heads(p.xkv, w_k, w["b_k"], pos_k, rope),
     )
-    sm = _softmax(logits, allowed)
+    sm = softmax(logits, allowed)
     pr = sm.weights
     ls = s * _ein("...hqd,...hkd->...hqk", q.m, k.m) + np.abs(p.bias)
     e_s = s * (_ein("...hqd,...hkd->...hqk", q.e, k.m) + _ein("...hqd,...hkd->...hqk", q.m, k.e))
@@ -268,7 +268,7 @@ def _bound(
     dv = _product("...hqk,...hqv->...hkv", weights, dz, gamma(group * t_q, u))
 
     # 11. outputs
-    xq_t, xkv_t = _exact(np.abs(_hom(p.xq))), _exact(np.abs(_hom(p.xkv)))
+    xq_t, xkv_t = _exact(np.abs(hom(p.xq))), _exact(np.abs(hom(p.xkv)))
     g_q = _product("...qa,...hqe->hae", xq_t, dq, gamma(n_b * t_q, u))
     g_k = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dk, 0.0)]
     g_v = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dv, 0.0)]
@@ -297,7 +297,7 @@ def _bound(
     bound_xq = xq_e + _times(gamma(n_x, u), xq_m)
     bound_xkv = None if shared else kv_e + _times(gamma(n_heads * (d_k + d_v), u), kv_m)
     params_out = {
-        name: (grads[name] if _get(params, name) is not None else None) for name in _FIELDS
+        name: (grads[name] if get_param(params, name) is not None else None) for name in FIELDS
     }
     return AttentionGrads(params_out, bound_xq, bound_xkv, d_bias)
 
@@ -397,8 +397,8 @@ def rope_attention_vjp_error_bound(
         ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, the
             convention is unknown, or ``d_y`` is not of the output's shape.
     """
-    _, d_k = _read_weights(params)
-    _check_rope(convention, d_k)
+    _, d_k = read_weights(params)
+    check_rope(convention, d_k)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     batch, t_q, t_k = xq.shape[:-2], xq.shape[-2], xkv.shape[-2]

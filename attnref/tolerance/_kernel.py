@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import _softmax
-from ._rounding import C_EXP, _is_16bit, gamma, unit_roundoff
+from ._core import softmax
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
 
 
 def kernel_error_bound(
@@ -113,7 +113,7 @@ def _bound_rows(
     mag = abs(sc) * (np.abs(qt) @ np.abs(kt))
     capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
     logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
-    sm = _softmax(logits, allowed)
+    sm = softmax(logits, allowed)
     top, live, l_sum = sm.top, sm.live, sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
     p = sm.e / np.where(live, l_sum, 1.0)
@@ -141,7 +141,7 @@ def _bound_rows(
         return out, np.swapaxes(np.where(live[..., 0], d_lse, 0.0), 1, 2)
 
     np_dtype = np.dtype(dtype)
-    work = np.float32 if _is_16bit(np_dtype) else np_dtype
+    work = np.float32 if is_16bit(np_dtype) else np_dtype
     out_b, lse_b = one(unit_roundoff(work))
     out64, lse64 = one(unit_roundoff(np.float64))
     out_b, lse_b = out_b + out64, lse_b + lse64
@@ -151,7 +151,7 @@ def _bound_rows(
         g = gamma(s + 1, unit_roundoff(work)) + gamma(s + 1, unit_roundoff(np.float64))
         out_b = np.where(dead, g * mean_abs, out_b)
         o_ref = np.where(dead, vg.mean(axis=1)[:, None], o_ref)
-    if _is_16bit(np_dtype):
+    if is_16bit(np_dtype):
         out_b = out_b + unit_roundoff(np_dtype) * (np.abs(o_ref) + out_b)
     return out_b, lse_b
 
@@ -247,13 +247,13 @@ def _streamed_bound(
 
     b_size, n_heads, t, s_len = c.shape
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
-    work = np.dtype(np.float32) if _is_16bit(fmt) else fmt
+    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
     extra = 2 * (C_EXP + 1) * (n_b - 1)
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.zeros((b_size, t, n_heads))
-    o_ref = np.zeros_like(out) if _is_16bit(fmt) else None
+    o_ref = np.zeros_like(out) if is_16bit(fmt) else None
     dead = np.ones((b_size, t, n_heads), bool)
     rows = max(1, query_block(c, 6, budget))
     for hg in head_groups(c):

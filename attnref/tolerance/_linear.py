@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import _abs_heads, _heads, _read_params, _value_magnitude
-from ._rounding import C_EXP, _max_float, gamma, unit_roundoff
+from ._core import abs_heads, project_heads, read_params, value_magnitude
+from ._rounding import C_EXP, gamma, max_float, unit_roundoff
 
 
 def _abs_feature_error(
@@ -75,7 +75,7 @@ def _scaled_eps(
     xs = np.abs(q) / d**0.25
     dxs = 2 * u * xs + dq / d**0.25
     dc = np.max(_favor_exponent_error(fm, xs, dxs, u, 1.0), axis=-1)
-    big = 0.5 * math.log(_max_float(dtype))
+    big = 0.5 * math.log(max_float(dtype))
     # u |log eps|: the float64 oracle forms exp(log eps - s) (its share, with dtype float64)
     rel = np.expm1(dc + u * abs(math.log(eps))) + (C_EXP + 2) * u
     rescaled = c - dc < -big
@@ -83,7 +83,7 @@ def _scaled_eps(
     return eps_s, rel
 
 
-def _allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
+def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
     """``[..., H, T_q, T_k]``: key padding and, if causal, ``j <= i``."""
     *batch, t_q, heads, _ = q_shape
     km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
@@ -151,7 +151,7 @@ def linear_error_bound(
         np.broadcast_to(np.asarray(a, np.float64), b.shape) for a, b in ((dq, q), (dk, k), (dv, v))
     )
     t_q, t_k = q.shape[-3], k.shape[-3]
-    allowed = _allowed_keys(q.shape, t_k, key_mask, causal)
+    allowed = allowed_keys(q.shape, t_k, key_mask, causal)
 
     # Imported here so this module still loads (and stays JAX-free) on its own by file path.
     from attnref.oracle import features
@@ -234,7 +234,7 @@ def linear_multihead_error_bound(
             ``linear_attention`` refuses (e.g. an unknown ``eps_policy``).
         TypeError: ``feature_map`` is not a feature map.
     """
-    w = _read_params(params)
+    w = read_params(params)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
     u = unit_roundoff(dtype)
@@ -244,7 +244,7 @@ def linear_multihead_error_bound(
     def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
         wt, b = w["w_" + name], w["b_" + name]
         assert wt is not None
-        return _heads(x, wt, b, "the"), g_p * _abs_heads(x, wt, b, "the")
+        return project_heads(x, wt, b, "the"), g_p * abs_heads(x, wt, b, "the")
 
     (q, dq), (k, dk), (v, dv) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
     kw = dict(
@@ -258,7 +258,7 @@ def linear_multihead_error_bound(
     z = linear_attention(q, k, v, **kw)  # type: ignore[arg-type]
     fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
     t_k = k.shape[-3]
-    allowed = _allowed_keys(q.shape, t_k, key_mask, causal)
+    allowed = allowed_keys(q.shape, t_k, key_mask, causal)
     abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
     a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
     den = a.sum(-1)
@@ -266,7 +266,7 @@ def linear_multihead_error_bound(
     adj = np.abs(den + eps_s if eps_policy == "add" else np.maximum(den, eps_s))
     with np.errstate(divide="ignore", invalid="ignore"):
         pbar = np.where(adj[..., None] > 0, abar / adj[..., None], 0.0)
-    g_mag = _value_magnitude(xkv, w)
+    g_mag = value_magnitude(xkv, w)
     n_y = fq.shape[-1] + t_k + d_model + v.shape[-1] + q.shape[-2] + 4
     bound = np.einsum("...qhv,hvd->...qd", dz, np.abs(w_o))
     bound = bound + gamma(n_y, u) * np.einsum("...hqk,...hkd->...qd", pbar, g_mag)

@@ -65,8 +65,8 @@ from typing import Any
 import numpy as np
 
 from ._kernel import kernel_call_error_bound
-from ._rounding import C_EXP, _is_16bit, unit_roundoff
-from ._states import _as_dtype, merge_depth, merge_error_bound
+from ._rounding import C_EXP, is_16bit, unit_roundoff
+from ._states import as_dtype, merge_depth, merge_error_bound
 
 
 def _assignment(pieces: Any, num_pieces: Any, s: int) -> tuple[np.ndarray, int]:
@@ -152,7 +152,7 @@ def _piece_states(
         e_o[p], e_l[p] = kernel_call_error_bound(
             *args, mask, dtype=state_fmt, key_blocks=key_blocks, **kw
         )
-    if _is_16bit(lse_fmt):  # each piece's lse stored in 16 bits
+    if is_16bit(lse_fmt):  # each piece's lse stored in 16 bits
         live = np.isfinite(lse)
         e_l = e_l + unit_roundoff(lse_fmt) * (np.abs(np.where(live, lse, 0.0)) + e_l)
     # inf x 0 in the kernel bound: every attended value is 0, so the output is exactly 0
@@ -178,7 +178,7 @@ def _key_states(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(mag > 0, k_out / np.where(mag > 0, mag, 1.0), 0.0)
     factor = ratio.max(axis=-1, keepdims=True, initial=0.0)  # c_i, [B, T, N, 1]
-    if _is_16bit(state_fmt):  # each piece's o stored in 16 bits
+    if is_16bit(state_fmt):  # each piece's o stored in 16 bits
         factor = (1.0 + unit_roundoff(state_fmt)) * factor + unit_roundoff(state_fmt)
     vg = np.repeat(c.v, c.group, axis=2)  # [B, S, N, H_v]
     o = np.broadcast_to(vg.transpose(1, 0, 2, 3)[:, :, None], (s, b_size, t, n_heads, vg.shape[-1]))
@@ -190,7 +190,7 @@ def _key_states(
     ln_s = math.log(max(s, 1))
     units = unit_roundoff(work) + unit_roundoff(np.float64)
     lam = k_lse + units * ((C_EXP + 1) * ln_s + top + ln_s)
-    if _is_16bit(lse_fmt):
+    if is_16bit(lse_fmt):
         lam = lam + unit_roundoff(lse_fmt) * (top + ln_s + lam)
     e_o = factor[None] * np.abs(o)
     return o, lse, e_o, np.broadcast_to(lam, lse.shape)
@@ -293,13 +293,13 @@ def pieces_error_bound(
     }
     c = parse(query, key, value, bias, mask, **options)
     call = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask, **options}
-    fmt = _as_dtype(np.asarray(query).dtype if dtype is None else dtype)
-    work = np.dtype(np.float32) if _is_16bit(fmt) else fmt
-    state_fmt = work if state_dtype is None else _as_dtype(state_dtype)
+    fmt = as_dtype(np.asarray(query).dtype if dtype is None else dtype)
+    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
+    state_fmt = work if state_dtype is None else as_dtype(state_dtype)
     if lse_dtype is not None:
-        lse_fmt = _as_dtype(lse_dtype)
+        lse_fmt = as_dtype(lse_dtype)
     else:
-        lse_fmt = np.dtype(np.float32) if _is_16bit(state_fmt) else state_fmt
+        lse_fmt = np.dtype(np.float32) if is_16bit(state_fmt) else state_fmt
     s = c.shape[3]
     allowed = _allowed(c)
     if pieces is None:

@@ -12,19 +12,19 @@ from typing import Any
 import numpy as np
 
 from ._core import (
-    _abs_heads,
-    _heads,
-    _logits,
-    _read_problem,
-    _read_weights,
-    _softmax,
-    _value_magnitude,
-    _worst_case_terms,
+    abs_heads,
+    problem_logits,
+    project_heads,
+    read_problem,
+    read_weights,
+    softmax,
+    value_magnitude,
+    worst_case_terms,
 )
 from ._rounding import C_TRIG, gamma, unit_roundoff
 
 
-def _rope_angle_error(m_theta: np.ndarray, u: float, base: float) -> np.ndarray:
+def rope_angle_error(m_theta: np.ndarray, u: float, base: float) -> np.ndarray:
     """``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` for ``m_theta =
     |m| theta_p``: the error of the computed ``cos``/``sin`` of ``m theta_p`` (module docstring)."""
     u64 = unit_roundoff(np.float64)
@@ -37,24 +37,24 @@ def _rope_planes(a: np.ndarray, convention: str) -> np.ndarray:
     return a[..., :h] + a[..., h:] if convention == "rotate_half" else a[..., 0::2] + a[..., 1::2]
 
 
-def _rope_spread(per_plane: np.ndarray, convention: str) -> np.ndarray:
+def rope_spread(per_plane: np.ndarray, convention: str) -> np.ndarray:
     """``[..., d/2] -> [..., d]``: each plane's value on both members of its pair."""
     if convention == "rotate_half":
         return np.concatenate([per_plane, per_plane], axis=-1)
     return np.repeat(per_plane, 2, axis=-1)
 
 
-def _pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
+def pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
     """``a J``: each component replaced by the sum over its RoPE pair."""
-    return _rope_spread(_rope_planes(a, convention), convention)
+    return rope_spread(_rope_planes(a, convention), convention)
 
 
-def _rope_theta(d: int, base: float) -> np.ndarray:
+def rope_theta(d: int, base: float) -> np.ndarray:
     """``theta_p = base^(-2p/d)``, ``[d/2]``, in float64."""
     return np.power(float(base), -2.0 * np.arange(d // 2) / d)
 
 
-def _check_rope(convention: str, d: int) -> None:
+def check_rope(convention: str, d: int) -> None:
     if convention not in ("rotate_half", "interleaved"):
         raise ValueError(
             f"unknown RoPE convention {convention!r}; expected 'rotate_half' or 'interleaved'"
@@ -63,7 +63,7 @@ def _check_rope(convention: str, d: int) -> None:
         raise ValueError(f"RoPE needs a positive even head dimension, got {d}")
 
 
-def _rope_logit_error(
+def rope_logit_error(
     qa: np.ndarray,
     ka: np.ndarray,
     pos_q: Any,
@@ -77,13 +77,13 @@ def _rope_logit_error(
 
     ``qa [..., H, T_q, d]``, ``ka [..., H, T_k, d]`` are the magnitudes ``|x~||W~|``; positions
     broadcast to ``[..., T_q]`` and ``[..., T_k]``."""
-    theta = _rope_theta(qa.shape[-1], base)
+    theta = rope_theta(qa.shape[-1], base)
     lead_q, lead_k = qa.shape[:-3] + qa.shape[-2:-1], ka.shape[:-3] + ka.shape[-2:-1]
     mq = np.abs(np.broadcast_to(pos_q, lead_q).astype(np.float64))[..., None, :, None]
     mk = np.abs(np.broadcast_to(pos_k, lead_k).astype(np.float64))[..., None, :, None]
     qp, kp = _rope_planes(qa, convention), _rope_planes(ka, convention)
-    eq = _rope_angle_error(mq * theta, u, base)  # [..., 1, T_q, d/2]
-    ek = _rope_angle_error(mk * theta, u, base)
+    eq = rope_angle_error(mq * theta, u, base)  # [..., 1, T_q, d/2]
+    ek = rope_angle_error(mk * theta, u, base)
     return 2 * (
         np.einsum("...qp,...kp->...qk", eq * qp, kp) + np.einsum("...qp,...kp->...qk", qp, ek * kp)
     )
@@ -120,14 +120,14 @@ def rope_map_error_bound(
     xs = np.asarray(x, np.float64)
     if xs.ndim < 3:
         raise ValueError(f"x must have shape [..., T, N, d], got {xs.shape}")
-    _check_rope(convention, xs.shape[-1])
+    check_rope(convention, xs.shape[-1])
     pos = np.abs(np.broadcast_to(positions, xs.shape[:-2]).astype(np.float64))[..., None, None]
-    mag = _pair_sum(np.abs(xs), convention)
-    m_theta = pos * _rope_spread(_rope_theta(xs.shape[-1], base), convention)
+    mag = pair_sum(np.abs(xs), convention)
+    m_theta = pos * rope_spread(rope_theta(xs.shape[-1], base), convention)
     total = np.zeros_like(xs)
     for dt in (dtype, np.float64):
         u = unit_roundoff(dt)
-        total = total + mag * (_rope_angle_error(m_theta, u, base) + gamma(2, u))
+        total = total + mag * (rope_angle_error(m_theta, u, base) + gamma(2, u))
     return total
 
 
@@ -180,9 +180,9 @@ def rope_attention_error_bound(
         ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, or the
             convention is unknown.
     """
-    w, d_k = _read_weights(params)
-    _check_rope(convention, d_k)
-    p = _read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
+    w, d_k = read_weights(params)
+    check_rope(convention, d_k)
+    p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
     assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
     h, d_model, _, d_v, t_k = p.dims
@@ -196,18 +196,18 @@ def rope_attention_error_bound(
     def rotated(x: np.ndarray, name: str, pos: np.ndarray) -> np.ndarray:  # [..., H, T, d]
         wt = w["w_" + name]
         assert wt is not None
-        y = rope(_heads(x, wt, w["b_" + name], "the"), pos, base=base, convention=convention)
+        y = rope(project_heads(x, wt, w["b_" + name], "the"), pos, base=base, convention=convention)
         return np.swapaxes(y, -2, -3)
 
-    logits, allowed = _logits(p, rotated(xq, "q", pos_q), rotated(xkv, "k", pos_k))
-    sm = _softmax(logits, allowed)
+    logits, allowed = problem_logits(p, rotated(xq, "q", pos_q), rotated(xkv, "k", pos_k))
+    sm = softmax(logits, allowed)
     weights = sm.weights
 
-    qa, ka = _abs_heads(xq, w_q, w["b_q"]), _abs_heads(xkv, w_k, w["b_k"])
-    qj, kj = _pair_sum(qa, convention), _pair_sum(ka, convention)
+    qa, ka = abs_heads(xq, w_q, w["b_q"]), abs_heads(xkv, w_k, w["b_k"])
+    qj, kj = pair_sum(qa, convention), pair_sum(ka, convention)
     ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qj, kj) + np.abs(p.bias)
-    mixed = np.einsum("...hqk,...hkd->...hqd", weights, _value_magnitude(xkv, w))
-    values = np.swapaxes(_heads(xkv, w_v, w["b_v"], "the"), -2, -3)  # [..., H, T_k, d_v]
+    mixed = np.einsum("...hqk,...hkd->...hqd", weights, value_magnitude(xkv, w))
+    values = np.swapaxes(project_heads(xkv, w_v, w["b_v"], "the"), -2, -3)  # [..., H, T_k, d_v]
     y_exact = np.einsum("...hqk,...hkv,hvd->...qd", weights, values, w_o)
     if w["b_o"] is not None:
         y_exact = y_exact + w["b_o"]
@@ -215,8 +215,8 @@ def rope_attention_error_bound(
     n_y = t_k + d_model + d_v + h + 2
     bound = np.zeros_like(y_exact)
     for dt in (dtype, np.float64):  # 16-bit formats too: every operation in their own u
-        g_s, u, g_soft, g_y = _worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
-        angles = abs(s) * _rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
+        g_s, u, g_soft, g_y = worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
+        angles = abs(s) * rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
         err_row = np.where(allowed, g_s * ls + angles + u * sm.spread, 0.0).max(axis=-1)
         with np.errstate(over="ignore"):
             rho = np.expm1(2.0 * err_row) + g_soft

@@ -25,7 +25,7 @@ K_S = 8  # stored 16-bit intermediates on the logit chain (max over formulations
 K_Y = 8  # stored 16-bit intermediates on the output chain (max over formulations)
 
 
-def _finfo(dtype: Any) -> Any:
+def finfo_of(dtype: Any) -> Any:
     """``finfo`` of a floating dtype, NumPy's or ml_dtypes' (bfloat16); ``ValueError`` otherwise."""
     try:
         return np.finfo(dtype)
@@ -54,7 +54,7 @@ def unit_roundoff(dtype: Any) -> float:
     Raises:
         ValueError: ``dtype`` is not a floating-point dtype (e.g. an integer or bool dtype).
     """
-    return float(_finfo(dtype).eps) / 2.0
+    return float(finfo_of(dtype).eps) / 2.0
 
 
 def gamma(n: int, u: float) -> float:
@@ -72,11 +72,11 @@ def gamma(n: int, u: float) -> float:
     return math.inf if nu >= 1.0 else nu / (1.0 - nu)
 
 
-def _is_16bit(dtype: Any) -> bool:
+def is_16bit(dtype: Any) -> bool:
     """Whether ``dtype`` is a 16-bit format (float16, bfloat16): float32 accumulation model."""
     return np.dtype(dtype).itemsize == 2
 
 
-def _max_float(dtype: Any) -> float:
+def max_float(dtype: Any) -> float:
     """The largest finite value of a floating dtype (ml_dtypes' bfloat16 too)."""
-    return float(_finfo(dtype).max)
+    return float(finfo_of(dtype).max)

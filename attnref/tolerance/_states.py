@@ -132,7 +132,7 @@ from typing import Any
 
 import numpy as np
 
-from ._rounding import C_EXP, _finfo, _is_16bit, gamma, unit_roundoff
+from ._rounding import C_EXP, finfo_of, gamma, is_16bit, unit_roundoff
 
 TREES = ("sequential", "balanced", "stack")
 
@@ -174,7 +174,7 @@ def merge_depth(tree: str | int, pieces: int) -> int:
     return int(tree)
 
 
-def _as_dtype(dtype: Any) -> np.dtype[Any]:
+def as_dtype(dtype: Any) -> np.dtype[Any]:
     """``np.dtype(dtype)``, with ml_dtypes' names (``"bfloat16"``) registered first."""
     try:
         return np.dtype(dtype)
@@ -327,13 +327,13 @@ def merge_error_bound(
     st = _live_stats(os_, ls)
     eo, el = _errors(o_error, lse_error, o64, lse64, st["live"], ax)
 
-    o_fmt = _as_dtype(dtype)
-    l_fmt = o_fmt if lse_dtype is None else _as_dtype(lse_dtype)
-    work = np.result_type(np.float32, *(np.float32 if _is_16bit(f) else f for f in (o_fmt, l_fmt)))
+    o_fmt = as_dtype(dtype)
+    l_fmt = o_fmt if lse_dtype is None else as_dtype(lse_dtype)
+    work = np.result_type(np.float32, *(np.float32 if is_16bit(f) else f for f in (o_fmt, l_fmt)))
     u = unit_roundoff(work)
-    tiny = float(_finfo(work).tiny)
-    r_o = unit_roundoff(o_fmt) if _is_16bit(o_fmt) else 0.0
-    r_l = unit_roundoff(l_fmt) if _is_16bit(l_fmt) else 0.0
+    tiny = float(finfo_of(work).tiny)
+    r_o = unit_roundoff(o_fmt) if is_16bit(o_fmt) else 0.0
+    r_l = unit_roundoff(l_fmt) if is_16bit(l_fmt) else 0.0
 
     e_max = eo.max(axis=-2, initial=0.0)
     lam0 = el.max(axis=-1, initial=0.0)
@@ -381,18 +381,18 @@ def merge_error_bound(
 
 def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """The formats of the states' ``o`` and ``lse`` (``lse_dtype`` defaults to ``dtype``)."""
-    o_fmt = _as_dtype(dtype)
-    return o_fmt, (o_fmt if lse_dtype is None else _as_dtype(lse_dtype))
+    o_fmt = as_dtype(dtype)
+    return o_fmt, (o_fmt if lse_dtype is None else as_dtype(lse_dtype))
 
 
 def _formats(dtype: Any, lse_dtype: Any) -> tuple[float, float, float, float]:
     """``(u, tiny, r_o, r_l)``: the working format's unit round-off and smallest normal (float32
     for 16-bit states) and the store round-offs of a 16-bit ``o`` and ``lse`` (else 0)."""
     o_fmt, l_fmt = _store_formats(dtype, lse_dtype)
-    work = np.result_type(np.float32, *(np.float32 if _is_16bit(f) else f for f in (o_fmt, l_fmt)))
-    r_o = unit_roundoff(o_fmt) if _is_16bit(o_fmt) else 0.0
-    r_l = unit_roundoff(l_fmt) if _is_16bit(l_fmt) else 0.0
-    return unit_roundoff(work), float(_finfo(work).tiny), r_o, r_l
+    work = np.result_type(np.float32, *(np.float32 if is_16bit(f) else f for f in (o_fmt, l_fmt)))
+    r_o = unit_roundoff(o_fmt) if is_16bit(o_fmt) else 0.0
+    r_l = unit_roundoff(l_fmt) if is_16bit(l_fmt) else 0.0
+    return unit_roundoff(work), float(finfo_of(work).tiny), r_o, r_l
 
 
 def _grad_terms(
@@ -509,7 +509,7 @@ def merge_grad_error_bound(
     args = (st, m_p, gap, mag, read_o, g_abs, g_l_abs)
     e_o, e_l = _grad_terms(*args, u, tiny, r_l)
     f_o, f_l = _grad_terms(*args, unit_roundoff(np.float64), float(np.finfo(np.float64).tiny), 0.0)
-    tiny_o, tiny_l = (float(_finfo(f).tiny) for f in _store_formats(dtype, lse_dtype))
+    tiny_o, tiny_l = (float(finfo_of(f).tiny) for f in _store_formats(dtype, lse_dtype))
     b_o = (1.0 + r_o) * e_o + r_o * (pi[..., None] * g_abs[..., None, :] + tiny_o) + f_o
     b_l = (1.0 + r_l) * e_l + r_l * (pi * m_p + tiny_l) + f_l
     off = ~live | exact[..., None]

@@ -1,0 +1,254 @@
+"""Small helpers shared by the row-convention formulations (validation, projections, and the
+non-finite guard :meth:`Prepared.guarded`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
+from attnref._src.core.entry import Level
+from attnref._src.core.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    nonfinite_rows,
+    poison_rows,
+    reads_nonfinite,
+)
+from attnref._src.core.params import AttentionParams, repeat_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Validated row-convention inputs (built by :func:`prepare_rows`, the one validation of a
+    call): arrays converted, scale resolved, shapes recorded.
+
+    ``x_q``, ``x_kv`` and ``bias`` are the caller's arrays as given (possibly non-finite);
+    :meth:`guarded` runs a formulation so that what a query may not read never reaches it.
+    """
+
+    x_q: Array
+    x_kv: Array
+    mask: Array | None
+    bias: Array | None  # in the dtype of x_q
+    scale: Array  # scalar, in the dtype of x_q
+    batch_shape: tuple[int, ...]
+    t_q: int
+    t_k: int
+    params: AttentionParams | None = None
+    residual: bool | None = None  # None: the function has no residual argument
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale[, residual])`` on the finite parts."""
+        f = self.finite()
+        args = (self.params, f.x_q, f.x_kv, f.mask, f.bias, f.scale)
+        return formula(*args) if self.residual is None else formula(*args, self.residual)
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the call (that of ``x_q``, ``x_kv`` and the parameters)."""
+        return self.x_q.dtype
+
+    def head_mask(self) -> Bool[Array, "..."] | None:
+        """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
+        return None if self.mask is None else jnp.expand_dims(self.mask, -3)
+
+    def add_bias(self, logits: Float[Array, "... H T_q T_k"]) -> Float[Array, "... H T_q T_k"]:
+        return logits if self.bias is None else logits + jnp.expand_dims(self.bias, -3)
+
+    def allowed(self) -> Bool[Array, "... T_q T_k"]:
+        """The pairs a query may read: ``mask AND bias != -inf``, ``[..., T_q, T_k]``."""
+        return allowed_pairs(self.mask, self.bias, (*self.batch_shape, self.t_q, self.t_k))
+
+    def dirty_rows(self, residual: bool | None = None) -> Bool[Array, "... T_q"]:
+        """Query rows that read a non-finite value through an allowed pair (their own ``x_q`` row
+        if any key is allowed, or always with ``residual``; an allowed ``x_kv`` row; an allowed
+        NaN or ``+inf`` bias entry): :func:`attnref._src.core.nonfinite.reads_nonfinite`."""
+        residual = bool(self.residual) if residual is None else residual
+        return reads_nonfinite(
+            self.allowed(),
+            nonfinite_rows(self.x_q),
+            nonfinite_rows(self.x_kv),
+            self.bias,
+            residual,
+        )
+
+    def finite(self) -> Prepared:
+        """A copy whose ``x_q``, ``x_kv`` are the finite parts (non-finite entries read as 0,
+        identity derivative) and whose bias has NaN and ``+inf`` read as 0 (``-inf`` kept)."""
+        return dataclasses.replace(
+            self,
+            x_q=finite_part(self.x_q),
+            x_kv=finite_part(self.x_kv),
+            bias=finite_bias(self.bias),
+        )
+
+    def guarded(
+        self, compute: Callable[[Prepared], Any], residual: bool = False, heads: bool = False
+    ) -> Any:
+        """``compute(self.finite())``, NaN on the dirty query rows (:meth:`dirty_rows`).
+
+        A key or value a query may not read (mask, ``-inf`` bias) then never reaches that query's
+        output or gradients, whatever it holds: ``compute`` only ever sees finite inputs, and a
+        row that does read a non-finite value is NaN, with no gradient. The outputs of
+        ``compute`` have the query axis after the batch axes (``[..., T_q, ...]``),
+        or after a head axis with ``heads=True`` (``[..., H, T_q, ...]``).
+        """
+        dirty = self.dirty_rows(residual)
+        if heads:
+            dirty = jnp.expand_dims(dirty, -2)  # a size-1 head axis, broadcast by the selection
+        return poison_rows(dirty, compute(self.finite()))
+
+
+def prepare_rows(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool | None = None,
+) -> Prepared:
+    """Validate a row-convention call (parameters, tokens, mask, bias, scale) and return its
+    :class:`Prepared` inputs; ``x_kv=None`` means ``x_q`` (self-attention)."""
+    x_kv = x_q if x_kv is None else x_kv
+    batch, t_q, t_k = check_tokens(params, x_q, x_kv)
+    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+    check_scale(scale)
+    xq = jnp.asarray(x_q)
+    dtype = xq.dtype
+    return Prepared(
+        x_q=xq,
+        x_kv=jnp.asarray(x_kv),
+        mask=None if mask is None else jnp.asarray(mask),
+        bias=None if bias is None else jnp.asarray(bias).astype(dtype),
+        scale=scale_value(params.d_k, scale, dtype),
+        batch_shape=batch,
+        t_q=t_q,
+        t_k=t_k,
+        params=params,
+        residual=residual,
+    )
+
+
+def _rows(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Prepared:
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+
+
+def _row_probes(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+) -> Prepared:
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale)
+
+
+_ROW_ARGS = """Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+        key/value head ``i // G`` (``G = H / K``).
+    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+    x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+        ``None`` (default) means ``x_q`` (self-attention).
+    mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+        (default) allows every pair.
+    bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+        logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.{residual}
+
+Raises:
+    ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+        ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+        ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+    TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+        ``bias`` is not floating, or ``scale`` is not a real number."""
+_RESIDUAL = """
+    residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update)."""
+
+# The row level: ``(params, x_q, x_kv=None, *, mask, bias, scale, residual)``; formulas take
+# ``(params, x_q, x_kv, mask, bias, scale, residual)``, positionally, validated and finite.
+ROWS = Level(_rows, _ROW_ARGS.format(residual=_RESIDUAL))
+# The same without ``residual`` (probes of the block: weights, per-head outputs).
+ROW_PROBES = Level(_row_probes, _ROW_ARGS.format(residual=""))
+# What a row-level block returns, for ``public(..., returns=BLOCK_RETURNS)``.
+BLOCK_RETURNS = (
+    "The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row\n"
+    "    is ``b_O`` (zero without biases)."
+)
+
+
+def scale_value(d_k: int, scale: Any, dtype: Any) -> Array:
+    """``1/sqrt(d_k)`` unless an explicit ``scale`` is given, as a scalar of ``dtype``."""
+    value = 1.0 / math.sqrt(d_k) if scale is None else scale
+    return jnp.asarray(value, dtype=dtype)
+
+
+def project(
+    x: Float[Array, "... T d_model"], w: Float[ArrayLike, "H d_model d"], b: ArrayLike | None
+) -> Float[Array, "... H T d"]:
+    """Per-head projection ``x W[i] + b[i]`` with a head axis before the token axis."""
+    y = jnp.einsum("...td,hde->...hte", x, w, precision=HIGHEST)
+    return y if b is None else y + jnp.asarray(b)[:, None, :]
+
+
+def project_kv(
+    x: Float[Array, "... T d_model"],
+    w: Float[ArrayLike, "K d_model d"],
+    b: ArrayLike | None,
+    group_size: int,
+) -> Float[Array, "... H T d"]:
+    """Key/value projection for every query head: ``x W[i // G] + b[i // G]`` for ``i < H``.
+
+    Each of the ``K`` key/value heads is projected once and its result repeated for the ``G``
+    query heads of its group (``H = K G``), so the head axis lines up with the query heads.
+    """
+    return repeat_heads(project(x, w, b), group_size, axis=-3)
+
+
+# ----------------------------------------------------------------------------- homogeneous
+# coordinates: x~ = [x, 1] and W~ = [W; b], so that x~ W~ = x W + b.
+
+
+def homogeneous(x: Float[Array, "... d"]) -> Float[Array, "... d1"]:
+    """Homogeneous coordinates ``x~ = [x, 1]`` on the last axis."""
+    return jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
+
+
+def homogeneous_weights(
+    w: Float[ArrayLike, "H d_in d"], b: Float[ArrayLike, "H d"] | None, *, xp: Any = jnp
+) -> Any:
+    """``W~ = [W; b]`` per head: ``[H, d_in + 1, d]``, a zero last row when ``b`` is ``None``.
+
+    An exact copy, built with ``xp``: a JAX array with ``jax.numpy`` (default), a NumPy array
+    with NumPy (concrete inputs only).
+    """
+    wa = xp.asarray(w)
+    row = xp.zeros((wa.shape[0], 1, wa.shape[2]), wa.dtype) if b is None else xp.asarray(b)[:, None]
+    return xp.concatenate([wa, row], axis=1)
+
+
+def add_output_bias(y: Float[Array, "... d_model"], params: AttentionParams) -> Array:
+    return y if params.b_o is None else y + jnp.asarray(params.b_o)
+
+
+def residual_or(y: Array, x: Array, residual: bool) -> Array:
+    """``x + y`` for the residual-stream form, ``y`` otherwise."""
+    return x + y if residual else y

@@ -1,0 +1,671 @@
+"""Analytic cost models: the counting conventions, :class:`Dims`, :class:`Cost`, the shared
+helpers, :func:`cost`, and XLA's own counts (:func:`xla_counts`, :func:`hlo_dot_flops`).
+
+Each formulation's model, ``<id>_cost(dims) -> Cost`` in its own order of operations, lives
+next to its code and is its registry entry's ``cost_model`` (``concat_cost`` in
+``attnref/_src/formulations/standard.py``, ``rope_cost`` in ``attnref/_src/formulations/rope.py``, ...).
+
+Counting conventions (XLA's, so the model can be checked against ``cost_analysis()``):
+
+* **matmul FLOPs**: a contraction of ``M x K`` by ``K x N`` costs ``2 M N K`` (a multiply-add is
+  2); exact for each formulation's einsums, including forming ``W_P``, ``W_M``, ``W_A``, ``W_I``.
+* **transcendentals**: one per ``exp`` / ``expm1`` element, and one per ``cos`` / ``sin``
+  element (RoPE's angles; see :func:`_angles`); exact.
+* **elementwise FLOPs**: one per element per arithmetic, comparison or select op, ``n - 1`` per
+  reduction of ``n`` elements. The model gives an *upper bound* counted from attnref's source
+  (e.g. the masked softmax touches each logit with at most 12 such ops and each row with 2);
+  XLA's simplifier can only remove work, so ``matmul <= XLA <= matmul + elementwise``.
+* **bytes**: inputs (parameters, tokens, masks), the output, the largest intermediate tensor and
+  a workspace bound: every intermediate this order of operations produces, all alive at once,
+  plus one copy of the inputs (XLA may copy an input to change its layout). XLA's temporary
+  memory lies between the largest intermediate (it must be materialised) and the workspace.
+
+Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T`` (or ``T / C``)
+times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
+``loop_trips`` and ``per_trip_*`` for comparing with XLA.
+
+Distributed forms (``Dims.devices = P > 1``, ``attnref._src.formulations.distributed.cost``) count **per
+device**, as XLA's ``cost_analysis`` of an SPMD program does, and list their communication in
+:attr:`Cost.collectives` (:class:`Collective`: the kind, the operand bytes of one call on one
+device, the number of calls). :func:`hlo_collectives` reads the same from compiled HLO, ``while``
+trip counts included, so the model's communication is checked against the compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Problem sizes. ``batch`` is the product of the batch dims; ``features`` is the linear
+    family's feature count ``m`` and ``feature_map`` its name; ``chunk`` the chunk size.
+
+    Attributes:
+        batch: The product of the batch dims.
+        t_q: The number of queries ``T_q``.
+        t_k: The number of keys ``T_k``.
+        heads: The number of heads ``H`` (one key/value head per query head).
+        d_model: The model width.
+        d_k: The query/key head dim.
+        d_v: The value head dim.
+        bias: Whether the parameters have biases (default ``False``).
+        feature_map: The linear family's feature map name (default ``"elu_plus_one"``).
+        features: FAVOR+'s feature count ``m`` (the other maps derive ``m`` from ``d_k``).
+        chunk: The chunk size of ``linear_chunked`` (default 16).
+        itemsize: Bytes per element (default 4, float32).
+        causal: Whether the linear forms run causally (default ``False``).
+        devices: The device count ``P`` of a distributed form (default 1); its cost is per
+            device.
+    """
+
+    batch: int
+    t_q: int
+    t_k: int
+    heads: int
+    d_model: int
+    d_k: int
+    d_v: int
+    bias: bool = False
+    feature_map: str = "elu_plus_one"
+    features: int = 0
+    chunk: int = 16
+    itemsize: int = 4
+    causal: bool = False
+    devices: int = 1
+
+
+# The collectives of a distributed program, as HLO names them (``jax.lax.ppermute``,
+# ``all_gather``, ``all_to_all``, ``psum``, and ``psum_scatter``).
+COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective a device runs ``calls`` times, each call on ``operand_bytes`` of its own.
+
+    ``operand_bytes`` is what HLO shows: the operand of ``collective-permute``, ``all-to-all``
+    and ``all-reduce`` (the result's size), the local shard of ``all-gather`` (the result over
+    ``devices``), the full input of ``reduce-scatter`` (the result times ``devices``).
+    :attr:`sent_bytes_per_call` is what one device sends in one call under the bandwidth-optimal
+    algorithms (a permute sends its operand once; a ring all-gather sends its shard ``P - 1``
+    times; an all-to-all keeps ``1/P`` of its operand; a ring all-reduce is a reduce-scatter then
+    an all-gather, ``2 (P - 1) / P`` of its operand).
+
+    Attributes:
+        kind: One of :data:`COLLECTIVES`.
+        operand_bytes: Bytes of one call's operand(s) on one device (as above).
+        calls: How many times each device runs it (the communication steps).
+        devices: The group size ``P``.
+        in_shard_map: ``True`` for a scheme's own collectives (a model's, and those HLO
+            metadata places in a ``shard_map``); ``False`` for those XLA's SPMD partitioner adds
+            around it to reshard the global arrays (:func:`hlo_collectives`).
+        conditional: ``True`` when HLO runs it in a branch of a ``conditional``:
+            :func:`hlo_collectives` then counts a call per run of the enclosing computation,
+            an upper bound (a ring that skips its last send). Always ``False`` in a model.
+    """
+
+    kind: str
+    operand_bytes: int
+    calls: int
+    devices: int
+    in_shard_map: bool = True
+    conditional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVES:
+            raise ValueError(f"kind must be one of {COLLECTIVES}, got {self.kind!r}")
+
+    @property
+    def sent_bytes_per_call(self) -> float:
+        """Bytes one device sends in one call (the algorithms in the class docstring)."""
+        p, n = self.devices, self.operand_bytes
+        if p <= 1:
+            return 0.0
+        return {
+            "collective-permute": float(n),
+            "all-gather": float((p - 1) * n),
+            "all-to-all": (p - 1) * n / p,
+            "all-reduce": 2 * (p - 1) * n / p,
+            "reduce-scatter": (p - 1) * n / p,
+        }[self.kind]
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends over all its calls."""
+        return self.calls * self.sent_bytes_per_call
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """The analytic cost of one call (counting conventions in the module docstring).
+
+    Attributes:
+        matmul_flops: Contraction FLOPs, ``2 M N K`` per ``M x K`` by ``K x N``; exact.
+        elementwise_flops: An upper bound on elementwise, comparison, select and reduction ops.
+        transcendentals: ``exp``/``expm1`` elements; exact.
+        input_bytes: Parameters, tokens and masks.
+        output_bytes: The output.
+        intermediate_bytes: The largest intermediate tensor.
+        workspace_bytes: Every intermediate at once plus one copy of the inputs.
+        loop_trips: Loop body executions (``> 1`` for the scan-based forms).
+        per_trip_matmul_flops: The part of ``matmul_flops`` inside the loop, per trip.
+        per_trip_elementwise_flops: Likewise for ``elementwise_flops``.
+        per_trip_transcendentals: Likewise for ``transcendentals``.
+        collectives: A distributed form's communication per device (:class:`Collective`);
+            empty for single-device forms.
+    """
+
+    matmul_flops: int
+    elementwise_flops: int  # an upper bound (see module docstring)
+    transcendentals: int
+    input_bytes: int
+    output_bytes: int
+    intermediate_bytes: int  # the largest intermediate tensor
+    workspace_bytes: int = 0  # every intermediate at once plus one copy of the inputs
+    loop_trips: int = 1  # > 1 for scan-based forms
+    per_trip_matmul_flops: int = 0  # the part of matmul_flops inside the loop, per trip
+    per_trip_elementwise_flops: int = 0
+    per_trip_transcendentals: int = 0
+    collectives: tuple[Collective, ...] = ()  # per device, distributed forms only
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends over the whole call (:attr:`Collective.sent_bytes`)."""
+        return float(sum(c.sent_bytes for c in self.collectives))
+
+    @property
+    def flops(self) -> int:
+        """Total work: matmul FLOPs plus the elementwise upper bound."""
+        return self.matmul_flops + self.elementwise_flops
+
+    def as_counted_by_xla(self) -> tuple[int, int, int]:
+        """``(matmul, elementwise bound, transcendentals)`` with loop bodies counted once."""
+        extra = self.loop_trips - 1
+        return (
+            self.matmul_flops - extra * self.per_trip_matmul_flops,
+            self.elementwise_flops - extra * self.per_trip_elementwise_flops,
+            self.transcendentals - extra * self.per_trip_transcendentals,
+        )
+
+
+SOFTMAX_PER_LOGIT = 12  # != -inf, and mask, any, where, max, -, where, where, sum, /, *scale, +bias
+SOFTMAX_PER_ROW = 2  # where(any, max, 0), where(any, sum, 1)
+
+
+# The non-finite guard (``attnref._src.core.nonfinite``), counted from its source. Per operand element
+# (q, k, v, or a token row's entries): isfinite and where for the finite part, then isfinite, not
+# and the row reduction for the dirty test. Per logit: the live test, the reads test (and, any),
+# and with a bias: isfinite, not, and, any for the dirty test and isnan, == inf, or, where for its
+# finite part. Per query row: the or of the dirty terms; per output entry: the poisoning where.
+GUARD_PER_OPERAND = 5
+GUARD_PER_LOGIT = 3
+GUARD_PER_BIASED_LOGIT = 8
+GUARD_PER_ROW = 3
+
+
+def guard_elementwise(d: Dims, *, operands: int, logits: int, rows: int, outputs: int) -> int:
+    """Elementwise FLOPs of the non-finite guard on one attention call of these sizes."""
+    per_logit = GUARD_PER_LOGIT + (GUARD_PER_BIASED_LOGIT if d.bias else 0)
+    return GUARD_PER_OPERAND * operands + per_logit * logits + GUARD_PER_ROW * rows + outputs
+
+
+# At the weight level (``Prepared.guarded``): the token rows' finite parts and dirty tests
+# (GUARD_PER_OPERAND per entry of x_q and x_kv), and per (query, key) pair the allowed set (and,
+# != -inf), the live and reads tests (any; and, any), the bias's dirty test (isfinite, not, and,
+# any) and finite part (isnan, == inf, or, where); per output entry the poisoning where.
+WEIGHT_GUARD_PER_PAIR = 13
+
+
+def weight_guard_elementwise(d: Dims, *, pairs: bool = True) -> int:
+    """Elementwise FLOPs of the weight-level non-finite guard. ``pairs=False``: the linear
+    family's O(T) form (running ors over keys instead of a ``T_q x T_k`` test)."""
+    b, dm = d.batch, d.d_model
+    tokens = GUARD_PER_OPERAND * b * (d.t_q + d.t_k) * dm
+    per_pair = WEIGHT_GUARD_PER_PAIR * b * d.t_q * d.t_k if pairs else 4 * b * (d.t_q + d.t_k)
+    return tokens + per_pair + GUARD_PER_ROW * b * d.t_q + b * d.t_q * dm
+
+
+def io(d: Dims, *, kv_tokens: bool = True) -> tuple[int, int]:
+    h, dm = d.heads, d.d_model
+    params = h * dm * (2 * d.d_k + d.d_v) + h * d.d_v * dm
+    if d.bias:
+        params += h * (2 * d.d_k + d.d_v) + dm
+    tokens = d.batch * (d.t_q + (d.t_k if kv_tokens else 0)) * dm
+    masks = 2 * d.batch * d.t_q * d.t_k  # bias (itemsize) and boolean mask (1 byte) ~ bounded
+    inputs = (params + tokens) * d.itemsize + masks * d.itemsize
+    return inputs, d.batch * d.t_q * dm * d.itemsize
+
+
+def softmax_elementwise(d: Dims) -> int:
+    logits = d.batch * d.heads * d.t_q * d.t_k
+    return SOFTMAX_PER_LOGIT * logits + SOFTMAX_PER_ROW * d.batch * d.heads * d.t_q
+
+
+def bias_adds(d: Dims, q: int, k: int, v: int, out: int) -> int:
+    return (q + k + v + out) if d.bias else 0
+
+
+def projections(d: Dims) -> tuple[int, int, int]:
+    b, h, dm = d.batch, d.heads, d.d_model
+    return (
+        2 * b * d.t_q * dm * h * d.d_k,
+        2 * b * d.t_k * dm * h * d.d_k,
+        2 * b * d.t_k * dm * h * d.d_v,
+    )
+
+
+def softmax_tensors(d: Dims, logits: int) -> list[int]:
+    """Logit-sized tensors the masked softmax can materialise (logits, scaled and biased,
+    allowed, shifted, exponentials, weights) and its row vectors (any, max, sum, safe sum)."""
+    rows = d.batch * d.heads * d.t_q
+    return [logits] * 6 + [rows] * 4
+
+
+def finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
+    """A weight-level softmax form's cost, with its non-finite guard's elementwise work."""
+    inputs, output = io(d)
+    return Cost(
+        matmul,
+        elementwise + weight_guard_elementwise(d),
+        trans,
+        inputs,
+        output,
+        max(tensors) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+    )
+
+
+def messages(d: Dims) -> tuple[int, int]:
+    """(matmul, elementwise) of ``X_kv W_M + b_V W_O`` including forming ``W_M``."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    mm = 2 * h * dm * d.d_v * dm + 2 * b * d.t_k * dm * h * dm
+    if d.bias:
+        mm += 2 * h * d.d_v * dm
+    return mm, (b * h * d.t_k * dm if d.bias else 0)
+
+
+def message_tensors(d: Dims) -> list[int]:
+    """``W_M``, the messages (before and after ``b_V W_O``), per-head mixes and the output."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    return [h * dm * dm, b * h * d.t_k * dm, b * h * d.t_k * dm, b * h * d.t_q * dm, b * d.t_q * dm]
+
+
+def mix(d: Dims) -> tuple[int, int]:
+    """(matmul, elementwise) of ``sum_i A_i M_i + b_O``."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    el = b * (h - 1) * d.t_q * dm + (b * d.t_q * dm if d.bias else 0)
+    return 2 * b * h * d.t_q * d.t_k * dm, el
+
+
+# ----------------------------------------------------------------------------- linear family
+
+
+def feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
+    """(matmul, elementwise, transcendentals, m) of the feature map on ``tokens`` positions."""
+    h, dk = d.heads, d.d_k
+    n = d.batch * tokens * h
+    name = d.feature_map
+    if name == "elu_plus_one":
+        return 0, 4 * n * dk, n * dk, dk
+    if name == "relu":
+        return 0, n * dk, 0, dk
+    if name == "identity":
+        return 0, 0, 0, dk
+    if name == "taylor2":
+        return 0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk
+    m = d.features  # favor_plus: x~ scale, proj, |x~|^2, |w|^2, exponent, max, exp, 1/sqrt(m)
+    return 2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m
+
+
+def eps_exp(d: Dims, queries: int) -> int:
+    """FAVOR+'s ``eps exp(-c_q)`` (eps in the units of the stabilised features): one ``exp`` per
+    query and head; the other maps need none."""
+    return d.batch * queries * d.heads if d.feature_map == "favor_plus" else 0
+
+
+def linear_proj(d: Dims) -> tuple[int, int]:
+    pq, pk, pv = projections(d)
+    b, h = d.batch, d.heads
+    out = 2 * b * d.t_q * h * d.d_v * d.d_model
+    el = bias_adds(
+        d,
+        b * d.t_q * h * d.d_k,
+        b * d.t_k * h * d.d_k,
+        b * d.t_k * h * d.d_v,
+        b * d.t_q * d.d_model,
+    )
+    return pq + pk + pv + out, el + b * (d.heads - 1) * d.t_q * d.d_model
+
+
+def normalize_el(d: Dims) -> int:
+    """eps add, zero test, safe select, divide and output select per (query, head); FAVOR+'s
+    eps rescaling (negate, exp argument, overflow test, two selects, multiply) adds 6."""
+    n = d.batch * d.t_q * d.heads
+    return (10 if d.feature_map == "favor_plus" else 4) * n + 2 * n * d.d_v
+
+
+def linear_tensors(d: Dims) -> list[int]:
+    """Projections (and their token-major copies), features with one temporary each, the
+    masked key features, the head outputs and the pre-bias output."""
+    b, h, m = d.batch, d.heads, feature_count(d)
+    proj = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
+    feats = [b * d.t_q * h * m, b * d.t_k * h * m]
+    return [
+        *proj,
+        *proj,
+        *feats,
+        *feats,
+        b * d.t_k * h * m,
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * d.d_model,
+    ]
+
+
+def linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: Any) -> Cost:
+    mmq, elq, trq, m = feature_cost(d, d.t_q)
+    mmk, elk, trk, _ = feature_cost(d, d.t_k)
+    mm_p, el_p = linear_proj(d)
+    el = elq + elk + el_p + form_el + normalize_el(d) + d.batch * d.t_k * d.heads * m  # key mask
+    el += weight_guard_elementwise(d, pairs=False)
+    inputs, output = io(d)
+    every = linear_tensors(d) + tensors
+    return Cost(
+        mm_p + mmq + mmk + form_mm,
+        el,
+        trq + trk + eps_exp(d, d.t_q),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+        **loop,
+    )
+
+
+def feature_count(d: Dims) -> int:
+    return feature_cost(d, 1)[3]
+
+
+# ----------------------------------------------------------------------------- RoPE
+#
+# RoPE adds one ``cos`` and one ``sin`` per (position, plane), which XLA counts as
+# transcendentals like ``exp``, and the rotations ``a c - b s``, ``a s + b c`` of each pair.
+# Default positions ``arange(T)`` have shape ``[T]`` and are shared by the batch and the heads;
+# positions ``[..., T]`` with batch dimensions multiply the angle work by the batch.
+
+ROTATE_PER_PAIR = 6  # a*c, b*s, a*c - b*s, a*s, b*c, a*s + b*c
+
+
+def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
+    """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p`` for
+    ``positions`` positions: the angle multiply, then one cos and one sin per angle.
+
+    With constant positions and ``d_k = 2`` (one plane, ``theta = [1]``) the angle is the
+    position itself and XLA constant-folds ``cos``/``sin``: nothing is left to count. (With more
+    planes the angle is a broadcast product, which XLA's constant folding does not fold.)"""
+    n = positions * (d.d_k // 2)
+    if d.d_k == 2 and not traced:
+        return 0, 0, [n, n, n]
+    return n, 2 * n, [n, n, n]  # angle, cos, sin
+
+
+def cost(formulation_id: str, dims: Dims) -> Cost:
+    """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``).
+
+    Args:
+        formulation_id: A registry id (``attnref.ids()``), e.g. ``"concat"``.
+        dims: The problem sizes (:class:`Dims`).
+
+    Returns:
+        The :class:`Cost` of that formulation's order of operations.
+
+    Raises:
+        KeyError: If ``formulation_id`` is not registered or has no cost model.
+    """
+    from attnref._src.core.registry import get  # lazily: the models' modules import this one
+
+    try:
+        model = get(formulation_id).cost_model
+    except KeyError:
+        raise KeyError(
+            f"no cost model for {formulation_id!r}: not a registered formulation"
+        ) from None
+    if model is None:
+        raise KeyError(f"no cost model for {formulation_id!r}")
+    return model(dims)  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- XLA's counts
+
+_INSTR = re.compile(r"%([\w.\-]+) = \w+\[([\d,]*)\]")
+_DOT = re.compile(
+    r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}"
+)
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def hlo_dot_flops(hlo_text: str) -> int:
+    """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
+    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does).
+
+    Args:
+        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
+
+    Returns:
+        The dot FLOPs, an int (0 when there is no ``dot``).
+    """
+    shapes = {m.group(1): _dims(m.group(2)) for m in _INSTR.finditer(hlo_text)}
+    total = 0
+    for m in _DOT.finditer(hlo_text):
+        out, lhs = _dims(m.group(1)), shapes[m.group(2)]
+        total += 2 * math.prod(out) * math.prod(lhs[c] for c in _dims(m.group(3)))
+    return total
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
+_ITEMSIZE |= {"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_COLLECTIVE = re.compile(
+    r"= (.*?) (collective-permute|all-gather|all-to-all|all-reduce|reduce-scatter)(-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_GROUPS = re.compile(
+    r"replica_groups=(\{\{([\d,]*)\}|\[(\d+),(\d+)\]|\{\}|mesh\[([^\]]*)\] \{([^}]*)\})"
+)
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _itemsize(hlo_type: str) -> int:
+    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``f8e4m3fn``, ...)."""
+    if hlo_type.startswith("f8"):
+        return 1
+    if hlo_type not in _ITEMSIZE:
+        raise ValueError(f"unknown HLO element type {hlo_type!r}")
+    return _ITEMSIZE[hlo_type]
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of each computation of HLO text, and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int | None], set[str]]:
+    """How many times each computation runs per call of the entry, and which run in a branch of
+    a conditional. A ``while`` body runs its known trip count times per run of its caller
+    (``None``: a loop on the way has no known trip count); every other callee (fusions, calls,
+    reductions, branches) once per run of its caller, which for a branch is an upper bound."""
+    edges: dict[str, list[tuple[str, int | None, bool]]] = {name: [] for name in comps}
+    for name, lines in comps.items():
+        for line in lines:
+            for role, callee in _CALLEE.findall(line):
+                if role != "body":
+                    branch = role in ("true_computation", "false_computation")
+                    edges[name].append((callee, 1, branch))
+                    continue
+                trips = _TRIPS.search(line)
+                edges[name].append((callee, None if trips is None else int(trips.group(1)), False))
+            for branches in _BRANCHES.findall(line):
+                edges[name] += [(b.strip().lstrip("%"), 1, True) for b in branches.split(",")]
+    order: list[str] = []  # callers before callees (HLO call graphs are acyclic)
+    seen: set[str] = set()
+
+    def post(name: str) -> None:
+        seen.add(name)
+        for callee, _, _ in edges.get(name, []):
+            if callee not in seen:
+                post(callee)
+        order.append(name)
+
+    post(entry)
+    counts: dict[str, int | None] = {name: 0 for name in order}
+    counts[entry] = 1
+    branched: set[str] = set()
+    for name in reversed(order):
+        times = counts[name]
+        for callee, k, branch in edges.get(name, []):
+            add = None if times is None or k is None else times * k
+            prev = counts[callee]
+            counts[callee] = None if add is None or prev is None else prev + add
+            if branch or name in branched:
+                branched.add(callee)
+    return counts, branched
+
+
+def _group_size(line: str, kind: str, partitions: int) -> int:
+    """The group size of a collective instruction: ``{{0,1,..}}`` (explicit groups),
+    ``[G,P]<=[N]`` (iota groups), ``mesh[...] {'axis'}`` (mesh axes), ``{}`` (every partition);
+    for ``collective-permute``, the number of source-target pairs."""
+    if kind == "collective-permute":
+        pairs = _PAIRS.search(line)
+        return len(pairs.group(1).split("},{")) if pairs else 1
+    g = _GROUPS.search(line)
+    if g is None or g.group(1) == "{}":
+        return partitions
+    if g.group(2) is not None:
+        return len(_dims(g.group(2)))
+    if g.group(4) is not None:
+        return int(g.group(4))
+    sizes = dict((name, int(n)) for name, n in _MESH_AXIS.findall(g.group(5)))
+    return math.prod(sizes[a.strip().strip("'")] for a in g.group(6).split(",") if a.strip())
+
+
+def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
+    """The collectives of compiled (SPMD, per-device) HLO text, one per instruction, each with
+    the number of times it runs (``while`` trip counts included; in a branch of a
+    ``conditional``, an upper bound, flagged :attr:`Collective.conditional`), its operand bytes
+    (a tuple-shaped collective's operands summed), its group size, and whether its metadata
+    places it in a ``shard_map`` (the scheme's) or not (the SPMD partitioner's resharding).
+
+    Args:
+        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
+
+    Returns:
+        The collectives (empty when there are none).
+
+    Raises:
+        ValueError: If a collective runs inside a ``while`` loop with no known trip count, or
+            is asynchronous (``*-start``; the CPU backend emits none).
+    """
+    comps, entry = _computations(hlo_text)
+    runs, branched = _executions(comps, entry)
+    found = _PARTITIONS.search(hlo_text)
+    partitions = int(found.group(1)) if found else 1
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _COLLECTIVE.search(line)
+            if m is None:
+                continue
+            if m.group(3):
+                raise ValueError(f"asynchronous collective {m.group(2)}-start is not counted")
+            kind = m.group(2)
+            if runs.get(name, 0) is None:
+                raise ValueError(
+                    f"{kind} in %{name} runs inside a while loop with no known trip count"
+                )
+            size = sum(_itemsize(t) * math.prod(_dims(d)) for t, d in _ARRAY.findall(m.group(1)))
+            p = _group_size(line, kind, partitions)
+            if kind == "all-gather":
+                size //= p
+            elif kind == "reduce-scatter":
+                size *= p
+            calls = runs.get(name, 0) or 0
+            scheme = "/shard_map/" in line
+            out.append(Collective(kind, size, calls, p, scheme, conditional=name in branched))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCounts:
+    """XLA's own counts for one compiled function (see :func:`xla_counts`).
+
+    Attributes:
+        flops: ``cost_analysis()["flops"]``: dots plus every elementwise op XLA executes.
+        transcendentals: ``cost_analysis()["transcendentals"]``.
+        dot_flops: The dot FLOPs of the optimised HLO (:func:`hlo_dot_flops`).
+        temp_bytes: ``memory_analysis().temp_size_in_bytes``.
+        collectives: The collectives of the optimised HLO (:func:`hlo_collectives`), each with
+            its ``while`` trip counts.
+    """
+
+    flops: float  # cost_analysis()["flops"]: dots plus every elementwise op XLA executes
+    transcendentals: float
+    dot_flops: int  # from the optimised HLO's dot instructions
+    temp_bytes: int  # memory_analysis().temp_size_in_bytes
+    collectives: tuple[Collective, ...] = ()  # from the optimised HLO, trip counts included
+
+    @property
+    def other_flops(self) -> float:
+        """Elementwise work as XLA counts it (fusion may duplicate cheap producers)."""
+        return self.flops - self.dot_flops
+
+
+def xla_counts(fn: Callable[..., object], *args: object, **kwargs: object) -> XlaCounts:
+    """Compile ``fn`` (already ``jax.jit``-wrapped) for ``args`` and read XLA's counts.
+
+    Args:
+        fn: A ``jax.jit``-wrapped function (it must have ``.lower``).
+        *args: Its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        :class:`XlaCounts` of the compiled program (a ``while`` body counted once).
+    """
+    compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    text = compiled.as_text()
+    return XlaCounts(
+        float(ca.get("flops", 0.0)),
+        float(ca.get("transcendentals", 0.0)),
+        hlo_dot_flops(text),
+        int(compiled.memory_analysis().temp_size_in_bytes),
+        hlo_collectives(text),
+    )

@@ -1,0 +1,132 @@
+"""Formulation families: the contract that every member of a family shares.
+
+A :class:`Family` says how to call and how to check each of its members: the row-convention
+``apply`` signature they all take, the float64 NumPy oracle with that signature, the derived
+error bound (the oracle's signature plus ``dtype``), the keyword arguments a call needs, and the
+paragraph the generated pages show. The report, the docs generator and the tests call
+``f.family.oracle(...)``, ``f.family.bound(...)`` and ``f.family.example(...)`` for any entry
+``f`` instead of branching on family names.
+
+The softmax family is defined here; the linear family lives next to its formulations in
+:mod:`attnref._src.formulations.linear`, the RoPE family in :mod:`attnref._src.formulations.rope`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from attnref import oracle, tolerance
+
+
+@runtime_checkable  # isinstance-checkable: the test suite checks annotations at runtime
+class ExampleProblem(Protocol):
+    """What :attr:`Family.example` and :attr:`Family.required_kwargs` read from a problem
+    (``attnref.report.Problem`` has all of it)."""
+
+    @property
+    def t_q(self) -> int: ...
+    @property
+    def t_k(self) -> int: ...
+    @property
+    def d_k(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def feature_map(self) -> str: ...  # the name of the linear family's feature map
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One way to call a family member on an example problem.
+
+    Attributes:
+        kwargs: Keyword arguments for ``apply``, the family's oracle and its bound alike.
+        self_attention: Whether the call needs ``x_kv = x_q`` (``T_k = T_q``).
+        note: The setting in words, as the report's last column shows it.
+    """
+
+    kwargs: dict[str, Any]
+    self_attention: bool
+    note: str
+
+
+def no_kwargs(problem: ExampleProblem) -> dict[str, Any]:
+    """``required_kwargs`` of a family whose members need nothing beyond ``(params, x_q, x_kv)``."""
+    return {}
+
+
+def masked_example(problem: ExampleProblem, causal: bool) -> Example:
+    """The softmax family's example: causality is a boolean mask (``None`` when not causal), and
+    cross-attention is allowed."""
+    mask = np.tril(np.ones((problem.t_q, problem.t_k), bool)) if causal else None
+    return Example({"mask": mask}, False, "causal mask" if causal else "no mask")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Family:
+    """A family of formulations: one ``apply`` signature, one oracle, one derived bound.
+
+    Families compare by identity: code calls a family's oracle, bound and hooks instead of
+    comparing names (``attnref.formulations("linear")`` accepts the name for convenience).
+
+    Attributes:
+        name: Stable name (``"softmax"``, ``"linear"``, ``"rope"``), unique among families.
+        oracle: The float64 NumPy reference from :mod:`attnref.oracle`; it takes the members'
+            ``apply`` signature, ``(params, x_q, x_kv=None, **kwargs)``.
+        bound: The derived componentwise error bound from :mod:`attnref.tolerance`: the
+            oracle's signature plus a keyword ``dtype`` (the dtype the member computed in).
+        signature: The members' ``apply`` signature as text, for the docs.
+        note: The Markdown paragraph the generated pages show under **Convention**.
+        equation_symbols: LaTeX symbols of the family's kernel; every member's equation shows
+            at least one of them (``tests/test_registry.py`` checks it).
+        static_argnames: The default ``jax.jit`` static arguments of a member's ``apply``.
+        required_kwargs: ``required_kwargs(problem) -> dict``: keyword arguments every call of
+            a member needs beyond ``(params, x_q, x_kv)`` (the linear family's
+            ``feature_map``); empty for the others.
+        example: ``example(problem, causal) -> Example``: a complete call of a member on
+            ``problem``, causal or not (the report and the tests call it).
+    """
+
+    name: str
+    oracle: Callable[..., np.ndarray]
+    bound: Callable[..., np.ndarray]
+    signature: str
+    note: str
+    equation_symbols: tuple[str, ...]
+    static_argnames: tuple[str, ...] = ("residual",)
+    required_kwargs: Callable[[ExampleProblem], dict[str, Any]] = no_kwargs
+    example: Callable[[ExampleProblem, bool], Example] = masked_example
+
+    def __repr__(self) -> str:
+        return (
+            f"Family({self.name!r}, oracle={public_path(self.oracle)}, "
+            f"bound={public_path(self.bound)})"
+        )
+
+
+def public_path(fn: Callable[..., Any]) -> str:
+    """The public dotted name of a function defined in a private submodule of a public package
+    (``attnref.oracle._core.attention`` -> ``attnref.oracle.attention``).
+
+    Args:
+        fn: A family's oracle or bound, or any function of attnref's public packages.
+
+    Returns:
+        The public package's dotted name plus ``fn.__name__``.
+    """
+    return f"{fn.__module__.split('._')[0]}.{fn.__name__}"
+
+
+SOFTMAX = Family(
+    name="softmax",
+    oracle=oracle.attention,
+    bound=tolerance.attention_error_bound,
+    signature="apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None, residual=False)",
+    note="Scale $1/\\sqrt{d_k}$ unless `scale=` is given. A fully masked query row gets zero "
+    "attention weights, so the output there is $b_O$ (see [conventions](../conventions.md)).",
+    equation_symbols=("softmax", "sigma"),
+)

@@ -1,0 +1,217 @@
+"""The formulation registry: one entry per formulation, read by the tests, the CLI and the docs.
+
+Every entry's ``apply`` takes the row-convention multi-head signature of its :class:`Family`
+(``f.family.signature``) and returns ``[..., T_q, d_model]``; the family's oracle
+(``f.family.oracle``) and derived bound (``f.family.bound``) check it. ``native`` is the
+formulation in its own convention (column vectors, one query, an edge list, or the kernel level
+``(q, k, v)``), which ``apply`` adapts.
+
+A formulation registers itself: the module that defines its ``apply`` ends with its
+``register(Formulation(...))`` call and its ``<id>_cost`` model. The registry imports those
+modules (:data:`FORMULATION_MODULES`) on first read, and lists entries in that module order,
+then in each module's registration order, whatever order the modules were imported in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+
+from attnref._src.core.family import SOFTMAX, Family
+
+Convention = Literal["row", "column", "single-query", "graph", "kernel"]
+
+# Citations that entries of several modules share.
+REFACTOR = (
+    "Refactoring the Attention Equations: Patterns and Messages (blog post, 2025-02-19); "
+    "Reframing Attention: A Matrix Decomposition Perspective (blog post, 2025-02-18)."
+)
+# The post that introduces the per-head split of W_O and the messages M_i = X W_V[i] W_O[i].
+HIDDEN_MESSAGES = "The Hidden Messages of Multi-Head Attention (blog post, 2025-02-17)"
+
+# The modules that register formulations, in registry order.
+FORMULATION_MODULES = (
+    "attnref._src.formulations.standard",
+    "attnref._src.formulations.merged",
+    "attnref._src.formulations.column",
+    "attnref._src.formulations.soft_search",
+    "attnref._src.formulations.graph",
+    "attnref._src.formulations.linear.multihead",
+    "attnref._src.formulations.kernel_forms",
+    "attnref._src.formulations.split_kv",
+    "attnref._src.formulations.state_merge",
+    "attnref._src.formulations.rope",
+    "attnref._src.formulations.distributed.ring",
+    "attnref._src.formulations.distributed.all_gather",
+    "attnref._src.formulations.distributed.ulysses",
+    "attnref._src.formulations.distributed.tensor_parallel",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Formulation:
+    """A registered formulation of multi-head attention.
+
+    Attributes:
+        id: Stable, unique registry id (``[a-z_]+``); the multi-head row form is exported as
+            ``<id>_attention`` where it is not ``native`` itself.
+        title: One-line title of its page.
+        equation: The formulation in LaTeX, display style.
+        convention: How ``native`` takes tokens: ``"row"``, ``"column"``, ``"single-query"``,
+            ``"graph"`` or ``"kernel"``.
+        citation: Where the formulation comes from.
+        apply: The multi-head row form, with the family's signature.
+        native: The formulation in its own convention (may be ``apply`` itself).
+        summary: One or two sentences for the page and ``attnref list``.
+        cost: Asymptotic FLOPs and peak memory of this order of operations, in words.
+        family: The :class:`Family` whose signature, oracle and bound apply
+            (default: the softmax family).
+        causal_modes: The ``causal`` values ``apply`` takes, default first (the linear
+            family's forms; the mask-based families take both).
+        static_argnames: ``jax.jit`` static arguments of ``apply``; ``None`` (the default)
+            means the family's ``static_argnames``.
+        cost_model: ``<id>_cost(dims) -> Cost``, the analytic cost model
+            (:func:`attnref.costs.cost` calls it).
+        formula: The pure function that computes the formulation (no validation, no guard),
+            whose source its page shows; ``None`` (default) means ``apply.formula`` if the
+            public function has one, else ``native``.
+    """
+
+    id: str
+    title: str
+    equation: str
+    convention: Convention
+    citation: str
+    apply: Callable[..., Any]
+    native: Callable[..., Any]
+    summary: str
+    cost: str
+    family: Family = SOFTMAX
+    causal_modes: tuple[bool, ...] = (False, True)
+    static_argnames: tuple[str, ...] | None = None
+    cost_model: Callable[[Any], Any] | None = None
+    formula: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.static_argnames is None:
+            object.__setattr__(self, "static_argnames", self.family.static_argnames)
+        if self.formula is None:
+            formula = getattr(self.apply, "formula", None) or self.native
+            object.__setattr__(self, "formula", getattr(formula, "formula", formula))
+
+    def jit(self) -> Callable[..., Any]:
+        """``jax.jit(apply)`` with this entry's static arguments.
+
+        Returns:
+            The jitted ``apply``.
+        """
+        return jax.jit(self.apply, static_argnames=self.static_argnames)
+
+
+REGISTRY: dict[str, Formulation] = {}
+_loaded = False
+
+
+def register(formulation: Formulation) -> Formulation:
+    """Add a formulation to the registry (call it at the bottom of the module defining it).
+
+    Args:
+        formulation: The entry; its id must not be registered yet, and a different family of
+            the same name must not be registered either.
+
+    Returns:
+        ``formulation``, unchanged.
+
+    Raises:
+        ValueError: The id is taken, or the family's name belongs to another family.
+    """
+    if formulation.id in REGISTRY:
+        raise ValueError(f"formulation id {formulation.id!r} is already registered")
+    for other in REGISTRY.values():
+        if other.family.name == formulation.family.name and other.family is not formulation.family:
+            raise ValueError(f"another family is already registered as {other.family.name!r}")
+    REGISTRY[formulation.id] = formulation
+    return formulation
+
+
+def _load() -> None:
+    """Import the modules that register the formulations (once; the registry is read lazily)."""
+    global _loaded
+    if not _loaded:
+        for module in FORMULATION_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+
+
+def _rank(f: Formulation) -> int:
+    module = f.apply.__module__
+    return (
+        FORMULATION_MODULES.index(module)
+        if module in FORMULATION_MODULES
+        else len(FORMULATION_MODULES)
+    )
+
+
+def get(formulation_id: str) -> Formulation:
+    """The registered formulation with this id.
+
+    Args:
+        formulation_id: A registry id, e.g. ``"concat"``.
+
+    Returns:
+        Its :class:`Formulation`.
+
+    Raises:
+        KeyError: No such id (the message lists the known ids).
+    """
+    _load()
+    try:
+        return REGISTRY[formulation_id]
+    except KeyError:
+        raise KeyError(
+            f"unknown formulation {formulation_id!r}; known: {sorted(REGISTRY)}"
+        ) from None
+
+
+def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
+    """Registered formulations in registry order, optionally of one family.
+
+    Args:
+        family: A :class:`Family` or its name (``"softmax"``, ``"linear"``, ``"rope"``);
+            ``None`` for every family.
+
+    Returns:
+        The entries, in the order of :data:`FORMULATION_MODULES` and then of registration
+        (entries registered by other modules come last).
+    """
+    _load()
+    ordered = sorted(REGISTRY.values(), key=_rank)  # stable: registration order within a module
+    if family is None:
+        return tuple(ordered)
+    name = family if isinstance(family, str) else family.name
+    return tuple(f for f in ordered if f.family.name == name)
+
+
+def families() -> tuple[Family, ...]:
+    """The families of the registered formulations, in order of their first entry.
+
+    Returns:
+        One :class:`Family` per name.
+    """
+    return tuple(dict.fromkeys(f.family for f in formulations()))
+
+
+def ids(family: Family | str | None = None) -> tuple[str, ...]:
+    """Registry ids in registry order, optionally of one family.
+
+    Args:
+        family: A :class:`Family` or its name; ``None`` for every family.
+
+    Returns:
+        The ids of :func:`formulations` ``(family)``.
+    """
+    return tuple(f.id for f in formulations(family))

@@ -1,0 +1,263 @@
+"""The column-vector form of "Attention: All you need to know" (far.in.net, 2025-03-29).
+
+The notation (``softmax_col``, ``W_A = W_K^T W_Q``, ``W_I = W_O^T W_V``) is that post's; its
+footnote 2 makes column vectors its own choice. The two products are the QK and OV circuits of
+Elhage et al. (2021), who write ``A = softmax(x^T W_Q^T W_K x)`` (query ``i`` in row ``i``) and
+``W_OV = W_O W_V`` (their ``W_O`` is ``d_model x d_head``): ``W_A`` is the transpose of their
+``W_Q^T W_K``, and ``W_I`` is their ``W_OV`` with ``W_O`` stored ``d_v x d_model``.
+
+Tokens are columns: ``X [..., d_model, T]``. Per head, ``A_i = X_kv^T W_A[i] X_q`` (``T_k x T_q``,
+entry ``[j, i]`` scores key ``j`` for query ``i``), ``~A_i = softmax_col(A_i / sqrt(d_k))`` is
+column-stochastic, and ``Y = sum_i W_I[i] X_kv ~A_i + b_O 1^T`` with ``W_A = W_K^T W_Q`` and
+``W_I = W_O^T W_V`` in column convention (``W_A[i] = W_P[i]^T``, ``W_I[i] = W_M[i]^T``; with
+grouped-query params query head ``i`` uses ``W_K``, ``W_V``, ``b_V`` of key/value head
+``g = i // G``).
+Masks and biases use the same transposed layout ``[..., T_k, T_q]`` (``M[j, i]``: query ``i``
+may read key ``j``). Biases: ``b_Q`` adds ``X_kv^T (W_K[g] b_Q[i]) 1^T`` to the scores (``b_K``
+cancels in the column softmax) and ``b_V`` adds ``(W_O[i]^T b_V[g]) 1^T`` to the updates.
+A key column a query may not read (mask, ``-inf`` bias) never reaches that query's output column
+or gradients, whatever it holds (``attnref._src.core.nonfinite``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.core import cost as _cost
+from attnref._src.core.checks import check_mask_and_bias, check_scale, check_tokens, float64_scoped
+from attnref._src.core.common import HIGHEST, residual_or, scale_value
+from attnref._src.core.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    guarded,
+    nonfinite_rows,
+    reads_nonfinite,
+)
+from attnref._src.core.params import AttentionParams, repeat_heads, w_a_unchecked, w_i_unchecked
+from attnref._src.core.registry import Formulation, register
+from attnref._src.core.softmax import masked_softmax
+
+
+@float64_scoped
+def column_form(
+    params: AttentionParams,
+    x: Float[ArrayLike, "... d_model T_q"],
+    x_kv: Float[ArrayLike, "... d_model T_k"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T_k T_q"] | None = None,
+    bias: Float[ArrayLike, "... T_k T_q"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... d_model T_q"]:
+    """``Y = sum_i W_I[i] X_kv softmax_col(X_kv^T W_A[i] X / sqrt(d_k)) + b_O`` (columns).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`, stored in row convention);
+            ``W_A[i] = W_P[i]^T`` and ``W_I[i] = W_M[i]^T`` are formed from them.
+        x: Query tokens as columns, ``[..., d_model, T_q]``, the dtype of ``params``.
+        x_kv: Key/value tokens as columns, ``[..., d_model, T_k]``, with the batch shape of
+            ``x``; ``None`` (default) means ``x`` (self-attention).
+        mask: Boolean in the transposed layout, broadcastable to ``[..., T_k, T_q]``
+            (``mask[..., j, i]``: query ``i`` may read key ``j``); ``None`` (default) allows all.
+        bias: Floating additive bias, broadcastable to ``[..., T_k, T_q]`` (transposed like
+            ``mask``), added to the scaled scores; cast to the dtype of ``x``.
+        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``X + Y`` (the residual-stream update).
+
+    Returns:
+        ``Y`` as columns, ``[..., d_model, T_q]``; a fully masked query column is ``b_O``
+        (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_k, T_q]``, or ``scale`` is not a scalar.
+        TypeError: If ``x``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    x_kv = x if x_kv is None else x_kv
+    batch, t_q, t_k = check_tokens(params, x, x_kv, layout="column", names=("x", "x_kv"))
+    check_mask_and_bias(mask, bias, (*batch, t_k, t_q), axes="[..., T_k, T_q]")
+    check_scale(scale)
+    return _column_form(params, x, x_kv, mask, bias, scale, residual, (*batch, t_q, t_k))
+
+
+def _column_form(
+    params: AttentionParams,
+    x: ArrayLike,
+    x_kv: ArrayLike,
+    mask: ArrayLike | None,
+    bias: ArrayLike | None,
+    scale: float | None,
+    residual: bool,
+    rows_shape: tuple[int, ...],
+) -> Array:
+    """:func:`column_form` on validated inputs, non-finite guard included; ``rows_shape`` is
+    ``(*batch, T_q, T_k)``."""
+    x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
+    s = scale_value(params.d_k, scale, x.dtype)
+    m = None if mask is None else jnp.swapaxes(jnp.asarray(mask), -1, -2)  # rows: [..., T_q, T_k]
+    b = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    b_rows = None if b is None else jnp.swapaxes(b, -1, -2)
+    allowed = allowed_pairs(m, b_rows, rows_shape)
+    bad_q, bad_kv = nonfinite_rows(x, axis=-2), nonfinite_rows(x_kv, axis=-2)
+    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, residual)  # [..., T_q]
+
+    def rows(xq: Array, xkv: Array, bq: Array | None) -> Array:  # [..., T_q, d_model]
+        y = _column(params, xq, xkv, mask, bq, s, residual)
+        return jnp.swapaxes(y, -1, -2)
+
+    clean = (finite_part(x), finite_part(x_kv), finite_bias(b))
+    return jnp.swapaxes(guarded(rows, dirty, clean), -1, -2)
+
+
+def _column(
+    params: AttentionParams,
+    x: Array,
+    x_kv: Array,
+    mask: ArrayLike | None,
+    bias: Array | None,
+    s: Array,
+    residual: bool,
+) -> Float[Array, "... d_model T_q"]:
+    """The body of :func:`column_form` on validated arrays (no non-finite guard)."""
+    wa_x = jnp.einsum("hde,...eq->...hdq", w_a_unchecked(params), x, precision=HIGHEST)
+    scores = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)
+    if params.b_q is not None:
+        w_k = repeat_heads(params.w_k, params.group_size)  # [H, d_model, d_k]: W_K[i // G]
+        kb = jnp.einsum("hdk,hk->hd", w_k, params.b_q, precision=HIGHEST)
+        scores = scores + jnp.einsum("...dk,hd->...hk", x_kv, kb, precision=HIGHEST)[..., None]
+    scores = scores * s
+    if bias is not None:
+        scores = scores + jnp.expand_dims(bias, -3)
+    head_mask = None if mask is None else jnp.expand_dims(jnp.asarray(mask), -3)
+    a = masked_softmax(scores, head_mask, axis=-2)
+
+    updates = jnp.einsum("hed,...dk->...hek", w_i_unchecked(params), x_kv, precision=HIGHEST)
+    if params.b_v is not None:
+        b_v = repeat_heads(params.b_v, params.group_size)  # [H, d_v]: b_V[i // G]
+        ob = jnp.einsum("hvd,hv->hd", params.w_o, b_v, precision=HIGHEST)
+        updates = updates + ob[..., None]
+    y = jnp.sum(jnp.einsum("...hek,...hkq->...heq", updates, a, precision=HIGHEST), axis=-3)
+    if params.b_o is not None:
+        y = y + jnp.asarray(params.b_o)[:, None]
+    return residual_or(y, x, residual)
+
+
+@float64_scoped
+def column_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`column_form` behind the row-convention signature (transposes in and out).
+
+    Same values as :func:`attnref.concat_attention`; ``mask`` and ``bias`` are in the row
+    layout ``[..., T_q, T_k]`` here and are transposed for :func:`column_form`.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+
+    def t(a: ArrayLike | None) -> Array | None:
+        return None if a is None else jnp.swapaxes(jnp.asarray(a), -1, -2)
+
+    batch, t_q, t_k = check_tokens(params, x_q, x_q if x_kv is None else x_kv)
+    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+    check_scale(scale)
+    x_col = jnp.swapaxes(jnp.asarray(x_q), -1, -2)
+    kv_col = x_col if x_kv is None else jnp.swapaxes(jnp.asarray(x_kv), -1, -2)
+    y = _column_form(params, x_col, kv_col, t(mask), t(bias), scale, residual, (*batch, t_q, t_k))
+    return jnp.swapaxes(y, -1, -2)
+
+
+# ----------------------------------------------------------------------------- registry entry
+
+COLUMN = (
+    "The column form and its notation (softmax_col, W_A = W_K^T W_Q, W_I = W_O^T W_V): "
+    "Attention: All you need to know (far.in.net, 2025-03-29), column vectors by its own choice "
+    "(footnote 2). The two products: the QK and OV circuits of Elhage et al. (2021), A "
+    "Mathematical Framework for Transformer Circuits, Transformer Circuits Thread, written "
+    "A = softmax(x^T W_Q^T W_K x) and W_OV = W_O W_V."
+)
+
+
+def column_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    logits = b * h * tq * tk
+    mm = (
+        2 * h * dm * d.d_k * dm
+        + 2 * h * dm * dm * b * tq
+        + 2 * logits * dm
+        + 2 * h * dm * d.d_v * dm
+        + 2 * h * dm * dm * b * tk
+        + 2 * logits * dm
+    )
+    el = _cost.softmax_elementwise(d) + b * (h - 1) * tq * dm
+    if d.bias:
+        mm += 2 * h * dm * d.d_k + 2 * b * tk * dm * h + 2 * h * d.d_v * dm
+        el += logits + b * h * tk * dm + b * tq * dm
+    tensors = [
+        h * dm * dm,
+        b * h * dm * tq,
+        *_cost.softmax_tensors(d, logits),
+        b * h * tk,
+        h * dm * dm,
+        b * h * dm * tk,
+        b * h * dm * tq,
+        b * dm * tq,
+        b * (tq + tk) * dm,
+        b * tq * dm,
+    ]  # row-adapter transposes in and out
+    return _cost.finish(d, mm, el, logits, tensors)
+
+
+register(
+    Formulation(
+        id="column",
+        title='Column-vector form ("Attention: All you need to know")',
+        equation=(
+            r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma\!\big(X_{kv}^\top W_{A,i} X\big) + b_O"
+            r"\mathbf{1}^\top,\quad W_{A,i} = W_{K}^\top W_{Q},\ W_{I,i} = W_{O}^\top W_{V}"
+            r"\ \text{(column convention)}"
+        ),
+        convention="column",
+        citation=COLUMN,
+        apply=column_attention,
+        native=column_form,
+        summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
+        cost=(
+            "As patterns_messages (the same products, transposed); memory "
+            "O(H (T_q + T_k) d_model + H T_q T_k)."
+        ),
+        cost_model=column_cost,
+    )
+)

@@ -1,0 +1,365 @@
+"""Per-device cost models of the distributed schemes (``<id>_cost(dims) -> Cost`` with
+``dims.devices = P``) and the causal load balance of the sequence layouts.
+
+The models count per device, as XLA's ``cost_analysis()`` of an SPMD program does: matmul FLOPs
+and transcendentals exactly, elementwise work as an upper bound, bytes, and the scheme's
+collectives (:class:`attnref._src.core.cost.Collective`: kind, operand bytes per call, calls).
+``tests/test_distributed_cost.py`` checks them against the compiled HLO of each registry entry.
+
+Load balance (:func:`useful_pairs`, :func:`load_balance`): :data:`CLOSED_FORMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from attnref._src.core import cost as _cost
+from attnref._src.core.cost import Collective, Cost, Dims
+from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
+
+# ----------------------------------------------------------------------------- per-device models
+#
+# Every model is per device, ``P = dims.devices``, for the registry's row form on ``dims`` (one
+# K/V head per query head, a full mask and bias given: the worst case the row form runs). What
+# runs *inside* the ``shard_map`` is the scheme's and is counted exactly (matmul FLOPs,
+# transcendentals, the collectives). What runs *outside* it -- the row form's projections
+# ``x W_Q``, ``x W_K``, ``x W_V`` and ``o W_O`` on the global arrays -- is placed by XLA's SPMD
+# partitioner: where the layout is a plain pad (contiguous: ring, Ulysses) the shard_map's
+# sequence sharding propagates back through it and each device projects its own ``T' / P``
+# tokens; where the layout permutes tokens (a gather: striped, zigzag, all-gather) propagation
+# stops and every device projects all ``T`` tokens. Tensor parallelism projects inside its
+# shard_map (``H / P`` heads per device).
+
+# Elementwise ops per (query, key) pair of one piece of a sequence-parallel scheme, counted from
+# the source: the ring's reachability test (q < T, k < S, and, any), the piece's allowed set
+# (again 3, and the mask), the naive kernel's allowed set (bias != -inf, and, any), the logits
+# (scale, finite bias: isnan, == inf, or, where; + bias, where allowed, max, - top, where,
+# sum, / denom) and the non-finite reads (isnan, == inf, or of the bias, and, or, any).
+PIECE_PER_PAIR = 4 + 4 + 3 + 12 + 6
+# Per query row and head of a piece: the kernel's live/denominator/lse selects and the lse add
+# (4), the dirty test (and, or) and the poisoning of lse (3); per output entry its poisoning (1).
+PIECE_PER_ROW, PIECE_PER_ENTRY = 7, 1
+# One merge of two states (attnref._src.formulations.states.merge_states), per row: max, isfinite, where,
+# two (where, -), +, where, two isneginf, minimum, where, + and the empty/poison tests (4) and
+# two selects of lse; per output entry: two selects of o_a/o_b, 2 mul, add, divide, two selects.
+MERGE_PER_ROW, MERGE_PER_ENTRY = 20, 8
+# Moving a token array into or out of a layout (pad, gather; the partitioner's select and
+# all-reduce add when it reshards a gather), per element.
+LAYOUT_PER_ELEMENT = 3
+# Per output row and head: finish_rows' live test and policy selects, query padding, NaN for
+# lengths out of range (6); per output entry: their selects and the cast (4).
+FINISH_PER_ROW, FINISH_PER_ENTRY = 6, 4
+
+
+def _padded(d: Dims, layout: str) -> tuple[int, int]:
+    """``(T', S')``: the query and key lengths padded for ``layout`` over ``P`` devices."""
+    return padded_length(d.t_q, d.devices, layout), padded_length(d.t_k, d.devices, layout)
+
+
+def _projections(d: Dims, sharded: bool, layout: str) -> int:
+    """Matmul FLOPs of ``x W_Q``, ``x W_K``, ``x W_V`` and ``o W_O`` on one device: every
+    token's (replicated) or the device's ``T' / P`` tokens' (``sharded``)."""
+    if not sharded:
+        pq, pk, pv = _cost.projections(d)
+        return pq + pk + pv + 2 * d.batch * d.t_q * d.heads * d.d_v * d.d_model
+    t_pad, s_pad = _padded(d, layout)
+    local = dataclasses.replace(d, t_q=t_pad // d.devices, t_k=s_pad // d.devices)
+    return _projections(local, False, layout)
+
+
+def _weight_level(d: Dims) -> int:
+    """Elementwise work of the row form around the kernel, counted in full (an upper bound on
+    any device's share): the weight-level non-finite guard, the projection and output biases,
+    the head sum and the kernel operands' finite parts and dirty tests."""
+    b, h = d.batch, d.heads
+    operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
+    return (
+        _cost.weight_guard_elementwise(d)
+        + _cost.GUARD_PER_OPERAND * operands
+        + _cost.bias_adds(
+            d,
+            b * d.t_q * h * d.d_k,
+            b * d.t_k * h * d.d_k,
+            b * d.t_k * h * d.d_v,
+            b * d.t_q * d.d_model,
+        )
+        + b * d.t_q * d.d_model * (h - 1)
+    )
+
+
+def _piece(d: Dims, heads: int, rows: int, keys: int) -> tuple[int, int, int]:
+    """(matmul, elementwise, transcendentals without the lse's log) of one naive piece:
+    ``rows`` queries against ``keys`` keys on ``heads`` heads."""
+    b = d.batch
+    logits = b * heads * rows * keys
+    operands = b * heads * (rows * d.d_k + keys * (d.d_k + d.d_v))
+    el = (
+        PIECE_PER_PAIR * logits
+        + PIECE_PER_ROW * b * heads * rows
+        + PIECE_PER_ENTRY * b * heads * rows * d.d_v
+        + _cost.GUARD_PER_OPERAND * operands
+    )
+    return 2 * logits * (d.d_k + d.d_v), el, logits
+
+
+def _check_heads(d: Dims, scheme: str) -> None:
+    if d.heads % d.devices:
+        raise ValueError(
+            f"{scheme} needs the {d.devices} devices to divide the heads, got heads={d.heads}"
+        )
+
+
+def _ring(d: Dims, layout: str) -> Cost:
+    """A ring over ``layout``: ``P`` steps of a piece (``c_q = T'/P`` queries against one
+    ``c_k = S'/P`` chunk) and a merge, ``P - 1`` sends of the K/V chunk."""
+    p, b, h = d.devices, d.batch, d.heads
+    t_pad, s_pad = _padded(d, layout)
+    cq, ck = t_pad // p, s_pad // p
+    mm, el, logits = _piece(d, h, cq, ck)
+    rows = b * h * cq
+    step_el = el + MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v
+    # exp of the logits; per row the piece's log(denominator) and the merge's two weights and
+    # log1p, less one with one device: XLA folds the weight of the merge's constant empty state
+    # (exp(-inf) = 0) when the single step is not in a loop.
+    step_tr = logits + (3 if p == 1 else 4) * rows
+    sharded = layout == "contiguous"
+    outside = _projections(d, sharded, layout)
+    chunk_bytes = b * ck * h * (d.d_k + d.d_v) * d.itemsize
+    inputs, output = _cost.io(d)
+    tokens = b * (t_pad * h * d.d_k + s_pad * h * (d.d_k + d.d_v))  # laid-out q, k, v
+    pairs = 2 * b * t_pad * d.t_k  # laid-out mask and bias rows
+    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs + b * t_pad * h * d.d_v)
+    finish = FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v
+    tensors = [
+        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),  # projections (replicated at most)
+        tokens,
+        pairs,  # laid out
+        2 * b * ck * h * (d.d_k + d.d_v),  # the chunk held and the chunk received
+        8 * b * h * cq * ck,  # one piece's logits, allowed set, weights and temporaries
+        4 * rows * (d.d_v + 1),  # the running and the piece's states, merged and finished
+        b * t_pad * h * d.d_v,
+        b * d.t_q * h * d.d_v,
+        2 * b * d.t_q * d.d_model,
+    ]
+    return Cost(
+        outside + p * mm,
+        el_outside + p * step_el + finish,
+        p * step_tr,
+        inputs,
+        output,
+        max(b * h * cq * ck, b * cq * h * d.d_v) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        loop_trips=p,
+        per_trip_matmul_flops=mm if p > 1 else 0,
+        per_trip_elementwise_flops=step_el if p > 1 else 0,
+        per_trip_transcendentals=step_tr if p > 1 else 0,
+        collectives=(Collective("collective-permute", chunk_bytes, p - 1, p),) if p > 1 else (),
+    )
+
+
+def ring_cost(d: Dims) -> Cost:
+    """Ring attention (contiguous layout), per device: ``P`` pieces of ``c_q x c_k`` logits
+    (``c = T'/P``, ``T'`` padded to a multiple of ``P``) and ``P`` merges; communication: the
+    K/V chunk, ``B c_k K (d_k + d_v)`` numbers, sent to the next device ``P - 1`` times
+    (``collective-permute``). The projections are sequence-sharded (``T'/P`` tokens each)."""
+    return _ring(d, "contiguous")
+
+
+def striped_cost(d: Dims) -> Cost:
+    """Striped attention, per device: the ring's pieces, merges and ``P - 1`` K/V chunk sends
+    (``B c_k K (d_k + d_v)`` numbers each); the projections run on all ``T`` tokens (the
+    striped layout is a gather, which stops XLA's sharding propagation)."""
+    return _ring(d, "striped")
+
+
+def zigzag_cost(d: Dims) -> Cost:
+    """Zigzag ring attention, per device: the ring's pieces, merges and ``P - 1`` K/V chunk
+    sends, with ``T'``, ``S'`` padded to multiples of ``2P``; the projections run on all ``T``
+    tokens (the zigzag layout is a gather)."""
+    return _ring(d, "zigzag")
+
+
+def all_gather_cost(d: Dims) -> Cost:
+    """All-gather context parallelism (zigzag layout), per device: one piece of ``c_q = T'/P``
+    queries against all ``S'`` keys (``T'``, ``S'`` padded to multiples of ``2P``);
+    communication: one all-gather of ``K`` and one of ``V``, each device contributing its
+    ``B S'/P K d`` shard and sending it to the ``P - 1`` others: ``(P - 1)/P`` of
+    ``B S' K (d_k + d_v)`` numbers. The projections run on all ``T`` tokens."""
+    p, b, h = d.devices, d.batch, d.heads
+    t_pad, s_pad = _padded(d, "zigzag")
+    cq = t_pad // p
+    mm, el, logits = _piece(d, h, cq, s_pad)
+    rows = b * h * cq
+    inputs, output = _cost.io(d)
+    tokens = b * (t_pad * h * d.d_k + s_pad * h * (d.d_k + d.d_v))
+    pairs = 2 * b * t_pad * d.t_k
+    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs + b * t_pad * h * d.d_v)
+    shard = b * (s_pad // p) * h * d.itemsize
+    collectives = (Collective("all-gather", shard * (d.d_k + d.d_v), 1, p),) if p > 1 else ()
+    tensors = [
+        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),
+        tokens,
+        pairs,
+        b * s_pad * h * (d.d_k + d.d_v),  # the gathered K and V
+        8 * b * h * cq * s_pad,
+        2 * rows * (d.d_v + 1),
+        b * t_pad * h * d.d_v,
+        b * d.t_q * h * d.d_v,
+        2 * b * d.t_q * d.d_model,
+    ]
+    return Cost(
+        _projections(d, False, "zigzag") + mm,
+        el_outside + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        logits,  # the lse's log is dead in the row form (only o is returned)
+        inputs,
+        output,
+        max(b * h * cq * s_pad, b * s_pad * h * d.d_k) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        collectives=collectives,
+    )
+
+
+def ulysses_cost(d: Dims) -> Cost:
+    """DeepSpeed-Ulysses, per device: full attention of ``H/P`` heads over ``T' x S'`` (padded
+    to multiples of ``P``); communication: four all-to-alls (``q``, ``k``, ``v`` to the head
+    split, ``o`` back), each on the device's ``B T'/P H d`` share, ``(P - 1)/P`` of which
+    leaves the device (the lse's all-to-all is dead in the row form). The projections are
+    sequence-sharded (the padding is a pad: sharding propagates)."""
+    _check_heads(d, "Ulysses")
+    p, b, h = d.devices, d.batch, d.heads
+    t_pad, s_pad = _padded(d, "contiguous")
+    mm, el, logits = _piece(d, h // p, t_pad, s_pad)
+    rows = b * (h // p) * t_pad
+    inputs, output = _cost.io(d)
+    share = b * h * d.itemsize // p
+    sizes = (t_pad * d.d_k, s_pad * d.d_k, s_pad * d.d_v, t_pad * d.d_v)
+    collectives = tuple(Collective("all-to-all", share * n, 1, p) for n in sizes) if p > 1 else ()
+    tokens = b * h * (t_pad * d.d_k + s_pad * (d.d_k + d.d_v) + t_pad * d.d_v)
+    pairs = 2 * b * t_pad * s_pad
+    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs)
+    tensors = [
+        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),
+        2 * tokens // p,
+        pairs,
+        8 * b * (h // p) * t_pad * s_pad,
+        2 * rows * (d.d_v + 1),
+        b * d.t_q * h * d.d_v,
+        2 * b * d.t_q * d.d_model,
+    ]
+    return Cost(
+        _projections(d, True, "contiguous") + mm,
+        el_outside + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        logits,
+        inputs,
+        output,
+        b * (h // p) * t_pad * s_pad * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        collectives=collectives,
+    )
+
+
+def tensor_parallel_cost(d: Dims) -> Cost:
+    """Tensor-parallel heads, per device: the projections, attention and ``o W_O`` of ``H/P``
+    heads on every token (inside the shard_map); communication: one all-reduce (``psum``) of
+    the partial block output, ``B T d_model`` numbers, ``2 (P - 1)/P`` of them sent by a ring
+    all-reduce."""
+    _check_heads(d, "tensor parallelism")
+    p, b, h = d.devices, d.batch, d.heads
+    local = dataclasses.replace(d, heads=h // p)
+    mm, el, logits = _piece(d, h // p, d.t_q, d.t_k)
+    rows = b * (h // p) * d.t_q
+    inputs, output = _cost.io(d)
+    collectives = (Collective("all-reduce", b * d.t_q * d.d_model * d.itemsize, 1, p),)
+    tensors = [
+        *(3 * [b * d.t_q * (h // p) * max(d.d_k, d.d_v)]),
+        8 * b * (h // p) * d.t_q * d.t_k,
+        2 * rows * (d.d_v + 1),
+        b * d.t_q * (h // p) * d.d_v,
+        3 * b * d.t_q * d.d_model,
+    ]
+    return Cost(
+        _projections(local, False, "contiguous") + mm,
+        _weight_level(d) + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        logits,
+        inputs,
+        output,
+        b * (h // p) * d.t_q * d.t_k * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        collectives=collectives if p > 1 else (),
+    )
+
+
+CLOSED_FORMS = """Under causal self-attention (top-left, `T = S`) query `i` has `i + 1` allowed
+keys, so the device holding the later positions does more useful work. With `T` real tokens
+padded to `T'` and `c = T' / P` positions per device, device `d` has
+`sum_{i in positions[d], i < T} (i + 1)` allowed pairs, and `balance = max_d / mean_d` (1 is
+perfect). When the padding is empty:
+
+* contiguous (ring): device `d` holds `d c .. d c + c - 1`;
+  `balance = ((2P - 1) c + 1) / (P c + 1) = 2 - 1/P - (P - 1) / (P (T + 1))`, which tends to
+  `2 - 1/P`;
+* zigzag (`2P` divides `T`, `h = T / 2P`): chunks `d` and `2P - 1 - d` together hold
+  `h (T + 1)` pairs on every device: `balance = 1` exactly;
+* striped: device `d` holds `d, d + P, ...`, `c (d + 1) + P c (c - 1) / 2` pairs;
+  `balance = (T + P) / (T + 1) = 1 + (P - 1) / (T + 1)`.
+
+Without causality every real query has `T` keys and the balance is the real-query count's."""
+
+
+def useful_pairs(t: int, devices: int, layout: str, *, causal: bool = True) -> np.ndarray:
+    """Allowed (query, key) pairs of each device under self-attention over ``t`` tokens.
+
+    Args:
+        t: The sequence length ``T = S`` (before padding), ``>= 0``.
+        devices: The device count ``P >= 1``.
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (:mod:`._layout`).
+        causal: Top-left causal (query ``i`` reads keys ``j <= i``; default) or every key.
+
+    Returns:
+        int64 ``[P]``: ``sum_{i in positions[d], i < t} (i + 1)`` (causal) or ``t`` per real
+        query.
+
+    Raises:
+        ValueError: If ``t < 0``, ``devices < 1`` or ``layout`` is not a layout.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if t < 0 or devices < 1:
+        raise ValueError(f"need t >= 0 and devices >= 1, got t={t}, devices={devices}")
+    pos = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
+    keys = pos + 1 if causal else np.full_like(pos, t)
+    return np.where(pos < t, keys, 0).sum(axis=1)
+
+
+def useful_flops(t: int, devices: int, layout: str, *, causal: bool = True, **sizes: int) -> Any:
+    """Useful attention FLOPs per device: ``2 B N (H + H_v)`` per allowed pair.
+
+    Args:
+        t, devices, layout, causal: As in :func:`useful_pairs`.
+        **sizes: ``batch``, ``heads``, ``d_k``, ``d_v`` (default 1 each).
+
+    Returns:
+        int64 ``[P]``.
+    """
+    b, n = sizes.get("batch", 1), sizes.get("heads", 1)
+    per_pair = 2 * b * n * (sizes.get("d_k", 1) + sizes.get("d_v", 1))
+    return per_pair * useful_pairs(t, devices, layout, causal=causal)
+
+
+def load_balance(t: int, devices: int, layout: str, *, causal: bool = True) -> Fraction:
+    """``max / mean`` of :func:`useful_pairs` over devices, exactly (closed forms:
+    :data:`CLOSED_FORMS`); 1 when no device has work (``t = 0``).
+
+    Args:
+        t, devices, layout, causal: As in :func:`useful_pairs`.
+
+    Returns:
+        The balance as a :class:`fractions.Fraction` (``>= 1``).
+    """
+    pairs = useful_pairs(t, devices, layout, causal=causal)
+    total = int(pairs.sum())
+    return Fraction(1) if total == 0 else Fraction(int(pairs.max()) * devices, total)

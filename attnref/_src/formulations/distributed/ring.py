@@ -1,0 +1,738 @@
+"""Ring attention and its load-balanced orderings: K/V chunks rotate around the devices with
+``ppermute`` while each device merges the state of its queries against every chunk.
+
+A sequence is padded and laid out over the ``P`` devices of a mesh axis
+(:mod:`attnref._src.formulations.distributed.layout`: ``"contiguous"`` for ring attention, ``"striped"``,
+``"zigzag"``); device ``d`` holds the queries and the K/V chunk at the global positions
+``positions[d]``. At step ``r = 0, ..., P - 1`` it holds the K/V chunk of device
+``(d - r) mod P`` and updates its running state (:mod:`attnref._src.formulations.states`)::
+
+    (o, lse) <- merge((o, lse), state(q, K_{(d - r) mod P}, V_{(d - r) mod P}))
+
+then passes the chunk on to device ``d + 1`` (``lax.ppermute``). After ``P`` steps every query
+has met every key; the state is the attention over all keys, and the kernel's finishing rules
+(masked rows, query padding) and the inverse layout give the result in natural order. Every
+option is a rule on global positions or an array indexed by them
+(:mod:`attnref._src.formulations.distributed.chunk`), so the answer is that of
+:func:`attnref.dot_product_attention` for any ``T``, ``S`` and ``P`` (lengths that ``P``, or
+``2 P`` for zigzag, does not divide are padded; padded keys are never attended and padded
+queries are dropped). States are kept in the compute dtype (float32 for 16-bit inputs) and
+rounded to the input dtype once, at the end.
+
+**Skipped steps.** A step whose chunk no local query may read by the position rules alone
+(causality, the window, sequence lengths and padding: ``structural_allowed`` without segment
+ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A step
+that is not skipped computes its whole ``c_q x c_k`` block (masked pairs included). Under a
+causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs ``d + 1``
+steps, every one fully useful but the diagonal, and device ``P - 1`` runs all ``P``; with the
+striped and zigzag layouts every device runs all ``P`` steps and holds the same number of
+useful (allowed) pairs, about half of each block. The ring's time is its busiest device's in
+both cases here; the balance of useful pairs is what a chunk kernel that skips masked tiles
+(FlashAttention's causal tiles) turns into time (``attnref._src.formulations.distributed.cost``).
+
+**Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
+``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
+states). With ``L`` the final lse, ``w_c = exp(lse_c - L)`` the weight of chunk ``c`` in
+``o = sum_c w_c o_c`` and ``L = log sum_c exp(lse_c)``, the chain rule gives the cotangents of
+chunk ``c``'s state::
+
+    do_c = w_c do,      dlse_c = w_c (do . (o_c - o) + dlse)
+
+(``d o / d lse_c = w_c (o_c - o)``, ``d L / d lse_c = w_c``). The backward runs the ring again:
+at each step it recomputes the chunk's state and feeds these cotangents to ``jax.vjp`` of the
+chunk function, accumulating ``dq`` locally and ``dk``, ``dv`` in accumulators that travel
+with the chunk; after ``P`` rotations each accumulator is back at its owner. The bias gradient
+of the local rows accumulates over the steps (a bias broadcast along ``T`` is shared by every
+device: its per-device gradients are summed by the transpose of the ``pcast`` that shares it,
+a ``psum``). A traced scale is an argument of the chunk function too, so each step's
+``jax.vjp`` also gives its cotangent, ``sum_ij dX_ij x_ij`` over the chunk's pairs
+(``x_ij = q_i . k_j``; ``dX`` the cotangent of ``scale x``, ``dS (1 - tanh^2(scale x / c))``
+under a softcap ``c``, ``dS`` the logit cotangent); it accumulates over the steps and, the
+scale being shared like such a bias, is summed over the devices by the same ``pcast``
+transpose. Rows with ``L = -inf`` (no key) or a non-finite ``L`` (a row that read a
+non-finite value) get ``w_c = 0``: no NaN reaches a gradient. There are no gradients with
+respect to the mask, lengths or segment ids.
+
+**Forward mode.** JAX has no forward-mode rule for a ``custom_vjp``: ``jax.jvp``,
+``jax.jacfwd`` and ``jax.linearize`` of these kernels are refused: a ``TypeError`` that names
+the kernel when the transform calls it directly; under an outer ``jax.jit`` (and for the
+function ``jax.linearize`` returns) the failure only shows when JAX compiles or runs the
+derivative, after the kernel has returned, as JAX's own ``TypeError``. A ``custom_jvp``
+would make JAX derive the reverse mode by transposing the tangent ring, keeping every step's
+probabilities: the memory this backward avoids. Forward over reverse (``jax.hessian``,
+``jax.jvp`` of ``jax.grad``) works: it differentiates the ``custom_vjp``'s forward and
+backward rules, which are ordinary JAX code.
+
+References: Liu, Zaharia & Abbeel (2023), *Ring Attention with Blockwise Transformers for
+Near-Infinite Context*, arXiv:2310.01889; Brandon et al. (2023), *Striped Attention: Faster Ring
+Attention for Causal Transformers*, arXiv:2311.09431; the zigzag ring of
+zhuzilin/ring-flash-attention (GitHub, 2024). The Llama 3 report (Grattafiori et al. 2024,
+arXiv:2407.21783) puts its context-parallel chunks in the same layout but all-gathers the keys
+and values instead of passing them around a ring: that scheme is ``all_gather``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core.checks import float64_scoped, is_traced
+from attnref._src.core.params import AttentionParams
+from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.distributed import chunk as chunks
+from attnref._src.formulations.distributed import cost as _dcost
+from attnref._src.formulations.distributed import layout as seq_layout
+from attnref._src.formulations.distributed.family import DISTRIBUTED, mesh_axis, row_form
+from attnref._src.formulations.kernel import (
+    Alignment,
+    KernelSpec,
+    MaskedRows,
+    naive,
+    prepare,
+    require_lengths_in_range,
+    structural_allowed,
+)
+from attnref._src.formulations.states import merge_states
+
+# The layout of each scheme, by registry id.
+LAYOUT_OF = {"ring": "contiguous", "striped": "striped", "zigzag": "zigzag"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of one ring call: the global call's spec, the mesh axis and its size
+    ``P``, the layout and the padded lengths (``custom_vjp``'s non-differentiable argument)."""
+
+    spec: KernelSpec
+    axis: str
+    devices: int
+    layout: str
+    t_pad: int
+    s_pad: int
+    bias_shared: bool  # the bias's T axis is broadcast: one copy on every device
+    scale: float | None  # the caller's scale when concrete (a traced one travels in _Local)
+
+    def q_positions(self) -> Int[Array, " tq"]:
+        """Global positions of this device's queries."""
+        table = jnp.asarray(seq_layout.positions(self.t_pad, self.devices, self.layout))
+        return table[jax.lax.axis_index(self.axis)]
+
+    def k_positions(self, step: Any) -> Int[Array, " tk"]:
+        """Global positions of the K/V chunk this device holds at ``step``: device
+        ``(d - step) mod P``'s chunk."""
+        table = jnp.asarray(seq_layout.positions(self.s_pad, self.devices, self.layout))
+        owner = (jax.lax.axis_index(self.axis) - step) % self.devices
+        return table[owner]
+
+    def rotate(self, xs: Any) -> Any:
+        """Send every leaf to the next device (``d -> d + 1 mod P``)."""
+        perm = [(i, (i + 1) % self.devices) for i in range(self.devices)]
+        return jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, self.axis, perm), xs)
+
+    def pass_on(self, step: Any, xs: Any) -> Any:
+        """:meth:`rotate` after every step but the last (``P - 1`` sends of each chunk: the
+        predicate is the same on every device, so they all take the same branch)."""
+        return jax.lax.cond(step < self.devices - 1, self.rotate, lambda a: a, xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """One device's inputs: local queries and their rows of bias and mask, its own K/V chunk,
+    the global lengths and a traced scale (``None`` where an option is not given, and for a
+    concrete scale, which :class:`_Ring` carries). The same pytree carries the ``in_specs``
+    (``PartitionSpec`` leaves) and the cotangents (``None`` for the integer leaves), hence
+    ``Any``."""
+
+    q: Any
+    k: Any
+    v: Any
+    bias: Any
+    mask: Any
+    q_seg: Any
+    kv_seg: Any
+    q_lens: Any
+    kv_lens: Any
+    scale: Any
+
+
+jax.tree_util.register_dataclass(
+    _Local,
+    data_fields=[f.name for f in dataclasses.fields(_Local)],
+    meta_fields=[],
+)
+
+
+def _reachable(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array) -> Array:
+    """Whether any local query may read any key of the chunk by the position rules alone
+    (lengths, causality, window, padding); ``False`` means the chunk's state is empty."""
+    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
+    return jnp.any(structural_allowed(ring.spec, lengths, q_pos, k_pos))
+
+
+def _state_fn(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
+    """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
+    (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
+    argument, so the backward's ``jax.vjp`` gives its cotangent)."""
+    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
+
+    def state(
+        q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
+    ) -> tuple[Array, Array]:
+        return chunks.chunk_state(
+            ring.spec,
+            lengths,
+            ring.scale if scale is None else scale,
+            q,
+            q_pos,
+            x.q_seg,
+            k,
+            v,
+            k_pos,
+            kv_seg,
+            bias,
+            x.mask,
+        )
+
+    return state
+
+
+def _varying(ring: _Ring, a: Array) -> Array:
+    """``a`` (the same on every device) typed as varying over the ring's axis, as the loop's
+    carries are."""
+    return jax.lax.pcast(a, ring.axis, to="varying")
+
+
+def _zeros(ring: _Ring, like: tuple[Array | None, ...]) -> tuple[Array | None, ...]:
+    """Zero gradients (compute dtype, varying) shaped like ``like`` (``None`` stays)."""
+    cd = ring.spec.compute_dtype
+    return tuple(None if a is None else _varying(ring, jnp.zeros(a.shape, cd)) for a in like)
+
+
+def _empty_state(ring: _Ring, q: Array) -> tuple[Array, Array]:
+    """The merge's identity for the local rows: ``o = 0``, ``lse = -inf`` (compute dtype)."""
+    spec = ring.spec
+    rows = (q.shape[0], q.shape[1], spec.n)
+    o = jnp.zeros((*rows, spec.h_v), spec.compute_dtype)
+    return _varying(ring, o), _varying(ring, jnp.full(rows, -jnp.inf, spec.compute_dtype))
+
+
+def _forward(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+    """The ring: ``P`` steps of chunk state and merge, K/V rotated between steps."""
+    q_pos = ring.q_positions()
+    cd = ring.spec.compute_dtype
+    q = x.q.astype(cd)
+
+    def chunk(step: Any, k: Array, v: Array, kv_seg: Array | None) -> tuple[Array, Array]:
+        k_pos = ring.k_positions(step)
+        state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
+        return jax.lax.cond(
+            _reachable(ring, x, q_pos, k_pos),
+            lambda: state(q, k.astype(cd), v.astype(cd), x.bias, x.scale),
+            lambda: _empty_state(ring, q),
+        )
+
+    def body(step: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        k, v, kv_seg, o, lse = carry
+        o, lse = merge_states(o, lse, *chunk(step, k, v, kv_seg))
+        k, v, kv_seg = ring.pass_on(step, (k, v, kv_seg))
+        return k, v, kv_seg, o, lse
+
+    init = (x.k, x.v, x.kv_seg, *_empty_state(ring, q))
+    return jax.lax.fori_loop(0, ring.devices, body, init)[3:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_states(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+    """The merged state ``(o, lse)`` of the local queries over every key (compute dtype)."""
+    return _forward(ring, x)
+
+
+def _ring_fwd(ring: _Ring, x: _Local) -> tuple[tuple[Array, Array], Any]:
+    o, lse = _forward(ring, x)
+    return (o, lse), (x, o, lse)
+
+
+def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
+    x, o, lse = res
+    cd = ring.spec.compute_dtype
+    q_pos = ring.q_positions()
+    q = x.q.astype(cd)
+    # Rows with a finite L: the others (no key, or a non-finite value read) have no gradient.
+    ok = jnp.isfinite(lse)
+    do = jnp.where(ok[..., None], cts[0].astype(cd), 0.0)
+    dlse = jnp.where(ok, cts[1].astype(cd), 0.0)
+    o_safe = jnp.where(ok[..., None], o, 0.0)
+    lse_safe = jnp.where(ok, lse, 0.0)
+
+    def grads(step: Any, k: Array, v: Array, kv_seg: Array | None) -> tuple[Any, ...]:
+        k_pos = ring.k_positions(step)
+        state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
+
+        def compute() -> tuple[Any, ...]:
+            (o_c, lse_c), vjp = jax.vjp(state, q, k.astype(cd), v.astype(cd), x.bias, x.scale)
+            w = jnp.where(ok, jnp.exp(jnp.where(ok, lse_c, -jnp.inf) - lse_safe), 0.0)
+            spread = jnp.sum(do * (jnp.where(ok[..., None], o_c, 0.0) - o_safe), axis=-1)
+            return vjp((w[..., None] * do, w * (spread + dlse)))
+
+        def skip() -> tuple[Any, ...]:
+            return _zeros(ring, (q, k, v, x.bias, x.scale))
+
+        return jax.lax.cond(_reachable(ring, x, q_pos, k_pos), compute, skip)
+
+    def add(acc: tuple[Any, ...], g: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(None if a is None else a + b for a, b in zip(acc, g, strict=True))
+
+    def body(step: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        k, v, kv_seg, dq, dk, dv, db, ds = carry
+        dq, dk, dv, db, ds = add((dq, dk, dv, db, ds), grads(step, k, v, kv_seg))
+        # The accumulators move at every step (P rotations bring each back to its owner).
+        dk, dv = ring.rotate((dk, dv))
+        k, v, kv_seg = ring.pass_on(step, (k, v, kv_seg))
+        return k, v, kv_seg, dq, dk, dv, db, ds
+
+    zeros = _zeros(ring, (x.q, x.k, x.v, x.bias, x.scale))
+    dq, dk, dv, db, ds = jax.lax.fori_loop(0, ring.devices, body, (x.k, x.v, x.kv_seg, *zeros))[3:]
+    grads_x = _Local(
+        q=dq.astype(x.q.dtype),
+        k=dk.astype(x.k.dtype),
+        v=dv.astype(x.v.dtype),
+        bias=None if db is None else db.astype(x.bias.dtype),
+        mask=None,
+        q_seg=None,
+        kv_seg=None,
+        q_lens=None,
+        kv_lens=None,
+        # This device's share: the pcast that shares a traced scale (_device) sums the shares.
+        scale=None if ds is None else ds.astype(x.scale.dtype),
+    )
+    return (grads_x,)
+
+
+_ring_states.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _device(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+    """One device's program: the ring's merged state, then the kernel's finishing rules."""
+    spec = ring.spec
+    if x.bias is not None and ring.bias_shared:
+        # One bias for every device: typed as varying, so its gradient is summed (psum).
+        x = dataclasses.replace(x, bias=_varying(ring, x.bias))
+    if x.scale is not None:  # a traced scale, the same on every device: likewise
+        x = dataclasses.replace(x, scale=_varying(ring, x.scale))
+    o, lse = _ring_states(ring, x)
+    v_total = None
+    if spec.masked_rows == "uniform":  # the mean of all S values: each chunk's sum, psum
+        own = chunks.value_sum(spec, x.v, ring.k_positions(0))
+        v_total = jax.lax.psum(own, ring.axis)
+    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
+    return chunks.finish_rows(spec, lengths, o, lse, ring.q_positions(), v_total)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(ring: _Ring, mesh: Any, specs: _Local) -> Any:
+    """The jitted ``shard_map`` of :func:`_device` (cached: an eager call compiles once per
+    ring, mesh and option set instead of dispatching every operation on every device)."""
+    tokens = PartitionSpec(None, ring.axis)
+    return jax.jit(
+        jax.shard_map(
+            functools.partial(_device, ring),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=(tokens, tokens),
+        )
+    )
+
+
+def _shard(
+    x: Any, layout: str, devices: int, axis: str, t_pad: int, s_pad: int, traced_scale: bool
+) -> tuple[_Local, _Local]:
+    """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes padded
+    and permuted into device-major order and split over ``axis``; a mask or bias split along
+    ``T`` when that axis is full (else shared); lengths and a traced scale shared."""
+    tokens, shared = PartitionSpec(None, axis), PartitionSpec()
+
+    def seq(a: Array | None, n_pad: int, fill: float = 0.0) -> Array | None:
+        """Axis 1 (tokens) in device-major order (``fill`` takes the array's dtype)."""
+        return None if a is None else seq_layout.to_layout(a, 1, n_pad, devices, layout, fill)
+
+    def rows(a: Array | None) -> tuple[Array | None, Any]:
+        """A mask or bias: ``T`` laid out like the queries when full (padded rows ``0.0``,
+        i.e. ``False``: padded queries are dropped anyway), else shared."""
+        if a is None:
+            return None, None
+        if a.shape[2] == 1:
+            return a, shared
+        return seq_layout.to_layout(a, 2, t_pad, devices, layout, 0.0), PartitionSpec(
+            None, None, axis
+        )
+
+    bias, bias_spec = rows(x.bias)
+    mask, mask_spec = rows(x.mask)
+    local = _Local(
+        q=seq(x.q, t_pad),
+        k=seq(x.k, s_pad),
+        v=seq(x.v, s_pad),
+        bias=bias,
+        mask=mask,
+        q_seg=seq(x.q_seg, t_pad, -1.0),
+        kv_seg=seq(x.kv_seg, s_pad, -2.0),
+        q_lens=x.q_lens,
+        kv_lens=x.kv_lens,
+        scale=x.scale if traced_scale else None,
+    )
+    specs = _Local(
+        q=tokens,
+        k=tokens,
+        v=tokens,
+        bias=bias_spec,
+        mask=mask_spec,
+        q_seg=None if x.q_seg is None else tokens,
+        kv_seg=None if x.kv_seg is None else tokens,
+        q_lens=None if x.q_lens is None else shared,
+        kv_lens=None if x.kv_lens is None else shared,
+        scale=shared if traced_scale else None,
+    )
+    return local, specs
+
+
+# JAX's error for forward-mode differentiation of a ``custom_vjp`` (raised while ``jax.jvp``
+# traces the ring's program), and the one the kernels raise instead.
+_JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+_FORWARD_MODE = (
+    "{name} does not support forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize): "
+    "its backward is a jax.custom_vjp that runs the ring again, and JAX has no forward-mode rule "
+    "for a custom_vjp. Use reverse mode (jax.grad, jax.vjp, jax.jacrev; forward-over-reverse "
+    "such as jax.hessian works), or all_gather_dot_product_attention, which has no custom rule "
+    "and supports both modes."
+)
+
+
+def _sequence_parallel(
+    layout: str,
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    *,
+    mesh: Any,
+    axis_name: str | None,
+    return_lse: bool,
+    **options: Any,
+) -> Any:
+    """The ring engine over ``layout`` (the three public kernels differ only in it)."""
+    spec, x = prepare(query, key, value, bias, mask, **options)
+    require_lengths_in_range(spec, x)
+    axis, devices = mesh_axis(mesh, axis_name)
+    if spec.t == 0 or spec.s == 0:  # nothing to distribute: no query, or no key at all
+        out, lse = naive(spec, x)
+        return (out, lse) if return_lse else out
+    t_pad = seq_layout.padded_length(spec.t, devices, layout)
+    s_pad = seq_layout.padded_length(spec.s, devices, layout)
+    scale = options["scale"]
+    traced_scale = scale is not None and is_traced(scale)
+    local, specs = _shard(x, layout, devices, axis, t_pad, s_pad, traced_scale)
+    ring = _Ring(
+        spec=spec,
+        axis=axis,
+        devices=devices,
+        layout=layout,
+        t_pad=t_pad,
+        s_pad=s_pad,
+        bias_shared=specs.bias == PartitionSpec(),
+        scale=None if scale is None or traced_scale else float(scale),
+    )
+    try:
+        o, lse = _program(ring, mesh, specs)(local)
+    except TypeError as error:
+        if _JVP_ERROR not in str(error):
+            raise
+        scheme = next(s for s, lay in LAYOUT_OF.items() if lay == layout)
+        raise TypeError(_FORWARD_MODE.format(name=f"{scheme}_dot_product_attention")) from error
+    out = seq_layout.from_layout(o, 1, spec.t, devices, layout)
+    lse = seq_layout.from_layout(lse, 1, spec.t, devices, layout)
+    return (out, lse) if return_lse else out
+
+
+_KERNEL_DOC = """{title}
+
+    Each of the ``P`` devices of the mesh axis holds the queries and one K/V chunk at the
+    global positions of the {layout} layout ({layout_rule}); at ring step ``r = 0, ..., P - 1``
+    device ``d`` holds chunk ``(d - r) mod P`` and updates its state
+    ``(o, lse) <- merge((o, lse), state(q, K_{{(d - r) mod P}}, V_{{(d - r) mod P}}))``
+    (:func:`attnref.merge_states`), then passes the chunk to device ``d + 1``
+    (``lax.ppermute``). Steps whose chunk no local query may read by the position rules
+    (causality, window, lengths) are skipped. Same semantics, results and errors as
+    :func:`attnref.dot_product_attention`; the backward is a ``jax.custom_vjp`` that runs the
+    ring again (module docstring of ``attnref._src.formulations.distributed.ring``). {cite}
+
+    Lengths that {multiple} does not divide are padded inside (padded keys are never attended,
+    padded queries are dropped), so every ``T, S >= 0`` gives the exact answer. A mask or bias
+    whose ``T`` axis is full is laid out like the queries; its ``S`` axis stays whole on every
+    device. States are merged in the compute dtype (float32 for 16-bit inputs): the output is
+    rounded to the input dtype once. Under ``jax.jit``, ``mesh`` and ``axis_name`` are static
+    (name them in ``static_argnames`` or close over them).
+
+    Args:
+        query: ``[B, T, N, H]``, floating; a global array in natural token order.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
+            (``-inf`` masks the pair); ``None`` (default) adds nothing.
+        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
+            ``None`` (default) allows every pair.
+        mesh: A ``jax.sharding.Mesh`` (:func:`attnref.distributed.default_mesh`).
+        axis_name: The mesh axis of the ring; ``None`` (default): the only axis of a 1-D mesh.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only.
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond are padding
+            (output 0, ``lse = -inf``); ``None`` (default): every row is real.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond are never
+            read; ``None`` (default): all ``S`` keys.
+        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side);
+            ``None`` (default): no window.
+        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
+            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; ``None`` (default).
+        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)``;
+            ``None`` (default): no cap.
+        causal_alignment: ``"top_left"`` (default, ``p_i = i``) or ``"bottom_right"``
+            (``p_i = i + S_b - T_b``); used by ``is_causal`` and ``local_window_size``.
+        masked_rows: What a fully masked row returns: ``"zeros"`` (default), ``"uniform"``
+            (the mean of ``value`` over all ``S`` keys: each device's sum, ``psum``) or
+            ``"nan"``.
+        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
+
+    Returns:
+        ``o [B, T, N, H_v]`` in the dtype of ``query`` (natural order), or ``(o, lse)`` with
+        ``lse [B, T, N]`` in the compute dtype when ``return_lse`` (both differentiable in
+        reverse mode with respect to ``query``, ``key``, ``value``, ``bias`` and a traced
+        ``scale``; forward over reverse, as ``jax.hessian``, works too).
+
+    Raises:
+        ValueError: For every argument :func:`attnref.dot_product_attention` refuses with
+            ``ValueError`` (shapes, option values, concrete lengths out of range), or if
+            ``axis_name`` is not an axis of ``mesh`` (or ``None`` for a mesh of several axes).
+        TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``, or for the dtype and type errors
+            of :func:`attnref.dot_product_attention`; or under forward-mode differentiation
+            (``jax.jvp``, ``jax.jacfwd``) of the kernel: its backward is a ``jax.custom_vjp``,
+            which JAX cannot differentiate forward (the message names the kernel; under an
+            outer ``jax.jit``, JAX's own ``TypeError`` comes instead, when the derivative is
+            compiled). Use ``jax.grad``/``jax.vjp``, or
+            :func:`attnref.distributed.all_gather_dot_product_attention`, which supports both
+            modes.
+    """
+
+
+def _kernel(scheme: str) -> Any:
+    """The public kernel of ``scheme`` (:data:`LAYOUT_OF`): the engine over its layout."""
+    layout = LAYOUT_OF[scheme]
+
+    @float64_scoped
+    def kernel(
+        query: Float[ArrayLike, "B T N H"],
+        key: Float[ArrayLike, "B S K H"],
+        value: Float[ArrayLike, "B S K H_v"],
+        bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
+        mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+        *,
+        mesh: Any,
+        axis_name: str | None = None,
+        scale: float | ArrayLike | None = None,
+        is_causal: bool = False,
+        query_seq_lengths: Int[ArrayLike, " B"] | None = None,
+        key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
+        local_window_size: int | tuple[int | None, int | None] | None = None,
+        segment_ids: Any = None,
+        softcap: float | None = None,
+        causal_alignment: Alignment = "top_left",
+        masked_rows: MaskedRows = "zeros",
+        return_lse: bool = False,
+    ) -> Any:
+        return _sequence_parallel(
+            layout,
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            mesh=mesh,
+            axis_name=axis_name,
+            return_lse=return_lse,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            segment_ids=segment_ids,
+            softcap=softcap,
+            causal_alignment=causal_alignment,
+            masked_rows=masked_rows,
+        )
+
+    return kernel
+
+
+# Per scheme: the docstring's title, its layout rule and citation, and the length multiple.
+_SCHEMES = {
+    "ring": (
+        "Ring attention (Liu et al. 2023): contiguous chunks, K/V rotated around the devices.",
+        "device ``d`` holds positions ``d c, ..., d c + c - 1`` with ``c = T_pad / P``",
+        "Liu, Zaharia & Abbeel (2023), arXiv:2310.01889.",
+        "``P``",
+    ),
+    "striped": (
+        "Striped attention (Brandon et al. 2023): the ring over a striped token layout.",
+        "device ``d`` holds positions ``d, d + P, d + 2P, ...``, so under a causal mask "
+        "every step is about equally useful on every device",
+        "Brandon et al. (2023), arXiv:2311.09431.",
+        "``P``",
+    ),
+    "zigzag": (
+        "Zigzag ring attention: the ring over ``2P`` chunks, device ``d`` holding ``d`` and "
+        "``2P - 1 - d``.",
+        "the sequence in ``2P`` chunks; device ``d`` holds chunk ``d`` and chunk ``2P - 1 - d``, "
+        "one early and one late, which balances the causal work",
+        "The zigzag ring of zhuzilin/ring-flash-attention (GitHub, 2024).",
+        "``2P``",
+    ),
+}
+
+
+def _named(scheme: str) -> Any:
+    """:func:`_kernel` named ``<scheme>_dot_product_attention`` with its docstring."""
+    title, rule, cite, multiple = _SCHEMES[scheme]
+    fn = _kernel(scheme)
+    fn.__name__ = fn.__qualname__ = f"{scheme}_dot_product_attention"
+    fn.__doc__ = _KERNEL_DOC.format(
+        title=title, layout=LAYOUT_OF[scheme], layout_rule=rule, cite=cite, multiple=multiple
+    )
+    return fn
+
+
+ring_dot_product_attention = _named("ring")
+striped_dot_product_attention = _named("striped")
+zigzag_dot_product_attention = _named("zigzag")
+
+_ROW_DOC = """Multi-head attention through :func:`{native}` on a mesh.
+
+    ``sum_n o_n W_O[n] + b_O`` with ``o = {native}(x_q W_Q, x_kv W_K, x_kv W_V)`` per head
+    (:func:`attnref._src.formulations.distributed.family.row_form`), ``x_q +`` that with ``residual``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G``.
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]`` (``-inf`` masks);
+            ``None`` (default).
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead``.
+        mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): all devices
+            (:func:`attnref.distributed.default_mesh`).
+
+    Returns:
+        ``[..., T_q, d_model]`` in the dtype of ``x_q``; a fully masked query row is ``b_O``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast, or
+            ``scale`` is not a scalar.
+        TypeError: If inputs mix dtypes, ``mask`` is not boolean, ``bias`` is not floating, or
+            ``mesh`` is not a ``jax.sharding.Mesh``.
+    """
+
+
+def _row(scheme: str) -> Any:
+    """The row form ``<scheme>_attention`` of the scheme's kernel (the registry's ``apply``)."""
+    native = globals()[f"{scheme}_dot_product_attention"]
+
+    @float64_scoped
+    def apply(
+        params: AttentionParams,
+        x_q: Float[ArrayLike, "... T_q d_model"],
+        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+        bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+        scale: float | None = None,
+        residual: bool = False,
+        mesh: Mesh | None = None,
+    ) -> Float[Array, "... T_q d_model"]:
+        return row_form(native, params, x_q, x_kv, mask, bias, scale, residual, mesh)
+
+    apply.__name__ = apply.__qualname__ = f"{scheme}_attention"
+    apply.__doc__ = _ROW_DOC.format(native=native.__name__)
+    return apply
+
+
+ring_attention = _row("ring")
+striped_attention = _row("striped")
+zigzag_attention = _row("zigzag")
+
+_STEP = (
+    r"(o_i, \mathrm{{lse}}_i) \leftarrow \mathrm{{merge}}\big((o_i, \mathrm{{lse}}_i),"
+    r" \mathrm{{state}}(q_i, K_{{(d - r) \bmod P}}, V_{{(d - r) \bmod P}})\big),\ "
+    r"r = 0, \dots, P - 1,\quad {layout}"
+)
+_LAYOUT_TEX = {
+    "ring": r"\mathcal{P}_d = \{d c, \dots, (d + 1) c - 1\},\ c = T' / P",
+    "striped": r"\mathcal{P}_d = \{d, d + P, d + 2P, \dots\}",
+    "zigzag": r"\mathcal{P}_d = C_d \cup C_{2P - 1 - d}\ (C_j: \text{chunk } j \text{ of } 2P)",
+}
+_CITATIONS = {
+    "ring": (
+        "Liu, Zaharia & Abbeel (2023), Ring Attention with Blockwise Transformers for "
+        "Near-Infinite Context, arXiv:2310.01889."
+    ),
+    "striped": (
+        "Brandon et al. (2023), Striped Attention: Faster Ring Attention for Causal "
+        "Transformers, arXiv:2311.09431; the ring of Liu et al. (2023), arXiv:2310.01889."
+    ),
+    "zigzag": (
+        "The zigzag ring layout of zhuzilin/ring-flash-attention (GitHub, 2024); the ring of "
+        "Liu et al. (2023), arXiv:2310.01889."
+    ),
+}
+_SUMMARIES = {
+    "ring": "Contiguous chunks; K/V chunks rotate around the devices (ppermute) while each "
+    "device merges its queries' states online; custom_vjp backward with travelling dK/dV.",
+    "striped": "The ring over a striped layout (device d holds every P-th token from d): "
+    "causal work balanced across devices at every step.",
+    "zigzag": "The ring over 2P chunks, device d holding chunks d and 2P - 1 - d: causal "
+    "work balanced across devices.",
+}
+_COST_MODELS = {
+    "ring": _dcost.ring_cost,
+    "striped": _dcost.striped_cost,
+    "zigzag": _dcost.zigzag_cost,
+}
+
+for _scheme in ("ring", "striped", "zigzag"):
+    register(
+        Formulation(
+            id=_scheme,
+            title=_SCHEMES[_scheme][0].split(":")[0],
+            equation=_STEP.format(layout=_LAYOUT_TEX[_scheme]),
+            convention="kernel",
+            citation=_CITATIONS[_scheme],
+            apply=globals()[f"{_scheme}_attention"],
+            native=globals()[f"{_scheme}_dot_product_attention"],
+            summary=_SUMMARIES[_scheme],
+            cost=(
+                "FLOPs as the naive kernel over P devices (skipped steps do none); per device "
+                "O(T S N H / P) work, O((T + S) N H / P) memory, P - 1 K/V sends of "
+                "O(S K (H + H_v) / P) each (2P - 1 with the backward's dK/dV)."
+            ),
+            family=DISTRIBUTED,
+            cost_model=_COST_MODELS[_scheme],
+        )
+    )

@@ -1,0 +1,333 @@
+"""DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns a sequence split into a head split.
+
+The inputs arrive split along the sequence (contiguous layout: device ``d`` holds tokens
+``d T'/P .. (d + 1) T'/P - 1`` of the padded length ``T'``). One ``lax.all_to_all`` per tensor
+exchanges the sequence split for a head split::
+
+    [B, T'/P, N, H] --all_to_all--> [B, T', N/P, H]
+
+so that each device holds the *whole* sequence for ``N/P`` query heads (and, likewise, ``S'``
+keys for its K/V heads), computes ordinary attention on them
+(``attnref.dot_product_attention``, every option passed through), and a second all-to-all
+turns the output back into the sequence split. Each all-to-all sends ``(P - 1)/P`` of a
+device's block to the other devices: per device ``(P - 1)/P^2`` of ``B T' N H`` numbers for
+``q`` (likewise ``k``, ``v`` with their ``K`` heads, and ``o``), ``O(B T N H / P)`` in all; the
+volume per device stays constant when ``T`` and ``P`` grow together (Jacobs et al.'s point).
+
+Lengths ``T, S`` that ``P`` does not divide are padded to ``T', S'`` (multiples of ``P``): the
+kernel gets ``query_seq_lengths``/``key_value_seq_lengths`` (the caller's, or ``T``/``S``), so
+padded keys are never read, padded queries are dropped, and ``"bottom_right"`` alignment still
+places the last query on the last real key. ``masked_rows="uniform"`` (the mean of ``v`` over
+all ``S`` keys) is filled here over the real keys only, never the padding.
+
+Heads: ``P`` must divide ``N`` (refused otherwise). When ``P`` does not divide ``K``, every K/V
+head is repeated ``lcm(K, P)/K`` times before the all-to-all, so each device receives the K/V
+heads its query heads read (query head ``n`` reads K/V head ``n // (N/K)``). Gradients are
+autodiff (the transpose of an all-to-all is the reverse all-to-all).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as Spec
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core.checks import float64_scoped
+from attnref._src.core.params import AttentionParams
+from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.distributed import cost as _dcost
+from attnref._src.formulations.distributed.family import DISTRIBUTED, head_mesh, row_form
+from attnref._src.formulations.distributed.family import mesh_axis as _mesh_axis
+from attnref._src.formulations.distributed.layout import padded_length
+from attnref._src.formulations.distributed.tensor_parallel import (
+    check_heads,
+    head_spec,
+    kv_repeats,
+    local_attention,
+    optional,
+    repeat_kv,
+    split_scale,
+)
+from attnref._src.formulations.kernel import (
+    Alignment,
+    KernelInputs,
+    KernelSpec,
+    MaskedRows,
+    lengths_in_range,
+    prepare,
+    require_lengths_in_range,
+)
+
+LAYOUT = "contiguous"
+
+
+def pad_axis(a: Array, axis: int, n: int, fill: Any = 0) -> Array:
+    """``a`` padded with ``fill`` to length ``n`` along ``axis``."""
+    extra = n - a.shape[axis]
+    if extra <= 0:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(a, pad, constant_values=fill)
+
+
+def _padded(a: Array | None, t_pad: int, s_pad: int, fill: Any) -> Array | None:
+    """A mask or bias with its full ``T`` and ``S`` axes padded to ``T'`` and ``S'``."""
+    if a is None:
+        return None
+    if a.shape[2] > 1:
+        a = pad_axis(a, 2, t_pad, fill)
+    return pad_axis(a, 3, s_pad, fill) if a.shape[3] > 1 else a
+
+
+def _uniform_rows(
+    spec: KernelSpec, o: Array, lse: Array, v: Array, q_lens: Array, k_local: int
+) -> Array:
+    """Fully masked real rows (``lse = -inf``, ``i < q_lens``) set to the mean of ``v`` over the
+    ``S`` real keys (not the padding), per local query head."""
+    cd = spec.compute_dtype
+    mean = jnp.sum(v[:, : spec.s].astype(cd), axis=1) / spec.s  # [B, k_local, H_v]
+    mean = jnp.repeat(mean, o.shape[2] // k_local, axis=1)[:, None]  # [B, 1, n_local, H_v]
+    real = jnp.arange(o.shape[1])[None, :, None] < q_lens[:, None, None]  # [B, T', 1]
+    dead = jnp.logical_and(jnp.isneginf(lse), real)
+    return jnp.where(dead[..., None], mean.astype(o.dtype), o)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "scale", "mesh", "axis", "devices"))
+def _ulysses(
+    spec: KernelSpec,
+    x: KernelInputs,
+    traced_scale: Array | None,
+    scale: float | None,
+    mesh: Mesh,
+    axis: str,
+    devices: int,
+) -> tuple[Array, Array]:
+    """Pad, all-to-all to heads, attend, all-to-all back; ``(o, lse)`` global, unpadded.
+    Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
+    r = kv_repeats(spec.n, spec.k, devices)
+    full = jnp.full((spec.b,), 1, jnp.int32)
+    q_lens = full * spec.t if x.q_lens is None else x.q_lens
+    kv_lens = full * spec.s if x.kv_lens is None else x.kv_lens
+    args = optional(
+        q=pad_axis(x.q, 1, t_pad),
+        k=repeat_kv(pad_axis(x.k, 1, s_pad), r),
+        v=repeat_kv(pad_axis(x.v, 1, s_pad), r),
+        bias=_padded(x.bias, t_pad, s_pad, 0.0),
+        mask=_padded(x.mask, t_pad, s_pad, False),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        q_seg=None if x.q_seg is None else pad_axis(x.q_seg, 1, t_pad),
+        kv_seg=None if x.kv_seg is None else pad_axis(x.kv_seg, 1, s_pad),
+        scale=traced_scale,
+    )
+    seq = Spec(None, axis)
+    specs = {name: Spec() for name in args}
+    specs.update(q=seq, k=seq, v=seq)
+    for name in ("bias", "mask"):
+        if name in args:
+            specs[name] = head_spec(args[name], axis)
+    uniform = spec.masked_rows == "uniform"
+    k_local = spec.k * r // devices
+
+    def body(a: dict[str, Array]) -> tuple[Array, Array]:
+        q, k, v = (jax.lax.all_to_all(a[n], axis, 2, 1, tiled=True) for n in ("q", "k", "v"))
+        o, lse = local_attention(
+            spec,
+            a.get("scale", scale),
+            q,
+            k,
+            v,
+            a.get("bias"),
+            a.get("mask"),
+            a["q_lens"],
+            a["kv_lens"],
+            a.get("q_seg"),
+            a.get("kv_seg"),
+            "zeros" if uniform else spec.masked_rows,
+        )
+        if uniform:
+            o = _uniform_rows(spec, o, lse, v, a["q_lens"], k_local)
+        o = jax.lax.all_to_all(o, axis, 1, 2, tiled=True)  # [B, T'/P, N, H_v]
+        return o, jax.lax.all_to_all(lse, axis, 1, 2, tiled=True)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(seq, seq))
+    out, lse = run(args)
+    out, lse = out[:, : spec.t], lse[:, : spec.t]
+    bad = ~lengths_in_range(spec, x)[:, None, None]  # NaN as the kernel (traced lengths only)
+    return jnp.where(bad[..., None], jnp.nan, out), jnp.where(bad, jnp.nan, lse)
+
+
+@float64_scoped
+def ulysses_dot_product_attention(
+    query: Float[ArrayLike, "B T N H"],
+    key: Float[ArrayLike, "B S K H"],
+    value: Float[ArrayLike, "B S K H_v"],
+    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
+    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+    *,
+    mesh: Mesh,
+    axis_name: str | None = None,
+    scale: float | ArrayLike | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: Alignment = "top_left",
+    masked_rows: MaskedRows = "zeros",
+    return_lse: bool = False,
+) -> Any:
+    """``attnref.dot_product_attention`` by DeepSpeed-Ulysses: sequence split -> head split ->
+    attention -> sequence split, with two all-to-alls per tensor.
+
+    ``q``, ``k``, ``v`` are padded to multiples of ``P`` and split along the sequence
+    (``[B, T'/P, N, H]`` per device); ``all_to_all`` gives each device the whole sequence for
+    ``N/P`` query heads (``[B, T', N/P, H]``) and the K/V heads they read; full attention on
+    those heads; ``all_to_all`` back gives ``[B, T'/P, N, H_v]``. ``mask``/``bias`` are split on
+    their head axis when it is full (replicated when it broadcasts), padded on full ``T``/``S``
+    axes; lengths and segment ids are replicated. Semantics, results and errors are those of
+    :func:`attnref.dot_product_attention` (``docs/kernel.md``); padding never changes a result.
+
+    Args:
+        query: ``[B, T, N, H]``, floating; ``N`` must be a multiple of ``P``.
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``; ``None`` (default).
+        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
+            ``None`` (default).
+        mesh: A ``jax.sharding.Mesh``.
+        axis_name: The mesh axis to run over; ``None`` (default): the only axis of a 1-D mesh.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: Causal masking (placed by ``causal_alignment``).
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``; ``None`` (default): every row real.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
+        local_window_size: ``w`` or ``(left, right)``; ``None`` (default): no window.
+        segment_ids: ``[B, T]`` (``T == S``) or a pair ``([B, T], [B, S])``; ``None``.
+        softcap: A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None``.
+        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
+        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
+        return_lse: If ``True``, also return the log-sum-exp ``[B, T, N]``.
+
+    Returns:
+        ``o [B, T, N, H_v]`` in the dtype of ``query``, natural token order, or ``(o, lse)``
+        with ``return_lse``.
+
+    Raises:
+        ValueError: For every input :func:`attnref.dot_product_attention` refuses with
+            ``ValueError``; if ``axis_name`` is not an axis of ``mesh`` (or is ``None`` for a
+            mesh with several axes); or if ``P`` does not divide the ``N`` query heads.
+        TypeError: For every input :func:`attnref.dot_product_attention` refuses with
+            ``TypeError``, or if ``mesh`` is not a ``jax.sharding.Mesh``.
+    """
+    spec, x = prepare(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    axis, devices = _mesh_axis(mesh, axis_name)
+    check_heads(spec.n, devices, axis, "Ulysses", f"query {tuple(x.q.shape)}")
+    require_lengths_in_range(spec, x)
+    static, traced = split_scale(scale)
+    out, lse = _ulysses(spec, x, traced, static, mesh, axis, devices)
+    return (out, lse) if return_lse else out
+
+
+@float64_scoped
+def ulysses_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+    mesh: Mesh | None = None,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head attention through :func:`ulysses_dot_product_attention`:
+    ``sum_n o_n W_O[n] + b_O`` with ``o`` computed by Ulysses on ``mesh``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``); ``H`` must be a multiple of ``P``.
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]`` (``-inf`` masks like
+            ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+        mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): the most devices (at most
+            ``jax.device_count()``) whose count divides ``H``.
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, ``scale`` is not a scalar, ``mesh`` has several axes, or the
+            mesh's ``P`` devices do not divide the ``H`` query heads.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, ``scale`` is not a real number, or ``mesh`` is not a
+            ``jax.sharding.Mesh``.
+    """
+    if mesh is None:
+        mesh = head_mesh(int(jnp.shape(params.w_q)[0]))
+    return row_form(
+        ulysses_dot_product_attention, params, x_q, x_kv, mask, bias, scale, residual, mesh
+    )
+
+
+register(
+    Formulation(
+        id="ulysses",
+        title="DeepSpeed-Ulysses: all-to-all from a sequence split to a head split",
+        equation=(
+            r"[Q, K, V]_{:, \mathcal{H}_d} = \mathrm{all\_to\_all}\big([Q, K, V]_{\mathcal{T}_d,"
+            r" :}\big),\quad O_{:, \mathcal{H}_d} = \mathrm{softmax}\Big(\frac{Q K^\top}"
+            r"{\sqrt{d_k}} + B\Big) V,\quad O_{\mathcal{T}_d, :} = \mathrm{all\_to\_all}"
+            r"\big(O_{:, \mathcal{H}_d}\big)"
+        ),
+        convention="kernel",
+        citation=(
+            "Jacobs et al. (2023), DeepSpeed Ulysses: System Optimizations for Enabling Training "
+            "of Extreme Long Sequence Transformer Models, arXiv:2309.14509."
+        ),
+        apply=ulysses_attention,
+        native=ulysses_dot_product_attention,
+        summary=(
+            "Sequence-split q, k, v are exchanged by all_to_all for a head split (H/P heads, "
+            "the whole sequence, per device), attended as usual, and the output exchanged back; "
+            "P must divide the query heads (K/V heads repeated when it does not divide them)."
+        ),
+        cost=(
+            "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device; memory O(B H T_q T_k / P) logits "
+            "per device; four all-to-alls of O(B T H d / P) numbers each."
+        ),
+        family=DISTRIBUTED,
+        cost_model=_dcost.ulysses_cost,
+    )
+)

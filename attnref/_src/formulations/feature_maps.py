@@ -1,0 +1,310 @@
+"""Feature maps ``phi`` for linear (kernel) attention: ``exp(q.k)`` replaced by ``phi(q).phi(k)``.
+
+* ``elu_plus_one``: ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020), positive.
+* ``relu``: ``phi(x) = max(x, 0)``, non-negative (a row can have a zero denominator).
+* ``identity``: ``phi(x) = x``, *signed*: denominators can be zero or negative.
+* ``taylor2``: ``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]`` with ``x~ = x / d^(1/4)``, so that
+  ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``: the second-order Taylor
+  polynomial of ``exp(s)``, positive for every ``s``.
+* ``favor_plus``: positive random features (Choromanski et al. 2021, FAVOR+):
+  ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2 / 2)`` with ``w_i ~ N(0, I_d)`` (i.i.d.) or in
+  orthogonal blocks with chi-distributed norms. ``E[phi(q).phi(k)] = exp(q.k / sqrt(d))``.
+
+FAVOR+ stabilisation, without information crossing positions: a key's features are computed as
+``m^(-1/2) exp(-|k~ - w_i|^2 / 2) = m^(-1/2) exp(w_i.k~ - |k~|^2/2 - |w_i|^2/2) <= m^(-1/2)``:
+the shift ``|w_i|^2 / 2`` depends only on the random feature, never on data, so it cannot leak
+and it never overflows. A query's features carry the compensating ``+|w_i|^2 / 2`` and then
+subtract their own maximum over ``i``, a per-query constant that cancels between numerator and
+denominator. (Subtracting a max over all keys, as some implementations do, lets a future key
+change past outputs; attnref's causality tests would catch it.)
+
+The shift does *not* cancel against ``eps``: the stabilised features give
+``phi~(q).phi~(k) = exp(-c_q) phi(q).phi(k)`` with ``c_q = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
+(:meth:`FeatureMap.query_features` returns ``c_q``), so the documented
+``num / (den + eps)`` equals ``num~ / (den~ + eps exp(-c_q))``; the linear forms rescale ``eps``
+by the same per-query factor (``attnref._src.formulations.linear.normalize``).
+
+The map factories (:func:`elu_plus_one`, ..., :func:`favor_plus`) return a :class:`FeatureMap`;
+passing a factory uncalled raises a ``TypeError`` that says to call it (:func:`check_feature_map`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
+
+from attnref._src.core.checks import HIGHEST
+
+Role = Literal["query", "key"]
+MAP_NAMES = ("elu_plus_one", "relu", "identity", "taylor2", "favor_plus")
+
+
+@runtime_checkable
+class FeatureMapLike(Protocol):
+    """What the linear forms accept as ``feature_map``: a :class:`FeatureMap`, or any object with
+    ``name``, ``__call__(x, role)`` and ``num_features(d)`` (:func:`check_feature_map`)."""
+
+    name: str
+
+    def __call__(self, x: Any, role: Role) -> Any: ...
+
+    def num_features(self, d: int) -> int: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureMap:
+    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static).
+
+    Build one with a factory (:func:`elu_plus_one`, :func:`relu_features`,
+    :func:`identity_features`, :func:`taylor2`, :func:`favor_plus`) rather than directly.
+    ``fm(x, role)`` gives the features of the last axis of ``x``; ``fm.kernel(q, k)`` the
+    unstabilised ``phi(q).phi(k)``.
+
+    Attributes:
+        name: One of ``"elu_plus_one"``, ``"relu"``, ``"identity"``, ``"taylor2"``,
+            ``"favor_plus"`` (static).
+        omega: FAVOR+'s random projections ``[m, d]`` (``None`` for every other map).
+        orthogonal: Whether FAVOR+'s projections are in orthogonal blocks (static).
+
+    Raises:
+        ValueError: On construction, for an unknown ``name``, or ``omega`` given for a map
+            other than ``favor_plus`` (or missing for it).
+    """
+
+    name: str = dataclasses.field(metadata=dict(static=True))
+    # FAVOR+ projections [m, d], an array or None; Any, as the pytree's one leaf: JAX rebuilds
+    # the pytree with any leaves (tree_map results, ArgInfo when lowering), which the suite's
+    # runtime checks would refuse. The static fields and the methods stay checked.
+    omega: Any = None
+    orthogonal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        if self.name not in MAP_NAMES:
+            raise ValueError(f"unknown feature map {self.name!r}; known: {MAP_NAMES}")
+        if (self.name == "favor_plus") != (self.omega is not None):
+            raise ValueError("favor_plus needs omega [m, d]; other maps take none")
+
+    @property
+    def positive(self) -> bool:
+        """Whether ``phi(q).phi(k) > 0`` for all inputs (so non-empty denominators are > 0)."""
+        return self.name in ("elu_plus_one", "taylor2", "favor_plus")
+
+    def num_features(self, d: int) -> int:
+        """The feature count ``m`` for inputs of dimension ``d``: ``1 + d + d^2`` for
+        ``taylor2``, the number of projections for ``favor_plus``, ``d`` otherwise."""
+        if self.name == "taylor2":
+            return 1 + d + d * d
+        if self.name == "favor_plus":
+            assert self.omega is not None
+            return int(np.shape(self.omega)[0])
+        return d
+
+    def __call__(self, x: Float[ArrayLike, "... d"], role: Role) -> Float[Array, "... m"]:
+        """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation
+        (for queries this is ``query_features(x)[0]``)."""
+        if role not in ("query", "key"):
+            raise ValueError(f"role must be 'query' or 'key', got {role!r}")
+        if role == "query":
+            return self.query_features(x)[0]
+        return self._features(jnp.asarray(x), "key")
+
+    def query_features(
+        self, x: Float[ArrayLike, "... d"]
+    ) -> tuple[Float[Array, "... m"], Float[Array, "..."]]:
+        """``(phi~(x), c(x))``: the query features as computed and the log of the per-query factor
+        they carry, ``phi~(q).phi~(k) = exp(-c(q)) phi(q).phi(k)`` for every key ``k``.
+
+        ``c = 0`` for every map but FAVOR+, where ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
+        (the query's own max, less the ``|q~|^2/2`` of the definition). The linear forms divide
+        by ``den~ + eps exp(-c)``, which is ``exp(-c) (den + eps)``: ``eps`` keeps its meaning.
+        """
+        x = jnp.asarray(x)
+        if self.name != "favor_plus":
+            return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
+        w = self._omega_for(x)
+        xs = x * jnp.asarray(x.shape[-1] ** -0.25, x.dtype)
+        expo = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST) + 0.5 * jnp.sum(w * w, axis=-1)
+        top = jnp.max(expo, axis=-1, keepdims=True)  # part of phi~: no stop_gradient
+        phi = jnp.exp(expo - top) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
+        return phi, top[..., 0] - 0.5 * jnp.sum(xs * xs, axis=-1)
+
+    def _omega_for(self, x: Array) -> Array:
+        w = jnp.asarray(self.omega, x.dtype)
+        if w.shape[1] != x.shape[-1]:
+            raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={x.shape[-1]}")
+        return w
+
+    def _features(self, x: Array, role: Role) -> Array:
+        d = x.shape[-1]
+        if self.name == "elu_plus_one":
+            return jax.nn.elu(x) + 1
+        if self.name == "relu":
+            return jax.nn.relu(x)
+        if self.name == "identity":
+            return x
+        xs = x * jnp.asarray(d**-0.25, x.dtype)
+        if self.name == "taylor2":
+            outer = (xs[..., :, None] * xs[..., None, :]).reshape(*x.shape[:-1], d * d)
+            ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
+            return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
+        assert role == "key"  # FAVOR+ queries: query_features
+        w = self._omega_for(x)
+        proj = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST)
+        # exp(-|k~ - w|^2 / 2): a data-independent shift |w|^2/2, bounded by 1; the queries carry
+        # the compensating +|w|^2/2 and their own max (query_features)
+        expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - 0.5 * jnp.sum(w * w, -1)
+        return jnp.exp(expo) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
+
+    def kernel(
+        self, q: Float[ArrayLike, "... d"], k: Float[ArrayLike, "... d"]
+    ) -> Float[Array, "..."]:
+        """The kernel estimate ``phi(q).phi(k)`` *without* stabilisation (for statistics).
+
+        Raises:
+            ValueError: If ``q`` and ``k`` differ in their last (feature) dimension.
+        """
+        q, k = jnp.asarray(q), jnp.asarray(k)
+        if q.shape[-1:] != k.shape[-1:]:
+            raise ValueError(
+                f"q and k need the same last dimension d, got q {q.shape} and k {k.shape}"
+            )
+        if self.name != "favor_plus":
+            return jnp.sum(self(q, "query") * self(k, "key"), axis=-1)
+        d = q.shape[-1]
+        w = jnp.asarray(self.omega, q.dtype)
+        qs, ks = q * d**-0.25, k * d**-0.25
+        expo = (
+            jnp.einsum("...d,md->...m", qs + ks, w, precision=HIGHEST)
+            - 0.5 * jnp.sum(qs * qs, -1, keepdims=True)
+            - 0.5 * jnp.sum(ks * ks, -1, keepdims=True)
+        )
+        return jnp.mean(jnp.exp(expo), axis=-1)
+
+
+def elu_plus_one() -> FeatureMap:
+    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020).
+
+    Returns:
+        The positive :class:`FeatureMap` ``"elu_plus_one"`` (``m = d`` features).
+    """
+    return FeatureMap("elu_plus_one")
+
+
+def relu_features() -> FeatureMap:
+    """``phi(x) = max(x, 0)``.
+
+    Returns:
+        The non-negative :class:`FeatureMap` ``"relu"`` (``m = d`` features; ``phi(q).phi(k)``
+        can be 0, so a denominator can be exactly zero, and the output there is zero).
+    """
+    return FeatureMap("relu")
+
+
+def identity_features() -> FeatureMap:
+    """``phi(x) = x`` (signed: denominators can vanish).
+
+    Returns:
+        The signed :class:`FeatureMap` ``"identity"`` (``m = d`` features).
+    """
+    return FeatureMap("identity")
+
+
+def taylor2() -> FeatureMap:
+    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``.
+
+    ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``, positive for every ``s``.
+
+    Returns:
+        The positive :class:`FeatureMap` ``"taylor2"`` (``m = 1 + d + d^2`` features).
+    """
+    return FeatureMap("taylor2")
+
+
+def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True) -> FeatureMap:
+    """FAVOR+ with ``num_features`` random projections of dimension ``d``, seeded (NumPy PCG64).
+
+    Orthogonal: blocks of ``d`` mutually orthogonal directions (QR of a Gaussian matrix), each row
+    rescaled by the norm of an independent ``N(0, I_d)`` vector, so every row is marginally
+    ``N(0, I_d)`` (Choromanski et al. 2021, section 2.4).
+
+    Args:
+        seed: Seed of NumPy's ``default_rng`` (PCG64); the same seed gives the same map.
+        d: The input dimension (the head dim ``d_k``), ``>= 1``.
+        num_features: The number of random features ``m``, ``>= 1``.
+        orthogonal: If ``True`` (default), orthogonal blocks with chi-distributed norms;
+            otherwise i.i.d. Gaussian rows.
+
+    Returns:
+        The positive :class:`FeatureMap` ``"favor_plus"`` with float64 ``omega [m, d]``.
+
+    Raises:
+        ValueError: If ``d < 1`` or ``num_features < 1``.
+    """
+    if d < 1 or num_features < 1:
+        raise ValueError(f"need d >= 1 and num_features >= 1, got d={d}, {num_features}")
+    rng = np.random.default_rng(seed)
+    if not orthogonal:
+        return FeatureMap("favor_plus", rng.standard_normal((num_features, d)), False)
+    blocks = []
+    for _ in range(math.ceil(num_features / d)):
+        q, r = np.linalg.qr(rng.standard_normal((d, d)))
+        q = q * np.sign(np.diag(r))  # Haar-distributed orthogonal matrix
+        blocks.append(q.T)
+    directions = np.concatenate(blocks)[:num_features]
+    norms = np.linalg.norm(rng.standard_normal((num_features, d)), axis=-1)
+    return FeatureMap("favor_plus", directions * norms[:, None], True)
+
+
+def feature_map_from_name(
+    name: str, *, seed: int = 0, d: int | None = None, num_features: int | None = None
+) -> FeatureMap:
+    """The feature map called ``name`` (one of :data:`MAP_NAMES`): the one name -> map dispatch.
+
+    ``"favor_plus"`` is drawn by :func:`favor_plus` (orthogonal) from ``seed``, ``d`` and
+    ``num_features``, which the other maps ignore. An unknown name raises the ``ValueError`` of
+    :class:`FeatureMap`.
+    """
+    if name == "favor_plus":
+        if d is None or num_features is None:
+            raise ValueError("favor_plus needs d and num_features (and a seed)")
+        return favor_plus(seed, d, num_features)
+    return FeatureMap(name)
+
+
+_FACTORY_CALLS = {
+    "elu_plus_one": "elu_plus_one()",
+    "relu_features": "relu_features()",
+    "identity_features": "identity_features()",
+    "taylor2": "taylor2()",
+    "favor_plus": "favor_plus(seed, d, num_features)",
+}
+
+
+def check_feature_map(fm: object, arg: str = "feature_map") -> None:
+    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a feature map: a :class:`FeatureMap`
+    or an object with ``__call__(x, role)``, ``num_features(d)`` and ``name``.
+
+    Every factory (``elu_plus_one``, ``relu_features``, ``identity_features``, ``taylor2``,
+    ``favor_plus``) must be called: ``favor_plus`` needs its seed and sizes, so accepting the
+    uncalled zero-argument ones would make the API inconsistent.
+    """
+    if isinstance(fm, FeatureMap):
+        return
+    name = getattr(fm, "__name__", None)
+    if callable(fm) and name in _FACTORY_CALLS and not hasattr(fm, "num_features"):
+        raise TypeError(
+            f"{arg} must be a FeatureMap; got the factory function {name} itself: call it, "
+            f"{arg}=attnref.linear.{_FACTORY_CALLS[name]}"
+        )
+    if not (callable(fm) and hasattr(fm, "num_features") and hasattr(fm, "name")):
+        raise TypeError(
+            f"{arg} must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
+            f"got {type(fm).__name__}"
+        )

@@ -1,0 +1,381 @@
+"""Attention as message passing on a graph (Karpathy 2023, via "Attention: All you need to know").
+
+The graph view, tokens as nodes and attention as a graph-neural-network layer, is also that of
+"[Concept] The Attention Mechanism of Transformer Models" (2025-08-22).
+
+Nodes are tokens; a directed edge ``s -> r`` lets receiver ``r`` listen to sender ``s``; the mask
+is the adjacency matrix. Per head ``i`` and edge ``e = (s, r)``: score
+``a_e = (x_r W_Q[i] + b_Q[i]) . (x_s W_K[i] + b_K[i]) * scale + bias_e``; a segment softmax over
+each receiver's incoming edges gives ``alpha_e``; the receiver aggregates
+``z_r = sum_{e -> r} alpha_e (x_s W_V[i] + b_V[i])`` and its update is
+``y_r = sum_i z_r W_O[i] + b_O``. A receiver with no (unmasked) incoming edge gets ``y_r = b_O``.
+With grouped-query params (``K`` key/value heads, ``G = H / K``) head ``i`` reads ``W_K``, ``b_K``,
+``W_V``, ``b_V`` of key/value head ``i // G``; each sender is projected once per key/value head.
+A sender a receiver may not listen to (no edge, a masked edge, a ``-inf`` edge bias) never
+reaches that receiver's update or gradients, whatever it holds (``attnref._src.core.nonfinite``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core import cost as _cost
+from attnref._src.core.checked import require
+from attnref._src.core.checks import check_params, check_scale, float64_scoped, is_traced
+from attnref._src.core.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
+from attnref._src.core.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    guarded,
+    nonfinite_rows,
+)
+from attnref._src.core.params import AttentionParams, repeat_heads
+from attnref._src.core.registry import Formulation, register
+
+
+def _check_edges(
+    senders: ArrayLike,
+    receivers: ArrayLike,
+    n_s: int,
+    n_r: int,
+    edge_mask: ArrayLike | None,
+    edge_bias: ArrayLike | None,
+) -> int:
+    for name, idx in (("senders", senders), ("receivers", receivers)):
+        if np.ndim(idx) != 1:
+            raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
+        if not jnp.issubdtype(jnp.asarray(idx).dtype, jnp.integer):
+            raise TypeError(f"{name} must be integer indices, got dtype {jnp.asarray(idx).dtype}")
+    e = int(np.shape(senders)[0])
+    if np.shape(receivers) != (e,):
+        raise ValueError(
+            f"senders has shape {np.shape(senders)} but receivers has shape {np.shape(receivers)}"
+        )
+    for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
+        # Concrete values (NumPy, lists, JAX arrays outside jit) are checked here; traced ones
+        # by graph_message_passing (checked mode, else an all-NaN output): a JAX gather would
+        # clamp an out-of-range index silently.
+        if e and not is_traced(idx):
+            vals = np.asarray(idx)
+            if vals.min() < 0 or vals.max() >= n:
+                raise ValueError(
+                    f"{name} has indices outside [0, {n}): min {vals.min()}, max {vals.max()}"
+                )
+    for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
+        if arr is not None and np.shape(arr) != (e,):
+            raise ValueError(
+                f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}"
+            )
+    if edge_mask is not None and jnp.asarray(edge_mask).dtype != jnp.bool_:
+        raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
+    if edge_bias is not None and not jnp.issubdtype(jnp.asarray(edge_bias).dtype, jnp.floating):
+        raise TypeError(f"edge_bias must be floating, got dtype {jnp.asarray(edge_bias).dtype}")
+    return e
+
+
+def _segment_softmax(
+    logits: Float[Array, "E H"], allowed: Bool[Array, "E H"], receivers: Array, n_r: int
+) -> Float[Array, "E H"]:
+    top = jax.ops.segment_max(jnp.where(allowed, logits, -jnp.inf), receivers, n_r)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top)))
+    shifted = jnp.where(allowed, logits - top[receivers], jnp.zeros_like(logits))
+    ex = jnp.where(allowed, jnp.exp(shifted), jnp.zeros_like(logits))
+    denom = jax.ops.segment_sum(ex, receivers, n_r)
+    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    return ex / denom[receivers]
+
+
+@float64_scoped
+def graph_message_passing(
+    params: AttentionParams,
+    x_senders: Float[ArrayLike, "N_s d_model"],
+    x_receivers: Float[ArrayLike, "N_r d_model"],
+    senders: Int[ArrayLike, " E"],
+    receivers: Int[ArrayLike, " E"],
+    *,
+    edge_mask: Bool[ArrayLike, " E"] | None = None,
+    edge_bias: Float[ArrayLike, " E"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "N_r d_model"]:
+    """Message passing over an explicit edge list with a segment softmax per receiver.
+
+    ``senders[e]`` indexes ``x_senders`` (keys/values), ``receivers[e]`` indexes ``x_receivers``
+    (queries); ``edge_mask`` disables edges without changing shapes (for ``jit``).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_senders: Sender (key/value) node features, row vectors ``[N_s, d_model]`` (no batch
+            dims), the dtype of ``params``.
+        x_receivers: Receiver (query) node features ``[N_r, d_model]``, the dtype of ``params``.
+        senders: Integer ``[E]``: edge ``e`` goes from node ``senders[e]`` of ``x_senders`` ...
+        receivers: Integer ``[E]``: ... to node ``receivers[e]`` of ``x_receivers``.
+        edge_mask: Boolean ``[E]``, ``False`` switches an edge off; ``None`` (default) keeps
+            every edge.
+        edge_bias: Additive bias ``[E]`` on each edge's scaled score (``-inf`` switches the edge
+            off); cast to the dtype of ``x_receivers``.
+        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_receivers + y`` (the residual-stream update).
+
+    Returns:
+        The receivers' updates ``y [N_r, d_model]``; a receiver with no allowed incoming edge
+        gets ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, the node features are not ``[N, d_model]``,
+            ``senders``/``receivers`` are not 1-D of one length ``E``, a concrete index is out of
+            range, ``edge_mask``/``edge_bias`` are not ``[E]``, or ``scale`` is not a scalar.
+            Traced indices (under ``jax.jit``) cannot be checked at trace time: out of range,
+            every output row is NaN, and :func:`attnref.checked` raises
+            ``checkify.JaxRuntimeError`` (a ``ValueError``) instead.
+        TypeError: If the node features' dtype is not the parameters', the indices are not
+            integers, ``edge_mask`` is not boolean, ``edge_bias`` is not floating, or ``scale``
+            is not a real number.
+    """
+    _, d_model, d_k, _ = check_params(params)
+    for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
+        if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
+            raise ValueError(f"{name} must have shape [N, {d_model}], got {np.shape(x)}")
+        if jnp.asarray(x).dtype != jnp.asarray(params.w_q).dtype:
+            raise TypeError(
+                f"{name} has dtype {jnp.asarray(x).dtype}; params have "
+                f"{jnp.asarray(params.w_q).dtype}"
+            )
+    n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
+    _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
+    check_scale(scale)
+    xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
+    snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
+    in_range = None  # traced indices: checked under attnref.checked, else an all-NaN output
+    if snd.shape[0] and is_traced(senders, receivers):
+        ok_s, ok_r = (snd >= 0) & (snd < n_s), (rcv >= 0) & (rcv < n_r)
+        for name, idx, ok, n in (("senders", snd, ok_s, n_s), ("receivers", rcv, ok_r, n_r)):
+            require(
+                ok,
+                f"{name} has indices outside [0, {n}): min {{lo}}, max {{hi}} (JAX would clamp "
+                "an out-of-range index silently)",
+                lo=jnp.min(idx),
+                hi=jnp.max(idx),
+            )
+        in_range = jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r))
+    s = scale_value(d_k, scale, xr.dtype)
+    em = None if edge_mask is None else jnp.asarray(edge_mask)
+    eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
+    allowed = allowed_pairs(em, eb, snd.shape)  # [E]
+
+    def per_receiver(flags: Array) -> Array:
+        return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
+
+    bad_edge = nonfinite_rows(xs)[snd]  # the edge reads a non-finite sender row ...
+    if eb is not None:  # ... or a NaN / +inf bias (-inf edges are not allowed)
+        bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
+    own = nonfinite_rows(xr)
+    if not residual:
+        own = jnp.logical_and(own, per_receiver(allowed))
+    dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
+
+    def compute(xs1: Array, xr1: Array, eb1: Array | None) -> Array:
+        return _message_passing(params, xs1, xr1, snd, rcv, n_r, em, eb1, s, residual)
+
+    clean = (finite_part(xs), finite_part(xr), finite_bias(eb))
+    out = guarded(compute, dirty, clean)
+    return out if in_range is None else jnp.where(in_range, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _message_passing(
+    params: AttentionParams,
+    xs: Array,
+    xr: Array,
+    snd: Array,
+    rcv: Array,
+    n_r: int,
+    edge_mask: Array | None,
+    edge_bias: Array | None,
+    s: Array,
+    residual: bool,
+) -> Float[Array, "N_r d_model"]:
+    """The body of :func:`graph_message_passing` on validated arrays (no non-finite guard)."""
+
+    def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
+        y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
+        return y if b is None else y + jnp.asarray(b)
+
+    g = params.group_size
+    q = proj(xr, params.w_q, params.b_q)[rcv]  # [E, H, d_k]
+    k = repeat_heads(proj(xs, params.w_k, params.b_k), g, axis=1)[
+        snd
+    ]  # [N_s, K, d_k] -> [E, H, d_k]
+    v = repeat_heads(proj(xs, params.w_v, params.b_v), g, axis=1)[snd]  # [E, H, d_v]
+    logits = jnp.sum(q * k, axis=-1) * s  # [E, H]
+    if edge_bias is not None:
+        logits = logits + edge_bias[:, None]
+    allowed = logits != -jnp.inf
+    if edge_mask is not None:
+        allowed = jnp.logical_and(allowed, edge_mask[:, None])
+    alpha = _segment_softmax(logits, allowed, rcv, n_r)
+    z = jax.ops.segment_sum(alpha[..., None] * v, rcv, n_r)  # [N_r, H, d_v]
+    y = jnp.einsum("rhv,hvd->rd", z, params.w_o, precision=HIGHEST)
+    if params.b_o is not None:
+        y = y + jnp.asarray(params.b_o)
+    return residual_or(y, xr, residual)
+
+
+def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse edge list ``(senders, receivers)`` of a concrete 2-D adjacency mask ``[T_q, T_k]``.
+
+    Runs on the host (the number of edges is data-dependent), so it cannot be traced.
+
+    Args:
+        mask: A concrete boolean adjacency matrix ``[T_q, T_k]``; ``mask[r, s]`` = receiver
+            (query) ``r`` may listen to sender (key) ``s``.
+
+    Returns:
+        ``(senders, receivers)``, two ``int32`` arrays ``[E]`` (one entry per ``True`` in
+        ``mask``, in row-major order), ready for :func:`graph_message_passing`.
+
+    Raises:
+        ValueError: If ``mask`` is not a 2-D boolean array.
+    """
+    m = np.asarray(mask)
+    if m.ndim != 2 or m.dtype != np.bool_:
+        raise ValueError(f"mask must be a 2-D boolean array, got shape {m.shape} dtype {m.dtype}")
+    receivers, senders = np.nonzero(m)
+    return senders.astype(np.int32), receivers.astype(np.int32)
+
+
+@float64_scoped
+def graph_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`graph_message_passing` on the complete bipartite graph, the mask as adjacency.
+
+    Every (query, key) pair is an edge, so shapes are static and the function is ``jit``-able;
+    the mask switches edges off. Batch dims are ``vmap``-ed.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    p0 = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    receivers, senders = (
+        jnp.asarray(a.reshape(-1)) for a in np.indices((p0.t_q, p0.t_k), dtype=np.int32)
+    )
+    e = p0.t_q * p0.t_k
+
+    def compute(p: Prepared) -> Array:
+        full = (*p.batch_shape, p.t_q, p.t_k)
+        m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
+        b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
+        d = params.d_model
+
+        def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
+            return _message_passing(
+                params, xkv, xq, senders, receivers, p.t_q, m1, b1, p.scale, False
+            )
+
+        y = jax.vmap(one)(
+            p.x_q.reshape(-1, p.t_q, d),
+            p.x_kv.reshape(-1, p.t_k, d),
+            m.reshape(-1, e),
+            b.reshape(-1, e),
+        ).reshape(*p.batch_shape, p.t_q, d)
+        return residual_or(y, p.x_q, residual)
+
+    return p0.guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- registry entry
+
+KARPATHY = (
+    "Karpathy (2023), Stanford CS25 lecture on transformers, attention as message exchange; as "
+    "presented in Attention: All you need to know (far.in.net, 2025-03-29). Tokens as the nodes "
+    "of a graph, attention as a graph-neural-network layer: [Concept] The Attention Mechanism of "
+    "Transformer Models (blog post, 2025-08-22)."
+)
+
+
+def graph_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
+    e = tq * tk  # dense adjacency
+    pq, pk, pv = _cost.projections(d)
+    mm = pq + pk + pv + 2 * b * tq * h * d.d_v * dm
+    edges = b * e * h
+    el = (
+        edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
+        + (_cost.SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters per edge
+        + 2 * edges * d.d_v  # alpha * v and its scatter-add
+        + _cost.bias_adds(
+            d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
+        )
+        + 2 * b * h * tq
+    )
+    per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]
+    tensors = [
+        b * tq * h * d.d_k,
+        b * tk * h * d.d_k,
+        b * tk * h * d.d_v,
+        *per_edge,
+        *[edges] * 8,
+        *[b * tq * h] * 4,
+        b * tq * h * d.d_v,
+        b * tq * dm,
+        2 * b * e,
+        b * (tq + tk) * dm,
+    ]  # q*k, logits, softmax, mask/bias broadcasts
+    return _cost.finish(d, mm, el, edges, tensors)
+
+
+register(
+    Formulation(
+        id="graph",
+        title="Graph message passing over an edge list",
+        equation=(
+            r"y_r = \sum_{i=1}^{H} \Big(\sum_{e=(s\to r)} \alpha_{e,i}\, v_{s,i}\Big) W_{O,i}"
+            r" + b_O,\quad \alpha_{\cdot,i} = \mathrm{segment\_softmax}_r\!\big("
+            r"q_{r,i}\cdot k_{s,i}/\sqrt{d_k}\big)"
+        ),
+        convention="graph",
+        citation=KARPATHY,
+        apply=graph_attention,
+        native=graph_message_passing,
+        summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
+        cost=(
+            "FLOPs O(H (N_r + N_s) d_model (d_k + d_v) + H E (d_k + d_v)) for E edges "
+            "(E = T_q T_k for the dense adjacency); memory O(H E (d_k + d_v)) for gathered "
+            "per-edge keys and values."
+        ),
+        cost_model=graph_cost,
+    )
+)

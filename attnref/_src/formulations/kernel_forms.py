@@ -1,0 +1,453 @@
+"""Multi-head (weight-level) forms of the kernel-era formulations: blockwise and cached decoding.
+
+Both take the row-convention signature of the registry's softmax family, ``apply(params, x_q,
+x_kv=None, *, mask=None, bias=None, scale=None, residual=False)`` with ``x [..., T, d_model]``,
+project per head (``q = x W_Q + b_Q``; K/V heads shared by groups of query heads), run the
+kernel in the layout of ``jax.nn.dot_product_attention``, and return
+``sum_n o_n W_O[n] + b_O`` (``x_q +`` that in residual form).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.core import cost as _cost
+from attnref._src.core.checks import float64_scoped
+from attnref._src.core.common import HIGHEST, Prepared, add_output_bias, prepare_rows, residual_or
+from attnref._src.core.params import AttentionParams
+from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.blockwise import blockwise_dot_product_attention
+from attnref._src.formulations.decode import cache_attend, init_cache, kv_cache_append, scan
+from attnref._src.formulations.decode import (
+    project as _kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
+)
+
+
+def flat(p: Prepared) -> tuple[Array, Array, int]:
+    b = math.prod(p.batch_shape)
+    return p.x_q.reshape(b, p.t_q, -1), p.x_kv.reshape(b, p.t_k, -1), b
+
+
+def pairs(p: Prepared, a: Array | None, b: int) -> Array | None:
+    """``[..., T_q, T_k]`` mask or bias -> kernel ``[B, 1, T_q, T_k]``."""
+    if a is None:
+        return None
+    return jnp.broadcast_to(a, (*p.batch_shape, p.t_q, p.t_k)).reshape(b, 1, p.t_q, p.t_k)
+
+
+def block_output(p: Prepared, params: AttentionParams, o: Array, residual: bool) -> Array:
+    y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
+    y = add_output_bias(y.reshape(*p.batch_shape, p.t_q, -1), params)
+    return residual_or(y, p.x_q, residual)
+
+
+@float64_scoped
+def blockwise_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+    block_q: int = 3,
+    block_k: int = 2,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head attention through :func:`attnref.blockwise_dot_product_attention`.
+
+    Online softmax in ``block_q x block_k`` tiles; the small odd defaults exercise partial tiles.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+        block_q: Queries per tile, a positive int (default 3).
+        block_k: Keys per tile, a positive int (default 2).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, ``scale`` is not a scalar, or a block size is not a positive
+            int.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+
+    def compute(p: Prepared) -> Array:
+        xq, xkv, b = flat(p)
+        o = blockwise_dot_product_attention(
+            _kernel_heads(xq, params.w_q, params.b_q),
+            _kernel_heads(xkv, params.w_k, params.b_k),
+            _kernel_heads(xkv, params.w_v, params.b_v),
+            pairs(p, p.bias, b),
+            pairs(p, p.mask, b),
+            scale=scale,
+            block_q=block_q,
+            block_k=block_k,
+        )
+        return block_output(p, params, o, residual)
+
+    # Non-finite tokens a query may not read stay out of it and of every gradient (the
+    # projections' backward would otherwise multiply them by zero).
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+
+
+@float64_scoped
+def decode_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T d_model"],
+    x_kv: Float[ArrayLike, "... T d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... T T"] | None = None,
+    bias: Float[ArrayLike, "... T T"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+    window: int | None = None,
+) -> Float[Array, "... T d_model"]:
+    """Causal attention computed by KV-cached decoding, one token per ``lax.scan`` step.
+
+    Token ``t`` brings query ``x_q[t]`` and key/value ``x_kv[t]`` (default ``x_q``); it attends to
+    the cached tokens ``j <= t`` with ``mask[t, j]`` and ``bias[t, j]``. Always causal; needs
+    ``T_q == T_k``. With ``window = W`` the cache is a ring buffer of capacity ``W`` that wraps
+    once ``T > W``, and token ``t`` attends to ``t - W < j <= t`` (sliding-window attention).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T, d_model]`` (``T_k == T_q``); ``None`` (default) means
+            ``x_q``.
+        mask: Boolean, broadcastable to ``[..., T, T]``, ``True`` = may attend (combined with
+            the causal rule); ``None`` (default): causal only.
+        bias: Floating additive bias, broadcastable to ``[..., T, T]``; ``None`` (default)
+            adds nothing.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+        window: ``None`` (default: full causal attention) or a positive int ``W`` (sliding
+            window of the ``W`` most recent tokens, the current one included).
+
+    Returns:
+        The block output ``[..., T, d_model]``, the dtype of ``x_q``.
+
+    Raises:
+        ValueError: If ``T_q != T_k``, ``window`` is not a positive int, or for the shape
+            errors of the other row forms (``params``, ``x_q``/``x_kv``, ``mask``/``bias``,
+            ``scale``).
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    if p.t_q != p.t_k:
+        raise ValueError(
+            f"decoding pairs query t with key t: x_q has T_q={p.t_q} tokens but x_kv has "
+            f"T_k={p.t_k}"
+        )
+    xq, xkv, b = flat(p)
+    m, bi = pairs(p, p.mask, b), pairs(p, p.bias, b)
+    cache = init_cache(params, b, p.t_k if window is None else window, window=window)
+    y, _ = scan(
+        params,
+        cache,
+        xq,
+        xs_kv=xkv,
+        mask=None if m is None else m[:, 0],
+        bias=None if bi is None else bi[:, 0],
+        scale=scale,
+    )
+    y = y.reshape(*p.batch_shape, p.t_q, -1)
+    return residual_or(y, p.x_q, residual)
+
+
+@float64_scoped
+def kv_cache_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head attention read from a KV cache: ``x_kv``'s keys and values are projected and
+    appended (the prefill), then a ``lax.scan`` runs the queries one at a time against the cache
+    with row ``t`` of ``mask`` and ``bias`` (by absolute key position).
+
+    With a causal mask this is what incremental decoding computes (:func:`scan`
+    appends one token per step instead; both are tested against the oracle).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(
+        lambda p: _kv_cache(p, params, scale, residual), residual
+    )
+
+
+def _kv_cache(p: Prepared, params: AttentionParams, scale: float | None, residual: bool) -> Array:
+    xq, xkv, b = flat(p)
+    cache = init_cache(params, b, p.t_k)
+    cache = kv_cache_append(
+        cache,
+        _kernel_heads(xkv, params.w_k, params.b_k).astype(p.dtype),
+        _kernel_heads(xkv, params.w_v, params.b_v).astype(p.dtype),
+    )
+    q = jnp.swapaxes(_kernel_heads(xq, params.w_q, params.b_q), 0, 1)  # [T_q, B, N, d_k]
+    steps: dict[str, Array] = {"q": q}
+    m, bi = pairs(p, p.mask, b), pairs(p, p.bias, b)
+    if m is not None:
+        steps["mask"] = jnp.swapaxes(m[:, 0], 0, 1)  # [T_q, B, T_k]
+    if bi is not None:
+        steps["bias"] = jnp.swapaxes(bi[:, 0], 0, 1)
+
+    def step(_: None, inp: dict[str, Array]) -> tuple[None, Array]:
+        row_mask = inp["mask"][:, None] if "mask" in inp else None
+        row_bias = inp["bias"][:, None] if "bias" in inp else None
+        out = cache_attend(cache, inp["q"][:, None], mask=row_mask, bias=row_bias, scale=scale)
+        return None, out[:, 0]
+
+    _, o = jax.lax.scan(step, None, steps)
+    return block_output(p, params, jnp.swapaxes(o, 0, 1), residual)
+
+
+# ----------------------------------------------------------------------------- registry entries
+
+MILAKOV = (
+    "Milakov & Gimelshein (2018), Online normalizer calculation for softmax, arXiv:1805.02867."
+)
+DAO = (
+    "Dao et al. (2022), FlashAttention: Fast and Memory-Efficient Exact Attention with "
+    "IO-Awareness, NeurIPS."
+)
+GQA = (
+    "Ainslie et al. (2023), GQA: Training Generalized Multi-Query Transformer Models from "
+    "Multi-Head Checkpoints, EMNLP; Shazeer (2019), Fast Transformer Decoding: One Write-Head is "
+    "All You Need (MQA)."
+)
+
+BLOCK_Q, BLOCK_K = 3, 2  # the registry entry's tile sizes (blockwise_attention's defaults)
+# Per logit of a tile, from attnref._src.formulations.blockwise: two index tests and their "and", the mask
+# "and", bias != -inf and its "and", the column and row "any", scale, + bias, where before the
+# max, the max, s - shift, two wheres around exp, the row sum.
+BLOCK_PER_LOGIT = 17
+# Per query row of a tile: maximum, == -inf, where, m - shift, alpha * l, + sum, and the
+# accumulator's alpha * acc + pv (2 per value entry, counted separately).
+BLOCK_PER_ROW = 6
+
+
+def _tiles(d: _cost.Dims) -> tuple[int, int, int, int]:
+    bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
+    return bq, bk, math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
+
+
+def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
+    """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    bq, bk, nq, nk = _tiles(d)
+    pq, pk, pv = _cost.projections(d)
+    tile_logits = b * h * bq * bk
+    step_mm = 2 * tile_logits * (d.d_k + d.d_v)
+    step_el = (
+        BLOCK_PER_LOGIT * tile_logits
+        + (BLOCK_PER_ROW + 2 * d.d_v) * b * h * bq
+        + _cost.guard_elementwise(
+            d,
+            operands=b * bq * h * d.d_k + b * bk * h * (d.d_k + d.d_v),
+            logits=tile_logits,
+            rows=b * h * bq,
+            outputs=0,
+        )
+    )
+    step_tr = tile_logits + b * h * bq  # exp of the tile, exp(m - m')
+    out_mm = 2 * b * d.t_q * h * d.d_v * dm
+    rows = b * h * nq * bq
+    # l > 0, where, a / l; poisoning the dirty rows; head sum
+    tail_el = rows * (2 * d.d_v + 4) + b * d.t_q * dm * (h - 1)
+    kernel_operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
+    el = (
+        step_el * nq * nk
+        + tail_el
+        + _cost.weight_guard_elementwise(d)
+        + _cost.GUARD_PER_OPERAND * kernel_operands  # the kernel's finite parts and dirty tests
+        + _cost.bias_adds(
+            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
+        )
+    )
+    tp, sp = nq * bq, nk * bk
+    inputs, output = _cost.io(d)
+    tensors = [
+        b * d.t_q * h * d.d_k,  # projections
+        b * d.t_k * h * d.d_k,
+        b * d.t_k * h * d.d_v,
+        b * tp * h * d.d_k,  # padded to whole tiles
+        b * sp * h * d.d_k,
+        b * sp * h * d.d_v,
+        b * tp * d.t_k,  # padded mask and bias (one head)
+        b * tp * sp,
+        b * tp * sp,
+        3 * rows + rows * d.d_v,  # m, l, acc stacked over query tiles
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * dm,
+        8 * tile_logits,  # one tile's logits, allowed, probabilities and their temporaries
+    ]
+    return _cost.Cost(
+        pq + pk + pv + nq * nk * step_mm + out_mm,
+        el,
+        nq * nk * step_tr,
+        inputs,
+        output,
+        max(b * sp * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        loop_trips=nq * nk,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=step_tr,
+    )
+
+
+def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
+    """Keys and values projected into a cache once, then ``T_q`` steps of one query each."""
+    b, h, dm, tk = d.batch, d.heads, d.d_model, d.t_k
+    pq, pk, pv = _cost.projections(d)
+    row = b * h * tk  # one step's logits
+    step_mm = 2 * row * (d.d_k + d.d_v)
+    # the naive kernel's masked softmax on one row of logits, plus building the allowed set from
+    # slot positions, the mask row and the bias row (gathers, compares, where)
+    step_el = (_cost.SOFTMAX_PER_LOGIT + 6) * row + _cost.SOFTMAX_PER_ROW * b * h + b * h * d.d_k
+    step_el += _cost.guard_elementwise(
+        d,
+        operands=b * h * d.d_k + b * tk * h * (d.d_k + d.d_v),
+        logits=row,
+        rows=b * h,
+        outputs=b * h * (d.d_v + 1),
+    )
+    out_mm = 2 * b * d.t_q * h * d.d_v * dm
+    el = (
+        step_el * d.t_q
+        + b * d.t_q * dm * (h - 1)
+        + _cost.weight_guard_elementwise(d)
+        + _cost.bias_adds(
+            d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
+        )
+    )
+    inputs, output = _cost.io(d)
+    cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions
+    tensors = [
+        b * d.t_q * h * d.d_k,
+        *cache,
+        *cache,  # the scatter's output and its operand
+        b * d.t_q * tk,  # mask and bias rows, time-major
+        b * d.t_q * tk,
+        10 * row,  # one step's logits and softmax temporaries
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * h * d.d_v,
+        b * d.t_q * dm,
+    ]
+    return _cost.Cost(
+        pq + pk + pv + d.t_q * step_mm + out_mm,
+        el,
+        d.t_q * row,
+        inputs,
+        output,
+        max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+        loop_trips=d.t_q,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=row,
+    )
+
+
+register(
+    Formulation(
+        id="blockwise",
+        title="Blockwise online softmax (the flash form)",
+        equation=(
+            r"m' = \max(m, \max_j s_{ij}),\ \ \ell' = e^{m - m'}\ell + \sum_{j \in B}"
+            r" e^{s_{ij} - m'},\ \ a' = e^{m - m'} a + \sum_{j \in B} e^{s_{ij} - m'} v_j,"
+            r"\quad o_i = a / \ell = \mathrm{softmax}(s_i) V,\ \ \mathrm{lse}_i = m + \log \ell"
+        ),
+        convention="kernel",
+        citation=MILAKOV + " " + DAO + " GQA: " + GQA,
+        apply=blockwise_attention,
+        native=blockwise_dot_product_attention,
+        summary=(
+            "Query tiles (lax.map) times key tiles (lax.scan) with a running max and sum; the "
+            "backward is a custom_vjp that recomputes tiles from the saved lse."
+        ),
+        cost=(
+            "FLOPs as concat plus O(H T_q T_k / B_k) rescalings; memory O(H (T_q + T_k) d + "
+            "B_q B_k H) temporaries: linear in T (no T_q x T_k tensor)."
+        ),
+        cost_model=blockwise_cost,
+        static_argnames=("residual", "block_q", "block_k"),
+    )
+)
+
+register(
+    Formulation(
+        id="kv_cache",
+        title="KV-cached attention, one query per step",
+        equation=(
+            r"\mathcal{C} = \{(p_j, k_j, v_j)\}_{j < T_k},\quad o_t = \sum_{i=1}^{H}"
+            r" \mathrm{softmax}_{j \in \mathcal{C}}\!\Big(\frac{q_{t,i} k_{j,g(i)}^\top}"
+            r"{\sqrt{d_k}} + b_{t, p_j}\Big) v_{j,g(i)} W_{O,i} + b_O"
+        ),
+        convention="kernel",
+        citation=(
+            "Incremental decoding with the keys and values of earlier steps cached: Shazeer "
+            "(2019), Fast Transformer Decoding: One Write-Head is All You Need, section 2.4 "
+            "(and MQA); Ainslie et al. (2023), GQA: Training Generalized Multi-Query Transformer "
+            "Models from Multi-Head Checkpoints, EMNLP."
+        ),
+        apply=kv_cache_attention,
+        native=cache_attend,
+        summary=(
+            "Keys and values projected once into a cache (slots with absolute positions), then a "
+            "lax.scan reads it one query at a time; masks and biases index absolute positions."
+        ),
+        cost=(
+            "FLOPs as concat; memory O(H T_k (d_k + d_v)) for the cache plus O(H T_k) logits per "
+            "step: no T_q x T_k tensor."
+        ),
+        cost_model=kv_cache_cost,
+    )
+)

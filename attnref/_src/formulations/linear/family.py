@@ -1,0 +1,361 @@
+"""The LINEAR family, the cost models (``<id>_cost``) of its forms and their registry entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from attnref import oracle, tolerance
+from attnref._src.core import cost as _cost
+from attnref._src.core.family import Example, ExampleProblem, Family
+from attnref._src.core.registry import REFACTOR, Formulation, register
+from attnref._src.formulations.feature_maps import feature_map_from_name
+from attnref._src.formulations.linear.kernel import (
+    linear_associative,
+    linear_chunked,
+    linear_prefix_sum,
+    linear_quadratic,
+    linear_recurrent,
+)
+from attnref._src.formulations.linear.multihead import (
+    linear_associative_attention,
+    linear_chunked_attention,
+    linear_messages_attention,
+    linear_prefix_sum_attention,
+    linear_quadratic_attention,
+    linear_recurrent_attention,
+)
+
+
+def linear_required(problem: ExampleProblem) -> dict[str, Any]:
+    """The feature map the problem names (FAVOR+ gets ``2 d_k`` orthogonal features)."""
+    fm = feature_map_from_name(
+        problem.feature_map, seed=problem.seed, d=problem.d_k, num_features=2 * problem.d_k
+    )
+    return {"feature_map": fm}
+
+
+def linear_example(problem: ExampleProblem, causal: bool) -> Example:
+    """Causality is the ``causal`` flag, and a causal form is self-attention (``T_q == T_k``)."""
+    note = f"{problem.feature_map}, {'causal' if causal else 'non-causal'}"
+    return Example({**linear_required(problem), "causal": causal}, causal, note)
+
+
+LINEAR = Family(
+    name="linear",
+    oracle=oracle.linear_multihead,
+    bound=tolerance.linear_multihead_error_bound,
+    signature="apply(params, x_q, x_kv=None, *, feature_map, causal=..., key_mask=None, "
+    "eps=0.0, eps_policy='add', residual=False)",
+    note="Feature map $\\phi$ from `attnref.linear.elu_plus_one`, "
+    "`attnref.linear.relu_features`, `attnref.linear.identity_features`, "
+    "`attnref.linear.taylor2` or `attnref.linear.favor_plus`. Denominator policy: "
+    "`eps_policy='add'` divides by $D_i + \\epsilon$ (fast-transformers), `'clamp'` by "
+    "$\\max(D_i, \\epsilon)$; the default $\\epsilon = 0$ is the exact ratio, and an exactly "
+    "zero adjusted denominator (no allowed key) gives a zero output. With the signed `identity` "
+    "map the denominator can be near zero and the ratio grows like $1/D_i$; attnref reproduces "
+    "that rather than hiding it (see [linear attention](../linear_attention.md)).",
+    equation_symbols=("phi",),
+    static_argnames=("causal", "eps_policy", "residual"),
+    required_kwargs=linear_required,
+    example=linear_example,
+)
+
+
+# ----------------------------------------------------------------------------- registry entries
+
+KATHAROPOULOS = (
+    "Katharopoulos et al. (2020), Transformers are RNNs: Fast Autoregressive Transformers with "
+    "Linear Attention, ICML."
+)
+CHOROMANSKI = "Choromanski et al. (2021), Rethinking Attention with Performers, ICLR (FAVOR+)."
+LIN_EQ = (
+    r"y_i = \frac{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j)\, v_j^\top}"
+    r"{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j) + \epsilon}"
+)
+
+
+def linear_quadratic_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m = d.batch, d.heads, _cost.feature_count(d)
+    a = b * h * d.t_q * d.t_k
+    outs = [b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _cost.linear(d, 2 * a * (m + d.d_v), a * (2 if d.causal else 1), [a, a, *outs])
+
+
+def linear_associative_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m = d.batch, d.heads, _cost.feature_count(d)
+    mm = 2 * b * h * m * d.d_v * d.t_k + 2 * b * d.t_q * h * m * (d.d_v + 1)
+    outs = [b * h * m * d.d_v, b * h * m, b * d.t_q * h * d.d_v, b * d.t_q * h]
+    return _cost.linear(d, mm, b * h * m * d.t_k, outs)
+
+
+def linear_prefix_sum_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t = d.batch, d.heads, _cost.feature_count(d), d.t_q
+    states = b * t * h * m * (d.d_v + 1)
+    log_t = max(1, math.ceil(math.log2(t)))
+    # outer products (1 flop/element), cumsum (an associative scan: <= 2 log2(T) passes), and
+    # the denominator phi(q).z, a contraction with no free dimension that XLA lowers to a
+    # multiply and a reduction (2m - 1 elementwise flops), not a dot.
+    el = b * t * h * m * d.d_v + 2 * log_t * states + b * t * h * (2 * m - 1)
+    kv, zs = b * t * h * m * d.d_v, b * t * h * m
+    tensors = [kv, kv, kv, zs, zs, zs, b * t * h * d.d_v, b * t * h]  # outer, scan temporaries
+    return _cost.linear(d, 2 * b * t * h * m * d.d_v, el, tensors)
+
+
+def linear_recurrent_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t = d.batch, d.heads, _cost.feature_count(d), d.t_q
+    mm_f, el_f, tr_f, _ = _cost.feature_cost(dataclasses.replace(d, t_q=1, t_k=1), 1)
+    step_mm = 2 * b * h * m * d.d_v + 2 * mm_f  # read-out phi(q) S; features of q_t and k_t
+    # state update (outer product, adds), phi(q).z (multiply + reduce), features, normalise
+    step_el = (
+        2 * b * h * m * d.d_v
+        + 2 * b * h * m
+        + b * h * (2 * m - 1)
+        + 2 * el_f
+        + _cost.normalize_el(dataclasses.replace(d, t_q=1))
+    )
+    mm_p, el_p = _cost.linear_proj(d)
+    inputs, output = _cost.io(d)
+    proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
+    every = [
+        *proj,
+        *proj,
+        *proj,
+        b * t,
+        b * h * m * d.d_v,
+        b * h * m,
+        b * t * h * d.d_v,
+        b * t * h * d.d_v,
+        b * t * d.d_model,
+    ]  # + time-major copies, state, outputs
+    return _cost.Cost(
+        mm_p + t * step_mm,
+        el_p + t * step_el + b * t * h * m + _cost.weight_guard_elementwise(d, pairs=False),
+        t * (2 * tr_f + _cost.eps_exp(d, 1)),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+        loop_trips=t,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=2 * tr_f + _cost.eps_exp(d, 1),
+    )
+
+
+def linear_chunked_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, t, c = d.batch, d.heads, _cost.feature_count(d), d.t_q, d.chunk
+    n = math.ceil(t / c)
+    a = b * h * c * c
+    step_mm = 2 * a * (m + d.d_v) + 2 * b * c * h * m * (d.d_v + 1) + 2 * b * h * m * d.d_v * c
+    step_el = (
+        a * 2
+        + 2 * b * h * m * (d.d_v + 1)
+        + b * c * h * m
+        + _cost.normalize_el(dataclasses.replace(d, t_q=c))
+    )
+    padded = b * n * c * h
+    chunked = [padded * m, padded * m, padded * d.d_v] * 2  # padded, then chunk-major copies
+    tensors = [*chunked, a, a, b * h * m * d.d_v, b * h * m, padded * d.d_v, padded * d.d_v]
+    base = _cost.linear(dataclasses.replace(d, t_q=t, t_k=t), 0, 0, tensors)
+    return dataclasses.replace(
+        base,
+        matmul_flops=base.matmul_flops + n * step_mm,
+        elementwise_flops=base.elementwise_flops
+        - _cost.normalize_el(d)
+        + n * step_el
+        + 2 * b * n * c * h * (m + d.d_v),  # padding to whole chunks
+        # the eps rescaling runs inside the loop, on every (padded) chunk of queries
+        transcendentals=base.transcendentals - _cost.eps_exp(d, t) + n * _cost.eps_exp(d, c),
+        loop_trips=n,
+        per_trip_matmul_flops=step_mm,
+        per_trip_elementwise_flops=step_el,
+        per_trip_transcendentals=_cost.eps_exp(d, c),
+    )
+
+
+def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
+    b, h, m, dm = d.batch, d.heads, _cost.feature_count(d), d.d_model
+    a = b * h * d.t_q * d.t_k
+    pq, pk, _ = _cost.projections(d)
+    mmq, elq, trq, _ = _cost.feature_cost(d, d.t_q)
+    mmk, elk, trk, _ = _cost.feature_cost(d, d.t_k)
+    mm_m, el_m = _cost.messages(d)
+    mm_x, el_x = _cost.mix(d)
+    mm = pq + pk + mmq + mmk + 2 * a * m + mm_m + mm_x
+    el = (
+        elq
+        + elk
+        + a * (2 if d.causal else 1)
+        + 4 * a
+        + el_m
+        + el_x
+        + _cost.bias_adds(d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, 0, 0)
+        + b * d.t_k * h * m
+        + _cost.weight_guard_elementwise(d, pairs=False)
+    )
+    inputs, output = _cost.io(d)
+    every = [
+        *_cost.linear_tensors(d),
+        a,
+        a,
+        a,
+        b * h * d.t_q,
+        h * dm * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_k * dm,
+        b * h * d.t_q * dm,
+    ]  # A, masked, normalised; W_M, messages
+    return _cost.Cost(
+        mm,
+        el,
+        trq + trk + _cost.eps_exp(d, d.t_q),
+        inputs,
+        output,
+        max(every) * d.itemsize,
+        sum(every) * d.itemsize + inputs,
+    )
+
+
+register(
+    Formulation(
+        id="linear_quadratic",
+        title="Linear attention, quadratic form",
+        equation=(
+            r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
+            r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
+        apply=linear_quadratic_attention,
+        native=linear_quadratic,
+        summary=(
+            "The T x T kernel matrix materialised, masked (causal and/or key padding), "
+            "row-normalised."
+        ),
+        cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
+        cost_model=linear_quadratic_cost,
+        family=LINEAR,
+        causal_modes=(False, True),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_associative",
+        title="Linear attention, associative (non-causal) form",
+        equation=(
+            r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
+            r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_associative_attention,
+        native=linear_associative,
+        summary=(
+            "Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."
+        ),
+        cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
+        cost_model=linear_associative_cost,
+        family=LINEAR,
+        causal_modes=(False,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_prefix_sum",
+        title="Linear attention, causal prefix sums",
+        equation=(
+            r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
+            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_prefix_sum_attention,
+        native=linear_prefix_sum,
+        summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
+        cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
+        cost_model=linear_prefix_sum_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_recurrent",
+        title="Linear attention, recurrent (RNN) form",
+        equation=(
+            r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
+            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS,
+        apply=linear_recurrent_attention,
+        native=linear_recurrent,
+        summary=(
+            "A lax.scan over the constant-size state (S_t, z_t): the decoding view, "
+            "O(m d_v) memory."
+        ),
+        cost=(
+            "FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T "
+            "(the KV-cache analogue)."
+        ),
+        cost_model=linear_recurrent_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_chunked",
+        title="Linear attention, chunked form",
+        equation=(
+            r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
+            r" v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t}"
+            r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
+        ),
+        convention="kernel",
+        citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
+        apply=linear_chunked_attention,
+        native=linear_chunked,
+        summary=(
+            "Quadratic inside each chunk, the state carried between chunks by lax.scan; "
+            "any chunk size."
+        ),
+        cost=(
+            "FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; "
+            "memory O(H (C^2 + m d_v))."
+        ),
+        cost_model=linear_chunked_cost,
+        family=LINEAR,
+        causal_modes=(True,),
+        static_argnames=(*LINEAR.static_argnames, "chunk_size"),
+    )
+)
+
+register(
+    Formulation(
+        id="linear_messages",
+        title="Linear attention, scores x messages",
+        equation=(
+            r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
+            r" \big(X_{kv} W_{M,i}\big) + b_O"
+        ),
+        convention="row",
+        citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
+        apply=linear_messages_attention,
+        native=linear_messages_attention,
+        summary="The normalised linear attention matrix of each head times its messages X W_M.",
+        cost=(
+            "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); "
+            "memory O(H T_q T_k + H T_k d_model)."
+        ),
+        cost_model=linear_messages_cost,
+        family=LINEAR,
+        causal_modes=(False, True),
+    )
+)

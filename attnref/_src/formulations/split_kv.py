@@ -1,0 +1,403 @@
+"""Split-KV attention (flash-decoding): the keys cut into ``P`` splits, one state per split, one
+merge.
+
+The ``S`` keys are padded to ``P c`` (``c = ceil(S / P)``) and split into ``P`` contiguous runs
+``K_p = {p c, ..., p c + c - 1}``. Each split yields the state of every query against its keys
+(:func:`attnref._src.formulations.distributed.chunk.chunk_state`: every kernel option is a rule on global
+key positions, so a split needs nothing but its positions), all ``P`` at once (``vmap``, one
+compiled body), and the states merge in one pass (:func:`attnref.merge_state_stack`)::
+
+    (o_p, lse_p) = (softmax_{j in K_p}(s_ij) V_{K_p},  log sum_{j in K_p} exp(s_ij))
+    m = max_p lse_p,   lse = m + log sum_p exp(lse_p - m),   o = sum_p exp(lse_p - lse) o_p
+
+Padded keys (positions ``>= S``) are never allowed, so a split of padding alone is the empty
+state (``lse = -inf``, the merge's identity): every ``S >= 0`` and ``P >= 1`` gives the exact
+answer, ``S < P`` included. The kernel's finishing rules (the fully-masked-row policy, query
+padding, lengths out of range) then run once on the merged state; ``masked_rows="uniform"``
+reads the sum of the values, which each split contributes (``value_sum``).
+
+This is the decoding kernel of Dao, Haziza, Massa & Sizov (2023), "Flash-Decoding for
+long-context inference" (the PyTorch and Stanford CRFM blog posts, October 2023; in the
+flash-attn repository, ``flash_fwd_splitkv_kernel`` then ``flash_fwd_splitkv_combine_kernel``
+when ``num_splits > 1``): with one query (``T = 1``) and a long cache, the splits are what runs
+in parallel. Splits are computed in the compute dtype (float32 for 16-bit inputs) and the output
+is cast once, after the merge. Gradients are by autodiff through the splits and the merge; a
+key, value or bias entry a query may not read never reaches its output or gradients (each
+split's kernel runs on finite parts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core import cost as _cost
+from attnref._src.core.checks import float64_scoped
+from attnref._src.core.common import Prepared, prepare_rows
+from attnref._src.core.params import AttentionParams
+from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.decode import (
+    project as _kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
+)
+from attnref._src.formulations.distributed.chunk import (
+    chunk_state,
+    finish_rows,
+    lengths_only,
+    value_sum,
+)
+from attnref._src.formulations.kernel import (
+    Alignment,
+    KernelInputs,
+    KernelSpec,
+    MaskedRows,
+    prepare,
+    require_lengths_in_range,
+)
+from attnref._src.formulations.kernel_forms import DAO, GQA, MILAKOV, block_output, flat, pairs
+from attnref._src.formulations.states import merge_state_stack
+
+NUM_SPLITS = 4  # the default number of splits (the registry entry's)
+
+
+def check_num_splits(num_splits: Any) -> int:
+    """``num_splits`` as an int: a positive int (NumPy ints accepted).
+
+    Raises:
+        TypeError: If it is not an int (a bool, a float, a string, an array).
+        ValueError: If it is below 1.
+    """
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, (bool, np.bool_)):
+        raise TypeError(f"num_splits must be a positive int, got {num_splits!r}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return int(num_splits)
+
+
+def split_positions(s: int, num_splits: int) -> np.ndarray:
+    """int32 ``[P, c]``, ``c = ceil(S / P)``: row ``p`` holds the key positions of split ``p``
+    (``p c, ..., p c + c - 1``; positions ``>= S`` are padding)."""
+    c = -(-s // num_splits)
+    return np.arange(num_splits * c, dtype=np.int32).reshape(num_splits, c)
+
+
+def _splits(a: Array, c: int, p: int) -> Array:
+    """``[B, S, ...]`` zero-padded to ``[B, P c, ...]`` and cut into ``[P, B, c, ...]``."""
+    pad = [(0, 0)] * a.ndim
+    pad[1] = (0, p * c - a.shape[1])
+    a = jnp.pad(a, pad)
+    return jnp.moveaxis(a.reshape(a.shape[0], p, c, *a.shape[2:]), 1, 0)
+
+
+def split_kv(
+    spec: KernelSpec, x: KernelInputs, scale: Any, num_splits: int
+) -> tuple[Float[Array, "B T N H_v"], Float[Array, "B T N"]]:
+    """The states of the ``P`` splits (``vmap``), their merge, and the finishing rules.
+
+    Returns:
+        ``(o, lse)``: ``o`` in ``spec.dtype``, ``lse`` in the compute dtype.
+    """
+    pos = split_positions(spec.s, num_splits)
+    c = pos.shape[1]
+    k_pos = jnp.asarray(pos)
+    k, v = _splits(x.k, c, num_splits), _splits(x.v, c, num_splits)
+    kv_seg = None if x.kv_seg is None else _splits(x.kv_seg, c, num_splits)
+    q_pos = jnp.arange(spec.t, dtype=jnp.int32)
+    lengths = lengths_only(x.q_lens, x.kv_lens)
+
+    def state(k_p: Array, v_p: Array, pos_p: Array, seg_p: Array | None) -> tuple[Array, Array]:
+        return chunk_state(
+            spec, lengths, scale, x.q, q_pos, x.q_seg, k_p, v_p, pos_p, seg_p, x.bias, x.mask
+        )
+
+    o, lse = jax.vmap(state)(k, v, k_pos, kv_seg)  # [P, B, T, N, H_v], [P, B, T, N]
+    o, lse = merge_state_stack(o, lse, axis=0)
+    v_total = None
+    if spec.masked_rows == "uniform":
+        v_total = jnp.sum(jax.vmap(lambda v_p, p: value_sum(spec, v_p, p))(v, k_pos), axis=0)
+    return finish_rows(spec, lengths, o, lse, q_pos, v_total)
+
+
+@float64_scoped
+def split_kv_dot_product_attention(
+    query: Float[ArrayLike, "B T N H"],
+    key: Float[ArrayLike, "B S K H"],
+    value: Float[ArrayLike, "B S K H_v"],
+    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
+    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+    *,
+    num_splits: int = NUM_SPLITS,
+    scale: float | ArrayLike | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: Alignment = "top_left",
+    masked_rows: MaskedRows = "zeros",
+    return_lse: bool = False,
+) -> Any:
+    """Split-KV (flash-decoding) attention: ``P`` key splits, one state each, one merge.
+
+    Equal to :func:`attnref.dot_product_attention` with the same arguments (rounding aside):
+    ``lse = m + log sum_p exp(lse_p - m)``, ``o = sum_p exp(lse_p - lse) o_p`` over the states
+    ``(o_p, lse_p)`` of the splits (see the module docstring). ``S`` need not be a multiple of
+    ``num_splits`` (the last splits are padded; padding is never attended).
+
+    Args:
+        query: ``[B, T, N, H]``, floating (``T = 1``: one decoding step).
+        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
+        value: ``[B, S, K, H_v]``, the dtype of ``query``.
+        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
+            (``-inf`` masks the pair); ``None`` (default) adds nothing.
+        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
+            ``None`` (default) allows every pair.
+        num_splits: The number of key splits ``P``, a positive int (default 4); each holds
+            ``ceil(S / P)`` keys.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
+        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only (``p_i`` placed by
+            ``causal_alignment``).
+        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond the length are
+            padding (output 0, ``lse = -inf``); ``None`` (default) means every row is real.
+        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond the length are
+            never read; ``None`` (default) means all ``S`` keys.
+        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side):
+            query ``i`` reads keys in ``[p_i - left, p_i + right]``; ``None`` (default): no
+            window.
+        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
+            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; a query attends only
+            to keys of its own segment. ``None`` (default): one segment.
+        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
+            the bias; ``None`` (default): no cap.
+        causal_alignment: ``"top_left"`` (default, ``p_i = i``) or ``"bottom_right"``
+            (``p_i = i + S_b - T_b`` with the actual lengths).
+        masked_rows: What a fully masked query row returns: ``"zeros"`` (default), ``"uniform"``
+            (the mean of ``value`` over all ``S`` keys) or ``"nan"``.
+        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
+
+    Returns:
+        ``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]``
+        (``-inf`` on fully masked and padding rows) when ``return_lse``; both differentiable
+        (autodiff through the splits and the merge).
+
+    Raises:
+        ValueError: If ``num_splits`` is below 1, or for any argument
+            :func:`attnref.dot_product_attention` refuses with ``ValueError`` (shapes, option
+            values, concrete lengths out of range).
+        TypeError: If ``num_splits`` is not an int (a bool or a float included), or for the
+            dtype and type errors of :func:`attnref.dot_product_attention`.
+    """
+    p = check_num_splits(num_splits)
+    spec, x = prepare(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        segment_ids=segment_ids,
+        softcap=softcap,
+        causal_alignment=causal_alignment,
+        masked_rows=masked_rows,
+    )
+    require_lengths_in_range(spec, x)
+    out, lse = split_kv(spec, x, scale, p)
+    return (out, lse) if return_lse else out
+
+
+@float64_scoped
+def split_kv_attention(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+    num_splits: int = NUM_SPLITS,
+) -> Float[Array, "... T_q d_model"]:
+    """Multi-head attention through :func:`split_kv_dot_product_attention`.
+
+    The keys are cut into ``num_splits`` splits, each split's state ``(o_p, lse_p)`` is computed
+    for every query, and the states are merged (flash-decoding).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+        num_splits: The number of key splits, a positive int (default 4).
+
+    Returns:
+        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
+        is ``b_O`` (zero without biases).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, ``scale`` is not a scalar, or ``num_splits`` is below 1.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, ``scale`` is not a real number, or ``num_splits`` is not
+            an int.
+    """
+    check_num_splits(num_splits)
+
+    def compute(p: Prepared) -> Array:
+        xq, xkv, b = flat(p)
+        o = split_kv_dot_product_attention(
+            _kernel_heads(xq, params.w_q, params.b_q),
+            _kernel_heads(xkv, params.w_k, params.b_k),
+            _kernel_heads(xkv, params.w_v, params.b_v),
+            pairs(p, p.bias, b),
+            pairs(p, p.mask, b),
+            num_splits=num_splits,
+            scale=scale,
+        )
+        return block_output(p, params, o, residual)
+
+    # Non-finite tokens a query may not read stay out of it and of every gradient.
+    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+# Per logit of a split, beyond the naive kernel's masked softmax (SOFTMAX_PER_LOGIT): the
+# split's allowed set from global positions (k_pos < S, q_pos < T, their "and") and its "and"
+# with the mask's columns.
+SPLIT_PER_LOGIT = 4
+# Per query row of a split: the kernel's lse (log's "+ top", where) and its finishing selects
+# (lengths in range on o's row and on lse).
+SPLIT_PER_ROW = 5
+# Per state merged (one per split and query row; merge_state_stack): the max over splits, the
+# select of empty states, "lse - m", the weights' sum, isneginf; and per value entry the select
+# of empty states' o, "w o" and the sum over splits (3 per entry, counted with d_v).
+MERGE_PER_STATE = 5
+# Per merged row: isfinite, m_safe, the safe total, "m + log", and the finishing of the merge
+# (isneginf, isfinite, or, two selects on lse) and of the kernel (isneginf, two lengths
+# selects); per value entry the division, the merge's two selects and the kernel's one (4).
+MERGE_PER_ROW = 12
+
+
+def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
+    """``P`` splits of ``c = ceil(T_k / P)`` keys (padded to ``P c``), each the naive kernel on
+    its keys (all splits in one ``vmap``ped body), then the merge of the ``P`` states per row.
+
+    Args:
+        d: The problem sizes.
+        num_splits: ``P`` (default 4, the registry entry's).
+
+    Returns:
+        The :class:`~attnref._src.core.cost.Cost` of :func:`split_kv_attention`.
+    """
+    b, h, dm = d.batch, d.heads, d.d_model
+    p = check_num_splits(num_splits)
+    sp = p * -(-d.t_k // p)  # keys padded to whole splits
+    pq, pk, pv = _cost.projections(d)
+    logits = b * h * d.t_q * sp
+    rows = b * h * d.t_q
+    states = p * rows
+    kernel_mm = 2 * logits * (d.d_k + d.d_v)
+    out_mm = 2 * b * d.t_q * h * d.d_v * dm
+    kernel_el = (
+        (_cost.SOFTMAX_PER_LOGIT + SPLIT_PER_LOGIT) * logits
+        + (_cost.SOFTMAX_PER_ROW + SPLIT_PER_ROW) * states
+        + _cost.guard_elementwise(
+            d,
+            operands=b * d.t_q * h * d.d_k + b * sp * h * (d.d_k + d.d_v),
+            logits=logits,
+            rows=states,
+            outputs=states * (d.d_v + 1),
+        )
+    )
+    merge_el = (MERGE_PER_STATE + 3 * d.d_v) * states + (MERGE_PER_ROW + 4 * d.d_v) * rows
+    el = (
+        kernel_el
+        + merge_el
+        + b * d.t_q * dm * (h - 1)  # the head sum
+        + _cost.weight_guard_elementwise(d)
+        + _cost.bias_adds(
+            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
+        )
+    )
+    inputs, output = _cost.io(d)
+    qkv = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
+    split_kv_ = [b * sp * h * d.d_k, b * sp * h * d.d_v]  # padded, split-major
+    tensors = [
+        *qkv,
+        *qkv,  # their finite parts
+        *split_kv_,
+        *split_kv_,
+        b * d.t_q * sp,  # the mask's and the bias's columns of every split (one head)
+        b * d.t_q * sp,
+        *_cost.softmax_tensors(d, logits),
+        2 * states,  # per-split lse and its mask
+        states * d.d_v,  # the states' o
+        states * (d.d_v + 1),  # the merge's weights and weighted o
+        rows * (d.d_v + 1),  # the merged state
+        b * d.t_q * h * d.d_v,  # heads, token-major
+        b * d.t_q * dm,
+        b * d.t_q * d.t_k,  # the weight-level allowed set
+    ]
+    return _cost.Cost(
+        pq + pk + pv + kernel_mm + out_mm,
+        el,
+        logits + 2 * states,  # exp of the logits; per state, the kernel's log and the weight
+        inputs,
+        output,
+        max(logits, *qkv, b * d.t_q * dm) * d.itemsize,
+        sum(tensors) * d.itemsize + inputs,
+    )
+
+
+# ----------------------------------------------------------------------------- registry entry
+
+FLASH_DECODING = (
+    "Dao, Haziza, Massa & Sizov (2023), Flash-Decoding for long-context inference (PyTorch and "
+    "Stanford CRFM blog posts, October 2023)."
+)
+
+register(
+    Formulation(
+        id="split_kv",
+        title="Split-KV attention (flash-decoding): one state per key split, one merge",
+        equation=(
+            r"(o^{(p)}_i, \ell^{(p)}_i) = \Big(\mathrm{softmax}_{j \in K_p}(s_{ij}) V_{K_p},\ "
+            r"\log \sum_{j \in K_p} e^{s_{ij}}\Big),\quad m_i = \max_p \ell^{(p)}_i,\ \ "
+            r"\ell_i = m_i + \log \sum_{p=1}^{P} e^{\ell^{(p)}_i - m_i},\ \ "
+            r"o_i = \sum_{p=1}^{P} e^{\ell^{(p)}_i - \ell_i}\, o^{(p)}_i = "
+            r"\mathrm{softmax}(s_i) V"
+        ),
+        convention="kernel",
+        citation=FLASH_DECODING + " The merge: " + MILAKOV + " " + DAO + " GQA: " + GQA,
+        apply=split_kv_attention,
+        native=split_kv_dot_product_attention,
+        summary=(
+            "The keys cut into P contiguous splits; every split's state (o, lse) is computed "
+            "at once (vmap over the splits) and the P states are merged in one stable pass "
+            "(merge_state_stack); gradients by autodiff."
+        ),
+        cost=(
+            "FLOPs as concat plus O(P H T_q (d_v + 1)) for the merge; memory O(H T_q T_k) "
+            "logits (all splits at once) plus O(P H T_q d_v) states."
+        ),
+        cost_model=split_kv_cost,
+        static_argnames=("residual", "num_splits"),
+    )
+)

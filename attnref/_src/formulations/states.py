@@ -1,0 +1,199 @@
+"""The attention state algebra: a partial result over a key subset is a state ``(o, lse)``.
+
+For one query row and a set ``A`` of allowed keys, the state is ``o_A = sum_{j in A} p_j v_j``
+with ``p_j = exp(s_j - lse_A)`` and ``lse_A = log sum_{j in A} exp(s_j)``. For disjoint ``A`` and
+``B``::
+
+    lse = log(exp(lse_A) + exp(lse_B))            = m + log(w_A + w_B)
+    o   = (exp(lse_A) o_A + exp(lse_B) o_B) / exp(lse)   = (w_A o_A + w_B o_B) / (w_A + w_B)
+
+with ``m = max(lse_A, lse_B)`` and ``w = exp(lse - m)``, so no ``exp`` overflows (the larger
+weight is exactly 1) and the result is the state of ``A u B`` (Milakov & Gimelshein 2018; the
+merge of Flash-Decoding's split-KV decoding, Dao et al. 2023, and of FlashInfer's
+``merge_state``). The merge is commutative and associative, and the empty state ``lse = -inf``
+(any ``o``) is its identity.
+
+Non-finite states: a NaN or ``+inf`` ``lse`` (a row that read a non-finite value) makes the
+merge NaN in ``o`` and ``lse``; an empty state's ``o`` is never read (it may hold anything,
+NaN included), and a state with a finite ``lse`` whose ``o`` is NaN stays NaN. When every merged
+state is empty the result is empty (``lse = -inf``) and ``o`` follows the ``masked_rows``
+policy: ``"zeros"`` (0) or ``"nan"``. ``"uniform"`` (the mean of the values over *all* keys,
+masked or not) is not a function of the states; a caller that needs it fills those rows after
+the merge (:mod:`attnref.distributed` does).
+
+Shapes: ``o [..., H_v]`` and ``lse [...]`` (``o``'s shape without its last axis). Arithmetic is
+in ``promote(o, lse, float32)`` (16-bit states are merged in float32, as every kernel keeps its
+accumulators); ``o`` is returned in its own dtype and ``lse`` in ``lse``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
+
+from attnref._src.core.checks import dtype_of, float64_scoped, shape_of
+
+STATE_POLICIES = ("zeros", "nan")
+
+
+def _check_policy(masked_rows: Any) -> None:
+    if not isinstance(masked_rows, str) or masked_rows not in STATE_POLICIES:
+        raise ValueError(
+            f"masked_rows must be one of {STATE_POLICIES} for a merge of states, got "
+            f"{masked_rows!r} ('uniform' is the mean of the values over all keys, which the "
+            "states do not carry: fill those rows after the merge)"
+        )
+
+
+def _check_state(name: str, o: Any, lse: Any) -> None:
+    """``o [..., H_v]`` floating and ``lse [...]`` floating, ``lse``'s shape ``o``'s minus one."""
+    o_shape, l_shape = shape_of(o), shape_of(lse)
+    if len(o_shape) < 1:
+        raise ValueError(f"o_{name} must have rank >= 1 ([..., H_v]), got shape {o_shape}")
+    if l_shape != o_shape[:-1]:
+        raise ValueError(
+            f"lse_{name} has shape {l_shape}; expected {o_shape[:-1]} (the shape of o_{name} "
+            f"{o_shape} without its last axis)"
+        )
+    for label, x in ((f"o_{name}", o), (f"lse_{name}", lse)):
+        if not jnp.issubdtype(dtype_of(x), jnp.floating):
+            raise TypeError(f"{label} must be floating, got dtype {dtype_of(x)}")
+
+
+def _compute_dtype(*xs: Any) -> Any:
+    return jnp.promote_types(jnp.result_type(*(dtype_of(x) for x in xs)), jnp.float32)
+
+
+def _finish(
+    o: Array, lse: Array, m: Array, masked_rows: str, o_dtype: Any, l_dtype: Any
+) -> tuple[Array, Array]:
+    """The empty (``m = -inf``) and poisoned (``m`` NaN or ``+inf``) rows, then the casts."""
+    empty = jnp.isneginf(m)
+    bad = ~(jnp.isfinite(m) | empty)
+    fill = 0.0 if masked_rows == "zeros" else jnp.nan
+    o = jnp.where(empty[..., None], fill, jnp.where(bad[..., None], jnp.nan, o))
+    lse = jnp.where(empty, -jnp.inf, jnp.where(bad, jnp.nan, lse))
+    return o.astype(o_dtype), lse.astype(l_dtype)
+
+
+@float64_scoped
+def merge_states(
+    o_a: Float[ArrayLike, "*rows H_v"],
+    lse_a: Float[ArrayLike, "*rows"],
+    o_b: Float[ArrayLike, "*rows H_v"],
+    lse_b: Float[ArrayLike, "*rows"],
+    *,
+    masked_rows: str = "zeros",
+) -> tuple[Float[Array, "*rows H_v"], Float[Array, "*rows"]]:
+    """The state of ``A u B`` from the states of disjoint key sets ``A`` and ``B``.
+
+    ``lse = m + log1p(exp(-|lse_a - lse_b|))``, ``o = (w_a o_a + w_b o_b) / (w_a + w_b)`` with
+    ``m = max(lse_a, lse_b)`` and ``w = exp(lse - m)``: stable for any finite ``lse`` (``|lse|``
+    of 1e4 and beyond), with ``lse = -inf`` the identity (its ``o`` is never read).
+
+    Args:
+        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
+        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
+        o_b: Normalised output of ``B``, the shape of ``o_a``.
+        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
+        masked_rows: ``o`` of a row where both states are empty: ``"zeros"`` (default) or
+            ``"nan"``.
+
+    Returns:
+        ``(o, lse)``: ``o`` in the dtype of ``o_a`` and ``o_b`` (promoted), ``lse`` in the dtype
+        of ``lse_a`` and ``lse_b``; NaN where either ``lse`` is NaN or ``+inf``.
+
+    Raises:
+        ValueError: If a ``lse`` does not have the shape of its ``o`` without the last axis, the
+            two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
+        TypeError: If an input is not floating.
+    """
+    _check_policy(masked_rows)
+    _check_state("a", o_a, lse_a)
+    _check_state("b", o_b, lse_b)
+    if shape_of(o_a) != shape_of(o_b):
+        raise ValueError(
+            f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
+        )
+    cd = _compute_dtype(o_a, lse_a, o_b, lse_b)
+    la, lb = jnp.asarray(lse_a, cd), jnp.asarray(lse_b, cd)
+    m = jnp.maximum(la, lb)  # NaN propagates
+    ok = jnp.isfinite(m)
+    m_safe = jnp.where(ok, m, 0.0)
+    # exp(lse - m) with the empty state's -inf giving exactly 0 (and a zero derivative).
+    wa = jnp.exp(jnp.where(ok, la, -jnp.inf) - m_safe)
+    wb = jnp.exp(jnp.where(ok, lb, -jnp.inf) - m_safe)
+    total = wa + wb  # in [1, 2] on finite rows (the larger weight is exactly 1)
+    total_safe = jnp.where(ok, total, 1.0)
+    oa = jnp.where(jnp.isneginf(la)[..., None], 0.0, jnp.asarray(o_a, cd))
+    ob = jnp.where(jnp.isneginf(lb)[..., None], 0.0, jnp.asarray(o_b, cd))
+    o = (wa[..., None] * oa + wb[..., None] * ob) / total_safe[..., None]
+    lse = m_safe + jnp.log1p(jnp.where(ok, jnp.minimum(wa, wb), 0.0))
+    return _finish(
+        o,
+        lse,
+        m,
+        masked_rows,
+        jnp.result_type(dtype_of(o_a), dtype_of(o_b)),
+        jnp.result_type(dtype_of(lse_a), dtype_of(lse_b)),
+    )
+
+
+@float64_scoped
+def merge_state_stack(
+    o: Float[ArrayLike, "*rows H_v"],
+    lse: Float[ArrayLike, "*rows"],
+    *,
+    axis: int = 0,
+    masked_rows: str = "zeros",
+) -> tuple[Float[Array, "*merged H_v"], Float[Array, "*merged"]]:
+    """The state of the union of ``P`` disjoint key sets, their states stacked along ``axis``.
+
+    ``lse = m + log(sum_p w_p)``, ``o = sum_p w_p o_p / sum_p w_p`` with ``m = max_p lse_p`` and
+    ``w_p = exp(lse_p - m)`` (the n-ary form of :func:`merge_states`, one pass, no overflow).
+
+    Args:
+        o: ``P`` normalised outputs stacked along ``axis`` of ``lse``'s shape plus ``H_v``:
+            ``[..., P, ..., H_v]``, floating.
+        lse: Their log-sum-exps, ``o``'s shape without the last axis (``-inf``: empty).
+        axis: The stacking axis of ``lse`` (negative counts from ``lse``'s last axis);
+            ``P = 0`` gives the empty state.
+        masked_rows: ``o`` of a row where every state is empty: ``"zeros"`` (default) or
+            ``"nan"``.
+
+    Returns:
+        ``(o, lse)`` with ``axis`` removed, in the dtypes of the inputs; NaN where any ``lse``
+        is NaN or ``+inf``.
+
+    Raises:
+        ValueError: If ``lse`` does not have ``o``'s shape without the last axis, ``axis`` is
+            out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
+        TypeError: If an input is not floating or ``axis`` is not an int.
+    """
+    _check_policy(masked_rows)
+    _check_state("stack", o, lse)
+    rank = len(shape_of(lse))
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis={axis} is out of range for lse of shape {shape_of(lse)}")
+    ax = int(axis) % rank
+    cd = _compute_dtype(o, lse)
+    ls, os_ = jnp.asarray(lse, cd), jnp.asarray(o, cd)
+    if ls.shape[ax] == 0:
+        m = jnp.full(ls.shape[:ax] + ls.shape[ax + 1 :], -jnp.inf, cd)
+    else:
+        m = jnp.max(ls, axis=ax)  # NaN propagates
+    ok = jnp.isfinite(m)
+    m_safe = jnp.where(ok, m, 0.0)
+    ok_e, m_e = jnp.expand_dims(ok, ax), jnp.expand_dims(m_safe, ax)
+    w = jnp.exp(jnp.where(ok_e, ls, -jnp.inf) - m_e)
+    total = jnp.sum(w, axis=ax)  # >= 1 on finite rows
+    total_safe = jnp.where(ok, total, 1.0)
+    oo = jnp.where(jnp.isneginf(ls)[..., None], 0.0, os_)
+    merged = jnp.sum(w[..., None] * oo, axis=ax) / total_safe[..., None]
+    lse_out = m_safe + jnp.log(total_safe)
+    return _finish(merged, lse_out, m, masked_rows, dtype_of(o), dtype_of(lse))

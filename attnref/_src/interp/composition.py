@@ -1,0 +1,214 @@
+"""Composition scores between heads of consecutive layers, and alignment with embedding tables.
+
+**Composition** (Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits"). In the
+paper's column convention a head has ``W_QK = W_Q^T W_K`` (logits ``x_q^T W_QK x_k``) and
+``W_OV = W_O W_V`` (it writes ``W_OV x``). attnref stores rows, so (``docs/conventions.md``)
+
+* ``W_QK = W_P = W_Q W_K^T`` (the same bilinear form: ``x_q W_P x_k^T``), and
+* ``W_OV = W_M^T`` with ``W_M = W_V W_O`` (a row ``x`` writes ``x W_M``).
+
+For a head ``h1`` of layer ``l`` writing ``y W_M1`` into the residual stream and a head ``h2`` of
+layer ``l + 1`` reading it, the paper's scores translate to
+
+* **Q-composition** ``||W_QK2^T W_OV1||_F / (||W_QK2||_F ||W_OV1||_F) = ||W_M1 W_P2||_F /
+  (||W_M1||_F ||W_P2||_F)``: ``h1``'s output feeds ``h2``'s queries (``(y W_M1) W_P2``);
+* **K-composition** ``||W_QK2 W_OV1||_F / (...) = ||W_P2 W_M1^T||_F / (||W_P2||_F
+  ||W_M1||_F)``: it feeds ``h2``'s keys (``x W_P2 (y W_M1)^T``);
+* **V-composition** ``||W_OV2 W_OV1||_F / (...) = ||W_M1 W_M2||_F / (||W_M1||_F
+  ||W_M2||_F)``: it feeds ``h2``'s values (``(y W_M1) W_M2``).
+
+Each score is in ``[0, 1]`` (submultiplicativity of the Frobenius norm). All are computed from
+the thin factors with ``||X C Y||_F^2 = tr(C^T (X^T X) C (Y Y^T))``, never forming a
+``d_model x d_model`` matrix. Biases are not part of the scores (they are weight-only, as in the
+paper), and anything between the layers (LayerNorm, an MLP) is ignored: the scores measure how
+much the two heads' subspaces overlap, not a causal effect. Random matrices do not score 0;
+compare with :func:`composition_baseline`.
+
+**Alignment** (:func:`top_aligned`): the ``k`` rows of an embedding table (vocabulary or
+positions) with the largest cosine similarity or dot product with given model-space directions,
+e.g. a pattern ``p = x W_P[i]`` (which key tokens a query looks for) or a message
+``m = x W_M[i]`` (what a token would write), as the seeds propose ("Reframing Attention",
+2025-02-18).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from attnref._src.core.checks import check_params, float64_scoped
+from attnref._src.core.common import HIGHEST
+from attnref._src.core.params import AttentionParams, init_params, repeat_kv_heads_unchecked
+
+__all__ = [
+    "composition_baseline",
+    "composition_scores",
+    "top_aligned",
+]
+
+Kind = Literal["q", "k", "v"]
+
+
+def _ein(spec: str, *ops: Any) -> Array:
+    return jnp.einsum(spec, *ops, precision=HIGHEST)
+
+
+def _gram(w: Array) -> Array:
+    """``W^T W`` per head for ``w [H, d_model, d]``: ``[H, d, d]``."""
+    return _ein("hmd,hme->hde", w, w)
+
+
+def _sq_norm(x_gram: Array, c: Array, yy: Array) -> Array:
+    """``||X C Y||_F^2 = tr(C^T (X^T X) C (Y Y^T))`` for ``c [H1, H2, a, b]``,
+    ``x_gram [H1 or H2, a, a]`` broadcast on the axis the caller chose, ``yy [.., b, b]``."""
+    return jnp.sum(
+        _ein("...ab,...bc->...ac", x_gram, c) * _ein("...ab,...bc->...ac", c, yy), (-2, -1)
+    )
+
+
+@float64_scoped
+def composition_scores(
+    first: AttentionParams, second: AttentionParams, kind: Kind
+) -> Float[Array, "H1 H2"]:
+    """Q-, K- or V-composition scores ``[H1, H2]`` from every head of ``first`` (an earlier
+    layer, the writer) to every head of ``second`` (the next layer, the reader); module
+    docstring for the definitions. Grouped-query heads are scored per query head.
+
+    Args:
+        first: The writing layer's weights (:class:`attnref.AttentionParams`, ``H1`` heads).
+        second: The reading layer's weights (``H2`` heads, the same ``d_model``).
+        kind: ``"q"``, ``"k"`` or ``"v"``: which input of ``second`` the output of ``first``
+            feeds.
+
+    Returns:
+        Scores ``[H1, H2]`` in ``[0, 1]``; ``[h1, h2]`` scores head ``h1`` of ``first`` against
+        head ``h2`` of ``second`` (0 where a norm in the denominator is 0).
+
+    Raises:
+        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
+            ``kind`` is unknown.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    check_params(first)
+    check_params(second)
+    if first.d_model != second.d_model:
+        raise ValueError(
+            f"the layers have different d_model ({first.d_model} and {second.d_model})"
+        )
+    a, b = repeat_kv_heads_unchecked(first), repeat_kv_heads_unchecked(second)
+    v1, o1 = jnp.asarray(a.w_v), jnp.asarray(a.w_o)
+    q2, k2, v2, o2 = (jnp.asarray(w) for w in (b.w_q, b.w_k, b.w_v, b.w_o))
+    g_v1, oo1 = _gram(v1), _ein("hvd,hwd->hvw", o1, o1)
+    norm_m1 = jnp.sqrt(jnp.einsum("hab,hba->h", g_v1, oo1))  # ||W_M1||_F
+    if kind == "q":  # ||W_V1 (W_O1 W_Q2) W_K2^T||
+        c = _ein("hvd,gdk->hgvk", o1, q2)
+        num = _sq_norm(g_v1[:, None], c, _gram(k2)[None])
+        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(q2), _gram(k2)))
+    elif kind == "k":  # ||W_Q2 (W_K2^T W_O1^T) W_V1^T||
+        c = _ein("gdk,hvd->hgkv", k2, o1)
+        num = _sq_norm(_gram(q2)[None], c, g_v1[:, None])
+        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(q2), _gram(k2)))
+    elif kind == "v":  # ||W_V1 (W_O1 W_V2) W_O2||
+        c = _ein("hvd,gdw->hgvw", o1, v2)
+        num = _sq_norm(g_v1[:, None], c, _ein("gwd,gxd->gwx", o2, o2)[None])
+        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(v2), _ein("gwd,gxd->gwx", o2, o2)))
+    else:
+        raise ValueError(f"unknown composition kind {kind!r}; expected 'q', 'k' or 'v'")
+    denom = norm_m1[:, None] * norm_2[None, :]
+    num = jnp.sqrt(jnp.maximum(num, 0.0))
+    return jnp.where(denom > 0, num / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def composition_baseline(
+    first: AttentionParams, second: AttentionParams, kind: Kind, *, seeds: int = 8
+) -> float:
+    """The mean score of ``kind`` between random Gaussian heads of the same shapes.
+
+    Elhage et al. (2021) compare composition with such a baseline: for independent Gaussian
+    factors every score is about ``1 / sqrt(d_model)`` whatever the head widths, so scores near
+    the baseline mean "no more composition than chance". Drawn with
+    :func:`attnref.init_params` (seeds ``0 .. 2 seeds - 1``) in float64.
+
+    Args:
+        first: The writing layer (only its shapes are used: ``H1``, ``d_model``, ``d_k``,
+            ``d_v``; the random heads are multi-head, ``K = H``).
+        second: The reading layer (its ``H2``, ``d_k``, ``d_v``; the same ``d_model`` as
+            ``first``).
+        kind: ``"q"``, ``"k"`` or ``"v"``, as in :func:`composition_scores`.
+        seeds: The number of random pairs averaged (default 8).
+
+    Returns:
+        The mean score over all head pairs and seeds, a Python float.
+
+    Raises:
+        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
+            ``kind`` is unknown.
+    """
+    h1, d_model, _, d_v1 = check_params(first)
+    h2, d_model2, d_k2, d_v2 = check_params(second)
+    if d_model != d_model2:  # as composition_scores: the layers must share one residual stream
+        raise ValueError(f"the layers have different d_model ({d_model} and {d_model2})")
+    vals = []
+    for s in range(seeds):
+        r1 = init_params(
+            2 * s, d_model=d_model, num_heads=h1, d_k=first.d_k, d_v=d_v1, dtype=np.float64
+        )
+        r2 = init_params(
+            2 * s + 1, d_model=d_model, num_heads=h2, d_k=d_k2, d_v=d_v2, dtype=np.float64
+        )
+        vals.append(float(np.mean(np.asarray(composition_scores(r1, r2, kind)))))
+    return float(np.mean(vals))
+
+
+@float64_scoped
+def _top_aligned(vectors: ArrayLike, table: ArrayLike, k: int, metric: str) -> tuple[Array, Array]:
+    v, t = jnp.asarray(vectors), jnp.asarray(table)
+    sims = _ein("...d,vd->...v", v, t)
+    if metric == "cosine":
+        denom = jnp.linalg.norm(v, axis=-1, keepdims=True) * jnp.linalg.norm(t, axis=-1)
+        sims = jnp.where(denom > 0, sims / jnp.where(denom > 0, denom, 1.0), 0.0)
+    values, indices = jax.lax.top_k(sims, k)
+    return values, indices
+
+
+def top_aligned(
+    vectors: Float[ArrayLike, "... d_model"],
+    table: Float[ArrayLike, "V d_model"],
+    k: int = 10,
+    *,
+    metric: Literal["cosine", "dot"] = "cosine",
+) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
+    """The ``k`` table rows best aligned with each direction: ``(values, indices)``, best first.
+
+    ``metric="cosine"``: ``<v, e_t> / (|v| |e_t|)`` (zero rows score 0); ``"dot"``:
+    ``<v, e_t>``. ``jax.jit``-able with ``k`` and ``metric`` static. Directions with a sign
+    ambiguity (singular vectors) should be tried as ``v`` and ``-v``.
+
+    Args:
+        vectors: Model-space directions ``[..., d_model]`` (e.g. patterns or messages).
+        table: An embedding table ``[V, d_model]`` (vocabulary or positions).
+        k: How many rows to return, ``1 <= k <= V`` (default 10).
+        metric: ``"cosine"`` (default) or ``"dot"``.
+
+    Returns:
+        ``(values, indices)``, each ``[..., k]``: the similarities and the table row indices,
+        best first.
+
+    Raises:
+        ValueError: If ``metric`` is unknown, ``table`` is not ``[V, d_model]`` matching
+            ``vectors``, or ``k`` is out of range.
+    """
+    if metric not in ("cosine", "dot"):
+        raise ValueError(f"unknown metric {metric!r}; expected 'cosine' or 'dot'")
+    if np.ndim(table) != 2 or np.shape(table)[-1] != np.shape(vectors)[-1]:
+        raise ValueError(
+            f"table must be [V, d_model] matching vectors [..., d_model]; got {np.shape(table)} "
+            f"and {np.shape(vectors)}"
+        )
+    if not 1 <= k <= np.shape(table)[0]:
+        raise ValueError(f"k={k} must be between 1 and the table's {np.shape(table)[0]} rows")
+    return _top_aligned(vectors, table, int(k), metric)

@@ -1,0 +1,215 @@
+"""Probes: the model-space quantities of one attention block, for interpretation.
+
+Row convention (``docs/conventions.md``). For query head ``i`` with key/value head
+``g = i // G``:
+
+* **logits** ``S_i = scale (X_q W_Q[i] + b_Q[i]) (X_kv W_K[g] + b_K[g])^T + bias`` (masked
+  entries ``-inf``), and **scores** ``A_i = softmax(S_i)`` (fully masked rows all zero);
+* **patterns** ``P_i = X_q W_P[i] + b_Q[i] W_K[g]^T``: what each query looks for, in model
+  space; ``S_i = scale P_i X_kv^T + (terms constant along each row)``;
+* **messages** ``M_i = X_kv W_M[i] + b_V[g] W_O[i]``: what each key token would send through head
+  ``i`` if attended to;
+* **per-head outputs** ``o_i = A_i M_i`` (in model space; ``sum_i o_i + b_O`` is the block
+  output);
+* the **residual update** ``x_q + sum_i o_i + b_O`` (the residual stream after the block).
+
+Everything is a pure JAX function of static shapes, so :func:`attention_probes` runs under
+``jax.jit``. The per-quantity functions :func:`attnref.interp.patterns`,
+:func:`attnref.interp.messages`,
+:func:`attnref.head_outputs` and :func:`attnref.attention_weights` already exist; this module
+adds the logits, the residual update and one call that returns every probe at once.
+
+Seeds: "The Hidden Messages of Multi-Head Attention" (2025-02-17) names the per-head outputs and
+messages; "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18) the patterns and
+the residual update ``x' = x + sum_i alpha_i M_i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import no_type_check
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float
+
+from attnref._src.core.checks import float64_scoped
+from attnref._src.core.common import HIGHEST, add_output_bias, prepare_rows
+from attnref._src.core.params import AttentionParams
+from attnref._src.core.softmax import allowed_entries, masked_softmax
+from attnref._src.formulations.merged import compute_messages, compute_patterns
+from attnref._src.formulations.standard import logits as standard_logits
+
+__all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
+
+
+def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
+    """``raw`` with the entries outside the softmax (masked, or already ``-inf``) at ``-inf``."""
+    allowed = allowed_entries(raw, mask_h)
+    return jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
+
+
+@float64_scoped
+def attention_logits(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "... H T_q T_k"]:
+    """Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.
+
+    ``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely
+    ``-inf`` has zero weights by attnref's convention).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is
+        ``False`` or the bias is ``-inf``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    return _masked_logits(standard_logits(p, params), p.head_mask())
+
+
+@float64_scoped
+def residual_update(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "... T_q d_model"]:
+    """``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation
+    ``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with
+    ``residual=True``.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        ``x_q + output``, ``[..., T_q, d_model]``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    return attention_probes(params, x_q, x_kv, mask=mask, bias=bias, scale=scale).residual
+
+
+# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
+# a pytree with any leaves (tree_map results, vmap axes, placeholders).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+@no_type_check
+class AttentionProbes:
+    """Every probe of one block on one input (a JAX pytree; shapes for ``x_q [..., T_q, d]``).
+
+    Attributes:
+        logits: ``S_i``, ``[..., H, T_q, T_k]`` (masked entries ``-inf``).
+        scores: ``A_i = softmax(S_i)``, ``[..., H, T_q, T_k]`` (rows sum to 1 or are all zero).
+        patterns: ``P_i``, ``[..., H, T_q, d_model]``.
+        messages: ``M_i``, ``[..., H, T_k, d_model]``.
+        head_outputs: ``o_i = A_i M_i``, ``[..., H, T_q, d_model]`` (no ``b_O``).
+        output: ``sum_i o_i + b_O``, ``[..., T_q, d_model]``.
+        residual: ``x_q + output``, ``[..., T_q, d_model]``.
+    """
+
+    logits: Array
+    scores: Array
+    patterns: Array
+    messages: Array
+    head_outputs: Array
+    output: Array
+    residual: Array
+
+
+@float64_scoped
+def attention_probes(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+) -> AttentionProbes:
+    """All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.
+
+    The scores come from the query-key logits, the per-head outputs from scores times messages
+    (``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages
+    formulation of the block output.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+            key/value head ``i // G`` (``G = H / K``).
+        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+            ``None`` (default) means ``x_q`` (self-attention).
+        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+            (default) allows every pair.
+        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
+
+    Returns:
+        An :class:`AttentionProbes` with every probe (shapes there).
+
+    Raises:
+        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
+            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+            ``bias`` is not floating, or ``scale`` is not a real number.
+    """
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+    raw = standard_logits(p, params)
+    mask_h = p.head_mask()
+    scores = masked_softmax(raw, mask_h)
+    logits = _masked_logits(raw, mask_h)
+    msgs = compute_messages(params, p.x_kv)
+    pats = compute_patterns(params, p.x_q)
+    per_head = jnp.einsum("...hqk,...hkd->...hqd", scores, msgs, precision=HIGHEST)
+    output = add_output_bias(jnp.sum(per_head, axis=-3), params)
+    return AttentionProbes(
+        logits=logits,
+        scores=scores,
+        patterns=pats,
+        messages=msgs,
+        head_outputs=per_head,
+        output=output,
+        residual=p.x_q + output,
+    )

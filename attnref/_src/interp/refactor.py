@@ -1,0 +1,497 @@
+"""Spectra of the merged matrices and fuse-and-refactor (truncated SVD from the factors).
+
+Row convention. Query head ``i`` (key/value head ``g = i // G``) has the pattern matrix
+``W_P[i] = W_Q[i] W_K[g]^T`` and the message matrix ``W_M[i] = W_V[g] W_O[i]``, both
+``d_model x d_model`` of rank at most ``d_k`` and ``d_v``.
+
+**SVD from the factors.** For ``W = A B^T`` with thin factors ``A [m, d]``, ``B [n, d]``: thin QR
+``A = Q_A R_A``, ``B = Q_B R_B``; SVD of the small core ``R_A R_B^T = U S V^T`` (at most
+``d x d``); then ``W = (Q_A U) S (Q_B V)^T`` is an SVD of ``W``. Cost ``O((m + n) d^2 + d^3)``; no
+``m x n`` matrix is ever formed.
+
+**Biases (exact rules).** The block's function depends on the biases only through
+
+* ``b_Q``: the logit of query ``x`` and key ``y`` is
+  ``(x W_Q + b_Q)(y W_K + b_K)^T = x~ W~_Q W_K^T y^T + (terms without y)`` with homogeneous
+  coordinates ``x~ = [x, 1]``, ``W~_Q = [W_Q; b_Q]`` (``(d_model + 1) x d_k``). Terms without
+  ``y`` are constant along a softmax row and cancel, so **b_K drops out** and the function
+  depends on the augmented pattern matrix ``W~_P = W~_Q W_K^T`` (``(d_model + 1) x d_model``;
+  its first ``d_model`` rows are ``W_P``, its last row ``b_Q W_K^T``);
+* ``b_V``: messages are ``y W_M + b_V W_O``. Either **fold** it (default): the scores of a row
+  sum to 1, so ``sum_j A_ij b_V W_O = b_V W_O`` and ``b_O' = b_O + sum_i b_V[g] W_O[i]`` is exact
+  for every query row with at least one allowed key (a fully masked row outputs ``b_O`` by
+  attnref's convention; after folding it outputs ``b_O'``); or keep it **homogeneous**: the
+  augmented message matrix ``W~_M = [W_V; b_V] W_O`` is refactored and ``b_V'`` is the last row
+  of the new ``W~_V'``, exact for every row, fully masked ones included.
+
+**Refactoring** (:func:`refactor`) replaces, per query head, ``W~_P`` and ``W_M`` (or ``W~_M``) by
+their best rank-``r`` approximations in Frobenius (and spectral) norm (Eckart and Young 1936):
+keep the top ``r`` singular triplets, ``W_r = U_r S_r V_r^T``, and split ``S_r`` between the two
+factors by the ``gauge``: ``"sqrt"`` (balanced, default) ``U_r S_r^(1/2)`` and ``V_r S_r^(1/2)``;
+``"left"`` ``U_r S_r`` and ``V_r``; ``"right"`` ``U_r`` and ``V_r S_r``. Any split gives the same
+products, hence the same function. The result is standard-form :class:`AttentionParams` with
+``d_k' = rank_qk`` and ``d_v' = rank_vo``. Because the default scale is ``1/sqrt(d_k)``, the new
+query factor is multiplied by ``sqrt(rank_qk / d_k)`` (``rescale=True``) so that a call with the
+default scale ``1/sqrt(d_k')`` computes the approximated logits.
+
+Grouped-query parameters are refactored per query head (each query head has its own ``W_P`` and
+``W_M``), so the result is multi-head (``K' = H``).
+
+Seed: "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18), which proposes
+fusing ``W_Q W_K^T`` and ``W_V W_O`` and factoring them again by SVD.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
+
+from attnref._src.core.checks import check_params, float64_scoped, is_traced
+from attnref._src.core.common import HIGHEST, homogeneous_weights
+from attnref._src.core.params import AttentionParams, repeat_kv_heads_unchecked
+
+__all__ = [
+    "FactoredSVD",
+    "Refactored",
+    "effective_rank",
+    "factored_svd",
+    "message_svd",
+    "param_count",
+    "pattern_svd",
+    "refactor",
+    "truncation_error",
+]
+
+Gauge = Literal["sqrt", "left", "right"]
+ValueBias = Literal["fold", "homogeneous"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FactoredSVD:
+    """Thin SVD ``W[h] = left[h] diag(s[h]) right[h]^T`` per head, singular values descending.
+
+    ``left [H, m, k]`` and ``right [H, n, k]`` have orthonormal columns, ``s [H, k]`` with
+    ``k = min(d, m, n)`` for factors of inner width ``d``.
+
+    Attributes:
+        left: Left singular vectors ``U`` per head, ``[H, m, k]``.
+        s: Singular values per head, ``[H, k]``, descending.
+        right: Right singular vectors ``V`` per head, ``[H, n, k]``.
+    """
+
+    left: Any
+    s: Any
+    right: Any
+
+
+def _svd_of_product(xp: Any, a: Any, b: Any) -> FactoredSVD:
+    """QR of both factors, SVD of the core, with ``xp`` = NumPy (LAPACK) or ``jax.numpy``."""
+    mm = xp.matmul if xp is np else (lambda x, y: jnp.matmul(x, y, precision=HIGHEST))
+    q_a, r_a = xp.linalg.qr(a, mode="reduced")  # [H, m, ka], [H, ka, d]
+    q_b, r_b = xp.linalg.qr(b, mode="reduced")  # [H, n, kb], [H, kb, d]
+    u, s, vt = xp.linalg.svd(mm(r_a, xp.swapaxes(r_b, -1, -2)), full_matrices=False)
+    return FactoredSVD(left=mm(q_a, u), s=s, right=mm(q_b, xp.swapaxes(vt, -1, -2)))
+
+
+def _resolve_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"compute dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def factored_svd(
+    a: Float[ArrayLike, "H m d"], b: Float[ArrayLike, "H n d"], *, dtype: Any = None
+) -> FactoredSVD:
+    """SVD of ``a[h] @ b[h]^T`` per head from the thin factors (QR of each, SVD of the core).
+
+    ``dtype=None`` computes in the inputs' dtype, ``np.float32`` or ``np.float64`` in that
+    format. Concrete inputs are computed with NumPy's LAPACK (single or double precision) and
+    give NumPy arrays; under ``jax.jit`` (traced inputs) the same steps run in ``jax.numpy``
+    (enable x64 yourself for float64 there, as for any jitted JAX code).
+
+    Args:
+        a: Left factors ``[H, m, d]``.
+        b: Right factors ``[H, n, d]`` (the same ``H`` and ``d``).
+        dtype: ``None`` (default: the inputs' dtype, float32 for 16-bit or non-float inputs),
+            ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` of ``a[h] @ b[h]^T`` (NumPy arrays, or JAX arrays when traced).
+
+    Raises:
+        ValueError: If the factors are not ``[H, m, d]`` and ``[H, n, d]`` with one ``H`` and
+            ``d``, or ``dtype`` is not ``None``, float32 or float64.
+    """
+    if np.ndim(a) != 3 or np.ndim(b) != 3 or np.shape(a)[::2] != np.shape(b)[::2]:
+        raise ValueError(
+            f"factors must be [H, m, d] and [H, n, d] with the same H and d, got "
+            f"{np.shape(a)} and {np.shape(b)}"
+        )
+    dt = _resolve_dtype(dtype)
+    if is_traced(a, b):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if dt is not None:
+            a, b = a.astype(dt), b.astype(dt)
+        return _svd_of_product(jnp, a, b)
+    a_np, b_np = np.asarray(a), np.asarray(b)
+    dt = dt or np.result_type(a_np, b_np)
+    if not np.issubdtype(dt, np.floating) or np.dtype(dt).itemsize < 4:
+        dt = np.dtype(np.float32)  # LAPACK has no 16-bit routines
+    with _single_threaded_blas():
+        return _svd_of_product(np, a_np.astype(dt), b_np.astype(dt))
+
+
+def _single_threaded_blas() -> Any:
+    """Run NumPy's LAPACK on one thread when ``threadpoolctl`` is installed.
+
+    These are small problems (``d_model x d_k``), and a multithreaded OpenBLAS on a busy machine
+    (pytest-xdist workers, XLA's thread pool) can spend seconds spin-waiting on one QR; on one
+    thread it takes milliseconds.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - optional
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _augment(w: Any, b: Any) -> Any:
+    """``[W; b]`` per head, ``[H, d_model + 1, d]`` (:func:`homogeneous_weights`); ``W`` itself
+    when ``b`` is ``None``. NumPy arrays unless traced."""
+    if b is None:
+        return (jnp if is_traced(w) else np).asarray(w)
+    return homogeneous_weights(w, b, xp=jnp if is_traced(w, b) else np)
+
+
+def _qk_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
+    """``(W~_Q [H, d_model(+1), d_k], W_K [H, d_model, d_k])`` per query head."""
+    mha = repeat_kv_heads_unchecked(params)
+    return _augment(mha.w_q, mha.b_q if bias else None), _augment(mha.w_k, None)
+
+
+def _vo_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
+    """``(W~_V [H, d_model(+1), d_v], W_O^T [H, d_model, d_v])`` per query head."""
+    mha = repeat_kv_heads_unchecked(params)
+    w_o = _augment(mha.w_o, None)
+    xp = jnp if is_traced(w_o) else np
+    return _augment(mha.w_v, mha.b_v if bias else None), xp.swapaxes(w_o, -1, -2)
+
+
+def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = None) -> FactoredSVD:
+    """SVD of the pattern matrices ``W_P[i] = W_Q[i] W_K[i // G]^T`` from the factors.
+
+    ``bias=True`` gives the augmented ``W~_P[i] = [W_Q[i]; b_Q[i]] W_K^T`` (``d_model + 1`` rows,
+    the matrix the block's function depends on; ``b_K`` drops out). ``s [H, min(d_k, d_model)]``,
+    descending. ``dtype`` as in :func:`factored_svd`.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
+            per query head).
+        bias: If ``True``, include the ``b_Q W_K^T`` row (ignored when ``b_Q`` is ``None``);
+            default ``False``.
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
+        ``right [H, d_model, k]``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
+            float64.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    check_params(params)
+    return factored_svd(*_qk_factors(params, bias and params.b_q is not None), dtype=dtype)
+
+
+def message_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = None) -> FactoredSVD:
+    """SVD of the message matrices ``W_M[i] = W_V[i // G] W_O[i]`` from the factors.
+
+    ``bias=True`` gives the augmented ``W~_M[i] = [W_V; b_V] W_O[i]`` (last row ``b_V W_O``).
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
+            per query head).
+        bias: If ``True``, include the ``b_V W_O`` row (ignored when ``b_V`` is ``None``);
+            default ``False``.
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
+        ``right [H, d_model, k]``, ``k = min(d_v, d_model)``.
+
+    Raises:
+        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
+            float64.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    check_params(params)
+    return factored_svd(*_vo_factors(params, bias and params.b_v is not None), dtype=dtype)
+
+
+@float64_scoped
+def effective_rank(
+    s: Float[ArrayLike, "... k"],
+    *,
+    method: Literal["entropy", "energy"] = "entropy",
+    threshold: float = 0.99,
+) -> Array:
+    """Effective rank of matrices from their singular values (last axis).
+
+    * ``"entropy"`` (Roy and Vetterli 2007): ``exp(-sum_k p_k log p_k)`` with
+      ``p_k = s_k / sum_j s_j``; a real number in ``[1, rank]``, equal to ``r`` for ``r`` equal
+      non-zero singular values. A zero matrix has effective rank 0.
+    * ``"energy"``: the smallest ``r`` with ``sum_{k <= r} s_k^2 >= threshold * sum_k s_k^2``,
+      i.e. the smallest rank whose best approximation has relative Frobenius error at most
+      ``sqrt(1 - threshold)`` (Eckart-Young). An integer (as the array's dtype).
+
+    Args:
+        s: Singular values ``[..., k]`` (signs ignored; any order).
+        method: ``"entropy"`` (default) or ``"energy"``.
+        threshold: The energy fraction for ``"energy"``, in ``(0, 1]`` (default 0.99).
+
+    Returns:
+        The effective rank per matrix, ``[...]`` (0 for a zero matrix).
+
+    Raises:
+        ValueError: If ``method`` is unknown, or ``threshold`` is not in ``(0, 1]`` for
+            ``"energy"``.
+    """
+    s = jnp.abs(jnp.asarray(s))
+    if method == "entropy":
+        total = jnp.sum(s, axis=-1, keepdims=True)
+        p = s / jnp.where(total > 0, total, 1.0)
+        ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+        return jnp.where(total[..., 0] > 0, jnp.exp(ent), 0.0)
+    if method == "energy":
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        e = jnp.sort(s, axis=-1)[..., ::-1] ** 2
+        cum = jnp.cumsum(e, axis=-1)
+        total = cum[..., -1:]
+        # The tolerance keeps threshold=1 from failing on the rounding of the cumulative sum.
+        k = e.shape[-1]
+        slack = k * jnp.finfo(e.dtype).eps * total
+        reached = cum >= threshold * total - slack
+        return jnp.where(total[..., 0] > 0, jnp.argmax(reached, axis=-1) + 1, 0).astype(s.dtype)
+    raise ValueError(f"unknown method {method!r}; expected 'entropy' or 'energy'")
+
+
+@float64_scoped
+def truncation_error(s: Float[ArrayLike, "... k"], rank: int, *, relative: bool = False) -> Array:
+    """``||W - W_r||_F = sqrt(sum_{k > r} s_k^2)`` (Eckart-Young), per matrix.
+
+    ``relative=True`` divides by ``||W||_F = sqrt(sum_k s_k^2)`` (0 for a zero matrix).
+
+    Args:
+        s: Singular values ``[..., k]`` (signs ignored; sorted here).
+        rank: The kept rank ``r`` (``r >= k`` gives 0).
+        relative: If ``True``, the relative error; default ``False`` (absolute).
+
+    Returns:
+        The error per matrix, ``[...]``.
+    """
+    s = jnp.sort(jnp.abs(jnp.asarray(s)), axis=-1)[..., ::-1]
+    dropped = jnp.sqrt(jnp.sum(s[..., rank:] ** 2, axis=-1))
+    if not relative:
+        return dropped
+    total = jnp.sqrt(jnp.sum(s**2, axis=-1))
+    return jnp.where(total > 0, dropped / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def param_count(params: AttentionParams) -> int:
+    """Number of stored parameters: the sizes of every weight and every present bias.
+
+    Grouped-query parameters count their ``K`` key/value heads once.
+
+    Args:
+        params: :class:`attnref.AttentionParams`.
+
+    Returns:
+        The total number of entries, a Python int.
+    """
+    return int(sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(params)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Refactored:
+    """The result of :func:`refactor`.
+
+    Attributes:
+        params: The refactored standard-form parameters (``d_k' = rank_qk``,
+            ``d_v' = rank_vo``, one key/value head per query head).
+        count_before: :func:`param_count` of the input.
+        count_after: :func:`param_count` of the result.
+        rank_qk: The pattern rank asked for (``None``: that side was kept).
+        rank_vo: The message rank asked for (``None``: that side was kept).
+        s_qk: Singular values ``[H, k]`` of the truncated ``W~_P`` (with the ``b_Q`` row when
+            ``b_Q`` is present); ``None`` for a side that was kept.
+        s_vo: Singular values ``[H, k]`` of the truncated ``W_M`` or ``W~_M``; ``None`` if kept.
+        error_qk: Relative Frobenius truncation errors per head, ``||W - W_r||_F / ||W||_F``
+            (``[H]``); ``None`` if kept.
+        error_vo: As ``error_qk`` for the messages.
+    """
+
+    params: AttentionParams
+    count_before: int
+    count_after: int
+    rank_qk: int | None
+    rank_vo: int | None
+    s_qk: np.ndarray | None
+    s_vo: np.ndarray | None
+    error_qk: np.ndarray | None
+    error_vo: np.ndarray | None
+
+
+def _relative_truncation_error(s: np.ndarray, rank: int) -> np.ndarray:
+    """``sqrt(sum_{k > r} s_k^2 / sum_k s_k^2)`` per head, in float64 (NumPy)."""
+    s2 = np.asarray(s, np.float64) ** 2
+    total = s2.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, np.sqrt(s2[..., rank:].sum(-1) / total), 0.0)
+
+
+def _split(svd: FactoredSVD, rank: int, gauge: str) -> tuple[Any, Any]:
+    """Rank-``rank`` factors ``(L [H, m, r], R [H, n, r])`` with ``L R^T = U_r S_r V_r^T``."""
+    u, s, v = svd.left[..., :rank], svd.s[..., :rank], svd.right[..., :rank]
+    if gauge == "sqrt":
+        root = np.sqrt(s)[..., None, :]
+        return u * root, v * root
+    if gauge == "left":
+        return u * s[..., None, :], v
+    if gauge == "right":
+        return u, v * s[..., None, :]
+    raise ValueError(f"unknown gauge {gauge!r}; expected 'sqrt', 'left' or 'right'")
+
+
+def _check_rank(name: str, rank: int | None, width: int, d_model: int) -> None:
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"{name} must be an int or None, got {type(rank).__name__}")
+    limit = min(width, d_model)
+    if not 1 <= rank <= limit:
+        raise ValueError(
+            f"{name}={rank} is out of range: the merged matrix has rank at most "
+            f"min(head width, d_model) = {limit}, and a head needs width >= 1"
+        )
+
+
+def refactor(
+    params: AttentionParams,
+    rank_qk: int | None,
+    rank_vo: int | None,
+    *,
+    gauge: Gauge = "sqrt",
+    value_bias: ValueBias = "fold",
+    rescale: bool = True,
+    dtype: Any = None,
+) -> Refactored:
+    """Fuse-and-refactor: best rank-``r`` approximations of the merged matrices, as factors.
+
+    Per query head ``i``:
+
+    * ``rank_qk = r``: ``[W_Q'; b_Q'] W_K'^T = c * (best rank-r approximation of
+      [W_Q; b_Q] W_K^T)`` with ``c = sqrt(r / d_k)`` when ``rescale`` (so the default scale
+      ``1/sqrt(r)`` of the result reproduces the logits' scale ``1/sqrt(d_k)``), ``c = 1``
+      otherwise (for callers who pass an explicit ``scale=``). ``b_K' = None`` (it drops out of
+      the softmax); ``b_Q' = None`` when ``b_Q`` was absent. ``None`` keeps ``W_Q, W_K, b_Q, b_K``.
+    * ``rank_vo = r``: ``W_V' W_O' =`` best rank-``r`` approximation of ``W_M`` with
+      ``value_bias="fold"`` (``b_V' = None``, ``b_O' = b_O + sum_i b_V[i // G] W_O[i]``, exact
+      where a query row has at least one allowed key), or of ``[W_V; b_V] W_O`` with
+      ``"homogeneous"`` (``b_V'`` = the last row of the new ``[W_V'; b_V']``; exact everywhere).
+      ``None`` keeps ``W_V, W_O, b_V, b_O``.
+
+    ``gauge`` splits the kept singular values between the factors (``"sqrt"``, ``"left"``,
+    ``"right"``; the merged products and hence the outputs do not depend on it). At
+    ``r = d_k`` (or ``d_v``) the merged matrices are reproduced to rounding, so the block's
+    function is preserved. ``dtype=None`` computes in the parameters' dtype (float32 for 16-bit
+    ones), ``np.float64`` in float64; the result has the parameters' dtype, as NumPy arrays
+    (LAPACK; :func:`refactor` is not traced). Grouped-query parameters become multi-head.
+
+    Args:
+        params: Per-head weights (:class:`attnref.AttentionParams`).
+        rank_qk: The pattern rank ``1 <= r <= min(d_k, d_model)``, or ``None`` to keep the
+            query/key side.
+        rank_vo: The message rank ``1 <= r <= min(d_v, d_model)``, or ``None`` to keep the
+            value/output side.
+        gauge: ``"sqrt"`` (default), ``"left"`` or ``"right"``.
+        value_bias: ``"fold"`` (default) or ``"homogeneous"`` (see above).
+        rescale: Multiply the new query factor by ``sqrt(rank_qk / d_k)`` (default ``True``).
+        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+
+    Returns:
+        A :class:`Refactored` with the new parameters, counts, spectra and errors (with both
+        ranks ``None``, ``params`` itself and no spectra).
+
+    Raises:
+        ValueError: If ``params`` is malformed, a rank is out of range, ``gauge`` or
+            ``value_bias`` is unknown, or ``dtype`` is not ``None``, float32 or float64.
+        TypeError: If a rank is not an int or ``None`` (bools refused), or the parameters are
+            not floating or mix dtypes.
+    """
+    _, d_model, d_k, d_v = check_params(params)
+    _check_rank("rank_qk", rank_qk, d_k, d_model)
+    _check_rank("rank_vo", rank_vo, d_v, d_model)
+    if gauge not in ("sqrt", "left", "right"):
+        raise ValueError(f"unknown gauge {gauge!r}; expected 'sqrt', 'left' or 'right'")
+    if value_bias not in ("fold", "homogeneous"):
+        raise ValueError(f"unknown value_bias {value_bias!r}; expected 'fold' or 'homogeneous'")
+    out_dtype = params.dtype
+    count_before = param_count(params)
+    if rank_qk is None and rank_vo is None:
+        return Refactored(params, count_before, count_before, None, None, None, None, None, None)
+    dt = _resolve_dtype(dtype) or np.dtype(out_dtype)
+    if dt.itemsize < 4:
+        dt = np.dtype(np.float32)
+    mha = jax.tree_util.tree_map(
+        lambda a: np.asarray(a).astype(dt), repeat_kv_heads_unchecked(params)
+    )
+    new: dict[str, Any] = {f.name: getattr(mha, f.name) for f in dataclasses.fields(mha)}
+    s_qk = s_vo = err_qk = err_vo = None
+    if rank_qk is not None:
+        has_bq = mha.b_q is not None
+        svd = factored_svd(*_qk_factors(mha, has_bq), dtype=dt)
+        left, right = _split(svd, rank_qk, gauge)
+        if rescale:
+            left = left * dt.type(math.sqrt(rank_qk / d_k))
+        new["w_q"] = left[:, :d_model]
+        new["b_q"] = left[:, d_model] if has_bq else None
+        new["w_k"], new["b_k"] = right, None
+        s_qk, err_qk = svd.s, _relative_truncation_error(svd.s, rank_qk)
+    if rank_vo is not None:
+        homogeneous = value_bias == "homogeneous" and mha.b_v is not None
+        svd = factored_svd(*_vo_factors(mha, homogeneous), dtype=dt)
+        left, right = _split(svd, rank_vo, gauge)
+        new["w_v"] = left[:, :d_model]
+        new["b_v"] = left[:, d_model] if homogeneous else None
+        new["w_o"] = np.swapaxes(right, -1, -2)
+        if mha.b_v is not None and not homogeneous:
+            folded = np.einsum("hv,hvd->d", mha.b_v, mha.w_o)
+            new["b_o"] = folded if mha.b_o is None else mha.b_o + folded
+        s_vo, err_vo = svd.s, _relative_truncation_error(svd.s, rank_vo)
+    result = AttentionParams(
+        **{k: None if v is None else np.asarray(v).astype(out_dtype) for k, v in new.items()}  # type: ignore[arg-type]
+    )
+    return Refactored(
+        params=result,
+        count_before=count_before,
+        count_after=param_count(result),
+        rank_qk=rank_qk,
+        rank_vo=rank_vo,
+        s_qk=s_qk,
+        s_vo=s_vo,
+        error_qk=err_qk,
+        error_vo=err_vo,
+    )

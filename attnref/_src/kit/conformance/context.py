@@ -1,0 +1,221 @@
+"""What the property plans draw from: the conformance buckets (few shapes, so that a jitted
+target compiles a handful of programs), the drawn :class:`_Case`, and the :class:`_Context` of one
+``check_attention`` call (the target, its features and declared semantics, the dtypes) or, for a
+distributed target, of one mesh size of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import strategies as ast
+from attnref import tolerance
+from attnref._src.kit.conformance.references import to_target
+from attnref._src.kit.conformance.targets import Target
+
+# Conformance buckets (see _Context.pool); head dims 4 make the scale 1/2 exact.
+_SELF = ast.Config(batch=2, t=4, s=4, n=2, k=2, h=4, h_v=4, d_model=8)
+_TALL = ast.Config(batch=1, t=5, s=3, n=2, k=2, h=4, h_v=4, d_model=8)
+_GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
+_MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
+# One drawn config in TILE_SHARE takes tile-straddling lengths (_Context.configs).
+TILE_SHARE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One drawn case of a property that builds several problems from a config and a seed."""
+
+    config: ast.Config
+    seed: int
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        more = "".join(f", {k}={v!r}" for k, v in self.extra)
+        return f"Case({self.config!r}, seed={self.seed}{more})"
+
+    def get(self, name: str) -> Any:
+        return dict(self.extra)[name]
+
+    def has(self, name: str) -> bool:
+        return any(k == name for k, _ in self.extra)
+
+
+@dataclasses.dataclass
+class _MergedProblem(ast.KernelProblem):
+    """A kernel problem as a distributed target sees it: the same call, and :meth:`bound` the
+    allowance of a scheme that computes pieces of the keys and merges their states ``(o, lse)``
+    in any way the kit cannot see (any partition, any tiling inside a piece, any merge order and
+    grouping, states in the compute format).
+
+    That allowance is :func:`attnref.tolerance.pieces_error_bound` with ``pieces=None``: the
+    merge bound of the one-key states ``(v_j, s_ij)`` (every key its own piece, a binary merge
+    tree of depth ``S - 1``) carrying errors that dominate every piece's kernel bound, which
+    covers every coarser partition and every tree (its module docstring). Beyond the kernel bound
+    (``key_blocks=None``) it counts the rounding of every stored partial ``lse`` (``u |lse|`` per
+    merge level), so a correct lse-merging ring cannot fail at large logits; its states are in
+    float32 for 16-bit inputs, so a ring that rounds its running state to 16 bits still exceeds
+    it (``ring_size_growth``)."""
+
+    def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` of a distributed kernel
+        (``key_blocks`` must be ``None``: the pieces and their tilings are unknown)."""
+        if key_blocks is not None:
+            raise ValueError(
+                "a distributed target's allowance assumes any tiling (key_blocks=None)"
+            )
+        return tolerance.pieces_error_bound(
+            self.q,
+            self.k,
+            self.v,
+            pieces=None,
+            tree="sequential",
+            **self.semantics(),
+            **self.options,
+        )
+
+
+@dataclasses.dataclass
+class Context:
+    """One target as the plans see it. A distributed target has one context per mesh size:
+    ``devices`` is ``P``, ``anchor`` the same function on one device (the growth rule's
+    reference), every bucket's lengths are multiplied by ``length_multiple`` (so that every
+    layout of every mesh size divides them) and its head counts scaled so that ``head_multiple``
+    divides ``K`` (:meth:`pool`: a head-parallel kernel splits the heads on every mesh size).
+    ``ratios`` collects each example's worst error / allowance where a plan reports one;
+    ``calls`` each call's outcome where a plan tallies them (``uneven_lengths``:
+    ``"computed"`` or ``"refused: <the exception's first line>"``); ``sub_case`` the sub-case
+    the running check is at (:meth:`at`)."""
+
+    target: Target
+    signature: str
+    features: frozenset[str]
+    masked_rows: str
+    causal_alignment: str
+    dtypes: tuple[str, ...]
+    devices: int | None = None
+    anchor: Target | None = None
+    length_multiple: int = 1
+    head_multiple: int = 1
+    ratios: list[float] = dataclasses.field(default_factory=list)
+    calls: list[str] = dataclasses.field(default_factory=list)
+    sub_case: str | None = None
+
+    def at(self, sub_case: str) -> None:
+        """Record the sub-case a check is at (a mask kind, a dtype, one of its runs): a
+        failure's ``Case(...)`` line names the one it failed at."""
+        self.sub_case = sub_case
+
+    @property
+    def primary(self) -> str:
+        """The dtype of every property but ``oracle``: float32 when requested, else the first."""
+        return "float32" if "float32" in self.dtypes else self.dtypes[0]
+
+    def pool(self, *shapes: str) -> tuple[ast.Config, ...]:
+        """The conformance buckets of the named shapes the features allow (few, so that a
+        jitted target compiles a handful of programs): ``"self"`` (T == S, N == K, batch 2),
+        ``"general"`` (T < S when ``"cross"``, N = 2K when ``"gqa"``, batch 2), ``"tall"``
+        (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K); ``T`` and ``S``
+        times :attr:`length_multiple`, ``N`` and ``K`` times the least factor that makes ``K``
+        a multiple of :attr:`head_multiple` (the ratio ``N / K`` kept: on meshes of 2, 4 and
+        8, ``K = 8`` and ``N`` 8, 16 or 32; one K/V head, the ``"mqa"`` bucket's, becomes 8)."""
+        cross, gqa = "cross" in self.features, "gqa" in self.features
+        out: list[ast.Config] = []
+        m = self.length_multiple
+        for name in shapes:
+            if name == "self":
+                out.append(_SELF)
+            elif name == "general":
+                if cross or gqa:
+                    out.append(
+                        dataclasses.replace(
+                            _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
+                        )
+                    )
+            elif name == "tall" and cross:
+                out.append(_TALL)
+            elif name == "gqa" and gqa:
+                out.append(_GQA)
+            elif name == "mqa" and gqa:
+                out.append(_MQA)
+        out = [
+            dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f)
+            for c in out
+            for f in (self.head_multiple // math.gcd(c.k, self.head_multiple),)
+        ]
+        return tuple(dict.fromkeys(out))
+
+    def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` (the small buckets, where Hypothesis shrinks to), or a bucket
+        with tile-straddling lengths (:meth:`tile_configs`): a kernel's partial last tile is
+        checked by default, and a failure there shrinks to the shortest length that fails."""
+        return self.mix(self.small_configs(pool, dtype), self.tile_configs(pool, dtype))
+
+    def mix(self, small: Any, tiles: Any) -> Any:
+        """``small`` in ``TILE_SHARE - 1`` examples of ``TILE_SHARE``, ``tiles`` in the other:
+        each tile example is a new compiled program of the target (most of a property's time),
+        and a tail-tile fault fails at most tile lengths. A distributed target draws ``small``
+        alone: its buckets' lengths are already ``2 lcm(devices)`` times 3 to 5 (48 to 80 on 8
+        devices, each device's chunk of 3 to 10 keys), and its own question about lengths, those
+        the mesh does not divide, is ``uneven_lengths``'; its programs on up to 8 devices, with
+        heads times ``lcm(devices)``, are the costly ones."""
+        if self.devices is not None:
+            return small
+        return st.one_of(*[small] * (TILE_SHARE - 1), tiles)
+
+    def small_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` as it is (the small buckets)."""
+        return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
+
+    def tile_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
+        """A config from ``pool`` with ``T`` and ``S`` from
+        :data:`attnref.strategies.TILE_LENGTHS` (15 .. 513)."""
+        return self.small_configs(pool, dtype).flatmap(ast.tile_configs)
+
+    def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
+        return ast.make_kernel_problem(
+            config,
+            kind,
+            seed,
+            masked_rows=self.masked_rows,
+            causal_alignment=self.causal_alignment,
+            **kw,
+        )
+
+    def kinds(self, candidates: Sequence[str]) -> tuple[str, ...]:
+        return tuple(k for k in candidates if set(ast.KIND_FEATURES[k]) <= self.features)
+
+    def run(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
+        return self.target.forward(to_target(p, self.signature), want_lse)
+
+    def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
+        """The problem as the target sees it (:func:`_to_target`); for a distributed target a
+        :class:`_MergedProblem`, whose ``bound()`` allows for the merge of states."""
+        p = to_target(p, self.signature)
+        if self.devices is None:
+            return p
+        return _MergedProblem(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+
+@st.composite
+def case_strategy(draw: ast.DrawFn, configs: Any, **extras: Any) -> Case:
+    config = draw(configs, label="config")
+    extra = tuple((name, draw(strategy, label=name)) for name, strategy in extras.items())
+    seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+    note(f"config={config!r} seed={seed} " + " ".join(f"{k}={v!r}" for k, v in extra))
+    return Case(config, seed, extra)
+
+
+Check = Callable[[Any], None]
+# (strategy, check) or (strategy, check, explicit cases run first), or a skip reason (str)
+Plan = tuple[Any, Check] | tuple[Any, Check, tuple[Any, ...]]

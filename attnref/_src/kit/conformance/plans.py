@@ -1,0 +1,566 @@
+"""The property plans: for each property, the Hypothesis strategy of its examples and the check
+run on each (or the reason it is skipped). The properties are described in the package
+docstring (:mod:`attnref._src.kit.conformance`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+from attnref import strategies as ast
+from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within
+from attnref._src.kit.conformance.context import Case, Context, Plan, case_strategy
+from attnref._src.kit.conformance.options import GROWTH, UNEVEN
+from attnref._src.kit.conformance.references import (
+    assert_lse,
+    assert_output,
+    is_16bit,
+    ref_vjp,
+)
+from attnref.tolerance import gamma, unit_roundoff
+
+# The kinds of the masks property whose mask or bias takes the example's drawn broadcast shape:
+# a boolean mask (every row keeps a key) and a bias with -inf entries (every row keeps a finite
+# one, so it is also the finite bias's broadcast check).
+_DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
+    "random": ("mask_shape",),
+    "neg_inf_bias": ("bias_shape",),
+}
+_MASK_PROPERTY_KINDS = tuple(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row"))
+
+
+def _plan_oracle(ctx: Context) -> Plan | str:
+    pool = ctx.pool("self", "general", "tall", "mqa")
+    strategy = ast.kernel_problems(
+        ctx.configs(pool, ctx.dtypes[0]),  # drawn in the first dtype, then cast to the others
+        kinds=("none",),
+        identical_rows=True,
+        masked_rows=ctx.masked_rows,
+        causal_alignment=ctx.causal_alignment,
+    )
+
+    def check(p: ast.KernelProblem) -> None:
+        for dtype in ctx.dtypes:
+            ctx.at(f"dtype={dtype!r}")
+            pd = p.astype(dtype)
+            out, _ = ctx.run(pd)
+            assert_output(out, ctx.view(pd), f"oracle [{pd.dtype}]")
+
+    return strategy, check
+
+
+def _plan_masks(ctx: Context) -> Plan | str:
+    kinds = ctx.kinds(_MASK_PROPERTY_KINDS)
+    if not kinds:
+        return (
+            "needs a mask feature (one of mask, bias, causal, seq_lengths, window, segment_ids, "
+            "softcap)"
+        )
+
+    def check(case: Case) -> None:
+        for kind in (case.get("kind"),) if case.has("kind") else kinds:
+            ctx.at(f"kind={kind!r}")
+            shape = {name: case.get(name) for name in _DRAWN_SHAPES.get(kind, ())}
+            p = ctx.problem(case.config, kind, case.seed, **shape)
+            out, _ = ctx.run(p)
+            assert_output(out, ctx.view(p), f"masks [{kind}: {_options_text(p)}]")
+
+    # One mask shape and one bias shape per example, from all 16 broadcastable ones. A shape is
+    # a new compiled program, so only two kinds take them (an example adds at most two
+    # programs); the other kinds keep their fixed shapes, compiled once per bucket. An example
+    # at tile-straddling lengths (every one a new program) checks one drawn kind.
+    pool = ctx.pool("self", "general", "tall")
+    shapes = dict(mask_shape=ast.broadcast_shapes(), bias_shape=ast.broadcast_shapes())
+    small = case_strategy(ctx.small_configs(pool), **shapes)
+    tiles = case_strategy(ctx.tile_configs(pool), kind=st.sampled_from(kinds), **shapes)
+    strategy = ctx.mix(small, tiles)
+    # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
+    first = Case(
+        dataclasses.replace(pool[0], dtype=ctx.primary),
+        0,
+        (("mask_shape", "B11S"), ("bias_shape", "111S")),
+    )
+    return strategy, check, (first,)
+
+
+def _options_text(p: ast.KernelProblem) -> str:
+    return repr(p).split("options=", 1)[1][:-1]
+
+
+def _plan_causality(ctx: Context) -> Plan | str:
+    if "causal" not in ctx.features:
+        return "needs feature 'causal'"
+    pool = ctx.pool("self")
+    scales = st.sampled_from((1.0, 1000.0))
+
+    def check(case: Case) -> None:
+        c = case.config
+        t = case.get("prefix")
+        p = ctx.problem(c, "causal", case.seed)
+        grow = case.get("future_key_scale")
+        k, v = p.k.astype(np.float64), p.v.astype(np.float64)
+        k[:, t:] *= grow
+        v[:, t:] *= grow
+        p = p.replace(k=k.astype(p.dtype), v=v.astype(p.dtype))
+        pre = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
+        ctx.at(f"the full run (T={c.t}) against the prefix run (T={t})")
+        full_out, _ = ctx.run(p)
+        part, _ = ctx.run(pre)
+        full = np.asarray(full_out, np.float64)[:, :t]
+        part = np.asarray(part, np.float64)
+        bound = ctx.view(p).bound()[0][:, :t] + ctx.view(pre).bound()[0]
+        bad = ~np.isfinite(full) | ~np.isfinite(part)
+        err = np.where(bad, np.inf, np.abs(np.nan_to_num(full - part)))
+        assert_ratio_within(
+            err,
+            bound,
+            "causality: appending {future} future token(s) changed output row {index[1]} (index "
+            "{index} of the first {t} rows): |full - prefix| = {error:.3e} > {allowed:.3e} "
+            "({ratio:.3g} x the sum of the two derived bounds); full {full!r}, prefix-only "
+            "{prefix!r}",
+            future=c.t - t,
+            t=t,
+            full=full,
+            prefix=part,
+        )
+        # agreeing with each other is not enough (an all-zero kernel does): each equals the oracle
+        ctx.at(f"the full run (T={c.t}) against the oracle")
+        assert_output(full_out, ctx.view(p), "causality: the full run")
+        ctx.at(f"the prefix run (T={t}) against the oracle")
+        assert_output(part, ctx.view(pre), "causality: the prefix run")
+        if "grad" in ctx.features and ctx.signature != "numpy":
+            ctx.at(f"the gradient of output row {t - 1}")
+            rng = np.random.default_rng(case.seed)
+            cot = np.zeros((c.b, c.t, c.n, c.h_v))
+            cot[:, t - 1] = rng.standard_normal((c.b, c.n, c.h_v))
+            grads = ctx.target.vjp(ctx.view(p), cot.astype(p.dtype))
+            for name, g in zip("qkv", grads, strict=True):
+                g = np.asarray(g, np.float64)
+                if np.any(g[:, t:] != 0.0):
+                    idx = tuple(int(i) for i in np.argwhere(g[:, t:] != 0.0)[0])
+                    pos = (idx[0], idx[1] + t, *idx[2:])
+                    raise AssertionError(
+                        f"causality: d out[:, {t - 1}] / d {name}{list(pos)} = {g[pos]!r} != 0 "
+                        f"(position {pos[1]} is in the future of query {t - 1})"
+                    )
+
+    def prefixes(config: ast.Config) -> Any:
+        return st.just(config.t // 2)  # one prefix shape: one more compiled program
+
+    @st.composite
+    def cases(draw: ast.DrawFn) -> Case:
+        config = draw(ctx.configs(pool), label="config")
+        t = draw(prefixes(config), label="prefix")
+        grow = draw(scales, label="future_key_scale")
+        seed = draw(st.integers(0, 2**32 - 1), label="data seed")
+        note(f"config={config!r} prefix={t} future_key_scale={grow} seed={seed}")
+        return Case(config, seed, (("prefix", t), ("future_key_scale", grow)))
+
+    return cases(), check
+
+
+def _plan_gqa(ctx: Context) -> Plan | str:
+    if "gqa" not in ctx.features:
+        return "needs feature 'gqa'"
+    pool = ctx.pool("gqa", "mqa")
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: Case) -> None:
+        for kind in kinds:
+            ctx.at(f"kind={kind!r}")
+            p = ctx.problem(case.config, kind, case.seed)
+            out, _ = ctx.run(p)
+            c = case.config
+            assert_output(out, ctx.view(p), f"gqa [N={c.n}, K={c.k}, {kind}]")
+
+    return case_strategy(ctx.configs(pool)), check
+
+
+def _plan_lse(ctx: Context) -> Plan | str:
+    if "lse" not in ctx.features:
+        return "needs feature 'lse'"
+    kinds = ctx.kinds(("none", "causal", "bias"))
+
+    def check(case: Case) -> None:
+        for kind in kinds:
+            ctx.at(f"kind={kind!r}")
+            p = ctx.problem(case.config, kind, case.seed)
+            out, lse = ctx.run(p, want_lse=True)
+            assert_output(out, ctx.view(p), f"lse [{kind}] output")
+            assert_lse(lse, ctx.view(p), f"lse [{kind}]")
+
+    return case_strategy(ctx.configs(ctx.pool("self", "general"))), check
+
+
+def _plan_batch(ctx: Context) -> Plan | str:
+    kinds = ctx.kinds(("none", "padding", "random", "neg_inf_bias", "segments", "combined"))
+    pool = ctx.pool("self", "general")
+
+    def check(p: ast.KernelProblem) -> None:
+        ctx.at("the batched run")
+        full, _ = ctx.run(p)
+        full = np.asarray(full, np.float64)
+        bound, _ = ctx.view(p).bound()
+        if is_16bit(p.dtype):
+            bound = bound + unit_roundoff(p.dtype) * np.abs(full)
+        for b in range(p.config.b):
+            ctx.at(f"batch element {b} alone")
+            one, _ = ctx.run(p.batch_slice(b))
+            one = np.asarray(one, np.float64)
+            if one.shape != full[b : b + 1].shape:
+                raise AssertionError(f"batch element {b}: shape {one.shape} alone")
+            nan_full, nan_one = np.isnan(full[b]), np.isnan(one[0])
+            if (nan_full != nan_one).any():
+                idx = tuple(int(i) for i in np.argwhere(nan_full != nan_one)[0])
+                raise AssertionError(
+                    f"batch element {b}: NaN pattern differs at {idx}: batched "
+                    f"{full[b][idx]!r}, alone {one[0][idx]!r}"
+                )
+            err = np.abs(np.where(nan_full, 0.0, full[b] - np.where(nan_one, 0.0, one[0])))
+            assert_ratio_within(
+                err,
+                2 * bound[b],
+                "batch element {b} run alone differs from its slice of the batched run at "
+                "{index}: {alone!r} vs {batched!r} ({ratio:.3g} x twice the derived bound); "
+                "kind {kind}",
+                require_finite=True,
+                b=b,
+                alone=one[0],
+                batched=full[b],
+                kind=p.kind,
+            )
+            # equal to each other is not enough (an all-NaN kernel is): each equals the oracle
+            assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} run alone")
+        ctx.at("the batched run against the oracle")
+        assert_output(full, ctx.view(p), f"batched run [{p.kind}: {_options_text(p)}]")
+
+    strategy = ast.kernel_problems(
+        ctx.configs(pool),
+        kinds=kinds,
+        masked_rows=ctx.masked_rows,
+        causal_alignment=ctx.causal_alignment,
+        # the kinds' fixed shapes (per-example and batch-broadcast masks and biases among them):
+        # the masks property draws the broadcast shapes, and each costs a compiled program here
+        # twice (the batch and one element)
+        mask_shapes=None,
+        bias_shapes=None,
+    )
+    return strategy, check
+
+
+def _observed_policy(row: np.ndarray, mean_v: np.ndarray, tol: float) -> str:
+    if np.all(np.isnan(row)):
+        return "NaN (masked_rows='nan')"
+    if np.all(row == 0.0):
+        return "zeros (masked_rows='zeros')"
+    if np.all(np.isfinite(row)) and np.max(np.abs(row - mean_v)) <= tol:
+        return "the mean of v over all keys (masked_rows='uniform')"
+    return f"{row!r}, none of the three meanings"
+
+
+def _plan_fully_masked(ctx: Context) -> Plan | str:
+    if not ({"mask", "seq_lengths"} & ctx.features):
+        return "needs feature 'mask' or 'seq_lengths' to build a row with no allowed key"
+    use_mask = "mask" in ctx.features
+
+    def check(case: Case) -> None:
+        c = case.config
+        if use_mask:
+            p = ctx.problem(c, "fully_masked_row", case.seed, mask_shape=case.get("mask_shape"))
+        else:
+            p = ctx.problem(c, "none", case.seed)
+            lens = np.full(c.batch, c.s, np.int32)
+            lens[case.seed % c.b] = 0
+            p = p.replace(options={"key_value_seq_lengths": lens})
+        view = ctx.view(p)
+        out, _ = ctx.run(p)
+        out = np.asarray(out, np.float64)
+        ref, _ = view.oracle()
+        allowed = view.allowed()  # [B, N, T, S]
+        dead = ~allowed.any(-1)  # [B, N, T]
+        if view.options.get("query_seq_lengths") is not None:
+            lens_q = np.asarray(view.options["query_seq_lengths"])
+            dead &= (np.arange(c.t)[None, :] < lens_q[:, None])[:, None, :]
+        vg = np.repeat(view.v.astype(np.float64), c.group, axis=2)  # [B, S, N, H_v]
+        tol = 2 * gamma(c.s + 1, unit_roundoff(np.float32)) * float(np.abs(vg).max())
+        if is_16bit(p.dtype):
+            tol += 2 * unit_roundoff(p.dtype) * float(np.abs(vg).max())
+        for b, n, i in zip(*np.nonzero(dead), strict=True):
+            row = out[b, i, n]
+            want = ref[b, i, n]
+            mean_v = vg[b, :, n].mean(0)
+            ok = {
+                "zeros": np.all(row == 0.0),
+                "nan": np.all(np.isnan(row)),
+                "uniform": np.all(np.isfinite(row)) and np.max(np.abs(row - want)) <= tol,
+            }[ctx.masked_rows]
+            if not ok:
+                raise AssertionError(
+                    f"fully masked row (b={b}, t={i}, n={n}): declared masked_rows="
+                    f"{ctx.masked_rows!r}, but the kernel returns "
+                    f"{_observed_policy(row, mean_v, tol)}; declare the kernel's meaning with "
+                    "check_attention(..., masked_rows=...)"
+                )
+        assert_output(out, view, "fully_masked_rows")
+
+    extra = {"mask_shape": ast.broadcast_shapes()} if use_mask else {}
+    return case_strategy(ctx.configs(ctx.pool("self", "general")), **extra), check
+
+
+def _plan_gradients(ctx: Context) -> Plan | str:
+    if "grad" not in ctx.features:
+        return "needs feature 'grad'"
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: Case) -> None:
+        c = case.config
+        rng = np.random.default_rng([case.seed, 1])
+        cot = rng.standard_normal((c.b, c.t, c.n, c.h_v)).astype(c.dtype)
+        for kind in kinds:
+            ctx.at(f"kind={kind!r}")
+            view = ctx.view(ctx.problem(c, kind, case.seed))
+            got = ctx.target.vjp(view, cot)
+            assert_gradients(view, cot, got, f"gradients [{kind}]")
+
+    return case_strategy(ctx.configs(ctx.pool("general") or ctx.pool("self"))), check
+
+
+def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str) -> None:
+    """``got = (dq, dk, dv)`` equals the float64 gradient oracle
+    (:func:`attnref.oracle.dot_product_attention_vjp`): within the derived bound
+    (:func:`attnref.tolerance.kernel_grad_error_bound`) in float32 and float64; by
+    FlashAttention's comparative rule in 16 bits (at most twice the error of attnref's own
+    16-bit gradient, plus a rounding floor ``gamma_{N_b}(u) max|g64|`` with ``N_b = T G + S + H +
+    H_v + 2`` the longest reduction chain of the backward)."""
+    grads = p.oracle_vjp(cot)
+    exact = (grads.query, grads.key, grads.value)
+    allowances: list[Any]
+    if is_16bit(p.dtype):
+        same = ref_vjp(p, cot)
+        m = max(float(np.max(np.abs(g), initial=0.0)) for g in exact)
+        c = p.config
+        n_b = c.t * c.group + c.s + c.h + c.h_v + 2
+        floor = gamma(n_b, unit_roundoff(p.dtype)) * m
+        allowances = [
+            2 * float(np.max(np.abs(r - e), initial=0.0)) + floor
+            for r, e in zip(same, exact, strict=False)
+        ]
+        rule = "comparative rule (2 x attnref's {dtype} error + gamma_N_b(u) max|g64|)"
+    else:
+        bound = p.grad_bound(cot)
+        allowances = [bound.query, bound.key, bound.value]
+        rule = "derived gradient bound (tolerance.kernel_grad_error_bound)"
+    for name, g, e, allowed in zip("qkv", got, exact, allowances, strict=False):
+        g = np.asarray(g, np.float64)
+        if g.shape != e.shape:
+            raise AssertionError(f"{label}: d/d{name} has shape {g.shape}, expected {e.shape}")
+        if not np.all(np.isfinite(g)):
+            idx = tuple(int(i) for i in np.argwhere(~np.isfinite(g))[0])
+            raise AssertionError(f"{label}: d/d{name}{list(idx)} = {g[idx]!r}")
+        assert_ratio_within(
+            np.abs(g - e),
+            allowed,
+            "{label}: d/d{name} off the float64 gradient oracle at {index}: {error:.3e} > "
+            "{allowed:.3e} ({ratio:.3g} x the allowance, " + rule + "); got {got!r}, "
+            "float64 {want!r}",
+            label=label,
+            name=name,
+            dtype=p.dtype,
+            got=g,
+            want=e,
+        )
+
+
+def _plan_extreme(ctx: Context) -> Plan | str:
+    kinds = ctx.kinds(("none", "causal", "random"))
+    dtype = "float32" if "float32" in ctx.dtypes else ctx.primary
+
+    def check(case: Case) -> None:
+        c = case.config
+        kind = case.get("kind")
+        top = case.get("max_abs_logit")
+        p = ctx.problem(c, kind, case.seed)
+        q64, k64 = p.q.astype(np.float64), p.k.astype(np.float64)
+        kg = np.repeat(k64, c.group, axis=2)
+        logits = np.einsum("btnh,bsnh->bnts", q64, kg) / math.sqrt(c.h)
+        grow = math.sqrt(top / float(np.abs(logits).max()))
+        p = p.replace(q=(q64 * grow).astype(p.dtype), k=(k64 * grow).astype(p.dtype))
+        out, _ = ctx.run(p)
+        out = np.asarray(out, np.float64)
+        bad = ~np.isfinite(out) & ~np.isnan(ctx.view(p).oracle()[0])
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise AssertionError(
+                f"extreme logits (max |logit| = {top:g}, {kind}): output {out[idx]!r} at {idx} "
+                "is not finite (overflow in exp? no max subtraction?)"
+            )
+        assert_output(out, ctx.view(p), f"extreme logits [max |logit| = {top:g}, {kind}]")
+
+    strategy = case_strategy(
+        ctx.small_configs(ctx.pool("self", "general"), dtype),  # logit size, not tiling
+        kind=st.sampled_from(kinds),
+        max_abs_logit=st.sampled_from((1e2, 1e3, 1e4)),
+    )
+    return strategy, check
+
+
+def _plan_growth(ctx: Context) -> Plan | str:
+    anchor = ctx.anchor
+    if ctx.devices is None or anchor is None:
+        return "needs devices= (a distributed kernel, run on meshes of several sizes)"
+    kinds = ctx.kinds(("none", "causal"))
+
+    def check(case: Case) -> None:
+        for dtype in ctx.dtypes:
+            config = dataclasses.replace(case.config, dtype=dtype)
+            for kind in kinds:
+                ctx.at(f"dtype={dtype!r}, kind={kind!r}")
+                p = ctx.view(ctx.problem(config, kind, case.seed))
+                _assert_growth(ctx, anchor, p, kind)
+
+    return case_strategy(ctx.configs(ctx.pool("self", "general"))), check
+
+
+def _assert_growth(ctx: Context, anchor: Any, p: ast.KernelProblem, kind: str) -> None:
+    """The growth rule on ``P = ctx.devices`` devices: ``|o_P - o64| <= bound + 2 e_1``
+    componentwise, ``bound`` the derived allowance of a distributed kernel (``p`` is
+    ``ctx.view``'s :class:`~attnref._src.kit.conformance.context._MergedProblem`: any partition of
+    the keys, any tiling, states merged in float32 or wider by any tree, every stored partial
+    ``lse``'s rounding counted; one rounding of the output to a 16-bit dtype), ``e_1 = 0`` in
+    float32 and float64, and in 16 bits ``e_1 = max(|o_1 - o64| - bound)^+``, the target's own
+    excess over the bound on one device (``FLASH_FACTOR`` = 2 is the comparative rule's factor;
+    ``anchor`` is the target on one device). Appends the worst ratio to ``ctx.ratios``."""
+    label = f"{GROWTH} [P={ctx.devices}, {p.dtype}, {kind}]"
+    ref, _ = p.oracle()
+    bound, _ = p.bound()
+    out, _ = ctx.run(p)
+    rule = "the derived bound"
+    allowed = bound
+    if is_16bit(p.dtype):
+        one, _ = anchor.forward(p)
+        over = np.abs(np.asarray(one, np.float64) - ref) - bound
+        # a non-finite anchor fails the oracle property at P = 1; it widens nothing here
+        excess = float(np.max(np.where(np.isfinite(over), over, 0.0), initial=0.0))
+        allowed = bound + FLASH_FACTOR * excess
+        rule += f" + {FLASH_FACTOR:g} x the excess on 1 device, {excess:.3e}"
+    got = np.asarray(out, np.float64)
+    err = np.abs(got - ref)
+    err = np.where(np.isfinite(err), err, np.inf)  # NaN or inf where the oracle is finite
+    err = np.where(np.isnan(ref) & np.isnan(got), 0.0, err)  # masked_rows="nan", declared
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ctx.ratios.append(float(np.max(np.where(err == 0, 0.0, err / allowed))))
+    assert_ratio_within(
+        err,
+        allowed,
+        "{label}: |o - oracle| = {error:.3e} at index {index} > {allowed:.3e} ({ratio:.3g} x "
+        "the allowance: " + rule + "); got {got!r}, oracle {want!r}",
+        require_finite=True,
+        label=label,
+        got=got,
+        want=ref,
+    )
+
+
+# uneven_lengths' refusal rule: the exception types, and the words (case-insensitive, anywhere in
+# the message) that say the refusal is about the length. "reshape" is jax.numpy's refusal
+# ("cannot reshape array of shape (1, 65) ... into shape (1, 4, 16)") in a kernel that cuts the
+# sequence into equal chunks; shard_map's own refusal says "not evenly divisible".
+REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
+REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
+_REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
+
+
+class TargetRaised(AssertionError):
+    """A property's failure that is an exception the target raised (``__cause__``): the report
+    gives the property's message and the cause's traceback."""
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a clear refusal of a length: an instance of :data:`REFUSAL_TYPES`
+    whose message contains one of :data:`REFUSAL_WORDS` (case-insensitive)."""
+    return isinstance(exc, REFUSAL_TYPES) and _REFUSAL.search(str(exc)) is not None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``"<Type>: <the message's first line>"``, memory addresses dropped (a function's repr in
+    shard_map's message) and cut at 300 characters."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    line = re.sub(r" at 0x[0-9a-fA-F]+", "", line)
+    line = line if len(line) <= 300 else line[:297] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _plan_uneven(ctx: Context) -> Plan | str:
+    if ctx.devices is None:
+        return "needs devices= (a distributed kernel, run on meshes of several sizes)"
+    kinds = ctx.kinds(("none", "causal"))
+    offsets = st.integers(1, 2 * ctx.devices - 1)
+
+    def check(case: Case) -> None:
+        c = case.config
+        t = c.t + case.get("t_offset")
+        s = t if c.s == c.t else c.s + case.get("s_offset")
+        config = dataclasses.replace(c, t=t, s=s)
+        for kind in kinds:
+            ctx.at(f"T={t}, S={s}, kind={kind!r}")
+            _assert_uneven(ctx, ctx.view(ctx.problem(config, kind, case.seed)), kind)
+
+    pool = ctx.pool("self", "general")
+    return case_strategy(ctx.configs(pool), t_offset=offsets, s_offset=offsets), check
+
+
+def _assert_uneven(ctx: Context, p: ast.KernelProblem, kind: str) -> None:
+    """One call on lengths ``2P`` does not divide: a refusal (:func:`is_refusal`) passes and is
+    tallied in ``ctx.calls``; an output must equal the oracle within the ``oracle`` property's
+    allowance (:func:`_assert_output`, the merged-states bound of a distributed target); any
+    other exception fails (:class:`TargetRaised`, with its traceback)."""
+    c = p.config
+    label = f"{UNEVEN} [P={ctx.devices}, T={c.t}, S={c.s}, {p.dtype}, {kind}]"
+    try:
+        out, _ = ctx.run(p)
+    except AssertionError:  # the kit's shape checks (or the target's own assert)
+        raise
+    except Exception as exc:
+        if is_refusal(exc):
+            ctx.calls.append(f"refused: {_first_line(exc)}")
+            return
+        raise TargetRaised(
+            f"{label}: fn raised {_first_line(exc)}; not a refusal (a {UNEVEN} refusal is a "
+            f"{', '.join(t.__name__ for t in REFUSAL_TYPES)} whose message contains one of "
+            f"{', '.join(REFUSAL_WORDS)})"
+        ) from exc
+    assert_output(out, p, label)
+    ctx.calls.append("computed")
+
+
+def calls_detail(calls: list[str]) -> str:
+    """The detail of a passing ``uneven_lengths`` run from its tally: the first refusal's line
+    (``"refused: <Type>: <first line>"``), then how many calls were refused and computed."""
+    refused = [c for c in calls if c != "computed"]
+    counts = (
+        f"{len(refused)} of {len(calls)} calls refused, {len(calls) - len(refused)} computed "
+        "and equal to the oracle"
+    )
+    return f"{refused[0]}; {counts}" if refused else counts
+
+
+PLANS: dict[str, Callable[[Context], Plan | str]] = {
+    "oracle": _plan_oracle,
+    "masks": _plan_masks,
+    "causality": _plan_causality,
+    "gqa": _plan_gqa,
+    "lse": _plan_lse,
+    "batch_independence": _plan_batch,
+    "fully_masked_rows": _plan_fully_masked,
+    "gradients": _plan_gradients,
+    "extreme_logits": _plan_extreme,
+    GROWTH: _plan_growth,
+    UNEVEN: _plan_uneven,
+}

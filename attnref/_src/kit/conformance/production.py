@@ -1,0 +1,205 @@
+"""Checks at production shapes (``check_attention(..., shapes="production")``): where kernels
+tile. Each property runs a fixed list of cases, cheapest first, against the fast float64 oracle
+and its streamed bound, stopping at the first failure:
+
+* lengths at tile boundaries ``2^k - 1, 2^k, 2^k + 1`` for ``k = 7 .. 13`` (127 .. 8193),
+  ``T == S`` and ``T != S`` (one query against long keys, long queries against short keys);
+* head dimensions 64, 128 and 256; up to 32 query heads over 8 (GQA), 1 (MQA) or 32 K/V heads;
+* every mask kind the target's features allow (``masks``), ragged per-batch lengths one past a
+  128-tile (``batch_independence``, ``fully_masked_rows``), the lse and the gradients.
+
+A case's work ``B N T S (H + H_v)`` is capped (:data:`WORK_BUDGET` multiply-adds; kinds that
+bring a ``[.., T, S]`` mask or bias also cap ``B N T S`` at :data:`ARRAY_BUDGET`) by taking fewer
+heads at longer lengths (one head, at head dim 64, always runs), so the whole run takes minutes
+on two cores; array kinds skip the lengths whose ``[T, S]`` arrays exceed their cap.
+``max_examples`` keeps the first cases of each list. ``causality`` and ``extreme_logits`` run at
+the small shapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from attnref import strategies as ast
+from attnref._src.kit.conformance.context import Context
+from attnref._src.kit.conformance.plans import assert_gradients
+from attnref._src.kit.conformance.references import assert_lse, assert_output
+
+WORK_BUDGET = 2**33
+ARRAY_BUDGET = 2**25
+LENGTHS = tuple(n for k in range(7, 14) for n in (2**k - 1, 2**k, 2**k + 1))
+HEAD_DIMS = (64, 128, 256)
+_ARRAY_KINDS = frozenset(
+    {"random", "bias", "alibi", "neg_inf_bias", "fully_masked_row", "combined"}
+)
+SMALL_ONLY = {
+    "causality": "runs at the small shapes only (no tiling question: a prefix property)",
+    "extreme_logits": "runs at the small shapes only (logit size, not tiling)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One production case: sizes, mask kind and data seed (``str`` is its one-line label)."""
+
+    config: ast.Config
+    kind: str
+    seed: int
+    ragged: bool = False
+
+    def __str__(self) -> str:
+        c = self.config
+        return f"B={c.b} T={c.t} S={c.s} N={c.n} K={c.k} H={c.h} {self.kind}" + (
+            " ragged" if self.ragged else ""
+        )
+
+
+def _config(b: int, t: int, s: int, n: int, k: int, h: int, dtype: str) -> ast.Config:
+    return ast.Config(batch=b, t=t, s=s, n=n, k=k, h=h, h_v=h, d_model=8, dtype=dtype)
+
+
+def _heads(ctx: Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[int, int] | None:
+    """The most query heads (a power of two <= 32) the budgets allow, with K = N / 4 under
+    ``gqa`` (else K = N). One head always runs when the case's arrays fit (every listed length
+    is checked at least once); ``None`` when they do not."""
+    if kind in _ARRAY_KINDS and b * t * s > ARRAY_BUDGET:
+        return None
+    n = 32
+    while n > 1:
+        work_ok = b * n * t * s * 2 * h <= WORK_BUDGET
+        arrays_ok = kind not in _ARRAY_KINDS or b * n * t * s <= ARRAY_BUDGET
+        if work_ok and arrays_ok:
+            return n, (max(1, n // 4) if "gqa" in ctx.features else n)
+        n //= 2
+    return 1, 1
+
+
+def _past_tile(n: int) -> int:
+    """A length one past a 128-tile below ``n`` (1 when ``n <= 129``)."""
+    return max(1, ((n - 2) // 128) * 128 + 1)
+
+
+def _sweep(
+    ctx: Context, pairs: list[tuple[int, int]], kinds: tuple[str, ...], b: int = 1
+) -> list[Case]:
+    out: list[Case] = []
+    for i, (t, s) in enumerate(pairs):
+        kind = kinds[i % len(kinds)]
+        h = HEAD_DIMS[i % len(HEAD_DIMS)]
+        heads = _heads(ctx, b, t, s, h, kind)
+        while heads == (1, 1) and h > 64 and b * t * s * 2 * h > WORK_BUDGET:
+            h //= 2  # one head over budget: the smallest head dim instead
+            heads = _heads(ctx, b, t, s, h, kind)
+        if heads is None:
+            continue
+        out.append(Case(_config(b, t, s, *heads, h, ctx.primary), kind, seed=i))
+    return sorted(out, key=_work)
+
+
+def _work(case: Case) -> int:
+    """``B N T S (H + H_v)``: the multiply-adds of the case's forward (cheapest first)."""
+    c = case.config
+    return c.b * c.n * c.t * c.s * (c.h + c.h_v)
+
+
+def _pairs(ctx: Context) -> list[tuple[int, int]]:
+    """``T == S`` at every boundary length, and with ``cross`` a few ``T != S`` pairs."""
+    pairs = [(n, n) for n in LENGTHS]
+    if "cross" in ctx.features:
+        pairs += [(1, 8193), (129, 4097), (4095, 255), (1023, 2049)]
+    return pairs
+
+
+def cases(ctx: Context, name: str) -> list[Case] | str:
+    """The production cases of property ``name`` (cheapest first), or why it is skipped."""
+    if name in SMALL_ONLY:
+        return SMALL_ONLY[name]
+    if name == "oracle":
+        return _sweep(ctx, _pairs(ctx), ("none",))
+    if name == "masks":
+        kinds = ctx.kinds(tuple(k for k in ast.MASK_KINDS if k not in ("none",)))
+        if not kinds:
+            return "needs a mask feature"
+        lengths = [129, 257, 1025, 2049, 4097, 8193]
+        pairs = [(n, n) for n in lengths for _ in kinds]
+        return _sweep(ctx, pairs, kinds)
+    if name == "gqa":
+        if "gqa" not in ctx.features:
+            return "needs feature 'gqa'"
+        out = []
+        for i, (t, n, k, h) in enumerate(((255, 32, 8, 128), (1025, 32, 1, 64), (2049, 8, 2, 256))):
+            out.append(Case(_config(1, t, t, n, k, h, ctx.primary), "none", seed=i))
+        return out
+    if name == "lse":
+        if "lse" not in ctx.features:
+            return "needs feature 'lse'"
+        kinds = ctx.kinds(("none", "causal", "bias"))
+        return _sweep(ctx, [(n, n) for n in (127, 128, 129, 1025, 4097)], kinds)
+    if name == "gradients":
+        if "grad" not in ctx.features:
+            return "needs feature 'grad'"
+        kinds = ctx.kinds(("none", "causal", "padding"))
+        return _sweep(ctx, [(n, n) for n in (127, 129, 255, 257, 1025)], kinds)
+    if name in ("batch_independence", "fully_masked_rows"):
+        if "seq_lengths" not in ctx.features:
+            return "needs feature 'seq_lengths' for ragged lengths"
+        sizes = (257, 1025) if name == "fully_masked_rows" else (129, 1025, 2049)
+        return [
+            dataclasses.replace(c, ragged=True)
+            for c in _sweep(ctx, [(n, n) for n in sizes], ("none",), b=2)
+        ]
+    return f"no production cases for {name!r}"
+
+
+def problem(ctx: Context, case: Case, empty: bool = False) -> ast.KernelProblem:
+    """The case's kernel problem; ``ragged``: lengths ``[T, T']`` and ``[S, S']`` with ``T'``,
+    ``S'`` one past a 128-tile (``S' = 0`` with ``empty``: a batch element with no key)."""
+    p = ctx.problem(case.config, case.kind, case.seed)
+    if case.ragged:
+        c = case.config
+        q_len = np.array([c.t, _past_tile(c.t)], np.int32)
+        kv_len = np.array([c.s, 0 if empty else _past_tile(c.s)], np.int32)
+        p = p.replace(options={"query_seq_lengths": q_len, "key_value_seq_lengths": kv_len})
+    return p
+
+
+def check(ctx: Context, name: str) -> Callable[[Case], None]:
+    """The check of property ``name`` on one production case."""
+
+    def forward(case: Case) -> None:
+        p = problem(ctx, case)
+        want_lse = name == "lse"
+        out, lse = ctx.run(p, want_lse=want_lse)
+        assert_output(out, ctx.view(p), f"{name} [{case}]")
+        if want_lse:
+            assert_lse(lse, ctx.view(p), f"lse [{case}]")
+
+    def gradients(case: Case) -> None:
+        p = ctx.view(problem(ctx, case))
+        c = case.config
+        rng = np.random.default_rng([case.seed, 1])
+        cot = rng.standard_normal((c.b, c.t, c.n, c.h_v)).astype(c.dtype)
+        assert_gradients(p, cot, ctx.target.vjp(p, cot), f"gradients [{case}]")
+
+    def batch(case: Case) -> None:
+        p = problem(ctx, case)
+        full, _ = ctx.run(p)
+        assert_output(full, ctx.view(p), f"batch_independence [{case}] batched")
+        for b in range(case.config.b):
+            one, _ = ctx.run(p.batch_slice(b))
+            assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} alone [{case}]")
+
+    def empty(case: Case) -> None:
+        p = problem(ctx, case, empty=True)
+        out, _ = ctx.run(p)
+        assert_output(out, ctx.view(p), f"fully_masked_rows [{case}, S'=0]")
+
+    table: dict[str, Callable[[Case], None]] = {
+        "gradients": gradients,
+        "batch_independence": batch,
+        "fully_masked_rows": empty,
+    }
+    return table.get(name, forward)

@@ -1,0 +1,119 @@
+"""The conformance kit's references: attnref's own forward and backward passes (the
+same-precision reference, jitted once per static option set) and the comparisons of a target's
+output and lse with the float64 oracle under the closeness rules of
+:mod:`attnref._src.kit.closeness`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from attnref import strategies as ast
+from attnref._src.formulations.kernel import STATIC_OPTIONS
+from attnref._src.formulations.kernel import dot_product_attention as _attnref_dpa
+from attnref._src.kit.closeness import assert_attention_close
+from attnref._src.kit.conformance.targets import split_options
+from attnref.tolerance import unit_roundoff
+
+_REF = jax.jit(_attnref_dpa, static_argnames=STATIC_OPTIONS)
+
+
+def _ref_call(p: ast.KernelProblem) -> Callable[..., Any]:
+    static, _ = split_options(p.options)
+    kw = dict(static, **p.semantics())
+
+    def call(q: Any, k: Any, v: Any, arrays: dict[str, Any]) -> Any:
+        return _REF(q, k, v, **arrays, **kw)
+
+    return call
+
+
+def _ref_forward(p: ast.KernelProblem) -> np.ndarray:
+    """attnref's output in the problem's dtype (the same-precision reference)."""
+    _, arrays = split_options(p.options)
+    return np.asarray(_ref_call(p)(p.q, p.k, p.v, arrays))
+
+
+@functools.lru_cache(maxsize=64)
+def _ref_vjp_jit(static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    kw = dict(static)
+
+    def grads(q: Any, k: Any, v: Any, arrays: dict[str, Any], cot: Any) -> Any:
+        out, pull = jax.vjp(lambda a, b, c: _attnref_dpa(a, b, c, **arrays, **kw), q, k, v)
+        return pull(cot.astype(out.dtype))
+
+    return jax.jit(grads)
+
+
+def ref_vjp(p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
+    """attnref's own ``(dq, dk, dv)`` in the problem's 16-bit dtype: the same-precision reference
+    of the gradients' comparative rule (float32 and float64 use the derived bound instead)."""
+    if "query_seq_lengths" not in p.options:
+        # the structural options as one full mask: one compiled program serves every kind
+        keep = {k: v for k, v in p.options.items() if k in ("bias", "softcap", "scale")}
+        p = p.replace(options={"mask": p.allowed(), **keep})
+    static, arrays = split_options(p.options)
+    key = tuple(sorted({**dict(static), **p.semantics()}.items()))
+    out = _ref_vjp_jit(key)(p.q, p.k, p.v, arrays, cotangent)
+    return tuple(np.asarray(g, np.float64) for g in out)
+
+
+# Duplicates attnref.tolerance's _is_16bit: to fold once the tolerance package settles.
+def is_16bit(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 2
+
+
+def assert_output(out: np.ndarray, p: ast.KernelProblem, label: str) -> None:
+    """``out`` equals the oracle: the derived bound (float32/64) or FlashAttention's rule against
+    attnref in the same dtype (16-bit)."""
+    ref, _ = p.oracle()
+    nan = p.masked_rows == "nan"
+    if is_16bit(p.dtype):
+        assert_attention_close(
+            out,
+            ref,
+            dtype=p.dtype,
+            reference_same_dtype=_ref_forward(p),
+            rule="flash",
+            expected_nan=nan,
+            label=label,
+        )
+    else:
+        bound, _ = p.bound()
+        assert_attention_close(
+            out, ref, dtype=p.dtype, bound=bound, rule="bound", expected_nan=nan, label=label
+        )
+
+
+def assert_lse(lse: np.ndarray, p: ast.KernelProblem, label: str) -> None:
+    _, ref_lse = p.oracle()
+    _, lse_bound = p.bound()
+    lse_dtype = np.asarray(lse).dtype
+    lse = np.asarray(lse, np.float64)
+    if lse.shape != ref_lse.shape:
+        raise AssertionError(
+            f"{label}: lse shape {lse.shape} != expected [B, T, N] {ref_lse.shape}"
+        )
+    live = np.isfinite(ref_lse)
+    if is_16bit(lse_dtype):  # an lse returned in 16 bits adds its final rounding
+        lse_bound = lse_bound + unit_roundoff(lse_dtype) * (np.abs(ref_lse) + lse_bound)
+    assert_attention_close(
+        np.where(live, lse, 0.0),
+        np.where(live, ref_lse, 0.0),
+        dtype=p.dtype,
+        bound=np.where(live, lse_bound, 0.0),
+        rule="bound",
+        label=label,
+    )
+
+
+def to_target(p: ast.KernelProblem, signature: str) -> ast.KernelProblem:
+    """The problem as the target sees it: for ``"qkv_mask"`` every option becomes one full
+    boolean mask ``[B, N, T, S]`` (and the oracle sees only that mask)."""
+    if signature != "qkv_mask":
+        return p
+    return p.replace(options={"mask": p.allowed()})

@@ -1,0 +1,581 @@
+"""The conformance kit for a user's merge of attention states: :func:`check_merge_states`.
+
+The target is a binary merge ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (the signature of
+:func:`attnref.merge_states`; NumPy arrays in, anything :func:`numpy.asarray` reads out). Each
+property is a Hypothesis test over :func:`attnref.strategies.attention_states` whose examples
+compare the target with the float64 oracle :func:`attnref.oracle.merge_state_stack` within the
+derived bound :func:`attnref.tolerance.merge_error_bound`; a row where every state is empty must
+come back empty (``lse = -inf``) with ``o`` as ``masked_rows`` declares (0 or NaN).
+
+Properties (:data:`MERGE_PROPERTIES`):
+
+``oracle``
+    Two states (ties, small and > 88 differences, empty states whose ``o`` is NaN, empty rows)
+    merge to the oracle's state within the bound of one merge.
+``commutative``
+    ``merge(a, b)`` and ``merge(b, a)`` agree within twice that bound (each is within it of
+    the same oracle state), with ``-inf`` and NaN in the same places.
+``associative``
+    Three to five states merged by two random trees (random order and grouping): each equals
+    the oracle within the bound of its depth, and they agree within the sum of the two bounds.
+``identity``
+    The empty state (``lse = -inf``, ``o`` NaN, never to be read) is the identity on either
+    side, and merging two empty states gives the empty state under ``masked_rows``.
+``stability``
+    States with ``|lse|`` up to ``1e4`` and differences from 89 (``exp`` overflows float32) to
+    ``2e4``: the result is finite (no inf, no NaN) and within the bound. (A merge written
+    ``lse_a + log(1 + exp(lse_b - lse_a))`` overflows here.)
+``dtypes``
+    One drawn pair of states, rounded to every requested format (``o`` float32, float64,
+    bfloat16, float16; a 16-bit ``o`` with its ``lse`` in float32 and in the same 16-bit format)
+    and merged in each, within the bound of that format (16-bit states merged in float32, each
+    result stored in the states' formats). float64 runs inside ``jax.enable_x64``.
+``gradients`` (skipped with ``grad=False``)
+    ``jax.vjp`` of the merge, for random cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on
+    its ``lse``, with respect to both states' ``o`` and ``lse``, equals the float64 gradient
+    derived by hand from the merge's definition (:func:`attnref.oracle.merge_states_vjp`)::
+
+        d o_p   = pi_p g_o,   d lse_p = pi_p (g_o . (o_p - o) + g_lse),   pi_p = e^{lse_p - lse}
+
+    within the derived bound :func:`attnref.tolerance.merge_grad_error_bound`, on the drawn
+    states of the forward properties in their format (float32 when requested; ties, differences
+    past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state
+    (``lse = -inf``, weight 0) and every state of an empty row get exactly 0, never NaN. A
+    merge that is exact forward but ``stop_gradient``s its weights loses the
+    ``pi_p g_o . (o_p - o)`` term and fails here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+from attnref import oracle, tolerance
+from attnref import strategies as ast
+from attnref._src.core.checks import enable_x64
+from attnref._src.kit.closeness import assert_ratio_within
+from attnref._src.kit.conformance.engine import run_property
+from attnref._src.kit.conformance.options import OptionError, check_max_examples
+from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.kit.conformance.targets import describe_target
+from attnref.oracle import merge_states_vjp
+from attnref.strategies._states import as_dtype
+from attnref.tolerance import merge_grad_error_bound
+
+__all__ = ["MERGE_DTYPES", "MERGE_PROPERTIES", "check_merge_states"]
+
+MERGE_PROPERTIES = (
+    "oracle",
+    "commutative",
+    "associative",
+    "identity",
+    "stability",
+    "dtypes",
+    "gradients",
+)
+MERGE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_POLICIES = ("zeros", "nan")
+_SHAPE = (((2, 3), 4),)  # one (rows, H_v) bucket: a jitted target compiles one program per dtype
+
+
+def _formats(dtypes: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``(o dtype, lse dtype)`` pairs: each format, and a 16-bit ``o`` with float32 ``lse``."""
+    out: list[tuple[str, str]] = []
+    for d in dtypes:
+        out.append((d, d))
+        if as_dtype(d).itemsize == 2:
+            out.append((d, "float32"))
+    return tuple(out)
+
+
+def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
+    o = s.o.astype(as_dtype(o_dt))
+    lse = s.lse.astype(as_dtype(l_dt))
+    return ast.StateStack(o, lse, s.spread, s.center, s.seed)
+
+
+class _Merge:
+    """Calls the target on NumPy states and reads back ``(o, lse)`` as float64; :meth:`vjp`
+    differentiates it with ``jax.vjp``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.jitted_pull = jax.jit(self._pull)
+        self.eager = False  # set once the target fails to trace under jit
+
+    def __call__(self, o_a: Any, l_a: Any, o_b: Any, l_b: Any) -> tuple[np.ndarray, np.ndarray]:
+        wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
+        with enable_x64() if wide else contextlib.nullcontext():
+            out = self.fn(o_a, l_a, o_b, l_b)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise AssertionError(f"merge must return a pair (o, lse), got {type(out).__name__}")
+            o, lse = (np.asarray(x).astype(np.float64) for x in out)
+        if o.shape != np.shape(o_a) or lse.shape != np.shape(l_a):
+            raise AssertionError(
+                f"merge returned o {o.shape} and lse {lse.shape}; expected o {np.shape(o_a)} "
+                f"and lse {np.shape(l_a)} (the inputs' shapes)"
+            )
+        return o, lse
+
+    def _pair(self, *states: Any) -> tuple[Any, Any]:
+        out = self.fn(*states)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise AssertionError(f"merge must return a pair (o, lse), got {type(out).__name__}")
+        return out[0], out[1]
+
+    def _pull(self, states: tuple[Any, ...], cot: tuple[Any, Any]) -> tuple[Any, ...]:
+        (o, lse), pull = jax.vjp(self._pair, *states)
+        if o.shape != states[0].shape or lse.shape != states[1].shape:
+            raise AssertionError(
+                f"merge returned o {o.shape} and lse {lse.shape}; expected o "
+                f"{states[0].shape} and lse {states[1].shape} (the inputs' shapes)"
+            )
+        return tuple(pull((cot[0].astype(o.dtype), cot[1].astype(lse.dtype))))
+
+    def vjp(
+        self, o_a: Any, l_a: Any, o_b: Any, l_b: Any, g_o: np.ndarray, g_l: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        """``jax.vjp`` of the target at the states for the cotangents ``(g_o, g_l)`` of its
+        ``(o, lse)``: ``(d o_a, d lse_a, d o_b, d lse_b)`` as float64 (the inputs' shapes).
+        Forward and backward are jitted together (one compile per format); a target that
+        cannot be traced under ``jit`` (Python control flow on values) is differentiated
+        eagerly."""
+        wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
+        with enable_x64() if wide else contextlib.nullcontext():
+            states = tuple(jnp.asarray(x) for x in (o_a, l_a, o_b, l_b))
+            cot = (jnp.asarray(g_o), jnp.asarray(g_l))
+            try:
+                if not self.eager:
+                    try:
+                        grads = self.jitted_pull(states, cot)
+                    except (
+                        jax.errors.ConcretizationTypeError,
+                        jax.errors.TracerArrayConversionError,
+                        jax.errors.TracerIntegerConversionError,
+                    ):
+                        self.eager = True
+                if self.eager:
+                    grads = self._pull(states, cot)
+            except jax.errors.TracerArrayConversionError:
+                raise AssertionError(
+                    "jax.vjp cannot differentiate the merge: it converts its inputs to NumPy "
+                    "arrays (TracerArrayConversionError). A NumPy merge has no JAX gradient: "
+                    "declare it with grad=False (attnref check-merge --no-grad) to skip this "
+                    "property"
+                ) from None
+            return tuple(np.asarray(g).astype(np.float64) for g in grads)
+
+
+def _merge_tree(merge: _Merge, tree: ast.Tree, s: ast.StateStack) -> tuple[Any, Any]:
+    """``tree`` evaluated with ``merge``, each intermediate state cast back to the states'
+    formats (what a merge in that format hands to the next)."""
+    if isinstance(tree, tuple):
+        o_a, l_a = _merge_tree(merge, tree[0], s)
+        o_b, l_b = _merge_tree(merge, tree[1], s)
+        o, lse = merge(o_a, l_a, o_b, l_b)
+        return o.astype(s.o.dtype), lse.astype(s.lse.dtype)
+    return s.o[tree], s.lse[tree]
+
+
+def _check_state(
+    got: tuple[np.ndarray, np.ndarray],
+    s: ast.StateStack,
+    tree: str | int,
+    policy: str,
+    label: str,
+) -> None:
+    """``got`` equals the oracle merge of ``s`` within the bound of ``tree``; empty rows empty
+    with ``o`` per ``policy``; no non-finite value on a live row."""
+    o, lse = got
+    ref_o, ref_l = oracle.merge_state_stack(s.o, s.lse, masked_rows=policy)
+    o_b, l_b = tolerance.merge_error_bound(
+        s.o, s.lse, dtype=s.dtype, lse_dtype=s.lse_dtype, tree=tree
+    )
+    _check_against(o, lse, ref_o, ref_l, o_b, l_b, policy, label)
+
+
+def _check_against(
+    o: np.ndarray,
+    lse: np.ndarray,
+    ref_o: np.ndarray,
+    ref_l: np.ndarray,
+    o_b: np.ndarray,
+    l_b: np.ndarray,
+    policy: str,
+    label: str,
+) -> None:
+    empty = np.isneginf(ref_l)
+    if np.any(empty & ~np.isneginf(lse)):
+        idx = tuple(int(i) for i in np.argwhere(empty & ~np.isneginf(lse))[0])
+        raise AssertionError(
+            f"{label}: every state of row {idx} is empty (lse = -inf), so the merge is empty; "
+            f"got lse {lse[idx]!r}"
+        )
+    bad_fill = empty[..., None] & (~np.isnan(o) if policy == "nan" else (o != 0))
+    if np.any(bad_fill):
+        idx = tuple(int(i) for i in np.argwhere(bad_fill)[0])
+        want = "NaN" if policy == "nan" else "0"
+        raise AssertionError(
+            f"{label}: row {idx[:-1]} is empty; masked_rows={policy!r} wants o = {want}, "
+            f"got {o[idx]!r}"
+        )
+    live = ~empty
+    for name, x in (("lse", lse), ("o", o)):
+        mask = live if name == "lse" else live[..., None]
+        bad = mask & ~np.isfinite(x)
+        if np.any(bad):
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            ref = ref_l if name == "lse" else ref_o
+            raise AssertionError(
+                f"{label}: non-finite {name} {x[idx]!r} at index {idx} where the oracle has "
+                f"{ref[idx]!r}"
+            )
+    for name, x, ref, b, mask in (
+        ("lse", lse, ref_l, l_b, live),
+        ("o", o, ref_o, o_b, live[..., None]),
+    ):
+        err = np.abs(np.where(mask, x, 0.0) - np.where(mask, ref, 0.0))
+        assert_ratio_within(
+            err,
+            np.where(mask, b, 0.0),
+            "{label}: |{name} - oracle| = {error:.3e} at index {index} exceeds the derived "
+            "bound {allowed:.3e} ({ratio:.3g} x); got {got!r}, oracle {want!r}",
+            label=label,
+            name=name,
+            got=x,
+            want=ref,
+        )
+
+
+_GRAD_NAMES = ("o_a", "lse_a", "o_b", "lse_b")
+
+
+def _check_gradients(
+    got: tuple[np.ndarray, ...], s: ast.StateStack, g_o: np.ndarray, g_l: np.ndarray, label: str
+) -> None:
+    """``got = (d o_a, d lse_a, d o_b, d lse_b)`` equals the float64 gradient oracle
+    ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) + g_lse)`` within the derived bound
+    (``merge_grad_error_bound``): exactly 0 for an empty state and on an empty row (weight 0),
+    finite wherever the oracle is."""
+    states = (*s.state(0), *s.state(1))
+    want = merge_states_vjp(*states, g_o, g_l)
+    bounds = merge_grad_error_bound(*states, g_o, g_l, dtype=s.dtype, lse_dtype=s.lse_dtype)
+    both = np.asarray(np.isneginf(s.lse).all(axis=0))  # rows where every state is empty
+    for i, (name, x, ref, b) in enumerate(zip(_GRAD_NAMES, got, want, bounds, strict=True)):
+        empty = np.isneginf(s.lse[i // 2])
+        zero = empty if name.startswith("lse") else empty[..., None]
+        if np.any(zero & (x != 0)):
+            idx = tuple(int(j) for j in np.argwhere(zero & (x != 0))[0])
+            where = (
+                "both states are empty (the merge is the constant empty state)"
+                if both[idx[: both.ndim]]
+                else f"state {name[-1]} is empty (lse = -inf: weight 0, its o never read)"
+            )
+            raise AssertionError(
+                f"{label}: d/d{name} = {x[idx]!r} at index {idx}, where {where}, so the gradient "
+                "is exactly 0"
+            )
+        defined = np.isfinite(ref)
+        bad = defined & ~np.isfinite(x)
+        if np.any(bad):
+            idx = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise AssertionError(
+                f"{label}: non-finite d/d{name} {x[idx]!r} at index {idx} where the oracle's "
+                f"gradient is {ref[idx]!r}"
+            )
+        assert_ratio_within(
+            np.abs(np.where(defined, x, 0.0) - np.where(defined, ref, 0.0)),
+            np.where(defined, b, 0.0),
+            "{label}: |d/d{name} - oracle| = {error:.3e} at index {index} exceeds the derived "
+            "gradient bound {allowed:.3e} ({ratio:.3g} x); got {got!r}, oracle {want!r}",
+            label=label,
+            name=name,
+            got=x,
+            want=ref,
+        )
+
+
+def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
+    """``s`` (two states over rows ``(2, 3)``) with row ``(0, 0)`` empty in both, state ``a``
+    empty on row ``(0, 1)`` and state ``b`` on row ``(1, 0)`` (``lse = -inf``, ``o`` NaN)."""
+    o, lse = s.o.copy(), s.lse.copy()
+    for p, row in ((0, (0, 0)), (1, (0, 0)), (0, (0, 1)), (1, (1, 0))):
+        lse[(p, *row)] = -np.inf
+        o[(p, *row)] = np.nan
+    return ast.StateStack(o, lse, s.spread, s.center, s.seed)
+
+
+def _same_places(x: np.ndarray, y: np.ndarray, label: str) -> None:
+    for what, f in (("NaN", np.isnan), ("-inf", np.isneginf), ("+inf", np.isposinf)):
+        if not np.array_equal(f(x), f(y)):
+            idx = tuple(int(i) for i in np.argwhere(f(x) != f(y))[0])
+            raise AssertionError(
+                f"{label}: {what} at {idx} in one result only: {x[idx]!r} vs {y[idx]!r}"
+            )
+
+
+def _states(
+    pieces: tuple[int, int],
+    dtype: str,
+    *,
+    spreads: tuple[str, ...] = ast.SPREADS,
+    centers: tuple[float, ...] = ast.CENTERS,
+    empty: bool = True,
+) -> Any:
+    return ast.attention_states(
+        min_pieces=pieces[0],
+        max_pieces=pieces[1],
+        shapes=_SHAPE,
+        dtypes=(dtype,),
+        lse_dtypes=(dtype,) if as_dtype(dtype).itemsize != 2 else None,
+        spreads=spreads,
+        centers=centers,
+        empty=empty,
+    )
+
+
+@st.composite
+def _tree_cases(draw: ast.DrawFn, states: Any) -> tuple[ast.StateStack, ast.Tree, ast.Tree]:
+    s = draw(states, label="states")
+    first = draw(ast.merge_trees(s.pieces), label="first tree")
+    second = draw(ast.merge_trees(s.pieces), label="second tree")
+    return s, first, second
+
+
+def _explicit(dtype: str, spread: str, center: float, pieces: int = 2) -> ast.StateStack:
+    rows, h_v = _SHAPE[0]
+    return ast.make_state_stack(pieces, rows, h_v, 1, dtype=dtype, spread=spread, center=center)
+
+
+def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tuple[Any, ...]:
+    """``(strategy, check, explicit cases)`` of property ``name``."""
+    primary = "float32" if "float32" in dtypes else dtypes[0]
+    if name == "oracle":
+
+        def check_oracle(s: ast.StateStack) -> None:
+            _check_state(merge(*s.state(0), *s.state(1)), s, 1, policy, "merge(a, b)")
+
+        spreads = ("tied", "small", "large")
+        return _states((2, 2), primary, spreads=spreads, centers=(0.0,)), check_oracle, ()
+    if name == "commutative":
+
+        def check_comm(s: ast.StateStack) -> None:
+            ab = merge(*s.state(0), *s.state(1))
+            ba = merge(*s.state(1), *s.state(0))
+            o_b, l_b = s.bound(1)
+            for i, what in ((1, "lse"), (0, "o")):
+                _same_places(ab[i], ba[i], f"merge(a, b) vs merge(b, a), {what}")
+                ok = np.isfinite(ab[i]) & np.isfinite(ba[i])
+                err = np.abs(np.where(ok, ab[i], 0.0) - np.where(ok, ba[i], 0.0))
+                assert_ratio_within(
+                    err,
+                    2.0 * (l_b if i else o_b),
+                    "merge(a, b) and merge(b, a) differ in {what} by {error:.3e} at {index}, "
+                    "more than twice the bound of one merge ({allowed:.3e})",
+                    what=what,
+                )
+
+        return _states((2, 2), primary), check_comm, (_explicit(primary, "large", 1e4),)
+    if name == "associative":
+        strategy = _tree_cases(_states((3, 5), primary))
+
+        def check_assoc(case: tuple[ast.StateStack, ast.Tree, ast.Tree]) -> None:
+            s, t1, t2 = case
+            got1, got2 = _merge_tree(merge, t1, s), _merge_tree(merge, t2, s)
+            d1, d2 = ast.tree_depth(t1), ast.tree_depth(t2)
+            _check_state(got1, s, d1, policy, f"tree {t1!r}")
+            _check_state(got2, s, d2, policy, f"tree {t2!r}")
+            b1, b2 = s.bound(d1), s.bound(d2)
+            for i, what in ((1, "lse"), (0, "o")):
+                x, y = (np.asarray(g[i], np.float64) for g in (got1, got2))
+                _same_places(x, y, f"trees {t1!r} and {t2!r}, {what}")
+                ok = np.isfinite(x) & np.isfinite(y)
+                assert_ratio_within(
+                    np.abs(np.where(ok, x, 0.0) - np.where(ok, y, 0.0)),
+                    b1[i] + b2[i],
+                    "trees {t1} and {t2} differ in {what} by {error:.3e} at {index}, more than "
+                    "the sum of their bounds ({allowed:.3e})",
+                    t1=repr(t1),
+                    t2=repr(t2),
+                    what=what,
+                )
+
+        return strategy, check_assoc, ()
+    if name == "identity":
+
+        def check_identity(s: ast.StateStack) -> None:
+            o_e = np.full_like(s.o[0], np.nan)
+            l_e = np.full_like(s.lse[0], -np.inf)
+            pair = ast.StateStack(
+                np.stack([s.o[0], o_e]), np.stack([s.lse[0], l_e]), s.spread, s.center, s.seed
+            )
+            _check_state(merge(*s.state(0), o_e, l_e), pair, 1, policy, "merge(a, empty)")
+            _check_state(merge(o_e, l_e, *s.state(0)), pair, 1, policy, "merge(empty, a)")
+            both = ast.StateStack(
+                np.stack([o_e, o_e]), np.stack([l_e, l_e]), s.spread, s.center, s.seed
+            )
+            _check_state(merge(o_e, l_e, o_e, l_e), both, 1, policy, "merge(empty, empty)")
+
+        return _states((1, 1), primary), check_identity, ()
+    if name == "stability":
+
+        def check_stable(s: ast.StateStack) -> None:
+            _check_state(merge(*s.state(0), *s.state(1)), s, 1, policy, "merge(a, b)")
+
+        strategy = _states((2, 2), primary, spreads=("large", "huge"), empty=False)
+        explicit = (_explicit(primary, "large", 1e4), _explicit(primary, "huge", 0.0))
+        return strategy, check_stable, explicit
+
+    if name == "gradients":
+
+        def check_gradients(s: ast.StateStack) -> None:
+            rng = np.random.default_rng([s.seed, 1])
+            g_o = rng.standard_normal(s.o.shape[1:]).astype(s.dtype)
+            g_l = rng.standard_normal(s.lse.shape[1:]).astype(s.lse_dtype)
+            got = merge.vjp(*s.state(0), *s.state(1), g_o, g_l)
+            _check_gradients(got, s, g_o, g_l, "gradients of merge(a, b)")
+
+        explicit = (
+            _with_empty_states(_explicit(primary, "tied", 0.0)),
+            _explicit(primary, "large", 1e4),
+        )
+        return _states((2, 2), primary), check_gradients, explicit
+
+    formats = _formats(dtypes)
+
+    def check_dtypes(s: ast.StateStack) -> None:
+        for o_dt, l_dt in formats:
+            c = _cast(s, o_dt, l_dt)
+            label = f"merge(a, b) with o {o_dt}, lse {l_dt}"
+            _check_state(merge(*c.state(0), *c.state(1)), c, 1, policy, label)
+
+    return _states((2, 2), "float64"), check_dtypes, (_explicit("float64", "large", -1e4),)
+
+
+def check_merge_states(
+    merge: Callable[..., Any],
+    *,
+    max_examples: int | None = None,
+    seed: int = 0,
+    dtypes: Sequence[str] = MERGE_DTYPES,
+    masked_rows: str = "zeros",
+    properties: Sequence[str] | None = None,
+    target: str | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    grad: bool = True,
+) -> ConformanceReport:
+    """Run the state-algebra properties (module docstring) against a user's binary merge.
+
+    Args:
+        merge: ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` with ``o [..., H_v]`` and
+            ``lse [...]`` (the signature of :func:`attnref.merge_states`); it receives NumPy
+            arrays (float64 inside ``jax.enable_x64``).
+        max_examples: Hypothesis examples per property (``None``: 20).
+        seed: The Hypothesis seed of every property (a failure replays with it).
+        dtypes: The formats of the ``dtypes`` property (default all of :data:`MERGE_DTYPES`);
+            the other properties run in float32 when it is requested, else in the first.
+        masked_rows: The declared ``o`` of a merge of empty states: ``"zeros"`` (default) or
+            ``"nan"``.
+        properties: A subset of :data:`MERGE_PROPERTIES` (default all), run in that order.
+        target: The name shown in the report (default: ``merge``'s module and name).
+        progress: ``progress(done, total, name)`` after each property.
+        grad: Whether ``jax.vjp`` can differentiate ``merge`` (default True; the report's
+            features then list ``"grad"``). ``False`` for a merge JAX cannot trace (NumPy
+            inside): the ``gradients`` property is skipped with the reason.
+
+    Returns:
+        A :class:`ConformanceReport` (signature ``"merge_states"``), one
+        :class:`PropertyResult` per property.
+
+    Raises:
+        ValueError: An unknown property, dtype or ``masked_rows``; no dtypes;
+            ``max_examples < 1`` (an ``OptionError``).
+        TypeError: ``merge`` not callable, or ``grad`` not a bool.
+    """
+    if masked_rows not in _POLICIES:
+        raise OptionError(
+            f"masked_rows must be one of {_POLICIES} for a merge of states, got {masked_rows!r}",
+            "masked_rows",
+            masked_rows,
+            _POLICIES,
+        )
+    names = tuple(MERGE_PROPERTIES if properties is None else properties)
+    unknown = [p for p in names if p not in MERGE_PROPERTIES]
+    if unknown:
+        raise OptionError(
+            f"unknown properties {unknown}; choose from {MERGE_PROPERTIES}",
+            "properties",
+            unknown,
+            MERGE_PROPERTIES,
+        )
+    names = tuple(p for p in MERGE_PROPERTIES if p in names)
+    dts = tuple(str(d) for d in dtypes)
+    bad = [d for d in dts if d not in MERGE_DTYPES]
+    if bad or not dts:
+        raise OptionError(
+            f"dtypes must be a non-empty subset of {MERGE_DTYPES}, got {list(dts)}",
+            "dtypes",
+            bad,
+            MERGE_DTYPES,
+        )
+    if max_examples is not None:
+        check_max_examples(max_examples)
+    if not callable(merge):
+        raise TypeError(f"merge must be callable, got {type(merge).__name__}")
+    if not isinstance(grad, bool):
+        raise TypeError(f"grad must be a bool, got {type(grad).__name__}")
+    declared = {"masked_rows": masked_rows} if masked_rows != "zeros" else {}
+    target_merge = _Merge(merge)
+    results: list[PropertyResult] = []
+    for done, name in enumerate(names, start=1):
+        if name == "gradients" and not grad:
+            reason = "needs gradient support (grad=False: a merge JAX cannot differentiate)"
+            results.append(PropertyResult(name, "skipped", reason, None, seed, 0))
+            if progress is not None:
+                progress(done, len(names), name)
+            continue
+        start = time.perf_counter()
+        strategy, check, explicit = _plan(name, target_merge, masked_rows, dts)
+        status, detail, example, count, tb = run_property(
+            strategy, check, max_examples or 20, seed, explicit
+        )
+        # no empty row in stability; a gradient is 0 on empty rows whatever their o
+        in_effect = tuple(
+            f"{k}={v}" for k, v in declared.items() if name not in ("stability", "gradients")
+        )
+        results.append(
+            PropertyResult(
+                name=name,
+                status=status,
+                detail=detail,
+                example=example,
+                seed=seed,
+                examples=count,
+                declared=in_effect,
+                traceback=tb,
+                seconds=time.perf_counter() - start,
+            )
+        )
+        if progress is not None:
+            progress(done, len(names), name)
+    given = dict(
+        max_examples=(max_examples, None),
+        dtypes=(list(dts), list(MERGE_DTYPES)),
+        masked_rows=(masked_rows, "zeros"),
+        grad=(grad, True),
+    )
+    return ConformanceReport(
+        target=target or describe_target(merge),
+        signature="merge_states",
+        features=("grad",) if grad else (),
+        declared=declared,
+        results=tuple(results),
+        options=tuple((k, v) for k, (v, default) in given.items() if v != default),
+    )
