@@ -25,9 +25,15 @@ import jax
 import numpy as np
 
 import attnref
-from attnref._src.composition import composition_baseline, composition_scores, top_aligned
-from attnref._src.probes import attention_probes
-from attnref._src.refactor import effective_rank, message_svd, pattern_svd
+from attnref.interp import (
+    attention_probes,
+    composition_baseline,
+    composition_scores,
+    effective_rank,
+    message_svd,
+    pattern_svd,
+    top_aligned,
+)
 from attnref.models import bert_hidden_states, layer_attention, load_minilm
 
 ROOT = Path(__file__).resolve().parents[1]
