@@ -231,12 +231,12 @@ def check_options(
     bias: Any,
     mask: Any,
     *,
-    is_causal: Any,
-    query_seq_lengths: Any,
-    key_value_seq_lengths: Any,
-    local_window_size: Any,
-    segment_ids: Any,
-    causal_alignment: Any,
+    is_causal: Any = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    causal_alignment: Any = "top_left",
 ) -> tuple[Any, ...]:
     """The checks of the allowed-set options for ``shape = (B, N, T, S)``.
 

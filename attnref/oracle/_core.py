@@ -47,29 +47,44 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, check_weight_level
+from ._doc import WEIGHT, WEIGHT_RAISES, doc
 
 __all__ = ["attention", "attention_weights", "head_outputs"]
 
 FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+Params = dict[str, np.ndarray | None]
 
 
-def _get(params: Any, name: str) -> np.ndarray | None:
+def get_param(params: Any, name: str) -> np.ndarray | None:
+    """``params.name`` (or ``params[name]``) as a float64 array, ``None`` where absent."""
     value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
     return None if value is None else np.asarray(value, dtype=np.float64)
 
 
-def unpack(params: Any) -> dict[str, np.ndarray | None]:
-    out = {name: _get(params, name) for name in FIELDS}
+def unpack(params: Any) -> Params:
+    out = {name: get_param(params, name) for name in FIELDS}
     for name in ("w_q", "w_k", "w_v", "w_o"):
         if out[name] is None:
             raise ValueError(f"params.{name} is required")
     return out
 
 
-def group_size(w: dict[str, np.ndarray | None]) -> int:
+def head_weights(w: Params) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(W_Q, W_K, W_V, W_O)`` of unpacked parameters (each present)."""
+    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
+    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    return w_q, w_k, w_v, w_o
+
+
+def offset(w: Params, name: str, i: Any) -> Any:
+    """Head ``i``'s entry of the bias ``name``, ``0.0`` when the parameters have none."""
+    b = w[name]
+    return 0.0 if b is None else b[i]
+
+
+def group_size(w: Params) -> int:
     """``G = H / K`` from ``w_q [H, ...]`` and ``w_k, w_v [K, ...]``; query head i reads i // G."""
-    w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
-    assert w_q is not None and w_k is not None and w_v is not None
+    w_q, w_k, w_v, _ = head_weights(w)
     n_heads, n_kv = w_q.shape[0], w_k.shape[0]
     if n_kv < 1 or n_heads % n_kv or w_v.shape[0] != n_kv:
         raise ValueError(
@@ -96,52 +111,72 @@ def softmax_row(scores: np.ndarray, allowed: np.ndarray, rd: Any) -> np.ndarray:
     return p
 
 
-def _per_head_per_query(
-    params: Any,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    emulate: Any = None,
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray | None]]:
-    """Return weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]``."""
-    # Every bad input the JAX formulations refuse is refused here too (same exception types).
-    batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    rd = _rounder(emulate)
-    w = unpack(params)
-    group = group_size(w)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
-    n_heads, d_model, d_k = w_q.shape
-    s = 1.0 / math.sqrt(d_k) if sc is None else sc
+def row_weights(p: Fast, idx: tuple[int, ...], t: int, scores: np.ndarray, rd: Any) -> np.ndarray:
+    """The weights of query ``t`` of batch element ``idx`` from its scaled logits ``scores``:
+    ``bias`` added, the keys that ``mask`` or a ``-inf`` bias forbid left out."""
+    allowed = np.ones(scores.shape[-1], dtype=bool)
+    if p.bias is not None:
+        scores = rd(scores + p.bias[idx][t])
+        allowed &= p.bias[idx][t] != -np.inf
+    if p.mask is not None:
+        allowed &= p.mask[idx][t]
+    return softmax_row(scores, allowed, rd)
 
-    weights = np.zeros((*batch, n_heads, t_q, t_k))
-    outs = np.zeros((*batch, n_heads, t_q, d_model))
-    for idx in np.ndindex(*batch):
+
+# (vector, integer position) -> the vector rotated by that position (RoPE, definition path)
+Turn = Callable[[np.ndarray, int], np.ndarray]
+
+
+def per_head_per_query(
+    p: Fast,
+    emulate: Any = None,
+    turn: Turn | None = None,
+    pos: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]``, one batch
+    element, head and query at a time, every intermediate rounded to ``emulate``; with ``turn``
+    (RoPE), queries and keys are rotated one vector at a time to the positions ``pos``."""
+    rd = _rounder(emulate)
+    w_q, w_k, w_v, w_o = head_weights(p.w)
+    n_heads, d_model, _ = w_q.shape
+    t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
+    weights_out = np.zeros((*p.batch, n_heads, t_q, t_k))
+    outs = np.zeros((*p.batch, n_heads, t_q, d_model))
+    for idx in np.ndindex(*p.batch):
         for i in range(n_heads):
-            g = i // group  # the key/value head that query head i reads
-            keys = rd(rd(xkv[idx] @ w_k[g]) + (0.0 if w["b_k"] is None else w["b_k"][g]))
-            values = rd(rd(xkv[idx] @ w_v[g]) + (0.0 if w["b_v"] is None else w["b_v"][g]))
+            g = p.kv_of[i]  # the key/value head that query head i reads
+            if turn is None or pos is None:
+                keys = rd(rd(p.xkv[idx] @ w_k[g]) + offset(p.w, "b_k", g))
+            else:
+                kb = offset(p.w, "b_k", g)
+                keys = [turn(p.xkv[idx][j] @ w_k[g] + kb, int(pos[1][idx][j])) for j in range(t_k)]
+            values = rd(rd(p.xkv[idx] @ w_v[g]) + offset(p.w, "b_v", g))
             for t in range(t_q):
-                q = rd(rd(xq[idx][t] @ w_q[i]) + (0.0 if w["b_q"] is None else w["b_q"][i]))
-                scores = rd(rd(np.array([q @ keys[j] for j in range(t_k)])) * rd(s))
-                allowed = np.ones(t_k, dtype=bool)
-                if b is not None:
-                    scores = rd(scores + b[idx][t])
-                    allowed &= b[idx][t] != -np.inf
-                if m is not None:
-                    allowed &= m[idx][t]
-                p = softmax_row(scores, allowed, rd)
-                weights[idx][i, t] = p
+                q = rd(rd(p.xq[idx][t] @ w_q[i]) + offset(p.w, "b_q", i))
+                if turn is not None and pos is not None:
+                    q = turn(q, int(pos[0][idx][t]))
+                scores = rd(rd(np.array([q @ keys[j] for j in range(t_k)])) * rd(p.scale))
+                pr = row_weights(p, idx, t, scores, rd)
+                weights_out[idx][i, t] = pr
                 z = np.zeros(values.shape[-1])
                 for j in range(t_k):
-                    if p[j] != 0.0:
-                        z = rd(z + rd(p[j] * values[j]))
+                    if pr[j] != 0.0:
+                        z = rd(z + rd(pr[j] * values[j]))
                 outs[idx][i, t] = rd(z @ w_o[i])
-    return weights, outs, w
+    return weights_out, outs
+
+
+def definition_output(p: Fast, outs: np.ndarray, residual: bool, emulate: Any = None) -> np.ndarray:
+    """``y = sum_i o_i (+ b_O) (+ x_q)`` from the per-head outputs, head by head."""
+    rd = _rounder(emulate)
+    y = np.zeros(outs.shape[:-3] + outs.shape[-2:])
+    for i in range(outs.shape[-3]):
+        y = rd(y + outs[..., i, :, :])
+    if p.w["b_o"] is not None:
+        y = rd(y + p.w["b_o"])
+    if residual:
+        y = rd(y + p.xq)
+    return y
 
 
 # ----------------------------------------------------------------------------- the fast path
@@ -158,7 +193,7 @@ Rotation = Callable[[tuple[int, ...], slice, np.ndarray], np.ndarray]
 class Fast(NamedTuple):
     """A validated weight-level problem in float64, as the vectorised paths read it."""
 
-    w: dict[str, np.ndarray | None]  # _unpack: w_k, w_v, b_k, b_v keep their K key/value heads
+    w: Params  # unpack: w_k, w_v, b_k, b_v keep their K key/value heads
     xq: np.ndarray  # [*batch, T_q, d_model]
     xkv: np.ndarray  # [*batch, T_k, d_model] (x_q itself when x_kv is None)
     mask: np.ndarray | None  # broadcast to [*batch, T_q, T_k]
@@ -177,9 +212,7 @@ def fast_problem(
     group = group_size(w)
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
-    w_q = w["w_q"]
-    assert w_q is not None
-    n_heads, _, d_k = w_q.shape
+    n_heads, _, d_k = head_weights(w)[0].shape
     s = 1.0 / math.sqrt(d_k) if sc is None else sc
     return Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
 
@@ -205,8 +238,7 @@ def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray
 def _keys_values(p: Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``, one per
     query head (each key/value head projected once, then read by its ``G`` query heads)."""
-    w_k, w_v = p.w["w_k"], p.w["w_v"]
-    assert w_k is not None and w_v is not None
+    _, w_k, w_v, _ = head_weights(p.w)
     keys = _project(p.xkv[idx], w_k, p.w["b_k"])[p.kv_of]
     values = _project(p.xkv[idx], w_v, p.w["b_v"])[p.kv_of]
     return keys, values
@@ -271,8 +303,7 @@ def each_block(
     memory budget for ``arrays`` temporaries ``[H, block, T_k]``; a callback rather than a
     generator, so that no block outlives its visit). ``rotate_q(idx, rows, q)`` and
     ``rotate_k(idx, slice(None), k)`` (RoPE) are applied to queries and keys after projection."""
-    w_q = p.w["w_q"]
-    assert w_q is not None
+    w_q = head_weights(p.w)[0]
     t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
     step = _block_rows(w_q.shape[0], t_k, arrays)
     for idx in np.ndindex(*p.batch):
@@ -303,9 +334,8 @@ def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def _fast_weights(p: Fast) -> np.ndarray:
     """Attention weights ``[*batch, H, T_q, T_k]`` (the full array: it is the result)."""
-    w_q = p.w["w_q"]
-    assert w_q is not None
-    out = np.zeros((*p.batch, w_q.shape[0], p.xq.shape[-2], p.xkv.shape[-2]))
+    n_heads = head_weights(p.w)[0].shape[0]
+    out = np.zeros((*p.batch, n_heads, p.xq.shape[-2], p.xkv.shape[-2]))
 
     def visit(blk: Block) -> None:
         out[blk.idx][:, blk.rows] = blk.weights
@@ -316,8 +346,7 @@ def _fast_weights(p: Fast) -> np.ndarray:
 
 def _fast_head_outputs(p: Fast) -> np.ndarray:
     """Per-head outputs ``o_i = P_i V_i W_O[i]``, ``[*batch, H, T_q, d_model]``."""
-    w_o = p.w["w_o"]
-    assert w_o is not None
+    w_o = head_weights(p.w)[3]
     out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], w_o.shape[2]))
 
     def visit(blk: Block) -> None:
@@ -336,8 +365,7 @@ def fast_output(
 ) -> np.ndarray:
     """``y = sum_i P_i V_i W_O[i] (+ b_O) (+ x_q)``, ``[*batch, T_q, d_model]``: per block one
     product ``[n, H d_v] @ [H d_v, d_model]`` of the concatenated heads, never ``[H, T_q, T_k]``."""
-    w_o = p.w["w_o"]
-    assert w_o is not None
+    w_o = head_weights(p.w)[3]
     n_heads, d_v, d_model = w_o.shape
     w_cat = w_o.reshape(n_heads * d_v, d_model)
     y = np.zeros((*p.batch, p.xq.shape[-2], d_model))
@@ -354,6 +382,7 @@ def fast_output(
     return y
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def attention_weights(
     params: Any,
     x_q: Any,
@@ -366,35 +395,15 @@ def attention_weights(
 ) -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
 
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
-            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        method: ``"fast"`` (default; vectorised, streamed over query blocks) or
-            ``"definition"`` (one head and query at a time); see the module docstring.
-
     Returns:
         float64 weights ``[..., H, T_q, T_k]``.
-
-    Raises:
-        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
-            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
-        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
-            a non-floating bias, a non-real scale).
     """
-    if check_method(method) == "definition":
-        return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[0]
-    return _fast_weights(fast_problem(params, x_q, x_kv, mask, bias, scale))
+    definition = check_method(method) == "definition"
+    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    return per_head_per_query(p)[0] if definition else _fast_weights(p)
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def head_outputs(
     params: Any,
     x_q: Any,
@@ -407,35 +416,15 @@ def head_outputs(
 ) -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
 
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
-            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
-            ``[H, T_q, T_k]``) or ``"definition"`` (one head and query at a time).
-
     Returns:
         float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
-
-    Raises:
-        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
-            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
-        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
-            a non-floating bias, a non-real scale).
     """
-    if check_method(method) == "definition":
-        return _per_head_per_query(params, x_q, x_kv, mask, bias, scale)[1]
-    return _fast_head_outputs(fast_problem(params, x_q, x_kv, mask, bias, scale))
+    definition = check_method(method) == "definition"
+    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    return per_head_per_query(p)[1] if definition else _fast_head_outputs(p)
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def attention(
     params: Any,
     x_q: Any,
@@ -450,50 +439,13 @@ def attention(
 ) -> np.ndarray:
     """Multi-head attention output ``[..., T_q, d_model]`` in float64 (``x_q +`` it if residual).
 
-    ``emulate``: round every intermediate to this dtype (a same-precision reference); that is
-    the definition's operation order, so it runs the definition whatever ``method`` says.
-
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
-            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (default ``False``).
-        emulate: ``None`` (default; exact float64) or a dtype (e.g. ``np.float16``) to round
-            every intermediate to.
-        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
-            ``[H, T_q, T_k]``) or ``"definition"`` (one head and query at a time). Emulation
-            rounds the definition's own operation order, so an ``emulate`` dtype other than
-            float64 always runs the definition, whatever ``method`` says.
-
     Returns:
         The block output ``[..., T_q, d_model]``, float64 (values rounded to ``emulate`` when
         given); a fully masked query row is ``b_O``.
-
-    Raises:
-        ValueError: For the inputs the JAX formulations refuse with ``ValueError`` (malformed
-            ``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does
-            not broadcast, a non-scalar ``scale``), or an unknown ``method``.
-        TypeError: For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask,
-            a non-floating bias, a non-real scale).
     """
     emulating = emulate is not None and np.dtype(emulate) != np.float64
-    if check_method(method) == "fast" and not emulating:
-        p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    fast = check_method(method) == "fast" and not emulating
+    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    if fast:
         return fast_output(p, residual=residual)
-    rd = _rounder(emulate)
-    _, outs, w = _per_head_per_query(params, x_q, x_kv, mask, bias, scale, emulate)
-    y = np.zeros(outs.shape[:-3] + outs.shape[-2:])
-    for i in range(outs.shape[-3]):
-        y = rd(y + outs[..., i, :, :])
-    if w["b_o"] is not None:
-        y = rd(y + w["b_o"])
-    if residual:
-        y = rd(y + np.asarray(x_q, dtype=np.float64))
-    return y
+    return definition_output(p, per_head_per_query(p, emulate)[1], residual, emulate)

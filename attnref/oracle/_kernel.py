@@ -34,7 +34,8 @@ from ._checks import (
     check_options,
     shape_of,
 )
-from ._kernel_call import allowed_rows, parse
+from ._doc import KERNEL, KERNEL_RAISES, doc
+from ._kernel_call import CALL, OPTIONS, allowed_rows, parse, pick
 from ._kernel_fast import forward
 
 
@@ -96,6 +97,7 @@ def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left
     return (-m[:, None, None] * distance)[None]
 
 
+@doc(KERNEL)
 def kernel_allowed(
     shape: tuple[int, int, int, int],
     bias: Any = None,
@@ -109,27 +111,12 @@ def kernel_allowed(
     causal_alignment: str = "top_left",
     method: str = "fast",
 ) -> np.ndarray:
-    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call.
+    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (only ``bias``'s ``-inf``
+    entries matter here).
 
     Every option is validated as :func:`attnref.dot_product_attention` validates it.
     ``method="definition"`` decides one pair at a time; ``"fast"`` (default) builds the same set
     from broadcast comparisons, one batch element at a time.
-
-    Args:
-        shape: ``(B, N, T, S)``, four ints ``>= 0``.
-        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]`` (only its ``-inf`` entries
-            matter here); ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]`` (rows beyond are padding); ``None``
-            (default): all rows.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
-        local_window_size: ``w`` or ``(left, right)`` (``None`` = unbounded side); ``None``
-            (default): no window.
-        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``;
-            ``None`` (default): one segment.
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        method: ``"fast"`` (default) or ``"definition"``.
 
     Returns:
         A boolean array ``[B, N, T, S]``, ``True`` where query ``i`` may read key ``j``.
@@ -139,39 +126,20 @@ def kernel_allowed(
             :func:`attnref.dot_product_attention`.
         TypeError: For an option refused with ``TypeError`` there.
     """
+    options = pick(locals(), OPTIONS)
     check_method(method)
     full = check_allowed_shape(shape)
     b_size, n_heads, t, s = full
     if method == "fast" and n_heads > 0:
         kv = np.zeros((b_size, s, n_heads, 1))
-        c = parse(
-            np.zeros((b_size, t, n_heads, 1)),
-            kv,
-            kv,
-            bias,
-            mask,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            segment_ids=segment_ids,
-            causal_alignment=causal_alignment,
-        )
+        c = parse(np.zeros((b_size, t, n_heads, 1)), kv, kv, bias, mask, **options)
         out = np.zeros(full, bool)
         for b in range(b_size):
             ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
             out[b] = True if ok is None else ok
         return out
     mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
-        full,
-        bias,
-        mask,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        causal_alignment=causal_alignment,
+        full, bias, mask, **options
     )
     q_len = np.full(b_size, t) if q_lens is None else q_lens
     kv_len = np.full(b_size, s) if kv_lens is None else kv_lens
@@ -193,6 +161,7 @@ def kernel_allowed(
     return out
 
 
+@doc(KERNEL, KERNEL_RAISES)
 def dot_product_attention(
     query: Any,
     key: Any,
@@ -222,57 +191,14 @@ def dot_product_attention(
     Both are within :func:`attnref.tolerance.kernel_error_bound`'s float64 term of the exact
     result.
 
-    Args:
-        query: ``[B, T, N, H]``, floating.
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]``, added after the softcap;
-            ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]`` (rows beyond are padding); ``None``
-            (default): all rows.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
-        local_window_size: ``w`` or ``(left, right)`` (``None`` = unbounded side); ``None``
-            (default): no window.
-        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``;
-            ``None`` (default): one segment.
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        softcap: A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None`` (default).
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row's
-            output.
-        return_lse: If ``True``, also return ``lse``.
-        method: ``"fast"`` (default) or ``"definition"``.
-
     Returns:
         float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully
         masked and padding rows) when ``return_lse``.
-
-    Raises:
-        ValueError: For the inputs :func:`attnref.dot_product_attention` refuses with
-            ``ValueError`` (shapes, option values, lengths out of range).
-        TypeError: For those it refuses with ``TypeError`` (dtypes, option types).
     """
+    args = pick(locals(), CALL)
     check_method(method)
     if method == "fast":
-        call = parse(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            scale=scale,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            segment_ids=segment_ids,
-            softcap=softcap,
-            causal_alignment=causal_alignment,
-            masked_rows=masked_rows,
-        )
-        o, lse_f = forward(call)
+        o, lse_f = forward(parse(**args))
         return (o, lse_f) if return_lse else o
     b_size, t, s, n_heads, n_kv, _, h_v, sc, softcap_f, policy = check_kernel(
         query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
@@ -280,21 +206,9 @@ def dot_product_attention(
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
     group = n_heads // n_kv
     full = (b_size, n_heads, t, s)
-    allowed = kernel_allowed(
-        full,
-        bias,
-        mask,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        causal_alignment=causal_alignment,
-        method="definition",
-    )
+    allowed = kernel_allowed(full, bias, mask, method="definition", **pick(args, OPTIONS))
     bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
-
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
     for b in range(b_size):

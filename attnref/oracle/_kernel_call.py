@@ -17,6 +17,7 @@ costs half the square). NumPy only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,23 @@ class KernelCall:
         )
 
 
+# The allowed-set options of a kernel call, and every argument of one that :func:`parse` reads.
+OPTIONS = (
+    "is_causal",
+    "query_seq_lengths",
+    "key_value_seq_lengths",
+    "local_window_size",
+    "segment_ids",
+    "causal_alignment",
+)
+CALL = ("query", "key", "value", "bias", "mask", "scale", "softcap", "masked_rows", *OPTIONS)
+
+
+def pick(args: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The arguments ``names`` out of a public function's ``locals()``."""
+    return {name: args[name] for name in names}
+
+
 def parse(
     query: Any,
     key: Any,
@@ -79,30 +97,17 @@ def parse(
     mask: Any = None,
     *,
     scale: Any = None,
-    is_causal: Any = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
     softcap: Any = None,
-    causal_alignment: Any = "top_left",
     masked_rows: Any = "zeros",
+    **options: Any,
 ) -> KernelCall:
     """Validate a kernel call as :func:`attnref.dot_product_attention` does (same exception types,
-    the argument named) and return it as a :class:`KernelCall`."""
+    the argument named) and return it as a :class:`KernelCall` (``options``: :data:`OPTIONS`)."""
     b, t, s, n, _, _, _, sc, cap, policy = check_kernel(
         query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
     )
     m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
-        (b, n, t, s),
-        bias,
-        mask,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        causal_alignment=causal_alignment,
+        (b, n, t, s), bias, mask, **options
     )
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
     return KernelCall(

@@ -96,17 +96,23 @@ def raw_logits(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int)
     return (q.reshape(g * rows, h) @ hg.kt[:, j0:j1]).reshape(g, rows, j1 - j0)
 
 
-def logits_block(
-    c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Capped, biased logits ``[G, rows, S']`` of one block (``-inf`` off the allowed set) and the
-    allowed set (``None``: all allowed)."""
+def capped_logits(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+    """``S = c tanh(X / c) + bias`` of one block (softcap, then bias; each when given)."""
     s = raw_logits(c, hg, i0, i1, j0, j1)
     if c.softcap is not None:
         np.tanh(s / c.softcap, out=s)
         s *= c.softcap
     if c.bias is not None:
         s += c.bias[hg.b, hg.heads, i0:i1, j0:j1]
+    return s
+
+
+def logits_block(
+    c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Capped, biased logits ``[G, rows, S']`` of one block (``-inf`` off the allowed set) and the
+    allowed set (``None``: all allowed)."""
+    s = capped_logits(c, hg, i0, i1, j0, j1)
     ok = allowed_rows(c, hg.b, hg.heads, i0, i1, j0, j1)
     if ok is not None:
         np.copyto(s, -np.inf, where=~ok)
@@ -181,12 +187,7 @@ def _forward_block(
     ``e = exp(s - shift)`` with ``s = -inf`` off the allowed set. Only the keys some row may not
     read are masked (the causal diagonal band); ``ok`` is the full allowed set only where a
     non-finite value needs it (else ``None``)."""
-    s = raw_logits(c, hg, i0, i1, j0, j1)
-    if c.softcap is not None:
-        np.tanh(s / c.softcap, out=s)
-        s *= c.softcap
-    if c.bias is not None:
-        s += c.bias[hg.b, hg.heads, i0:i1, j0:j1]
+    s = capped_logits(c, hg, i0, i1, j0, j1)
     jp = full_columns(c, hg.b, i0, i1, j0, j1)
     tail = allowed_rows(c, hg.b, hg.heads, i0, i1, jp, j1)
     if tail is not None:
@@ -212,12 +213,7 @@ def _shift_free_block(
     live = np.zeros((grp, rows), bool)
     for a in range(j0, j1, chunk):
         z = min(a + chunk, j1)
-        s = raw_logits(c, hg, i0, i1, a, z)
-        if c.softcap is not None:
-            np.tanh(s / c.softcap, out=s)
-            s *= c.softcap
-        if c.bias is not None:
-            s += c.bias[hg.b, hg.heads, i0:i1, a:z]
+        s = capped_logits(c, hg, i0, i1, a, z)
         if a < jp:
             live[:] = True
         if z > jp:

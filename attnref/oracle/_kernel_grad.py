@@ -32,8 +32,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, dtype_of, is_floating, shape_of
+from ._doc import KERNEL, KERNEL_RAISES, doc
 from ._kernel import kernel_allowed
-from ._kernel_call import KernelCall, parse, query_block
+from ._kernel_call import CALL, OPTIONS, KernelCall, parse, pick, query_block
 from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
 
 __all__ = ["KernelGrads", "dot_product_attention_vjp"]
@@ -193,6 +194,7 @@ def _definition(
     return KernelGrads(dq, dk, dv, db)
 
 
+@doc(KERNEL, KERNEL_RAISES)
 def dot_product_attention_vjp(
     query: Any,
     key: Any,
@@ -217,65 +219,15 @@ def dot_product_attention_vjp(
     gradients of ``sum(cotangent * o) + sum(lse_cotangent * lse)`` (equations in the module
     docstring), from the analytic formulas, never from autodiff.
 
-    Args:
-        query: ``[B, T, N, H]``, floating.
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Rank-4 floating bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        cotangent: ``dO [B, T, N, H_v]``, the cotangent of the output.
-        lse_cotangent: ``[B, T, N]``, the cotangent of the lse; ``None`` (default) is zero.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]``; ``None`` (default): all rows.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
-        local_window_size: ``w`` or ``(left, right)``; ``None`` (default): no window.
-        segment_ids: One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``.
-        softcap: A positive finite number ``c``; ``None`` (default).
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"`` (as the forward).
-        method: ``"fast"`` (default) or ``"definition"``.
-
     Returns:
         :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its
         input (``bias`` ``None`` without a bias).
-
-    Raises:
-        ValueError: For the inputs the forward refuses with ``ValueError``, a cotangent of the
-            wrong shape, or a non-finite logit or value in an allowed pair.
-        TypeError: For those the forward refuses with ``TypeError``, or a non-floating
-            cotangent.
     """
+    args = locals()
     check_method(method)
-    c = parse(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
-    )
+    c = parse(**pick(args, CALL))
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     if method == "fast":
         return fast(c, d_o, d_l)
-    allowed = kernel_allowed(
-        c.shape,
-        bias,
-        mask,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        causal_alignment=causal_alignment,
-        method="definition",
-    )
+    allowed = kernel_allowed(c.shape, bias, mask, method="definition", **pick(args, OPTIONS))
     return _definition(c, d_o, d_l, allowed)

@@ -1,7 +1,7 @@
 """Oracle for rotary position embedding (RoPE; Su et al. 2024), NumPy only, float64.
 
-Written from the equations, independently of :mod:`attnref._src.formulations.rope` (no JAX is imported). For
-an even head dimension ``d`` and pair ``p = 0 .. d/2 - 1`` with frequency
+Written from the equations, independently of :mod:`attnref._src.formulations.rope` (no JAX is
+imported). For an even head dimension ``d`` and pair ``p = 0 .. d/2 - 1`` with frequency
 ``theta_p = base ** (-2 p / d)``, a token at integer position ``m`` has its pair ``(a, b)``
 replaced by::
 
@@ -46,7 +46,17 @@ from ._checks import (
     is_floating,
     shape_of,
 )
-from ._core import Fast, Rotation, fast_output, fast_problem, softmax_row, unpack
+from ._core import (
+    Fast,
+    Rotation,
+    Turn,
+    definition_output,
+    fast_output,
+    fast_problem,
+    get_param,
+    per_head_per_query,
+)
+from ._doc import WEIGHT, WEIGHT_RAISES, doc
 
 __all__ = ["rope", "rope_attention"]
 
@@ -67,6 +77,15 @@ def rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.nda
         out[i] = v[i] * c - v[j] * s
         out[j] = v[i] * s + v[j] * c
     return out
+
+
+def turn(base: float, convention: str) -> Turn:
+    """RoPE of one vector at an integer position (the definition path's rotation)."""
+
+    def rotated(v: np.ndarray, m: int) -> np.ndarray:
+        return rotate_vector(v, m, float(base), convention)
+
+    return rotated
 
 
 def _positions(positions: Any, lead: tuple[int, ...], t: int, name: str) -> np.ndarray:
@@ -132,13 +151,18 @@ def rope_inputs(
     check_convention(convention)
     check_base(base)
     batch, t_q, t_k, _, _, _ = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    d_k = shape_of(params["w_q"] if isinstance(params, dict) else params.w_q)[2]
+    d_k = shape_of(get_param(params, "w_q"))[2]
     check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
     pq = _positions(positions_q, batch, t_q, "positions_q")
     pk = _positions(positions_kv, batch, t_k, "positions_kv")
     return fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
 
 
+@doc(
+    WEIGHT,
+    x="``[..., T, N, d]`` (tokens, heads, head dim), floating, ``d`` even.",
+    positions="Integer positions ``[..., T]`` or ``[T]``.",
+)
 def rope(
     x: Any,
     positions: Any,
@@ -147,17 +171,9 @@ def rope(
     convention: str = "rotate_half",
     method: str = "fast",
 ) -> np.ndarray:
-    """RoPE of ``x [..., T, N, d]`` (tokens, heads, head dim) at integer ``positions [..., T]``
-    (or ``[T]``), in float64. Refuses what :func:`attnref.rope.apply_rope` refuses (same
-    exception types).
-
-    Args:
-        x: ``[..., T, N, d]``, floating, ``d`` even.
-        positions: Integer positions ``[..., T]`` or ``[T]``.
-        base: The frequency base (default 10000), a positive finite Python number.
-        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
-        method: ``"fast"`` (default; whole arrays from ``cos``/``sin`` tables) or
-            ``"definition"`` (one vector and pair at a time).
+    """RoPE of ``x [..., T, N, d]`` at integer ``positions``, in float64 (``"fast"``: whole
+    arrays from ``cos``/``sin`` tables). Refuses what :func:`attnref.rope.apply_rope` refuses
+    (same exception types).
 
     Returns:
         The rotated ``x`` in float64, same shape.
@@ -190,6 +206,7 @@ def rope(
     return out
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def rope_attention(
     params: Any,
     x_q: Any,
@@ -205,96 +222,23 @@ def rope_attention(
     residual: bool = False,
     method: str = "fast",
 ) -> np.ndarray:
-    """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (see the module
-    docstring); default positions ``arange(T_q)`` / ``arange(T_k)``; fully masked query rows
-    give ``b_O``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams` or a dict with its keys),
-            ``d_k`` even.
-        x_q: Query tokens ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
-        positions_q: Integer ``[..., T_q]`` or ``[T_q]``; ``None`` (default): ``arange(T_q)``.
-        positions_kv: Integer ``[..., T_k]`` or ``[T_k]``; ``None`` (default): ``arange(T_k)``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits;
-            ``None`` (default).
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        base: The frequency base (default 10000), a positive finite Python number.
-        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
-        residual: If ``True``, return ``x_q + y`` (default ``False``).
-        method: ``"fast"`` (default; vectorised, streamed over query blocks, never building
-            ``[H, T_q, T_k]``) or ``"definition"`` (one head, query and vector at a time).
+    """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (module docstring;
+    ``d_k`` even); fully masked query rows give ``b_O``. Refuses what
+    :func:`attnref.rope.rope_attention` refuses, with the same exception types.
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.
-
-    Raises:
-        ValueError: For what :func:`attnref.rope.rope_attention` refuses with ``ValueError``
-            (malformed params, odd ``d_k``, token, mask, bias or position shapes, ``base``,
-            ``convention``), or an unknown ``method``.
-        TypeError: For what it refuses with ``TypeError`` (mixed dtypes, non-boolean mask,
-            non-integer positions, a non-number ``base``).
     """
-    # Refuses what attnref.rope.rope_attention refuses, with the same exception types.
-    if check_method(method) == "fast":
-        prob, pq, pk = rope_inputs(
-            params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
-        )
+    fast = check_method(method) == "fast"
+    prob, pq, pk = rope_inputs(
+        params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
+    )
+    if fast:
         return fast_output(
             prob,
             rotate_q=rotation(pq, base, convention),
             rotate_k=rotation(pk, base, convention),
             residual=residual,
         )
-    check_convention(convention)
-    check_base(base)
-    batch, t_q, t_k, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    w = unpack(params)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
-    n_heads, d_model, d_k = w_q.shape
-    check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
-    kv_k, kv_v = w_k.shape[0], w_v.shape[0]
-    pq = _positions(positions_q, batch, t_q, "positions_q")
-    pk = _positions(positions_kv, batch, t_k, "positions_kv")
-    s = 1.0 / math.sqrt(d_k) if sc is None else sc
-
-    def head(name: str, i: int) -> tuple[np.ndarray, Any]:
-        wt, bt = w["w_" + name], w["b_" + name]
-        assert wt is not None
-        return wt[i], (0.0 if bt is None else bt[i])
-
-    y = np.zeros((*batch, t_q, d_model))
-    for idx in np.ndindex(*batch):
-        for n in range(n_heads):
-            wk, bk = head("k", n // (n_heads // kv_k))
-            wv, bv = head("v", n // (n_heads // kv_v))
-            wq, bq = head("q", n)
-            keys = [
-                rotate_vector(xkv[idx][j] @ wk + bk, int(pk[idx][j]), float(base), convention)
-                for j in range(t_k)
-            ]
-            values = xkv[idx] @ wv + bv
-            for t in range(t_q):
-                q = rotate_vector(xq[idx][t] @ wq + bq, int(pq[idx][t]), float(base), convention)
-                scores = np.array([q @ keys[j] for j in range(t_k)]) * s
-                allowed = np.ones(t_k, dtype=bool)
-                if b is not None:
-                    scores = scores + b[idx][t]
-                    allowed &= b[idx][t] != -np.inf
-                if m is not None:
-                    allowed &= m[idx][t]
-                p = softmax_row(scores, allowed, lambda a: a)
-                z = sum(
-                    (p[j] * values[j] for j in range(t_k) if p[j] != 0.0), np.zeros(wv.shape[1])
-                )
-                y[idx][t] += z @ w_o[n]
-    if w["b_o"] is not None:
-        y = y + w["b_o"]
-    if residual:
-        y = y + xq
-    return y
+    outs = per_head_per_query(prob, turn=turn(base, convention), pos=(pq, pk))[1]
+    return definition_output(prob, outs, residual)

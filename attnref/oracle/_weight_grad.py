@@ -43,7 +43,6 @@ once, streaming over query blocks (temporaries ``[H, block, T_k]`` within the bu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -54,20 +53,21 @@ from ._core import (
     Block,
     Fast,
     Rotation,
+    Turn,
     each_block,
     fast_problem,
-    softmax_row,
+    head_weights,
+    offset,
+    row_weights,
 )
-from ._rope import rope_inputs, rotate_vector, rotation
+from ._doc import WEIGHT, WEIGHT_RAISES, doc
+from ._rope import rope_inputs, rotation, turn
 
 __all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
 
 # float64 [H, block, T_k] arrays a backward block is budgeted for: the weights and dP (turned into
 # dS in place) are kept, the rest is headroom for NumPy's temporaries and BLAS workspace
 _GRAD_ARRAYS = 6
-
-# (vector, integer position) -> the vector rotated by that position (definition path)
-Turn = Callable[[np.ndarray, int], np.ndarray]
 
 
 class AttentionGrads(NamedTuple):
@@ -107,9 +107,7 @@ def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
 
 def _cotangent(d_y: Any, p: Fast) -> np.ndarray:
     """``d_y`` as float64, refused unless floating and of the output's shape."""
-    w_o = p.w["w_o"]
-    assert w_o is not None
-    want = (*p.batch, p.xq.shape[-2], w_o.shape[2])
+    want = (*p.batch, p.xq.shape[-2], head_weights(p.w)[3].shape[2])
     if d_y is None or shape_of(d_y) != want:
         got = None if d_y is None else shape_of(d_y)
         raise ValueError(
@@ -123,8 +121,7 @@ def _cotangent(d_y: Any, p: Fast) -> np.ndarray:
 
 def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
     """Zero accumulators of every field's shape (biases included, present or not)."""
-    w_q, w_k, w_v, w_o = p.w["w_q"], p.w["w_k"], p.w["w_v"], p.w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(p.w)
     return {
         "w_q": np.zeros(w_q.shape),
         "w_k": np.zeros(w_k.shape),
@@ -177,19 +174,13 @@ def _definition(
     """The backward formulas one batch element, head and query at a time; returns
     ``(param grads, dX_q, dX_kv, dbias [*batch, T_q, T_k])`` before the residual and shared
     paths. ``turn(v, m)`` rotates one vector by position ``m`` (RoPE; ``R^T``: ``turn(v, -m)``)."""
-    w = p.w
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(p.w)
     n_heads, _, d_k = w_q.shape
     d_v = w_v.shape[2]
     t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
     g = _zero_grads(p)
     dxq, dxkv = np.zeros(p.xq.shape), np.zeros(p.xkv.shape)
     d_bias = np.zeros((*p.batch, t_q, t_k))
-
-    def offset(name: str, i: int) -> Any:
-        b = w[name]
-        return 0.0 if b is None else b[i]
 
     def rot(v: np.ndarray, pos: np.ndarray | None, idx: tuple[int, ...], t: int, sign: int):
         return v if turn is None or pos is None else turn(v, sign * int(pos[idx][t]))
@@ -200,19 +191,13 @@ def _definition(
             kv = int(p.kv_of[i])  # the key/value head that query head i reads
             keys = np.zeros((t_k, d_k))
             for j in range(t_k):
-                keys[j] = rot(xkv[j] @ w_k[kv] + offset("b_k", kv), pos_k, idx, j, 1)
-            values = xkv @ w_v[kv] + offset("b_v", kv)
+                keys[j] = rot(xkv[j] @ w_k[kv] + offset(p.w, "b_k", kv), pos_k, idx, j, 1)
+            values = xkv @ w_v[kv] + offset(p.w, "b_v", kv)
             d_keys, d_values = np.zeros((t_k, d_k)), np.zeros((t_k, d_v))
             for t in range(t_q):
-                q = rot(xq[t] @ w_q[i] + offset("b_q", i), pos_q, idx, t, 1)
+                q = rot(xq[t] @ w_q[i] + offset(p.w, "b_q", i), pos_q, idx, t, 1)
                 scores = np.array([q @ keys[j] for j in range(t_k)]) * p.scale
-                allowed = np.ones(t_k, dtype=bool)
-                if p.bias is not None:
-                    scores = scores + p.bias[idx][t]
-                    allowed &= p.bias[idx][t] != -np.inf
-                if p.mask is not None:
-                    allowed &= p.mask[idx][t]
-                pr = softmax_row(scores, allowed, lambda a: a)
+                pr = row_weights(p, idx, t, scores, lambda a: a)
                 z = sum((pr[j] * values[j] for j in range(t_k)), np.zeros(d_v))
                 g["w_o"][i] += np.outer(z, dyb[t])  # dW_O = Z^T dY
                 dz = w_o[i] @ dyb[t]  # dZ = dY W_O^T
@@ -275,9 +260,7 @@ def _fast(
     """The backward formulas with BLAS for every head at once, one query block at a time;
     ``rotations = (R_q, R_k, R_q^T, R_k^T)`` for RoPE. Returns what :func:`_definition` does,
     with the bias gradient already in ``bias_shape``."""
-    w = p.w
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(p.w)
     n_heads, d_model, d_k = w_q.shape
     n_kv, d_v = w_v.shape[0], w_v.shape[2]
     t_k = p.xkv.shape[-2]
@@ -345,6 +328,7 @@ def _fast(
 # ----------------------------------------------------------------------------- public
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def attention_vjp(
     params: Any,
     x_q: Any,
@@ -359,50 +343,20 @@ def attention_vjp(
 ) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attnref.oracle.attention` with the cotangent ``d_y``:
     the gradients of ``sum(d_y * attention(params, x_q, x_kv, mask=mask, bias=bias, ...))``
-    with respect to every parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64.
-
-    ``d_y`` is keyword-only (``attention_vjp(params, x_q, d_y=dy)`` for self-attention,
-    ``attention_vjp(params, x_q, x_kv, d_y=dy)`` for cross-attention).
-
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (its gradient then goes into ``x_q``'s).
-        d_y: The cotangent, floating, the output's shape ``[..., T_q, d_model]``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair. No gradient.
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits
-            (``-inf`` masks like ``False``); ``None`` (default) adds nothing.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, the forward is ``x_q + MultiHead`` (default ``False``).
-        method: ``"fast"`` (default; BLAS over all heads, streamed over query blocks) or
-            ``"definition"`` (one head and query at a time).
+    with respect to every parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64
+    (``attention_vjp(params, x_q, d_y=dy)`` for self-attention).
 
     Returns:
         :class:`AttentionGrads` (``params``: a dict of the eight fields, ``None`` for absent
         biases; ``x_kv``: ``None`` when ``x_kv`` was ``None``; ``bias``: ``bias``'s own shape,
         or ``None``).
-
-    Raises:
-        ValueError: For what :func:`attnref.oracle.attention` refuses with ``ValueError``, an
-            unknown ``method``, or a ``d_y`` not of the output's shape.
-        TypeError: For what :func:`attnref.oracle.attention` refuses with ``TypeError``, or a
-            non-floating ``d_y``.
     """
     fast = check_method(method) == "fast"
-    p = _unread_tokens_as_zeros(fast_problem(params, x_q, x_kv, mask, bias, scale), x_kv is None)
-    dy = _cotangent(d_y, p)
-    bias_shape = None if bias is None else shape_of(bias)
-    if fast:
-        g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape)
-    else:
-        g, dxq, dxkv, d_full = _definition(p, dy)
-        d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)
-    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=x_kv is None, residual=residual)
+    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    return _vjp(p, d_y, bias, fast, x_kv is None, residual)
 
 
+@doc(WEIGHT, WEIGHT_RAISES)
 def rope_attention_vjp(
     params: Any,
     x_q: Any,
@@ -423,50 +377,44 @@ def rope_attention_vjp(
     ``d_y`` (module docstring, with ``R`` the rotation at each token's position; positions are
     integers and get no gradient), float64.
 
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams` or a dict with its keys),
-            ``d_k`` even.
-        x_q: Query tokens ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
-        d_y: The cotangent, floating, the output's shape ``[..., T_q, d_model]``.
-        positions_q: Integer ``[..., T_q]`` or ``[T_q]``; ``None`` (default): ``arange(T_q)``.
-        positions_kv: Integer ``[..., T_k]`` or ``[T_k]``; ``None`` (default): ``arange(T_k)``.
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``; ``None`` (default).
-        bias: Floating, broadcastable to ``[..., T_q, T_k]``; ``None`` (default).
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        base: The frequency base (default 10000), a positive finite Python number.
-        convention: ``"rotate_half"`` (default) or ``"interleaved"``.
-        residual: If ``True``, the forward is ``x_q + y`` (default ``False``).
-        method: ``"fast"`` (default) or ``"definition"``.
-
     Returns:
         :class:`AttentionGrads`, as :func:`attention_vjp`.
-
-    Raises:
-        ValueError: For what :func:`attnref.oracle.rope_attention` refuses with ``ValueError``,
-            an unknown ``method``, or a ``d_y`` not of the output's shape.
-        TypeError: For what it refuses with ``TypeError``, or a non-floating ``d_y``.
     """
     fast = check_method(method) == "fast"
     p, pq, pk = rope_inputs(
         params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
     )
-    p = _unread_tokens_as_zeros(p, x_kv is None)
+    return _vjp(p, d_y, bias, fast, x_kv is None, residual, (pq, pk, base, convention))
+
+
+def _vjp(
+    p: Fast,
+    d_y: Any,
+    bias: Any,
+    fast: bool,
+    shared: bool,
+    residual: bool,
+    rope: tuple[np.ndarray, np.ndarray, float, str] | None = None,
+) -> AttentionGrads:
+    """Both gradient oracles from a validated problem (``rope``: positions, base, convention)."""
+    p = _unread_tokens_as_zeros(p, shared)
     dy = _cotangent(d_y, p)
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
-        rotations = (
-            rotation(pq, base, convention),
-            rotation(pk, base, convention),
-            rotation(pq, base, convention, sign=-1.0),
-            rotation(pk, base, convention, sign=-1.0),
-        )
+        rotations = None
+        if rope is not None:
+            pq, pk, base, convention = rope
+            rotations = (
+                rotation(pq, base, convention),
+                rotation(pk, base, convention),
+                rotation(pq, base, convention, sign=-1.0),
+                rotation(pk, base, convention, sign=-1.0),
+            )
         g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape, rotations)
     else:
-
-        def turn(v: np.ndarray, m: int) -> np.ndarray:
-            return rotate_vector(v, m, float(base), convention)
-
-        g, dxq, dxkv, d_full = _definition(p, dy, turn, pq, pk)
+        if rope is None:
+            g, dxq, dxkv, d_full = _definition(p, dy)
+        else:
+            g, dxq, dxkv, d_full = _definition(p, dy, turn(rope[2], rope[3]), rope[0], rope[1])
         d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)
-    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=x_kv is None, residual=residual)
+    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=shared, residual=residual)

@@ -1,0 +1,152 @@
+"""The Args and Raises text of the NumPy layers, written once and attached to each function.
+
+:func:`doc` builds a function's ``Args:`` section from its signature, one entry per parameter,
+the text looked up in a table of one calling convention (:data:`WEIGHT`, :data:`KERNEL`,
+:data:`LINEAR`); the oracle and the bounds of :mod:`attnref.tolerance` share the tables.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+METHOD = (
+    '``"fast"`` (default; float64 BLAS, streamed over blocks of query rows) or '
+    '``"definition"`` (one element at a time, the root of trust; see :mod:`attnref.oracle`).'
+)
+
+# The weight level: ``attention(params, x_q, x_kv, ...)`` and everything that shares its inputs.
+WEIGHT = {
+    "params": "Per-head weights: an :class:`attnref.AttentionParams` or a dict with its keys "
+    "(``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``, "
+    "``w_o [H, d_v, d_model]``, optional biases ``b_q, b_k, b_v, b_o``; ``K`` divides ``H``: "
+    "grouped key/value heads), read as float64.",
+    "x_q": "Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.",
+    "x_kv": "Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``; ``None`` "
+    "(default) means ``x_q`` (its gradient then goes into ``x_q``'s).",
+    "d_y": "The cotangent of the output, floating, ``[..., T_q, d_model]`` (keyword-only).",
+    "mask": "Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None`` "
+    "(default) allows every pair.",
+    "bias": "Floating, broadcastable to ``[..., T_q, T_k]``, added to the scaled logits (``-inf`` "
+    "masks like ``False``); ``None`` (default) adds nothing.",
+    "scale": "The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.",
+    "positions_q": "Integer ``[..., T_q]`` or ``[T_q]``; ``None`` (default): ``arange(T_q)``.",
+    "positions_kv": "Integer ``[..., T_k]`` or ``[T_k]``; ``None`` (default): ``arange(T_k)``.",
+    "base": "The RoPE frequency base (``theta_p = base^(-2p/d)``; default 10000), a positive "
+    "finite Python number.",
+    "convention": '``"rotate_half"`` (default; pairs ``(p, p + d/2)``) or ``"interleaved"`` '
+    "(``(2p, 2p + 1)``).",
+    "residual": "If ``True``, the block returns ``x_q + y`` (default ``False``).",
+    "emulate": "``None`` (default; exact float64) or a dtype (e.g. ``np.float16``) to round every "
+    "intermediate to; that is the definition's operation order, so it runs the definition "
+    "whatever ``method`` says.",
+    "method": METHOD,
+    "dtype": "The format the formulation computes in.",
+}
+WEIGHT_RAISES = {
+    "ValueError": "For the inputs the JAX formulations refuse with ``ValueError`` (malformed "
+    "``params``, token ranks, ``d_model`` or batch shapes, a ``mask``/``bias`` that does not "
+    "broadcast, a non-scalar ``scale``; for RoPE an odd ``d_k``, positions, ``base`` or "
+    "``convention``), an unknown ``method``, or a ``d_y`` not of the output's shape.",
+    "TypeError": "For those they refuse with ``TypeError`` (mixed dtypes, a non-boolean mask, a "
+    "non-floating bias, a non-real scale, non-integer positions), or a non-floating ``d_y``.",
+}
+
+# The kernel level: ``dot_product_attention(query, key, value, bias, mask, ...)``.
+KERNEL = {
+    "shape": "``(B, N, T, S)``, four ints ``>= 0``.",
+    "query": "``[B, T, N, H]``, floating, exactly as the kernel received it.",
+    "key": "``[B, S, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.",
+    "value": "``[B, S, K, H_v]``, the dtype of ``query``.",
+    "bias": "Rank-4 floating bias broadcastable to ``[B, N, T, S]``, added after the softcap "
+    "(``-inf`` masks the pair); ``None`` (default).",
+    "mask": "Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).",
+    "cotangent": "``dO [B, T, N, H_v]``, the cotangent of the output.",
+    "lse_cotangent": "``[B, T, N]``, the cotangent of the lse; ``None`` (default) is zero.",
+    "scale": "The logit scale; ``None`` (default) means ``1/sqrt(H)``.",
+    "is_causal": "If ``True``, key ``j`` needs ``j <= p_i``; default ``False``.",
+    "query_seq_lengths": "Integer ``[B]`` in ``[0, T]`` (rows beyond are padding); ``None`` "
+    "(default): all rows.",
+    "key_value_seq_lengths": "Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.",
+    "local_window_size": "``w`` or ``(left, right)`` (``None`` = unbounded side); ``None`` "
+    "(default): no window.",
+    "segment_ids": "One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``; "
+    "``None`` (default): one segment.",
+    "softcap": "A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None`` (default).",
+    "causal_alignment": '``"top_left"`` (default) or ``"bottom_right"``.',
+    "masked_rows": '``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row\'s '
+    "output.",
+    "return_lse": "If ``True``, also return ``lse``.",
+    "method": METHOD,
+    "dtype": "The kernel's format; ``None`` (default) is ``query``'s dtype.",
+    "key_blocks": "Key blocks of an online (blockwise) softmax; ``None`` (default): any tiling.",
+    "budget": "Bytes of temporaries per block (default 64 MiB).",
+}
+KERNEL_RAISES = {
+    "ValueError": "For the inputs :func:`attnref.dot_product_attention` refuses with "
+    "``ValueError`` (shapes, option values, lengths out of range), a cotangent of the wrong "
+    "shape, or (gradients) a non-finite logit or value in an allowed pair.",
+    "TypeError": "For those it refuses with ``TypeError`` (dtypes, option types), or a "
+    "non-floating cotangent.",
+}
+
+# Linear attention: ``linear_attention(q, k, v, ...)`` and ``linear_multihead(params, ...)``.
+LINEAR = {
+    **WEIGHT,
+    "q": "Queries ``[..., T_q, H, d_k]``.",
+    "k": "Keys ``[..., T_k, H, d_k]``.",
+    "v": "Values ``[..., T_k, H, d_v]``.",
+    "d_y": "The cotangent of the output (``[..., T_q, H, d_v]``, or ``[..., T_q, d_model]`` for "
+    "the multi-head form).",
+    "feature_map": "The feature map (:class:`attnref.linear.FeatureMap` or any object with "
+    "``name`` and, for FAVOR+, ``omega [m, d]``).",
+    "causal": "If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.",
+    "key_mask": "Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default) "
+    "allows every key.",
+    "eps": "The denominator's regulariser (default 0, the exact ratio).",
+    "eps_policy": '``"add"`` (default; ``D + eps``) or ``"clamp"`` (``max(D, eps)``; where the '
+    "clamp holds, ``D`` is constant; on a tie it follows ``S``).",
+}
+LINEAR_RAISES = {
+    "ValueError": "If a weight is missing, the head counts do not group (``H % K``), "
+    "``eps_policy`` or ``method`` is unknown, or ``d_y`` is not shaped as the output.",
+    "TypeError": "If ``feature_map`` is not a (called) feature map, or ``causal`` or "
+    "``residual`` is not a bool.",
+}
+
+
+def _entries(items: Mapping[str, str]) -> list[str]:
+    return [
+        textwrap.fill(
+            f"{name}: {text}",
+            width=96,
+            initial_indent="    ",
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        for name, text in items.items()
+    ]
+
+
+def doc(table: Mapping[str, str], raises: Mapping[str, str] | None = None, **own: str) -> Any:
+    """Attach ``Args:`` (before ``Returns:``) and ``Raises:`` (last) to a function's docstring:
+    one entry per parameter of its signature, from ``own`` or else ``table``."""
+
+    def attach(fn: F) -> F:
+        names = inspect.signature(fn).parameters
+        body = inspect.cleandoc(fn.__doc__ or "")
+        head, returns, tail = body.partition("\nReturns:")
+        parts = [head.rstrip(), "", "Args:", *_entries({n: own.get(n) or table[n] for n in names})]
+        if returns:
+            parts += ["", "Returns:" + tail.rstrip()]
+        if raises:
+            parts += ["", "Raises:", *_entries(raises)]
+        fn.__doc__ = "\n".join(parts) + "\n"
+        return fn
+
+    return attach
