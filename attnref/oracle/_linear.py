@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_flag, check_method
-from ._core import group_size, unpack
+from ._core import Params, group_size, head_weights, unpack
+from ._doc import LINEAR, LINEAR_RAISES, doc
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
 
@@ -45,6 +46,34 @@ def check_map(fm: Any) -> None:
         )
     if not isinstance(getattr(fm, "name", None), str):
         raise TypeError(f"feature_map must be a feature map with a name, got {type(fm).__name__}")
+
+
+def check_options(fm: Any, causal: Any, eps_policy: Any, method: Any) -> bool:
+    """The refusals of every linear-attention function (feature map, ``causal``, ``eps_policy``,
+    ``method``, in that order); returns ``causal``."""
+    check_map(fm)
+    causal = check_flag("causal", causal)
+    if eps_policy not in ("add", "clamp"):
+        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    check_method(method)
+    return causal
+
+
+def project(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``x W[i] + b[i]`` per head, ``[..., T, H, d]``."""
+    y = np.einsum("...td,hde->...the", x, wt)
+    return y if b is None else y + b
+
+
+def multihead_inputs(
+    params: Any, x_q: Any, x_kv: Any
+) -> tuple[Params, list[int], np.ndarray, np.ndarray]:
+    """The parameters, the key/value head of each query head, and the tokens in float64."""
+    w = unpack(params)
+    group = group_size(w)
+    xq = np.asarray(x_q, dtype=np.float64)
+    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    return w, [i // group for i in range(head_weights(w)[0].shape[0])], xq, xkv
 
 
 def features(fm: Any, x: Any, role: str) -> np.ndarray:
@@ -114,9 +143,7 @@ def favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
     with the sum over ``i`` as a log-sum-exp (no over- or underflow, no stabilising features)."""
     d = q.shape[-1]
-    w = np.asarray(fm.omega, dtype=np.float64)
-    if w.shape[1] != d:
-        raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={d}")
+    w = favor_omega(fm, d)
     qs, ks = q / d**0.25, k / d**0.25
     z = (qs + ks) @ w.T  # [T_k, m]
     top = z.max(axis=-1)
@@ -294,6 +321,7 @@ def _linear_fast(
     return out
 
 
+@doc(LINEAR)
 def linear_attention(
     q: Any,
     k: Any,
@@ -313,21 +341,8 @@ def linear_attention(
         y_i  = 0 where D_i == 0
 
     FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
-    (:func:`_favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
+    (:func:`favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
     defined ``A_ij``, whatever the stabilisation of the JAX forms.
-
-    Args:
-        q: Queries ``[..., T_q, H, d_k]``.
-        k: Keys ``[..., T_k, H, d_k]``.
-        v: Values ``[..., T_k, H, d_v]``.
-        feature_map: The feature map (as for :func:`features`).
-        causal: If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.
-        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
-            allows every key.
-        eps: The denominator's regulariser (default 0, the exact ratio).
-        eps_policy: ``"add"`` (default) or ``"clamp"``.
-        method: ``"fast"`` (default; vectorised, streamed over query blocks, see the module
-            docstring) or ``"definition"`` (one query and key at a time).
 
     Returns:
         float64 ``y [..., T_q, H, d_v]``.
@@ -338,11 +353,8 @@ def linear_attention(
         ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
     fm = feature_map
-    check_map(fm)
-    causal = check_flag("causal", causal)
-    if eps_policy not in ("add", "clamp"):
-        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
-    if check_method(method) == "fast":
+    causal = check_options(fm, causal, eps_policy, method)
+    if method == "fast":
         return _linear_fast(fm, q, k, v, causal, key_mask, eps, eps_policy)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch, t_q, n_heads, _ = q.shape
@@ -374,6 +386,7 @@ def linear_attention(
     return out
 
 
+@doc(LINEAR, LINEAR_RAISES)
 def linear_multihead(
     params: Any,
     x_q: Any,
@@ -389,51 +402,18 @@ def linear_multihead(
 ) -> np.ndarray:
     """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
     ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
-    residual).
-
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ...; read as float64).
-        x_q: Query tokens ``[..., T_q, d_model]``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
-        feature_map: The feature map (as for :func:`features`).
-        causal: If ``True``, query ``t`` reads keys ``s <= t`` only; default ``False``.
-        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
-            allows every key.
-        eps: The denominator's regulariser (default 0).
-        eps_policy: ``"add"`` (default) or ``"clamp"``.
-        residual: If ``True``, return ``x_q + y`` (default ``False``).
-        method: ``"fast"`` (default) or ``"definition"``: how :func:`linear_attention` is
-            evaluated (the projections are the same einsums either way).
+    residual); ``method`` says how :func:`linear_attention` is evaluated.
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.
-
-    Raises:
-        ValueError: If a weight is missing, the head counts do not group (``H % K``), or
-            ``eps_policy`` or ``method`` is unknown.
-        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a
-            bool.
     """
     check_method(method)
-    w = unpack(params)
-    group = group_size(w)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
-
-    def heads(x: np.ndarray, name: str) -> np.ndarray:
-        wt, b = w["w_" + name], w["b_" + name]
-        assert wt is not None
-        y = np.einsum("...td,hde->...the", x, wt)
-        return y if b is None else y + b
-
-    w_q = w["w_q"]
-    assert w_q is not None
-    kv_of = [i // group for i in range(w_q.shape[0])]  # key/value head of each query head
+    w, kv_of, xq, xkv = multihead_inputs(params, x_q, x_kv)
+    w_q, w_k, w_v, w_o = head_weights(w)
     z = linear_attention(
-        heads(xq, "q"),
-        heads(xkv, "k")[..., kv_of, :],
-        heads(xkv, "v")[..., kv_of, :],
+        project(xq, w_q, w["b_q"]),
+        project(xkv, w_k, w["b_k"])[..., kv_of, :],
+        project(xkv, w_v, w["b_v"])[..., kv_of, :],
         feature_map=feature_map,
         causal=causal,
         key_mask=key_mask,
@@ -441,8 +421,7 @@ def linear_multihead(
         eps_policy=eps_policy,
         method=method,
     )
-    assert w["w_o"] is not None
-    y = np.einsum("...qhv,hvd->...qd", z, w["w_o"])
+    y = np.einsum("...qhv,hvd->...qd", z, w_o)
     if w["b_o"] is not None:
         y = y + w["b_o"]
     return y + xq if residual else y

@@ -47,13 +47,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_flag, check_method, shape_of
-from ._core import group_size, unpack
+from ._checks import check_flag, shape_of
+from ._core import head_weights
+from ._doc import LINEAR, LINEAR_RAISES, doc
 from ._linear import (
     adjusted,
     allowed,
     blocks,
-    check_map,
+    check_options,
     favor_log_block,
     favor_log_kernel,
     favor_omega,
@@ -61,6 +62,8 @@ from ._linear import (
     features,
     key_mask_array,
     masked_matmul,
+    multihead_inputs,
+    project,
     ratio_parts,
 )
 
@@ -258,16 +261,6 @@ def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- public
 
 
-def _check_options(fm: Any, causal: Any, eps_policy: Any, method: Any) -> bool:
-    """The forward's refusals (feature map, ``causal``, ``eps_policy``) and ``method``'s."""
-    check_map(fm)
-    causal = check_flag("causal", causal)
-    if eps_policy not in ("add", "clamp"):
-        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
-    check_method(method)
-    return causal
-
-
 def _unread_keys_as_zeros(
     k: np.ndarray, v: np.ndarray, km: np.ndarray, *, causal: bool, t_q: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +314,7 @@ def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any)
     return [a[idx][:, h] for a in pre[:-1]] + [pre[-1]]
 
 
+@doc(LINEAR, LINEAR_RAISES)
 def linear_attention_vjp(
     q: Any,
     k: Any,
@@ -337,31 +331,11 @@ def linear_attention_vjp(
     """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
     product), analytic (module docstring), float64.
 
-    Args:
-        q: Queries ``[..., T_q, H, d_k]``.
-        k: Keys ``[..., T_k, H, d_k]``.
-        v: Values ``[..., T_k, H, d_v]``.
-        d_y: The cotangent of the output ``[..., T_q, H, d_v]``.
-        feature_map: The feature map (as for :func:`attnref.oracle.features`).
-        causal: If ``True``, query ``i`` reads keys ``j <= i`` only; default ``False``.
-        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default)
-            allows every key.
-        eps: The denominator's regulariser (default 0).
-        eps_policy: ``"add"`` (default) or ``"clamp"`` (where the clamp holds ``D_i = eps``,
-            ``D_i`` is constant; on a tie ``S_i = eps`` it follows ``S_i``).
-        method: ``"fast"`` (default; vectorised, streamed over query blocks) or
-            ``"definition"`` (one batch element, head, query and key at a time).
-
     Returns:
         :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
-
-    Raises:
-        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` is not a bool.
-        ValueError: If ``eps_policy`` or ``method`` is unknown, or ``d_y`` is not shaped as the
-            output.
     """
     fm = feature_map
-    causal = _check_options(fm, causal, eps_policy, method)
+    causal = check_options(fm, causal, eps_policy, method)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     want = (*q.shape[:-1], v.shape[-1])
     if shape_of(d_y) != want:
@@ -372,12 +346,6 @@ def linear_attention_vjp(
 
 
 # ----------------------------------------------------------------------------- multi-head
-
-
-def _project(x: np.ndarray, wt: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    """``x W[i] + b[i]`` per head, ``[..., T, H, d]`` (the einsum of ``linear_multihead``)."""
-    y = np.einsum("...td,hde->...the", x, wt)
-    return y if b is None else y + b
 
 
 def _project_back_fast(
@@ -406,6 +374,7 @@ def _project_back_definition(
     return dx, dw, db
 
 
+@doc(LINEAR, LINEAR_RAISES)
 def linear_multihead_vjp(
     params: Any,
     x_q: Any,
@@ -432,51 +401,27 @@ def linear_multihead_vjp(
     (the key/value gradients summed over the ``G`` query heads sharing a key/value head), plus
     ``dy`` itself into ``dx_q`` when ``residual``.
 
-    Args:
-        params: Per-head weights: an :class:`attnref.AttentionParams` or a dict with the same
-            keys (read as float64).
-        x_q: Query tokens ``[..., T_q, d_model]``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]``; ``None`` (default) means ``x_q``.
-        d_y: The cotangent of the block output ``[..., T_q, d_model]`` (keyword-only).
-        feature_map: The feature map (as for :func:`attnref.oracle.features`).
-        causal: If ``True``, query ``t`` reads keys ``s <= t`` only; default ``False``.
-        key_mask: Boolean ``[..., T_k]``, ``True`` = the key may be read; ``None`` (default).
-        eps: The denominator's regulariser (default 0).
-        eps_policy: ``"add"`` (default) or ``"clamp"``.
-        residual: If ``True``, the block returned ``x_q + y`` (default ``False``).
-        method: ``"fast"`` (default) or ``"definition"`` (every sum one term at a time).
-
     Returns:
         :class:`LinearMultiheadGrads` ``(params, x_q, x_kv)``: a dict with the gradient of
         every field present in ``params``; ``x_kv`` is ``None`` when ``x_kv`` was ``None`` (its
         gradient is then in ``x_q``).
-
-    Raises:
-        ValueError: If a weight is missing, the head counts do not group, ``eps_policy`` or
-            ``method`` is unknown, or ``d_y`` is not shaped as the output.
-        TypeError: If ``feature_map`` is not a (called) feature map, or ``causal`` or
-            ``residual`` is not a bool.
     """
     fm = feature_map
-    causal = _check_options(fm, causal, eps_policy, method)
+    causal = check_options(fm, causal, eps_policy, method)
     residual = check_flag("residual", residual)
-    w = unpack(params)
-    group = group_size(w)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    w, kv_of, xq, xkv = multihead_inputs(params, x_q, x_kv)
     if shape_of(d_y) != xq.shape:
         raise ValueError(f"d_y has shape {shape_of(d_y)}; expected the output's shape {xq.shape}")
     dy = np.asarray(d_y, dtype=np.float64)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(w)
     n_kv = w_k.shape[0]
-    kv_of = [i // group for i in range(w_q.shape[0])]
+    group = w_q.shape[0] // n_kv
     km = key_mask_array(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
     if x_kv is not None:  # a token no query reads: read as zeros (its gradient is 0 either way)
         unread = ~km if not causal else ~km | (np.arange(xkv.shape[-2]) >= xq.shape[-2])
         xkv = np.where(unread[..., None] & ~np.isfinite(xkv), 0.0, xkv)
-    q = _project(xq, w_q, w["b_q"])
-    k, v = _project(xkv, w_k, w["b_k"]), _project(xkv, w_v, w["b_v"])
+    q = project(xq, w_q, w["b_q"])
+    k, v = project(xkv, w_k, w["b_k"]), project(xkv, w_v, w["b_v"])
     back = _project_back_fast if method == "fast" else _project_back_definition
     dz = _project_back_out(dy, w_o, method)
     opt = (causal, eps, eps_policy)
