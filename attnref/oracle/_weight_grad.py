@@ -134,7 +134,7 @@ def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
     }
 
 
-def _sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``a`` over the axes along which an array of ``shape`` was broadcast to ``a.shape``."""
     a = a.sum(axis=tuple(range(a.ndim - len(shape))))
     axes = tuple(k for k, n in enumerate(shape) if n == 1 and a.shape[k] != 1)
@@ -416,5 +416,5 @@ def _vjp(
             g, dxq, dxkv, d_full = _definition(p, dy)
         else:
             g, dxq, dxkv, d_full = _definition(p, dy, turn(rope[2], rope[3]), rope[0], rope[1])
-        d_bias = None if bias_shape is None else _sum_to_shape(d_full, bias_shape)
+        d_bias = None if bias_shape is None else sum_to_shape(d_full, bias_shape)
     return _finish(p, g, dxq, dxkv, d_bias, dy, shared=shared, residual=residual)

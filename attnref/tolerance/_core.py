@@ -11,36 +11,31 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights
+from attnref.oracle._doc import WEIGHT, doc
+
 from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
 
 # ----------------------------------------------------------------------------- shared helpers
 
-FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+# Raised by every weight-level bound (a RoPE bound's and a gradient's own cases included).
+BOUND_RAISES = {
+    "ValueError": "``params`` lacks a weight or has inconsistent heads (``w_k``/``w_v`` heads do "
+    "not divide ``w_q``'s); for RoPE, ``d_k`` is odd or the convention unknown; for a gradient, "
+    "``d_y`` is not of the output's shape."
+}
 
 
-def get_param(params: Any, name: str) -> np.ndarray | None:
-    """``params.name`` (or ``params[name]``) as a float64 array, ``None`` where absent."""
-    value = params.get(name) if isinstance(params, dict) else getattr(params, name, None)
-    return None if value is None else np.asarray(value, dtype=np.float64)
-
-
-def read_params(params: Any) -> dict[str, np.ndarray | None]:
+def read_params(params: Any) -> Params:
     """The parameters as float64 arrays, key/value heads repeated to one per query head.
 
     ``w_k, w_v [K, ...]`` and ``b_k, b_v [K, d]`` become ``[H, ...]`` with entry ``i`` taken from
     key/value head ``i // G`` (``G = H / K``); multi-head parameters pass through unchanged.
     """
     w = {n: get_param(params, n) for n in FIELDS}
-    w_q, w_k, w_v = w["w_q"], w["w_k"], w["w_v"]
-    if w_q is None or w_k is None or w_v is None or w["w_o"] is None:
+    if any(w[n] is None for n in ("w_q", "w_k", "w_v", "w_o")):
         raise ValueError("params must have w_q, w_k, w_v and w_o")
-    h, kv = w_q.shape[0], w_k.shape[0]
-    if kv < 1 or h % kv or w_v.shape[0] != kv:
-        raise ValueError(
-            f"params.w_q has {h} heads, params.w_k {kv} and params.w_v {w_v.shape[0]}; w_k and "
-            "w_v need the same number of heads, and num_heads must be a multiple of it"
-        )
-    kv_of = np.arange(h) // (h // kv)
+    kv_of = np.arange(head_weights(w)[0].shape[0]) // group_size(w)
     for name in ("w_k", "w_v", "b_k", "b_v"):
         a = w[name]
         if a is not None:
@@ -80,8 +75,7 @@ def abs_heads(
 
 def value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:
     """``G_hj = |x~_j||W~_V[h]||W_O[h]|``, ``[..., H, T_k, d_model]``."""
-    w_v, w_o = w["w_v"], w["w_o"]
-    assert w_v is not None and w_o is not None
+    _, _, w_v, w_o = head_weights(w)
     return np.einsum("...hkv,hvd->...hkd", abs_heads(xkv, w_v, w["b_v"]), np.abs(w_o))
 
 
@@ -111,7 +105,7 @@ def softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
 class _Problem(NamedTuple):
     """A weight-level problem in float64, as every weight-level bound reads it."""
 
-    w: dict[str, np.ndarray | None]  # _read_params
+    w: Params  # read_params
     xq: np.ndarray
     xkv: np.ndarray
     scale: float
@@ -120,15 +114,14 @@ class _Problem(NamedTuple):
     dims: tuple[int, int, int, int, int]  # (H, d_model, d_k, d_v, T_k)
 
 
-def read_weights(params: Any) -> tuple[dict[str, np.ndarray | None], int]:
-    """:func:`_read_params` and ``d_k`` (raises on missing or inconsistent parameters)."""
+def read_weights(params: Any) -> tuple[Params, int]:
+    """:func:`read_params` and ``d_k`` (raises on missing or inconsistent parameters)."""
     w = read_params(params)
-    assert w["w_q"] is not None
-    return w, w["w_q"].shape[2]
+    return w, head_weights(w)[0].shape[2]
 
 
 def read_problem(
-    w: dict[str, np.ndarray | None],
+    w: Params,
     x_q: Any,
     x_kv: Any,
     *,
@@ -137,9 +130,8 @@ def read_problem(
     scale: float | None,
 ) -> _Problem:
     """The inputs as float64 arrays, the scale (default ``1/sqrt(d_k)``), the finite logit bias
-    and the allowed pairs, for the parameters ``w`` of :func:`_read_weights`."""
-    w_q, w_v = w["w_q"], w["w_v"]
-    assert w_q is not None and w_v is not None
+    and the allowed pairs, for the parameters ``w`` of :func:`read_weights`."""
+    w_q, _, w_v, _ = head_weights(w)
     h, d_model, d_k = w_q.shape
     xq = np.asarray(x_q, dtype=np.float64)
     xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
@@ -153,11 +145,26 @@ def read_problem(
     return _Problem(w, xq, xkv, s, finite_bias, keep, (h, d_model, d_k, w_v.shape[2], t_k))
 
 
-def problem_logits(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``s = scale q k^T + bias`` ``[..., H, T_q, T_k]`` from per-head ``q, k [..., H, T, d]``,
-    and the allowed pairs broadcast to its shape."""
+def problem_softmax(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, _Softmax]:
+    """The allowed pairs and the softmax of ``s = scale q k^T + bias`` ``[..., H, T_q, T_k]``
+    from per-head ``q, k [..., H, T, d]``."""
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * p.scale + p.bias
-    return logits, np.broadcast_to(p.keep, logits.shape)
+    allowed = np.broadcast_to(p.keep, logits.shape)
+    return allowed, softmax(logits, allowed)
+
+
+def logit_magnitude(p: _Problem) -> np.ndarray:
+    """``|scale| |x~_q||W~_Q||W~_K|^T|x~_kv|^T`` ``[..., H, T_q, T_k]`` (``Ls`` less ``|bias|``)."""
+    w_q, w_k, _, _ = head_weights(p.w)
+    qa, ka = abs_heads(p.xq, w_q, p.w["b_q"]), abs_heads(p.xkv, w_k, p.w["b_k"])
+    return abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
+
+
+def plain_softmax(p: _Problem) -> tuple[np.ndarray, _Softmax]:
+    """:func:`problem_softmax` of the projected heads (no RoPE)."""
+    w_q, w_k, _, _ = head_weights(p.w)
+    q, k = project_heads(p.xq, w_q, p.w["b_q"]), project_heads(p.xkv, w_k, p.w["b_k"])
+    return problem_softmax(p, q, k)
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -210,6 +217,7 @@ def _bound_for(
 # ----------------------------------------------------------------------------- public bounds
 
 
+@doc(WEIGHT, BOUND_RAISES)
 def attention_error_bound(
     params: Any,
     x_q: Any,
@@ -227,38 +235,18 @@ def attention_error_bound(
     ``rho_hi = exp(2 max_j |ds_hij|) - 1 + gamma_{T_k + 10}``,
     ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|`` (module docstring), summed over
     ``dtype``'s ``u`` and float64's (the oracle's own error); ``+ u |x_i + y_i|`` if ``residual``.
-    16-bit formats use the float32-accumulation model (``K_S``, ``K_Y``).
-
-    Args:
-        params: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
-            ``w_o [H, d_v, d_model]`` and optional biases ``b_q, b_k, b_v, b_o``, as attributes
-            or dict entries (``K`` divides ``H``: grouped key/value heads), exactly as the
-            formulation received them (already in ``dtype``).
-        x_q: queries ``[..., T_q, d_model]``.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
-        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
-        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
-        scale: logit scale (default ``1/sqrt(d_k)``).
-        residual: whether the formulation returns ``x_q + attention``.
-        dtype: the format the formulation computes in.
+    16-bit formats use the float32-accumulation model (``K_S``, ``K_Y``). The inputs are exactly
+    as the formulation received them (already in ``dtype``).
 
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
-
-    Raises:
-        ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
     """
     w, _ = read_weights(params)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
-    logits, allowed = problem_logits(
-        p, project_heads(p.xq, w_q, w["b_q"]), project_heads(p.xkv, w_k, w["b_k"])
-    )
-    sm = softmax(logits, allowed)
-    qa, ka = abs_heads(p.xq, w_q, w["b_q"]), abs_heads(p.xkv, w_k, w["b_k"])
-    ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka) + np.abs(p.bias)
+    _, _, w_v, w_o = head_weights(w)
+    allowed, sm = plain_softmax(p)
+    ls = logit_magnitude(p) + np.abs(p.bias)
     kwargs = dict(
         ls=ls,
         spread=sm.spread,
@@ -279,6 +267,7 @@ def attention_error_bound(
     return bound
 
 
+@doc(WEIGHT, BOUND_RAISES)
 def attention_local_errors(
     params: Any,
     x_q: Any,
@@ -305,32 +294,15 @@ def attention_local_errors(
       rounding of the weighted sum of values and the output projection given the weights (step 3).
 
     Each is the sum of ``dtype``'s share and the float64 oracle's (as in ``attention_error_bound``).
-
-    Args:
-        params: as :func:`attention_error_bound`.
-        x_q: queries ``[..., T_q, d_model]``.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
-        mask: boolean ``[..., T_q, T_k]`` (broadcast). No ``bias`` argument: the logit bias is
-            zero (masking is by ``mask``).
-        scale: logit scale (default ``1/sqrt(d_k)``).
-        dtype: the format the formulation computes in.
+    No ``bias`` argument: the logit bias is zero (masking is by ``mask``).
 
     Returns:
         ``{"logits": array, "weights": float, "output": array}`` as above.
-
-    Raises:
-        ValueError: ``params`` lacks a weight, or ``w_k``/``w_v`` heads do not divide ``w_q``'s.
     """
     w, _ = read_weights(params)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=None, scale=scale)
-    w_q, w_k = w["w_q"], w["w_k"]
-    assert w_q is not None and w_k is not None
-    logits, allowed = problem_logits(
-        p, project_heads(p.xq, w_q, w["b_q"]), project_heads(p.xkv, w_k, w["b_k"])
-    )
-    sm = softmax(logits, allowed)
-    qa, ka = abs_heads(p.xq, w_q, w["b_q"]), abs_heads(p.xkv, w_k, w["b_k"])
-    ls = abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
+    allowed, sm = plain_softmax(p)
+    ls = logit_magnitude(p)
     mixed = np.einsum("...hqk,...hkd->...qd", sm.weights, value_magnitude(p.xkv, w))
     if w["b_o"] is not None:
         mixed = mixed + np.abs(w["b_o"])

@@ -71,26 +71,17 @@ of stage 7). ``inf`` entries where ``gamma_n`` is (``n u >= 1``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._core import (
-    FIELDS,
-    abs_heads,
-    get_param,
-    hom,
-    problem_logits,
-    project_heads,
-    read_problem,
-    read_weights,
-    softmax,
-)
-from ._rope import check_rope, pair_sum, rope_angle_error, rope_spread, rope_theta
-from ._rounding import C_EXP, gamma, unit_roundoff
+from attnref.oracle._core import FIELDS, get_param, head_weights
+from attnref.oracle._doc import WEIGHT, doc
+from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
-if TYPE_CHECKING:
-    from attnref.oracle import AttentionGrads
+from ._core import BOUND_RAISES, abs_heads, hom, problem_softmax, read_problem, read_weights
+from ._rope import check_rope, pair_sum, rope_angle_error, rope_spread, rope_theta, rotated_heads
+from ._rounding import C_EXP, gamma, unit_roundoff
 
 C_SOFTMAX_VJP = 5  # roundings on the softmax VJP's longest leaf path besides its row sum
 
@@ -128,13 +119,6 @@ def _group_sum(a: np.ndarray, n_kv: int) -> np.ndarray:
     return a.reshape(n_kv, a.shape[0] // n_kv, *a.shape[1:]).sum(axis=1)
 
 
-def _sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``a`` over the axes along which an array of ``shape`` was broadcast to ``a.shape``."""
-    a = a.sum(axis=tuple(range(a.ndim - len(shape))))
-    axes = tuple(k for k, n in enumerate(shape) if n == 1 and a.shape[k] != 1)
-    return a.sum(axis=axes, keepdims=True) if axes else a
-
-
 class _Rope(NamedTuple):
     """RoPE of the bound: positions broadcast to ``[..., T_q]``, ``[..., T_k]``."""
 
@@ -159,24 +143,11 @@ def _turn(a: _ME, err: np.ndarray | None, convention: str) -> _ME:
     return _ME(m, pair_sum(a.e, convention) + err * m)
 
 
-def _rotated_heads(
-    x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, pos: np.ndarray | None, r: _Rope | None
-) -> np.ndarray:
-    """``R(x W[h] + b[h])`` per head, ``[..., H, T, d]`` (the float64 oracle's RoPE)."""
-    y = project_heads(x, wt, b, "the")
-    if r is None:
-        return np.swapaxes(y, -2, -3)
-    from attnref.oracle import rope  # lazily: this module loads on its own (NumPy only)
-
-    return np.swapaxes(rope(y, pos, base=r.base, convention=r.convention), -2, -3)
-
-
 def _bound(
     params: Any,
     x_q: Any,
     x_kv: Any,
     d_y: Any,
-    *,
     mask: Any,
     bias: Any,
     scale: float | None,
@@ -185,16 +156,13 @@ def _bound(
     rope: _Rope | None,
 ) -> AttentionGrads:
     """Stages 1 to 11 of the module docstring."""
-    from attnref.oracle import AttentionGrads  # lazily, as the oracle's RoPE
-
     u = unit_roundoff(dtype)
     w, d_k = read_weights(params)  # key/value heads repeated to one per query head
     w_k_given = get_param(params, "w_k")
     assert w_k_given is not None
     n_kv = w_k_given.shape[0]  # key/value heads as given
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(w)
     n_heads, d_model, _, d_v, t_k = p.dims
     t_q = p.xq.shape[-2]
     batch = p.xq.shape[:-2]
@@ -221,14 +189,12 @@ def _bound(
     v = projected(p.xkv, "v")
 
     # 2.-3. logits and weights
-    pos_q = None if rope is None else rope.pos_q
-    pos_k = None if rope is None else rope.pos_k
-    logits, allowed = problem_logits(
+    pos_q, pos_k, base = (None, None, 0.0) if rope is None else rope[:3]
+    allowed, sm = problem_softmax(
         p,
-        _rotated_heads(p.xq, w_q, w["b_q"], pos_q, rope),
-        _rotated_heads(p.xkv, w_k, w["b_k"], pos_k, rope),
+        rotated_heads(p.xq, w, "q", pos_q, base, conv),
+        rotated_heads(p.xkv, w, "k", pos_k, base, conv),
     )
-    sm = softmax(logits, allowed)
     pr = sm.weights
     ls = s * _ein("...hqd,...hkd->...hqk", q.m, k.m) + np.abs(p.bias)
     e_s = s * (_ein("...hqd,...hkd->...hqk", q.e, k.m) + _ein("...hqd,...hkd->...hqk", q.m, k.e))
@@ -256,8 +222,8 @@ def _bound(
         shape = tuple(np.shape(bias))
         full = ds.m.sum(axis=-3)
         copies = n_heads * full.size // max(math.prod(shape), 1)
-        b_m = _sum_to_shape(full, shape)
-        b_e = _sum_to_shape(ds.e.sum(axis=-3), shape)
+        b_m = sum_to_shape(full, shape)
+        b_e = sum_to_shape(ds.e.sum(axis=-3), shape)
         d_bias = b_e + _times(gamma(copies, u), b_m)
 
     # 9.-10. dQ, dK, dV per query head
@@ -302,6 +268,7 @@ def _bound(
     return AttentionGrads(params_out, bound_xq, bound_xkv, d_bias)
 
 
+@doc(WEIGHT, BOUND_RAISES)
 def attention_vjp_error_bound(
     params: Any,
     x_q: Any,
@@ -321,40 +288,14 @@ def attention_vjp_error_bound(
     Two float64 computations (``method="fast"`` and ``"definition"``, or the float64 autodiff
     gradient of :func:`attnref.concat_attention`) differ by at most twice the float64 bound.
 
-    Args:
-        params: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
-            ``w_o [H, d_v, d_model]`` and optional biases, as attributes or dict entries.
-        x_q: queries ``[..., T_q, d_model]``.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``, self-attention).
-        d_y: the cotangent ``[..., T_q, d_model]``.
-        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
-        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
-        scale: logit scale (default ``1/sqrt(d_k)``).
-        residual: whether the forward is ``x_q + attention``.
-        dtype: the format of the computation (default float64).
-
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
         of the gradient it bounds (``None`` where the gradient is ``None``).
-
-    Raises:
-        ValueError: ``params`` lacks a weight or has inconsistent heads, or ``d_y`` is not of the
-            output's shape.
     """
-    return _bound(
-        params,
-        x_q,
-        x_kv,
-        d_y,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        residual=residual,
-        dtype=dtype,
-        rope=None,
-    )
+    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, None)
 
 
+@doc(WEIGHT, BOUND_RAISES)
 def rope_attention_vjp_error_bound(
     params: Any,
     x_q: Any,
@@ -375,27 +316,8 @@ def rope_attention_vjp_error_bound(
     :func:`attnref.oracle.rope_attention_vjp` in ``dtype`` (module docstring; the rotations add
     their ``cos``/``sin`` error ``e_p(m)`` and ``gamma_2`` in stages 1, 9 and 10).
 
-    Args:
-        params: as :func:`attention_vjp_error_bound` (``d_k`` even).
-        x_q: queries ``[..., T_q, d_model]``.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
-        d_y: the cotangent ``[..., T_q, d_model]``.
-        positions_q: integer query positions ``[..., T_q]`` (default ``arange(T_q)``).
-        positions_kv: integer key positions ``[..., T_k]`` (default ``arange(T_k)``).
-        mask: boolean ``[..., T_q, T_k]`` (broadcast).
-        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast).
-        scale: logit scale (default ``1/sqrt(d_k)``).
-        base: the RoPE base.
-        convention: ``"rotate_half"`` or ``"interleaved"``.
-        residual: whether the forward is ``x_q + attention``.
-        dtype: the format of the computation (default float64).
-
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
-
-    Raises:
-        ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, the
-            convention is unknown, or ``d_y`` is not of the output's shape.
     """
     _, d_k = read_weights(params)
     check_rope(convention, d_k)
@@ -410,15 +332,4 @@ def rope_attention_vjp_error_bound(
         float(base),
         convention,
     )
-    return _bound(
-        params,
-        x_q,
-        x_kv,
-        d_y,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        residual=residual,
-        dtype=dtype,
-        rope=r,
-    )
+    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, r)

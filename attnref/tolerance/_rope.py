@@ -11,13 +11,16 @@ from typing import Any
 
 import numpy as np
 
+from attnref.oracle._core import Params, head_weights
+from attnref.oracle._doc import WEIGHT, doc
+
 from ._core import (
+    BOUND_RAISES,
     abs_heads,
-    problem_logits,
+    problem_softmax,
     project_heads,
     read_problem,
     read_weights,
-    softmax,
     value_magnitude,
     worst_case_terms,
 )
@@ -52,6 +55,19 @@ def pair_sum(a: np.ndarray, convention: str) -> np.ndarray:
 def rope_theta(d: int, base: float) -> np.ndarray:
     """``theta_p = base^(-2p/d)``, ``[d/2]``, in float64."""
     return np.power(float(base), -2.0 * np.arange(d // 2) / d)
+
+
+def rotated_heads(
+    x: np.ndarray, w: Params, name: str, pos: np.ndarray | None, base: float, convention: str
+) -> np.ndarray:
+    """``R(x W[h] + b[h])`` per head, ``[..., H, T, d]``, by the float64 oracle's RoPE (no
+    rotation when ``pos`` is ``None``)."""
+    from attnref.oracle import rope
+
+    wt = w["w_" + name]
+    assert wt is not None
+    y = project_heads(x, wt, w["b_" + name], "the")
+    return np.swapaxes(y if pos is None else rope(y, pos, base=base, convention=convention), -2, -3)
 
 
 def check_rope(convention: str, d: int) -> None:
@@ -89,6 +105,11 @@ def rope_logit_error(
     )
 
 
+@doc(
+    WEIGHT,
+    x="``[..., T, N, d]``, the layout of ``attnref.rope.apply_rope``, ``d`` even.",
+    positions="Integer positions ``[..., T]`` or ``[T]``.",
+)
 def rope_map_error_bound(
     x: Any,
     positions: Any,
@@ -102,14 +123,6 @@ def rope_map_error_bound(
     Each rotated component of a pair ``(a, b)`` is off by at most ``(|a| + |b|) (e_p(m) +
     gamma_2)``, ``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` (module
     docstring), summed over ``dtype``'s ``u`` and float64's (the oracle's own error).
-
-    Args:
-        x: ``[..., T, N, d]``, the layout of ``attnref.rope.apply_rope``, ``d`` even.
-        positions: integer positions ``[..., T]`` or ``[T]``.
-        base: the RoPE base (``theta_p = base^(-2p/d)``).
-        convention: ``"rotate_half"`` (pairs ``(p, p + d/2)``) or ``"interleaved"``
-            (``(2p, 2p + 1)``).
-        dtype: the format the map computes in.
 
     Returns:
         The bound, float64, the shape of ``x``.
@@ -131,6 +144,7 @@ def rope_map_error_bound(
     return total
 
 
+@doc(WEIGHT, BOUND_RAISES)
 def rope_attention_error_bound(
     params: Any,
     x_q: Any,
@@ -157,50 +171,23 @@ def rope_attention_error_bound(
     included. 16-bit formats get the same worst-case expression in their ``u`` (loose; the
     tests use :func:`comparative_bound` there).
 
-    Args:
-        params: as :func:`attention_error_bound` (``d_k`` even; key/value heads may be grouped),
-            exactly as the formulation received them.
-        x_q: queries ``[..., T_q, d_model]``.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
-        positions_q: integer query positions ``[..., T_q]`` (default ``arange(T_q)``).
-        positions_kv: integer key positions ``[..., T_k]`` (default ``arange(T_k)``).
-        mask: boolean ``[..., T_q, T_k]`` (broadcast), True where a key is attended.
-        bias: additive logit bias ``[..., T_q, T_k]`` (broadcast); ``-inf`` masks the key.
-        scale: logit scale (default ``1/sqrt(d_k)``).
-        base: the RoPE base.
-        convention: ``"rotate_half"`` or ``"interleaved"``.
-        residual: whether the formulation returns ``x_q + attention``.
-        dtype: the format the formulation computes in.
-
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
-
-    Raises:
-        ValueError: ``params`` lacks a weight or has inconsistent heads, ``d_k`` is odd, or the
-            convention is unknown.
     """
     w, d_k = read_weights(params)
     check_rope(convention, d_k)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(w)
     h, d_model, _, d_v, t_k = p.dims
     xq, xkv, s = p.xq, p.xkv, p.scale
     pos_q = np.arange(xq.shape[-2]) if positions_q is None else np.asarray(positions_q)
     pos_k = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
-
-    # Imported here so this module still loads (and stays JAX-free) on its own by file path.
-    from attnref.oracle import rope
-
-    def rotated(x: np.ndarray, name: str, pos: np.ndarray) -> np.ndarray:  # [..., H, T, d]
-        wt = w["w_" + name]
-        assert wt is not None
-        y = rope(project_heads(x, wt, w["b_" + name], "the"), pos, base=base, convention=convention)
-        return np.swapaxes(y, -2, -3)
-
-    logits, allowed = problem_logits(p, rotated(xq, "q", pos_q), rotated(xkv, "k", pos_k))
-    sm = softmax(logits, allowed)
+    allowed, sm = problem_softmax(
+        p,
+        rotated_heads(xq, w, "q", pos_q, base, convention),
+        rotated_heads(xkv, w, "k", pos_k, base, convention),
+    )
     weights = sm.weights
 
     qa, ka = abs_heads(xq, w_q, w["b_q"]), abs_heads(xkv, w_k, w["b_k"])
