@@ -79,7 +79,7 @@ def value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndar
     return np.einsum("...hkv,hvd->...hkd", abs_heads(xkv, w_v, w["b_v"]), np.abs(w_o))
 
 
-class _Softmax(NamedTuple):
+class Softmax(NamedTuple):
     """The masked max-subtracted softmax over the last axis (float64)."""
 
     top: np.ndarray  # max_j s_ij over allowed keys, 0 where none is finite, [..., 1]
@@ -90,7 +90,7 @@ class _Softmax(NamedTuple):
     spread: np.ndarray  # |s_ij - top| at allowed keys, 0 elsewhere: the max subtraction's size
 
 
-def softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
+def softmax(logits: np.ndarray, allowed: np.ndarray) -> Softmax:
     """``p_ij = exp(s_ij - max_j s_ij) / sum_j exp(s_ij - max_j s_ij)`` over the allowed ``j``."""
     top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
     live = np.isfinite(top)
@@ -99,7 +99,7 @@ def softmax(logits: np.ndarray, allowed: np.ndarray) -> _Softmax:
     total = e.sum(axis=-1, keepdims=True)
     weights = e / np.where(total > 0, total, 1.0)
     spread = np.where(allowed, np.abs(logits - top), 0.0)
-    return _Softmax(top, live, e, total, weights, spread)
+    return Softmax(top, live, e, total, weights, spread)
 
 
 class _Problem(NamedTuple):
@@ -145,7 +145,7 @@ def read_problem(
     return _Problem(w, xq, xkv, s, finite_bias, keep, (h, d_model, d_k, w_v.shape[2], t_k))
 
 
-def problem_softmax(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, _Softmax]:
+def problem_softmax(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, Softmax]:
     """The allowed pairs and the softmax of ``s = scale q k^T + bias`` ``[..., H, T_q, T_k]``
     from per-head ``q, k [..., H, T, d]``."""
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * p.scale + p.bias
@@ -160,7 +160,7 @@ def logit_magnitude(p: _Problem) -> np.ndarray:
     return abs(p.scale) * np.einsum("...hqd,...hkd->...hqk", qa, ka)
 
 
-def plain_softmax(p: _Problem) -> tuple[np.ndarray, _Softmax]:
+def plain_softmax(p: _Problem) -> tuple[np.ndarray, Softmax]:
     """:func:`problem_softmax` of the projected heads (no RoPE)."""
     w_q, w_k, _, _ = head_weights(p.w)
     q, k = project_heads(p.xq, w_q, p.w["b_q"]), project_heads(p.xkv, w_k, p.w["b_k"])

@@ -39,20 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from ._core import softmax
+from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc
+from attnref.oracle._kernel_call import CALL, allowed_rows, parse, pick
+from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
+
+from ._kernel import kernel_logits, logit_error, lse_row_error, row_terms
 from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
 
 __all__ = ["kernel_grad_error_bound"]
-
-
-def _row_terms(s_len: int, e_row: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray]:
-    """The forward's ``rho_i`` (any tiling: ``n_b = S``) and ``delta_i`` (for the lse)."""
-    c = C_EXP
-    extra = 2 * (c + 1) * (s_len - 1)
-    with np.errstate(over="ignore"):
-        rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * c + extra, u)
-        delta = np.expm1(e_row) + gamma(s_len + c + extra, u)
-    return rho, delta
 
 
 def _block(
@@ -74,20 +68,12 @@ def _block(
     (the last two ``[N, R, S]``, for the bias)."""
     c = C_EXP
     h, s_len, h_v = q.shape[-1], kg.shape[1], vg.shape[-1]
-    kt = kg.transpose(0, 2, 1)
-    raw = sc * (q @ kt)
-    mag = abs(sc) * (np.abs(q) @ np.abs(kt))
-    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
-    logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
-    sm = softmax(logits, ok)
-    p = sm.weights
-    err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * sm.spread
-    if softcap is not None:
-        err = err + (c + 2) * u * np.abs(capped)
-    e_row = np.where(ok, err, 0.0).max(axis=-1, initial=0.0)  # [N, R]
-    rho, delta = _row_terms(s_len, e_row, u)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        l_err = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+    lg = kernel_logits(q, kg.transpose(0, 2, 1), sc, softcap, bias, ok)
+    raw, mag, p = lg.raw, lg.mag, lg.sm.weights
+    e_row = logit_error(lg, ok, h, u, softcap)  # [N, R]
+    rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
+    l_err = lse_row_error(e_row, delta)
+    with np.errstate(over="ignore"):
         r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]  # [N, R, 1]
     abs_v, abs_do = np.abs(vg), np.abs(d_o)
     o_mag = p @ abs_v  # [N, R, H_v]
@@ -124,6 +110,7 @@ def _block(
     return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
 
 
+@doc(KERNEL, KERNEL_RAISES)
 def kernel_grad_error_bound(
     query: Any,
     key: Any,
@@ -149,54 +136,11 @@ def kernel_grad_error_bound(
     ``sum(cotangent * o) + sum(lse_cotangent * lse)`` computed in ``dtype`` (derivation in the
     module docstring), streamed over blocks of query rows.
 
-    Args:
-        query: ``[B, T, N, H]``, exactly as the kernel received it.
-        key: ``[B, S, K, H]``.
-        value: ``[B, S, K, H_v]``.
-        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        cotangent: ``[B, T, N, H_v]``, as the kernel received it.
-        lse_cotangent: ``[B, T, N]``; ``None`` (default) is zero.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: The causal flag (default ``False``).
-        query_seq_lengths: Integer ``[B]``; ``None`` (default).
-        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
-        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
-        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
-        softcap: ``c`` of the logit cap; ``None`` (default).
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
-        dtype: The kernel's format; ``None`` (default) is ``query``'s dtype.
-        budget: Bytes of temporaries per block (default 64 MiB).
-
     Returns:
         :class:`attnref.oracle.KernelGrads` of float64 bounds, each the shape of its input
         (``bias`` ``None`` without a bias).
-
-    Raises:
-        ValueError: For the arguments :func:`attnref.oracle.dot_product_attention_vjp`
-            refuses with ``ValueError``.
-        TypeError: For those it refuses with ``TypeError``.
     """
-    from attnref.oracle._kernel_call import allowed_rows, parse
-    from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents
-
-    c = parse(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
-    )
+    c = parse(**pick(locals(), CALL))
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
     work = np.float32 if is_16bit(fmt) else fmt
@@ -250,7 +194,7 @@ def kernel_grad_error_bound(
         e_db = e_db + sum(gamma(m, u) for u in units) * a_db
     grads = KernelGrads(out[0], out[1], out[2], e_db)
     if is_16bit(fmt):
-        ref = _reference_magnitudes(c, d_o, d_l)
+        ref: Any = fast(c, d_o, d_l)  # the float64 gradients (their final rounding)
         u16 = unit_roundoff(fmt)
         final = [
             None if e is None else e + u16 * (np.abs(r) + e)
@@ -258,10 +202,3 @@ def kernel_grad_error_bound(
         ]
         grads = KernelGrads(final[0], final[1], final[2], final[3])  # type: ignore[arg-type]
     return grads
-
-
-def _reference_magnitudes(c: Any, d_o: np.ndarray, d_l: np.ndarray) -> Any:
-    """The float64 gradients themselves (their final rounding to a 16-bit format)."""
-    from attnref.oracle._kernel_grad import fast
-
-    return fast(c, d_o, d_l)

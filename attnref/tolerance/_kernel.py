@@ -6,14 +6,85 @@ only, float64.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._core import softmax
+from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc
+from attnref.oracle._kernel_call import CALL, parse, pick, query_block
+from attnref.oracle._kernel_fast import (
+    block_live,
+    head_groups,
+    logits_block,
+    raw_logits,
+    row_blocks,
+)
+
+from ._core import Softmax, softmax
 from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
 
 
+class Logits(NamedTuple):
+    """The logits of some query rows and their magnitudes (float64)."""
+
+    raw: np.ndarray  # x = scale q . k
+    mag: np.ndarray  # |scale| |q| . |k|
+    capped: np.ndarray  # c tanh(x / c) (x without softcap)
+    logits: np.ndarray  # capped + the finite bias
+    sm: Softmax  # over the allowed keys
+
+
+def kernel_logits(
+    q: np.ndarray,
+    kt: np.ndarray,
+    sc: float,
+    softcap: float | None,
+    bias: np.ndarray | None,
+    allowed: np.ndarray,
+) -> Logits:
+    """:class:`Logits` of queries ``q [..., R, H]`` against keys ``kt [..., H, S]``."""
+    raw = sc * (q @ kt)
+    mag = abs(sc) * (np.abs(q) @ np.abs(kt))
+    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
+    return Logits(raw, mag, capped, logits, softmax(logits, allowed))
+
+
+def logit_error(
+    lg: Logits, allowed: np.ndarray, h: int, u: float, softcap: float | None
+) -> np.ndarray:
+    """Step 1: ``E_i = max_j |ds_ij|`` over the allowed keys, ``[..., R]``."""
+    err = gamma(h + 1, u) * lg.mag + u * np.abs(lg.logits) + u * lg.sm.spread
+    if softcap is not None:  # softcap's tanh, division and multiply
+        err = err + (C_EXP + 2) * u * np.abs(lg.capped)
+    return np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)
+
+
+def row_terms(s_len: int, n_b: int, e_row: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray]:
+    """Step 2: ``rho_i`` and ``delta_i`` (for the lse) of ``S`` keys in ``n_b`` key blocks."""
+    c = C_EXP
+    extra = 2 * (c + 1) * (n_b - 1)
+    with np.errstate(over="ignore"):
+        rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * c + extra, u)
+        delta = np.expm1(e_row) + gamma(s_len + c + extra, u)
+    return rho, delta
+
+
+def lse_row_error(e_row: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Step 3's ``E_i + delta_i / (1 - delta_i)`` (``inf`` once ``delta_i >= 1``)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+
+
+@doc(
+    KERNEL,
+    q="Queries ``[B, T, N, H]``, exactly as the kernel received them.",
+    k="Keys ``[B, S, K, H]`` (``K`` divides ``N``: grouped key/value heads).",
+    v="Values ``[B, S, K, H_v]``.",
+    allowed="Boolean ``[B, N, T, S]`` (broadcast), the attended pairs "
+    "(:func:`attnref.oracle.kernel_allowed`).",
+    dtype="The format of the kernel's inputs and output.",
+)
 def kernel_error_bound(
     q: Any,
     k: Any,
@@ -49,20 +120,6 @@ def kernel_error_bound(
     16-bit inputs are computed in float32 (the kernel promotes), so the float32 terms apply and
     the final cast adds ``u_16 |o|``. Fully masked rows are exact (0 or NaN) except under
     ``"uniform"``: ``gamma_{S+1} mean_j |v_j|``. Includes the float64 oracle's own error.
-
-    Args:
-        q: queries ``[B, T, N, H]``, exactly as the kernel received them.
-        k: keys ``[B, S, K, H]`` (``K`` divides ``N``: grouped key/value heads).
-        v: values ``[B, S, K, H_v]``.
-        allowed: boolean ``[B, N, T, S]`` (broadcast), the attended pairs
-            (``attnref.oracle.kernel_allowed``).
-        bias: additive logit bias, broadcast to ``[B, N, T, S]`` (``-inf`` entries are masked).
-        scale: logit scale (default ``1/sqrt(H)``).
-        softcap: ``c`` of the logit cap ``c tanh(s / c)``, or ``None``.
-        masked_rows: the kernel's policy for rows with no allowed key (``"zeros"``, ``"nan"``,
-            ``"uniform"``).
-        dtype: the format of the kernel's inputs and output.
-        key_blocks: number of key blocks of an online (blockwise) softmax; ``None``: any tiling.
 
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64, non-negative (``inf``
@@ -109,35 +166,24 @@ def _bound_rows(
     s = kg.shape[1]
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T', H], [B, N, H, S]
-    raw = sc * (qt @ kt)
-    mag = abs(sc) * (np.abs(qt) @ np.abs(kt))
-    capped = raw if softcap is None else softcap * np.tanh(raw / softcap)
-    logits = capped if bias is None else capped + np.where(np.isneginf(bias), 0.0, bias)
-    sm = softmax(logits, allowed)
-    top, live, l_sum = sm.top, sm.live, sm.total
+    lg = kernel_logits(qt, kt, sc, softcap, bias, allowed)
+    top, live, l_sum = lg.sm.top, lg.sm.live, lg.sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
-    p = sm.e / np.where(live, l_sum, 1.0)
+    p = lg.sm.e / np.where(live, l_sum, 1.0)
     vt = vg.transpose(0, 2, 1, 3)  # [B, N, S, H_v]
     o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T', N, H_v]
     o_ref = (p @ vt).transpose(0, 2, 1, 3)
     lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
     n_b = s if key_blocks is None else max(1, int(key_blocks))
-    c = C_EXP
 
     def one(u: float) -> tuple[np.ndarray, np.ndarray]:
-        err = gamma(h + 1, u) * mag + u * np.abs(logits) + u * sm.spread
-        if softcap is not None:
-            err = err + (c + 2) * u * np.abs(capped)
-        e_row = np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)  # [B, N, T']
-        extra = 2 * (c + 1) * (n_b - 1)
-        with np.errstate(over="ignore"):
-            rho = np.expm1(2.0 * e_row) + gamma(s + 2 + 2 * c + extra, u)
-            delta = np.expm1(e_row) + gamma(s + c + extra, u)
+        e_row = logit_error(lg, allowed, h, u, softcap)  # [B, N, T']
+        rho, delta = row_terms(s, n_b, e_row, u)
         out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
         with np.errstate(divide="ignore", invalid="ignore"):
             log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
-            d_lse = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
-        d_lse = d_lse + (c + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+        d_lse = lse_row_error(e_row, delta)
+        d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
         return out, np.swapaxes(np.where(live[..., 0], d_lse, 0.0), 1, 2)
 
     np_dtype = np.dtype(dtype)
@@ -156,6 +202,7 @@ def _bound_rows(
     return out_b, lse_b
 
 
+@doc(KERNEL, KERNEL_RAISES)
 def kernel_call_error_bound(
     query: Any,
     key: Any,
@@ -181,51 +228,10 @@ def kernel_call_error_bound(
     allowed set is built one block at a time, so memory is ``O(block x N x S)``, never
     ``O(T x S)`` (for production shapes, where ``[B, N, T, S]`` does not fit).
 
-    Args:
-        query: ``[B, T, N, H]``, exactly as the kernel received it.
-        key: ``[B, S, K, H]``.
-        value: ``[B, S, K, H_v]``.
-        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: The kernel's causal flag (default ``False``).
-        query_seq_lengths: Integer ``[B]``; ``None`` (default).
-        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
-        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
-        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
-        softcap: ``c`` of the logit cap; ``None`` (default).
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
-        dtype: The kernel's format; ``None`` (default) is ``query``'s dtype.
-        key_blocks: Key blocks of an online softmax; ``None`` (default): any tiling.
-        budget: Bytes of temporaries per block (default 64 MiB).
-
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64.
-
-    Raises:
-        ValueError: For the arguments :func:`attnref.oracle.dot_product_attention` refuses with
-            ``ValueError``.
-        TypeError: For those it refuses with ``TypeError``.
     """
-    from attnref.oracle._kernel_call import parse
-
-    c = parse(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
-    )
+    c = parse(**pick(locals(), CALL))
     fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
     return _streamed_bound(c, fmt, key_blocks, budget)
 
@@ -236,21 +242,11 @@ def _streamed_bound(
     """:func:`kernel_call_error_bound` of a validated call: the forward's own blocks (one
     (batch, key/value head) pair and a block of query rows at a time, only the keys the block
     can reach), the two GEMMs of the bound (``|q| |k|^T`` and ``p |v|``) beside the oracle's."""
-    from attnref.oracle._kernel_call import query_block
-    from attnref.oracle._kernel_fast import (
-        block_live,
-        head_groups,
-        logits_block,
-        raw_logits,
-        row_blocks,
-    )
-
     b_size, n_heads, t, s_len = c.shape
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
-    extra = 2 * (C_EXP + 1) * (n_b - 1)
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.zeros((b_size, t, n_heads))
     o_ref = np.zeros_like(out) if is_16bit(fmt) else None
@@ -284,10 +280,8 @@ def _streamed_bound(
                 e_row = np.where(reads, gamma(h + 1, u) * mag + u * local, 0.0).max(
                     axis=-1, initial=0.0
                 )
-                with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-                    rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * C_EXP + extra, u)
-                    delta = np.expm1(e_row) + gamma(s_len + C_EXP + extra, u)
-                    d_lse = e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+                rho, delta = row_terms(s_len, n_b, e_row, u)
+                d_lse = lse_row_error(e_row, delta)
                 blk_out += (rho + gamma(s_len, u))[..., None] * o_mag
                 d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
                 blk_lse += np.where(live, d_lse, 0.0)

@@ -64,6 +64,11 @@ from typing import Any
 
 import numpy as np
 
+from attnref.oracle._doc import KERNEL, doc
+from attnref.oracle._kernel import dot_product_attention
+from attnref.oracle._kernel_call import CALL, allowed_rows, parse, pick
+from attnref.oracle._kernel_fast import head_groups, logits_block
+
 from ._kernel import kernel_call_error_bound
 from ._rounding import C_EXP, is_16bit, unit_roundoff
 from ._states import as_dtype, merge_depth, merge_error_bound
@@ -100,8 +105,6 @@ def _assignment(pieces: Any, num_pieces: Any, s: int) -> tuple[np.ndarray, int]:
 
 def _allowed(c: Any) -> np.ndarray:
     """The call's allowed pairs ``[B, N, T, S]`` (the oracle's rules)."""
-    from attnref.oracle._kernel_call import allowed_rows
-
     b_size, n_heads, t, s = c.shape
     out = np.ones((b_size, n_heads, t, s), bool)
     for b in range(b_size):
@@ -113,8 +116,6 @@ def _allowed(c: Any) -> np.ndarray:
 
 def _logits(c: Any) -> np.ndarray:
     """The call's logits ``[B, N, T, S]`` (capped, biased), ``-inf`` off the allowed set."""
-    from attnref.oracle._kernel_fast import head_groups, logits_block
-
     b_size, n_heads, t, s = c.shape
     out = np.full((b_size, n_heads, t, s), -np.inf)
     for hg in head_groups(c):
@@ -133,8 +134,6 @@ def _piece_states(
 ) -> tuple[np.ndarray, ...]:
     """Step 1: per piece, the oracle's state of the call restricted to the piece's keys and its
     kernel bound in the states' format, stacked on axis 0 (an empty piece: the empty state)."""
-    from attnref.oracle import dot_product_attention
-
     b_size, n_heads, t, _ = c.shape
     h_v = c.v.shape[-1]
     bias = None if c.bias is None else np.where(allowed, c.bias, 0.0)  # masked: never read
@@ -169,8 +168,6 @@ def _key_states(
 ) -> tuple[np.ndarray, ...]:
     """Unknown pieces (module docstring): the one-key states ``(v_j, s_ij)`` stacked on axis 0
     and errors that dominate those of every piece of every partition."""
-    from attnref.oracle import dot_product_attention
-
     b_size, n_heads, t, s = c.shape
     k_out, k_lse = kernel_call_error_bound(**call, dtype=work, key_blocks=None)
     absolute = {"query": c.q, "key": c.k, "value": np.abs(c.v), "masked_rows": "zeros"}
@@ -196,6 +193,29 @@ def _key_states(
     return o, lse, e_o, np.broadcast_to(lam, lse.shape)
 
 
+@doc(
+    KERNEL,
+    pieces="The piece of each key: an int ``P`` (the keys padded to a multiple of ``P`` and cut "
+    "into ``P`` contiguous chunks of ``ceil(S / P)``, as split-KV and a contiguous ring do; "
+    "trailing chunks of padding alone are empty states), an int array ``[S]`` of piece ids "
+    "(``-1``: a key in no piece, which no query may attend), or ``None``: unknown (any partition "
+    "into at most ``S`` pieces, each with any tiling: the worst case, module docstring).",
+    num_pieces="With an array of ids, the number of states merged (default ``max id + 1``; more "
+    "when pieces of padding alone are merged too).",
+    tree='``"sequential"`` (default: depth ``P - 1``, valid for every binary order and grouping, '
+    'a ring), ``"balanced"`` (``ceil(log2 P)``), ``"stack"`` (one stacked merge, split-KV) or an '
+    "int, the depth of the binary tree used.",
+    dtype="The format of the inputs and the output; ``None`` (default) is ``query``'s.",
+    state_dtype="The format the pieces' ``o`` are stored and merged in; ``None`` (default): the "
+    "compute format (float32 for 16-bit inputs, as attnref's schemes), the output then rounded "
+    "once to ``dtype``.",
+    lse_dtype="The format of the stored ``lse``; ``None`` (default): float32 for 16-bit states, "
+    "else ``state_dtype``.",
+    masked_rows='``"zeros"`` (default), ``"uniform"`` or ``"nan"``: the whole call\'s policy for '
+    "rows with no allowed key (the pieces' states are empty there).",
+    key_blocks="Key blocks of each piece's online softmax; ``None`` (default): any tiling. Must "
+    "be ``None`` with ``pieces=None``.",
+)
 def pieces_error_bound(
     query: Any,
     key: Any,
@@ -230,42 +250,6 @@ def pieces_error_bound(
     and which never stores a partial ``lse``), this counts the rounding of every stored partial
     ``lse``, ``u |lse|`` per merge level, which dominates at large logits.
 
-    Args:
-        query: ``[B, T, N, H]``, exactly as the kernel received it.
-        key: ``[B, S, K, H]``.
-        value: ``[B, S, K, H_v]``.
-        bias: Rank-4 bias broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        mask: Rank-4 boolean mask broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        pieces: The piece of each key: an int ``P`` (the keys padded to a multiple of ``P``
-            and cut into ``P`` contiguous chunks of ``ceil(S / P)``, as split-KV and a
-            contiguous ring do; trailing chunks of padding alone are empty states), an int
-            array ``[S]`` of piece ids (``-1``: a key in no piece, which no query may attend),
-            or ``None``: unknown (any partition into at most ``S`` pieces, each with any
-            tiling: the worst case, module docstring).
-        num_pieces: With an array of ids, the number of states merged (default ``max id +
-            1``; more when pieces of padding alone are merged too).
-        tree: ``"sequential"`` (default: depth ``P - 1``, valid for every binary order and
-            grouping, a ring), ``"balanced"`` (``ceil(log2 P)``), ``"stack"`` (one stacked
-            merge, split-KV) or an int, the depth of the binary tree used.
-        dtype: The format of the inputs and the output; ``None`` (default) is ``query``'s.
-        state_dtype: The format the pieces' ``o`` are stored and merged in; ``None``
-            (default): the compute format (float32 for 16-bit inputs, as attnref's schemes),
-            the output then rounded once to ``dtype``.
-        lse_dtype: The format of the stored ``lse``; ``None`` (default): float32 for 16-bit
-            states, else ``state_dtype``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: The kernel's causal flag (default ``False``).
-        query_seq_lengths: Integer ``[B]``; ``None`` (default).
-        key_value_seq_lengths: Integer ``[B]``; ``None`` (default).
-        local_window_size: ``w`` or ``(left, right)``; ``None`` (default).
-        segment_ids: ``[B, T]`` or a pair; ``None`` (default).
-        softcap: ``c`` of the logit cap; ``None`` (default).
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``: the whole call's
-            policy for rows with no allowed key (the pieces' states are empty there).
-        key_blocks: Key blocks of each piece's online softmax; ``None`` (default): any tiling.
-            Must be ``None`` with ``pieces=None``.
-
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64, non-negative.
 
@@ -277,22 +261,8 @@ def pieces_error_bound(
         TypeError: For those it refuses with ``TypeError``; ``pieces`` a bool; ``tree``
             neither a string nor an int.
     """
-    from attnref.oracle import dot_product_attention
-    from attnref.oracle._kernel_call import parse
-
-    options = {
-        "scale": scale,
-        "is_causal": is_causal,
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-        "local_window_size": local_window_size,
-        "segment_ids": segment_ids,
-        "softcap": softcap,
-        "causal_alignment": causal_alignment,
-        "masked_rows": masked_rows,
-    }
-    c = parse(query, key, value, bias, mask, **options)
-    call = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask, **options}
+    call = pick(locals(), CALL)
+    c = parse(**call)
     fmt = as_dtype(np.asarray(query).dtype if dtype is None else dtype)
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     state_fmt = work if state_dtype is None else as_dtype(state_dtype)
