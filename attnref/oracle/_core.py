@@ -82,6 +82,12 @@ def offset(w: Params, name: str, i: Any) -> Any:
     return 0.0 if b is None else b[i]
 
 
+def tokens(x_q: Any, x_kv: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(x_q, x_kv)`` as float64 arrays, ``x_kv`` the same array as ``x_q`` when ``None``."""
+    xq = np.asarray(x_q, dtype=np.float64)
+    return xq, (xq if x_kv is None else np.asarray(x_kv, dtype=np.float64))
+
+
 def group_size(w: Params) -> int:
     """``G = H / K`` from ``w_q [H, ...]`` and ``w_k, w_v [K, ...]``; query head i reads i // G."""
     w_q, w_k, w_v, _ = head_weights(w)
@@ -210,8 +216,7 @@ def fast_problem(
     batch, _, _, m, b, sc = check_weight_level(params, x_q, x_kv, mask, bias, scale)
     w = unpack(params)
     group = group_size(w)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     n_heads, _, d_k = head_weights(w)[0].shape
     s = 1.0 / math.sqrt(d_k) if sc is None else sc
     return Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)

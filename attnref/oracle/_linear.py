@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_flag, check_method
-from ._core import Params, group_size, head_weights, unpack
+from ._core import Params, group_size, head_weights, tokens, unpack
 from ._doc import LINEAR, LINEAR_RAISES, doc
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
@@ -71,8 +71,7 @@ def multihead_inputs(
     """The parameters, the key/value head of each query head, and the tokens in float64."""
     w = unpack(params)
     group = group_size(w)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     return w, [i // group for i in range(head_weights(w)[0].shape[0])], xq, xkv
 
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights
+from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights, tokens
 from attnref.oracle._doc import WEIGHT, doc
 
 from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
@@ -133,8 +133,7 @@ def read_problem(
     and the allowed pairs, for the parameters ``w`` of :func:`read_weights`."""
     w_q, _, w_v, _ = head_weights(w)
     h, d_model, d_k = w_q.shape
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     t_q, t_k = xq.shape[-2], xkv.shape[-2]
     full = (*xq.shape[:-2], t_q, t_k)
     s = 1.0 / math.sqrt(d_k) if scale is None else float(scale)

@@ -71,8 +71,13 @@ from typing import Any
 
 import numpy as np
 
-from ._core import abs_heads, get_param, project_heads, read_params
-from ._linear import allowed_keys
+from attnref.oracle._core import get_param, head_weights, tokens
+from attnref.oracle._doc import LINEAR, doc
+from attnref.oracle._linear import check_options
+from attnref.oracle._linear_grad import LinearGrads, LinearMultiheadGrads
+
+from ._core import read_params
+from ._linear import allowed_keys, projected_heads
 from ._rounding import C_EXP, gamma, unit_roundoff
 
 U = unit_roundoff(np.float64)
@@ -398,13 +403,7 @@ def _kernel_bound(
     eps_policy: str,
 ) -> tuple[np.ndarray, ...]:
     """Token-major ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)`` for inputs known to ``errors``."""
-    from attnref.oracle._checks import check_flag
-    from attnref.oracle._linear import check_map
-
-    check_map(fm)
-    causal = check_flag("causal", causal)
-    if eps_policy not in ("add", "clamp"):
-        raise ValueError(f"eps_policy must be 'add' or 'clamp', got {eps_policy!r}")
+    causal = check_options(fm, causal, eps_policy, "fast")
     q, k, v, dy = (np.asarray(a, dtype=np.float64) for a in (q, k, v, d_y))
     eq, ek, ev, edy = (
         np.broadcast_to(np.asarray(e, np.float64), a.shape)
@@ -417,6 +416,13 @@ def _kernel_bound(
     return tuple(_bt(a) for a in out)
 
 
+@doc(
+    LINEAR,
+    dq="Absolute errors already in ``q`` (broadcast; default 0: exact inputs).",
+    dk="Absolute errors already in ``k``.",
+    dv="Absolute errors already in ``v``.",
+    d_dy="Absolute errors already in ``d_y``.",
+)
 def linear_attention_vjp_error_bound(
     q: Any,
     k: Any,
@@ -436,21 +442,6 @@ def linear_attention_vjp_error_bound(
     """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` in float64
     (either ``method``), first order in ``u`` (module docstring).
 
-    Args:
-        q: Queries ``[..., T_q, H, d_k]``, as the oracle receives them.
-        k: Keys ``[..., T_k, H, d_k]``.
-        v: Values ``[..., T_k, H, d_v]``.
-        d_y: The output cotangent ``[..., T_q, H, d_v]``.
-        feature_map: The feature map (``attnref.linear.elu_plus_one()``, ...).
-        causal: Whether query ``i`` reads keys ``j <= i`` only.
-        key_mask: Boolean ``[..., T_k]``, ``True`` for keys that may be read.
-        eps: The denominator's ``eps``.
-        eps_policy: ``"add"`` or ``"clamp"``.
-        dq: Absolute errors already in ``q`` (broadcast; default 0: exact inputs).
-        dk: Absolute errors already in ``k``.
-        dv: Absolute errors already in ``v``.
-        d_dy: Absolute errors already in ``d_y``.
-
     Returns:
         :class:`attnref.oracle.LinearGrads` ``(q, k, v)`` of float64 bounds shaped as the inputs,
         non-negative, ``inf`` where the gradient is not determined (near-cancelling
@@ -460,8 +451,6 @@ def linear_attention_vjp_error_bound(
         TypeError: If ``feature_map`` is not a feature map, or ``causal`` is not a bool.
         ValueError: If ``eps_policy`` is unknown.
     """
-    from attnref.oracle._linear_grad import LinearGrads
-
     out = _kernel_bound(
         q, k, v, d_y, (dq, dk, dv, d_dy), feature_map, causal, key_mask, eps, eps_policy
     )
@@ -494,6 +483,7 @@ def _param_bounds(
     return dw, db, dx, mag
 
 
+@doc(LINEAR)
 def linear_multihead_vjp_error_bound(
     params: Any,
     x_q: Any,
@@ -510,18 +500,6 @@ def linear_multihead_vjp_error_bound(
     """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` in float64 (either
     ``method``), first order in ``u`` (module docstring, "Multi-head").
 
-    Args:
-        params: Per-head weights (``AttentionParams`` or a dict; grouped K/V heads allowed).
-        x_q: Query tokens ``[..., T_q, d_model]``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` (default ``x_q``).
-        d_y: The output cotangent ``[..., T_q, d_model]`` (keyword-only).
-        feature_map: The feature map.
-        causal: Whether query ``t`` reads keys ``s <= t`` only.
-        key_mask: Boolean ``[..., T_k]``, ``True`` for keys that may be read.
-        eps: The denominator's ``eps``.
-        eps_policy: ``"add"`` or ``"clamp"``.
-        residual: Whether the block returns ``x_q + attention``.
-
     Returns:
         :class:`attnref.oracle.LinearMultiheadGrads` of bounds: ``params`` a dict with one
         bound per field present, ``x_q``, and ``x_kv`` (``None`` when ``x_kv`` is ``None``).
@@ -531,25 +509,17 @@ def linear_multihead_vjp_error_bound(
             unknown.
         TypeError: If ``feature_map`` is not a feature map.
     """
-    from attnref.oracle._linear_grad import LinearMultiheadGrads
-
     w = read_params(params)  # K/V heads repeated to one per query head
-    w_q, w_k, w_v, w_o = w["w_q"], w["w_k"], w["w_v"], w["w_o"]
-    assert w_q is not None and w_k is not None and w_v is not None and w_o is not None
+    w_q, w_k, w_v, w_o = head_weights(w)
     raw_k = get_param(params, "w_k")
     assert raw_k is not None
     n_kv = raw_k.shape[0]
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     dy = np.asarray(d_y, dtype=np.float64)
     d_model = xq.shape[-1]
-
-    def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-        wt, b = w["w_" + name], w["b_" + name]
-        assert wt is not None
-        return project_heads(x, wt, b, "the"), _g(d_model + 1) * abs_heads(x, wt, b, "the")
-
-    (q, eq), (k, ek), (v, ev) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
+    q, eq = projected_heads(xq, w, "q", _g(d_model + 1))
+    k, ek = projected_heads(xkv, w, "k", _g(d_model + 1))
+    v, ev = projected_heads(xkv, w, "v", _g(d_model + 1))
     dz = np.einsum("...qd,hvd->...qhv", dy, w_o)
     e_dz = _g(d_model + 2) * np.einsum("...qd,hvd->...qhv", np.abs(dy), np.abs(w_o))
     bq, bk, bv, z, e_z, gq, gk, gv = _kernel_bound(

@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._core import FIELDS, get_param, head_weights
+from attnref.oracle._core import FIELDS, get_param, head_weights, tokens
 from attnref.oracle._doc import WEIGHT, doc
 from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
@@ -321,8 +321,7 @@ def rope_attention_vjp_error_bound(
     """
     _, d_k = read_weights(params)
     check_rope(convention, d_k)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     batch, t_q, t_k = xq.shape[:-2], xq.shape[-2], xkv.shape[-2]
     pq = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
     pk = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)

@@ -12,6 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from attnref.oracle._core import Params, head_weights, tokens
+from attnref.oracle._doc import LINEAR, doc
+from attnref.oracle._linear import features, linear_attention, query_log_scale
+
 from ._core import abs_heads, project_heads, read_params, value_magnitude
 from ._rounding import C_EXP, gamma, max_float, unit_roundoff
 
@@ -65,8 +69,6 @@ def _scaled_eps(
     ``num``, ``den`` and ``eps`` by ``exp(c + L)``: the eps term's error relative to the
     others grows by ``expm1(dc + u (|c| + L)) + (C_EXP + 1) u``, and ``num``, ``den`` take one
     rounding more (added by the caller)."""
-    from attnref.oracle._linear import query_log_scale
-
     c = query_log_scale(fm, q)
     eps_s = eps * np.exp(np.minimum(-c, 700.0))  # float64: exact unless |q~|^2 > ~1400
     if eps == 0 or fm.name != "favor_plus":
@@ -83,6 +85,14 @@ def _scaled_eps(
     return eps_s, rel
 
 
+def projected_heads(x: np.ndarray, w: Params, name: str, g: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token-major heads ``x W[h] + b[h]`` ``[..., T, H, d]`` and their projection error bound
+    ``g |x~||W~[h]|`` (``g``: the projection's ``gamma``)."""
+    wt, b = w["w_" + name], w["b_" + name]
+    assert wt is not None
+    return project_heads(x, wt, b, "the"), g * abs_heads(x, wt, b, "the")
+
+
 def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
     """``[..., H, T_q, T_k]``: key padding and, if causal, ``j <= i``."""
     *batch, t_q, heads, _ = q_shape
@@ -91,6 +101,13 @@ def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool
     return allowed & np.tril(np.ones((t_q, t_k), bool)) if causal else allowed
 
 
+@doc(
+    LINEAR,
+    q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.",
+    dq="Absolute errors already in ``q`` (broadcast), e.g. from a projection (default 0).",
+    dk="Absolute errors already in ``k``.",
+    dv="Absolute errors already in ``v``.",
+)
 def linear_error_bound(
     q: Any,
     k: Any,
@@ -126,20 +143,6 @@ def linear_error_bound(
     the ratio is then not determined by the arithmetic. Exactly-zero denominators with no
     possible error give exactly zero outputs and a zero bound. Includes the float64 oracle's error.
 
-    Args:
-        q: queries ``[..., T_q, H, d]``, exactly as the formulation received them.
-        k: keys ``[..., T_k, H, d]``.
-        v: values ``[..., T_k, H, d_v]``.
-        feature_map: an ``attnref.linear`` feature map (``elu_plus_one()``, ..., ``favor_plus``).
-        causal: whether query ``i`` reads keys ``j <= i`` only.
-        key_mask: boolean ``[..., T_k]``, True for real (non-padding) keys.
-        eps: the denominator's ``eps``.
-        eps_policy: ``"add"`` (``D + eps``) or ``"clamp"`` (``max(D, eps)``).
-        dtype: the format the formulation computes in.
-        dq: absolute errors already in ``q`` (broadcast), e.g. from a projection.
-        dk: absolute errors already in ``k``.
-        dv: absolute errors already in ``v``.
-
     Returns:
         The bound, float64 ``[..., T_q, H, d_v]``, non-negative (``inf`` where undetermined).
 
@@ -152,9 +155,6 @@ def linear_error_bound(
     )
     t_q, t_k = q.shape[-3], k.shape[-3]
     allowed = allowed_keys(q.shape, t_k, key_mask, causal)
-
-    # Imported here so this module still loads (and stays JAX-free) on its own by file path.
-    from attnref.oracle import features
 
     total = np.zeros((*v.shape[:-3], t_q, *v.shape[-2:]))
     for dt in (dtype, np.float64):
@@ -193,6 +193,7 @@ def linear_error_bound(
     return total
 
 
+@doc(LINEAR)
 def linear_multihead_error_bound(
     params: Any,
     x_q: Any,
@@ -214,18 +215,6 @@ def linear_multihead_error_bound(
     messages order ``A (X W_M)`` too) and ``n_y = m + T_k + d_model + d_v + H + 4``;
     ``+ u |x + y|`` if ``residual``.
 
-    Args:
-        params: as :func:`attention_error_bound` (grouped key/value heads allowed).
-        x_q: queries ``[..., T_q, d_model]``, exactly as the formulation received them.
-        x_kv: keys/values ``[..., T_k, d_model]`` (default ``x_q``).
-        feature_map: an ``attnref.linear`` feature map.
-        causal: whether query ``i`` reads keys ``j <= i`` only.
-        key_mask: boolean ``[..., T_k]``, True for real keys.
-        eps: the denominator's ``eps``.
-        eps_policy: ``"add"`` or ``"clamp"``.
-        residual: whether the formulation returns ``x_q + attention``.
-        dtype: the format the formulation computes in.
-
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where undetermined).
 
@@ -235,26 +224,18 @@ def linear_multihead_error_bound(
         TypeError: ``feature_map`` is not a feature map.
     """
     w = read_params(params)
-    xq = np.asarray(x_q, dtype=np.float64)
-    xkv = xq if x_kv is None else np.asarray(x_kv, dtype=np.float64)
+    xq, xkv = tokens(x_q, x_kv)
     u = unit_roundoff(dtype)
     d_model = xq.shape[-1]
     g_p = gamma(d_model + 1, u)
-
-    def heads(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-        wt, b = w["w_" + name], w["b_" + name]
-        assert wt is not None
-        return project_heads(x, wt, b, "the"), g_p * abs_heads(x, wt, b, "the")
-
-    (q, dq), (k, dk), (v, dv) = heads(xq, "q"), heads(xkv, "k"), heads(xkv, "v")
+    q, dq = projected_heads(xq, w, "q", g_p)
+    k, dk = projected_heads(xkv, w, "k", g_p)
+    v, dv = projected_heads(xkv, w, "v", g_p)
     kw = dict(
         feature_map=feature_map, causal=causal, key_mask=key_mask, eps=eps, eps_policy=eps_policy
     )
     dz = linear_error_bound(q, k, v, dtype=dtype, dq=dq, dk=dk, dv=dv, **kw)  # type: ignore[arg-type]
-    w_o = w["w_o"]
-    assert w_o is not None and w["w_v"] is not None
-    from attnref.oracle import features, linear_attention
-
+    w_o = head_weights(w)[3]
     z = linear_attention(q, k, v, **kw)  # type: ignore[arg-type]
     fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
     t_k = k.shape[-3]
