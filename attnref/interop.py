@@ -8,15 +8,15 @@ d_model, d_v]``, ``w_o: [H, d_v, d_model]`` (row vectors, ``y = x W``). Flax's
 key/value heads (GQA) to one per query head.
 """
 
-from attnref._src.core.params import (
+from attnref._src.core.convert import (
     from_flax,
     from_hf_bert,
     from_torch_mha,
-    repeat_kv_heads,
     to_flax,
     to_hf_bert,
     to_torch_mha,
 )
+from attnref._src.core.params import repeat_kv_heads
 
 __all__ = [
     "from_flax",

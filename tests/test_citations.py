@@ -14,7 +14,7 @@ import yaml
 
 import attnref
 from attnref import cli
-from attnref._src.tools import citations
+from attnref.cli import citations
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,11 +26,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from attnref import cli
+from attnref import cli, ids
 from attnref import report as report_mod
-from attnref._src.core.registry import ids
-from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
-from attnref._src.tools import console
+from attnref.cli import console
+from attnref.testing import ConformanceReport, MeshResult, PropertyResult
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = "tests.conformance_targets:good"
@@ -54,6 +53,13 @@ class ClosedPipe(io.StringIO):
 
     def write(self, text: str) -> int:
         raise BrokenPipeError(32, "Broken pipe")
+
+
+class Interrupted(io.StringIO):
+    """stdout of a command the user stops with Ctrl-C while it prints."""
+
+    def write(self, text: str) -> int:
+        raise KeyboardInterrupt
 
 
 @pytest.fixture
@@ -138,11 +144,9 @@ def test_a_closed_pipe_and_ctrl_c_end_quietly(capsys, monkeypatch):
         assert cli.main(["list"]) == 141  # 128 + SIGPIPE, as a tool the signal ends
     assert capsys.readouterr().err == ""
 
-    def interrupted(argv):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli, "_run", interrupted)
-    assert cli.main(["list"]) == 130
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", Interrupted())
+        assert cli.main(["list"]) == 130
     assert capsys.readouterr().err == "attnref: interrupted\n"
 
 

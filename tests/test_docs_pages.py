@@ -1,8 +1,11 @@
 """The generated pages ``docs/formulations/*.md`` tell the truth about the code.
 
 * The committed pages are exactly a fresh generation (one page per registry id, no stale extras).
-* Every ``attnref.<name>`` a page shows resolves (``attnref._src.formulations.decode`` as a module, the rest as
-  attributes of ``attnref``), and so does every Sphinx role target (``:func:`cached_attention```)
+* Every page shows, beside its LaTeX, the source of the function that computes the formulation
+  (``Formulation.formula``): a ``literalinclude`` of its file with ``:pyobject:`` naming it,
+  which Sphinx reads from the code at build time.
+* Every ``attnref.<name>`` a page shows resolves (a module, or an attribute of one), and so
+  does every Sphinx role target (``:func:`cached_attention```)
   from the docstrings a page quotes, looked up in ``attnref`` or the quoted module.
 * Where a page shows a signature, ``attnref.<name>(...)`` at the start of a code line or span,
   the text after the name is exactly ``str(inspect.signature(obj))``; the code of a formulation
@@ -20,6 +23,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -82,6 +86,41 @@ def test_committed_pages_equal_a_fresh_generation():
     assert set(pages) == set(attnref.ids()), "stale or missing pages; run python -m attnref.pages"
     for f in attnref.formulations():
         assert pages[f.id] == docs.render(f), f"docs/formulations/{f.id}.md is stale; regenerate it"
+
+
+INCLUDE = re.compile(
+    r"^```\{literalinclude\} \.\./\.\./(\S+)\n:pyobject: (\S+)\n:language: python\n", re.M
+)
+
+
+def _defined(path: Path, qualname: str) -> bool:
+    """Whether ``path`` defines ``qualname`` (a function or class, or ``Class.method``)."""
+    body: list[ast.stmt] = ast.parse(path.read_text()).body
+    for part in qualname.split("."):
+        node = next(
+            (n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+            None,
+        )
+        if node is None:
+            return False
+        body = node.body
+    return True
+
+
+@pytest.mark.parametrize("fid", attnref.ids())
+def test_every_page_shows_the_source_that_computes_it(fid):
+    f = attnref.get(fid)
+    page = (PAGES / f"{fid}.md").read_text()
+    includes = INCLUDE.findall(page)
+    assert len(includes) == 1, f"{fid}.md: no single literalinclude of its formula"
+    path, qualname = includes[0]
+    assert _defined(DOCS.parent / path, qualname), f"{fid}.md: {path} defines no {qualname}"
+    fn = inspect.unwrap(f.formula)
+    source = Path(inspect.getsourcefile(fn) or "").resolve()
+    assert (DOCS.parent / path).resolve() == source, f"{fid}.md: not the formula's file"
+    # the formula itself, or the function it is defined in
+    assert qualname == fn.__qualname__.split(".<locals>")[0], f"{fid}.md: not its formula"
+    assert page.index(f.equation) < page.index(includes[0][0]), "the code stands by its LaTeX"
 
 
 def _problems(page: str, module: Any) -> tuple[list[str], int]:

@@ -31,8 +31,9 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checks import float64_scoped
 from attnref._src.core.common import HIGHEST
+from attnref._src.core.convert import from_hf_bert
 from attnref._src.core.family import SOFTMAX
-from attnref._src.core.params import AttentionParams, from_hf_bert
+from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import get
 
 __all__ = [

@@ -3,7 +3,7 @@ helpers, :func:`cost`, and XLA's own counts (:func:`xla_counts`, :func:`hlo_dot_
 
 Each formulation's model, ``<id>_cost(dims) -> Cost`` in its own order of operations, lives
 next to its code and is its registry entry's ``cost_model`` (``concat_cost`` in
-``attnref/_src/formulations/standard.py``, ``rope_cost`` in ``attnref/_src/formulations/rope.py``, ...).
+``attnref/_src/formulations/standard.py``, ``rope_cost`` in ``.../rope.py``, ...).
 
 Counting conventions (XLA's, so the model can be checked against ``cost_analysis()``):
 
@@ -24,26 +24,26 @@ Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T``
 times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
 ``loop_trips`` and ``per_trip_*`` for comparing with XLA.
 
-Distributed forms (``Dims.devices = P > 1``, ``attnref._src.formulations.distributed.cost``) count **per
-device**, as XLA's ``cost_analysis`` of an SPMD program does, and list their communication in
-:attr:`Cost.collectives` (:class:`Collective`: the kind, the operand bytes of one call on one
-device, the number of calls). :func:`hlo_collectives` reads the same from compiled HLO, ``while``
-trip counts included, so the model's communication is checked against the compiler.
+Distributed forms (``Dims.devices = P > 1``, ``attnref._src.formulations.distributed.cost``)
+count **per device**, as XLA's ``cost_analysis`` of an SPMD program does, and list their
+communication in :attr:`Cost.collectives` (:class:`Collective`: the kind, the operand bytes of
+one call on one device, the number of calls). :func:`hlo_collectives` reads the same from
+compiled HLO, ``while`` trip counts included, so the model's communication is checked against
+the compiler.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Callable
 from typing import Any
+
+from attnref._src.core.hlo import collective_calls, hlo_dot_flops
 
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """Problem sizes. ``batch`` is the product of the batch dims; ``features`` is the linear
-    family's feature count ``m`` and ``feature_map`` its name; ``chunk`` the chunk size.
+    """Problem sizes.
 
     Attributes:
         batch: The product of the batch dims.
@@ -88,17 +88,12 @@ COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "
 class Collective:
     """One collective a device runs ``calls`` times, each call on ``operand_bytes`` of its own.
 
-    ``operand_bytes`` is what HLO shows: the operand of ``collective-permute``, ``all-to-all``
-    and ``all-reduce`` (the result's size), the local shard of ``all-gather`` (the result over
-    ``devices``), the full input of ``reduce-scatter`` (the result times ``devices``).
-    :attr:`sent_bytes_per_call` is what one device sends in one call under the bandwidth-optimal
-    algorithms (a permute sends its operand once; a ring all-gather sends its shard ``P - 1``
-    times; an all-to-all keeps ``1/P`` of its operand; a ring all-reduce is a reduce-scatter then
-    an all-gather, ``2 (P - 1) / P`` of its operand).
-
     Attributes:
         kind: One of :data:`COLLECTIVES`.
-        operand_bytes: Bytes of one call's operand(s) on one device (as above).
+        operand_bytes: What HLO shows, on one device: the operand of ``collective-permute``,
+            ``all-to-all`` and ``all-reduce`` (the result's size), the local shard of
+            ``all-gather`` (the result over ``devices``), the full input of ``reduce-scatter``
+            (the result times ``devices``).
         calls: How many times each device runs it (the communication steps).
         devices: The group size ``P``.
         in_shard_map: ``True`` for a scheme's own collectives (a model's, and those HLO
@@ -122,7 +117,10 @@ class Collective:
 
     @property
     def sent_bytes_per_call(self) -> float:
-        """Bytes one device sends in one call (the algorithms in the class docstring)."""
+        """Bytes one device sends in one call under the bandwidth-optimal algorithms: a permute
+        sends its operand once, a ring all-gather its shard ``P - 1`` times; an all-to-all keeps
+        ``1/P`` of its operand; a ring all-reduce (reduce-scatter, all-gather) sends
+        ``2 (P - 1) / P`` of it."""
         p, n = self.devices, self.operand_bytes
         if p <= 1:
             return 0.0
@@ -161,17 +159,17 @@ class Cost:
     """
 
     matmul_flops: int
-    elementwise_flops: int  # an upper bound (see module docstring)
+    elementwise_flops: int
     transcendentals: int
     input_bytes: int
     output_bytes: int
-    intermediate_bytes: int  # the largest intermediate tensor
-    workspace_bytes: int = 0  # every intermediate at once plus one copy of the inputs
-    loop_trips: int = 1  # > 1 for scan-based forms
-    per_trip_matmul_flops: int = 0  # the part of matmul_flops inside the loop, per trip
+    intermediate_bytes: int
+    workspace_bytes: int = 0
+    loop_trips: int = 1
+    per_trip_matmul_flops: int = 0
     per_trip_elementwise_flops: int = 0
     per_trip_transcendentals: int = 0
-    collectives: tuple[Collective, ...] = ()  # per device, distributed forms only
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def sent_bytes(self) -> float:
@@ -197,11 +195,12 @@ SOFTMAX_PER_LOGIT = 12  # != -inf, and mask, any, where, max, -, where, where, s
 SOFTMAX_PER_ROW = 2  # where(any, max, 0), where(any, sum, 1)
 
 
-# The non-finite guard (``attnref._src.core.nonfinite``), counted from its source. Per operand element
-# (q, k, v, or a token row's entries): isfinite and where for the finite part, then isfinite, not
-# and the row reduction for the dirty test. Per logit: the live test, the reads test (and, any),
-# and with a bias: isfinite, not, and, any for the dirty test and isnan, == inf, or, where for its
-# finite part. Per query row: the or of the dirty terms; per output entry: the poisoning where.
+# The non-finite guard (``attnref._src.core.nonfinite``), counted from its source. Per operand
+# element (q, k, v, or a token row's entries): isfinite and where for the finite part, then
+# isfinite, not and the row reduction for the dirty test. Per logit: the live test, the reads test
+# (and, any), and with a bias: isfinite, not, and, any for the dirty test and isnan, == inf, or,
+# where for its finite part. Per query row: the or of the dirty terms; per output entry: the
+# poisoning where.
 GUARD_PER_OPERAND = 5
 GUARD_PER_LOGIT = 3
 GUARD_PER_BIASED_LOGIT = 8
@@ -332,13 +331,8 @@ def linear_proj(d: Dims) -> tuple[int, int]:
     pq, pk, pv = projections(d)
     b, h = d.batch, d.heads
     out = 2 * b * d.t_q * h * d.d_v * d.d_model
-    el = bias_adds(
-        d,
-        b * d.t_q * h * d.d_k,
-        b * d.t_k * h * d.d_k,
-        b * d.t_k * h * d.d_v,
-        b * d.t_q * d.d_model,
-    )
+    tq, tk = b * d.t_q, b * d.t_k
+    el = bias_adds(d, tq * h * d.d_k, tk * h * d.d_k, tk * h * d.d_v, tq * d.d_model)
     return pq + pk + pv + out, el + b * (d.heads - 1) * d.t_q * d.d_model
 
 
@@ -355,15 +349,8 @@ def linear_tensors(d: Dims) -> list[int]:
     b, h, m = d.batch, d.heads, feature_count(d)
     proj = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
     feats = [b * d.t_q * h * m, b * d.t_k * h * m]
-    return [
-        *proj,
-        *proj,
-        *feats,
-        *feats,
-        b * d.t_k * h * m,
-        b * d.t_q * h * d.d_v,
-        b * d.t_q * d.d_model,
-    ]
+    rest = [b * d.t_k * h * m, b * d.t_q * h * d.d_v, b * d.t_q * d.d_model]
+    return 2 * proj + 2 * feats + rest
 
 
 def linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: Any) -> Cost:
@@ -441,140 +428,6 @@ def cost(formulation_id: str, dims: Dims) -> Cost:
 
 # ----------------------------------------------------------------------------- XLA's counts
 
-_INSTR = re.compile(r"%([\w.\-]+) = \w+\[([\d,]*)\]")
-_DOT = re.compile(
-    r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}"
-)
-
-
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
-
-
-def hlo_dot_flops(hlo_text: str) -> int:
-    """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
-    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does).
-
-    Args:
-        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
-
-    Returns:
-        The dot FLOPs, an int (0 when there is no ``dot``).
-    """
-    shapes = {m.group(1): _dims(m.group(2)) for m in _INSTR.finditer(hlo_text)}
-    total = 0
-    for m in _DOT.finditer(hlo_text):
-        out, lhs = _dims(m.group(1)), shapes[m.group(2)]
-        total += 2 * math.prod(out) * math.prod(lhs[c] for c in _dims(m.group(3)))
-    return total
-
-
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
-_ITEMSIZE |= {"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
-_COLLECTIVE = re.compile(
-    r"= (.*?) (collective-permute|all-gather|all-to-all|all-reduce|reduce-scatter)(-start)?\("
-)
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
-_GROUPS = re.compile(
-    r"replica_groups=(\{\{([\d,]*)\}|\[(\d+),(\d+)\]|\{\}|mesh\[([^\]]*)\] \{([^}]*)\})"
-)
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
-_PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
-_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_CALLEE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _itemsize(hlo_type: str) -> int:
-    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``f8e4m3fn``, ...)."""
-    if hlo_type.startswith("f8"):
-        return 1
-    if hlo_type not in _ITEMSIZE:
-        raise ValueError(f"unknown HLO element type {hlo_type!r}")
-    return _ITEMSIZE[hlo_type]
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """The instruction lines of each computation of HLO text, and the entry's name."""
-    comps: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    return comps, entry
-
-
-def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int | None], set[str]]:
-    """How many times each computation runs per call of the entry, and which run in a branch of
-    a conditional. A ``while`` body runs its known trip count times per run of its caller
-    (``None``: a loop on the way has no known trip count); every other callee (fusions, calls,
-    reductions, branches) once per run of its caller, which for a branch is an upper bound."""
-    edges: dict[str, list[tuple[str, int | None, bool]]] = {name: [] for name in comps}
-    for name, lines in comps.items():
-        for line in lines:
-            for role, callee in _CALLEE.findall(line):
-                if role != "body":
-                    branch = role in ("true_computation", "false_computation")
-                    edges[name].append((callee, 1, branch))
-                    continue
-                trips = _TRIPS.search(line)
-                edges[name].append((callee, None if trips is None else int(trips.group(1)), False))
-            for branches in _BRANCHES.findall(line):
-                edges[name] += [(b.strip().lstrip("%"), 1, True) for b in branches.split(",")]
-    order: list[str] = []  # callers before callees (HLO call graphs are acyclic)
-    seen: set[str] = set()
-
-    def post(name: str) -> None:
-        seen.add(name)
-        for callee, _, _ in edges.get(name, []):
-            if callee not in seen:
-                post(callee)
-        order.append(name)
-
-    post(entry)
-    counts: dict[str, int | None] = {name: 0 for name in order}
-    counts[entry] = 1
-    branched: set[str] = set()
-    for name in reversed(order):
-        times = counts[name]
-        for callee, k, branch in edges.get(name, []):
-            add = None if times is None or k is None else times * k
-            prev = counts[callee]
-            counts[callee] = None if add is None or prev is None else prev + add
-            if branch or name in branched:
-                branched.add(callee)
-    return counts, branched
-
-
-def _group_size(line: str, kind: str, partitions: int) -> int:
-    """The group size of a collective instruction: ``{{0,1,..}}`` (explicit groups),
-    ``[G,P]<=[N]`` (iota groups), ``mesh[...] {'axis'}`` (mesh axes), ``{}`` (every partition);
-    for ``collective-permute``, the number of source-target pairs."""
-    if kind == "collective-permute":
-        pairs = _PAIRS.search(line)
-        return len(pairs.group(1).split("},{")) if pairs else 1
-    g = _GROUPS.search(line)
-    if g is None or g.group(1) == "{}":
-        return partitions
-    if g.group(2) is not None:
-        return len(_dims(g.group(2)))
-    if g.group(4) is not None:
-        return int(g.group(4))
-    sizes = dict((name, int(n)) for name, n in _MESH_AXIS.findall(g.group(5)))
-    return math.prod(sizes[a.strip().strip("'")] for a in g.group(6).split(",") if a.strip())
-
 
 def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
     """The collectives of compiled (SPMD, per-device) HLO text, one per instruction, each with
@@ -593,33 +446,10 @@ def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
         ValueError: If a collective runs inside a ``while`` loop with no known trip count, or
             is asynchronous (``*-start``; the CPU backend emits none).
     """
-    comps, entry = _computations(hlo_text)
-    runs, branched = _executions(comps, entry)
-    found = _PARTITIONS.search(hlo_text)
-    partitions = int(found.group(1)) if found else 1
-    out = []
-    for name, lines in comps.items():
-        for line in lines:
-            m = _COLLECTIVE.search(line)
-            if m is None:
-                continue
-            if m.group(3):
-                raise ValueError(f"asynchronous collective {m.group(2)}-start is not counted")
-            kind = m.group(2)
-            if runs.get(name, 0) is None:
-                raise ValueError(
-                    f"{kind} in %{name} runs inside a while loop with no known trip count"
-                )
-            size = sum(_itemsize(t) * math.prod(_dims(d)) for t, d in _ARRAY.findall(m.group(1)))
-            p = _group_size(line, kind, partitions)
-            if kind == "all-gather":
-                size //= p
-            elif kind == "reduce-scatter":
-                size *= p
-            calls = runs.get(name, 0) or 0
-            scheme = "/shard_map/" in line
-            out.append(Collective(kind, size, calls, p, scheme, conditional=name in branched))
-    return tuple(out)
+    return tuple(
+        Collective(kind, size, calls, p, scheme, conditional=branched)
+        for kind, size, calls, p, scheme, branched in collective_calls(hlo_text)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,11 +465,11 @@ class XlaCounts:
             its ``while`` trip counts.
     """
 
-    flops: float  # cost_analysis()["flops"]: dots plus every elementwise op XLA executes
+    flops: float
     transcendentals: float
-    dot_flops: int  # from the optimised HLO's dot instructions
-    temp_bytes: int  # memory_analysis().temp_size_in_bytes
-    collectives: tuple[Collective, ...] = ()  # from the optimised HLO, trip counts included
+    dot_flops: int
+    temp_bytes: int
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def other_flops(self) -> float:

@@ -1,0 +1,279 @@
+"""Converters between attnref's per-head weights and the fused layouts of Flax, PyTorch and HF.
+
+attnref stores per head ``w_q: [H, d_model, d_k]``, ``w_k: [K, d_model, d_k]``, ``w_v: [K,
+d_model, d_v]``, ``w_o: [H, d_v, d_model]`` (row vectors, ``y = x W``). Flax's
+``MultiHeadDotProductAttention`` uses ``DenseGeneral`` kernels ``[d_model, H, d_head]`` and
+``[H, d_v, d_model]``; PyTorch's ``nn.MultiheadAttention`` and Hugging Face BERT store fused
+``[out, in]`` matrices (``y = x W^T``). The fused layouts store one K/V head per query head:
+grouped-query params raise ``ValueError`` (convert :func:`repeat_kv_heads` of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attnref._src.core.checks import BIAS_FIELDS, check_params
+from attnref._src.core.params import AttentionParams
+
+
+def _require_mha(params: AttentionParams, layout: str) -> None:
+    """Fused layouts store one K/V head per query head; refuse grouped/multi-query params."""
+    check_params(params)
+    if params.num_kv_heads != params.num_heads:
+        raise ValueError(
+            f"{layout} has no grouped-query layout: params have num_heads={params.num_heads} "
+            f"but num_kv_heads={params.num_kv_heads} (params.w_k has shape "
+            f"{tuple(np.shape(params.w_k))}); convert attnref.interop.repeat_kv_heads(params), the "
+            "equivalent multi-head parameters, instead"
+        )
+
+
+def _require(d: Mapping[str, Any], key: str, layout: str) -> np.ndarray:
+    if key not in d:
+        raise KeyError(f"{layout} weights are missing {key!r}; got keys {sorted(d)}")
+    return np.asarray(d[key])
+
+
+def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
+    """Flax ``MultiHeadDotProductAttention`` params (``DenseGeneral`` kernels):
+    ``query/key/value``: ``kernel [d_model, H, d_head]``, ``bias [H, d_head]``; ``out``:
+    ``kernel [H, d_v, d_model]``, ``bias [d_model]``.
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams`.
+
+    Returns:
+        ``{"query"|"key"|"value"|"out": {"kernel": ..., "bias": ...}}`` of NumPy arrays; a
+        ``"bias"`` entry only where ``params`` has that bias.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    _require_mha(params, "Flax MultiHeadDotProductAttention")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for name, w, b in (
+        ("query", params.w_q, params.b_q),
+        ("key", params.w_k, params.b_k),
+        ("value", params.w_v, params.b_v),
+        ("out", params.w_o, params.b_o),
+    ):
+        w = np.asarray(w)
+        out[name] = {"kernel": w if name == "out" else np.transpose(w, (1, 0, 2))}
+        if b is not None:
+            out[name]["bias"] = np.asarray(b)
+    return out
+
+
+def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
+    """Inverse of :func:`to_flax` (accepts Flax's nested ``params`` dict for the module).
+
+    Args:
+        tree: ``{"query", "key", "value", "out"}`` each with a rank-3 ``"kernel"`` and an
+            optional ``"bias"`` (a missing ``"bias"`` gives ``None``).
+
+    Returns:
+        :class:`AttentionParams` of NumPy arrays (multi-head, ``K == H``).
+
+    Raises:
+        KeyError: If a module or a ``"kernel"`` is missing.
+        ValueError: If a kernel is not rank 3.
+    """
+    for key in ("query", "key", "value", "out"):
+        if key not in tree:
+            raise KeyError(f"Flax attention params are missing {key!r}; got keys {sorted(tree)}")
+
+    def kernel(name: str) -> np.ndarray:
+        k = _require(tree[name], "kernel", f"Flax {name}")
+        if k.ndim != 3:
+            raise ValueError(f"Flax {name}.kernel must have rank 3, got shape {k.shape}")
+        return k if name == "out" else np.transpose(k, (1, 0, 2))
+
+    def bias(name: str) -> np.ndarray | None:
+        return np.asarray(tree[name]["bias"]) if "bias" in tree[name] else None
+
+    names = ("query", "key", "value", "out")
+    return AttentionParams(*map(kernel, names), *map(bias, names))
+
+
+def _heads_to_out_in(w: Any) -> np.ndarray:
+    """``[H, d_in, d_head] -> [H*d_head, d_in]`` (PyTorch's (out, in), head-major out rows)."""
+    h, d_in, d_head = np.shape(w)
+    return np.transpose(np.asarray(w), (0, 2, 1)).reshape(h * d_head, d_in)
+
+
+def _out_in_to_heads(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
+    out, d_in = w.shape
+    if out % num_heads:
+        raise ValueError(f"{name} has {out} output rows, not divisible by num_heads={num_heads}")
+    return np.transpose(w.reshape(num_heads, out // num_heads, d_in), (0, 2, 1))
+
+
+def _out_proj(params: AttentionParams) -> np.ndarray:
+    """``W_O [H, d_v, d_model] -> [d_model, H d_v]`` (``nn.Linear``'s (out, in))."""
+    return np.transpose(np.asarray(params.w_o).reshape(-1, params.d_model))
+
+
+def _all_or_no_bias(params: AttentionParams) -> list[np.ndarray] | None:
+    if not params.has_bias:
+        return None
+    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+    shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
+    # A layout that stores all biases or none gets explicit zeros for the absent ones: the
+    # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
+    return [
+        np.asarray(getattr(params, n))
+        if getattr(params, n) is not None
+        else np.zeros(s, params.dtype)
+        for n, s in zip(BIAS_FIELDS, shapes, strict=True)
+    ]
+
+
+def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
+    """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
+
+    PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
+    zeros when any bias is present (PyTorch has all biases or none).
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams` with
+            ``d_k == d_v == d_model / H``.
+
+    Returns:
+        ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy),
+        plus ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``), or
+            ``d_k == d_v == d_model / H`` does not hold.
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    _require_mha(params, "PyTorch nn.MultiheadAttention")
+    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+    if not (d_k == d_v and h * d_k == d_model):
+        raise ValueError(
+            "nn.MultiheadAttention packs q, k, v with head_dim = embed_dim / num_heads; got "
+            f"H={h}, d_model={d_model}, d_k={d_k}, d_v={d_v}"
+        )
+    qkv = (params.w_q, params.w_k, params.w_v)
+    sd = {
+        "in_proj_weight": np.concatenate([_heads_to_out_in(w) for w in qkv]),
+        "out_proj.weight": _out_proj(params),
+    }
+    biases = _all_or_no_bias(params)
+    if biases is not None:
+        sd["in_proj_bias"] = np.concatenate([b.reshape(-1) for b in biases[:3]])
+        sd["out_proj.bias"] = biases[3]
+    return sd
+
+
+def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionParams:
+    """Inverse of :func:`to_torch_mha`; ``num_heads`` is not recorded in the state dict.
+
+    Args:
+        state_dict: ``in_proj_weight [3E, E]``, ``out_proj.weight [E, E]`` and optionally
+            ``in_proj_bias [3E]`` with ``out_proj.bias [E]`` (arrays or tensors NumPy can read).
+        num_heads: The number of heads ``H`` (must divide ``E``).
+
+    Returns:
+        Multi-head :class:`AttentionParams` of NumPy arrays, ``d_k = d_v = E / H``; biases
+        only if ``in_proj_bias`` is present.
+
+    Raises:
+        KeyError: If a required entry is missing.
+        ValueError: If ``in_proj_weight`` is not ``[3E, E]`` or ``E`` is not divisible by
+            ``num_heads``.
+    """
+    w_in = _require(state_dict, "in_proj_weight", "nn.MultiheadAttention")
+    w_out = _require(state_dict, "out_proj.weight", "nn.MultiheadAttention")
+    if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
+        raise ValueError(f"in_proj_weight must have shape [3E, E], got {w_in.shape}")
+    e = w_in.shape[1]
+    wq, wk, wv = (
+        _out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight") for i in range(3)
+    )
+    w_o = np.transpose(w_out).reshape(num_heads, e // num_heads, e)
+    if "in_proj_bias" not in state_dict:
+        return AttentionParams(wq, wk, wv, w_o)
+    b_in = np.asarray(state_dict["in_proj_bias"])
+    b_q, b_k, b_v = (b_in[i * e : (i + 1) * e].reshape(num_heads, -1) for i in range(3))
+    b_o = _require(state_dict, "out_proj.bias", "nn.MultiheadAttention")
+    return AttentionParams(wq, wk, wv, w_o, b_q, b_k, b_v, b_o)
+
+
+_HF_KEYS = {
+    "w_q": "self.query.weight",
+    "w_k": "self.key.weight",
+    "w_v": "self.value.weight",
+    "w_o": "output.dense.weight",
+    "b_q": "self.query.bias",
+    "b_k": "self.key.bias",
+    "b_v": "self.value.bias",
+    "b_o": "output.dense.bias",
+}
+
+
+def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarray]:
+    """Hugging Face BERT attention weights: ``{prefix}self.query.weight [H*d_k, d_model]`` etc.
+
+    ``nn.Linear`` stores ``(out, in)``; heads are contiguous blocks of the out features (BERT's
+    ``view(..., H, d_head)``). ``output.dense.weight`` is ``[d_model, H*d_v]``. Absent biases are
+    written as zeros when any bias is present.
+
+    Args:
+        params: Multi-head (``K == H``) :class:`AttentionParams`.
+        prefix: Prepended to every key (e.g. ``"encoder.layer.0.attention."``); default ``""``.
+
+    Returns:
+        ``{prefix + "self.query.weight": [H d_k, d_model], ...}`` (NumPy): the query, key,
+        value and ``output.dense`` weights, and their biases when any bias is present.
+
+    Raises:
+        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
+        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """
+    _require_mha(params, "Hugging Face BERT attention")
+    sd = {prefix + _HF_KEYS[n]: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
+    sd[prefix + _HF_KEYS["w_o"]] = _out_proj(params)
+    biases = _all_or_no_bias(params)
+    if biases is not None:
+        for name, b in zip(BIAS_FIELDS, biases, strict=True):
+            sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
+    return sd
+
+
+def from_hf_bert(
+    state_dict: Mapping[str, Any], num_heads: int, prefix: str = ""
+) -> AttentionParams:
+    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``).
+
+    Args:
+        state_dict: Hugging Face BERT weights (``{prefix}self.query.weight [H d_k, d_model]``,
+            ..., ``{prefix}output.dense.weight [d_model, H d_v]``), arrays or tensors NumPy can
+            read; the biases are read when ``{prefix}self.query.bias`` is present.
+        num_heads: The number of heads ``H`` (not recorded in the weights).
+        prefix: The key prefix; default ``""``.
+
+    Returns:
+        Multi-head :class:`AttentionParams` of NumPy arrays.
+
+    Raises:
+        KeyError: If a required weight (or, with biases, a bias) is missing.
+        ValueError: If a projection's output rows are not divisible by ``num_heads``.
+    """
+
+    def get(name: str) -> np.ndarray:
+        return _require(state_dict, prefix + _HF_KEYS[name], "Hugging Face BERT")
+
+    w_q, w_k, w_v = (
+        _out_in_to_heads(get(n), num_heads, prefix + _HF_KEYS[n]) for n in ("w_q", "w_k", "w_v")
+    )
+    dense = get("w_o")
+    w_o = np.transpose(dense).reshape(num_heads, dense.shape[1] // num_heads, dense.shape[0])
+    if prefix + _HF_KEYS["b_q"] not in state_dict:
+        return AttentionParams(w_q, w_k, w_v, w_o)
+    b_q, b_k, b_v = (get(n).reshape(num_heads, -1) for n in ("b_q", "b_k", "b_v"))
+    return AttentionParams(w_q, w_k, w_v, w_o, b_q, b_k, b_v, get("b_o"))

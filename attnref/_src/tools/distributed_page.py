@@ -1,0 +1,225 @@
+"""``docs/distributed.md`` (:func:`render_distributed`): the token layouts, every entry of the
+distributed family with its cost model, the communication and causal load balance tables, and
+the benchmark section that ``benchmarks/bench_distributed.py`` writes."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from attnref._src.core.registry import Formulation, formulations
+from attnref._src.tools.pages import public_name
+
+BENCH_SECTION = "bench_distributed"  # the marked section benchmarks/bench_distributed.py writes
+# The reference problem of the page's communication table (per device, float32).
+REFERENCE = {"batch": 1, "t": 4096, "heads": 8, "d_model": 512, "d_k": 64, "devices": 8}
+
+
+# The page's order of the schemes (any other entry of the family follows, in registry order).
+SCHEME_ORDER = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")
+
+
+def _distributed() -> list[Formulation]:
+    """The distributed family's entries in :data:`SCHEME_ORDER`."""
+    entries = list(formulations("distributed"))
+    rank = {fid: i for i, fid in enumerate(SCHEME_ORDER)}
+    return sorted(entries, key=lambda f: rank.get(f.id, len(rank)))
+
+
+def _positions_table(n: int, devices: int) -> str:
+    """Which positions each device holds in each layout for ``n`` tokens (padding in italics)."""
+    from attnref._src.formulations.distributed import layout as seq_layout
+
+    lines = ["| device | " + " | ".join(seq_layout.LAYOUTS) + " |", "|---" * 4 + "|"]
+    tables = {
+        layout: seq_layout.positions(seq_layout.padded_length(n, devices, layout), devices, layout)
+        for layout in seq_layout.LAYOUTS
+    }
+    for d in range(devices):
+        cells = [
+            " ".join(str(i) if i < n else f"*{i}*" for i in tables[layout][d])
+            for layout in seq_layout.LAYOUTS
+        ]
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _communication_table() -> str:
+    """Per-device work and communication of each scheme on :data:`REFERENCE` (its cost model)."""
+    from attnref._src.core.cost import Dims
+
+    r = REFERENCE
+    dims = Dims(
+        r["batch"],
+        r["t"],
+        r["t"],
+        r["heads"],
+        r["d_model"],
+        r["d_k"],
+        r["d_k"],
+        devices=r["devices"],
+    )
+    lines = [
+        "| scheme | collective | calls | operand per call (MiB) | sent per device (MiB) "
+        "| matmul per device (GFLOP) | largest intermediate (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mib = 2.0**20
+    for f in _distributed():
+        c = f.cost_model(dims)  # type: ignore[misc]
+        for kind in dict.fromkeys(k.kind for k in c.collectives):
+            ks = [k for k in c.collectives if k.kind == kind]
+            sizes = sorted({k.operand_bytes / mib for k in ks})
+            lines.append(
+                f"| {f.id} | {kind} | {sum(k.calls for k in ks)} | "
+                + ", ".join(f"{v:.3f}" for v in sizes)
+                + f" | {sum(k.sent_bytes for k in ks) / mib:.3f} | {c.matmul_flops / 1e9:.2f} | "
+                f"{c.intermediate_bytes / mib:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def _balance_table() -> str:
+    """``max / mean`` useful causal pairs per device for each layout (exact fractions)."""
+    from attnref._src.formulations.distributed import layout as seq_layout
+    from attnref._src.formulations.distributed.cost import load_balance
+
+    lines = [
+        "| P | T | " + " | ".join(seq_layout.LAYOUTS) + " |",
+        "|---|---|" + "---|" * len(seq_layout.LAYOUTS),
+    ]
+    for p in (2, 4, 8):
+        for t in (1000, 1024, 4096):
+            cells = [f"{float(load_balance(t, p, layout)):.4f}" for layout in seq_layout.LAYOUTS]
+            lines.append(f"| {p} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _distributed_name(fn: Callable[..., Any]) -> str:
+    """``attnref.distributed.<name>`` where that namespace exports ``fn``, else
+    :func:`public_name` (the namespace joins :data:`NAMESPACES` with the family's registration)."""
+    import attnref.distributed
+
+    name = fn.__name__
+    if name in attnref.distributed.__all__ and getattr(attnref.distributed, name) is fn:
+        return f"attnref.distributed.{name}"
+    return public_name(fn)
+
+
+def _scheme(f: Formulation) -> str:
+    model = f.cost_model
+    if model is None:
+        raise ValueError(f"{f.id}: a distributed scheme without a cost model")
+    comm = inspect.getdoc(model) or ""
+    return (
+        f"### {f.title} (`{f.id}`)\n\n"
+        f"$$\n{f.equation}\n$$\n\n"
+        f"{f.summary}\n\n"
+        f"**Kernel.** `{_distributed_name(f.native)}`; row form `{_distributed_name(f.apply)}` "
+        f"([page](formulations/{f.id}.md)).\n\n"
+        f"**Cost.** {f.cost}\n\n"
+        f"**Per-device model** (`{model.__module__}.{model.__name__}`). {comm}\n\n"
+        f"**Citation.** {f.citation}"
+    )
+
+
+def _bench_section(existing: str) -> str:
+    """The marked benchmark section of ``existing`` (the page as it is), or a placeholder."""
+    start, end = f"<!-- {BENCH_SECTION}:start -->", f"<!-- {BENCH_SECTION}:end -->"
+    if start in existing and end in existing:
+        body = existing.split(start, 1)[1].split(end, 1)[0].strip("\n")
+    else:
+        body = (
+            "## Benchmark\n\nNot run yet: `python benchmarks/bench_distributed.py --out "
+            "docs/distributed.md` writes this section and `docs/img/distributed.png`."
+        )
+    return f"{start}\n{body}\n{end}"
+
+
+def render_distributed(existing: str = "") -> str:
+    """``docs/distributed.md``: the layouts, every entry of the distributed family (equation,
+    citation, cost, per-device communication model), the communication and load balance tables,
+    and the benchmark section kept from ``existing``.
+
+    Args:
+        existing: The page as it is now ('' for none): its benchmark section (written by
+            ``benchmarks/bench_distributed.py``) is kept verbatim.
+
+    Returns:
+        The page's Markdown text.
+    """
+    import attnref.distributed  # noqa: F401  (registers the schemes)
+    from attnref._src.formulations.distributed import cost as dcost
+    from attnref._src.formulations.distributed.family import GRADIENTS
+
+    schemes = "\n\n".join(_scheme(f) for f in _distributed())
+    r = REFERENCE
+    return (
+        "# Distributed attention: the same function, computed on a mesh\n\n"
+        "The distributed family (`attnref.distributed`) computes the softmax family's function "
+        "in pieces on the devices of a `jax.sharding.Mesh` (`shard_map` with `ppermute`, "
+        "`all_gather`, `all_to_all`, `psum`). Each scheme is a registry entry whose kernel level "
+        "takes the layout and options of `attnref.dot_product_attention` plus `mesh` and "
+        "`axis_name` (global arrays in, global arrays out) and whose row form is checked against "
+        "the float64 oracle like every other entry. On one host, "
+        "`XLA_FLAGS=--xla_force_host_platform_device_count=8` (set before JAX starts) gives 8 "
+        "virtual CPU devices.\n\n"
+        "## Token layouts\n\n"
+        "Sequence-parallel schemes give device `d` the queries (and K/V chunk) at the global "
+        "positions `positions(T', P, layout)[d]` (`attnref._src.formulations.distributed.layout`): "
+        "**contiguous** (ring, Ulysses) `d c .. d c + c - 1` with `c = T' / P`; **striped** "
+        "`d, d + P, d + 2P, ...`; **zigzag** (zigzag ring, all-gather) the sequence in `2P` "
+        "chunks, device `d` holding chunks `d` and `2P - 1 - d`. `T = 16` tokens on `P = 4` "
+        "devices:"
+        f"\n\n{_positions_table(16, 4)}\n\n"
+        "**Padding.** A length that `P` (`2P` for zigzag) does not divide is padded inside to "
+        "`T'`, the next multiple: padded keys are never attended (the allowed rule tests "
+        "`j < S`), padded queries are dropped, so every `T, S >= 0` gives the exact answer. "
+        "`T = 10` on `P = 4` (padding in italics; contiguous and striped pad to 12, zigzag to "
+        f"16):\n\n{_positions_table(10, 4)}\n\n"
+        f"## Schemes\n\n{schemes}\n\n"
+        f"{GRADIENTS}\n\n"
+        "## Communication and work per device\n\n"
+        "Every cost model (`attnref.costs.cost` on `Dims(..., devices=P)`) counts per device, as "
+        "XLA's `cost_analysis()` of the SPMD program does, and lists the scheme's collectives "
+        "(`attnref._src.core.cost.Collective`: kind, operand bytes per call, calls). What a device "
+        "sends per call follows the bandwidth-optimal algorithms: a permute sends its operand, a "
+        "ring all-gather its shard `P - 1` times, an all-to-all `(P - 1)/P` of its operand, a ring "
+        "all-reduce `2 (P - 1)/P`. `tests/test_distributed_cost.py` checks the matmul FLOPs, "
+        "transcendentals and per-call collective bytes against the compiled HLO "
+        "(`attnref._src.core.cost.hlo_collectives`, `while` trip counts included) exactly, at "
+        f"`P` = 1, 2 and 4. On B = {r['batch']}, T = S = {r['t']}, H = {r['heads']} heads, "
+        f"d_model = {r['d_model']}, d_k = d_v = {r['d_k']}, float32, P = {r['devices']}:"
+        f"\n\n{_communication_table()}\n\n"
+        "Tensor parallelism's matmul includes the projections of its `H/P` heads; the "
+        "sequence-parallel rows include the row form's projections on all tokens (striped, "
+        "zigzag, all-gather: XLA's partitioner does not shard through the layout's gather) or "
+        "on the device's own (ring, Ulysses). Around the `shard_map`, the partitioner may add "
+        "collectives of its own to reshard the global arrays; the benchmark below measures them "
+        "separately.\n\n"
+        "## Causal load balance\n\n"
+        f"{dcost.CLOSED_FORMS}\n\n"
+        "`balance = max_d / mean_d` of the allowed (query, key) pairs per device under causal "
+        "self-attention (`attnref._src.formulations.distributed.cost.load_balance`; `tests/"
+        "test_distributed_cost.py` checks it against a brute-force count and the closed forms):"
+        f"\n\n{_balance_table()}\n\n"
+        "All-gather context parallelism uses the zigzag layout (its balance is zigzag's); "
+        "Ulysses and tensor parallelism split heads, so every device does the same causal work. "
+        "The ring skips a step whose chunk no local query may read, so on the contiguous layout "
+        "device `d` computes `d + 1` of its `P` pieces under a causal mask.\n\n"
+        f"{_bench_section(existing)}\n\n"
+        "*Generated from the registry and the cost models by `python -m attnref.pages` (the "
+        "benchmark section by `benchmarks/bench_distributed.py`); "
+        "`tests/test_distributed_cost.py` checks it is current.*\n"
+    )
+
+
+def write_distributed(path: Path) -> Path:
+    """Regenerate ``path`` (``docs/distributed.md``), keeping its benchmark section."""
+    existing = path.read_text() if path.exists() else ""
+    path.write_text(render_distributed(existing))
+    return path
+
+
