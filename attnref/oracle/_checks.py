@@ -110,6 +110,16 @@ def check_mask_and_bias(
     return out[0], out[1]
 
 
+def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
+    """An int axis of an array of ``shape`` (``lse``'s), negative from the end; returns it
+    non-negative."""
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"axis={axis} is out of range for lse of shape {shape}")
+    return int(axis) % len(shape)
+
+
 # ----------------------------------------------------------------------------- kernel level
 
 

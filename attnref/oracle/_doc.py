@@ -118,6 +118,17 @@ LINEAR_RAISES = {
     "``residual`` is not a bool.",
 }
 
+# The attention states ``(o, lse)`` of disjoint key sets ``A`` and ``B``, and their merge.
+STATES = {
+    "o_a": "Normalised output of ``A``, ``[..., H_v]``, floating.",
+    "lse_a": "Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.",
+    "o_b": "Normalised output of ``B``, the shape of ``o_a``.",
+    "lse_b": "Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.",
+    "g_o": "The cotangent of the merged ``o``, the shape of ``o_a``.",
+    "g_lse": "The cotangent of the merged ``lse``, the shape of ``lse_a``.",
+    "masked_rows": '``o`` of a row where every state is empty: ``"zeros"`` (default) or ``"nan"``.',
+}
+
 
 def _entries(items: Mapping[str, str]) -> list[str]:
     return [

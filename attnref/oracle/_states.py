@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import dtype_of, is_floating, shape_of
+from ._checks import check_axis, dtype_of, is_floating, shape_of
+from ._doc import STATES, doc
 
 STATE_POLICIES = ("zeros", "nan")
 
@@ -116,6 +117,7 @@ def _merge_last_vjp(
     return d_o, d_lse
 
 
+@doc(STATES)
 def merge_states(
     o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, *, masked_rows: str = "zeros"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -123,14 +125,6 @@ def merge_states(
 
     ``lse = log(e^{lse_a} + e^{lse_b})``, ``o = e^{lse_a - lse} o_a + e^{lse_b - lse} o_b``
     (module docstring: the empty state is the identity, NaN and ``+inf`` poison the row).
-
-    Args:
-        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
-        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
-        o_b: Normalised output of ``B``, the shape of ``o_a``.
-        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
-        masked_rows: ``o`` of a row where both states are empty: ``"zeros"`` (default) or
-            ``"nan"``.
 
     Returns:
         ``(o [..., H_v], lse [...])`` in float64.
@@ -152,6 +146,7 @@ def merge_states(
     return _merge_last(o, lse, masked_rows)
 
 
+@doc(STATES)
 def merge_states_vjp(
     o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, g_o: Any, g_lse: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -165,14 +160,6 @@ def merge_states_vjp(
     (its ``o``, NaN allowed, is never read), and so does a row where both are empty (the merge is
     the constant empty state there, whatever ``masked_rows``); a NaN or ``+inf`` ``lse`` makes
     the row's gradients NaN, and a NaN ``o`` of a live state its row's ``d lse``.
-
-    Args:
-        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
-        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
-        o_b: Normalised output of ``B``, the shape of ``o_a``.
-        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
-        g_o: The cotangent of the merged ``o``, the shape of ``o_a``.
-        g_lse: The cotangent of the merged ``lse``, the shape of ``lse_a``.
 
     Returns:
         ``(d o_a, d lse_a, d o_b, d lse_b)`` in float64, the shapes of the inputs.
@@ -226,12 +213,7 @@ def merge_state_stack(
     """
     _check_policy(masked_rows)
     _check_state("stack", o, lse)
-    rank = len(shape_of(lse))
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for lse of shape {shape_of(lse)}")
-    ax = int(axis) % rank
+    ax = check_axis(axis, shape_of(lse))
     lse64 = np.moveaxis(np.asarray(lse, np.float64), ax, -1)
     o64 = np.moveaxis(np.asarray(o, np.float64), ax, -2)
     return _merge_last(o64, lse64, masked_rows)

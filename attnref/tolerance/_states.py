@@ -132,6 +132,9 @@ from typing import Any
 
 import numpy as np
 
+from attnref.oracle._checks import check_axis
+from attnref.oracle._doc import STATES, doc
+
 from ._rounding import C_EXP, finfo_of, gamma, is_16bit, unit_roundoff
 
 TREES = ("sequential", "balanced", "stack")
@@ -314,12 +317,7 @@ def merge_error_bound(
             f"lse has shape {lse64.shape}; expected {o64.shape[:-1]} (o's shape {o64.shape} "
             "without its last axis)"
         )
-    rank = lse64.ndim
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for lse of shape {lse64.shape}")
-    ax = int(axis) % rank
+    ax = check_axis(axis, lse64.shape)
     pieces = lse64.shape[ax]
     depth = merge_depth(tree, pieces)
     stack = tree == "stack"
@@ -327,13 +325,7 @@ def merge_error_bound(
     st = _live_stats(os_, ls)
     eo, el = _errors(o_error, lse_error, o64, lse64, st["live"], ax)
 
-    o_fmt = as_dtype(dtype)
-    l_fmt = o_fmt if lse_dtype is None else as_dtype(lse_dtype)
-    work = np.result_type(np.float32, *(np.float32 if is_16bit(f) else f for f in (o_fmt, l_fmt)))
-    u = unit_roundoff(work)
-    tiny = float(finfo_of(work).tiny)
-    r_o = unit_roundoff(o_fmt) if is_16bit(o_fmt) else 0.0
-    r_l = unit_roundoff(l_fmt) if is_16bit(l_fmt) else 0.0
+    u, tiny, r_o, r_l = _formats(dtype, lse_dtype)
 
     e_max = eo.max(axis=-2, initial=0.0)
     lam0 = el.max(axis=-1, initial=0.0)
@@ -353,7 +345,7 @@ def merge_error_bound(
         local_o = (gamma(2 * pieces, u) + r_o) * mag
         shift_o = (c_p * u + (pieces - 1) * tiny) * rng
     else:
-        ell = (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
+        ell = _level_error(st, u, tiny, r_l)
         d_lse = lam0 + depth * ell
         eps = lam0 + depth * (C_EXP * u + ell)
         local_o = depth * (gamma(4, u) + r_o) * mag
@@ -395,6 +387,12 @@ def _formats(dtype: Any, lse_dtype: Any) -> tuple[float, float, float, float]:
     return unit_roundoff(work), float(finfo_of(work).tiny), r_o, r_l
 
 
+def _level_error(st: dict[str, np.ndarray], u: float, tiny: float, r_l: float) -> np.ndarray:
+    """``l = (1/e + C_EXP + C_EXP ln 2) u + (u + r_l) Lmax + tiny``: one merge level's ``lse``
+    error (module docstring)."""
+    return (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
+
+
 def _grad_terms(
     st: dict[str, np.ndarray],
     m_p: np.ndarray,
@@ -412,7 +410,7 @@ def _grad_terms(
     ``gap = |lse_p - L|``, ``mag = |g_l| + |g_o| . (V + |o| + delta_o)``, ``read_o = |g_o| .
     delta_o``."""
     gam = gamma(g_abs.shape[-1] + 12, u)
-    ell = (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
+    ell = _level_error(st, u, tiny, r_l)
     rho = np.expm1((ell + C_EXP * u)[..., None] + gap * u)
     pi = st["share"]
     shift = gam * g_l_abs + (pi * (rho + gam) * m_p).sum(axis=-1)
@@ -426,6 +424,11 @@ def _grad_terms(
     return e_o, e_l
 
 
+@doc(
+    STATES,
+    dtype="The format of the states' ``o`` (and of ``d o``); 16-bit states are merged in float32.",
+    lse_dtype="The format of the states' ``lse`` (and of ``d lse``; default ``dtype``).",
+)
 def merge_grad_error_bound(
     o_a: Any,
     lse_a: Any,
@@ -452,17 +455,6 @@ def merge_grad_error_bound(
     merged ``lse``'s error in :func:`merge_error_bound`), ``K = H_v + 12``, ``M_p = |g_lse| +
     |g_o| . (|o_p| + |o| + delta_o)``, ``delta_o`` the forward bound of ``o`` (one merge); plus
     the float64 oracle's own error.
-
-    Args:
-        o_a: State ``A``'s output ``[..., H_v]`` (as the merge received it).
-        lse_a: State ``A``'s log-sum-exp ``[...]`` (``-inf``: empty).
-        o_b: State ``B``'s output, the shape of ``o_a``.
-        lse_b: State ``B``'s log-sum-exp, the shape of ``lse_a``.
-        g_o: The cotangent of the merged ``o``, the shape of ``o_a``.
-        g_lse: The cotangent of the merged ``lse``, the shape of ``lse_a``.
-        dtype: The format of the states' ``o`` (and of ``d o``); 16-bit states are merged in
-            float32.
-        lse_dtype: The format of the states' ``lse`` (and of ``d lse``; default ``dtype``).
 
     Returns:
         ``(bound of d o_a, of d lse_a, of d o_b, of d lse_b)``, float64, non-negative, the
