@@ -8,6 +8,7 @@ the text looked up in a table of one calling convention (:data:`WEIGHT`, :data:`
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -131,15 +132,20 @@ STATES = {
 
 
 def _entries(items: Mapping[str, str]) -> list[str]:
+    """``name: text`` entries wrapped at 96 columns, never inside a ````literal````."""
+
+    def keep(m: re.Match[str]) -> str:
+        return m.group(0).replace(" ", "\0")
+
     return [
         textwrap.fill(
-            f"{name}: {text}",
+            re.sub(r"``.+?``", keep, f"{name}: {text}"),
             width=96,
             initial_indent="    ",
             subsequent_indent="        ",
             break_on_hyphens=False,
             break_long_words=False,
-        )
+        ).replace("\0", " ")
         for name, text in items.items()
     ]
 

@@ -271,19 +271,14 @@ def merge_error_bound(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` of the merge of
     ``P`` states, computed in ``dtype`` by a binary merge tree of depth ``D`` or one stacked
-    merge (derivation: module docstring and ``docs/states.md``)::
-
-        |d o|   <= [min(max_p e_p, e^{2 eps'} sum_p pi_p e_p) + D (gamma_4 + r_o) V'
-                    + min(R', eps R' / 2 + D (u / e + tiny) R')] (1 + r_o)^D
-        |d lse| <= (Lambda_0 + D l) (1 + r_l)^D,      eps = Lambda_0 + D (C_EXP u + l),
-        l = (1/e + C_EXP + C_EXP ln 2) u + (u + r_l) Lmax + tiny,
-
-    linear in the depth ``D`` (``P - 1`` sequential, ``ceil(log2 P)`` balanced), plus the
-    float64 oracle's own error. With ``o_error``/``lse_error`` (``e_p``, ``Lambda_0 = max_p
-    lambda_p``: bounds on how far each piece's state is from its exact state, e.g.
-    :func:`attnref.tolerance.kernel_call_error_bound` of each piece's call) the result bounds the
-    distance from the exact merged state, i.e. from attention over all keys: "computed piece by
-    piece and merged vs the whole call".
+    merge: ``(Lambda_0 + D l) (1 + r_l)^D`` on ``lse`` and the ``|d o|`` of the module docstring
+    ("Depth"; ``docs/states.md``), linear in the depth ``D`` (``P - 1`` sequential,
+    ``ceil(log2 P)`` balanced), plus the float64 oracle's own error. With
+    ``o_error``/``lse_error`` (``e_p``, ``Lambda_0 = max_p lambda_p``: bounds on how far each
+    piece's state is from its exact state, e.g.
+    :func:`attnref.tolerance.kernel_call_error_bound` of each piece's call) the result bounds
+    the distance from the exact merged state, i.e. from attention over all keys: "computed piece
+    by piece and merged vs the whole call".
 
     Args:
         o: The pieces' exact states' outputs, stacked along ``axis`` of ``lse``'s shape plus
@@ -442,19 +437,9 @@ def merge_grad_error_bound(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Componentwise bounds on the error of the gradient of one binary merge computed in
     ``dtype``, against the exact VJP ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) +
-    g_lse)`` (derivation: module docstring, "The gradient of one binary merge")::
-
-        |d(d o_p)|   <= (1 + r_o) [pi_p (rho_p + gamma_K) + 4 tiny] |g_o|
-                        + r_o (pi_p |g_o| + tiny_o)
-        |d(d lse_p)| <= (1 + r_l) [pi_p (rho_p + gamma_K) M_p + gamma_K |g_lse|
-                        + sum_q pi_q (rho_q + gamma_K) M_q + (1 + pi_p) |g_o| . delta_o
-                        + 4 tiny (|g_lse| + |g_o| . (V + |o| + delta_o))]
-                        + r_l (pi_p M_p + tiny_l),
-
-    ``rho_p = exp(l + C_EXP u + |lse_p - lse| u) - 1`` (a share's relative error; ``l`` the
-    merged ``lse``'s error in :func:`merge_error_bound`), ``K = H_v + 12``, ``M_p = |g_lse| +
-    |g_o| . (|o_p| + |o| + delta_o)``, ``delta_o`` the forward bound of ``o`` (one merge); plus
-    the float64 oracle's own error.
+    g_lse)``: the bound "Hence" of the module docstring ("The gradient of one binary merge",
+    ``K = H_v + 12``, ``delta_o`` the forward bound of one merge), plus the float64 oracle's own
+    error.
 
     Returns:
         ``(bound of d o_a, of d lse_a, of d o_b, of d lse_b)``, float64, non-negative, the
