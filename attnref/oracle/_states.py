@@ -70,6 +70,12 @@ def _check_state(name: str, o: Any, lse: Any) -> None:
             raise TypeError(f"{label} must be floating, got dtype {dtype_of(x)}")
 
 
+def _stacked(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Two states stacked on the merge axis: ``o [..., 2, H_v]``, ``lse [..., 2]`` (float64)."""
+    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
+    return o, np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
+
+
 def _merge_last(o: np.ndarray, lse: np.ndarray, masked_rows: str) -> tuple[np.ndarray, np.ndarray]:
     """The merge of ``P`` states stacked on the last axis of ``lse [..., P]`` and the
     second-to-last of ``o [..., P, H_v]`` (float64)."""
@@ -141,9 +147,7 @@ def merge_states(
         raise ValueError(
             f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
         )
-    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
-    lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
-    return _merge_last(o, lse, masked_rows)
+    return _merge_last(*_stacked(o_a, lse_a, o_b, lse_b), masked_rows)
 
 
 @doc(STATES)
@@ -182,8 +186,7 @@ def merge_states_vjp(
             )
         if not is_floating(dtype_of(x)):
             raise TypeError(f"{name} must be floating, got dtype {dtype_of(x)}")
-    o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)], axis=-2)
-    lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)], axis=-1)
+    o, lse = _stacked(o_a, lse_a, o_b, lse_b)
     d_o, d_lse = _merge_last_vjp(o, lse, np.asarray(g_o, np.float64), np.asarray(g_lse, np.float64))
     return d_o[..., 0, :], d_lse[..., 0], d_o[..., 1, :], d_lse[..., 1]
 

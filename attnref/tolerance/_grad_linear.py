@@ -178,13 +178,20 @@ def _contracted(spec: str, a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _cotangent_terms(
-    v: np.ndarray, ev: np.ndarray, dy: np.ndarray, edy: np.ndarray, y: np.ndarray, ey: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(dy_i.v_j, its error, dy_i.y_i, its error)``, head-major: ``[..., T_q, T_k]`` and
-    ``[..., T_q]``."""
+    v: np.ndarray,
+    ev: np.ndarray,
+    dy: np.ndarray,
+    edy: np.ndarray,
+    y: np.ndarray,
+    ey: np.ndarray,
+    c: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``g_ij = dy_i.v_j - c_i dy_i.y_i`` (``dA_ij D_i``) and its error, head-major
+    ``[..., T_q, T_k]``."""
     p, ep = _dot_err(dy, edy, v, ev, "...iv,...jv->...ij")
-    qv, eq = _dot_err(dy, edy, y, ey, "...iv,...iv->...i")
-    return p, ep, qv, eq
+    qv, eqv = _dot_err(dy, edy, y, ey, "...iv,...iv->...i")
+    g = p - (c * qv)[..., None]
+    return g, ep + (c * eqv)[..., None] + U * (np.abs(p) + (c * np.abs(qv))[..., None])
 
 
 def _denominator(
@@ -256,9 +263,7 @@ def _kernel_features(
         + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", abs_a, np.abs(v))
     )
     e_y = e_n * inv[..., None] + np.abs(y) * r[..., None]
-    p, ep, qv, eqv = _cotangent_terms(v, ev, dy, edy, y, e_y)
-    g = p - (c * qv)[..., None]
-    e_g = ep + (c * eqv)[..., None] + U * (np.abs(p) + (c * np.abs(qv))[..., None])
+    g, e_g = _cotangent_terms(v, ev, dy, edy, y, e_y, c)
     da = al * g * signed_inv[..., None]
     e_da = al * (e_g + np.abs(g) * r[..., None]) * inv[..., None]
     w_abs = abs_a * inv[..., None]
@@ -356,9 +361,7 @@ def _kernel_favor(
         + np.einsum("...ij,...jv->...iv", ratio, ev)
         + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", ratio, np.abs(v))
     )
-    p, ep, qv, eqv = _cotangent_terms(v, ev, dy, edy, y, e_y)
-    g = p - (c * qv)[..., None]
-    e_g = ep + (c * eqv)[..., None] + U * (np.abs(p) + (c * np.abs(qv))[..., None])
+    g, e_g = _cotangent_terms(v, ev, dy, edy, y, e_y, c)
     big_g = g * ratio
     e_big = e_g * ratio + np.abs(g) * (e_w + U * ratio)
     abs_g = np.abs(big_g)

@@ -93,6 +93,17 @@ def projected_heads(x: np.ndarray, w: Params, name: str, g: float) -> tuple[np.n
     return project_heads(x, wt, b, "the"), g * abs_heads(x, wt, b, "the")
 
 
+def _kernel_matrix(
+    fm: Any, q: np.ndarray, k: np.ndarray, allowed: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """``(phi(q), phi(k), A, Abar)``: the features and, head-major ``[..., H, T_q, T_k]`` over
+    the allowed pairs, ``A_ij = phi(q_i).phi(k_j)`` and ``Abar_ij = |phi(q_i)|.|phi(k_j)|``."""
+    fq, fk = features(fm, q, "query"), features(fm, k, "key")
+    a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
+    abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
+    return fq, fk, a, abar
+
+
 def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool) -> np.ndarray:
     """``[..., H, T_q, T_k]``: key padding and, if causal, ``j <= i``."""
     *batch, t_q, heads, _ = q_shape
@@ -159,11 +170,9 @@ def linear_error_bound(
     total = np.zeros((*v.shape[:-3], t_q, *v.shape[-2:]))
     for dt in (dtype, np.float64):
         u = unit_roundoff(dt)
-        fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
+        fq, fk, a, abar = _kernel_matrix(feature_map, q, k, allowed)
         eq = _abs_feature_error(feature_map, q, dq if dt is dtype else 0 * dq, fq, u)
         ek = _abs_feature_error(feature_map, k, dk if dt is dtype else 0 * dk, fk, u)
-        a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
-        abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
         err_a = np.where(
             allowed,
             np.einsum("...qhm,...khm->...hqk", eq, np.abs(fk))
@@ -237,11 +246,8 @@ def linear_multihead_error_bound(
     dz = linear_error_bound(q, k, v, dtype=dtype, dq=dq, dk=dk, dv=dv, **kw)  # type: ignore[arg-type]
     w_o = head_weights(w)[3]
     z = linear_attention(q, k, v, **kw)  # type: ignore[arg-type]
-    fq, fk = features(feature_map, q, "query"), features(feature_map, k, "key")
     t_k = k.shape[-3]
-    allowed = allowed_keys(q.shape, t_k, key_mask, causal)
-    abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
-    a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
+    fq, _, a, abar = _kernel_matrix(feature_map, q, k, allowed_keys(q.shape, t_k, key_mask, causal))
     den = a.sum(-1)
     eps_s = np.swapaxes(_scaled_eps(feature_map, q, 0 * q, eps, dtype)[0], -1, -2)  # [..., H, T_q]
     adj = np.abs(den + eps_s if eps_policy == "add" else np.maximum(den, eps_s))
