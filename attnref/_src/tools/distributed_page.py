@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from attnref._src.core.cost import Dims
 from attnref._src.core.registry import Formulation, formulations
 from attnref._src.tools.pages import public_name
 
 BENCH_SECTION = "bench_distributed"  # the marked section benchmarks/bench_distributed.py writes
 # The reference problem of the page's communication table (per device, float32).
-REFERENCE = {"batch": 1, "t": 4096, "heads": 8, "d_model": 512, "d_k": 64, "devices": 8}
+REFERENCE = Dims(batch=1, t_q=4096, t_k=4096, heads=8, d_model=512, d_k=64, d_v=64, devices=8)
 
 
 # The page's order of the schemes (any other entry of the family follows, in registry order).
@@ -48,19 +49,6 @@ def _positions_table(n: int, devices: int) -> str:
 
 def _communication_table() -> str:
     """Per-device work and communication of each scheme on :data:`REFERENCE` (its cost model)."""
-    from attnref._src.core.cost import Dims
-
-    r = REFERENCE
-    dims = Dims(
-        r["batch"],
-        r["t"],
-        r["t"],
-        r["heads"],
-        r["d_model"],
-        r["d_k"],
-        r["d_k"],
-        devices=r["devices"],
-    )
     lines = [
         "| scheme | collective | calls | operand per call (MiB) | sent per device (MiB) "
         "| matmul per device (GFLOP) | largest intermediate (MiB) |",
@@ -68,7 +56,7 @@ def _communication_table() -> str:
     ]
     mib = 2.0**20
     for f in _distributed():
-        c = f.cost_model(dims)  # type: ignore[misc]
+        c = f.cost_model(REFERENCE)  # type: ignore[misc]
         for kind in dict.fromkeys(k.kind for k in c.collectives):
             ks = [k for k in c.collectives if k.kind == kind]
             sizes = sorted({k.operand_bytes / mib for k in ks})
@@ -190,8 +178,8 @@ def render_distributed(existing: str = "") -> str:
         "all-reduce `2 (P - 1)/P`. `tests/test_distributed_cost.py` checks the matmul FLOPs, "
         "transcendentals and per-call collective bytes against the compiled HLO "
         "(`attnref._src.core.cost.hlo_collectives`, `while` trip counts included) exactly, at "
-        f"`P` = 1, 2 and 4. On B = {r['batch']}, T = S = {r['t']}, H = {r['heads']} heads, "
-        f"d_model = {r['d_model']}, d_k = d_v = {r['d_k']}, float32, P = {r['devices']}:"
+        f"`P` = 1, 2 and 4. On B = {r.batch}, T = S = {r.t_q}, H = {r.heads} heads, "
+        f"d_model = {r.d_model}, d_k = d_v = {r.d_k}, float32, P = {r.devices}:"
         f"\n\n{_communication_table()}\n\n"
         "Tensor parallelism's matmul includes the projections of its `H/P` heads; the "
         "sequence-parallel rows include the row form's projections on all tokens (striped, "
@@ -221,5 +209,3 @@ def write_distributed(path: Path) -> Path:
     existing = path.read_text() if path.exists() else ""
     path.write_text(render_distributed(existing))
     return path
-
-

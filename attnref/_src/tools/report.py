@@ -42,15 +42,8 @@ class Problem:
         """Parameters, ``x_q``, ``x_kv``; drawn in float64 and rounded once to ``dtype`` (the
         causal mask, or the linear family's ``causal`` flag, comes from the family's
         ``example``)."""
-        params = init_params(
-            self.seed,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            d_k=self.d_k,
-            d_v=self.d_v,
-            bias=self.bias,
-            dtype=np.float64,
-        )
+        sizes = {"d_model": self.d_model, "num_heads": self.num_heads, "d_k": self.d_k}
+        params = init_params(self.seed, **sizes, d_v=self.d_v, bias=self.bias, dtype=np.float64)
         rng = np.random.default_rng(self.seed + 1)
         x_q = rng.standard_normal((self.batch, self.t_q, self.d_model))
         x_kv = (
@@ -77,22 +70,9 @@ class Row:
     median_us: float = 0.0  # median wall time of the jitted call after warm-up
 
 
-def _dims(problem: Problem, causal: bool, t_k: int, dt: np.dtype[Any]) -> Dims:
-    return Dims(
-        problem.batch,
-        problem.t_q,
-        t_k,
-        problem.num_heads,
-        problem.d_model,
-        problem.d_k,
-        problem.d_v,
-        bias=problem.bias,
-        feature_map=problem.feature_map,
-        features=2 * problem.d_k,
-        chunk=16,
-        itemsize=dt.itemsize,
-        causal=causal,
-    )
+def _dims(p: Problem, causal: bool, t_k: int, dt: np.dtype[Any]) -> Dims:
+    sizes = (p.batch, p.t_q, t_k, p.num_heads, p.d_model, p.d_k, p.d_v)
+    return Dims(*sizes, p.bias, p.feature_map, 2 * p.d_k, 16, dt.itemsize, causal)
 
 
 def _median_us(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> float:
