@@ -174,6 +174,13 @@ def worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, flo
     return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
 
 
+def _chain_sizes(dims: tuple[int, int, int, int, int]) -> tuple[int, int, int]:
+    """``(N_s, N_y, T_k)`` (module docstring, steps 1 and 3) of ``dims = (H, d_model, d_k, d_v,
+    T_k)``."""
+    h, d_model, d_k, d_v, t_k = dims
+    return 2 * (d_model + 1) + d_k + 2, t_k + d_model + d_v + h + 2, t_k
+
+
 def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
     """``(g_s, u_sub, g_soft, g_y)`` for the dtype's arithmetic model (see the module docstring)."""
     u = unit_roundoff(dtype)
@@ -198,10 +205,7 @@ def _bound_for(
     dims: tuple[int, int, int, int, int],
 ) -> np.ndarray:
     """One format's share of :func:`attention_error_bound` (steps 1 to 3)."""
-    h, d_model, d_k, d_v, t_k = dims
-    n_s = 2 * (d_model + 1) + d_k + 2
-    n_y = t_k + d_model + d_v + h + 2
-    g_s, u, g_soft, g_y = _chain_terms(dtype, n_s, n_y, t_k)
+    g_s, u, g_soft, g_y = _chain_terms(dtype, *_chain_sizes(dims))
     err_s = np.where(allowed, g_s * ls + u * spread, 0.0)
     e_row = err_s.max(axis=-1)  # [..., H, T_q]
     with np.errstate(over="ignore"):
@@ -305,12 +309,9 @@ def attention_local_errors(
     mixed = np.einsum("...hqk,...hkd->...qd", sm.weights, value_magnitude(p.xkv, w))
     if w["b_o"] is not None:
         mixed = mixed + np.abs(w["b_o"])
-    h, d_model, d_k, d_v, t_k = p.dims
-    n_s = 2 * (d_model + 1) + d_k + 2
-    n_y = t_k + d_model + d_v + h + 2
     out: dict[str, Any] = {"logits": 0.0, "weights": 0.0, "output": 0.0}
     for dt in (dtype, np.float64):
-        g_s, u, g_soft, g_y = _chain_terms(dt, n_s, n_y, t_k)
+        g_s, u, g_soft, g_y = _chain_terms(dt, *_chain_sizes(p.dims))
         out["logits"] = out["logits"] + np.where(allowed, g_s * ls + u * sm.spread, 0.0)
         out["weights"] = out["weights"] + g_soft
         out["output"] = out["output"] + g_y * mixed

@@ -191,15 +191,32 @@ def _bound_rows(
     out_b, lse_b = one(unit_roundoff(work))
     out64, lse64 = one(unit_roundoff(np.float64))
     out_b, lse_b = out_b + out64, lse_b + lse64
-    if masked_rows == "uniform":
-        dead = np.swapaxes(~live[..., 0], 1, 2)[..., None]  # [B, T', N, 1]
-        mean_abs = np.abs(vg).mean(axis=1)[:, None]  # [B, 1, N, H_v]
-        g = gamma(s + 1, unit_roundoff(work)) + gamma(s + 1, unit_roundoff(np.float64))
-        out_b = np.where(dead, g * mean_abs, out_b)
-        o_ref = np.where(dead, vg.mean(axis=1)[:, None], o_ref)
-    if is_16bit(np_dtype):
-        out_b = out_b + unit_roundoff(np_dtype) * (np.abs(o_ref) + out_b)
-    return out_b, lse_b
+    dead = np.swapaxes(~live[..., 0], 1, 2)[..., None] if masked_rows == "uniform" else None
+    units = (unit_roundoff(work), unit_roundoff(np.float64))
+    ref = o_ref if is_16bit(np_dtype) else None
+    return _uniform_and_cast(out_b, ref, dead, vg, s, units, np_dtype), lse_b
+
+
+def _uniform_and_cast(
+    out: np.ndarray,
+    o_ref: np.ndarray | None,
+    dead: np.ndarray | None,
+    vg: np.ndarray,
+    s: int,
+    units: tuple[float, float],
+    fmt: np.dtype[Any],
+) -> np.ndarray:
+    """The output bound's last steps: a dead row (``dead [B, T, N, 1]``, ``masked_rows=
+    "uniform"``) is the mean of the values ``vg [B, S, N, H_v]``, off by ``gamma_{S+1} mean_j
+    |v_j|``; a 16-bit output (``o_ref`` given) adds its final rounding ``u_16 (|o| + bound)``."""
+    if dead is not None:
+        g = sum(gamma(s + 1, u) for u in units)
+        out = np.where(dead, g * np.abs(vg).mean(axis=1)[:, None], out)
+        if o_ref is not None:
+            o_ref = np.where(dead, vg.mean(axis=1)[:, None], o_ref)
+    if o_ref is not None:
+        out = out + unit_roundoff(fmt) * (np.abs(o_ref) + out)
+    return out
 
 
 @doc(KERNEL, KERNEL_RAISES)
@@ -291,12 +308,6 @@ def _streamed_bound(
             if o_ref is not None:
                 ref = (p.reshape(flat) @ hg.v[j0:j1]).reshape(*s.shape[:2], h_v)
                 o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
-    if c.policy == "uniform":
-        vg = np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
-        g = sum(gamma(s_len + 1, u) for u in units)
-        out = np.where(dead[..., None], g * np.abs(vg).mean(axis=1)[:, None], out)
-        if o_ref is not None:
-            o_ref = np.where(dead[..., None], vg.mean(axis=1)[:, None], o_ref)
-    if o_ref is not None:
-        out = out + unit_roundoff(fmt) * (np.abs(o_ref) + out)
-    return out, lse
+    uniform = dead[..., None] if c.policy == "uniform" else None
+    vg = c.v if uniform is None else np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
+    return _uniform_and_cast(out, o_ref, uniform, vg, s_len, units, fmt), lse
