@@ -29,13 +29,12 @@ import numpy as np
 from ._checks import (
     check_alignment,
     check_allowed_shape,
-    check_kernel,
     check_method,
     check_options,
     shape_of,
 )
 from ._doc import KERNEL, KERNEL_RAISES, doc
-from ._kernel_call import CALL, OPTIONS, allowed_rows, parse, pick
+from ._kernel_call import CALL, OPTIONS, KernelCall, allowed_rows, parse, pick
 from ._kernel_fast import forward
 
 
@@ -197,45 +196,39 @@ def dot_product_attention(
     """
     args = pick(locals(), CALL)
     check_method(method)
+    c = parse(**args)
     if method == "fast":
-        o, lse_f = forward(parse(**args))
+        o, lse_f = forward(c)
         return (o, lse_f) if return_lse else o
-    b_size, t, s, n_heads, n_kv, _, h_v, sc, softcap_f, policy = check_kernel(
-        query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
-    )
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
-    group = n_heads // n_kv
-    full = (b_size, n_heads, t, s)
-    allowed = kernel_allowed(full, bias, mask, method="definition", **pick(args, OPTIONS))
-    bias_f = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
-    q_len = np.full(b_size, t) if query_seq_lengths is None else np.asarray(query_seq_lengths)
-    out = np.zeros((b_size, t, n_heads, h_v))
+    allowed = kernel_allowed(c.shape, bias, mask, method="definition", **pick(args, OPTIONS))
+    b_size, n_heads, t, s = c.shape
+    out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
     lse = np.full((b_size, t, n_heads), -np.inf)
     for b in range(b_size):
         for n in range(n_heads):
-            kvh = n // group
-            for i in range(t):
-                if i >= q_len[b]:
-                    continue  # query padding: 0 and -inf
+            kvh = n // c.group
+            for i in range(int(c.q_len[b])):  # query padding beyond: 0 and -inf
                 keys = [j for j in range(s) if allowed[b, n, i, j]]
                 if not keys:
-                    if policy == "uniform":
-                        out[b, i, n] = v[b, :, kvh].mean(axis=0)
-                    elif policy == "nan":
+                    if c.policy == "uniform":
+                        out[b, i, n] = c.v[b, :, kvh].mean(axis=0)
+                    elif c.policy == "nan":
                         out[b, i, n] = np.nan
                     continue
-                scores = []
-                for j in keys:
-                    x = sc * float(q[b, i, n] @ k[b, j, kvh])
-                    if softcap_f is not None:
-                        x = softcap_f * math.tanh(x / softcap_f)
-                    if bias_f is not None:
-                        x += bias_f[b, n, i, j]
-                    scores.append(x)
-                sv = np.array(scores)
+                sv = np.array([definition_logit(c, b, n, i, j)[1] for j in keys])
                 top = sv.max()
                 e = np.exp(sv - top)
                 total = e.sum()
                 lse[b, i, n] = top + math.log(total)
-                out[b, i, n] = (e / total) @ v[b, keys, kvh]
+                out[b, i, n] = (e / total) @ c.v[b, keys, kvh]
     return (out, lse) if return_lse else out
+
+
+def definition_logit(c: KernelCall, b: int, n: int, i: int, j: int) -> tuple[float, float]:
+    """``(x, s)`` of query ``i`` and key ``j`` (batch ``b``, query head ``n``), one at a time:
+    ``x = scale q_i . k_j`` and ``s = c tanh(x / c) + bias_ij`` (softcap and bias when given)."""
+    x = c.scale * float(c.q[b, i, n] @ c.k[b, j, n // c.group])
+    s = x if c.softcap is None else c.softcap * math.tanh(x / c.softcap)
+    if c.bias is not None:
+        s += float(c.bias[b, n, i, j])
+    return x, s

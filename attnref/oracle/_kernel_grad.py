@@ -33,7 +33,7 @@ import numpy as np
 
 from ._checks import check_method, dtype_of, is_floating, shape_of
 from ._doc import KERNEL, KERNEL_RAISES, doc
-from ._kernel import kernel_allowed
+from ._kernel import definition_logit, kernel_allowed
 from ._kernel_call import CALL, OPTIONS, KernelCall, parse, pick, query_block
 from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
 
@@ -161,10 +161,7 @@ def _definition(
                     continue
                 xs, ss = [], []
                 for j in keys:
-                    x = c.scale * float(c.q[b, i, n] @ c.k[b, j, g])
-                    sj = x if c.softcap is None else c.softcap * math.tanh(x / c.softcap)
-                    if c.bias is not None:
-                        sj += float(c.bias[b, n, i, j])
+                    x, sj = definition_logit(c, b, n, i, j)
                     if not math.isfinite(sj):
                         _refuse_nonfinite("logit (q, k or bias)")
                     if not np.isfinite(c.v[b, j, g]).all():
