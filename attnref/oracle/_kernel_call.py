@@ -2,16 +2,11 @@
 
 :func:`parse` runs every check of :mod:`attnref.oracle._checks` once and returns a frozen
 :class:`KernelCall`; :func:`allowed_rows` builds the allowed set of query rows ``i0 .. i1 - 1``
-of one batch element and a range of query heads from the same rules as the element-wise
-definition (:func:`attnref.oracle.kernel_allowed`, ``method="definition"``)::
-
-    p_i = i + offset,  offset = 0 (top_left) or S_b - T_b (bottom_right)
-    allowed(i, j) iff i < T_b, j < S_b, mask, bias != -inf, seg_q[i] == seg_k[j],
-                      j <= p_i (causal), p_i - left <= j <= p_i + right (window)
-
-:func:`key_range` is the smallest key interval that can hold an allowed key of the block, so the
-fast oracle skips the keys that causality, a window or the key length rule out (causal attention
-costs half the square). NumPy only.
+of one batch element and a range of query heads from the rules of the element-wise definition
+(:func:`attnref.oracle.kernel_allowed`, ``method="definition"``; module docstring of
+:mod:`attnref.oracle._kernel`). :func:`key_range` is the smallest key interval that can hold an
+allowed key of the block, so the fast oracle skips the keys that causality, a window or the key
+length rule out (causal attention costs half the square). NumPy only.
 """
 
 from __future__ import annotations
