@@ -153,13 +153,11 @@ def composition_baseline(
     if d_model != d_model2:  # as composition_scores: the layers must share one residual stream
         raise ValueError(f"the layers have different d_model ({d_model} and {d_model2})")
     vals = []
+    shape1 = {"num_heads": h1, "d_k": first.d_k, "d_v": d_v1}
+    shape2 = {"num_heads": h2, "d_k": d_k2, "d_v": d_v2}
     for s in range(seeds):
-        r1 = init_params(
-            2 * s, d_model=d_model, num_heads=h1, d_k=first.d_k, d_v=d_v1, dtype=np.float64
-        )
-        r2 = init_params(
-            2 * s + 1, d_model=d_model, num_heads=h2, d_k=d_k2, d_v=d_v2, dtype=np.float64
-        )
+        r1 = init_params(2 * s, d_model=d_model, **shape1, bias=False, dtype=np.float64)
+        r2 = init_params(2 * s + 1, d_model=d_model, **shape2, bias=False, dtype=np.float64)
         vals.append(float(np.mean(np.asarray(composition_scores(r1, r2, kind)))))
     return float(np.mean(vals))
 

@@ -484,14 +484,5 @@ def refactor(
     result = AttentionParams(
         **{k: None if v is None else np.asarray(v).astype(out_dtype) for k, v in new.items()}  # type: ignore[arg-type]
     )
-    return Refactored(
-        params=result,
-        count_before=count_before,
-        count_after=param_count(result),
-        rank_qk=rank_qk,
-        rank_vo=rank_vo,
-        s_qk=s_qk,
-        s_vo=s_vo,
-        error_qk=err_qk,
-        error_vo=err_vo,
-    )
+    counts = (count_before, param_count(result))
+    return Refactored(result, *counts, rank_qk, rank_vo, s_qk, s_vo, err_qk, err_vo)
