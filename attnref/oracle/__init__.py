@@ -21,6 +21,9 @@ from the analytic backward in both methods.
 * :mod:`attnref.oracle._states`: the attention state algebra (``merge_states``,
   ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets;
   ``merge_states_vjp``: its gradient, by hand).
+* :mod:`attnref.oracle._checks` (every refusal, as the JAX twins refuse) and
+  :mod:`attnref.oracle._doc` (the Args text of the oracle and of :mod:`attnref.tolerance`,
+  written once per calling convention and attached to each function).
 """
 
 from __future__ import annotations
