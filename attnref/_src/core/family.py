@@ -7,8 +7,8 @@ paragraph the generated pages show. The report, the docs generator and the tests
 ``f.family.oracle(...)``, ``f.family.bound(...)`` and ``f.family.example(...)`` for any entry
 ``f`` instead of branching on family names.
 
-The softmax family is defined here; the linear family lives next to its formulations in
-:mod:`attnref._src.formulations.linear`, the RoPE family in :mod:`attnref._src.formulations.rope`.
+The softmax family is defined here; the linear and RoPE families live next to their
+formulations, under ``attnref/_src/formulations/``.
 """
 
 from __future__ import annotations
