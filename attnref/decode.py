@@ -8,16 +8,14 @@ and :func:`decode_attention` (the multi-head row form of a whole sequence, decod
 """
 
 from attnref._src.formulations.decode import (
-    KVCache,
     cache_attend,
     cached_attention,
     generate,
-    init_cache,
     kv_cache_append,
-    kv_cache_init,
     scan,
     step,
 )
+from attnref._src.formulations.decode_cache import KVCache, init_cache, kv_cache_init
 from attnref._src.formulations.kernel_forms import decode_attention
 
 __all__ = [

@@ -6,7 +6,6 @@ multi-head forms take row-vector tokens ``[..., T, d_model]``. See ``docs/rope.m
 """
 
 from attnref._src.formulations.rope import (
-    CONVENTIONS,
     apply_rope,
     apply_rope_complex,
     rope_attention,
@@ -15,6 +14,7 @@ from attnref._src.formulations.rope import (
     rope_patterns_attention,
     rope_rotation,
 )
+from attnref._src.formulations.rope_family import CONVENTIONS
 
 __all__ = [
     "CONVENTIONS",

@@ -1,5 +1,5 @@
-"""The RoPE cost models (``rope_cost``, ``rope_patterns_cost`` in ``attnref/_src/formulations/rope.py``)
-against XLA's own counts.
+"""The RoPE cost models (``attnref.get("rope").cost_model``, ``attnref.get("rope_patterns")
+.cost_model``) against XLA's own counts.
 
 The same checks as ``test_model_matches_xla`` in ``tests/test_cost.py``: matmul FLOPs equal to
 the ``dot`` FLOPs of XLA's optimised HLO, transcendentals (``exp``, and ``cos``/``sin`` of the
@@ -21,7 +21,7 @@ from attnref.costs import Cost, Dims, xla_counts
 
 SHAPES = [(2, 16, 2, 16, 4, 6), (1, 24, 3, 12, 8, 4)]  # tests/test_cost.py's shapes
 DUPLICATION = 4  # as in tests/test_cost.py: no intermediate feeds more than 4 consumers
-# The registry's cost models (each registered next to its formulation in attnref/_src/formulations/rope.py).
+# The registry's cost models (registered with their formulations by ``attnref.rope``).
 rope_cost = attnref.get("rope").cost_model
 rope_patterns_cost = attnref.get("rope_patterns").cost_model
 MODELS = {"rope": rope_cost, "rope_patterns": rope_patterns_cost}

@@ -1,0 +1,373 @@
+"""RoPE's calling conventions, its family and its cost models (the formulas are in
+:mod:`attnref._src.formulations.rope`).
+
+The checks of the RoPE options (convention, head dim, base, integer positions), the multi-head
+row level :data:`ROPE_ROWS` (the row level plus positions, ``base`` and ``convention``) and the
+Args text of every public RoPE function, each written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref import oracle, tolerance
+from attnref._src.core import cost as _cost
+from attnref._src.core.checks import dtype_of, shape_of
+from attnref._src.core.common import Prepared, prepare_rows
+from attnref._src.core.entry import Level
+from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
+from attnref._src.core.params import AttentionParams
+from attnref._src.formulations.standard import concat_cost
+
+F = TypeVar("F", bound=Callable[..., Any])
+CONVENTIONS = ("rotate_half", "interleaved")
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_convention(convention: Any) -> str:
+    if convention not in CONVENTIONS:
+        raise ValueError(
+            f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS} "
+            "('rotate_half': pairs (x_p, x_{p+d/2}); 'interleaved': pairs (x_2p, x_2p+1))"
+        )
+    return str(convention)
+
+
+def check_head_dim(head_dim: Any, name: str = "head_dim") -> int:
+    d = int(head_dim)
+    if d != head_dim or d < 2 or d % 2:
+        raise ValueError(
+            f"RoPE rotates pairs of features, so {name} must be a positive even integer; "
+            f"got {name}={head_dim}"
+        )
+    return d
+
+
+def check_base(base: Any) -> float:
+    try:
+        b = float(base)
+    except (jax.errors.ConcretizationTypeError, TypeError) as err:
+        raise TypeError(f"base must be a static Python number, got {base!r}") from err
+    if not (np.isfinite(b) and b > 0.0):
+        raise ValueError(f"base must be a positive finite number, got {base!r}")
+    return b
+
+
+def check_integer(name: str, a: Any) -> None:
+    if not np.issubdtype(dtype_of(a), np.integer):
+        raise TypeError(f"{name} must hold integer positions, got dtype {dtype_of(a)}")
+
+
+def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) -> None:
+    """``positions`` must be integer and broadcast to ``lead + (t,)`` without growing it."""
+    check_integer(name, positions)
+    shape = shape_of(positions)
+    target = (*lead, t)
+    want = f"[T={t}] or a shape broadcasting to {list(target)}"
+    if len(shape) < 1 or shape[-1] != t:
+        raise ValueError(f"{name} has shape {shape}; expected {want}")
+    try:
+        ok = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} has shape {shape}, which does not broadcast to {want}")
+
+
+def check_kernel_layout(x: Any, positions: Any, convention: Any) -> str:
+    """``x [..., T, N, head_dim]`` floating with ``head_dim`` even, integer ``positions``."""
+    conv = check_convention(convention)
+    shape = shape_of(x)
+    if len(shape) < 3:
+        raise ValueError(f"x must have shape [..., T, N, head_dim] (rank >= 3), got {shape}")
+    if not jnp.issubdtype(dtype_of(x), jnp.floating):
+        raise TypeError(f"x must be floating, got dtype {dtype_of(x)}")
+    check_head_dim(shape[-1], "head_dim (x.shape[-1])")
+    check_positions("positions", positions, shape[:-3], shape[-3])
+    return conv
+
+
+# ----------------------------------------------------------------------------- Args text
+
+_BASE = """
+    base: The frequency base (default 10000, the paper's), a static positive finite number."""
+_CONVENTION = """
+    convention: ``"rotate_half"`` (default; pairs ``(x_p, x_{p + d/2})``) or
+        ``"interleaved"`` (pairs ``(x_{2p}, x_{2p+1})``); static."""
+
+
+def with_args(args: str, returns: str) -> Callable[[F], F]:
+    """Append the Args/Raises text ``args`` (written once per signature) and ``returns`` to the
+    docstring of the decorated function."""
+
+    def attach(fn: F) -> F:
+        fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\n{args}\n\nReturns:\n    {returns}\n"
+        return fn
+
+    return attach
+
+
+FREQUENCY_ARGS = f"""Args:
+    head_dim: The (even, positive) head dimension ``d``.{_BASE}
+    dtype: The result dtype (default float32).
+
+Raises:
+    ValueError: If ``head_dim`` is not a positive even integer, or ``base`` is not positive
+        and finite.
+    TypeError: If ``base`` is not a static Python number."""
+
+KERNEL_ARGS = f"""Args:
+    x: Queries or keys ``[..., T, N, head_dim]``, floating, ``head_dim`` even.
+    positions: Integer positions ``[..., T]`` or ``[T]``, broadcasting to ``x.shape[:-2]``
+        (shared by all heads).{_BASE}{_CONVENTION}
+
+Raises:
+    ValueError: If ``x`` has rank < 3 or an odd ``head_dim``, ``positions`` do not broadcast
+        to ``[..., T]``, ``base`` is not positive and finite, or ``convention`` is unknown.
+    TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
+        a static Python number."""
+
+ROTATION_ARGS = f"""Args:
+    delta: Integer offsets, any shape ``[...]``.
+    head_dim: The (even, positive) head dimension.{_BASE}{_CONVENTION}
+    dtype: The entries' dtype (default float32).
+
+Raises:
+    ValueError: If ``head_dim`` is not a positive even integer, ``base`` is not positive and
+        finite, or ``convention`` is unknown.
+    TypeError: If ``delta`` is not integer, or ``base`` is not a static Python number."""
+
+PATTERN_ARGS = f"""Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`), ``d_k`` even; query head
+        ``n`` uses key head ``g(n) = n // (H / K)``.
+    deltas: Integer offsets ``[D]`` (query position minus key position).{_BASE}{_CONVENTION}
+
+Raises:
+    ValueError: If ``params`` is malformed or ``d_k`` is odd, ``deltas`` is not 1-D,
+        ``base`` is not positive and finite, or ``convention`` is unknown.
+    TypeError: If ``deltas`` is not integer, or ``base`` is not a static Python number."""
+
+_ROPE_ROW_ARGS = f"""Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+        key/value head ``i // G`` (``G = H / K``).
+    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+    x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
+        ``None`` (default) means ``x_q`` (self-attention).
+    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; ``None`` (default)
+        means ``arange(T_q)``.
+    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
+        means ``arange(T_k)``.
+    mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+        (default) allows every pair.
+    bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+        logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.{_BASE}{_CONVENTION}
+    residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+
+Raises:
+    ValueError: If ``params`` is malformed or ``d_k`` is odd, ``x_q``/``x_kv`` have rank
+        < 2, the wrong ``d_model`` or different batch shapes, ``mask``/``bias``/positions do
+        not broadcast to their shapes, ``scale`` is not a scalar, ``base`` is not positive
+        and finite, or ``convention`` is unknown.
+    TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+        ``bias`` is not floating, positions are not integers, ``scale`` is not a real
+        number, or ``base`` is not a static Python number."""
+
+# ----------------------------------------------------------------------------- the row level
+
+
+class Rotary(NamedTuple):
+    """The rotation of a multi-head RoPE call: integer positions (NumPy ``arange(T)`` by
+    default), the frequency base and the pair convention."""
+
+    pos_q: Any
+    pos_k: Any
+    base: float
+    convention: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeInputs:
+    """Validated inputs of a multi-head RoPE call: the row inputs plus the rotation."""
+
+    rows: Prepared
+    rot: Rotary
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale, residual, rot)`` on the finite parts."""
+        return self.rows.run(lambda *row_args: formula(*row_args, self.rot))
+
+    def dirty_rows(self) -> Bool[Array, "... T_q"]:
+        return self.rows.dirty_rows()
+
+
+def prepare_rope(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    positions_q: Int[ArrayLike, "... T_q"] | None = None,
+    positions_kv: Int[ArrayLike, "... T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+    residual: bool = False,
+) -> RopeInputs:
+    """Validate a multi-head RoPE call once (the RoPE options, :func:`prepare_rows`, the
+    positions)."""
+    conv = check_convention(convention)
+    b = check_base(base)
+    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")
+    for name, pos, t in (
+        ("positions_q", positions_q, rows.t_q),
+        ("positions_kv", positions_kv, rows.t_k),
+    ):
+        if pos is not None:
+            check_positions(name, pos, rows.batch_shape, t)
+    # Default positions 0 .. T - 1 are NumPy constants, so the offsets stay static under jit.
+    pos_q = np.arange(rows.t_q) if positions_q is None else positions_q
+    pos_k = np.arange(rows.t_k) if positions_kv is None else positions_kv
+    return RopeInputs(rows, Rotary(pos_q, pos_k, b, conv))
+
+
+# The multi-head RoPE level: formulas take ``(params, x_q, x_kv, mask, bias, scale, residual,
+# rot)``, positionally, validated and finite.
+ROPE_ROWS = Level(prepare_rope, _ROPE_ROW_ARGS)
+
+# ----------------------------------------------------------------------------- the RoPE family
+
+
+def _rope_example(problem: ExampleProblem, causal: bool) -> Example:
+    """The softmax family's example (a causal mask or none); default positions ``arange(T)``,
+    rotate-half pairs."""
+    example = masked_example(problem, causal)
+    return dataclasses.replace(example, note="rotate_half, " + example.note)
+
+
+ROPE = Family(
+    name="rope",
+    oracle=oracle.rope_attention,
+    bound=tolerance.rope_attention_error_bound,
+    signature="apply(params, x_q, x_kv=None, *, positions_q=None, positions_kv=None, "
+    "mask=None, bias=None, scale=None, base=10000.0, convention='rotate_half', residual=False)",
+    note="Scale $1/\\sqrt{d_k}$ unless `scale=` is given; positions default to `arange(T)`; "
+    "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
+    "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "
+    "[RoPE](../rope.md).",
+    equation_symbols=("R(",),
+    static_argnames=("residual", "base", "convention"),
+    example=_rope_example,
+)
+
+ROFORMER = (
+    "Su et al. (2024), RoFormer: Enhanced Transformer with Rotary Position Embedding, "
+    "Neurocomputing 568 (arXiv:2104.09864)."
+)
+
+# ----------------------------------------------------------------------------- cost models
+#
+# The cost models assume the default positions ``arange(T_q)``, ``arange(T_k)`` (shape ``[T]``,
+# shared by the batch and the heads, so ``cos``/``sin`` are evaluated ``(T_q + T_k) d_k / 2``
+# times each; see ``attnref._src.core.cost._angles``), with the counting conventions of
+# ``attnref._src.core.cost``.
+
+
+def rope_cost(
+    d: _cost.Dims, *, positions_batch: int = 1, traced_positions: bool = False
+) -> _cost.Cost:
+    """Concat's counts plus the rotations of ``q`` and ``k``: ``a c - b s`` and ``a s + b c``
+    per pair (6 elementwise ops per pair per head and token) and the angles ``m theta_p`` (one
+    multiply per position and plane). The matmuls are concat's: a rotation is elementwise, not a
+    ``dot``.
+
+    ``positions_batch`` is the number of position rows (1 for the default ``[T]`` positions;
+    ``B`` for positions ``[B, T]``); ``traced_positions`` says they are ``jit`` arguments rather
+    than constants (the defaults are constants)."""
+    c = concat_cost(d)
+    b, h, half = d.batch, d.heads, d.d_k // 2
+    el_a, tr_a, angle_tensors = _cost.angles(positions_batch * (d.t_q + d.t_k), d, traced_positions)
+    pairs = b * h * (d.t_q + d.t_k) * half  # rotated pairs of q and k
+    # per side: the two halves (slices), four products, two sums, the merged result
+    rotation_tensors = [
+        n for t in (d.t_q, d.t_k) for n in [b * h * t * half] * 8 + [b * h * t * d.d_k]
+    ]
+    tensors = angle_tensors + rotation_tensors
+    extra = sum(tensors) * d.itemsize
+    return dataclasses.replace(
+        c,
+        elementwise_flops=c.elementwise_flops + _cost.ROTATE_PER_PAIR * pairs + el_a,
+        transcendentals=c.transcendentals + tr_a,
+        intermediate_bytes=max(c.intermediate_bytes, max(tensors) * d.itemsize),
+        workspace_bytes=c.workspace_bytes + extra,
+    )
+
+
+def rope_patterns_cost(
+    d: _cost.Dims, *, offsets: int | None = None, traced_positions: bool = False
+) -> _cost.Cost:
+    """The relative pattern-matrix form. ``U = offsets`` pattern matrices are formed (default
+    ``T_q + T_k - 1``: the default positions; concrete positions give the distinct values of
+    ``pos_q[i] - pos_k[j]``, traced positions ``[B, T]`` give ``B T_q T_k``, with
+    ``traced_positions=True``), each from a rotation ``R(delta)`` built elementwise from 0/+-1
+    patterns (``d_k / 2`` planes of ``d_k^2`` entries: two multiplies and an add each, then the
+    sum over planes) and ``W~_Q R W~_K^T`` (the einsum contracts ``W~_Q R`` first:
+    ``2 H U D1 d_k^2 + 2 H U D1^2 d_k``, ``D1 = d_model + 1``). The logits contract ``x~_i``
+    with the gathered ``W~_P`` first (``2 B H T_q T_k D1^2``), then with ``x~_j``
+    (``2 B H T_q T_k D1``). Values go through the merged ``W~_M = W~_V W_O`` (homogeneous, so
+    ``b_V W_O`` is a row of it and costs no elementwise add). The gathered
+    ``[B, H, T_q, T_k, D1, D1]`` tensor is the largest intermediate."""
+    b, h, dm, dk, dv, tq, tk = d.batch, d.heads, d.d_model, d.d_k, d.d_v, d.t_q, d.t_k
+    u = tq + tk - 1 if offsets is None else offsets
+    d1, half = dm + 1, dk // 2
+    logits = b * h * tq * tk
+    el_a, tr_a, angle_tensors = _cost.angles(u, d, traced_positions)
+    mm = (
+        2 * h * u * d1 * dk * dk  # W~_Q R(delta)
+        + 2 * h * u * d1 * d1 * dk  # (W~_Q R) W~_K^T
+        + 2 * logits * d1 * d1  # x~_i W~_P
+        + 2 * logits * d1  # (x~_i W~_P) x~_j^T
+        + 2 * h * d1 * dv * dm  # W~_M = W~_V W_O
+        + 2 * b * tk * d1 * h * dm  # messages x~_kv W~_M
+        + 2 * logits * dm  # sum_j a_ij M_j
+    )
+    el = (
+        el_a
+        + 3 * u * half * dk * dk  # c P_cos, s P_sin and their sum, per plane
+        + u * (half - 1) * dk * dk  # the sum over planes
+        + _cost.softmax_elementwise(d)
+        + b * (h - 1) * tq * dm  # the sum over heads
+        + (b * tq * dm if d.bias else 0)  # b_O
+    )
+    tensors = [
+        *angle_tensors,
+        h * d1 * dk,  # W~_Q, W~_K, W~_V
+        h * d1 * dk,
+        h * d1 * dv,
+        *[u * half * dk * dk] * 3,  # the rotation's per-plane terms and their sum
+        u * dk * dk,  # R(delta)
+        h * u * d1 * dk,  # W~_Q R
+        h * u * d1 * d1,  # W~_P
+        h * tq * tk * d1 * d1,  # gathered per (i, j)
+        b * h * tq * tk * d1 * d1,  # broadcast over the batch
+        b * tq * d1,  # x~_q, x~_kv
+        b * tk * d1,
+        b * h * tq * tk * d1,  # x~_i W~_P
+        *_cost.softmax_tensors(d, logits),
+        h * d1 * dm,  # W~_M
+        b * h * tk * dm,  # messages
+        b * h * tq * dm,  # per-head mixes
+        b * tq * dm,  # y
+    ]
+    return _cost.finish(d, mm, el, logits + tr_a, tensors)
