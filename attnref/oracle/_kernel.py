@@ -34,7 +34,7 @@ from ._checks import (
     shape_of,
 )
 from ._doc import KERNEL, KERNEL_RAISES, doc
-from ._kernel_call import CALL, OPTIONS, KernelCall, allowed_rows, parse, pick
+from ._kernel_call import CALL, OPTIONS, KernelCall, call_allowed, parse, pick
 from ._kernel_fast import forward
 
 
@@ -131,12 +131,7 @@ def kernel_allowed(
     b_size, n_heads, t, s = full
     if method == "fast" and n_heads > 0:
         kv = np.zeros((b_size, s, n_heads, 1))
-        c = parse(np.zeros((b_size, t, n_heads, 1)), kv, kv, bias, mask, **options)
-        out = np.zeros(full, bool)
-        for b in range(b_size):
-            ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
-            out[b] = True if ok is None else ok
-        return out
+        return call_allowed(parse(np.zeros((b_size, t, n_heads, 1)), kv, kv, bias, mask, **options))
     mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
         full, bias, mask, **options
     )

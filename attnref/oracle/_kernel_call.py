@@ -196,6 +196,17 @@ def allowed_rows(
     return ok
 
 
+def call_allowed(c: KernelCall) -> np.ndarray:
+    """The call's allowed pairs ``[B, N, T, S]``, one batch element at a time."""
+    b_size, _, t, s = c.shape
+    out = np.ones(c.shape, bool)
+    for b in range(b_size):
+        ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
+        if ok is not None:
+            out[b] = ok
+    return out
+
+
 def query_block(c: KernelCall, rows_per_head: int, budget: int = 64 << 20) -> int:
     """Query rows per block so that about ``rows_per_head`` arrays of ``[G, rows, S]`` float64
     temporaries fit in ``budget`` bytes (at least 1 row)."""

@@ -66,7 +66,7 @@ import numpy as np
 
 from attnref.oracle._doc import KERNEL, doc
 from attnref.oracle._kernel import dot_product_attention
-from attnref.oracle._kernel_call import CALL, allowed_rows, parse, pick
+from attnref.oracle._kernel_call import CALL, call_allowed, parse, pick
 from attnref.oracle._kernel_fast import head_groups, logits_block
 
 from ._kernel import kernel_call_error_bound
@@ -101,17 +101,6 @@ def _assignment(pieces: Any, num_pieces: Any, s: int) -> tuple[np.ndarray, int]:
             f"[{int(ids.min(initial=0))}, {top - 1}]"
         )
     return ids.astype(np.int64), int(count)
-
-
-def _allowed(c: Any) -> np.ndarray:
-    """The call's allowed pairs ``[B, N, T, S]`` (the oracle's rules)."""
-    b_size, n_heads, t, s = c.shape
-    out = np.ones((b_size, n_heads, t, s), bool)
-    for b in range(b_size):
-        ok = allowed_rows(c, b, slice(None), 0, t, 0, s)
-        if ok is not None:
-            out[b] = ok
-    return out
 
 
 def _logits(c: Any) -> np.ndarray:
@@ -271,7 +260,7 @@ def pieces_error_bound(
     else:
         lse_fmt = np.dtype(np.float32) if is_16bit(state_fmt) else state_fmt
     s = c.shape[3]
-    allowed = _allowed(c)
+    allowed = call_allowed(c)
     if pieces is None:
         if key_blocks is not None:
             raise ValueError("key_blocks needs known pieces (pieces=None assumes any tiling)")
