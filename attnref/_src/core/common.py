@@ -1,5 +1,6 @@
-"""Small helpers shared by the row-convention formulations (validation, projections, and the
-non-finite guard :meth:`Prepared.guarded`)."""
+"""The row level (:data:`ROWS`, :data:`ROW_PROBES`: validation into :class:`Prepared` inputs,
+for :func:`attnref._src.core.entry.public`) and small helpers shared by the row-convention
+formulations (projections, homogeneous coordinates)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class Prepared:
     call): arrays converted, scale resolved, shapes recorded.
 
     ``x_q``, ``x_kv`` and ``bias`` are the caller's arrays as given (possibly non-finite);
-    :meth:`guarded` runs a formulation so that what a query may not read never reaches it.
+    :meth:`run` evaluates a formula on their finite parts, :meth:`dirty_rows` names the rows
+    that read a non-finite value (:func:`attnref._src.core.entry.guard`).
     """
 
     x_q: Array
@@ -89,20 +91,12 @@ class Prepared:
             bias=finite_bias(self.bias),
         )
 
-    def guarded(
+    def guarded(  # H1-COMPAT: delete once no module calls it (entry.guard replaces it)
         self, compute: Callable[[Prepared], Any], residual: bool = False, heads: bool = False
     ) -> Any:
-        """``compute(self.finite())``, NaN on the dirty query rows (:meth:`dirty_rows`).
-
-        A key or value a query may not read (mask, ``-inf`` bias) then never reaches that query's
-        output or gradients, whatever it holds: ``compute`` only ever sees finite inputs, and a
-        row that does read a non-finite value is NaN, with no gradient. The outputs of
-        ``compute`` have the query axis after the batch axes (``[..., T_q, ...]``),
-        or after a head axis with ``heads=True`` (``[..., H, T_q, ...]``).
-        """
         dirty = self.dirty_rows(residual)
         if heads:
-            dirty = jnp.expand_dims(dirty, -2)  # a size-1 head axis, broadcast by the selection
+            dirty = jnp.expand_dims(dirty, -2)
         return poison_rows(dirty, compute(self.finite()))
 
 
@@ -172,22 +166,29 @@ _ROW_ARGS = """Args:
         (default) allows every pair.
     bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
         logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.{residual}
+    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.{more}
 
 Raises:
     ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
         ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-        ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
+        ``[..., T_q, T_k]``, or ``scale`` is not a scalar{also}.
     TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
         ``bias`` is not floating, or ``scale`` is not a real number."""
-_RESIDUAL = """
+RESIDUAL_ARG = """
     residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update)."""
+
+
+def row_args(more: str = RESIDUAL_ARG, also: str = "") -> str:
+    """The row level's Args and Raises text; ``more``: the arguments after ``scale``
+    (``residual`` by default), ``also``: a further ``ValueError`` case (``", or ..."``)."""
+    return _ROW_ARGS.format(more=more, also=also)
+
 
 # The row level: ``(params, x_q, x_kv=None, *, mask, bias, scale, residual)``; formulas take
 # ``(params, x_q, x_kv, mask, bias, scale, residual)``, positionally, validated and finite.
-ROWS = Level(_rows, _ROW_ARGS.format(residual=_RESIDUAL))
+ROWS = Level(_rows, row_args())
 # The same without ``residual`` (probes of the block: weights, per-head outputs).
-ROW_PROBES = Level(_row_probes, _ROW_ARGS.format(residual=""))
+ROW_PROBES = Level(_row_probes, row_args(more=""))
 # What a row-level block returns, for ``public(..., returns=BLOCK_RETURNS)``.
 BLOCK_RETURNS = (
     "The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row\n"

@@ -19,7 +19,6 @@ not read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -67,8 +66,8 @@ def poison_rows(dirty: Array, values: Any) -> Any:
 # ``x_kv [..., T_k, d]`` and the bias ``[..., T_q, T_k]``; the projections mix features, not
 # tokens, so a non-finite token row poisons exactly the projected rows of that token. Query row
 # ``i`` is *dirty* (:func:`reads_nonfinite`) when it reads a non-finite value through an allowed
-# pair; :func:`guarded` evaluates the formulation once, on the finite parts (differentiable,
-# exact for clean rows), and poisons the dirty rows with NaN.
+# pair; :func:`attnref._src.core.entry.guard` evaluates the formulation once, on the finite
+# parts (differentiable, exact for clean rows), and poisons the dirty rows with NaN.
 
 
 def finite_bias(bias: Array | None) -> Array | None:
@@ -118,10 +117,5 @@ def reads_nonfinite(
     return dirty
 
 
-def guarded(compute: Callable[..., Any], dirty: Array, clean: tuple[Any, ...]) -> Any:
-    """``compute(*clean)``, NaN on the ``dirty`` rows (:func:`poison_rows`).
-
-    ``clean`` holds the inputs with their non-finite entries replaced (:func:`finite_part`,
-    :func:`finite_bias`); rows of the outputs follow ``dirty``'s axes, then trailing axes.
-    """
+def guarded(compute: Any, dirty: Array, clean: tuple[Any, ...]) -> Any:  # H1-COMPAT: delete
     return poison_rows(dirty, compute(*clean))

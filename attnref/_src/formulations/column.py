@@ -21,27 +21,104 @@ or gradients, whatever it holds (``attnref._src.core.nonfinite``).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import check_mask_and_bias, check_scale, check_tokens, float64_scoped
-from attnref._src.core.common import HIGHEST, residual_or, scale_value
+from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, residual_or, scale_value
+from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import (
     allowed_pairs,
     finite_bias,
     finite_part,
-    guarded,
     nonfinite_rows,
     reads_nonfinite,
 )
-from attnref._src.core.params import AttentionParams, repeat_heads, w_a_unchecked, w_i_unchecked
+from attnref._src.core.params import AttentionParams, w_a_unchecked, w_i_unchecked
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
+from attnref._src.formulations.merged import message_bias, pattern_bias
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
 
 
-@float64_scoped
-def column_form(
+def column(
+    params: AttentionParams,
+    x: Float[Array, "... d_model T_q"],
+    x_kv: Float[Array, "... d_model T_k"],
+    mask: Bool[Array, "... #T_k #T_q"] | None,
+    bias: Float[Array, "... #T_k #T_q"] | None,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... d_model T_q"]:
+    """``Y = sum_i W_I[i] X_kv softmax_col(X_kv^T W_A[i] X * scale + bias, mask) + b_O 1^T``."""
+    wa_x = jnp.einsum("hde,...eq->...hdq", w_a_unchecked(params), x, precision=HIGHEST)
+    a = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)  # [..., H, T_k, T_q]
+    kb = pattern_bias(params)  # W_K[g] b_Q[i]: X_kv^T (W_K[g] b_Q[i]) 1^T; b_K cancels
+    if kb is not None:
+        a = a + jnp.einsum("...dk,hd->...hk", x_kv, kb, precision=HIGHEST)[..., None]
+    a = a * scale if bias is None else a * scale + jnp.expand_dims(bias, -3)
+    a = masked_softmax(a, None if mask is None else jnp.expand_dims(mask, -3), axis=-2)
+    u = jnp.einsum("hed,...dk->...hek", w_i_unchecked(params), x_kv, precision=HIGHEST)
+    ob = message_bias(params)  # W_O[i]^T b_V[g]                      [H, d_model]
+    u = u if ob is None else u + ob[..., None]  # W_I[i] X_kv + (W_O[i]^T b_V[g]) 1^T
+    y = jnp.sum(jnp.einsum("...hek,...hkq->...heq", u, a, precision=HIGHEST), axis=-3)
+    y = y if params.b_o is None else y + jnp.asarray(params.b_o)[:, None]
+    return residual_or(y, x, residual)
+
+
+def column_rows(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`column` behind the row convention: ``Y^T`` of the transposed inputs."""
+
+    def t(a: Any) -> Any:
+        return None if a is None else jnp.swapaxes(a, -1, -2)
+
+    return t(column(params, t(x_q), t(x_kv), t(mask), t(bias), scale, residual))
+
+
+# ----------------------------------------------------------------------------- the column level
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnInputs:
+    """Validated column-form inputs: tokens as columns, mask and bias ``[..., T_k, T_q]``."""
+
+    params: AttentionParams
+    x: Array
+    x_kv: Array
+    mask: Array | None
+    bias: Array | None  # in the dtype of x
+    scale: Array
+    residual: bool
+    rows_shape: tuple[int, ...]  # (*batch, T_q, T_k)
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x, x_kv, mask, bias, scale, residual)`` on the finite parts."""
+        x, x_kv, bias = finite_part(self.x), finite_part(self.x_kv), finite_bias(self.bias)
+        return formula(self.params, x, x_kv, self.mask, bias, self.scale, self.residual)
+
+    def dirty_rows(self) -> Bool[Array, "... 1 T_q"]:
+        """The query columns that read a non-finite value, ``[..., 1, T_q]`` (a row of ``Y``'s
+        layout, broadcast over its ``d_model`` rows)."""
+        m, b = (None if a is None else jnp.swapaxes(a, -1, -2) for a in (self.mask, self.bias))
+        bad_q, bad_kv = nonfinite_rows(self.x, axis=-2), nonfinite_rows(self.x_kv, axis=-2)
+        allowed = allowed_pairs(m, b, self.rows_shape)  # [..., T_q, T_k]
+        return reads_nonfinite(allowed, bad_q, bad_kv, b, self.residual)[..., None, :]
+
+
+def _columns(
     params: AttentionParams,
     x: Float[ArrayLike, "... d_model T_q"],
     x_kv: Float[ArrayLike, "... d_model T_k"] | None = None,
@@ -50,153 +127,64 @@ def column_form(
     bias: Float[ArrayLike, "... T_k T_q"] | None = None,
     scale: float | None = None,
     residual: bool = False,
-) -> Float[Array, "... d_model T_q"]:
-    """``Y = sum_i W_I[i] X_kv softmax_col(X_kv^T W_A[i] X / sqrt(d_k)) + b_O`` (columns).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`, stored in row convention);
-            ``W_A[i] = W_P[i]^T`` and ``W_I[i] = W_M[i]^T`` are formed from them.
-        x: Query tokens as columns, ``[..., d_model, T_q]``, the dtype of ``params``.
-        x_kv: Key/value tokens as columns, ``[..., d_model, T_k]``, with the batch shape of
-            ``x``; ``None`` (default) means ``x`` (self-attention).
-        mask: Boolean in the transposed layout, broadcastable to ``[..., T_k, T_q]``
-            (``mask[..., j, i]``: query ``i`` may read key ``j``); ``None`` (default) allows all.
-        bias: Floating additive bias, broadcastable to ``[..., T_k, T_q]`` (transposed like
-            ``mask``), added to the scaled scores; cast to the dtype of ``x``.
-        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``X + Y`` (the residual-stream update).
-
-    Returns:
-        ``Y`` as columns, ``[..., d_model, T_q]``; a fully masked query column is ``b_O``
-        (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_k, T_q]``, or ``scale`` is not a scalar.
-        TypeError: If ``x``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
+) -> ColumnInputs:
     x_kv = x if x_kv is None else x_kv
     batch, t_q, t_k = check_tokens(params, x, x_kv, layout="column", names=("x", "x_kv"))
     check_mask_and_bias(mask, bias, (*batch, t_k, t_q), axes="[..., T_k, T_q]")
     check_scale(scale)
-    return _column_form(params, x, x_kv, mask, bias, scale, residual, (*batch, t_q, t_k))
+    xa = jnp.asarray(x)
+    return ColumnInputs(
+        params=params,
+        x=xa,
+        x_kv=jnp.asarray(x_kv),
+        mask=None if mask is None else jnp.asarray(mask),
+        bias=None if bias is None else jnp.asarray(bias).astype(xa.dtype),
+        scale=scale_value(params.d_k, scale, xa.dtype),
+        residual=residual,
+        rows_shape=(*batch, t_q, t_k),
+    )
 
 
-def _column_form(
-    params: AttentionParams,
-    x: ArrayLike,
-    x_kv: ArrayLike,
-    mask: ArrayLike | None,
-    bias: ArrayLike | None,
-    scale: float | None,
-    residual: bool,
-    rows_shape: tuple[int, ...],
-) -> Array:
-    """:func:`column_form` on validated inputs, non-finite guard included; ``rows_shape`` is
-    ``(*batch, T_q, T_k)``."""
-    x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
-    s = scale_value(params.d_k, scale, x.dtype)
-    m = None if mask is None else jnp.swapaxes(jnp.asarray(mask), -1, -2)  # rows: [..., T_q, T_k]
-    b = None if bias is None else jnp.asarray(bias).astype(x.dtype)
-    b_rows = None if b is None else jnp.swapaxes(b, -1, -2)
-    allowed = allowed_pairs(m, b_rows, rows_shape)
-    bad_q, bad_kv = nonfinite_rows(x, axis=-2), nonfinite_rows(x_kv, axis=-2)
-    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, residual)  # [..., T_q]
+COLUMNS = Level(
+    _columns,
+    """Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`, stored in row convention);
+        ``W_A[i] = W_P[i]^T`` and ``W_I[i] = W_M[i]^T`` are formed from them.
+    x: Query tokens as columns, ``[..., d_model, T_q]``, the dtype of ``params``.
+    x_kv: Key/value tokens as columns, ``[..., d_model, T_k]``, with the batch shape of
+        ``x``; ``None`` (default) means ``x`` (self-attention).
+    mask: Boolean in the transposed layout, broadcastable to ``[..., T_k, T_q]``
+        (``mask[..., j, i]``: query ``i`` may read key ``j``); ``None`` (default) allows all.
+    bias: Floating additive bias, broadcastable to ``[..., T_k, T_q]`` (transposed like
+        ``mask``), added to the scaled scores; cast to the dtype of ``x``.
+    scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+    residual: If ``True``, return ``X + Y`` (the residual-stream update).
 
-    def rows(xq: Array, xkv: Array, bq: Array | None) -> Array:  # [..., T_q, d_model]
-        y = _column(params, xq, xkv, mask, bq, s, residual)
-        return jnp.swapaxes(y, -1, -2)
+Raises:
+    ValueError: If ``params`` is malformed, ``x``/``x_kv`` have rank < 2, the wrong
+        ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
+        ``[..., T_k, T_q]``, or ``scale`` is not a scalar.
+    TypeError: If ``x``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
+        ``bias`` is not floating, or ``scale`` is not a real number.""",
+)
 
-    clean = (finite_part(x), finite_part(x_kv), finite_bias(b))
-    return jnp.swapaxes(guarded(rows, dirty, clean), -1, -2)
-
-
-def _column(
-    params: AttentionParams,
-    x: Array,
-    x_kv: Array,
-    mask: ArrayLike | None,
-    bias: Array | None,
-    s: Array,
-    residual: bool,
-) -> Float[Array, "... d_model T_q"]:
-    """The body of :func:`column_form` on validated arrays (no non-finite guard)."""
-    wa_x = jnp.einsum("hde,...eq->...hdq", w_a_unchecked(params), x, precision=HIGHEST)
-    scores = jnp.einsum("...dk,...hdq->...hkq", x_kv, wa_x, precision=HIGHEST)
-    if params.b_q is not None:
-        w_k = repeat_heads(params.w_k, params.group_size)  # [H, d_model, d_k]: W_K[i // G]
-        kb = jnp.einsum("hdk,hk->hd", w_k, params.b_q, precision=HIGHEST)
-        scores = scores + jnp.einsum("...dk,hd->...hk", x_kv, kb, precision=HIGHEST)[..., None]
-    scores = scores * s
-    if bias is not None:
-        scores = scores + jnp.expand_dims(bias, -3)
-    head_mask = None if mask is None else jnp.expand_dims(jnp.asarray(mask), -3)
-    a = masked_softmax(scores, head_mask, axis=-2)
-
-    updates = jnp.einsum("hed,...dk->...hek", w_i_unchecked(params), x_kv, precision=HIGHEST)
-    if params.b_v is not None:
-        b_v = repeat_heads(params.b_v, params.group_size)  # [H, d_v]: b_V[i // G]
-        ob = jnp.einsum("hvd,hv->hd", params.w_o, b_v, precision=HIGHEST)
-        updates = updates + ob[..., None]
-    y = jnp.sum(jnp.einsum("...hek,...hkq->...heq", updates, a, precision=HIGHEST), axis=-3)
-    if params.b_o is not None:
-        y = y + jnp.asarray(params.b_o)[:, None]
-    return residual_or(y, x, residual)
-
-
-@float64_scoped
-def column_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """:func:`column_form` behind the row-convention signature (transposes in and out).
-
-    Same values as :func:`attnref.concat_attention`; ``mask`` and ``bias`` are in the row
-    layout ``[..., T_q, T_k]`` here and are transposed for :func:`column_form`.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def t(a: ArrayLike | None) -> Array | None:
-        return None if a is None else jnp.swapaxes(jnp.asarray(a), -1, -2)
-
-    batch, t_q, t_k = check_tokens(params, x_q, x_q if x_kv is None else x_kv)
-    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
-    check_scale(scale)
-    x_col = jnp.swapaxes(jnp.asarray(x_q), -1, -2)
-    kv_col = x_col if x_kv is None else jnp.swapaxes(jnp.asarray(x_kv), -1, -2)
-    y = _column_form(params, x_col, kv_col, t(mask), t(bias), scale, residual, (*batch, t_q, t_k))
-    return jnp.swapaxes(y, -1, -2)
+column_form = public(
+    COLUMNS,
+    column,
+    name="column_form",
+    summary="``Y = sum_i W_I[i] X_kv softmax_col(X_kv^T W_A[i] X / sqrt(d_k)) + b_O`` (columns).",
+    returns="``Y`` as columns, ``[..., d_model, T_q]``; a fully masked query column is ``b_O``\n"
+    "    (zero without biases).",
+)
+column_attention = public(
+    ROWS,
+    column_rows,
+    name="column_attention",
+    summary=":func:`column_form` behind the row-convention signature (transposes in and out).\n\n"
+    "Same values as :func:`attnref.concat_attention`; ``mask`` and ``bias`` are in the row\n"
+    "layout ``[..., T_q, T_k]`` here and are transposed for :func:`column_form`.",
+    returns=BLOCK_RETURNS,
+)
 
 
 # ----------------------------------------------------------------------------- registry entry
@@ -252,6 +240,7 @@ register(
         convention="column",
         citation=COLUMN,
         apply=column_attention,
+        formula=column,
         native=column_form,
         summary="Tokens as columns (d_model x T); sigma is a scaled, masked column softmax.",
         cost=(

@@ -17,6 +17,10 @@ reaches that receiver's update or gradients, whatever it holds (``attnref._src.c
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,17 +28,134 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core import cost as _cost
 from attnref._src.core.checked import require
-from attnref._src.core.checks import check_params, check_scale, float64_scoped, is_traced
-from attnref._src.core.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
-from attnref._src.core.nonfinite import (
-    allowed_pairs,
-    finite_bias,
-    finite_part,
-    guarded,
-    nonfinite_rows,
-)
+from attnref._src.core.checks import HIGHEST, check_params, check_scale, is_traced
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, residual_or, scale_value
+from attnref._src.core.entry import Level, public
+from attnref._src.core.nonfinite import allowed_pairs, finite_bias, finite_part, nonfinite_rows
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+
+
+def message_passing(
+    params: AttentionParams,
+    x_senders: Float[Array, "N_s d_model"],
+    x_receivers: Float[Array, "N_r d_model"],
+    senders: Int[Array, " E"],
+    receivers: Int[Array, " E"],
+    edge_mask: Bool[Array, " E"] | None,
+    edge_bias: Float[Array, " E"] | None,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "N_r d_model"]:
+    """``y_r = sum_i (sum_{e = s -> r} alpha_{e,i} v_{s,i}) W_O[i] + b_O``, ``alpha`` the
+    segment softmax over each receiver's edges of ``q_{r,i} . k_{s,i} * scale + bias_e``."""
+
+    def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:  # [N, heads, d]
+        y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
+        return y if b is None else y + jnp.asarray(b)
+
+    g, n_r = params.group_size, x_receivers.shape[0]
+    q = proj(x_receivers, params.w_q, params.b_q)[receivers]  #            [E, H, d_k]
+    k = repeat_heads(proj(x_senders, params.w_k, params.b_k), g, axis=1)[senders]  # [E, H, d_k]
+    v = repeat_heads(proj(x_senders, params.w_v, params.b_v), g, axis=1)[senders]  # [E, H, d_v]
+    logits = jnp.sum(q * k, axis=-1) * scale  #                                   [E, H]
+    logits = logits if edge_bias is None else logits + edge_bias[:, None]
+    allowed = logits != -jnp.inf
+    allowed = allowed if edge_mask is None else jnp.logical_and(allowed, edge_mask[:, None])
+    alpha = segment_softmax(logits, allowed, receivers, n_r)
+    z = jax.ops.segment_sum(alpha[..., None] * v, receivers, n_r)  #      [N_r, H, d_v]
+    y = jnp.einsum("rhv,hvd->rd", z, params.w_o, precision=HIGHEST)
+    y = y if params.b_o is None else y + jnp.asarray(params.b_o)
+    return residual_or(y, x_receivers, residual)
+
+
+def graph(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`message_passing` on the complete bipartite graph (every (query, key) pair an
+    edge, the mask its switch), ``vmap``-ed over the flattened batch dims."""
+    *batch, t_q, d = x_q.shape
+    t_k = x_kv.shape[-2]
+    rcv, snd = (jnp.asarray(a.reshape(-1)) for a in np.indices((t_q, t_k), dtype=np.int32))
+    full = (*batch, t_q, t_k)
+    m = jnp.ones(full, bool) if mask is None else jnp.broadcast_to(mask, full)
+    b = jnp.zeros(full, x_q.dtype) if bias is None else jnp.broadcast_to(bias, full)
+
+    def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
+        return message_passing(params, xkv, xq, snd, rcv, m1, b1, scale, False)
+
+    y = jax.vmap(one)(
+        x_q.reshape(-1, t_q, d),
+        x_kv.reshape(-1, t_k, d),
+        m.reshape(-1, t_q * t_k),
+        b.reshape(-1, t_q * t_k),
+    ).reshape(*batch, t_q, d)
+    return residual_or(y, x_q, residual)
+
+
+def segment_softmax(
+    logits: Float[Array, "E H"], allowed: Bool[Array, "E H"], receivers: Array, n_r: int
+) -> Float[Array, "E H"]:
+    """``alpha_e = exp(a_e - max) / sum_{e' -> r} exp(a_e' - max)`` over each receiver ``r``."""
+    top = jax.ops.segment_max(jnp.where(allowed, logits, -jnp.inf), receivers, n_r)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top)))
+    shifted = jnp.where(allowed, logits - top[receivers], jnp.zeros_like(logits))
+    ex = jnp.where(allowed, jnp.exp(shifted), jnp.zeros_like(logits))
+    denom = jax.ops.segment_sum(ex, receivers, n_r)
+    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    return ex / denom[receivers]
+
+
+# ----------------------------------------------------------------------------- the edge level
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeInputs:
+    """Validated edge-list inputs (node features, edge indices, per-edge mask and bias)."""
+
+    params: AttentionParams
+    x_senders: Array
+    x_receivers: Array
+    senders: Array
+    receivers: Array
+    edge_mask: Array | None
+    edge_bias: Array | None  # in the dtype of x_receivers
+    scale: Array
+    residual: bool
+    in_range: Array | None  # traced indices: whether all are in range (else all rows NaN)
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_senders, x_receivers, senders, receivers, edge_mask, edge_bias,
+        scale, residual)`` on the finite parts."""
+        xs, xr = finite_part(self.x_senders), finite_part(self.x_receivers)
+        snd, rcv, eb = self.senders, self.receivers, finite_bias(self.edge_bias)
+        return formula(self.params, xs, xr, snd, rcv, self.edge_mask, eb, self.scale, self.residual)
+
+    def dirty_rows(self) -> Bool[Array, " N_r"]:
+        """Receivers that read a non-finite value through an allowed edge (their own row, a
+        sender row, a NaN or ``+inf`` edge bias), and every receiver if an index is out of
+        range."""
+        n_r, rcv, eb = self.x_receivers.shape[0], self.receivers, self.edge_bias
+        allowed = allowed_pairs(self.edge_mask, eb, rcv.shape)  # [E]
+
+        def per_receiver(flags: Array) -> Array:
+            return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
+
+        bad_edge = nonfinite_rows(self.x_senders)[self.senders]  # a non-finite sender row ...
+        if eb is not None:  # ... or a NaN / +inf bias (-inf edges are not allowed)
+            bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
+        own = nonfinite_rows(self.x_receivers)
+        if not self.residual:
+            own = jnp.logical_and(own, per_receiver(allowed))
+        dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
+        return dirty if self.in_range is None else jnp.logical_or(dirty, ~self.in_range)
 
 
 def _check_edges(
@@ -57,8 +178,8 @@ def _check_edges(
         )
     for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
         # Concrete values (NumPy, lists, JAX arrays outside jit) are checked here; traced ones
-        # by graph_message_passing (checked mode, else an all-NaN output): a JAX gather would
-        # clamp an out-of-range index silently.
+        # by _edges (checked mode, else an all-NaN output): a JAX gather would clamp an
+        # out-of-range index silently.
         if e and not is_traced(idx):
             vals = np.asarray(idx)
             if vals.min() < 0 or vals.max() >= n:
@@ -77,20 +198,7 @@ def _check_edges(
     return e
 
 
-def _segment_softmax(
-    logits: Float[Array, "E H"], allowed: Bool[Array, "E H"], receivers: Array, n_r: int
-) -> Float[Array, "E H"]:
-    top = jax.ops.segment_max(jnp.where(allowed, logits, -jnp.inf), receivers, n_r)
-    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top)))
-    shifted = jnp.where(allowed, logits - top[receivers], jnp.zeros_like(logits))
-    ex = jnp.where(allowed, jnp.exp(shifted), jnp.zeros_like(logits))
-    denom = jax.ops.segment_sum(ex, receivers, n_r)
-    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
-    return ex / denom[receivers]
-
-
-@float64_scoped
-def graph_message_passing(
+def _edges(
     params: AttentionParams,
     x_senders: Float[ArrayLike, "N_s d_model"],
     x_receivers: Float[ArrayLike, "N_r d_model"],
@@ -101,42 +209,7 @@ def graph_message_passing(
     edge_bias: Float[ArrayLike, " E"] | None = None,
     scale: float | None = None,
     residual: bool = False,
-) -> Float[Array, "N_r d_model"]:
-    """Message passing over an explicit edge list with a segment softmax per receiver.
-
-    ``senders[e]`` indexes ``x_senders`` (keys/values), ``receivers[e]`` indexes ``x_receivers``
-    (queries); ``edge_mask`` disables edges without changing shapes (for ``jit``).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_senders: Sender (key/value) node features, row vectors ``[N_s, d_model]`` (no batch
-            dims), the dtype of ``params``.
-        x_receivers: Receiver (query) node features ``[N_r, d_model]``, the dtype of ``params``.
-        senders: Integer ``[E]``: edge ``e`` goes from node ``senders[e]`` of ``x_senders`` ...
-        receivers: Integer ``[E]``: ... to node ``receivers[e]`` of ``x_receivers``.
-        edge_mask: Boolean ``[E]``, ``False`` switches an edge off; ``None`` (default) keeps
-            every edge.
-        edge_bias: Additive bias ``[E]`` on each edge's scaled score (``-inf`` switches the edge
-            off); cast to the dtype of ``x_receivers``.
-        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_receivers + y`` (the residual-stream update).
-
-    Returns:
-        The receivers' updates ``y [N_r, d_model]``; a receiver with no allowed incoming edge
-        gets ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, the node features are not ``[N, d_model]``,
-            ``senders``/``receivers`` are not 1-D of one length ``E``, a concrete index is out of
-            range, ``edge_mask``/``edge_bias`` are not ``[E]``, or ``scale`` is not a scalar.
-            Traced indices (under ``jax.jit``) cannot be checked at trace time: out of range,
-            every output row is NaN, and :func:`attnref.checked` raises
-            ``checkify.JaxRuntimeError`` (a ``ValueError``) instead.
-        TypeError: If the node features' dtype is not the parameters', the indices are not
-            integers, ``edge_mask`` is not boolean, ``edge_bias`` is not floating, or ``scale``
-            is not a real number.
-    """
+) -> EdgeInputs:
     _, d_model, d_k, _ = check_params(params)
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
         if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
@@ -149,7 +222,7 @@ def graph_message_passing(
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
     _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
-    xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
+    xr = jnp.asarray(x_receivers)
     snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
     in_range = None  # traced indices: checked under attnref.checked, else an all-NaN output
     if snd.shape[0] and is_traced(senders, receivers):
@@ -163,66 +236,69 @@ def graph_message_passing(
                 hi=jnp.max(idx),
             )
         in_range = jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r))
-    s = scale_value(d_k, scale, xr.dtype)
-    em = None if edge_mask is None else jnp.asarray(edge_mask)
-    eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
-    allowed = allowed_pairs(em, eb, snd.shape)  # [E]
-
-    def per_receiver(flags: Array) -> Array:
-        return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
-
-    bad_edge = nonfinite_rows(xs)[snd]  # the edge reads a non-finite sender row ...
-    if eb is not None:  # ... or a NaN / +inf bias (-inf edges are not allowed)
-        bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
-    own = nonfinite_rows(xr)
-    if not residual:
-        own = jnp.logical_and(own, per_receiver(allowed))
-    dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
-
-    def compute(xs1: Array, xr1: Array, eb1: Array | None) -> Array:
-        return _message_passing(params, xs1, xr1, snd, rcv, n_r, em, eb1, s, residual)
-
-    clean = (finite_part(xs), finite_part(xr), finite_bias(eb))
-    out = guarded(compute, dirty, clean)
-    return out if in_range is None else jnp.where(in_range, out, jnp.asarray(jnp.nan, out.dtype))
+    return EdgeInputs(
+        params=params,
+        x_senders=jnp.asarray(x_senders),
+        x_receivers=xr,
+        senders=snd,
+        receivers=rcv,
+        edge_mask=None if edge_mask is None else jnp.asarray(edge_mask),
+        edge_bias=None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype),
+        scale=scale_value(d_k, scale, xr.dtype),
+        residual=residual,
+        in_range=in_range,
+    )
 
 
-def _message_passing(
-    params: AttentionParams,
-    xs: Array,
-    xr: Array,
-    snd: Array,
-    rcv: Array,
-    n_r: int,
-    edge_mask: Array | None,
-    edge_bias: Array | None,
-    s: Array,
-    residual: bool,
-) -> Float[Array, "N_r d_model"]:
-    """The body of :func:`graph_message_passing` on validated arrays (no non-finite guard)."""
+EDGES = Level(
+    _edges,
+    """Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
+        key/value head ``i // G`` (``G = H / K``).
+    x_senders: Sender (key/value) node features, row vectors ``[N_s, d_model]`` (no batch
+        dims), the dtype of ``params``.
+    x_receivers: Receiver (query) node features ``[N_r, d_model]``, the dtype of ``params``.
+    senders: Integer ``[E]``: edge ``e`` goes from node ``senders[e]`` of ``x_senders`` ...
+    receivers: Integer ``[E]``: ... to node ``receivers[e]`` of ``x_receivers``.
+    edge_mask: Boolean ``[E]``, ``False`` switches an edge off; ``None`` (default) keeps
+        every edge.
+    edge_bias: Additive bias ``[E]`` on each edge's scaled score (``-inf`` switches the edge
+        off); cast to the dtype of ``x_receivers``.
+    scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
+    residual: If ``True``, return ``x_receivers + y`` (the residual-stream update).
 
-    def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:
-        y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
-        return y if b is None else y + jnp.asarray(b)
+Raises:
+    ValueError: If ``params`` is malformed, the node features are not ``[N, d_model]``,
+        ``senders``/``receivers`` are not 1-D of one length ``E``, a concrete index is out of
+        range, ``edge_mask``/``edge_bias`` are not ``[E]``, or ``scale`` is not a scalar.
+        Traced indices (under ``jax.jit``) cannot be checked at trace time: out of range,
+        every output row is NaN, and :func:`attnref.checked` raises
+        ``checkify.JaxRuntimeError`` (a ``ValueError``) instead.
+    TypeError: If the node features' dtype is not the parameters', the indices are not
+        integers, ``edge_mask`` is not boolean, ``edge_bias`` is not floating, or ``scale``
+        is not a real number.""",
+)
 
-    g = params.group_size
-    q = proj(xr, params.w_q, params.b_q)[rcv]  # [E, H, d_k]
-    k = repeat_heads(proj(xs, params.w_k, params.b_k), g, axis=1)[
-        snd
-    ]  # [N_s, K, d_k] -> [E, H, d_k]
-    v = repeat_heads(proj(xs, params.w_v, params.b_v), g, axis=1)[snd]  # [E, H, d_v]
-    logits = jnp.sum(q * k, axis=-1) * s  # [E, H]
-    if edge_bias is not None:
-        logits = logits + edge_bias[:, None]
-    allowed = logits != -jnp.inf
-    if edge_mask is not None:
-        allowed = jnp.logical_and(allowed, edge_mask[:, None])
-    alpha = _segment_softmax(logits, allowed, rcv, n_r)
-    z = jax.ops.segment_sum(alpha[..., None] * v, rcv, n_r)  # [N_r, H, d_v]
-    y = jnp.einsum("rhv,hvd->rd", z, params.w_o, precision=HIGHEST)
-    if params.b_o is not None:
-        y = y + jnp.asarray(params.b_o)
-    return residual_or(y, xr, residual)
+graph_message_passing = public(
+    EDGES,
+    message_passing,
+    name="graph_message_passing",
+    summary="Message passing over an explicit edge list with a segment softmax per receiver.\n\n"
+    "``senders[e]`` indexes ``x_senders`` (keys/values), ``receivers[e]`` indexes\n"
+    "``x_receivers`` (queries); ``edge_mask`` disables edges without changing shapes (for\n"
+    "``jit``).",
+    returns="The receivers' updates ``y [N_r, d_model]``; a receiver with no allowed incoming\n"
+    "    edge gets ``b_O`` (zero without biases).",
+)
+graph_attention = public(
+    ROWS,
+    graph,
+    name="graph_attention",
+    summary=":func:`graph_message_passing` on the complete bipartite graph, the mask as "
+    "adjacency.\n\nEvery (query, key) pair is an edge, so shapes are static and the function "
+    "is ``jit``-able;\nthe mask switches edges off. Batch dims are ``vmap``-ed.",
+    returns=BLOCK_RETURNS,
+)
 
 
 def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.ndarray]:
@@ -246,74 +322,6 @@ def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.nd
         raise ValueError(f"mask must be a 2-D boolean array, got shape {m.shape} dtype {m.dtype}")
     receivers, senders = np.nonzero(m)
     return senders.astype(np.int32), receivers.astype(np.int32)
-
-
-@float64_scoped
-def graph_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """:func:`graph_message_passing` on the complete bipartite graph, the mask as adjacency.
-
-    Every (query, key) pair is an edge, so shapes are static and the function is ``jit``-able;
-    the mask switches edges off. Batch dims are ``vmap``-ed.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-    p0 = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    receivers, senders = (
-        jnp.asarray(a.reshape(-1)) for a in np.indices((p0.t_q, p0.t_k), dtype=np.int32)
-    )
-    e = p0.t_q * p0.t_k
-
-    def compute(p: Prepared) -> Array:
-        full = (*p.batch_shape, p.t_q, p.t_k)
-        m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
-        b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
-        d = params.d_model
-
-        def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
-            return _message_passing(
-                params, xkv, xq, senders, receivers, p.t_q, m1, b1, p.scale, False
-            )
-
-        y = jax.vmap(one)(
-            p.x_q.reshape(-1, p.t_q, d),
-            p.x_kv.reshape(-1, p.t_k, d),
-            m.reshape(-1, e),
-            b.reshape(-1, e),
-        ).reshape(*p.batch_shape, p.t_q, d)
-        return residual_or(y, p.x_q, residual)
-
-    return p0.guarded(compute, residual)
 
 
 # ----------------------------------------------------------------------------- registry entry
@@ -369,6 +377,7 @@ register(
         convention="graph",
         citation=KARPATHY,
         apply=graph_attention,
+        formula=message_passing,
         native=graph_message_passing,
         summary="Tokens are nodes, the mask is the adjacency; a segment softmax per receiver.",
         cost=(

@@ -9,44 +9,165 @@ kernel in the layout of ``jax.nn.dot_product_attention``, and return
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.common import HIGHEST, Prepared, add_output_bias, prepare_rows, residual_or
+from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.common import (
+    BLOCK_RETURNS,
+    RESIDUAL_ARG,
+    Prepared,
+    add_output_bias,
+    prepare_rows,
+    residual_or,
+    row_args,
+)
+from attnref._src.core.entry import Level, public
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.blockwise import blockwise_dot_product_attention
 from attnref._src.formulations.decode import cache_attend, init_cache, kv_cache_append, scan
 from attnref._src.formulations.decode import (
-    project as _kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
+    project as kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
 )
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
 
 
-def flat(p: Prepared) -> tuple[Array, Array, int]:
-    b = math.prod(p.batch_shape)
-    return p.x_q.reshape(b, p.t_q, -1), p.x_kv.reshape(b, p.t_k, -1), b
+def blockwise(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: float | Array | None,
+    residual: bool,
+    block_q: int,
+    block_k: int,
+) -> Float[Array, "... T_q d_model"]:
+    """``sum_n o_n W_O[n] + b_O``, ``o`` the online softmax over ``block_q x block_k`` tiles."""
+    xq, xkv, _ = flat_rows(x_q, x_kv)  #                                 [B, T, d_model]
+    o = blockwise_dot_product_attention(
+        kernel_heads(xq, params.w_q, params.b_q),  # q                   [B, T_q, H, d_k]
+        kernel_heads(xkv, params.w_k, params.b_k),  # k                  [B, T_k, K, d_k]
+        kernel_heads(xkv, params.w_v, params.b_v),  # v                  [B, T_k, K, d_v]
+        kernel_pairs(bias, x_q, x_kv),
+        kernel_pairs(mask, x_q, x_kv),
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    return output_rows(params, o, x_q, residual)
 
 
-def pairs(p: Prepared, a: Array | None, b: int) -> Array | None:
-    """``[..., T_q, T_k]`` mask or bias -> kernel ``[B, 1, T_q, T_k]``."""
+def kv_cache(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: float | Array | None,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """Prefill a cache with ``x_kv``'s keys and values, then read it one query at a time:
+    ``o_t = softmax_j(scale q_t . k_j + bias_{t, p_j}, mask) v_j``, ``sum_n o_n W_O[n] + b_O``."""
+    xq, xkv, b = flat_rows(x_q, x_kv)
+    k = kernel_heads(xkv, params.w_k, params.b_k).astype(xkv.dtype)  #  [B, T_k, K, d_k]
+    v = kernel_heads(xkv, params.w_v, params.b_v).astype(xkv.dtype)  #  [B, T_k, K, d_v]
+    cache = kv_cache_append(init_cache(params, b, xkv.shape[1]), k, v)
+    steps = {"q": jnp.swapaxes(kernel_heads(xq, params.w_q, params.b_q), 0, 1)}  # [T_q, B, ...]
+    for name, a in (("mask", mask), ("bias", bias)):
+        if a is not None:
+            steps[name] = jnp.swapaxes(kernel_pairs(a, x_q, x_kv)[:, 0], 0, 1)  # [T_q, B, T_k]
+
+    def step(_: None, row: dict[str, Array]) -> tuple[None, Array]:
+        row_mask = row["mask"][:, None] if "mask" in row else None
+        row_bias = row["bias"][:, None] if "bias" in row else None
+        out = cache_attend(cache, row["q"][:, None], mask=row_mask, bias=row_bias, scale=scale)
+        return None, out[:, 0]
+
+    _, o = jax.lax.scan(step, None, steps)  # o_t                      [T_q, B, H, d_v]
+    return output_rows(params, jnp.swapaxes(o, 0, 1), x_q, residual)
+
+
+def flat_rows(x_q: Array, x_kv: Array) -> tuple[Array, Array, int]:
+    """``x_q``, ``x_kv`` with the batch dims flattened to one, ``[B, T, d_model]``, and ``B``."""
+    b = math.prod(x_q.shape[:-2])
+    return x_q.reshape(b, x_q.shape[-2], -1), x_kv.reshape(b, x_kv.shape[-2], -1), b
+
+
+def kernel_pairs(a: Array | None, x_q: Array, x_kv: Array) -> Array | None:
+    """A ``[..., T_q, T_k]`` mask or bias in the kernel layout ``[B, 1, T_q, T_k]``."""
     if a is None:
         return None
-    return jnp.broadcast_to(a, (*p.batch_shape, p.t_q, p.t_k)).reshape(b, 1, p.t_q, p.t_k)
+    t_q, t_k = x_q.shape[-2], x_kv.shape[-2]
+    return jnp.broadcast_to(a, (*x_q.shape[:-2], t_q, t_k)).reshape(-1, 1, t_q, t_k)
 
 
-def block_output(p: Prepared, params: AttentionParams, o: Array, residual: bool) -> Array:
+def output_rows(params: AttentionParams, o: Array, x_q: Array, residual: bool) -> Array:
+    """``sum_n o_n W_O[n] + b_O`` from kernel outputs ``o [B, T_q, H, d_v]``, in ``x_q``'s
+    batch shape (``x_q +`` that in residual form)."""
     y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
-    y = add_output_bias(y.reshape(*p.batch_shape, p.t_q, -1), params)
-    return residual_or(y, p.x_q, residual)
+    y = add_output_bias(y.reshape(*x_q.shape[:-1], -1), params)
+    return residual_or(y, x_q, residual)
 
 
-@float64_scoped
-def blockwise_attention(
+def flat(p: Prepared) -> tuple[Array, Array, int]:  # H1-COMPAT: delete when unused
+    return flat_rows(p.x_q, p.x_kv)
+
+
+def pairs(p: Prepared, a: Array | None, b: int) -> Array | None:  # H1-COMPAT
+    return kernel_pairs(a, p.x_q, p.x_kv)
+
+
+def block_output(
+    p: Prepared, params: AttentionParams, o: Array, residual: bool
+) -> Array:  # H1-COMPAT
+    return output_rows(params, o, p.x_q, residual)
+
+
+# ----------------------------------------------------------------------------- the kernel rows
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRows:
+    """Validated row inputs for a formula that runs a kernel: the caller's ``scale`` as given
+    (the kernel resolves ``None`` in its compute dtype) and the kernel's options."""
+
+    rows: Prepared
+    scale: float | Array | None
+    options: tuple[Any, ...] = ()
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale, residual, *options)``, finite parts."""
+        f = self.rows.finite()
+        args = (f.params, f.x_q, f.x_kv, f.mask, f.bias, self.scale, f.residual)
+        return formula(*args, *self.options)
+
+    def dirty_rows(self) -> Array:
+        return self.rows.dirty_rows()
+
+
+def _kernel_rows(
+    params: AttentionParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    residual: bool = False,
+) -> KernelRows:
+    return KernelRows(prepare_rows(params, x_q, x_kv, mask, bias, scale, residual), scale)
+
+
+def _blockwise_rows(
     params: AttentionParams,
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
@@ -57,56 +178,45 @@ def blockwise_attention(
     residual: bool = False,
     block_q: int = 3,
     block_k: int = 2,
-) -> Float[Array, "... T_q d_model"]:
-    """Multi-head attention through :func:`attnref.blockwise_dot_product_attention`.
+) -> KernelRows:
+    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    return KernelRows(rows, scale, (block_q, block_k))
 
-    Online softmax in ``block_q x block_k`` tiles; the small odd defaults exercise partial tiles.
 
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-        block_q: Queries per tile, a positive int (default 3).
-        block_k: Keys per tile, a positive int (default 2).
+KERNEL_ROWS = Level(_kernel_rows, row_args())
+BLOCKWISE_ROWS = Level(
+    _blockwise_rows,
+    row_args(
+        RESIDUAL_ARG
+        + """
+    block_q: Queries per tile, a positive int (default 3).
+    block_k: Keys per tile, a positive int (default 2).""",
+        also=",\n        or a block size is not a positive int",
+    ),
+)
 
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, ``scale`` is not a scalar, or a block size is not a positive
-            int.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        xq, xkv, b = flat(p)
-        o = blockwise_dot_product_attention(
-            _kernel_heads(xq, params.w_q, params.b_q),
-            _kernel_heads(xkv, params.w_k, params.b_k),
-            _kernel_heads(xkv, params.w_v, params.b_v),
-            pairs(p, p.bias, b),
-            pairs(p, p.mask, b),
-            scale=scale,
-            block_q=block_q,
-            block_k=block_k,
-        )
-        return block_output(p, params, o, residual)
-
-    # Non-finite tokens a query may not read stay out of it and of every gradient (the
-    # projections' backward would otherwise multiply them by zero).
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+# Non-finite tokens a query may not read stay out of it and of every gradient (the projections'
+# backward would otherwise multiply them by zero): both run through entry.guard.
+blockwise_attention = public(
+    BLOCKWISE_ROWS,
+    blockwise,
+    name="blockwise_attention",
+    summary="Multi-head attention through :func:`attnref.blockwise_dot_product_attention`.\n\n"
+    "Online softmax in ``block_q x block_k`` tiles; the small odd defaults exercise partial "
+    "tiles.",
+    returns=BLOCK_RETURNS,
+)
+kv_cache_attention = public(
+    KERNEL_ROWS,
+    kv_cache,
+    name="kv_cache_attention",
+    summary="Multi-head attention read from a KV cache: ``x_kv``'s keys and values are projected "
+    "and\nappended (the prefill), then a ``lax.scan`` runs the queries one at a time against the "
+    "cache\nwith row ``t`` of ``mask`` and ``bias`` (by absolute key position).\n\n"
+    "With a causal mask this is what incremental decoding computes (:func:`scan`\n"
+    "appends one token per step instead; both are tested against the oracle).",
+    returns=BLOCK_RETURNS,
+)
 
 
 @float64_scoped
@@ -159,8 +269,8 @@ def decode_attention(
             f"decoding pairs query t with key t: x_q has T_q={p.t_q} tokens but x_kv has "
             f"T_k={p.t_k}"
         )
-    xq, xkv, b = flat(p)
-    m, bi = pairs(p, p.mask, b), pairs(p, p.bias, b)
+    xq, xkv, b = flat_rows(p.x_q, p.x_kv)
+    m, bi = kernel_pairs(p.mask, p.x_q, p.x_kv), kernel_pairs(p.bias, p.x_q, p.x_kv)
     cache = init_cache(params, b, p.t_k if window is None else window, window=window)
     y, _ = scan(
         params,
@@ -173,79 +283,6 @@ def decode_attention(
     )
     y = y.reshape(*p.batch_shape, p.t_q, -1)
     return residual_or(y, p.x_q, residual)
-
-
-@float64_scoped
-def kv_cache_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """Multi-head attention read from a KV cache: ``x_kv``'s keys and values are projected and
-    appended (the prefill), then a ``lax.scan`` runs the queries one at a time against the cache
-    with row ``t`` of ``mask`` and ``bias`` (by absolute key position).
-
-    With a causal mask this is what incremental decoding computes (:func:`scan`
-    appends one token per step instead; both are tested against the oracle).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(
-        lambda p: _kv_cache(p, params, scale, residual), residual
-    )
-
-
-def _kv_cache(p: Prepared, params: AttentionParams, scale: float | None, residual: bool) -> Array:
-    xq, xkv, b = flat(p)
-    cache = init_cache(params, b, p.t_k)
-    cache = kv_cache_append(
-        cache,
-        _kernel_heads(xkv, params.w_k, params.b_k).astype(p.dtype),
-        _kernel_heads(xkv, params.w_v, params.b_v).astype(p.dtype),
-    )
-    q = jnp.swapaxes(_kernel_heads(xq, params.w_q, params.b_q), 0, 1)  # [T_q, B, N, d_k]
-    steps: dict[str, Array] = {"q": q}
-    m, bi = pairs(p, p.mask, b), pairs(p, p.bias, b)
-    if m is not None:
-        steps["mask"] = jnp.swapaxes(m[:, 0], 0, 1)  # [T_q, B, T_k]
-    if bi is not None:
-        steps["bias"] = jnp.swapaxes(bi[:, 0], 0, 1)
-
-    def step(_: None, inp: dict[str, Array]) -> tuple[None, Array]:
-        row_mask = inp["mask"][:, None] if "mask" in inp else None
-        row_bias = inp["bias"][:, None] if "bias" in inp else None
-        out = cache_attend(cache, inp["q"][:, None], mask=row_mask, bias=row_bias, scale=scale)
-        return None, out[:, 0]
-
-    _, o = jax.lax.scan(step, None, steps)
-    return block_output(p, params, jnp.swapaxes(o, 0, 1), residual)
 
 
 # ----------------------------------------------------------------------------- registry entries
@@ -264,9 +301,9 @@ GQA = (
 )
 
 BLOCK_Q, BLOCK_K = 3, 2  # the registry entry's tile sizes (blockwise_attention's defaults)
-# Per logit of a tile, from attnref._src.formulations.blockwise: two index tests and their "and", the mask
-# "and", bias != -inf and its "and", the column and row "any", scale, + bias, where before the
-# max, the max, s - shift, two wheres around exp, the row sum.
+# Per logit of a tile, from attnref._src.formulations.blockwise: two index tests and their "and",
+# the mask "and", bias != -inf and its "and", the column and row "any", scale, + bias, where
+# before the max, the max, s - shift, two wheres around exp, the row sum.
 BLOCK_PER_LOGIT = 17
 # Per query row of a tile: maximum, == -inf, where, m - shift, alpha * l, + sum, and the
 # accumulator's alpha * acc + pv (2 per value entry, counted separately).
@@ -408,6 +445,7 @@ register(
         convention="kernel",
         citation=MILAKOV + " " + DAO + " GQA: " + GQA,
         apply=blockwise_attention,
+        formula=blockwise,
         native=blockwise_dot_product_attention,
         summary=(
             "Query tiles (lax.map) times key tiles (lax.scan) with a running max and sum; the "
@@ -439,6 +477,7 @@ register(
             "Models from Multi-Head Checkpoints, EMNLP."
         ),
         apply=kv_cache_attention,
+        formula=kv_cache,
         native=cache_attend,
         summary=(
             "Keys and values projected once into a cache (slots with absolute positions), then a "

@@ -11,9 +11,6 @@ Row convention. With ``W_M[i] = W_V[g] W_O[i]`` and ``W_P[i] = W_Q[i] W_K[g]^T``
 
 Query heads that share a key/value head share ``W_V`` and ``W_K`` but not ``W_M`` or ``W_P``.
 
-A key or value a query may not read never reaches that query's output or gradients, whatever it
-holds: both forms run through :meth:`attnref._src.core.common.Prepared.guarded`.
-
 Seeds: "Refactoring the Attention Equations: Patterns and Messages" (2025-02-19) and
 "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18).
 """
@@ -21,53 +18,105 @@ Seeds: "Refactoring the Attention Equations: Patterns and Messages" (2025-02-19)
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import check_tokens, float64_scoped
-from attnref._src.core.common import HIGHEST, Prepared, add_output_bias, prepare_rows, residual_or
+from attnref._src.core.checks import HIGHEST, check_tokens, float64_scoped
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, add_output_bias, residual_or
+from attnref._src.core.entry import public
 from attnref._src.core.params import AttentionParams, repeat_heads, w_m_unchecked, w_p_unchecked
 from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
-from attnref._src.formulations.standard import weights
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries, weights
+
+
+def scores_messages(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """``MultiHead = sum_i A_i M_i + b_O``, ``A_i = softmax(scale Q_i K_i^T + bias, mask)``."""
+    a = weights(params, x_q, x_kv, mask, bias, scale)  # A_i         [..., H, T_q, T_k]
+    m = compute_messages(params, x_kv)  # M_i                       [..., H, T_k, d_model]
+    return residual_or(mix(a, m, params), x_q, residual)
+
+
+def patterns_messages(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """``MultiHead = sum_i softmax(scale P_i X_kv^T + bias, mask) M_i + b_O``."""
+    p = compute_patterns(params, x_q)  # P_i                        [..., H, T_q, d_model]
+    s = jnp.einsum("...hqd,...kd->...hqk", p, x_kv, precision=HIGHEST) * scale
+    s = s if bias is None else s + jnp.expand_dims(bias, -3)  #       [..., H, T_q, T_k]
+    a = masked_softmax(s, None if mask is None else jnp.expand_dims(mask, -3))
+    return residual_or(mix(a, compute_messages(params, x_kv), params), x_q, residual)
+
+
+def mix(a: Array, m: Array, params: AttentionParams) -> Float[Array, "... T_q d_model"]:
+    """``sum_i A_i M_i + b_O``."""
+    per_head = jnp.einsum("...hqk,...hkd->...hqd", a, m, precision=HIGHEST)
+    return add_output_bias(jnp.sum(per_head, axis=-3), params)
 
 
 def compute_messages(params: AttentionParams, x_kv: Array) -> Float[Array, "... H T_k d_model"]:
+    """``M_i = X_kv W_M[i] + 1 (b_V[g] W_O[i])``."""
     m = jnp.einsum("...td,hde->...hte", x_kv, w_m_unchecked(params), precision=HIGHEST)
-    if params.b_v is not None:
-        b_v = repeat_heads(params.b_v, params.group_size)  # [H, d_v]: b_V[i // G]
-        m = m + jnp.einsum("hv,hvd->hd", b_v, params.w_o, precision=HIGHEST)[:, None, :]
-    return m
+    vb = message_bias(params)
+    return m if vb is None else m + vb[:, None, :]
 
 
 def compute_patterns(params: AttentionParams, x_q: Array) -> Float[Array, "... H T_q d_model"]:
+    """``P_i = X_q W_P[i] + 1 (b_Q[i] W_K[g]^T)``."""
     p = jnp.einsum("...td,hde->...hte", x_q, w_p_unchecked(params), precision=HIGHEST)
-    if params.b_q is not None:
-        w_k = repeat_heads(params.w_k, params.group_size)  # [H, d_model, d_k]: W_K[i // G]
-        p = p + jnp.einsum("hk,hdk->hd", params.b_q, w_k, precision=HIGHEST)[:, None, :]
-    return p
+    qb = pattern_bias(params)
+    return p if qb is None else p + qb[:, None, :]
+
+
+def message_bias(params: AttentionParams) -> Float[Array, "H d_model"] | None:
+    """``b_V[i // G] W_O[i]`` per query head (``None`` without ``b_V``)."""
+    if params.b_v is None:
+        return None
+    b_v = repeat_heads(params.b_v, params.group_size)  # [H, d_v]: b_V[i // G]
+    return jnp.einsum("hv,hvd->hd", b_v, params.w_o, precision=HIGHEST)
+
+
+def pattern_bias(params: AttentionParams) -> Float[Array, "H d_model"] | None:
+    """``b_Q[i] W_K[i // G]^T`` per query head (``None`` without ``b_Q``)."""
+    if params.b_q is None:
+        return None
+    w_k = repeat_heads(params.w_k, params.group_size)  # [H, d_model, d_k]: W_K[i // G]
+    return jnp.einsum("hk,hdk->hd", params.b_q, w_k, precision=HIGHEST)
+
+
+# ----------------------------------------------------------------------------- public functions
+
+_TOKENS_ARGS = """Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`); {merged}.
+    x: The {who} tokens, row vectors ``[..., T, d_model]``, the dtype of ``params``.
+
+Returns:
+    {returns}
+
+Raises:
+    ValueError: If ``params`` is malformed or ``x`` is not ``[..., T, d_model]``.
+    TypeError: If ``x`` and ``params`` have different dtypes.
+"""
 
 
 @float64_scoped
 def messages(
     params: AttentionParams, x: Float[ArrayLike, "... T d_model"]
 ) -> Float[Array, "... H T d_model"]:
-    """Per-head messages ``M_i = X W_M[i] + b_V[i // G] W_O[i]`` (one row per sending token).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); ``W_M[i] = W_V[i // G]
-            W_O[i]`` (:func:`attnref.interp.w_m`).
-        x: The sending (key/value) tokens, row vectors ``[..., T, d_model]``, the dtype of
-            ``params``.
-
-    Returns:
-        ``M_i`` for every query head, ``[..., H, T, d_model]``: row ``j`` is what token ``j``
-        sends through head ``i`` (before the attention weights and ``b_O``).
-
-    Raises:
-        ValueError: If ``params`` is malformed or ``x`` is not ``[..., T, d_model]``.
-        TypeError: If ``x`` and ``params`` have different dtypes.
-    """
     check_tokens(params, x, x)
     return compute_messages(params, jnp.asarray(x))
 
@@ -76,124 +125,45 @@ def messages(
 def patterns(
     params: AttentionParams, x: Float[ArrayLike, "... T d_model"]
 ) -> Float[Array, "... H T d_model"]:
-    """Per-head patterns ``P_i = X W_P[i] + b_Q[i] W_K[i // G]^T`` (one per querying token).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); ``W_P[i] = W_Q[i]
-            W_K[i // G]^T`` (:func:`attnref.interp.w_p`).
-        x: The querying tokens, row vectors ``[..., T, d_model]``, the dtype of ``params``.
-
-    Returns:
-        ``P_i`` for every query head, ``[..., H, T, d_model]``: row ``t`` is what token ``t``
-        looks for in model space; the unscaled logits are ``P_i X_kv^T`` (``b_K`` cancels in the
-        softmax and is not included).
-
-    Raises:
-        ValueError: If ``params`` is malformed or ``x`` is not ``[..., T, d_model]``.
-        TypeError: If ``x`` and ``params`` have different dtypes.
-    """
     check_tokens(params, x, x)  # validates params too
     return compute_patterns(params, jnp.asarray(x))
 
 
-def _mix(a: Array, m: Array, params: AttentionParams) -> Array:
-    per_head = jnp.einsum("...hqk,...hkd->...hqd", a, m, precision=HIGHEST)
-    return add_output_bias(jnp.sum(per_head, axis=-3), params)
+messages.__doc__ = (
+    "Per-head messages ``M_i = X W_M[i] + b_V[i // G] W_O[i]`` (one row per sending token).\n\n"
+    + _TOKENS_ARGS.format(
+        merged="``W_M[i] = W_V[i // G] W_O[i]`` (:func:`attnref.interp.w_m`)",
+        who="sending (key/value)",
+        returns="``M_i`` for every query head, ``[..., H, T, d_model]``: row ``j`` is what token "
+        "``j``\n    sends through head ``i`` (before the attention weights and ``b_O``).",
+    )
+)
+patterns.__doc__ = (
+    "Per-head patterns ``P_i = X W_P[i] + b_Q[i] W_K[i // G]^T`` (one per querying token).\n\n"
+    + _TOKENS_ARGS.format(
+        merged="``W_P[i] = W_Q[i] W_K[i // G]^T`` (:func:`attnref.interp.w_p`)",
+        who="querying",
+        returns="``P_i`` for every query head, ``[..., H, T, d_model]``: row ``t`` is what token "
+        "``t``\n    looks for in model space; the unscaled logits are ``P_i X_kv^T`` (``b_K`` "
+        "cancels in the\n    softmax and is not included).",
+    )
+)
 
-
-@float64_scoped
-def scores_messages_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """``sum_i softmax(Q_i K_i^T / sqrt(d_k)) (X_kv W_M[i]) + b_O``: scores times messages.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        y = _mix(weights(p, params), compute_messages(params, p.x_kv), params)
-        return residual_or(y, p.x_q, residual)
-
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
-
-
-@float64_scoped
-def patterns_messages_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """``sum_i softmax((X_q W_P[i]) X_kv^T / sqrt(d_k)) (X_kv W_M[i]) + b_O``.
-
-    The scale stays ``1/sqrt(d_k)`` although the patterns live in ``d_model`` space.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        pat = compute_patterns(params, p.x_q)
-        logits = jnp.einsum("...hqd,...kd->...hqk", pat, p.x_kv, precision=HIGHEST)
-        a = masked_softmax(p.add_bias(logits * p.scale), p.head_mask())
-        y = _mix(a, compute_messages(params, p.x_kv), params)
-        return residual_or(y, p.x_q, residual)
-
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+scores_messages_attention = public(
+    ROWS,
+    scores_messages,
+    name="scores_messages_attention",
+    summary="``sum_i softmax(Q_i K_i^T / sqrt(d_k)) (X_kv W_M[i]) + b_O``: scores times messages.",
+    returns=BLOCK_RETURNS,
+)
+patterns_messages_attention = public(
+    ROWS,
+    patterns_messages,
+    name="patterns_messages_attention",
+    summary="``sum_i softmax((X_q W_P[i]) X_kv^T / sqrt(d_k)) (X_kv W_M[i]) + b_O``.\n\n"
+    "The scale stays ``1/sqrt(d_k)`` although the patterns live in ``d_model`` space.",
+    returns=BLOCK_RETURNS,
+)
 
 
 # ----------------------------------------------------------------------------- registry entries
@@ -253,6 +223,7 @@ register(
         convention="row",
         citation="Messages: " + HIDDEN_MESSAGES + ", which introduces them; " + REFACTOR,
         apply=scores_messages_attention,
+        formula=scores_messages,
         native=scores_messages_attention,
         summary="Value and output projections merged into a d_model x d_model message matrix.",
         cost=(
@@ -277,6 +248,7 @@ register(
         convention="row",
         citation=REFACTOR,
         apply=patterns_messages_attention,
+        formula=patterns_messages,
         native=patterns_messages_attention,
         summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
         cost=(

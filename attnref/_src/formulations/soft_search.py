@@ -13,70 +13,112 @@ Attention Equations" (2025-02-19), single-query version.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import check_params, check_scale, float64_scoped
-from attnref._src.core.common import HIGHEST, Prepared, prepare_rows, residual_or, scale_value
+from attnref._src.core.checks import HIGHEST, check_params, check_scale
+from attnref._src.core.common import (
+    BLOCK_RETURNS,
+    ROWS,
+    add_output_bias,
+    residual_or,
+    scale_value,
+)
+from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import (
     allowed_pairs,
     finite_bias,
     finite_part,
-    guarded,
     nonfinite_rows,
     reads_nonfinite,
 )
-from attnref._src.core.params import AttentionParams, repeat_heads, w_m_unchecked, w_p_unchecked
+from attnref._src.core.params import AttentionParams, w_p_unchecked
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
-from attnref._src.formulations.merged import patterns_messages_cost
+from attnref._src.formulations.merged import (
+    compute_messages,
+    pattern_bias,
+    patterns_messages_cost,
+)
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+
+
+def search(
+    params: AttentionParams,
+    x_q: Float[Array, " d_model"],
+    x_kv: Float[Array, "T_k d_model"],
+    mask: Bool[Array, " T_k"],
+    bias: Float[Array, " T_k"],
+    scale: Array,
+) -> Float[Array, " d_model"]:
+    """``o = sum_i softmax(X_kv p_i^T * scale + bias, mask) M_i + b_O`` for one query."""
+    p = jnp.einsum("d,hde->he", x_q, w_p_unchecked(params), precision=HIGHEST)
+    qb = pattern_bias(params)
+    p = p if qb is None else p + qb  # p_i = x_q W_P[i] + b_Q[i] W_K[g]^T     [H, d_model]
+    s = jnp.einsum("he,ke->hk", p, x_kv, precision=HIGHEST) * scale + bias  #  [H, T_k]
+    alpha = masked_softmax(s, mask)  # alpha_i                              [H, T_k]
+    m = compute_messages(params, x_kv)  # M_i                           [H, T_k, d_model]
+    o = jnp.sum(jnp.einsum("hk,hke->he", alpha, m, precision=HIGHEST), axis=0)
+    return add_output_bias(o, params)  # sum_i alpha_i M_i + b_O
+
+
+def search_rows(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """:func:`search` ``vmap``-ed over the queries, then over the flattened batch dims."""
+    *batch, t_q, d = x_q.shape
+    full = (*batch, t_q, x_kv.shape[-2])
+    m = jnp.ones(full, bool) if mask is None else jnp.broadcast_to(mask, full)
+    b = jnp.zeros(full, x_q.dtype) if bias is None else jnp.broadcast_to(bias, full)
+
+    def one(xq1: Array, xkv1: Array, m1: Array, b1: Array) -> Array:
+        return search(params, xq1, xkv1, m1, b1, scale)
+
+    per_query = jax.vmap(one, in_axes=(0, None, 0, 0))
+    flat = (a.reshape(-1, *a.shape[len(batch) :]) for a in (x_q, x_kv, m, b))
+    y = jax.vmap(per_query)(*flat).reshape(*batch, t_q, d)
+    return residual_or(y, x_q, residual)
+
+
+# ----------------------------------------------------------------------------- one query
+
+
+@dataclasses.dataclass(frozen=True)
+class OneQuery:
+    """Validated inputs of one query: ``x_q [d_model]``, ``x_kv [T_k, d_model]``, full
+    ``mask`` and ``bias [T_k]``."""
+
+    params: AttentionParams
+    x_q: Array
+    x_kv: Array
+    mask: Array
+    bias: Array
+    scale: Array
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale)`` on the finite parts."""
+        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
+        return formula(self.params, x_q, x_kv, self.mask, bias, self.scale)
+
+    def dirty_rows(self) -> Bool[Array, ""]:
+        """Whether the query reads a non-finite value (0-d: the output is one row)."""
+        allowed = allowed_pairs(self.mask, self.bias, self.mask.shape)[None]  # [1, T_k]
+        bad_q, bad_kv = nonfinite_rows(self.x_q)[None], nonfinite_rows(self.x_kv)
+        return reads_nonfinite(allowed, bad_q, bad_kv, self.bias[None])[0]
 
 
 def _one_query(
-    wp: Array,
-    wm: Array,
-    qb: Array | None,
-    vb: Array | None,
-    b_o: Array | None,
-    x_q: Array,
-    x_kv: Array,
-    mask: Array,
-    bias: Array,
-    scale: Array,
-) -> Array:
-    p = jnp.einsum("d,hde->he", x_q, wp, precision=HIGHEST)
-    if qb is not None:
-        p = p + qb
-    logits = jnp.einsum("he,ke->hk", p, x_kv, precision=HIGHEST) * scale + bias
-    alpha = masked_softmax(logits, mask)
-    m = jnp.einsum("kd,hde->hke", x_kv, wm, precision=HIGHEST)
-    if vb is not None:
-        m = m + vb[:, None, :]
-    o = jnp.sum(jnp.einsum("hk,hke->he", alpha, m, precision=HIGHEST), axis=0)
-    return o if b_o is None else o + b_o
-
-
-def _merged(params: AttentionParams) -> tuple[Array, Array, Array | None, Array | None]:
-    """``(W_P, W_M, b_Q[i] W_K[i // G]^T, b_V[i // G] W_O[i])``, all per query head."""
-    g = params.group_size
-    qb = (
-        None
-        if params.b_q is None
-        else jnp.einsum("hk,hdk->hd", params.b_q, repeat_heads(params.w_k, g), precision=HIGHEST)
-    )
-    vb = (
-        None
-        if params.b_v is None
-        else jnp.einsum("hv,hvd->hd", repeat_heads(params.b_v, g), params.w_o, precision=HIGHEST)
-    )
-    return w_p_unchecked(params), w_m_unchecked(params), qb, vb
-
-
-@float64_scoped
-def soft_search(
     params: AttentionParams,
     x_q: Float[ArrayLike, " d_model"],
     x_kv: Float[ArrayLike, "T_k d_model"],
@@ -84,31 +126,7 @@ def soft_search(
     mask: Bool[ArrayLike, " T_k"] | None = None,
     bias: Float[ArrayLike, " T_k"] | None = None,
     scale: float | None = None,
-) -> Float[Array, " d_model"]:
-    """One query: ``o = sum_i softmax(X_kv (x_q W_P[i])^T / sqrt(d_k)) M_i + b_O``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); ``W_P[i]`` and ``W_M[i]``
-            (and the bias terms ``b_Q[i] W_K[g]^T``, ``b_V[g] W_O[i]``) are formed from them.
-        x_q: One query token, a row vector ``[d_model]``, the dtype of ``params``.
-        x_kv: The key/value tokens ``[T_k, d_model]`` (no batch dims), the dtype of ``x_q``.
-        mask: Boolean ``[T_k]``, ``True`` = the query may read that key; ``None`` (default)
-            allows every key.
-        bias: Additive bias ``[T_k]`` on the scaled scores (``-inf`` masks like ``False``);
-            cast to the dtype of ``x_q``.
-        scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        The query's block output ``o``, ``[d_model]``; ``b_O`` (zero without biases) when no key
-        is allowed.
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q`` is not ``[d_model]``, ``x_kv`` is not
-            ``[T_k, d_model]``, ``mask``/``bias`` are not ``[T_k]``, or ``scale`` is not a
-            scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` do not share one dtype, ``mask`` is not
-            boolean, ``bias`` is not floating, or ``scale`` is not a real number.
-    """
+) -> OneQuery:
     _, d_model, d_k, _ = check_params(params)
     if jnp.ndim(x_q) != 1 or jnp.shape(x_q)[0] != d_model:
         raise ValueError(f"x_q must be one query of shape ({d_model},), got {jnp.shape(x_q)}")
@@ -128,84 +146,55 @@ def soft_search(
     if bias_dt is not None and not jnp.issubdtype(bias_dt, jnp.floating):
         raise TypeError(f"bias must be floating, got dtype {bias_dt}")
     check_scale(scale)
-    x_q, x_kv = jnp.asarray(x_q), jnp.asarray(x_kv)
-    if x_q.dtype != x_kv.dtype or x_q.dtype != jnp.asarray(params.w_q).dtype:
-        raise TypeError(f"x_q {x_q.dtype}, x_kv {x_kv.dtype} and params must share one dtype")
-    m = jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask)
-    b = jnp.zeros((t_k,), x_q.dtype) if bias is None else jnp.asarray(bias).astype(x_q.dtype)
-    s = scale_value(d_k, scale, x_q.dtype)
-    b_o = None if params.b_o is None else jnp.asarray(params.b_o)
-    merged = _merged(params)
-    allowed = allowed_pairs(m, b, (t_k,))[None]  # one query row: [1, T_k]
-    bad_q, bad_kv = nonfinite_rows(x_q)[None], nonfinite_rows(x_kv)
-    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b[None])[0]
-
-    def compute(xq: Array, xkv: Array, bq: Array) -> Array:
-        return _one_query(*merged, b_o, xq, xkv, m, bq, s)
-
-    clean = (finite_part(x_q), finite_part(x_kv), finite_bias(b))
-    return guarded(compute, dirty, clean)
+    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
+    if xq.dtype != xkv.dtype or xq.dtype != jnp.asarray(params.w_q).dtype:
+        raise TypeError(f"x_q {xq.dtype}, x_kv {xkv.dtype} and params must share one dtype")
+    return OneQuery(
+        params=params,
+        x_q=xq,
+        x_kv=xkv,
+        mask=jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask),
+        bias=jnp.zeros((t_k,), xq.dtype) if bias is None else jnp.asarray(bias).astype(xq.dtype),
+        scale=scale_value(d_k, scale, xq.dtype),
+    )
 
 
-@float64_scoped
-def soft_search_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """:func:`soft_search` ``vmap``-ed over queries and then over flattened batch dims.
+ONE_QUERY = Level(
+    _one_query,
+    """Args:
+    params: Per-head weights (:class:`attnref.AttentionParams`); ``W_P[i]`` and ``W_M[i]``
+        (and the bias terms ``b_Q[i] W_K[g]^T``, ``b_V[g] W_O[i]``) are formed from them.
+    x_q: One query token, a row vector ``[d_model]``, the dtype of ``params``.
+    x_kv: The key/value tokens ``[T_k, d_model]`` (no batch dims), the dtype of ``x_q``.
+    mask: Boolean ``[T_k]``, ``True`` = the query may read that key; ``None`` (default)
+        allows every key.
+    bias: Additive bias ``[T_k]`` on the scaled scores (``-inf`` masks like ``False``);
+        cast to the dtype of ``x_q``.
+    scale: The score scale; ``None`` (default) means ``1/sqrt(d_k)``.
 
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
+Raises:
+    ValueError: If ``params`` is malformed, ``x_q`` is not ``[d_model]``, ``x_kv`` is not
+        ``[T_k, d_model]``, ``mask``/``bias`` are not ``[T_k]``, or ``scale`` is not a
+        scalar.
+    TypeError: If ``x_q``, ``x_kv`` and ``params`` do not share one dtype, ``mask`` is not
+        boolean, ``bias`` is not floating, or ``scale`` is not a real number.""",
+)
 
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-    prepared = prepare_rows(params, x_q, x_kv, mask, bias, scale)  # validates before _merged
-    b_o = None if params.b_o is None else jnp.asarray(params.b_o)
-    merged = _merged(params)
-
-    def compute(p: Prepared) -> Array:
-        full = (*p.batch_shape, p.t_q, p.t_k)
-        m = jnp.ones(full, bool) if p.mask is None else jnp.broadcast_to(p.mask, full)
-        b = jnp.zeros(full, p.dtype) if p.bias is None else jnp.broadcast_to(p.bias, full)
-        d = params.d_model
-        xq = p.x_q.reshape(-1, p.t_q, d)
-        xkv = p.x_kv.reshape(-1, p.t_k, d)
-        m = m.reshape(-1, p.t_q, p.t_k)
-        b = b.reshape(-1, p.t_q, p.t_k)
-
-        def one(xq1: Array, xkv1: Array, m1: Array, b1: Array) -> Array:
-            return _one_query(*merged, b_o, xq1, xkv1, m1, b1, p.scale)
-
-        per_query = jax.vmap(one, in_axes=(0, None, 0, 0))
-        y = jax.vmap(per_query)(xq, xkv, m, b).reshape(*p.batch_shape, p.t_q, d)
-        return residual_or(y, p.x_q, residual)
-
-    return prepared.guarded(compute, residual)
+soft_search = public(
+    ONE_QUERY,
+    search,
+    name="soft_search",
+    summary="One query: ``o = sum_i softmax(X_kv (x_q W_P[i])^T / sqrt(d_k)) M_i + b_O``.",
+    returns="The query's block output ``o``, ``[d_model]``; ``b_O`` (zero without biases) when\n"
+    "    no key is allowed.",
+)
+soft_search_attention = public(
+    ROWS,
+    search_rows,
+    name="soft_search_attention",
+    summary=":func:`soft_search` ``vmap``-ed over queries and then over flattened batch dims.",
+    returns=BLOCK_RETURNS,
+)
 
 
 # ----------------------------------------------------------------------------- registry entry
@@ -231,6 +220,7 @@ register(
         citation="Refactoring the Attention Equations: Patterns and Messages (2025-02-19), "
         "single-query version; search perspective of Attention: All you need to know (2025-03-29).",
         apply=soft_search_attention,
+        formula=search,
         native=soft_search,
         summary=(
             "One query vector at a time searches the keys with its pattern; vmapped over queries."

@@ -1,14 +1,8 @@
 """The standard formulations: concatenated heads (Vaswani et al. 2017) and the per-head sum.
 
-Row convention, shapes ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``; output
-``[..., T_q, d_model]``. ``head_i = softmax(Q_i K_i^T / sqrt(d_k) + bias, mask) V_i`` with
-``K_i = X_kv W_K[i // G] + b_K[i // G]`` and ``V_i`` likewise: with grouped-query parameters
-(``K`` key/value heads, ``G = H / K``) each key/value head is projected once and read by the ``G``
-query heads of its group.
-
-A key or value a query may not read (mask, ``-inf`` bias) never reaches that query's output or
-gradients, whatever it holds (NaN, ``+-inf``): every public function runs through
-:meth:`Prepared.guarded`; a row that does read a non-finite value gets its IEEE value (NaN).
+Row convention: ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``, output
+``[..., T_q, d_model]``. With grouped-query parameters (``K`` key/value heads, ``G = H / K``)
+query head ``i`` reads key/value head ``i // G``, projected once per group.
 """
 
 from __future__ import annotations
@@ -16,221 +10,131 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import float64_scoped
+from attnref._src.core.checks import HIGHEST
 from attnref._src.core.common import (
-    HIGHEST,
-    Prepared,
+    BLOCK_RETURNS,
+    ROW_PROBES,
+    ROWS,
     add_output_bias,
-    prepare_rows,
     project,
     project_kv,
     residual_or,
 )
+from attnref._src.core.entry import public
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
 
-
-def logits(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
-    """``scale q_i . k_j + bias`` per query head, before masking."""
-    q = project(p.x_q, params.w_q, params.b_q)
-    k = project_kv(p.x_kv, params.w_k, params.b_k, params.group_size)
-    return p.add_bias(jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * p.scale)
+Queries = Float[Array, "... T_q d_model"]
+Keys = Float[Array, "... T_k d_model"]
+Mask = Bool[Array, "... #T_q #T_k"] | None
+Bias = Float[Array, "... #T_q #T_k"] | None
 
 
-def weights(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q T_k"]:
-    return masked_softmax(logits(p, params), p.head_mask())
-
-
-def _heads(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_v"]:
-    v = project_kv(p.x_kv, params.w_v, params.b_v, params.group_size)
-    return jnp.einsum("...hqk,...hkv->...hqv", weights(p, params), v, precision=HIGHEST)
-
-
-def _head_outputs(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_model"]:
-    return jnp.einsum("...hqv,hvd->...hqd", _heads(p, params), params.w_o, precision=HIGHEST)
-
-
-@float64_scoped
-def attention_weights(
+def concat(
     params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """``MultiHead = Concat(head_1, ..., head_H) W_O + b_O``, ``W_O`` ``[H d_v, d_model]``."""
+    z = heads(params, x_q, x_kv, mask, bias, scale)  # head_i              [..., H, T_q, d_v]
+    h, d_v = params.num_heads, params.d_v
+    concat = jnp.swapaxes(z, -3, -2).reshape(*z.shape[:-3], z.shape[-2], h * d_v)
+    w_o = jnp.asarray(params.w_o).reshape(h * d_v, params.d_model)
+    y = add_output_bias(jnp.matmul(concat, w_o, precision=HIGHEST), params)
+    return residual_or(y, x_q, residual)
+
+
+def per_head_sum(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat a sum."""
+    o = head_outputs_of(params, x_q, x_kv, mask, bias, scale)  # [..., H, T_q, d_model]
+    return residual_or(add_output_bias(jnp.sum(o, axis=-3), params), x_q, residual)
+
+
+def logits(
+    params: AttentionParams, x_q: Queries, x_kv: Keys, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q T_k"]:
-    """Row-stochastic scores ``A_i = softmax(Q_i K_i^T * scale + bias, mask)`` per query head.
-
-    Fully masked rows are all zeros.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`), ``w_q [H, d_model, d_k]``,
-            ``w_k [K, d_model, d_k]`` with ``K`` dividing ``H`` (grouped-query heads allowed).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        The attention weights ``[..., H, T_q, T_k]`` (one row per query, summing to 1 over the
-        keys, or all zeros for a fully masked row).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    return p.guarded(lambda v: weights(v, params), heads=True)
+    """``scale Q_i K_i^T + bias`` per query head, before masking."""
+    q = project(x_q, params.w_q, params.b_q)  #                 Q_i   [..., H, T_q, d_k]
+    k = project_kv(x_kv, params.w_k, params.b_k, params.group_size)  # K_i [..., H, T_k, d_k]
+    s = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST) * scale
+    return s if bias is None else s + jnp.expand_dims(bias, -3)
 
 
-@float64_scoped
-def head_outputs(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
+def weights(
+    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
+) -> Float[Array, "... H T_q T_k"]:
+    """``A_i = softmax(scale Q_i K_i^T + bias, mask)``; a fully masked row is all zeros."""
+    head_mask = None if mask is None else jnp.expand_dims(mask, -3)
+    return masked_softmax(logits(params, x_q, x_kv, bias, scale), head_mask)
+
+
+def heads(
+    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
+) -> Float[Array, "... H T_q d_v"]:
+    """``head_i = A_i V_i``."""
+    v = project_kv(x_kv, params.w_v, params.b_v, params.group_size)  # V_i [..., H, T_k, d_v]
+    a = weights(params, x_q, x_kv, mask, bias, scale)
+    return jnp.einsum("...hqk,...hkv->...hqv", a, v, precision=HIGHEST)
+
+
+def head_outputs_of(
+    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q d_model"]:
-    """Per-head outputs in model space, ``o_i = head_i W_O[i]`` (no ``b_O``).
-
-    ``sum_i o_i + b_O`` is the block output.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        ``o_i`` for every query head, ``[..., H, T_q, d_model]``; a fully masked query row is
-        zero in every head.
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    return p.guarded(lambda v: _head_outputs(v, params), heads=True)
+    """``o_i = head_i W_O[i]`` (no ``b_O``)."""
+    z = heads(params, x_q, x_kv, mask, bias, scale)
+    return jnp.einsum("...hqv,hvd->...hqd", z, params.w_o, precision=HIGHEST)
 
 
-@float64_scoped
-def concat_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """``MultiHead = Concat(head_1, ..., head_H) W_O + b_O`` (Vaswani et al. 2017).
+# ----------------------------------------------------------------------------- public functions
 
-    ``W_O`` is the stacked ``[H * d_v, d_model]`` matrix; ``residual=True`` returns
-    ``x_q + MultiHead``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        z = _heads(p, params)
-        h, d_v = params.num_heads, params.d_v
-        concat = jnp.swapaxes(z, -3, -2).reshape(*p.batch_shape, p.t_q, h * d_v)
-        w_o = jnp.asarray(params.w_o).reshape(h * d_v, params.d_model)
-        y = add_output_bias(jnp.matmul(concat, w_o, precision=HIGHEST), params)
-        return residual_or(y, p.x_q, residual)
-
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
-
-
-@float64_scoped
-def per_head_sum_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat now a sum.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        y = add_output_bias(jnp.sum(_head_outputs(p, params), axis=-3), params)
-        return residual_or(y, p.x_q, residual)
-
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+concat_attention = public(
+    ROWS,
+    concat,
+    name="concat_attention",
+    summary="``MultiHead = Concat(head_1, ..., head_H) W_O + b_O`` (Vaswani et al. 2017).",
+    returns=BLOCK_RETURNS,
+)
+per_head_sum_attention = public(
+    ROWS,
+    per_head_sum,
+    name="per_head_sum_attention",
+    summary="``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat a sum.",
+    returns=BLOCK_RETURNS,
+)
+attention_weights = public(
+    ROW_PROBES,
+    weights,
+    name="attention_weights",
+    summary="Row-stochastic scores ``A_i = softmax(Q_i K_i^T * scale + bias, mask)`` per head.",
+    returns="The weights ``[..., H, T_q, T_k]``, rows summing to 1 (all zeros when fully masked).",
+    heads=True,
+)
+head_outputs = public(
+    ROW_PROBES,
+    head_outputs_of,
+    name="head_outputs",
+    summary="Per-head outputs in model space, ``o_i = head_i W_O[i]``; ``sum_i o_i + b_O`` is "
+    "the block output.",
+    returns="``o_i`` for every query head, ``[..., H, T_q, d_model]`` (zero on a fully masked\n"
+    "    row).",
+    heads=True,
+)
 
 
 # ----------------------------------------------------------------------------- registry entries
@@ -275,6 +179,7 @@ register(
         convention="row",
         citation=VASWANI,
         apply=concat_attention,
+        formula=concat,
         native=concat_attention,
         summary="The textbook form: heads concatenated along features, one stacked output matrix.",
         cost=(
@@ -303,6 +208,7 @@ register(
             + REFACTOR
         ),
         apply=per_head_sum_attention,
+        formula=per_head_sum,
         native=per_head_sum_attention,
         summary=(
             "W_O split into per-head blocks; each head writes to model space and the writes add."

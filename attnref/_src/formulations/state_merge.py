@@ -18,25 +18,40 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.common import (
-    HIGHEST,
-    Prepared,
-    add_output_bias,
-    prepare_rows,
-    project_kv,
-    residual_or,
-)
+from attnref._src.core.checks import HIGHEST
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, add_output_bias, project_kv, residual_or
+from attnref._src.core.entry import public
+from attnref._src.core.nonfinite import allowed_pairs
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.standard import logits as _logits
+from attnref._src.formulations.standard import Bias, Keys, Mask, Queries, logits
 from attnref._src.formulations.states import merge_state_stack
 
 
-def _tree_merge(
+def state_merge(
+    params: AttentionParams,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
+    scale: Array,
+    residual: bool,
+) -> Float[Array, "... T_q d_model"]:
+    """``head_i = merge_j (v_j, s_ij)`` over the allowed keys, ``y = sum_i head_i W_O[i] + b_O``."""
+    s = logits(params, x_q, x_kv, bias, scale)  # s_ij                 [..., H, T_q, T_k]
+    allowed = allowed_pairs(mask, bias, (*s.shape[:-3], *s.shape[-2:]))[..., None, :, :]
+    lse = jnp.where(allowed, s, -jnp.inf)  # a masked key: the empty state (0, -inf)
+    v = project_kv(x_kv, params.w_v, params.b_v, params.group_size)  # [..., H, T_k, d_v]
+    o = jnp.broadcast_to(v[..., None, :, :], (*s.shape, v.shape[-1]))  # [..., H, T_q, T_k, d_v]
+    z = tree_merge(o, lse)[0]  # head_i                                 [..., H, T_q, d_v]
+    y = jnp.einsum("...hqv,hvd->...qd", z, params.w_o, precision=HIGHEST)
+    return residual_or(add_output_bias(y, params), x_q, residual)
+
+
+def tree_merge(
     o: Float[Array, "... S d_v"], lse: Float[Array, "... S"]
 ) -> tuple[Float[Array, "... d_v"], Float[Array, "..."]]:
     """Merge ``S`` states (axis ``-1`` of ``lse``) pairwise, level by level, to one.
@@ -63,69 +78,22 @@ def _tree_merge(
     return o[..., 0, :], lse[..., 0]
 
 
-def _heads(p: Prepared, params: AttentionParams) -> Float[Array, "... H T_q d_v"]:
-    s = _logits(p, params)  # [..., H, T_q, T_k]
-    allowed = p.allowed()[..., None, :, :]
-    lse = jnp.where(allowed, s, -jnp.inf)
-    v = project_kv(p.x_kv, params.w_v, params.b_v, params.group_size)  # [..., H, T_k, d_v]
-    o = jnp.broadcast_to(v[..., None, :, :], (*s.shape, v.shape[-1]))
-    return _tree_merge(o, lse)[0]
+state_merge_attention = public(
+    ROWS,
+    state_merge,
+    name="state_merge_attention",
+    summary="Multi-head attention as a balanced-tree merge of one-key states ``(v_j, s_ij)``.\n\n"
+    "``head_i = merge_j (v_j, s_ij)`` over the allowed keys (``merge`` of\n"
+    ":func:`attnref.merge_states`), ``y = sum_i head_i W_O[i] + b_O``.",
+    returns=BLOCK_RETURNS,
+)
 
 
-@float64_scoped
-def state_merge_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Float[Array, "... T_q d_model"]:
-    """Multi-head attention as a balanced-tree merge of one-key states ``(v_j, s_ij)``.
-
-    ``head_i = merge_j (v_j, s_ij)`` over the allowed keys (``merge`` of
-    :func:`attnref.merge_states`), ``y = sum_i head_i W_O[i] + b_O``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
-
-    def compute(p: Prepared) -> Array:
-        z = _heads(p, params)  # [..., H, T_q, d_v]
-        y = jnp.einsum("...hqv,hvd->...qd", z, params.w_o, precision=HIGHEST)
-        return residual_or(add_output_bias(y, params), p.x_q, residual)
-
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
-
-
-# Per merged pair of states, counted from attnref._src.formulations.states.merge_state_stack with P = 2 (an
-# upper bound, rounded up): per row the max, isfinite, where (m_safe), two wheres and two
-# subtractions before the exps, the weight sum, its where, two isneginf, the log's add, and
-# _finish's isneginf, isfinite, or, not and two wheres on lse; per value entry two wheres (empty
-# states' o), two products, the sum, the division and two wheres in _finish.
+# Per merged pair of states, counted from attnref._src.formulations.states.merge_state_stack
+# with P = 2 (an upper bound, rounded up): per row the max, isfinite, where (m_safe), two wheres
+# and two subtractions before the exps, the weight sum, its where, two isneginf, the log's add,
+# and _finish's isneginf, isfinite, or, not and two wheres on lse; per value entry two wheres
+# (empty states' o), two products, the sum, the division and two wheres in _finish.
 MERGE_PER_ROW = 24
 MERGE_PER_VALUE = 10
 MERGE_TRANSCENDENTALS = 3  # two exps (the weights) and the log of their sum
@@ -192,6 +160,7 @@ register(
             "O(n^2) Memory, arXiv:2112.05682 (attention as a reduction over keys)."
         ),
         apply=state_merge_attention,
+        formula=state_merge,
         native=state_merge_attention,
         summary=(
             "Each key is a state (v_j, s_ij); attention is their merge, done pairwise in a "

@@ -27,20 +27,34 @@ the residual update ``x' = x + sum_i alpha_i M_i``.
 from __future__ import annotations
 
 import dataclasses
-from typing import no_type_check
+from collections.abc import Callable
+from typing import Any, TypeVar, no_type_check
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.common import HIGHEST, add_output_bias, prepare_rows
+from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.common import ROW_PROBES, add_output_bias, prepare_rows
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
-from attnref._src.formulations.standard import logits as standard_logits
+from attnref._src.formulations.standard import logits
 
 __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _documented(summary: str, returns: str) -> Callable[[F], F]:
+    """The docstring: ``summary``, the row level's Args text, ``returns``. The probes read the
+    caller's arrays as given (no non-finite guard: they show what the block computes)."""
+
+    def attach(fn: F) -> F:
+        fn.__doc__ = f"{summary}\n\n{ROW_PROBES.args}\n\nReturns:\n    {returns}\n"
+        return fn
+
+    return attach
 
 
 def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
@@ -49,6 +63,13 @@ def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
     return jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
 
 
+@_documented(
+    "Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.\n\n"
+    "``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely\n"
+    "``-inf`` has zero weights by attnref's convention).",
+    "``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is\n"
+    "    ``False`` or the bias is ``-inf``.",
+)
 @float64_scoped
 def attention_logits(
     params: AttentionParams,
@@ -59,38 +80,16 @@ def attention_logits(
     bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... H T_q T_k"]:
-    """Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.
-
-    ``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely
-    ``-inf`` has zero weights by attnref's convention).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        ``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is
-        ``False`` or the bias is ``-inf``.
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
     p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    return _masked_logits(standard_logits(p, params), p.head_mask())
+    return _masked_logits(logits(params, p.x_q, p.x_kv, p.bias, p.scale), p.head_mask())
 
 
+@_documented(
+    "``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation\n"
+    "``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with\n"
+    "``residual=True``.",
+    "``x_q + output``, ``[..., T_q, d_model]``.",
+)
 @float64_scoped
 def residual_update(
     params: AttentionParams,
@@ -101,32 +100,6 @@ def residual_update(
     bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "... T_q d_model"]:
-    """``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation
-    ``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with
-    ``residual=True``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        ``x_q + output``, ``[..., T_q, d_model]``.
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
     return attention_probes(params, x_q, x_kv, mask=mask, bias=bias, scale=scale).residual
 
 
@@ -157,6 +130,13 @@ class AttentionProbes:
     residual: Array
 
 
+@_documented(
+    "All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.\n\n"
+    "The scores come from the query-key logits, the per-head outputs from scores times messages\n"
+    "(``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages\n"
+    "formulation of the block output.",
+    "An :class:`AttentionProbes` with every probe (shapes there).",
+)
 @float64_scoped
 def attention_probes(
     params: AttentionParams,
@@ -167,45 +147,16 @@ def attention_probes(
     bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
 ) -> AttentionProbes:
-    """All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.
-
-    The scores come from the query-key logits, the per-head outputs from scores times messages
-    (``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages
-    formulation of the block output.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-
-    Returns:
-        An :class:`AttentionProbes` with every probe (shapes there).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, or ``scale`` is not a scalar.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
     p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    raw = standard_logits(p, params)
+    raw = logits(params, p.x_q, p.x_kv, p.bias, p.scale)
     mask_h = p.head_mask()
     scores = masked_softmax(raw, mask_h)
-    logits = _masked_logits(raw, mask_h)
     msgs = compute_messages(params, p.x_kv)
     pats = compute_patterns(params, p.x_q)
     per_head = jnp.einsum("...hqk,...hkd->...hqd", scores, msgs, precision=HIGHEST)
     output = add_output_bias(jnp.sum(per_head, axis=-3), params)
     return AttentionProbes(
-        logits=logits,
+        logits=_masked_logits(raw, mask_h),
         scores=scores,
         patterns=pats,
         messages=msgs,
