@@ -64,16 +64,6 @@ from attnref._src.formulations.kernel import dot_product_attention
 # ----------------------------------------------------------------------------- the formulas
 
 
-def chunk_positions(
-    cache: KVCache, valid: Bool[Array, "B L"]
-) -> tuple[Int[Array, "B L"], Int[Array, " B"]]:
-    """Absolute positions of the chunk's real tokens (``-1`` for padding), and new lengths:
-    real tokens are numbered consecutively from ``lengths``."""
-    rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
-    pos = jnp.where(valid, cache.lengths[:, None] + rank, -1)
-    return pos, cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-
-
 def append(
     cache: KVCache, k: Any, v: Any, pos: Int[Array, "B L"], lengths: Int[Array, " B"]
 ) -> KVCache:
@@ -93,36 +83,6 @@ def append(
         lengths=lengths,
         window=cache.window,
     )
-
-
-def attend(
-    q: Float[Array, "B L N H"],
-    keys: Float[Array, "B S K H"],
-    values: Float[Array, "B S K H_v"],
-    kp: Int[Array, "B L S"],
-    allowed: Bool[Array, "B L S"],
-    ok: Bool[Array, "B L"],
-    q_pos: Int[Array, "B L"] | None,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    softcap: float | None,
-) -> Float[Array, "B L N H_v"]:
-    """``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over the ``allowed`` keys with
-    ``mask_i[pos_j]`` (``mask``/``bias`` ``[B, L, P]`` read at the keys' absolute positions
-    ``kp``); NaN on the rows that are not ``ok`` (a needed key lost, a position past ``P``)."""
-    structural = allowed
-    if mask is not None:
-        m, ok_m = by_position("mask", mask, kp, structural, q_pos)
-        allowed, ok = allowed & m, ok & ok_m
-    key_bias = None
-    if bias is not None:
-        bv, ok_b = by_position("bias", bias, kp, structural, q_pos)
-        key_bias, ok = jnp.where(allowed, bv, 0.0)[:, None], ok & ok_b
-    out = dot_product_attention(
-        q, keys, values, key_bias, allowed[:, None], scale=scale, softcap=softcap
-    )
-    return nan_rows(out, ok)
 
 
 def cached_step(
@@ -178,6 +138,46 @@ def cache_read(
     else:
         ok = jnp.ones((b, q.shape[1]), bool)
     return attend(q, cache.k, cache.v, kp, allowed, ok, qp, mask, bias, scale, softcap)
+
+
+def attend(
+    q: Float[Array, "B L N H"],
+    keys: Float[Array, "B S K H"],
+    values: Float[Array, "B S K H_v"],
+    kp: Int[Array, "B L S"],
+    allowed: Bool[Array, "B L S"],
+    ok: Bool[Array, "B L"],
+    q_pos: Int[Array, "B L"] | None,
+    mask: Any,
+    bias: Any,
+    scale: float | None,
+    softcap: float | None,
+) -> Float[Array, "B L N H_v"]:
+    """``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over the ``allowed`` keys with
+    ``mask_i[pos_j]`` (``mask``/``bias`` ``[B, L, P]`` read at the keys' absolute positions
+    ``kp``); NaN on the rows that are not ``ok`` (a needed key lost, a position past ``P``)."""
+    structural = allowed
+    if mask is not None:
+        m, ok_m = by_position("mask", mask, kp, structural, q_pos)
+        allowed, ok = allowed & m, ok & ok_m
+    key_bias = None
+    if bias is not None:
+        bv, ok_b = by_position("bias", bias, kp, structural, q_pos)
+        key_bias, ok = jnp.where(allowed, bv, 0.0)[:, None], ok & ok_b
+    out = dot_product_attention(
+        q, keys, values, key_bias, allowed[:, None], scale=scale, softcap=softcap
+    )
+    return nan_rows(out, ok)
+
+
+def chunk_positions(
+    cache: KVCache, valid: Bool[Array, "B L"]
+) -> tuple[Int[Array, "B L"], Int[Array, " B"]]:
+    """Absolute positions of the chunk's real tokens (``-1`` for padding), and new lengths:
+    real tokens are numbered consecutively from ``lengths``."""
+    rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+    pos = jnp.where(valid, cache.lengths[:, None] + rank, -1)
+    return pos, cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
 
 
 def project(x: Array, w: Any, b: Any) -> Array:
@@ -254,7 +254,7 @@ def cached_attention(
     eagerly; under plain ``jax.jit`` the affected output rows are NaN; under
     :func:`attnref.checked` a ``checkify.JaxRuntimeError`` naming capacity, window and position.
     """
-    valid = check_chunk(cache, k, v, valid, q)
+    valid = check_chunk(cache, k, v, valid, q, mask, bias)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     return cached_step(cache, q, k, v, valid, mask, bias, scale, softcap)
 
@@ -299,7 +299,7 @@ def cache_attend(
     buffer is read as it is). A row whose needed keys were overwritten, or whose attended
     positions reach past ``P``, raises ``ValueError`` eagerly, is NaN under plain ``jax.jit``
     and raises ``checkify.JaxRuntimeError`` under :func:`attnref.checked`."""
-    qp = check_query(cache, q, query_positions)
+    qp = check_query(cache, q, query_positions, mask, bias)
     return cache_read(cache, jnp.asarray(q), qp, mask, bias, scale, softcap)
 
 

@@ -186,7 +186,9 @@ def check_valid(valid: Any, shape: tuple[int, ...], want: str) -> Array:
     return jnp.asarray(valid)
 
 
-def check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> Array:
+def check_chunk(
+    cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None, mask: Any = None, bias: Any = None
+) -> Array:
     """Static checks of a chunk (shapes, dtypes); returns ``valid`` as a ``[B, L]`` array."""
     b, _, kh, h = cache.k.shape
     h_v = cache.v.shape[-1]
@@ -206,25 +208,40 @@ def check_chunk(cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None) -> Ar
             f"H={h}] with N a multiple of K={kh}"
         )
     check_dtypes(cache, q=q, k=k, v=v)
-    return check_valid(valid, (b, length), f"[B={b}, L={length}]")
+    valid = check_valid(valid, (b, length), f"[B={b}, L={length}]")
+    check_by_position(b, length, mask=mask, bias=bias)
+    return valid
 
 
-def check_query(cache: KVCache, q: Any, query_positions: Any) -> Array | None:
-    """Queries ``[B, L, N, H]`` of the cache's ``B``, ``H`` and dtype, and their integer
-    positions ``[B, L]`` (returned as int32; ``None`` stays ``None``)."""
+def check_query(
+    cache: KVCache, q: Any, query_positions: Any, mask: Any = None, bias: Any = None
+) -> Array | None:
+    """Queries ``[B, L, N, H]`` of the cache's ``B``, ``H`` and dtype, their integer positions
+    ``[B, L]`` (returned as int32; ``None`` stays ``None``), and ``mask``/``bias``."""
     b, h = cache.k.shape[0], cache.k.shape[3]
     if np.ndim(q) != 4 or np.shape(q)[0] != b or np.shape(q)[3] != h:
         raise ValueError(f"q has shape {np.shape(q)}; expected [B={b}, L, N, H={h}]")
     check_dtypes(cache, q=q)
-    if query_positions is None:
-        return None
     length, qp = np.shape(q)[1], query_positions
-    if np.shape(qp) != (b, length) or not np.issubdtype(dtype_of(qp), np.integer):
+    if qp is not None and (
+        np.shape(qp) != (b, length) or not np.issubdtype(dtype_of(qp), np.integer)
+    ):
         raise ValueError(
             f"query_positions must be an integer [B={b}, L={length}] array, got shape "
             f"{np.shape(qp)} and dtype {dtype_of(qp)}"
         )
-    return jnp.asarray(qp, jnp.int32)
+    check_by_position(b, length, mask=mask, bias=bias)
+    return None if qp is None else jnp.asarray(qp, jnp.int32)
+
+
+def check_by_position(b: int, length: int, **arrays: Any) -> None:
+    """Each given ``mask``/``bias`` is ``[B, L, P]``, indexed by absolute key position."""
+    for name, a in arrays.items():
+        if a is not None and (np.ndim(a) != 3 or np.shape(a)[:2] != (b, length)):
+            raise ValueError(
+                f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] indexed by "
+                "absolute key position"
+            )
 
 
 def check_multihead(params: AttentionParams, cache: KVCache, **xs: Any) -> int:
@@ -312,12 +329,6 @@ def by_position(
     Returns the gathered values and, per query row, whether every attended position is ``< P``
     (checked by ``require``; unchecked rows past ``P`` are the caller's NaN rows).
     """
-    b, length = kp.shape[:2]
-    if np.ndim(a) != 3 or np.shape(a)[:2] != (b, length):
-        raise ValueError(
-            f"{name} has shape {np.shape(a)}; expected [B={b}, L={length}, P] indexed by "
-            "absolute key position"
-        )
     p_len = int(np.shape(a)[2])
     beyond = attended & (kp >= p_len)
     ok = ~jnp.any(beyond, axis=-1)
