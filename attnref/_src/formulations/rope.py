@@ -91,90 +91,17 @@ Keys = Float[Array, "... T_k d_model"]
 Mask = Bool[Array, "... #T_q #T_k"] | None
 Bias = Float[Array, "... #T_q #T_k"] | None
 
-# ----------------------------------------------------------------------------- the rotation
+# ----------------------------------------------------------------------------- rotary attention
 
 
-def angle_dtype(dtype: Any) -> np.dtype[Any]:
-    """float64 for float64 inputs, float32 for every other dtype."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
-def theta(head_dim: int, base: float, dtype: Any) -> Float[Array, " half"]:
-    """``theta_p = base^(-2p/d)`` in float64 (NumPy), rounded once to ``dtype``."""
-    p = np.arange(head_dim // 2, dtype=np.float64)
-    return jnp.asarray(np.power(base, -2.0 * p / head_dim).astype(dtype))
-
-
-def cos_sin(
-    positions: Int[Array, "..."], head_dim: int, base: float, dtype: Any
-) -> tuple[Array, Array]:
-    """``cos, sin`` of ``m theta_p`` (``positions.shape + (head_dim/2,)``), evaluated in the
-    angle dtype, then rounded to ``dtype``."""
-    adt = angle_dtype(dtype)
-    angle = jnp.asarray(positions).astype(adt)[..., None] * theta(head_dim, base, adt)
-    return jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
-
-
-def split(x: Array, convention: str) -> tuple[Array, Array]:
-    """The two members ``(a_p, b_p)`` of every pair, each ``[..., d/2]``."""
-    half = x.shape[-1] // 2
-    if convention == "rotate_half":
-        return x[..., :half], x[..., half:]
-    return x[..., 0::2], x[..., 1::2]
-
-
-def merge(a: Array, b: Array, convention: str) -> Array:
-    """Inverse of :func:`split`."""
-    if convention == "rotate_half":
-        return jnp.concatenate([a, b], axis=-1)
-    return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
-
-
-def rotate(x: Array, positions: Array, base: float, convention: str) -> Array:
+def rotate(
+    x: Float[Array, "... d"], positions: Int[ArrayLike, "..."], base: float, convention: str
+) -> Float[Array, "... d"]:
     """``(a, b) -> (a cos(m theta_p) - b sin(m theta_p), a sin(m theta_p) + b cos(m theta_p))``
     on the last axis of ``x``; ``positions`` (``m``) broadcasts to ``x.shape[:-1]``."""
     c, s = cos_sin(positions, x.shape[-1], base, x.dtype)
     a, b = split(x, convention)
     return merge(a * c - b * s, a * s + b * c, convention)
-
-
-def rotate_complex(x: Array, positions: Array, base: float, convention: str) -> Array:
-    """RoPE as ``z_p exp(i m theta_p)`` with ``z_p = a_p + i b_p`` (complex arithmetic)."""
-    adt = angle_dtype(x.dtype)
-    cdt = np.complex128 if adt == np.float64 else np.complex64
-    angle = jnp.asarray(positions).astype(adt)[..., None] * theta(x.shape[-1], base, adt)
-    rot = jnp.exp(1j * angle.astype(cdt))
-    a, b = split(x.astype(adt), convention)
-    z = jax.lax.complex(a, b) * rot
-    return merge(jnp.real(z), jnp.imag(z), convention).astype(x.dtype)
-
-
-def rotation(delta: Array, head_dim: int, base: float, convention: str, dtype: Any) -> Array:
-    """``R(delta) [..., d, d]`` for row vectors: ``R[i, i] = R[j, j] = c``, ``R[i, j] = s``,
-    ``R[j, i] = -s`` for every pair ``p = (i, j)``, ``c, s = cos, sin(delta theta_p)``."""
-    c, s = cos_sin(delta, head_dim, base, dtype)
-    half = head_dim // 2
-    p = np.arange(half)
-    i, j = (p, p + half) if convention == "rotate_half" else (2 * p, 2 * p + 1)
-    # Constant 0/+-1 patterns per plane: cos on (i, i) and (j, j), sin on (i, j), -sin on (j, i).
-    # Every entry of R gets one non-zero term, so the sum over planes is exact.
-    cos_pat = np.zeros((half, head_dim, head_dim))
-    sin_pat = np.zeros((half, head_dim, head_dim))
-    cos_pat[p, i, i] = cos_pat[p, j, j] = 1.0
-    sin_pat[p, i, j], sin_pat[p, j, i] = 1.0, -1.0
-    terms = c[..., None, None] * cos_pat.astype(dtype) + s[..., None, None] * sin_pat.astype(dtype)
-    return jnp.sum(terms, axis=-3)
-
-
-def pattern_matrices(
-    wq: Array, wk: Array, deltas: Array, head_dim: int, base: float, convention: str
-) -> Array:
-    """``W_P(delta)_n = W_Q[n] R(delta) W_K[n]^T`` for every head and delta: ``[H, U, d, d]``."""
-    r = rotation(deltas, head_dim, base, convention, wq.dtype)
-    return jnp.einsum("hak,ukl,hbl->huab", wq, r, wk, precision=HIGHEST)
-
-
-# ----------------------------------------------------------------------------- rotary attention
 
 
 def rope(
@@ -199,6 +126,45 @@ def rope(
     return residual_or(mix(params, weights(logits, mask, bias, scale), v), x_q, residual)
 
 
+# ----------------------------------------------------------------------------- its pieces
+
+
+def cos_sin(
+    positions: Int[Array, "..."], head_dim: int, base: float, dtype: Any
+) -> tuple[Array, Array]:
+    """``cos, sin`` of ``m theta_p`` (``positions.shape + (head_dim/2,)``), evaluated in the
+    angle dtype, then rounded to ``dtype``."""
+    adt = angle_dtype(dtype)
+    angle = jnp.asarray(positions).astype(adt)[..., None] * theta(head_dim, base, adt)
+    return jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
+
+
+def theta(head_dim: int, base: float, dtype: Any) -> Float[Array, " half"]:
+    """``theta_p = base^(-2p/d)`` in float64 (NumPy), rounded once to ``dtype``."""
+    p = np.arange(head_dim // 2, dtype=np.float64)
+    return jnp.asarray(np.power(base, -2.0 * p / head_dim).astype(dtype))
+
+
+def angle_dtype(dtype: Any) -> np.dtype[Any]:
+    """float64 for float64 inputs, float32 for every other dtype."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def split(x: Array, convention: str) -> tuple[Array, Array]:
+    """The two members ``(a_p, b_p)`` of every pair, each ``[..., d/2]``."""
+    half = x.shape[-1] // 2
+    if convention == "rotate_half":
+        return x[..., :half], x[..., half:]
+    return x[..., 0::2], x[..., 1::2]
+
+
+def merge(a: Array, b: Array, convention: str) -> Array:
+    """Inverse of :func:`split`."""
+    if convention == "rotate_half":
+        return jnp.concatenate([a, b], axis=-1)
+    return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+
+
 def weights(logits: Array, mask: Mask, bias: Bias, scale: Array) -> Float[Array, "... H T_q T_k"]:
     """``softmax(logits scale + bias, mask)`` per head (``mask``/``bias`` ``[..., T_q, T_k]``)."""
     logits = logits * scale
@@ -212,6 +178,9 @@ def mix(params: AttentionParams, a: Array, v: Array) -> Array:
     z = jnp.einsum("...hqk,...hkv->...hqv", a, v, precision=HIGHEST)
     y = jnp.einsum("...hqv,hvd->...qd", z, params.w_o, precision=HIGHEST)
     return add_output_bias(y, params)
+
+
+# ----------------------------------------------------------------------------- the relative view
 
 
 def rope_patterns(
@@ -244,12 +213,29 @@ def rope_patterns(
     return residual_or(add_output_bias(y, params), x_q, residual)
 
 
-def concrete(a: Any) -> np.ndarray | None:
-    """``a`` as a NumPy array, or ``None`` when it is traced."""
-    try:
-        return np.asarray(a)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+def pattern_matrices(
+    wq: Array, wk: Array, deltas: Array, head_dim: int, base: float, convention: str
+) -> Array:
+    """``W_P(delta)_n = W_Q[n] R(delta) W_K[n]^T`` for every head and delta: ``[H, U, d, d]``."""
+    r = rotation(deltas, head_dim, base, convention, wq.dtype)
+    return jnp.einsum("hak,ukl,hbl->huab", wq, r, wk, precision=HIGHEST)
+
+
+def rotation(delta: Array, head_dim: int, base: float, convention: str, dtype: Any) -> Array:
+    """``R(delta) [..., d, d]`` for row vectors: ``R[i, i] = R[j, j] = c``, ``R[i, j] = s``,
+    ``R[j, i] = -s`` for every pair ``p = (i, j)``, ``c, s = cos, sin(delta theta_p)``."""
+    c, s = cos_sin(delta, head_dim, base, dtype)
+    half = head_dim // 2
+    p = np.arange(half)
+    i, j = (p, p + half) if convention == "rotate_half" else (2 * p, 2 * p + 1)
+    # Constant 0/+-1 patterns per plane: cos on (i, i) and (j, j), sin on (i, j), -sin on (j, i).
+    # Every entry of R gets one non-zero term, so the sum over planes is exact.
+    cos_pat = np.zeros((half, head_dim, head_dim))
+    sin_pat = np.zeros((half, head_dim, head_dim))
+    cos_pat[p, i, i] = cos_pat[p, j, j] = 1.0
+    sin_pat[p, i, j], sin_pat[p, j, i] = 1.0, -1.0
+    terms = c[..., None, None] * cos_pat.astype(dtype) + s[..., None, None] * sin_pat.astype(dtype)
+    return jnp.sum(terms, axis=-3)
 
 
 def distinct_offsets(pos_q: Any, pos_k: Any) -> tuple[Array, Array]:
@@ -266,6 +252,28 @@ def distinct_offsets(pos_q: Any, pos_k: Any) -> tuple[Array, Array]:
         return jnp.asarray(u), jnp.asarray(inv.reshape(deltas.shape))
     deltas = jnp.asarray(pos_q)[..., :, None] - jnp.asarray(pos_k)[..., None, :]
     return deltas.ravel(), jnp.arange(deltas.size).reshape(deltas.shape)
+
+
+def concrete(a: Any) -> np.ndarray | None:
+    """``a`` as a NumPy array, or ``None`` when it is traced."""
+    try:
+        return np.asarray(a)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- the complex form
+
+
+def rotate_complex(x: Array, positions: Array, base: float, convention: str) -> Array:
+    """RoPE as ``z_p exp(i m theta_p)`` with ``z_p = a_p + i b_p`` (complex arithmetic)."""
+    adt = angle_dtype(x.dtype)
+    cdt = np.complex128 if adt == np.float64 else np.complex64
+    angle = jnp.asarray(positions).astype(adt)[..., None] * theta(x.shape[-1], base, adt)
+    rot = jnp.exp(1j * angle.astype(cdt))
+    a, b = split(x.astype(adt), convention)
+    z = jax.lax.complex(a, b) * rot
+    return merge(jnp.real(z), jnp.imag(z), convention).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- public functions
