@@ -401,18 +401,9 @@ def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
-    """The analytic cost of a registered formulation on ``dims`` (its registry ``cost_model``).
-
-    Args:
-        formulation_id: A registry id (``attnref.ids()``), e.g. ``"concat"``.
-        dims: The problem sizes (:class:`Dims`).
-
-    Returns:
-        The :class:`Cost` of that formulation's order of operations.
-
-    Raises:
-        KeyError: If ``formulation_id`` is not registered or has no cost model.
-    """
+    """The :class:`Cost` of registered formulation ``formulation_id`` (e.g. ``"concat"``) on
+    ``dims``, from its registry ``cost_model``; ``KeyError`` if it is not registered or has no
+    cost model."""
     from attnref._src.core.registry import get  # lazily: the models' modules import this one
 
     try:
@@ -435,17 +426,9 @@ def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
     ``conditional``, an upper bound, flagged :attr:`Collective.conditional`), its operand bytes
     (a tuple-shaped collective's operands summed), its group size, and whether its metadata
     places it in a ``shard_map`` (the scheme's) or not (the SPMD partitioner's resharding).
-
-    Args:
-        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
-
-    Returns:
-        The collectives (empty when there are none).
-
-    Raises:
-        ValueError: If a collective runs inside a ``while`` loop with no known trip count, or
-            is asynchronous (``*-start``; the CPU backend emits none).
-    """
+    ``hlo_text`` is optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
+    ``ValueError`` for a collective inside a ``while`` loop with no known trip count, or an
+    asynchronous one (``*-start``; the CPU backend emits none)."""
     return tuple(
         Collective(kind, size, calls, p, scheme, conditional=branched)
         for kind, size, calls, p, scheme, branched in collective_calls(hlo_text)
@@ -478,16 +461,8 @@ class XlaCounts:
 
 
 def xla_counts(fn: Callable[..., object], *args: object, **kwargs: object) -> XlaCounts:
-    """Compile ``fn`` (already ``jax.jit``-wrapped) for ``args`` and read XLA's counts.
-
-    Args:
-        fn: A ``jax.jit``-wrapped function (it must have ``.lower``).
-        *args: Its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-        **kwargs: Its keyword arguments.
-
-    Returns:
-        :class:`XlaCounts` of the compiled program (a ``while`` body counted once).
-    """
+    """:class:`XlaCounts` of ``fn`` (``jax.jit``-wrapped) compiled for ``args`` and ``kwargs``
+    (arrays or ``jax.ShapeDtypeStruct``); a ``while`` body is counted once."""
     compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca

@@ -110,14 +110,8 @@ class Family:
 
 def public_path(fn: Callable[..., Any]) -> str:
     """The public dotted name of a function defined in a private submodule of a public package
-    (``attnref.oracle._core.attention`` -> ``attnref.oracle.attention``).
-
-    Args:
-        fn: A family's oracle or bound, or any function of attnref's public packages.
-
-    Returns:
-        The public package's dotted name plus ``fn.__name__``.
-    """
+    (``attnref.oracle._core.attention`` -> ``attnref.oracle.attention``): a family's oracle or
+    bound, or any function of attnref's public packages."""
     return f"{fn.__module__.split('._')[0]}.{fn.__name__}"
 
 

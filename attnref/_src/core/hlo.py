@@ -20,14 +20,8 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def hlo_dot_flops(hlo_text: str) -> int:
     """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
-    optimised HLO text (a ``while`` body's dots are counted once, as ``cost_analysis`` does).
-
-    Args:
-        hlo_text: Optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
-
-    Returns:
-        The dot FLOPs, an int (0 when there is no ``dot``).
-    """
+    optimised HLO text, e.g. ``jax.jit(fn).lower(*args).compile().as_text()`` (0 without a
+    ``dot``; a ``while`` body's dots are counted once, as ``cost_analysis`` does)."""
     shapes = {m.group(1): _shape(m.group(2)) for m in _INSTR.finditer(hlo_text)}
     total = 0
     for m in _DOT.finditer(hlo_text):

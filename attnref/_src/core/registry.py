@@ -104,11 +104,7 @@ class Formulation:
             object.__setattr__(self, "formula", getattr(formula, "formula", formula))
 
     def jit(self) -> Callable[..., Any]:
-        """``jax.jit(apply)`` with this entry's static arguments.
-
-        Returns:
-            The jitted ``apply``.
-        """
+        """``jax.jit(apply)`` with this entry's static arguments."""
         return jax.jit(self.apply, static_argnames=self.static_argnames)
 
 
@@ -117,18 +113,8 @@ _loaded = False
 
 
 def register(formulation: Formulation) -> Formulation:
-    """Add a formulation to the registry (call it at the bottom of the module defining it).
-
-    Args:
-        formulation: The entry; its id must not be registered yet, and a different family of
-            the same name must not be registered either.
-
-    Returns:
-        ``formulation``, unchanged.
-
-    Raises:
-        ValueError: The id is taken, or the family's name belongs to another family.
-    """
+    """Add ``formulation`` to the registry and return it (call it at the bottom of the module
+    defining it). ``ValueError`` if its id is taken or its family's name is another family's."""
     if formulation.id in REGISTRY:
         raise ValueError(f"formulation id {formulation.id!r} is already registered")
     for other in REGISTRY.values():
@@ -157,17 +143,8 @@ def _rank(f: Formulation) -> int:
 
 
 def get(formulation_id: str) -> Formulation:
-    """The registered formulation with this id.
-
-    Args:
-        formulation_id: A registry id, e.g. ``"concat"``.
-
-    Returns:
-        Its :class:`Formulation`.
-
-    Raises:
-        KeyError: No such id (the message lists the known ids).
-    """
+    """The registered :class:`Formulation` with this id (e.g. ``"concat"``); ``KeyError``
+    listing the known ids if there is none."""
     _load()
     try:
         return REGISTRY[formulation_id]
@@ -178,16 +155,9 @@ def get(formulation_id: str) -> Formulation:
 
 
 def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
-    """Registered formulations in registry order, optionally of one family.
-
-    Args:
-        family: A :class:`Family` or its name (``"softmax"``, ``"linear"``, ``"rope"``);
-            ``None`` for every family.
-
-    Returns:
-        The entries, in the order of :data:`FORMULATION_MODULES` and then of registration
-        (entries registered by other modules come last).
-    """
+    """Registered formulations of ``family`` (a :class:`Family` or its name, ``"softmax"``,
+    ``"linear"``, ...; ``None``: every family), in the order of :data:`FORMULATION_MODULES`, then
+    of registration (entries registered by other modules last)."""
     _load()
     ordered = sorted(REGISTRY.values(), key=_rank)  # stable: registration order within a module
     if family is None:
@@ -197,21 +167,11 @@ def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
 
 
 def families() -> tuple[Family, ...]:
-    """The families of the registered formulations, in order of their first entry.
-
-    Returns:
-        One :class:`Family` per name.
-    """
+    """The families of the registered formulations (one per name), in order of their first
+    entry."""
     return tuple(dict.fromkeys(f.family for f in formulations()))
 
 
 def ids(family: Family | str | None = None) -> tuple[str, ...]:
-    """Registry ids in registry order, optionally of one family.
-
-    Args:
-        family: A :class:`Family` or its name; ``None`` for every family.
-
-    Returns:
-        The ids of :func:`formulations` ``(family)``.
-    """
+    """The ids of :func:`formulations` ``(family)``, in registry order."""
     return tuple(f.id for f in formulations(family))

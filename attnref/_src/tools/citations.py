@@ -408,42 +408,23 @@ def attnref_text() -> str:
 
 
 def bibtex(key: str, entry: Entry) -> str:
-    """``entry`` as BibTeX text under ``key``.
-
-    Args:
-        key: The citation key.
-        entry: The entry.
-
-    Returns:
-        ``@kind{key,`` then one ``name = {value},`` line per field, then ``}``.
-    """
+    """``entry`` as BibTeX under ``key``: ``@kind{key,``, a ``name = {value},`` line per field,
+    ``}``."""
     width = max(len(name) for name, _ in entry.fields)
     lines = [f"  {name:<{width}} = {{{value}}}," for name, value in entry.fields]
     return f"@{entry.kind}{{{key},\n" + "\n".join(lines) + "\n}"
 
 
 def keys(fid: str) -> tuple[str, ...]:
-    """The keys of the sources of registry entry ``fid``, attnref's last.
-
-    Args:
-        fid: A registry id.
-
-    Returns:
-        The keys of :data:`SOURCES` ``[fid]`` followed by ``"attnref"``.
-
-    Raises:
-        KeyError: ``fid`` has no mapping in :data:`SOURCES`.
-    """
+    """The keys of :data:`SOURCES` ``[fid]`` (registry id ``fid``), then ``"attnref"``;
+    ``KeyError`` if ``fid`` has no mapping."""
     if fid not in SOURCES:
         raise KeyError(f"no citation mapping for registry id {fid!r}; add it to SOURCES")
     return (*SOURCES[fid], ATTNREF_KEY)
 
 
 def formulation_bibtex(fid: str) -> str:
-    """BibTeX for registry entry ``fid``: its sources, then attnref, separated by blank lines.
-
-    Raises:
-        KeyError: ``fid`` has no mapping in :data:`SOURCES`.
-    """
+    """BibTeX for registry entry ``fid``: its sources, then attnref, separated by blank lines
+    (``KeyError`` if ``fid`` has no mapping in :data:`SOURCES`)."""
     entries = [bibtex(k, attnref_entry() if k == ATTNREF_KEY else ENTRIES[k]) for k in keys(fid)]
     return "\n\n".join(entries) + "\n"

@@ -438,18 +438,10 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``attnref`` with ``argv`` (default: ``sys.argv[1:]``).
-
-    A closed pipe (``attnref list | head -1``) ends the command quietly with status 141
-    (128 + SIGPIPE, as a tool killed by the signal reports), Ctrl-C with status 130; neither
-    prints a traceback.
-
-    Args:
-        argv: The arguments after ``attnref``.
-
-    Returns:
-        The exit status: 0 success, 1 a check or a bound failed, 2 a usage error.
-    """
+    """Run ``attnref`` with ``argv`` (default: ``sys.argv[1:]``); the exit status: 0 success,
+    1 a check or a bound failed, 2 a usage error. A closed pipe (``attnref list | head -1``)
+    ends the command quietly with status 141 (128 + SIGPIPE, as a tool killed by the signal
+    reports), Ctrl-C with status 130; neither prints a traceback."""
     try:
         status = _run(argv)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit

@@ -16,13 +16,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, RenderableType
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 __all__ = ["emit", "is_terminal", "make_console", "plain", "progress_bar", "table"]
@@ -37,14 +31,7 @@ STATUS_STYLES = {"passed": "green", "ok": "green", "failed": "bold red", "FAIL":
 
 
 def is_terminal(stream: Any) -> bool:
-    """Whether ``stream`` is an open terminal (``stream.isatty()``; False for anything else).
-
-    Args:
-        stream: A file object, or anything (``None``, a closed file) that is not a terminal.
-
-    Returns:
-        True iff ``stream.isatty()`` answers True.
-    """
+    """Whether ``stream.isatty()`` answers True (False for ``None``, a closed file, ...)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
@@ -52,18 +39,9 @@ def is_terminal(stream: Any) -> bool:
 
 
 def make_console(stream: Any) -> Console:
-    """A rich console on ``stream``: rich's own on a terminal, plain text elsewhere.
-
-    Markup, highlighting and emoji codes are off either way, so text such as ``[float32]`` or
-    ``:bias:`` prints as written.
-
-    Args:
-        stream: A text stream (any object with ``write``): where the console writes.
-
-    Returns:
-        A :class:`rich.console.Console`; when ``stream`` is not a terminal, one without colour,
-        without terminal codes and :data:`PLAIN_WIDTH` columns wide.
-    """
+    """A rich console writing to ``stream``: rich's own on a terminal, elsewhere one without
+    colour or terminal codes, :data:`PLAIN_WIDTH` columns wide. Markup, highlighting and emoji
+    codes are off either way, so text such as ``[float32]`` or ``:bias:`` prints as written."""
     common: dict[str, Any] = {"file": stream, "markup": False, "highlight": False, "emoji": False}
     if is_terminal(stream):
         return Console(**common)
@@ -77,22 +55,11 @@ def table(
     wrap: Sequence[str] | None = None,
     terminal: bool = False,
 ) -> Table:
-    """An empty rich table with ``headings``, in attnref's style.
-
-    No frame and no edge padding (a row starts with its first cell), headings underlined by a
-    rule, two spaces between columns. In plain text (``terminal=False``) the rule is ASCII
-    ``-`` and no cell wraps; on a terminal narrower than the table, rich wraps the ``wrap``
-    columns' cells at spaces (ids and numbers stay whole).
-
-    Args:
-        headings: The column headings, left to right.
-        right: The headings of the right-aligned (numeric) columns.
-        wrap: The headings of the text columns that may wrap on a terminal (default: the last).
-        terminal: Whether the table will be drawn on a terminal.
-
-    Returns:
-        A :class:`rich.table.Table` to which rows of strings or :class:`rich.text.Text` are added.
-    """
+    """An empty rich table with ``headings`` (the ``right`` ones right-aligned), in attnref's
+    style: no frame and no edge padding, headings underlined by a rule, two spaces between
+    columns. In plain text (``terminal=False``) the rule is ASCII ``-`` and no cell wraps; on a
+    terminal narrower than the table, rich wraps the cells of the ``wrap`` columns (default: the
+    last) at spaces, ids and numbers staying whole."""
     t = Table(
         box=box.SIMPLE_HEAD if terminal else ASCII_HEAD,
         show_edge=False,
@@ -119,14 +86,8 @@ def status_style(status: str, terminal: bool) -> str:
 
 
 def plain(renderable: RenderableType) -> str:
-    """``renderable`` as plain text, as :func:`emit` writes it to a pipe.
-
-    Args:
-        renderable: Anything rich prints (a table, a text, an object with ``__rich_console__``).
-
-    Returns:
-        The text, without ANSI codes, trailing spaces or a final newline.
-    """
+    """``renderable`` (anything rich prints) as plain text, as :func:`emit` writes it to a
+    pipe: no ANSI code, no trailing space, no final newline."""
     buffer = io.StringIO()
     make_console(buffer).print(renderable)
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).rstrip("\n")
@@ -134,12 +95,7 @@ def plain(renderable: RenderableType) -> str:
 
 def emit(renderable: RenderableType, stream: Any = None) -> None:
     """Print ``renderable`` to ``stream`` (default: ``sys.stdout`` now): drawn by rich on a
-    terminal, :func:`plain` text otherwise.
-
-    Args:
-        renderable: What to print.
-        stream: Where to print it.
-    """
+    terminal, :func:`plain` text otherwise."""
     stream = sys.stdout if stream is None else stream
     if is_terminal(stream):
         make_console(stream).print(renderable)
@@ -181,27 +137,15 @@ class Bar:
 
 @contextlib.contextmanager
 def progress_bar(enabled: bool = True, *, log: Any = None) -> Iterator[Bar]:
-    """A rich progress bar on ``sys.stderr``, shown only if ``enabled`` and stderr is a terminal.
-
-    The bar is transient: it is erased when the block ends (normally, or by an exception such
-    as ``KeyboardInterrupt``), so what stays on the terminal is the command's output.
-
-    Args:
-        enabled: False (``--no-progress``) shows no bar even on a terminal.
-        log: Where :meth:`Bar.log` lines go when no bar is shown (``None``: nowhere).
-
-    Yields:
-        A :class:`Bar`.
-    """
+    """A :class:`Bar` on ``sys.stderr``, drawn only if ``enabled`` (not ``--no-progress``) and
+    stderr is a terminal; ``log`` is where :meth:`Bar.log` lines go when no bar is drawn
+    (``None``: nowhere). The bar is erased when the block ends (normally, or by an exception
+    such as ``KeyboardInterrupt``), so what stays on the terminal is the command's output."""
     stream = sys.stderr
     if not (enabled and is_terminal(stream)):
         yield Bar(None, log)
         return
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=make_console(stream), transient=True) as progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    bar = Progress(*columns, TimeElapsedColumn(), console=make_console(stream), transient=True)
+    with bar as progress:
         yield Bar(progress, None)

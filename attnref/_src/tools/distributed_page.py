@@ -129,15 +129,8 @@ def _bench_section(existing: str) -> str:
 def render_distributed(existing: str = "") -> str:
     """``docs/distributed.md``: the layouts, every entry of the distributed family (equation,
     citation, cost, per-device communication model), the communication and load balance tables,
-    and the benchmark section kept from ``existing``.
-
-    Args:
-        existing: The page as it is now ('' for none): its benchmark section (written by
-            ``benchmarks/bench_distributed.py``) is kept verbatim.
-
-    Returns:
-        The page's Markdown text.
-    """
+    and the benchmark section (written by ``benchmarks/bench_distributed.py``) kept verbatim
+    from ``existing``, the page as it is now ('' for none)."""
     import attnref.distributed  # noqa: F401  (registers the schemes)
     from attnref._src.formulations.distributed import cost as dcost
     from attnref._src.formulations.distributed.family import GRADIENTS

@@ -120,18 +120,10 @@ _CONVENTION_NOTE = {
 
 
 def public_name(fn: Callable[..., Any]) -> str:
-    """The name a page shows for ``fn``: ``attnref.<name>`` if the top level exports it, else
-    ``attnref.<namespace>.<name>`` for the first of :data:`NAMESPACES` that does.
-
-    Args:
-        fn: A registered ``native``/``apply`` or a helper.
-
-    Returns:
-        The qualified public name (``tests/test_docs_pages.py`` checks it resolves to ``fn``).
-
-    Raises:
-        LookupError: ``fn`` is exported nowhere under its ``__name__`` (the export rule).
-    """
+    """The name a page shows for ``fn`` (a registered ``native``/``apply`` or a helper):
+    ``attnref.<name>`` if the top level exports it, else ``attnref.<namespace>.<name>`` for the
+    first of :data:`NAMESPACES` that does; ``LookupError`` if none exports it under its
+    ``__name__`` (the export rule)."""
     import attnref
 
     name = fn.__name__
@@ -243,16 +235,8 @@ def _cite(f: Formulation) -> str:
 
 
 def render(f: Formulation, tests_dir: Path | None = None) -> str:
-    """The Markdown page of one formulation.
-
-    Args:
-        f: A registry entry.
-        tests_dir: The test suite whose property tests the page lists (:func:`covered_ids`);
-            ``None`` (default) means ``tests/`` of this checkout.
-
-    Returns:
-        The page's Markdown text.
-    """
+    """The Markdown page of registry entry ``f``, listing the property tests of ``tests_dir``
+    that run it (default: ``tests/`` of this checkout)."""
     module = inspect.getmodule(f.native)
     details = (inspect.getdoc(module) or "") if module is not None else ""
     return (

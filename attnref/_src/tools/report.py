@@ -154,15 +154,8 @@ def run(
 
 
 def header(problem: Problem) -> str:
-    """The report's heading: the problem, then the legend of the error columns.
-
-    Args:
-        problem: The problem the rows were computed on.
-
-    Returns:
-        Three lines: the sizes and flags; which oracle each family is compared with; what
-        ``rel`` and ``err/bound`` mean.
-    """
+    """The report's three heading lines: the problem's sizes and flags; which oracle each
+    family is compared with; what ``rel`` and ``err/bound`` mean."""
     return (
         f"attnref report: B={problem.batch} T_q={problem.t_q} T_k={problem.t_k} "
         f"H={problem.num_heads} d_model={problem.d_model} d_k={problem.d_k} "
@@ -228,16 +221,9 @@ class Table:
 
 
 def format_table(rows: Sequence[Row], problem: Problem) -> str:
-    """:class:`Table` as plain text (what ``attnref report`` prints to a pipe or a file).
-
-    Args:
-        rows: :func:`run`'s rows.
-        problem: The problem they were computed on.
-
-    Returns:
-        The heading, a blank line, an ASCII table (a row per formulation and dtype, no line
-        wrapped) and the legend of the FLOP columns.
-    """
+    """:class:`Table` of :func:`run`'s ``rows`` as plain text (what ``attnref report`` prints to
+    a pipe or a file): the heading, a blank line, an ASCII table (no line wrapped), the legend
+    of the FLOP columns."""
     return console.plain(Table(rows, problem))
 
 

@@ -91,17 +91,8 @@ def covered_ids(test: str, tests_dir: Path = TESTS) -> frozenset[str]:
     methods of its class and module-level names it uses, are searched for
     ``formulations("<family>")`` / ``ids("<family>")`` (the whole family) and for tuples or
     lists of registered ids written out (``SCHEMES = ("ring", "striped", "zigzag")``).
-
-    Args:
-        test: ``<module>.<function>`` or ``<module>.<Class>.<method>``.
-        tests_dir: The directory of the test modules.
-
-    Returns:
-        The ids, possibly empty.
-
-    Raises:
-        LookupError: The module has no such test function.
-    """
+    ``test`` is ``<module>.<function>`` or ``<module>.<Class>.<method>`` of ``tests_dir``;
+    ``LookupError`` if the module has no such test function."""
     module, qualname = test.split(".", 1)
     return _covered_in(module, qualname, (tests_dir / f"{module}.py").read_text())
 
@@ -178,15 +169,8 @@ def _test_docstring(doc: str) -> str:
 
 def render_test_page(module: str, source: str) -> str:
     """The site page of test module ``tests/<module>.py``: its docstring, then per test function
-    its label (:func:`site_label`), a heading with its name, its docstring and its source.
-
-    Args:
-        module: The module's name (``test_formulations``).
-        source: Its source text.
-
-    Returns:
-        The page's Markdown text.
-    """
+    its label (:func:`site_label`), a heading with its name, its docstring and its source
+    (``source``, the module's text)."""
     tree = ast.parse(source)
     doc = ast.get_docstring(tree)
     parts = [f"# tests/{module}.py\n"]
@@ -208,15 +192,8 @@ def render_test_page(module: str, source: str) -> str:
 def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
     """Write ``out/<module>.md`` for every ``tests_dir/test_*.py`` and ``out/index.md`` (their
     table of contents); remove pages of modules that are gone. ``docs/conf.py`` calls it at
-    every build, so the pages are always the suite's (nothing to commit).
-
-    Args:
-        tests_dir: The test suite (``tests/``).
-        out: The pages' directory (``docs/tests/``).
-
-    Returns:
-        The paths written, the index last.
-    """
+    every build (``tests/`` into ``docs/tests/``), so the pages are always the suite's
+    (nothing to commit). Returns the paths written, the index last."""
     out.mkdir(parents=True, exist_ok=True)
     modules = sorted(p.stem for p in tests_dir.glob("test_*.py"))
     for stale in out.glob("*.md"):
@@ -241,5 +218,3 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
         index.write_text(text)
     paths.append(index)
     return paths
-
-
