@@ -239,7 +239,7 @@ def favor_parts(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 def favor_log_block(
     qw: np.ndarray, kw: np.ndarray, nq: np.ndarray, nk: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_favor_log_kernel` for a block of queries: ``log A_ij = lse_f(z_ijf) - log m -
+    """:func:`favor_log_kernel` for a block of queries: ``log A_ij = lse_f(z_ijf) - log m -
     |q~_i|^2/2 - |k~_j|^2/2`` with ``z_ijf = w_f.q~_i + w_f.k~_j`` (``qw [n, m]``, ``kw [kk, m]``).
 
     Returns ``(ell [n, kk], e [n, kk, m], total [n, kk])`` with ``e = exp(z - max_f z)`` and

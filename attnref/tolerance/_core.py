@@ -69,7 +69,7 @@ def project_heads(
 def abs_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
-    """``|x~||W~[i]|`` per head, the magnitude of :func:`_heads` (same ``layout``)."""
+    """``|x~||W~[i]|`` per head, the magnitude of :func:`project_heads` (same ``layout``)."""
     return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), _homogeneous_abs(wt, b))
 
 
