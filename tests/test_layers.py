@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1] / "attnref"
 LAYERS = {
     "attnref.oracle": 0,
     "attnref.tolerance": 0,
+    "attnref._src": 1,
     "attnref._src.core": 1,
     "attnref._src.formulations": 1,
     "attnref.linear": 1,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from jaxtyping import Array
 
@@ -26,6 +26,7 @@ from attnref._src.core.checks import float64_scoped
 from attnref._src.core.nonfinite import poison_rows
 
 
+@runtime_checkable  # the suite's runtime type checks read the annotations
 class Guardable(Protocol):
     """Validated inputs of one call (what a level's ``prepare`` returns)."""
 
