@@ -75,19 +75,8 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> BertConfig:
-        """From a parsed Hugging Face ``config.json`` (``hidden_act`` must be ``"gelu"``).
-
-        Args:
-            config: The parsed ``config.json`` (a mapping).
-
-        Returns:
-            The :class:`BertConfig`.
-
-        Raises:
-            ValueError: If ``hidden_act`` is not ``"gelu"`` or the position embeddings are not
-                absolute.
-            KeyError: If a required size is missing.
-        """
+        """From a parsed Hugging Face ``config.json``: ``ValueError`` unless ``hidden_act`` is
+        ``"gelu"`` and the position embeddings are absolute, ``KeyError`` for a missing size."""
         act = config.get("hidden_act", "gelu")
         if act != "gelu":
             raise ValueError(f"only hidden_act='gelu' (erf GELU) is implemented, got {act!r}")
@@ -226,14 +215,7 @@ def bert_from_state_dict(
 
 
 def layer_attention(weights: BertWeights) -> list[AttentionParams]:
-    """The attention parameters of each layer (unstacked), in layer order.
-
-    Args:
-        weights: The model's :class:`BertWeights`.
-
-    Returns:
-        A list of ``L`` :class:`~attnref.AttentionParams`.
-    """
+    """The ``L`` layers' :class:`~attnref.AttentionParams` (unstacked), in layer order."""
     n = int(np.shape(weights.layers.attention.w_q)[0])
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], weights.layers.attention) for i in range(n)]
 
@@ -241,17 +223,9 @@ def layer_attention(weights: BertWeights) -> list[AttentionParams]:
 def with_attention(weights: BertWeights, attention: Sequence[AttentionParams]) -> BertWeights:
     """``weights`` with every layer's attention block replaced (e.g. by refactored params).
 
-    All layers must have the same structure (shapes and which biases are present).
-
-    Args:
-        weights: The model's :class:`BertWeights`.
-        attention: One :class:`~attnref.AttentionParams` per layer, in layer order.
-
-    Returns:
-        New :class:`BertWeights` (the other weights shared), attention stacked as NumPy.
-
-    Raises:
-        ValueError: If the layers' structures or shapes differ (raised while stacking).
+    ``attention`` holds one :class:`~attnref.AttentionParams` per layer, in layer order, all of
+    one structure (shapes and which biases are present; else ``ValueError`` while stacking). The
+    other weights are shared; the attention is stacked as NumPy.
     """
     stacked = jax.tree_util.tree_map(lambda *a: np.stack([np.asarray(x) for x in a]), *attention)
     return dataclasses.replace(
@@ -338,23 +312,10 @@ def sentence_embeddings(
     formulation: str = "concat",
     normalize: bool = True,
 ) -> Float[Array, "B d_model"]:
-    """Mean-pooled (over ``attention_mask``) last hidden states, L2-normalised by default: the
-    sentence-transformers ``Pooling(mean)`` + ``Normalize`` head.
-
-    Args:
-        weights: The model's :class:`BertWeights`.
-        input_ids: Token ids ``[B, T]``.
-        attention_mask: ``[B, T]``, nonzero for real tokens, 0 for padding.
-        config: The model's sizes (:class:`BertConfig`).
-        formulation: A softmax-family registry id (default ``"concat"``).
-        normalize: If ``True`` (default), divide each embedding by its Euclidean norm.
-
-    Returns:
-        Sentence embeddings ``[B, d_model]``.
-
-    Raises:
-        KeyError: If ``formulation`` is not registered.
-        ValueError: As :func:`bert_hidden_states`.
+    """Sentence embeddings ``[B, d_model]``: the last hidden states mean-pooled over
+    ``attention_mask`` and, if ``normalize`` (default), divided by their Euclidean norm (the
+    sentence-transformers ``Pooling(mean)`` + ``Normalize`` head). The other arguments and the
+    errors are those of :func:`bert_hidden_states`.
     """
     h = bert_hidden_states(
         weights, input_ids, attention_mask, config=config, formulation=formulation
@@ -375,19 +336,9 @@ def make_encoder(
 
     Weights are an argument (not baked in), so one compilation serves any weights of the same
     shapes; float64 weights run in float64 whatever the global x64 flag. Cached per
-    ``(config, formulation, normalize)``, so repeated calls reuse the compiled code.
-
-    Args:
-        config: The model's sizes (:class:`BertConfig`, static).
-        formulation: A softmax-family registry id (default ``"concat"``).
-        normalize: L2-normalise the embeddings (default ``True``).
-
-    Returns:
-        ``encode(weights, input_ids, attention_mask) -> [B, d_model]`` (see
-        :func:`sentence_embeddings`).
-
-    Raises:
-        KeyError: If ``formulation`` is not registered (checked here, before compiling).
+    ``(config, formulation, normalize)``, so repeated calls reuse the compiled code. ``encode``
+    is :func:`sentence_embeddings` with these arguments; an unregistered ``formulation`` raises
+    ``KeyError`` here, before compiling.
     """
     get(formulation)  # fail early on an unknown id
     fn = jax.jit(

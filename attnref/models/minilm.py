@@ -106,17 +106,8 @@ class MiniLM:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids [N, T], attention_mask [N, T])`` as int32, right-padded with ``[PAD]``
         (id 0) to the longest sentence rounded up to ``pad_multiple``; sentences longer than
-        256 tokens are truncated (sentence-transformers' ``max_seq_length``).
-
-        Args:
-            sentences: A sequence of strings (``N`` of them).
-            pad_multiple: Round the padded length up to a multiple of this (default 8).
-
-        Returns:
-            ``(input_ids, attention_mask)``, both int32 ``[N, T]``.
-
-        Raises:
-            TypeError: If ``sentences`` is a single string.
+        256 tokens are truncated (sentence-transformers' ``max_seq_length``). ``sentences`` is a
+        sequence of ``N`` strings (``TypeError`` for a single string).
         """
         if isinstance(sentences, str):
             raise TypeError("pass a sequence of sentences, not one string")
@@ -131,18 +122,8 @@ class MiniLM:
         return ids, mask
 
     def encoder(self, formulation: str = "concat", *, normalize: bool = True) -> Any:
-        """The cached :func:`attnref.models.make_encoder` for this formulation.
-
-        Args:
-            formulation: A softmax-family registry id (default ``"concat"``).
-            normalize: L2-normalise the embeddings (default ``True``).
-
-        Returns:
-            ``encode(weights, input_ids, attention_mask) -> [B, d_model]``.
-
-        Raises:
-            KeyError: If ``formulation`` is not registered.
-        """
+        """The cached :func:`attnref.models.make_encoder` ``(config, formulation, normalize)``:
+        ``encode(weights, input_ids, attention_mask) -> [B, d_model]``."""
         key = (formulation, normalize)
         if key not in self._encoders:
             self._encoders[key] = make_encoder(self.config, formulation, normalize=normalize)
@@ -156,33 +137,17 @@ class MiniLM:
         weights: BertWeights | None = None,
         normalize: bool = True,
     ) -> np.ndarray:
-        """Sentence embeddings ``[N, d_model]`` (``weights`` defaults to the loaded ones; pass
-        e.g. :func:`attnref.models.with_attention` of refactored attention).
-
-        Args:
-            sentences: A sequence of strings (``N`` of them).
-            formulation: A softmax-family registry id (default ``"concat"``).
-            weights: :class:`BertWeights` to use; ``None`` (default) means ``self.weights``.
-            normalize: If ``True`` (default), unit-norm embeddings.
-
-        Returns:
-            NumPy ``[N, d_model]``.
-
-        Raises:
-            TypeError: If ``sentences`` is a single string.
-            KeyError: If ``formulation`` is not registered.
-            ValueError: If ``formulation`` is not in the softmax family.
+        """Sentence embeddings of ``N`` sentences, NumPy ``[N, d_model]`` (unit-norm if
+        ``normalize``), with the attention block of ``formulation`` (a softmax registry id;
+        else ``KeyError``/``ValueError``). ``weights`` defaults to the loaded ones; pass e.g.
+        :func:`attnref.models.with_attention` of refactored attention.
         """
         ids, mask = self.tokenize(sentences)
         w = self.weights if weights is None else weights
         return np.asarray(self.encoder(formulation, normalize=normalize)(w, ids, mask))
 
     def vocab(self) -> list[str]:
-        """Tokens by id (``vocab.txt`` order).
-
-        Returns:
-            A list of ``vocab_size`` strings; entry ``i`` is the token of id ``i``.
-        """
+        """The ``vocab_size`` tokens by id (``vocab.txt`` order): entry ``i`` is id ``i``'s."""
         size = self.tokenizer.get_vocab_size()
         return [self.tokenizer.id_to_token(i) for i in range(size)]
 

@@ -193,23 +193,9 @@ def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
 
     ``bias=True`` gives the augmented ``W~_P[i] = [W_Q[i]; b_Q[i]] W_K^T`` (``d_model + 1`` rows,
     the matrix the block's function depends on; ``b_K`` drops out). ``s [H, min(d_k, d_model)]``,
-    descending. ``dtype`` as in :func:`factored_svd`.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
-            per query head).
-        bias: If ``True``, include the ``b_Q W_K^T`` row (ignored when ``b_Q`` is ``None``);
-            default ``False``.
-        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
-
-    Returns:
-        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
-        ``right [H, d_model, k]``.
-
-    Raises:
-        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
-            float64.
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    descending; ``left [H, d_model(+1), k]``, ``right [H, d_model, k]``. Grouped heads are
+    repeated per query head; without ``b_Q``, ``bias`` is ignored. ``dtype`` (the compute
+    dtype) and the errors are those of :func:`factored_svd`, and of a malformed ``params``.
     """
     check_params(params)
     return factored_svd(*_qk_factors(params, bias and params.b_q is not None), dtype=dtype)
@@ -218,23 +204,8 @@ def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
 def message_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = None) -> FactoredSVD:
     """SVD of the message matrices ``W_M[i] = W_V[i // G] W_O[i]`` from the factors.
 
-    ``bias=True`` gives the augmented ``W~_M[i] = [W_V; b_V] W_O[i]`` (last row ``b_V W_O``).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`; grouped heads are repeated
-            per query head).
-        bias: If ``True``, include the ``b_V W_O`` row (ignored when ``b_V`` is ``None``);
-            default ``False``.
-        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
-
-    Returns:
-        A :class:`FactoredSVD` with ``left [H, d_model(+1), k]``, ``s [H, k]``,
-        ``right [H, d_model, k]``, ``k = min(d_v, d_model)``.
-
-    Raises:
-        ValueError: If ``params`` is malformed, or ``dtype`` is not ``None``, float32 or
-            float64.
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    ``bias=True`` gives the augmented ``W~_M[i] = [W_V; b_V] W_O[i]`` (last row ``b_V W_O``;
+    ignored without ``b_V``). ``k = min(d_v, d_model)``; otherwise as :func:`pattern_svd`.
     """
     check_params(params)
     return factored_svd(*_vo_factors(params, bias and params.b_v is not None), dtype=dtype)
@@ -292,15 +263,9 @@ def effective_rank(
 def truncation_error(s: Float[ArrayLike, "... k"], rank: int, *, relative: bool = False) -> Array:
     """``||W - W_r||_F = sqrt(sum_{k > r} s_k^2)`` (Eckart-Young), per matrix.
 
-    ``relative=True`` divides by ``||W||_F = sqrt(sum_k s_k^2)`` (0 for a zero matrix).
-
-    Args:
-        s: Singular values ``[..., k]`` (signs ignored; sorted here).
-        rank: The kept rank ``r`` (``r >= k`` gives 0).
-        relative: If ``True``, the relative error; default ``False`` (absolute).
-
-    Returns:
-        The error per matrix, ``[...]``.
+    ``s [..., k]`` are the singular values (signs ignored, sorted here), ``rank`` the kept
+    ``r`` (``r >= k`` gives 0); ``relative=True`` divides by ``||W||_F = sqrt(sum_k s_k^2)``
+    (0 for a zero matrix). Returns ``[...]``.
     """
     s = jnp.sort(jnp.abs(jnp.asarray(s)), axis=-1)[..., ::-1]
     dropped = jnp.sqrt(jnp.sum(s[..., rank:] ** 2, axis=-1))
@@ -311,16 +276,8 @@ def truncation_error(s: Float[ArrayLike, "... k"], rank: int, *, relative: bool 
 
 
 def param_count(params: AttentionParams) -> int:
-    """Number of stored parameters: the sizes of every weight and every present bias.
-
-    Grouped-query parameters count their ``K`` key/value heads once.
-
-    Args:
-        params: :class:`attnref.AttentionParams`.
-
-    Returns:
-        The total number of entries, a Python int.
-    """
+    """The number of stored parameters (a Python int): the sizes of every weight and every
+    present bias; grouped-query parameters count their ``K`` key/value heads once."""
     return int(sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(params)))
 
 
