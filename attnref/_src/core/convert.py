@@ -4,8 +4,14 @@ attnref stores per head ``w_q: [H, d_model, d_k]``, ``w_k: [K, d_model, d_k]``, 
 d_model, d_v]``, ``w_o: [H, d_v, d_model]`` (row vectors, ``y = x W``). Flax's
 ``MultiHeadDotProductAttention`` uses ``DenseGeneral`` kernels ``[d_model, H, d_head]`` and
 ``[H, d_v, d_model]``; PyTorch's ``nn.MultiheadAttention`` and Hugging Face BERT store fused
-``[out, in]`` matrices (``y = x W^T``). The fused layouts store one K/V head per query head:
-grouped-query params raise ``ValueError`` (convert :func:`repeat_kv_heads` of them).
+``[out, in]`` matrices (``y = x W^T``).
+
+Each ``to_*`` validates ``params`` first (a malformed one raises ``ValueError``, missing or
+non-floating weights ``TypeError``) and takes multi-head params only (``K == H``): the fused
+layouts store one K/V head per query head, so grouped-query params raise ``ValueError``
+(convert :func:`repeat_kv_heads` of them). Each ``from_*`` reads arrays or tensors NumPy can
+read and returns multi-head :class:`AttentionParams` of NumPy arrays; a missing entry raises
+``KeyError``.
 """
 
 from __future__ import annotations
@@ -40,19 +46,8 @@ def _require(d: Mapping[str, Any], key: str, layout: str) -> np.ndarray:
 def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
     """Flax ``MultiHeadDotProductAttention`` params (``DenseGeneral`` kernels):
     ``query/key/value``: ``kernel [d_model, H, d_head]``, ``bias [H, d_head]``; ``out``:
-    ``kernel [H, d_v, d_model]``, ``bias [d_model]``.
-
-    Args:
-        params: Multi-head (``K == H``) :class:`AttentionParams`.
-
-    Returns:
-        ``{"query"|"key"|"value"|"out": {"kernel": ..., "bias": ...}}`` of NumPy arrays; a
-        ``"bias"`` entry only where ``params`` has that bias.
-
-    Raises:
-        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
-    """
+    ``kernel [H, d_v, d_model]``, ``bias [d_model]``, as NumPy; a ``"bias"`` entry only where
+    ``params`` has that bias."""
     _require_mha(params, "Flax MultiHeadDotProductAttention")
     out: dict[str, dict[str, np.ndarray]] = {}
     for name, w, b in (
@@ -69,19 +64,9 @@ def to_flax(params: AttentionParams) -> dict[str, dict[str, np.ndarray]]:
 
 
 def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
-    """Inverse of :func:`to_flax` (accepts Flax's nested ``params`` dict for the module).
-
-    Args:
-        tree: ``{"query", "key", "value", "out"}`` each with a rank-3 ``"kernel"`` and an
-            optional ``"bias"`` (a missing ``"bias"`` gives ``None``).
-
-    Returns:
-        :class:`AttentionParams` of NumPy arrays (multi-head, ``K == H``).
-
-    Raises:
-        KeyError: If a module or a ``"kernel"`` is missing.
-        ValueError: If a kernel is not rank 3.
-    """
+    """Inverse of :func:`to_flax`: ``tree`` (Flax's nested ``params`` dict for the module) has
+    ``"query"``, ``"key"``, ``"value"``, ``"out"``, each with a rank-3 ``"kernel"`` (else
+    ``ValueError``) and an optional ``"bias"`` (``None`` when missing)."""
     for key in ("query", "key", "value", "out"):
         if key not in tree:
             raise KeyError(f"Flax attention params are missing {key!r}; got keys {sorted(tree)}")
@@ -136,21 +121,9 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
     """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
 
     PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
-    zeros when any bias is present (PyTorch has all biases or none).
-
-    Args:
-        params: Multi-head (``K == H``) :class:`AttentionParams` with
-            ``d_k == d_v == d_model / H``.
-
-    Returns:
-        ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy),
-        plus ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present.
-
-    Raises:
-        ValueError: If ``params`` is malformed or grouped-query (``K != H``), or
-            ``d_k == d_v == d_model / H`` does not hold.
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
-    """
+    zeros when any bias is present (PyTorch has all biases or none), else ``ValueError``:
+    ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy), plus
+    ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present."""
     _require_mha(params, "PyTorch nn.MultiheadAttention")
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
     if not (d_k == d_v and h * d_k == d_model):
@@ -171,22 +144,10 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
 
 
 def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionParams:
-    """Inverse of :func:`to_torch_mha`; ``num_heads`` is not recorded in the state dict.
-
-    Args:
-        state_dict: ``in_proj_weight [3E, E]``, ``out_proj.weight [E, E]`` and optionally
-            ``in_proj_bias [3E]`` with ``out_proj.bias [E]`` (arrays or tensors NumPy can read).
-        num_heads: The number of heads ``H`` (must divide ``E``).
-
-    Returns:
-        Multi-head :class:`AttentionParams` of NumPy arrays, ``d_k = d_v = E / H``; biases
-        only if ``in_proj_bias`` is present.
-
-    Raises:
-        KeyError: If a required entry is missing.
-        ValueError: If ``in_proj_weight`` is not ``[3E, E]`` or ``E`` is not divisible by
-            ``num_heads``.
-    """
+    """Inverse of :func:`to_torch_mha` (``d_k = d_v = E / H``): ``state_dict`` holds
+    ``in_proj_weight [3E, E]``, ``out_proj.weight [E, E]`` and optionally ``in_proj_bias [3E]``
+    with ``out_proj.bias [E]`` (biases only then); ``num_heads``, not recorded there, must
+    divide ``E`` (else ``ValueError``, as for an ``in_proj_weight`` that is not ``[3E, E]``)."""
     w_in = _require(state_dict, "in_proj_weight", "nn.MultiheadAttention")
     w_out = _require(state_dict, "out_proj.weight", "nn.MultiheadAttention")
     if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
@@ -221,20 +182,8 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
 
     ``nn.Linear`` stores ``(out, in)``; heads are contiguous blocks of the out features (BERT's
     ``view(..., H, d_head)``). ``output.dense.weight`` is ``[d_model, H*d_v]``. Absent biases are
-    written as zeros when any bias is present.
-
-    Args:
-        params: Multi-head (``K == H``) :class:`AttentionParams`.
-        prefix: Prepended to every key (e.g. ``"encoder.layer.0.attention."``); default ``""``.
-
-    Returns:
-        ``{prefix + "self.query.weight": [H d_k, d_model], ...}`` (NumPy): the query, key,
-        value and ``output.dense`` weights, and their biases when any bias is present.
-
-    Raises:
-        ValueError: If ``params`` is malformed or grouped-query (``K != H``).
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
-    """
+    written as zeros when any bias is present. ``prefix`` is prepended to every key (e.g.
+    ``"encoder.layer.0.attention."``)."""
     _require_mha(params, "Hugging Face BERT attention")
     sd = {prefix + _HF_KEYS[n]: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
     sd[prefix + _HF_KEYS["w_o"]] = _out_proj(params)
@@ -248,22 +197,9 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
 def from_hf_bert(
     state_dict: Mapping[str, Any], num_heads: int, prefix: str = ""
 ) -> AttentionParams:
-    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``).
-
-    Args:
-        state_dict: Hugging Face BERT weights (``{prefix}self.query.weight [H d_k, d_model]``,
-            ..., ``{prefix}output.dense.weight [d_model, H d_v]``), arrays or tensors NumPy can
-            read; the biases are read when ``{prefix}self.query.bias`` is present.
-        num_heads: The number of heads ``H`` (not recorded in the weights).
-        prefix: The key prefix; default ``""``.
-
-    Returns:
-        Multi-head :class:`AttentionParams` of NumPy arrays.
-
-    Raises:
-        KeyError: If a required weight (or, with biases, a bias) is missing.
-        ValueError: If a projection's output rows are not divisible by ``num_heads``.
-    """
+    """Inverse of :func:`to_hf_bert` (e.g. ``prefix="encoder.layer.0.attention."``): the biases
+    are read when ``{prefix}self.query.bias`` is present; ``num_heads``, not recorded in the
+    weights, must divide each projection's output rows (else ``ValueError``)."""
 
     def get(name: str) -> np.ndarray:
         return _require(state_dict, prefix + _HF_KEYS[name], "Hugging Face BERT")
