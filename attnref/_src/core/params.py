@@ -139,26 +139,12 @@ def init_params(
     ``W_Q, W_K, W_V ~ N(0, 1/d_model)``, ``W_O ~ N(0, 1/(H d_v))``; with ``bias=True`` every bias
     is drawn ``N(0, 0.1^2)`` (non-zero, so that tests exercise the bias paths). Drawing with
     NumPy's PCG64 keeps the values identical on every platform and independent of JAX's x64 flag.
-    ``num_kv_heads=K`` (default ``H``) draws ``K`` key/value heads, ``H % K == 0``; the default
-    draws exactly what earlier versions drew for the same seed.
-
-    Args:
-        seed: Seed of NumPy's ``default_rng``.
-        d_model: The model width, a positive int.
-        num_heads: The number of query heads ``H``, a positive int.
-        d_k: The query/key head dim, a positive int.
-        d_v: The value head dim; ``None`` (default) means ``d_k``.
-        bias: If ``True``, draw all four biases; default ``False`` (every bias ``None``).
-        dtype: The arrays' dtype (default float32).
-        num_kv_heads: The number of key/value heads ``K``; ``None`` (default) means ``H``.
-
-    Returns:
-        :class:`AttentionParams` of NumPy arrays, ``w_q [H, d_model, d_k]``,
-        ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``, ``w_o [H, d_v, d_model]``.
-
-    Raises:
-        ValueError: If a size is not a positive integer, or ``num_heads`` is not a multiple of
-            ``num_kv_heads``.
+    ``num_kv_heads=K`` (default ``H = num_heads``) draws ``K`` key/value heads, ``H % K == 0``;
+    the default draws exactly what earlier versions drew for the same seed. ``d_v`` defaults to
+    ``d_k``; ``bias=False`` (default) leaves every bias ``None``. The shapes are
+    ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+    ``w_o [H, d_v, d_model]``. ``ValueError`` if a size is not a positive integer or ``H`` is
+    not a multiple of ``K``.
     """
     d_v = d_k if d_v is None else d_v
     kv = num_heads if num_kv_heads is None else num_kv_heads
@@ -226,18 +212,8 @@ def repeat_kv_heads(params: AttentionParams) -> AttentionParams:
     biases are passed through. The copies are exact, so every formulation (and the oracle) gives
     the same function of the inputs with either set. Parameters that are already multi-head are
     returned unchanged. Under differentiation the gradient with respect to a shared K/V head is
-    the sum of the gradients of its ``G`` copies.
-
-    Args:
-        params: :class:`AttentionParams` with ``K`` key/value heads, ``H % K == 0``.
-
-    Returns:
-        :class:`AttentionParams` with ``H`` key/value heads (``params`` itself when ``K == H``);
-        NumPy leaves stay NumPy, JAX leaves JAX.
-
-    Raises:
-        ValueError: If ``params`` is malformed (ranks, shapes, ``H % K != 0``).
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    the sum of the gradients of its ``G`` copies. NumPy leaves stay NumPy, JAX leaves JAX;
+    malformed ``params`` raise as in :func:`w_p`.
     """
     check_params(params)
     return repeat_kv_heads_unchecked(params)

@@ -74,24 +74,12 @@ def _sq_norm(x_gram: Array, c: Array, yy: Array) -> Array:
 def composition_scores(
     first: AttentionParams, second: AttentionParams, kind: Kind
 ) -> Float[Array, "H1 H2"]:
-    """Q-, K- or V-composition scores ``[H1, H2]`` from every head of ``first`` (an earlier
-    layer, the writer) to every head of ``second`` (the next layer, the reader); module
-    docstring for the definitions. Grouped-query heads are scored per query head.
-
-    Args:
-        first: The writing layer's weights (:class:`attnref.AttentionParams`, ``H1`` heads).
-        second: The reading layer's weights (``H2`` heads, the same ``d_model``).
-        kind: ``"q"``, ``"k"`` or ``"v"``: which input of ``second`` the output of ``first``
-            feeds.
-
-    Returns:
-        Scores ``[H1, H2]`` in ``[0, 1]``; ``[h1, h2]`` scores head ``h1`` of ``first`` against
-        head ``h2`` of ``second`` (0 where a norm in the denominator is 0).
-
-    Raises:
-        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
-            ``kind`` is unknown.
-        TypeError: If a weight is missing, or the parameters are not floating or mix dtypes.
+    """Q-, K- or V-composition scores ``[H1, H2]`` in ``[0, 1]`` from every head ``h1`` of
+    ``first`` (an earlier layer, the writer) to every head ``h2`` of ``second`` (the next layer,
+    the reader, with the same ``d_model``); module docstring for the definitions. ``kind``
+    (``"q"``, ``"k"`` or ``"v"``) names the input of ``second`` that the output of ``first``
+    feeds. A score whose denominator has a zero norm is 0; grouped-query heads are scored per
+    query head. ``ValueError`` for malformed params, different ``d_model`` or an unknown kind.
     """
     check_params(first)
     check_params(second)
@@ -131,22 +119,10 @@ def composition_baseline(
     Elhage et al. (2021) compare composition with such a baseline: for independent Gaussian
     factors every score is about ``1 / sqrt(d_model)`` whatever the head widths, so scores near
     the baseline mean "no more composition than chance". Drawn with
-    :func:`attnref.init_params` (seeds ``0 .. 2 seeds - 1``) in float64.
-
-    Args:
-        first: The writing layer (only its shapes are used: ``H1``, ``d_model``, ``d_k``,
-            ``d_v``; the random heads are multi-head, ``K = H``).
-        second: The reading layer (its ``H2``, ``d_k``, ``d_v``; the same ``d_model`` as
-            ``first``).
-        kind: ``"q"``, ``"k"`` or ``"v"``, as in :func:`composition_scores`.
-        seeds: The number of random pairs averaged (default 8).
-
-    Returns:
-        The mean score over all head pairs and seeds, a Python float.
-
-    Raises:
-        ValueError: If either ``params`` is malformed, the layers' ``d_model`` differ, or
-            ``kind`` is unknown.
+    :func:`attnref.init_params` (seeds ``0 .. 2 seeds - 1``) in float64, multi-head, with
+    the shapes of ``first`` and ``second`` (only their shapes are used); the mean over all head
+    pairs and the ``seeds`` pairs, a Python float. Arguments and errors as
+    :func:`composition_scores`.
     """
     h1, d_model, _, d_v1 = check_params(first)
     h2, d_model2, d_k2, d_v2 = check_params(second)
@@ -184,21 +160,11 @@ def top_aligned(
 
     ``metric="cosine"``: ``<v, e_t> / (|v| |e_t|)`` (zero rows score 0); ``"dot"``:
     ``<v, e_t>``. ``jax.jit``-able with ``k`` and ``metric`` static. Directions with a sign
-    ambiguity (singular vectors) should be tried as ``v`` and ``-v``.
-
-    Args:
-        vectors: Model-space directions ``[..., d_model]`` (e.g. patterns or messages).
-        table: An embedding table ``[V, d_model]`` (vocabulary or positions).
-        k: How many rows to return, ``1 <= k <= V`` (default 10).
-        metric: ``"cosine"`` (default) or ``"dot"``.
-
-    Returns:
-        ``(values, indices)``, each ``[..., k]``: the similarities and the table row indices,
-        best first.
-
-    Raises:
-        ValueError: If ``metric`` is unknown, ``table`` is not ``[V, d_model]`` matching
-            ``vectors``, or ``k`` is out of range.
+    ambiguity (singular vectors) should be tried as ``v`` and ``-v``. ``vectors`` are
+    model-space directions ``[..., d_model]`` (e.g. patterns or messages), ``table`` an
+    embedding table ``[V, d_model]`` (vocabulary or positions), ``1 <= k <= V``; both results
+    are ``[..., k]``. ``ValueError`` for an unknown metric, a mismatched table or ``k`` out of
+    range.
     """
     if metric not in ("cosine", "dot"):
         raise ValueError(f"unknown metric {metric!r}; expected 'cosine' or 'dot'")
