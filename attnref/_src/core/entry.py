@@ -72,8 +72,8 @@ def public(
 ) -> Callable[..., Any]:
     """The public function ``name`` of ``formula`` at ``level``: validate, scope float64, guard.
 
-    Its signature is ``level.prepare``'s; its docstring is ``summary``, the level's Args text
-    and ``returns``.
+    Its signature is ``level.prepare``'s with ``formula``'s return annotation; its docstring
+    is ``summary``, the level's Args text and ``returns``.
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -81,7 +81,8 @@ def public(
 
     fn: Any = float64_scoped(call)
     del fn.__wrapped__  # the signature is the level's, not ``call``'s
-    fn.__signature__ = inspect.signature(level.prepare)
+    returned = inspect.signature(formula).return_annotation  # what the caller gets back
+    fn.__signature__ = inspect.signature(level.prepare).replace(return_annotation=returned)
     fn.__name__ = fn.__qualname__ = name
     fn.__module__ = formula.__module__
     fn.__doc__ = f"{summary}\n\n{level.args}\n\nReturns:\n    {returns}\n"
