@@ -52,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--formulations",
         type=_formulation_ids,
-        default=None,
         help="comma-separated registry ids (default: all)",
     )
     r.add_argument(
@@ -72,7 +71,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--plot",
         metavar="DIR",
-        default=None,
         help="also sweep T and write log-log PNGs to DIR (needs attnref[plot])",
     )
     r.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
@@ -102,13 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--features",
-        default=None,
         help="comma-separated features the function supports (default: the signature's)",
     )
-    c.add_argument(
-        "--properties", default=None, help="comma-separated properties to run (default: all)"
-    )
-    c.add_argument("--max-examples", type=int, default=None, help="examples per property (20)")
+    c.add_argument("--properties", help="comma-separated properties to run (default: all)")
+    c.add_argument("--max-examples", type=int, help="examples per property (20)")
     c.add_argument("--seed", type=int, default=0, help="base seed (a failure prints its own)")
     c.add_argument(
         "--masked-rows",
@@ -124,7 +119,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--dtypes",
-        default=None,
         help="comma-separated input dtypes the function takes (default float32): the oracle "
         "property runs in each, the others in the first (float32 when listed); with --devices, "
         "ring_size_growth runs in each, so list a 16-bit format next to float32 "
@@ -142,7 +136,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--devices",
-        default=None,
         metavar="LIST",
         help="check a distributed kernel (fn(query, key, value, ..., mesh=, axis_name=)) on "
         "1-D meshes of these sizes, e.g. 1,2,4,8: every property on each size, plus "
@@ -170,14 +163,10 @@ def _parser() -> argparse.ArgumentParser:
         "failed, 2 the target cannot be loaded or an option is invalid.",
     )
     m.add_argument("target", help="package.module:function")
-    m.add_argument(
-        "--properties", default=None, help="comma-separated properties to run (default: all)"
-    )
-    m.add_argument("--max-examples", type=int, default=None, help="examples per property (20)")
+    m.add_argument("--properties", help="comma-separated properties to run (default: all)")
+    m.add_argument("--max-examples", type=int, help="examples per property (20)")
     m.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every property")
-    m.add_argument(
-        "--dtypes", default=None, help="comma-separated formats (float32,float64,bfloat16,float16)"
-    )
+    m.add_argument("--dtypes", help="comma-separated formats (float32,float64,bfloat16,float16)")
     m.add_argument(
         "--masked-rows",
         default="zeros",
