@@ -168,19 +168,9 @@ def bert_from_state_dict(
     :class:`BertWeights`. ``prefix`` is e.g. ``"bert."`` for checkpoints of task heads.
 
     Attention weights are read by :func:`attnref.interop.from_hf_bert` (query/key/value/dense with
-    biases), one :class:`~attnref.AttentionParams` per layer, then stacked.
-
-    Args:
-        state_dict: Weight name to array (NumPy arrays, or anything ``np.asarray`` reads).
-        config: The model's sizes (:class:`BertConfig`).
-        prefix: Prepended to every key, e.g. ``"bert."``; default ``""``.
-
-    Returns:
-        :class:`BertWeights` of NumPy arrays (dtype as stored).
-
-    Raises:
-        KeyError: If a weight is missing.
-        ValueError: If an attention projection does not split into ``num_heads`` heads.
+    biases), one :class:`~attnref.AttentionParams` per layer, then stacked; NumPy arrays in the
+    stored dtype. ``KeyError`` for a missing weight, ``ValueError`` for an attention projection
+    that does not split into ``num_heads`` heads.
     """
 
     def g(key: str) -> np.ndarray:

@@ -115,23 +115,12 @@ def factored_svd(
 ) -> FactoredSVD:
     """SVD of ``a[h] @ b[h]^T`` per head from the thin factors (QR of each, SVD of the core).
 
-    ``dtype=None`` computes in the inputs' dtype, ``np.float32`` or ``np.float64`` in that
-    format. Concrete inputs are computed with NumPy's LAPACK (single or double precision) and
-    give NumPy arrays; under ``jax.jit`` (traced inputs) the same steps run in ``jax.numpy``
-    (enable x64 yourself for float64 there, as for any jitted JAX code).
-
-    Args:
-        a: Left factors ``[H, m, d]``.
-        b: Right factors ``[H, n, d]`` (the same ``H`` and ``d``).
-        dtype: ``None`` (default: the inputs' dtype, float32 for 16-bit or non-float inputs),
-            ``np.float32`` or ``np.float64``.
-
-    Returns:
-        A :class:`FactoredSVD` of ``a[h] @ b[h]^T`` (NumPy arrays, or JAX arrays when traced).
-
-    Raises:
-        ValueError: If the factors are not ``[H, m, d]`` and ``[H, n, d]`` with one ``H`` and
-            ``d``, or ``dtype`` is not ``None``, float32 or float64.
+    ``dtype=None`` computes in the inputs' dtype (float32 for 16-bit or non-float inputs),
+    ``np.float32`` or ``np.float64`` in that format. Concrete inputs are computed with NumPy's
+    LAPACK (single or double precision) and give NumPy arrays; under ``jax.jit`` (traced inputs)
+    the same steps run in ``jax.numpy`` (enable x64 yourself for float64 there, as for any
+    jitted JAX code). ``ValueError`` if the factors are not ``[H, m, d]`` and ``[H, n, d]`` with
+    one ``H`` and ``d``, or ``dtype`` is not one of those three.
     """
     if np.ndim(a) != 3 or np.ndim(b) != 3 or np.shape(a)[::2] != np.shape(b)[::2]:
         raise ValueError(
@@ -225,19 +214,11 @@ def effective_rank(
       non-zero singular values. A zero matrix has effective rank 0.
     * ``"energy"``: the smallest ``r`` with ``sum_{k <= r} s_k^2 >= threshold * sum_k s_k^2``,
       i.e. the smallest rank whose best approximation has relative Frobenius error at most
-      ``sqrt(1 - threshold)`` (Eckart-Young). An integer (as the array's dtype).
+      ``sqrt(1 - threshold)`` (Eckart-Young), ``threshold`` in ``(0, 1]``. An integer (as the
+      array's dtype).
 
-    Args:
-        s: Singular values ``[..., k]`` (signs ignored; any order).
-        method: ``"entropy"`` (default) or ``"energy"``.
-        threshold: The energy fraction for ``"energy"``, in ``(0, 1]`` (default 0.99).
-
-    Returns:
-        The effective rank per matrix, ``[...]`` (0 for a zero matrix).
-
-    Raises:
-        ValueError: If ``method`` is unknown, or ``threshold`` is not in ``(0, 1]`` for
-            ``"energy"``.
+    ``s [..., k]`` in any order, signs ignored; returns ``[...]``. ``ValueError`` for an unknown
+    ``method`` or a ``threshold`` out of range.
     """
     s = jnp.abs(jnp.asarray(s))
     if method == "entropy":
