@@ -18,9 +18,9 @@ commutative, associative, identity, stability, dtypes, gradients) against anyone
 ``merge_states``.
 """
 
+# ruff: noqa: F401 (the names below are the exports: __all__ lists them)
 from __future__ import annotations
 
-from attnref._src.kit.closeness import FLASH_FACTOR as FLASH_FACTOR  # importable, not in __all__
 from attnref._src.kit.closeness import (
     RULES,
     Closeness,
@@ -29,42 +29,19 @@ from attnref._src.kit.closeness import (
     assert_ratio_within,
     assert_within_bound,
 )
-from attnref._src.kit.closeness import TORCH_FACTOR as TORCH_FACTOR  # importable, not in __all__
-from attnref._src.kit.conformance import (
+from attnref._src.kit.conformance.engine import check_attention, production_plan
+from attnref._src.kit.conformance.options import (
     ALL_PROPERTIES,
     DEFAULT_FEATURES,
     DISTRIBUTED_PROPERTIES,
     FEATURES,
     PROPERTIES,
     SIGNATURES,
-    ConformanceReport,
-    MeshResult,
-    PropertyResult,
-    check_attention,
-    load_target,
-    production_plan,
 )
+from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.kit.conformance.states import MERGE_PROPERTIES, check_merge_states
+from attnref._src.kit.conformance.targets import load_target
 
-__all__ = [
-    "ALL_PROPERTIES",
-    "DEFAULT_FEATURES",
-    "DISTRIBUTED_PROPERTIES",
-    "FEATURES",
-    "MERGE_PROPERTIES",
-    "PROPERTIES",
-    "RULES",
-    "SIGNATURES",
-    "Closeness",
-    "ConformanceReport",
-    "MeshResult",
-    "PropertyResult",
-    "assert_attention_close",
-    "assert_comparative",
-    "assert_ratio_within",
-    "assert_within_bound",
-    "check_attention",
-    "check_merge_states",
-    "load_target",
-    "production_plan",
-]
+__all__ = sorted(n for n in dir() if not n.startswith("_") and n != "annotations")
+
+from attnref._src.kit.closeness import FLASH_FACTOR, TORCH_FACTOR  # importable, not in __all__

@@ -494,7 +494,7 @@ def test_the_target_gets_the_mesh_its_axis_and_sharded_inputs():
     """A target is called with the kit's mesh over the first P devices (cached, axis
     ``"devices"``) and, where it names the parameter, ``axis_name``; ``q, k, v`` arrive sharded
     along the sequence axis."""
-    from attnref._src.kit.conformance.targets import AXIS, Target, mesh
+    from attnref.conformance import AXIS, Target, mesh
 
     seen = []
 

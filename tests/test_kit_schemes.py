@@ -17,9 +17,7 @@ import jax
 import pytest
 
 import attnref.distributed
-from attnref._src.kit.conformance.context import Context
-from attnref._src.kit.conformance.engine import mesh_contexts
-from attnref._src.kit.conformance.targets import Target
+from attnref.conformance import Context, Target, mesh_contexts
 from attnref.testing import check_attention
 
 SCHEMES = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")

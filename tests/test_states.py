@@ -25,13 +25,11 @@ from hypothesis import find, given, note, settings
 from hypothesis import strategies as st
 
 import attnref
-from attnref import oracle, tolerance
+from attnref import merge_state_stack, merge_states, oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.formulations.kernel import STATIC_OPTIONS
-from attnref._src.formulations.states import merge_state_stack, merge_states
-from attnref._src.kit.conformance.states import MERGE_PROPERTIES, check_merge_states
 from attnref.oracle import merge_states_vjp
-from attnref.testing import assert_ratio_within
+from attnref.strategies import STATIC_OPTIONS
+from attnref.testing import MERGE_PROPERTIES, assert_ratio_within, check_merge_states
 from attnref.tolerance import merge_grad_error_bound
 
 _MERGE = jax.jit(merge_states, static_argnames="masked_rows")

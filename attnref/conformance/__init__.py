@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from attnref._src.kit import conformance as _engine
-from attnref._src.kit.conformance import (
+from attnref._src.kit.conformance.context import Context as Context
+from attnref._src.kit.conformance.engine import check_attention
+from attnref._src.kit.conformance.engine import mesh_contexts as mesh_contexts
+from attnref._src.kit.conformance.options import (
     ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
     DISTRIBUTED_PROPERTIES,
@@ -39,6 +41,10 @@ from attnref._src.kit.conformance import (
     check_properties,
     check_signature,
 )
+from attnref._src.kit.conformance.targets import AXIS as AXIS
+from attnref._src.kit.conformance.targets import Target as Target
+from attnref._src.kit.conformance.targets import load_target
+from attnref._src.kit.conformance.targets import mesh as mesh
 
 __all__ = [
     "ALIGNMENTS",
@@ -75,11 +81,8 @@ def split_list(text: str | None) -> tuple[str, ...] | None:
 
 
 def split_devices(text: str | None) -> tuple[int, ...] | None:
-    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None`` (a single-device target).
-
-    Raises:
-        ValueError: For an entry that is not an integer.
-    """
+    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None`` (a single-device target);
+    ``ValueError`` for an entry that is not an integer."""
     items = split_list(text)
     if items is None:
         return None
@@ -108,7 +111,7 @@ def load(spec: str) -> Callable[..., Any]:
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
     try:
-        fn = _engine.load_target(spec)
+        fn = load_target(spec)
     except ImportError as e:
         raise TargetError(
             f"{e} (is the package installed, or the current directory its parent?)"
@@ -122,24 +125,10 @@ def load(spec: str) -> Callable[..., Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What the CLI and the pytest plugin pass to ``check_attention`` (``None`` = its default).
-
-    Attributes:
-        target: The target's spec, ``package.module:function`` (the name in the report).
-        signature: How to call the target (``SIGNATURES``).
-        features: What the target supports (``FEATURES``); ``None``: the signature's default.
-        max_examples: Hypothesis examples per property; ``None``: ``check_attention``'s.
-        seed: The Hypothesis seed.
-        masked_rows: The target's declared output on fully masked rows (``MASKED_ROWS``).
-        causal_alignment: The target's declared causal alignment (``ALIGNMENTS``).
-        dtypes: The input dtypes; ``None``: ``check_attention``'s (float32).
-        properties: The properties to run (``ALL_PROPERTIES``); ``None``: all (the nine of
-            ``PROPERTIES``, and with ``devices`` the ``DISTRIBUTED_PROPERTIES``,
-            ``ring_size_growth`` and ``uneven_lengths``).
-        shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (tile-boundary sweeps).
-        devices: Mesh sizes for a distributed target (``check_attention(devices=...)``);
-            ``None``: a single-device target.
-    """
+    """What the CLI and the pytest plugin pass to ``check_attention``: its keywords (``None``:
+    its default), and ``target``, the target's spec ``package.module:function`` (the name in
+    the report). ``properties=None`` runs all (the nine of ``PROPERTIES``, and with ``devices``
+    the ``DISTRIBUTED_PROPERTIES``); ``devices=None``, a single-device target."""
 
     target: str
     signature: str = "jax_nn"
@@ -155,12 +144,9 @@ class Options:
 
     def validate(self) -> None:
         """Check the options before the target is loaded, with ``check_attention``'s own checks
-        (the rest, e.g. a feature the signature cannot express, is :meth:`preflight`'s).
-
-        Raises:
-            ValueError: Naming the bad option, its value and the accepted ones, in the CLI's
-                words (:func:`_cli_message`).
-        """
+        (the rest, e.g. a feature the signature cannot express, is :meth:`preflight`'s); a
+        ``ValueError`` names the bad option, its value and the accepted ones, in the CLI's words
+        (:func:`_cli_message`)."""
         try:
             check_signature(self.signature)
             check_features(self.features or ())
@@ -217,29 +203,25 @@ class Options:
             kw["dtypes"] = self.dtypes
         if self.devices is not None:
             kw["devices"] = self.devices
-        return _engine.check_attention(fn, **kw)
+        return check_attention(fn, **kw)
 
     def replay_command(self, name: str, seed: int, devices: int | None = None) -> str:
         """The ``attnref check`` line that reruns property ``name`` from ``seed`` (on a mesh of
         ``devices`` devices alone, when given; else on the options' own mesh sizes)."""
         args = ["attnref", "check", self.target, "--properties", name, "--seed", str(seed)]
-        if self.signature != "jax_nn":
-            args += ["--signature", self.signature]
-        if self.features is not None:
-            args += ["--features", ",".join(self.features)]
-        if self.max_examples is not None:
-            args += ["--max-examples", str(self.max_examples)]
-        if self.masked_rows != "zeros":
-            args += ["--masked-rows", self.masked_rows]
-        if self.causal_alignment != "top_left":
-            args += ["--causal-alignment", self.causal_alignment]
-        if self.dtypes is not None:
-            args += ["--dtypes", ",".join(self.dtypes)]
-        if self.shapes != "small":
-            args += ["--shapes", self.shapes]
-        sizes = (devices,) if devices is not None else self.devices
-        if sizes is not None:
-            args += ["--devices", ",".join(map(str, sizes))]
+        for flag, value, default in (
+            ("signature", self.signature, "jax_nn"),
+            ("features", self.features, None),
+            ("max-examples", self.max_examples, None),
+            ("masked-rows", self.masked_rows, "zeros"),
+            ("causal-alignment", self.causal_alignment, "top_left"),
+            ("dtypes", self.dtypes, None),
+            ("shapes", self.shapes, "small"),
+            ("devices", (devices,) if devices is not None else self.devices, None),
+        ):
+            if value != default:
+                text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+                args += [f"--{flag}", text]
         return shlex.join(args)
 
 

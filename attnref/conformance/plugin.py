@@ -59,93 +59,85 @@ def session(config: pytest.Config) -> Session | None:
     return config.stash.get(_KEY, None)
 
 
+# The --attnref-<name> options, in --help order: (name, metavar, default, help); examples and
+# seed are ints.
+_OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
+    (
+        "target",
+        "MODULE:FUNCTION",
+        None,
+        "the attention function to check, as package.module:function",
+    ),
+    (
+        "signature",
+        "NAME",
+        "jax_nn",
+        "how to call the target: jax_nn (jax.nn.dot_product_attention's), qkv_mask "
+        "(fn(q, k, v, mask)) or numpy (NumPy in, NumPy out); default jax_nn",
+    ),
+    (
+        "features",
+        "LIST",
+        None,
+        "comma-separated features the target supports (default: the signature's); a "
+        "property needing a missing feature is skipped",
+    ),
+    ("properties", "LIST", None, "comma-separated properties to run (default: all)"),
+    ("examples", "N", None, "Hypothesis examples per property (default: check_attention's, 20)"),
+    ("seed", "S", 0, "base seed"),
+    (
+        "masked-rows",
+        "POLICY",
+        "zeros",
+        f"the target's declared output for fully masked rows: {_MASKED_ROWS_HELP} "
+        "(jax.nn and Flax: uniform; default zeros)",
+    ),
+    (
+        "causal-alignment",
+        "ALIGNMENT",
+        "top_left",
+        f"the target's declared causal alignment when T != S: {_ALIGNMENTS_HELP} "
+        "(FlashAttention: bottom_right; default top_left)",
+    ),
+    ("dtypes", "LIST", None, "comma-separated input dtypes (default: float32)"),
+    (
+        "shapes",
+        "SHAPES",
+        "small",
+        "small (Hypothesis draws over small shapes; default) or production (tile-boundary "
+        "lengths up to 8193, head dims 64/128/256, up to 32 heads, against the fast oracle)",
+    ),
+    (
+        "devices",
+        "LIST",
+        None,
+        "check a distributed kernel (fn(..., mesh=, axis_name=)) on 1-D meshes of these "
+        "sizes, e.g. 1,2,4,8: every property on each size, plus ring_size_growth and "
+        "uneven_lengths (on a CPU host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+    ),
+    (
+        "merge-target",
+        "MODULE:FUNCTION",
+        None,
+        "a state merge merge(o_a, lse_a, o_b, lse_b) -> (o, lse) to check with the state "
+        "algebra's properties (check_merge_states; --attnref-examples and --attnref-seed apply)",
+    ),
+    (
+        "xfail",
+        "FILE",
+        None,
+        "a file of property names to mark xfail, one per line (# starts a comment)",
+    ),
+)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup(
         "attnref", "attnref conformance (pytest --pyargs attnref.conformance --attnref-target=...)"
     )
-    group.addoption(
-        "--attnref-target",
-        metavar="MODULE:FUNCTION",
-        default=None,
-        help="the attention function to check, as package.module:function",
-    )
-    group.addoption(
-        "--attnref-signature",
-        metavar="NAME",
-        default="jax_nn",
-        help="how to call the target: jax_nn (jax.nn.dot_product_attention's), qkv_mask "
-        "(fn(q, k, v, mask)) or numpy (NumPy in, NumPy out); default jax_nn",
-    )
-    group.addoption(
-        "--attnref-features",
-        metavar="LIST",
-        default=None,
-        help="comma-separated features the target supports (default: the signature's); a "
-        "property needing a missing feature is skipped",
-    )
-    group.addoption(
-        "--attnref-properties",
-        metavar="LIST",
-        default=None,
-        help="comma-separated properties to run (default: all)",
-    )
-    group.addoption(
-        "--attnref-examples",
-        metavar="N",
-        type=int,
-        default=None,
-        help="Hypothesis examples per property (default: check_attention's, 20)",
-    )
-    group.addoption("--attnref-seed", metavar="S", type=int, default=0, help="base seed")
-    group.addoption(
-        "--attnref-masked-rows",
-        metavar="POLICY",
-        default="zeros",
-        help=f"the target's declared output for fully masked rows: {_MASKED_ROWS_HELP} "
-        "(jax.nn and Flax: uniform; default zeros)",
-    )
-    group.addoption(
-        "--attnref-causal-alignment",
-        metavar="ALIGNMENT",
-        default="top_left",
-        help=f"the target's declared causal alignment when T != S: {_ALIGNMENTS_HELP} "
-        "(FlashAttention: bottom_right; default top_left)",
-    )
-    group.addoption(
-        "--attnref-dtypes",
-        metavar="LIST",
-        default=None,
-        help="comma-separated input dtypes (default: float32)",
-    )
-    group.addoption(
-        "--attnref-shapes",
-        metavar="SHAPES",
-        default="small",
-        help="small (Hypothesis draws over small shapes; default) or production (tile-boundary "
-        "lengths up to 8193, head dims 64/128/256, up to 32 heads, against the fast oracle)",
-    )
-    group.addoption(
-        "--attnref-devices",
-        metavar="LIST",
-        default=None,
-        help="check a distributed kernel (fn(..., mesh=, axis_name=)) on 1-D meshes of these "
-        "sizes, e.g. 1,2,4,8: every property on each size, plus ring_size_growth and "
-        "uneven_lengths (on a CPU "
-        "host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
-    )
-    group.addoption(
-        "--attnref-merge-target",
-        metavar="MODULE:FUNCTION",
-        default=None,
-        help="a state merge merge(o_a, lse_a, o_b, lse_b) -> (o, lse) to check with the state "
-        "algebra's properties (check_merge_states; --attnref-examples and --attnref-seed apply)",
-    )
-    group.addoption(
-        "--attnref-xfail",
-        metavar="FILE",
-        default=None,
-        help="a file of property names to mark xfail, one per line (# starts a comment)",
-    )
+    for name, metavar, default, text in _OPTIONS:
+        typed = {"type": int} if name in ("examples", "seed") else {}
+        group.addoption(f"--attnref-{name}", metavar=metavar, default=default, help=text, **typed)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -154,14 +146,11 @@ def pytest_load_initial_conftests(
 ) -> None:
     """Let ``--jaxtyping-packages=attnref...`` instrument attnref although this plugin is in it.
 
-    pytest imports its entry-point plugins before jaxtyping's own ``pytest_load_initial_conftests``
-    installs the import hook, and importing this module imports its parent packages
-    (``attnref``, ``attnref.conformance`` and what that imports), which jaxtyping then refuses
-    ("already imported") or would leave unchecked. Nothing has used them yet (this module imports
-    the kit lazily), so when jaxtyping is asked to check attnref or part of it, every attnref
-    module but this one is dropped from ``sys.modules``, to be imported again on first use: the
-    named ones instrumented, and the rest importing those (never a stale copy of a class).
-    """
+    pytest imports this entry-point plugin, and so its parent packages, before jaxtyping's
+    hook is installed, which then refuses them ("already imported") or leaves them unchecked.
+    Nothing has used them yet, so every attnref module but this one is dropped from
+    ``sys.modules``, to be imported again, instrumented, on first use (never a stale copy of a
+    class)."""
     del early_config
     value = getattr(parser.parse_known_args(args), "jaxtyping_packages", None)
     if not value:

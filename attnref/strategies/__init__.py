@@ -56,17 +56,21 @@ Kernel problems use the layout of :func:`attnref.dot_product_attention` (``q [B,
 from :func:`attnref.init_params`, GQA through ``num_kv_heads``).
 
 **Attention states** (:mod:`._states`): :func:`attention_states` draws ``P`` states ``(o, lse)``
-where merges break (``|lse|`` up to ``1e4``, differences beyond 88 and 709, ties, empty states
-whose ``o`` is NaN; :class:`StateStack`), :func:`merge_trees` a random order and grouping, and
-:func:`key_partitions` a kernel problem's keys split into ``P`` pieces (:class:`KeyPartition`:
-each piece is the call with an extra key mask; ``.bound()`` is the derived allowance of the
-merged pieces against the whole call).
+where merges break (:class:`StateStack`): ``|lse|`` up to ``1e4``, differences between states
+beyond 88 (``exp`` of the difference overflows float32, so ``lse + log(1 + exp(lse_b - lse))``
+is ``inf``) and beyond 709 (float64), exact ties, and empty states (``lse = -inf``) whose ``o``
+holds NaN (never to be read). :func:`merge_trees` draws a merge tree, a nested pair of piece
+indices (every order and grouping of ``P`` pieces is one), and :func:`key_partitions` a kernel
+problem's keys split into ``P`` pieces (:class:`KeyPartition`: each piece is the call with an
+extra key mask; ``.bound()`` is the derived allowance of the merged pieces against the whole
+call).
 
 Submodules: :mod:`._shapes` (Config, buckets, broadcast shapes), :mod:`._masks` (mask kinds and
 their builder), :mod:`._kernel` (kernel-level problems), :mod:`._mixes` (option mixes),
 :mod:`._weight` (weight-level problems), :mod:`._states` (states, merge trees, key partitions).
 """
 
+# ruff: noqa: F401 (the names below are the exports: __all__ lists them)
 from __future__ import annotations
 
 from attnref._src.formulations.kernel import STATIC_OPTIONS
@@ -130,56 +134,4 @@ from ._weight import (
     make_attention_problem,
 )
 
-__all__ = [
-    "ARRAY_KINDS",
-    "BIAS_SHAPE_KINDS",
-    "BROADCAST_SHAPES",
-    "BUCKETS",
-    "CENTERS",
-    "IDENTICAL",
-    "KERNEL_BUCKETS",
-    "KIND_FEATURES",
-    "LAYOUTS",
-    "MASK_KINDS",
-    "MASK_SHAPE_KINDS",
-    "SPREADS",
-    "STATE_DTYPES",
-    "STATE_SHAPES",
-    "STATIC_OPTIONS",
-    "STATIC_PROFILES",
-    "TILE_LENGTHS",
-    "TILE_SIZES",
-    "WEIGHT_BUCKETS",
-    "WEIGHT_KINDS",
-    "AttentionProblem",
-    "Config",
-    "DrawFn",
-    "KernelProblem",
-    "KeyPartition",
-    "StateStack",
-    "Tree",
-    "apply_merge_tree",
-    "attention_problems",
-    "attention_states",
-    "balanced_tree",
-    "broadcast_shape",
-    "broadcast_shapes",
-    "configs",
-    "kernel_inputs",
-    "kernel_problems",
-    "key_partitions",
-    "make_attention_problem",
-    "make_kernel_problem",
-    "make_key_partition",
-    "make_options",
-    "make_state_stack",
-    "mask_kinds",
-    "merge_trees",
-    "mixed_kernel_problems",
-    "segment_ids",
-    "seq_lengths",
-    "sequential_tree",
-    "tile_configs",
-    "tree_depth",
-    "tree_leaves",
-]
+__all__ = sorted(n for n in dir() if not n.startswith("_") and n != "annotations")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from ._shapes import (
     BROADCAST_SHAPES,
     Config,
     DrawFn,
+    ShortRepr,
     broadcast_shapes,
     check_kernel_batch,
     configs_strategy,
@@ -39,22 +41,10 @@ IDENTICAL = ("none", "keys", "queries")  # the "identical rows" special case
 def kernel_inputs(
     config: Config, seed: int, *, identical: str = "none", scale: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``: standard normal from PCG64
-    ``seed`` times ``scale``, rounded to ``config.dtype``. ``identical="keys"`` repeats key row 0
-    over every key position (the softmax is then uniform); ``"queries"`` repeats query row 0.
-
-    Args:
-        config: The problem's sizes and dtype (an ``int`` batch).
-        seed: The PCG64 seed.
-        identical: ``"none"`` (default), ``"keys"`` or ``"queries"`` (:data:`IDENTICAL`).
-        scale: Multiplies ``q`` and ``k`` (default 1).
-
-    Returns:
-        ``(q, k, v)`` as NumPy arrays of ``config.dtype``.
-
-    Raises:
-        ValueError: If ``identical`` is unknown or ``config.batch`` is not an int.
-    """
+    """NumPy ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``: standard normal
+    from PCG64 ``seed`` (``q`` and ``k`` times ``scale``), rounded to ``config.dtype`` (an
+    ``int`` batch). ``identical="keys"`` repeats key row 0 over every key position (the softmax
+    is then uniform), ``"queries"`` query row 0 (:data:`IDENTICAL`; ``ValueError`` otherwise)."""
     if identical not in IDENTICAL:
         raise ValueError(f"identical must be one of {IDENTICAL}, got {identical!r}")
     check_kernel_batch(config)
@@ -82,24 +72,13 @@ def _describe(value: Any) -> str:
 
 
 @dataclasses.dataclass
-class KernelProblem:
-    """One kernel-level problem: inputs ``q, k, v``, the keyword ``options`` of
-    :func:`attnref.dot_product_attention` (``bias``, ``mask``, ``is_causal``, sequence lengths,
-    ``local_window_size``, ``segment_ids``, ``softcap``, ``scale``), its :class:`Config`, and the
-    semantics the oracle is run with (``masked_rows``, ``causal_alignment``).
-
-    Attributes:
-        q: Queries ``[B, T, N, H]``.
-        k: Keys ``[B, S, K, H]``.
-        v: Values ``[B, S, K, H_v]``.
-        options: Keyword options of :func:`attnref.dot_product_attention`.
-        config: The sizes and dtype (:class:`Config`).
-        kind: The mask kind (kinds joined by ``+`` for a mix).
-        seed: The data seed.
-        identical: The identical-rows case (:data:`IDENTICAL`).
-        masked_rows: The masked-rows policy the oracle runs with.
-        causal_alignment: The causal alignment the oracle runs with.
-    """
+class KernelProblem(ShortRepr):
+    """One kernel-level problem: ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``,
+    the keyword ``options`` of :func:`attnref.dot_product_attention` (``bias``, ``mask``,
+    ``is_causal``, sequence lengths, ``local_window_size``, ``segment_ids``, ``softcap``,
+    ``scale``), its :class:`Config`, the mask ``kind`` (kinds joined by ``+`` for a mix), the
+    data ``seed``, the ``identical`` rows case (:data:`IDENTICAL`), and the semantics the oracle
+    is run with (``masked_rows``, ``causal_alignment``)."""
 
     q: np.ndarray
     k: np.ndarray
@@ -111,10 +90,6 @@ class KernelProblem:
     identical: str = "none"
     masked_rows: str = "zeros"
     causal_alignment: str = "top_left"
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self.options.items()))
@@ -150,6 +125,11 @@ class KernelProblem:
         (:data:`STATIC_OPTIONS`)."""
         return {k: v for k, v in self.kwargs.items() if k in STATIC_OPTIONS}
 
+    def apply(self, fn: Callable[..., Any], **kw: Any) -> Any:
+        """``fn(q, k, v, **kw)`` with the problem's options and semantics (how the oracle and
+        the bounds below are called)."""
+        return fn(self.q, self.k, self.v, **kw, **self.semantics(), **self.options)
+
     def allowed(self) -> np.ndarray:
         """The allowed (query, key) pairs ``[B, N, T, S]``
         (:func:`attnref.oracle.kernel_allowed`)."""
@@ -163,62 +143,27 @@ class KernelProblem:
         """Float64 ``(out [B, T, N, H_v], lse [B, T, N])`` from
         :func:`attnref.oracle.dot_product_attention` with the problem's semantics (``method``:
         ``"fast"``, the default, or ``"definition"``)."""
-        out, lse = oracle.dot_product_attention(
-            self.q,
-            self.k,
-            self.v,
-            return_lse=True,
-            method=method,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
-            **self.options,
-        )
-        return out, lse
+        return self.apply(oracle.dot_product_attention, return_lse=True, method=method)
 
     def oracle_vjp(
         self, cotangent: Any, lse_cotangent: Any = None, method: str = "fast"
     ) -> KernelGrads:
         """Float64 gradients ``(query, key, value, bias)`` of ``sum(cotangent * out) +
         sum(lse_cotangent * lse)`` from :func:`attnref.oracle.dot_product_attention_vjp`."""
-        return oracle.dot_product_attention_vjp(
-            self.q,
-            self.k,
-            self.v,
-            cotangent=cotangent,
-            lse_cotangent=lse_cotangent,
-            method=method,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
-            **self.options,
-        )
+        vjp = oracle.dot_product_attention_vjp
+        return self.apply(vjp, cotangent=cotangent, lse_cotangent=lse_cotangent, method=method)
 
     def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Componentwise bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` in the problem's
         dtype (:func:`attnref.tolerance.kernel_call_error_bound`, streamed over query blocks;
         ``key_blocks=None`` is valid for any tiling of the keys)."""
-        return tolerance.kernel_call_error_bound(
-            self.q,
-            self.k,
-            self.v,
-            key_blocks=key_blocks,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
-            **self.options,
-        )
+        return self.apply(tolerance.kernel_call_error_bound, key_blocks=key_blocks)
 
     def grad_bound(self, cotangent: Any, lse_cotangent: Any = None) -> KernelGrads:
         """Componentwise bounds on the gradient error of a kernel computing in the problem's
         dtype (:func:`attnref.tolerance.kernel_grad_error_bound`)."""
-        return tolerance.kernel_grad_error_bound(
-            self.q,
-            self.k,
-            self.v,
-            cotangent=cotangent,
-            lse_cotangent=lse_cotangent,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
-            **self.options,
-        )
+        bound = tolerance.kernel_grad_error_bound
+        return self.apply(bound, cotangent=cotangent, lse_cotangent=lse_cotangent)
 
     def replace(self, **changes: Any) -> KernelProblem:
         """A copy with fields replaced; ``config`` follows the new array shapes and dtype."""
@@ -270,33 +215,16 @@ def make_kernel_problem(
     static: dict[str, Any] | None = None,
     empty_rows: bool = False,
 ) -> KernelProblem:
-    """The deterministic kernel problem behind one draw of :func:`kernel_problems` (or of
-    :func:`mixed_kernel_problems`, with ``static`` and several kinds).
+    """The deterministic :class:`KernelProblem` behind one draw of :func:`kernel_problems` (or
+    of :func:`mixed_kernel_problems`, with ``static`` and several kinds).
 
-    Args:
-        config: Sizes and dtype (an ``int`` batch).
-        kind: A mask kind of :data:`MASK_KINDS`, or a tuple of them (:func:`make_options`).
-        seed: The data seed (inputs, :func:`kernel_inputs`, and the kinds' arrays).
-        dtype: Overrides ``config.dtype`` when given.
-        identical: The identical-rows special case (:data:`IDENTICAL`).
-        scale: Multiplies ``q`` and ``k`` (larger logits); not the attention scale.
-        masked_rows: The masked-rows policy the oracle runs with.
-        causal_alignment: The causal alignment the oracle runs with.
-        mask_shape: The boolean mask's broadcast pattern (:func:`make_options`).
-        bias_shape: The bias's broadcast pattern (:func:`make_options`).
-        static: Static options added to ``options`` (a :data:`STATIC_PROFILES` entry:
-            ``is_causal``, ``local_window_size``, ``softcap``, ``scale``); its ``masked_rows`` and
-            ``causal_alignment`` override the arguments of those names.
-        empty_rows: Let the kinds' arrays leave rows with no key by accident
-            (:func:`make_options`).
-
-    Returns:
-        A :class:`KernelProblem`.
-
-    Raises:
-        ValueError: If ``static`` has a non-static option (or ``return_lse``), or for the
-            errors of :func:`make_options` and :func:`kernel_inputs`.
-    """
+    ``seed`` seeds the inputs (:func:`kernel_inputs`, with ``identical`` and ``scale``, which
+    multiplies ``q`` and ``k``: not the attention scale) and the kinds' arrays
+    (:func:`make_options`, with ``mask_shape``, ``bias_shape`` and ``empty_rows``); ``dtype``
+    overrides ``config.dtype``. ``static`` adds static options (a :data:`STATIC_PROFILES` entry:
+    ``is_causal``, ``local_window_size``, ``softcap``, ``scale``; ``ValueError`` for any other,
+    ``return_lse`` too); its ``masked_rows`` and ``causal_alignment`` override the arguments of
+    those names, the semantics the oracle runs with."""
     c = with_dtype(config, dtype)
     extra = dict(static or {})
     masked_rows = extra.pop("masked_rows", masked_rows)
@@ -332,25 +260,12 @@ def kernel_problems(
     mask_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
     bias_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
 ) -> KernelProblem:
-    """A :class:`KernelProblem`: a config, a mask kind from ``kinds``, a data seed, (when
-    ``identical_rows``) the identical-rows special case and, for a kind with a boolean mask or a
-    bias, its broadcast shape from ``mask_shapes`` / ``bias_shapes`` (default: every one of
-    :data:`BROADCAST_SHAPES`; ``None``: the kind's own fixed shape, one compiled program per
-    bucket), each a labelled draw.
-
-    Args:
-        configs: A :class:`Config` strategy (default :func:`configs`; ``int`` batches).
-        kinds: The mask kinds to draw from (default :data:`MASK_KINDS`).
-        identical_rows: Draw the identical-rows special case one time in four (default
-            ``False``).
-        masked_rows: The masked-rows policy of every problem (default ``"zeros"``).
-        causal_alignment: The causal alignment of every problem (default ``"top_left"``).
-        mask_shapes: Broadcast patterns for the boolean mask, or ``None``.
-        bias_shapes: Broadcast patterns for the bias, or ``None``.
-
-    Returns:
-        A strategy of :class:`KernelProblem` (:func:`make_kernel_problem`).
-    """
+    """A :class:`KernelProblem` (:func:`make_kernel_problem`) of ``masked_rows`` and
+    ``causal_alignment``: a config from ``configs`` (default :func:`configs`), a mask kind from
+    ``kinds``, a data seed, with ``identical_rows`` the identical-rows special case one time in
+    four and, for a kind with a boolean mask or a bias, its broadcast shape from ``mask_shapes``
+    / ``bias_shapes`` (default: every one of :data:`BROADCAST_SHAPES`; ``None``: the kind's own
+    fixed shape, one compiled program per bucket), each a labelled draw."""
     strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")

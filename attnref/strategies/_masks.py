@@ -177,35 +177,22 @@ def make_options(
     bias_shape: str | None = None,
     empty_rows: bool = False,
 ) -> dict[str, Any]:
-    """Keyword options of :func:`attnref.dot_product_attention` for one mask kind (or several).
+    """The keyword options of :func:`attnref.dot_product_attention` (``mask``, ``bias``,
+    ``is_causal``, sequence lengths, ``local_window_size``, ``segment_ids``, ``softcap``: those
+    the kinds need) for one mask ``kind`` of :data:`MASK_KINDS` or a tuple of them to combine
+    (at most one of ``bias``, ``alibi`` and ``neg_inf_bias``; ``()`` is ``"none"``).
 
-    NumPy arrays, seeded by ``seed`` and the kinds; the bias in ``config.dtype``. Each kind has
-    fixed array shapes and static values, so a jitted kernel compiles one program per kind, bucket
-    and broadcast shape. Unless ``empty_rows``, only ``fully_masked_row`` (and ``combined`` with
-    ``bottom_right`` alignment) can leave a query row with no allowed key.
-
-    Args:
-        config: The problem's sizes and dtype (an ``int`` batch).
-        kind: One of :data:`MASK_KINDS`, or a tuple of them to combine (at most one of ``bias``,
-            ``alibi`` and ``neg_inf_bias``; ``()`` is ``"none"``).
-        seed: The data seed.
-        causal_alignment: The alignment ``alibi`` distances are measured in.
-        mask_shape: A :data:`BROADCAST_SHAPES` pattern for the boolean mask of ``random``,
-            ``fully_masked_row`` and ``combined`` (``None``: the kind's own,
-            :data:`MASK_SHAPE_KINDS`); ignored by the other kinds.
-        bias_shape: Likewise for the bias of ``bias``, ``neg_inf_bias`` and ``combined``
-            (:data:`BIAS_SHAPE_KINDS`).
-        empty_rows: Let the random mask, sequence lengths (``0`` allowed), segment ids (query and
-            key packings independent) and ``-inf`` biases leave rows with no key by accident.
-
-    Returns:
-        A dict of keyword options (``mask``, ``bias``, ``is_causal``, sequence lengths,
-        ``local_window_size``, ``segment_ids``, ``softcap``: those the kinds need).
-
-    Raises:
-        ValueError: If a kind is unknown, more than one bias kind is given, a shape pattern is
-            not in :data:`BROADCAST_SHAPES`, or ``config.batch`` is not an int.
-    """
+    NumPy arrays, seeded by ``seed`` and the kinds; the bias in ``config.dtype`` (an ``int``
+    batch); ``alibi`` distances in ``causal_alignment``. Each kind has fixed array shapes and
+    static values, so a jitted kernel compiles one program per kind, bucket and broadcast
+    shape: ``mask_shape`` is a :data:`BROADCAST_SHAPES` pattern for the boolean mask of
+    ``random``, ``fully_masked_row`` and ``combined`` (``None``: the kind's own,
+    :data:`MASK_SHAPE_KINDS`), ``bias_shape`` likewise for the bias of ``bias``,
+    ``neg_inf_bias`` and ``combined`` (:data:`BIAS_SHAPE_KINDS`). Unless ``empty_rows``, only
+    ``fully_masked_row`` (and ``combined`` with ``bottom_right`` alignment) can leave a query
+    row with no allowed key; with it the random mask, sequence lengths (``0`` allowed), segment
+    ids (query and key packings independent) and ``-inf`` biases may too, by accident.
+    ``ValueError`` for an unknown kind or pattern, two bias kinds, or a tuple batch."""
     kinds = mask_kind_tuple(kind)
     index = [MASK_KINDS.index(k) for k in kinds]
     rng = np.random.default_rng([seed, *index])
@@ -227,19 +214,10 @@ def make_options(
 def mask_kinds(
     features: tuple[str, ...] | None = None, *, kinds: tuple[str, ...] = MASK_KINDS
 ) -> st.SearchStrategy[str]:
-    """A mask kind from ``kinds`` whose :data:`KIND_FEATURES` are all in ``features``.
-
-    Args:
-        features: :func:`attnref.testing.check_attention` features (``None``: every kind).
-        kinds: The kinds to draw from, in shrinking order (default :data:`MASK_KINDS`; the
-            weight level's are :data:`WEIGHT_KINDS`).
-
-    Returns:
-        A strategy of kind names.
-
-    Raises:
-        ValueError: If a kind is unknown, or no kind needs only ``features``.
-    """
+    """A mask kind from ``kinds`` (in shrinking order; the weight level's are
+    :data:`WEIGHT_KINDS`) whose :data:`KIND_FEATURES` are all in ``features``
+    (:func:`attnref.testing.check_attention` features; ``None``: every kind). ``ValueError``
+    for an unknown kind, or when no kind needs only ``features``."""
     unknown = [k for k in kinds if k not in KIND_FEATURES]
     if unknown:
         raise ValueError(f"unknown mask kinds {unknown}; known: {MASK_KINDS}")
@@ -251,16 +229,8 @@ def mask_kinds(
 
 @st.composite
 def seq_lengths(draw: DrawFn, batch: int, length: int, *, allow_empty: bool = True) -> np.ndarray:
-    """Sequence lengths, one per batch element (labelled ``"seq lengths"``).
-
-    Args:
-        batch: The batch size.
-        length: The largest length (``T`` or ``S``).
-        allow_empty: Whether ``0`` may be drawn (a sequence with no token).
-
-    Returns:
-        A strategy of ``int32`` arrays ``[batch]`` in ``[0 or 1, length]``.
-    """
+    """Sequence lengths ``int32 [batch]`` in ``[0, length]`` (``[1, length]`` unless
+    ``allow_empty``: 0 is a sequence with no token), labelled ``"seq lengths"``."""
     low = 0 if allow_empty else 1
     values = draw(
         st.lists(st.integers(low, length), min_size=batch, max_size=batch), label="seq lengths"
@@ -270,16 +240,8 @@ def seq_lengths(draw: DrawFn, batch: int, length: int, *, allow_empty: bool = Tr
 
 @st.composite
 def segment_ids(draw: DrawFn, batch: int, length: int, *, max_segments: int = 3) -> np.ndarray:
-    """Packed segment ids, non-decreasing along each sequence (labelled ``"segment ids"``).
-
-    Args:
-        batch: The batch size.
-        length: The sequence length (``T`` or ``S``).
-        max_segments: Ids are drawn from ``[0, max_segments)``.
-
-    Returns:
-        A strategy of ``int32`` arrays ``[batch, length]``.
-    """
+    """Packed segment ids ``int32 [batch, length]`` from ``[0, max_segments)``,
+    non-decreasing along each sequence (labelled ``"segment ids"``)."""
     rows = draw(
         st.lists(
             st.lists(st.integers(0, max_segments - 1), min_size=length, max_size=length),

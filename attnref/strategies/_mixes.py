@@ -39,30 +39,18 @@ def mixed_kernel_problems(
     mask_shapes: tuple[str, ...] = BROADCAST_SHAPES,
     bias_shapes: tuple[str, ...] = BROADCAST_SHAPES,
 ) -> KernelProblem:
-    """A :class:`KernelProblem` mixing a static option profile with several array kinds.
+    """A :class:`KernelProblem` mixing a static option profile with several array kinds
+    (``kind``: the kinds joined by ``+``).
 
-    Every draw is labelled: the config, a profile from ``profiles``, a set of up to ``max_kinds``
-    kinds from ``kinds`` (one bias at most: ``neg_inf_bias`` wins over ``alibi``, ``alibi`` over
-    ``bias``), the mask's and the bias's broadcast shapes, the data seed, and the sequence lengths
-    (:func:`seq_lengths`) and segment ids (:func:`segment_ids`, independent packings of queries
-    and keys) where drawn. Rows with no key come up by accident (``empty_rows=True`` of
-    :func:`make_options`), under each profile's masked-rows policy.
-
-    Args:
-        configs: A :class:`Config` strategy (default :func:`configs`).
-        profiles: Static option profiles (default :data:`STATIC_PROFILES`).
-        kinds: The array kinds to mix, a subset of :data:`ARRAY_KINDS`.
-        max_kinds: The most kinds in one problem.
-        mask_shapes: The boolean mask's broadcast patterns (:data:`BROADCAST_SHAPES`).
-        bias_shapes: The bias's broadcast patterns (``alibi`` has its own, ``[1, N, T, S]``).
-
-    Returns:
-        A strategy of :class:`KernelProblem` (``kind``: the kinds joined by ``+``).
-
-    Raises:
-        ValueError: If ``kinds`` is not a subset of :data:`ARRAY_KINDS` or ``profiles`` is
-            empty (when the strategy is drawn from).
-    """
+    Every draw is labelled: the config (from ``configs``, default :func:`configs`), a profile
+    from ``profiles``, a set of up to ``max_kinds`` kinds from ``kinds`` (a subset of
+    :data:`ARRAY_KINDS`; one bias at most: ``neg_inf_bias`` wins over ``alibi``, ``alibi`` over
+    ``bias``), the mask's and the bias's broadcast shapes from ``mask_shapes`` and
+    ``bias_shapes`` (``alibi`` has its own, ``[1, N, T, S]``), the data seed, and the sequence
+    lengths (:func:`seq_lengths`) and segment ids (:func:`segment_ids`, independent packings of
+    queries and keys) where drawn. Rows with no key come up by accident (``empty_rows=True`` of
+    :func:`make_options`), under each profile's masked-rows policy. ``ValueError`` (when drawn)
+    for other kinds or no profile."""
     bad = [k for k in kinds if k not in ARRAY_KINDS]
     if bad or not profiles:
         raise ValueError(f"kinds must be a subset of ARRAY_KINDS and profiles non-empty: {bad}")

@@ -20,27 +20,21 @@ else:
     DrawFn = Callable[..., Any]
 
 
+class ShortRepr:
+    """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Sizes and dtype of one attention problem.
-
-    ``batch`` examples, ``t`` queries, ``s`` keys, ``n`` query heads, ``k`` key/value heads
-    (``n % k == 0``; query head ``i`` reads K/V head ``i // (n // k)``), head dims ``h`` (queries
-    and keys; ``d_k`` at the weight level) and ``h_v`` (values; ``d_v``), model width ``d_model``.
-    At the weight level ``batch`` may be a tuple of leading batch dims (``()``: none); the kernel
-    level takes one batch axis, an ``int``.
-
-    Attributes:
-        batch: The batch size (kernel level) or a tuple of leading batch dims (weight level).
-        t: The number of queries ``T``.
-        s: The number of keys ``S``.
-        n: The number of query heads ``N``.
-        k: The number of key/value heads ``K`` (``n % k == 0``).
-        h: The query/key head dim ``H`` (``d_k``).
-        h_v: The value head dim ``H_v`` (``d_v``).
-        d_model: The model width (weight level).
-        dtype: The dtype name (default ``"float32"``).
-    """
+class Config(ShortRepr):
+    """Sizes and dtype of one attention problem: ``batch`` examples, ``t`` queries ``T``, ``s``
+    keys ``S``, ``n`` query heads ``N``, ``k`` key/value heads ``K`` (``n % k == 0``; query head
+    ``i`` reads K/V head ``i // (n // k)``), head dims ``h`` (queries and keys; ``d_k`` at the
+    weight level) and ``h_v`` (values; ``d_v``), model width ``d_model`` (weight level), the
+    dtype's name. At the weight level ``batch`` may be a tuple of leading batch dims (``()``:
+    none); the kernel level takes one batch axis, an ``int``."""
 
     batch: int | tuple[int, ...]
     t: int
@@ -59,11 +53,8 @@ class Config:
 
     @property
     def b(self) -> int:
-        """The kernel level's one batch axis (``batch`` as an ``int``).
-
-        Raises:
-            ValueError: If ``batch`` is a tuple of weight-level batch dims.
-        """
+        """The kernel level's one batch axis (``batch`` as an ``int``; ``ValueError`` for a
+        tuple of weight-level batch dims)."""
         if not isinstance(self.batch, int):
             raise ValueError(f"the kernel level takes one batch axis (an int), got {self.batch}")
         return self.batch
@@ -92,10 +83,6 @@ class Config:
     def is_gqa(self) -> bool:
         """Whether ``N != K`` (grouped- or multi-query heads)."""
         return self.n != self.k
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         return (
@@ -144,18 +131,10 @@ TILE_LENGTHS: tuple[int, ...] = tuple(
 
 @st.composite
 def tile_configs(draw: DrawFn, base: Config, lengths: tuple[int, ...] = TILE_LENGTHS) -> Config:
-    """``base`` with tile-straddling lengths: ``T`` from ``lengths`` and, when ``base`` is
-    cross-attention (``T != S``), ``S`` drawn separately (else ``S = T``). Heads, head dims,
-    batch and dtype stay ``base``'s (few heads, a small head dim: the kernel's tiling is along
-    ``T`` and ``S``). Both lengths shrink towards the shortest.
-
-    Args:
-        base: The sizes other than ``T`` and ``S``.
-        lengths: The lengths to draw from, sorted (default :data:`TILE_LENGTHS`).
-
-    Returns:
-        A strategy of :class:`Config` (labelled draws ``"tile T"`` and ``"tile S"``).
-    """
+    """``base`` with tile-straddling lengths: ``T`` from ``lengths`` (sorted) and, when
+    ``base`` is cross-attention (``T != S``), ``S`` drawn separately (else ``S = T``); labelled
+    draws ``"tile T"`` and ``"tile S"``, shrinking towards the shortest. Heads, head dims, batch
+    and dtype stay ``base``'s (the kernel's tiling is along ``T`` and ``S``)."""
     t = draw(st.sampled_from(lengths), label="tile T")
     s = draw(st.sampled_from(lengths), label="tile S") if base.is_cross else t
     return dataclasses.replace(base, t=t, s=s)
@@ -176,20 +155,9 @@ BROADCAST_SHAPES: tuple[str, ...] = tuple(
 
 
 def broadcast_shape(config: Config, pattern: str) -> tuple[int, int, int, int]:
-    """The array shape of a :data:`BROADCAST_SHAPES` ``pattern`` for ``config``:
-    ``broadcast_shape(c, "B11S") == (c.batch, 1, 1, c.s)``.
-
-    Args:
-        config: The problem's sizes (an ``int`` batch).
-        pattern: One of :data:`BROADCAST_SHAPES`, e.g. ``"B11S"``.
-
-    Returns:
-        The rank-4 shape, broadcastable to ``[B, N, T, S]``.
-
-    Raises:
-        ValueError: If ``pattern`` is not in :data:`BROADCAST_SHAPES` or ``config.batch`` is not
-            an int.
-    """
+    """The rank-4 array shape of a :data:`BROADCAST_SHAPES` ``pattern`` for ``config`` (an
+    ``int`` batch): ``broadcast_shape(c, "B11S") == (c.batch, 1, 1, c.s)``; ``ValueError`` for
+    an unknown pattern or a tuple batch."""
     if pattern not in BROADCAST_SHAPES:
         raise ValueError(
             f"pattern must be one of BROADCAST_SHAPES (each of 'BNTS' or '1'), got {pattern!r}"
@@ -207,18 +175,9 @@ def check_kernel_batch(config: Config) -> None:
 
 
 def broadcast_shapes(patterns: tuple[str, ...] = BROADCAST_SHAPES) -> st.SearchStrategy[str]:
-    """A broadcast pattern from ``patterns`` (default: all 16 of :data:`BROADCAST_SHAPES`),
-    shrinking towards the first; turn it into a shape with :func:`broadcast_shape`.
-
-    Args:
-        patterns: A non-empty subset of :data:`BROADCAST_SHAPES`, in shrinking order.
-
-    Returns:
-        A strategy of pattern strings.
-
-    Raises:
-        ValueError: If ``patterns`` is empty or has a pattern not in :data:`BROADCAST_SHAPES`.
-    """
+    """A broadcast pattern from ``patterns`` (a non-empty subset of :data:`BROADCAST_SHAPES`,
+    all 16 by default, in shrinking order: ``ValueError`` otherwise); :func:`broadcast_shape`
+    turns it into a shape."""
     bad = [p for p in patterns if p not in BROADCAST_SHAPES]
     if bad or not patterns:
         raise ValueError(f"patterns must be a non-empty subset of BROADCAST_SHAPES, got {bad}")
@@ -250,22 +209,9 @@ def configs(
     gqa: bool = True,
     value_dim_differs: bool = False,
 ) -> Config:
-    """A :class:`Config` from ``buckets`` (only ``T == S`` unless ``cross``; only ``N == K``
-    unless ``gqa``; only ``H_v == H`` unless ``value_dim_differs``) and a dtype from ``dtypes``.
-
-    Args:
-        buckets: The configs to draw from, small to large (default :data:`BUCKETS`).
-        dtypes: Dtype names to draw from (default ``("float32",)``).
-        cross: Allow ``T != S`` (default ``True``).
-        gqa: Allow ``N != K`` (default ``True``).
-        value_dim_differs: Allow ``H_v != H`` (default ``False``).
-
-    Returns:
-        A strategy of :class:`Config` (the bucket and the dtype are labelled draws).
-
-    Raises:
-        ValueError: If no bucket satisfies the constraints (when the strategy is drawn from).
-    """
+    """A :class:`Config` from ``buckets`` (small to large) and a dtype from ``dtypes``, both
+    labelled draws: only ``T == S`` unless ``cross``, only ``N == K`` unless ``gqa``, only
+    ``H_v == H`` unless ``value_dim_differs`` (``ValueError`` when drawn if no bucket is left)."""
     pool = _filter_buckets(tuple(buckets), cross, gqa, value_dim_differs)
     bucket = draw(st.sampled_from(pool), label="bucket")
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")

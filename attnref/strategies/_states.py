@@ -1,14 +1,6 @@
-"""Attention states and key partitions: :class:`StateStack` (``P`` states ``(o, lse)`` to merge)
-with :func:`attention_states`, merge trees (:func:`merge_trees`, :func:`apply_merge_tree`), and
-:class:`KeyPartition` (a kernel problem's keys split into ``P`` pieces) with
-:func:`key_partitions`.
-
-States are drawn where merges break: ``|lse|`` up to ``1e4``, differences between states beyond
-88 (``exp`` of the difference overflows float32, so ``lse + log(1 + exp(lse_b - lse))`` is
-``inf``) and beyond 709 (float64), exact ties, and empty states (``lse = -inf``) whose ``o``
-holds NaN (never to be read). A merge tree is a nested pair of piece indices: every order and
-grouping of ``P`` pieces is one.
-"""
+"""Attention states (:class:`StateStack`, :func:`attention_states`), merge trees
+(:func:`merge_trees`, :func:`apply_merge_tree`) and key partitions (:class:`KeyPartition`,
+:func:`key_partitions`); the package docstring says where the states are drawn."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ from hypothesis import strategies as st
 from attnref import oracle, tolerance
 
 from ._kernel import KernelProblem, kernel_problems
-from ._shapes import DrawFn
+from ._shapes import DrawFn, ShortRepr
 
 # (rows, H_v): the shape of lse and the value dim; few, so a jitted merge compiles few programs.
 STATE_SHAPES: tuple[tuple[tuple[int, ...], int], ...] = (((4,), 3), ((2, 3, 2), 4))
@@ -50,27 +42,17 @@ def as_dtype(name: Any) -> np.dtype[Any]:
 
 
 @dataclasses.dataclass
-class StateStack:
-    """``P`` attention states stacked on axis 0: ``o [P, *rows, H_v]`` in ``dtype`` and
-    ``lse [P, *rows]`` in ``lse_dtype`` (``-inf``: an empty state, its ``o`` NaN).
-
-    Attributes:
-        o: The normalised outputs ``[P, *rows, H_v]``.
-        lse: The log-sum-exps ``[P, *rows]``.
-        spread: How far apart the states' ``lse`` are (:data:`SPREADS`).
-        center: Where they sit (:data:`CENTERS`).
-        seed: The data seed.
-    """
+class StateStack(ShortRepr):
+    """``P`` attention states stacked on axis 0: the normalised outputs ``o [P, *rows, H_v]``
+    in ``dtype`` and the log-sum-exps ``lse [P, *rows]`` in ``lse_dtype`` (``-inf``: an empty
+    state, its ``o`` NaN), how far apart the ``lse`` are (``spread``, :data:`SPREADS`), where
+    they sit (``center``, :data:`CENTERS`) and the data ``seed``."""
 
     o: np.ndarray
     lse: np.ndarray
     spread: str = "small"
     center: float = 0.0
     seed: int = 0
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         return (
@@ -129,32 +111,14 @@ def make_state_stack(
     empty_row: bool = False,
     max_abs_lse: float = 1e4,
 ) -> StateStack:
-    """The deterministic :class:`StateStack` behind one draw of :func:`attention_states`.
+    """The deterministic :class:`StateStack` behind one draw of :func:`attention_states`:
+    ``P = pieces >= 0`` states, ``lse`` of shape ``rows`` each, value dim ``h_v``.
 
     ``o`` standard normal from PCG64 ``seed``; per row, ``lse`` = ``center`` plus a random
-    offset plus the ``spread`` offsets of the states, clipped to ``|lse| <= max_abs_lse``; then
-    each state is empty with probability ``empty`` (``lse = -inf`` and ``o`` NaN), and with
-    ``empty_row`` the first row is empty in every state. Rounded to ``dtype`` / ``lse_dtype``.
-
-    Args:
-        pieces: ``P >= 0``.
-        rows: The shape of ``lse`` per state.
-        h_v: The value dim.
-        seed: The PCG64 seed.
-        dtype: The dtype of ``o`` (default float32).
-        lse_dtype: The dtype of ``lse`` (default ``dtype``).
-        spread: One of :data:`SPREADS`.
-        center: Where the row's ``lse`` sit.
-        empty: The probability of an empty state.
-        empty_row: Make the first row empty in every state.
-        max_abs_lse: The largest ``|lse|``.
-
-    Returns:
-        A :class:`StateStack`.
-
-    Raises:
-        ValueError: An unknown ``spread``.
-    """
+    offset plus the ``spread`` offsets of the states (:data:`SPREADS`; ``ValueError``
+    otherwise), clipped to ``|lse| <= max_abs_lse``; then each state is empty with probability
+    ``empty`` (``lse = -inf`` and ``o`` NaN), and with ``empty_row`` the first row is empty in
+    every state. Rounded to ``dtype`` (``o``) and ``lse_dtype`` (default ``dtype``)."""
     if spread not in SPREADS:
         raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
     rng = np.random.default_rng(seed)
@@ -194,23 +158,12 @@ def attention_states(
     centers: tuple[float, ...] = CENTERS,
     empty: bool = True,
 ) -> StateStack:
-    """A :class:`StateStack`: the number of states, a shape, dtypes, a spread, a center, whether
-    states may be empty (and a row of empty states), and a seed, each a labelled draw.
-
-    Args:
-        min_pieces: The fewest states (default 1).
-        max_pieces: The most states (default 5).
-        shapes: ``(rows, H_v)`` pairs to draw from (default :data:`STATE_SHAPES`).
-        dtypes: Dtypes of ``o`` (default float32; :data:`STATE_DTYPES` lists all four).
-        lse_dtypes: Dtypes of ``lse``; ``None`` (default): ``o``'s, or float32 for a 16-bit
-            ``o`` one draw in two (kernels keep ``lse`` in float32).
-        spreads: Spreads to draw from (default all of :data:`SPREADS`).
-        centers: Centers to draw from (default :data:`CENTERS`: 0 and ``+-1e4``).
-        empty: Allow empty states (``lse = -inf``, ``o`` NaN) and empty rows (default True).
-
-    Returns:
-        A strategy of :class:`StateStack` (:func:`make_state_stack`).
-    """
+    """A :class:`StateStack` (:func:`make_state_stack`), each a labelled draw: ``min_pieces``
+    to ``max_pieces`` states, a ``(rows, H_v)`` pair from ``shapes``, the dtype of ``o`` from
+    ``dtypes`` (:data:`STATE_DTYPES` lists all four) and of ``lse`` from ``lse_dtypes``
+    (``None``: ``o``'s, or float32 for a 16-bit ``o`` one draw in two, as kernels keep ``lse``
+    in float32), a spread, a center (0 and ``+-1e4`` by default), with ``empty`` whether states
+    may be empty (``lse = -inf``, ``o`` NaN) and a row of empty states, and a seed."""
     pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
     rows, h_v = draw(st.sampled_from(tuple(shapes)), label="shape")
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
@@ -263,11 +216,8 @@ def tree_depth(tree: Tree) -> int:
 
 
 def sequential_tree(order: Sequence[int]) -> Tree:
-    """``(((o0, o1), o2), ...)``: one state after another (a ring, an online softmax).
-
-    Raises:
-        ValueError: If ``order`` is empty.
-    """
+    """``(((o0, o1), o2), ...)``: one state after another (a ring, an online softmax);
+    ``ValueError`` for an empty ``order``."""
     if not len(order):
         raise ValueError("a merge tree needs at least one piece")
     tree: Tree = int(order[0])
@@ -277,11 +227,8 @@ def sequential_tree(order: Sequence[int]) -> Tree:
 
 
 def balanced_tree(order: Sequence[int]) -> Tree:
-    """Pairs, then pairs of pairs: depth ``ceil(log2 P)``.
-
-    Raises:
-        ValueError: If ``order`` is empty.
-    """
+    """Pairs, then pairs of pairs: depth ``ceil(log2 P)``; ``ValueError`` for an empty
+    ``order``."""
     if not len(order):
         raise ValueError("a merge tree needs at least one piece")
     if len(order) == 1:
@@ -292,16 +239,9 @@ def balanced_tree(order: Sequence[int]) -> Tree:
 
 @st.composite
 def merge_trees(draw: DrawFn, pieces: int) -> Tree:
-    """A binary merge tree over ``range(pieces)``: a random order of the pieces and a random
-    grouping (every order and grouping can be drawn; shrinks towards the sequential tree in
-    index order).
-
-    Args:
-        pieces: ``P >= 1``.
-
-    Returns:
-        A strategy of nested pairs of piece indices.
-    """
+    """A binary merge tree over ``range(pieces)``, ``P >= 1``, as nested pairs of piece
+    indices: a random order of the pieces and a random grouping (every order and grouping can
+    be drawn; shrinks towards the sequential tree in index order)."""
     order = draw(st.permutations(range(pieces)), label="merge order")
 
     def group(leaves: Sequence[int]) -> Tree:
@@ -314,18 +254,10 @@ def merge_trees(draw: DrawFn, pieces: int) -> Tree:
 
 
 def apply_merge_tree(merge: Callable[..., Any], tree: Tree, o: Any, lse: Any) -> tuple[Any, Any]:
-    """Merge the states ``(o[p], lse[p])`` by ``tree`` with a binary
-    ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``.
-
-    Args:
-        merge: The binary merge (e.g. :func:`attnref.merge_states`).
-        tree: Nested pairs of piece indices (:func:`merge_trees`).
-        o: The states' outputs, stacked on axis 0.
-        lse: Their log-sum-exps, stacked on axis 0.
-
-    Returns:
-        The merged ``(o, lse)``, as ``merge`` returns them (a single piece: its state).
-    """
+    """Merge the states ``(o[p], lse[p])`` (stacked on axis 0) by ``tree`` (:func:`merge_trees`)
+    with a binary ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (e.g.
+    :func:`attnref.merge_states`): the merged ``(o, lse)`` as ``merge`` returns them (a single
+    piece: its state)."""
     if isinstance(tree, tuple):
         o_a, l_a = apply_merge_tree(merge, tree[0], o, lse)
         o_b, l_b = apply_merge_tree(merge, tree[1], o, lse)
@@ -338,31 +270,21 @@ def apply_merge_tree(merge: Callable[..., Any], tree: Tree, o: Any, lse: Any) ->
 
 
 @dataclasses.dataclass
-class KeyPartition:
-    """A kernel problem whose keys are split into ``P`` pieces, and a merge tree over them.
+class KeyPartition(ShortRepr):
+    """A kernel ``problem`` (the whole call, ``masked_rows`` ``"zeros"`` or ``"nan"``) whose
+    keys are split into ``pieces`` ``P`` by ``assignment`` (``[S]`` ints in ``[0, P)``, laid out
+    by ``layout``, :data:`LAYOUTS`), and a merge ``tree`` over them.
 
     Piece ``p`` is the same call with the extra key mask ``assignment == p`` (combined with the
     problem's own mask), so every option (causal, windows, lengths, segments, biases) keeps its
     meaning on global key positions, and a query row with no key in the piece gets the empty
-    state. Merging the pieces' states by any tree gives the state of the whole call.
-
-    Attributes:
-        problem: The whole call (``masked_rows`` ``"zeros"`` or ``"nan"``).
-        assignment: ``[S]`` ints in ``[0, P)``: the piece of each key.
-        pieces: ``P``.
-        tree: The merge tree (nested pairs of piece indices).
-        layout: How keys were assigned (:data:`LAYOUTS`).
-    """
+    state. Merging the pieces' states by any tree gives the state of the whole call."""
 
     problem: KernelProblem
     assignment: np.ndarray
     pieces: int
     tree: Tree
     layout: str = "contiguous"
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         return (
@@ -409,12 +331,9 @@ class KeyPartition:
         ``key_blocks`` per piece, ``None``: any tiling) and merged by ``tree`` (default: a binary
         tree of :attr:`depth`): :func:`attnref.tolerance.pieces_error_bound` (the pieces' kernel
         bounds carried through the merge bound, plus the whole call's float64 oracle error)."""
-        p = self.problem
-        dt = p.dtype
-        return tolerance.pieces_error_bound(
-            p.q,
-            p.k,
-            p.v,
+        dt = self.problem.dtype
+        return self.problem.apply(
+            tolerance.pieces_error_bound,
             pieces=self.assignment,
             num_pieces=self.pieces,
             tree=self.depth if tree is None else tree,
@@ -422,9 +341,6 @@ class KeyPartition:
             state_dtype=dt,
             lse_dtype=np.float32 if dt.itemsize == 2 else dt,
             key_blocks=key_blocks,
-            masked_rows=p.masked_rows,
-            causal_alignment=p.causal_alignment,
-            **p.options,
         )
 
 
@@ -435,23 +351,12 @@ def make_key_partition(
     seed: int = 0,
     tree: Tree | None = None,
 ) -> KeyPartition:
-    """The :class:`KeyPartition` behind one draw of :func:`key_partitions`.
-
-    Args:
-        problem: The whole call; its ``masked_rows`` must be ``"zeros"`` or ``"nan"``.
-        pieces: ``P >= 1`` (a piece may get no key: its state is empty).
-        layout: ``"contiguous"`` (``P`` chunks in order), ``"striped"`` (key ``j`` to piece
-            ``j mod P``) or ``"random"`` (seeded by ``seed``).
-        seed: The PCG64 seed of a random layout.
-        tree: The merge tree (default: sequential in index order).
-
-    Returns:
-        A :class:`KeyPartition`.
-
-    Raises:
-        ValueError: An unknown layout, ``pieces < 1``, a ``tree`` that is not over
-            ``range(pieces)``, or a problem with ``masked_rows="uniform"`` (the mean over all
-            keys is not a function of the pieces' states).
+    """The :class:`KeyPartition` behind one draw of :func:`key_partitions`: ``P = pieces >= 1``
+    (a piece may get no key: its state is empty) by ``layout`` ``"contiguous"`` (``P`` chunks in
+    order), ``"striped"`` (key ``j`` to piece ``j mod P``) or ``"random"`` (PCG64 ``seed``),
+    merged by ``tree`` (default: sequential in index order). ``ValueError`` for an unknown
+    layout, ``pieces < 1``, a ``tree`` not over ``range(pieces)``, or a ``problem`` with
+    ``masked_rows="uniform"`` (the mean over all keys is not a function of the pieces' states).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -484,19 +389,10 @@ def key_partitions(
     max_pieces: int = 4,
     layouts: tuple[str, ...] = LAYOUTS,
 ) -> KeyPartition:
-    """A :class:`KeyPartition`: a kernel problem, the number of pieces, a layout (and its seed)
-    and a merge tree with a random order and grouping, each a labelled draw.
-
-    Args:
-        problems: A :class:`KernelProblem` strategy (default :func:`kernel_problems`, whose
-            ``masked_rows`` is ``"zeros"``).
-        min_pieces: The fewest pieces (default 1).
-        max_pieces: The most pieces (default 4).
-        layouts: Layouts to draw from (default :data:`LAYOUTS`).
-
-    Returns:
-        A strategy of :class:`KeyPartition` (:func:`make_key_partition`).
-    """
+    """A :class:`KeyPartition` (:func:`make_key_partition`), each a labelled draw: a problem
+    from ``problems`` (default :func:`kernel_problems`, whose ``masked_rows`` is ``"zeros"``),
+    ``min_pieces`` to ``max_pieces`` pieces, a layout from ``layouts`` (and its seed) and a
+    merge tree with a random order and grouping."""
     problem = draw(kernel_problems() if problems is None else problems, label="problem")
     pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
     layout = draw(st.sampled_from(tuple(layouts)), label="layout")

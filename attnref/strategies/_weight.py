@@ -15,7 +15,7 @@ from attnref import oracle, tolerance
 from attnref._src.core.params import AttentionParams, init_params
 
 from ._masks import build, mask_kinds
-from ._shapes import Config, DrawFn, configs_strategy, with_dtype
+from ._shapes import Config, DrawFn, ShortRepr, configs_strategy, with_dtype
 
 WEIGHT_KINDS = ("none", "causal", "padding", "random", "bias", "fully_masked_row", "combined")
 # The builder's parts of each weight-level kind: padding pads the keys only (the weight level has
@@ -32,22 +32,13 @@ _WEIGHT_PARTS: dict[str, tuple[str, ...]] = {
 
 
 @dataclasses.dataclass
-class AttentionProblem:
-    """One weight-level problem: parameters (``num_kv_heads`` K/V heads), inputs
-    ``x_q [*batch, T, d_model]`` and ``x_kv [*batch, S, d_model]``, a full boolean
-    ``mask [*batch, T, S]`` and an additive ``bias [*batch, T, S]`` (full whatever the kind, so
-    one compiled program serves every kind).
-
-    Attributes:
-        params: The parameters (:class:`attnref.AttentionParams`, ``config.k`` K/V heads).
-        x_q: Query tokens ``[*batch, T, d_model]``.
-        x_kv: Key/value tokens ``[*batch, S, d_model]`` (sometimes ``x_q`` itself).
-        mask: Boolean ``[*batch, T, S]``, ``True`` = may attend.
-        bias: Additive ``[*batch, T, S]`` (zeros for kinds without a bias).
-        config: The sizes and dtype (:class:`Config`).
-        kind: The mask kind (:data:`WEIGHT_KINDS`).
-        seed: The data seed.
-    """
+class AttentionProblem(ShortRepr):
+    """One weight-level problem: ``params`` (:class:`attnref.AttentionParams`, ``config.k``
+    K/V heads), query tokens ``x_q [*batch, T, d_model]``, key/value tokens
+    ``x_kv [*batch, S, d_model]`` (sometimes ``x_q`` itself), a boolean ``mask [*batch, T, S]``
+    (``True`` = may attend) and an additive ``bias [*batch, T, S]`` (zeros for kinds without a
+    bias), both full whatever the kind (one compiled program serves every kind), its
+    :class:`Config`, the mask ``kind`` (:data:`WEIGHT_KINDS`) and the data ``seed``."""
 
     params: AttentionParams
     x_q: np.ndarray
@@ -57,10 +48,6 @@ class AttentionProblem:
     config: Config
     kind: str = "none"
     seed: int = 0
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         return f"AttentionProblem({self.config!r}, kind={self.kind!r}, seed={self.seed})"
@@ -110,27 +97,16 @@ def make_attention_problem(
     *,
     param_bias: bool = True,
 ) -> AttentionProblem:
-    """The deterministic weight-level problem behind one draw of :func:`attention_problems`.
+    """The deterministic :class:`AttentionProblem` behind one draw of
+    :func:`attention_problems`, in ``config.dtype`` (or ``dtype``; ``batch`` an ``int`` or a
+    tuple of leading batch dims), of ``kind`` in :data:`WEIGHT_KINDS` (``padding`` pads keys
+    only).
 
-    Parameters from :func:`attnref.init_params` (seeded by ``seed``, ``config.k`` K/V heads);
-    inputs standard normal from PCG64 ``seed``, with ``x_kv`` the very ``x_q`` in about half the
-    problems whose ``T == S`` (self-attention proper); the mask and bias from the kernel level's
-    builder (:func:`make_options`), rendered full.
-
-    Args:
-        config: Sizes and dtype (``batch``: an ``int`` or a tuple of leading batch dims).
-        kind: One of :data:`WEIGHT_KINDS` (``padding`` pads keys only).
-        seed: The data seed.
-        dtype: Overrides ``config.dtype`` when given.
-        param_bias: Whether the parameters have biases.
-
-    Returns:
-        An :class:`AttentionProblem` in the dtype (its mask boolean).
-
-    Raises:
-        ValueError: If ``kind`` is not in :data:`WEIGHT_KINDS`, or the sizes are invalid for
-            :func:`attnref.init_params`.
-    """
+    Parameters from :func:`attnref.init_params` (seeded by ``seed``, ``config.k`` K/V heads,
+    biases when ``param_bias``); inputs standard normal from PCG64 ``seed``, with ``x_kv`` the
+    very ``x_q`` in about half the problems whose ``T == S`` (self-attention proper); the mask
+    and bias from the kernel level's builder (:func:`make_options`), rendered full.
+    ``ValueError`` for another kind or sizes :func:`attnref.init_params` rejects."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
     c = with_dtype(config, dtype)
@@ -179,19 +155,11 @@ def attention_problems(
     kinds: tuple[str, ...] = WEIGHT_KINDS,
     param_bias: bool | None = None,
 ) -> AttentionProblem:
-    """A weight-level :class:`AttentionProblem` (GQA when the config has ``k < n``).
-
-    Config, mask kind, parameter biases and data seed are labelled draws.
-
-    Args:
-        configs: A :class:`Config` strategy (default :func:`configs`; the weight level's own
-            buckets: ``configs(buckets=WEIGHT_BUCKETS, value_dim_differs=True)``).
-        kinds: Mask kinds from :data:`WEIGHT_KINDS`.
-        param_bias: Whether the parameters have biases (``None``: drawn).
-
-    Returns:
-        A strategy of :class:`AttentionProblem` (:func:`make_attention_problem`).
-    """
+    """A weight-level :class:`AttentionProblem` (:func:`make_attention_problem`; GQA when the
+    config has ``k < n``), each a labelled draw: a config from ``configs`` (default
+    :func:`configs`; the weight level's own buckets:
+    ``configs(buckets=WEIGHT_BUCKETS, value_dim_differs=True)``), a mask kind from ``kinds``,
+    parameter biases (``param_bias``; ``None``: drawn) and a data seed."""
     strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")

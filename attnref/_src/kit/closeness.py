@@ -1,18 +1,7 @@
-"""Closeness rules: is an output close enough to the float64 oracle?
-
-``assert_within_bound`` compares componentwise against a bound from
-:func:`attnref.tolerance.attention_error_bound`; ``assert_comparative`` applies FlashAttention's
-rule (error at most ``factor`` times a same-precision reference's error plus a rounding floor).
-Both fail on any NaN/inf where the expected value is finite, and refuse a non-finite expectation.
-Failure messages name the rule, the worst index, and the error in units of the allowance.
-
-:func:`assert_attention_close` is the one entry point for kernel authors: it offers the three
-rules by name (``"bound"``, ``"flash"``, ``"torch"``; see ``docs/tolerances.md``).
-:func:`assert_ratio_within` is the step they (and the conformance kit's own comparisons) share:
-find the element with the largest error in units of its allowance and fail naming it.
-
-The public names are re-exported by :mod:`attnref.testing`.
-"""
+"""Closeness rules: is an output close enough to the float64 oracle? (:mod:`attnref.testing`
+re-exports them and describes the rules.) :func:`assert_ratio_within` is the step every rule,
+and the conformance kit's own comparisons, share: find the element with the largest error in
+units of its allowance and fail naming it."""
 
 from __future__ import annotations
 
@@ -22,17 +11,6 @@ from typing import Any
 import numpy as np
 
 from attnref.tolerance import K_Y, comparative_bound, gamma, kernel_error_bound, unit_roundoff
-
-__all__ = [
-    "FLASH_FACTOR",
-    "RULES",
-    "TORCH_FACTOR",
-    "Closeness",
-    "assert_attention_close",
-    "assert_comparative",
-    "assert_ratio_within",
-    "assert_within_bound",
-]
 
 RULES = ("bound", "flash", "torch")
 FLASH_FACTOR = 2.0  # FlashAttention's tests: error <= 2 x the same-precision reference's
@@ -47,30 +25,18 @@ def assert_ratio_within(
     require_finite: bool = False,
     **values: Any,
 ) -> tuple[tuple[int, ...], float]:
-    """Fail at the worst element of ``r = err / allowed`` when ``r > 1`` there.
+    """Fail at the worst element of ``r = err / allowed`` when ``r > 1`` there (with
+    ``require_finite``, also when any ``err`` is NaN or inf); return its ``(index, ratio)``
+    (``((), 0.0)`` for an empty ``err``).
 
     ``r`` is ``0`` where ``err == 0`` (so a zero allowance fails only a nonzero error). The worst
     element is the first largest ``r`` (the first NaN, if any); with one scalar allowance for
-    every element it is the first largest ``err``.
-
-    Args:
-        err: The absolute errors, any shape.
-        allowed: The allowance, broadcastable to ``err`` (an array, or one scalar).
-        message: A :meth:`str.format` template of the failure message, with the fields
-            ``index`` (the worst element's index, a tuple of ints), ``ratio``, ``error`` and
-            ``allowed`` (``err`` and the allowance there) and ``values``' names.
-        require_finite: Also fail (at the worst element) when any ``err`` is NaN or inf.
-        **values: More fields of ``message``; a NumPy array is read at the index.
-
-    Returns:
-        ``(index, ratio)`` of the worst element; ``((), 0.0)`` for an empty ``err``.
-
-    Raises:
-        AssertionError: With ``message`` filled in when the ratio at the worst element exceeds 1
-            (or, with ``require_finite``, when an error is not finite).
-        ValueError: If ``allowed`` does not broadcast to ``err``'s shape, or is negative or NaN
-            anywhere (an allowance that would let any error pass, or none, by accident).
-    """
+    every element it is the first largest ``err``. The ``AssertionError`` is ``message``, a
+    :meth:`str.format` template, filled with ``index`` (a tuple of ints), ``ratio``, ``error``
+    and ``allowed`` (``err`` and the allowance there) and the ``values`` (a NumPy array read at
+    the index). ``ValueError`` where ``allowed`` does not broadcast to ``err``'s shape, or is
+    negative or NaN anywhere (an allowance that would let any error pass, or none, by
+    accident)."""
     err = np.asarray(err)
     allowed_a = np.asarray(allowed)
     try:
@@ -98,6 +64,11 @@ def assert_ratio_within(
     return index, worst
 
 
+def first_index(where: Any) -> tuple[int, ...]:
+    """The index of the first ``True`` of ``where`` (C order), as a tuple of ints."""
+    return tuple(int(i) for i in np.argwhere(where)[0])
+
+
 def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
@@ -109,7 +80,7 @@ def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.nda
         )
     bad = ~np.isfinite(a)
     if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        idx = first_index(bad)
         raise AssertionError(
             f"{label}: non-finite value {a[idx]} at index {idx} where the oracle has {e[idx]}"
         )
@@ -117,19 +88,11 @@ def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.nda
 
 
 def assert_within_bound(actual: Any, expected: Any, bound: Any, *, label: str = "output") -> None:
-    """The derived-bound rule: ``|actual - expected| <= bound`` elementwise.
-
-    Args:
-        actual: The computed value.
-        expected: The oracle's value (finite), same shape as ``actual``.
-        bound: The componentwise bound (e.g. from :func:`attnref.tolerance.attention_error_bound`),
-            broadcastable to ``actual``.
-        label: Names the compared quantity in the failure message.
-
-    Raises:
-        AssertionError: On a shape mismatch, a non-finite ``actual`` or ``expected``, or an error
-            above the bound (naming the worst index and its multiple of the bound).
-    """
+    """The derived-bound rule: ``|actual - expected| <= bound`` elementwise, ``expected`` the
+    finite oracle value, ``bound`` broadcastable (e.g. from
+    :func:`attnref.tolerance.attention_error_bound`). The ``AssertionError`` (a shape mismatch,
+    a non-finite value, an error above the bound: the worst index and its multiple of the
+    bound) names the compared quantity ``label``."""
     a, e = _prepare(actual, expected, label)
     b = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
     err = np.abs(a - e)
@@ -157,23 +120,11 @@ def assert_comparative(
     label: str = "output",
 ) -> None:
     """FlashAttention's rule: ``max|actual - expected| <= factor max|reference - expected|
-    + gamma_{floor_n}(u) M``.
-
-    Args:
-        actual: The computed value.
-        expected: The oracle's value (finite), same shape as ``actual``.
-        reference: A same-precision computation of the value in another operation order.
-        dtype: The precision whose unit round-off ``u`` sets the floor.
-        factor: The allowed multiple of the reference's error.
-        floor_n: The ``n`` of the floor's ``gamma_n(u)``.
-        floor_magnitude: ``M``; ``max|expected|`` when ``None``.
-        label: Names the compared quantity in the failure message.
-
-    Raises:
-        AssertionError: On a shape mismatch (of ``actual`` or ``reference``), a non-finite
-            ``actual`` or ``expected``, or a largest error above the allowance (naming its index
-            and multiple of the allowance).
-    """
+    + gamma_{floor_n}(u) M``, ``expected`` the finite oracle value, ``reference`` a
+    same-precision computation in another operation order, ``u`` the unit round-off of
+    ``dtype``, ``M = floor_magnitude`` (``None``: ``max|expected|``). The ``AssertionError`` (a
+    shape mismatch, a non-finite value, a largest error above the allowance: its index and
+    multiple of the allowance) names the compared quantity ``label``."""
     a, e = _prepare(actual, expected, label)
     r = np.asarray(reference, dtype=np.float64)
     if r.shape != e.shape:
@@ -197,15 +148,9 @@ def assert_comparative(
 
 @dataclasses.dataclass(frozen=True)
 class Closeness:
-    """The outcome of a passing :func:`assert_attention_close`: ``ratio = max_error / allowed``.
-
-    Args:
-        rule: The rule applied (``"bound"``, ``"flash"`` or ``"torch"``).
-        max_error: The error at the worst entry.
-        allowed: What the rule allowed there.
-        ratio: ``max_error / allowed`` (at most 1 for a passing comparison).
-        index: The index of the worst entry (``()`` for an empty array).
-    """
+    """The outcome of a passing :func:`assert_attention_close`: the ``rule`` applied, the
+    error at the worst entry ``index`` (``()`` for an empty array), what the rule ``allowed``
+    there, and ``ratio = max_error / allowed`` (at most 1)."""
 
     rule: str
     max_error: float
@@ -220,18 +165,18 @@ def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> 
     fully-masked-row policy), and then ``actual`` must have NaN at exactly those entries."""
     nan_e, nan_a = np.isnan(e), np.isnan(a)
     if nan_e.any() and not expected_nan:
-        idx = tuple(int(i) for i in np.argwhere(nan_e)[0])
+        idx = first_index(nan_e)
         raise AssertionError(
             f"{label}: the oracle has NaN at index {idx}; pass expected_nan=True only if NaN is "
             "the declared meaning there (masked_rows='nan'), otherwise the inputs are invalid"
         )
     wrong = nan_a & ~nan_e
     if wrong.any():
-        idx = tuple(int(i) for i in np.argwhere(wrong)[0])
+        idx = first_index(wrong)
         raise AssertionError(f"{label}: NaN at index {idx} where the oracle has {e[idx]!r}")
     missing = nan_e & ~nan_a
     if missing.any():
-        idx = tuple(int(i) for i in np.argwhere(missing)[0])
+        idx = first_index(missing)
         raise AssertionError(
             f"{label}: the oracle has NaN at {idx} (declared) but actual has {a[idx]!r}"
         )
@@ -239,7 +184,7 @@ def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> 
         raise AssertionError(f"{label}: the expected (oracle) value has inf; refusing to compare")
     inf_a = np.isinf(a)
     if inf_a.any():
-        idx = tuple(int(i) for i in np.argwhere(inf_a)[0])
+        idx = first_index(inf_a)
         raise AssertionError(f"{label}: inf at index {idx} where the oracle has {e[idx]!r}")
     return ~nan_e
 
@@ -272,28 +217,12 @@ def assert_attention_close(
     A NaN in ``actual`` where the oracle has none always fails; a NaN in the oracle fails unless
     ``expected_nan`` declares it.
 
-    Args:
-        actual: The kernel's output.
-        expected_fp64: The float64 oracle's output, same shape.
-        dtype: The kernel's precision (its unit round-off ``u``).
-        reference_same_dtype: ``ref`` of the ``"flash"`` and ``"torch"`` rules.
-        rule: ``"bound"``, ``"flash"`` or ``"torch"``; ``None`` picks ``"bound"`` when ``bound``
-            or ``inputs`` is given, else ``"flash"``.
-        bound: The componentwise bound of the ``"bound"`` rule.
-        inputs: The keyword arguments of :func:`attnref.tolerance.kernel_error_bound` that
-            derive ``bound`` when it is not given.
-        floor_n: The ``n`` of the ``gamma_n(u)`` rounding floor.
-        expected_nan: NaN is the declared meaning where the oracle has NaN.
-        label: Names the compared quantity in the failure message.
-
-    Returns:
-        The :class:`Closeness` of the worst entry.
-
-    Raises:
-        AssertionError: On a shape mismatch, misplaced NaN or inf, or an error above the
-            allowance (naming the rule, the index, the error and its multiple of the allowance).
-        ValueError: On an unknown ``rule`` or a rule missing its ``bound``/``inputs`` or
-            ``reference_same_dtype``.
+    ``dtype`` is the kernel's precision, ``rule=None`` picks ``"bound"`` when ``bound`` or
+    ``inputs`` is given, else ``"flash"``. Returns the :class:`Closeness` of the worst entry.
+    The ``AssertionError`` (a shape mismatch, misplaced NaN or inf, an error above the
+    allowance: the rule, the index, the error and its multiple of the allowance) names the
+    compared quantity ``label``; ``ValueError`` for an unknown ``rule`` or a rule missing its
+    ``bound``/``inputs`` or ``reference_same_dtype``.
     """
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected_fp64, dtype=np.float64)

@@ -105,8 +105,12 @@ Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` takes jax.nn's arguments 
 the sequence axis (``NamedSharding``) where ``P`` divides their length, else replicated. Every
 length is a multiple of ``2 lcm(devices)`` (the buckets' lengths times that), so that a
 contiguous, striped or zigzag layout of every size divides it, except in ``uneven_lengths``,
-which draws the lengths ``2P`` does not divide. Every property runs on every size (one
-:class:`MeshResult` each, in :attr:`PropertyResult.meshes`); a failure names the size.
+which draws the lengths ``2P`` does not divide. Every K/V head count (so every query head count)
+is a multiple of ``lcm(devices)``: the buckets' heads are scaled up with their ratio ``N / K``
+kept (``K = 8`` on meshes of 1, 2, 4 and 8, the MQA bucket's one K/V head included), so a
+head-parallel kernel (Ulysses, tensor parallelism) splits them on every size; a
+sequence-parallel one ignores them. Every property runs on every size (one :class:`MeshResult`
+each, in :attr:`PropertyResult.meshes`); a failure names the size.
 
 Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
 is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.
@@ -130,67 +134,13 @@ Adapters (``signature``):
 ``"numpy"``
     The ``"jax_nn"`` calling convention with NumPy arrays in and out; no jit, no gradients.
 
-Modules, one job each: :mod:`~attnref._src.kit.conformance.options` (the accepted names and the
-check of each option), :mod:`~attnref._src.kit.conformance.report` (:class:`PropertyResult`,
-:class:`MeshResult`, :class:`ConformanceReport`), :mod:`~attnref._src.kit.conformance.targets`
-(loading the target, the meshes, and the adapter that calls it),
-:mod:`~attnref._src.kit.conformance.references` (attnref's own passes and the comparisons with the
-oracle), :mod:`~attnref._src.kit.conformance.context` (the buckets and what a
-plan draws from), :mod:`~attnref._src.kit.conformance.plans` (the eleven properties) and
-:mod:`~attnref._src.kit.conformance.engine` (the Hypothesis runner and :func:`check_attention`).
-The closeness rules the comparisons apply live in :mod:`attnref._src.kit.closeness`.
+Modules: :mod:`.options` (the accepted names and the check of each option), :mod:`.report`,
+:mod:`.targets` (loading the target, the meshes, the adapter that calls it), :mod:`.references`
+(attnref's own passes, the comparisons with the oracle), :mod:`.context` (the buckets, what a
+plan draws from), :mod:`.plans` (the eleven properties), :mod:`.engine` (the Hypothesis runner,
+:func:`check_attention`), :mod:`.states` (:func:`check_merge_states`); the closeness rules live
+in :mod:`attnref._src.kit.closeness`.
 
 ``shapes="production"`` replaces the Hypothesis draws by fixed sweeps at tile boundaries
 (:mod:`attnref._src.kit.conformance.production`; :func:`production_plan` lists them).
 """
-
-from __future__ import annotations
-
-from attnref._src.kit.conformance.engine import check_attention, production_plan
-from attnref._src.kit.conformance.options import (
-    ALL_PROPERTIES,
-    CAUSAL_ALIGNMENTS,
-    DEFAULT_FEATURES,
-    DISTRIBUTED_PROPERTIES,
-    FEATURES,
-    GROWTH,
-    MASKED_ROWS_POLICIES,
-    PROPERTIES,
-    SIGNATURES,
-    UNEVEN,
-    OptionError,
-    check_choice,
-    check_devices,
-    check_features,
-    check_max_examples,
-    check_properties,
-    check_signature,
-)
-from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
-from attnref._src.kit.conformance.targets import load_target
-
-__all__ = [
-    "ALL_PROPERTIES",
-    "CAUSAL_ALIGNMENTS",
-    "DEFAULT_FEATURES",
-    "DISTRIBUTED_PROPERTIES",
-    "FEATURES",
-    "GROWTH",
-    "MASKED_ROWS_POLICIES",
-    "PROPERTIES",
-    "SIGNATURES",
-    "UNEVEN",
-    "ConformanceReport",
-    "MeshResult",
-    "OptionError",
-    "PropertyResult",
-    "check_attention",
-    "check_choice",
-    "check_devices",
-    "check_features",
-    "check_max_examples",
-    "check_properties",
-    "check_signature",
-    "load_target",
-    "production_plan",
-]

@@ -1,5 +1,5 @@
 """What the property plans draw from: the conformance buckets (few shapes, so that a jitted
-target compiles a handful of programs), the drawn :class:`_Case`, and the :class:`_Context` of one
+target compiles a handful of programs), the drawn :class:`Case`, and the :class:`Context` of one
 ``check_attention`` call (the target, its features and declared semantics, the dtypes) or, for a
 distributed target, of one mesh size of it."""
 
@@ -18,27 +18,24 @@ from attnref import strategies as ast
 from attnref import tolerance
 from attnref._src.kit.conformance.references import to_target
 from attnref._src.kit.conformance.targets import Target
+from attnref.strategies._shapes import ShortRepr
 
-# Conformance buckets (see _Context.pool); head dims 4 make the scale 1/2 exact.
+# Conformance buckets (see Context.pool); head dims 4 make the scale 1/2 exact.
 _SELF = ast.Config(batch=2, t=4, s=4, n=2, k=2, h=4, h_v=4, d_model=8)
 _TALL = ast.Config(batch=1, t=5, s=3, n=2, k=2, h=4, h_v=4, d_model=8)
 _GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
 _MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
-# One drawn config in TILE_SHARE takes tile-straddling lengths (_Context.configs).
+# One drawn config in TILE_SHARE takes tile-straddling lengths (Context.configs).
 TILE_SHARE = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(ShortRepr):
     """One drawn case of a property that builds several problems from a config and a seed."""
 
     config: ast.Config
     seed: int
     extra: tuple[tuple[str, Any], ...] = ()
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        """Hypothesis (IPython's pretty printer) shows the short ``repr``, not every array."""
-        printer.text(repr(self))
 
     def __repr__(self) -> str:
         more = "".join(f", {k}={v!r}" for k, v in self.extra)
@@ -74,15 +71,7 @@ class _MergedProblem(ast.KernelProblem):
             raise ValueError(
                 "a distributed target's allowance assumes any tiling (key_blocks=None)"
             )
-        return tolerance.pieces_error_bound(
-            self.q,
-            self.k,
-            self.v,
-            pieces=None,
-            tree="sequential",
-            **self.semantics(),
-            **self.options,
-        )
+        return self.apply(tolerance.pieces_error_bound, pieces=None, tree="sequential")
 
 
 @dataclasses.dataclass
@@ -130,29 +119,22 @@ class Context:
         a multiple of :attr:`head_multiple` (the ratio ``N / K`` kept: on meshes of 2, 4 and
         8, ``K = 8`` and ``N`` 8, 16 or 32; one K/V head, the ``"mqa"`` bucket's, becomes 8)."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
-        out: list[ast.Config] = []
-        m = self.length_multiple
-        for name in shapes:
-            if name == "self":
-                out.append(_SELF)
-            elif name == "general":
-                if cross or gqa:
-                    out.append(
-                        dataclasses.replace(
-                            _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
-                        )
-                    )
-            elif name == "tall" and cross:
-                out.append(_TALL)
-            elif name == "gqa" and gqa:
-                out.append(_GQA)
-            elif name == "mqa" and gqa:
-                out.append(_MQA)
-        out = [
-            dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f)
-            for c in out
-            for f in (self.head_multiple // math.gcd(c.k, self.head_multiple),)
-        ]
+        general = dataclasses.replace(
+            _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
+        )
+        named = {
+            "self": _SELF,
+            "general": general if cross or gqa else None,
+            "tall": _TALL if cross else None,
+            "gqa": _GQA if gqa else None,
+            "mqa": _MQA if gqa else None,
+        }
+        m, h = self.length_multiple, self.head_multiple
+        out = []
+        for c in (named.get(name) for name in shapes):
+            if c is not None:
+                f = h // math.gcd(c.k, h)
+                out.append(dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f))
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
@@ -199,7 +181,7 @@ class Context:
         return self.target.forward(to_target(p, self.signature), want_lse)
 
     def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
-        """The problem as the target sees it (:func:`_to_target`); for a distributed target a
+        """The problem as the target sees it (:func:`to_target`); for a distributed target a
         :class:`_MergedProblem`, whose ``bound()`` allows for the merge of states."""
         p = to_target(p, self.signature)
         if self.devices is None:

@@ -20,7 +20,6 @@ from attnref._src.kit import closeness
 from attnref._src.kit.conformance import production
 from attnref._src.kit.conformance.context import Check, Context
 from attnref._src.kit.conformance.options import (
-    ALL_PROPERTIES,
     DEFAULT_FEATURES,
     DEFAULT_SEMANTICS,
     DEPENDS,
@@ -41,8 +40,6 @@ from attnref._src.kit.conformance.options import (
 from attnref._src.kit.conformance.plans import PLANS, TargetRaised, calls_detail
 from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.kit.conformance.targets import Target, describe_target, mesh, takes_keyword
-
-__all__ = ["check_attention", "production_plan"]
 
 
 # A hypothesis.settings, typed as the test decorator it is used as: beartype (the suite's runtime
@@ -174,14 +171,16 @@ def _failure(exc: BaseException) -> tuple[str, str | None]:
     return f"{type(exc).__name__}: {message}", _format_traceback(exc)
 
 
-def _run_cases(
-    name: str,
-    cases: Sequence[production.Case],
-    check: Callable[[production.Case], None],
-    log: Callable[[str], None] | None,
-) -> tuple[str, str, str | None, int, str | None]:
-    """Run ``check`` on each production case in order, stopping at the first failure;
-    ``(status, detail, example, examples, traceback)`` as :func:`_run_property`."""
+def _production(
+    ctx: Context, name: str, max_examples: int | None, log: Callable[[str], None] | None
+) -> tuple[str, str, str | None, int, str | None] | str:
+    """Property ``name`` over the first ``max_examples`` cases of its production sweep, in
+    order, stopping at the first failure (``(status, detail, example, examples, traceback)`` as
+    :func:`run_property`), or why it is skipped."""
+    cases = production.cases(ctx, name)
+    if isinstance(cases, str):
+        return cases
+    cases, check = cases[:max_examples], production.check(ctx, name)
     for i, case in enumerate(cases, start=1):
         start = time.perf_counter()
         try:
@@ -212,21 +211,19 @@ def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
     return run_property(strategy, tracked, max_examples, seed, first, sub_case=lambda: ctx.sub_case)
 
 
-def _production(
-    ctx: Context, name: str, max_examples: int | None, log: Callable[[str], None] | None
-) -> _Run | str:
-    """Property ``name`` over its production sweep (the first ``max_examples`` cases), or why
-    it is skipped."""
-    cases = production.cases(ctx, name)
-    if isinstance(cases, str):
-        return cases
-    return _run_cases(name, cases[:max_examples], production.check(ctx, name), log)
-
-
-def _with_notes(detail: str, notes: list[str]) -> str:
-    if not notes:
-        return detail
-    return "; ".join([detail, *notes]) if detail else "; ".join(notes)
+def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_Run, float] | str:
+    """``run(ctx, *args)`` with the target's new notes joined to its detail, and its time."""
+    start = time.perf_counter()
+    before = len(ctx.target.notes)
+    out = run(ctx, *args)
+    if isinstance(out, str):
+        return out
+    status, detail, example, count, tb = out
+    notes = ctx.target.notes[before:]
+    if status == "passed" and ctx.calls:
+        detail = calls_detail(ctx.calls)
+    detail = "; ".join([detail, *notes] if detail else notes) if notes else detail
+    return (status, detail, example, count, tb), time.perf_counter() - start
 
 
 def _on_meshes(
@@ -237,27 +234,19 @@ def _on_meshes(
     log: Callable[[str], None] | None,
 ) -> tuple[MeshResult, ...] | str:
     """Property ``name`` on each mesh size (ascending; ``log`` gets a line after each), or why
-    it is skipped (a plan's reason depends on the features only, so it is the same at every
-    size). A passing size whose plan tallied its calls (``uneven_lengths``) has the tally as
-    its detail."""
+    it is skipped (the same at every size: a plan's reason depends on the features only). A
+    passing size whose plan tallied its calls (``uneven_lengths``) has the tally as its detail."""
     out: list[MeshResult] = []
     for size, ctx in contexts.items():
-        start = time.perf_counter()
-        before = len(ctx.target.notes)
         ctx.ratios.clear()
         ctx.calls.clear()
-        run = _small(ctx, name, max_examples, seed)
-        if isinstance(run, str):
-            return run
-        status, detail, example, count, tb = run
-        if status == "passed" and ctx.calls:
-            detail = calls_detail(ctx.calls)
-        detail = _with_notes(detail, ctx.target.notes[before:])
-        ratio = max(ctx.ratios) if ctx.ratios else None
-        took = time.perf_counter() - start
-        out.append(MeshResult(size, status, detail, example, count, tb, took, ratio))
+        timed = _timed(ctx, _small, name, max_examples, seed)
+        if isinstance(timed, str):
+            return timed
+        run, took = timed
+        out.append(MeshResult(size, *run, took, max(ctx.ratios) if ctx.ratios else None))
         if log is not None:
-            log(f"{name} P={size}: {status} ({took:.1f} s)")
+            log(f"{name} P={size}: {run[0]} ({took:.1f} s)")
     return tuple(out)
 
 
@@ -266,17 +255,16 @@ def _combined(
 ) -> PropertyResult:
     """One property's result over every mesh size: failed where any size failed (its message,
     example and traceback those of the first such size, the message prefixed ``P=<size>: ``)."""
-    failed = [m for m in meshes if m.status == "failed"]
-    first = failed[0] if failed else None
+    first = next((m for m in meshes if m.status == "failed"), None)
     return PropertyResult(
         name,
-        "failed" if failed else "passed",
-        f"P={first.devices}: {first.detail}" if first else "",
-        first.example if first else None,
+        "passed" if first is None else "failed",
+        "" if first is None else f"P={first.devices}: {first.detail}",
+        None if first is None else first.example,
         seed,
         sum(m.examples for m in meshes),
         in_effect,
-        first.traceback if first else None,
+        None if first is None else first.traceback,
         sum(m.seconds for m in meshes),
         meshes,
     )
@@ -328,6 +316,15 @@ def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
         )
 
 
+def _features(signature: str, features: Sequence[str] | None) -> tuple[str, ...]:
+    """The target's features (``None``: the signature's default), checked."""
+    check_signature(signature)
+    feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
+    check_features(feats)
+    check_expressible(signature, feats)
+    return feats
+
+
 def check_attention(
     fn: Callable[..., Any],
     *,
@@ -362,38 +359,27 @@ def check_attention(
         causal_alignment: The kernel's declared causal alignment when ``T != S``, likewise
             (attnref's default: ``"top_left"``).
         dtypes: The input dtypes ``fn`` takes (default float32 alone). The oracle property
-            runs each; the others run in float32 when requested, else in the first dtype
-            (float64 runs inside ``jax.enable_x64``). With ``devices``, ``ring_size_growth``
-            runs each too: a kernel that takes 16-bit inputs declares it here, e.g.
-            ``("float32", "bfloat16")``, and its growth rule then runs in bfloat16 as well
-            as float32 (a 16-bit merge of partial states must accumulate in float32, the
-            running output and lse, else the error grows with the ring size).
+            (and with ``devices`` ``ring_size_growth``) runs each, the others float32 when
+            requested, else the first (float64 inside ``jax.enable_x64``). A kernel that takes
+            16-bit inputs declares it here, e.g. ``("float32", "bfloat16")``: its merge of
+            partial states must then accumulate in float32, else the error grows with the ring.
         properties: A subset of :data:`ALL_PROPERTIES` (default: :data:`PROPERTIES`, and
-            with ``devices`` the :data:`DISTRIBUTED_PROPERTIES` ``"ring_size_growth"`` and
-            ``"uneven_lengths"``), run in that order.
-        progress: ``progress(done, total, name)`` is called after each property with the number
-            finished, the number to run and the name of the property just finished.
+            with ``devices`` the :data:`DISTRIBUTED_PROPERTIES`), run in that order.
+        progress: ``progress(done, total, name)`` after each property.
         target: The name shown in the report (default: ``fn``'s module and name).
         shapes: ``"small"`` (default: Hypothesis draws over a few small buckets and, for a
-            single-device ``fn``, in one example in four over tile-straddling lengths 15 to
-            513, :data:`attnref.strategies.TILE_LENGTHS`) or ``"production"``: fixed sweeps
-            at tile boundaries (lengths ``2^k - 1, 2^k, 2^k + 1`` up to 8193, head dims
-            64/128/256, up to 32 heads with GQA, every mask kind, ragged lengths) against the
-            fast float64 oracle (:mod:`attnref._src.kit.conformance.production`).
-        log: ``log(line)`` is called after each production case with its sizes and time, and
-            with ``devices`` after each property on each mesh size.
-        devices: Check a distributed kernel on meshes of these sizes, e.g. ``(1, 2, 4, 8)``:
-            ``fn`` takes jax.nn's arguments plus ``mesh=`` (a 1-D ``jax.sharding.Mesh`` over the
-            first ``P`` of ``jax.devices()``, axis ``"devices"``) and ``axis_name=`` where it
-            names that parameter; ``q, k, v`` come as global arrays sharded along the sequence
-            axis, every length a multiple of ``2 lcm(devices)`` (but in ``uneven_lengths``,
-            whose lengths ``2P`` does not divide) and every K/V head count (so every query
-            head count) a multiple of ``lcm(devices)``: the buckets' heads are scaled up with
-            their ratio ``N / K`` kept (``K = 8`` on meshes of 1, 2, 4 and 8, the MQA bucket's
-            one K/V head included), so a head-parallel kernel (Ulysses, tensor parallelism)
-            splits them on every size; a sequence-parallel one ignores them. Each property runs
-            on each size (a :class:`MeshResult` per size), and ``ring_size_growth`` and
-            ``uneven_lengths`` with them. ``None`` (default): a single-device function.
+            single-device ``fn``, in one example in four over the tile-straddling lengths
+            :data:`attnref.strategies.TILE_LENGTHS`) or ``"production"``: fixed sweeps at tile
+            boundaries against the fast float64 oracle
+            (:mod:`attnref._src.kit.conformance.production`).
+        log: ``log(line)`` after each production case (its sizes and time), and with
+            ``devices`` after each property on each mesh size.
+        devices: Check a distributed kernel on meshes of these sizes, e.g. ``(1, 2, 4, 8)``
+            (package docstring): ``fn`` also takes ``mesh=`` (and ``axis_name=``), ``q, k, v``
+            come sharded along the sequence axis, every length is a multiple of
+            ``2 lcm(devices)`` (but in ``uneven_lengths``) and every K/V head count of
+            ``lcm(devices)``. Each property runs on each size (a :class:`MeshResult` each).
+            ``None`` (default): a single-device function.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
@@ -406,16 +392,12 @@ def check_attention(
         TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
             ``fn`` that takes no ``mesh`` keyword.
     """
-    check_signature(signature)
-    feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
-    check_features(feats)
-    check_expressible(signature, feats)
+    feats = _features(signature, features)
     check_choice("masked_rows", masked_rows)
     check_choice("causal_alignment", causal_alignment)
     default = PROPERTIES if devices is None else (*PROPERTIES, *DISTRIBUTED_PROPERTIES)
     names = tuple(default if properties is None else properties)
-    check_properties(names)
-    names = tuple(p for p in ALL_PROPERTIES if p in names)
+    names = check_properties(names)
     dts = check_dtypes(dtypes)
     if max_examples is not None:
         check_max_examples(max_examples)
@@ -446,24 +428,19 @@ def check_attention(
                 results.append(PropertyResult(name, "skipped", meshes, None, seed, 0))
             else:
                 results.append(_combined(name, meshes, seed, in_effect))
-            if progress is not None:
-                progress(done, len(names), name)
-            continue
-        start = time.perf_counter()
-        before = len(ctx.target.notes)
-        if shapes == "production":
-            run = _production(ctx, name, max_examples, log)
         else:
-            run = _small(ctx, name, max_examples or 20, seed)
-        if isinstance(run, str):
-            results.append(PropertyResult(name, "skipped", run, None, seed, 0))
-        else:
-            status, detail, example, count, tb = run
-            detail = _with_notes(detail, ctx.target.notes[before:])
-            took = time.perf_counter() - start
-            results.append(
-                PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
+            timed = (
+                _timed(ctx, _production, name, max_examples, log)
+                if shapes == "production"
+                else _timed(ctx, _small, name, max_examples or 20, seed)
             )
+            if isinstance(timed, str):
+                results.append(PropertyResult(name, "skipped", timed, None, seed, 0))
+            else:
+                (status, detail, example, count, tb), took = timed
+                results.append(
+                    PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
+                )
         if progress is not None:
             progress(done, len(names), name)
     given = dict(
@@ -492,23 +469,11 @@ def production_plan(
     signature: str = "jax_nn", features: Sequence[str] | None = None
 ) -> dict[str, tuple[str, ...] | str]:
     """The cases ``check_attention(..., shapes="production")`` runs for a target of this
-    signature and these features, without running any: for each property the cases' one-line
-    labels (cheapest first), or the reason it is skipped.
-
-    Args:
-        signature: ``"jax_nn"`` (default), ``"qkv_mask"`` or ``"numpy"``.
-        features: What the target supports; ``None``: the signature's default.
-
-    Returns:
-        ``{property: labels or skip reason}`` in ``PROPERTIES`` order.
-
-    Raises:
-        ValueError: An unknown signature or feature, or one the signature cannot express.
-    """
-    check_signature(signature)
-    feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
-    check_features(feats)
-    check_expressible(signature, feats)
+    ``signature`` and these ``features`` (``None``: the signature's default), without running
+    any: ``{property: the cases' one-line labels, cheapest first, or why it is skipped}`` in
+    ``PROPERTIES`` order. Raises ``ValueError`` (an ``OptionError``) for an unknown signature
+    or feature, or one the signature cannot express."""
+    feats = _features(signature, features)
     ctx = Context(
         target=Target(lambda *a, **k: None, signature),
         signature=signature,
@@ -517,8 +482,5 @@ def production_plan(
         causal_alignment="top_left",
         dtypes=("float32",),
     )
-    out: dict[str, tuple[str, ...] | str] = {}
-    for name in PROPERTIES:
-        cases = production.cases(ctx, name)
-        out[name] = cases if isinstance(cases, str) else tuple(str(c) for c in cases)
-    return out
+    plan = {name: production.cases(ctx, name) for name in PROPERTIES}
+    return {n: c if isinstance(c, str) else tuple(str(x) for x in c) for n, c in plan.items()}

@@ -13,29 +13,6 @@ import numpy as np
 
 from attnref._src.formulations.kernel import CAUSAL_ALIGNMENTS, MASKED_ROWS_POLICIES
 
-__all__ = [
-    "ALL_PROPERTIES",
-    "CAUSAL_ALIGNMENTS",
-    "DEFAULT_FEATURES",
-    "DISTRIBUTED_PROPERTIES",
-    "FEATURES",
-    "GROWTH",
-    "MASKED_ROWS_POLICIES",
-    "PROPERTIES",
-    "SHAPES",
-    "SIGNATURES",
-    "UNEVEN",
-    "OptionError",
-    "check_choice",
-    "check_devices",
-    "check_dtypes",
-    "check_expressible",
-    "check_features",
-    "check_max_examples",
-    "check_properties",
-    "check_signature",
-]
-
 PROPERTIES = (
     "oracle",
     "masks",
@@ -107,14 +84,9 @@ DEPENDS: dict[str, tuple[str, ...]] = {
 
 
 class OptionError(ValueError):
-    """An invalid ``check_attention`` option: ``str(error)`` is ``check_attention``'s message.
-
-    Args:
-        message: The message.
-        option: The option's name (``"signature"``, ``"features"``, ``"masked_rows"``, ...).
-        value: What was given: the value, or the list of unknown names.
-        accepted: The accepted values (empty where there is no list).
-    """
+    """An invalid ``check_attention`` option: ``str(error)`` is ``check_attention``'s message;
+    ``option`` names it, ``value`` is what was given (or the list of unknown names), ``accepted``
+    the accepted values (empty where there is no list)."""
 
     def __init__(
         self, message: str, option: str, value: Any, accepted: tuple[str, ...] = ()
@@ -126,14 +98,7 @@ class OptionError(ValueError):
 
 
 def check_signature(signature: str) -> None:
-    """``signature`` must name an adapter: ``signature in SIGNATURES``.
-
-    Args:
-        signature: The adapter's name.
-
-    Raises:
-        OptionError: For an unknown signature.
-    """
+    """``signature in SIGNATURES``, else an :class:`OptionError`."""
     if signature not in SIGNATURES:
         raise OptionError(
             f"signature must be one of {SIGNATURES}, got {signature!r}",
@@ -144,14 +109,8 @@ def check_signature(signature: str) -> None:
 
 
 def check_features(features: Sequence[str]) -> None:
-    """Every feature must be known: ``set(features) <= set(FEATURES)``.
-
-    Args:
-        features: The features the target declares.
-
-    Raises:
-        OptionError: Naming the unknown features (``value``: their list, in the given order).
-    """
+    """``set(features) <= set(FEATURES)``, else an :class:`OptionError` listing the unknown
+    ones in the given order."""
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
         raise OptionError(
@@ -160,16 +119,8 @@ def check_features(features: Sequence[str]) -> None:
 
 
 def check_expressible(signature: str, features: Sequence[str]) -> None:
-    """The signature must be able to pass every feature (``qkv_mask`` has no bias, softcap or
-    lse; ``numpy`` no gradients).
-
-    Args:
-        signature: A known adapter's name.
-        features: Known feature names.
-
-    Raises:
-        OptionError: Naming the features the signature cannot express.
-    """
+    """The signature can pass every feature (``qkv_mask`` has no bias, softcap or lse;
+    ``numpy`` no gradients), else an :class:`OptionError` naming those it cannot."""
     impossible = [f for f in features if f in _UNSUPPORTED[signature]]
     if impossible:
         raise OptionError(
@@ -181,16 +132,9 @@ def check_expressible(signature: str, features: Sequence[str]) -> None:
 
 
 def check_choice(option: str, value: str) -> None:
-    """A named choice must be known: ``masked_rows`` in ``MASKED_ROWS_POLICIES``,
-    ``causal_alignment`` in ``CAUSAL_ALIGNMENTS`` (the kernel's own), ``shapes`` in ``SHAPES``.
-
-    Args:
-        option: ``"masked_rows"``, ``"causal_alignment"`` or ``"shapes"``.
-        value: The declared value.
-
-    Raises:
-        OptionError: For a value the kernel does not define.
-    """
+    """``masked_rows`` in ``MASKED_ROWS_POLICIES``, ``causal_alignment`` in
+    ``CAUSAL_ALIGNMENTS`` (the kernel's own), ``shapes`` in ``SHAPES``; else an
+    :class:`OptionError`."""
     accepted = _CHOICES[option]
     if value not in accepted:
         raise OptionError(
@@ -198,39 +142,22 @@ def check_choice(option: str, value: str) -> None:
         )
 
 
-def check_properties(properties: Sequence[str]) -> None:
-    """Every property must be known: ``set(properties) <= set(ALL_PROPERTIES)`` (the nine of
-    :data:`PROPERTIES` and the distributed kernel's :data:`DISTRIBUTED_PROPERTIES`).
-
-    Args:
-        properties: The properties asked for.
-
-    Raises:
-        OptionError: Naming the unknown properties (``value``: their list, in the given order).
-    """
-    bad = [p for p in properties if p not in ALL_PROPERTIES]
+def check_properties(
+    properties: Sequence[str], known: tuple[str, ...] = ALL_PROPERTIES
+) -> tuple[str, ...]:
+    """``set(properties) <= set(known)``, else an :class:`OptionError` listing the unknown ones
+    in the given order; returns them in ``known``'s order."""
+    bad = [p for p in properties if p not in known]
     if bad:
         raise OptionError(
-            f"unknown properties {bad}; choose from {ALL_PROPERTIES}",
-            "properties",
-            bad,
-            ALL_PROPERTIES,
+            f"unknown properties {bad}; choose from {known}", "properties", bad, known
         )
+    return tuple(p for p in known if p in properties)
 
 
 def check_dtypes(dtypes: Sequence[Any]) -> tuple[str, ...]:
-    """At least one dtype, each one NumPy understands.
-
-    Args:
-        dtypes: The input dtypes (names or dtype objects).
-
-    Returns:
-        Their canonical names, e.g. ``("float32",)``.
-
-    Raises:
-        OptionError: For an empty list.
-        TypeError: For a name that is not a dtype (NumPy's message).
-    """
+    """The canonical names of at least one dtype (an :class:`OptionError` for none; NumPy's
+    ``TypeError`` for a name that is not a dtype)."""
     names = tuple(str(np.dtype(d)) for d in dtypes)
     if not names:
         raise OptionError("dtypes must name at least one dtype", "dtypes", names)
@@ -238,14 +165,7 @@ def check_dtypes(dtypes: Sequence[Any]) -> tuple[str, ...]:
 
 
 def check_max_examples(max_examples: int) -> None:
-    """At least one example per property: ``max_examples >= 1``.
-
-    Args:
-        max_examples: The examples per property.
-
-    Raises:
-        OptionError: For ``max_examples < 1``.
-    """
+    """``max_examples >= 1``, else an :class:`OptionError`."""
     if max_examples < 1:
         raise OptionError(
             f"max_examples must be >= 1, got {max_examples}", "max_examples", max_examples
@@ -253,18 +173,8 @@ def check_max_examples(max_examples: int) -> None:
 
 
 def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
-    """Mesh sizes for a distributed kernel: positive ints, at most ``jax.device_count()``.
-
-    Args:
-        devices: The mesh sizes ``P`` to run on, e.g. ``(1, 2, 4, 8)``.
-
-    Returns:
-        The sizes, ascending, without repeats.
-
-    Raises:
-        OptionError: For an empty list, a size that is not a positive int, or more devices than
-            this host has (the message says how to get virtual CPU devices).
-    """
+    """Mesh sizes, ascending without repeats: positive ints, at most ``jax.device_count()``;
+    else an :class:`OptionError` (for too many, saying how to get virtual CPU devices)."""
     sizes = tuple(devices)
     bad = [p for p in sizes if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1]
     if bad or not sizes:

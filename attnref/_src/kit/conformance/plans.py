@@ -15,7 +15,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import strategies as ast
-from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within
+from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within, first_index
 from attnref._src.kit.conformance.context import Case, Context, Plan, case_strategy
 from attnref._src.kit.conformance.options import GROWTH, UNEVEN
 from attnref._src.kit.conformance.references import (
@@ -144,7 +144,7 @@ def _plan_causality(ctx: Context) -> Plan | str:
             for name, g in zip("qkv", grads, strict=True):
                 g = np.asarray(g, np.float64)
                 if np.any(g[:, t:] != 0.0):
-                    idx = tuple(int(i) for i in np.argwhere(g[:, t:] != 0.0)[0])
+                    idx = first_index(g[:, t:] != 0.0)
                     pos = (idx[0], idx[1] + t, *idx[2:])
                     raise AssertionError(
                         f"causality: d out[:, {t - 1}] / d {name}{list(pos)} = {g[pos]!r} != 0 "
@@ -218,7 +218,7 @@ def _plan_batch(ctx: Context) -> Plan | str:
                 raise AssertionError(f"batch element {b}: shape {one.shape} alone")
             nan_full, nan_one = np.isnan(full[b]), np.isnan(one[0])
             if (nan_full != nan_one).any():
-                idx = tuple(int(i) for i in np.argwhere(nan_full != nan_one)[0])
+                idx = first_index(nan_full != nan_one)
                 raise AssertionError(
                     f"batch element {b}: NaN pattern differs at {idx}: batched "
                     f"{full[b][idx]!r}, alone {one[0][idx]!r}"
@@ -362,7 +362,7 @@ def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str
         if g.shape != e.shape:
             raise AssertionError(f"{label}: d/d{name} has shape {g.shape}, expected {e.shape}")
         if not np.all(np.isfinite(g)):
-            idx = tuple(int(i) for i in np.argwhere(~np.isfinite(g))[0])
+            idx = first_index(~np.isfinite(g))
             raise AssertionError(f"{label}: d/d{name}{list(idx)} = {g[idx]!r}")
         assert_ratio_within(
             np.abs(g - e),
@@ -396,7 +396,7 @@ def _plan_extreme(ctx: Context) -> Plan | str:
         out = np.asarray(out, np.float64)
         bad = ~np.isfinite(out) & ~np.isnan(ctx.view(p).oracle()[0])
         if bad.any():
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            idx = first_index(bad)
             raise AssertionError(
                 f"extreme logits (max |logit| = {top:g}, {kind}): output {out[idx]!r} at {idx} "
                 "is not finite (overflow in exp? no max subtraction?)"

@@ -22,20 +22,10 @@ from attnref.tolerance import unit_roundoff
 _REF = jax.jit(_attnref_dpa, static_argnames=STATIC_OPTIONS)
 
 
-def _ref_call(p: ast.KernelProblem) -> Callable[..., Any]:
-    static, _ = split_options(p.options)
-    kw = dict(static, **p.semantics())
-
-    def call(q: Any, k: Any, v: Any, arrays: dict[str, Any]) -> Any:
-        return _REF(q, k, v, **arrays, **kw)
-
-    return call
-
-
 def _ref_forward(p: ast.KernelProblem) -> np.ndarray:
     """attnref's output in the problem's dtype (the same-precision reference)."""
-    _, arrays = split_options(p.options)
-    return np.asarray(_ref_call(p)(p.q, p.k, p.v, arrays))
+    static, arrays = split_options(p.options)
+    return np.asarray(_REF(p.q, p.k, p.v, **arrays, **dict(static), **p.semantics()))
 
 
 @functools.lru_cache(maxsize=64)

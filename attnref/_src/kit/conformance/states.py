@@ -57,19 +57,21 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attnref import oracle, tolerance
+from attnref import oracle
 from attnref import strategies as ast
 from attnref._src.core.checks import enable_x64
-from attnref._src.kit.closeness import assert_ratio_within
+from attnref._src.kit.closeness import assert_ratio_within, first_index
 from attnref._src.kit.conformance.engine import run_property
-from attnref._src.kit.conformance.options import OptionError, check_max_examples
+from attnref._src.kit.conformance.options import (
+    OptionError,
+    check_max_examples,
+    check_properties,
+)
 from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
 from attnref._src.kit.conformance.targets import describe_target
 from attnref.oracle import merge_states_vjp
 from attnref.strategies._states import as_dtype
 from attnref.tolerance import merge_grad_error_bound
-
-__all__ = ["MERGE_DTYPES", "MERGE_PROPERTIES", "check_merge_states"]
 
 MERGE_PROPERTIES = (
     "oracle",
@@ -87,18 +89,20 @@ _SHAPE = (((2, 3), 4),)  # one (rows, H_v) bucket: a jitted target compiles one 
 
 def _formats(dtypes: Sequence[str]) -> tuple[tuple[str, str], ...]:
     """``(o dtype, lse dtype)`` pairs: each format, and a 16-bit ``o`` with float32 ``lse``."""
-    out: list[tuple[str, str]] = []
-    for d in dtypes:
-        out.append((d, d))
-        if as_dtype(d).itemsize == 2:
-            out.append((d, "float32"))
-    return tuple(out)
+    return tuple(
+        f for d in dtypes for f in ((d, d), (d, "float32"))[: 2 if as_dtype(d).itemsize == 2 else 1]
+    )
 
 
 def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
     o = s.o.astype(as_dtype(o_dt))
-    lse = s.lse.astype(as_dtype(l_dt))
-    return ast.StateStack(o, lse, s.spread, s.center, s.seed)
+    return ast.StateStack(o, s.lse.astype(as_dtype(l_dt)), s.spread, s.center, s.seed)
+
+
+def _x64(*states: Any) -> Any:
+    """``jax.enable_x64`` where a state is float64."""
+    wide = any(np.dtype(x.dtype) == np.float64 for x in states)
+    return enable_x64() if wide else contextlib.nullcontext()
 
 
 class _Merge:
@@ -111,32 +115,24 @@ class _Merge:
         self.eager = False  # set once the target fails to trace under jit
 
     def __call__(self, o_a: Any, l_a: Any, o_b: Any, l_b: Any) -> tuple[np.ndarray, np.ndarray]:
-        wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
-        with enable_x64() if wide else contextlib.nullcontext():
-            out = self.fn(o_a, l_a, o_b, l_b)
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise AssertionError(f"merge must return a pair (o, lse), got {type(out).__name__}")
-            o, lse = (np.asarray(x).astype(np.float64) for x in out)
-        if o.shape != np.shape(o_a) or lse.shape != np.shape(l_a):
-            raise AssertionError(
-                f"merge returned o {o.shape} and lse {lse.shape}; expected o {np.shape(o_a)} "
-                f"and lse {np.shape(l_a)} (the inputs' shapes)"
-            )
+        with _x64(o_a, l_a, o_b, l_b):
+            o, lse = (np.asarray(x).astype(np.float64) for x in self._pair(o_a, l_a, o_b, l_b))
         return o, lse
 
     def _pair(self, *states: Any) -> tuple[Any, Any]:
         out = self.fn(*states)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise AssertionError(f"merge must return a pair (o, lse), got {type(out).__name__}")
-        return out[0], out[1]
+        o, lse = out[0], out[1]
+        if np.shape(o) != np.shape(states[0]) or np.shape(lse) != np.shape(states[1]):
+            raise AssertionError(
+                f"merge returned o {np.shape(o)} and lse {np.shape(lse)}; expected o "
+                f"{np.shape(states[0])} and lse {np.shape(states[1])} (the inputs' shapes)"
+            )
+        return o, lse
 
     def _pull(self, states: tuple[Any, ...], cot: tuple[Any, Any]) -> tuple[Any, ...]:
         (o, lse), pull = jax.vjp(self._pair, *states)
-        if o.shape != states[0].shape or lse.shape != states[1].shape:
-            raise AssertionError(
-                f"merge returned o {o.shape} and lse {lse.shape}; expected o "
-                f"{states[0].shape} and lse {states[1].shape} (the inputs' shapes)"
-            )
         return tuple(pull((cot[0].astype(o.dtype), cot[1].astype(lse.dtype))))
 
     def vjp(
@@ -147,8 +143,7 @@ class _Merge:
         Forward and backward are jitted together (one compile per format); a target that
         cannot be traced under ``jit`` (Python control flow on values) is differentiated
         eagerly."""
-        wide = any(np.dtype(x.dtype) == np.float64 for x in (o_a, l_a, o_b, l_b))
-        with enable_x64() if wide else contextlib.nullcontext():
+        with _x64(o_a, l_a, o_b, l_b):
             states = tuple(jnp.asarray(x) for x in (o_a, l_a, o_b, l_b))
             cot = (jnp.asarray(g_o), jnp.asarray(g_l))
             try:
@@ -177,81 +172,59 @@ def _merge_tree(merge: _Merge, tree: ast.Tree, s: ast.StateStack) -> tuple[Any, 
     """``tree`` evaluated with ``merge``, each intermediate state cast back to the states'
     formats (what a merge in that format hands to the next)."""
     if isinstance(tree, tuple):
-        o_a, l_a = _merge_tree(merge, tree[0], s)
-        o_b, l_b = _merge_tree(merge, tree[1], s)
-        o, lse = merge(o_a, l_a, o_b, l_b)
+        o, lse = merge(*_merge_tree(merge, tree[0], s), *_merge_tree(merge, tree[1], s))
         return o.astype(s.o.dtype), lse.astype(s.lse.dtype)
     return s.o[tree], s.lse[tree]
 
 
 def _check_state(
-    got: tuple[np.ndarray, np.ndarray],
-    s: ast.StateStack,
-    tree: str | int,
-    policy: str,
-    label: str,
+    got: tuple[np.ndarray, np.ndarray], s: ast.StateStack, tree: str | int, policy: str, label: str
 ) -> None:
     """``got`` equals the oracle merge of ``s`` within the bound of ``tree``; empty rows empty
     with ``o`` per ``policy``; no non-finite value on a live row."""
     o, lse = got
     ref_o, ref_l = oracle.merge_state_stack(s.o, s.lse, masked_rows=policy)
-    o_b, l_b = tolerance.merge_error_bound(
-        s.o, s.lse, dtype=s.dtype, lse_dtype=s.lse_dtype, tree=tree
-    )
-    _check_against(o, lse, ref_o, ref_l, o_b, l_b, policy, label)
-
-
-def _check_against(
-    o: np.ndarray,
-    lse: np.ndarray,
-    ref_o: np.ndarray,
-    ref_l: np.ndarray,
-    o_b: np.ndarray,
-    l_b: np.ndarray,
-    policy: str,
-    label: str,
-) -> None:
+    o_b, l_b = s.bound(tree)
     empty = np.isneginf(ref_l)
     if np.any(empty & ~np.isneginf(lse)):
-        idx = tuple(int(i) for i in np.argwhere(empty & ~np.isneginf(lse))[0])
+        idx = first_index(empty & ~np.isneginf(lse))
         raise AssertionError(
             f"{label}: every state of row {idx} is empty (lse = -inf), so the merge is empty; "
             f"got lse {lse[idx]!r}"
         )
     bad_fill = empty[..., None] & (~np.isnan(o) if policy == "nan" else (o != 0))
     if np.any(bad_fill):
-        idx = tuple(int(i) for i in np.argwhere(bad_fill)[0])
+        idx = first_index(bad_fill)
         want = "NaN" if policy == "nan" else "0"
         raise AssertionError(
             f"{label}: row {idx[:-1]} is empty; masked_rows={policy!r} wants o = {want}, "
             f"got {o[idx]!r}"
         )
     live = ~empty
-    for name, x in (("lse", lse), ("o", o)):
-        mask = live if name == "lse" else live[..., None]
-        bad = mask & ~np.isfinite(x)
-        if np.any(bad):
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            ref = ref_l if name == "lse" else ref_o
+    sides = (("lse", lse, ref_l, l_b, live), ("o", o, ref_o, o_b, live[..., None]))
+    for name, x, ref, _, mask in sides:
+        if np.any(mask & ~np.isfinite(x)):
+            idx = first_index(mask & ~np.isfinite(x))
             raise AssertionError(
                 f"{label}: non-finite {name} {x[idx]!r} at index {idx} where the oracle has "
                 f"{ref[idx]!r}"
             )
-    for name, x, ref, b, mask in (
-        ("lse", lse, ref_l, l_b, live),
-        ("o", o, ref_o, o_b, live[..., None]),
-    ):
-        err = np.abs(np.where(mask, x, 0.0) - np.where(mask, ref, 0.0))
-        assert_ratio_within(
-            err,
-            np.where(mask, b, 0.0),
-            "{label}: |{name} - oracle| = {error:.3e} at index {index} exceeds the derived "
-            "bound {allowed:.3e} ({ratio:.3g} x); got {got!r}, oracle {want!r}",
-            label=label,
-            name=name,
-            got=x,
-            want=ref,
-        )
+    for name, x, ref, b, mask in sides:
+        _within(x, ref, b, mask, f"{label}: |{name} - oracle|", "bound")
+
+
+def _within(x: Any, ref: Any, b: Any, mask: Any, what: str, bound: str) -> None:
+    """``|x - ref| <= b`` where ``mask``; the failure begins ``what = <the error>``."""
+    assert_ratio_within(
+        np.abs(np.where(mask, x, 0.0) - np.where(mask, ref, 0.0)),
+        np.where(mask, b, 0.0),
+        "{what} = {error:.3e} at index {index} exceeds the derived {bound} {allowed:.3e} "
+        "({ratio:.3g} x); got {got!r}, oracle {want!r}",
+        what=what,
+        bound=bound,
+        got=x,
+        want=ref,
+    )
 
 
 _GRAD_NAMES = ("o_a", "lse_a", "o_b", "lse_b")
@@ -272,7 +245,7 @@ def _check_gradients(
         empty = np.isneginf(s.lse[i // 2])
         zero = empty if name.startswith("lse") else empty[..., None]
         if np.any(zero & (x != 0)):
-            idx = tuple(int(j) for j in np.argwhere(zero & (x != 0))[0])
+            idx = first_index(zero & (x != 0))
             where = (
                 "both states are empty (the merge is the constant empty state)"
                 if both[idx[: both.ndim]]
@@ -285,21 +258,12 @@ def _check_gradients(
         defined = np.isfinite(ref)
         bad = defined & ~np.isfinite(x)
         if np.any(bad):
-            idx = tuple(int(j) for j in np.argwhere(bad)[0])
+            idx = first_index(bad)
             raise AssertionError(
                 f"{label}: non-finite d/d{name} {x[idx]!r} at index {idx} where the oracle's "
                 f"gradient is {ref[idx]!r}"
             )
-        assert_ratio_within(
-            np.abs(np.where(defined, x, 0.0) - np.where(defined, ref, 0.0)),
-            np.where(defined, b, 0.0),
-            "{label}: |d/d{name} - oracle| = {error:.3e} at index {index} exceeds the derived "
-            "gradient bound {allowed:.3e} ({ratio:.3g} x); got {got!r}, oracle {want!r}",
-            label=label,
-            name=name,
-            got=x,
-            want=ref,
-        )
+        _within(x, ref, b, defined, f"{label}: |d/d{name} - oracle|", "gradient bound")
 
 
 def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
@@ -312,13 +276,20 @@ def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
     return ast.StateStack(o, lse, s.spread, s.center, s.seed)
 
 
-def _same_places(x: np.ndarray, y: np.ndarray, label: str) -> None:
-    for what, f in (("NaN", np.isnan), ("-inf", np.isneginf), ("+inf", np.isposinf)):
-        if not np.array_equal(f(x), f(y)):
-            idx = tuple(int(i) for i in np.argwhere(f(x) != f(y))[0])
-            raise AssertionError(
-                f"{label}: {what} at {idx} in one result only: {x[idx]!r} vs {y[idx]!r}"
-            )
+def _agree(a: Any, b: Any, allowed: Any, label: str, message: str, **fields: Any) -> None:
+    """Two merged states ``(o, lse)`` have NaN and infinities in the same places and, elsewhere,
+    ``lse`` then ``o`` differ by at most ``allowed`` (``(o, lse)`` allowances)."""
+    for i, what in ((1, "lse"), (0, "o")):
+        x, y = (np.asarray(g[i], np.float64) for g in (a, b))
+        for kind, f in (("NaN", np.isnan), ("-inf", np.isneginf), ("+inf", np.isposinf)):
+            if not np.array_equal(f(x), f(y)):
+                idx = first_index(f(x) != f(y))
+                raise AssertionError(
+                    f"{label}, {what}: {kind} at {idx} in one result only: {x[idx]!r} vs {y[idx]!r}"
+                )
+        ok = np.isfinite(x) & np.isfinite(y)
+        err = np.abs(np.where(ok, x, 0.0) - np.where(ok, y, 0.0))
+        assert_ratio_within(err, allowed[i], message, what=what, **fields)
 
 
 def _states(
@@ -370,17 +341,14 @@ def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tup
             ab = merge(*s.state(0), *s.state(1))
             ba = merge(*s.state(1), *s.state(0))
             o_b, l_b = s.bound(1)
-            for i, what in ((1, "lse"), (0, "o")):
-                _same_places(ab[i], ba[i], f"merge(a, b) vs merge(b, a), {what}")
-                ok = np.isfinite(ab[i]) & np.isfinite(ba[i])
-                err = np.abs(np.where(ok, ab[i], 0.0) - np.where(ok, ba[i], 0.0))
-                assert_ratio_within(
-                    err,
-                    2.0 * (l_b if i else o_b),
-                    "merge(a, b) and merge(b, a) differ in {what} by {error:.3e} at {index}, "
-                    "more than twice the bound of one merge ({allowed:.3e})",
-                    what=what,
-                )
+            _agree(
+                ab,
+                ba,
+                (2.0 * o_b, 2.0 * l_b),
+                "merge(a, b) vs merge(b, a)",
+                "merge(a, b) and merge(b, a) differ in {what} by {error:.3e} at {index}, "
+                "more than twice the bound of one merge ({allowed:.3e})",
+            )
 
         return _states((2, 2), primary), check_comm, (_explicit(primary, "large", 1e4),)
     if name == "associative":
@@ -393,19 +361,16 @@ def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tup
             _check_state(got1, s, d1, policy, f"tree {t1!r}")
             _check_state(got2, s, d2, policy, f"tree {t2!r}")
             b1, b2 = s.bound(d1), s.bound(d2)
-            for i, what in ((1, "lse"), (0, "o")):
-                x, y = (np.asarray(g[i], np.float64) for g in (got1, got2))
-                _same_places(x, y, f"trees {t1!r} and {t2!r}, {what}")
-                ok = np.isfinite(x) & np.isfinite(y)
-                assert_ratio_within(
-                    np.abs(np.where(ok, x, 0.0) - np.where(ok, y, 0.0)),
-                    b1[i] + b2[i],
-                    "trees {t1} and {t2} differ in {what} by {error:.3e} at {index}, more than "
-                    "the sum of their bounds ({allowed:.3e})",
-                    t1=repr(t1),
-                    t2=repr(t2),
-                    what=what,
-                )
+            _agree(
+                got1,
+                got2,
+                (b1[0] + b2[0], b1[1] + b2[1]),
+                f"trees {t1!r} and {t2!r}",
+                "trees {t1} and {t2} differ in {what} by {error:.3e} at {index}, more than "
+                "the sum of their bounds ({allowed:.3e})",
+                t1=repr(t1),
+                t2=repr(t2),
+            )
 
         return strategy, check_assoc, ()
     if name == "identity":
@@ -471,33 +436,22 @@ def check_merge_states(
     progress: Callable[[int, int, str], None] | None = None,
     grad: bool = True,
 ) -> ConformanceReport:
-    """Run the state-algebra properties (module docstring) against a user's binary merge.
+    """Run the state-algebra properties (module docstring) against a user's binary ``merge``:
+    a :class:`ConformanceReport` (signature ``"merge_states"``), one :class:`PropertyResult` per
+    property.
 
-    Args:
-        merge: ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` with ``o [..., H_v]`` and
-            ``lse [...]`` (the signature of :func:`attnref.merge_states`); it receives NumPy
-            arrays (float64 inside ``jax.enable_x64``).
-        max_examples: Hypothesis examples per property (``None``: 20).
-        seed: The Hypothesis seed of every property (a failure replays with it).
-        dtypes: The formats of the ``dtypes`` property (default all of :data:`MERGE_DTYPES`);
-            the other properties run in float32 when it is requested, else in the first.
-        masked_rows: The declared ``o`` of a merge of empty states: ``"zeros"`` (default) or
-            ``"nan"``.
-        properties: A subset of :data:`MERGE_PROPERTIES` (default all), run in that order.
-        target: The name shown in the report (default: ``merge``'s module and name).
-        progress: ``progress(done, total, name)`` after each property.
-        grad: Whether ``jax.vjp`` can differentiate ``merge`` (default True; the report's
-            features then list ``"grad"``). ``False`` for a merge JAX cannot trace (NumPy
-            inside): the ``gradients`` property is skipped with the reason.
-
-    Returns:
-        A :class:`ConformanceReport` (signature ``"merge_states"``), one
-        :class:`PropertyResult` per property.
-
-    Raises:
-        ValueError: An unknown property, dtype or ``masked_rows``; no dtypes;
-            ``max_examples < 1`` (an ``OptionError``).
-        TypeError: ``merge`` not callable, or ``grad`` not a bool.
+    ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (``o [..., H_v]``, ``lse [...]``: the
+    signature of :func:`attnref.merge_states`) receives NumPy arrays (float64 inside
+    ``jax.enable_x64``). ``dtypes`` are the formats of the ``dtypes`` property (default all of
+    :data:`MERGE_DTYPES`); the other properties run in float32 when it is requested, else in the
+    first. ``masked_rows`` declares the ``o`` of a merge of empty states (``"zeros"`` or
+    ``"nan"``). ``grad=False`` (the report's features then lack ``"grad"``) is for a merge
+    ``jax.vjp`` cannot differentiate (NumPy inside): the ``gradients`` property is skipped with
+    the reason. ``max_examples`` (``None``: 20), ``seed``, ``properties`` (a subset of
+    :data:`MERGE_PROPERTIES`, default all), ``target`` and ``progress`` are as in
+    :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``) for an unknown property,
+    dtype or ``masked_rows``, no dtypes or ``max_examples < 1``; ``TypeError`` for a ``merge``
+    not callable or a ``grad`` not a bool.
     """
     if masked_rows not in _POLICIES:
         raise OptionError(
@@ -506,16 +460,9 @@ def check_merge_states(
             masked_rows,
             _POLICIES,
         )
-    names = tuple(MERGE_PROPERTIES if properties is None else properties)
-    unknown = [p for p in names if p not in MERGE_PROPERTIES]
-    if unknown:
-        raise OptionError(
-            f"unknown properties {unknown}; choose from {MERGE_PROPERTIES}",
-            "properties",
-            unknown,
-            MERGE_PROPERTIES,
-        )
-    names = tuple(p for p in MERGE_PROPERTIES if p in names)
+    names = check_properties(
+        MERGE_PROPERTIES if properties is None else properties, MERGE_PROPERTIES
+    )
     dts = tuple(str(d) for d in dtypes)
     bad = [d for d in dts if d not in MERGE_DTYPES]
     if bad or not dts:
@@ -538,31 +485,19 @@ def check_merge_states(
         if name == "gradients" and not grad:
             reason = "needs gradient support (grad=False: a merge JAX cannot differentiate)"
             results.append(PropertyResult(name, "skipped", reason, None, seed, 0))
-            if progress is not None:
-                progress(done, len(names), name)
-            continue
-        start = time.perf_counter()
-        strategy, check, explicit = _plan(name, target_merge, masked_rows, dts)
-        status, detail, example, count, tb = run_property(
-            strategy, check, max_examples or 20, seed, explicit
-        )
-        # no empty row in stability; a gradient is 0 on empty rows whatever their o
-        in_effect = tuple(
-            f"{k}={v}" for k, v in declared.items() if name not in ("stability", "gradients")
-        )
-        results.append(
-            PropertyResult(
-                name=name,
-                status=status,
-                detail=detail,
-                example=example,
-                seed=seed,
-                examples=count,
-                declared=in_effect,
-                traceback=tb,
-                seconds=time.perf_counter() - start,
+        else:
+            start = time.perf_counter()
+            strategy, check, explicit = _plan(name, target_merge, masked_rows, dts)
+            status, detail, example, count, tb = run_property(
+                strategy, check, max_examples or 20, seed, explicit
             )
-        )
+            # no empty row in stability; a gradient is 0 on empty rows whatever their o
+            skip = name in ("stability", "gradients")
+            in_effect = tuple(f"{k}={v}" for k, v in declared.items() if not skip)
+            took = time.perf_counter() - start
+            results.append(
+                PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
+            )
         if progress is not None:
             progress(done, len(names), name)
     given = dict(

@@ -1,5 +1,5 @@
 """The conformance kit's view of the target: loading it by name, and the adapter
-(:class:`_Target`) that calls it through its signature, jitted where the signature is JAX's (one
+(:class:`Target`) that calls it through its signature, jitted where the signature is JAX's (one
 jitted callable per static option set, shared across ``check_attention`` calls), and checks the
 shape of what it returns. A distributed target gets a ``mesh`` (:func:`mesh`) and its inputs
 ``q, k, v`` sharded along the sequence axis over it."""
@@ -21,8 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from attnref import strategies as ast
 from attnref._src.core.checks import enable_x64
 
-__all__ = ["load_target"]
-
 # The axis of the kit's meshes (attnref's own distributed schemes name theirs the same).
 AXIS = "devices"
 
@@ -31,20 +29,10 @@ _ARRAYS = ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segmen
 
 
 def load_target(spec: str) -> Callable[..., Any]:
-    """Import a callable by name: ``"package.module:function"`` -> ``package.module.function``.
-
-    Args:
-        spec: ``"package.module:function"`` or ``"package.module:object.attribute"``.
-
-    Returns:
-        The callable.
-
-    Raises:
-        ValueError: ``spec`` does not have exactly one ``:`` with text on both sides.
-        ImportError: The module cannot be imported.
-        AttributeError: An attribute on the path is missing.
-        TypeError: The object found is not callable.
-    """
+    """Import a callable by name: ``"package.module:function"`` -> ``package.module.function``
+    (or ``"package.module:object.attribute"``). Raises ``ValueError`` (not exactly one ``:``
+    with text on both sides), ``ImportError``, ``AttributeError`` (an attribute on the path is
+    missing) or ``TypeError`` (the object found is not callable)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"target must look like 'package.module:function' (one ':'), got {spec!r}")
     module_name, attr_path = spec.split(":")
@@ -106,10 +94,7 @@ def takes_keyword(fn: Any, name: str) -> bool | None:
 def _lse_keyword(fn: Any) -> str:
     """The keyword that asks ``fn`` for the lse: ``return_residual`` (jax.nn) or ``return_lse``
     (attnref), whichever ``fn`` names; for ``fn(..., **kw)`` naming neither, ``return_residual``."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return "return_residual"
+    params = _parameters(fn) or {}
     return next((kw for kw in ("return_residual", "return_lse") if kw in params), "return_residual")
 
 
