@@ -52,29 +52,18 @@ class Prepared:
         args = (self.params, f.x_q, f.x_kv, f.mask, f.bias, f.scale)
         return formula(*args) if self.residual is None else formula(*args, self.residual)
 
-    @property
-    def dtype(self) -> Any:
-        """The dtype of the call (that of ``x_q``, ``x_kv`` and the parameters)."""
-        return self.x_q.dtype
-
     def head_mask(self) -> Bool[Array, "..."] | None:
         """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
         return None if self.mask is None else jnp.expand_dims(self.mask, -3)
-
-    def add_bias(self, logits: Float[Array, "... H T_q T_k"]) -> Float[Array, "... H T_q T_k"]:
-        return logits if self.bias is None else logits + jnp.expand_dims(self.bias, -3)
-
-    def allowed(self) -> Bool[Array, "... T_q T_k"]:
-        """The pairs a query may read: ``mask AND bias != -inf``, ``[..., T_q, T_k]``."""
-        return allowed_pairs(self.mask, self.bias, (*self.batch_shape, self.t_q, self.t_k))
 
     def dirty_rows(self, residual: bool | None = None) -> Bool[Array, "... T_q"]:
         """Query rows that read a non-finite value through an allowed pair (their own ``x_q`` row
         if any key is allowed, or always with ``residual``; an allowed ``x_kv`` row; an allowed
         NaN or ``+inf`` bias entry): :func:`attnref._src.core.nonfinite.reads_nonfinite`."""
         residual = bool(self.residual) if residual is None else residual
+        shape = (*self.batch_shape, self.t_q, self.t_k)
         return reads_nonfinite(
-            self.allowed(),
+            allowed_pairs(self.mask, self.bias, shape),  # mask AND bias != -inf
             nonfinite_rows(self.x_q),
             nonfinite_rows(self.x_kv),
             self.bias,
@@ -98,6 +87,32 @@ class Prepared:
         if heads:
             dirty = jnp.expand_dims(dirty, -2)
         return poison_rows(dirty, compute(self.finite()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A formula's validated arguments, in its order, and its dirty rows: what the ``prepare`` of
+    a level with a convention of its own returns (:class:`attnref._src.core.entry.Guardable`).
+
+    :meth:`run` reads the token arrays at ``tokens`` through :func:`finite_part` and the bias at
+    ``bias`` through :func:`finite_bias`; ``dirty`` marks the output rows that read a non-finite
+    value through an allowed pair (:func:`reads_nonfinite`).
+    """
+
+    args: tuple[Any, ...]
+    dirty: Array
+    tokens: tuple[int, ...] = (1, 2)
+    bias: int = 4
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        args = list(self.args)
+        for i in self.tokens:
+            args[i] = finite_part(args[i])
+        args[self.bias] = finite_bias(args[self.bias])
+        return formula(*args)
+
+    def dirty_rows(self) -> Array:
+        return self.dirty
 
 
 def prepare_rows(

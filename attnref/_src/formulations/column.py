@@ -21,8 +21,6 @@ or gradients, whatever it holds (``attnref._src.core.nonfinite``).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -30,15 +28,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
 from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
-from attnref._src.core.common import BLOCK_RETURNS, ROWS, residual_or, scale_value
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, Call, residual_or, scale_value
 from attnref._src.core.entry import Level, public
-from attnref._src.core.nonfinite import (
-    allowed_pairs,
-    finite_bias,
-    finite_part,
-    nonfinite_rows,
-    reads_nonfinite,
-)
+from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows, reads_nonfinite
 from attnref._src.core.params import AttentionParams, w_a_unchecked, w_i_unchecked
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
@@ -91,33 +83,6 @@ def column_rows(
 # ----------------------------------------------------------------------------- the column level
 
 
-@dataclasses.dataclass(frozen=True)
-class ColumnInputs:
-    """Validated column-form inputs: tokens as columns, mask and bias ``[..., T_k, T_q]``."""
-
-    params: AttentionParams
-    x: Array
-    x_kv: Array
-    mask: Array | None
-    bias: Array | None  # in the dtype of x
-    scale: Array
-    residual: bool
-    rows_shape: tuple[int, ...]  # (*batch, T_q, T_k)
-
-    def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x, x_kv, mask, bias, scale, residual)`` on the finite parts."""
-        x, x_kv, bias = finite_part(self.x), finite_part(self.x_kv), finite_bias(self.bias)
-        return formula(self.params, x, x_kv, self.mask, bias, self.scale, self.residual)
-
-    def dirty_rows(self) -> Bool[Array, "... 1 T_q"]:
-        """The query columns that read a non-finite value, ``[..., 1, T_q]`` (a row of ``Y``'s
-        layout, broadcast over its ``d_model`` rows)."""
-        m, b = (None if a is None else jnp.swapaxes(a, -1, -2) for a in (self.mask, self.bias))
-        bad_q, bad_kv = nonfinite_rows(self.x, axis=-2), nonfinite_rows(self.x_kv, axis=-2)
-        allowed = allowed_pairs(m, b, self.rows_shape)  # [..., T_q, T_k]
-        return reads_nonfinite(allowed, bad_q, bad_kv, b, self.residual)[..., None, :]
-
-
 def _columns(
     params: AttentionParams,
     x: Float[ArrayLike, "... d_model T_q"],
@@ -127,22 +92,20 @@ def _columns(
     bias: Float[ArrayLike, "... T_k T_q"] | None = None,
     scale: float | None = None,
     residual: bool = False,
-) -> ColumnInputs:
+) -> Call:
     x_kv = x if x_kv is None else x_kv
     batch, t_q, t_k = check_tokens(params, x, x_kv, layout="column", names=("x", "x_kv"))
     check_mask_and_bias(mask, bias, (*batch, t_k, t_q), axes="[..., T_k, T_q]")
     check_scale(scale)
-    xa = jnp.asarray(x)
-    return ColumnInputs(
-        params=params,
-        x=xa,
-        x_kv=jnp.asarray(x_kv),
-        mask=None if mask is None else jnp.asarray(mask),
-        bias=None if bias is None else jnp.asarray(bias).astype(xa.dtype),
-        scale=scale_value(params.d_k, scale, xa.dtype),
-        residual=residual,
-        rows_shape=(*batch, t_q, t_k),
-    )
+    x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
+    m = None if mask is None else jnp.asarray(mask)
+    b = None if bias is None else jnp.asarray(bias).astype(x.dtype)
+    m_rows, b_rows = (None if a is None else jnp.swapaxes(a, -1, -2) for a in (m, b))
+    allowed = allowed_pairs(m_rows, b_rows, (*batch, t_q, t_k))
+    bad_q, bad_kv = nonfinite_rows(x, axis=-2), nonfinite_rows(x_kv, axis=-2)
+    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, residual)  # [..., T_q]
+    s = scale_value(params.d_k, scale, x.dtype)
+    return Call((params, x, x_kv, m, b, s, residual), dirty[..., None, :])  # Y's [..., 1, T_q]
 
 
 COLUMNS = Level(

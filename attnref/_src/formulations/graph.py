@@ -17,10 +17,6 @@ reaches that receiver's update or gradients, whatever it holds (``attnref._src.c
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,9 +25,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from attnref._src.core import cost as _cost
 from attnref._src.core.checked import require
 from attnref._src.core.checks import HIGHEST, check_params, check_scale, is_traced
-from attnref._src.core.common import BLOCK_RETURNS, ROWS, residual_or, scale_value
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, Call, residual_or, scale_value
 from attnref._src.core.entry import Level, public
-from attnref._src.core.nonfinite import allowed_pairs, finite_bias, finite_part, nonfinite_rows
+from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
@@ -116,48 +112,6 @@ def segment_softmax(
 # ----------------------------------------------------------------------------- the edge level
 
 
-@dataclasses.dataclass(frozen=True)
-class EdgeInputs:
-    """Validated edge-list inputs (node features, edge indices, per-edge mask and bias)."""
-
-    params: AttentionParams
-    x_senders: Array
-    x_receivers: Array
-    senders: Array
-    receivers: Array
-    edge_mask: Array | None
-    edge_bias: Array | None  # in the dtype of x_receivers
-    scale: Array
-    residual: bool
-    in_range: Array | None  # traced indices: whether all are in range (else all rows NaN)
-
-    def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_senders, x_receivers, senders, receivers, edge_mask, edge_bias,
-        scale, residual)`` on the finite parts."""
-        xs, xr = finite_part(self.x_senders), finite_part(self.x_receivers)
-        snd, rcv, eb = self.senders, self.receivers, finite_bias(self.edge_bias)
-        return formula(self.params, xs, xr, snd, rcv, self.edge_mask, eb, self.scale, self.residual)
-
-    def dirty_rows(self) -> Bool[Array, " N_r"]:
-        """Receivers that read a non-finite value through an allowed edge (their own row, a
-        sender row, a NaN or ``+inf`` edge bias), and every receiver if an index is out of
-        range."""
-        n_r, rcv, eb = self.x_receivers.shape[0], self.receivers, self.edge_bias
-        allowed = allowed_pairs(self.edge_mask, eb, rcv.shape)  # [E]
-
-        def per_receiver(flags: Array) -> Array:
-            return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
-
-        bad_edge = nonfinite_rows(self.x_senders)[self.senders]  # a non-finite sender row ...
-        if eb is not None:  # ... or a NaN / +inf bias (-inf edges are not allowed)
-            bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
-        own = nonfinite_rows(self.x_receivers)
-        if not self.residual:
-            own = jnp.logical_and(own, per_receiver(allowed))
-        dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
-        return dirty if self.in_range is None else jnp.logical_or(dirty, ~self.in_range)
-
-
 def _check_edges(
     senders: ArrayLike,
     receivers: ArrayLike,
@@ -209,7 +163,7 @@ def _edges(
     edge_bias: Float[ArrayLike, " E"] | None = None,
     scale: float | None = None,
     residual: bool = False,
-) -> EdgeInputs:
+) -> Call:
     _, d_model, d_k, _ = check_params(params)
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
         if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
@@ -222,10 +176,25 @@ def _edges(
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
     _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
-    xr = jnp.asarray(x_receivers)
+    xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
     snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
-    in_range = None  # traced indices: checked under attnref.checked, else an all-NaN output
-    if snd.shape[0] and is_traced(senders, receivers):
+    em = None if edge_mask is None else jnp.asarray(edge_mask)
+    eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
+    allowed = allowed_pairs(em, eb, snd.shape)  # [E]
+
+    def per_receiver(flags: Array) -> Array:
+        return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
+
+    # Dirty receivers: their own row, or through an allowed edge a non-finite sender row or a
+    # NaN / +inf bias (-inf edges are not allowed).
+    bad_edge = nonfinite_rows(xs)[snd]
+    if eb is not None:
+        bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
+    own = nonfinite_rows(xr)
+    if not residual:
+        own = jnp.logical_and(own, per_receiver(allowed))
+    dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
+    if snd.shape[0] and is_traced(senders, receivers):  # checked mode raises; else all NaN
         ok_s, ok_r = (snd >= 0) & (snd < n_s), (rcv >= 0) & (rcv < n_r)
         for name, idx, ok, n in (("senders", snd, ok_s, n_s), ("receivers", rcv, ok_r, n_r)):
             require(
@@ -235,19 +204,9 @@ def _edges(
                 lo=jnp.min(idx),
                 hi=jnp.max(idx),
             )
-        in_range = jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r))
-    return EdgeInputs(
-        params=params,
-        x_senders=jnp.asarray(x_senders),
-        x_receivers=xr,
-        senders=snd,
-        receivers=rcv,
-        edge_mask=None if edge_mask is None else jnp.asarray(edge_mask),
-        edge_bias=None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype),
-        scale=scale_value(d_k, scale, xr.dtype),
-        residual=residual,
-        in_range=in_range,
-    )
+        dirty = jnp.logical_or(dirty, ~jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r)))
+    s = scale_value(d_k, scale, xr.dtype)
+    return Call((params, xs, xr, snd, rcv, em, eb, s, residual), dirty, tokens=(1, 2), bias=6)
 
 
 EDGES = Level(

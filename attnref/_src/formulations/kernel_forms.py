@@ -9,10 +9,7 @@ kernel in the layout of ``jax.nn.dot_product_attention``, and return
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +20,7 @@ from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import (
     BLOCK_RETURNS,
     RESIDUAL_ARG,
+    Call,
     Prepared,
     add_output_bias,
     prepare_rows,
@@ -126,32 +124,14 @@ def pairs(p: Prepared, a: Array | None, b: int) -> Array | None:  # H1-COMPAT
     return kernel_pairs(a, p.x_q, p.x_kv)
 
 
-def block_output(
-    p: Prepared, params: AttentionParams, o: Array, residual: bool
-) -> Array:  # H1-COMPAT
+# H1-COMPAT
+def block_output(p: Prepared, params: AttentionParams, o: Array, residual: bool) -> Array:
     return output_rows(params, o, p.x_q, residual)
 
 
 # ----------------------------------------------------------------------------- the kernel rows
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelRows:
-    """Validated row inputs for a formula that runs a kernel: the caller's ``scale`` as given
-    (the kernel resolves ``None`` in its compute dtype) and the kernel's options."""
-
-    rows: Prepared
-    scale: float | Array | None
-    options: tuple[Any, ...] = ()
-
-    def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale, residual, *options)``, finite parts."""
-        f = self.rows.finite()
-        args = (f.params, f.x_q, f.x_kv, f.mask, f.bias, self.scale, f.residual)
-        return formula(*args, *self.options)
-
-    def dirty_rows(self) -> Array:
-        return self.rows.dirty_rows()
+# The row level, but the formula gets the caller's ``scale`` as given: the kernel resolves
+# ``None`` in its compute dtype (float32 for 16-bit inputs).
 
 
 def _kernel_rows(
@@ -163,8 +143,9 @@ def _kernel_rows(
     bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
     residual: bool = False,
-) -> KernelRows:
-    return KernelRows(prepare_rows(params, x_q, x_kv, mask, bias, scale, residual), scale)
+) -> Call:
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    return Call((params, p.x_q, p.x_kv, p.mask, p.bias, scale, residual), p.dirty_rows())
 
 
 def _blockwise_rows(
@@ -178,9 +159,10 @@ def _blockwise_rows(
     residual: bool = False,
     block_q: int = 3,
     block_k: int = 2,
-) -> KernelRows:
-    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
-    return KernelRows(rows, scale, (block_q, block_k))
+) -> Call:
+    p = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    args = (params, p.x_q, p.x_kv, p.mask, p.bias, scale, residual, block_q, block_k)
+    return Call(args, p.dirty_rows())
 
 
 KERNEL_ROWS = Level(_kernel_rows, row_args())
@@ -231,38 +213,6 @@ def decode_attention(
     residual: bool = False,
     window: int | None = None,
 ) -> Float[Array, "... T d_model"]:
-    """Causal attention computed by KV-cached decoding, one token per ``lax.scan`` step.
-
-    Token ``t`` brings query ``x_q[t]`` and key/value ``x_kv[t]`` (default ``x_q``); it attends to
-    the cached tokens ``j <= t`` with ``mask[t, j]`` and ``bias[t, j]``. Always causal; needs
-    ``T_q == T_k``. With ``window = W`` the cache is a ring buffer of capacity ``W`` that wraps
-    once ``T > W``, and token ``t`` attends to ``t - W < j <= t`` (sliding-window attention).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T, d_model]`` (``T_k == T_q``); ``None`` (default) means
-            ``x_q``.
-        mask: Boolean, broadcastable to ``[..., T, T]``, ``True`` = may attend (combined with
-            the causal rule); ``None`` (default): causal only.
-        bias: Floating additive bias, broadcastable to ``[..., T, T]``; ``None`` (default)
-            adds nothing.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-        window: ``None`` (default: full causal attention) or a positive int ``W`` (sliding
-            window of the ``W`` most recent tokens, the current one included).
-
-    Returns:
-        The block output ``[..., T, d_model]``, the dtype of ``x_q``.
-
-    Raises:
-        ValueError: If ``T_q != T_k``, ``window`` is not a positive int, or for the shape
-            errors of the other row forms (``params``, ``x_q``/``x_kv``, ``mask``/``bias``,
-            ``scale``).
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, or ``scale`` is not a real number.
-    """
     p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
     if p.t_q != p.t_k:
         raise ValueError(
@@ -283,6 +233,23 @@ def decode_attention(
     )
     y = y.reshape(*p.batch_shape, p.t_q, -1)
     return residual_or(y, p.x_q, residual)
+
+
+_WINDOW_ARG = """
+    window: ``None`` (default: full causal attention) or a positive int ``W`` (sliding
+        window of the ``W`` most recent tokens, the current one included)."""
+decode_attention.__doc__ = (
+    "Causal attention computed by KV-cached decoding, one token per ``lax.scan`` step.\n\n"
+    "Token ``t`` brings query ``x_q[t]`` and key/value ``x_kv[t]`` (default ``x_q``); it attends "
+    "to\nthe cached tokens ``j <= t`` with ``mask[t, j]`` and ``bias[t, j]`` (the mask is "
+    "combined with\nthe causal rule). Always causal; needs ``T_q == T_k``. With ``window = W`` "
+    "the cache is a ring\nbuffer of capacity ``W`` that wraps once ``T > W``, and token ``t`` "
+    "attends to ``t - W < j <= t``\n(sliding-window attention).\n\n"
+    + row_args(
+        RESIDUAL_ARG + _WINDOW_ARG, ",\n        ``T_q != T_k``, or ``window`` is not a positive int"
+    )
+    + "\n\nReturns:\n    The block output ``[..., T, d_model]``, the dtype of ``x_q``.\n"
+)
 
 
 # ----------------------------------------------------------------------------- registry entries

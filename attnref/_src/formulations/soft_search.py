@@ -13,8 +13,6 @@ Attention Equations" (2025-02-19), single-query version.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +23,13 @@ from attnref._src.core.checks import HIGHEST, check_params, check_scale
 from attnref._src.core.common import (
     BLOCK_RETURNS,
     ROWS,
+    Call,
     add_output_bias,
     residual_or,
     scale_value,
 )
 from attnref._src.core.entry import Level, public
-from attnref._src.core.nonfinite import (
-    allowed_pairs,
-    finite_bias,
-    finite_part,
-    nonfinite_rows,
-    reads_nonfinite,
-)
+from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows, reads_nonfinite
 from attnref._src.core.params import AttentionParams, w_p_unchecked
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
@@ -91,31 +84,7 @@ def search_rows(
     return residual_or(y, x_q, residual)
 
 
-# ----------------------------------------------------------------------------- one query
-
-
-@dataclasses.dataclass(frozen=True)
-class OneQuery:
-    """Validated inputs of one query: ``x_q [d_model]``, ``x_kv [T_k, d_model]``, full
-    ``mask`` and ``bias [T_k]``."""
-
-    params: AttentionParams
-    x_q: Array
-    x_kv: Array
-    mask: Array
-    bias: Array
-    scale: Array
-
-    def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale)`` on the finite parts."""
-        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
-        return formula(self.params, x_q, x_kv, self.mask, bias, self.scale)
-
-    def dirty_rows(self) -> Bool[Array, ""]:
-        """Whether the query reads a non-finite value (0-d: the output is one row)."""
-        allowed = allowed_pairs(self.mask, self.bias, self.mask.shape)[None]  # [1, T_k]
-        bad_q, bad_kv = nonfinite_rows(self.x_q)[None], nonfinite_rows(self.x_kv)
-        return reads_nonfinite(allowed, bad_q, bad_kv, self.bias[None])[0]
+# ----------------------------------------------------------------------------- the one-query level
 
 
 def _one_query(
@@ -126,7 +95,7 @@ def _one_query(
     mask: Bool[ArrayLike, " T_k"] | None = None,
     bias: Float[ArrayLike, " T_k"] | None = None,
     scale: float | None = None,
-) -> OneQuery:
+) -> Call:
     _, d_model, d_k, _ = check_params(params)
     if jnp.ndim(x_q) != 1 or jnp.shape(x_q)[0] != d_model:
         raise ValueError(f"x_q must be one query of shape ({d_model},), got {jnp.shape(x_q)}")
@@ -149,14 +118,12 @@ def _one_query(
     xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
     if xq.dtype != xkv.dtype or xq.dtype != jnp.asarray(params.w_q).dtype:
         raise TypeError(f"x_q {xq.dtype}, x_kv {xkv.dtype} and params must share one dtype")
-    return OneQuery(
-        params=params,
-        x_q=xq,
-        x_kv=xkv,
-        mask=jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask),
-        bias=jnp.zeros((t_k,), xq.dtype) if bias is None else jnp.asarray(bias).astype(xq.dtype),
-        scale=scale_value(d_k, scale, xq.dtype),
-    )
+    m = jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask)
+    b = jnp.zeros((t_k,), xq.dtype) if bias is None else jnp.asarray(bias).astype(xq.dtype)
+    allowed = allowed_pairs(m, b, (t_k,))[None]  # one query row: [1, T_k]
+    bad_q, bad_kv = nonfinite_rows(xq)[None], nonfinite_rows(xkv)
+    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b[None])[0]  # 0-d: the output is one row
+    return Call((params, xq, xkv, m, b, scale_value(d_k, scale, xq.dtype)), dirty)
 
 
 ONE_QUERY = Level(
