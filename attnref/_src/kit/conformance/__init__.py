@@ -82,22 +82,18 @@ Properties (each equality with the oracle uses the tolerance rules of
     The report gives, per size, the worst error / allowance over the examples.
 ``uneven_lengths`` (a distributed kernel only, ``devices=``)
     On each mesh size ``P`` (``P = 1`` included: a zigzag layout cuts the sequence in ``2P``
-    chunks, so one device already needs even lengths), lengths that ``2P`` does not divide: a
-    bucket's lengths (multiples of ``2 lcm(devices)``) plus an offset drawn from ``1 .. 2P - 1``,
-    the same for ``T`` and ``S`` in the ``T == S`` bucket and drawn apart in the ``T != S`` one
-    (with ``"cross"``), for the kinds ``none`` and ``causal``, in the first dtype (float32 when
-    requested). Each call passes either as a refusal or as an answer. A refusal is an exception
-    of type ``ValueError``, ``NotImplementedError`` or ``TypeError`` whose message contains
-    (case-insensitive) ``divisib``, ``divide``, ``multiple``, ``length``, ``pad`` or
-    ``reshape``: ``jax.shard_map``'s "not evenly divisible" ``ValueError`` and
-    ``jax.numpy``'s "cannot reshape array" ``TypeError`` (a kernel that cuts the sequence into
-    equal chunks) are refusals. An answer must equal the oracle within the ``oracle``
-    property's allowance for a distributed kernel (the merged-states bound in float32 and
-    float64, the comparative rule in 16 bits). Anything else fails: another exception (an
-    ``AssertionError`` too: ``python -O`` strips it), NaN where the oracle is finite, a wrong
-    shape. A size that passes has the tally as its detail: the first refusal's ``"refused:
-    <Type>: <first line>"`` and how many calls were refused and computed. A kernel that pads
-    to a multiple of ``2P`` and forgets to mask the padded keys fails (EasyContext #57).
+    chunks), lengths that ``2P`` does not divide (a bucket's plus an offset from ``1 .. 2P - 1``,
+    drawn apart for ``T`` and ``S`` in the ``T != S`` bucket), kinds ``none`` and ``causal``, in
+    the first dtype (float32 when requested). Each call is a refusal (an exception of
+    :data:`.plans.REFUSAL_TYPES` whose message contains one of :data:`.plans.REFUSAL_WORDS`,
+    case-insensitive: ``jax.shard_map``'s "not evenly divisible" ``ValueError``,
+    ``jax.numpy``'s "cannot reshape array" ``TypeError``) or an answer within the ``oracle``
+    property's allowance for a distributed kernel; anything else fails (another exception, an
+    ``AssertionError`` too: ``python -O`` strips it; NaN where the oracle is finite; a wrong
+    shape). A passing size's detail tallies the calls: the first refusal's ``"refused: <Type>:
+    <first line>"``, how many were refused and computed (``docs/testing_your_kernel.md``). A
+    kernel that pads to a multiple of ``2P`` and forgets to mask the padded keys fails
+    (EasyContext #57).
 
 Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` takes jax.nn's arguments plus ``mesh=``
 (a 1-D ``jax.sharding.Mesh``, axis ``"devices"``, over the first ``P`` of ``jax.devices()``) and
