@@ -10,7 +10,9 @@ sharding) and :func:`tensor_parallel_dot_product_attention` (heads sharded). Row
 ``apply``) of the same names. :func:`default_mesh` builds a 1-D mesh over the first devices;
 :data:`DISTRIBUTED` is the family. The pieces merge with :func:`attnref.merge_states`.
 :func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load
-balance of a layout (``"contiguous"``, ``"striped"``, ``"zigzag"``).
+balance of a layout (:data:`LAYOUTS`: ``"contiguous"``, ``"striped"``, ``"zigzag"``; the ring
+schemes' in :data:`LAYOUT_OF`); :func:`positions` lists the global positions each device holds
+in a sequence padded to :func:`padded_length`.
 
 On one host, ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before JAX starts)
 gives 8 virtual CPU devices. See ``docs/distributed.md``.
@@ -22,7 +24,9 @@ from attnref._src.formulations.distributed.all_gather import (
 )
 from attnref._src.formulations.distributed.cost import load_balance, useful_flops, useful_pairs
 from attnref._src.formulations.distributed.family import DISTRIBUTED, default_mesh
+from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
 from attnref._src.formulations.distributed.ring import (
+    LAYOUT_OF,
     ring_attention,
     ring_dot_product_attention,
     striped_attention,
@@ -41,10 +45,14 @@ from attnref._src.formulations.distributed.ulysses import (
 
 __all__ = [
     "DISTRIBUTED",
+    "LAYOUTS",
+    "LAYOUT_OF",
     "all_gather_attention",
     "all_gather_dot_product_attention",
     "default_mesh",
     "load_balance",
+    "padded_length",
+    "positions",
     "ring_attention",
     "ring_dot_product_attention",
     "striped_attention",

@@ -30,12 +30,10 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
 import attnref
+from attnref import distributed as dcost
 from attnref import pages
-from attnref._src.core.cost import Collective, Cost, Dims, hlo_collectives, xla_counts
-from attnref._src.formulations.distributed import all_gather, ring, tensor_parallel, ulysses  # noqa: F401
-from attnref._src.formulations.distributed import cost as dcost
-from attnref._src.formulations.distributed.family import default_mesh
-from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
+from attnref.costs import Collective, Cost, Dims, hlo_collectives, xla_counts
+from attnref.distributed import LAYOUTS, default_mesh, padded_length, positions
 from tests.test_docs_pages import _problems
 
 SCHEMES = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")

@@ -1,6 +1,6 @@
 """All-gather context parallelism, DeepSpeed-Ulysses and tensor-parallel heads
-(``attnref._src.formulations.distributed.{all_gather,ulysses,tensor_parallel}``) on meshes of 1, 2, 4 and 8
-virtual CPU devices, against the float64 NumPy oracle.
+(``attnref.distributed.{all_gather,ulysses,tensor_parallel}_dot_product_attention``) on meshes of
+1, 2, 4 and 8 virtual CPU devices, against the float64 NumPy oracle.
 
 Tolerances, all derived (none tuned):
 
@@ -37,25 +37,19 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import attnref
-import attnref._src.formulations.distributed.all_gather as all_gather
-import attnref._src.formulations.distributed.cost as distributed_cost
-import attnref._src.formulations.distributed.tensor_parallel as tensor_parallel
-import attnref._src.formulations.distributed.ulysses as ulysses
 from attnref import oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.core.registry import REGISTRY
-from attnref._src.formulations.distributed.family import DISTRIBUTED, default_mesh
-from attnref._src.formulations.kernel import STATIC_OPTIONS
+from attnref.distributed import DISTRIBUTED, default_mesh
 from attnref.testing import assert_within_bound
 
 from .helpers import scaled
 from .kernel_helpers import assert_kernel_close
 
 SCHEMES = ("all_gather", "ulysses", "tensor_parallel")
-MODULES = {"all_gather": all_gather, "ulysses": ulysses, "tensor_parallel": tensor_parallel}
 MESHES = (1, 2, 4, 8)
-KERNELS = {s: getattr(MODULES[s], f"{s}_dot_product_attention") for s in SCHEMES}
-ROWS = {s: getattr(MODULES[s], f"{s}_attention") for s in SCHEMES}
+KERNELS = {s: getattr(attnref.distributed, f"{s}_dot_product_attention") for s in SCHEMES}
+ROWS = {s: getattr(attnref.distributed, f"{s}_attention") for s in SCHEMES}
+STATIC_OPTIONS = ast.STATIC_OPTIONS
 STATIC = (*STATIC_OPTIONS, "mesh", "axis_name")
 JITTED = {s: jax.jit(fn, static_argnames=STATIC) for s, fn in KERNELS.items()}
 PROFILES = ast.STATIC_PROFILES
@@ -336,28 +330,27 @@ def test_tensor_parallel_row_form_guards_nonfinite_tokens():
     mask[:, 6] = False
     x_kv = p.x_kv.copy()
     x_kv[:, 6] = np.nan
-    y = tensor_parallel.tensor_parallel_attention(
+    y = attnref.distributed.tensor_parallel_attention(
         p.params, p.x_q, x_kv, mask=mask, mesh=default_mesh(2)
     )
     ref = oracle.attention(p.params, p.x_q, p.x_kv, mask=mask)
     bound = tolerance.attention_error_bound(p.params, p.x_q, p.x_kv, mask=mask, dtype=np.float64)
     assert_within_bound(np.asarray(y), ref, bound, label="hidden NaN token")
     mask[2, 6] = True
-    y = tensor_parallel.tensor_parallel_attention(
+    y = attnref.distributed.tensor_parallel_attention(
         p.params, p.x_q, x_kv, mask=mask, mesh=default_mesh(2)
     )
     assert np.all(np.isnan(y[:, 2])) and np.all(np.isfinite(np.delete(np.asarray(y), 2, 1)))
 
 
 def test_registry_entries():
-    """Each module registers its entry on import (``_REGISTRY``: ``registry.get`` would import
-    every formulation module first)."""
+    """Each module registers its entry, with its scheme's functions and cost model."""
     for scheme in SCHEMES:
-        f = REGISTRY[scheme]
+        f = attnref.get(scheme)
         assert f.id == scheme and f.family is DISTRIBUTED and f.convention == "kernel"
         assert f.apply is ROWS[scheme] and f.native is KERNELS[scheme]
         assert any(sym in f.equation for sym in DISTRIBUTED.equation_symbols), f.equation
-        assert f.cost_model is getattr(distributed_cost, f"{scheme}_cost")
+        assert f.cost_model.__name__ == f"{scheme}_cost"
 
 
 def test_bad_input_names_the_argument(unchecked_annotations):

@@ -1,11 +1,11 @@
-"""Ring, striped and zigzag attention (``attnref._src.formulations.distributed.ring``) on meshes of 1, 2, 4
+"""Ring, striped and zigzag attention (``attnref.distributed``) on meshes of 1, 2, 4
 and 8 virtual CPU devices, against the float64 NumPy oracle.
 
 Tolerances, all derived (none tuned):
 
 * Forward: :func:`attnref.tolerance.pieces_error_bound` with the pieces the ring merges: each
   device computes its queries' state against one K/V chunk (the keys
-  ``attnref._src.formulations.distributed.layout.positions(s_pad, P, layout)[d]``) with a full softmax
+  ``attnref.distributed.positions(s_pad, P, layout)[d]``) with a full softmax
   (``key_blocks=1``) in the compute dtype, and merges the ``P`` chunk states one at a time
   (``tree="sequential"``: depth ``P - 1``; the first merge, with the empty state, is exact). Not
   the kernel bound with ``key_blocks=P``: that models an online softmax, whose running max is
@@ -37,12 +37,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import attnref._src.formulations.distributed.ring as ring
+import attnref.distributed as ring
 from attnref import oracle, tolerance
 from attnref import strategies as ast
-from attnref._src.formulations.distributed import _layout
-from attnref._src.formulations.distributed.family import default_mesh
-from attnref._src.formulations.kernel import STATIC_OPTIONS
+from attnref.distributed import default_mesh
 from attnref.testing import assert_ratio_within, assert_within_bound
 
 from .helpers import scaled
@@ -52,6 +50,7 @@ SCHEMES = ("ring", "striped", "zigzag")
 MESHES = (1, 2, 4, 8)
 KERNELS = {s: getattr(ring, f"{s}_dot_product_attention") for s in SCHEMES}
 ROWS = {s: getattr(ring, f"{s}_attention") for s in SCHEMES}
+STATIC_OPTIONS = ast.STATIC_OPTIONS
 STATIC = (*STATIC_OPTIONS, "mesh")
 JITTED = {s: jax.jit(fn, static_argnames=STATIC) for s, fn in KERNELS.items()}
 
@@ -66,7 +65,7 @@ def ring_bound(scheme, devices, p):
     is the K/V chunk device ``d`` holds in the scheme's layout, merged sequentially."""
     s = p.config.s
     layout = ring.LAYOUT_OF[scheme]
-    table = _layout.positions(_layout.padded_length(s, devices, layout), devices, layout)
+    table = ring.positions(ring.padded_length(s, devices, layout), devices, layout)
     ids = np.full(table.size, -1)
     for d, row in enumerate(table):
         ids[row] = d

@@ -32,15 +32,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnref
-import attnref._src.formulations.split_kv  # registers "split_kv" (until the registry lists the module)
+from attnref import split_kv_attention, split_kv_dot_product_attention, tolerance
 from attnref import strategies as ast
-from attnref import tolerance
-from attnref._src.formulations.split_kv import (
-    split_kv_attention,
-    split_kv_cost,
-    split_kv_dot_product_attention,
-    split_positions,
-)
 from attnref.costs import Dims, xla_counts
 from attnref.testing import assert_ratio_within
 
@@ -60,13 +53,14 @@ _SPLIT_KV = jax.jit(split_kv_dot_product_attention, static_argnames=STATIC)
 def split_kv_bound(p: ast.KernelProblem, num_splits: int) -> tuple[np.ndarray, np.ndarray]:
     """Bounds on ``|o - oracle|`` and ``|lse - oracle lse|`` of the split-KV kernel (module
     docstring): :func:`attnref.tolerance.pieces_error_bound` with the kernel's own splits
-    (:func:`split_positions`; a split of padding alone is an empty state, still merged), each a
+    (``P`` runs of ``ceil(S / P)`` keys; a split of padding alone is an empty state, merged), each a
     full softmax (``key_blocks=1``) with its state in the compute dtype, merged in one stacked
     merge."""
     s = p.config.s
     ids = np.full(s, -1)
-    for split, cols in enumerate(split_positions(s, num_splits)):
-        ids[cols[cols < s]] = split
+    c = -(-s // num_splits)  # the kernel's splits: keys p c .. p c + c - 1
+    for split in range(num_splits):
+        ids[split * c : (split + 1) * c] = split
     return tolerance.pieces_error_bound(
         p.q,
         p.k,
@@ -367,7 +361,7 @@ def test_cost_model_matches_xla_for_splits_that_do_not_divide_t_k():
     xc = xla_counts(
         fn, p, x_q, x_kv, mask=np.ones(full, bool), bias=np.zeros(full, np.float32), num_splits=3
     )
-    model = split_kv_cost(d, 3)
+    model = attnref.get("split_kv").cost_model(d, 3)
     assert xc.dot_flops == model.matmul_flops
     assert xc.transcendentals == model.transcendentals
     assert 0 <= xc.other_flops <= 4 * model.elementwise_flops

@@ -7,6 +7,7 @@ time, inside or outside ``jax.jit``, and name the offending argument and its sha
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -134,7 +135,8 @@ def check_params(params: Any) -> tuple[int, int, int, int]:
     hv, dmv, d_v = shape_of(params.w_v)
     if dmv != d_model:
         raise ValueError(
-            f"params.w_v has shape {shape_of(params.w_v)}; expected [K={kv}, d_model={d_model}, d_v]"
+            f"params.w_v has shape {shape_of(params.w_v)}; expected "
+            f"[K={kv}, d_model={d_model}, d_v]"
         )
     if hv != kv:
         raise ValueError(
@@ -272,3 +274,125 @@ def check_scale(scale: Any) -> None:
         raise ValueError(f"scale must be a scalar, got shape {shape_of(scale)}")
     if not real_dtype(dtype_of(scale)):
         raise TypeError(f"scale must be a real number, got {scale!r} (dtype {dtype_of(scale)})")
+
+
+# ----------------------------------------------------------------------------- the kernel level
+
+
+def check_kernel_arrays(
+    query: Any, key: Any, value: Any
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int], Any]:
+    """``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]`` of one floating
+    dtype with ``N`` a positive multiple of ``K`` and ``H >= 1``; returns
+    ``((B, T, N, H), (S, K, H_v), dtype)``."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if np.ndim(x) != 4:
+            layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
+            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
+    (b, t, n, h), (bk, s, kh, hk), (bv, sv, kv, h_v) = map(shape_of, (query, key, value))
+    shapes = f"query {shape_of(query)}, key {shape_of(key)}, value {shape_of(value)}"
+    if bk != b or bv != b:
+        raise ValueError(f"batch sizes differ: {shapes}")
+    if hk != h:
+        raise ValueError(
+            f"key has head dim {hk} (shape {shape_of(key)}) but query has {h} "
+            f"(shape {shape_of(query)})"
+        )
+    if (sv, kv) != (s, kh):
+        raise ValueError(
+            f"value has shape {shape_of(value)}; expected [B, S={s}, K={kh}, H_v] to "
+            f"match key {shape_of(key)}"
+        )
+    if kh < 1:
+        raise ValueError(
+            f"key has K=0 heads (shape {shape_of(key)}); it needs at least one K/V head"
+        )
+    if n < 1 or n % kh:
+        raise ValueError(
+            f"query has N={n} heads (shape {shape_of(query)}) and key has K={kh} "
+            f"(shape {shape_of(key)}); N must be a positive multiple of K for GQA/MQA"
+        )
+    if h < 1:
+        raise ValueError(
+            f"query has head dim H=0 (shape {shape_of(query)}); H must be >= 1 (the default scale "
+            "1/sqrt(H) is undefined at 0)"
+        )
+    dtypes = {nm: dtype_of(x) for nm, x in (("query", query), ("key", key), ("value", value))}
+    if not jnp.issubdtype(dtypes["query"], jnp.floating):
+        raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
+    return (b, t, n, h), (s, kh, h_v), dtypes["query"]
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``None``, or a positive finite Python (or NumPy) real number, as a float."""
+    if softcap is None:
+        return None
+    ok = (
+        not isinstance(softcap, (str, bytes, bool, np.bool_))
+        and np.ndim(softcap) == 0
+        and not is_traced(softcap)
+        and real_dtype(dtype_of(softcap))
+    )
+    cap = float(softcap) if ok else None
+    if cap is None or not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
+    return cap
+
+
+def check_window(local_window_size: Any) -> tuple[int | None, int | None] | None:
+    """``None``, ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side) as a pair;
+    bools and floats are refused (``TypeError``), a pair of the wrong length or a negative side
+    too (``ValueError``)."""
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, (int, np.integer)) and not isinstance(
+        local_window_size, (bool, np.bool_)
+    ):
+        pair: tuple[Any, Any] = (local_window_size, local_window_size)
+    elif isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(
+                "local_window_size must be an int or a (left, right) pair (None = unbounded), "
+                f"got {local_window_size!r}"
+            )
+        pair = (local_window_size[0], local_window_size[1])
+    else:
+        raise TypeError(
+            "local_window_size must be an int or a (left, right) pair of ints (None = "
+            f"unbounded), got {local_window_size!r}"
+        )
+    out: list[int | None] = []
+    for side, w in zip(("left", "right"), pair, strict=True):
+        if w is None:
+            out.append(None)
+            continue
+        if not isinstance(w, (int, np.integer)) or isinstance(w, (bool, np.bool_)):
+            raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
+        if w < 0:
+            raise ValueError(
+                f"local_window_size {side} = {w} is negative; a query at position p attends to "
+                "keys in [p - left, p + right], so both sides must be >= 0"
+            )
+        out.append(int(w))
+    return (out[0], out[1])
+
+
+def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> Any:
+    """An integer array (or list) of exactly ``shape``; when concrete, every entry in
+    ``[0, upper]`` (``upper=None``: no range). Returned as int32, ``None`` passes through."""
+    if x is None:
+        return None
+    if shape_of(x) != shape:
+        raise ValueError(f"{name} has shape {shape_of(x)}; expected {shape}")
+    dt = dtype_of(x)
+    if not np.issubdtype(dt, np.integer):
+        raise TypeError(f"{name} must be integer, got dtype {dt}")
+    if upper is not None and not is_traced(x):
+        arr = np.asarray(x)
+        if arr.size and (arr.min() < 0 or arr.max() > upper):
+            raise ValueError(
+                f"{name} = {arr.tolist()} is out of range; every length must lie in [0, {upper}]"
+            )
+    return jnp.asarray(x, dtype=jnp.int32)

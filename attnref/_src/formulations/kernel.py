@@ -12,13 +12,13 @@ For batch ``b``, head ``n`` and query ``i`` (row convention)::
     s_ij = s_ij + bias_ij
     o_i  = sum_{j allowed} softmax_j(s_ij) v_j,    lse_i = log sum_{j allowed} exp(s_ij)
 
-Key ``j`` is *allowed* for query ``i`` when every given condition holds: ``mask`` is True, the
-bias is not ``-inf``, ``i < query_seq_lengths[b]``, ``j < key_value_seq_lengths[b]``,
-``segment_ids`` agree, and, with query ``i`` placed at key position ``p_i = i + offset``,
-``j <= p_i`` (``is_causal``) and ``p_i - left <= j <= p_i + right`` (``local_window_size``).
-``causal_alignment="top_left"`` (default; jax.nn, PyTorch SDPA) uses ``offset = 0``;
-``"bottom_right"`` (FlashAttention) uses ``offset = S_b - T_b`` with the actual lengths, so the last
-query sits on the last key.
+Key ``j`` is *allowed* for query ``i`` when every given condition holds (:func:`allowed_pairs`,
+the one helper that folds them): ``mask`` is True, the bias is not ``-inf``,
+``i < query_seq_lengths[b]``, ``j < key_value_seq_lengths[b]``, ``segment_ids`` agree, and, with
+query ``i`` placed at key position ``p_i = i + offset``, ``j <= p_i`` (``is_causal``) and
+``p_i - left <= j <= p_i + right`` (``local_window_size``). ``causal_alignment="top_left"``
+(default; jax.nn, PyTorch SDPA) uses ``offset = 0``; ``"bottom_right"`` (FlashAttention) uses
+``offset = S_b - T_b`` with the actual lengths, so the last query sits on the last key.
 
 A query row with no allowed key is *fully masked*. ``masked_rows`` says what it returns:
 ``"zeros"`` (default, attnref's meaning everywhere), ``"uniform"`` (the mean of ``v`` over all ``S``
@@ -35,376 +35,99 @@ or bias entry) is NaN, with NaN ``lse`` and no gradient (``attnref._src.core.non
 
 16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
 FlashAttention do) and the output is cast back; float64 inputs are computed in float64.
+
+Every kernel of attnref (this naive form, blockwise, split-KV and the four distributed schemes)
+takes the same validated call: :func:`prepare` checks the arguments once into a
+:class:`KernelCall` (a :class:`KernelSpec` of shapes and static options, the
+:class:`KernelInputs` arrays), and :func:`kernel_public` makes each public kernel from its
+schedule, with the one signature and Args text (:data:`KERNEL_ARGS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
-from typing import Any, Literal, no_type_check
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref._src.core.checked import require
-from attnref._src.core.checks import (
-    HIGHEST,
-    check_mask_and_bias,
-    check_scale,
-    dtype_of,
-    float64_scoped,
-    is_traced,
-    shape_of,
+from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.common import BLOCK_RETURNS, ROWS, Prepared, add_output_bias, residual_or
+from attnref._src.core.entry import Level, guard, public
+from attnref._src.core.nonfinite import finite_bias, finite_part, nonfinite_rows
+from attnref._src.core.params import AttentionParams
+from attnref._src.formulations.kernel_spec import CAUSAL_ALIGNMENTS as CAUSAL_ALIGNMENTS
+from attnref._src.formulations.kernel_spec import (
+    KERNEL_ARGS,
+    KernelInputs,
+    KernelSpec,
+    lengths_in_range,
+    prepare,
+    require_lengths_in_range,
 )
-from attnref._src.core.checks import real_dtype as _real_dtype
-from attnref._src.core.common import scale_value
-from attnref._src.core.nonfinite import finite_bias, finite_part, nonfinite_rows, poison_rows
+from attnref._src.formulations.kernel_spec import MASKED_ROWS_POLICIES as MASKED_ROWS_POLICIES
+from attnref._src.formulations.kernel_spec import STATIC_OPTIONS as STATIC_OPTIONS
+from attnref._src.formulations.kernel_spec import Alignment as Alignment
+from attnref._src.formulations.kernel_spec import MaskedRows as MaskedRows
 
-MaskedRows = Literal["zeros", "uniform", "nan"]
-Alignment = Literal["top_left", "bottom_right"]
-# The accepted values of masked_rows and causal_alignment: the one copy (prepare, alibi_bias,
-# the conformance kit and its CLI read these).
-MASKED_ROWS_POLICIES = ("zeros", "uniform", "nan")
-CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-# Keyword options that change the computation's structure: static under jax.jit.
-STATIC_OPTIONS = (
-    "scale",
-    "is_causal",
-    "local_window_size",
-    "softcap",
-    "causal_alignment",
-    "masked_rows",
-    "return_lse",
-)
+# ----------------------------------------------------------------------------- the formula
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelSpec:
-    """Static description of one kernel call: shapes, dtypes and the static options."""
+def attention(
+    spec: KernelSpec, inputs: KernelInputs, allowed: Bool[Array, "#B #N #T S"] | None
+) -> tuple[Float[Array, "B T N H_v"], Float[Array, "B T N"]]:
+    """``s = softcap(scale q k^T) + bias``, ``o = softmax(where(allowed, s, -inf)) v`` and
+    ``lse = log sum_{j allowed} exp(s_ij)``, on finite inputs in the compute dtype.
 
-    b: int
-    t: int
-    s: int
-    n: int
-    k: int
-    h: int
-    h_v: int
-    dtype: Any
-    compute_dtype: Any
-    is_causal: bool
-    window: tuple[int | None, int | None] | None
-    alignment: str
-    softcap: float | None
-    masked_rows: str
-
-    @property
-    def group(self) -> int:
-        return self.n // self.k
-
-
-# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
-# a pytree with any leaves (tree_map results, vmap axes, placeholders: the blockwise
-# kernel's custom_vjp passes object()).
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-@no_type_check
-class KernelInputs:
-    """Validated arrays of one call (``None`` where an option is not given)."""
-
-    q: Array
-    k: Array
-    v: Array
-    bias: Array | None  # rank 4, broadcastable to [B, N, T, S], compute dtype
-    mask: Array | None  # rank 4, broadcastable to [B, N, T, S]
-    q_lens: Array | None  # [B] int32
-    kv_lens: Array | None  # [B] int32
-    q_seg: Array | None  # [B, T] int32
-    kv_seg: Array | None  # [B, S] int32
-    scale: Array  # scalar, compute dtype
-
-
-def _window(local_window_size: Any) -> tuple[int | None, int | None] | None:
-    """``None``, ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side); bools and
-    floats are refused (``TypeError``), a pair of the wrong length or a negative side too
-    (``ValueError``)."""
-    if local_window_size is None:
-        return None
-    if isinstance(local_window_size, (int, np.integer)) and not isinstance(
-        local_window_size, (bool, np.bool_)
-    ):
-        pair: tuple[Any, Any] = (local_window_size, local_window_size)
-    elif isinstance(local_window_size, (tuple, list)):
-        if len(local_window_size) != 2:
-            raise ValueError(
-                "local_window_size must be an int or a (left, right) pair (None = unbounded), "
-                f"got {local_window_size!r}"
-            )
-        pair = (local_window_size[0], local_window_size[1])
-    else:
-        raise TypeError(
-            "local_window_size must be an int or a (left, right) pair of ints (None = "
-            f"unbounded), got {local_window_size!r}"
-        )
-    out: list[int | None] = []
-    for side, w in zip(("left", "right"), pair, strict=True):
-        if w is None:
-            out.append(None)
-            continue
-        if not isinstance(w, (int, np.integer)) or isinstance(w, (bool, np.bool_)):
-            raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
-        if w < 0:
-            raise ValueError(
-                f"local_window_size {side} = {w} is negative; a query at position p attends to "
-                "keys in [p - left, p + right], so both sides must be >= 0"
-            )
-        out.append(int(w))
-    return (out[0], out[1])
-
-
-def _check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> Array | None:
-    """An integer array (or list) of exactly ``shape``; when concrete, every entry in
-    ``[0, upper]`` (``upper=None``: no range). Returned as int32, ``None`` passes through."""
-    if x is None:
-        return None
-    if shape_of(x) != shape:
-        raise ValueError(f"{name} has shape {shape_of(x)}; expected {shape}")
-    dt = dtype_of(x)
-    if not np.issubdtype(dt, np.integer):
-        raise TypeError(f"{name} must be integer, got dtype {dt}")
-    if upper is not None and not is_traced(x):
-        arr = np.asarray(x)
-        if arr.size and (arr.min() < 0 or arr.max() > upper):
-            raise ValueError(
-                f"{name} = {arr.tolist()} is out of range; every length must lie in [0, {upper}]"
-            )
-    return jnp.asarray(x, dtype=jnp.int32)
-
-
-def compute_dtype(dtype: Any) -> Any:
-    """float32 for 16-bit inputs, the input dtype otherwise."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def prepare(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any,
-    mask: Any,
-    *,
-    scale: Any,
-    is_causal: bool,
-    query_seq_lengths: Any,
-    key_value_seq_lengths: Any,
-    local_window_size: Any,
-    segment_ids: Any,
-    softcap: Any,
-    causal_alignment: str,
-    masked_rows: str,
-) -> tuple[KernelSpec, KernelInputs]:
-    """Validate a kernel call at trace time; every error names the argument and its shape.
-
-    Array-likes without a dtype (nested lists) are converted with ``jnp.asarray`` first. Empty
-    inputs: ``T = 0`` gives an empty output; ``S = 0`` leaves every query row fully masked, so
-    ``masked_rows`` decides (``"uniform"``, a mean over zero keys, is refused); ``H = 0`` is
-    refused (the default scale ``1/sqrt(H)`` is undefined). ``attnref.oracle`` refuses the same
-    inputs with the same exception types.
+    ``allowed=None``: every pair. A fully masked row gives ``o = 0``, ``lse = -inf``. One
+    ``select`` feeds the max and one the exponential, exactly 0 (with a zero gradient) on a pair
+    that is not allowed, whatever its logit holds.
     """
-    query, key, value = (
-        x if hasattr(x, "dtype") and hasattr(x, "shape") else jnp.asarray(x)
-        for x in (query, key, value)
-    )
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if np.ndim(x) != 4:
-            layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
-            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
-    b, t, n, h = shape_of(query)
-    bk, s, kh, hk = shape_of(key)
-    bv, sv, kv, h_v = shape_of(value)
-    if bk != b or bv != b:
-        raise ValueError(
-            f"batch sizes differ: query {shape_of(query)}, key {shape_of(key)}, value {shape_of(value)}"
-        )
-    if hk != h:
-        raise ValueError(
-            f"key has head dim {hk} (shape {shape_of(key)}) but query has {h} (shape {shape_of(query)})"
-        )
-    if (sv, kv) != (s, kh):
-        raise ValueError(
-            f"value has shape {shape_of(value)}; expected [B, S={s}, K={kh}, H_v] to "
-            f"match key {shape_of(key)}"
-        )
-    if kh < 1:
-        raise ValueError(
-            f"key has K=0 heads (shape {shape_of(key)}); it needs at least one K/V head"
-        )
-    if n < 1 or n % kh:
-        raise ValueError(
-            f"query has N={n} heads (shape {shape_of(query)}) and key has K={kh} "
-            f"(shape {shape_of(key)}); N must be a positive multiple of K for GQA/MQA"
-        )
-    if h < 1:
-        raise ValueError(
-            f"query has head dim H=0 (shape {shape_of(query)}); H must be >= 1 (the default scale "
-            "1/sqrt(H) is undefined at 0)"
-        )
-    dtypes = {nm: dtype_of(x) for nm, x in (("query", query), ("key", key), ("value", value))}
-    if not jnp.issubdtype(dtypes["query"], jnp.floating):
-        raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
-    if len(set(dtypes.values())) != 1:
-        raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
-    if not isinstance(masked_rows, str) or masked_rows not in MASKED_ROWS_POLICIES:
-        raise ValueError(f"masked_rows must be one of {MASKED_ROWS_POLICIES}, got {masked_rows!r}")
-    if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    check_scale(scale)
-    cap: float | None = None
-    if softcap is not None:
-        ok = (
-            not isinstance(softcap, (str, bytes, bool, np.bool_))
-            and np.ndim(softcap) == 0
-            and not is_traced(softcap)
-            and _real_dtype(dtype_of(softcap))
-        )
-        cap = float(softcap) if ok else None
-        if cap is None or not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
-    target = (b, n, t, s)
-    for name, arr in (("bias", bias), ("mask", mask)):
-        if arr is not None and np.ndim(arr) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 broadcastable to [B, N, T, S] = {target}, got shape "
-                f"{shape_of(arr)}"
-            )
-    check_mask_and_bias(mask, bias, target, axes="[B, N, T, S]")
-    q_lens = _check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
-    kv_lens = _check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
-    q_seg = kv_seg = None
-    if segment_ids is not None:
-        if isinstance(segment_ids, (tuple, list)):
-            if len(segment_ids) != 2:
-                raise ValueError(
-                    "segment_ids must be one [B, T] array (T == S) or a pair "
-                    "(query_segment_ids [B, T], key_value_segment_ids [B, S])"
-                )
-            q_seg_in, kv_seg_in = segment_ids
-        else:
-            if t != s:
-                raise ValueError(
-                    f"a single segment_ids array needs T == S, got T={t}, S={s}; "
-                    "pass (query_segment_ids, key_value_segment_ids)"
-                )
-            q_seg_in = kv_seg_in = segment_ids
-        q_seg = _check_ints("query_segment_ids", q_seg_in, (b, t), None)
-        kv_seg = _check_ints("key_value_segment_ids", kv_seg_in, (b, s), None)
-    window = _window(local_window_size)
-    if s == 0 and masked_rows == "uniform":
-        raise ValueError(
-            f"key has S=0 keys (shape {shape_of(key)}): every query row is fully masked, and "
-            "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
-            "use 'zeros' or 'nan'"
-        )
-    dtype = dtypes["query"]
-    cd = compute_dtype(dtype)
-    spec = KernelSpec(
-        b=b,
-        t=t,
-        s=s,
-        n=n,
-        k=kh,
-        h=h,
-        h_v=h_v,
-        dtype=dtype,
-        compute_dtype=cd,
-        is_causal=bool(is_causal),
-        window=window,
-        alignment=causal_alignment,
-        softcap=cap,
-        masked_rows=masked_rows,
-    )
-    inputs = KernelInputs(
-        q=jnp.asarray(query),
-        k=jnp.asarray(key),
-        v=jnp.asarray(value),
-        bias=None if bias is None else jnp.asarray(bias).astype(cd),
-        mask=None if mask is None else jnp.asarray(mask),
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        q_seg=q_seg,
-        kv_seg=kv_seg,
-        scale=scale_value(h, scale, cd),
-    )
-    return spec, inputs
+    logits = scores(spec, inputs)  #                                          s  [B, N, T, S]
+    live = None if allowed is None else jnp.any(allowed, axis=-1)  # a key to read [B|1, N|1, T|1]
+    top = jnp.max(_where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    top = jax.lax.stop_gradient(top if live is None else jnp.where(live[..., None], top, 0.0))
+    e = jnp.exp(_where(allowed, logits - top, -jnp.inf))  #                  e^(s - max)
+    denom = jnp.sum(e, axis=-1)
+    if live is not None:
+        denom = jnp.where(live, denom, 1.0)
+    lse = top[..., 0] + jnp.log(denom)
+    if live is not None:
+        lse = jnp.where(live, lse, -jnp.inf)
+    return mix_values(spec, e / denom[..., None], inputs.v), jnp.swapaxes(lse, 1, 2)
 
 
-def index_conditions(
-    spec: KernelSpec,
-    x: KernelInputs,
-    qi: Int[Array, "1 tq 1"],
-    kj: Int[Array, "1 1 tk"],
-    q_seg: Int[Array, "B tq"] | None = None,
-    kv_seg: Int[Array, "B tk"] | None = None,
-) -> Bool[Array, "#B #tq #tk"] | None:
-    """The AND of the index-based options (lengths, causality, window, segments) for query indices
-    ``qi`` and key indices ``kj``; leading axis ``B`` or 1. ``None`` when no option restricts the
-    pairs (the indices are not checked against ``T`` and ``S``: that is the caller's)."""
-    conds: list[Array] = []
-    t_len = spec.t if x.q_lens is None else x.q_lens[:, None, None]
-    s_len = spec.s if x.kv_lens is None else x.kv_lens[:, None, None]
-    if x.q_lens is not None:
-        conds.append(qi < t_len)
-    if x.kv_lens is not None:
-        conds.append(kj < s_len)
-    if spec.is_causal or spec.window is not None:
-        offset: Any = 0 if spec.alignment == "top_left" else s_len - t_len
-        pos = qi + offset
-        if spec.is_causal:
-            conds.append(kj <= pos)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                conds.append(kj >= pos - left)
-            if right is not None:
-                conds.append(kj <= pos + right)
-    if q_seg is not None and kv_seg is not None:
-        conds.append(q_seg[:, :, None] == kv_seg[:, None, :])
-    return functools.reduce(jnp.logical_and, conds) if conds else None
+def scores(spec: KernelSpec, inputs: KernelInputs) -> Float[Array, "B N T S"]:
+    """``softcap(scale q_i . k_j) + bias_ij``; query head ``n = k G + g`` reads K/V head ``k``.
 
-
-def structural_allowed(
-    spec: KernelSpec,
-    x: KernelInputs,
-    q_idx: Int[Array, " tq"],
-    k_idx: Int[Array, " tk"],
-    q_seg: Int[Array, "B tq"] | None = None,
-    kv_seg: Int[Array, "B tk"] | None = None,
-) -> Bool[Array, "B1 tq tk"]:
-    """Allowed (query, key) pairs from the index-based options, for query indices ``q_idx`` and
-    key indices ``k_idx`` (a tile or the whole range). Leading axis ``B`` or 1.
-
-    Indices beyond ``T`` or ``S`` (tile padding) are never allowed.
+    The query rows of a K/V head are laid out ``(g, t)`` before the product, so the ``[T, S]``
+    logits come out of the ``dot`` in their final order (no transposed copy of them).
     """
-    qi = q_idx[None, :, None]
-    kj = k_idx[None, None, :]
-    allowed = jnp.logical_and(qi < spec.t, kj < spec.s)
-    conds = index_conditions(spec, x, qi, kj, q_seg, kv_seg)
-    return allowed if conds is None else jnp.logical_and(allowed, conds)
+    q = inputs.q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
+    q = jnp.transpose(q, (0, 2, 3, 1, 4)).reshape(spec.b, spec.k, spec.group * spec.t, spec.h)
+    raw = jnp.einsum("bkmh,bskh->bkms", q, inputs.k, precision=HIGHEST)
+    logits = softcapped(spec, raw.reshape(spec.b, spec.n, spec.t, spec.s) * inputs.scale)
+    return logits if inputs.bias is None else logits + inputs.bias
 
 
-def query_rows_valid(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "B1 T"]:
-    """Query rows that exist: ``i < query_seq_lengths[b]`` (all rows without lengths)."""
-    idx = jnp.arange(spec.t)[None, :]
-    return idx < (spec.t if x.q_lens is None else x.q_lens[:, None])
+def mix_values(
+    spec: KernelSpec, probs: Float[Array, "B N T S"], v: Float[Array, "B S K H_v"]
+) -> Float[Array, "B T N H_v"]:
+    """``o_i = sum_j p_ij v_j`` per head, the ``dot`` reading ``probs`` in place (rows ``(g, t)``
+    of each K/V head); only the ``[T, H_v]`` output is transposed to ``[B, T, N, H_v]``."""
+    pg = probs.reshape(spec.b, spec.k, spec.group * spec.t, spec.s)
+    o = jnp.einsum("bkms,bskh->bkmh", pg, v, precision=HIGHEST)
+    o = jnp.transpose(o.reshape(spec.b, spec.k, spec.group, spec.t, spec.h_v), (0, 3, 1, 2, 4))
+    return o.reshape(spec.b, spec.t, spec.n, spec.h_v)
 
 
-def logits_transform(spec: KernelSpec, raw: Array) -> Array:
+def softcapped(spec: KernelSpec, raw: Array) -> Array:
     """``c tanh(raw / c)`` with ``c = softcap``, identity without softcap."""
     if spec.softcap is None:
         return raw
@@ -412,104 +135,76 @@ def logits_transform(spec: KernelSpec, raw: Array) -> Array:
     return c * jnp.tanh(raw / c)
 
 
-def grouped(a: Array, spec: KernelSpec) -> Array:
-    """``[B, N, ...] -> [B, K, G, ...]`` (query head ``n = k * G + g``)."""
-    return a.reshape(a.shape[0], spec.k, spec.group, *a.shape[2:])
+def _where(allowed: Array | None, a: Array, fill: float) -> Array:
+    """``where(allowed, a, fill)``; ``a`` itself when every pair is allowed (``None``)."""
+    return a if allowed is None else jnp.where(allowed, a, fill)
 
 
-def uniform_rows(spec: KernelSpec, v: Array) -> Float[Array, "B 1 N H_v"]:
-    """The ``"uniform"`` policy's output: the mean of every ``v`` row, per query head."""
-    mean = jnp.mean(v.astype(spec.compute_dtype), axis=1)  # [B, K, H_v]
-    return jnp.repeat(mean, spec.group, axis=1)[:, None]
+# ----------------------------------------------------------------------------- the mask
 
 
-def finish(
+def allowed_pairs(
     spec: KernelSpec,
-    x: KernelInputs,
-    out: Float[Array, "B T N H_v"],
-    lse: Float[Array, "B T N"],
-    live: Bool[Array, "B T N"],
-) -> tuple[Array, Array]:
-    """Apply the fully-masked-row policy and query padding; cast the output to the input dtype.
-
-    A batch element whose ``query_seq_lengths`` or ``key_value_seq_lengths`` lies outside
-    ``[0, T]`` / ``[0, S]`` (only possible under ``jax.jit``, where the lengths are traced and
-    cannot be checked; eager calls raise) returns NaN in every output and ``lse`` entry: an
-    unmistakable result instead of a plausible wrong one (``lengths_in_range`` checks it).
+    inputs: KernelInputs,
+    q_idx: Int[Array, " tq"],
+    k_idx: Int[Array, " tk"],
+    q_seg: Int[Array, "B tq"] | None = None,
+    kv_seg: Int[Array, "B tk"] | None = None,
+    mask: Bool[Array, "#B #N #tq #tk"] | None = None,
+    bias: Float[Array, "#B #N #tq #tk"] | None = None,
+    in_range: bool = False,
+) -> Bool[Array, "#B #N #tq #tk"] | None:
+    """Every mask option in one ``and``, for the queries ``q_idx`` and keys ``k_idx`` (the
+    whole range, a tile or a chunk): lengths, causality, window, segments, then ``mask`` and
+    ``bias != -inf`` (the rows and columns of the given indices). ``in_range``: also
+    ``q_idx < T`` and ``k_idx < S`` (tile and chunk padding is never allowed). Broadcast shapes
+    are kept (a causal mask stays ``[1, 1, tq, tk]``); ``None`` when nothing restricts.
     """
-    if spec.masked_rows == "uniform":
-        out = jnp.where(live[..., None], out, uniform_rows(spec, x.v))
-    elif spec.masked_rows == "nan":
-        out = jnp.where(live[..., None], out, jnp.nan)
-    if x.q_lens is not None:
-        valid = query_rows_valid(spec, x)[..., None]  # [B, T, 1]
-        out = jnp.where(valid[..., None], out, 0.0)
-        lse = jnp.where(valid, lse, -jnp.inf)
-    bad = ~lengths_in_range(spec, x)[:, None, None]  # [B, 1, 1]
-    out = jnp.where(bad[..., None], jnp.nan, out)
-    lse = jnp.where(bad, jnp.nan, lse)
-    return out.astype(spec.dtype), lse
+    qi, kj = q_idx[None, :, None], k_idx[None, None, :]
+    t_len = spec.t if inputs.q_lens is None else inputs.q_lens[:, None, None]
+    s_len = spec.s if inputs.kv_lens is None else inputs.kv_lens[:, None, None]
+    conds: list[Array] = [qi < spec.t, kj < spec.s] if in_range else []
+    if inputs.q_lens is not None:
+        conds.append(qi < t_len)
+    if inputs.kv_lens is not None:
+        conds.append(kj < s_len)
+    if spec.is_causal or spec.window is not None:
+        pos = qi + (0 if spec.alignment == "top_left" else s_len - t_len)  # p_i: i's key slot
+        left, right = spec.window or (None, None)
+        if spec.is_causal:
+            conds.append(kj <= pos)
+        if left is not None:
+            conds.append(kj >= pos - left)
+        if right is not None:
+            conds.append(kj <= pos + right)
+    if q_seg is not None and kv_seg is not None:
+        conds.append(q_seg[:, :, None] == kv_seg[:, None, :])
+    parts = [functools.reduce(jnp.logical_and, conds)[:, None]] if conds else []
+    if mask is not None:
+        parts.append(mask)
+    if bias is not None:
+        parts.append(bias != -jnp.inf)
+    return functools.reduce(jnp.logical_and, parts) if parts else None
 
 
-def require_lengths_in_range(spec: KernelSpec, x: KernelInputs) -> None:
-    """Under :func:`attnref.checked`, raise for traced lengths out of range (eager calls have
-    raised already in ``prepare``); unchecked, ``finish`` returns NaN for those batch rows."""
-    if x.q_lens is None and x.kv_lens is None:
-        return
-    ok = lengths_in_range(spec, x)
-    require(
-        ok,
-        f"query_seq_lengths must lie in [0, T={spec.t}] and key_value_seq_lengths in "
-        f"[0, S={spec.s}]; batch element {{b}} is out of range",
-        b=jnp.argmin(ok),
-    )
+# ----------------------------------------------------------------------------- the guard
 
 
-def lengths_in_range(spec: KernelSpec, x: KernelInputs) -> Bool[Array, " B"]:
-    """Per batch element: ``0 <= query_seq_lengths <= T`` and ``0 <= key_value_seq_lengths <= S``
-    (True where the lengths are not given)."""
-    ok = jnp.ones((spec.b,), bool)
-    for lens, upper in ((x.q_lens, spec.t), (x.kv_lens, spec.s)):
-        if lens is not None:
-            ok = jnp.logical_and(ok, jnp.logical_and(lens >= 0, lens <= upper))
-    return ok
-
-
-def allowed_pairs(spec: KernelSpec, x: KernelInputs) -> Bool[Array, "#B #N #T S"] | None:
-    """Every allowed (query, key) pair of the call: the index-based options, ``mask`` and
-    ``bias != -inf``, at their broadcast shape (never broadcast to ``[B, N, T, S]``: a causal mask
-    stays ``[1, 1, T, S]``). ``None`` when every pair is allowed (no option restricts, ``S > 0``).
-    """
-    qi, kj = jnp.arange(spec.t)[None, :, None], jnp.arange(spec.s)[None, None, :]
-    parts = []
-    conds = index_conditions(spec, x, qi, kj, x.q_seg, x.kv_seg)
-    if conds is not None:
-        parts.append(conds[:, None])
-    if x.mask is not None:
-        parts.append(x.mask)
-    if x.bias is not None:
-        parts.append(x.bias != -jnp.inf)
-    if not parts:
-        return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
-    allowed = functools.reduce(jnp.logical_and, parts)
-    return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
-
-
-def bad_operands(x: KernelInputs) -> tuple[Array, Array, Array | None]:
+def bad_operands(inputs: KernelInputs) -> tuple[Array, Array, Array | None]:
     """Where the operands hold NaN or inf: query rows ``[B, T, N]``, key/value rows
     ``[B, S, K]`` (either of ``k`` and ``v``), and bias entries that are NaN or ``+inf`` (a
     ``-inf`` bias masks its pair instead)."""
-    bad_q = nonfinite_rows(x.q)
-    bad_kv = jnp.logical_or(nonfinite_rows(x.k), nonfinite_rows(x.v))
+    bad_q = nonfinite_rows(inputs.q)
+    bad_kv = jnp.logical_or(nonfinite_rows(inputs.k), nonfinite_rows(inputs.v))
     bias_bad = None
-    if x.bias is not None:
-        bias_bad = jnp.logical_or(jnp.isnan(x.bias), x.bias == jnp.inf)
+    if inputs.bias is not None:
+        bias_bad = jnp.logical_or(jnp.isnan(inputs.bias), inputs.bias == jnp.inf)
     return bad_q, bad_kv, bias_bad
 
 
-def _head_groups(a: Array, spec: KernelSpec) -> Array:
-    """``[B, N, ...] -> [B, K, G, ...]`` (:func:`grouped`); a size-1 head axis stays size 1."""
-    return a[:, :, None] if a.shape[1] == 1 else grouped(a, spec)
+def grouped(a: Array, spec: KernelSpec) -> Array:
+    """``[B, N, ...] -> [B, K, G, ...]`` (query head ``n = k * G + g``)."""
+    return a.reshape(a.shape[0], spec.k, spec.group, *a.shape[2:])
 
 
 def reads_bad(
@@ -523,193 +218,298 @@ def reads_bad(
     ``allowed`` may keep size-1 (broadcast) batch, head and query axes; the result keeps the
     query axis of ``allowed`` (and ``bias_bad``), size 1 where both broadcast.
     """
+
+    def head_groups(a: Array) -> Array:  # [B, N, ...] -> [B, K, G, ...]; size-1 heads stay
+        return a[:, :, None] if a.shape[1] == 1 else grouped(a, spec)
+
     bad = jnp.swapaxes(bad_kv, 1, 2)[:, :, None, None, :]  # [B, K, 1, 1, tk]
     if bias_bad is not None:
-        bad = jnp.logical_or(bad, _head_groups(bias_bad, spec))
-    reads = jnp.any(jnp.logical_and(_head_groups(allowed, spec), bad), axis=-1)
+        bad = jnp.logical_or(bad, head_groups(bias_bad))
+    reads = jnp.any(jnp.logical_and(head_groups(allowed), bad), axis=-1)
     tq = reads.shape[-1]
     return jnp.broadcast_to(reads, (spec.b, spec.k, spec.group, tq)).reshape(spec.b, spec.n, tq)
 
 
-def _where(allowed: Array | None, a: Array, fill: float) -> Array:
-    """``where(allowed, a, fill)``; ``a`` itself when every pair is allowed (``None``)."""
-    return a if allowed is None else jnp.where(allowed, a, fill)
+def finite_inputs(spec: KernelSpec, inputs: KernelInputs) -> KernelInputs:
+    """``q``, ``k``, ``v`` in the compute dtype with non-finite entries read as 0, and the bias
+    with NaN and ``+inf`` read as 0 (``-inf`` kept): what a formula computes on."""
+    q, k, v = (finite_part(a.astype(spec.compute_dtype)) for a in (inputs.q, inputs.k, inputs.v))
+    return dataclasses.replace(inputs, q=q, k=k, v=v, bias=finite_bias(inputs.bias))
 
 
-def _logits(spec: KernelSpec, q: Array, k: Array) -> Float[Array, "B N T S"]:
-    """``q_i . k_j`` for every head; query head ``n = k G + g`` reads K/V head ``k``.
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One validated kernel call (what :func:`prepare` returns), guarded by
+    :func:`attnref._src.core.entry.guard`: ``run`` computes a formula on the finite inputs and
+    applies the finishing rules, ``dirty_rows`` names the rows that read a non-finite value."""
 
-    The query rows of a K/V head are laid out ``(g, t)`` before the product, so the ``[T, S]``
-    logits come out of the ``dot`` in their final order (no transposed copy of them).
-    """
-    qg = q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
-    qg = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(spec.b, spec.k, spec.group * spec.t, spec.h)
-    raw = jnp.einsum("bkmh,bskh->bkms", qg, k, precision=HIGHEST)
-    return raw.reshape(spec.b, spec.n, spec.t, spec.s)
+    spec: KernelSpec
+    inputs: KernelInputs
+    return_lse: bool = False
+    scale: Any = None  # the caller's (None, a number, a traced array): pieces resolve it alike
+
+    @functools.cached_property
+    def allowed(self) -> Bool[Array, "#B #N #T S"] | None:
+        """The allowed pairs of the whole call, broadcast shape kept; ``None``: every pair."""
+        spec, x = self.spec, self.inputs
+        t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
+        allowed = allowed_pairs(spec, x, t_idx, s_idx, x.q_seg, x.kv_seg, x.mask, x.bias)
+        if allowed is None:
+            return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
+        return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
+
+    @functools.cached_property
+    def live(self) -> Bool[Array, "B T N"]:
+        """Rows with at least one allowed key."""
+        shape = (self.spec.b, self.spec.n, self.spec.t)
+        if self.allowed is None:
+            return jnp.ones((shape[0], shape[2], shape[1]), bool)
+        return jnp.swapaxes(jnp.broadcast_to(jnp.any(self.allowed, axis=-1), shape), 1, 2)
+
+    def run(self, formula: Callable[..., tuple[Array, Array]]) -> tuple[Array, Array]:
+        """``formula(spec, finite inputs, allowed)``, then :func:`finish`."""
+        spec, x = self.spec, self.inputs
+        o, lse = formula(spec, finite_inputs(spec, x), self.allowed)
+        return finish_all(spec, x, o, lse, self.live)
+
+    def dirty_rows(self) -> Bool[Array, "B T N"]:
+        """A live row whose query is non-finite, or that reads a non-finite key, value or bias
+        entry through an allowed pair."""
+        spec = self.spec
+        allowed = jnp.ones((1, 1, 1, spec.s), bool) if self.allowed is None else self.allowed
+        bad_q, bad_kv, bias_bad = bad_operands(self.inputs)
+        reads = reads_bad(spec, allowed, bad_kv, bias_bad)
+        reads = jnp.swapaxes(jnp.broadcast_to(reads, (spec.b, spec.n, spec.t)), 1, 2)
+        return jnp.logical_or(jnp.logical_and(bad_q, self.live), reads)
 
 
-def _mix_values(spec: KernelSpec, p: Array, v: Array) -> Float[Array, "B T N H_v"]:
-    """``o_i = sum_j p_ij v_j`` per head, the ``dot`` reading ``p`` in place (rows ``(g, t)`` of
-    each K/V head); only the ``[T, H_v]`` output is transposed to ``[B, T, N, H_v]``."""
-    pg = p.reshape(spec.b, spec.k, spec.group * spec.t, spec.s)
-    o = jnp.einsum("bkms,bskh->bkmh", pg, v, precision=HIGHEST)
-    o = jnp.transpose(o.reshape(spec.b, spec.k, spec.group, spec.t, spec.h_v), (0, 3, 1, 2, 4))
-    return o.reshape(spec.b, spec.t, spec.n, spec.h_v)
+def naive(call: KernelCall) -> tuple[Array, Array]:
+    """The naive form: every ``T x S`` logit at once (:func:`attention`), guarded."""
+    return guard(call, attention)  # type: ignore[no-any-return]
 
 
-def _attend(
+# ----------------------------------------------------------------------------- finishing rules
+
+
+def uniform_rows(spec: KernelSpec, v_sum: Float[Array, "B K H_v"]) -> Float[Array, "B 1 N H_v"]:
+    """The ``"uniform"`` policy's output, ``sum_j v_j / S`` per query head."""
+    return jnp.repeat(v_sum / spec.s, spec.group, axis=1)[:, None]
+
+
+def finish_all(
     spec: KernelSpec,
-    x: KernelInputs,
-    q: Array,
-    k: Array,
-    v: Array,
-    allowed: Bool[Array, "#B #N #T S"] | None,
-    live: Bool[Array, "#B #N #T"] | None,
+    inputs: KernelInputs,
+    o: Float[Array, "B T N H_v"],
+    lse: Float[Array, "B T N"],
+    live: Bool[Array, "B T N"],
 ) -> tuple[Array, Array]:
-    """``softmax(s, allowed) v`` and ``lse`` (``[B, T, N, H_v]``, ``[B, N, T]``), compute dtype.
+    """:func:`finish` on the rows of the whole call (``"uniform"``: the mean of ``inputs.v``)."""
+    mean_v = None
+    if spec.masked_rows == "uniform":
+        mean_v = uniform_rows(spec, jnp.sum(inputs.v.astype(spec.compute_dtype), axis=1))
+    return finish(spec, inputs, o, lse, live, jnp.arange(spec.t), mean_v)
 
-    ``allowed=None`` (and ``live=None``): every pair is allowed. One ``select`` feeds the max and
-    one the exponential, ``e_ij = exp(where(allowed, s_ij - top_i, -inf))``, exactly 0 on a pair
-    that is not allowed whatever its logit holds, and with a zero gradient there.
+
+def finish(
+    spec: KernelSpec,
+    lengths: KernelInputs,
+    o: Float[Array, "B tq N H_v"],
+    lse: Float[Array, "B tq N"],
+    live: Bool[Array, "B tq N"],
+    q_pos: Int[Array, " tq"],
+    mean_v: Float[Array, "B 1 N H_v"] | None = None,
+) -> tuple[Array, Array]:
+    """The fully-masked-row policy (``"uniform"``: ``mean_v``), query padding
+    (``q_pos >= query_seq_lengths``: 0 and ``-inf``) and the cast to the input dtype.
+
+    A batch element whose ``query_seq_lengths`` or ``key_value_seq_lengths`` lies outside
+    ``[0, T]`` / ``[0, S]`` (only possible under ``jax.jit``, where the lengths are traced and
+    cannot be checked; eager calls raise) returns NaN in every output and ``lse`` entry: an
+    unmistakable result instead of a plausible wrong one (:func:`lengths_in_range`).
     """
-    s = logits_transform(spec, _logits(spec, q, k) * x.scale)
-    bias = finite_bias(x.bias)
-    if bias is not None:
-        s = s + bias
-    top = jnp.max(_where(allowed, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
-    if live is not None:
-        top = jnp.where(live[..., None], top, 0.0)
-    top = jax.lax.stop_gradient(top)
-    e = jnp.exp(_where(allowed, s - top, -jnp.inf))
-    denom = jnp.sum(e, axis=-1)
-    if live is not None:
-        denom = jnp.where(live, denom, 1.0)
-    lse = top[..., 0] + jnp.log(denom)
-    if live is not None:
-        lse = jnp.where(live, lse, -jnp.inf)
-    return _mix_values(spec, e / denom[..., None], v), lse
+    if spec.masked_rows == "uniform":
+        if mean_v is None:
+            raise ValueError("masked_rows='uniform' needs the mean of the values (mean_v)")
+        o = jnp.where(live[..., None], o, mean_v)
+    elif spec.masked_rows == "nan":
+        o = jnp.where(live[..., None], o, jnp.nan)
+    if lengths.q_lens is not None:
+        valid = (q_pos[None, :] < lengths.q_lens[:, None])[..., None]  # [B, tq, 1]
+        o = jnp.where(valid[..., None], o, 0.0)
+        lse = jnp.where(valid, lse, -jnp.inf)
+    bad = ~lengths_in_range(spec, lengths)[:, None, None]  # [B, 1, 1]
+    o = jnp.where(bad[..., None], jnp.nan, o)
+    lse = jnp.where(bad, jnp.nan, lse)
+    return o.astype(spec.dtype), lse
 
 
-def naive(spec: KernelSpec, x: KernelInputs) -> tuple[Array, Array]:
-    """The naive form: every ``T x S`` logit at once; output and ``lse [B, T, N]``.
-
-    Computed on the finite parts of ``q``, ``k``, ``v`` and the bias; the rows that read a
-    non-finite value are NaN (``attnref._src.core.nonfinite``). The allowed pairs keep their broadcast
-    shape, and the ``[B, N, T, S]`` tensors are never transposed (:func:`_logits`,
-    :func:`_mix_values`).
-    """
-    cd = spec.compute_dtype
-    allowed = allowed_pairs(spec, x)
-    live_bnt = None if allowed is None else jnp.any(allowed, axis=-1)  # [B|1, N|1, T|1]
-    q, k, v = (finite_part(a.astype(cd)) for a in (x.q, x.k, x.v))
-    out, lse = _attend(spec, x, q, k, v, allowed, live_bnt)
-    shape = (spec.b, spec.n, spec.t)
-    live = jnp.ones(shape, bool) if live_bnt is None else jnp.broadcast_to(live_bnt, shape)
-    live = jnp.swapaxes(live, 1, 2)  # [B, T, N]
-    bad_q, bad_kv, bias_bad = bad_operands(x)
-    every = jnp.ones((1, 1, 1, spec.s), bool)
-    reads = reads_bad(spec, every if allowed is None else allowed, bad_kv, bias_bad)
-    reads = jnp.swapaxes(jnp.broadcast_to(reads, shape), 1, 2)
-    dirty = jnp.logical_or(jnp.logical_and(bad_q, live), reads)  # [B, T, N]
-    out, lse = poison_rows(dirty, (out, jnp.swapaxes(lse, 1, 2)))
-    return finish(spec, x, out, lse, live)
+# ----------------------------------------------------------------------------- public kernels
 
 
-@float64_scoped
-def dot_product_attention(
-    query: Float[ArrayLike, "B T N H"],
-    key: Float[ArrayLike, "B S K H"],
-    value: Float[ArrayLike, "B S K H_v"],
-    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
-    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A keyword argument of one kernel beyond the common ones (block sizes, ``num_splits``,
+    ``mesh``): name, default (``inspect.Parameter.empty``: required), annotation, Args line."""
+
+    name: str
+    default: Any
+    annotation: str
+    doc: str
+
+
+def kernel_public(
+    schedule: Callable[..., tuple[Array, Array]],
     *,
-    scale: float | ArrayLike | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    local_window_size: int | tuple[int | None, int | None] | None = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: Alignment = "top_left",
-    masked_rows: MaskedRows = "zeros",
-    return_lse: bool = False,
-) -> Any:
-    """``o = softmax(c tanh(scale q k^T / c) + bias, allowed) v`` per head, jax.nn layout.
+    name: str,
+    summary: str,
+    options: Sequence[Option] = (),
+    check: Callable[..., Any] | None = None,
+    returns: str = "",
+    value_errors: str = "",
+    type_errors: str = "",
+    formula: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
+    """The public kernel ``name``: :func:`prepare`'s signature (the ``options`` after ``mask``),
+    float64-scoped; validates (``check(**options)`` first, then :func:`prepare`) and returns
+    ``schedule(call, **options)``, ``o`` or ``(o, lse)``. Its docstring is ``summary`` and
+    :data:`KERNEL_ARGS` with the options' lines and the extra ``returns``/raises text."""
+    params = list(inspect.signature(prepare).parameters.values())
+    kw = inspect.Parameter.KEYWORD_ONLY
+    extra = [
+        inspect.Parameter(o.name, kw, default=o.default, annotation=o.annotation) for o in options
+    ]
+    signature = inspect.Signature([*params[:5], *extra, *params[5:]], return_annotation="Any")
 
-    The semantics (alignment, the fully-masked-row policy, padding) are in the module docstring
-    of ``attnref._src.formulations.kernel`` and in ``docs/kernel.md``. Query head ``n`` reads key/value head
-    ``n // (N // K)``. 16-bit inputs are computed in float32 and the output cast back.
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        given = dict(arguments.arguments)
+        extras = {o.name: given.pop(o.name) for o in options}
+        if check is not None:
+            check(**extras)
+        call = KernelCall(*prepare(**given))
+        require_lengths_in_range(call.spec, call.inputs)
+        out, lse = schedule(call, **extras)
+        return (out, lse) if call.return_lse else out
 
-    Args:
-        query: ``[B, T, N, H]``, floating.
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
-            (``-inf`` masks the pair); ``None`` (default) adds nothing.
-        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
-            ``None`` (default) allows every pair.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only (``p_i`` placed by
-            ``causal_alignment``).
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond the length are
-            padding (output 0, ``lse = -inf``); ``None`` (default) means every row is real.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond the length are
-            never read; ``None`` (default) means all ``S`` keys.
-        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side):
-            query ``i`` reads keys in ``[p_i - left, p_i + right]``; ``None`` (default): no
-            window.
-        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
-            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; a query attends only
-            to keys of its own segment (packed sequences). ``None`` (default): one segment.
-        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
-            the bias; ``None`` (default): no cap.
-        causal_alignment: ``"top_left"`` (default; jax.nn, PyTorch SDPA: ``p_i = i``) or
-            ``"bottom_right"`` (FlashAttention: ``p_i = i + S_b - T_b`` with the actual
-            lengths); used by ``is_causal`` and ``local_window_size``.
-        masked_rows: What a fully masked query row returns: ``"zeros"`` (default), ``"uniform"``
-            (the mean of ``value`` over all ``S`` keys, as jax.nn and Flax) or ``"nan"``
-            (xformers).
-        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
-
-    Returns:
-        ``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]``
-        (``-inf`` on fully masked and padding rows) when ``return_lse``. Under ``jax.jit``
-        (lengths traced, not checkable) a batch element with out-of-range lengths is NaN,
-        unless run under :func:`attnref.checked`, which raises.
-
-    Raises:
-        ValueError: If ``query``/``key``/``value`` are not rank 4 or their shapes disagree
-            (batch, head dim, ``S``/``K``, ``N % K != 0``, ``H = 0``), ``mask``/``bias`` are not
-            rank 4 broadcastable to ``[B, N, T, S]``, ``masked_rows``/``causal_alignment`` are
-            not accepted values, ``softcap`` is not a positive finite number, ``scale`` is not a
-            scalar, a lengths or segment-ids array has the wrong shape, concrete lengths are out
-            of range, a single ``segment_ids`` array is given with ``T != S``,
-            ``local_window_size`` has a negative side or is not a pair, or
-            ``masked_rows="uniform"`` with ``S = 0``.
-        TypeError: If ``query`` is not floating, the three dtypes differ, ``mask`` is not
-            boolean, ``bias`` is not floating, ``is_causal`` is not a bool, ``scale`` is not a
-            real number, lengths or segment ids are not integers, or ``local_window_size`` is
-            not an int or a pair of ints.
-    """
-    spec, x = prepare(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
+    fn: Any = float64_scoped(kernel)
+    fn.__wrapped__ = prepare  # the annotated signature (the suite's jaxtyping hook checks it)
+    fn.__signature__ = signature
+    fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = schedule.__module__
+    lines = "".join(f"\n    {o.name}: {o.doc}" for o in options)
+    args = KERNEL_ARGS.format(
+        options=lines, returns=returns, value_errors=value_errors, type_errors=type_errors
     )
-    require_lengths_in_range(spec, x)
-    out, lse = naive(spec, x)
-    return (out, lse) if return_lse else out
+    fn.__doc__ = f"{summary}\n\n{args}\n"
+    fn.formula = formula or schedule
+    return fn  # type: ignore[no-any-return]
+
+
+dot_product_attention = kernel_public(
+    naive,
+    name="dot_product_attention",
+    summary=(
+        "``o = softmax(c tanh(scale q k^T / c) + bias, allowed) v`` per head, jax.nn layout.\n\n"
+        "The semantics (alignment, the fully-masked-row policy, padding) are in the module "
+        "docstring\nof ``attnref._src.formulations.kernel`` and in ``docs/kernel.md``. Query "
+        "head ``n`` reads key/value\nhead ``n // (N // K)``. 16-bit inputs are computed in "
+        "float32 and the output cast back."
+    ),
+    formula=attention,
+)
+
+
+# ----------------------------------------------------------------------------- row forms
+
+
+def kernel_rows(
+    params: AttentionParams,
+    x_q: Float[Array, "... T_q d_model"],
+    x_kv: Float[Array, "... T_k d_model"],
+    mask: Bool[Array, "... #T_q #T_k"] | None,
+    bias: Float[Array, "... #T_q #T_k"] | None,
+    scale: Any,
+    residual: bool,
+    *,
+    kernel: Callable[..., Array],
+    **options: Any,
+) -> Float[Array, "... T_q d_model"]:
+    """``MultiHead = sum_n kernel(x_q W_Q, x_kv W_K, x_kv W_V)_n W_O[n] + b_O`` (``x_q +`` that
+    with ``residual``): the row form of a kernel, on validated finite tokens; ``scale`` is the
+    caller's (the kernel resolves ``None`` in its compute dtype)."""
+    batch, t_q, t_k = x_q.shape[:-2], x_q.shape[-2], x_kv.shape[-2]
+    b = math.prod(batch)
+    xq, xkv = x_q.reshape(b, t_q, -1), x_kv.reshape(b, t_k, -1)
+
+    def heads(x: Array, w: Any, w_b: Any) -> Array:  # x W[h] + b[h]     [B, L, heads, d]
+        y = jnp.einsum("bld,hde->blhe", x, jnp.asarray(w), precision=HIGHEST)
+        return y if w_b is None else y + jnp.asarray(w_b)
+
+    def pairs(a: Array | None) -> Array | None:  # [..., T_q, T_k] -> [B, 1, T_q, T_k]
+        return (
+            None if a is None else jnp.broadcast_to(a, (*batch, t_q, t_k)).reshape(b, 1, t_q, t_k)
+        )
+
+    o = kernel(
+        heads(xq, params.w_q, params.b_q),
+        heads(xkv, params.w_k, params.b_k),
+        heads(xkv, params.w_v, params.b_v),
+        pairs(bias),
+        pairs(mask),
+        scale=scale,
+        **options,
+    )
+    y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
+    return residual_or(add_output_bias(y.reshape(*batch, t_q, -1), params), x_q, residual)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRows:
+    """A validated row-form call (:func:`attnref._src.core.common.prepare_rows`), the caller's
+    ``scale`` and the kernel's options, guarded by :func:`attnref._src.core.entry.guard`."""
+
+    rows: Prepared
+    scale: Any
+    options: dict[str, Any]
+
+    def run(self, formula: Callable[..., Any]) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale, residual, **options)``, finite parts."""
+        f = self.rows.finite()
+        args = (f.params, f.x_q, f.x_kv, f.mask, f.bias, self.scale, bool(f.residual))
+        return formula(*args, **self.options)
+
+    def dirty_rows(self) -> Bool[Array, "... T_q"]:
+        return self.rows.dirty_rows()
+
+
+def rows_public(
+    level: Level, formula: Callable[..., Any], module: str, **kw: Any
+) -> Callable[..., Any]:
+    """:func:`attnref._src.core.entry.public` at a row level of a kernel, its signature returning
+    the block output, in ``module`` (the registry ranks entries by their ``apply``'s module)."""
+    fn = public(level, formula, returns=BLOCK_RETURNS, **kw)
+    fn.__signature__ = fn.__signature__.replace(return_annotation=_BLOCK)
+    fn.__module__ = module
+    return fn
+
+
+_BLOCK = "Float[Array, '... T_q d_model']"
+
+
+def row_args(option: str, value_errors: str = "", type_errors: str = "") -> str:
+    """The row level's Args text (:data:`attnref._src.core.common.ROWS`) with one more
+    keyword argument and its errors."""
+    args = ROWS.args.replace("\n\nRaises:", f"\n    {option}\n\nRaises:")
+    raises = [
+        f"\n    {kind}: {text}"
+        for kind, text in (("ValueError", value_errors), ("TypeError", type_errors))
+        if text
+    ]
+    return args + "".join(raises)
+
+
+# ----------------------------------------------------------------------------- ALiBi
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:

@@ -3,9 +3,9 @@ merge.
 
 The ``S`` keys are padded to ``P c`` (``c = ceil(S / P)``) and split into ``P`` contiguous runs
 ``K_p = {p c, ..., p c + c - 1}``. Each split yields the state of every query against its keys
-(:func:`attnref._src.formulations.distributed.chunk.chunk_state`: every kernel option is a rule on global
-key positions, so a split needs nothing but its positions), all ``P`` at once (``vmap``, one
-compiled body), and the states merge in one pass (:func:`attnref.merge_state_stack`)::
+(:func:`~attnref._src.formulations.distributed.chunk.chunk_state`: every kernel option is a rule
+on global key positions, so a split needs nothing but its positions), all ``P`` at once (``vmap``,
+one compiled body), and the states merge in one pass (:func:`attnref.merge_state_stack`)::
 
     (o_p, lse_p) = (softmax_{j in K_p}(s_ij) V_{K_p},  log sum_{j in K_p} exp(s_ij))
     m = max_p lse_p,   lse = m + log sum_p exp(lse_p - m),   o = sum_p exp(lse_p - lse) o_p
@@ -33,31 +33,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.common import Prepared, prepare_rows
+from attnref._src.core.common import prepare_rows
+from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.decode import (
-    project as _kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
-)
-from attnref._src.formulations.distributed.chunk import (
-    chunk_state,
-    finish_rows,
-    lengths_only,
-    value_sum,
-)
+from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.kernel import (
-    Alignment,
-    KernelInputs,
-    KernelSpec,
-    MaskedRows,
-    prepare,
-    require_lengths_in_range,
+    KernelCall,
+    KernelRows,
+    Option,
+    finish,
+    kernel_public,
+    kernel_rows,
+    row_args,
+    rows_public,
+    uniform_rows,
 )
-from attnref._src.formulations.kernel_forms import DAO, GQA, MILAKOV, block_output, flat, pairs
+from attnref._src.formulations.kernel_forms import DAO, GQA, MILAKOV
+from attnref._src.formulations.kernel_spec import lengths_only
 from attnref._src.formulations.states import merge_state_stack
 
 NUM_SPLITS = 4  # the default number of splits (the registry entry's)
@@ -93,128 +89,58 @@ def _splits(a: Array, c: int, p: int) -> Array:
 
 
 def split_kv(
-    spec: KernelSpec, x: KernelInputs, scale: Any, num_splits: int
+    call: KernelCall, num_splits: int
 ) -> tuple[Float[Array, "B T N H_v"], Float[Array, "B T N"]]:
-    """The states of the ``P`` splits (``vmap``), their merge, and the finishing rules.
-
-    Returns:
-        ``(o, lse)``: ``o`` in ``spec.dtype``, ``lse`` in the compute dtype.
-    """
+    """The states of the ``P`` splits (``vmap``), their merge, and the finishing rules: ``o``
+    in the input dtype, ``lse`` in the compute dtype."""
+    spec, inputs = call.spec, call.inputs
     pos = split_positions(spec.s, num_splits)
     c = pos.shape[1]
     k_pos = jnp.asarray(pos)
-    k, v = _splits(x.k, c, num_splits), _splits(x.v, c, num_splits)
-    kv_seg = None if x.kv_seg is None else _splits(x.kv_seg, c, num_splits)
+    k, v = _splits(inputs.k, c, num_splits), _splits(inputs.v, c, num_splits)
+    kv_seg = None if inputs.kv_seg is None else _splits(inputs.kv_seg, c, num_splits)
     q_pos = jnp.arange(spec.t, dtype=jnp.int32)
-    lengths = lengths_only(x.q_lens, x.kv_lens)
+    lengths = lengths_only(inputs.q_lens, inputs.kv_lens)
 
     def state(k_p: Array, v_p: Array, pos_p: Array, seg_p: Array | None) -> tuple[Array, Array]:
         return chunk_state(
-            spec, lengths, scale, x.q, q_pos, x.q_seg, k_p, v_p, pos_p, seg_p, x.bias, x.mask
-        )
+            spec, lengths, call.scale, inputs.q, q_pos, inputs.q_seg, k_p, v_p, pos_p, seg_p,
+            inputs.bias, inputs.mask,
+        )  # fmt: skip
 
     o, lse = jax.vmap(state)(k, v, k_pos, kv_seg)  # [P, B, T, N, H_v], [P, B, T, N]
     o, lse = merge_state_stack(o, lse, axis=0)
-    v_total = None
+    mean_v = None
     if spec.masked_rows == "uniform":
-        v_total = jnp.sum(jax.vmap(lambda v_p, p: value_sum(spec, v_p, p))(v, k_pos), axis=0)
-    return finish_rows(spec, lengths, o, lse, q_pos, v_total)
+        v_sum = jnp.sum(jax.vmap(lambda v_p, p: value_sum(spec, v_p, p))(v, k_pos), axis=0)
+        mean_v = uniform_rows(spec, v_sum)
+    return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), q_pos, mean_v)
 
 
-@float64_scoped
-def split_kv_dot_product_attention(
-    query: Float[ArrayLike, "B T N H"],
-    key: Float[ArrayLike, "B S K H"],
-    value: Float[ArrayLike, "B S K H_v"],
-    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
-    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
-    *,
-    num_splits: int = NUM_SPLITS,
-    scale: float | ArrayLike | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    local_window_size: int | tuple[int | None, int | None] | None = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: Alignment = "top_left",
-    masked_rows: MaskedRows = "zeros",
-    return_lse: bool = False,
-) -> Any:
-    """Split-KV (flash-decoding) attention: ``P`` key splits, one state each, one merge.
+_NUM_SPLITS_DOC = (
+    "The number of key splits ``P``, a positive int (default 4); each holds ``ceil(S / P)`` keys."
+)
 
-    Equal to :func:`attnref.dot_product_attention` with the same arguments (rounding aside):
-    ``lse = m + log sum_p exp(lse_p - m)``, ``o = sum_p exp(lse_p - lse) o_p`` over the states
-    ``(o_p, lse_p)`` of the splits (see the module docstring). ``S`` need not be a multiple of
-    ``num_splits`` (the last splits are padded; padding is never attended).
-
-    Args:
-        query: ``[B, T, N, H]``, floating (``T = 1``: one decoding step).
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
-            (``-inf`` masks the pair); ``None`` (default) adds nothing.
-        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
-            ``None`` (default) allows every pair.
-        num_splits: The number of key splits ``P``, a positive int (default 4); each holds
-            ``ceil(S / P)`` keys.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only (``p_i`` placed by
-            ``causal_alignment``).
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond the length are
-            padding (output 0, ``lse = -inf``); ``None`` (default) means every row is real.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond the length are
-            never read; ``None`` (default) means all ``S`` keys.
-        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side):
-            query ``i`` reads keys in ``[p_i - left, p_i + right]``; ``None`` (default): no
-            window.
-        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
-            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; a query attends only
-            to keys of its own segment. ``None`` (default): one segment.
-        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
-            the bias; ``None`` (default): no cap.
-        causal_alignment: ``"top_left"`` (default, ``p_i = i``) or ``"bottom_right"``
-            (``p_i = i + S_b - T_b`` with the actual lengths).
-        masked_rows: What a fully masked query row returns: ``"zeros"`` (default), ``"uniform"``
-            (the mean of ``value`` over all ``S`` keys) or ``"nan"``.
-        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
-
-    Returns:
-        ``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]``
-        (``-inf`` on fully masked and padding rows) when ``return_lse``; both differentiable
-        (autodiff through the splits and the merge).
-
-    Raises:
-        ValueError: If ``num_splits`` is below 1, or for any argument
-            :func:`attnref.dot_product_attention` refuses with ``ValueError`` (shapes, option
-            values, concrete lengths out of range).
-        TypeError: If ``num_splits`` is not an int (a bool or a float included), or for the
-            dtype and type errors of :func:`attnref.dot_product_attention`.
-    """
-    p = check_num_splits(num_splits)
-    spec, x = prepare(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
-    )
-    require_lengths_in_range(spec, x)
-    out, lse = split_kv(spec, x, scale, p)
-    return (out, lse) if return_lse else out
+split_kv_dot_product_attention = kernel_public(
+    split_kv,
+    name="split_kv_dot_product_attention",
+    summary=(
+        "Split-KV (flash-decoding) attention: ``P`` key splits, one state each, one merge.\n\n"
+        "Equal to :func:`attnref.dot_product_attention` with the same arguments (rounding "
+        "aside):\n``lse = m + log sum_p exp(lse_p - m)``, ``o = sum_p exp(lse_p - lse) o_p`` "
+        "over the states\n``(o_p, lse_p)`` of the splits (see the module docstring). ``S`` need "
+        "not be a multiple of\n``num_splits`` (the last splits are padded; padding is never "
+        "attended); ``T = 1`` is one decoding step."
+    ),
+    options=(Option("num_splits", NUM_SPLITS, "int", _NUM_SPLITS_DOC),),
+    check=check_num_splits,
+    returns=" Both differentiable (autodiff through the splits and the merge).",
+    value_errors=", or ``num_splits`` is below 1",
+    type_errors=", or ``num_splits`` is not an int (a bool or a float included)",
+)
 
 
-@float64_scoped
-def split_kv_attention(
+def _split_rows(
     params: AttentionParams,
     x_q: Float[ArrayLike, "... T_q d_model"],
     x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
@@ -224,55 +150,31 @@ def split_kv_attention(
     scale: float | None = None,
     residual: bool = False,
     num_splits: int = NUM_SPLITS,
-) -> Float[Array, "... T_q d_model"]:
-    """Multi-head attention through :func:`split_kv_dot_product_attention`.
-
-    The keys are cut into ``num_splits`` splits, each split's state ``(o_p, lse_p)`` is computed
-    for every query, and the states are merged (flash-decoding).
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``).
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-            logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-        num_splits: The number of key splits, a positive int (default 4).
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, ``scale`` is not a scalar, or ``num_splits`` is below 1.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, ``scale`` is not a real number, or ``num_splits`` is not
-            an int.
-    """
+) -> KernelRows:
     check_num_splits(num_splits)
+    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    options = {"kernel": split_kv_dot_product_attention, "num_splits": num_splits}
+    return KernelRows(rows, scale, options)
 
-    def compute(p: Prepared) -> Array:
-        xq, xkv, b = flat(p)
-        o = split_kv_dot_product_attention(
-            _kernel_heads(xq, params.w_q, params.b_q),
-            _kernel_heads(xkv, params.w_k, params.b_k),
-            _kernel_heads(xkv, params.w_v, params.b_v),
-            pairs(p, p.bias, b),
-            pairs(p, p.mask, b),
-            num_splits=num_splits,
-            scale=scale,
-        )
-        return block_output(p, params, o, residual)
 
-    # Non-finite tokens a query may not read stay out of it and of every gradient.
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+split_kv_attention = rows_public(
+    Level(
+        _split_rows,
+        row_args(
+            f"num_splits: {_NUM_SPLITS_DOC}",
+            "If ``num_splits`` is below 1.",
+            "If ``num_splits`` is not an int.",
+        ),
+    ),
+    kernel_rows,
+    __name__,
+    name="split_kv_attention",
+    summary=(
+        "Multi-head attention through :func:`split_kv_dot_product_attention`: the keys cut "
+        "into\n``num_splits`` splits, each split's state ``(o_p, lse_p)`` computed for every "
+        "query, the\nstates merged (flash-decoding)."
+    ),
+)
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -388,6 +290,7 @@ register(
         citation=FLASH_DECODING + " The merge: " + MILAKOV + " " + DAO + " GQA: " + GQA,
         apply=split_kv_attention,
         native=split_kv_dot_product_attention,
+        formula=split_kv,
         summary=(
             "The keys cut into P contiguous splits; every split's state (o, lse) is computed "
             "at once (vmap over the splits) and the P states are merged in one stable pass "

@@ -43,14 +43,15 @@ PIECE_PER_PAIR = 4 + 4 + 3 + 12 + 6
 # Per query row and head of a piece: the kernel's live/denominator/lse selects and the lse add
 # (4), the dirty test (and, or) and the poisoning of lse (3); per output entry its poisoning (1).
 PIECE_PER_ROW, PIECE_PER_ENTRY = 7, 1
-# One merge of two states (attnref._src.formulations.states.merge_states), per row: max, isfinite, where,
-# two (where, -), +, where, two isneginf, minimum, where, + and the empty/poison tests (4) and
-# two selects of lse; per output entry: two selects of o_a/o_b, 2 mul, add, divide, two selects.
+# One merge of two states (attnref._src.formulations.states.merge_states), per row: max,
+# isfinite, where, two (where, -), +, where, two isneginf, minimum, where, + and the empty/poison
+# tests (4) and two selects of lse; per output entry: two selects of o_a/o_b, 2 mul, add, divide,
+# two selects.
 MERGE_PER_ROW, MERGE_PER_ENTRY = 20, 8
 # Moving a token array into or out of a layout (pad, gather; the partitioner's select and
 # all-reduce add when it reshards a gather), per element.
 LAYOUT_PER_ELEMENT = 3
-# Per output row and head: finish_rows' live test and policy selects, query padding, NaN for
+# Per output row and head: finish's live test and policy selects, query padding, NaN for
 # lengths out of range (6); per output entry: their selects and the cast (4).
 FINISH_PER_ROW, FINISH_PER_ENTRY = 6, 4
 

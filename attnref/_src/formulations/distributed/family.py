@@ -1,5 +1,6 @@
-"""The distributed family: its :class:`~attnref._src.core.family.Family`, the mesh helpers every scheme
-shares, and the row-form adapter that turns a kernel-level scheme into a registry ``apply``.
+"""The distributed family: its :class:`~attnref._src.core.family.Family`, the mesh helpers every
+scheme shares, and the public functions of a scheme: its kernel (the kernel signature plus
+``mesh`` and ``axis_name``) and its row form (the registry ``apply``).
 
 A kernel-level scheme takes the layout and options of ``jax.nn.dot_product_attention``
 (``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``, global arrays in natural
@@ -12,20 +13,33 @@ by the same oracle (:func:`attnref.oracle.attention`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref import oracle, tolerance
-from attnref._src.core.common import Prepared, prepare_rows
+from attnref._src.core.checks import is_traced
+from attnref._src.core.common import prepare_rows
+from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
 from attnref._src.core.params import AttentionParams
-from attnref._src.formulations.decode import project as _kernel_heads
-from attnref._src.formulations.kernel_forms import block_output, flat, pairs
+from attnref._src.formulations.kernel import (
+    KernelCall,
+    KernelRows,
+    Option,
+    kernel_public,
+    kernel_rows,
+    row_args,
+    rows_public,
+)
+from attnref._src.formulations.kernel_spec import KernelInputs
 
 DEFAULT_AXIS = "devices"
 
@@ -99,36 +113,150 @@ def mesh_axis(mesh: Any, axis_name: str | None) -> tuple[str, int]:
     return axis_name, int(mesh.shape[axis_name])
 
 
-def row_form(
-    native: Callable[..., Any],
-    params: AttentionParams,
-    x_q: Any,
-    x_kv: Any,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    residual: bool,
-    mesh: Mesh | None,
-) -> Array:
-    """``sum_n native(x_q W_Q, x_kv W_K, x_kv W_V)_n W_O[n] + b_O`` (``x_q +`` that with
-    ``residual``): the row form of a kernel-level scheme, with the non-finite guard of every
-    row form (:meth:`attnref._src.core.common.Prepared.guarded`). ``mesh=None``: all devices."""
-    mesh = default_mesh() if mesh is None else mesh
+def split_scale(scale: Any) -> tuple[float | None, Array | None]:
+    """The caller's ``scale`` for a jitted scheme: a concrete one as a static Python float
+    (hashable, part of the compiled program's key), a traced one as an array argument."""
+    if scale is None:
+        return None, None
+    if is_traced(scale):
+        return None, jnp.asarray(scale)
+    return float(scale), None
 
-    def compute(p: Prepared) -> Array:
-        xq, xkv, b = flat(p)
-        o = native(
-            _kernel_heads(xq, params.w_q, params.b_q),
-            _kernel_heads(xkv, params.w_k, params.b_k),
-            _kernel_heads(xkv, params.w_v, params.b_v),
-            pairs(p, p.bias, b),
-            pairs(p, p.mask, b),
-            mesh=mesh,
-            scale=scale,
+
+def optional(**arrays: Any) -> dict[str, Any]:
+    """The given arrays without the ``None`` entries (a ``shard_map`` argument pytree)."""
+    return {name: a for name, a in arrays.items() if a is not None}
+
+
+def mesh_args(inputs: KernelInputs, traced_scale: Array | None, **changed: Any) -> dict[str, Any]:
+    """A scheme's ``shard_map`` argument: the kernel's arrays (``changed`` replacing some, e.g.
+    padded or laid out) and a traced scale, without the ``None`` ones."""
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return optional(**{**fields, **changed, "scale": traced_scale})
+
+
+def check_heads(n: int, devices: int, axis_name: str, scheme: str, what: str) -> None:
+    """Refuse a head count ``n`` that the ``devices`` of ``axis_name`` do not divide.
+
+    Raises:
+        ValueError: Naming ``what`` (the argument and its shape) and the mesh axis.
+    """
+    if n % devices:
+        raise ValueError(
+            f"{what} has N={n} query heads, which the P={devices} devices of mesh axis "
+            f"{axis_name!r} do not divide: {scheme} gives each device N/P whole query heads "
+            "(use a mesh axis whose size divides N)"
         )
-        return block_output(p, params, o, residual)
 
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale).guarded(compute, residual)
+
+def mesh_schedule(
+    program: Callable[..., tuple[Array, Array]], heads: str | None = None
+) -> Callable[..., tuple[Array, Array]]:
+    """The schedule of a scheme whose jitted ``shard_map`` program takes ``(spec, inputs,
+    traced_scale, scale, mesh, axis, devices)``: the mesh axis resolved (and, for a
+    head-parallel scheme named ``heads``, its size checked against ``N``), the caller's scale
+    split into a static and a traced part (:func:`split_scale`)."""
+
+    def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
+        axis, devices = mesh_axis(mesh, axis_name)
+        if heads is not None:
+            query = f"query {tuple(call.inputs.q.shape)}"
+            check_heads(call.spec.n, devices, axis, heads, query)
+        static, traced = split_scale(call.scale)
+        return program(call.spec, call.inputs, traced, static, mesh, axis, devices)
+
+    schedule.__module__ = program.__module__
+    return schedule
+
+
+# ----------------------------------------------------------------------------- public functions
+
+_MESH = Option("mesh", inspect.Parameter.empty, "Mesh", "A ``jax.sharding.Mesh`` "
+               "(:func:`attnref.distributed.default_mesh`).")  # fmt: skip
+
+
+def mesh_kernel(
+    schedule: Callable[..., tuple[Array, Array]],
+    *,
+    name: str,
+    summary: str,
+    axis: str,
+    returns: str = "",
+    value_errors: str = "",
+    type_errors: str = "",
+) -> Callable[..., Any]:
+    """The public kernel ``name`` of a scheme: the kernel signature plus ``mesh`` and
+    ``axis_name`` (:func:`~attnref._src.formulations.kernel.kernel_public`); ``schedule(call,
+    mesh, axis_name)``. ``axis``: what the scheme splits over the mesh axis."""
+    axis_name = Option("axis_name", None, "str | None", f"The mesh axis {axis}; ``None`` "
+                       "(default): the only axis of a 1-D mesh.")  # fmt: skip
+    return kernel_public(
+        schedule,
+        name=name,
+        summary=summary,
+        options=(_MESH, axis_name),
+        returns=returns,
+        value_errors="; if ``axis_name`` is not an axis of ``mesh`` (or is ``None`` for a "
+        "mesh with several axes)" + value_errors,
+        type_errors=", or ``mesh`` is not a ``jax.sharding.Mesh``" + type_errors,
+    )
+
+
+def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
+    """The row level of a scheme: the row signature plus ``mesh`` (``None``: every device, or
+    for a head-parallel scheme the most devices whose count divides ``H``)."""
+
+    def rows_on_mesh(
+        params: AttentionParams,
+        x_q: Float[ArrayLike, "... T_q d_model"],
+        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+        bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+        scale: float | None = None,
+        residual: bool = False,
+        mesh: Mesh | None = None,
+    ) -> KernelRows:
+        if mesh is None:
+            mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
+        rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+        return KernelRows(rows, scale, {"kernel": native, "mesh": mesh})
+
+    default = (
+        "the most devices (at most ``jax.device_count()``) whose count divides ``H``"
+        if heads
+        else "every device (:func:`attnref.distributed.default_mesh`)"
+    )
+    args = row_args(
+        f"mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): {default}.",
+        "If ``mesh`` has several axes"
+        + (", or its ``P`` devices do not divide the ``H`` query heads." if heads else "."),
+        "If ``mesh`` is not a ``jax.sharding.Mesh``.",
+    )
+    return Level(rows_on_mesh, args)
+
+
+def scheme_rows(
+    native: Callable[..., Any],
+    name: str,
+    heads: bool = False,
+    formula: Callable[..., Any] = kernel_rows,
+    level: Level | None = None,
+) -> Callable[..., Any]:
+    """``<scheme>_attention``, the registry's ``apply``: multi-head attention through the
+    scheme's kernel ``native`` on a mesh (:func:`~attnref._src.formulations.kernel.kernel_rows`),
+    validated and guarded by :func:`attnref._src.core.entry.public`."""
+    return rows_public(
+        level or _rows_level(native, heads),
+        formula,
+        native.__module__,
+        name=name,
+        summary=(
+            f"Multi-head attention through :func:`{native.__name__}` on a mesh:\n"
+            f"``sum_n o_n W_O[n] + b_O`` with ``o = {native.__name__}(x_q W_Q, x_kv W_K, "
+            "x_kv W_V)``\nper head, ``x_q +`` that with ``residual``."
+        ),
+    )
 
 
 # The gradients section of docs/distributed.md (attnref.pages.render_distributed).
@@ -145,24 +273,24 @@ GRADIENTS = "\n\n".join(
             "tanh^2(scale x / c))` with a softcap `c`."
         ),
         (
-            "**Ring, striped, zigzag.** The backward is a `jax.custom_vjp` that runs the ring again"
-            " (module docstring of `attnref._src.formulations.distributed.ring`): each step recomputes its "
-            "chunk's state and takes its `jax.vjp`, the scale included; `dq` and the scale's "
-            "cotangent accumulate on the device, `dK`/`dV` travel with the chunk back to its owner,"
-            " and what every device shares (a bias broadcast along `T`, the scale) has its "
-            "per-device cotangents summed (`psum`). JAX has no forward-mode rule for a "
-            "`custom_vjp`, so **forward mode is not supported**: `jax.jvp` and `jax.jacfwd` of "
-            "these kernels raise `TypeError: <scheme>_dot_product_attention does not support "
-            "forward-mode differentiation (...)`, which names the way out (reverse mode, or "
-            "`all_gather_dot_product_attention`). Under an outer `jax.jit` (`jax.jvp(jax.jit(f), "
-            "...)`, `jax.jit(lambda x: jax.jvp(f, ...))`) and for the function `jax.linearize` "
-            "returns, the failure only shows when JAX compiles or runs the derivative, after the "
-            "kernel has returned, as JAX's own `TypeError: can't apply forward-mode autodiff (jvp) "
-            "to a custom_vjp function.` Supporting it would take a `custom_jvp`, from which JAX "
-            "derives the reverse mode by transposing the tangent ring: every step's probabilities "
-            "kept, the memory this backward exists to avoid. Forward over reverse works "
-            "(`jax.hessian`, `jax.jvp` of `jax.grad`): the outer forward mode differentiates the "
-            "`custom_vjp`'s own rules, ordinary JAX code."
+            "**Ring, striped, zigzag.** The backward is a `jax.custom_vjp` that runs the ring "
+            "again (module docstring of `attnref._src.formulations.distributed.ring`): each step "
+            "recomputes its chunk's state and takes its `jax.vjp`, the scale included; `dq` and "
+            "the scale's cotangent accumulate on the device, `dK`/`dV` travel with the chunk "
+            "back to its owner, and what every device shares (a bias broadcast along `T`, the "
+            "scale) has its per-device cotangents summed (`psum`). JAX has no forward-mode rule "
+            "for a `custom_vjp`, so **forward mode is not supported**: `jax.jvp` and "
+            "`jax.jacfwd` of these kernels raise `TypeError: <scheme>_dot_product_attention does "
+            "not support forward-mode differentiation (...)`, which names the way out (reverse "
+            "mode, or `all_gather_dot_product_attention`). Under an outer `jax.jit` "
+            "(`jax.jvp(jax.jit(f), ...)`, `jax.jit(lambda x: jax.jvp(f, ...))`) and for the "
+            "function `jax.linearize` returns, the failure only shows when JAX compiles or runs "
+            "the derivative, after the kernel has returned, as JAX's own `TypeError: can't apply "
+            "forward-mode autodiff (jvp) to a custom_vjp function.` Supporting it would take a "
+            "`custom_jvp`, from which JAX derives the reverse mode by transposing the tangent "
+            "ring: every step's probabilities kept, the memory this backward exists to avoid. "
+            "Forward over reverse works (`jax.hessian`, `jax.jvp` of `jax.grad`): the outer "
+            "forward mode differentiates the `custom_vjp`'s own rules, ordinary JAX code."
         ),
         (
             "**All-gather, Ulysses, tensor parallelism.** No custom rule: JAX differentiates them "

@@ -2,9 +2,9 @@
 ``ppermute`` while each device merges the state of its queries against every chunk.
 
 A sequence is padded and laid out over the ``P`` devices of a mesh axis
-(:mod:`attnref._src.formulations.distributed.layout`: ``"contiguous"`` for ring attention, ``"striped"``,
-``"zigzag"``); device ``d`` holds the queries and the K/V chunk at the global positions
-``positions[d]``. At step ``r = 0, ..., P - 1`` it holds the K/V chunk of device
+(:mod:`attnref._src.formulations.distributed.layout`: ``"contiguous"`` for ring attention,
+``"striped"``, ``"zigzag"``); device ``d`` holds the queries and the K/V chunk at the global
+positions ``positions[d]``. At step ``r = 0, ..., P - 1`` it holds the K/V chunk of device
 ``(d - r) mod P`` and updates its running state (:mod:`attnref._src.formulations.states`)::
 
     (o, lse) <- merge((o, lse), state(q, K_{(d - r) mod P}, V_{(d - r) mod P}))
@@ -20,7 +20,7 @@ queries are dropped). States are kept in the compute dtype (float32 for 16-bit i
 rounded to the input dtype once, at the end.
 
 **Skipped steps.** A step whose chunk no local query may read by the position rules alone
-(causality, the window, sequence lengths and padding: ``structural_allowed`` without segment
+(causality, the window, sequence lengths and padding: ``allowed_pairs`` without segment
 ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A step
 that is not skipped computes its whole ``c_q x c_k`` block (masked pairs included). Under a
 causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs ``d + 1``
@@ -79,25 +79,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Int
 
-from attnref._src.core.checks import float64_scoped, is_traced
-from attnref._src.core.params import AttentionParams
+from attnref._src.core.checks import is_traced
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import chunk as chunks
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed import layout as seq_layout
-from attnref._src.formulations.distributed.family import DISTRIBUTED, mesh_axis, row_form
-from attnref._src.formulations.kernel import (
-    Alignment,
-    KernelSpec,
-    MaskedRows,
-    naive,
-    prepare,
-    require_lengths_in_range,
-    structural_allowed,
+from attnref._src.formulations.distributed.family import (
+    DISTRIBUTED,
+    mesh_axis,
+    mesh_kernel,
+    scheme_rows,
 )
+from attnref._src.formulations.kernel import KernelCall, allowed_pairs, finish, naive, uniform_rows
+from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec, lengths_only
 from attnref._src.formulations.states import merge_states
 
 # The layout of each scheme, by registry id.
@@ -171,15 +168,17 @@ jax.tree_util.register_dataclass(
 def _reachable(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array) -> Array:
     """Whether any local query may read any key of the chunk by the position rules alone
     (lengths, causality, window, padding); ``False`` means the chunk's state is empty."""
-    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
-    return jnp.any(structural_allowed(ring.spec, lengths, q_pos, k_pos))
+    lengths = lengths_only(x.q_lens, x.kv_lens)
+    allowed = allowed_pairs(ring.spec, lengths, q_pos, k_pos, in_range=True)
+    assert allowed is not None  # in_range: never None
+    return jnp.any(allowed)
 
 
 def _state_fn(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
     """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
     (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
     argument, so the backward's ``jax.vjp`` gives its cotangent)."""
-    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
+    lengths = lengths_only(x.q_lens, x.kv_lens)
 
     def state(
         q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
@@ -326,12 +325,12 @@ def _device(ring: _Ring, x: _Local) -> tuple[Array, Array]:
     if x.scale is not None:  # a traced scale, the same on every device: likewise
         x = dataclasses.replace(x, scale=_varying(ring, x.scale))
     o, lse = _ring_states(ring, x)
-    v_total = None
+    mean_v = None
     if spec.masked_rows == "uniform":  # the mean of all S values: each chunk's sum, psum
         own = chunks.value_sum(spec, x.v, ring.k_positions(0))
-        v_total = jax.lax.psum(own, ring.axis)
-    lengths = chunks.lengths_only(x.q_lens, x.kv_lens)
-    return chunks.finish_rows(spec, lengths, o, lse, ring.q_positions(), v_total)
+        mean_v = uniform_rows(spec, jax.lax.psum(own, ring.axis))
+    lengths = lengths_only(x.q_lens, x.kv_lens)
+    return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), ring.q_positions(), mean_v)
 
 
 @functools.lru_cache(maxsize=256)
@@ -350,7 +349,13 @@ def _program(ring: _Ring, mesh: Any, specs: _Local) -> Any:
 
 
 def _shard(
-    x: Any, layout: str, devices: int, axis: str, t_pad: int, s_pad: int, traced_scale: bool
+    x: KernelInputs,
+    layout: str,
+    devices: int,
+    axis: str,
+    t_pad: int,
+    s_pad: int,
+    traced_scale: bool,
 ) -> tuple[_Local, _Local]:
     """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes padded
     and permuted into device-major order and split over ``axis``; a mask or bias split along
@@ -413,185 +418,87 @@ _FORWARD_MODE = (
 )
 
 
-def _sequence_parallel(
-    layout: str,
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any,
-    mask: Any,
-    *,
-    mesh: Any,
-    axis_name: str | None,
-    return_lse: bool,
-    **options: Any,
-) -> Any:
+def _schedule(layout: str) -> Any:
     """The ring engine over ``layout`` (the three public kernels differ only in it)."""
-    spec, x = prepare(query, key, value, bias, mask, **options)
-    require_lengths_in_range(spec, x)
-    axis, devices = mesh_axis(mesh, axis_name)
-    if spec.t == 0 or spec.s == 0:  # nothing to distribute: no query, or no key at all
-        out, lse = naive(spec, x)
-        return (out, lse) if return_lse else out
-    t_pad = seq_layout.padded_length(spec.t, devices, layout)
-    s_pad = seq_layout.padded_length(spec.s, devices, layout)
-    scale = options["scale"]
-    traced_scale = scale is not None and is_traced(scale)
-    local, specs = _shard(x, layout, devices, axis, t_pad, s_pad, traced_scale)
-    ring = _Ring(
-        spec=spec,
-        axis=axis,
-        devices=devices,
-        layout=layout,
-        t_pad=t_pad,
-        s_pad=s_pad,
-        bias_shared=specs.bias == PartitionSpec(),
-        scale=None if scale is None or traced_scale else float(scale),
-    )
-    try:
-        o, lse = _program(ring, mesh, specs)(local)
-    except TypeError as error:
-        if _JVP_ERROR not in str(error):
-            raise
-        scheme = next(s for s, lay in LAYOUT_OF.items() if lay == layout)
-        raise TypeError(_FORWARD_MODE.format(name=f"{scheme}_dot_product_attention")) from error
-    out = seq_layout.from_layout(o, 1, spec.t, devices, layout)
-    lse = seq_layout.from_layout(lse, 1, spec.t, devices, layout)
-    return (out, lse) if return_lse else out
+
+    def ring_schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
+        spec, inputs, scale = call.spec, call.inputs, call.scale
+        axis, devices = mesh_axis(mesh, axis_name)
+        if spec.t == 0 or spec.s == 0:  # nothing to distribute: no query, or no key at all
+            return naive(call)
+        t_pad = seq_layout.padded_length(spec.t, devices, layout)
+        s_pad = seq_layout.padded_length(spec.s, devices, layout)
+        traced_scale = scale is not None and is_traced(scale)
+        local, specs = _shard(inputs, layout, devices, axis, t_pad, s_pad, traced_scale)
+        ring = _Ring(
+            spec=spec,
+            axis=axis,
+            devices=devices,
+            layout=layout,
+            t_pad=t_pad,
+            s_pad=s_pad,
+            bias_shared=specs.bias == PartitionSpec(),
+            scale=None if scale is None or traced_scale else float(scale),
+        )
+        try:
+            o, lse = _program(ring, mesh, specs)(local)
+        except TypeError as error:
+            if _JVP_ERROR not in str(error):
+                raise
+            scheme = next(s for s, lay in LAYOUT_OF.items() if lay == layout)
+            raise TypeError(_FORWARD_MODE.format(name=f"{scheme}_dot_product_attention")) from error
+        out = seq_layout.from_layout(o, 1, spec.t, devices, layout)
+        return out, seq_layout.from_layout(lse, 1, spec.t, devices, layout)
+
+    return ring_schedule
 
 
 _KERNEL_DOC = """{title}
 
-    Each of the ``P`` devices of the mesh axis holds the queries and one K/V chunk at the
-    global positions of the {layout} layout ({layout_rule}); at ring step ``r = 0, ..., P - 1``
-    device ``d`` holds chunk ``(d - r) mod P`` and updates its state
-    ``(o, lse) <- merge((o, lse), state(q, K_{{(d - r) mod P}}, V_{{(d - r) mod P}}))``
-    (:func:`attnref.merge_states`), then passes the chunk to device ``d + 1``
-    (``lax.ppermute``). Steps whose chunk no local query may read by the position rules
-    (causality, window, lengths) are skipped. Same semantics, results and errors as
-    :func:`attnref.dot_product_attention`; the backward is a ``jax.custom_vjp`` that runs the
-    ring again (module docstring of ``attnref._src.formulations.distributed.ring``). {cite}
+Each of the ``P`` devices of the mesh axis holds the queries and one K/V chunk at the
+global positions of the {layout} layout ({layout_rule}); at ring step ``r = 0, ..., P - 1``
+device ``d`` holds chunk ``(d - r) mod P`` and updates its state
+``(o, lse) <- merge((o, lse), state(q, K_{{(d - r) mod P}}, V_{{(d - r) mod P}}))``
+(:func:`attnref.merge_states`), then passes the chunk to device ``d + 1``
+(``lax.ppermute``). Steps whose chunk no local query may read by the position rules
+(causality, window, lengths) are skipped. Same semantics, results and errors as
+:func:`attnref.dot_product_attention`; the backward is a ``jax.custom_vjp`` that runs the
+ring again (module docstring of ``attnref._src.formulations.distributed.ring``). {cite}
 
-    Lengths that {multiple} does not divide are padded inside (padded keys are never attended,
-    padded queries are dropped), so every ``T, S >= 0`` gives the exact answer. A mask or bias
-    whose ``T`` axis is full is laid out like the queries; its ``S`` axis stays whole on every
-    device. States are merged in the compute dtype (float32 for 16-bit inputs): the output is
-    rounded to the input dtype once. Under ``jax.jit``, ``mesh`` and ``axis_name`` are static
-    (name them in ``static_argnames`` or close over them).
-
-    Args:
-        query: ``[B, T, N, H]``, floating; a global array in natural token order.
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``, added after the softcap
-            (``-inf`` masks the pair); ``None`` (default) adds nothing.
-        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
-            ``None`` (default) allows every pair.
-        mesh: A ``jax.sharding.Mesh`` (:func:`attnref.distributed.default_mesh`).
-        axis_name: The mesh axis of the ring; ``None`` (default): the only axis of a 1-D mesh.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: If ``True``, query ``i`` reads keys ``j <= p_i`` only.
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]``: rows at or beyond are padding
-            (output 0, ``lse = -inf``); ``None`` (default): every row is real.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``: keys at or beyond are never
-            read; ``None`` (default): all ``S`` keys.
-        local_window_size: ``w`` or ``(left, right)`` (ints >= 0, ``None`` = unbounded side);
-            ``None`` (default): no window.
-        segment_ids: One ``[B, T]`` int array (needs ``T == S``) or a pair
-            ``(query_segment_ids [B, T], key_value_segment_ids [B, S])``; ``None`` (default).
-        softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)``;
-            ``None`` (default): no cap.
-        causal_alignment: ``"top_left"`` (default, ``p_i = i``) or ``"bottom_right"``
-            (``p_i = i + S_b - T_b``); used by ``is_causal`` and ``local_window_size``.
-        masked_rows: What a fully masked row returns: ``"zeros"`` (default), ``"uniform"``
-            (the mean of ``value`` over all ``S`` keys: each device's sum, ``psum``) or
-            ``"nan"``.
-        return_lse: If ``True``, also return the log-sum-exp of each row's allowed logits.
-
-    Returns:
-        ``o [B, T, N, H_v]`` in the dtype of ``query`` (natural order), or ``(o, lse)`` with
-        ``lse [B, T, N]`` in the compute dtype when ``return_lse`` (both differentiable in
-        reverse mode with respect to ``query``, ``key``, ``value``, ``bias`` and a traced
-        ``scale``; forward over reverse, as ``jax.hessian``, works too).
-
-    Raises:
-        ValueError: For every argument :func:`attnref.dot_product_attention` refuses with
-            ``ValueError`` (shapes, option values, concrete lengths out of range), or if
-            ``axis_name`` is not an axis of ``mesh`` (or ``None`` for a mesh of several axes).
-        TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``, or for the dtype and type errors
-            of :func:`attnref.dot_product_attention`; or under forward-mode differentiation
-            (``jax.jvp``, ``jax.jacfwd``) of the kernel: its backward is a ``jax.custom_vjp``,
-            which JAX cannot differentiate forward (the message names the kernel; under an
-            outer ``jax.jit``, JAX's own ``TypeError`` comes instead, when the derivative is
-            compiled). Use ``jax.grad``/``jax.vjp``, or
-            :func:`attnref.distributed.all_gather_dot_product_attention`, which supports both
-            modes.
-    """
+Lengths that {multiple} does not divide are padded inside (padded keys are never attended,
+padded queries are dropped), so every ``T, S >= 0`` gives the exact answer. A mask or bias
+whose ``T`` axis is full is laid out like the queries; its ``S`` axis stays whole on every
+device. States are merged in the compute dtype (float32 for 16-bit inputs): the output is
+rounded to the input dtype once. Under ``jax.jit``, ``mesh`` and ``axis_name`` are static
+(name them in ``static_argnames`` or close over them).
+"""
 
 
-def _kernel(scheme: str) -> Any:
-    """The public kernel of ``scheme`` (:data:`LAYOUT_OF`): the engine over its layout."""
-    layout = LAYOUT_OF[scheme]
-
-    @float64_scoped
-    def kernel(
-        query: Float[ArrayLike, "B T N H"],
-        key: Float[ArrayLike, "B S K H"],
-        value: Float[ArrayLike, "B S K H_v"],
-        bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
-        mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
-        *,
-        mesh: Any,
-        axis_name: str | None = None,
-        scale: float | ArrayLike | None = None,
-        is_causal: bool = False,
-        query_seq_lengths: Int[ArrayLike, " B"] | None = None,
-        key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
-        local_window_size: int | tuple[int | None, int | None] | None = None,
-        segment_ids: Any = None,
-        softcap: float | None = None,
-        causal_alignment: Alignment = "top_left",
-        masked_rows: MaskedRows = "zeros",
-        return_lse: bool = False,
-    ) -> Any:
-        return _sequence_parallel(
-            layout,
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            mesh=mesh,
-            axis_name=axis_name,
-            return_lse=return_lse,
-            scale=scale,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            segment_ids=segment_ids,
-            softcap=softcap,
-            causal_alignment=causal_alignment,
-            masked_rows=masked_rows,
-        )
-
-    return kernel
-
-
-# Per scheme: the docstring's title, its layout rule and citation, and the length multiple.
+# Per scheme: the title, its layout rule, citation (short and full), length multiple, layout
+# equation and registry summary.
 _SCHEMES = {
     "ring": (
         "Ring attention (Liu et al. 2023): contiguous chunks, K/V rotated around the devices.",
         "device ``d`` holds positions ``d c, ..., d c + c - 1`` with ``c = T_pad / P``",
         "Liu, Zaharia & Abbeel (2023), arXiv:2310.01889.",
+        "Liu, Zaharia & Abbeel (2023), Ring Attention with Blockwise Transformers for "
+        "Near-Infinite Context, arXiv:2310.01889.",
         "``P``",
+        r"\mathcal{P}_d = \{d c, \dots, (d + 1) c - 1\},\ c = T' / P",
+        "Contiguous chunks; K/V chunks rotate around the devices (ppermute) while each "
+        "device merges its queries' states online; custom_vjp backward with travelling dK/dV.",
     ),
     "striped": (
         "Striped attention (Brandon et al. 2023): the ring over a striped token layout.",
         "device ``d`` holds positions ``d, d + P, d + 2P, ...``, so under a causal mask "
         "every step is about equally useful on every device",
         "Brandon et al. (2023), arXiv:2311.09431.",
+        "Brandon et al. (2023), Striped Attention: Faster Ring Attention for Causal "
+        "Transformers, arXiv:2311.09431; the ring of Liu et al. (2023), arXiv:2310.01889.",
         "``P``",
+        r"\mathcal{P}_d = \{d, d + P, d + 2P, \dots\}",
+        "The ring over a striped layout (device d holds every P-th token from d): "
+        "causal work balanced across devices at every step.",
     ),
     "zigzag": (
         "Zigzag ring attention: the ring over ``2P`` chunks, device ``d`` holding ``d`` and "
@@ -599,140 +506,74 @@ _SCHEMES = {
         "the sequence in ``2P`` chunks; device ``d`` holds chunk ``d`` and chunk ``2P - 1 - d``, "
         "one early and one late, which balances the causal work",
         "The zigzag ring of zhuzilin/ring-flash-attention (GitHub, 2024).",
+        "The zigzag ring layout of zhuzilin/ring-flash-attention (GitHub, 2024); the ring of "
+        "Liu et al. (2023), arXiv:2310.01889.",
         "``2P``",
+        r"\mathcal{P}_d = C_d \cup C_{2P - 1 - d}\ (C_j: \text{chunk } j \text{ of } 2P)",
+        "The ring over 2P chunks, device d holding chunks d and 2P - 1 - d: causal "
+        "work balanced across devices.",
     ),
 }
 
 
 def _named(scheme: str) -> Any:
-    """:func:`_kernel` named ``<scheme>_dot_product_attention`` with its docstring."""
-    title, rule, cite, multiple = _SCHEMES[scheme]
-    fn = _kernel(scheme)
-    fn.__name__ = fn.__qualname__ = f"{scheme}_dot_product_attention"
-    fn.__doc__ = _KERNEL_DOC.format(
+    """The public kernel ``<scheme>_dot_product_attention``: the ring over its layout."""
+    title, rule, cite, _, multiple, _, _ = _SCHEMES[scheme]
+    summary = _KERNEL_DOC.format(
         title=title, layout=LAYOUT_OF[scheme], layout_rule=rule, cite=cite, multiple=multiple
     )
-    return fn
+    return mesh_kernel(
+        _schedule(LAYOUT_OF[scheme]),
+        name=f"{scheme}_dot_product_attention",
+        summary=summary.rstrip(),
+        axis="of the ring",
+        returns=(
+            " Natural order, ``lse`` in the compute dtype; both differentiable in reverse mode"
+            "\n    with respect to ``query``, ``key``, ``value``, ``bias`` and a traced ``scale`` "
+            "(forward\n    over reverse, as ``jax.hessian``, works too)."
+        ),
+        type_errors=(
+            "; or under forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) of the\n"
+            "        kernel: its backward is a ``jax.custom_vjp``, which JAX cannot differentiate\n"
+            "        forward (the message names the kernel; under an outer ``jax.jit``, JAX's own\n"
+            "        ``TypeError`` comes instead, when the derivative is compiled). Use\n"
+            "        ``jax.grad``/``jax.vjp``, or\n"
+            "        :func:`attnref.distributed.all_gather_dot_product_attention`, which supports\n"
+            "        both modes"
+        ),
+    )
 
 
 ring_dot_product_attention = _named("ring")
 striped_dot_product_attention = _named("striped")
 zigzag_dot_product_attention = _named("zigzag")
-
-_ROW_DOC = """Multi-head attention through :func:`{native}` on a mesh.
-
-    ``sum_n o_n W_O[n] + b_O`` with ``o = {native}(x_q W_Q, x_kv W_K, x_kv W_V)`` per head
-    (:func:`attnref._src.formulations.distributed.family.row_form`), ``x_q +`` that with ``residual``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G``.
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]`` (``-inf`` masks);
-            ``None`` (default).
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead``.
-        mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): all devices
-            (:func:`attnref.distributed.default_mesh`).
-
-    Returns:
-        ``[..., T_q, d_model]`` in the dtype of ``x_q``; a fully masked query row is ``b_O``.
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast, or
-            ``scale`` is not a scalar.
-        TypeError: If inputs mix dtypes, ``mask`` is not boolean, ``bias`` is not floating, or
-            ``mesh`` is not a ``jax.sharding.Mesh``.
-    """
-
-
-def _row(scheme: str) -> Any:
-    """The row form ``<scheme>_attention`` of the scheme's kernel (the registry's ``apply``)."""
-    native = globals()[f"{scheme}_dot_product_attention"]
-
-    @float64_scoped
-    def apply(
-        params: AttentionParams,
-        x_q: Float[ArrayLike, "... T_q d_model"],
-        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-        *,
-        mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-        bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-        scale: float | None = None,
-        residual: bool = False,
-        mesh: Mesh | None = None,
-    ) -> Float[Array, "... T_q d_model"]:
-        return row_form(native, params, x_q, x_kv, mask, bias, scale, residual, mesh)
-
-    apply.__name__ = apply.__qualname__ = f"{scheme}_attention"
-    apply.__doc__ = _ROW_DOC.format(native=native.__name__)
-    return apply
-
-
-ring_attention = _row("ring")
-striped_attention = _row("striped")
-zigzag_attention = _row("zigzag")
+ring_attention = scheme_rows(ring_dot_product_attention, "ring_attention")
+striped_attention = scheme_rows(striped_dot_product_attention, "striped_attention")
+zigzag_attention = scheme_rows(zigzag_dot_product_attention, "zigzag_attention")
 
 _STEP = (
     r"(o_i, \mathrm{{lse}}_i) \leftarrow \mathrm{{merge}}\big((o_i, \mathrm{{lse}}_i),"
     r" \mathrm{{state}}(q_i, K_{{(d - r) \bmod P}}, V_{{(d - r) \bmod P}})\big),\ "
     r"r = 0, \dots, P - 1,\quad {layout}"
 )
-_LAYOUT_TEX = {
-    "ring": r"\mathcal{P}_d = \{d c, \dots, (d + 1) c - 1\},\ c = T' / P",
-    "striped": r"\mathcal{P}_d = \{d, d + P, d + 2P, \dots\}",
-    "zigzag": r"\mathcal{P}_d = C_d \cup C_{2P - 1 - d}\ (C_j: \text{chunk } j \text{ of } 2P)",
-}
-_CITATIONS = {
-    "ring": (
-        "Liu, Zaharia & Abbeel (2023), Ring Attention with Blockwise Transformers for "
-        "Near-Infinite Context, arXiv:2310.01889."
-    ),
-    "striped": (
-        "Brandon et al. (2023), Striped Attention: Faster Ring Attention for Causal "
-        "Transformers, arXiv:2311.09431; the ring of Liu et al. (2023), arXiv:2310.01889."
-    ),
-    "zigzag": (
-        "The zigzag ring layout of zhuzilin/ring-flash-attention (GitHub, 2024); the ring of "
-        "Liu et al. (2023), arXiv:2310.01889."
-    ),
-}
-_SUMMARIES = {
-    "ring": "Contiguous chunks; K/V chunks rotate around the devices (ppermute) while each "
-    "device merges its queries' states online; custom_vjp backward with travelling dK/dV.",
-    "striped": "The ring over a striped layout (device d holds every P-th token from d): "
-    "causal work balanced across devices at every step.",
-    "zigzag": "The ring over 2P chunks, device d holding chunks d and 2P - 1 - d: causal "
-    "work balanced across devices.",
-}
-_COST_MODELS = {
-    "ring": _dcost.ring_cost,
-    "striped": _dcost.striped_cost,
-    "zigzag": _dcost.zigzag_cost,
-}
-
 for _scheme in ("ring", "striped", "zigzag"):
     register(
         Formulation(
             id=_scheme,
             title=_SCHEMES[_scheme][0].split(":")[0],
-            equation=_STEP.format(layout=_LAYOUT_TEX[_scheme]),
+            equation=_STEP.format(layout=_SCHEMES[_scheme][5]),
             convention="kernel",
-            citation=_CITATIONS[_scheme],
+            citation=_SCHEMES[_scheme][3],
             apply=globals()[f"{_scheme}_attention"],
             native=globals()[f"{_scheme}_dot_product_attention"],
-            summary=_SUMMARIES[_scheme],
+            formula=_forward,
+            summary=_SCHEMES[_scheme][6],
             cost=(
                 "FLOPs as the naive kernel over P devices (skipped steps do none); per device "
                 "O(T S N H / P) work, O((T + S) N H / P) memory, P - 1 K/V sends of "
                 "O(S K (H + H_v) / P) each (2P - 1 with the backward's dK/dV)."
             ),
             family=DISTRIBUTED,
-            cost_model=_COST_MODELS[_scheme],
+            cost_model=getattr(_dcost, f"{_scheme}_cost"),
         )
     )

@@ -35,33 +35,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array
 
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import cost as _dcost
-from attnref._src.formulations.distributed.family import DISTRIBUTED, head_mesh, row_form
-from attnref._src.formulations.distributed.family import mesh_axis as _mesh_axis
+from attnref._src.formulations.distributed.family import (
+    DISTRIBUTED,
+    mesh_args,
+    mesh_kernel,
+    mesh_schedule,
+    scheme_rows,
+)
 from attnref._src.formulations.distributed.layout import padded_length
 from attnref._src.formulations.distributed.tensor_parallel import (
-    check_heads,
     head_spec,
     kv_repeats,
     local_attention,
-    optional,
     repeat_kv,
-    split_scale,
 )
-from attnref._src.formulations.kernel import (
-    Alignment,
-    KernelInputs,
-    KernelSpec,
-    MaskedRows,
-    lengths_in_range,
-    prepare,
-    require_lengths_in_range,
-)
+from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec, lengths_in_range
 
 LAYOUT = "contiguous"
 
@@ -101,7 +93,7 @@ def _uniform_rows(
 @functools.partial(jax.jit, static_argnames=("spec", "scale", "mesh", "axis", "devices"))
 def _ulysses(
     spec: KernelSpec,
-    x: KernelInputs,
+    inputs: KernelInputs,
     traced_scale: Array | None,
     scale: float | None,
     mesh: Mesh,
@@ -113,19 +105,19 @@ def _ulysses(
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
     r = kv_repeats(spec.n, spec.k, devices)
     full = jnp.full((spec.b,), 1, jnp.int32)
-    q_lens = full * spec.t if x.q_lens is None else x.q_lens
-    kv_lens = full * spec.s if x.kv_lens is None else x.kv_lens
-    args = optional(
+    x = inputs
+    args = mesh_args(
+        x,
+        traced_scale,
         q=pad_axis(x.q, 1, t_pad),
         k=repeat_kv(pad_axis(x.k, 1, s_pad), r),
         v=repeat_kv(pad_axis(x.v, 1, s_pad), r),
         bias=_padded(x.bias, t_pad, s_pad, 0.0),
         mask=_padded(x.mask, t_pad, s_pad, False),
-        q_lens=q_lens,
-        kv_lens=kv_lens,
+        q_lens=full * spec.t if x.q_lens is None else x.q_lens,
+        kv_lens=full * spec.s if x.kv_lens is None else x.kv_lens,
         q_seg=None if x.q_seg is None else pad_axis(x.q_seg, 1, t_pad),
         kv_seg=None if x.kv_seg is None else pad_axis(x.kv_seg, 1, s_pad),
-        scale=traced_scale,
     )
     seq = Spec(None, axis)
     specs = {name: Spec() for name in args}
@@ -138,20 +130,8 @@ def _ulysses(
 
     def body(a: dict[str, Array]) -> tuple[Array, Array]:
         q, k, v = (jax.lax.all_to_all(a[n], axis, 2, 1, tiled=True) for n in ("q", "k", "v"))
-        o, lse = local_attention(
-            spec,
-            a.get("scale", scale),
-            q,
-            k,
-            v,
-            a.get("bias"),
-            a.get("mask"),
-            a["q_lens"],
-            a["kv_lens"],
-            a.get("q_seg"),
-            a.get("kv_seg"),
-            "zeros" if uniform else spec.masked_rows,
-        )
+        masked_rows = "zeros" if uniform else spec.masked_rows
+        o, lse = local_attention(spec, a, scale, masked_rows, q=q, k=k, v=v)
         if uniform:
             o = _uniform_rows(spec, o, lse, v, a["q_lens"], k_local)
         o = jax.lax.all_to_all(o, axis, 1, 2, tiled=True)  # [B, T'/P, N, H_v]
@@ -160,145 +140,31 @@ def _ulysses(
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(seq, seq))
     out, lse = run(args)
     out, lse = out[:, : spec.t], lse[:, : spec.t]
-    bad = ~lengths_in_range(spec, x)[:, None, None]  # NaN as the kernel (traced lengths only)
+    bad = ~lengths_in_range(spec, inputs)[:, None, None]  # NaN as the kernel (traced lengths only)
     return jnp.where(bad[..., None], jnp.nan, out), jnp.where(bad, jnp.nan, lse)
 
 
-@float64_scoped
-def ulysses_dot_product_attention(
-    query: Float[ArrayLike, "B T N H"],
-    key: Float[ArrayLike, "B S K H"],
-    value: Float[ArrayLike, "B S K H_v"],
-    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
-    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
-    *,
-    mesh: Mesh,
-    axis_name: str | None = None,
-    scale: float | ArrayLike | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
-    local_window_size: int | tuple[int | None, int | None] | None = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: Alignment = "top_left",
-    masked_rows: MaskedRows = "zeros",
-    return_lse: bool = False,
-) -> Any:
-    """``attnref.dot_product_attention`` by DeepSpeed-Ulysses: sequence split -> head split ->
-    attention -> sequence split, with two all-to-alls per tensor.
-
-    ``q``, ``k``, ``v`` are padded to multiples of ``P`` and split along the sequence
-    (``[B, T'/P, N, H]`` per device); ``all_to_all`` gives each device the whole sequence for
-    ``N/P`` query heads (``[B, T', N/P, H]``) and the K/V heads they read; full attention on
-    those heads; ``all_to_all`` back gives ``[B, T'/P, N, H_v]``. ``mask``/``bias`` are split on
-    their head axis when it is full (replicated when it broadcasts), padded on full ``T``/``S``
-    axes; lengths and segment ids are replicated. Semantics, results and errors are those of
-    :func:`attnref.dot_product_attention` (``docs/kernel.md``); padding never changes a result.
-
-    Args:
-        query: ``[B, T, N, H]``, floating; ``N`` must be a multiple of ``P``.
-        key: ``[B, S, K, H]``, the dtype of ``query``; ``N`` must be a multiple of ``K``.
-        value: ``[B, S, K, H_v]``, the dtype of ``query``.
-        bias: Floating, rank 4, broadcastable to ``[B, N, T, S]``; ``None`` (default).
-        mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend;
-            ``None`` (default).
-        mesh: A ``jax.sharding.Mesh``.
-        axis_name: The mesh axis to run over; ``None`` (default): the only axis of a 1-D mesh.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(H)``.
-        is_causal: Causal masking (placed by ``causal_alignment``).
-        query_seq_lengths: Integer ``[B]`` in ``[0, T]``; ``None`` (default): every row real.
-        key_value_seq_lengths: Integer ``[B]`` in ``[0, S]``; ``None`` (default): all keys.
-        local_window_size: ``w`` or ``(left, right)``; ``None`` (default): no window.
-        segment_ids: ``[B, T]`` (``T == S``) or a pair ``([B, T], [B, S])``; ``None``.
-        softcap: A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None``.
-        causal_alignment: ``"top_left"`` (default) or ``"bottom_right"``.
-        masked_rows: ``"zeros"`` (default), ``"uniform"`` or ``"nan"``.
-        return_lse: If ``True``, also return the log-sum-exp ``[B, T, N]``.
-
-    Returns:
-        ``o [B, T, N, H_v]`` in the dtype of ``query``, natural token order, or ``(o, lse)``
-        with ``return_lse``.
-
-    Raises:
-        ValueError: For every input :func:`attnref.dot_product_attention` refuses with
-            ``ValueError``; if ``axis_name`` is not an axis of ``mesh`` (or is ``None`` for a
-            mesh with several axes); or if ``P`` does not divide the ``N`` query heads.
-        TypeError: For every input :func:`attnref.dot_product_attention` refuses with
-            ``TypeError``, or if ``mesh`` is not a ``jax.sharding.Mesh``.
-    """
-    spec, x = prepare(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
-        segment_ids=segment_ids,
-        softcap=softcap,
-        causal_alignment=causal_alignment,
-        masked_rows=masked_rows,
-    )
-    axis, devices = _mesh_axis(mesh, axis_name)
-    check_heads(spec.n, devices, axis, "Ulysses", f"query {tuple(x.q.shape)}")
-    require_lengths_in_range(spec, x)
-    static, traced = split_scale(scale)
-    out, lse = _ulysses(spec, x, traced, static, mesh, axis, devices)
-    return (out, lse) if return_lse else out
-
-
-@float64_scoped
-def ulysses_attention(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-    mesh: Mesh | None = None,
-) -> Float[Array, "... T_q d_model"]:
-    """Multi-head attention through :func:`ulysses_dot_product_attention`:
-    ``sum_n o_n W_O[n] + b_O`` with ``o`` computed by Ulysses on ``mesh``.
-
-    Args:
-        params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-            key/value head ``i // G`` (``G = H / K``); ``H`` must be a multiple of ``P``.
-        x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-        x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-            ``None`` (default) means ``x_q`` (self-attention).
-        mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-            (default) allows every pair.
-        bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]`` (``-inf`` masks like
-            ``False``); cast to the dtype of ``x_q``.
-        scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.
-        residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-        mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): the most devices (at most
-            ``jax.device_count()``) whose count divides ``H``.
-
-    Returns:
-        The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row
-        is ``b_O`` (zero without biases).
-
-    Raises:
-        ValueError: If ``params`` is malformed, ``x_q``/``x_kv`` have rank < 2, the wrong
-            ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
-            ``[..., T_q, T_k]``, ``scale`` is not a scalar, ``mesh`` has several axes, or the
-            mesh's ``P`` devices do not divide the ``H`` query heads.
-        TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-            ``bias`` is not floating, ``scale`` is not a real number, or ``mesh`` is not a
-            ``jax.sharding.Mesh``.
-    """
-    if mesh is None:
-        mesh = head_mesh(int(jnp.shape(params.w_q)[0]))
-    return row_form(
-        ulysses_dot_product_attention, params, x_q, x_kv, mask, bias, scale, residual, mesh
-    )
+ulysses_dot_product_attention = mesh_kernel(
+    mesh_schedule(_ulysses, heads="Ulysses"),
+    name="ulysses_dot_product_attention",
+    summary=(
+        "``attnref.dot_product_attention`` by DeepSpeed-Ulysses: sequence split -> head split ->\n"
+        "attention -> sequence split, with two all-to-alls per tensor.\n\n"
+        "``q``, ``k``, ``v`` are padded to multiples of ``P`` and split along the sequence\n"
+        "(``[B, T'/P, N, H]`` per device); ``all_to_all`` gives each device the whole sequence "
+        "for\n``N/P`` query heads (``[B, T', N/P, H]``) and the K/V heads they read; full "
+        "attention on\nthose heads; ``all_to_all`` back gives ``[B, T'/P, N, H_v]``. "
+        "``mask``/``bias`` are split on\ntheir head axis when it is full (replicated when it "
+        "broadcasts), padded on full ``T``/``S``\naxes; lengths and segment ids are replicated. "
+        "Semantics, results and errors are those of\n:func:`attnref.dot_product_attention` "
+        "(``docs/kernel.md``); padding never changes a result.\n``N`` must be a multiple of "
+        "``P``."
+    ),
+    axis="to run over",
+    returns=" Natural token order.",
+    value_errors="; or if ``P`` does not divide the ``N`` query heads",
+)
+ulysses_attention = scheme_rows(ulysses_dot_product_attention, "ulysses_attention", heads=True)
 
 
 register(
@@ -318,6 +184,7 @@ register(
         ),
         apply=ulysses_attention,
         native=ulysses_dot_product_attention,
+        formula=_ulysses,
         summary=(
             "Sequence-split q, k, v are exchanged by all_to_all for a head split (H/P heads, "
             "the whole sequence, per device), attended as usual, and the output exchanged back; "
