@@ -35,7 +35,7 @@ from attnref._src.core.params import AttentionParams, w_a_unchecked, w_i_uncheck
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
 from attnref._src.formulations.merged import message_bias, pattern_bias
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def column(
@@ -64,13 +64,7 @@ def column(
 
 
 def column_rows(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """:func:`column` behind the row convention: ``Y^T`` of the transposed inputs."""
 

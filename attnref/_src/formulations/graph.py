@@ -30,7 +30,7 @@ from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def message_passing(
@@ -67,13 +67,7 @@ def message_passing(
 
 
 def graph(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """:func:`message_passing` on the complete bipartite graph (every (query, key) pair an
     edge, the mask its switch), ``vmap``-ed over the flattened batch dims."""

@@ -35,11 +35,11 @@ from attnref._src.formulations.decode import cache_attend, init_cache, kv_cache_
 from attnref._src.formulations.decode import (
     project as kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
 )
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def blockwise(
-    params: AttentionParams,
+    params: Params,
     x_q: Queries,
     x_kv: Keys,
     mask: Mask,
@@ -65,12 +65,12 @@ def blockwise(
 
 
 def kv_cache(
-    params: AttentionParams,
+    params: Params,
     x_q: Queries,
     x_kv: Keys,
     mask: Mask,
     bias: Bias,
-    scale: float | Array | None,
+    scale: float | None,
     residual: bool,
 ) -> Float[Array, "... T_q d_model"]:
     """Prefill a cache with ``x_kv``'s keys and values, then read it one query at a time:
@@ -81,8 +81,9 @@ def kv_cache(
     cache = kv_cache_append(init_cache(params, b, xkv.shape[1]), k, v)
     steps = {"q": jnp.swapaxes(kernel_heads(xq, params.w_q, params.b_q), 0, 1)}  # [T_q, B, ...]
     for name, a in (("mask", mask), ("bias", bias)):
-        if a is not None:
-            steps[name] = jnp.swapaxes(kernel_pairs(a, x_q, x_kv)[:, 0], 0, 1)  # [T_q, B, T_k]
+        full = kernel_pairs(a, x_q, x_kv)  #                            [B, 1, T_q, T_k]
+        if full is not None:
+            steps[name] = jnp.swapaxes(full[:, 0], 0, 1)  #                 [T_q, B, T_k]
 
     def step(_: None, row: dict[str, Array]) -> tuple[None, Array]:
         row_mask = row["mask"][:, None] if "mask" in row else None

@@ -27,17 +27,11 @@ from attnref._src.core.entry import public
 from attnref._src.core.params import AttentionParams, repeat_heads, w_m_unchecked, w_p_unchecked
 from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries, weights
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, weights
 
 
 def scores_messages(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = sum_i A_i M_i + b_O``, ``A_i = softmax(scale Q_i K_i^T + bias, mask)``."""
     a = weights(params, x_q, x_kv, mask, bias, scale)  # A_i         [..., H, T_q, T_k]
@@ -46,13 +40,7 @@ def scores_messages(
 
 
 def patterns_messages(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = sum_i softmax(scale P_i X_kv^T + bias, mask) M_i + b_O``."""
     p = compute_patterns(params, x_q)  # P_i                        [..., H, T_q, d_model]

@@ -38,7 +38,7 @@ from attnref._src.formulations.merged import (
     pattern_bias,
     patterns_messages_cost,
 )
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def search(
@@ -61,13 +61,7 @@ def search(
 
 
 def search_rows(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """:func:`search` ``vmap``-ed over the queries, then over the flattened batch dims."""
     *batch, t_q, d = x_q.shape

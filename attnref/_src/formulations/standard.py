@@ -28,6 +28,7 @@ from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
 
+Params = AttentionParams
 Queries = Float[Array, "... T_q d_model"]
 Keys = Float[Array, "... T_k d_model"]
 Mask = Bool[Array, "... #T_q #T_k"] | None
@@ -35,13 +36,7 @@ Bias = Float[Array, "... #T_q #T_k"] | None
 
 
 def concat(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = Concat(head_1, ..., head_H) W_O + b_O``, ``W_O`` ``[H d_v, d_model]``."""
     z = heads(params, x_q, x_kv, mask, bias, scale)  # head_i              [..., H, T_q, d_v]
@@ -53,13 +48,7 @@ def concat(
 
 
 def per_head_sum(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = sum_i head_i W_O[i] + b_O``: ``W_O`` split by head, the concat a sum."""
     o = head_outputs_of(params, x_q, x_kv, mask, bias, scale)  # [..., H, T_q, d_model]
@@ -67,7 +56,7 @@ def per_head_sum(
 
 
 def logits(
-    params: AttentionParams, x_q: Queries, x_kv: Keys, bias: Bias, scale: Array
+    params: Params, x_q: Queries, x_kv: Keys, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q T_k"]:
     """``scale Q_i K_i^T + bias`` per query head, before masking."""
     q = project(x_q, params.w_q, params.b_q)  #                 Q_i   [..., H, T_q, d_k]
@@ -77,7 +66,7 @@ def logits(
 
 
 def weights(
-    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q T_k"]:
     """``A_i = softmax(scale Q_i K_i^T + bias, mask)``; a fully masked row is all zeros."""
     head_mask = None if mask is None else jnp.expand_dims(mask, -3)
@@ -85,7 +74,7 @@ def weights(
 
 
 def heads(
-    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q d_v"]:
     """``head_i = A_i V_i``."""
     v = project_kv(x_kv, params.w_v, params.b_v, params.group_size)  # V_i [..., H, T_k, d_v]
@@ -94,7 +83,7 @@ def heads(
 
 
 def head_outputs_of(
-    params: AttentionParams, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array
 ) -> Float[Array, "... H T_q d_model"]:
     """``o_i = head_i W_O[i]`` (no ``b_O``)."""
     z = heads(params, x_q, x_kv, mask, bias, scale)

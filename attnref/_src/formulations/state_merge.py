@@ -25,20 +25,13 @@ from attnref._src.core.checks import HIGHEST
 from attnref._src.core.common import BLOCK_RETURNS, ROWS, add_output_bias, project_kv, residual_or
 from attnref._src.core.entry import public
 from attnref._src.core.nonfinite import allowed_pairs
-from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.standard import Bias, Keys, Mask, Queries, logits
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, logits
 from attnref._src.formulations.states import merge_state_stack
 
 
 def state_merge(
-    params: AttentionParams,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: Array,
-    residual: bool,
+    params: Params, x_q: Queries, x_kv: Keys, mask: Mask, bias: Bias, scale: Array, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``head_i = merge_j (v_j, s_ij)`` over the allowed keys, ``y = sum_i head_i W_O[i] + b_O``."""
     s = logits(params, x_q, x_kv, bias, scale)  # s_ij                 [..., H, T_q, T_k]
