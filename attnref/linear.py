@@ -15,22 +15,24 @@ from attnref._src.formulations.feature_maps import (
     relu_features,
     taylor2,
 )
-from attnref._src.formulations.linear import (
-    EPS_POLICIES,
+from attnref._src.formulations.linear.common import EPS_POLICIES
+from attnref._src.formulations.linear.kernel import (
     LinearState,
     linear_associative,
-    linear_associative_attention,
     linear_chunked,
-    linear_chunked_attention,
-    linear_messages_attention,
     linear_prefix_sum,
-    linear_prefix_sum_attention,
     linear_quadratic,
-    linear_quadratic_attention,
     linear_recurrent,
-    linear_recurrent_attention,
     linear_state_init,
     linear_step,
+)
+from attnref._src.formulations.linear.multihead import (
+    linear_associative_attention,
+    linear_chunked_attention,
+    linear_messages_attention,
+    linear_prefix_sum_attention,
+    linear_quadratic_attention,
+    linear_recurrent_attention,
 )
 
 __all__ = [

@@ -22,7 +22,7 @@ The shift does *not* cancel against ``eps``: the stabilised features give
 ``phi~(q).phi~(k) = exp(-c_q) phi(q).phi(k)`` with ``c_q = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
 (:meth:`FeatureMap.query_features` returns ``c_q``), so the documented
 ``num / (den + eps)`` equals ``num~ / (den~ + eps exp(-c_q))``; the linear forms rescale ``eps``
-by the same per-query factor (``attnref._src.formulations.linear.normalize``).
+by the same per-query factor (``attnref._src.formulations.linear.common.normalize``).
 
 The map factories (:func:`elu_plus_one`, ..., :func:`favor_plus`) return a :class:`FeatureMap`;
 passing a factory uncalled raises a ``TypeError`` that says to call it (:func:`check_feature_map`).

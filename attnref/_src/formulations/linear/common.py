@@ -1,10 +1,11 @@
-"""Linear attention's shared checks, denominator policy (:func:`normalize`) and non-finite
-guards, used by the kernel-level and the multi-head forms."""
+"""Linear attention's shared pieces: the options every form reads (:class:`Options`), the
+validation, the denominator policy (:func:`normalize`) and the two levels' validated inputs
+(:class:`KernelCall`, :class:`RowCall`), whose ``run``/``dirty_rows`` pair
+:func:`attnref._src.core.entry.guard` applies."""
 
 from __future__ import annotations
 
-import functools
-import inspect
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -12,24 +13,82 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Bool
 
-from attnref._src.core.nonfinite import finite_part, nonfinite_rows, poison_rows
-from attnref._src.formulations.feature_maps import FeatureMap, FeatureMapLike, check_feature_map
+from attnref._src.core.nonfinite import finite_part, nonfinite_rows
+from attnref._src.core.params import AttentionParams
+from attnref._src.formulations.feature_maps import FeatureMap, FeatureMapLike
 
 EpsPolicy = Literal["add", "clamp"]
 EPS_POLICIES = ("add", "clamp")
+Form = Callable[..., Array]  # a kernel-level form: (q, k, v, o: Options) -> y
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The validated options of one call: what every form reads besides ``q``, ``k``, ``v``.
+
+    ``form`` is the kernel-level form of the call (``None`` for the messages form), the one a
+    multi-head call runs on its heads.
+    """
+
+    feature_map: FeatureMapLike
+    eps: Any
+    eps_policy: str
+    causal: bool = False
+    key_mask: Bool[Array, "... T_k"] | None = None
+    chunk_size: int = 16
+    form: Form | None = None
+
+    def features(self, q: Array, k: Array) -> tuple[Array, Array, Array | None]:
+        """``(phi(q), phi(k), c)``: :func:`features` with this call's map and key mask."""
+        return features(self.feature_map, q, k, self.key_mask)
+
+    def normalize(self, num: Array, den: Array, c: Array | None) -> Array:
+        """``num / (den + eps)`` (or ``max(den, eps)``) by this call's policy: :func:`normalize`."""
+        return normalize(num, den, self.eps, self.eps_policy, c)
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int, int]:
+def check_causal(causal: Any) -> None:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(
             f"causal must be a Python bool, got {type(causal).__name__}; under jax.jit mark it "
             "static: jax.jit(fn, static_argnames=('causal', 'eps_policy'))"
         )
+
+
+def check_mode(form: Form | None, modes: tuple[bool, ...], causal: Any) -> None:
+    """Refuse a causal mode the form does not take (a non-bool is left to :func:`check_causal`)."""
+    if form is None or not isinstance(causal, (bool, np.bool_)) or causal in modes:
+        return
+    name = f"linear_{form.__name__}"
+    if causal:
+        raise ValueError(
+            f"{name} is non-causal; use linear_prefix_sum, "
+            "linear_recurrent or linear_chunked for causal attention"
+        )
+    raise ValueError(
+        f"{name} is a causal form (causal=True); use linear_associative or "
+        "linear_quadratic for non-causal attention"
+    )
+
+
+def check_key_mask(key_mask: Any, batch: tuple[int, ...], t_q: int, t_k: int, causal: bool) -> None:
+    if key_mask is not None:
+        km = tuple(np.shape(key_mask))
+        if km != (*batch, t_k):
+            raise ValueError(f"key_mask has shape {km}; expected [..., T_k] = {(*batch, t_k)}")
+        if jnp.asarray(key_mask).dtype != jnp.bool_:
+            raise TypeError(f"key_mask must be boolean, got {jnp.asarray(key_mask).dtype}")
+    if causal and t_q != t_k:
+        raise ValueError(f"causal linear attention needs T_q == T_k, got {t_q} and {t_k}")
+
+
+def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int, int]:
+    check_causal(causal)
     shapes = {n: tuple(np.shape(a)) for n, a in (("q", q), ("k", k), ("v", v))}
     for name, shape in shapes.items():
         if len(shape) < 3:
@@ -44,14 +103,7 @@ def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int,
     dtypes = {n: jnp.asarray(a).dtype for n, a in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"q, k, v must share one dtype, got {dtypes}")
-    if key_mask is not None:
-        km = tuple(np.shape(key_mask))
-        if km != (*bq, t_k):
-            raise ValueError(f"key_mask has shape {km}; expected [..., T_k] = {(*bq, t_k)}")
-        if jnp.asarray(key_mask).dtype != jnp.bool_:
-            raise TypeError(f"key_mask must be boolean, got {jnp.asarray(key_mask).dtype}")
-    if causal and t_q != t_k:
-        raise ValueError(f"causal linear attention needs T_q == T_k, got {t_q} and {t_k}")
+    check_key_mask(key_mask, tuple(bq), t_q, t_k, causal)
     return t_q, t_k
 
 
@@ -67,6 +119,14 @@ def check_policy(eps: Any, eps_policy: str) -> None:
         )
 
 
+def check_chunk_size(chunk_size: Any) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+# ----------------------------------------------------------------------------- features, policy
+
+
 def query(fm: FeatureMapLike, q: Array) -> tuple[Array, Array | None]:
     """Query features and their log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) =
     exp(-c) phi(q).phi(k)``. A custom (duck-typed) map's features are its ``phi`` itself."""
@@ -78,7 +138,6 @@ def query(fm: FeatureMapLike, q: Array) -> tuple[Array, Array | None]:
 def features(
     fm: FeatureMapLike, q: Array, k: Array, key_mask: Array | None
 ) -> tuple[Array, Array, Array | None]:
-    check_feature_map(fm)
     (fq, c), fk = query(fm, q), fm(k, "key")
     if key_mask is not None:  # padded keys contribute nothing (and cannot leak NaN through *0)
         fk = jnp.where(key_mask[..., None, None], fk, jnp.zeros_like(fk))
@@ -154,45 +213,49 @@ def dirty_rows(
     return jnp.logical_or(own, seen(readable_bad))
 
 
-UNGUARDED: dict[str, Callable[..., Array]] = {}  # kernel form name -> its unguarded body
-
-
-def finite_or_same(a: Any) -> Any:
+def finite_or_same(a: Array) -> Array:
     """The finite part of a floating array; anything else unchanged (left to validation)."""
-    if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact):
-        return finite_part(jnp.asarray(a))
-    return a
+    return finite_part(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a
 
 
-def guarded_kernel(fn: Callable[..., Array]) -> Callable[..., Array]:
-    """Wrap a kernel-level form ``fn(q, k, v, *, causal, key_mask, ...)`` with the non-finite
-    guard: query ``i`` of head ``h`` is dirty when ``q[i, h]`` is non-finite and it has an allowed
-    key, or some allowed ``j`` has a non-finite ``k[j, h]`` or ``v[j, h]``."""
-    causal_default = inspect.signature(fn).parameters["causal"].default
-    UNGUARDED[fn.__name__] = fn
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Validated kernel-level inputs ``q, k, v [..., T, H, d]``: ``run(form)`` is
+    ``form(q, k, v, o)`` on the finite parts; query ``i`` of head ``h`` is dirty when ``q[i, h]``
+    is non-finite and it has an allowed key, or some allowed ``j`` has a non-finite ``k[j, h]``
+    or ``v[j, h]``."""
 
-    @functools.wraps(fn)
-    def wrapper(q: Any, k: Any, v: Any, **kwargs: Any) -> Array:
-        value = fn(finite_or_same(q), finite_or_same(k), finite_or_same(v), **kwargs)
-        q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)  # validated by fn
-        causal = kwargs.get("causal", causal_default)
-        bad_kv = jnp.logical_or(nonfinite_rows(k), nonfinite_rows(v))  # [..., T_k, H]
-        dirty = dirty_rows(nonfinite_rows(q), bad_kv, kwargs.get("key_mask"), causal, False, -2)
-        return poison_rows(dirty, value)  # [..., T_q, H]
+    q: Array
+    k: Array
+    v: Array
+    o: Options
 
-    return wrapper
+    def run(self, form: Form) -> Array:
+        return form(finite_or_same(self.q), finite_or_same(self.k), finite_or_same(self.v), self.o)
+
+    def dirty_rows(self) -> Bool[Array, "... T_q H"]:
+        bad_kv = jnp.logical_or(nonfinite_rows(self.k), nonfinite_rows(self.v))  # [..., T_k, H]
+        o = self.o
+        return dirty_rows(nonfinite_rows(self.q), bad_kv, o.key_mask, o.causal, False, -2)
 
 
-def guarded_rows(
-    compute: Callable[[Array, Array], Array],
-    xq: Array,
-    xkv: Array,
-    key_mask: Any,
-    causal: bool,
-    residual: bool,
-) -> Array:
-    """The weight-level guard: ``compute(x_q, x_kv) -> [..., T_q, d_model]`` on the finite parts,
-    NaN on the rows that read a non-finite token row (no gradient)."""
-    value = compute(finite_part(xq), finite_part(xkv))  # first: it validates the arguments
-    dirty = dirty_rows(nonfinite_rows(xq), nonfinite_rows(xkv), key_mask, causal, residual, -1)
-    return poison_rows(dirty, value)
+@dataclasses.dataclass(frozen=True)
+class RowCall:
+    """Validated multi-head inputs ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``:
+    ``run(formula)`` is ``formula(params, x_q, x_kv, o, residual)`` on the finite parts; a query
+    row is dirty when it reads a non-finite token row (its own, if it has an allowed key or with
+    ``residual``)."""
+
+    params: AttentionParams
+    x_q: Array
+    x_kv: Array
+    o: Options
+    residual: bool
+
+    def run(self, formula: Callable[..., Array]) -> Array:
+        xq, xkv = finite_part(self.x_q), finite_part(self.x_kv)
+        return formula(self.params, xq, xkv, self.o, self.residual)
+
+    def dirty_rows(self) -> Bool[Array, "... T_q"]:
+        bad_q, bad_kv = nonfinite_rows(self.x_q), nonfinite_rows(self.x_kv)
+        return dirty_rows(bad_q, bad_kv, self.o.key_mask, self.o.causal, self.residual, -1)

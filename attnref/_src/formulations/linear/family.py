@@ -11,21 +11,7 @@ from attnref._src.core import cost as _cost
 from attnref._src.core.family import Example, ExampleProblem, Family
 from attnref._src.core.registry import REFACTOR, Formulation, register
 from attnref._src.formulations.feature_maps import feature_map_from_name
-from attnref._src.formulations.linear.kernel import (
-    linear_associative,
-    linear_chunked,
-    linear_prefix_sum,
-    linear_quadratic,
-    linear_recurrent,
-)
-from attnref._src.formulations.linear.multihead import (
-    linear_associative_attention,
-    linear_chunked_attention,
-    linear_messages_attention,
-    linear_prefix_sum_attention,
-    linear_quadratic_attention,
-    linear_recurrent_attention,
-)
+from attnref._src.formulations.linear import kernel, multihead
 
 
 def linear_required(problem: ExampleProblem) -> dict[str, Any]:
@@ -118,17 +104,9 @@ def linear_recurrent_cost(d: _cost.Dims) -> _cost.Cost:
     mm_p, el_p = _cost.linear_proj(d)
     inputs, output = _cost.io(d)
     proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
-    every = [
-        *proj,
-        *proj,
-        *proj,
-        b * t,
-        b * h * m * d.d_v,
-        b * h * m,
-        b * t * h * d.d_v,
-        b * t * h * d.d_v,
-        b * t * d.d_model,
-    ]  # + time-major copies, state, outputs
+    # projections and their time-major copies, the mask, the state, the outputs
+    every = [*proj * 3, b * t, b * h * m * d.d_v, b * h * m]
+    every += [b * t * h * d.d_v, b * t * h * d.d_v, b * t * d.d_model]
     return _cost.Cost(
         mm_p + t * step_mm,
         el_p + t * step_el + b * t * h * m + _cost.weight_guard_elementwise(d, pairs=False),
@@ -196,17 +174,8 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
         + _cost.weight_guard_elementwise(d, pairs=False)
     )
     inputs, output = _cost.io(d)
-    every = [
-        *_cost.linear_tensors(d),
-        a,
-        a,
-        a,
-        b * h * d.t_q,
-        h * dm * dm,
-        b * h * d.t_k * dm,
-        b * h * d.t_k * dm,
-        b * h * d.t_q * dm,
-    ]  # A, masked, normalised; W_M, messages
+    every = [*_cost.linear_tensors(d), a, a, a, b * h * d.t_q]  # A, masked, normalised; den
+    every += [h * dm * dm, b * h * d.t_k * dm, b * h * d.t_k * dm, b * h * d.t_q * dm]  # messages
     return _cost.Cost(
         mm,
         el,
@@ -228,8 +197,9 @@ register(
         ),
         convention="kernel",
         citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
-        apply=linear_quadratic_attention,
-        native=linear_quadratic,
+        apply=multihead.linear_quadratic_attention,
+        formula=kernel.quadratic,
+        native=kernel.linear_quadratic,
         summary=(
             "The T x T kernel matrix materialised, masked (causal and/or key padding), "
             "row-normalised."
@@ -251,8 +221,9 @@ register(
         ),
         convention="kernel",
         citation=KATHAROPOULOS,
-        apply=linear_associative_attention,
-        native=linear_associative,
+        apply=multihead.linear_associative_attention,
+        formula=kernel.associative,
+        native=kernel.linear_associative,
         summary=(
             "Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."
         ),
@@ -273,8 +244,9 @@ register(
         ),
         convention="kernel",
         citation=KATHAROPOULOS,
-        apply=linear_prefix_sum_attention,
-        native=linear_prefix_sum,
+        apply=multihead.linear_prefix_sum_attention,
+        formula=kernel.prefix_sum,
+        native=kernel.linear_prefix_sum,
         summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
         cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
         cost_model=linear_prefix_sum_cost,
@@ -293,8 +265,9 @@ register(
         ),
         convention="kernel",
         citation=KATHAROPOULOS,
-        apply=linear_recurrent_attention,
-        native=linear_recurrent,
+        apply=multihead.linear_recurrent_attention,
+        formula=kernel.recurrent,
+        native=kernel.linear_recurrent,
         summary=(
             "A lax.scan over the constant-size state (S_t, z_t): the decoding view, "
             "O(m d_v) memory."
@@ -320,8 +293,9 @@ register(
         ),
         convention="kernel",
         citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
-        apply=linear_chunked_attention,
-        native=linear_chunked,
+        apply=multihead.linear_chunked_attention,
+        formula=kernel.chunked,
+        native=kernel.linear_chunked,
         summary=(
             "Quadratic inside each chunk, the state carried between chunks by lax.scan; "
             "any chunk size."
@@ -347,8 +321,9 @@ register(
         ),
         convention="row",
         citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
-        apply=linear_messages_attention,
-        native=linear_messages_attention,
+        apply=multihead.linear_messages_attention,
+        formula=multihead.messages,
+        native=multihead.linear_messages_attention,
         summary="The normalised linear attention matrix of each head times its messages X W_M.",
         cost=(
             "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); "

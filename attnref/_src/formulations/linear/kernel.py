@@ -28,7 +28,9 @@ chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -36,199 +38,70 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.common import HIGHEST
-from attnref._src.formulations.feature_maps import (  # FeatureMap: the docstrings' :class: roles resolve here
-    FeatureMap,  # noqa: F401
+from attnref._src.core.checks import HIGHEST
+from attnref._src.core.entry import Level, public
+from attnref._src.formulations.feature_maps import (
+    FeatureMap,  # noqa: F401  (the docstrings' :class: roles resolve here)
     FeatureMapLike,
     check_feature_map,
 )
 from attnref._src.formulations.linear.common import (
     EpsPolicy,
+    Form,
+    KernelCall,
+    Options,
     causal_pairs,
+    check_chunk_size,
+    check_mode,
     check_policy,
     check_qkv,
     features,
-    guarded_kernel,
-    normalize,
+    normalize,  # noqa: F401  (the docstring's :func: role resolves here)
     query,
 )
 
-# ----------------------------------------------------------------------------- kernel level
+Q = Float[Array, "... T_q H d_k"]
+K = Float[Array, "... T_k H d_k"]
+V = Float[Array, "... T_k H d_v"]
+
+
+def quadratic(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T_q H d_v"]:
+    """``Y = (A V) / (A 1)`` with ``A = phi(Q) phi(K)^T``, masked to the allowed pairs."""
+    fq, fk, c = o.features(q, k)  # phi(Q) [..., T_q, H, m], phi(K) [..., T_k, H, m]
+    num, den = quadratic_parts(fq, fk, v, o.causal)  # A V, A 1
+    return o.normalize(num, den, c)
 
 
 def quadratic_parts(
     fq: Array, fk: Array, v: Array, causal: bool
 ) -> tuple[Float[Array, "... T_q H d_v"], Float[Array, "... T_q H"]]:
-    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
+    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)  # A [..., H, T_q, T_k]
     if causal:
         a = jnp.where(causal_pairs(a.shape[-1]), a, jnp.zeros_like(a))
     num = jnp.einsum("...hqk,...khv->...qhv", a, v, precision=HIGHEST)
     return num, jnp.swapaxes(jnp.sum(a, axis=-1), -1, -2)
 
 
-@float64_scoped
-@guarded_kernel
-def linear_quadratic(
-    q: Float[ArrayLike, "... T_q H d_k"],
-    k: Float[ArrayLike, "... T_k H d_k"],
-    v: Float[ArrayLike, "... T_k H d_v"],
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool = False,
-    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-) -> Float[Array, "... T_q H d_v"]:
-    """Quadratic form: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)`` row-wise.
-
-    Args:
-        q: Queries ``[..., T_q, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
-        k: Keys ``[..., T_k, H, d_k]``, the batch dims, heads and dtype of ``q``.
-        v: Values ``[..., T_k, H, d_v]``, the dtype of ``q``.
-        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
-            (e.g. :func:`attnref.linear.elu_plus_one`).
-        causal: If ``True``, query ``i`` reads keys ``j <= i`` only (needs ``T_q == T_k``);
-            default ``False``.
-        key_mask: Boolean ``[..., T_k]`` (exactly the batch dims of ``q``), ``True`` = the key
-            may be read; ``None`` (default) allows every key.
-        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
-        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
-            ``max(den, eps)``).
-
-    Returns:
-        ``y [..., T_q, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
-        exactly zero (e.g. no allowed key).
-
-    Raises:
-        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
-            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
-            scalar, ``eps_policy`` is unknown, or ``causal`` with ``T_q != T_k``.
-        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
-            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
-    """
-    check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk, c = features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
-    num, den = quadratic_parts(fq, fk, jnp.asarray(v), causal)
-    return normalize(num, den, eps, eps_policy, c)
-
-
-@float64_scoped
-@guarded_kernel
-def linear_associative(
-    q: Float[ArrayLike, "... T_q H d_k"],
-    k: Float[ArrayLike, "... T_k H d_k"],
-    v: Float[ArrayLike, "... T_k H d_v"],
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool = False,
-    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-) -> Float[Array, "... T_q H d_v"]:
-    """Associative (non-causal) form: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``.
-
-    Args:
-        q: Queries ``[..., T_q, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
-        k: Keys ``[..., T_k, H, d_k]``, the batch dims, heads and dtype of ``q``.
-        v: Values ``[..., T_k, H, d_v]``, the dtype of ``q``.
-        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
-            (e.g. :func:`attnref.linear.elu_plus_one`).
-        causal: Must be ``False`` (the default): this form is non-causal.
-        key_mask: Boolean ``[..., T_k]`` (exactly the batch dims of ``q``), ``True`` = the key
-            may be read; ``None`` (default) allows every key.
-        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
-        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
-            ``max(den, eps)``).
-
-    Returns:
-        ``y [..., T_q, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
-        exactly zero (e.g. no allowed key).
-
-    Raises:
-        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
-            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
-            scalar, ``eps_policy`` is unknown, or ``causal=True``.
-        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
-            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
-    """
-    if isinstance(causal, (bool, np.bool_)) and causal:  # a non-bool: TypeError in _check_qkv
-        raise ValueError(
-            "linear_associative is non-causal; use linear_prefix_sum, "
-            "linear_recurrent or linear_chunked for causal attention"
-        )
-    check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk, c = features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
-    s = jnp.einsum("...khm,...khv->...hmv", fk, jnp.asarray(v), precision=HIGHEST)
-    z = jnp.sum(fk, axis=-3)
+def associative(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T_q H d_v"]:
+    """``Y = phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``: keys and values summarised first."""
+    fq, fk, c = o.features(q, k)
+    s = jnp.einsum("...khm,...khv->...hmv", fk, v, precision=HIGHEST)  # phi(K)^T V [..., H, m, d_v]
+    z = jnp.sum(fk, axis=-3)  #                                          phi(K)^T 1 [..., H, m]
     num = jnp.einsum("...qhm,...hmv->...qhv", fq, s, precision=HIGHEST)
     den = jnp.einsum("...qhm,...hm->...qh", fq, z, precision=HIGHEST)
-    return normalize(num, den, eps, eps_policy, c)
+    return o.normalize(num, den, c)
 
 
-def require_causal(name: str, causal: bool) -> None:
-    if isinstance(causal, (bool, np.bool_)) and not causal:  # a non-bool: TypeError (_check_qkv)
-        raise ValueError(
-            f"{name} is a causal form (causal=True); use linear_associative or "
-            "linear_quadratic for non-causal attention"
-        )
-
-
-@float64_scoped
-@guarded_kernel
-def linear_prefix_sum(
-    q: Float[ArrayLike, "... T H d_k"],
-    k: Float[ArrayLike, "... T H d_k"],
-    v: Float[ArrayLike, "... T H d_v"],
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool = True,
-    key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-) -> Float[Array, "... T H d_v"]:
-    """Causal prefix sums: ``S_t = sum_{j<=t} phi(k_j) v_j^T``, ``z_t = sum_{j<=t} phi(k_j)``,
-    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)`` (memory ``T m d_v`` per head).
-
-    Args:
-        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
-        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
-        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
-        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
-            (e.g. :func:`attnref.linear.elu_plus_one`).
-        causal: Must be ``True`` (the default): ``linear_prefix_sum`` is a causal form.
-        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
-            may be read; ``None`` (default) allows every key.
-        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
-        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
-            ``max(den, eps)``).
-
-    Returns:
-        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
-        exactly zero (e.g. no allowed key).
-
-    Raises:
-        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
-            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
-            scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
-        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
-            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
-    """
-    require_causal("linear_prefix_sum", causal)
-    check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    km = None if key_mask is None else jnp.asarray(key_mask)
-    fq, fk, c = features(feature_map, jnp.asarray(q), jnp.asarray(k), km)
-    kv = jnp.einsum("...thm,...thv->...thmv", fk, jnp.asarray(v), precision=HIGHEST)
-    s = jnp.cumsum(kv, axis=-4)
-    z = jnp.cumsum(fk, axis=-3)
+def prefix_sum(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T H d_v"]:  # T_q = T_k = T
+    """``S_t = sum_{j<=t} phi(k_j) v_j^T``, ``z_t = sum_{j<=t} phi(k_j)``,
+    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)``: every causal prefix at once."""
+    fq, fk, c = o.features(q, k)
+    kv = jnp.einsum("...thm,...thv->...thmv", fk, v, precision=HIGHEST)  # phi(k_t) v_t^T
+    s = jnp.cumsum(kv, axis=-4)  #  S_t [..., T, H, m, d_v]
+    z = jnp.cumsum(fk, axis=-3)  #  z_t [..., T, H, m]
     num = jnp.einsum("...thm,...thmv->...thv", fq, s, precision=HIGHEST)
     den = jnp.einsum("...thm,...thm->...th", fq, z, precision=HIGHEST)
-    return normalize(num, den, eps, eps_policy, c)
+    return o.normalize(num, den, c)
 
 
 class LinearState(NamedTuple):
@@ -242,6 +115,73 @@ class LinearState(NamedTuple):
 
     s: Array
     z: Array
+
+
+def step(
+    state: LinearState,
+    o: Options,
+    q_t: Float[Array, "... H d_k"],
+    k_t: Float[Array, "... H d_k"],
+    v_t: Float[Array, "... H d_v"],
+    key_valid: Bool[Array, "..."] | None,
+) -> tuple[LinearState, Float[Array, "... H d_v"]]:
+    """``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``,
+    ``y_t = phi(q_t) S_t / (phi(q_t) z_t)``; a key that is not valid is not appended."""
+    (fq, c), fk = query(o.feature_map, q_t), o.feature_map(k_t, "key")
+    if key_valid is not None:
+        fk = jnp.where(key_valid[..., None, None], fk, jnp.zeros_like(fk))
+    s = state.s + jnp.einsum("...hm,...hv->...hmv", fk, v_t, precision=HIGHEST)
+    z = state.z + fk
+    num = jnp.einsum("...hm,...hmv->...hv", fq, s, precision=HIGHEST)
+    den = jnp.einsum("...hm,...hm->...h", fq, z, precision=HIGHEST)
+    return LinearState(s, z), o.normalize(num, den, c)
+
+
+def recurrent(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T H d_v"]:  # T_q = T_k = T
+    """:func:`step` under ``lax.scan``, one token at a time, from the empty state."""
+    km = jnp.ones(q.shape[:-2], bool) if o.key_mask is None else o.key_mask  # [..., T]
+    xs = (*(jnp.moveaxis(a, -3, 0) for a in (q, k, v)), jnp.moveaxis(km, -1, 0))  # time-major
+    _, ys = jax.lax.scan(lambda s, x: step(s, o, *x), empty_state(q, v, o), xs)
+    return jnp.moveaxis(ys, 0, -3)
+
+
+def empty_state(q: Q, v: V, o: Options) -> LinearState:
+    *batch, _, h, d_k = q.shape
+    m = o.feature_map.num_features(d_k)
+    return linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
+
+
+def chunked(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T H d_v"]:  # T_q = T_k = T
+    """Causal :func:`quadratic` inside each chunk of ``C`` tokens plus the state ``(S, z)`` of
+    the chunks before, carried by ``lax.scan``. A last partial chunk is padded with masked keys
+    and the padded queries are dropped."""
+    t, c = q.shape[-3], o.chunk_size
+    n = math.ceil(t / c)
+    km = jnp.ones(q.shape[:-2], bool) if o.key_mask is None else o.key_mask  # [..., T]
+    fq, fk, c_q = features(o.feature_map, q, k, km)
+
+    def chunks(a: Array, axis: int) -> Array:  # [..., T, ...] -> [n, ..., c, ...]
+        ax = axis % a.ndim
+        a = jnp.pad(a, [(0, n * c - t) if i == ax else (0, 0) for i in range(a.ndim)])
+        a = a.reshape(*a.shape[:ax], n, c, *a.shape[ax + 1 :])
+        return jnp.moveaxis(a, ax, 0)
+
+    def chunk_step(
+        carry: LinearState, xs: tuple[Array, Array, Array, Array | None]
+    ) -> tuple[LinearState, Array]:
+        fq_c, fk_c, v_c, c_c = xs  # [..., c, H, m] twice, [..., c, H, d_v], [..., c, H] or None
+        num, den = quadratic_parts(fq_c, fk_c, v_c, causal=True)
+        num = num + jnp.einsum("...chm,...hmv->...chv", fq_c, carry.s, precision=HIGHEST)
+        den = den + jnp.einsum("...chm,...hm->...ch", fq_c, carry.z, precision=HIGHEST)
+        s = carry.s + jnp.einsum("...chm,...chv->...hmv", fk_c, v_c, precision=HIGHEST)
+        z = carry.z + jnp.sum(fk_c, axis=-3)
+        return LinearState(s, z), o.normalize(num, den, c_c)
+
+    c_chunks = None if c_q is None else chunks(c_q, -2)  # None: c = 0, eps unchanged
+    xs = (chunks(fq, -3), chunks(fk, -3), chunks(v, -3), c_chunks)
+    _, ys = jax.lax.scan(chunk_step, empty_state(q, v, o), xs)
+    ys = jnp.moveaxis(ys, 0, -4)  # [..., n, c, H, d_v]
+    return ys.reshape(*ys.shape[:-4], n * c, *ys.shape[-2:])[..., :t, :, :]
 
 
 def linear_state_init(
@@ -314,175 +254,177 @@ def linear_step(
     if np.shape(v_t)[-1] != np.shape(state.s)[-1]:
         raise ValueError(f"v_t has d_v={np.shape(v_t)[-1]}; the state has {np.shape(state.s)[-1]}")
     check_policy(eps, eps_policy)
-    (fq, c), fk = query(feature_map, jnp.asarray(q_t)), feature_map(k_t, "key")
-    if fk.shape[-1] != np.shape(state.z)[-1]:
+    m = jax.eval_shape(lambda k: feature_map(k, "key"), k_t).shape[-1]
+    if m != np.shape(state.z)[-1]:
         raise ValueError(
-            f"the feature map gives {fk.shape[-1]} features; the state has {np.shape(state.z)[-1]}"
+            f"the feature map gives {m} features; the state has {np.shape(state.z)[-1]}"
         )
-    if key_valid is not None:
-        fk = jnp.where(key_valid[..., None, None], fk, jnp.zeros_like(fk))
-    s = state.s + jnp.einsum("...hm,...hv->...hmv", fk, v_t, precision=HIGHEST)
-    z = state.z + fk
-    num = jnp.einsum("...hm,...hmv->...hv", fq, s, precision=HIGHEST)
-    den = jnp.einsum("...hm,...hm->...h", fq, z, precision=HIGHEST)
-    return LinearState(s, z), normalize(num, den, eps, eps_policy, c)
+    o = Options(feature_map, eps, eps_policy)
+    return step(state, o, jnp.asarray(q_t), jnp.asarray(k_t), jnp.asarray(v_t), key_valid)
 
 
-@float64_scoped
-@guarded_kernel
-def linear_recurrent(
+# ----------------------------------------------------------------------------- the kernel level
+#
+# One validation for every form (:func:`kernel_call`). ``form``, ``modes`` (the causal modes it
+# takes) and the default of ``causal`` (``modes[0]``) are bound by ``functools.partial``; the
+# public signature is the rest of :func:`prepare_kernel`'s, :func:`prepare_causal`'s (``T_q ==
+# T_k``) or :func:`prepare_chunked`'s.
+
+
+def kernel_call(
+    form: Form,
+    modes: tuple[bool, ...],
+    q: Any,
+    k: Any,
+    v: Any,
+    feature_map: FeatureMapLike,
+    causal: bool,
+    key_mask: Any,
+    eps: Any,
+    eps_policy: str,
+    chunk_size: int = 16,
+) -> KernelCall:
+    """Validate a kernel-level call of ``form``: the one validation of the kernel level."""
+    check_mode(form, modes, causal)
+    check_qkv(q, k, v, key_mask, causal)
+    check_policy(eps, eps_policy)
+    if form is chunked:
+        check_chunk_size(chunk_size)
+    check_feature_map(feature_map)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    o = Options(feature_map, eps, eps_policy, causal, km, chunk_size, form)
+    return KernelCall(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), o)
+
+
+def prepare_kernel(
+    form: Form,
+    modes: tuple[bool, ...],
+    q: Float[ArrayLike, "... T_q H d_k"],
+    k: Float[ArrayLike, "... T_k H d_k"],
+    v: Float[ArrayLike, "... T_k H d_v"],
+    *,
+    feature_map: FeatureMapLike,
+    causal: bool,
+    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
+    eps: Real[ArrayLike, ""] = 0.0,
+    eps_policy: EpsPolicy = "add",
+) -> KernelCall:
+    return kernel_call(form, modes, q, k, v, feature_map, causal, key_mask, eps, eps_policy)
+
+
+def prepare_causal(
+    form: Form,
+    modes: tuple[bool, ...],
     q: Float[ArrayLike, "... T H d_k"],
     k: Float[ArrayLike, "... T H d_k"],
     v: Float[ArrayLike, "... T H d_v"],
     *,
     feature_map: FeatureMapLike,
-    causal: bool = True,
+    causal: bool,
     key_mask: Bool[ArrayLike, "... T"] | None = None,
     eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
-) -> Float[Array, "... T H d_v"]:
-    """Recurrent form: :func:`linear_step` under ``lax.scan``, one token at a time.
-
-    Args:
-        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
-        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
-        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
-        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
-            (e.g. :func:`attnref.linear.elu_plus_one`).
-        causal: Must be ``True`` (the default): ``linear_recurrent`` is a causal form.
-        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
-            may be read; ``None`` (default) allows every key.
-        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
-        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
-            ``max(den, eps)``).
-
-    Returns:
-        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
-        exactly zero (e.g. no allowed key).
-
-    Raises:
-        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
-            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
-            scalar, ``eps_policy`` is unknown, ``causal=False``, or ``T_q != T_k``.
-        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
-            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
-    """
-    require_causal("linear_recurrent", causal)
-    check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    check_feature_map(feature_map)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    *batch, _, h, d_k = q.shape
-    m = feature_map.num_features(d_k)
-    km = jnp.ones((*batch, q.shape[-3]), bool) if key_mask is None else jnp.asarray(key_mask)
-    state = linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
-
-    def step(carry: LinearState, xs: tuple[Array, ...]) -> tuple[LinearState, Array]:
-        q_t, k_t, v_t, valid = xs
-        return linear_step(
-            carry,
-            q_t,
-            k_t,
-            v_t,
-            feature_map=feature_map,
-            key_valid=valid,
-            eps=eps,
-            eps_policy=eps_policy,
-        )
-
-    def time_major(a: Array, axis: int) -> Array:
-        return jnp.moveaxis(a, axis, 0)
-
-    xs = (time_major(q, -3), time_major(k, -3), time_major(v, -3), time_major(km, -1))
-    _, ys = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(ys, 0, -3)
+) -> KernelCall:
+    return kernel_call(form, modes, q, k, v, feature_map, causal, key_mask, eps, eps_policy)
 
 
-@float64_scoped
-@guarded_kernel
-def linear_chunked(
+def prepare_chunked(
+    form: Form,
+    modes: tuple[bool, ...],
     q: Float[ArrayLike, "... T H d_k"],
     k: Float[ArrayLike, "... T H d_k"],
     v: Float[ArrayLike, "... T H d_v"],
     *,
     feature_map: FeatureMapLike,
-    causal: bool = True,
+    causal: bool,
     key_mask: Bool[ArrayLike, "... T"] | None = None,
     eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
     chunk_size: int = 16,
-) -> Float[Array, "... T H d_v"]:
-    """Chunked form: causal quadratic attention inside each chunk of ``chunk_size`` tokens plus
-    the state ``(S, z)`` carried across chunks by ``lax.scan``. Any ``chunk_size >= 1``; a last
-    partial chunk is padded with masked keys and the padded queries are dropped.
-
-    Args:
-        q: Queries ``[..., T, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
-        k: Keys ``[..., T, H, d_k]``, the batch dims, heads and dtype of ``q``.
-        v: Values ``[..., T, H, d_v]``, the dtype of ``q``.
-        feature_map: The feature map ``phi``, a called :class:`FeatureMap`
-            (e.g. :func:`attnref.linear.elu_plus_one`).
-        causal: Must be ``True`` (the default): ``linear_chunked`` is a causal form.
-        key_mask: Boolean ``[..., T]`` (exactly the batch dims of ``q``), ``True`` = the key
-            may be read; ``None`` (default) allows every key.
-        eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
-        eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
-            ``max(den, eps)``).
-        chunk_size: Tokens per chunk, a positive int (default 16; static under ``jax.jit``).
-
-    Returns:
-        ``y [..., T, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator is
-        exactly zero (e.g. no allowed key).
-
-    Raises:
-        ValueError: If ``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,
-            heads and ``d_k``, ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a
-            scalar, ``eps_policy`` is unknown, ``causal=False``, ``T_q != T_k``, or
-            ``chunk_size`` is not a positive int.
-        TypeError: If ``causal`` is not a Python bool, ``q``/``k``/``v`` differ in dtype,
-            ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map.
-    """
-    require_causal("linear_chunked", causal)
-    t, _ = check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    *batch, _, h, d_k = q.shape
-    c = chunk_size
-    n = math.ceil(t / c)
-    pad = n * c - t
-    km = jnp.ones((*batch, t), bool) if key_mask is None else jnp.asarray(key_mask)
-    fq, fk, c_q = features(feature_map, q, k, km)
-
-    def chunks(a: Array, axis: int) -> Array:
-        widths = [(0, 0)] * a.ndim
-        widths[axis % a.ndim] = (0, pad)
-        a = jnp.pad(a, widths)
-        ax = axis % a.ndim
-        a = a.reshape(*a.shape[:ax], n, c, *a.shape[ax + 1 :])
-        return jnp.moveaxis(a, ax, 0)  # [n, ..., c, ...]
-
-    m = feature_map.num_features(d_k)
-    state = linear_state_init(tuple(batch), h, m, v.shape[-1], q.dtype)
-
-    def step(
-        carry: LinearState, xs: tuple[Array, Array, Array, Array | None]
-    ) -> tuple[LinearState, Array]:
-        fq_c, fk_c, v_c, c_c = xs  # [..., c, H, m] twice, [..., c, H, d_v], [..., c, H] or None
-        num, den = quadratic_parts(fq_c, fk_c, v_c, causal=True)
-        num = num + jnp.einsum("...chm,...hmv->...chv", fq_c, carry.s, precision=HIGHEST)
-        den = den + jnp.einsum("...chm,...hm->...ch", fq_c, carry.z, precision=HIGHEST)
-        s = carry.s + jnp.einsum("...chm,...chv->...hmv", fk_c, v_c, precision=HIGHEST)
-        z = carry.z + jnp.sum(fk_c, axis=-3)
-        return LinearState(s, z), normalize(num, den, eps, eps_policy, c_c)
-
-    c_chunks = None if c_q is None else chunks(c_q, -2)  # None: c = 0, eps unchanged
-    xs = (chunks(fq, -3), chunks(fk, -3), chunks(v, -3), c_chunks)
-    _, ys = jax.lax.scan(step, state, xs)
-    ys = jnp.moveaxis(ys, 0, -4)  # [..., n, c, H, d_v]
-    ys = ys.reshape(*ys.shape[:-4], n * c, *ys.shape[-2:])
-    return ys[..., :t, :, :]
+) -> KernelCall:
+    options = (feature_map, causal, key_mask, eps, eps_policy, chunk_size)
+    return kernel_call(form, modes, q, k, v, *options)
 
 
-# ----------------------------------------------------------------------------- multi-head level
+CAUSAL_ARG = """
+    causal: If ``True``, query ``i`` reads keys ``j <= i`` only (needs ``T_q == T_k``). The
+        default is the form's: ``True`` for the causal forms (prefix sums, recurrent,
+        chunked), which refuse ``False``; ``False`` for the others (the associative form
+        refuses ``True``)."""
+OPTION_ARGS = """
+    feature_map: The feature map ``phi``, a called :class:`FeatureMap`
+        (e.g. :func:`attnref.linear.elu_plus_one`).{causal}
+    key_mask: Boolean ``[..., T_k]`` (exactly the batch dims of {x}), ``True`` = the key
+        may be read; ``None`` (default) allows every key.
+    eps: The denominator's regulariser, a scalar ``>= 0``; the default 0 is the exact ratio.
+    eps_policy: ``"add"`` (default, divide by ``den + eps``) or ``"clamp"`` (by
+        ``max(den, eps)``).{more}"""
+CHUNK_ARG = """
+    chunk_size: Tokens per chunk, a positive int (default 16; static under ``jax.jit``)."""
+RAISES = """
+
+Raises:
+    ValueError: If {shapes}
+        ``key_mask`` is not ``[..., T_k]``, ``eps`` is negative or not a scalar, ``eps_policy``
+        is unknown, ``causal`` is a mode the form refuses or ``True`` with ``T_q != T_k``, or
+        (chunked form) ``chunk_size`` is not a positive int.
+    TypeError: If {dtypes} ``causal`` is not a Python bool,
+        ``key_mask`` is not boolean, or ``feature_map`` is not a (called) feature map."""
+KERNEL_ARGS = (
+    """Args:
+    q: Queries ``[..., T_q, H, d_k]`` (the ``jax.nn`` layout: heads second to last).
+    k: Keys ``[..., T_k, H, d_k]``, the batch dims, heads and dtype of ``q``.
+    v: Values ``[..., T_k, H, d_v]``, the dtype of ``q``."""
+    + OPTION_ARGS.format(causal=CAUSAL_ARG, x="``q``", more="{chunk}")
+    + RAISES.format(
+        shapes="``q``/``k``/``v`` are not ``[..., T, H, d]`` with matching batch dims,\n"
+        "        heads and ``d_k``,",
+        dtypes="``q``/``k``/``v`` differ in dtype,",
+    )
+)
+
+
+def kernel_form(form: Form, modes: tuple[bool, ...], summary: str) -> Callable[..., Array]:
+    """The public kernel-level function ``linear_<form>``: validate, scope float64, guard."""
+    causal_only = modes == (True,)  # then T_q == T_k = T
+    prepare = (
+        prepare_chunked if form is chunked else prepare_causal if causal_only else prepare_kernel
+    )
+    t = "T" if causal_only else "T_q"
+    args = KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else "")
+    level = Level(functools.partial(prepare, form, modes, causal=modes[0]), args)
+    returns = (
+        f"``y [..., {t}, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator\n"
+        "    is exactly zero (e.g. no allowed key)."
+    )
+    return public(level, form, name=f"linear_{form.__name__}", summary=summary, returns=returns)
+
+
+linear_quadratic = kernel_form(
+    quadratic,
+    (False, True),
+    "Quadratic form: ``A = phi(Q) phi(K)^T`` (masked), ``Y = (A V) / (A 1)`` row-wise.",
+)
+linear_associative = kernel_form(
+    associative,
+    (False,),
+    "Associative (non-causal) form: ``phi(Q) (phi(K)^T V) / (phi(Q) (phi(K)^T 1))``.",
+)
+linear_prefix_sum = kernel_form(
+    prefix_sum,
+    (True,),
+    "Causal prefix sums: ``S_t = sum_{j<=t} phi(k_j) v_j^T``, ``z_t = sum_{j<=t} phi(k_j)``,\n"
+    "``y_t = phi(q_t) S_t / (phi(q_t) z_t)`` (memory ``T m d_v`` per head).",
+)
+linear_recurrent = kernel_form(
+    recurrent,
+    (True,),
+    "Recurrent form: :func:`linear_step` under ``lax.scan``, one token at a time.",
+)
+linear_chunked = kernel_form(
+    chunked,
+    (True,),
+    "Chunked form: causal quadratic attention inside each chunk of ``chunk_size`` tokens plus\n"
+    "the state ``(S, z)`` carried across chunks by ``lax.scan``. Any ``chunk_size >= 1``; a last\n"
+    "partial chunk is padded with masked keys and the padded queries are dropped.",
+)
