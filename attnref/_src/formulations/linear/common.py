@@ -6,6 +6,7 @@ validation, the denominator policy (:func:`normalize`) and the two levels' valid
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -259,3 +260,19 @@ class RowCall:
     def dirty_rows(self) -> Bool[Array, "... T_q"]:
         bad_q, bad_kv = nonfinite_rows(self.x_q), nonfinite_rows(self.x_kv)
         return dirty_rows(bad_q, bad_kv, self.o.key_mask, self.o.causal, self.residual, -1)
+
+
+def with_chunk_size(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    """``prepare`` with one more keyword argument, the chunked form's ``chunk_size: int = 16``
+    (a positive int, checked after the others), set on the call's options."""
+
+    def prepare_chunked(*args: Any, chunk_size: int = 16, **kwargs: Any) -> KernelCall | RowCall:
+        call = prepare(*args, **kwargs)
+        check_chunk_size(chunk_size)
+        return dataclasses.replace(call, o=dataclasses.replace(call.o, chunk_size=chunk_size))
+
+    signature = inspect.signature(prepare)
+    size = inspect.Parameter("chunk_size", inspect.Parameter.KEYWORD_ONLY, default=16)
+    params = [*signature.parameters.values(), size.replace(annotation="int")]
+    prepare_chunked.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return prepare_chunked

@@ -51,13 +51,13 @@ from attnref._src.formulations.linear.common import (
     KernelCall,
     Options,
     causal_pairs,
-    check_chunk_size,
     check_mode,
     check_policy,
     check_qkv,
     features,
     normalize,  # noqa: F401  (the docstring's :func: role resolves here)
     query,
+    with_chunk_size,
 )
 
 Q = Float[Array, "... T_q H d_k"]
@@ -267,8 +267,8 @@ def linear_step(
 #
 # One validation for every form (:func:`kernel_call`). ``form``, ``modes`` (the causal modes it
 # takes) and the default of ``causal`` (``modes[0]``) are bound by ``functools.partial``; the
-# public signature is the rest of :func:`prepare_kernel`'s, :func:`prepare_causal`'s (``T_q ==
-# T_k``) or :func:`prepare_chunked`'s.
+# public signature is the rest of :func:`prepare_kernel`'s, or of :func:`prepare_causal`'s
+# (``T_q == T_k = T``), with ``chunk_size`` for the chunked form (:func:`with_chunk_size`).
 
 
 def kernel_call(
@@ -282,17 +282,14 @@ def kernel_call(
     key_mask: Any,
     eps: Any,
     eps_policy: str,
-    chunk_size: int = 16,
 ) -> KernelCall:
     """Validate a kernel-level call of ``form``: the one validation of the kernel level."""
     check_mode(form, modes, causal)
     check_qkv(q, k, v, key_mask, causal)
     check_policy(eps, eps_policy)
-    if form is chunked:
-        check_chunk_size(chunk_size)
     check_feature_map(feature_map)
     km = None if key_mask is None else jnp.asarray(key_mask)
-    o = Options(feature_map, eps, eps_policy, causal, km, chunk_size, form)
+    o = Options(feature_map, eps, eps_policy, causal, km, form=form)
     return KernelCall(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), o)
 
 
@@ -326,24 +323,6 @@ def prepare_causal(
     eps_policy: EpsPolicy = "add",
 ) -> KernelCall:
     return kernel_call(form, modes, q, k, v, feature_map, causal, key_mask, eps, eps_policy)
-
-
-def prepare_chunked(
-    form: Form,
-    modes: tuple[bool, ...],
-    q: Float[ArrayLike, "... T H d_k"],
-    k: Float[ArrayLike, "... T H d_k"],
-    v: Float[ArrayLike, "... T H d_v"],
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool,
-    key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-    chunk_size: int = 16,
-) -> KernelCall:
-    options = (feature_map, causal, key_mask, eps, eps_policy, chunk_size)
-    return kernel_call(form, modes, q, k, v, *options)
 
 
 CAUSAL_ARG = """
@@ -387,9 +366,8 @@ KERNEL_ARGS = (
 def kernel_form(form: Form, modes: tuple[bool, ...], summary: str) -> Callable[..., Array]:
     """The public kernel-level function ``linear_<form>``: validate, scope float64, guard."""
     causal_only = modes == (True,)  # then T_q == T_k = T
-    prepare = (
-        prepare_chunked if form is chunked else prepare_causal if causal_only else prepare_kernel
-    )
+    prepare = prepare_causal if causal_only else prepare_kernel
+    prepare = with_chunk_size(prepare) if form is chunked else prepare
     t = "T" if causal_only else "T_q"
     args = KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else "")
     level = Level(functools.partial(prepare, form, modes, causal=modes[0]), args)

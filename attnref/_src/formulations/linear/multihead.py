@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
@@ -30,10 +29,10 @@ from attnref._src.formulations.linear.common import (
     RowCall,
     causal_pairs,
     check_causal,
-    check_chunk_size,
     check_key_mask,
     check_mode,
     check_policy,
+    with_chunk_size,
 )
 from attnref._src.formulations.linear.kernel import (
     CAUSAL_ARG,
@@ -107,36 +106,6 @@ def prepare_rows(
     eps_policy: EpsPolicy = "add",
     residual: bool = False,
 ) -> RowCall:
-    """Validate a multi-head call of ``form`` (:func:`prepare_chunked_rows`)."""
-    kw: dict[str, Any] = dict(feature_map=feature_map, key_mask=key_mask, eps=eps)
-    return prepare_chunked_rows(
-        form,
-        modes,
-        params,
-        x_q,
-        x_kv,
-        causal=causal,
-        eps_policy=eps_policy,
-        residual=residual,
-        **kw,
-    )
-
-
-def prepare_chunked_rows(
-    form: Form | None,
-    modes: tuple[bool, ...],
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool,
-    key_mask: Bool[ArrayLike, "... T_k"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-    residual: bool = False,
-    chunk_size: int = 16,
-) -> RowCall:
     """Validate a multi-head call of ``form``: the one validation of the row level."""
     check_feature_map(feature_map)
     x_kv = x_q if x_kv is None else x_kv
@@ -145,10 +114,8 @@ def prepare_chunked_rows(
     check_causal(causal)
     check_key_mask(key_mask, batch, t_q, t_k, causal)
     check_policy(eps, eps_policy)
-    if form is chunked:
-        check_chunk_size(chunk_size)
     km = None if key_mask is None else jnp.asarray(key_mask)
-    o = Options(feature_map, eps, eps_policy, causal, km, chunk_size, form)
+    o = Options(feature_map, eps, eps_policy, causal, km, form=form)
     return RowCall(params, jnp.asarray(x_q), jnp.asarray(x_kv), o, residual)
 
 
@@ -180,7 +147,9 @@ def multihead_form(
     form: Form | None, modes: tuple[bool, ...], summary: str, name: str
 ) -> Callable[..., Array]:
     """The public multi-head function ``name`` of ``form``: validate, scope float64, guard."""
-    prepare, chunk = (prepare_chunked_rows, CHUNK_ARG) if form is chunked else (prepare_rows, "")
+    prepare, chunk = (
+        (with_chunk_size(prepare_rows), CHUNK_ARG) if form is chunked else (prepare_rows, "")
+    )
     prepare = functools.partial(prepare, form, modes, causal=modes[0])
     level = Level(prepare, ROW_ARGS.format(chunk=chunk))
     formula = messages if form is None else multihead
