@@ -58,10 +58,11 @@ def multihead(
     ``q_i = x_q W_Q[i] + b_Q[i]`` and its key/value head's ``k_i``, ``v_i``."""
     assert o.form is not None
     g = params.group_size
-    q = jnp.swapaxes(project(x_q, params.w_q, params.b_q), -3, -2)  #    [..., T_q, H, d_k]
-    k = jnp.swapaxes(project_kv(x_kv, params.w_k, params.b_k, g), -3, -2)  # [..., T_k, H, d_k]
-    v = jnp.swapaxes(project_kv(x_kv, params.w_v, params.b_v, g), -3, -2)  # [..., T_k, H, d_v]
-    z = o.form(q, k, v, o)  #                                                [..., T_q, H, d_v]
+    # heads on the second-to-last axis (the kernel level's layout): [..., T, H, d]
+    q = jnp.swapaxes(project(x_q, params.w_q, params.b_q), -3, -2)
+    k = jnp.swapaxes(project_kv(x_kv, params.w_k, params.b_k, g), -3, -2)
+    v = jnp.swapaxes(project_kv(x_kv, params.w_v, params.b_v, g), -3, -2)
+    z = o.form(q, k, v, o)  # z_i  [..., T_q, H, d_v]
     y = jnp.einsum("...qhv,hvd->...qd", z, params.w_o, precision=HIGHEST)
     return residual_or(add_output_bias(y, params), x_q, residual)
 
