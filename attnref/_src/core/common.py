@@ -19,7 +19,6 @@ from attnref._src.core.nonfinite import (
     finite_bias,
     finite_part,
     nonfinite_rows,
-    poison_rows,
     reads_nonfinite,
 )
 from attnref._src.core.params import AttentionParams, repeat_heads
@@ -56,18 +55,17 @@ class Prepared:
         """The mask with a head axis inserted: broadcasts to ``[..., H, T_q, T_k]``."""
         return None if self.mask is None else jnp.expand_dims(self.mask, -3)
 
-    def dirty_rows(self, residual: bool | None = None) -> Bool[Array, "... T_q"]:
+    def dirty_rows(self) -> Bool[Array, "... T_q"]:
         """Query rows that read a non-finite value through an allowed pair (their own ``x_q`` row
         if any key is allowed, or always with ``residual``; an allowed ``x_kv`` row; an allowed
         NaN or ``+inf`` bias entry): :func:`attnref._src.core.nonfinite.reads_nonfinite`."""
-        residual = bool(self.residual) if residual is None else residual
         shape = (*self.batch_shape, self.t_q, self.t_k)
         return reads_nonfinite(
             allowed_pairs(self.mask, self.bias, shape),  # mask AND bias != -inf
             nonfinite_rows(self.x_q),
             nonfinite_rows(self.x_kv),
             self.bias,
-            residual,
+            bool(self.residual),
         )
 
     def finite(self) -> Prepared:
@@ -79,14 +77,6 @@ class Prepared:
             x_kv=finite_part(self.x_kv),
             bias=finite_bias(self.bias),
         )
-
-    def guarded(  # H1-COMPAT: delete once no module calls it (entry.guard replaces it)
-        self, compute: Callable[[Prepared], Any], residual: bool = False, heads: bool = False
-    ) -> Any:
-        dirty = self.dirty_rows(residual)
-        if heads:
-            dirty = jnp.expand_dims(dirty, -2)
-        return poison_rows(dirty, compute(self.finite()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,7 +115,3 @@ def reads_nonfinite(
         bad_bias = jnp.logical_and(allowed, ~jnp.isfinite(bias))  # -inf is never allowed
         dirty = jnp.logical_or(dirty, jnp.any(bad_bias, axis=-1))
     return dirty
-
-
-def guarded(compute: Any, dirty: Array, clean: tuple[Any, ...]) -> Any:  # H1-COMPAT: delete
-    return poison_rows(dirty, compute(*clean))

@@ -21,7 +21,6 @@ from attnref._src.core.common import (
     BLOCK_RETURNS,
     RESIDUAL_ARG,
     Call,
-    Prepared,
     add_output_bias,
     prepare_rows,
     residual_or,
@@ -115,19 +114,6 @@ def output_rows(params: AttentionParams, o: Array, x_q: Array, residual: bool) -
     y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
     y = add_output_bias(y.reshape(*x_q.shape[:-1], -1), params)
     return residual_or(y, x_q, residual)
-
-
-def flat(p: Prepared) -> tuple[Array, Array, int]:  # H1-COMPAT: delete when unused
-    return flat_rows(p.x_q, p.x_kv)
-
-
-def pairs(p: Prepared, a: Array | None, b: int) -> Array | None:  # H1-COMPAT
-    return kernel_pairs(a, p.x_q, p.x_kv)
-
-
-# H1-COMPAT
-def block_output(p: Prepared, params: AttentionParams, o: Array, residual: bool) -> Array:
-    return output_rows(params, o, p.x_q, residual)
 
 
 # ----------------------------------------------------------------------------- the kernel rows
