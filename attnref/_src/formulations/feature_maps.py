@@ -189,41 +189,25 @@ class FeatureMap:
 
 
 def elu_plus_one() -> FeatureMap:
-    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020).
-
-    Returns:
-        The positive :class:`FeatureMap` ``"elu_plus_one"`` (``m = d`` features).
-    """
+    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020): positive, ``m = d`` features."""
     return FeatureMap("elu_plus_one")
 
 
 def relu_features() -> FeatureMap:
-    """``phi(x) = max(x, 0)``.
-
-    Returns:
-        The non-negative :class:`FeatureMap` ``"relu"`` (``m = d`` features; ``phi(q).phi(k)``
-        can be 0, so a denominator can be exactly zero, and the output there is zero).
-    """
+    """``phi(x) = max(x, 0)``: non-negative, ``m = d`` features; ``phi(q).phi(k)`` can be 0, so a
+    denominator can be exactly zero, and the output there is zero."""
     return FeatureMap("relu")
 
 
 def identity_features() -> FeatureMap:
-    """``phi(x) = x`` (signed: denominators can vanish).
-
-    Returns:
-        The signed :class:`FeatureMap` ``"identity"`` (``m = d`` features).
-    """
+    """``phi(x) = x``: signed (denominators can vanish), ``m = d`` features."""
     return FeatureMap("identity")
 
 
 def taylor2() -> FeatureMap:
-    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``.
-
-    ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``, positive for every ``s``.
-
-    Returns:
-        The positive :class:`FeatureMap` ``"taylor2"`` (``m = 1 + d + d^2`` features).
-    """
+    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``: positive,
+    ``m = 1 + d + d^2`` features; ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``,
+    positive for every ``s``."""
     return FeatureMap("taylor2")
 
 
