@@ -58,7 +58,15 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
-from attnref._src.core.common import BLOCK_RETURNS, ROWS, Prepared, add_output_bias, residual_or
+from attnref._src.core.common import (
+    BLOCK_RETURNS,
+    RESIDUAL_ARG,
+    Call,
+    Prepared,
+    add_output_bias,
+    residual_or,
+    row_args,
+)
 from attnref._src.core.entry import Level, guard, public
 from attnref._src.core.nonfinite import finite_bias, finite_part, nonfinite_rows
 from attnref._src.core.params import AttentionParams
@@ -251,9 +259,10 @@ class KernelCall:
     @functools.cached_property
     def allowed(self) -> Bool[Array, "#B #N #T S"] | None:
         """The allowed pairs of the whole call, broadcast shape kept; ``None``: every pair."""
-        spec, x = self.spec, self.inputs
+        spec, inputs = self.spec, self.inputs
         t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
-        allowed = allowed_pairs(spec, x, t_idx, s_idx, x.q_seg, x.kv_seg, x.mask, x.bias)
+        segments, mask, bias = (inputs.q_seg, inputs.kv_seg), inputs.mask, inputs.bias
+        allowed = allowed_pairs(spec, inputs, t_idx, s_idx, *segments, mask, bias)
         if allowed is None:
             return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
         return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
@@ -268,9 +277,9 @@ class KernelCall:
 
     def run(self, formula: Callable[..., tuple[Array, Array]]) -> tuple[Array, Array]:
         """``formula(spec, finite inputs, allowed)``, then :func:`finish`."""
-        spec, x = self.spec, self.inputs
-        o, lse = formula(spec, finite_inputs(spec, x), self.allowed)
-        return finish_all(spec, x, o, lse, self.live)
+        spec, inputs = self.spec, self.inputs
+        o, lse = formula(spec, finite_inputs(spec, inputs), self.allowed)
+        return finish_all(spec, inputs, o, lse, self.live)
 
     def dirty_rows(self) -> Bool[Array, "B T N"]:
         """A live row whose query is non-finite, or that reads a non-finite key, value or bias
@@ -431,13 +440,13 @@ def kernel_rows(
     bias: Float[Array, "... #T_q #T_k"] | None,
     scale: Any,
     residual: bool,
-    *,
-    kernel: Callable[..., Array],
-    **options: Any,
+    options: dict[str, Any],
 ) -> Float[Array, "... T_q d_model"]:
     """``MultiHead = sum_n kernel(x_q W_Q, x_kv W_K, x_kv W_V)_n W_O[n] + b_O`` (``x_q +`` that
     with ``residual``): the row form of a kernel, on validated finite tokens; ``scale`` is the
-    caller's (the kernel resolves ``None`` in its compute dtype)."""
+    caller's (the kernel resolves ``None`` in its compute dtype); ``options``: the kernel
+    (``"kernel"``) and its keyword arguments."""
+    kernel, options = options["kernel"], {k: v for k, v in options.items() if k != "kernel"}
     batch, t_q, t_k = x_q.shape[:-2], x_q.shape[-2], x_kv.shape[-2]
     b = math.prod(batch)
     xq, xkv = x_q.reshape(b, t_q, -1), x_kv.reshape(b, t_k, -1)
@@ -464,23 +473,12 @@ def kernel_rows(
     return residual_or(add_output_bias(y.reshape(*batch, t_q, -1), params), x_q, residual)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelRows:
-    """A validated row-form call (:func:`attnref._src.core.common.prepare_rows`), the caller's
-    ``scale`` and the kernel's options, guarded by :func:`attnref._src.core.entry.guard`."""
-
-    rows: Prepared
-    scale: Any
-    options: dict[str, Any]
-
-    def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale, residual, **options)``, finite parts."""
-        f = self.rows.finite()
-        args = (f.params, f.x_q, f.x_kv, f.mask, f.bias, self.scale, bool(f.residual))
-        return formula(*args, **self.options)
-
-    def dirty_rows(self) -> Bool[Array, "... T_q"]:
-        return self.rows.dirty_rows()
+def row_call(rows: Prepared, scale: Any, options: dict[str, Any]) -> Call:
+    """A validated row-form call of a kernel (:func:`attnref._src.core.common.prepare_rows`):
+    the arguments of :func:`kernel_rows` (the caller's ``scale``, the kernel's ``options``) and
+    the dirty rows."""
+    args = (rows.params, rows.x_q, rows.x_kv, rows.mask, rows.bias, scale, bool(rows.residual))
+    return Call((*args, options), rows.dirty_rows())
 
 
 def rows_public(
@@ -497,16 +495,11 @@ def rows_public(
 _BLOCK = "Float[Array, '... T_q d_model']"
 
 
-def row_args(option: str, value_errors: str = "", type_errors: str = "") -> str:
-    """The row level's Args text (:data:`attnref._src.core.common.ROWS`) with one more
-    keyword argument and its errors."""
-    args = ROWS.args.replace("\n\nRaises:", f"\n    {option}\n\nRaises:")
-    raises = [
-        f"\n    {kind}: {text}"
-        for kind, text in (("ValueError", value_errors), ("TypeError", type_errors))
-        if text
-    ]
-    return args + "".join(raises)
+def option_args(option: str, value_error: str, type_error: str) -> str:
+    """The row level's Args text (:func:`attnref._src.core.common.row_args`) with one more
+    keyword argument and its errors (sentence fragments)."""
+    text = row_args(RESIDUAL_ARG + f"\n    {option}", f",\n        or {value_error}")
+    return f"{text}\n    TypeError: Also if {type_error}."
 
 
 # ----------------------------------------------------------------------------- ALiBi

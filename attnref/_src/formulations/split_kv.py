@@ -36,19 +36,19 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.common import prepare_rows
+from attnref._src.core.common import Call, prepare_rows
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.kernel import (
     KernelCall,
-    KernelRows,
     Option,
     finish,
     kernel_public,
     kernel_rows,
-    row_args,
+    option_args,
+    row_call,
     rows_public,
     uniform_rows,
 )
@@ -150,20 +150,20 @@ def _split_rows(
     scale: float | None = None,
     residual: bool = False,
     num_splits: int = NUM_SPLITS,
-) -> KernelRows:
+) -> Call:
     check_num_splits(num_splits)
     rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
     options = {"kernel": split_kv_dot_product_attention, "num_splits": num_splits}
-    return KernelRows(rows, scale, options)
+    return row_call(rows, scale, options)
 
 
 split_kv_attention = rows_public(
     Level(
         _split_rows,
-        row_args(
+        option_args(
             f"num_splits: {_NUM_SPLITS_DOC}",
-            "If ``num_splits`` is below 1.",
-            "If ``num_splits`` is not an int.",
+            "``num_splits`` is below 1",
+            "``num_splits`` is not an int",
         ),
     ),
     kernel_rows,

@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array
 
@@ -37,6 +36,7 @@ from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.distributed.family import (
     DISTRIBUTED,
+    MeshRun,
     mesh_args,
     mesh_kernel,
     mesh_schedule,
@@ -49,7 +49,7 @@ from attnref._src.formulations.distributed.layout import (
     to_layout,
 )
 from attnref._src.formulations.kernel import finish, uniform_rows
-from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec, lengths_only
+from attnref._src.formulations.kernel_spec import KernelInputs, lengths_only
 
 LAYOUT = "zigzag"
 
@@ -62,18 +62,13 @@ def _rows(a: Array | None, t_pad: int, devices: int, fill: float) -> Array | Non
     return to_layout(a, 2, t_pad, devices, LAYOUT, fill)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "scale", "mesh", "axis", "devices"))
+@functools.partial(jax.jit, static_argnums=0)
 def _all_gather(
-    spec: KernelSpec,
-    inputs: KernelInputs,
-    traced_scale: Array | None,
-    scale: float | None,
-    mesh: Mesh,
-    axis: str,
-    devices: int,
+    mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
     """Zigzag layout, gather K/V, local queries against every key; ``(o, lse)`` global.
     Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    spec, scale, mesh, axis, devices = mesh_run
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
 
     def seq(a: Array | None, n_pad: int) -> Array | None:
@@ -81,18 +76,17 @@ def _all_gather(
 
     q_pos = jnp.asarray(positions(t_pad, devices, LAYOUT).reshape(-1))
     k_pos_table = positions(s_pad, devices, LAYOUT).reshape(-1)  # every gathered key's position
-    x = inputs
     args = mesh_args(
-        x,
+        inputs,
         traced_scale,
-        q=seq(x.q, t_pad),
-        k=seq(x.k, s_pad),
-        v=seq(x.v, s_pad),
+        q=seq(inputs.q, t_pad),
+        k=seq(inputs.k, s_pad),
+        v=seq(inputs.v, s_pad),
         q_pos=q_pos,
-        q_seg=seq(x.q_seg, t_pad),
-        kv_seg=seq(x.kv_seg, s_pad),
-        bias=_rows(x.bias, t_pad, devices, 0.0),
-        mask=_rows(x.mask, t_pad, devices, 0.0),  # padded with False
+        q_seg=seq(inputs.q_seg, t_pad),
+        kv_seg=seq(inputs.kv_seg, s_pad),
+        bias=_rows(inputs.bias, t_pad, devices, 0.0),
+        mask=_rows(inputs.mask, t_pad, devices, 0.0),  # padded with False
     )
     sharded = {"q": 1, "k": 1, "v": 1, "q_pos": 0, "q_seg": 1, "kv_seg": 1, "bias": 2, "mask": 2}
     specs = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -26,20 +26,20 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref import oracle, tolerance
 from attnref._src.core.checks import is_traced
-from attnref._src.core.common import prepare_rows
+from attnref._src.core.common import Call, prepare_rows
 from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.kernel import (
     KernelCall,
-    KernelRows,
     Option,
     kernel_public,
     kernel_rows,
-    row_args,
+    option_args,
+    row_call,
     rows_public,
 )
-from attnref._src.formulations.kernel_spec import KernelInputs
+from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec
 
 DEFAULT_AXIS = "devices"
 
@@ -149,13 +149,28 @@ def check_heads(n: int, devices: int, axis_name: str, scheme: str, what: str) ->
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshRun:
+    """The static part of a scheme's call (hashable: its jitted program's key): the kernel
+    spec, a concrete scale (``None``: the default or a traced one), the mesh, its axis, ``P``."""
+
+    spec: KernelSpec
+    scale: float | None
+    mesh: Mesh
+    axis: str
+    devices: int
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.spec, self.scale, self.mesh, self.axis, self.devices))
+
+
 def mesh_schedule(
     program: Callable[..., tuple[Array, Array]], heads: str | None = None
 ) -> Callable[..., tuple[Array, Array]]:
-    """The schedule of a scheme whose jitted ``shard_map`` program takes ``(spec, inputs,
-    traced_scale, scale, mesh, axis, devices)``: the mesh axis resolved (and, for a
-    head-parallel scheme named ``heads``, its size checked against ``N``), the caller's scale
-    split into a static and a traced part (:func:`split_scale`)."""
+    """The schedule of a scheme whose jitted ``shard_map`` program takes ``(run: MeshRun,
+    inputs, traced_scale)``: the mesh axis resolved (and, for a head-parallel scheme named
+    ``heads``, its size checked against ``N``), the caller's scale split into a static and a
+    traced part (:func:`split_scale`)."""
 
     def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
         axis, devices = mesh_axis(mesh, axis_name)
@@ -163,7 +178,7 @@ def mesh_schedule(
             query = f"query {tuple(call.inputs.q.shape)}"
             check_heads(call.spec.n, devices, axis, heads, query)
         static, traced = split_scale(call.scale)
-        return program(call.spec, call.inputs, traced, static, mesh, axis, devices)
+        return program(MeshRun(call.spec, static, mesh, axis, devices), call.inputs, traced)
 
     schedule.__module__ = program.__module__
     return schedule
@@ -216,24 +231,28 @@ def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
         scale: float | None = None,
         residual: bool = False,
         mesh: Mesh | None = None,
-    ) -> KernelRows:
+    ) -> Call:
         if mesh is None:
             mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
         rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
-        return KernelRows(rows, scale, {"kernel": native, "mesh": mesh})
+        return row_call(rows, scale, {"kernel": native, "mesh": mesh})
 
+    return Level(rows_on_mesh, mesh_row_args(heads))
+
+
+def mesh_row_args(heads: bool) -> str:
+    """The Args text of a scheme's row form: the row level's plus ``mesh``."""
     default = (
-        "the most devices (at most ``jax.device_count()``) whose count divides ``H``"
+        "the most devices (at most\n        ``jax.device_count()``) whose count divides ``H``"
         if heads
-        else "every device (:func:`attnref.distributed.default_mesh`)"
+        else "every device\n        (:func:`attnref.distributed.default_mesh`)"
     )
-    args = row_args(
+    return option_args(
         f"mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): {default}.",
-        "If ``mesh`` has several axes"
-        + (", or its ``P`` devices do not divide the ``H`` query heads." if heads else "."),
-        "If ``mesh`` is not a ``jax.sharding.Mesh``.",
+        "``mesh`` has several axes"
+        + (", or its ``P`` devices do not divide the ``H`` query heads" if heads else ""),
+        "``mesh`` is not a ``jax.sharding.Mesh``",
     )
-    return Level(rows_on_mesh, args)
 
 
 def scheme_rows(

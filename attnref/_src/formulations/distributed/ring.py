@@ -165,20 +165,20 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _reachable(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array) -> Array:
+def _reachable(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array) -> Array:
     """Whether any local query may read any key of the chunk by the position rules alone
     (lengths, causality, window, padding); ``False`` means the chunk's state is empty."""
-    lengths = lengths_only(x.q_lens, x.kv_lens)
+    lengths = lengths_only(local.q_lens, local.kv_lens)
     allowed = allowed_pairs(ring.spec, lengths, q_pos, k_pos, in_range=True)
     assert allowed is not None  # in_range: never None
     return jnp.any(allowed)
 
 
-def _state_fn(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
+def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
     """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
     (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
     argument, so the backward's ``jax.vjp`` gives its cotangent)."""
-    lengths = lengths_only(x.q_lens, x.kv_lens)
+    lengths = lengths_only(local.q_lens, local.kv_lens)
 
     def state(
         q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
@@ -189,13 +189,13 @@ def _state_fn(ring: _Ring, x: _Local, q_pos: Array, k_pos: Array, kv_seg: Array 
             ring.scale if scale is None else scale,
             q,
             q_pos,
-            x.q_seg,
+            local.q_seg,
             k,
             v,
             k_pos,
             kv_seg,
             bias,
-            x.mask,
+            local.mask,
         )
 
     return state
@@ -221,18 +221,18 @@ def _empty_state(ring: _Ring, q: Array) -> tuple[Array, Array]:
     return _varying(ring, o), _varying(ring, jnp.full(rows, -jnp.inf, spec.compute_dtype))
 
 
-def _forward(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+def _forward(ring: _Ring, local: _Local) -> tuple[Array, Array]:
     """The ring: ``P`` steps of chunk state and merge, K/V rotated between steps."""
     q_pos = ring.q_positions()
     cd = ring.spec.compute_dtype
-    q = x.q.astype(cd)
+    q = local.q.astype(cd)
 
     def chunk(step: Any, k: Array, v: Array, kv_seg: Array | None) -> tuple[Array, Array]:
         k_pos = ring.k_positions(step)
-        state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
+        state = _state_fn(ring, local, q_pos, k_pos, kv_seg)
         return jax.lax.cond(
-            _reachable(ring, x, q_pos, k_pos),
-            lambda: state(q, k.astype(cd), v.astype(cd), x.bias, x.scale),
+            _reachable(ring, local, q_pos, k_pos),
+            lambda: state(q, k.astype(cd), v.astype(cd), local.bias, local.scale),
             lambda: _empty_state(ring, q),
         )
 
@@ -242,26 +242,26 @@ def _forward(ring: _Ring, x: _Local) -> tuple[Array, Array]:
         k, v, kv_seg = ring.pass_on(step, (k, v, kv_seg))
         return k, v, kv_seg, o, lse
 
-    init = (x.k, x.v, x.kv_seg, *_empty_state(ring, q))
+    init = (local.k, local.v, local.kv_seg, *_empty_state(ring, q))
     return jax.lax.fori_loop(0, ring.devices, body, init)[3:]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_states(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+def _ring_states(ring: _Ring, local: _Local) -> tuple[Array, Array]:
     """The merged state ``(o, lse)`` of the local queries over every key (compute dtype)."""
-    return _forward(ring, x)
+    return _forward(ring, local)
 
 
-def _ring_fwd(ring: _Ring, x: _Local) -> tuple[tuple[Array, Array], Any]:
-    o, lse = _forward(ring, x)
-    return (o, lse), (x, o, lse)
+def _ring_fwd(ring: _Ring, local: _Local) -> tuple[tuple[Array, Array], Any]:
+    o, lse = _forward(ring, local)
+    return (o, lse), (local, o, lse)
 
 
 def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
-    x, o, lse = res
+    local, o, lse = res
     cd = ring.spec.compute_dtype
     q_pos = ring.q_positions()
-    q = x.q.astype(cd)
+    q = local.q.astype(cd)
     # Rows with a finite L: the others (no key, or a non-finite value read) have no gradient.
     ok = jnp.isfinite(lse)
     do = jnp.where(ok[..., None], cts[0].astype(cd), 0.0)
@@ -271,18 +271,20 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
 
     def grads(step: Any, k: Array, v: Array, kv_seg: Array | None) -> tuple[Any, ...]:
         k_pos = ring.k_positions(step)
-        state = _state_fn(ring, x, q_pos, k_pos, kv_seg)
+        state = _state_fn(ring, local, q_pos, k_pos, kv_seg)
 
         def compute() -> tuple[Any, ...]:
-            (o_c, lse_c), vjp = jax.vjp(state, q, k.astype(cd), v.astype(cd), x.bias, x.scale)
+            (o_c, lse_c), vjp = jax.vjp(
+                state, q, k.astype(cd), v.astype(cd), local.bias, local.scale
+            )
             w = jnp.where(ok, jnp.exp(jnp.where(ok, lse_c, -jnp.inf) - lse_safe), 0.0)
             spread = jnp.sum(do * (jnp.where(ok[..., None], o_c, 0.0) - o_safe), axis=-1)
             return vjp((w[..., None] * do, w * (spread + dlse)))
 
         def skip() -> tuple[Any, ...]:
-            return _zeros(ring, (q, k, v, x.bias, x.scale))
+            return _zeros(ring, (q, k, v, local.bias, local.scale))
 
-        return jax.lax.cond(_reachable(ring, x, q_pos, k_pos), compute, skip)
+        return jax.lax.cond(_reachable(ring, local, q_pos, k_pos), compute, skip)
 
     def add(acc: tuple[Any, ...], g: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(None if a is None else a + b for a, b in zip(acc, g, strict=True))
@@ -295,20 +297,22 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
         k, v, kv_seg = ring.pass_on(step, (k, v, kv_seg))
         return k, v, kv_seg, dq, dk, dv, db, ds
 
-    zeros = _zeros(ring, (x.q, x.k, x.v, x.bias, x.scale))
-    dq, dk, dv, db, ds = jax.lax.fori_loop(0, ring.devices, body, (x.k, x.v, x.kv_seg, *zeros))[3:]
+    zeros = _zeros(ring, (local.q, local.k, local.v, local.bias, local.scale))
+    dq, dk, dv, db, ds = jax.lax.fori_loop(
+        0, ring.devices, body, (local.k, local.v, local.kv_seg, *zeros)
+    )[3:]
     grads_x = _Local(
-        q=dq.astype(x.q.dtype),
-        k=dk.astype(x.k.dtype),
-        v=dv.astype(x.v.dtype),
-        bias=None if db is None else db.astype(x.bias.dtype),
+        q=dq.astype(local.q.dtype),
+        k=dk.astype(local.k.dtype),
+        v=dv.astype(local.v.dtype),
+        bias=None if db is None else db.astype(local.bias.dtype),
         mask=None,
         q_seg=None,
         kv_seg=None,
         q_lens=None,
         kv_lens=None,
         # This device's share: the pcast that shares a traced scale (_device) sums the shares.
-        scale=None if ds is None else ds.astype(x.scale.dtype),
+        scale=None if ds is None else ds.astype(local.scale.dtype),
     )
     return (grads_x,)
 
@@ -316,20 +320,20 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
 _ring_states.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _device(ring: _Ring, x: _Local) -> tuple[Array, Array]:
+def _device(ring: _Ring, local: _Local) -> tuple[Array, Array]:
     """One device's program: the ring's merged state, then the kernel's finishing rules."""
     spec = ring.spec
-    if x.bias is not None and ring.bias_shared:
+    if local.bias is not None and ring.bias_shared:
         # One bias for every device: typed as varying, so its gradient is summed (psum).
-        x = dataclasses.replace(x, bias=_varying(ring, x.bias))
-    if x.scale is not None:  # a traced scale, the same on every device: likewise
-        x = dataclasses.replace(x, scale=_varying(ring, x.scale))
-    o, lse = _ring_states(ring, x)
+        local = dataclasses.replace(local, bias=_varying(ring, local.bias))
+    if local.scale is not None:  # a traced scale, the same on every device: likewise
+        local = dataclasses.replace(local, scale=_varying(ring, local.scale))
+    o, lse = _ring_states(ring, local)
     mean_v = None
     if spec.masked_rows == "uniform":  # the mean of all S values: each chunk's sum, psum
-        own = chunks.value_sum(spec, x.v, ring.k_positions(0))
+        own = chunks.value_sum(spec, local.v, ring.k_positions(0))
         mean_v = uniform_rows(spec, jax.lax.psum(own, ring.axis))
-    lengths = lengths_only(x.q_lens, x.kv_lens)
+    lengths = lengths_only(local.q_lens, local.kv_lens)
     return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), ring.q_positions(), mean_v)
 
 
@@ -349,7 +353,7 @@ def _program(ring: _Ring, mesh: Any, specs: _Local) -> Any:
 
 
 def _shard(
-    x: KernelInputs,
+    inputs: KernelInputs,
     layout: str,
     devices: int,
     axis: str,
@@ -377,19 +381,19 @@ def _shard(
             None, None, axis
         )
 
-    bias, bias_spec = rows(x.bias)
-    mask, mask_spec = rows(x.mask)
+    bias, bias_spec = rows(inputs.bias)
+    mask, mask_spec = rows(inputs.mask)
     local = _Local(
-        q=seq(x.q, t_pad),
-        k=seq(x.k, s_pad),
-        v=seq(x.v, s_pad),
+        q=seq(inputs.q, t_pad),
+        k=seq(inputs.k, s_pad),
+        v=seq(inputs.v, s_pad),
         bias=bias,
         mask=mask,
-        q_seg=seq(x.q_seg, t_pad, -1.0),
-        kv_seg=seq(x.kv_seg, s_pad, -2.0),
-        q_lens=x.q_lens,
-        kv_lens=x.kv_lens,
-        scale=x.scale if traced_scale else None,
+        q_seg=seq(inputs.q_seg, t_pad, -1.0),
+        kv_seg=seq(inputs.kv_seg, s_pad, -2.0),
+        q_lens=inputs.q_lens,
+        kv_lens=inputs.kv_lens,
+        scale=inputs.scale if traced_scale else None,
     )
     specs = _Local(
         q=tokens,
@@ -397,10 +401,10 @@ def _shard(
         v=tokens,
         bias=bias_spec,
         mask=mask_spec,
-        q_seg=None if x.q_seg is None else tokens,
-        kv_seg=None if x.kv_seg is None else tokens,
-        q_lens=None if x.q_lens is None else shared,
-        kv_lens=None if x.kv_lens is None else shared,
+        q_seg=None if inputs.q_seg is None else tokens,
+        kv_seg=None if inputs.kv_seg is None else tokens,
+        q_lens=None if inputs.q_lens is None else shared,
+        kv_lens=None if inputs.kv_lens is None else shared,
         scale=shared if traced_scale else None,
     )
     return local, specs

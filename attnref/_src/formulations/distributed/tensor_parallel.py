@@ -40,28 +40,29 @@ from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core.checks import PARAM_FIELDS
-from attnref._src.core.common import add_output_bias, prepare_rows, residual_or
+from attnref._src.core.common import Call, add_output_bias, prepare_rows, residual_or
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.family import (
     DISTRIBUTED,
+    MeshRun,
     check_heads,
     head_mesh,
     mesh_args,
     mesh_axis,
     mesh_kernel,
+    mesh_row_args,
     mesh_schedule,
     optional,
     scheme_rows,
     split_scale,
 )
 from attnref._src.formulations.kernel import (
-    KernelRows,
     dot_product_attention,
     kernel_rows,
-    row_args,
+    row_call,
 )
 from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec
 
@@ -120,18 +121,13 @@ def local_attention(
 # ----------------------------------------------------------------------------- kernel level
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "scale", "mesh", "axis", "devices"))
+@functools.partial(jax.jit, static_argnums=0)
 def _sharded(
-    spec: KernelSpec,
-    inputs: KernelInputs,
-    traced_scale: Array | None,
-    scale: float | None,
-    mesh: Mesh,
-    axis: str,
-    devices: int,
+    mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
     """The kernel on ``N/P`` query heads per device; ``(o, lse)`` global, natural head order.
     Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    spec, scale, mesh, axis, devices = mesh_run
     r = kv_repeats(spec.n, spec.k, devices)
     heads = Spec(None, None, axis)
     args = mesh_args(inputs, traced_scale, k=repeat_kv(inputs.k, r), v=repeat_kv(inputs.v, r))
@@ -195,10 +191,8 @@ def _head_sum(
     def body(w: dict[str, Array], t: dict[str, Array]) -> Array:
         local = AttentionParams(**{n: w.get(n) for n in PARAM_FIELDS})  # type: ignore[arg-type]
         sc = t.get("scale", scale)
-        part = kernel_rows(
-            local, t["xq"], t["xkv"], t.get("m"), t.get("bias"), sc, False,
-            kernel=dot_product_attention,
-        )  # fmt: skip
+        options = {"kernel": dot_product_attention}
+        part = kernel_rows(local, t["xq"], t["xkv"], t.get("m"), t.get("bias"), sc, False, options)
         return jax.lax.psum(part, axis)
 
     w_specs = {name: Spec(axis) for name in weights}
@@ -215,14 +209,13 @@ def head_parallel_rows(
     bias: Float[Array, "... #T_q #T_k"] | None,
     scale: Any,
     residual: bool,
-    *,
-    weights: dict[str, Any],
-    mesh: Mesh,
-    axis: str,
+    options: dict[str, Any],
 ) -> Float[Array, "... T_q d_model"]:
     """``y = psum_d ( sum_{n on d} softmax(q_n k_{g(n)}^T scale + bias, mask) v_{g(n)} W_O[n] )
     + b_O``: device ``d`` holds the ``weights`` of its ``H/P`` query heads and of the K/V heads
-    they read; the tokens, mask and bias are replicated."""
+    they read (``options``: the ``weights``, the ``mesh`` and its ``axis``); the tokens, mask
+    and bias are replicated."""
+    weights, mesh, axis = options["weights"], options["mesh"], options["axis"]
     static, traced = split_scale(scale)
     tokens = optional(xq=x_q, xkv=x_kv, m=mask, bias=bias, scale=traced)
     y = _head_sum(weights, tokens, static, mesh, axis)
@@ -239,14 +232,14 @@ def _head_rows(
     scale: float | None = None,
     residual: bool = False,
     mesh: Mesh | None = None,
-) -> KernelRows:
+) -> Call:
     rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
     n, k = jnp.shape(params.w_q)[0], jnp.shape(params.w_k)[0]
     mesh = head_mesh(int(n)) if mesh is None else mesh
     axis, devices = mesh_axis(mesh, None)
     check_heads(n, devices, axis, "tensor parallelism", f"params.w_q {jnp.shape(params.w_q)}")
     weights = _head_weights(params, kv_repeats(n, k, devices))
-    return KernelRows(rows, scale, {"weights": weights, "mesh": mesh, "axis": axis})
+    return row_call(rows, scale, {"weights": weights, "mesh": mesh, "axis": axis})
 
 
 tensor_parallel_attention = scheme_rows(
@@ -255,13 +248,7 @@ tensor_parallel_attention = scheme_rows(
     formula=head_parallel_rows,
     level=Level(
         _head_rows,
-        row_args(
-            "mesh: A 1-D ``jax.sharding.Mesh``; ``None`` (default): the most devices (at most\n"
-            "        ``jax.device_count()``) whose count divides ``H``.",
-            "If ``mesh`` has several axes, or its ``P`` devices do not divide the ``H`` query "
-            "heads.",
-            "If ``mesh`` is not a ``jax.sharding.Mesh``.",
-        ),
+        mesh_row_args(heads=True),
     ),
 )
 

@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array
 
@@ -41,6 +40,7 @@ from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.family import (
     DISTRIBUTED,
+    MeshRun,
     mesh_args,
     mesh_kernel,
     mesh_schedule,
@@ -90,34 +90,28 @@ def _uniform_rows(
     return jnp.where(dead[..., None], mean.astype(o.dtype), o)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "scale", "mesh", "axis", "devices"))
+@functools.partial(jax.jit, static_argnums=0)
 def _ulysses(
-    spec: KernelSpec,
-    inputs: KernelInputs,
-    traced_scale: Array | None,
-    scale: float | None,
-    mesh: Mesh,
-    axis: str,
-    devices: int,
+    mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
     """Pad, all-to-all to heads, attend, all-to-all back; ``(o, lse)`` global, unpadded.
     Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    spec, scale, mesh, axis, devices = mesh_run
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
     r = kv_repeats(spec.n, spec.k, devices)
     full = jnp.full((spec.b,), 1, jnp.int32)
-    x = inputs
     args = mesh_args(
-        x,
+        inputs,
         traced_scale,
-        q=pad_axis(x.q, 1, t_pad),
-        k=repeat_kv(pad_axis(x.k, 1, s_pad), r),
-        v=repeat_kv(pad_axis(x.v, 1, s_pad), r),
-        bias=_padded(x.bias, t_pad, s_pad, 0.0),
-        mask=_padded(x.mask, t_pad, s_pad, False),
-        q_lens=full * spec.t if x.q_lens is None else x.q_lens,
-        kv_lens=full * spec.s if x.kv_lens is None else x.kv_lens,
-        q_seg=None if x.q_seg is None else pad_axis(x.q_seg, 1, t_pad),
-        kv_seg=None if x.kv_seg is None else pad_axis(x.kv_seg, 1, s_pad),
+        q=pad_axis(inputs.q, 1, t_pad),
+        k=repeat_kv(pad_axis(inputs.k, 1, s_pad), r),
+        v=repeat_kv(pad_axis(inputs.v, 1, s_pad), r),
+        bias=_padded(inputs.bias, t_pad, s_pad, 0.0),
+        mask=_padded(inputs.mask, t_pad, s_pad, False),
+        q_lens=full * spec.t if inputs.q_lens is None else inputs.q_lens,
+        kv_lens=full * spec.s if inputs.kv_lens is None else inputs.kv_lens,
+        q_seg=None if inputs.q_seg is None else pad_axis(inputs.q_seg, 1, t_pad),
+        kv_seg=None if inputs.kv_seg is None else pad_axis(inputs.kv_seg, 1, s_pad),
     )
     seq = Spec(None, axis)
     specs = {name: Spec() for name in args}
