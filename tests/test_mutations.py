@@ -7,6 +7,7 @@ out of range read as plausible lengths."""
 from __future__ import annotations
 
 import inspect
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from .test_kernel import (
 KERNEL = inspect.getmodule(attnref.dot_product_attention)
 BLOCKWISE = inspect.getmodule(attnref.blockwise_dot_product_attention)
 STANDARD = inspect.getmodule(attnref.concat_attention)
-COMMON = inspect.getmodule(STANDARD.Prepared)  # the shared row-form preparation
+COMMON = inspect.getmodule(STANDARD.project)  # the shared row-form preparation
 
 # H * d_v == d_model, so a transposed W_O type-checks
 SQUARE = ast.Config(batch=(2,), t=5, s=5, n=2, k=2, h=4, h_v=4, d_model=8)
@@ -57,9 +58,9 @@ def test_wrong_scale_is_caught_in_every_formulation(fid, monkeypatch):
     def wrong(d_k, scale, dtype):
         return original(SQUARE.d_model, scale, dtype)
 
-    modules = {inspect.getmodule(f.apply) for f in attnref.formulations("softmax")}
-    for mod in modules | {COMMON, KERNEL}:  # wherever the scale is computed
-        if hasattr(mod, "scale_value"):
+    attnref.formulations()  # every formulation module loaded
+    for name, mod in list(sys.modules.items()):  # wherever the scale is computed
+        if name.startswith("attnref.") and hasattr(mod, "scale_value"):
             monkeypatch.setattr(mod, "scale_value", wrong)
     _caught(attnref.get(fid).apply)
 
@@ -155,16 +156,12 @@ def test_oracle_reading_a_float_mask_as_booleans_is_caught(monkeypatch):
 @settings(max_examples=1, database=None)
 @given(st.just(3))
 def test_weight_level_leak_is_caught(seed):
-    """Defect 3 at the weight level: without the guard, ``x_kv`` rows a query may not read reach
-    it through ``0 * NaN`` (eager concat, so the patch is traced)."""
+    """Defect 3 at the weight level: without the guard's finite parts, ``x_kv`` rows a query may
+    not read reach it through ``0 * NaN`` (eager concat, so the patch is traced)."""
     p = ast.make_attention_problem(nf.BUCKET, "causal", seed, np.float64)
     pz = nf.poison(p, p.mask & (p.bias != -np.inf), seed + 1, np.nan, False)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            COMMON.Prepared,
-            "guarded",
-            lambda self, compute, residual=False, heads=False: compute(self),
-        )
+        mp.setattr(COMMON.Prepared, "finite", lambda self: self)
         with pytest.raises(AssertionError):
             nf._check_softmax(pz, 5, lambda fn: fn, ids=("concat",))
 
