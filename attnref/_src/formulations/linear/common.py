@@ -88,7 +88,7 @@ def check_key_mask(key_mask: Any, batch: tuple[int, ...], t_q: int, t_k: int, ca
         raise ValueError(f"causal linear attention needs T_q == T_k, got {t_q} and {t_k}")
 
 
-def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int, int]:
+def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> None:
     check_causal(causal)
     shapes = {n: tuple(np.shape(a)) for n, a in (("q", q), ("k", k), ("v", v))}
     for name, shape in shapes.items():
@@ -105,7 +105,6 @@ def check_qkv(q: Any, k: Any, v: Any, key_mask: Any, causal: bool) -> tuple[int,
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"q, k, v must share one dtype, got {dtypes}")
     check_key_mask(key_mask, tuple(bq), t_q, t_k, causal)
-    return t_q, t_k
 
 
 def check_policy(eps: Any, eps_policy: str) -> None:
