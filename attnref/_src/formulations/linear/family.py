@@ -187,150 +187,126 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
     )
 
 
-register(
-    Formulation(
-        id="linear_quadratic",
-        title="Linear attention, quadratic form",
-        equation=(
-            r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
-            r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
-        ),
-        convention="kernel",
-        citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
-        apply=multihead.linear_quadratic_attention,
-        formula=kernel.quadratic,
-        native=kernel.linear_quadratic,
-        summary=(
-            "The T x T kernel matrix materialised, masked (causal and/or key padding), "
-            "row-normalised."
-        ),
-        cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
-        cost_model=linear_quadratic_cost,
-        family=LINEAR,
-        causal_modes=(False, True),
-    )
+def register_linear(**entry: Any) -> None:
+    """Register a form of the LINEAR family (convention ``kernel`` unless ``entry`` says)."""
+    register(Formulation(**{"convention": "kernel", "family": LINEAR, **entry}))
+
+
+register_linear(
+    id="linear_quadratic",
+    title="Linear attention, quadratic form",
+    equation=(
+        r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
+        r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
+    ),
+    citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
+    apply=multihead.linear_quadratic_attention,
+    formula=kernel.quadratic,
+    native=kernel.linear_quadratic,
+    summary=(
+        "The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised."
+    ),
+    cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
+    cost_model=linear_quadratic_cost,
+    causal_modes=(False, True),
 )
 
-register(
-    Formulation(
-        id="linear_associative",
-        title="Linear attention, associative (non-causal) form",
-        equation=(
-            r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
-            r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
-        ),
-        convention="kernel",
-        citation=KATHAROPOULOS,
-        apply=multihead.linear_associative_attention,
-        formula=kernel.associative,
-        native=kernel.linear_associative,
-        summary=(
-            "Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."
-        ),
-        cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
-        cost_model=linear_associative_cost,
-        family=LINEAR,
-        causal_modes=(False,),
-    )
+register_linear(
+    id="linear_associative",
+    title="Linear attention, associative (non-causal) form",
+    equation=(
+        r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
+        r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
+    ),
+    citation=KATHAROPOULOS,
+    apply=multihead.linear_associative_attention,
+    formula=kernel.associative,
+    native=kernel.linear_associative,
+    summary=("Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."),
+    cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
+    cost_model=linear_associative_cost,
+    causal_modes=(False,),
 )
 
-register(
-    Formulation(
-        id="linear_prefix_sum",
-        title="Linear attention, causal prefix sums",
-        equation=(
-            r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
-            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
-        ),
-        convention="kernel",
-        citation=KATHAROPOULOS,
-        apply=multihead.linear_prefix_sum_attention,
-        formula=kernel.prefix_sum,
-        native=kernel.linear_prefix_sum,
-        summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
-        cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
-        cost_model=linear_prefix_sum_cost,
-        family=LINEAR,
-        causal_modes=(True,),
-    )
+register_linear(
+    id="linear_prefix_sum",
+    title="Linear attention, causal prefix sums",
+    equation=(
+        r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
+        r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+    ),
+    citation=KATHAROPOULOS,
+    apply=multihead.linear_prefix_sum_attention,
+    formula=kernel.prefix_sum,
+    native=kernel.linear_prefix_sum,
+    summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
+    cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
+    cost_model=linear_prefix_sum_cost,
+    causal_modes=(True,),
 )
 
-register(
-    Formulation(
-        id="linear_recurrent",
-        title="Linear attention, recurrent (RNN) form",
-        equation=(
-            r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
-            r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
-        ),
-        convention="kernel",
-        citation=KATHAROPOULOS,
-        apply=multihead.linear_recurrent_attention,
-        formula=kernel.recurrent,
-        native=kernel.linear_recurrent,
-        summary=(
-            "A lax.scan over the constant-size state (S_t, z_t): the decoding view, "
-            "O(m d_v) memory."
-        ),
-        cost=(
-            "FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T "
-            "(the KV-cache analogue)."
-        ),
-        cost_model=linear_recurrent_cost,
-        family=LINEAR,
-        causal_modes=(True,),
-    )
+register_linear(
+    id="linear_recurrent",
+    title="Linear attention, recurrent (RNN) form",
+    equation=(
+        r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
+        r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+    ),
+    citation=KATHAROPOULOS,
+    apply=multihead.linear_recurrent_attention,
+    formula=kernel.recurrent,
+    native=kernel.linear_recurrent,
+    summary=(
+        "A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory."
+    ),
+    cost=(
+        "FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T "
+        "(the KV-cache analogue)."
+    ),
+    cost_model=linear_recurrent_cost,
+    causal_modes=(True,),
 )
 
-register(
-    Formulation(
-        id="linear_chunked",
-        title="Linear attention, chunked form",
-        equation=(
-            r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
-            r" v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t}"
-            r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
-        ),
-        convention="kernel",
-        citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
-        apply=multihead.linear_chunked_attention,
-        formula=kernel.chunked,
-        native=kernel.linear_chunked,
-        summary=(
-            "Quadratic inside each chunk, the state carried between chunks by lax.scan; "
-            "any chunk size."
-        ),
-        cost=(
-            "FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; "
-            "memory O(H (C^2 + m d_v))."
-        ),
-        cost_model=linear_chunked_cost,
-        family=LINEAR,
-        causal_modes=(True,),
-        static_argnames=(*LINEAR.static_argnames, "chunk_size"),
-    )
+register_linear(
+    id="linear_chunked",
+    title="Linear attention, chunked form",
+    equation=(
+        r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
+        r" v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t}"
+        r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
+    ),
+    citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
+    apply=multihead.linear_chunked_attention,
+    formula=kernel.chunked,
+    native=kernel.linear_chunked,
+    summary=(
+        "Quadratic inside each chunk, the state carried between chunks by lax.scan; any chunk size."
+    ),
+    cost=(
+        "FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; "
+        "memory O(H (C^2 + m d_v))."
+    ),
+    cost_model=linear_chunked_cost,
+    causal_modes=(True,),
+    static_argnames=(*LINEAR.static_argnames, "chunk_size"),
 )
 
-register(
-    Formulation(
-        id="linear_messages",
-        title="Linear attention, scores x messages",
-        equation=(
-            r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
-            r" \big(X_{kv} W_{M,i}\big) + b_O"
-        ),
-        convention="row",
-        citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
-        apply=multihead.linear_messages_attention,
-        formula=multihead.messages,
-        native=multihead.linear_messages_attention,
-        summary="The normalised linear attention matrix of each head times its messages X W_M.",
-        cost=(
-            "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); "
-            "memory O(H T_q T_k + H T_k d_model)."
-        ),
-        cost_model=linear_messages_cost,
-        family=LINEAR,
-        causal_modes=(False, True),
-    )
+register_linear(
+    id="linear_messages",
+    title="Linear attention, scores x messages",
+    equation=(
+        r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
+        r" \big(X_{kv} W_{M,i}\big) + b_O"
+    ),
+    convention="row",
+    citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
+    apply=multihead.linear_messages_attention,
+    formula=multihead.messages,
+    native=multihead.linear_messages_attention,
+    summary="The normalised linear attention matrix of each head times its messages X W_M.",
+    cost=(
+        "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); memory O(H T_q T_k + H T_k d_model)."
+    ),
+    cost_model=linear_messages_cost,
+    causal_modes=(False, True),
 )
