@@ -484,15 +484,11 @@ def row_call(rows: Prepared, scale: Any, options: dict[str, Any]) -> Call:
 def rows_public(
     level: Level, formula: Callable[..., Any], module: str, **kw: Any
 ) -> Callable[..., Any]:
-    """:func:`attnref._src.core.entry.public` at a row level of a kernel, its signature returning
-    the block output, in ``module`` (the registry ranks entries by their ``apply``'s module)."""
+    """:func:`attnref._src.core.entry.public` at a row level of a kernel, returning the block
+    output, in ``module`` (the registry ranks entries by their ``apply``'s module)."""
     fn = public(level, formula, returns=BLOCK_RETURNS, **kw)
-    fn.__signature__ = fn.__signature__.replace(return_annotation=_BLOCK)
     fn.__module__ = module
     return fn
-
-
-_BLOCK = "Float[Array, '... T_q d_model']"
 
 
 def option_args(option: str, value_error: str, type_error: str) -> str:
