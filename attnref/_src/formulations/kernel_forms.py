@@ -18,7 +18,6 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from attnref._src.core import cost as _cost
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import (
-    BLOCK_RETURNS,
     RESIDUAL_ARG,
     Call,
     add_output_bias,
@@ -26,7 +25,7 @@ from attnref._src.core.common import (
     residual_or,
     row_args,
 )
-from attnref._src.core.entry import Level, public
+from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.blockwise import blockwise_dot_product_attention
@@ -34,33 +33,8 @@ from attnref._src.formulations.decode import cache_attend, init_cache, kv_cache_
 from attnref._src.formulations.decode import (
     project as kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
 )
+from attnref._src.formulations.kernel import kernel_rows, row_call, rows_public
 from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
-
-
-def blockwise(
-    params: Params,
-    x_q: Queries,
-    x_kv: Keys,
-    mask: Mask,
-    bias: Bias,
-    scale: float | Array | None,
-    residual: bool,
-    block_q: int,
-    block_k: int,
-) -> Float[Array, "... T_q d_model"]:
-    """``sum_n o_n W_O[n] + b_O``, ``o`` the online softmax over ``block_q x block_k`` tiles."""
-    xq, xkv, _ = flat_rows(x_q, x_kv)  #                                 [B, T, d_model]
-    o = blockwise_dot_product_attention(
-        kernel_heads(xq, params.w_q, params.b_q),  # q                   [B, T_q, H, d_k]
-        kernel_heads(xkv, params.w_k, params.b_k),  # k                  [B, T_k, K, d_k]
-        kernel_heads(xkv, params.w_v, params.b_v),  # v                  [B, T_k, K, d_v]
-        kernel_pairs(bias, x_q, x_kv),
-        kernel_pairs(mask, x_q, x_kv),
-        scale=scale,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    return output_rows(params, o, x_q, residual)
 
 
 def kv_cache(
@@ -118,7 +92,8 @@ def output_rows(params: AttentionParams, o: Array, x_q: Array, residual: bool) -
 
 # ----------------------------------------------------------------------------- the kernel rows
 # The row level, but the formula gets the caller's ``scale`` as given: the kernel resolves
-# ``None`` in its compute dtype (float32 for 16-bit inputs).
+# ``None`` in its compute dtype (float32 for 16-bit inputs). blockwise_attention is
+# kernel.kernel_rows with the blockwise kernel.
 
 
 def _kernel_rows(
@@ -147,9 +122,9 @@ def _blockwise_rows(
     block_q: int = 3,
     block_k: int = 2,
 ) -> Call:
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
-    args = (params, p.x_q, p.x_kv, p.mask, p.bias, scale, residual, block_q, block_k)
-    return Call(args, p.dirty_rows())
+    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+    tiles = {"kernel": blockwise_dot_product_attention, "block_q": block_q, "block_k": block_k}
+    return row_call(rows, scale, tiles)
 
 
 KERNEL_ROWS = Level(_kernel_rows, row_args())
@@ -166,25 +141,25 @@ BLOCKWISE_ROWS = Level(
 
 # Non-finite tokens a query may not read stay out of it and of every gradient (the projections'
 # backward would otherwise multiply them by zero): both run through entry.guard.
-blockwise_attention = public(
+blockwise_attention = rows_public(
     BLOCKWISE_ROWS,
-    blockwise,
+    kernel_rows,
+    __name__,
     name="blockwise_attention",
     summary="Multi-head attention through :func:`attnref.blockwise_dot_product_attention`.\n\n"
     "Online softmax in ``block_q x block_k`` tiles; the small odd defaults exercise partial "
     "tiles.",
-    returns=BLOCK_RETURNS,
 )
-kv_cache_attention = public(
+kv_cache_attention = rows_public(
     KERNEL_ROWS,
     kv_cache,
+    __name__,
     name="kv_cache_attention",
     summary="Multi-head attention read from a KV cache: ``x_kv``'s keys and values are projected "
     "and\nappended (the prefill), then a ``lax.scan`` runs the queries one at a time against the "
     "cache\nwith row ``t`` of ``mask`` and ``bias`` (by absolute key position).\n\n"
     "With a causal mask this is what incremental decoding computes (:func:`scan`\n"
     "appends one token per step instead; both are tested against the oracle).",
-    returns=BLOCK_RETURNS,
 )
 
 
@@ -399,7 +374,7 @@ register(
         convention="kernel",
         citation=MILAKOV + " " + DAO + " GQA: " + GQA,
         apply=blockwise_attention,
-        formula=blockwise,
+        formula=blockwise_dot_product_attention.formula,  # type: ignore[attr-defined]
         native=blockwise_dot_product_attention,
         summary=(
             "Query tiles (lax.map) times key tiles (lax.scan) with a running max and sum; the "
