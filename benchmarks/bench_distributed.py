@@ -3,12 +3,12 @@
 Not a test: run ``python benchmarks/bench_distributed.py [--out docs/distributed.md]`` (needs
 matplotlib for ``docs/img/distributed.png``). For each scheme and ``T`` (causal self-attention,
 kernel level, ``B = 1``, float32) it reports the per-device useful-FLOP balance (allowed causal
-pairs, :func:`attnref._src.formulations.distributed.cost.load_balance`), the bytes each device sends (the cost
-model's and the compiled HLO's, :func:`attnref._src.core.cost.hlo_collectives`), the temporary memory
-per device (XLA's ``memory_analysis()``, per device for an SPMD program) and the time relative
-to single-device :func:`attnref.blockwise_dot_product_attention` on the same host. The eight
-virtual devices share the host's cores, so that ratio measures the overhead of distributing the
-computation, not a speedup.
+pairs, ``load_balance`` of ``attnref._src.formulations.distributed.cost``), the bytes each device
+sends (the cost model's and the compiled HLO's, ``hlo_collectives`` of ``attnref._src.core``), the
+temporary memory per device (XLA's ``memory_analysis()``, per device for an SPMD program) and
+the time relative to single-device :func:`attnref.blockwise_dot_product_attention` on the same
+host. The eight virtual devices share the host's cores, so that ratio measures the overhead of
+distributing the computation, not a speedup.
 """
 
 from __future__ import annotations
