@@ -16,6 +16,7 @@ includes the source of its formula (``literalinclude`` ``:pyobject:``), read at 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -28,6 +29,22 @@ import attnref  # noqa: E402
 from attnref import pages  # noqa: E402
 
 pages.write_test_pages(ROOT / "tests", DOCS / "tests")
+
+
+def _document_built_signatures() -> None:
+    """A public function whose signature attnref builds (``__signature__``: the kernel level adds
+    its options to ``prepare``'s) is documented with that signature. ``autodoc_preserve_defaults``
+    reads the defaults from the source that ``__wrapped__`` names, which lists fewer parameters
+    (an error while formatting the arguments), so that link is dropped for the build."""
+    for ns in (None, *attnref._NAMESPACES):
+        module = attnref if ns is None else importlib.import_module(f"attnref.{ns}")
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if "__signature__" in getattr(obj, "__dict__", {}):
+                obj.__dict__.pop("__wrapped__", None)
+
+
+_document_built_signatures()
 
 project = "attnref"
 author = "attnref developers"
