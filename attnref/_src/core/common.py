@@ -5,6 +5,7 @@ formulations (projections, homogeneous coordinates)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
-from attnref._src.core.entry import Level
+from attnref._src.core.entry import Guardable, Level
 from attnref._src.core.nonfinite import (
     allowed_pairs,
     finite_bias,
@@ -194,6 +195,41 @@ def row_args(more: str = RESIDUAL_ARG, also: str = "") -> str:
 ROWS = Level(_rows, row_args())
 # The same without ``residual`` (probes of the block: weights, per-head outputs).
 ROW_PROBES = Level(_row_probes, row_args(more=""))
+_ROW_NAMES = ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual")
+
+
+def rows_level(
+    name: str,
+    build: Callable[..., Guardable],
+    args: str,
+    options: dict[str, tuple[Any, str]],
+    check: Callable[..., None] | None = None,
+) -> Level:
+    """A level whose ``prepare`` (named ``name``) has the signature of :data:`ROWS` plus the
+    keyword-only ``options`` (name -> (default, annotation)); it validates the row arguments with
+    :func:`prepare_rows` and returns ``build(rows, scale, **options)`` (the caller's ``scale``);
+    ``check(**options)``, if given, runs first."""
+    base = inspect.signature(_rows)
+    kind = inspect.Parameter.KEYWORD_ONLY
+    extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, (d, a) in options.items()]
+    signature = base.replace(parameters=[*base.parameters.values(), *extra])
+
+    def prepare(*positional: Any, **keywords: Any) -> Guardable:
+        bound = signature.bind(*positional, **keywords)
+        bound.apply_defaults()
+        values = bound.arguments
+        chosen = {n: values[n] for n in options}
+        if check is not None:
+            check(**chosen)
+        rows = prepare_rows(*(values[n] for n in _ROW_NAMES))
+        return build(rows, values["scale"], **chosen)
+
+    fn: Any = prepare
+    fn.__signature__ = signature.replace(return_annotation="Call")
+    fn.__name__ = fn.__qualname__ = name
+    return Level(fn, args)
+
+
 # What a row-level block returns, for ``public(..., returns=BLOCK_RETURNS)``.
 BLOCK_RETURNS = (
     "The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row\n"

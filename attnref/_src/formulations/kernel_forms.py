@@ -20,12 +20,13 @@ from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import (
     RESIDUAL_ARG,
     Call,
+    Prepared,
     add_output_bias,
     prepare_rows,
     residual_or,
     row_args,
+    rows_level,
 )
-from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.blockwise import blockwise_dot_product_attention
@@ -96,40 +97,20 @@ def output_rows(params: AttentionParams, o: Array, x_q: Array, residual: bool) -
 # kernel.kernel_rows with the blockwise kernel.
 
 
-def _kernel_rows(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-) -> Call:
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
-    return Call((params, p.x_q, p.x_kv, p.mask, p.bias, scale, residual), p.dirty_rows())
+def _kernel_call(rows: Prepared, scale: float | None) -> Call:
+    args = (rows.params, rows.x_q, rows.x_kv, rows.mask, rows.bias, scale, rows.residual)
+    return Call(args, rows.dirty_rows())
 
 
-def _blockwise_rows(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-    block_q: int = 3,
-    block_k: int = 2,
-) -> Call:
-    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+def _blockwise_call(rows: Prepared, scale: float | None, block_q: int, block_k: int) -> Call:
     tiles = {"kernel": blockwise_dot_product_attention, "block_q": block_q, "block_k": block_k}
     return row_call(rows, scale, tiles)
 
 
-KERNEL_ROWS = Level(_kernel_rows, row_args())
-BLOCKWISE_ROWS = Level(
-    _blockwise_rows,
+KERNEL_ROWS = rows_level("_kernel_rows", _kernel_call, row_args(), {})
+BLOCKWISE_ROWS = rows_level(
+    "_blockwise_rows",
+    _blockwise_call,
     row_args(
         RESIDUAL_ARG
         + """
@@ -137,6 +118,7 @@ BLOCKWISE_ROWS = Level(
     block_k: Keys per tile, a positive int (default 2).""",
         also=",\n        or a block size is not a positive int",
     ),
+    {"block_q": (3, "int"), "block_k": (2, "int")},
 )
 
 # Non-finite tokens a query may not read stay out of it and of every gradient (the projections'

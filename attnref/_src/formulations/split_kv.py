@@ -33,12 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.common import Call, prepare_rows
-from attnref._src.core.entry import Level
-from attnref._src.core.params import AttentionParams
+from attnref._src.core.common import Call, Prepared, rows_level
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.kernel import (
@@ -140,31 +138,22 @@ split_kv_dot_product_attention = kernel_public(
 )
 
 
-def _split_rows(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-    num_splits: int = NUM_SPLITS,
-) -> Call:
-    check_num_splits(num_splits)
-    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+def _split_call(rows: Prepared, scale: float | None, num_splits: int) -> Call:
     options = {"kernel": split_kv_dot_product_attention, "num_splits": num_splits}
     return row_call(rows, scale, options)
 
 
 split_kv_attention = rows_public(
-    Level(
-        _split_rows,
+    rows_level(
+        "_split_rows",
+        _split_call,
         option_args(
             f"num_splits: {_NUM_SPLITS_DOC}",
             "``num_splits`` is below 1",
             "``num_splits`` is not an int",
         ),
+        {"num_splits": (NUM_SPLITS, "int")},
+        check=check_num_splits,
     ),
     kernel_rows,
     __name__,

@@ -22,14 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array
 
 from attnref import oracle, tolerance
 from attnref._src.core.checks import is_traced
-from attnref._src.core.common import Call, prepare_rows
+from attnref._src.core.common import Call, Prepared, rows_level
 from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
-from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.kernel import (
     KernelCall,
     Option,
@@ -217,27 +216,20 @@ def mesh_kernel(
     )
 
 
+# The row level's extra option of a scheme (for :func:`attnref._src.core.common.rows_level`).
+MESH_OPTION: dict[str, tuple[Any, str]] = {"mesh": (None, "Mesh | None")}
+
+
 def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
     """The row level of a scheme: the row signature plus ``mesh`` (``None``: every device, or
     for a head-parallel scheme the most devices whose count divides ``H``)."""
 
-    def rows_on_mesh(
-        params: AttentionParams,
-        x_q: Float[ArrayLike, "... T_q d_model"],
-        x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-        *,
-        mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-        bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-        scale: float | None = None,
-        residual: bool = False,
-        mesh: Mesh | None = None,
-    ) -> Call:
+    def on_mesh(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
         if mesh is None:
-            mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
-        rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+            mesh = head_mesh(int(jnp.shape(rows.params.w_q)[0])) if heads else default_mesh()
         return row_call(rows, scale, {"kernel": native, "mesh": mesh})
 
-    return Level(rows_on_mesh, mesh_row_args(heads))
+    return rows_level("rows_on_mesh", on_mesh, mesh_row_args(heads), MESH_OPTION)
 
 
 def mesh_row_args(heads: bool) -> str:

@@ -37,16 +37,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Bool, Float
 
 from attnref._src.core.checks import PARAM_FIELDS
-from attnref._src.core.common import Call, add_output_bias, prepare_rows, residual_or
-from attnref._src.core.entry import Level
+from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or, rows_level
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.family import (
     DISTRIBUTED,
+    MESH_OPTION,
     MeshRun,
     check_heads,
     head_mesh,
@@ -222,18 +222,8 @@ def head_parallel_rows(
     return residual_or(add_output_bias(y, params), x_q, residual)
 
 
-def _head_rows(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool = False,
-    mesh: Mesh | None = None,
-) -> Call:
-    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
+def _head_call(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
+    params = rows.params
     n, k = jnp.shape(params.w_q)[0], jnp.shape(params.w_k)[0]
     mesh = head_mesh(int(n)) if mesh is None else mesh
     axis, devices = mesh_axis(mesh, None)
@@ -246,10 +236,7 @@ tensor_parallel_attention = scheme_rows(
     tensor_parallel_dot_product_attention,
     "tensor_parallel_attention",
     formula=head_parallel_rows,
-    level=Level(
-        _head_rows,
-        mesh_row_args(heads=True),
-    ),
+    level=rows_level("_head_rows", _head_call, mesh_row_args(heads=True), MESH_OPTION),
 )
 
 
