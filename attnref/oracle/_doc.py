@@ -150,6 +150,37 @@ def _entries(items: Mapping[str, str]) -> list[str]:
     ]
 
 
+def signed(template: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
+    """Give ``body(call, *, own...)`` the public signature of ``template`` (written once) with the
+    body's own keyword-only parameters added: those named in ``front`` right after the template's
+    positional ones, the rest last. The public function binds its arguments to that signature
+    (defaults applied) and calls ``body`` with the template's as one dict and its own by keyword.
+    The annotations are evaluated (``__signature__`` is returned as is, even with ``eval_str``)."""
+
+    def wrap(body: Callable[..., Any]) -> Any:
+        shared = list(inspect.signature(template, eval_str=True).parameters.values())
+        sig = inspect.signature(body, eval_str=True)
+        own = list(sig.parameters.values())[1:]
+        params = [p for p in shared if p.kind is not p.KEYWORD_ONLY]
+        params += [p for p in own if p.name in front]
+        params += [p for p in shared if p.kind is p.KEYWORD_ONLY]
+        params += [p for p in own if p.name not in front]
+        public_sig = inspect.Signature(params, return_annotation=sig.return_annotation)
+
+        def public(*args: Any, **kwargs: Any) -> Any:
+            bound = public_sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            return body({p.name: a[p.name] for p in shared}, **{p.name: a[p.name] for p in own})
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(public, attr, getattr(body, attr))
+        public.__signature__ = public_sig  # type: ignore[attr-defined]
+        return public
+
+    return wrap
+
+
 def doc(table: Mapping[str, str], raises: Mapping[str, str] | None = None, **own: str) -> Any:
     """Attach ``Args:`` (before ``Returns:``) and ``Raises:`` (last) to a function's docstring:
     one entry per parameter of its signature, from ``own`` or else ``table``."""

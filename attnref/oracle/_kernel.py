@@ -33,8 +33,8 @@ from ._checks import (
     check_options,
     shape_of,
 )
-from ._doc import KERNEL, KERNEL_RAISES, doc
-from ._kernel_call import CALL, OPTIONS, KernelCall, call_allowed, parse, pick
+from ._doc import KERNEL, KERNEL_RAISES, doc, signed
+from ._kernel_call import OPTIONS, KernelCall, call_allowed, kernel_call, parse, pick
 from ._kernel_fast import forward
 
 
@@ -156,22 +156,10 @@ def kernel_allowed(
 
 
 @doc(KERNEL, KERNEL_RAISES)
+@signed(kernel_call)
 def dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
+    call: dict[str, Any],
     *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: str = "top_left",
-    masked_rows: str = "zeros",
     return_lse: bool = False,
     method: str = "fast",
 ) -> Any:
@@ -189,13 +177,14 @@ def dot_product_attention(
         float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully
         masked and padding rows) when ``return_lse``.
     """
-    args = pick(locals(), CALL)
     check_method(method)
-    c = parse(**args)
+    c = parse(**call)
     if method == "fast":
         o, lse_f = forward(c)
         return (o, lse_f) if return_lse else o
-    allowed = kernel_allowed(c.shape, bias, mask, method="definition", **pick(args, OPTIONS))
+    allowed = kernel_allowed(
+        c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
+    )
     b_size, n_heads, t, s = c.shape
     out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
     lse = np.full((b_size, t, n_heads), -np.inf)

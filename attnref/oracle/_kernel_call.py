@@ -79,6 +79,27 @@ OPTIONS = (
 CALL = ("query", "key", "value", "bias", "mask", "scale", "softcap", "masked_rows", *OPTIONS)
 
 
+def kernel_call(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    segment_ids: Any = None,
+    softcap: float | None = None,
+    causal_alignment: str = "top_left",
+    masked_rows: str = "zeros",
+) -> None:
+    """The arguments of :func:`attnref.dot_product_attention`, written once: the template of the
+    kernel level's public functions (:func:`attnref.oracle._doc.signed`)."""
+
+
 def pick(args: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     """The arguments ``names`` out of a public function's ``locals()``."""
     return {name: args[name] for name in names}

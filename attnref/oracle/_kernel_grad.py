@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, dtype_of, is_floating, shape_of
-from ._doc import KERNEL, KERNEL_RAISES, doc
+from ._doc import KERNEL, KERNEL_RAISES, doc, signed
 from ._kernel import definition_logit, kernel_allowed
-from ._kernel_call import CALL, OPTIONS, KernelCall, parse, pick, query_block
+from ._kernel_call import OPTIONS, KernelCall, kernel_call, parse, pick, query_block
 from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
 
 __all__ = ["KernelGrads", "dot_product_attention_vjp"]
@@ -192,24 +192,12 @@ def _definition(
 
 
 @doc(KERNEL, KERNEL_RAISES)
+@signed(kernel_call, front=("cotangent", "lse_cotangent"))
 def dot_product_attention_vjp(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
+    call: dict[str, Any],
     *,
     cotangent: Any,
     lse_cotangent: Any = None,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: str = "top_left",
-    masked_rows: str = "zeros",
     method: str = "fast",
 ) -> KernelGrads:
     """Float64 vector-Jacobian product of :func:`attnref.oracle.dot_product_attention`: the
@@ -220,11 +208,12 @@ def dot_product_attention_vjp(
         :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its
         input (``bias`` ``None`` without a bias).
     """
-    args = locals()
     check_method(method)
-    c = parse(**pick(args, CALL))
+    c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     if method == "fast":
         return fast(c, d_o, d_l)
-    allowed = kernel_allowed(c.shape, bias, mask, method="definition", **pick(args, OPTIONS))
+    allowed = kernel_allowed(
+        c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
+    )
     return _definition(c, d_o, d_l, allowed)

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc
-from attnref.oracle._kernel_call import CALL, allowed_rows, parse, pick
+from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
+from attnref.oracle._kernel_call import allowed_rows, kernel_call, parse
 from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
 
 from ._kernel import kernel_logits, logit_error, lse_row_error, row_terms
@@ -111,24 +111,12 @@ def _block(
 
 
 @doc(KERNEL, KERNEL_RAISES)
+@signed(kernel_call, front=("cotangent", "lse_cotangent"))
 def kernel_grad_error_bound(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
+    call: dict[str, Any],
     *,
     cotangent: Any,
     lse_cotangent: Any = None,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: str = "top_left",
-    masked_rows: str = "zeros",
     dtype: Any = None,
     budget: int = 64 << 20,
 ) -> Any:
@@ -140,9 +128,9 @@ def kernel_grad_error_bound(
         :class:`attnref.oracle.KernelGrads` of float64 bounds, each the shape of its input
         (``bias`` ``None`` without a bias).
     """
-    c = parse(**pick(locals(), CALL))
+    c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
-    fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
+    fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     work = np.float32 if is_16bit(fmt) else fmt
     b_size, n_heads, t, s_len = c.shape
     grp = c.group

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc
-from attnref.oracle._kernel_call import CALL, parse, pick, query_block
+from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
+from attnref.oracle._kernel_call import kernel_call, parse, query_block
 from attnref.oracle._kernel_fast import (
     block_live,
     head_groups,
@@ -220,22 +220,10 @@ def _uniform_and_cast(
 
 
 @doc(KERNEL, KERNEL_RAISES)
+@signed(kernel_call)
 def kernel_call_error_bound(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
+    call: dict[str, Any],
     *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: str = "top_left",
-    masked_rows: str = "zeros",
     dtype: Any = None,
     key_blocks: int | None = None,
     budget: int = 64 << 20,
@@ -248,8 +236,8 @@ def kernel_call_error_bound(
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64.
     """
-    c = parse(**pick(locals(), CALL))
-    fmt = np.dtype(np.asarray(query).dtype if dtype is None else dtype)
+    c = parse(**call)
+    fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     return _streamed_bound(c, fmt, key_blocks, budget)
 
 

@@ -64,9 +64,9 @@ from typing import Any
 
 import numpy as np
 
-from attnref.oracle._doc import KERNEL, doc
+from attnref.oracle._doc import KERNEL, doc, signed
 from attnref.oracle._kernel import dot_product_attention
-from attnref.oracle._kernel_call import CALL, call_allowed, parse, pick
+from attnref.oracle._kernel_call import call_allowed, kernel_call, parse
 from attnref.oracle._kernel_fast import head_groups, logits_block
 
 from ._kernel import kernel_call_error_bound
@@ -205,12 +205,9 @@ def _key_states(
     key_blocks="Key blocks of each piece's online softmax; ``None`` (default): any tiling. Must "
     "be ``None`` with ``pieces=None``.",
 )
+@signed(kernel_call, front=("pieces", "num_pieces", "tree", "dtype", "state_dtype", "lse_dtype"))
 def pieces_error_bound(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
+    call: dict[str, Any],
     *,
     pieces: Any,
     num_pieces: int | None = None,
@@ -218,15 +215,6 @@ def pieces_error_bound(
     dtype: Any = None,
     state_dtype: Any = None,
     lse_dtype: Any = None,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    softcap: float | None = None,
-    causal_alignment: str = "top_left",
-    masked_rows: str = "zeros",
     key_blocks: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` of attention
@@ -250,9 +238,8 @@ def pieces_error_bound(
         TypeError: For those it refuses with ``TypeError``; ``pieces`` a bool; ``tree``
             neither a string nor an int.
     """
-    call = pick(locals(), CALL)
     c = parse(**call)
-    fmt = as_dtype(np.asarray(query).dtype if dtype is None else dtype)
+    fmt = as_dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     state_fmt = work if state_dtype is None else as_dtype(state_dtype)
     if lse_dtype is not None:
@@ -280,7 +267,7 @@ def pieces_error_bound(
     )
     whole64 = kernel_call_error_bound(**call, dtype=np.float64, key_blocks=1)
     out_b, lse_b = out_b + whole64[0], lse_b + whole64[1]
-    if masked_rows == "uniform":
+    if call["masked_rows"] == "uniform":
         dead = np.transpose(~np.any(allowed, axis=-1), (0, 2, 1))  # [B, T, N]
         whole = kernel_call_error_bound(**call, dtype=state_fmt, key_blocks=None)[0]
         out_b = np.where(dead[..., None], whole + whole64[0], out_b)
