@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, check_weight_level
-from ._doc import WEIGHT, WEIGHT_RAISES, doc
+from ._doc import WEIGHT, WEIGHT_RAISES, doc, signed, weight_call
 
 __all__ = ["attention", "attention_weights", "head_outputs"]
 
@@ -388,14 +388,10 @@ def fast_output(
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(weight_call)
 def attention_weights(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     method: str = "fast",
 ) -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
@@ -404,19 +400,15 @@ def attention_weights(
         float64 weights ``[..., H, T_q, T_k]``.
     """
     definition = check_method(method) == "definition"
-    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    p = fast_problem(*call.values())
     return per_head_per_query(p)[0] if definition else _fast_weights(p)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(weight_call)
 def head_outputs(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     method: str = "fast",
 ) -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
@@ -425,19 +417,15 @@ def head_outputs(
         float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
     """
     definition = check_method(method) == "definition"
-    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    p = fast_problem(*call.values())
     return per_head_per_query(p)[1] if definition else _fast_head_outputs(p)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(weight_call)
 def attention(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     residual: bool = False,
     emulate: Any = None,
     method: str = "fast",
@@ -450,7 +438,7 @@ def attention(
     """
     emulating = emulate is not None and np.dtype(emulate) != np.float64
     fast = check_method(method) == "fast" and not emulating
-    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
+    p = fast_problem(*call.values())
     if fast:
         return fast_output(p, residual=residual)
     return definition_output(p, per_head_per_query(p, emulate)[1], residual, emulate)

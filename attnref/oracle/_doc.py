@@ -150,6 +150,36 @@ def _entries(items: Mapping[str, str]) -> list[str]:
     ]
 
 
+def weight_call(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+) -> None:
+    """The inputs of the weight level (:func:`attnref.oracle.attention` and its bounds), written
+    once: a template for :func:`signed`."""
+
+
+def rope_call(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "rotate_half",
+) -> None:
+    """The inputs of the RoPE weight level (:func:`attnref.oracle.rope_attention` and its
+    bounds), written once: a template for :func:`signed`."""
+
+
 def signed(template: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
     """Give ``body(call, *, own...)`` the public signature of ``template`` (written once) with the
     body's own keyword-only parameters added: those named in ``front`` right after the template's

@@ -56,7 +56,7 @@ from ._core import (
     get_param,
     per_head_per_query,
 )
-from ._doc import WEIGHT, WEIGHT_RAISES, doc
+from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, signed
 
 __all__ = ["rope", "rope_attention"]
 
@@ -207,18 +207,10 @@ def rope(
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(rope_call)
 def rope_attention(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
     residual: bool = False,
     method: str = "fast",
 ) -> np.ndarray:
@@ -230,9 +222,8 @@ def rope_attention(
         float64 block output ``[..., T_q, d_model]``.
     """
     fast = check_method(method) == "fast"
-    prob, pq, pk = rope_inputs(
-        params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
-    )
+    prob, pq, pk = rope_inputs(*call.values())
+    base, convention = call["base"], call["convention"]
     if fast:
         return fast_output(
             prob,

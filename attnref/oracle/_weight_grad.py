@@ -60,7 +60,7 @@ from ._core import (
     offset,
     row_weights,
 )
-from ._doc import WEIGHT, WEIGHT_RAISES, doc
+from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, signed, weight_call
 from ._rope import rope_inputs, rotation, turn
 
 __all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
@@ -329,15 +329,11 @@ def _fast(
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(weight_call, front=("d_y",))
 def attention_vjp(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     residual: bool = False,
     method: str = "fast",
 ) -> AttentionGrads:
@@ -352,24 +348,16 @@ def attention_vjp(
         or ``None``).
     """
     fast = check_method(method) == "fast"
-    p = fast_problem(params, x_q, x_kv, mask, bias, scale)
-    return _vjp(p, d_y, bias, fast, x_kv is None, residual)
+    p = fast_problem(*call.values())
+    return _vjp(p, d_y, call["bias"], fast, call["x_kv"] is None, residual)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
+@signed(rope_call, front=("d_y",))
 def rope_attention_vjp(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
     residual: bool = False,
     method: str = "fast",
 ) -> AttentionGrads:
@@ -381,10 +369,9 @@ def rope_attention_vjp(
         :class:`AttentionGrads`, as :func:`attention_vjp`.
     """
     fast = check_method(method) == "fast"
-    p, pq, pk = rope_inputs(
-        params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention
-    )
-    return _vjp(p, d_y, bias, fast, x_kv is None, residual, (pq, pk, base, convention))
+    p, pq, pk = rope_inputs(*call.values())
+    rope = (pq, pk, call["base"], call["convention"])
+    return _vjp(p, d_y, call["bias"], fast, call["x_kv"] is None, residual, rope)
 
 
 def _vjp(

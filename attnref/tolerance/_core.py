@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights, tokens
-from attnref.oracle._doc import WEIGHT, doc
+from attnref.oracle._doc import WEIGHT, doc, signed, weight_call
 
 from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
 
@@ -221,14 +221,10 @@ def _bound_for(
 
 
 @doc(WEIGHT, BOUND_RAISES)
+@signed(weight_call)
 def attention_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     residual: bool = False,
     dtype: Any = np.float32,
 ) -> np.ndarray:
@@ -245,6 +241,7 @@ def attention_error_bound(
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
     """
+    params, x_q, x_kv, mask, bias, scale = call.values()
     w, _ = read_weights(params)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     _, _, w_v, w_o = head_weights(w)

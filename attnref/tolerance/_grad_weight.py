@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnref.oracle._core import FIELDS, get_param, head_weights, tokens
-from attnref.oracle._doc import WEIGHT, doc
+from attnref.oracle._doc import WEIGHT, doc, rope_call, signed, weight_call
 from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
 from ._core import BOUND_RAISES, abs_heads, hom, problem_softmax, read_problem, read_weights
@@ -269,15 +269,11 @@ def _bound(
 
 
 @doc(WEIGHT, BOUND_RAISES)
+@signed(weight_call, front=("d_y",))
 def attention_vjp_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
     residual: bool = False,
     dtype: Any = np.float64,
 ) -> AttentionGrads:
@@ -292,23 +288,16 @@ def attention_vjp_error_bound(
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
         of the gradient it bounds (``None`` where the gradient is ``None``).
     """
+    params, x_q, x_kv, mask, bias, scale = call.values()
     return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, None)
 
 
 @doc(WEIGHT, BOUND_RAISES)
+@signed(rope_call, front=("d_y",))
 def rope_attention_vjp_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
     residual: bool = False,
     dtype: Any = np.float64,
 ) -> AttentionGrads:
@@ -319,6 +308,9 @@ def rope_attention_vjp_error_bound(
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
     """
+    params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
+        call.values()
+    )
     _, d_k = read_weights(params)
     check_rope(convention, d_k)
     xq, xkv = tokens(x_q, x_kv)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from attnref.oracle._core import Params, head_weights
-from attnref.oracle._doc import WEIGHT, doc
+from attnref.oracle._doc import WEIGHT, doc, rope_call, signed
 
 from ._core import (
     BOUND_RAISES,
@@ -145,18 +145,10 @@ def rope_map_error_bound(
 
 
 @doc(WEIGHT, BOUND_RAISES)
+@signed(rope_call)
 def rope_attention_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
     residual: bool = False,
     dtype: Any = np.float32,
 ) -> np.ndarray:
@@ -175,6 +167,9 @@ def rope_attention_error_bound(
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
     """
+    params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
+        call.values()
+    )
     w, d_k = read_weights(params)
     check_rope(convention, d_k)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
