@@ -108,15 +108,16 @@ class Call:
 
 def prepare_rows(
     params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    residual: bool | None = None,
+    x_q: Any,
+    x_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: Any = None,
+    residual: Any = None,
 ) -> Prepared:
     """Validate a row-convention call (parameters, tokens, mask, bias, scale) and return its
-    :class:`Prepared` inputs; ``x_kv=None`` means ``x_q`` (self-attention)."""
+    :class:`Prepared` inputs; ``x_kv=None`` means ``x_q`` (self-attention); ``residual``
+    ``None``: the function has no residual argument."""
     x_kv = x_q if x_kv is None else x_kv
     batch, t_q, t_k = check_tokens(params, x_q, x_kv)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
@@ -150,18 +151,6 @@ def _rows(
     return prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
 
 
-def _row_probes(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-) -> Prepared:
-    return prepare_rows(params, x_q, x_kv, mask, bias, scale)
-
-
 _ROW_ARGS = """Args:
     params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
         key/value head ``i // G`` (``G = H / K``).
@@ -190,11 +179,6 @@ def row_args(more: str = RESIDUAL_ARG, also: str = "") -> str:
     return _ROW_ARGS.format(more=more, also=also)
 
 
-# The row level: ``(params, x_q, x_kv=None, *, mask, bias, scale, residual)``; formulas take
-# ``(params, x_q, x_kv, mask, bias, scale, residual)``, positionally, validated and finite.
-ROWS = Level(_rows, row_args())
-# The same without ``residual`` (probes of the block: weights, per-head outputs).
-ROW_PROBES = Level(_row_probes, row_args(more=""))
 _ROW_NAMES = ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual")
 
 
@@ -204,15 +188,18 @@ def rows_level(
     args: str,
     options: dict[str, tuple[Any, str]],
     check: Callable[..., None] | None = None,
+    residual: bool = True,
 ) -> Level:
     """A level whose ``prepare`` (named ``name``) has the signature of :data:`ROWS` plus the
     keyword-only ``options`` (name -> (default, annotation)); it validates the row arguments with
     :func:`prepare_rows` and returns ``build(rows, scale, **options)`` (the caller's ``scale``);
-    ``check(**options)``, if given, runs first."""
+    ``check(**options)``, if given, runs first; ``residual=False``: without ``residual`` (the
+    inputs' ``residual`` is then ``None``)."""
     base = inspect.signature(_rows)
+    row_parameters = [p for p in base.parameters.values() if residual or p.name != "residual"]
     kind = inspect.Parameter.KEYWORD_ONLY
     extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, (d, a) in options.items()]
-    signature = base.replace(parameters=[*base.parameters.values(), *extra])
+    signature = base.replace(parameters=[*row_parameters, *extra])
 
     def prepare(*positional: Any, **keywords: Any) -> Guardable:
         bound = signature.bind(*positional, **keywords)
@@ -221,15 +208,22 @@ def rows_level(
         chosen = {n: values[n] for n in options}
         if check is not None:
             check(**chosen)
-        rows = prepare_rows(*(values[n] for n in _ROW_NAMES))
+        rows = prepare_rows(*(values.get(n) for n in _ROW_NAMES))
         return build(rows, values["scale"], **chosen)
 
     fn: Any = prepare
-    fn.__signature__ = signature.replace(return_annotation="Call")
+    fn.__signature__ = signature.replace(return_annotation="Guardable")
     fn.__name__ = fn.__qualname__ = name
     return Level(fn, args)
 
 
+# The row level: ``(params, x_q, x_kv=None, *, mask, bias, scale, residual)``; formulas take
+# ``(params, x_q, x_kv, mask, bias, scale, residual)``, positionally, validated and finite.
+ROWS = Level(_rows, row_args())
+# The same without ``residual`` (probes of the block: weights, per-head outputs).
+ROW_PROBES = rows_level(
+    "_row_probes", lambda rows, scale: rows, row_args(more=""), {}, residual=False
+)
 # What a row-level block returns, for ``public(..., returns=BLOCK_RETURNS)``.
 BLOCK_RETURNS = (
     "The block output ``[..., T_q, d_model]``, the dtype of ``x_q``; a fully masked query row\n"

@@ -69,7 +69,6 @@ from attnref._src.core.common import (
 )
 from attnref._src.core.entry import Level, guard, public
 from attnref._src.core.nonfinite import finite_bias, finite_part, nonfinite_rows
-from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.kernel_spec import CAUSAL_ALIGNMENTS as CAUSAL_ALIGNMENTS
 from attnref._src.formulations.kernel_spec import (
     KERNEL_ARGS,
@@ -83,6 +82,7 @@ from attnref._src.formulations.kernel_spec import MASKED_ROWS_POLICIES as MASKED
 from attnref._src.formulations.kernel_spec import STATIC_OPTIONS as STATIC_OPTIONS
 from attnref._src.formulations.kernel_spec import Alignment as Alignment
 from attnref._src.formulations.kernel_spec import MaskedRows as MaskedRows
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 # ----------------------------------------------------------------------------- the formula
 
@@ -433,11 +433,11 @@ dot_product_attention = kernel_public(
 
 
 def kernel_rows(
-    params: AttentionParams,
-    x_q: Float[Array, "... T_q d_model"],
-    x_kv: Float[Array, "... T_k d_model"],
-    mask: Bool[Array, "... #T_q #T_k"] | None,
-    bias: Float[Array, "... #T_q #T_k"] | None,
+    params: Params,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
     scale: Any,
     residual: bool,
     options: dict[str, Any],

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from attnref._src.core.checks import PARAM_FIELDS
 from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or, rows_level
@@ -65,6 +65,7 @@ from attnref._src.formulations.kernel import (
     row_call,
 )
 from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 # ----------------------------------------------------------------------------- head splitting
 
@@ -202,11 +203,11 @@ def _head_sum(
 
 
 def head_parallel_rows(
-    params: AttentionParams,
-    x_q: Float[Array, "... T_q d_model"],
-    x_kv: Float[Array, "... T_k d_model"],
-    mask: Bool[Array, "... #T_q #T_k"] | None,
-    bias: Float[Array, "... #T_q #T_k"] | None,
+    params: Params,
+    x_q: Queries,
+    x_kv: Keys,
+    mask: Mask,
+    bias: Bias,
     scale: Any,
     residual: bool,
     options: dict[str, Any],
