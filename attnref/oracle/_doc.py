@@ -180,15 +180,36 @@ def rope_call(
     bounds), written once: a template for :func:`signed`."""
 
 
-def signed(template: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
-    """Give ``body(call, *, own...)`` the public signature of ``template`` (written once) with the
-    body's own keyword-only parameters added: those named in ``front`` right after the template's
+def weight_tokens(params: Any, x_q: Any, x_kv: Any = None) -> None:
+    """The weights and tokens of a multi-head block: a template for :func:`signed`."""
+
+
+def linear_qkv(q: Any, k: Any, v: Any) -> None:
+    """The per-head inputs of linear attention: a template for :func:`signed`."""
+
+
+def linear_options(
+    *,
+    feature_map: Any,
+    causal: bool = False,
+    key_mask: Any = None,
+    eps: float = 0.0,
+    eps_policy: str = "add",
+) -> None:
+    """The options of linear attention, written once: a template for :func:`signed`."""
+
+
+def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
+    """Give ``body(call, *, own...)`` the public signature of ``templates`` (written once) with the
+    body's own parameters added: those named in ``front`` right after the templates'
     positional ones, the rest last. The public function binds its arguments to that signature
     (defaults applied) and calls ``body`` with the template's as one dict and its own by keyword.
     The annotations are evaluated (``__signature__`` is returned as is, even with ``eval_str``)."""
 
     def wrap(body: Callable[..., Any]) -> Any:
-        shared = list(inspect.signature(template, eval_str=True).parameters.values())
+        shared = [
+            p for t in templates for p in inspect.signature(t, eval_str=True).parameters.values()
+        ]
         sig = inspect.signature(body, eval_str=True)
         own = list(sig.parameters.values())[1:]
         params = [p for p in shared if p.kind is not p.KEYWORD_ONLY]

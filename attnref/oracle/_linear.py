@@ -28,7 +28,7 @@ import numpy as np
 
 from ._checks import check_flag, check_method
 from ._core import Params, group_size, head_weights, tokens, unpack
-from ._doc import LINEAR, LINEAR_RAISES, doc
+from ._doc import LINEAR, LINEAR_RAISES, doc, linear_options, linear_qkv, signed, weight_tokens
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
 
@@ -321,16 +321,10 @@ def _linear_fast(
 
 
 @doc(LINEAR)
+@signed(linear_qkv, linear_options)
 def linear_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    call: dict[str, Any],
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     method: str = "fast",
 ) -> np.ndarray:
     """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
@@ -351,6 +345,7 @@ def linear_attention(
             bool (a truthy ``1`` or ``"False"`` would silently read as causal).
         ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
+    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)
     if method == "fast":
@@ -386,16 +381,10 @@ def linear_attention(
 
 
 @doc(LINEAR, LINEAR_RAISES)
+@signed(weight_tokens, linear_options)
 def linear_multihead(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     residual: bool = False,
     method: str = "fast",
 ) -> np.ndarray:
@@ -406,6 +395,7 @@ def linear_multihead(
     Returns:
         float64 block output ``[..., T_q, d_model]``.
     """
+    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     check_method(method)
     w, kv_of, xq, xkv = multihead_inputs(params, x_q, x_kv)
     w_q, w_k, w_v, w_o = head_weights(w)

@@ -49,7 +49,7 @@ import numpy as np
 
 from ._checks import check_flag, shape_of
 from ._core import head_weights
-from ._doc import LINEAR, LINEAR_RAISES, doc
+from ._doc import LINEAR, LINEAR_RAISES, doc, linear_options, linear_qkv, signed, weight_tokens
 from ._linear import (
     adjusted,
     allowed,
@@ -315,17 +315,11 @@ def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any)
 
 
 @doc(LINEAR, LINEAR_RAISES)
+@signed(linear_qkv, linear_options, front=("d_y",))
 def linear_attention_vjp(
-    q: Any,
-    k: Any,
-    v: Any,
+    call: dict[str, Any],
     d_y: Any,
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     method: str = "fast",
 ) -> LinearGrads:
     """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
@@ -334,6 +328,7 @@ def linear_attention_vjp(
     Returns:
         :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
     """
+    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -375,17 +370,11 @@ def _project_back_definition(
 
 
 @doc(LINEAR, LINEAR_RAISES)
+@signed(weight_tokens, linear_options, front=("d_y",))
 def linear_multihead_vjp(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     residual: bool = False,
     method: str = "fast",
 ) -> LinearMultiheadGrads:
@@ -406,6 +395,7 @@ def linear_multihead_vjp(
         every field present in ``params``; ``x_kv`` is ``None`` when ``x_kv`` was ``None`` (its
         gradient is then in ``x_q``).
     """
+    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)
     residual = check_flag("residual", residual)

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from attnref.oracle._core import get_param, head_weights, tokens
-from attnref.oracle._doc import LINEAR, doc
+from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
 from attnref.oracle._linear import check_options
 from attnref.oracle._linear_grad import LinearGrads, LinearMultiheadGrads
 
@@ -426,17 +426,11 @@ def _kernel_bound(
     dv="Absolute errors already in ``v``.",
     d_dy="Absolute errors already in ``d_y``.",
 )
+@signed(linear_qkv, linear_options, front=("d_y",))
 def linear_attention_vjp_error_bound(
-    q: Any,
-    k: Any,
-    v: Any,
+    call: dict[str, Any],
     d_y: Any,
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     dq: Any = 0.0,
     dk: Any = 0.0,
     dv: Any = 0.0,
@@ -454,6 +448,7 @@ def linear_attention_vjp_error_bound(
         TypeError: If ``feature_map`` is not a feature map, or ``causal`` is not a bool.
         ValueError: If ``eps_policy`` is unknown.
     """
+    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     out = _kernel_bound(
         q, k, v, d_y, (dq, dk, dv, d_dy), feature_map, causal, key_mask, eps, eps_policy
     )
@@ -487,17 +482,11 @@ def _param_bounds(
 
 
 @doc(LINEAR)
+@signed(weight_tokens, linear_options, front=("d_y",))
 def linear_multihead_vjp_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
     d_y: Any,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     residual: bool = False,
 ) -> Any:
     """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` in float64 (either
@@ -512,6 +501,7 @@ def linear_multihead_vjp_error_bound(
             unknown.
         TypeError: If ``feature_map`` is not a feature map.
     """
+    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     w = read_params(params)  # K/V heads repeated to one per query head
     w_q, w_k, w_v, w_o = head_weights(w)
     raw_k = get_param(params, "w_k")

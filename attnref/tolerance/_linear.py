@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from attnref.oracle._core import Params, head_weights, tokens
-from attnref.oracle._doc import LINEAR, doc
+from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
 from attnref.oracle._linear import features, linear_attention, query_log_scale
 
 from ._core import abs_heads, project_heads, read_params, value_magnitude
@@ -119,16 +119,10 @@ def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool
     dk="Absolute errors already in ``k``.",
     dv="Absolute errors already in ``v``.",
 )
+@signed(linear_qkv, linear_options)
 def linear_error_bound(
-    q: Any,
-    k: Any,
-    v: Any,
+    call: dict[str, Any],
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     dtype: Any = np.float32,
     dq: Any = 0.0,
     dk: Any = 0.0,
@@ -160,6 +154,7 @@ def linear_error_bound(
     Raises:
         TypeError: ``feature_map`` is not a feature map (the oracle's check).
     """
+    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     dq, dk, dv = (
         np.broadcast_to(np.asarray(a, np.float64), b.shape) for a, b in ((dq, q), (dk, k), (dv, v))
@@ -203,16 +198,10 @@ def linear_error_bound(
 
 
 @doc(LINEAR)
+@signed(weight_tokens, linear_options)
 def linear_multihead_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
+    call: dict[str, Any],
     *,
-    feature_map: Any,
-    causal: bool = False,
-    key_mask: Any = None,
-    eps: float = 0.0,
-    eps_policy: str = "add",
     residual: bool = False,
     dtype: Any = np.float32,
 ) -> np.ndarray:
@@ -232,6 +221,7 @@ def linear_multihead_error_bound(
             ``linear_attention`` refuses (e.g. an unknown ``eps_policy``).
         TypeError: ``feature_map`` is not a feature map.
     """
+    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     w = read_params(params)
     xq, xkv = tokens(x_q, x_kv)
     u = unit_roundoff(dtype)
