@@ -187,22 +187,31 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
     )
 
 
-def register_linear(**entry: Any) -> None:
-    """Register a form of the LINEAR family (convention ``kernel`` unless ``entry`` says)."""
+def register_linear(form: str | None = None, **entry: Any) -> None:
+    """Register a form of the LINEAR family (convention ``kernel`` unless ``entry`` says).
+
+    ``form`` (``"quadratic"``, ...) names the entry ``linear_<form>`` and its functions: the
+    public ``multihead.linear_<form>_attention`` (apply), the formula ``kernel.<form>`` and the
+    kernel ``kernel.linear_<form>`` (native)."""
+    if form is not None:
+        entry = {
+            "id": f"linear_{form}",
+            "apply": getattr(multihead, f"linear_{form}_attention"),
+            "formula": getattr(kernel, form),
+            "native": getattr(kernel, f"linear_{form}"),
+            **entry,
+        }
     register(Formulation(**{"convention": "kernel", "family": LINEAR, **entry}))
 
 
 register_linear(
-    id="linear_quadratic",
+    form="quadratic",
     title="Linear attention, quadratic form",
     equation=(
         r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
         r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
     ),
     citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
-    apply=multihead.linear_quadratic_attention,
-    formula=kernel.quadratic,
-    native=kernel.linear_quadratic,
     summary=(
         "The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised."
     ),
@@ -212,16 +221,13 @@ register_linear(
 )
 
 register_linear(
-    id="linear_associative",
+    form="associative",
     title="Linear attention, associative (non-causal) form",
     equation=(
         r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
         r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
     ),
     citation=KATHAROPOULOS,
-    apply=multihead.linear_associative_attention,
-    formula=kernel.associative,
-    native=kernel.linear_associative,
     summary=("Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."),
     cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
     cost_model=linear_associative_cost,
@@ -229,16 +235,13 @@ register_linear(
 )
 
 register_linear(
-    id="linear_prefix_sum",
+    form="prefix_sum",
     title="Linear attention, causal prefix sums",
     equation=(
         r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
         r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
     ),
     citation=KATHAROPOULOS,
-    apply=multihead.linear_prefix_sum_attention,
-    formula=kernel.prefix_sum,
-    native=kernel.linear_prefix_sum,
     summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
     cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
     cost_model=linear_prefix_sum_cost,
@@ -246,16 +249,13 @@ register_linear(
 )
 
 register_linear(
-    id="linear_recurrent",
+    form="recurrent",
     title="Linear attention, recurrent (RNN) form",
     equation=(
         r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
         r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
     ),
     citation=KATHAROPOULOS,
-    apply=multihead.linear_recurrent_attention,
-    formula=kernel.recurrent,
-    native=kernel.linear_recurrent,
     summary=(
         "A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory."
     ),
@@ -268,7 +268,7 @@ register_linear(
 )
 
 register_linear(
-    id="linear_chunked",
+    form="chunked",
     title="Linear attention, chunked form",
     equation=(
         r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
@@ -276,9 +276,6 @@ register_linear(
         r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
     ),
     citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
-    apply=multihead.linear_chunked_attention,
-    formula=kernel.chunked,
-    native=kernel.linear_chunked,
     summary=(
         "Quadratic inside each chunk, the state carried between chunks by lax.scan; any chunk size."
     ),
