@@ -389,11 +389,7 @@ def fast_output(
 
 @doc(WEIGHT, WEIGHT_RAISES)
 @signed(weight_call)
-def attention_weights(
-    call: dict[str, Any],
-    *,
-    method: str = "fast",
-) -> np.ndarray:
+def attention_weights(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
 
     Returns:
@@ -406,11 +402,7 @@ def attention_weights(
 
 @doc(WEIGHT, WEIGHT_RAISES)
 @signed(weight_call)
-def head_outputs(
-    call: dict[str, Any],
-    *,
-    method: str = "fast",
-) -> np.ndarray:
+def head_outputs(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
 
     Returns:

@@ -322,11 +322,7 @@ def _linear_fast(
 
 @doc(LINEAR)
 @signed(linear_qkv, linear_options)
-def linear_attention(
-    call: dict[str, Any],
-    *,
-    method: str = "fast",
-) -> np.ndarray:
+def linear_attention(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
     """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
 
         A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)

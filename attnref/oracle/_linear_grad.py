@@ -316,12 +316,7 @@ def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any)
 
 @doc(LINEAR, LINEAR_RAISES)
 @signed(linear_qkv, linear_options, front=("d_y",))
-def linear_attention_vjp(
-    call: dict[str, Any],
-    d_y: Any,
-    *,
-    method: str = "fast",
-) -> LinearGrads:
+def linear_attention_vjp(call: dict[str, Any], d_y: Any, *, method: str = "fast") -> LinearGrads:
     """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
     product), analytic (module docstring), float64.
 
