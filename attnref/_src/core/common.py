@@ -187,7 +187,7 @@ def rows_level(
     build: Callable[..., Guardable],
     args: str,
     options: dict[str, tuple[Any, str]],
-    check: Callable[..., None] | None = None,
+    check: Callable[..., object] | None = None,
     residual: bool = True,
 ) -> Level:
     """A level whose ``prepare`` (named ``name``) has the signature of :data:`ROWS` plus the
@@ -208,7 +208,7 @@ def rows_level(
         chosen = {n: values[n] for n in options}
         if check is not None:
             check(**chosen)
-        rows = prepare_rows(*(values.get(n) for n in _ROW_NAMES))
+        rows = prepare_rows(values["params"], *(values.get(n) for n in _ROW_NAMES[1:]))
         return build(rows, values["scale"], **chosen)
 
     fn: Any = prepare

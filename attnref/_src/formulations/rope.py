@@ -130,7 +130,7 @@ def rope(
 
 
 def cos_sin(
-    positions: Int[Array, "..."], head_dim: int, base: float, dtype: Any
+    positions: Int[ArrayLike, "..."], head_dim: int, base: float, dtype: Any
 ) -> tuple[Array, Array]:
     """``cos, sin`` of ``m theta_p`` (``positions.shape + (head_dim/2,)``), evaluated in the
     angle dtype, then rounded to ``dtype``."""

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from attnref._src.core.checks import is_traced
 from attnref._src.core.common import Call, Prepared, rows_level
 from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
+from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.kernel import (
     KernelCall,
     Option,
@@ -226,7 +227,8 @@ def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
 
     def on_mesh(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
         if mesh is None:
-            mesh = head_mesh(int(jnp.shape(rows.params.w_q)[0])) if heads else default_mesh()
+            params = cast(AttentionParams, rows.params)
+            mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
         return row_call(rows, scale, {"kernel": native, "mesh": mesh})
 
     return rows_level("rows_on_mesh", on_mesh, mesh_row_args(heads), MESH_OPTION)

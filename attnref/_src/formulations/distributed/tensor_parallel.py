@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +224,7 @@ def head_parallel_rows(
 
 
 def _head_call(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
-    params = rows.params
+    params = cast(AttentionParams, rows.params)
     n, k = jnp.shape(params.w_q)[0], jnp.shape(params.w_k)[0]
     mesh = head_mesh(int(n)) if mesh is None else mesh
     axis, devices = mesh_axis(mesh, None)
