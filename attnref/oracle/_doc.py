@@ -204,19 +204,21 @@ def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
     body's own parameters added: those named in ``front`` right after the templates'
     positional ones, the rest last. The public function binds its arguments to that signature
     (defaults applied) and calls ``body`` with the template's as one dict and its own by keyword.
-    The annotations are evaluated (``__signature__`` is returned as is, even with ``eval_str``)."""
+    The annotations stay as written (``docs/conf.py`` shows them so), but for a returned attnref
+    class, evaluated: ``__signature__`` is returned as is even with ``eval_str``."""
 
     def wrap(body: Callable[..., Any]) -> Any:
-        shared = [
-            p for t in templates for p in inspect.signature(t, eval_str=True).parameters.values()
-        ]
-        sig = inspect.signature(body, eval_str=True)
+        shared = [p for t in templates for p in inspect.signature(t).parameters.values()]
+        sig = inspect.signature(body)
+        returned = inspect.signature(body, eval_str=True).return_annotation
+        if not (inspect.isclass(returned) and returned.__module__.startswith("attnref")):
+            returned = sig.return_annotation
         own = list(sig.parameters.values())[1:]
         params = [p for p in shared if p.kind is not p.KEYWORD_ONLY]
         params += [p for p in own if p.name in front]
         params += [p for p in shared if p.kind is p.KEYWORD_ONLY]
         params += [p for p in own if p.name not in front]
-        public_sig = inspect.Signature(params, return_annotation=sig.return_annotation)
+        public_sig = inspect.Signature(params, return_annotation=returned)
 
         def public(*args: Any, **kwargs: Any) -> Any:
             bound = public_sig.bind(*args, **kwargs)
