@@ -104,6 +104,8 @@ def _signature_as_written(app, what, name, obj, options, signature, return_annot
         return None
 
     def raw(annotation):
+        if inspect.isclass(annotation):  # a built signature may carry the class itself
+            return _AsWritten(annotation.__name__)
         return _AsWritten(annotation) if isinstance(annotation, str) else annotation
 
     def default(value):  # a function as its name, not <function f at 0x...>
