@@ -3,8 +3,8 @@
 Not a test: run ``python benchmarks/bench_distributed.py [--out docs/distributed.md]`` (needs
 matplotlib for ``docs/img/distributed.png``). For each scheme and ``T`` (causal self-attention,
 kernel level, ``B = 1``, float32) it reports the per-device useful-FLOP balance (allowed causal
-pairs, ``load_balance`` of ``attnref._src.formulations.distributed.cost``), the bytes each device
-sends (the cost model's and the compiled HLO's, ``hlo_collectives`` of ``attnref._src.core``), the
+pairs, :func:`attnref.distributed.load_balance`), the bytes each device sends (the cost
+model's and the compiled HLO's, :func:`attnref.costs.hlo_collectives`), the
 temporary memory per device (XLA's ``memory_analysis()``, per device for an SPMD program) and
 the time relative to single-device :func:`attnref.blockwise_dot_product_attention` on the same
 host. The eight virtual devices share the host's cores, so that ratio measures the overhead of
@@ -34,9 +34,13 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import attnref  # noqa: E402
 import attnref.distributed as dist  # noqa: E402
-from attnref._src.core.cost import Dims, hlo_collectives  # noqa: E402
-from attnref._src.formulations.distributed import cost as dcost  # noqa: E402
-from attnref._src.formulations.distributed.layout import padded_length, positions  # noqa: E402
+from attnref.costs import Dims, hlo_collectives  # noqa: E402
+from attnref.distributed import (  # noqa: E402
+    load_balance,
+    padded_length,
+    positions,
+    useful_pairs,
+)
 
 # Scheme -> (kernel, the layout its useful work follows; None: heads split, every device alike)
 RINGS = ("ring", "striped", "zigzag")
@@ -138,7 +142,7 @@ def main() -> None:
             # A smoke guard that the wiring computes the same function (the tests check the
             # schemes against the oracle with derived bounds; this only catches a broken run).
             assert np.allclose(out, base_out, rtol=1e-3, atol=1e-4), f"{fid} disagrees at T={t}"
-            balance = 1.0 if layout is None else float(dcost.load_balance(t, p, layout))
+            balance = 1.0 if layout is None else float(load_balance(t, p, layout))
             model = attnref.get(fid).cost_model(dims).sent_bytes / MIB
             sent, bound = _sent(found, scheme=True)
             reshard, _ = _sent(found, scheme=False)
@@ -229,7 +233,7 @@ def _plot(path: str, results: dict, devices: int) -> str | None:
     left.legend()
     t = ts[-1]
     for j, layout in enumerate(("contiguous", "striped", "zigzag")):
-        pairs = dcost.useful_pairs(t, devices, layout)
+        pairs = useful_pairs(t, devices, layout)
         right.bar(np.arange(devices) + j * 0.27, pairs / pairs.mean(), 0.27, label=layout)
     right.axhline(1.0, color="k", lw=0.8, ls="--")
     right.set_xlabel("device")

@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from attnref._src.interp.refactor import (
+from attnref.interp import (
     effective_rank,
     message_svd,
     param_count,
