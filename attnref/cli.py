@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from attnref._src.tools import citations, console
+from attnref._src.kit import console
+from attnref._src.tools import citations
 from attnref._src.tools.cli import CHECK_XLA_FLAGS, main
 
 __all__ = ["CHECK_XLA_FLAGS", "citations", "console", "main"]

@@ -25,8 +25,9 @@ from attnref import report as _report_mod
 from attnref._src.core.checks import enable_x64
 from attnref._src.core.registry import formulations, get, ids
 from attnref._src.formulations.feature_maps import MAP_NAMES
-from attnref._src.tools import citations, console
-from attnref._src.tools.console import is_terminal
+from attnref._src.kit import console
+from attnref._src.kit.console import is_terminal
+from attnref._src.tools import citations
 from attnref.conformance import ALIGNMENTS, MASKED_ROWS
 
 # What ``attnref check`` and ``check-merge`` add to XLA_FLAGS in the console script (each flag

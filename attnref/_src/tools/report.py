@@ -16,7 +16,7 @@ from rich.text import Text
 from attnref._src.core.cost import Dims, cost, xla_counts
 from attnref._src.core.params import AttentionParams, init_params
 from attnref._src.core.registry import families, formulations, get
-from attnref._src.tools import console
+from attnref._src.kit import console
 
 # ``progress(done, total, label)``: ``done`` of ``total`` entries finished, ``label`` running.
 Progress = Callable[[int, int, str], None]

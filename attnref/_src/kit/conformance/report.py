@@ -15,8 +15,8 @@ from rich.console import Console, ConsoleOptions, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from attnref._src.kit import console
 from attnref._src.kit.conformance.options import DEFAULT_SEMANTICS
-from attnref._src.tools import console
 
 
 @dataclasses.dataclass(frozen=True)
