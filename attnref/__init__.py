@@ -34,7 +34,8 @@ _EXPORTS = {
     "attnref._src.core.softmax": ("masked_softmax",),
     "attnref._src.core.masks": ("causal_mask", "combine_masks", "mask_to_bias", "padding_mask"),
     "attnref._src.core.checked": ("checked",),
-    "attnref._src.formulations.kernel": ("dot_product_attention", "alibi_bias", "alibi_slopes"),
+    "attnref._src.formulations.kernel": ("dot_product_attention",),
+    "attnref._src.formulations.alibi": ("alibi_bias", "alibi_slopes"),
     "attnref._src.formulations.blockwise": ("blockwise_dot_product_attention",),
     "attnref._src.formulations.standard": (
         "attention_weights",

@@ -28,8 +28,9 @@ from the analytic backward in both methods.
 
 from __future__ import annotations
 
+from ._alibi import alibi_bias, alibi_slopes
 from ._core import attention, attention_weights, head_outputs
-from ._kernel import alibi_bias, alibi_slopes, dot_product_attention, kernel_allowed
+from ._kernel import dot_product_attention, kernel_allowed
 from ._kernel_grad import KernelGrads, dot_product_attention_vjp
 from ._linear import features, linear_attention, linear_multihead
 from ._linear_grad import (
