@@ -1,4 +1,9 @@
-"""Oracle twin of ALiBi (Press et al. 2022): slopes and the distance bias in float64 NumPy."""
+"""Oracle twin of ALiBi (Press et al. 2022): slopes and the distance bias in float64 NumPy.
+
+The bias follows FlashAttention's ``alibi_slopes``: slopes per head ``[N]`` or per batch element
+and head ``[B, N]``, and a query position ``p_i = i + offset_b`` on the key axis, where under
+``"bottom_right"`` the offset comes from each sequence's actual lengths, ``S_b - T_b``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_alignment, shape_of
+from ._checks import check_alignment, check_ints, dtype_of, is_floating, is_integer, shape_of
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -38,31 +43,85 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.array(geometric(c) + extra)
 
 
-def alibi_bias(slopes: Any, t: int, s: int, *, causal_alignment: str = "top_left") -> np.ndarray:
-    """``bias[0, n, i, j] = -slopes[n] * |i + offset - j|`` in float64.
+def _batch_size(slopes_shape: tuple[int, ...], lengths: dict[str, Any]) -> int | None:
+    """The batch size ``B`` the arguments agree on (``None``: nothing is per batch element)."""
+    sources = (
+        [(f"slopes [B, N] = {slopes_shape}", slopes_shape[0])] if len(slopes_shape) == 2 else []
+    )
+    for name, lens in lengths.items():
+        if lens is None:
+            continue
+        if np.ndim(lens) != 1:
+            raise ValueError(f"{name} must have shape [B], got shape {shape_of(lens)}")
+        sources.append((f"{name} [B] = {shape_of(lens)}", shape_of(lens)[0]))
+    if any(size != sources[0][1] for _, size in sources):
+        raise ValueError(
+            "the batch size B disagrees between " + " and ".join(text for text, _ in sources)
+        )
+    return sources[0][1] if sources else None
+
+
+def alibi_bias(
+    slopes: Any,
+    t: int,
+    s: int,
+    *,
+    causal_alignment: str = "top_left",
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+) -> np.ndarray:
+    """``bias[b, n, i, j] = -slopes[b, n] * |i + offset_b - j|`` in float64.
+
+    ``offset_b = 0`` under ``"top_left"``; under ``"bottom_right"``, ``offset_b = S_b - T_b``
+    with ``T_b = query_seq_lengths[b]`` (default ``t``) and ``S_b = key_value_seq_lengths[b]``
+    (default ``s``): FlashAttention's ``-alibi_slope * |i + seqlen_k - seqlen_q - j|``. A slope
+    ``[N]`` is shared by every batch element.
 
     Args:
-        slopes: Per-head slopes ``[N]``.
+        slopes: Slopes per head ``[N]``, or per batch element and head ``[B, N]``; real.
         t: The number of queries ``T``, an int ``>= 0``.
         s: The number of keys ``S``, an int ``>= 0``.
         causal_alignment: ``"top_left"`` (default, ``offset = 0``) or ``"bottom_right"``
-            (``offset = s - t``).
+            (``offset = S_b - T_b``, the last valid query on the last valid key).
+        query_seq_lengths: Optional integer ``[B]`` in ``[0, t]`` (as for the kernel).
+        key_value_seq_lengths: Optional integer ``[B]`` in ``[0, s]`` (as for the kernel).
 
     Returns:
-        float64 bias ``[1, N, T, S]``.
+        float64 bias ``[1, N, T, S]`` when nothing is per batch element, else ``[B, N, T, S]``
+        (slopes ``[B, N]`` or any lengths given).
 
     Raises:
-        ValueError: If ``causal_alignment`` is unknown, ``t``/``s`` are not ints ``>= 0``, or
-            ``slopes`` is not 1-D.
+        ValueError: If ``causal_alignment`` is unknown, ``t``/``s`` are not ints ``>= 0``,
+            ``slopes`` is not ``[N]`` or ``[B, N]``, a lengths array is not ``[B]``, the batch
+            sizes disagree, or a length is out of range.
+        TypeError: If ``slopes`` is not real or a lengths array is not integer.
     """
     check_alignment(causal_alignment)
     for name, size in (("t", t), ("s", s)):
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
             raise ValueError(f"{name} must be an int >= 0, got {size!r}")
-    if np.ndim(slopes) != 1:
-        raise ValueError(f"slopes must have shape [N], got shape {shape_of(slopes)}")
-    offset = 0 if causal_alignment == "top_left" else s - t
-    distance = np.abs(np.arange(t)[:, None] + offset - np.arange(s)[None, :]).astype(np.float64)
+    if np.ndim(slopes) not in (1, 2):
+        raise ValueError(f"slopes must have shape [N] or [B, N], got shape {shape_of(slopes)}")
+    dt = dtype_of(slopes)
+    if not (is_floating(dt) or is_integer(dt)):
+        raise TypeError(f"slopes must be real, got dtype {dt}")
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
+    b = _batch_size(shape_of(slopes), lengths)
+    q_len = check_ints("query_seq_lengths", query_seq_lengths, (b or 0,), t)
+    kv_len = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
+
     m = np.asarray(slopes, dtype=np.float64)
-    # one product per entry, as -m * |i + offset - j| written entry by entry
-    return (-m[:, None, None] * distance)[None]
+    m = m[None] if m.ndim == 1 else m  # [B or 1, N]
+    rows = 1 if b is None else b
+    offset = np.zeros(rows, dtype=np.int64)  # offset_b, [B or 1]
+    if causal_alignment == "bottom_right":
+        t_b = np.full(rows, t) if q_len is None else q_len
+        s_b = np.full(rows, s) if kv_len is None else kv_len
+        offset = s_b - t_b
+    positions = np.arange(t)[None, :, None] + offset[:, None, None]  # p_i = i + offset_b
+    distance = np.abs(positions - np.arange(s)[None, None, :]).astype(np.float64)  # [B or 1, T, S]
+    # one product per entry, -m[b, n] * |p_i - j|, as FlashAttention writes it
+    return -m[:, :, None, None] * distance[:, None]

@@ -1,5 +1,5 @@
-"""ALiBi (Press et al. 2022): per-head slopes and the linear distance bias they give, passed to
-the kernels as ``bias``."""
+"""ALiBi (Press et al. 2022) as FlashAttention's ``alibi_slopes`` use it: per-head or per-(batch,
+head) slopes and the linear distance bias they give, passed to the kernels as ``bias``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,20 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, ArrayLike, Float, Int
 
+from attnref._src.core.checked import require
+from attnref._src.core.checks import check_ints, dtype_of, in_x64_if_float64, shape_of
 from attnref._src.formulations.kernel_spec import CAUSAL_ALIGNMENTS, Alignment
+
+
+def alibi(
+    slopes: Float[Array, "Bm N"], offset: Int[Array, " Bo"], t: int, s: int
+) -> Float[Array, "B N T S"]:
+    """``bias[b, n, i, j] = -m[b, n] |i + offset[b] - j|`` (``Bm``, ``Bo`` are ``B`` or 1)."""
+    p = jnp.arange(t)[None, :, None] + offset[:, None, None]  # p_i = i + offset_b  [Bo, T, 1]
+    distance = jnp.abs(p - jnp.arange(s)[None, None, :]).astype(slopes.dtype)  # [Bo, T, S]
+    return -slopes[:, :, None, None] * distance[:, None]  # [B, N, T, S]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -42,38 +53,113 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, dtype=np.float64)
 
 
+def _batch(slopes: Any, lengths: dict[str, Any]) -> int | None:
+    """The batch size ``B`` that ``slopes [B, N]`` and the lengths ``[B]`` agree on (``None``
+    when nothing is per batch element)."""
+    given = [(f"slopes [B, N] = {shape_of(slopes)}", shape_of(slopes)[0])]
+    given = given if len(shape_of(slopes)) == 2 else []
+    for name, lens in lengths.items():
+        if lens is not None:
+            if len(shape_of(lens)) != 1:
+                raise ValueError(f"{name} must have shape [B], got shape {shape_of(lens)}")
+            given.append((f"{name} [B] = {shape_of(lens)}", shape_of(lens)[0]))
+    if any(size != given[0][1] for _, size in given):
+        raise ValueError("the batch size B disagrees between " + " and ".join(w for w, _ in given))
+    return given[0][1] if given else None
+
+
 def alibi_bias(
-    slopes: Float[ArrayLike, " N"],
+    slopes: Float[ArrayLike, " N"] | Float[ArrayLike, "B N"],
     t: int,
     s: int,
     *,
     causal_alignment: Alignment = "top_left",
+    query_seq_lengths: Int[ArrayLike, " B"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
     dtype: Any = jnp.float32,
-) -> Float[Array, "1 N T S"]:
-    """ALiBi bias ``-m_n |p_i - j|`` with ``p_i = i + offset`` (offset as ``causal_alignment``).
+) -> Float[Array, "B N T S"]:
+    """ALiBi bias ``bias[b, n, i, j] = -m[b, n] |p_i - j|``, ``p_i = i + offset_b``.
 
-    Under a causal mask this is the paper's ``m_n (j - i)`` on every allowed key; the symmetric
-    ``|.|`` extends it to non-causal attention, as FlashAttention does. Pass it as ``bias``.
+    ``offset_b = 0`` under ``"top_left"``; under ``"bottom_right"``, ``offset_b = S_b - T_b``
+    from the actual lengths (``T_b = query_seq_lengths[b]``, default ``t``; ``S_b =
+    key_value_seq_lengths[b]``, default ``s``): FlashAttention's ``-alibi_slope * |i + seqlen_k
+    - seqlen_q - j|``. Under a causal mask this is the paper's ``m (j - p_i)`` on every allowed
+    key; the symmetric ``|.|`` extends it to non-causal attention, as FlashAttention does. Pass
+    it as ``bias`` with the same lengths and alignment.
 
     Args:
-        slopes: Per-head slopes ``[N]`` (:func:`alibi_slopes`).
+        slopes: Slopes per head ``[N]`` (:func:`alibi_slopes`), or per batch element and head
+            ``[B, N]``.
         t: The number of queries ``T``.
         s: The number of keys ``S``.
         causal_alignment: ``"top_left"`` (default, ``offset = 0``) or ``"bottom_right"``
-            (``offset = s - t``, the last query on the last key).
+            (``offset = S_b - T_b``, the last valid query on the last valid key).
+        query_seq_lengths: Optional integer ``[B]`` in ``[0, t]``, as given to the kernel.
+        key_value_seq_lengths: Optional integer ``[B]`` in ``[0, s]``, as given to the kernel.
         dtype: The bias dtype (default float32).
 
     Returns:
-        The bias ``[1, N, T, S]`` of ``dtype``, broadcastable to ``[B, N, T, S]`` for
-        :func:`dot_product_attention`.
+        The bias of ``dtype``, ``[1, N, T, S]`` when nothing is per batch element, else
+        ``[B, N, T, S]`` (slopes ``[B, N]`` or any lengths given): broadcastable to
+        ``[B, N, T, S]`` for :func:`dot_product_attention`. Under ``jax.jit`` (lengths traced)
+        a batch element with a length out of range gets a NaN bias, and
+        :func:`attnref.checked` raises instead.
 
     Raises:
-        ValueError: If ``causal_alignment`` is not ``"top_left"`` or ``"bottom_right"``.
+        ValueError: If ``causal_alignment`` is unknown, ``t``/``s`` are not ints ``>= 0``,
+            ``slopes`` is not ``[N]`` or ``[B, N]``, a lengths array is not ``[B]``, the batch
+            sizes disagree, or (concrete) lengths are out of range.
+        TypeError: If ``slopes`` is not real, the lengths are not integer, or ``dtype`` is not
+            a floating dtype.
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(
             f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
         )
-    offset = 0 if causal_alignment == "top_left" else s - t
-    dist = jnp.abs(jnp.arange(t)[:, None] + offset - jnp.arange(s)[None, :]).astype(dtype)
-    return (-jnp.asarray(slopes, dtype)[:, None, None] * dist)[None]
+    for name, size in (("t", t), ("s", s)):
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {size!r}")
+    if len(shape_of(slopes)) not in (1, 2):
+        raise ValueError(f"slopes must have shape [N] or [B, N], got shape {shape_of(slopes)}")
+    kind = dtype_of(slopes)
+    if not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
+        raise TypeError(f"slopes must be real, got dtype {kind}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
+    b = _batch(slopes, lengths)
+    q_len = check_ints("query_seq_lengths", query_seq_lengths, (b or 0,), t)
+    kv_len = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
+    return in_x64_if_float64(dtype, _bias, slopes, t, s, causal_alignment, q_len, kv_len, dtype)
+
+
+def _bias(
+    slopes: Any, t: int, s: int, alignment: str, q_len: Any, kv_len: Any, dtype: Any
+) -> Array:
+    """:func:`alibi` on validated arguments; NaN for a batch element whose traced lengths are
+    out of range (eager calls raised already)."""
+    m = jnp.asarray(slopes, dtype)
+    m = m[None] if m.ndim == 1 else m  # [B or 1, N]
+    rows = max([m.shape[0]] + [x.shape[0] for x in (q_len, kv_len) if x is not None])
+    offset = jnp.zeros((rows,), jnp.int32)
+    if alignment == "bottom_right":
+        t_b = jnp.full((rows,), t, jnp.int32) if q_len is None else q_len
+        s_b = jnp.full((rows,), s, jnp.int32) if kv_len is None else kv_len
+        offset = s_b - t_b
+    bias = alibi(m, offset, t, s)
+    if q_len is None and kv_len is None:
+        return bias
+    ok = jnp.ones((rows,), bool)
+    for lens, upper in ((q_len, t), (kv_len, s)):
+        if lens is not None:
+            ok = ok & (lens >= 0) & (lens <= upper)
+    require(
+        ok,
+        f"query_seq_lengths must lie in [0, t={t}] and key_value_seq_lengths in [0, s={s}]; "
+        "batch element {b} is out of range",
+        b=jnp.argmin(ok),
+    )
+    return jnp.where(ok[:, None, None, None], bias, jnp.asarray(jnp.nan, dtype))
