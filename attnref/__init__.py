@@ -7,7 +7,7 @@ scale ``1/sqrt(d_k)``; a fully masked query row gets zero attention weights (out
 The top level holds the softmax formulations (``<id>_attention(params, x_q, x_kv, ...)`` is the
 multi-head row form of registry entry ``<id>``), the kernel level (``dot_product_attention`` and
 its helpers) and the registry. The rest lives in namespaces: :mod:`attnref.linear`,
-:mod:`attnref.rope`, :mod:`attnref.decode`, :mod:`attnref.distributed`,
+:mod:`attnref.rope`, :mod:`attnref.mla`, :mod:`attnref.decode`, :mod:`attnref.distributed`,
 :mod:`attnref.interp`, :mod:`attnref.interop`, :mod:`attnref.costs`, :mod:`attnref.models`,
 and the NumPy layers :mod:`attnref.oracle` and
 :mod:`attnref.tolerance`, and the testing kit :mod:`attnref.testing`,
@@ -71,6 +71,7 @@ _NAMESPACES = (
     "interop",
     "interp",
     "linear",
+    "mla",
     "models",
     "oracle",
     "pages",

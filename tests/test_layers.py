@@ -37,6 +37,7 @@ LAYERS = {
     "attnref._src.formulations": 1,
     "attnref.linear": 1,
     "attnref.rope": 1,
+    "attnref.mla": 1,
     "attnref.decode": 1,
     "attnref.interop": 1,
     "attnref.costs": 1,

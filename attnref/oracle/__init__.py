@@ -14,6 +14,7 @@ from the analytic backward in both methods.
 * :mod:`attnref.oracle._linear`, :mod:`attnref.oracle._linear_grad`: linear attention, its
   feature maps and its gradient oracles.
 * :mod:`attnref.oracle._rope`: rotary position embedding and attention with it.
+* :mod:`attnref.oracle._mla`: multi-head latent attention (DeepSeek-V2), from the paper.
 * :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
   every mask option (the definition), and the ALiBi helpers; :mod:`attnref.oracle._kernel_call`
   (one validated call, its allowed set by blocks), :mod:`attnref.oracle._kernel_fast` (the fast
@@ -39,6 +40,7 @@ from ._linear_grad import (
     linear_attention_vjp,
     linear_multihead_vjp,
 )
+from ._mla import MLADims, check_mla_params, check_mla_tokens, mla_attention, mla_qkv
 from ._rope import rope, rope_attention
 from ._states import merge_state_stack, merge_states, merge_states_vjp
 from ._weight_grad import AttentionGrads, attention_vjp, rope_attention_vjp
@@ -48,11 +50,14 @@ __all__ = [
     "KernelGrads",
     "LinearGrads",
     "LinearMultiheadGrads",
+    "MLADims",
     "alibi_bias",
     "alibi_slopes",
     "attention",
     "attention_vjp",
     "attention_weights",
+    "check_mla_params",
+    "check_mla_tokens",
     "dot_product_attention",
     "dot_product_attention_vjp",
     "features",
@@ -65,6 +70,8 @@ __all__ = [
     "merge_state_stack",
     "merge_states",
     "merge_states_vjp",
+    "mla_attention",
+    "mla_qkv",
     "rope",
     "rope_attention",
     "rope_attention_vjp",

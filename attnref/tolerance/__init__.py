@@ -72,6 +72,7 @@ imported lazily where a bound needs an exact intermediate):
 * :mod:`attnref.tolerance._states`: the merge of attention states (``merge_error_bound``: ``P``
   states merged by a binary tree of depth ``D`` or one stacked merge, linear in ``D``, with the
   pieces' own errors; ``merge_grad_error_bound``: the gradient of one merge; ``docs/states.md``).
+* :mod:`attnref.tolerance._mla`: multi-head latent attention, both forms (its derivation).
 * :mod:`attnref.tolerance._pieces`: attention computed in pieces whose states are merged
   (``pieces_error_bound``: each piece's kernel bound carried through the merge bound, against
   the whole call; split-KV, ring schemes, and the worst case of unknown pieces).
@@ -85,6 +86,7 @@ from ._grad_linear import linear_attention_vjp_error_bound, linear_multihead_vjp
 from ._grad_weight import attention_vjp_error_bound, rope_attention_vjp_error_bound
 from ._kernel import kernel_call_error_bound, kernel_error_bound
 from ._linear import linear_error_bound, linear_multihead_error_bound
+from ._mla import mla_attention_error_bound
 from ._pieces import pieces_error_bound
 
 # Private helpers kept importable from here: tests/test_rope.py rebuilds the RoPE logit bound
@@ -117,6 +119,7 @@ __all__ = [
     "merge_depth",
     "merge_error_bound",
     "merge_grad_error_bound",
+    "mla_attention_error_bound",
     "pieces_error_bound",
     "rope_attention_error_bound",
     "rope_attention_vjp_error_bound",

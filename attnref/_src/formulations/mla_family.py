@@ -1,0 +1,422 @@
+"""Multi-head latent attention's parameters, calling conventions and cost model (the formulas are
+in :mod:`attnref._src.formulations.mla`).
+
+:class:`MLAParams` (per-head weights stored per head, row convention), :func:`init_mla_params`,
+the converter :func:`to_attention_params` (exact without the RoPE part), the two levels
+(:data:`MLA_ROWS`: tokens ``x_kv``; :data:`MLA_CACHE`: the latent cache) and the analytic cost
+model :func:`mla_cost` (FLOPs and cache bytes per token of both forms, prefill and decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, no_type_check
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import ArrayLike, Bool, Float, Int
+
+from attnref import oracle
+from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, float64_scoped
+from attnref._src.core.entry import Level
+from attnref._src.core.nonfinite import (
+    allowed_pairs,
+    finite_bias,
+    finite_part,
+    nonfinite_rows,
+    reads_nonfinite,
+)
+from attnref._src.core.params import AttentionParams
+from attnref._src.formulations.rope_family import (
+    Rotary,
+    check_base,
+    check_convention,
+    check_positions,
+)
+
+DEEPSEEK_V2 = (
+    "DeepSeek-AI (2024), DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts "
+    "Language Model, arXiv:2405.04434, section 2.1 (multi-head latent attention)."
+)
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+@no_type_check
+class MLAParams:
+    """Multi-head latent attention weights (a JAX pytree; row convention, ``c = x W``).
+
+    DeepSeek-V2's column-convention ``W^{DKV} h_t`` is ``x W_DKV`` here; per-head up-projections
+    are stored per head (``[H, ...]``), as :class:`attnref.AttentionParams` stores ``W_Q``.
+
+    Attributes:
+        w_dkv: Down-projection to the latent ``c^KV = x W_DKV``: ``[d_model, d_c]``.
+        w_uk: Key up-projections, ``k^C_i = c^KV W_UK[i]``: ``[H, d_c, d_nope]``.
+        w_uv: Value up-projections, ``v^C_i = c^KV W_UV[i]``: ``[H, d_c, d_v]``.
+        w_uq: Query projections, ``q^C_i = c^Q W_UQ[i]``: ``[H, d_q, d_nope]`` with ``d_q =
+            d_cq`` when ``w_dq`` is given (``c^Q = x W_DQ``), else ``d_model`` (``c^Q = x``).
+        w_o: Output weights ``[H, d_v, d_model]``.
+        w_kr: The shared RoPE key projection, ``k^R = RoPE(x W_KR)``: ``[d_model, d_rope]``, or
+            ``None`` (no decoupled RoPE part; then ``w_qr`` is ``None`` too).
+        w_qr: The per-head RoPE query projections, ``q^R_i = RoPE(c^Q W_QR[i])``:
+            ``[H, d_q, d_rope]`` or ``None``.
+        w_dq: The optional query down-projection ``[d_model, d_cq]`` (``None``: no query
+            compression).
+    """
+
+    w_dkv: Float[ArrayLike, "d_model d_c"]
+    w_uk: Float[ArrayLike, "H d_c d_nope"]
+    w_uv: Float[ArrayLike, "H d_c d_v"]
+    w_uq: Float[ArrayLike, "H d_q d_nope"]
+    w_o: Float[ArrayLike, "H d_v d_model"]
+    w_kr: Float[ArrayLike, "d_model d_rope"] | None = None
+    w_qr: Float[ArrayLike, "H d_q d_rope"] | None = None
+    w_dq: Float[ArrayLike, "d_model d_cq"] | None = None
+
+    @property
+    def dims(self) -> oracle.MLADims:
+        """The checked sizes (``heads, d_model, d_c, d_nope, d_rope, d_v, d_cq``)."""
+        return oracle.check_mla_params(self)
+
+
+def init_mla_params(
+    seed: int,
+    *,
+    d_model: int,
+    num_heads: int,
+    d_c: int,
+    d_nope: int,
+    d_rope: int = 0,
+    d_v: int | None = None,
+    d_cq: int | None = None,
+    dtype: Any = np.float32,
+) -> MLAParams:
+    """Seeded random :class:`MLAParams` (NumPy PCG64, fan-in scaling ``N(0, 1/fan_in)``) of
+    ``dtype``; ``d_rope = 0`` leaves out the RoPE part, ``d_cq=None`` the query compression;
+    ``d_v`` defaults to ``d_nope``. ``ValueError`` for a size that is not a positive integer
+    (``d_rope`` may be 0, and must be even)."""
+    d_v = d_nope if d_v is None else d_v
+    for name, val in (
+        ("d_model", d_model),
+        ("num_heads", num_heads),
+        ("d_c", d_c),
+        ("d_nope", d_nope),
+        ("d_v", d_v),
+        ("d_cq", 1 if d_cq is None else d_cq),
+    ):
+        if int(val) != val or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val}")
+    if int(d_rope) != d_rope or d_rope < 0 or d_rope % 2:
+        raise ValueError(f"d_rope must be 0 or a positive even integer, got {d_rope}")
+    rng = np.random.default_rng(seed)
+    h = num_heads
+    d_q = d_model if d_cq is None else d_cq
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / math.sqrt(shape[-2])).astype(dtype)
+
+    return MLAParams(
+        w_dkv=normal(d_model, d_c),
+        w_uk=normal(h, d_c, d_nope),
+        w_uv=normal(h, d_c, d_v),
+        w_uq=normal(h, d_q, d_nope),
+        w_o=(rng.standard_normal((h, d_v, d_model)) / math.sqrt(h * d_v)).astype(dtype),
+        w_kr=normal(d_model, d_rope) if d_rope else None,
+        w_qr=normal(h, d_q, d_rope) if d_rope else None,
+        w_dq=None if d_cq is None else normal(d_model, d_cq),
+    )
+
+
+@float64_scoped
+def to_attention_params(params: MLAParams) -> AttentionParams:
+    """The decompressed per-head :class:`attnref.AttentionParams` of MLA without its RoPE part:
+    ``W_Q[i] = W_DQ W_UQ[i]`` (``W_UQ[i]`` without query compression), ``W_K[i] = W_DKV W_UK[i]``,
+    ``W_V[i] = W_DKV W_UV[i]``, ``W_O[i] = W_O[i]`` (``d_k = d_nope``): exactly the same attention
+    (the default scale ``1/sqrt(d_nope)`` is MLA's ``1/sqrt(d_nope + d_rope)`` with
+    ``d_rope = 0``), so the seeds' merged ``W_P[i] = W_Q[i] W_K[i]^T`` and ``W_M[i] = W_V[i]
+    W_O[i]`` (:mod:`attnref.interp`) apply.
+
+    Raises:
+        ValueError: If ``params`` is malformed or has a RoPE part (``w_kr``/``w_qr``): the
+            rotation sits between ``W_QR`` and ``W_KR`` and depends on the positions, so no
+            position-free ``W_K`` exists.
+    """
+    dims = oracle.check_mla_params(params)
+    if dims.d_rope:
+        raise ValueError(
+            f"params has a decoupled RoPE part (d_rope = {dims.d_rope}); only MLA "
+            "without it converts exactly to AttentionParams"
+        )
+    w_uq = jnp.asarray(params.w_uq)
+    w_q = (
+        w_uq
+        if params.w_dq is None
+        else jnp.einsum("dc,hcn->hdn", params.w_dq, w_uq, precision=HIGHEST)
+    )
+    w_k = jnp.einsum("dc,hcn->hdn", params.w_dkv, params.w_uk, precision=HIGHEST)
+    w_v = jnp.einsum("dc,hcv->hdv", params.w_dkv, params.w_uv, precision=HIGHEST)
+    return AttentionParams(w_q, w_k, w_v, jnp.asarray(params.w_o))
+
+
+# ----------------------------------------------------------------------------- the levels
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAInputs:
+    """Validated inputs of one MLA call (``x_kv``: tokens, or the latent cache): what
+    :func:`attnref._src.core.entry.guard` runs a formula on."""
+
+    params: MLAParams
+    x_q: jax.Array
+    x_kv: jax.Array
+    mask: jax.Array | None
+    bias: jax.Array | None  # in the dtype of x_q
+    scale: jax.Array
+    residual: bool
+    rot: Rotary
+
+    def run(self, formula: Any) -> Any:
+        """``formula(params, x_q, x_kv, mask, bias, scale, residual, rot)`` on the finite parts
+        (non-finite entries read as 0; their rows are poisoned by :meth:`dirty_rows`)."""
+        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
+        return formula(self.params, x_q, x_kv, self.mask, bias, self.scale, self.residual, self.rot)
+
+    def dirty_rows(self) -> Bool[jax.Array, "... T_q"]:
+        """Query rows that read a non-finite value through an allowed pair."""
+        shape = (*self.x_q.shape[:-2], self.x_q.shape[-2], self.x_kv.shape[-2])
+        return reads_nonfinite(
+            allowed_pairs(self.mask, self.bias, shape),
+            nonfinite_rows(self.x_q),
+            nonfinite_rows(self.x_kv),
+            self.bias,
+            self.residual,
+        )
+
+
+def _prepare(
+    params: MLAParams,
+    x_q: Any,
+    x_kv: Any,
+    kv_name: str,
+    kv_width: int,
+    positions_q: Any,
+    positions_kv: Any,
+    mask: Any,
+    bias: Any,
+    scale: Any,
+    base: Any,
+    convention: Any,
+    residual: bool,
+) -> MLAInputs:
+    conv, b = check_convention(convention), check_base(base)
+    dims = oracle.check_mla_params(params)
+    dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
+    batch, t_q, t_k = oracle.check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
+    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
+    check_scale(scale)
+    for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
+        if pos is not None:
+            check_positions(name, pos, batch, t)
+    xq = jnp.asarray(x_q)
+    value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
+    # Default positions 0 .. T - 1 are NumPy constants (static under jit).
+    pos_q = np.arange(t_q) if positions_q is None else positions_q
+    pos_k = np.arange(t_k) if positions_kv is None else positions_kv
+    return MLAInputs(
+        params=params,
+        x_q=xq,
+        x_kv=jnp.asarray(x_kv),
+        mask=None if mask is None else jnp.asarray(mask),
+        bias=None if bias is None else jnp.asarray(bias).astype(xq.dtype),
+        scale=jnp.asarray(value, dtype=xq.dtype),
+        residual=bool(residual),
+        rot=Rotary(pos_q, pos_k, b, conv),
+    )
+
+
+def prepare_mla(
+    params: MLAParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
+    *,
+    positions_q: Int[ArrayLike, "... T_q"] | None = None,
+    positions_kv: Int[ArrayLike, "... T_k"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "interleaved",
+    residual: bool = False,
+) -> MLAInputs:
+    """Validate an MLA call on tokens (the weights, tokens, mask, bias, positions, RoPE
+    options)."""
+    x_kv = x_q if x_kv is None else x_kv
+    return _prepare(
+        params,
+        x_q,
+        x_kv,
+        "x_kv",
+        0,
+        positions_q,
+        positions_kv,
+        mask,
+        bias,
+        scale,
+        base,
+        convention,
+        residual,
+    )
+
+
+def prepare_mla_cache(
+    params: MLAParams,
+    x_q: Float[ArrayLike, "... T_q d_model"],
+    cache: Float[ArrayLike, "... T_k d_c_plus_d_rope"],
+    *,
+    positions_q: Int[ArrayLike, "... T_q"] | None = None,
+    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
+    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "interleaved",
+    residual: bool = False,
+) -> MLAInputs:
+    """Validate an MLA call on the latent cache ``[..., T_k, d_c + d_rope]``."""
+    d = oracle.check_mla_params(params)
+    return _prepare(
+        params,
+        x_q,
+        cache,
+        "cache",
+        d.d_c + d.d_rope,
+        positions_q,
+        None,
+        mask,
+        bias,
+        scale,
+        base,
+        convention,
+        residual,
+    )
+
+
+_COMMON_ARGS = """
+    mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
+        (default) allows every pair.
+    bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
+        logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
+    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_nope + d_rope)`` (DeepSeek-V2's
+        ``1/sqrt(d_h + d_h^R)``).
+    base: The RoPE frequency base (default 10000), a static positive finite number.
+    convention: The RoPE pairs: ``"interleaved"`` (default; DeepSeek's ``apply_rotary_emb``
+        multiplies consecutive pairs as complex numbers) or ``"rotate_half"``; static.
+    residual: If ``True``, return ``x_q + MLA`` (the residual-stream update).
+
+Raises:
+    ValueError: If ``params`` is malformed (the message names the field and both shapes), the
+        tokens or the cache have the wrong width or different batch shapes, ``mask``/``bias``/
+        positions do not broadcast, ``scale`` is not a scalar, ``base`` is not positive and
+        finite, or ``convention`` is unknown.
+    TypeError: If the tokens and the weights mix dtypes, ``mask`` is not boolean, ``bias`` is
+        not floating, positions are not integers, or ``scale`` is not a real number."""
+
+_MLA_ARGS = f"""Args:
+    params: :class:`attnref.mla.MLAParams`.
+    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+    x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``; ``None``
+        (default) means ``x_q`` (self-attention).
+    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; default ``arange(T_q)``.
+    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; default ``arange(T_k)``.
+{_COMMON_ARGS}"""
+
+_CACHE_ARGS = f"""Args:
+    params: :class:`attnref.mla.MLAParams`.
+    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+    cache: The latent cache ``[..., T_k, d_c + d_rope]`` (``[c^KV, RoPE(x W_KR)]`` per token,
+        :func:`attnref.mla.mla_latent_cache`) with the batch shape of ``x_q``.
+    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; default ``arange(T_q)``.
+{_COMMON_ARGS}"""
+
+# Formulas take ``(params, x_q, x_kv_or_cache, mask, bias, scale, residual, rot)``, validated and
+# finite (``mask``/``bias`` ``[..., T_q, T_k]``).
+MLA_ROWS = Level(prepare_mla, _MLA_ARGS)
+MLA_CACHE = Level(prepare_mla_cache, _CACHE_ARGS)
+
+# ----------------------------------------------------------------------------- cost model
+
+Form = Literal["naive", "absorbed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MLACost:
+    """The analytic cost of one MLA call (XLA's counting conventions, ``attnref.costs``).
+
+    Attributes:
+        matmul_flops: ``2 M N K`` per contraction, over every einsum of the form.
+        cache_elements_per_token: What the form keeps per cached token: ``d_c + d_rope`` (the
+            absorbed form's latent) or ``H (d_nope + d_rope + d_v)`` (the decompressed keys and
+            values; ``2 H d_h`` when ``d_nope + d_rope = d_v = d_h``).
+        cache_bytes_per_token: ``cache_elements_per_token * itemsize``.
+    """
+
+    matmul_flops: int
+    cache_elements_per_token: int
+    cache_bytes_per_token: int
+
+
+def mla_cost(
+    dims: oracle.MLADims,
+    *,
+    batch: int,
+    t_q: int,
+    t_k: int,
+    form: Form,
+    from_cache: bool = False,
+    itemsize: int = 4,
+) -> MLACost:
+    """The matmul FLOPs and cache size of one MLA call, in attnref's order of operations.
+
+    Shared by both forms: the queries (``2 B T_q d_model d_cq + 2 B T_q H d_q (d_nope + d_rope)``
+    with ``d_q = d_cq`` or ``d_model``) and the output ``2 B T_q H d_v d_model``; from tokens
+    (not ``from_cache``) also the cache ``2 B T_k d_model (d_c + d_rope)``. Then:
+
+    * naive: decompress every cached token, ``2 B T_k H d_c (d_nope + d_v)``; logits
+      ``2 B H T_q T_k (d_nope + d_rope)``; mix ``2 B H T_q T_k d_v``;
+    * absorbed: absorb ``W_UK`` into the queries ``2 B T_q H d_nope d_c``; logits against the
+      cache ``2 B H T_q T_k (d_c + d_rope)``; mix the latent ``2 B H T_q T_k d_c``; ``W_UV`` after
+      the mix ``2 B T_q H d_c d_v``.
+
+    ``naive - absorbed = 2 B H [d_c (d_nope + d_v) (T_k - T_q) + T_q T_k (d_nope + d_v - 2
+    d_c)]``: see :func:`mla_crossover`."""
+    h, dm, dc, dn, dr, dv, dcq = dims
+    dq = dcq or dm
+    b = batch
+    mm = 2 * b * t_q * h * dq * (dn + dr) + 2 * b * t_q * h * dv * dm
+    if dcq:
+        mm += 2 * b * t_q * dm * dcq
+    if not from_cache:
+        mm += 2 * b * t_k * dm * (dc + dr)
+    if form == "naive":
+        mm += 2 * b * t_k * h * dc * (dn + dv) + 2 * b * h * t_q * t_k * (dn + dr + dv)
+        per_token = h * (dn + dr + dv)
+    else:
+        mm += 2 * b * t_q * h * dc * (dn + dv) + 2 * b * h * t_q * t_k * (2 * dc + dr)
+        per_token = dc + dr
+    return MLACost(mm, per_token, per_token * itemsize)
+
+
+def mla_crossover(dims: oracle.MLADims, t_k: int) -> float:
+    """The number of queries per call ``T_q*`` below which the absorbed form needs fewer matmul
+    FLOPs than the naive one against ``T_k`` cached tokens (both from the cache): the root of
+    ``d_c a (T_k - T_q) = T_q T_k (2 d_c - a)``, ``a = d_nope + d_v``, i.e.
+    ``T_q* = d_c a T_k / (d_c a + T_k (2 d_c - a))`` (``inf`` when ``2 d_c <= a``: absorbed is
+    never dearer). For long caches ``T_q* -> d_c a / (2 d_c - a)``: decoding (``T_q = 1``) and
+    short chunks favour the absorbed form, prefill the naive one."""
+    a = dims.d_nope + dims.d_v
+    if 2 * dims.d_c <= a:
+        return math.inf
+    return dims.d_c * a * t_k / (dims.d_c * a + t_k * (2 * dims.d_c - a))

@@ -1,0 +1,154 @@
+"""The derived error bound of multi-head latent attention (MLA), both forms (NumPy only, float64).
+
+**Derivation.** Both forms compute the same products in a different order (row convention;
+``W_DQ`` is the identity without query compression, ``d_cq = 0``):
+
+* **Logits, compressed part.** The naive form computes ``(x_i W_DQ W_UQ[h]) . (x_j W_DKV
+  W_UK[h])``, the absorbed form ``((x_i W_DQ W_UQ[h]) W_UK[h]^T) . (x_j W_DKV)``: two
+  parenthesisations of one product of six factors. For a product computed in any order,
+  ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``, ``N`` the sum of the inner
+  dimensions (Higham 2002, eq. 3.13, Lemma 3.3): ``d_model`` (``x W_DQ``, or ``x W_UQ``),
+  ``d_cq``, ``d_model`` (``x W_DKV``), then ``d_c`` and ``d_nope`` (the up-projection on the key
+  side, or the absorption on the query side) and the final dot, which also sums the RoPE part
+  (``d_nope + d_rope`` or ``d_c + d_rope``): in both orders at most
+  ``2 d_model + d_cq + d_c + d_nope + d_rope``.
+* **Logits, RoPE part** (shared ``k_rope``, per-head ``q_rope``; not absorbable: the rotation
+  ``R(m_i) R(n_j)^T`` sits between ``W_QR`` and ``W_KR``). As in
+  :func:`attnref.tolerance.rope_attention_error_bound`: each rotated pair adds ``gamma_2`` relative
+  to the pair sums ``QJ``, ``KJ`` of the magnitudes (``|a| + |b|`` on both members), and the angle
+  error ``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp`` (:func:`attnref.tolerance.rope_logit_error`).
+* With the scale multiply and the bias add, ``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6``
+  and ``|ds_hij| <= gamma_{N_s} Ls_hij + |scale| angle_hij + u |s_hij - max_j s_hij|`` with
+  ``Ls = |scale| (|x_i||W_DQ||W_UQ[h]||W_UK[h]|^T|W_DKV|^T|x_j|^T + QJ_hi . KJ_j) + |bias_ij|``.
+* **Softmax** as for every formulation (``docs/tolerances.md``): ``rho_hi = exp(2 E_hi) - 1 +
+  gamma_{T_k + 2 + 2 C_EXP}``, ``E_hi`` the row maximum of the logit bound over allowed keys.
+* **Output.** ``y_i = sum_h sum_j p_hij x_j W_DKV W_UV[h] W_O[h]``: the naive form forms ``v``
+  first, the absorbed form mixes the latent first (``sum_j p_hij c_j``) and up-projects after;
+  both are orders of one product with inner dimensions ``T_k, d_model, d_c, d_v``, summed over
+  ``H`` heads: ``N_y = T_k + d_model + d_c + d_v + H + 2`` and, with
+  ``G_hj = |x_j||W_DKV||W_UV[h]||W_O[h]|``,
+  ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj`` (``+ u |x_i + y_i|`` residual).
+
+The float64 oracle's own error is the same expression in float64's ``u``; the bound is the sum
+of both, so ``|form in dtype - oracle| <= bound`` is a rigorous first-order test. Two forms in
+the same dtype differ by at most twice the bound. 16-bit formats get the same worst-case
+expression in their ``u`` (loose).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attnref.oracle._checks import check_mask_and_bias, check_scale
+from attnref.oracle._mla import MLA_FIELDS, check_mla_params, mla_qkv
+
+from ._core import softmax, worst_case_terms
+from ._rope import pair_sum, rope_logit_error
+from ._rounding import unit_roundoff
+
+__all__ = ["mla_attention_error_bound", "mla_logit_chain"]
+
+
+def mla_logit_chain(dims: Any) -> int:
+    """``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6`` (:class:`attnref.oracle.MLADims`)."""
+    return 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
+
+
+def mla_attention_error_bound(
+    params: Any,
+    x_q: Any,
+    x_kv: Any = None,
+    *,
+    positions_q: Any = None,
+    positions_kv: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    scale: float | None = None,
+    base: float = 10000.0,
+    convention: str = "interleaved",
+    residual: bool = False,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Componentwise bound on ``|MLA in dtype - float64 oracle|``, ``[..., T_q, d_model]``, for
+    both forms (``attnref.mla.mla_attention``, ``mla_absorbed_attention`` and their cache-level
+    twins fed the cache of ``mla_latent_cache``); the arguments of
+    :func:`attnref.oracle.mla_attention` plus ``dtype``. Derivation: module docstring.
+
+    Returns:
+        The bound, float64 ``[..., T_q, d_model]``, non-negative.
+
+    Raises:
+        ValueError, TypeError: As :func:`attnref.oracle.mla_attention`.
+    """
+    dims = check_mla_params(params)
+    x_kv = x_q if x_kv is None else x_kv
+    q, k, v = mla_qkv(
+        params,
+        x_q,
+        x_kv,
+        positions_q=positions_q,
+        positions_kv=positions_kv,
+        base=base,
+        convention=convention,
+    )
+    batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
+    f: dict[str, Any] = {
+        n: None if getattr(params, n) is None else np.asarray(getattr(params, n), np.float64)
+        for n, _ in MLA_FIELDS
+    }
+    a: dict[str, Any] = {n: None if w is None else np.abs(w) for n, w in f.items()}
+    xq, xkv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
+    full = (*batch, t_q, t_k)
+    m, b = check_mask_and_bias(mask, bias, full, "(query, key)")
+    sc = check_scale(scale)
+    s = 1.0 / np.sqrt(dims.d_nope + dims.d_rope) if sc is None else sc
+    mask_b = np.ones(full, bool) if m is None else m
+    bias_b = np.zeros(full) if b is None else b
+    logits = np.einsum("...tid,...jid->...itj", q, k) * s + bias_b[..., None, :, :]
+    allowed = mask_b[..., None, :, :] & (logits != -np.inf)
+    sm = softmax(logits, allowed)
+
+    cq = np.abs(xq) if a["w_dq"] is None else np.abs(xq) @ a["w_dq"]  # |x||W_DQ|
+    ckv = np.abs(xkv) @ a["w_dkv"]  # |x||W_DKV|                                 [..., T_k, d_c]
+    qa = np.einsum(
+        "...tc,icn->...itn", cq, a["w_uq"]
+    )  #                         [..., H, T_q, d_nope]
+    ka = np.einsum(
+        "...jc,icn->...ijn", ckv, a["w_uk"]
+    )  #                        [..., H, T_k, d_nope]
+    ls_pre = np.einsum("...itn,...ijn->...itj", qa, ka)
+    pos_q = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
+    pos_k = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
+    if dims.d_rope:
+        qr = np.einsum(
+            "...tc,icr->...itr", cq, a["w_qr"]
+        )  #                     [..., H, T_q, d_rope]
+        kr = np.broadcast_to(
+            (np.abs(xkv) @ a["w_kr"])[..., None, :, :], (*batch, dims.heads, t_k, dims.d_rope)
+        )
+        ls_pre = ls_pre + np.einsum(
+            "...itr,...ijr->...itj", pair_sum(qr, convention), pair_sum(kr, convention)
+        )
+    ls = abs(s) * ls_pre + np.abs(bias_b)[..., None, :, :]
+    g = np.einsum(
+        "...jc,icv,ivd->...ijd", ckv, a["w_uv"], a["w_o"]
+    )  # G_hj      [..., H, T_k, d_model]
+    mixed = np.einsum("...itj,...ijd->...itd", sm.weights, g)
+    y_exact = np.einsum("...itj,...jiv,ivd->...td", sm.weights, v, f["w_o"])
+    n_s = mla_logit_chain(dims)
+    n_y = t_k + dims.d_model + dims.d_c + dims.d_v + dims.heads + 2
+    bound = np.zeros_like(y_exact)
+    for dt in (dtype, np.float64):
+        g_s, u, g_soft, g_y = worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
+        err = g_s * ls + u * sm.spread
+        if dims.d_rope:
+            err = err + abs(s) * rope_logit_error(qr, kr, pos_q, pos_k, convention, u, base)
+        err_row = np.where(allowed, err, 0.0).max(axis=-1)  #                     [..., H, T_q]
+        with np.errstate(over="ignore"):
+            rho = np.expm1(2.0 * err_row) + g_soft
+        bound = bound + np.einsum("...it,...itd->...td", rho + g_y, mixed)
+        if residual:
+            bound = bound + u * np.abs(xq + y_exact)
+    return bound
