@@ -17,6 +17,7 @@ from attnref._src.formulations.decode import (
 )
 from attnref._src.formulations.decode_cache import KVCache, init_cache, kv_cache_init
 from attnref._src.formulations.kernel_forms import decode_attention
+from attnref._src.formulations.paged import paged_attention
 
 __all__ = [
     "KVCache",
@@ -27,6 +28,7 @@ __all__ = [
     "init_cache",
     "kv_cache_append",
     "kv_cache_init",
+    "paged_attention",
     "scan",
     "step",
 ]

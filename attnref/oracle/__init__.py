@@ -22,6 +22,8 @@ from the analytic backward in both methods.
 * :mod:`attnref.oracle._states`: the attention state algebra (``merge_states``,
   ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets;
   ``merge_states_vjp``: its gradient, by hand).
+* :mod:`attnref.oracle._paged`: attention over a paged KV cache (``paged_attention``: the
+  kernel oracle on the keys read through the page table).
 * :mod:`attnref.oracle._checks` (every refusal, as the JAX twins refuse) and
   :mod:`attnref.oracle._doc` (the Args text of the oracle and of :mod:`attnref.tolerance`,
   written once per calling convention and attached to each function).
@@ -41,6 +43,7 @@ from ._linear_grad import (
     linear_multihead_vjp,
 )
 from ._mla import MLADims, check_mla_params, check_mla_tokens, mla_attention, mla_qkv
+from ._paged import paged_attention
 from ._rope import rope, rope_attention
 from ._states import merge_state_stack, merge_states, merge_states_vjp
 from ._weight_grad import AttentionGrads, attention_vjp, rope_attention_vjp
@@ -72,6 +75,7 @@ __all__ = [
     "merge_states_vjp",
     "mla_attention",
     "mla_qkv",
+    "paged_attention",
     "rope",
     "rope_attention",
     "rope_attention_vjp",

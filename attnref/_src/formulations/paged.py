@@ -1,0 +1,319 @@
+"""Attention over a paged KV cache (the vLLM / FlashInfer / FlashAttention ``block_table`` layout).
+
+Shapes: ``query [B, T, N, H]``; the cache is a pool of pages ``k_pages [P, page_size, K, H]``,
+``v_pages [P, page_size, K, H_v]``; ``block_table [B, max_pages]`` (int) lists the pages of each
+sequence in order and ``seq_lens [B]`` (int) counts its tokens. Token ``j`` of sequence ``b``
+(its absolute position) lives in page ``block_table[b, j // page_size]`` at offset
+``j % page_size``. Output ``[B, T, N, H_v]`` (and ``lse [B, T, N]``).
+
+``seq_lens`` counts *every* token of the sequence, the ``T`` new queries' own keys included
+(vLLM's ``seq_lens``: its reference reads ``j < seq_lens[b]`` for a decoding query;
+FlashAttention's ``flash_attn_with_kvcache`` with new ``k``/``v`` attends to
+``cache_seqlens + seqlen_new`` keys). The ``T`` queries are the *last* ``T`` tokens: query ``i``
+sits at position ``p_i = seq_lens[b] - T + i`` (FlashAttention's bottom-right alignment), so
+``is_causal`` reads ``j <= p_i`` and ``local_window_size=(l, r)`` reads ``p_i - l <= j <= p_i + r``.
+``T = 1`` is decoding; ``T > 1`` is chunked prefill against the cache. The result is, by
+definition, :func:`attnref.dot_product_attention` on the gathered keys::
+
+    K[b, j] = k_pages[block_table[b, j // page_size], j % page_size]   (j < S = max_pages page)
+    o = dot_product_attention(q, K, V, key_value_seq_lengths=seq_lens,
+                              causal_alignment="bottom_right")
+
+Slots at or beyond ``seq_lens[b]`` (the tail of the last page, unused pages, pages no table
+lists) may hold anything, NaN included: they never reach the output or a gradient. Table entries
+of unused pages are never read, so they may be anything too (``-1`` padding included).
+
+**Value errors.** A table entry of a *used* page (``p < ceil(seq_lens[b] / page_size)``) outside
+``[0, P)``, or ``seq_lens[b]`` outside ``[0, S]``, would read another sequence's page or past
+the table: eagerly a ``ValueError`` naming the argument, the batch row and the value; under
+``jax.jit`` every output (and ``lse``) entry of that batch row is NaN, and under
+:func:`attnref.checked` the call raises (``checkify.JaxRuntimeError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core.checked import require
+from attnref._src.core.checks import dtype_of, is_traced, shape_of
+from attnref._src.core.entry import Level, public
+from attnref._src.formulations.kernel import dot_product_attention
+
+# ----------------------------------------------------------------------------- the formula
+
+
+def paged(
+    query: Float[Array, "B T N H"],
+    k_pages: Float[Array, "P page K H"],
+    v_pages: Float[Array, "P page K H_v"],
+    block_table: Int[Array, "B max_pages"],
+    seq_lens: Int[Array, " B"],
+    bias: Any,
+    mask: Any,
+    options: dict[str, Any],
+) -> Any:
+    """``K[b, j] = k_pages[block_table[b, j // page], j % page]`` (and ``V``), then the kernel
+    with ``key_value_seq_lengths=seq_lens`` and bottom-right positions: ``o`` or ``(o, lse)``."""
+    b = block_table.shape[0]
+    pages = jnp.clip(block_table, 0, k_pages.shape[0] - 1)  # unused entries: any page, never read
+    k = k_pages[pages].reshape(b, -1, *k_pages.shape[2:])  #   K  [B, S = max_pages page, K, H]
+    v = v_pages[pages].reshape(b, -1, *v_pages.shape[2:])  #   V  [B, S, K, H_v]
+    return dot_product_attention(
+        query,
+        k,
+        v,
+        bias,
+        mask,
+        key_value_seq_lengths=seq_lens,
+        causal_alignment="bottom_right",
+        **options,
+    )
+
+
+# ----------------------------------------------------------------------------- the call
+
+
+# The kernel options that paged attention sets itself (from seq_lens and the layout).
+OWN_OPTIONS = ("key_value_seq_lengths", "causal_alignment")
+
+
+def used_pages(seq_lens: Array, page_size: int, max_pages: int) -> Bool[Array, "B max_pages"]:
+    """Page slot ``p`` of row ``b`` is read iff ``p page_size < seq_lens[b]``."""
+    return jnp.arange(max_pages)[None, :] * page_size < seq_lens[:, None]
+
+
+def table_ok(
+    block_table: Array, seq_lens: Array, num_pages: int, page_size: int
+) -> tuple[Bool[Array, " B"], Bool[Array, " B"]]:
+    """Per batch row: every used table entry lies in ``[0, num_pages)``; ``seq_lens`` lies in
+    ``[0, max_pages page_size]``."""
+    max_pages = block_table.shape[1]
+    lens_ok = (seq_lens >= 0) & (seq_lens <= max_pages * page_size)
+    bad = used_pages(seq_lens, page_size, max_pages) & (
+        (block_table < 0) | (block_table >= num_pages)
+    )
+    return ~jnp.any(bad, axis=1), lens_ok
+
+
+def check_values(block_table: Any, seq_lens: Any, num_pages: int, page_size: int) -> None:
+    """Concrete tables and lengths: raise ``ValueError`` naming the row and the value."""
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
+    s = table.shape[1] * page_size
+    for b, length in enumerate(lens.tolist()):
+        if not 0 <= length <= s:
+            raise ValueError(
+                f"seq_lens[{b}] = {length} is out of range: a sequence holds between 0 and "
+                f"max_pages * page_size = {table.shape[1]} * {page_size} = {s} tokens"
+            )
+        used = -(-length // page_size)
+        for p, page in enumerate(table[b, :used].tolist()):
+            if not 0 <= page < num_pages:
+                raise ValueError(
+                    f"block_table[{b}, {p}] = {page} is out of range [0, num_pages={num_pages}) "
+                    f"for batch row {b}, which reads page slot {p} (seq_lens[{b}] = {length}, "
+                    f"page_size = {page_size}); a page table entry must name a page of k_pages"
+                )
+
+
+def check_layout(
+    query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any
+) -> tuple[int, int]:
+    """Shapes and dtypes of the paged arguments (the kernel checks the rest); returns
+    ``(num_pages, page_size)``."""
+    if np.ndim(query) != 4:
+        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {shape_of(query)}")
+    for name, x, layout in (
+        ("k_pages", k_pages, "[num_pages, page_size, K, H]"),
+        ("v_pages", v_pages, "[num_pages, page_size, K, H_v]"),
+    ):
+        if np.ndim(x) != 4:
+            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
+    b, _, _, h = shape_of(query)
+    num_pages, page_size, kh, hk = shape_of(k_pages)
+    if shape_of(v_pages)[:3] != (num_pages, page_size, kh):
+        raise ValueError(
+            f"v_pages has shape {shape_of(v_pages)}; expected [num_pages={num_pages}, "
+            f"page_size={page_size}, K={kh}, H_v] to match k_pages {shape_of(k_pages)}"
+        )
+    if hk != h:
+        raise ValueError(
+            f"k_pages has head dim {hk} (shape {shape_of(k_pages)}) but query has {h} "
+            f"(shape {shape_of(query)})"
+        )
+    if page_size < 1:
+        raise ValueError(f"k_pages has page_size 0 (shape {shape_of(k_pages)}); it must be >= 1")
+    dtypes = {
+        n: dtype_of(x) for n, x in (("query", query), ("k_pages", k_pages), ("v_pages", v_pages))
+    }
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, k_pages and v_pages must share one dtype, got {dtypes}")
+    if np.ndim(block_table) != 2 or shape_of(block_table)[0] != b:
+        raise ValueError(
+            f"block_table has shape {shape_of(block_table)}; expected [B={b}, max_pages]"
+        )
+    if shape_of(seq_lens) != (b,):
+        raise ValueError(f"seq_lens has shape {shape_of(seq_lens)}; expected [B={b}]")
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not np.issubdtype(dtype_of(x), np.integer):
+            raise TypeError(f"{name} must be integer, got dtype {dtype_of(x)}")
+    if num_pages < 1 and shape_of(block_table)[1] > 0:
+        raise ValueError(
+            f"k_pages holds no page (shape {shape_of(k_pages)}) but block_table has "
+            f"{shape_of(block_table)[1]} page slots per row"
+        )
+    return num_pages, page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+    """One validated call: the arrays, the kernel's options, and which batch rows are valid."""
+
+    args: tuple[Any, ...]  # query, k_pages, v_pages, block_table, seq_lens, bias, mask
+    options: dict[str, Any]
+    ok: Bool[Array, " B"]
+
+    def run(self, formula: Any) -> Any:
+        """``formula(*args, options)``."""
+        return formula(*self.args, self.options)
+
+    def dirty_rows(self) -> Bool[Array, "B T N"]:
+        """Every row of a batch element whose table or length is out of range (NaN)."""
+        q = self.args[0]
+        return jnp.broadcast_to(~self.ok[:, None, None], (q.shape[0], q.shape[1], q.shape[2]))
+
+
+def prepare_paged(
+    query: Float[ArrayLike, "B T N H"],
+    k_pages: Float[ArrayLike, "P page K H"],
+    v_pages: Float[ArrayLike, "P page K H_v"],
+    block_table: Int[ArrayLike, "B max_pages"],
+    seq_lens: Int[ArrayLike, " B"],
+    bias: Float[ArrayLike, "#B #N #T #S"] | None = None,
+    mask: Bool[ArrayLike, "#B #N #T #S"] | None = None,
+    **options: Any,
+) -> PagedCall:
+    """Validate a paged call (its signature is :data:`SIGNATURE`): the layout, the options the
+    layout sets (refused), ``masked_rows="uniform"`` (refused: it would average every slot,
+    unused ones included), and the table and lengths (eagerly, or by :func:`require`)."""
+    for name in OWN_OPTIONS:
+        if name in options:
+            raise TypeError(
+                f"paged_attention sets {name} itself (seq_lens, bottom-right positions); "
+                f"do not pass {name}"
+            )
+    unknown = set(options) - set(KERNEL_OPTIONS)
+    if unknown:
+        raise TypeError(f"paged_attention got unexpected keyword arguments {sorted(unknown)}")
+    if options.get("masked_rows") == "uniform":
+        raise ValueError(
+            "masked_rows='uniform' is refused by paged_attention: the mean of value over all "
+            "S slots would read unused slots and pages; use 'zeros' or 'nan'"
+        )
+    num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
+    table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+    if not is_traced(block_table, seq_lens):
+        check_values(block_table, seq_lens, num_pages, page_size)
+    pages_ok, lens_ok = table_ok(table, lens, num_pages, page_size)
+    s = table.shape[1] * page_size
+    require(
+        lens_ok,
+        f"seq_lens must lie in [0, max_pages * page_size = {s}]; batch row {{b}} has "
+        "seq_lens = {value}",
+        b=jnp.argmin(lens_ok),
+        value=lens[jnp.argmin(lens_ok)],
+    )
+    require(
+        pages_ok,
+        f"block_table entries of used pages must lie in [0, num_pages={num_pages}); batch row "
+        "{b} reads page slot {slot}, whose entry is {value}",
+        **_first_bad(table, lens, num_pages, page_size, pages_ok),
+    )
+    arrays = (jnp.asarray(query), jnp.asarray(k_pages), jnp.asarray(v_pages), table, lens)
+    # a bad length is clamped for the gather only; its rows are NaN (dirty_rows) and the kernel
+    # itself never sees an out-of-range key_value_seq_lengths (which it would also NaN)
+    safe_lens = jnp.clip(lens, 0, s)
+    return PagedCall(
+        (*arrays[:4], safe_lens, bias, mask), options, jnp.logical_and(pages_ok, lens_ok)
+    )
+
+
+def _first_bad(
+    table: Array, lens: Array, num_pages: int, page_size: int, pages_ok: Array
+) -> dict[str, Any]:
+    """The first batch row with a bad used entry, its page slot and the entry."""
+    b = jnp.argmin(pages_ok)
+    bad = used_pages(lens, page_size, table.shape[1])[b] & (
+        (table[b] < 0) | (table[b] >= num_pages)
+    )
+    slot = jnp.argmax(bad)
+    return {"b": b, "slot": slot, "value": table[b, slot]}
+
+
+# The kernel's keyword options, read from its signature (so options added to the kernel, such
+# as sinks, are forwarded here unchanged), minus those the paged layout sets.
+_KERNEL_PARAMS = inspect.signature(dot_product_attention).parameters
+KERNEL_OPTIONS = tuple(
+    name
+    for name, p in _KERNEL_PARAMS.items()
+    if p.kind is p.KEYWORD_ONLY and name not in OWN_OPTIONS
+)
+_OWN = list(inspect.signature(prepare_paged).parameters.values())[:7]
+SIGNATURE = inspect.Signature(
+    [*_OWN, *(_KERNEL_PARAMS[name] for name in KERNEL_OPTIONS)], return_annotation="Any"
+)
+prepare_paged.__signature__ = SIGNATURE  # type: ignore[attr-defined]
+
+PAGED_ARGS = """Args:
+    query: ``[B, T, N, H]``, floating: the last ``T`` tokens of each sequence (``T = 1``:
+        decoding; ``T > 1``: chunked prefill).
+    k_pages: ``[num_pages, page_size, K, H]``, the dtype of ``query``; ``N`` a multiple of ``K``.
+    v_pages: ``[num_pages, page_size, K, H_v]``, the dtype of ``query``.
+    block_table: Integer ``[B, max_pages]``: sequence ``b``'s token ``j`` lives in page
+        ``block_table[b, j // page_size]`` at offset ``j % page_size``. Entries of unused page
+        slots (``p * page_size >= seq_lens[b]``) are never read and may be anything.
+    seq_lens: Integer ``[B]`` in ``[0, max_pages * page_size]``: the tokens of each sequence,
+        the ``T`` queries' own included (query ``i`` sits at position ``seq_lens[b] - T + i``).
+    bias: Floating, rank 4, broadcastable to ``[B, N, T, S]`` (``S = max_pages * page_size``,
+        indexed by absolute key position); ``None`` (default) adds nothing.
+    mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = may attend.
+    **options: Every keyword option of :func:`attnref.dot_product_attention` (``scale``,
+        ``is_causal``, ``local_window_size``, ``softcap``, ``masked_rows``, ``return_lse``,
+        ...) but ``key_value_seq_lengths`` and ``causal_alignment``, which the layout sets;
+        ``masked_rows="uniform"`` is refused (it would average unused slots).
+
+Raises:
+    ValueError: If the shapes disagree (``k_pages``/``v_pages`` not rank 4 or not matching,
+        head dims, ``block_table`` not ``[B, max_pages]``, ``seq_lens`` not ``[B]``,
+        ``page_size = 0``), ``masked_rows="uniform"``, or, eagerly, ``seq_lens[b]`` is out of
+        range or a used ``block_table`` entry lies outside ``[0, num_pages)`` (the message names
+        the row and the value); or for the errors of :func:`attnref.dot_product_attention`.
+    TypeError: If the dtypes of ``query``, ``k_pages``, ``v_pages`` differ, ``block_table`` or
+        ``seq_lens`` is not integer, ``key_value_seq_lengths`` or ``causal_alignment`` is
+        passed, or an option is unknown; or for the type errors of the kernel."""
+
+paged_attention = public(
+    Level(prepare_paged, PAGED_ARGS),
+    paged,
+    name="paged_attention",
+    summary=(
+        "Attention of ``query`` over a paged KV cache: the kernel on the keys gathered through "
+        "``block_table``.\n\n"
+        "``o = dot_product_attention(q, K, V, key_value_seq_lengths=seq_lens, "
+        'causal_alignment="bottom_right")``\nwith ``K[b, j] = k_pages[block_table[b, j // '
+        "page_size], j % page_size]`` (module docstring of\n"
+        "``attnref._src.formulations.paged`` and ``docs/paged.md``). A used table entry out of "
+        "range, or\n``seq_lens`` out of range, is a ``ValueError`` eagerly, NaN rows under "
+        "``jax.jit``, and raises\nunder :func:`attnref.checked`."
+    ),
+    returns=(
+        "``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]`` "
+        "when\n    ``return_lse``; NaN on every row of a batch element whose used table entries "
+        "or length\n    are out of range (under ``jax.jit``)."
+    ),
+)

@@ -1,0 +1,141 @@
+"""Oracle twin of :func:`attnref.decode.paged_attention`: attention over a paged KV cache, float64.
+
+Written from the definition (vLLM's reference ``ref_single_query_cached_kv_attention`` reads its
+cache the same way): for each sequence ``b`` and each of its ``seq_lens[b]`` tokens ``j``, the key
+and value are read from page ``block_table[b, j // page_size]`` at offset ``j % page_size``; no
+other slot is read (the rest of the contiguous ``[B, S, K, H]`` keys are zeros that no query may
+attend to). The ``T`` queries are the last ``T`` tokens of each sequence (query ``i`` at position
+``seq_lens[b] - T + i``), so the result is :func:`attnref.oracle.dot_product_attention` on the
+gathered keys with ``key_value_seq_lengths=seq_lens`` and ``causal_alignment="bottom_right"``.
+
+Bad input is refused as the JAX twin refuses it (same exception types, the argument named): the
+layout, the options the layout sets, ``masked_rows="uniform"``, a ``seq_lens`` entry outside
+``[0, max_pages * page_size]`` and a used table entry outside ``[0, num_pages)``. NumPy only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._kernel import dot_product_attention
+
+# The kernel options the paged layout sets itself.
+OWN_OPTIONS = ("key_value_seq_lengths", "causal_alignment")
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def _check(
+    query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any, options: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every refusal of the JAX twin; returns the table, the lengths and ``page_size``."""
+    for name in OWN_OPTIONS:
+        if name in options:
+            raise TypeError(f"paged_attention sets {name} itself; do not pass {name}")
+    if options.get("masked_rows") == "uniform":
+        raise ValueError(
+            "masked_rows='uniform' is refused by paged_attention: the mean of value over all "
+            "S slots would read unused slots and pages"
+        )
+    if np.ndim(query) != 4:
+        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {_shape(query)}")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if np.ndim(x) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 ([num_pages, page_size, K, H]), got shape {_shape(x)}"
+            )
+    b = _shape(query)[0]
+    num_pages, page_size, kh, hk = _shape(k_pages)
+    if _shape(v_pages)[:3] != (num_pages, page_size, kh):
+        raise ValueError(
+            f"v_pages has shape {_shape(v_pages)}; expected to match {_shape(k_pages)}"
+        )
+    if hk != _shape(query)[3]:
+        raise ValueError(f"k_pages has head dim {hk} but query has {_shape(query)[3]}")
+    if page_size < 1:
+        raise ValueError(f"k_pages has page_size 0 (shape {_shape(k_pages)}); it must be >= 1")
+    dtypes = {np.asarray(x).dtype for x in (query, k_pages, v_pages)}
+    if len(dtypes) != 1:
+        raise TypeError(f"query, k_pages and v_pages must share one dtype, got {dtypes}")
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
+    if table.ndim != 2 or table.shape[0] != b:
+        raise ValueError(f"block_table has shape {table.shape}; expected [B={b}, max_pages]")
+    if lens.shape != (b,):
+        raise ValueError(f"seq_lens has shape {lens.shape}; expected [B={b}]")
+    for name, x in (("block_table", table), ("seq_lens", lens)):
+        if not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{name} must be integer, got dtype {x.dtype}")
+    if num_pages < 1 and table.shape[1] > 0:
+        raise ValueError(f"k_pages holds no page (shape {_shape(k_pages)})")
+    s = table.shape[1] * page_size
+    for row in range(b):
+        length = int(lens[row])
+        if not 0 <= length <= s:
+            raise ValueError(f"seq_lens[{row}] = {length} is out of range [0, {s}]")
+        for j in range(length):  # the slots the definition reads
+            page = int(table[row, j // page_size])
+            if not 0 <= page < num_pages:
+                raise ValueError(
+                    f"block_table[{row}, {j // page_size}] = {page} is out of range "
+                    f"[0, num_pages={num_pages}) for batch row {row}"
+                )
+    return table, lens, page_size
+
+
+def gather_pages(
+    pages: Any, block_table: np.ndarray, seq_lens: np.ndarray, page_size: int
+) -> np.ndarray:
+    """``[B, max_pages page_size, K, d]``, float64: slot ``j < seq_lens[b]`` is
+    ``pages[block_table[b, j // page_size], j % page_size]``; every other slot is 0 (unread)."""
+    src = np.asarray(pages, np.float64)
+    b, max_pages = block_table.shape
+    out = np.zeros((b, max_pages * page_size, *src.shape[2:]))
+    for row in range(b):
+        for j in range(int(seq_lens[row])):
+            out[row, j] = src[int(block_table[row, j // page_size]), j % page_size]
+    return out
+
+
+def paged_attention(
+    query: Any,
+    k_pages: Any,
+    v_pages: Any,
+    block_table: Any,
+    seq_lens: Any,
+    bias: Any = None,
+    mask: Any = None,
+    **options: Any,
+) -> Any:
+    """Float64 reference for :func:`attnref.decode.paged_attention` (same arguments, same
+    refusals): ``dot_product_attention(q, K, V, bias, mask, key_value_seq_lengths=seq_lens,
+    causal_alignment="bottom_right", **options)`` on the keys and values read through the page
+    table (module docstring). ``options``: every keyword of
+    :func:`attnref.oracle.dot_product_attention` (``return_lse``, ``method``, ...) but the two
+    the layout sets.
+
+    Returns:
+        float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: For a bad layout, ``masked_rows="uniform"``, ``seq_lens`` out of range or a
+            used table entry out of ``[0, num_pages)``; or the kernel oracle's value errors.
+        TypeError: For mismatched dtypes, non-integer tables or lengths, an option the layout
+            sets; or the kernel oracle's type errors.
+    """
+    table, lens, page_size = _check(query, k_pages, v_pages, block_table, seq_lens, options)
+    keys = gather_pages(k_pages, table, lens, page_size)
+    values = gather_pages(v_pages, table, lens, page_size)
+    return dot_product_attention(
+        np.asarray(query, np.float64),
+        keys,
+        values,
+        bias,
+        mask,
+        key_value_seq_lengths=lens,
+        causal_alignment="bottom_right",
+        **options,
+    )
