@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref.costs import xla_counts
 from attnref.decode import paged_attention
 from attnref.testing import assert_ratio_within
 
@@ -363,3 +364,33 @@ def test_refusals_match_between_jax_and_oracle(change, error, match):
     for fn in (paged_attention, oracle.paged_attention):
         with pytest.raises(error, match=match):
             fn(**args)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def test_cost_model_matches_xla_dots_and_the_slots_read():
+    """``matmul_flops`` equals the dot FLOPs of XLA's compiled HLO exactly; the byte counts
+    equal the slots and pages read, counted here from the table one slot at a time."""
+    bucket = BUCKETS[1]
+    b, t, n, kh, h, hv, ps, mp = bucket
+    p = make_paged(bucket, 11, np.float32, {"is_causal": True})
+    c = attnref.decode.paged_cost(
+        batch=b,
+        t=t,
+        heads=n,
+        kv_heads=kh,
+        d_k=h,
+        d_v=hv,
+        page_size=ps,
+        max_pages=mp,
+        seq_lens=p.lens,
+    )
+    xla = xla_counts(_PAGED, p.q, p.k_pages, p.v_pages, p.table, p.lens, is_causal=True)
+    assert c.matmul_flops == xla.dot_flops
+    slots = {(int(p.table[r, j // ps]), j % ps) for r in range(b) for j in range(p.lens[r])}
+    pages = {page for page, _ in slots}
+    assert c.kv_bytes_read == len(slots) * kh * (h + hv) * 4
+    assert c.page_bytes_read == len(pages) * ps * kh * (h + hv) * 4
+    assert c.useful_flops == 2 * n * t * len(slots) * (h + hv)
+    assert c.gathered_bytes == b * mp * ps * kh * (h + hv) * 4

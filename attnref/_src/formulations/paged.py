@@ -317,3 +317,60 @@ paged_attention = public(
         "or length\n    are out of range (under ``jax.jit``)."
     ),
 )
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCost:
+    """Work and traffic of one paged call (``S = max_pages * page_size``, ``D = H + H_v``).
+
+    Attributes:
+        matmul_flops: ``2 B N T S D``: what this reference computes (the kernel on all ``S``
+            gathered slots; XLA's dot count, exactly).
+        useful_flops: ``2 N T D sum_b seq_lens[b]``: a kernel that skips unread slots.
+        kv_bytes_read: ``K D itemsize sum_b seq_lens[b]``: the slots the definition reads, the
+            KV traffic of one decoding step of a kernel that reads only those.
+        page_bytes_read: ``page_size K D itemsize sum_b ceil(seq_lens[b] / page_size)``: whole
+            pages, for a kernel that loads a page at a time (the tail of the last page too).
+        gathered_bytes: ``B S K D itemsize``: the contiguous copy this reference materialises.
+        table_bytes: ``4 B (max_pages + 1)``: the int32 table and lengths.
+    """
+
+    matmul_flops: int
+    useful_flops: int
+    kv_bytes_read: int
+    page_bytes_read: int
+    gathered_bytes: int
+    table_bytes: int
+
+
+def paged_cost(
+    *,
+    batch: int,
+    t: int,
+    heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    page_size: int,
+    max_pages: int,
+    seq_lens: Any = None,
+    itemsize: int = 4,
+) -> PagedCost:
+    """:class:`PagedCost` of a paged call; ``seq_lens`` (``[B]`` ints; ``None``: every sequence
+    full, ``S`` tokens) sets the read counts."""
+    s = max_pages * page_size
+    lens = np.full(batch, s) if seq_lens is None else np.asarray(seq_lens, np.int64)
+    d = d_k + d_v
+    tokens = int(lens.sum())
+    pages = int((-(-lens // page_size)).sum())
+    return PagedCost(
+        matmul_flops=2 * batch * heads * t * s * d,
+        useful_flops=2 * heads * t * tokens * d,
+        kv_bytes_read=tokens * kv_heads * d * itemsize,
+        page_bytes_read=pages * page_size * kv_heads * d * itemsize,
+        gathered_bytes=batch * s * kv_heads * d * itemsize,
+        table_bytes=4 * batch * (max_pages + 1),
+    )
