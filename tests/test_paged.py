@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle, tolerance
+from attnref.conformance import PAGED_PROPERTIES, check_paged
 from attnref.costs import xla_counts
 from attnref.decode import paged_attention
 from attnref.testing import assert_ratio_within
@@ -149,7 +150,7 @@ def run(fn, p: Paged, **extra: Any) -> Any:
 
 
 class PagedOracleTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @given(
         bucket=st.sampled_from(BUCKETS),
         profile=st.sampled_from(PROFILES),
@@ -167,6 +168,15 @@ class PagedOracleTest(chex.TestCase):
         out, lse = run(fn, p, return_lse=True)
         assert out.dtype == dtype
         assert_close(out, lse, p, f"paged {bucket} {profile} {np.dtype(dtype)}")
+
+    @chex.variants(without_jit=True)
+    def test_equals_contiguous_oracle_eagerly(self):
+        """Without jit (every primitive dispatched on its own): decoding with NaN in the unused
+        slots, and causal chunked prefill with a window."""
+        for bucket, profile in ((BUCKETS[0], PROFILES[1]), (BUCKETS[1], PROFILES[2])):
+            p = make_paged(bucket, 4, np.float64, profile)
+            out, lse = run(self.variant(paged_attention), p, return_lse=True)
+            assert_close(out, lse, p, f"paged {bucket} {profile} (eager)")
 
 
 @given(bucket=st.sampled_from(BUCKETS), seed=st.integers(0, 2**16))
@@ -253,13 +263,20 @@ def test_append_through_the_table_equals_attention_on_the_concatenation():
 
 
 class PagedGradTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @given(
         bucket=st.sampled_from(BUCKETS[:2]),
         profile=st.sampled_from(PROFILES[:3]),
         seed=st.integers(0, 2**16),
     )
     def test_gradients_equal_the_oracle_and_skip_unused_slots(self, bucket, profile, seed):
+        self.check_gradients(bucket, profile, seed)
+
+    @chex.variants(without_jit=True)
+    def test_gradients_eagerly(self):
+        self.check_gradients(BUCKETS[1], PROFILES[1], 9)
+
+    def check_gradients(self, bucket, profile, seed):
         """``jax.grad`` w.r.t. ``query``, ``k_pages``, ``v_pages`` equals the kernel's gradient
         oracle on the gathered keys moved back through the table; every unused slot (NaN-filled)
         gets exactly 0."""
@@ -394,3 +411,25 @@ def test_cost_model_matches_xla_dots_and_the_slots_read():
     assert c.page_bytes_read == len(pages) * ps * kh * (h + hv) * 4
     assert c.useful_flops == 2 * n * t * len(slots) * (h + hv)
     assert c.gathered_bytes == b * mp * ps * kh * (h + hv) * 4
+
+
+# ----------------------------------------------------------------------------- the kit
+
+
+def test_kit_passes_the_reference_and_fails_a_kernel_that_reads_whole_pages():
+    """``check_paged`` on attnref's own kernel passes every property; a kernel that rounds each
+    length up to whole pages (it reads the tail of the last page) fails ``oracle`` (the tail
+    holds 1e4) and ``unused_pages`` (the tail holds NaN)."""
+    report = check_paged(_PAGED, max_examples=2)
+    assert report.passed, report.summary()
+    assert [r.status for r in report.results] == ["passed"] * len(PAGED_PROPERTIES)
+
+    def whole_pages(q, kp, vp, table, lens, **options):
+        ps = kp.shape[1]
+        rounded = np.minimum(-(-lens // ps) * ps, table.shape[1] * ps).astype(np.int32)
+        return _PAGED(q, kp, vp, table, rounded, **options)
+
+    bad = check_paged(whole_pages, max_examples=2, properties=["oracle", "unused_pages"])
+    assert [r.status for r in bad.results] == ["failed", "failed"], bad.summary()
+    assert "exceeds the derived bound" in bad.results[0].detail
+    assert "non-finite output" in bad.results[1].detail

@@ -41,6 +41,7 @@ from attnref._src.kit.conformance.options import (
     check_properties,
     check_signature,
 )
+from attnref._src.kit.conformance.paged import PAGED_FEATURES, PAGED_PROPERTIES, check_paged
 from attnref._src.kit.conformance.targets import AXIS as AXIS
 from attnref._src.kit.conformance.targets import Target as Target
 from attnref._src.kit.conformance.targets import load_target
@@ -52,11 +53,14 @@ __all__ = [
     "DISTRIBUTED_PROPERTIES",
     "FEATURES",
     "MASKED_ROWS",
+    "PAGED_FEATURES",
+    "PAGED_PROPERTIES",
     "PROPERTIES",
     "SIGNATURES",
     "OptionError",
     "Options",
     "TargetError",
+    "check_paged",
     "failed_devices",
     "format_failure",
     "load",
