@@ -16,15 +16,18 @@ from attnref._src.formulations.mla import (
     mla_latent_cache,
 )
 from attnref._src.formulations.mla_family import (
+    DEEPSEEK_DEFAULTS,
     MLACost,
     MLAParams,
     init_mla_params,
     mla_cost,
+    mla_cost_table,
     mla_crossover,
     to_attention_params,
 )
 
 __all__ = [
+    "DEEPSEEK_DEFAULTS",
     "MLACost",
     "MLAParams",
     "init_mla_params",
@@ -33,6 +36,7 @@ __all__ = [
     "mla_attention",
     "mla_cache_attention",
     "mla_cost",
+    "mla_cost_table",
     "mla_crossover",
     "mla_latent_cache",
     "to_attention_params",

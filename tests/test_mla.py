@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import chex
 import jax
@@ -519,8 +520,16 @@ def test_cost_model_matmul_flops_equal_xla_dot_flops(cfg, form, from_cache):
 
 def test_crossover_separates_the_cheaper_form():
     """Below ``mla_crossover`` queries per call the absorbed form is cheaper, above it the naive
-    one (DeepSeek-V2's sizes: d_c = 512, d_nope = d_v = 128, d_rope = 64, H = 128)."""
-    dims = oracle.MLADims(128, 5120, 512, 128, 64, 128, 1536)
+    one (the ``ModelArgs`` defaults of DeepSeek-V3's ``inference/model.py``, and with query
+    compression)."""
+    for dims in (mla.DEEPSEEK_DEFAULTS, mla.DEEPSEEK_DEFAULTS._replace(d_cq=1536)):
+        _crossover(dims)
+    # FlashMLA's test runs the absorbed kernel with d = 576 (dv = 512): the cache row's width.
+    cost = mla.mla_cost(mla.DEEPSEEK_DEFAULTS, batch=1, t_q=1, t_k=8, form="absorbed")
+    assert cost.cache_elements_per_token == 576
+
+
+def _crossover(dims):
     for t_k in (1024, 32768):
         star = mla.mla_crossover(dims, t_k)
         for t_q, absorbed_cheaper in ((int(star), True), (int(star) + 1, False), (1, True)):
@@ -529,6 +538,10 @@ def test_crossover_separates_the_cheaper_form():
                 for f in ("naive", "absorbed")
             )
             assert (a.matmul_flops < n.matmul_flops) == absorbed_cheaper, (t_k, t_q)
-    assert (
-        mla.mla_cost(dims, batch=1, t_q=1, t_k=1, form="absorbed").cache_elements_per_token == 576
-    )
+
+
+def test_docs_page_shows_the_cost_table():
+    """``docs/mla.md`` holds ``mla_cost_table()`` verbatim (regenerate the page's table when the
+    model changes)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "mla.md").read_text()
+    assert mla.mla_cost_table() in page

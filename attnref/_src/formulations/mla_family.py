@@ -420,3 +420,41 @@ def mla_crossover(dims: oracle.MLADims, t_k: int) -> float:
     if 2 * dims.d_c <= a:
         return math.inf
     return dims.d_c * a * t_k / (dims.d_c * a + t_k * (2 * dims.d_c - a))
+
+
+# ModelArgs' defaults in DeepSeek-V3's inference/model.py: dim 2048, n_heads 16, kv_lora_rank
+# 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, q_lora_rank 0.
+DEEPSEEK_DEFAULTS = oracle.MLADims(
+    heads=16, d_model=2048, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=0
+)
+
+
+def mla_cost_table(
+    dims: oracle.MLADims = DEEPSEEK_DEFAULTS,
+    t_ks: tuple[int, ...] = (1024, 4096, 32768),
+    itemsize: int = 2,
+) -> str:
+    """A Markdown table of :func:`mla_cost` for both forms (batch 1): per cache length ``T_k``,
+    the crossover :func:`mla_crossover`, the matmul GFLOPs of decoding one token against the
+    cache and of prefilling ``T_k`` tokens from tokens, and the cache bytes per token
+    (``itemsize`` 2: bfloat16)."""
+    head = (
+        "| T_k | T_q* | decode naive | decode absorbed | prefill naive | prefill absorbed |"
+        " cache B/token naive | cache B/token absorbed |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    for t_k in t_ks:
+        dec = [
+            mla_cost(dims, batch=1, t_q=1, t_k=t_k, form=f, from_cache=True, itemsize=itemsize)
+            for f in ("naive", "absorbed")
+        ]
+        pre = [
+            mla_cost(dims, batch=1, t_q=t_k, t_k=t_k, form=f, itemsize=itemsize)
+            for f in ("naive", "absorbed")
+        ]
+        gf = [f"{c.matmul_flops / 1e9:.4g}" for c in (*dec, *pre)]
+        lines.append(
+            f"| {t_k} | {mla_crossover(dims, t_k):.1f} | {' | '.join(gf)} | "
+            f"{dec[0].cache_bytes_per_token} | {dec[1].cache_bytes_per_token} |"
+        )
+    return "\n".join(lines)
