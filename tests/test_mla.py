@@ -450,10 +450,14 @@ def test_masked_nan_keys_never_reach_output_or_gradient():
     bad, clean = xkv.copy(), xkv.copy()
     bad[-1], clean[-1] = np.nan, 0.0
     cot = np.ones((cfg.t_q, cfg.d_model), np.float32)
+    ref = oracle.mla_attention(p, xq, bad, mask=mask)  # the oracle reads allowed pairs only
+    bound = tolerance.mla_attention_error_bound(p, xq, clean, mask=mask, dtype=np.float32)
+    assert np.isnan(ref[-1]).all() and np.isfinite(ref[:-1]).all()
     for name, f in FORMS.items():
         fn = jax.jit(f, static_argnames=STATIC)
         yb, yc = np.asarray(fn(p, xq, bad, mask=mask)), np.asarray(fn(p, xq, clean, mask=mask))
         np.testing.assert_array_equal(yb[:-1], yc[:-1], err_msg=name)
+        assert_within_bound(yb[:-1], ref[:-1], bound[:-1], label=f"{name} clean rows")
         assert np.isnan(yb[-1]).all(), name
         grad = jax.grad(
             lambda x, xk, fn=fn: jnp.sum(fn(p, x, xk, mask=mask)[:-1] * cot[:-1]), (0, 1)

@@ -255,18 +255,25 @@ def mla_attention(
     m, b = check_mask_and_bias(mask, bias, (*batch, t_q, t_k), "(query, key)")
     s = check_scale(scale)
     s = 1.0 / math.sqrt(q.shape[-1]) if s is None else s
+    # A key or value that a query may not read never reaches it (whatever it holds): the sums
+    # run over the allowed pairs only; a row that reads a non-finite value is NaN.
+    bad_q, bad_k, bad_v = (~np.isfinite(a).all(-1) for a in (q, k, v))  # [..., T, H]
+    q, k, v = (np.where(np.isfinite(a), a, 0.0) for a in (q, k, v))
     logits = np.einsum("...tid,...jid->...itj", q, k) * s  # [..., H, T_q, T_k]
-    if b is not None:
-        logits = logits + b[..., None, :, :]
     allowed = np.ones(logits.shape, bool)
     if m is not None:
         allowed &= m[..., None, :, :]
-    allowed &= logits != -np.inf
+    if b is not None:
+        allowed &= b[..., None, :, :] != -np.inf
+        logits = logits + np.where(allowed, b[..., None, :, :], 0.0)
     top = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
     e = np.where(allowed, np.exp(np.where(allowed, logits - top, 0.0)), 0.0)
     total = e.sum(axis=-1, keepdims=True)
     p = e / np.where(total > 0, total, 1.0)  # zero rows where nothing is allowed
     o = np.einsum("...itj,...jiv->...itv", p, v)  # o_{t,i}              [..., H, T_q, d_v]
+    kv_bad = np.swapaxes(bad_k | bad_v, -1, -2)[..., None, :]  #         [..., H, 1, T_k]
+    dirty = (allowed & kv_bad).any(-1) | (np.swapaxes(bad_q, -1, -2) & allowed.any(-1))
+    o = np.where(dirty[..., None], np.nan, o)
     y = np.einsum("...itv,ivd->...td", o, np.asarray(params.w_o, np.float64))
     return np.asarray(x_q, np.float64) + y if residual else y
