@@ -20,6 +20,7 @@ summed and the bound moves with the value, unchanged.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import chex
@@ -177,6 +178,20 @@ class PagedOracleTest(chex.TestCase):
             p = make_paged(bucket, 4, np.float64, profile)
             out, lse = run(self.variant(paged_attention), p, return_lse=True)
             assert_close(out, lse, p, f"paged {bucket} {profile} (eager)")
+
+
+@pytest.mark.skipif(
+    "sinks" not in inspect.signature(attnref.dot_product_attention).parameters,
+    reason="the kernel has no sinks option (yet)",
+)
+def test_kernel_options_are_forwarded_sinks_included():
+    """The paged signature is the kernel's: an option the kernel gained (learnable sinks,
+    one logit per query head) reaches it unchanged and equals the oracle on the gathered keys."""
+    opts = {"is_causal": True, "sinks": np.array([0.5, -1.0])}
+    p = make_paged(BUCKETS[1], 13, np.float64, opts)
+    assert "sinks" in inspect.signature(paged_attention).parameters
+    out, lse = run(_PAGED, p, return_lse=True)
+    assert_close(out, lse, p, "paged with sinks")
 
 
 @given(bucket=st.sampled_from(BUCKETS), seed=st.integers(0, 2**16))
