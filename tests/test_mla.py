@@ -549,3 +549,26 @@ def test_docs_page_shows_the_cost_table():
     model changes)."""
     page = (Path(__file__).resolve().parents[1] / "docs" / "mla.md").read_text()
     assert mla.mla_cost_table() in page
+
+
+def test_float64_inputs_compute_in_float64_with_x64_off():
+    """float64 means float64: every public MLA function, with x64 off, returns float64 at float64
+    accuracy (within the float64 bound; float32 arithmetic would miss it by ~1e9)."""
+    prob = make_problem(BUCKETS[1], 4, "causal", "decode", "rotate_half")
+    p, xq, xkv = prob.cast(np.float64)
+    kw = prob.kw
+    ref = oracle.mla_attention(p, xq, xkv, **kw)
+    bound = tolerance.mla_attention_error_bound(p, xq, xkv, dtype=np.float64, **kw)
+    with jax.enable_x64(False):
+        assert not jax.config.jax_enable_x64
+        cache = mla.mla_latent_cache(
+            p, xkv, positions_kv=kw["positions_kv"], convention=kw["convention"]
+        )
+        ys = [f(p, xq, xkv, **kw) for f in FORMS.values()]
+        ys += [f(p, xq, cache, **_no_kv_positions(kw)) for f in CACHE_FORMS.values()]
+        p0 = make_problem(NO_ROPE, 0, "none", "arange", "interleaved").params
+        assert mla.to_attention_params(p0).w_k.dtype == np.float64
+    assert cache.dtype == np.float64
+    for y in ys:
+        assert y.dtype == np.float64
+        assert_within_bound(y, ref, bound, label="x64 off")
