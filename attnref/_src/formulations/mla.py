@@ -90,20 +90,16 @@ def mla_naive(
     rot: Rotary,
 ) -> Float[Array, "... T_q d_model"]:
     """The naive form on the cache: decompress every cached token into per-head keys and values."""
-    q = queries(
-        p, x_q, rot
-    )  #                                      q_i  [..., H, T_q, d_nope + d_rope]
-    c, k_r = split_cache(p, cache)  #             c^KV [..., T_k, d_c],  k^R [..., T_k, d_rope]
-    k = jnp.einsum("...kc,hcn->...hkn", c, p.w_uk, precision=HIGHEST)  # k^C_i [..., H, T_k, d_nope]
-    v = jnp.einsum("...kc,hcv->...hkv", c, p.w_uv, precision=HIGHEST)  # v_i  [..., H, T_k, d_v]
+    q = queries(p, x_q, rot)  # q_i                              [..., H, T_q, d_nope + d_rope]
+    c, k_r = split_cache(p, cache)  # c^KV [..., T_k, d_c], k^R [..., T_k, d_rope]
+    k = jnp.einsum("...kc,hcn->...hkn", c, p.w_uk, precision=HIGHEST)  # k^C_i [.., H, T_k, d_nope]
+    v = jnp.einsum("...kc,hcv->...hkv", c, p.w_uv, precision=HIGHEST)  # v_i   [.., H, T_k, d_v]
     if k_r is not None:  # k_i = [k^C_i ; k^R]: the shared rotated part, repeated per head
-        k = jnp.concatenate(
-            [k, jnp.broadcast_to(k_r[..., None, :, :], (*k.shape[:-1], k_r.shape[-1]))], -1
-        )
+        k_r = jnp.broadcast_to(k_r[..., None, :, :], (*k.shape[:-1], k_r.shape[-1]))
+        k = jnp.concatenate([k, k_r], -1)  #                      [..., H, T_k, d_nope + d_rope]
     logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST)
-    o = jnp.einsum(
-        "...hqk,...hkv->...hqv", weights(logits, mask, bias, scale), v, precision=HIGHEST
-    )
+    a = weights(logits, mask, bias, scale)  #                                 [..., H, T_q, T_k]
+    o = jnp.einsum("...hqk,...hkv->...hqv", a, v, precision=HIGHEST)  # o_i   [.., H, T_q, d_v]
     return residual_or(output(p, o), x_q, residual)
 
 
