@@ -560,3 +560,29 @@ def test_merge_states_vjp_by_hand():
     _close(d_oa, [[2.0]])
     _close(d_la, [5.0])
     assert d_ob[0, 0] == 0.0 and d_lb[0] == 0.0
+
+
+@anchors("paged_attention")
+def test_paged_attention_by_hand():
+    """vLLM's reading rule (``ref_single_query_cached_kv_attention``: token ``j`` from block
+    ``block_table[j // block_size]`` at offset ``j % block_size``) with page size 2, table
+    ``[2, 0]`` and ``seq_lens = 3``: tokens 0, 1 in page 2, token 2 in page 0 slot 0; page 0
+    slot 1 and page 1 are unused (NaN). ``H = 1``, ``q = 1``, keys ``0, ln 2, ln 3`` (weights
+    1, 2, 3), values 1, 2, 3: ``o = (1 + 4 + 9) / 6 = 7/3``, ``lse = ln 6``. Chunked prefill,
+    ``T = 2``, causal: the queries sit at positions 1 and 2 (the last two tokens, FlashAttention's
+    bottom-right alignment): ``o = (1 + 4) / 3 = 5/3``, ``lse = ln 3``, then ``7/3``, ``ln 6``."""
+    k_pages = np.full((3, 2, 1, 1), np.nan)
+    v_pages = np.full((3, 2, 1, 1), np.nan)
+    k_pages[2, :, 0, 0], k_pages[0, 0, 0, 0] = [0.0, math.log(2)], math.log(3)
+    v_pages[2, :, 0, 0], v_pages[0, 0, 0, 0] = [1.0, 2.0], 3.0
+    table, lens = np.array([[2, 0]]), np.array([3])
+    o, lse = oracle.paged_attention(
+        np.ones((1, 1, 1, 1)), k_pages, v_pages, table, lens, return_lse=True
+    )
+    _close(o[0, 0, 0], [7 / 3])
+    _close(lse[0, 0], [math.log(6)])
+    o, lse = oracle.paged_attention(
+        np.ones((1, 2, 1, 1)), k_pages, v_pages, table, lens, is_causal=True, return_lse=True
+    )
+    _close(o[0, :, 0, 0], [5 / 3, 7 / 3])
+    _close(lse[0, :, 0], [math.log(3), math.log(6)])
