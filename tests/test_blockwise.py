@@ -138,7 +138,7 @@ def test_flash_backward_matches_the_gradient_oracle(problem):
     bw_static = (*static, ("block_k", 3), ("block_q", 2))
     for which, st_ in (("naive", static), ("blockwise", bw_static)):
         got = _grads(which, st_, p, np.float32, bias, arrays, cot, cot_lse)
-        for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+        for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
             err = np.abs(g - e)
             worst = np.unravel_index(np.argmax(err - bd), err.shape)
             assert np.all(err <= bd), (
@@ -327,7 +327,7 @@ def test_a_masked_logit_1000_above_the_rest_leaves_the_gradients_right(route):
     static = (("block_k", 3), ("block_q", 2), ("is_causal", causal))
     got = _GRAD("blockwise", static, q, k, v, bias, kw, cot, cot_lse)
     failures = []
-    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         g = np.asarray(g, np.float64)
         err = np.abs(g - e)
         if not np.all(err <= bd):  # False on NaN

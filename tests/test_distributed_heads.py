@@ -260,7 +260,7 @@ def _check_grads(scheme, devices, p, grad_fn, cot, cot_lse):
         scheme, devices, static, poisoned.q, poisoned.k, poisoned.v, bias, arrays, cot, cot_lse
     )
     exact, bound = p.oracle_vjp(cot, cot_lse), p.grad_bound(cot, cot_lse)
-    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         assert g.shape == e.shape, (name, g.shape, e.shape)
         assert_within_bound(np.asarray(g, np.float64), e, bd, label=f"{scheme} d/d{name}")
 

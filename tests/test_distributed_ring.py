@@ -227,7 +227,7 @@ def test_gradients_match_the_gradient_oracle(case):
     exact = p.oracle_vjp(cot, cot_lse)
     # first order in the stored chunk lse's rounding (module docstring): fine at |lse| ~ 1
     bound = p.grad_bound(cot, cot_lse)
-    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         assert g.shape == e.shape, (name, g.shape, e.shape)
         assert_within_bound(np.asarray(g, np.float64), e, bd, label=f"{scheme} d/d{name}")
 
@@ -254,7 +254,7 @@ def test_outputs_and_gradients_eagerly():
     assert_ring_close(out, lse, p, "zigzag", 4, "zigzag eagerly")
     got = vjp((cot, cot_lse))
     exact, bound = p.oracle_vjp(cot, cot_lse), p.grad_bound(cot, cot_lse)
-    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         assert_within_bound(np.asarray(g), e, bd, label=f"eager d/d{name}")
 
 

@@ -119,7 +119,7 @@ def test_definition_gradient_matches_finite_differences(problem, seed):
     dirs = [rng.standard_normal(a.shape) for a in (p.q, p.k, p.v)]
     dirs.append(None if bias is None else rng.standard_normal(np.shape(bias)) * finite_bias)
     grads = p.oracle_vjp(cot, cot_lse, method="definition")
-    pred = sum(float(np.sum(g * d)) for g, d in zip(grads, dirs, strict=True) if d is not None)
+    pred = sum(float(np.sum(g * d)) for g, d in zip(grads[:4], dirs, strict=True) if d is not None)
     h = 1e-4
 
     def at(sign: float) -> float:

@@ -261,7 +261,7 @@ def _check_grads(p: ast.KernelProblem, splits: int, grad_fn, label: str) -> None
     exact = full.oracle_vjp(cot, cot_lse)
     bound = full.grad_bound(cot, cot_lse)
     got = grad_fn(static, p.q, p.k, p.v, bias, arrays, cot, cot_lse)
-    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact, bound, strict=True):
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         err = np.abs(np.asarray(g, np.float64) - e)
         worst = np.unravel_index(np.argmax(err - bd), err.shape)
         assert np.all(err <= bd), (
@@ -323,7 +323,7 @@ def test_non_finite_masked_keys_reach_neither_output_nor_gradients():
     cot_lse = np.ones((c.b, c.t, c.n), np.float32)
     exact = clean.oracle_vjp(cot, cot_lse)
     bound = clean.grad_bound(cot, cot_lse)
-    for name, g, e, bd in zip("qkvb", grads, exact, bound, strict=True):
+    for name, g, e, bd in zip("qkvb", grads, exact[:4], bound[:4], strict=True):
         err = np.abs(np.asarray(g, np.float64) - e)
         assert np.all(err <= bd), f"d/d{name}: {err.max():.3e}"
 

@@ -247,11 +247,12 @@ def check_options(
     local_window_size: Any = None,
     segment_ids: Any = None,
     causal_alignment: Any = "top_left",
+    sink_tokens: Any = 0,
 ) -> tuple[Any, ...]:
     """The checks of the allowed-set options for ``shape = (B, N, T, S)``.
 
-    Returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window, alignment, is_causal)`` with
-    mask and bias broadcast to ``shape``.
+    Returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window, alignment, is_causal,
+    sink_tokens)`` with mask and bias broadcast to ``shape``.
     """
     b, _, t, s = shape
     alignment = check_alignment(causal_alignment)
@@ -267,7 +268,8 @@ def check_options(
     kv_lens = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
     q_seg, kv_seg = check_segments(segment_ids, b, t, s)
     window = check_window(local_window_size)
-    return m, bs, q_lens, kv_lens, q_seg, kv_seg, window, alignment, causal
+    n_sink, _ = check_production(shape, window, sink_tokens=sink_tokens)
+    return m, bs, q_lens, kv_lens, q_seg, kv_seg, window, alignment, causal, n_sink
 
 
 def check_allowed_shape(shape: Any) -> tuple[int, int, int, int]:
@@ -514,3 +516,66 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
     if not ok:
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
     return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
+
+
+# ----------------------------------------------------------------------------- production options
+
+
+def check_production(
+    shape: tuple[int, int, int, int],
+    window: tuple[int | None, int | None] | None,
+    *,
+    sinks: Any = None,
+    sink_tokens: Any = 0,
+    dropout_mask: Any = None,
+    dropout_rate: Any = None,
+) -> tuple[int, float | None]:
+    """The checks of the learnable sinks, the sink tokens and the dropout of a kernel call of
+    ``shape = (B, N, T, S)`` (``window``: the checked ``local_window_size``), shapes and dtypes
+    only (the arrays may be traced). Written once: the oracle and the JAX kernels both call it.
+
+    Returns ``(sink_tokens, dropout_rate)`` (``dropout_rate`` ``None`` without a dropout mask).
+    """
+    _, n, _, _ = shape
+    if sinks is not None:
+        if shape_of(sinks) != (n,):
+            raise ValueError(
+                f"sinks must have shape [N] = ({n},), one logit per query head, got shape "
+                f"{shape_of(sinks)}"
+            )
+        if not is_floating(dtype_of(sinks)):
+            raise TypeError(f"sinks must be floating, got dtype {dtype_of(sinks)}")
+    if not _is_int(sink_tokens) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    if sink_tokens and (window is None or window[0] is None):
+        raise ValueError(
+            f"sink_tokens={sink_tokens} keeps the first keys visible past a sliding window's "
+            f"left edge, but local_window_size={window!r} has no left edge; pass a window"
+        )
+    if dropout_mask is None:
+        if dropout_rate is not None:
+            raise ValueError(
+                f"dropout_rate={dropout_rate!r} needs a dropout_mask: attnref's dropout is "
+                "deterministic (pass the boolean keep mask)"
+            )
+        return int(sink_tokens), None
+    if dropout_rate is None:
+        raise ValueError("dropout_mask needs dropout_rate (the rate the mask was drawn with)")
+    rate = check_real_scalar("dropout_rate", dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate!r}")
+    mshape = shape_of(dropout_mask)
+    try:
+        ok = len(mshape) == 4 and np.broadcast_shapes(mshape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"dropout_mask must have rank 4 broadcastable to [B, N, T, S] = {shape}, got shape "
+            f"{mshape}"
+        )
+    if dtype_of(dropout_mask) != np.bool_:
+        raise TypeError(
+            f"dropout_mask must be boolean (True = keep), got dtype {dtype_of(dropout_mask)}"
+        )
+    return int(sink_tokens), rate

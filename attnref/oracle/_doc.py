@@ -78,6 +78,14 @@ KERNEL = {
     "segment_ids": "One ``[B, T]`` int array (``T == S``) or a pair ``([B, T], [B, S])``; "
     "``None`` (default): one segment.",
     "softcap": "A positive finite number ``c`` (logits ``c tanh(s / c)``); ``None`` (default).",
+    "sinks": "Floating ``[N]``: one sink logit ``z_n`` per query head, in the softmax's "
+    "denominator with no value (``lse`` includes it; a fully masked row is 0 with "
+    "``lse = z_n``); ``None`` (default).",
+    "sink_tokens": "An int ``>= 0``: the first keys stay visible past the window's left edge "
+    "(needs ``local_window_size`` with a left side); default 0.",
+    "dropout_mask": "Boolean, rank 4, broadcastable to ``[B, N, T, S]`` (True = keep): weights "
+    "``p_ij keep_ij / (1 - dropout_rate)``; ``None`` (default).",
+    "dropout_rate": "The dropout rate in ``[0, 1)``, given exactly with ``dropout_mask``.",
     "causal_alignment": '``"top_left"`` (default) or ``"bottom_right"``.',
     "masked_rows": '``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row\'s '
     "output.",

@@ -6,13 +6,16 @@ written from the definition one batch element, head and query at a time::
 
     p_i   = i + offset          offset = 0 (top_left) or S_b - T_b (bottom_right)
     key j allowed for query i  iff  mask, bias != -inf, i < T_b, j < S_b, seg_q[i] == seg_k[j],
-                                    j <= p_i (causal), p_i - left <= j <= p_i + right (window)
+                                    j <= p_i (causal), p_i - left <= j <= p_i + right (window;
+                                    j < sink_tokens ignores the left edge)
     s_j   = scale q_i . k_j ;  s_j = c tanh(s_j / c) (softcap c) ;  s_j += bias_ij
-    o_i   = sum_j exp(s_j - lse_i) v_j over allowed j,   lse_i = log sum_j exp(s_j)
+    lse_i = log (exp(z_n) + sum_j exp(s_j))        (z_n the head's sink logit; none: no term)
+    o_i   = sum_j exp(s_j - lse_i) w_ij v_j over allowed j, w_ij = keep_ij / (1 - p) (dropout)
 
 Query head ``n`` reads K/V head ``n // (N / K)``. A row with no allowed key gets zeros,
-the mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; query rows beyond
-``T_b`` are 0 with ``lse = -inf``. NumPy only, no JAX.
+the mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; with sinks it is 0
+with ``lse = z_n`` (the sink takes the whole weight); query rows beyond ``T_b`` are 0 with
+``lse = -inf``. NumPy only, no JAX.
 
 Bad input is refused as the JAX twin refuses it (same exception type, the argument named; see
 :mod:`attnref.oracle._checks`). ``T = 0`` gives an empty output; ``S = 0`` leaves every query row
@@ -48,6 +51,7 @@ def kernel_allowed(
     local_window_size: Any = None,
     segment_ids: Any = None,
     causal_alignment: str = "top_left",
+    sink_tokens: int = 0,
     method: str = "fast",
 ) -> np.ndarray:
     """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (only ``bias``'s ``-inf``
@@ -72,8 +76,8 @@ def kernel_allowed(
     if method == "fast" and n_heads > 0:
         kv = np.zeros((b_size, s, n_heads, 1))
         return call_allowed(parse(np.zeros((b_size, t, n_heads, 1)), kv, kv, bias, mask, **options))
-    mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
-        full, bias, mask, **options
+    mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = (
+        check_options(full, bias, mask, **options)
     )
     q_len = np.full(b_size, t) if q_lens is None else q_lens
     kv_len = np.full(b_size, s) if kv_lens is None else kv_lens
@@ -89,7 +93,7 @@ def kernel_allowed(
             or (bias_f is not None and bias_f[b, n, i, j] == -np.inf)
             or (seg_q is not None and seg_k is not None and seg_q[b, i] != seg_k[b, j])
             or (causal and j > pos)
-            or (left is not None and j < pos - left)
+            or (left is not None and j < pos - left and j >= n_sink)
             or (right is not None and j > pos + right)
         )
     return out
@@ -133,18 +137,25 @@ def dot_product_attention(
             kvh = n // c.group
             for i in range(int(c.q_len[b])):  # query padding beyond: 0 and -inf
                 keys = [j for j in range(s) if allowed[b, n, i, j]]
-                if not keys:
+                sink = None if c.sinks is None else float(c.sinks[n])
+                if not keys and sink is None:
                     if c.policy == "uniform":
                         out[b, i, n] = c.v[b, :, kvh].mean(axis=0)
                     elif c.policy == "nan":
                         out[b, i, n] = np.nan
                     continue
+                # the sink z_n is one more logit of the softmax, with no value (gpt-oss)
                 sv = np.array([definition_logit(c, b, n, i, j)[1] for j in keys])
-                top = sv.max()
+                top = float(np.max(np.append(sv, [] if sink is None else [sink])))  # NaN wins
+                if top == -np.inf:  # a -inf sink and no key: nothing to attend
+                    continue
                 e = np.exp(sv - top)
-                total = e.sum()
+                total = e.sum() + (0.0 if sink is None else math.exp(sink - top))
                 lse[b, i, n] = top + math.log(total)
-                out[b, i, n] = (e / total) @ c.v[b, keys, kvh]
+                w = e / total
+                if c.keep is not None and c.rate is not None:  # dropout after normalising
+                    w = np.where(c.keep[b, n, i, keys], w / (1.0 - c.rate), 0.0)
+                out[b, i, n] = w @ c.v[b, keys, kvh] if keys else 0.0
     return (out, lse) if return_lse else out
 
 

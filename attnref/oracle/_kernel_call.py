@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_kernel, check_options
+from ._checks import check_kernel, check_options, check_production
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,10 @@ class KernelCall:
     right: int | None
     bottom_right: bool
     causal: bool
+    sink_tokens: int = 0  # the first keys, exempt from the window's left edge
+    sinks: np.ndarray | None = None  # [N] float64: one sink logit per query head
+    keep: np.ndarray | None = None  # broadcast view [B, N, T, S]: dropout's keep mask
+    rate: float | None = None  # the dropout rate (with ``keep``)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -75,8 +79,12 @@ OPTIONS = (
     "local_window_size",
     "segment_ids",
     "causal_alignment",
+    "sink_tokens",
 )
-CALL = ("query", "key", "value", "bias", "mask", "scale", "softcap", "masked_rows", *OPTIONS)
+CALL = (
+    "query", "key", "value", "bias", "mask", "scale", "softcap", "masked_rows",
+    "sinks", "dropout_mask", "dropout_rate", *OPTIONS,
+)  # fmt: skip
 
 
 def kernel_call(
@@ -93,6 +101,10 @@ def kernel_call(
     local_window_size: Any = None,
     segment_ids: Any = None,
     softcap: float | None = None,
+    sinks: Any = None,
+    sink_tokens: int = 0,
+    dropout_mask: Any = None,
+    dropout_rate: float | None = None,
     causal_alignment: str = "top_left",
     masked_rows: str = "zeros",
 ) -> None:
@@ -115,6 +127,9 @@ def parse(
     scale: Any = None,
     softcap: Any = None,
     masked_rows: Any = "zeros",
+    sinks: Any = None,
+    dropout_mask: Any = None,
+    dropout_rate: Any = None,
     **options: Any,
 ) -> KernelCall:
     """Validate a kernel call as :func:`attnref.dot_product_attention` does (same exception types,
@@ -122,9 +137,13 @@ def parse(
     b, t, s, n, _, _, _, sc, cap, policy = check_kernel(
         query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
     )
-    m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal = check_options(
+    m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = check_options(
         (b, n, t, s), bias, mask, **options
     )
+    _, rate = check_production(
+        (b, n, t, s), window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=dropout_rate
+    )
+    keep = None if dropout_mask is None else np.asarray(dropout_mask, bool)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
     return KernelCall(
         q=q,
@@ -144,6 +163,10 @@ def parse(
         right=window[1],
         bottom_right=alignment == "bottom_right",
         causal=causal,
+        sink_tokens=n_sink,
+        sinks=None if sinks is None else np.asarray(sinks, dtype=np.float64),
+        keep=None if keep is None else np.broadcast_to(keep, (b, n, t, s)),
+        rate=rate,
     )
 
 
@@ -160,7 +183,7 @@ def key_range(c: KernelCall, b: int, i0: int, i1: int) -> tuple[int, int]:
         j1 = min(j1, i1 - 1 + off + 1)
     if c.right is not None:
         j1 = min(j1, i1 - 1 + off + c.right + 1)
-    if c.left is not None:
+    if c.left is not None and not c.sink_tokens:
         j0 = max(j0, i0 + off - c.left)
     return max(j0, 0), max(j1, 0)
 
@@ -193,8 +216,8 @@ def allowed_rows(
         parts.append(j < c.kv_len[b])
     if c.causal and j1 - 1 > i0 + _offset(c, b):
         parts.append(j <= pos)
-    if c.left is not None:
-        parts.append(j >= pos - c.left)
+    if c.left is not None:  # the first sink_tokens keys stay visible past the left edge
+        parts.append((j >= pos - c.left) | (j < c.sink_tokens))
     if c.right is not None:
         parts.append(j <= pos + c.right)
     if c.seg_q is not None and c.seg_k is not None:

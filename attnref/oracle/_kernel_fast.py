@@ -245,7 +245,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
         v1 = hg.v1
         finite = hg.finite_v
         v1t = np.ascontiguousarray(v1.T) if finite else None
-        shift_free = finite and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
+        shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
         for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
             if shift_free and v1t is not None:
                 o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
@@ -255,7 +255,12 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
                 flat = (grp * (i1 - i0), j1 - j0)
                 flat_ok = None if ok is None else ok.reshape(flat)
                 vt = None if v1t is None else v1t[:, j0:j1]
-                o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
+                if c.keep is None:
+                    o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
+                else:  # dropout: the kept weights scaled in the numerator, e in the sum
+                    w = dropout_weights(c, hg, i0, i1, j0, j1) * e
+                    o_num = _weighted_values(w.reshape(flat), hg.v[j0:j1], flat_ok)
+                    o1 = np.concatenate([o_num, e.reshape(flat).sum(axis=-1)[:, None]], axis=1)
             o1 = o1.reshape(grp, i1 - i0, h_v + 1)
             total = o1[..., h_v]
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -267,6 +272,29 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
                 continue
             out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
             lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
+            if c.sinks is not None:
+                continue  # with sinks a row with no key is 0, lse = z_n (with_sinks)
             for n, r in zip(*np.nonzero(~live), strict=True):
                 _dead_rows(c, hg.b, int(hg.g * grp + n), out, np.array([i0 + r]))
-    return out, lse
+    return (out, lse) if c.sinks is None else with_sinks(c, out, lse)
+
+
+def dropout_weights(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+    """``keep_ij / (1 - p)`` of one block, ``[G, rows, S']``."""
+    assert c.keep is not None and c.rate is not None
+    return np.where(c.keep[hg.b, hg.heads, i0:i1, j0:j1], 1.0 / (1.0 - c.rate), 0.0)
+
+
+def with_sinks(c: KernelCall, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sinks ``z [N]`` joined to the rows ``i < T_b`` of finished ``(out, lse)`` (rows with no
+    key: ``out = 0``): ``lse' = log(e^lse + e^z)``, ``out' = out e^(lse - lse')``; a NaN or
+    ``+inf`` sink gives NaN (as the definition's ``e^(z - max)`` does)."""
+    assert c.sinks is not None
+    z = c.sinks  # [N]
+    real = (np.arange(out.shape[1])[None, :] < c.q_len[:, None])[..., None]  # [B, T, 1]
+    with np.errstate(invalid="ignore"):
+        new = np.logaddexp(lse, z)
+        w = np.where(np.isneginf(new), 0.0, np.exp(lse - np.where(np.isneginf(new), 0.0, new)))
+    w = np.where(np.isposinf(z) | np.isnan(z), np.nan, w)
+    new = np.where(np.isposinf(z), np.nan, new)
+    return np.where(real[..., None], out * w[..., None], out), np.where(real, new, lse)

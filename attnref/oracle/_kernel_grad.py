@@ -6,13 +6,16 @@ with allowed keys ``j`` (row convention), given the cotangents ``dO_i`` of the o
 ``dl_i`` of the lse::
 
     x_ij = scale q_i . k_j,   s_ij = c tanh(x_ij / c) + bias_ij,   p_ij = softmax_j(s_ij)
-    dv_j  += p_ij dO_i                          dP_ij = dO_i . v_j
+    dv_j  += p_ij w_ij dO_i                     dP_ij = w_ij dO_i . v_j
     D_i    = sum_j p_ij dP_ij  (= dO_i . o_i)   dS_ij = p_ij (dP_ij - D_i + dl_i)
+    dz_n  += p_iz (dl_i - D_i)                  (the sink, p_iz = exp(z_n - lse_i))
     dbias_ij = dS_ij          dX_ij = dS_ij (1 - tanh^2(x_ij / c))   (dX = dS without softcap)
     dq_i  += scale sum_j dX_ij k_j              dk_j += scale dX_ij q_i
 
-``d lse_i / d s_ij = p_ij`` gives the ``dl_i`` term. The gradients of the K/V heads sum over the
-``G`` query heads that share them; the bias gradient sums over the axes the bias broadcasts.
+``w_ij = keep_ij / (1 - rate)`` with dropout (1 without); with sinks ``p`` is normalised with
+the sink's ``exp(z_n)`` in the denominator. ``d lse_i / d s_ij = p_ij`` gives the ``dl_i``
+term. The gradients of the K/V heads sum over the ``G`` query heads that share them; the bias
+gradient sums over the axes the bias broadcasts.
 Rows with no allowed key and padding rows (``i >= T_b``) pass no gradient, except under
 ``masked_rows="uniform"`` where the output is the mean of all ``S`` value rows, so every
 ``dv_j`` gains ``dO_i / S``. Pairs that are not allowed pass nothing, whatever their values; a
@@ -35,19 +38,28 @@ from ._checks import check_method, dtype_of, is_floating, shape_of
 from ._doc import KERNEL, KERNEL_RAISES, doc, signed
 from ._kernel import definition_logit, kernel_allowed
 from ._kernel_call import OPTIONS, KernelCall, kernel_call, parse, pick, query_block
-from ._kernel_fast import block_live, head_groups, logits_block, raw_logits, row_blocks
+from ._kernel_fast import (
+    block_live,
+    dropout_weights,
+    head_groups,
+    logits_block,
+    raw_logits,
+    row_blocks,
+)
 
 __all__ = ["KernelGrads", "dot_product_attention_vjp"]
 
 
 class KernelGrads(NamedTuple):
     """Gradients of a kernel call: ``query [B, T, N, H]``, ``key [B, S, K, H]``,
-    ``value [B, S, K, H_v]`` and ``bias`` (the bias's own shape; ``None`` without a bias)."""
+    ``value [B, S, K, H_v]``, ``bias`` (the bias's own shape; ``None`` without a bias) and
+    ``sinks [N]`` (``None`` without sinks)."""
 
     query: np.ndarray
     key: np.ndarray
     value: np.ndarray
     bias: np.ndarray | None
+    sinks: np.ndarray | None = None  # [N], with sinks
 
 
 def cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.ndarray, ...]:
@@ -101,6 +113,8 @@ def fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
     dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
     db = None if c.bias_shape is None else np.zeros(c.bias_shape)
+    dz = None if c.sinks is None else np.zeros(n_heads)
+    check_sinks(c)
     dead = np.zeros((b_size, t, n_heads), bool)
     rows = query_block(c, 4)
     for hg in head_groups(c):
@@ -115,18 +129,30 @@ def fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
                 _refuse_nonfinite("logit (q, k or bias)")
             if (reads & bad_v[j0:j1]).any():
                 _refuse_nonfinite("value")
-            top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)
-            p = np.exp(s - top[..., None])
-            with np.errstate(invalid="ignore", divide="ignore"):
-                p = np.where(live[..., None], p / p.sum(axis=-1, keepdims=True), 0.0)
+            z = None if c.sinks is None else c.sinks[hg.heads][:, None]  # [G, 1]
+            top = s.max(axis=-1, initial=-np.inf)
+            if z is not None:  # the sink: one more logit, no value
+                top = np.maximum(top, z)
+            alive = np.isfinite(top)  # a key or a sink to read
+            top = np.where(alive, top, 0.0)
+            e = np.exp(s - top[..., None])
+            total = e.sum(axis=-1) + (0.0 if z is None else np.exp(z - top))
+            total = np.where(alive, total, 1.0)
+            p = np.where(alive[..., None], e / total[..., None], 0.0)
             m, n_k = grp * (i1 - i0), j1 - j0
             d_o_blk = d_o[hg.b, i0:i1, hg.heads].transpose(1, 0, 2).reshape(m, h_v)
             p2 = p.reshape(m, n_k)
-            dv[hg.b, j0:j1, hg.g] += p2.T @ d_o_blk
-            dp = d_o_blk @ v0[j0:j1].T
+            w2 = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1).reshape(m, n_k)
+            dv[hg.b, j0:j1, hg.g] += (p2 if w2 is None else p2 * w2).T @ d_o_blk
+            dp = d_o_blk @ v0[j0:j1].T  # dL/dp_ij = w_ij dO_i . v_j (w = 1 without dropout)
+            if w2 is not None:
+                dp = dp * w2
             big_d = np.sum(p2 * dp, axis=-1, keepdims=True)
             dl = d_l[hg.b, i0:i1, hg.heads].T.reshape(m, 1)
             ds = p2 * (dp - big_d + dl)
+            if dz is not None and z is not None:  # dz_n = sum_i p_iz (dl_i - D_i)
+                p_z = np.where(alive, np.exp(z - top) / total, 0.0).reshape(m, 1)
+                dz[hg.heads] += (p_z * (dl - big_d)).reshape(grp, i1 - i0).sum(axis=1)
             if db is not None:
                 blk = ds.reshape(grp, i1 - i0, n_k)
                 bias_add(db, blk, hg.b, hg.heads, slice(i0, i1), slice(j0, j1))
@@ -139,9 +165,15 @@ def fast(c: KernelCall, d_o: np.ndarray, d_l: np.ndarray) -> KernelGrads:
             dq[hg.b, i0:i1, hg.heads] += dq_blk.reshape(grp, i1 - i0, h).transpose(1, 0, 2)
             dk[hg.b, j0:j1, hg.g] += c.scale * (ds.T @ q_blk)
             dead[hg.b, i0:i1, hg.heads] = ~live.T
-    if c.policy == "uniform":
+    if c.policy == "uniform" and c.sinks is None:
         _dead_rows_uniform(c, d_o, dead, dv)
-    return KernelGrads(dq, dk, dv, db)
+    return KernelGrads(dq, dk, dv, db, dz)
+
+
+def check_sinks(c: KernelCall) -> None:
+    """A NaN or ``+inf`` sink is read by every row of its head: no derivative (refused)."""
+    if c.sinks is not None and (np.isnan(c.sinks) | np.isposinf(c.sinks)).any():
+        _refuse_nonfinite("sink")
 
 
 def _definition(
@@ -150,13 +182,16 @@ def _definition(
     b_size, n_heads, t, s_len = c.shape
     dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
     full = np.zeros(c.shape)  # dbias per (b, n, i, j) before summing over broadcast axes
+    dz = None if c.sinks is None else np.zeros(n_heads)
+    check_sinks(c)
     dead = np.zeros((b_size, t, n_heads), bool)
     for b in range(b_size):
         for n in range(n_heads):
             g = n // c.group
             for i in range(int(c.q_len[b])):
                 keys = [j for j in range(s_len) if allowed[b, n, i, j]]
-                if not keys:
+                sink = None if c.sinks is None else float(c.sinks[n])
+                if not keys and (sink is None or sink == -math.inf):
                     dead[b, i, n] = True
                     continue
                 xs, ss = [], []
@@ -168,27 +203,35 @@ def _definition(
                         _refuse_nonfinite("value")
                     xs.append(x)
                     ss.append(sj)
-                top = max(ss)
+                top = max([*ss, *([] if sink is None else [sink])])
                 e = [math.exp(sj - top) for sj in ss]
-                total = sum(e)
+                e_z = 0.0 if sink is None else math.exp(sink - top)  # the sink's weight
+                total = sum(e) + e_z
                 p = [ej / total for ej in e]
-                dps = [float(d_o[b, i, n] @ c.v[b, j, g]) for j in keys]
+                ws = [1.0] * len(keys)  # dropout: w_ij = keep_ij / (1 - rate)
+                if c.keep is not None and c.rate is not None:
+                    ws = [float(c.keep[b, n, i, j]) / (1.0 - c.rate) for j in keys]
+                dps = [
+                    w * float(d_o[b, i, n] @ c.v[b, j, g]) for w, j in zip(ws, keys, strict=True)
+                ]
                 big_d = sum(pj * dpj for pj, dpj in zip(p, dps, strict=True))
-                for pj, dpj, x, j in zip(p, dps, xs, keys, strict=True):
+                if dz is not None:
+                    dz[n] += e_z / total * (float(d_l[b, i, n]) - big_d)
+                for pj, dpj, w, x, j in zip(p, dps, ws, xs, keys, strict=True):
                     ds = pj * (dpj - big_d + float(d_l[b, i, n]))
                     full[b, n, i, j] = ds
                     if c.softcap is not None:
                         ds *= 1.0 - math.tanh(x / c.softcap) ** 2
-                    dv[b, j, g] += pj * d_o[b, i, n]
+                    dv[b, j, g] += pj * w * d_o[b, i, n]
                     dq[b, i, n] += c.scale * ds * c.k[b, j, g]
                     dk[b, j, g] += c.scale * ds * c.q[b, i, n]
-    if c.policy == "uniform":
+    if c.policy == "uniform" and c.sinks is None:
         _dead_rows_uniform(c, d_o, dead, dv)
     db = None
     if c.bias_shape is not None:
         axes = tuple(a for a, size in enumerate(c.bias_shape) if size == 1 and c.shape[a] != 1)
         db = full.sum(axis=axes, keepdims=True).reshape(c.bias_shape)
-    return KernelGrads(dq, dk, dv, db)
+    return KernelGrads(dq, dk, dv, db, dz)
 
 
 @doc(KERNEL, KERNEL_RAISES)

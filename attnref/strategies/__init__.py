@@ -48,7 +48,9 @@ Design rules:
   biases leave a query row with no key by accident, as well as on purpose.
 * **Option mixes.** :func:`mixed_kernel_problems` draws one of the static option profiles
   :data:`STATIC_PROFILES` (causal alignment, windows, softcap, the masked-rows policy) with up to
-  three of the array kinds :data:`ARRAY_KINDS` at once.
+  three of the array kinds :data:`ARRAY_KINDS` at once; :func:`with_production` adds the
+  production options to any kernel problem (learnable sinks, sink tokens under a window, a
+  deterministic dropout mask of every broadcast shape).
 
 Kernel problems use the layout of :func:`attnref.dot_product_attention` (``q [B, T, N, H]``,
 ``k [B, S, K, H]``, ``v [B, S, K, H_v]``); weight-level problems the multi-head layout of
@@ -92,7 +94,14 @@ from ._masks import (
     segment_ids,
     seq_lengths,
 )
-from ._mixes import ARRAY_KINDS, STATIC_PROFILES, mixed_kernel_problems
+from ._mixes import (
+    ARRAY_KINDS,
+    DROPOUT_RATES,
+    PRODUCTION_OPTIONS,
+    STATIC_PROFILES,
+    mixed_kernel_problems,
+    with_production,
+)
 from ._shapes import (
     BROADCAST_SHAPES,
     BUCKETS,

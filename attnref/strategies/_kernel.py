@@ -134,7 +134,8 @@ class KernelProblem(ShortRepr):
         """The allowed (query, key) pairs ``[B, N, T, S]``
         (:func:`attnref.oracle.kernel_allowed`)."""
         c = self.config
-        kw = {k: v for k, v in self.options.items() if k not in ("softcap", "scale")}
+        values = ("softcap", "scale", "sinks", "dropout_mask", "dropout_rate")  # not the set's
+        kw = {k: v for k, v in self.options.items() if k not in values}
         return oracle.kernel_allowed(
             (c.b, c.n, c.t, c.s), causal_alignment=self.causal_alignment, **kw
         )

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from hypothesis import note
 from hypothesis import strategies as st
 
 from ._kernel import KernelProblem, make_kernel_problem
 from ._masks import kind_name, segment_ids, seq_lengths
-from ._shapes import BROADCAST_SHAPES, Config, DrawFn, broadcast_shapes, configs_strategy
+from ._shapes import (
+    BROADCAST_SHAPES,
+    Config,
+    DrawFn,
+    broadcast_shape,
+    broadcast_shapes,
+    configs_strategy,
+)
 
 # The kinds that are arrays (or an array pair), which mixed_kernel_problems combines (at most one
 # of bias, alibi and neg_inf_bias per problem).
@@ -97,3 +105,49 @@ def mixed_kernel_problems(
         problem.options["segment_ids"] = (q_seg, kv_seg)
     problem.kind = kind_name(picked)
     return problem
+
+
+# The production options each with_production draw may add (see :func:`with_production`).
+PRODUCTION_OPTIONS = ("sinks", "sink_tokens", "dropout")
+DROPOUT_RATES = (0.0, 0.25, 0.5)
+
+
+@st.composite
+def with_production(
+    draw: DrawFn,
+    problems: st.SearchStrategy[KernelProblem],
+    *,
+    options: tuple[str, ...] = PRODUCTION_OPTIONS,
+    keep_shapes: tuple[str, ...] = BROADCAST_SHAPES,
+) -> KernelProblem:
+    """A problem of ``problems`` with some of the production options of
+    :func:`attnref.dot_product_attention` added (each drawn on or off): learnable ``sinks``
+    (``[N]``, normal times 3, an entry ``-inf`` now and then: no sink for that head),
+    ``sink_tokens`` (1 or 2, only where the problem has a window with a left side), and a
+    deterministic dropout (a keep mask of a shape drawn from ``keep_shapes``, every broadcast
+    shape by default, and a rate from :data:`DROPOUT_RATES`). The arrays come from the
+    problem's seed; ``kind`` gains ``+sinks``, ``+sink_tokens``, ``+dropout``."""
+    p = draw(problems)
+    c = p.config
+    rng = np.random.default_rng(p.seed + 7919)
+    extra: dict[str, Any] = {}
+    names: list[str] = []
+    if "sinks" in options and draw(st.booleans()):
+        z = rng.standard_normal(c.n) * 3.0
+        if c.n > 1 and draw(st.booleans()):
+            z[draw(st.integers(0, c.n - 1))] = -np.inf
+        extra["sinks"] = z.astype(p.dtype)
+        names.append("sinks")
+    window = p.options.get("local_window_size")
+    left = window if isinstance(window, int) else (None if window is None else window[0])
+    if "sink_tokens" in options and left is not None and draw(st.booleans()):
+        extra["sink_tokens"] = draw(st.sampled_from((1, 2)))
+        names.append("sink_tokens")
+    if "dropout" in options and draw(st.booleans()):
+        shape = broadcast_shape(c, draw(broadcast_shapes(keep_shapes)))
+        extra["dropout_mask"] = rng.random(shape) < 0.7
+        extra["dropout_rate"] = draw(st.sampled_from(DROPOUT_RATES))
+        names.append("dropout")
+    note(f"production options: {names or 'none'}")
+    kind = "+".join([p.kind, *names]) if names else p.kind
+    return p.replace(options={**p.options, **extra}, kind=kind)

@@ -61,12 +61,27 @@ def _block(
     softcap: float | None,
     u: float,
     n_dk: int,
+    w: np.ndarray | None = None,
+    z: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Bounds for one batch element and a block of query rows, per query head: ``q [N, R, H]``,
     ``kg [N, S, H]``, ``vg [N, S, H_v]``, ``ok``/``bias [N, R, S]``, ``d_o [N, R, H_v]``,
     ``d_l [N, R]``. Returns ``(e_dq [N, R, H], e_dk [N, S, H], e_dv [N, S, H_v], e_dS, |dS|)``
-    (the last two ``[N, R, S]``, for the bias)."""
+    (the last two ``[N, R, S]``, for the bias). ``w [N, R, S]``: dropout's ``keep / (1 - p)``
+    (the values read by pair ``ij`` are ``w_ij v_j``). ``z [N]``: the sinks, appended as key
+    ``S`` (logit ``z_n``, value 0, read by every row; a ``-inf`` sink by none): then ``e_dk``,
+    ``e_dv`` hold ``S + 1`` keys and ``e_dS``, ``|dS|`` ``S + 1`` columns, the last the sink's."""
     c = C_EXP
+    if z is not None:
+        n_r = q.shape[1]
+        col = np.broadcast_to(z[:, None, None], (len(z), n_r, 1))
+        kg = np.concatenate([kg, np.zeros((kg.shape[0], 1, kg.shape[2]))], axis=1)
+        vg = np.concatenate([vg, np.zeros((vg.shape[0], 1, vg.shape[2]))], axis=1)
+        ok = np.concatenate([ok, np.isfinite(col)], axis=-1)
+        base = np.zeros((*ok.shape[:2], ok.shape[2] - 1)) if bias is None else bias
+        bias = np.concatenate([np.broadcast_to(base, ok.shape[:2] + base.shape[2:]), col], -1)
+        if w is not None:
+            w = np.concatenate([w, np.ones(col.shape)], axis=-1)
     h, s_len, h_v = q.shape[-1], kg.shape[1], vg.shape[-1]
     lg = kernel_logits(q, kg.transpose(0, 2, 1), sc, softcap, bias, ok)
     raw, mag, p = lg.raw, lg.mag, lg.sm.weights
@@ -76,10 +91,14 @@ def _block(
     with np.errstate(over="ignore"):
         r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]  # [N, R, 1]
     abs_v, abs_do = np.abs(vg), np.abs(d_o)
-    o_mag = p @ abs_v  # [N, R, H_v]
-    e_o = (rho + gamma(s_len, u))[..., None] * o_mag
+    pw = p if w is None else p * w  # the weights of the values (dropout: kept, scaled)
+    o_mag = pw @ abs_v  # [N, R, H_v]
+    e_o = (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag
     d_p = d_o @ vg.transpose(0, 2, 1)  # [N, R, S]
     e_dp = gamma(h_v, u) * (abs_do @ abs_v.transpose(0, 2, 1))
+    if w is not None:  # dP_ij = w_ij dO_i . v_j: one more product
+        d_p = w * d_p
+        e_dp = w * e_dp + u * np.abs(d_p)
     big_d = np.sum(p * d_p, axis=-1, keepdims=True)
     e_d1 = (
         np.sum(abs_do * e_o, -1, keepdims=True)
@@ -106,7 +125,11 @@ def _block(
         + gamma(n_dk + 2, u) * (np.abs(d_x).transpose(0, 2, 1) @ abs_q)
     )
     pt = p.transpose(0, 2, 1)
-    e_dv = (r * p).transpose(0, 2, 1) @ abs_do + gamma(n_dk + 1, u) * (pt @ abs_do)
+    if w is not None:
+        p, pt = pw, pw.transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
+    e_dv = (r * p).transpose(0, 2, 1) @ abs_do + gamma(n_dk + 1 + (w is not None), u) * (
+        pt @ abs_do
+    )
     return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
 
 
@@ -138,6 +161,8 @@ def kernel_grad_error_bound(
     out = [np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)]
     e_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
     a_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
+    e_dz = None if c.sinks is None else np.zeros(n_heads)  # the sinks' bound ...
+    a_dz = None if c.sinks is None else np.zeros(n_heads)  # ... and sum |dS| of their column
     rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     for b in range(b_size):
@@ -151,6 +176,12 @@ def kernel_grad_error_bound(
             dead[i0:i1] = ~ok.any(axis=-1).T
             bias_blk = None if c.bias is None else c.bias[b, :, i0:i1]
             q = c.q[b, i0:i1].transpose(1, 0, 2)
+            w = None
+            if c.keep is not None and c.rate is not None:
+                keep = np.broadcast_to(c.keep[b, :, i0:i1], ok.shape)
+                w = np.where(keep, 1.0 / (1.0 - c.rate), 0.0)
+            if c.sinks is not None:  # a row with a finite sink is alive
+                dead[i0:i1] &= ~np.isfinite(c.sinks)[None, :]
             for u in units:
                 e_dq, e_dk, e_dv, e_ds, a_ds = _block(
                     q,
@@ -164,7 +195,15 @@ def kernel_grad_error_bound(
                     c.softcap,
                     u,
                     t * grp,
+                    w,
+                    c.sinks,
                 )
+                if e_dz is not None and a_dz is not None:  # the sink's column, then the keys'
+                    e_dz += e_ds[..., s_len].sum(axis=1)
+                    if u == units[0]:
+                        a_dz += a_ds[..., s_len].sum(axis=1)
+                    e_dk, e_dv = e_dk[:, :s_len], e_dv[:, :s_len]
+                    e_ds, a_ds = e_ds[..., :s_len], a_ds[..., :s_len]
                 out[0][b, i0:i1] += e_dq.transpose(1, 0, 2)
                 out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
                 out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
@@ -172,7 +211,7 @@ def kernel_grad_error_bound(
                     bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
                     if u == units[0]:
                         bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
-        if c.policy == "uniform":
+        if c.policy == "uniform" and c.sinks is None:
             dead_do = np.where(dead[..., None], np.abs(d_o[b]), 0.0).sum(0)  # [N, H_v]
             per_kv = dead_do.reshape(n_kv, grp, -1).sum(1)
             g = sum(gamma(t * grp + 2, u) for u in units)
@@ -180,7 +219,9 @@ def kernel_grad_error_bound(
     if e_db is not None and a_db is not None:
         m = math.prod(c.shape) // max(1, math.prod(e_db.shape))  # entries summed per entry
         e_db = e_db + sum(gamma(m, u) for u in units) * a_db
-    grads = KernelGrads(out[0], out[1], out[2], e_db)
+    if e_dz is not None and a_dz is not None:  # dz_n sums its column over the B T rows
+        e_dz = e_dz + sum(gamma(b_size * t, u) for u in units) * a_dz
+    grads = KernelGrads(out[0], out[1], out[2], e_db, e_dz)
     if is_16bit(fmt):
         ref: Any = fast(c, d_o, d_l)  # the float64 gradients (their final rounding)
         u16 = unit_roundoff(fmt)
@@ -188,5 +229,5 @@ def kernel_grad_error_bound(
             None if e is None else e + u16 * (np.abs(r) + e)
             for e, r in zip(grads, ref, strict=True)
         ]
-        grads = KernelGrads(final[0], final[1], final[2], final[3])  # type: ignore[arg-type]
+        grads = KernelGrads(*final)  # type: ignore[arg-type]
     return grads

@@ -13,7 +13,9 @@ import numpy as np
 from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import kernel_call, parse, query_block
 from attnref.oracle._kernel_fast import (
+    HeadGroup,
     block_live,
+    dropout_weights,
     head_groups,
     logits_block,
     raw_logits,
@@ -219,6 +221,28 @@ def _uniform_and_cast(
     return out
 
 
+def sink_column(
+    c: Any,
+    hg: HeadGroup,
+    s: np.ndarray,
+    mag: np.ndarray,
+    reads: np.ndarray,
+    v_abs: np.ndarray,
+    w: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block ``[G, rows, S']`` with the sink as key ``S'``: logit ``z_n`` (exact: magnitude 0),
+    read by every row (a ``-inf`` sink by none), value 0 (``v_abs [S', H_v]`` gains a zero
+    row), weight 1. The kernels merge the sink into the finished state: one more merge of the
+    online softmax (the bound's key blocks count it)."""
+    z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
+    s = np.concatenate([s, z], axis=-1)
+    mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
+    reads = np.concatenate([reads, np.isfinite(z)], axis=-1)  # a -inf sink is no sink
+    v_abs = np.vstack([v_abs, np.zeros(v_abs.shape[1])])
+    w = None if w is None else np.concatenate([w, np.ones(z.shape)], axis=-1)
+    return s, mag, reads, v_abs, w
+
+
 @doc(KERNEL, KERNEL_RAISES)
 @signed(kernel_call)
 def kernel_call_error_bound(
@@ -252,6 +276,8 @@ def _streamed_bound(
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
+    if c.sinks is not None:  # the sink is one more key (zero value, exact logit z_n), merged last
+        s_len, n_b = s_len + 1, n_b + 1
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.zeros((b_size, t, n_heads))
     o_ref = np.zeros_like(out) if is_16bit(fmt) else None
@@ -265,18 +291,26 @@ def _streamed_bound(
             reads = np.broadcast_to(live[..., None], s.shape) if ok is None else ok
             q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2)
             mag = abs(c.scale) * (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
+            v_blk = abs_v[j0:j1]
+            w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
+            if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
+                s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
+                live = reads.any(axis=-1)
             top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
             with np.errstate(invalid="ignore"):
                 # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
                 local = np.where(reads, np.abs(s) + (top - s), 0.0)
             if c.softcap is not None:
                 capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
+                if c.sinks is not None:  # the sink is not capped
+                    capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
                 local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
             e = np.where(reads, np.exp(np.where(reads, s - top, 0.0)), 0.0)
             total = e.sum(axis=-1)
             p = e / np.where(live, total, 1.0)[..., None]
-            flat = (s.shape[0] * s.shape[1], j1 - j0)
-            o_mag = (p.reshape(flat) @ abs_v[j0:j1]).reshape(*s.shape[:2], h_v)
+            pw = p if w is None else p * w  # dropout: the kept weights, scaled
+            flat = (s.shape[0] * s.shape[1], s.shape[2])
+            o_mag = (pw.reshape(flat) @ v_blk).reshape(*s.shape[:2], h_v)
             log_l = np.log(np.where(live, total, 1.0))
             lse_ref = top[..., 0] + log_l
             blk_out = np.zeros_like(o_mag)
@@ -287,15 +321,17 @@ def _streamed_bound(
                 )
                 rho, delta = row_terms(s_len, n_b, e_row, u)
                 d_lse = lse_row_error(e_row, delta)
-                blk_out += (rho + gamma(s_len, u))[..., None] * o_mag
+                g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
+                blk_out += (rho + g_o)[..., None] * o_mag
                 d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
                 blk_lse += np.where(live, d_lse, 0.0)
             out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
             lse[hg.b, i0:i1, hg.heads] = blk_lse.T
             dead[hg.b, i0:i1, hg.heads] = ~live.T
             if o_ref is not None:
-                ref = (p.reshape(flat) @ hg.v[j0:j1]).reshape(*s.shape[:2], h_v)
+                v_ref = hg.v[j0:j1] if c.sinks is None else np.vstack([hg.v[j0:j1], np.zeros(h_v)])
+                ref = (pw.reshape(flat) @ v_ref).reshape(*s.shape[:2], h_v)
                 o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
-    uniform = dead[..., None] if c.policy == "uniform" else None
+    uniform = dead[..., None] if c.policy == "uniform" and c.sinks is None else None
     vg = c.v if uniform is None else np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
     return _uniform_and_cast(out, o_ref, uniform, vg, s_len, units, fmt), lse

@@ -129,13 +129,15 @@ def _piece_states(
     o = np.zeros((count, b_size, t, n_heads, h_v))
     lse = np.full((count, b_size, t, n_heads), -np.inf)
     e_o, e_l = np.zeros_like(o), np.zeros_like(lse)
-    kw = {"scale": c.scale, "softcap": c.softcap}
+    kw: dict[str, Any] = {"scale": c.scale, "softcap": c.softcap}
     for p in range(count):
         cols = np.flatnonzero(ids == p)
         if cols.size == 0:
             continue
         args = (c.q, c.k[:, cols], c.v[:, cols], None if bias is None else bias[..., cols])
         mask = allowed[..., cols]
+        if c.keep is not None:  # each piece drops the weights of its own keys
+            kw.update(dropout_mask=c.keep[..., cols], dropout_rate=c.rate)
         o[p], lse[p] = dot_product_attention(*args, mask, return_lse=True, **kw)
         e_o[p], e_l[p] = kernel_call_error_bound(
             *args, mask, dtype=state_fmt, key_blocks=key_blocks, **kw
@@ -262,12 +264,19 @@ def pieces_error_bound(
             raise ValueError(f"key {j} is in no piece (id -1) but some query may attend it")
         states = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
     o, lse, e_o, e_l = states
+    if c.sinks is not None:
+        # The sink: one exact state (0, z_n), merged once after the pieces' merge. Any order of
+        # the P + 1 states is covered by the sequential tree (depth P, the deepest).
+        z = np.broadcast_to(c.sinks, lse.shape[1:])[None]
+        o, lse = np.concatenate([o, np.zeros_like(o[:1])]), np.concatenate([lse, z])
+        e_o, e_l = np.concatenate([e_o, np.zeros_like(e_o[:1])]), np.concatenate([e_l, np.zeros_like(z)])
+        tree = "sequential"
     out_b, lse_b = merge_error_bound(
         o, lse, axis=0, dtype=state_fmt, lse_dtype=lse_fmt, tree=tree, o_error=e_o, lse_error=e_l
     )
     whole64 = kernel_call_error_bound(**call, dtype=np.float64, key_blocks=1)
     out_b, lse_b = out_b + whole64[0], lse_b + whole64[1]
-    if call["masked_rows"] == "uniform":
+    if call["masked_rows"] == "uniform" and c.sinks is None:
         dead = np.transpose(~np.any(allowed, axis=-1), (0, 2, 1))  # [B, T, N]
         whole = kernel_call_error_bound(**call, dtype=state_fmt, key_blocks=None)[0]
         out_b = np.where(dead[..., None], whole + whole64[0], out_b)

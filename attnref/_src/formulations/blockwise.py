@@ -42,6 +42,7 @@ from attnref._src.formulations.kernel import (
     Option,
     allowed_pairs,
     bad_operands,
+    dropped,
     finish_all,
     finite_inputs,
     grouped,
@@ -86,9 +87,9 @@ class _Tiles:
         )
         self.bad_q, bad_kv, bias_bad = bad_operands(inputs)
         self.bad_kv = _pad_axis(bad_kv, 1, sp, False)
-        self.bias_bad, self.bias, self.mask = (
+        self.bias_bad, self.bias, self.mask, self.keep = (
             None if a is None else _pad_axis(_pad_axis(a, 2, tp), 3, sp)
-            for a in (bias_bad, finite.bias, inputs.mask)
+            for a in (bias_bad, finite.bias, inputs.mask, inputs.keep)
         )
         self.q_seg = None if inputs.q_seg is None else _pad_axis(inputs.q_seg, 1, tp, -1)
         self.kv_seg = None if inputs.kv_seg is None else _pad_axis(inputs.kv_seg, 1, sp, -2)
@@ -108,9 +109,9 @@ class _Tiles:
         k_idx = j * self.bk + jnp.arange(self.bk)
         q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
         kv_seg = None if self.kv_seg is None else self.k_rows(self.kv_seg, j)
-        mask, bias, bias_bad = (
+        mask, bias, bias_bad, keep = (
             None if a is None else self.k_rows(self.q_rows(a, i, 2), j, 3)
-            for a in (self.mask, self.bias, self.bias_bad)
+            for a in (self.mask, self.bias, self.bias_bad, self.keep)
         )
         allowed = allowed_pairs(spec, self.inputs, q_idx, k_idx, q_seg, kv_seg, mask, bias, True)
         assert allowed is not None  # in_range: never None
@@ -129,7 +130,7 @@ class _Tiles:
         reads = None
         if find_dirty:
             reads = reads_bad(spec, allowed, self.k_rows(self.bad_kv, j), bias_bad)
-        return dict(allowed=allowed, raw=raw, logits=logits, reads=reads, **ops)
+        return dict(allowed=allowed, raw=raw, logits=logits, reads=reads, keep=keep, **ops)
 
     def merge_q(self, a: Array, axis: int) -> Array:
         """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
@@ -157,7 +158,8 @@ def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - shift[..., None], 0.0)), 0.0)
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
-            ev = jnp.einsum("bkgts,bskh->bkgth", grouped(e, spec), t["v"], precision=HIGHEST)
+            ew = dropped(spec, e, t["keep"])  # the numerator's weights (the sum keeps e)
+            ev = jnp.einsum("bkgts,bskh->bkgth", grouped(ew, spec), t["v"], precision=HIGHEST)
             acc = alpha[..., None] * acc + ev.reshape(acc.shape)
             dirty = jnp.logical_or(dirty, t["reads"])
             return (m_new, alpha * run_sum + jnp.sum(e, axis=-1), acc, dirty), None
@@ -209,7 +211,7 @@ def _backward(
         do_t = tiles.q_rows(do_p, i)  # [B, bq, N, H_v]
         dog = do_t.reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, t["v"], precision=HIGHEST)
-        dp = dp.reshape(probs.shape)
+        dp = dropped(spec, dp.reshape(probs.shape), t["keep"])  # dL/dp_ij: keep_ij/(1-p) dO.v
         corr = tiles.q_rows(rows["dlse"], i, 2) - tiles.q_rows(rows["delta"], i, 2)
         ds = probs * (dp + corr[..., None])
         ds_raw = ds
@@ -222,6 +224,7 @@ def _backward(
         def step(carry: tuple[Array, Array], i: Array) -> tuple[Any, None]:
             dk, dv = carry
             t, probs, _, ds_raw = grads(i, j)
+            probs = dropped(spec, probs, t["keep"])
             do_t = tiles.q_rows(do_p, i).reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
             dv = dv + jnp.einsum("bkgts,btkgh->bskh", grouped(probs, spec), do_t, precision=HIGHEST)
             qg = t["q"].reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h)
@@ -255,17 +258,6 @@ def _backward(
     return dq, dk, dv, dbias
 
 
-def _uniform_rows_grad(spec: KernelSpec, inputs: KernelInputs, do: Array, live: Array) -> Array:
-    """Gradient of the ``"uniform"`` rows ``mean_j v_j`` with respect to ``v [B, S, K, H_v]``."""
-    valid = jnp.arange(spec.t)[None, :] < (
-        spec.t if inputs.q_lens is None else inputs.q_lens[:, None]
-    )
-    dead = jnp.logical_and(~live, valid[..., None])  # [B, T, N]
-    g = jnp.sum(jnp.where(dead[..., None], do, 0.0), axis=1)  # [B, N, H_v]
-    g = jnp.sum(g.reshape(spec.b, spec.k, spec.group, spec.h_v), axis=2) / spec.s
-    return jnp.broadcast_to(g[:, None], (spec.b, spec.s, spec.k, spec.h_v))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _flash(spec: KernelSpec, bq: int, bk: int, inputs: KernelInputs) -> tuple[Array, Array]:
     return _flash_fwd(spec, bq, bk, inputs)[0]
@@ -273,20 +265,18 @@ def _flash(spec: KernelSpec, bq: int, bk: int, inputs: KernelInputs) -> tuple[Ar
 
 def _flash_fwd(
     spec: KernelSpec, bq: int, bk: int, inputs: KernelInputs
-) -> tuple[tuple[Array, Array], tuple[KernelInputs, Array, Array, Array, Array]]:
+) -> tuple[tuple[Array, Array], tuple[KernelInputs, Array, Array, Array]]:
     """The online softmax on finite operands; the rows that read a non-finite value are NaN
     (``attnref._src.core.nonfinite``); the residuals are the finite path's."""
-    o, lse, live, dirty = _forward(_Tiles(spec, inputs, bq, bk))
-    o_out, lse_in = poison_rows(dirty, (o, lse))
-    out, lse_out = finish_all(spec, inputs, o_out, lse_in, live)
+    o, lse, _live, dirty = _forward(_Tiles(spec, inputs, bq, bk))
     # The backward differentiates the finite path; dirty rows have no gradient.
-    return (out, lse_out), (inputs, o, lse, live, dirty)
+    return poison_rows(dirty, (o, lse)), (inputs, o, lse, dirty)
 
 
 def _flash_bwd(
     spec: KernelSpec, bq: int, bk: int, res: Any, cts: tuple[Array, Array]
 ) -> tuple[KernelInputs]:
-    inputs, o, lse, live, dirty = res
+    inputs, o, lse, dirty = res
     do, dlse = cts
     do = jnp.where(dirty[..., None], 0.0, do)
     dlse = jnp.where(dirty, 0.0, dlse)
@@ -295,8 +285,6 @@ def _flash_bwd(
         do = jnp.where(valid[..., None], do, 0.0)
         dlse = jnp.where(valid, dlse, 0.0)
     dq, dk, dv, dbias = _backward(_Tiles(spec, inputs, bq, bk), o, lse, do, dlse)
-    if spec.masked_rows == "uniform":
-        dv = dv + _uniform_rows_grad(spec, inputs, do.astype(spec.compute_dtype), live)
     db = None
     if inputs.bias is not None and dbias is not None:
         axes = tuple(a for a in range(4) if inputs.bias.shape[a] == 1)
@@ -325,7 +313,8 @@ def flash(call: KernelCall, block_q: int, block_k: int) -> tuple[Array, Array]:
     if spec.t == 0 or spec.s == 0:  # nothing to tile: no query, or every row fully masked
         return naive(call)
     bq, bk = min(block_q, spec.t), min(block_k, spec.s)
-    return _flash(spec, max(bq, 1), max(bk, 1), call.inputs)  # type: ignore[no-any-return]
+    o, lse = _flash(spec, max(bq, 1), max(bk, 1), call.inputs)
+    return finish_all(spec, call.inputs, o, lse, ~jnp.isneginf(lse))
 
 
 def check_blocks(block_q: Any, block_k: Any) -> None:

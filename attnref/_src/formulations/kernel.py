@@ -107,7 +107,31 @@ def attention(
     lse = top[..., 0] + jnp.log(denom)
     if live is not None:
         lse = jnp.where(live, lse, -jnp.inf)
-    return mix_values(spec, e / denom[..., None], inputs.v), jnp.swapaxes(lse, 1, 2)
+    probs = dropped(spec, e / denom[..., None], inputs.keep)  #   p_ij keep_ij / (1 - rate)
+    return mix_values(spec, probs, inputs.v), jnp.swapaxes(lse, 1, 2)
+
+
+def dropped(spec: KernelSpec, probs: Array, keep: Array | None) -> Array:
+    """Deterministic dropout of the normalised weights: ``p_ij keep_ij / (1 - rate)``
+    (FlashAttention's and PyTorch's references); ``probs`` itself without a keep mask."""
+    if keep is None or spec.dropout_rate is None:
+        return probs
+    return jnp.where(keep, probs * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+
+
+def with_sinks(
+    sinks: Float[Array, " N"], o: Float[Array, "B tq N H_v"], lse: Float[Array, "B tq N"]
+) -> tuple[Array, Array]:
+    """The learnable sink ``z_n`` merged, once, into a finished state ``(o, lse)`` as a key of
+    value 0: ``lse' = log(e^lse + e^z)``, ``o' = o e^(lse - lse')``. Fully masked rows
+    (``lse = -inf``) become ``o' = 0``, ``lse' = z``; ``z = -inf`` is no sink."""
+    top = jnp.maximum(lse, sinks)  #                                     max(lse, z)  [B, tq, N]
+    alive = top > -jnp.inf
+    top = jax.lax.stop_gradient(jnp.where(alive, top, 0.0))
+    a, z = jnp.exp(lse - top), jnp.exp(sinks - top)  #               e^(lse - m), e^(z - m)
+    total = jnp.where(alive, a + z, 1.0)
+    lse_out = jnp.where(alive, top + jnp.log(total), -jnp.inf)
+    return o * (a / total)[..., None], lse_out
 
 
 def scores(spec: KernelSpec, inputs: KernelInputs) -> Float[Array, "B N T S"]:
@@ -180,8 +204,9 @@ def allowed_pairs(
         left, right = spec.window or (None, None)
         if spec.is_causal:
             conds.append(kj <= pos)
-        if left is not None:
-            conds.append(kj >= pos - left)
+        if left is not None:  # sink tokens (the first keys) stay visible past the left edge
+            conds.append(kj >= pos - left if not spec.sink_tokens else
+                         jnp.logical_or(kj >= pos - left, kj < spec.sink_tokens))  # fmt: skip
         if right is not None:
             conds.append(kj <= pos + right)
     if q_seg is not None and kv_seg is not None:
@@ -313,9 +338,9 @@ def finish_all(
 ) -> tuple[Array, Array]:
     """:func:`finish` on the rows of the whole call (``"uniform"``: the mean of ``inputs.v``)."""
     mean_v = None
-    if spec.masked_rows == "uniform":
+    if spec.masked_rows == "uniform" and not spec.has_sinks:
         mean_v = uniform_rows(spec, jnp.sum(inputs.v.astype(spec.compute_dtype), axis=1))
-    return finish(spec, inputs, o, lse, live, jnp.arange(spec.t), mean_v)
+    return finish(spec, inputs, o, lse, live, jnp.arange(spec.t), mean_v, inputs.sinks)
 
 
 def finish(
@@ -326,16 +351,26 @@ def finish(
     live: Bool[Array, "B tq N"],
     q_pos: Int[Array, " tq"],
     mean_v: Float[Array, "B 1 N H_v"] | None = None,
+    sinks: Float[Array, " N"] | None = None,
 ) -> tuple[Array, Array]:
-    """The fully-masked-row policy (``"uniform"``: ``mean_v``), query padding
-    (``q_pos >= query_seq_lengths``: 0 and ``-inf``) and the cast to the input dtype.
+    """The learnable sinks (:func:`with_sinks`) or else the fully-masked-row policy
+    (``"uniform"``: ``mean_v``), query padding (``q_pos >= query_seq_lengths``: 0 and ``-inf``)
+    and the cast to the input dtype. ``sinks`` (``[N]``, the call's, or ``None``) must be
+    passed by every schedule whose call has them (``spec.has_sinks``).
 
     A batch element whose ``query_seq_lengths`` or ``key_value_seq_lengths`` lies outside
     ``[0, T]`` / ``[0, S]`` (only possible under ``jax.jit``, where the lengths are traced and
     cannot be checked; eager calls raise) returns NaN in every output and ``lse`` entry: an
     unmistakable result instead of a plausible wrong one (:func:`lengths_in_range`).
     """
-    if spec.masked_rows == "uniform":
+    if spec.has_sinks:
+        if sinks is None:
+            raise ValueError("the call has sinks: pass them to finish")
+        # A NaN or +inf sink is read by every row of its head: those rows are NaN.
+        bad = jnp.logical_or(jnp.isnan(sinks), sinks == jnp.inf)
+        o, lse = with_sinks(jnp.where(bad, 0.0, sinks), o, lse)
+        o, lse = jnp.where(bad[:, None], jnp.nan, o), jnp.where(bad, jnp.nan, lse)
+    elif spec.masked_rows == "uniform":
         if mean_v is None:
             raise ValueError("masked_rows='uniform' needs the mean of the values (mean_v)")
         o = jnp.where(live[..., None], o, mean_v)
@@ -376,11 +411,14 @@ def kernel_public(
     value_errors: str = "",
     type_errors: str = "",
     formula: Callable[..., Any] | None = None,
+    refuses: Sequence[str] = (),
 ) -> Callable[..., Any]:
     """The public kernel ``name``: :func:`prepare`'s signature (the ``options`` after ``mask``),
     float64-scoped; validates (``check(**options)`` first, then :func:`prepare`) and returns
     ``schedule(call, **options)``, ``o`` or ``(o, lse)``. Its docstring is ``summary`` and
-    :data:`KERNEL_ARGS` with the options' lines and the extra ``returns``/raises text."""
+    :data:`KERNEL_ARGS` with the options' lines and the extra ``returns``/raises text.
+    ``refuses``: options of :func:`prepare` this schedule does not implement; given a value
+    other than their default, they are refused (``NotImplementedError``), never ignored."""
     params = list(inspect.signature(prepare).parameters.values())
     kw = inspect.Parameter.KEYWORD_ONLY
     extra = [
@@ -393,6 +431,12 @@ def kernel_public(
         arguments.apply_defaults()
         given = dict(arguments.arguments)
         extras = {o.name: given.pop(o.name) for o in options}
+        for option in refuses:
+            if given[option] is not signature.parameters[option].default:
+                raise NotImplementedError(
+                    f"{name} does not implement {option}= (got {given[option]!r}); "
+                    "attnref.dot_product_attention, the blockwise and the split-KV kernels do"
+                )
         if check is not None:
             check(**extras)
         call = KernelCall(*prepare(**given))

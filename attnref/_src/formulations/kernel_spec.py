@@ -25,6 +25,7 @@ from attnref._src.core.checks import (
     shape_of,
 )
 from attnref._src.core.common import scale_value
+from attnref.oracle._checks import check_production
 
 MaskedRows = Literal["zeros", "uniform", "nan"]
 Alignment = Literal["top_left", "bottom_right"]
@@ -38,6 +39,8 @@ STATIC_OPTIONS = (
     "is_causal",
     "local_window_size",
     "softcap",
+    "sink_tokens",
+    "dropout_rate",
     "causal_alignment",
     "masked_rows",
     "return_lse",
@@ -62,6 +65,9 @@ class KernelSpec:
     alignment: str
     softcap: float | None
     masked_rows: str
+    sink_tokens: int = 0  # the first keys, exempt from a window's left edge (StreamingLLM)
+    dropout_rate: float | None = None  # with ``KernelInputs.keep``: weights scaled 1/(1-p)
+    has_sinks: bool = False  # learnable sink logits given (``KernelInputs.sinks``)
 
     @property
     def group(self) -> int:
@@ -87,6 +93,8 @@ class KernelInputs:
     q_seg: Array | None  # [B, T] int32
     kv_seg: Array | None  # [B, S] int32
     scale: Array  # scalar, compute dtype
+    sinks: Array | None = None  # [N], compute dtype: one sink logit per query head
+    keep: Array | None = None  # rank 4 bool, broadcastable to [B, N, T, S]: dropout's keep mask
 
 
 def lengths_only(q_lens: Array | None, kv_lens: Array | None) -> KernelInputs:
@@ -139,6 +147,10 @@ def prepare(
     local_window_size: int | tuple[int | None, int | None] | None = None,
     segment_ids: Any = None,
     softcap: float | None = None,
+    sinks: ArrayLike | None = None,  # [N], floating: checked by check_production
+    sink_tokens: int = 0,
+    dropout_mask: ArrayLike | None = None,  # bool, broadcastable to [B, N, T, S]: ditto
+    dropout_rate: float | None = None,
     causal_alignment: Alignment = "top_left",
     masked_rows: MaskedRows = "zeros",
     return_lse: bool = False,
@@ -198,6 +210,14 @@ def prepare(
         q_seg = check_ints("query_segment_ids", q_seg_in, (b, t), None)
         kv_seg = check_ints("key_value_segment_ids", kv_seg_in, (b, s), None)
     window = check_window(local_window_size)
+    n_sink, rate = check_production(
+        target,
+        window,
+        sinks=sinks,
+        sink_tokens=sink_tokens,
+        dropout_mask=dropout_mask,
+        dropout_rate=dropout_rate,
+    )
     if s == 0 and masked_rows == "uniform":
         raise ValueError(
             f"key has S=0 keys (shape {shape_of(key)}): every query row is fully masked, and "
@@ -220,6 +240,9 @@ def prepare(
         causal_alignment,
         cap,
         masked_rows,
+        n_sink,
+        rate,
+        sinks is not None,
     )
     inputs = KernelInputs(
         q=jnp.asarray(query),
@@ -232,6 +255,8 @@ def prepare(
         q_seg=q_seg,
         kv_seg=kv_seg,
         scale=scale_value(h, scale, cd),
+        sinks=None if sinks is None else jnp.asarray(sinks).astype(cd),
+        keep=None if dropout_mask is None else jnp.asarray(dropout_mask),
     )
     return spec, inputs, bool(return_lse), scale
 
@@ -259,6 +284,19 @@ KERNEL_ARGS = """Args:
         to keys of its own segment (packed sequences). ``None`` (default): one segment.
     softcap: A positive finite Python number ``c``: logits become ``c tanh(s / c)`` before
         the bias; ``None`` (default): no cap.
+    sinks: Floating ``[N]``, one learnable sink logit ``z_n`` per query head (gpt-oss): it
+        joins each row's softmax denominator and carries no value,
+        ``o_i = sum_j exp(s_ij) v_j / (exp(z_n) + sum_j exp(s_ij))``, and ``lse`` includes it; a
+        fully masked row is then 0 (``lse = z_n``) under every ``masked_rows``. ``None``
+        (default): no sink.
+    sink_tokens: An int ``n >= 0``: the first ``n`` keys stay visible past the window's left
+        edge (StreamingLLM's sink tokens, FlashAttention's ``sink_token_length``); needs
+        ``local_window_size`` with a left side. Default 0.
+    dropout_mask: Boolean, rank 4, broadcastable to ``[B, N, T, S]``, ``True`` = keep: the
+        normalised weights are multiplied by ``mask / (1 - dropout_rate)`` before the values
+        (deterministic dropout; ``lse`` is unchanged). ``None`` (default): no dropout.
+    dropout_rate: The rate ``p`` in ``[0, 1)`` the mask was drawn with; given exactly when
+        ``dropout_mask`` is.
     causal_alignment: ``"top_left"`` (default; jax.nn, PyTorch SDPA: ``p_i = i``) or
         ``"bottom_right"`` (FlashAttention: ``p_i = i + S_b - T_b`` with the actual
         lengths); used by ``is_causal`` and ``local_window_size``.
@@ -280,9 +318,13 @@ Raises:
         not accepted values, ``softcap`` is not a positive finite number, ``scale`` is not a
         scalar, a lengths or segment-ids array has the wrong shape, concrete lengths are out
         of range, a single ``segment_ids`` array is given with ``T != S``,
-        ``local_window_size`` has a negative side or is not a pair, or
-        ``masked_rows="uniform"`` with ``S = 0``{value_errors}.
+        ``local_window_size`` has a negative side or is not a pair,
+        ``masked_rows="uniform"`` with ``S = 0``, ``sinks`` is not ``[N]``, ``sink_tokens``
+        is negative or given without a window's left side, ``dropout_rate`` lies outside
+        ``[0, 1)`` or is given without ``dropout_mask`` (or the reverse), or ``dropout_mask``
+        does not broadcast to ``[B, N, T, S]``{value_errors}.
     TypeError: If ``query`` is not floating, the three dtypes differ, ``mask`` is not
         boolean, ``bias`` is not floating, ``is_causal`` is not a bool, ``scale`` is not a
-        real number, lengths or segment ids are not integers, or ``local_window_size`` is
-        not an int or a pair of ints{type_errors}."""
+        real number, lengths or segment ids are not integers, ``local_window_size`` is
+        not an int or a pair of ints, ``sinks`` is not floating, or ``dropout_mask`` is not
+        boolean{type_errors}."""

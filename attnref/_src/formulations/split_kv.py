@@ -103,16 +103,17 @@ def split_kv(
     def state(k_p: Array, v_p: Array, pos_p: Array, seg_p: Array | None) -> tuple[Array, Array]:
         return chunk_state(
             spec, lengths, call.scale, inputs.q, q_pos, inputs.q_seg, k_p, v_p, pos_p, seg_p,
-            inputs.bias, inputs.mask,
+            inputs.bias, inputs.mask, inputs.keep,
         )  # fmt: skip
 
     o, lse = jax.vmap(state)(k, v, k_pos, kv_seg)  # [P, B, T, N, H_v], [P, B, T, N]
     o, lse = merge_state_stack(o, lse, axis=0)
     mean_v = None
-    if spec.masked_rows == "uniform":
+    if spec.masked_rows == "uniform" and not spec.has_sinks:
         v_sum = jnp.sum(jax.vmap(lambda v_p, p: value_sum(spec, v_p, p))(v, k_pos), axis=0)
         mean_v = uniform_rows(spec, v_sum)
-    return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), q_pos, mean_v)
+    # The sink joins once, after the merge: no split's state holds it (never counted twice).
+    return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), q_pos, mean_v, inputs.sinks)
 
 
 _NUM_SPLITS_DOC = (

@@ -47,12 +47,14 @@ def chunk_state(
     kv_seg: Int[Array, "B tk"] | None,
     bias_rows: Array | None,
     mask_rows: Array | None,
+    keep_rows: Array | None = None,
 ) -> tuple[Float[Array, "B tq N H_v"], Float[Array, "B tq N"]]:
     """The state ``(o, lse)`` of queries at ``q_pos`` (``>= T``: padding; segment ids ``q_seg``)
     against the keys ``k``, values ``v`` at ``k_pos`` (segment ids ``kv_seg``): the naive kernel
     with every option on global positions (``lengths``: :func:`lengths_only`; ``scale``: the
     call's) and the local queries' ``bias_rows`` and ``mask_rows`` (``[#B, #N, #tq, S or 1]``).
-    In the compute dtype; an empty row has ``o = 0``, ``lse = -inf``.
+    In the compute dtype; an empty row has ``o = 0``, ``lse = -inf``. ``keep_rows``: the
+    dropout keep mask of the local queries (``spec.dropout_rate``), like ``mask_rows``.
     """
     m = columns(mask_rows, k_pos, spec.s)
     allowed = allowed_pairs(spec, lengths, q_pos, k_pos, q_seg, kv_seg, m, None, True)
@@ -65,6 +67,8 @@ def chunk_state(
         allowed,
         scale=scale,
         softcap=spec.softcap,
+        dropout_mask=columns(keep_rows, k_pos, spec.s),
+        dropout_rate=None if keep_rows is None else spec.dropout_rate,
         return_lse=True,
     )
 

@@ -210,6 +210,7 @@ def mesh_kernel(
         name=name,
         summary=summary,
         options=(_MESH, axis_name),
+        refuses=("sinks", "sink_tokens", "dropout_mask", "dropout_rate"),
         returns=returns,
         value_errors="; if ``axis_name`` is not an axis of ``mesh`` (or is ``None`` for a "
         "mesh with several axes)" + value_errors,
