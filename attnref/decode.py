@@ -5,8 +5,8 @@ Kernel level (``q, k, v`` as ``[B, L, H, d]``): :func:`kv_cache_init`, :func:`kv
 Weight level (``params`` and row-vector tokens ``[B, L, d_model]``): :func:`init_cache`,
 :func:`step` (one chunk), :func:`scan` (token by token under ``lax.scan``), :func:`generate`,
 and :func:`decode_attention` (the multi-head row form of a whole sequence, decoded).
-Paged KV cache (vLLM / FlashInfer layout): :func:`paged_attention` and its cost model
-:func:`paged_cost` (``docs/paged.md``).
+Paged KV cache (vLLM / FlashInfer layout): :func:`paged_attention`, :func:`paged_kv_append`
+(write a chunk through the page table) and the cost model :func:`paged_cost` (``docs/paged.md``).
 """
 
 from attnref._src.formulations.decode import (
@@ -19,7 +19,12 @@ from attnref._src.formulations.decode import (
 )
 from attnref._src.formulations.decode_cache import KVCache, init_cache, kv_cache_init
 from attnref._src.formulations.kernel_forms import decode_attention
-from attnref._src.formulations.paged import PagedCost, paged_attention, paged_cost
+from attnref._src.formulations.paged import (
+    PagedCost,
+    paged_attention,
+    paged_cost,
+    paged_kv_append,
+)
 
 __all__ = [
     "KVCache",
@@ -33,6 +38,7 @@ __all__ = [
     "kv_cache_init",
     "paged_attention",
     "paged_cost",
+    "paged_kv_append",
     "scan",
     "step",
 ]

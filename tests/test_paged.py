@@ -229,49 +229,83 @@ def test_decoding_is_single_query_attention_over_the_prefix():
 # ----------------------------------------------------------------------------- append
 
 
-def test_append_through_the_table_equals_attention_on_the_concatenation():
-    """Write ``T`` new tokens into the slots ``L0 .. L0 + T - 1`` through the page table (a page
-    boundary crossed, a fresh page taken), attend with ``seq_lens = L0 + T``: equal to the
-    kernel on the contiguous concatenation ``[cache; new]`` with bottom-right causality."""
+def _append_case():
+    """Two rows with a cached prefix (lengths 4 and 8, page size 3) and a chunk of 3 new tokens
+    each (row 0 crosses into a fresh page 9); every unwritten slot NaN."""
     rng = np.random.default_rng(3)
     b, t, n, kh, h, hv, ps = 2, 3, 4, 2, 4, 3, 3
-    num_pages = 10
     lens0 = np.array([4, 8], np.int32)
-    table = np.array([[7, 2, 9, -1], [0, 5, 3, 8]], np.int32)  # row 0 takes page 9 on append
-    k_pages = np.full((num_pages, ps, kh, h), np.nan)
-    v_pages = np.full((num_pages, ps, kh, hv), np.nan)
-    k_ctx = rng.normal(size=(b, int(lens0.max()), kh, h))
-    v_ctx = rng.normal(size=(b, int(lens0.max()), kh, hv))
+    table = np.array([[7, 2, 9, -1], [0, 5, 3, 8]], np.int32)
+    k_ctx, v_ctx = rng.normal(size=(b, 8, kh, h)), rng.normal(size=(b, 8, kh, hv))
     k_new, v_new = rng.normal(size=(b, t, kh, h)), rng.normal(size=(b, t, kh, hv))
-    q = rng.normal(size=(b, t, n, h))
-
-    def write(pages, row, pos, x):
-        pages[table[row, pos // ps], pos % ps] = x
-
-    for row in range(b):
+    k_pages, v_pages = np.full((10, ps, kh, h), np.nan), np.full((10, ps, kh, hv), np.nan)
+    for row in range(b):  # the cached prefix, written from the definition
         for j in range(lens0[row]):
-            write(k_pages, row, j, k_ctx[row, j])
-            write(v_pages, row, j, v_ctx[row, j])
+            k_pages[table[row, j // ps], j % ps] = k_ctx[row, j]
+            v_pages[table[row, j // ps], j % ps] = v_ctx[row, j]
+    q = rng.normal(size=(b, t, n, h))
+    return q, k_pages, v_pages, table, lens0, k_ctx, v_ctx, k_new, v_new
+
+
+_APPEND = jax.jit(attnref.decode.paged_kv_append)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_append_through_the_table_equals_attention_on_the_concatenation(jit):
+    """``paged_kv_append`` writes the chunk to slots ``L0 .. L0 + T - 1`` through the table
+    (exactly the definition's slots: every other slot keeps its bits, NaN included); attending
+    with the new lengths equals the kernel oracle on the contiguous ``[cache; new]``, bottom-right
+    causal, within the kernel bound."""
+    q, k_pages, v_pages, table, lens0, k_ctx, v_ctx, k_new, v_new = _append_case()
+    ps, t = k_pages.shape[1], k_new.shape[1]
+    fn = _APPEND if jit else attnref.decode.paged_kv_append
+    kp, vp, lens = (np.asarray(x) for x in fn(k_pages, v_pages, table, lens0, k_new, v_new))
+    np.testing.assert_array_equal(lens, lens0 + t)
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for row in range(2):
         for i in range(t):
-            write(k_pages, row, lens0[row] + i, k_new[row, i])
-            write(v_pages, row, lens0[row] + i, v_new[row, i])
-    lens = lens0 + t
-    out = np.asarray(_PAGED(q, k_pages, v_pages, table, lens, is_causal=True))
-    for row in range(b):
+            pos = lens0[row] + i
+            want_k[table[row, pos // ps], pos % ps] = k_new[row, i]
+            want_v[table[row, pos // ps], pos % ps] = v_new[row, i]
+    np.testing.assert_array_equal(kp, want_k)  # NaN compares equal to NaN here
+    np.testing.assert_array_equal(vp, want_v)
+    out = np.asarray(_PAGED(q, kp, vp, table, lens, is_causal=True))
+    for row in range(2):
         keys = np.concatenate([k_ctx[row, : lens0[row]], k_new[row]])[None]
         vals = np.concatenate([v_ctx[row, : lens0[row]], v_new[row]])[None]
-        ref = oracle.dot_product_attention(
-            q[row : row + 1], keys, vals, is_causal=True, causal_alignment="bottom_right"
-        )
+        call = dict(is_causal=True, causal_alignment="bottom_right")
+        ref = oracle.dot_product_attention(q[row : row + 1], keys, vals, **call)
         bound, _ = tolerance.kernel_call_error_bound(
-            q[row : row + 1],
-            keys,
-            vals,
-            is_causal=True,
-            causal_alignment="bottom_right",
-            key_blocks=1,
+            q[row : row + 1], keys, vals, key_blocks=1, **call
         )
         assert_ratio_within(np.abs(out[row : row + 1] - ref), bound, "append {error} {allowed}")
+
+
+def test_append_that_does_not_fit_is_refused_eagerly_nan_under_jit_and_raises_checked():
+    """A chunk past the table (row 1: 8 + 5 > 12 slots) or into an out-of-range page: eagerly a
+    ``ValueError`` naming the row; under ``jax.jit`` that row writes nothing and gets length
+    ``-1`` (the next attention's rows are NaN), the other row is written; ``attnref.checked``
+    raises."""
+    q, k_pages, v_pages, table, lens0, _, _, _, _ = _append_case()
+    rng = np.random.default_rng(4)
+    k_new, v_new = rng.normal(size=(2, 5, 2, 4)), rng.normal(size=(2, 5, 2, 3))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 8: a chunk of T=5 tokens does not fit"):
+        attnref.decode.paged_kv_append(k_pages, v_pages, table, lens0, k_new, v_new)
+    kp, vp, lens = _APPEND(k_pages, v_pages, table, lens0, k_new, v_new)
+    assert lens.tolist() == [9, -1]
+    written = ~np.isnan(np.asarray(kp)[..., 0, 0])
+    assert written.sum() == lens0.sum() + 5  # row 0's chunk only
+    out = _PAGED(np.concatenate([q, q[:, :2]], axis=1), kp, vp, table, lens)
+    assert np.isnan(out[1]).all() and not np.isnan(out[0]).any()
+    with pytest.raises(ValueError, match=r"batch row 1 cannot take 5 tokens"):
+        attnref.checked(_APPEND)(k_pages, v_pages, table, lens0, k_new, v_new)
+    bad = table.copy()
+    bad[0, 2] = 99  # the page row 0 appends into
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\] = 99"):
+        attnref.decode.paged_kv_append(k_pages, v_pages, bad, lens0, k_new[:, :3], v_new[:, :3])
+    kp, _, lens = _APPEND(k_pages, v_pages, bad, lens0, k_new[:, :3], v_new[:, :3])
+    assert lens.tolist() == [-1, 11]
+    np.testing.assert_array_equal(np.asarray(kp)[[7, 2]], k_pages[[7, 2]])  # row 0 untouched
 
 
 # ----------------------------------------------------------------------------- gradients

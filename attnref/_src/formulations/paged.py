@@ -41,7 +41,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checked import require
-from attnref._src.core.checks import dtype_of, is_traced, shape_of
+from attnref._src.core.checks import dtype_of, float64_scoped, is_traced, shape_of
 from attnref._src.core.entry import Level, public
 from attnref._src.formulations.kernel import dot_product_attention
 
@@ -74,6 +74,28 @@ def paged(
         causal_alignment="bottom_right",
         **options,
     )
+
+
+def paged_append(
+    k_pages: Float[Array, "P page K H"],
+    v_pages: Float[Array, "P page K H_v"],
+    block_table: Int[Array, "B max_pages"],
+    seq_lens: Int[Array, " B"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H_v"],
+) -> tuple[Float[Array, "P page K H"], Float[Array, "P page K H_v"]]:
+    """Token ``t`` of row ``b`` goes to position ``p = seq_lens[b] + t``: page
+    ``block_table[b, p // page]``, slot ``p % page``; a page id outside ``[0, P)`` (or a
+    position past the table) is dropped, never wrapped."""
+    num_pages, page = k_pages.shape[:2]
+    pos = seq_lens[:, None] + jnp.arange(k.shape[1])[None, :]  #            p  [B, T]
+    slot = jnp.clip(pos // page, 0, block_table.shape[1] - 1)
+    ids = jnp.take_along_axis(block_table, slot, axis=1)  #     block_table[b, p // page]  [B, T]
+    inside = (ids >= 0) & (ids < num_pages) & (pos >= 0) & (pos < block_table.shape[1] * page)
+    ids = jnp.where(inside, ids, num_pages)  # out of range: dropped by the scatter
+    k_pages = k_pages.at[ids, pos % page].set(k, mode="drop")
+    v_pages = v_pages.at[ids, pos % page].set(v, mode="drop")
+    return k_pages, v_pages
 
 
 # ----------------------------------------------------------------------------- the call
@@ -317,6 +339,94 @@ paged_attention = public(
         "or length\n    are out of range (under ``jax.jit``)."
     ),
 )
+
+
+# ----------------------------------------------------------------------------- appending
+
+
+@float64_scoped
+def paged_kv_append(
+    k_pages: Float[ArrayLike, "P page K H"],
+    v_pages: Float[ArrayLike, "P page K H_v"],
+    block_table: Int[ArrayLike, "B max_pages"],
+    seq_lens: Int[ArrayLike, " B"],
+    k: Float[ArrayLike, "B T K H"],
+    v: Float[ArrayLike, "B T K H_v"],
+) -> tuple[Array, Array, Array]:
+    """Write a chunk of ``T`` new tokens per sequence into its pages, through the page table:
+    token ``t`` of row ``b`` goes to position ``p = seq_lens[b] + t``, page
+    ``block_table[b, p // page_size]``, slot ``p % page_size`` (FlashAttention's
+    ``flash_attn_with_kvcache`` writes its ``k``/``v`` at ``cache_seqlens`` the same way).
+    Nothing else is written. Two rows whose tables name one page write it in an unspecified
+    order (as FlashAttention says of duplicate ``cache_batch_idx``).
+
+    Args:
+        k_pages: ``[num_pages, page_size, K, H]``, the key pool.
+        v_pages: ``[num_pages, page_size, K, H_v]``, the value pool.
+        block_table: Integer ``[B, max_pages]``.
+        seq_lens: Integer ``[B]``: the tokens each sequence holds before the append.
+        k: ``[B, T, K, H]``, the dtype of ``k_pages``: the new keys.
+        v: ``[B, T, K, H_v]``, the dtype of ``k_pages``: the new values.
+
+    Returns:
+        ``(k_pages, v_pages, seq_lens + T)``. Under ``jax.jit`` a row whose chunk does not fit
+        (``seq_lens[b] + T > max_pages * page_size``, ``seq_lens[b] < 0``) or whose written
+        table entries lie outside ``[0, num_pages)`` writes nothing and gets the length ``-1``,
+        which :func:`paged_attention` turns into NaN rows; under :func:`attnref.checked` it
+        raises.
+
+    Raises:
+        ValueError: If the shapes disagree, or, eagerly, a chunk does not fit or a written table
+            entry is out of range (the message names the row, the slot and the value).
+        TypeError: If the dtypes differ or ``block_table``/``seq_lens`` are not integer.
+    """
+    t = check_chunk(k_pages, v_pages, block_table, seq_lens, k, v)
+    num_pages, page_size = shape_of(k_pages)[:2]
+    table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+    if not is_traced(block_table, seq_lens):
+        room = table.shape[1] * page_size
+        for b, length in enumerate(np.asarray(seq_lens).tolist()):
+            if not 0 <= length <= room - t:
+                raise ValueError(
+                    f"seq_lens[{b}] = {length}: a chunk of T={t} tokens does not fit (the table "
+                    f"holds max_pages * page_size = {room} tokens per row)"
+                )
+        try:
+            check_values(block_table, np.asarray(seq_lens) + t, num_pages, page_size)
+        except ValueError as e:
+            raise ValueError(f"paged_kv_append (seq_lens counted after the append): {e}") from None
+    pages_ok, lens_ok = table_ok(table, lens + t, num_pages, page_size)
+    ok = pages_ok & lens_ok & (lens >= 0)
+    require(
+        ok,
+        f"paged_kv_append: batch row {{b}} cannot take {t} tokens (seq_lens = {{value}}, room "
+        f"for {table.shape[1] * page_size}, pages in [0, {num_pages}))",
+        b=jnp.argmin(ok),
+        value=lens[jnp.argmin(ok)],
+    )
+    safe = jnp.where(ok, lens, -(t + table.shape[1] * page_size))  # every position < 0: dropped
+    kp, vp = paged_append(
+        jnp.asarray(k_pages), jnp.asarray(v_pages), table, safe, jnp.asarray(k), jnp.asarray(v)
+    )
+    return kp, vp, jnp.where(ok, lens + t, -1)
+
+
+def check_chunk(k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any, k: Any, v: Any) -> int:
+    """Shapes and dtypes of an append; returns ``T``."""
+    if np.ndim(k) != 4 or np.ndim(v) != 4:
+        raise ValueError(
+            f"k and v must be [B, T, K, H] and [B, T, K, H_v], got {shape_of(k)} and {shape_of(v)}"
+        )
+    b, t, kh, h = shape_of(k)
+    query = np.zeros((b, t, kh, h), dtype_of(k))  # a stand-in with k's shape for check_layout
+    check_layout(query, k_pages, v_pages, block_table, seq_lens)
+    if shape_of(k)[2:] != shape_of(k_pages)[2:]:
+        raise ValueError(f"k has shape {shape_of(k)}; expected [B, T, {shape_of(k_pages)[2:]}]")
+    if shape_of(v) != (b, t, *shape_of(v_pages)[2:]):
+        raise ValueError(f"v has shape {shape_of(v)}; expected [B={b}, T={t}, K, H_v] of v_pages")
+    if dtype_of(v) != dtype_of(k):
+        raise TypeError(f"k and v must share one dtype, got {dtype_of(k)} and {dtype_of(v)}")
+    return t
 
 
 # ----------------------------------------------------------------------------- cost
