@@ -308,6 +308,39 @@ def test_append_that_does_not_fit_is_refused_eagerly_nan_under_jit_and_raises_ch
     np.testing.assert_array_equal(np.asarray(kp)[[7, 2]], k_pages[[7, 2]])  # row 0 untouched
 
 
+def test_decoding_token_by_token_under_scan_equals_causal_attention():
+    """A ``lax.scan`` over ``L = 7`` steps (page size 3, pages taken from a permuted pool; the
+    lengths are traced): each step appends one token with ``paged_kv_append`` and attends with
+    ``paged_attention``; output ``t`` equals causal attention over the whole sequence, row ``t``
+    (the kernel oracle on the contiguous keys), within the kernel bound."""
+    rng = np.random.default_rng(5)
+    b, steps, n, kh, h, hv, ps = 2, 7, 4, 2, 4, 3, 3
+    table = np.array([[4, 0, 6], [2, 5, 1]], np.int32)
+    q = rng.normal(size=(b, steps, n, h))
+    k, v = rng.normal(size=(b, steps, kh, h)), rng.normal(size=(b, steps, kh, hv))
+
+    @jax.jit
+    def decode(q, k, v):
+        pools = (jnp.full((7, ps, kh, h), jnp.nan), jnp.full((7, ps, kh, hv), jnp.nan))
+
+        def step(carry, xs):
+            kp, vp, lens = carry
+            q_t, k_t, v_t = xs
+            kp, vp, lens = attnref.decode.paged_kv_append(kp, vp, table, lens, k_t, v_t)
+            return (kp, vp, lens), paged_attention(q_t, kp, vp, table, lens)[:, 0]
+
+        xs = tuple(jnp.swapaxes(a, 0, 1)[:, :, None] for a in (q, k, v))
+        _, out = jax.lax.scan(step, (*pools, jnp.zeros(b, jnp.int32)), xs)
+        return jnp.swapaxes(out, 0, 1)
+
+    out = np.asarray(decode(q, k, v))
+    # step t reads 9 slots, of which t + 1 are allowed: the others add exact zeros (no rounding),
+    # so the bound of the contiguous causal call (every row's allowed keys) covers it
+    ref = oracle.dot_product_attention(q, k, v, is_causal=True)
+    bound, _ = tolerance.kernel_call_error_bound(q, k, v, is_causal=True, key_blocks=1)
+    assert_ratio_within(np.abs(out - ref), bound, "scan decode {error:.3e} > {allowed:.3e}")
+
+
 # ----------------------------------------------------------------------------- gradients
 
 
