@@ -172,12 +172,11 @@ class PagedOracleTest(chex.TestCase):
 
     @chex.variants(without_jit=True)
     def test_equals_contiguous_oracle_eagerly(self):
-        """Without jit (every primitive dispatched on its own): decoding with NaN in the unused
-        slots, and causal chunked prefill with a window."""
-        for bucket, profile in ((BUCKETS[0], PROFILES[1]), (BUCKETS[1], PROFILES[2])):
-            p = make_paged(bucket, 4, np.float64, profile)
-            out, lse = run(self.variant(paged_attention), p, return_lse=True)
-            assert_close(out, lse, p, f"paged {bucket} {profile} (eager)")
+        """Without jit (every primitive dispatched on its own): causal chunked prefill with a
+        window, NaN in the unused slots."""
+        p = make_paged(BUCKETS[1], 4, np.float64, PROFILES[2])
+        out, lse = run(self.variant(paged_attention), p, return_lse=True)
+        assert_close(out, lse, p, "paged prefill, causal window (eager)")
 
 
 @pytest.mark.skipif(
@@ -365,11 +364,12 @@ class PagedGradTest(chex.TestCase):
         p = make_paged(bucket, seed, np.float64, profile)
         cot = np.random.default_rng(seed + 1).normal(size=(*p.q.shape[:3], p.v_pages.shape[-1]))
 
-        def loss(q, kp, vp):
-            return jnp.sum(cot * paged_attention(q, kp, vp, p.table, p.lens, **p.options))
+        def loss(q, kp, vp, table, lens, cot):  # arrays as arguments: one compile per shape
+            return jnp.sum(cot * paged_attention(q, kp, vp, table, lens, **p.options))
 
         fn = self.variant(jax.grad(loss, argnums=(0, 1, 2)))
-        dq, dk, dv = (np.asarray(g) for g in fn(p.q, p.k_pages, p.v_pages))
+        grads = fn(p.q, p.k_pages, p.v_pages, p.table, p.lens, cot)
+        dq, dk, dv = (np.asarray(g) for g in grads)
         call = p.call()
         ref = oracle.dot_product_attention_vjp(**call, cotangent=cot)
         bnd = tolerance.kernel_grad_error_bound(**call, cotangent=cot, dtype=np.float64)
@@ -502,7 +502,7 @@ def test_kit_passes_the_reference_and_fails_a_kernel_that_reads_whole_pages():
     """``check_paged`` on attnref's own kernel passes every property; a kernel that rounds each
     length up to whole pages (it reads the tail of the last page) fails ``oracle`` (the tail
     holds 1e4) and ``unused_pages`` (the tail holds NaN)."""
-    report = check_paged(_PAGED, max_examples=2)
+    report = check_paged(_PAGED, max_examples=1)
     assert report.passed, report.summary()
     assert [r.status for r in report.results] == ["passed"] * len(PAGED_PROPERTIES)
 
