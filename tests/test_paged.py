@@ -280,6 +280,33 @@ def test_append_through_the_table_equals_attention_on_the_concatenation(jit):
         assert_ratio_within(np.abs(out[row : row + 1] - ref), bound, "append {error} {allowed}")
 
 
+def test_gradient_through_append_then_attend_equals_the_oracle():
+    """``jax.grad`` (jitted) of ``sum(cot * attend(append(pages, k_new, v_new)))`` with respect
+    to the new keys and values equals the kernel gradient oracle on the contiguous
+    ``[cache; new]`` at the new positions (the scatter's transpose gathers them back), within
+    :func:`attnref.tolerance.kernel_grad_error_bound`."""
+    q, k_pages, v_pages, table, lens0, k_ctx, v_ctx, k_new, v_new = _append_case()
+    cot = np.random.default_rng(8).normal(size=(*q.shape[:3], v_new.shape[-1]))
+
+    def loss(k_new, v_new):
+        kp, vp, lens = attnref.decode.paged_kv_append(k_pages, v_pages, table, lens0, k_new, v_new)
+        return jnp.sum(cot * paged_attention(q, kp, vp, table, lens, is_causal=True))
+
+    dk, dv = (np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(k_new, v_new))
+    for row in range(2):
+        keys = np.concatenate([k_ctx[row, : lens0[row]], k_new[row]])[None]
+        vals = np.concatenate([v_ctx[row, : lens0[row]], v_new[row]])[None]
+        call = dict(query=q[row : row + 1], key=keys, value=vals, is_causal=True)
+        call["causal_alignment"] = "bottom_right"
+        ref = oracle.dot_product_attention_vjp(**call, cotangent=cot[row : row + 1])
+        bnd = tolerance.kernel_grad_error_bound(**call, cotangent=cot[row : row + 1])
+        new = slice(int(lens0[row]), None)
+        for got, want, allowed in ((dk, ref.key, bnd.key), (dv, ref.value, bnd.value)):
+            assert_ratio_within(
+                np.abs(got[row] - want[0, new]), allowed[0, new], "append grad {error:.3e}"
+            )
+
+
 def test_append_that_does_not_fit_is_refused_eagerly_nan_under_jit_and_raises_checked():
     """A chunk past the table (row 1: 8 + 5 > 12 slots) or into an out-of-range page: eagerly a
     ``ValueError`` naming the row; under ``jax.jit`` that row writes nothing and gets length
