@@ -28,6 +28,11 @@ of unused pages are never read, so they may be anything too (``-1`` padding incl
 the table: eagerly a ``ValueError`` naming the argument, the batch row and the value; under
 ``jax.jit`` every output (and ``lse``) entry of that batch row is NaN, and under
 :func:`attnref.checked` the call raises (``checkify.JaxRuntimeError``).
+
+:func:`paged_kv_append` writes a chunk of new keys and values through the table (token ``t`` of
+row ``b`` to position ``seq_lens[b] + t``) and returns the new lengths; a row that does not fit
+writes nothing and gets the length ``-1`` under ``jax.jit`` (so the next attention is NaN).
+:func:`paged_cost` counts the FLOPs and the KV bytes read per step.
 """
 
 from __future__ import annotations
