@@ -4,7 +4,8 @@
 :func:`xla_counts` reads XLA's cost analysis of a compiled function and :func:`hlo_dot_flops`
 counts the dot FLOPs in its HLO text, so the analytic model is checked against the compiler;
 :func:`hlo_collectives` reads the collectives (and the bytes each device sends) of a compiled
-SPMD program, which the distributed schemes' models (:class:`Collective`) are checked against.
+SPMD program, which the distributed schemes' models (:class:`Collective`) are checked against;
+:func:`feature_cost` is what the kernels' learnable sinks and dropout add.
 See ``docs/cost.md``.
 """
 
@@ -18,13 +19,16 @@ from attnref._src.core.cost import (
     hlo_dot_flops,
     xla_counts,
 )
+from attnref._src.formulations.kernel import FeatureCost, feature_cost
 
 __all__ = [
     "Collective",
     "Cost",
     "Dims",
+    "FeatureCost",
     "XlaCounts",
     "cost",
+    "feature_cost",
     "hlo_collectives",
     "hlo_dot_flops",
     "xla_counts",

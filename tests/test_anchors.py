@@ -586,3 +586,57 @@ def test_paged_attention_by_hand():
     )
     _close(o[0, :, 0, 0], [5 / 3, 7 / 3])
     _close(lse[0, :, 0], [math.log(3), math.log(6)])
+
+
+def _mla_by_hand(rope: bool):
+    """One head, ``d_model = d_c = d_nope = d_v = 1``: ``x = (1, 2)``, ``W_DKV = 2`` so the
+    latents are ``c = (2, 4)``, ``W_UK = W_UV = W_O = 1`` (keys and values ``(2, 4)``), ``W_UQ =
+    ln 2 / 2`` (queries ``(ln 2 / 2, ln 2)``). With ``rope``, ``W_KR = (1, 0)`` and ``W_QR =
+    (1, 0)``: the rotated parts are ``x_t (cos p_t, sin p_t)`` (one pair, frequency
+    ``base^0 = 1``), so they add ``x_t x_j cos(p_t - p_j)`` to the logits."""
+    from attnref.mla import MLAParams
+
+    return MLAParams(
+        w_dkv=np.array([[2.0]]),
+        w_uk=np.array([[[1.0]]]),
+        w_uv=np.array([[[1.0]]]),
+        w_uq=np.array([[[math.log(2) / 2]]]),
+        w_o=np.array([[[1.0]]]),
+        w_kr=np.array([[1.0, 0.0]]) if rope else None,
+        w_qr=np.array([[[1.0, 0.0]]]) if rope else None,
+    )
+
+
+@anchors("mla_qkv")
+def test_mla_qkv_by_hand():
+    """The decompressed q, k, v of :func:`_mla_by_hand` (``[T, H, d]``): ``q = (ln 2 / 2,
+    ln 2)``, ``k = v = (2, 4)``; with the RoPE part, ``q`` and ``k`` gain ``x_t (cos t,
+    sin t)`` after their ``d_nope`` part (the key part shared by every head)."""
+    x = np.array([[1.0], [2.0]])
+    q, k, v = oracle.mla_qkv(_mla_by_hand(False), x)
+    _close(q[:, 0, 0], [math.log(2) / 2, math.log(2)])
+    _close(k[:, 0, 0], [2.0, 4.0])
+    _close(v[:, 0, 0], [2.0, 4.0])
+    q, k, v = oracle.mla_qkv(_mla_by_hand(True), x)
+    rot = np.array([[1.0, 0.0], [2 * math.cos(1.0), 2 * math.sin(1.0)]])
+    _close(q[:, 0], np.column_stack([[math.log(2) / 2, math.log(2)], rot]))
+    _close(k[:, 0], np.column_stack([[2.0, 4.0], rot]))
+
+
+@anchors("mla_attention")
+def test_mla_attention_by_hand():
+    """:func:`_mla_by_hand` with ``scale = 1``: token 1's logits ``(ln 2, 2 ln 2)`` weigh the
+    values ``(2, 4)`` by ``(2, 4) / 6``: ``y = 10 / 3``; token 2's ``(2 ln 2, 4 ln 2)`` by
+    ``(4, 16) / 20``: ``y = 18 / 5``. Causal: token 1 reads only itself, ``y = 2``. With the
+    RoPE part at positions 0 and 1, token 1 adds ``1 x 1 cos 0 = 1`` and ``1 x 2 cos 1`` to its
+    two logits."""
+    x = np.array([[1.0], [2.0]])
+    y = oracle.mla_attention(_mla_by_hand(False), x, scale=1.0)
+    _close(y[:, 0], [10 / 3, 18 / 5])
+    causal = np.tril(np.ones((2, 2), bool))
+    y = oracle.mla_attention(_mla_by_hand(False), x, scale=1.0, mask=causal)
+    _close(y[:, 0], [2.0, 18 / 5])
+    y = oracle.mla_attention(_mla_by_hand(True), x, scale=1.0)
+    s = np.array([math.log(2) + 1.0, 2 * math.log(2) + 2 * math.cos(1.0)])
+    w = np.exp(s - s.max())
+    _close(y[0, 0], float(w @ [2.0, 4.0] / w.sum()))

@@ -32,6 +32,7 @@ Tolerances (derived, nothing hand-picked):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -45,6 +46,7 @@ from hypothesis import strategies as st
 import attnref
 from attnref import distributed, oracle, tolerance
 from attnref import strategies as ast
+from attnref.costs import feature_cost, xla_counts
 from attnref.testing import assert_ratio_within
 
 from .helpers import scaled
@@ -428,3 +430,70 @@ def test_the_distributed_schemes_refuse_what_they_do_not_implement():
         for kw in options:
             with pytest.raises(NotImplementedError, match=next(iter(kw))):
                 fn(q, k, v, mesh=mesh, **kw)
+
+
+# ----------------------------------------------------------------------------- the kit
+
+_KIT_FEATURES = (
+    "mask", "bias", "causal", "seq_lengths", "window", "gqa", "cross", "lse", "grad",
+    "segment_ids", "softcap", "sinks", "sink_tokens", "dropout",
+)  # fmt: skip
+
+
+def _dropout_unscaled(q, k, v, bias=None, mask=None, *, dropout_rate=None, **kw):
+    """Planted: dropout's keep mask without the ``1 / (1 - p)``."""
+    rate = None if dropout_rate is None else 0.0
+    return attnref.dot_product_attention(q, k, v, bias, mask, dropout_rate=rate, **kw)
+
+
+def _sink_twice(q, k, v, bias=None, mask=None, *, sinks=None, **kw):
+    """Planted: the sink counted twice (``2 e^z`` in the denominator)."""
+    z = None if sinks is None else sinks + jnp.log(2.0).astype(sinks.dtype)
+    return attnref.dot_product_attention(q, k, v, bias, mask, sinks=z, **kw)
+
+
+def test_the_kit_checks_users_kernels_with_the_production_features():
+    """``check_attention`` with the features ``sinks``, ``sink_tokens`` and ``dropout`` draws
+    them in its masks property: attnref's kernel passes, and kernels with a planted sink or
+    dropout bug fail it."""
+    from attnref.testing import check_attention
+
+    good = check_attention(
+        attnref.dot_product_attention, features=_KIT_FEATURES, properties=("masks",)
+    )
+    assert good.results[0].status == "passed", good.results[0]
+    for bad in (_dropout_unscaled, _sink_twice):
+        report = check_attention(bad, features=_KIT_FEATURES, properties=("masks",))
+        assert report.results[0].status == "failed", bad.__name__
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def test_the_feature_cost_model_matches_xlas_counts():
+    """What sinks and dropout add, by XLA's cost analysis of each compiled kernel, against
+    :func:`attnref.costs.feature_cost`: the sinks' 3 transcendentals per row exactly and their
+    elementwise ops within the model's bound; dropout's 2 ops per (padded) pair exactly, no
+    transcendental; neither adds a dot FLOP."""
+    b, t, s, n, k, h = 2, 6, 10, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    kv = rng.standard_normal((b, s, k, h)).astype(np.float32)
+    z, keep = np.zeros(n, np.float32), np.ones((b, n, t, s), bool)
+    splits = 4  # split-KV pads S = 10 to 4 x 3 keys
+    for fn, padded in (
+        (attnref.dot_product_attention, s),
+        (attnref.blockwise_dot_product_attention, s),
+        (functools.partial(attnref.split_kv_dot_product_attention, num_splits=splits), 12),
+    ):
+        jitted = jax.jit(fn, static_argnames=("dropout_rate",))
+        base = xla_counts(jitted, q, kv, kv)
+        with_sinks = xla_counts(jitted, q, kv, kv, sinks=z)
+        dropped = xla_counts(jitted, q, kv, kv, dropout_mask=keep, dropout_rate=0.25)
+        model_s = feature_cost(b, t, n, s, h, sinks=True)
+        model_d = feature_cost(b, t, n, padded, h, dropout=True)
+        assert with_sinks.transcendentals - base.transcendentals == model_s.transcendentals
+        assert 0 < with_sinks.flops - base.flops <= model_s.elementwise_flops
+        assert dropped.transcendentals == base.transcendentals
+        assert dropped.flops - base.flops == model_d.elementwise_flops
+        assert base.dot_flops == with_sinks.dot_flops == dropped.dot_flops

@@ -42,7 +42,7 @@ from ._linear_grad import (
     linear_attention_vjp,
     linear_multihead_vjp,
 )
-from ._mla import MLADims, check_mla_params, check_mla_tokens, mla_attention, mla_qkv
+from ._mla import mla_attention, mla_qkv
 from ._paged import paged_attention
 from ._rope import rope, rope_attention
 from ._states import merge_state_stack, merge_states, merge_states_vjp
@@ -53,14 +53,11 @@ __all__ = [
     "KernelGrads",
     "LinearGrads",
     "LinearMultiheadGrads",
-    "MLADims",
     "alibi_bias",
     "alibi_slopes",
     "attention",
     "attention_vjp",
     "attention_weights",
-    "check_mla_params",
-    "check_mla_tokens",
     "dot_product_attention",
     "dot_product_attention_vjp",
     "features",

@@ -44,7 +44,7 @@ from ._checks import (
 )
 from ._rope import rope
 
-__all__ = ["MLADims", "check_mla_params", "check_mla_tokens", "mla_attention", "mla_qkv"]
+__all__ = ["mla_attention", "mla_qkv"]
 
 # (field, shape text) of every MLA weight, in the dataclass's order; None-able ones last.
 MLA_FIELDS = (

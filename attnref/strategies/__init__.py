@@ -41,11 +41,13 @@ Design rules:
   ``random`` (boolean mask, every row keeps a key), ``bias``, ``alibi``, ``neg_inf_bias`` (a bias
   with ``-inf`` entries, every row keeps a finite one), ``window``, ``segments`` (segment ids),
   ``softcap``, ``fully_masked_row`` (a boolean mask with one row entirely False) and ``combined``
-  (causal, padding, a random mask and a bias together). :data:`KIND_FEATURES` names the feature of
-  :func:`attnref.testing.check_attention` each kind needs. One builder, :func:`make_options`,
-  makes every kind's arrays, at the kernel level and (rendered to a full ``[..., T, S]`` mask and
-  bias) at the weight level; ``empty_rows=True`` lets masks, lengths, segment ids and ``-inf``
-  biases leave a query row with no key by accident, as well as on purpose.
+  (causal, padding, a random mask and a bias together); :data:`PRODUCTION_KINDS` (``sinks``,
+  ``sink_tokens``, ``dropout``) are drawn only where asked for. :data:`KIND_FEATURES` names the
+  feature of :func:`attnref.testing.check_attention` each kind needs. One builder,
+  :func:`make_options`, makes every kind's arrays, at the kernel level and (rendered to a full
+  ``[..., T, S]`` mask and bias) at the weight level; ``empty_rows=True`` lets masks, lengths,
+  segment ids and ``-inf`` biases leave a query row with no key by accident, as well as on
+  purpose.
 * **Option mixes.** :func:`mixed_kernel_problems` draws one of the static option profiles
   :data:`STATIC_PROFILES` (causal alignment, windows, softcap, the masked-rows policy) with up to
   three of the array kinds :data:`ARRAY_KINDS` at once; :func:`with_production` adds the
@@ -89,6 +91,7 @@ from ._masks import (
     KIND_FEATURES,
     MASK_KINDS,
     MASK_SHAPE_KINDS,
+    PRODUCTION_KINDS,
     make_options,
     mask_kinds,
     segment_ids,

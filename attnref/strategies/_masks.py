@@ -26,6 +26,9 @@ MASK_KINDS = (
     "fully_masked_row",
     "combined",
 )
+# The production options as kinds (learnable sinks, sink tokens under a window, a deterministic
+# dropout): drawn where asked for, not by default (the distributed schemes refuse them).
+PRODUCTION_KINDS = ("sinks", "sink_tokens", "dropout")
 
 # The check_attention features (attnref.testing.FEATURES) each mask kind needs.
 KIND_FEATURES: dict[str, tuple[str, ...]] = {
@@ -41,6 +44,9 @@ KIND_FEATURES: dict[str, tuple[str, ...]] = {
     "softcap": ("softcap",),
     "fully_masked_row": ("mask",),
     "combined": ("causal", "seq_lengths", "mask", "bias"),
+    "sinks": ("sinks",),
+    "sink_tokens": ("window", "sink_tokens"),
+    "dropout": ("dropout",),
 }
 
 # The mask kinds that take a boolean mask / an additive bias of a drawn broadcast shape, and the
@@ -81,7 +87,7 @@ def _random_mask(rng: np.random.Generator, shape: tuple[int, ...], keep: bool) -
 
 # What each mask kind is made of. "key_padding" (key lengths only) is the weight level's padding.
 _KIND_PARTS: dict[str, tuple[str, ...]] = {
-    **{kind: (kind,) for kind in MASK_KINDS},
+    **{kind: (kind,) for kind in MASK_KINDS + PRODUCTION_KINDS},
     "none": (),
     "combined": ("causal", "padding", "random", "bias"),
 }
@@ -128,7 +134,11 @@ def build(
         out["bias"] = rng.standard_normal(b_shape).astype(dt)
     if "alibi" in parts:
         slopes = oracle.alibi_slopes(c.n)
-        bias = oracle.alibi_bias(slopes, c.t, c.s, causal_alignment=causal_alignment)
+        lengths: dict[str, Any] = {}
+        if "padding" in parts:  # FlashAttention's per-(batch, head) slopes, actual lengths
+            slopes = slopes[None] * (1.0 + np.arange(c.b))[:, None]
+            lengths = {k: out[k] for k in ("query_seq_lengths", "key_value_seq_lengths")}
+        bias = oracle.alibi_bias(slopes, c.t, c.s, causal_alignment=causal_alignment, **lengths)
         out["bias"] = bias.astype(dt)
     if "neg_inf_bias" in parts:
         bias = rng.standard_normal(b_shape)
@@ -152,14 +162,22 @@ def build(
             out["segment_ids"] = q_seg if c.t == c.s else (q_seg, kv_seg)
     if "softcap" in parts:
         out["softcap"] = 2.0
+    if "sinks" in parts:  # one logit per query head, on the scale of the logits
+        out["sinks"] = (rng.standard_normal(c.n) * 2.0).astype(dt)
+    if "sink_tokens" in parts:  # key 0 stays visible past the window's left edge
+        out["local_window_size"], out["sink_tokens"] = (2, 1), 1
+    if "dropout" in parts:  # keep about 70% of the weights, of the drawn mask shape
+        out["dropout_mask"], out["dropout_rate"] = rng.random(m_shape) < 0.7, 0.25
     return out
 
 
 def mask_kind_tuple(kind: str | tuple[str, ...]) -> tuple[str, ...]:
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
-    bad = [k for k in kinds if k not in MASK_KINDS]
+    bad = [k for k in kinds if k not in MASK_KINDS + PRODUCTION_KINDS]
     if bad:
-        raise ValueError(f"kind must be one of {MASK_KINDS} (or a tuple of them), got {bad}")
+        raise ValueError(
+            f"kind must be one of {MASK_KINDS + PRODUCTION_KINDS} (or a tuple of them), got {bad}"
+        )
     return kinds
 
 
@@ -183,10 +201,11 @@ def make_options(
     (at most one of ``bias``, ``alibi`` and ``neg_inf_bias``; ``()`` is ``"none"``).
 
     NumPy arrays, seeded by ``seed`` and the kinds; the bias in ``config.dtype`` (an ``int``
-    batch); ``alibi`` distances in ``causal_alignment``. Each kind has fixed array shapes and
-    static values, so a jitted kernel compiles one program per kind, bucket and broadcast
-    shape: ``mask_shape`` is a :data:`BROADCAST_SHAPES` pattern for the boolean mask of
-    ``random``, ``fully_masked_row`` and ``combined`` (``None``: the kind's own,
+    batch); ``alibi`` distances in ``causal_alignment`` (with ``padding``: per-(batch, head)
+    slopes and each sequence's own lengths, as FlashAttention's ``alibi_slopes``). Each kind
+    has fixed array shapes and static values, so a jitted kernel compiles one program per kind,
+    bucket and broadcast shape: ``mask_shape`` is a :data:`BROADCAST_SHAPES` pattern for the
+    boolean mask of ``random``, ``fully_masked_row`` and ``combined`` (``None``: the kind's own,
     :data:`MASK_SHAPE_KINDS`), ``bias_shape`` likewise for the bias of ``bias``,
     ``neg_inf_bias`` and ``combined`` (:data:`BIAS_SHAPE_KINDS`). Unless ``empty_rows``, only
     ``fully_masked_row`` (and ``combined`` with ``bottom_right`` alignment) can leave a query
@@ -194,7 +213,7 @@ def make_options(
     ids (query and key packings independent) and ``-inf`` biases may too, by accident.
     ``ValueError`` for an unknown kind or pattern, two bias kinds, or a tuple batch."""
     kinds = mask_kind_tuple(kind)
-    index = [MASK_KINDS.index(k) for k in kinds]
+    index = [(MASK_KINDS + PRODUCTION_KINDS).index(k) for k in kinds]
     rng = np.random.default_rng([seed, *index])
     parts = frozenset(p for k in kinds for p in _KIND_PARTS[k])
     default_mask = next((MASK_SHAPE_KINDS[k] for k in kinds if k in MASK_SHAPE_KINDS), "BNTS")

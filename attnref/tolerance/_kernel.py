@@ -295,7 +295,7 @@ def _streamed_bound(
             w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
             if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
                 s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
-                live = reads.any(axis=-1)
+                live = np.asarray(reads.any(axis=-1))
             top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
             with np.errstate(invalid="ignore"):
                 # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)

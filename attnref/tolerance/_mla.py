@@ -52,7 +52,7 @@ __all__ = ["mla_attention_error_bound", "mla_logit_chain"]
 
 
 def mla_logit_chain(dims: Any) -> int:
-    """``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6`` (:class:`attnref.oracle.MLADims`)."""
+    """``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6`` (``attnref.oracle._mla.MLADims``)."""
     return 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
 
 

@@ -269,7 +269,8 @@ def pieces_error_bound(
         # the P + 1 states is covered by the sequential tree (depth P, the deepest).
         z = np.broadcast_to(c.sinks, lse.shape[1:])[None]
         o, lse = np.concatenate([o, np.zeros_like(o[:1])]), np.concatenate([lse, z])
-        e_o, e_l = np.concatenate([e_o, np.zeros_like(e_o[:1])]), np.concatenate([e_l, np.zeros_like(z)])
+        e_o = np.concatenate([e_o, np.zeros_like(e_o[:1])])
+        e_l = np.concatenate([e_l, np.zeros_like(z)])
         tree = "sequential"
     out_b, lse_b = merge_error_bound(
         o, lse, axis=0, dtype=state_fmt, lse_dtype=lse_fmt, tree=tree, o_error=e_o, lse_error=e_l

@@ -50,7 +50,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -539,3 +539,31 @@ def option_args(option: str, value_error: str, type_error: str) -> str:
     keyword argument and its errors (sentence fragments)."""
     text = row_args(RESIDUAL_ARG + f"\n    {option}", f",\n        or {value_error}")
     return f"{text}\n    TypeError: Also if {type_error}."
+
+
+# ----------------------------------------------------------------------------- feature costs
+
+
+class FeatureCost(NamedTuple):
+    """What the production options add to a kernel call (XLA's counting: ``flops`` are every
+    elementwise op, transcendentals are ``exp`` and ``log`` elements)."""
+
+    elementwise_flops: int  # an upper bound for the sinks; exact for dropout
+    transcendentals: int  # exact
+    matmul_flops: int = 0  # exact: neither option adds a contraction
+
+
+def feature_cost(
+    b: int, t: int, n: int, s: int, h_v: int, *, sinks: bool = False, dropout: bool = False
+) -> FeatureCost:
+    """The cost of the learnable sinks and the dropout over a kernel call without them.
+
+    Sinks (:func:`with_sinks`, once per row of ``B T N``): ``exp(lse - m)``, ``exp(z - m)``
+    and ``log`` of their sum (3 transcendentals); the max, the selects, subtractions, sum,
+    division, the guard's tests and the rescaled output row, at most ``24 + 2 H_v`` elementwise
+    ops. Dropout (:func:`dropped`, once per pair of ``B N T S``, ``S`` padded to the schedule's
+    key blocks by the caller): a product and a select, exactly 2 ops, no transcendental.
+    """
+    rows, pairs = b * t * n, b * n * t * s
+    elementwise = (rows * (24 + 2 * h_v) if sinks else 0) + (2 * pairs if dropout else 0)
+    return FeatureCost(elementwise, 3 * rows if sinks else 0)

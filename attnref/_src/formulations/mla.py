@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref import oracle
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.entry import public
 from attnref._src.formulations.mla_family import (
@@ -39,6 +38,7 @@ from attnref._src.formulations.rope_family import (
     check_convention,
     check_positions,
 )
+from attnref.oracle._mla import check_mla_params, check_mla_tokens
 
 Queries = Float[Array, "... T_q d_model"]
 Keys = Float[Array, "... T_k d_model"]
@@ -245,9 +245,9 @@ def mla_latent_cache(
         TypeError: Mixed dtypes or non-integer positions.
     """
     conv, b = check_convention(convention), check_base(base)
-    dims = oracle.check_mla_params(params)
+    dims = check_mla_params(params)
     dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
-    batch, _, t_k = oracle.check_mla_tokens(dims, dtype, x_kv, x_kv, q_name="x_kv")
+    batch, _, t_k = check_mla_tokens(dims, dtype, x_kv, x_kv, q_name="x_kv")
     if positions_kv is not None:
         check_positions("positions_kv", positions_kv, batch, t_k)
     pos = np.arange(t_k) if positions_kv is None else positions_kv

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, Bool, Float, Int
 
-from attnref import oracle
 from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, float64_scoped
 from attnref._src.core.entry import Level
 from attnref._src.core.nonfinite import (
@@ -35,6 +34,7 @@ from attnref._src.formulations.rope_family import (
     check_convention,
     check_positions,
 )
+from attnref.oracle._mla import MLADims, check_mla_params, check_mla_tokens
 
 DEEPSEEK_V2 = (
     "DeepSeek-AI (2024), DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts "
@@ -78,9 +78,9 @@ class MLAParams:
     w_dq: Float[ArrayLike, "d_model d_cq"] | None = None
 
     @property
-    def dims(self) -> oracle.MLADims:
+    def dims(self) -> MLADims:
         """The checked sizes (``heads, d_model, d_c, d_nope, d_rope, d_v, d_cq``)."""
-        return oracle.check_mla_params(self)
+        return check_mla_params(self)
 
 
 def init_mla_params(
@@ -145,7 +145,7 @@ def to_attention_params(params: MLAParams) -> AttentionParams:
             rotation sits between ``W_QR`` and ``W_KR`` and depends on the positions, so no
             position-free ``W_K`` exists.
     """
-    dims = oracle.check_mla_params(params)
+    dims = check_mla_params(params)
     if dims.d_rope:
         raise ValueError(
             f"params has a decoupled RoPE part (d_rope = {dims.d_rope}); only MLA "
@@ -213,9 +213,9 @@ def _prepare(
     residual: bool,
 ) -> MLAInputs:
     conv, b = check_convention(convention), check_base(base)
-    dims = oracle.check_mla_params(params)
+    dims = check_mla_params(params)
     dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
-    batch, t_q, t_k = oracle.check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
+    batch, t_q, t_k = check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
@@ -286,7 +286,7 @@ def prepare_mla_cache(
     residual: bool = False,
 ) -> MLAInputs:
     """Validate an MLA call on the latent cache ``[..., T_k, d_c + d_rope]``."""
-    d = oracle.check_mla_params(params)
+    d = check_mla_params(params)
     return _prepare(
         params,
         x_q,
@@ -369,7 +369,7 @@ class MLACost:
 
 
 def mla_cost(
-    dims: oracle.MLADims,
+    dims: MLADims,
     *,
     batch: int,
     t_q: int,
@@ -409,7 +409,7 @@ def mla_cost(
     return MLACost(mm, per_token, per_token * itemsize)
 
 
-def mla_crossover(dims: oracle.MLADims, t_k: int) -> float:
+def mla_crossover(dims: MLADims, t_k: int) -> float:
     """The number of queries per call ``T_q*`` below which the absorbed form needs fewer matmul
     FLOPs than the naive one against ``T_k`` cached tokens (both from the cache): the root of
     ``d_c a (T_k - T_q) = T_q T_k (2 d_c - a)``, ``a = d_nope + d_v``, i.e.
@@ -424,13 +424,11 @@ def mla_crossover(dims: oracle.MLADims, t_k: int) -> float:
 
 # ModelArgs' defaults in DeepSeek-V3's inference/model.py: dim 2048, n_heads 16, kv_lora_rank
 # 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, q_lora_rank 0.
-DEEPSEEK_DEFAULTS = oracle.MLADims(
-    heads=16, d_model=2048, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=0
-)
+DEEPSEEK_DEFAULTS = MLADims(heads=16, d_model=2048, d_c=512, d_nope=128, d_rope=64, d_v=128, d_cq=0)
 
 
 def mla_cost_table(
-    dims: oracle.MLADims = DEEPSEEK_DEFAULTS,
+    dims: MLADims = DEEPSEEK_DEFAULTS,
     t_ks: tuple[int, ...] = (1024, 4096, 32768),
     itemsize: int = 2,
 ) -> str:

@@ -46,6 +46,9 @@ FEATURES = (
     "grad",
     "segment_ids",
     "softcap",
+    "sinks",
+    "sink_tokens",
+    "dropout",
 )
 DEFAULT_FEATURES: dict[str, tuple[str, ...]] = {
     # what jax.nn.dot_product_attention supports
@@ -57,7 +60,7 @@ DEFAULT_FEATURES: dict[str, tuple[str, ...]] = {
 }
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "jax_nn": (),
-    "qkv_mask": ("bias", "softcap", "lse"),
+    "qkv_mask": ("bias", "softcap", "lse", "sinks", "dropout"),
     "numpy": ("grad",),
 }
 DEFAULT_SEMANTICS = {"masked_rows": "zeros", "causal_alignment": "top_left"}

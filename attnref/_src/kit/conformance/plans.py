@@ -33,7 +33,10 @@ _DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
     "random": ("mask_shape",),
     "neg_inf_bias": ("bias_shape",),
 }
-_MASK_PROPERTY_KINDS = tuple(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row"))
+_MASK_PROPERTY_KINDS = (
+    *(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row")),
+    *ast.PRODUCTION_KINDS,  # each only where the target declares its feature
+)
 
 
 def _plan_oracle(ctx: Context) -> Plan | str:

@@ -24,8 +24,11 @@ from attnref._src.core.checks import enable_x64
 # The axis of the kit's meshes (attnref's own distributed schemes name theirs the same).
 AXIS = "devices"
 
-_STATIC = ("scale", "is_causal", "local_window_size", "softcap")
-_ARRAYS = ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segment_ids")
+_STATIC = ("scale", "is_causal", "local_window_size", "softcap", "sink_tokens", "dropout_rate")
+_ARRAYS = (
+    "bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segment_ids", "sinks",
+    "dropout_mask",
+)  # fmt: skip
 
 
 def load_target(spec: str) -> Callable[..., Any]:
