@@ -377,3 +377,19 @@ def test_emit_is_plain_unless_the_stream_is_a_terminal(terminal_env):
     console.emit(console.table(("name",), terminal=True), tty)
     assert ANSI.search(tty.getvalue())  # rich's bold heading
     assert not console.is_terminal(None) and console.is_terminal(FakeTerminal())
+
+
+def test_report_mla_prints_the_crossover(capsys):
+    """``attnref report --mla``: one row per cache length with the crossover ``T_q*`` below
+    which the absorbed form needs fewer matmul FLOPs. The column is checked against the root
+    of ``d_c a (T_k - T_q) = T_q T_k (2 d_c - a)`` written here, at DeepSeek-V3's defaults
+    (``d_c = 512``, ``a = d_nope + d_v = 256``), and the absorbed form's cache bytes per token
+    against ``(d_c + d_rope) x 2`` (the latent and the shared RoPE key, bfloat16)."""
+    assert cli.main(["report", "--mla"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 3
+    d_c, a = 512, 128 + 128
+    for row in rows:
+        t_k, t_star = int(row[0]), float(row[1])
+        assert abs(t_star - d_c * a * t_k / (d_c * a + t_k * (2 * d_c - a))) < 0.05
+        assert int(row[-1]) == (512 + 64) * 2  # the latent and the shared RoPE key

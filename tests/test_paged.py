@@ -542,3 +542,7 @@ def test_kit_passes_the_reference_and_fails_a_kernel_that_reads_whole_pages():
     assert [r.status for r in bad.results] == ["failed", "failed"], bad.summary()
     assert "exceeds the derived bound" in bad.results[0].detail
     assert "non-finite output" in bad.results[1].detail
+    # The replay line of a paged failure reruns check_paged (not check_attention), with its seed.
+    line = bad.replay(bad.results[0])
+    assert line.startswith("from attnref.conformance import check_paged"), line
+    assert "properties=['oracle']" in line and f"seed={bad.results[0].seed}" in line, line

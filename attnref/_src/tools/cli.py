@@ -25,6 +25,7 @@ from attnref import report as _report_mod
 from attnref._src.core.checks import enable_x64
 from attnref._src.core.registry import formulations, get, ids
 from attnref._src.formulations.feature_maps import MAP_NAMES
+from attnref._src.formulations.mla_family import mla_cost_table
 from attnref._src.kit import console
 from attnref._src.kit.console import is_terminal
 from attnref._src.tools import citations
@@ -75,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also sweep T and write log-log PNGs to DIR (needs attnref[plot])",
     )
     r.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
+    r.add_argument(
+        "--mla",
+        action="store_true",
+        help="print multi-head latent attention's cost table instead (naive against absorbed "
+        "form: matmul GFLOPs, cache bytes per token, the crossover T_q*) and exit",
+    )
     sub.add_parser(
         "list",
         help="registered formulations with their equations",
@@ -370,6 +377,9 @@ def _list() -> Table:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.mla:  # an analytic table: nothing to compute
+        print(mla_cost_table())
+        return 0
     sizes = {f.name for f in dataclasses.fields(_report_mod.Problem)} - {"bias", "causal"}
     problem = _report_mod.Problem(
         **{name: getattr(args, name) for name in sizes},

@@ -182,7 +182,9 @@ class ConformanceReport:
         its seed (with production shapes, up to its failing case; on ``devices`` devices alone
         when given). It pastes and runs as it is where :attr:`target` is a loadable
         ``module:function`` name; otherwise it calls the user's function ``fn``."""
-        check = "check_merge_states" if self.signature == "merge_states" else "check_attention"
+        checks = {"merge_states": "check_merge_states", "paged": "check_paged"}
+        check = checks.get(self.signature, "check_attention")
+        module = "attnref.conformance" if check == "check_paged" else "attnref.testing"
         loadable = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.target)
         fn = f"load_target({self.target!r})" if loadable else "fn"
         kw: dict[str, Any] = {"properties": [result.name], "seed": result.seed}
@@ -193,7 +195,7 @@ class ConformanceReport:
             kw["devices"] = (devices,)
         args = ", ".join([fn, *(f"{k}={v!r}" for k, v in kw.items())])
         imports = f"{check}, load_target" if loadable else check
-        return f"from attnref.testing import {imports}; {check}({args})"
+        return f"from {module} import {imports}; {check}({args})"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-able data: the fields, ``passed``, and each result as a dict."""
