@@ -291,6 +291,24 @@ def test_a_nan_sink_poisons_its_head_only():
             np.testing.assert_allclose(others, np.delete(clean, 1, axis=2), rtol=1e-5, atol=1e-6)
 
 
+def test_a_row_that_reads_a_nan_key_stays_nan_with_a_sink():
+    """A NaN key that a row may read makes that row NaN, output and lse, in every kernel with
+    sinks (the sink's merge never turns it into a number), while the rows that cannot read it
+    (causal: queries 0 and 1) are unaffected: the oracle's pattern exactly."""
+    p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[0], "causal", 5, np.float32)
+    k = p.k.copy()
+    k[0, 2, 0, 0] = np.nan  # key 2 of batch 0, K/V head 0: read by queries 2.. only
+    z = np.zeros(p.config.n, np.float32)
+    ref, ref_lse = oracle.dot_product_attention(
+        p.q, k, p.v, is_causal=True, sinks=z, return_lse=True
+    )
+    assert np.isnan(ref).any() and not np.isnan(ref).all()  # the test can fail
+    for fn in KERNELS:
+        o, lse = fn(p.q, k, p.v, is_causal=True, sinks=z, return_lse=True)
+        np.testing.assert_array_equal(np.isnan(np.asarray(o)), np.isnan(ref), err_msg=fn.__name__)
+        np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.isnan(ref_lse), fn.__name__)
+
+
 # ----------------------------------------------------------------------------- peers' references
 
 

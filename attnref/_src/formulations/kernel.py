@@ -126,7 +126,7 @@ def with_sinks(
     value 0: ``lse' = log(e^lse + e^z)``, ``o' = o e^(lse - lse')``. Fully masked rows
     (``lse = -inf``) become ``o' = 0``, ``lse' = z``; ``z = -inf`` is no sink."""
     top = jnp.maximum(lse, sinks)  #                                     max(lse, z)  [B, tq, N]
-    alive = top > -jnp.inf
+    alive = top != -jnp.inf  # (a NaN row, poisoned before, stays NaN)
     top = jax.lax.stop_gradient(jnp.where(alive, top, 0.0))
     a, z = jnp.exp(lse - top), jnp.exp(sinks - top)  #               e^(lse - m), e^(z - m)
     total = jnp.where(alive, a + z, 1.0)
