@@ -21,7 +21,10 @@ probabilities ``p_ij = exp(s_ij - lse_i)`` (FlashAttention's backward)::
 
 so ``lse`` is differentiable too. There are no gradients with respect to ``scale``, the masks,
 lengths or segment ids. Forward-mode differentiation (``jax.jvp``) is not defined for a
-``custom_vjp``.
+``custom_vjp``. With dropout (``w_ij = keep_ij / (1 - p)``) the accumulator sums
+``e^{s_ij - m'} w_ij v_j`` while ``l`` keeps the unscaled sum; the backward's ``do_i . v_j`` and
+``dv_j`` carry the same ``w_ij``. The kernel's finishing rules (learnable sinks, the
+fully-masked-row policy, query padding) run after the ``custom_vjp``, under autodiff.
 """
 
 from __future__ import annotations
