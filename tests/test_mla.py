@@ -572,3 +572,42 @@ def test_float64_inputs_compute_in_float64_with_x64_off():
     for y in ys:
         assert y.dtype == np.float64
         assert_within_bound(y, ref, bound, label="x64 off")
+
+
+# ----------------------------------------------------------------------------- the kit
+
+
+def _no_rope_in_scale(p, x_q, x_kv, **kw):
+    """Planted: the softmax scale ``1/sqrt(d_nope)``, forgetting the RoPE dims."""
+    return mla.mla_absorbed_attention(p, x_q, x_kv, scale=1 / np.sqrt(p.w_uk.shape[-1]), **kw)
+
+
+def _positions_dropped(p, x_q, x_kv, positions_q=None, positions_kv=None, **kw):
+    """Planted: the queries rotated at ``0 .. T_q - 1`` whatever their positions."""
+    return mla.mla_absorbed_attention(p, x_q, x_kv, **kw)
+
+
+def _dense(p, x_q, x_kv, **kw):
+    """Planted: a dense kernel that lets a masked token's NaN reach every output (0 x NaN)."""
+    return np.asarray(mla.mla_absorbed_attention(p, x_q, x_kv, **kw)) + 0.0 * np.sum(x_kv)
+
+
+def test_check_mla_passes_both_forms_and_catches_planted_bugs():
+    """``attnref.conformance.check_mla``: the absorbed form passes every property (the naive
+    form runs the same checks in the property tests above); each planted bug fails exactly the
+    properties that can see it, and a failure's replay line reruns ``check_mla``."""
+    from attnref.conformance import MLA_PROPERTIES, check_mla
+
+    good = check_mla(mla.mla_absorbed_attention, max_examples=2)
+    assert [r.status for r in good.results] == ["passed"] * len(MLA_PROPERTIES), good.summary()
+    expect = {
+        _no_rope_in_scale: {"rope", "causal", "decode", "masked_nan"},
+        _positions_dropped: {"decode"},
+        _dense: {"masked_nan"},
+    }
+    for bad, failing in expect.items():
+        report = check_mla(bad, max_examples=2)
+        got = {r.name for r in report.results if r.status == "failed"}
+        assert got == failing, (bad.__name__, got)
+    line = report.replay(report.results[-1])
+    assert line.startswith("from attnref.conformance import check_mla"), line

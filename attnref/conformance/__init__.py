@@ -9,7 +9,9 @@
   :mod:`attnref.conformance.plugin` (registered through the ``pytest11`` entry point).
 
 Both call :func:`attnref.testing.check_attention`; see ``docs/testing_your_kernel.md``. This
-module is the glue they share.
+module is the glue they share, and the home of the checks of other kernel shapes:
+:func:`check_paged` (a paged KV cache, ``docs/paged.md``) and :func:`check_mla` (multi-head
+latent attention, ``docs/mla.md``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from attnref._src.kit.conformance.context import Context as Context
 from attnref._src.kit.conformance.engine import check_attention
 from attnref._src.kit.conformance.engine import mesh_contexts as mesh_contexts
+from attnref._src.kit.conformance.mla import MLA_PROPERTIES, check_mla
 from attnref._src.kit.conformance.options import (
     ALL_PROPERTIES,
     CAUSAL_ALIGNMENTS,
@@ -53,6 +56,7 @@ __all__ = [
     "DISTRIBUTED_PROPERTIES",
     "FEATURES",
     "MASKED_ROWS",
+    "MLA_PROPERTIES",
     "PAGED_FEATURES",
     "PAGED_PROPERTIES",
     "PROPERTIES",
@@ -60,6 +64,7 @@ __all__ = [
     "OptionError",
     "Options",
     "TargetError",
+    "check_mla",
     "check_paged",
     "failed_devices",
     "format_failure",

@@ -182,9 +182,11 @@ class ConformanceReport:
         its seed (with production shapes, up to its failing case; on ``devices`` devices alone
         when given). It pastes and runs as it is where :attr:`target` is a loadable
         ``module:function`` name; otherwise it calls the user's function ``fn``."""
-        checks = {"merge_states": "check_merge_states", "paged": "check_paged"}
+        checks = {"merge_states": "check_merge_states", "paged": "check_paged", "mla": "check_mla"}
         check = checks.get(self.signature, "check_attention")
-        module = "attnref.conformance" if check == "check_paged" else "attnref.testing"
+        module = (
+            "attnref.conformance" if check in ("check_paged", "check_mla") else "attnref.testing"
+        )
         loadable = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.target)
         fn = f"load_target({self.target!r})" if loadable else "fn"
         kw: dict[str, Any] = {"properties": [result.name], "seed": result.seed}

@@ -1,0 +1,164 @@
+"""The conformance kit for a user's multi-head latent attention: :func:`check_mla`.
+
+The target has the signature of :func:`attnref.mla.mla_attention` (and of
+:func:`attnref.mla.mla_absorbed_attention`)::
+
+    fn(params: attnref.mla.MLAParams, x_q [B, T_q, d_model], x_kv [B, T_k, d_model], *,
+       positions_q=None, positions_kv=None, mask=None) -> y [B, T_q, d_model]
+
+NumPy arrays in (the parameters a :class:`attnref.mla.MLAParams` of NumPy arrays), anything
+:func:`numpy.asarray` reads out. A keyword is passed only when a property uses it. Wrap a kernel
+that works on the latent cache (FlashMLA's layout: the cache ``[T_k, d_c + d_rope]`` and the
+absorbed queries) in a few lines: :func:`attnref.mla.mla_latent_cache` builds the cache.
+
+Each property compares with the float64 oracle :func:`attnref.oracle.mla_attention` (the paper's
+equations) within :func:`attnref.tolerance.mla_attention_error_bound` for the input dtype (valid
+for both forms, any evaluation order of the same sums). Parameters come from
+:func:`attnref.mla.init_mla_params`; the shapes are small buckets.
+
+Properties (:data:`MLA_PROPERTIES`):
+
+``oracle``
+    Self-attention, no mask, no RoPE part: the seeds' merged case (``W_K = W_DKV W_UK``).
+``rope``
+    The decoupled RoPE part (``d_rope > 0``, one rotated key shared by every head), with and
+    without query compression (``w_dq``), positions ``0 .. T - 1``.
+``causal``
+    A causal boolean mask ``[B, T, T]`` with the RoPE part.
+``decode``
+    Queries continuing a cache (``T_q = 2 < T_k``): ``positions_q`` the last ``T_q``
+    positions, a bottom-right causal mask ``[B, T_q, T_k]``.
+``masked_nan``
+    A key token that every query's mask excludes holds NaN in ``x_kv``: no NaN may reach the
+    output (the latent of a masked token is never read).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from attnref import oracle, tolerance
+from attnref._src.formulations.mla_family import init_mla_params
+from attnref._src.kit.closeness import assert_ratio_within
+from attnref._src.kit.conformance.engine import run_property
+from attnref._src.kit.conformance.options import OptionError, check_max_examples, check_properties
+from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.kit.conformance.targets import describe_target
+
+MLA_PROPERTIES = ("oracle", "rope", "causal", "decode", "masked_nan")
+MLA_DTYPES = ("float32", "float64")
+# (B, T, d_model, H, d_c, d_nope, d_v)
+_BUCKETS = ((2, 5, 16, 2, 8, 4, 4), (1, 7, 12, 3, 6, 4, 2))
+
+
+def _params(bucket: tuple[int, ...], seed: int, dtype: str, rope: bool, compress: bool) -> Any:
+    _, _, d_model, h, d_c, d_nope, d_v = bucket
+    return init_mla_params(
+        seed, d_model=d_model, num_heads=h, d_c=d_c, d_nope=d_nope, d_v=d_v,
+        d_rope=4 if rope else 0, d_cq=6 if compress else None, dtype=np.dtype(dtype),
+    )  # fmt: skip
+
+
+def _compare(y: Any, want: np.ndarray, bound: np.ndarray, label: str) -> None:
+    got = np.asarray(y, np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"{label}: output shape {got.shape}, expected {want.shape}")
+    if not np.all(np.isfinite(got)):
+        raise AssertionError(f"{label}: non-finite output where the oracle is finite")
+    assert_ratio_within(
+        np.abs(got - want),
+        bound,
+        f"{label}: |y - oracle| = {{error:.3e}} exceeds the derived bound {{allowed:.3e}} at "
+        "{index}",
+    )
+
+
+def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[Any, Any]:
+    cases = st.tuples(st.sampled_from(_BUCKETS), st.integers(0, 2**31 - 1), st.booleans())
+
+    def check(case: tuple[tuple[int, ...], int, bool]) -> None:
+        bucket, seed, compress = case
+        b, t, d_model = bucket[:3]
+        rng = np.random.default_rng(seed)
+        for dtype in dtypes:
+            p = _params(bucket, seed, dtype, name != "oracle", compress and name != "oracle")
+            x = rng.standard_normal((b, t, d_model)).astype(dtype)
+            x_q, kw = x, {}
+            if name == "causal":
+                kw["mask"] = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+            elif name == "decode":
+                t_q = 2
+                x_q = x[:, -t_q:]
+                pos = np.broadcast_to(np.arange(t), (b, t))
+                kw["positions_q"], kw["positions_kv"] = pos[:, -t_q:], pos
+                kw["mask"] = np.broadcast_to(np.tril(np.ones((t, t), bool))[-t_q:], (b, t_q, t))
+            elif name == "masked_nan":
+                mask = np.ones((b, t, t), bool)
+                mask[..., 1] = False  # token 1 is nobody's key
+                kw["mask"] = mask
+                x = x.copy()
+                x[:, 1] = np.nan
+                x_q = rng.standard_normal((b, t, d_model)).astype(dtype)  # finite queries
+            want = oracle.mla_attention(p, x_q, x, **kw)
+            # The bound of the same problem with the never-read NaN token read as 0 (a masked
+            # token enters no sum, so any value there leaves the bound valid).
+            finite = np.where(np.isnan(x), 0.0, x).astype(dtype)
+            bound = tolerance.mla_attention_error_bound(p, x_q, finite, dtype=dtype, **kw)
+            _compare(fn(p, x_q, x, **kw), want, bound, f"{name} [{dtype}]")
+
+    return cases, check
+
+
+def check_mla(
+    fn: Callable[..., Any],
+    *,
+    dtypes: Sequence[str] = ("float32",),
+    max_examples: int | None = None,
+    seed: int = 0,
+    properties: Sequence[str] | None = None,
+    target: str | None = None,
+) -> ConformanceReport:
+    """Run the MLA properties (module docstring) against ``fn``, with the signature of
+    :func:`attnref.mla.mla_attention`: a :class:`ConformanceReport` (signature ``"mla"``), one
+    :class:`PropertyResult` per property. ``dtypes`` (of :data:`MLA_DTYPES`) are the formats
+    each property runs in; ``max_examples`` (``None``: 6), ``seed``, ``properties`` and
+    ``target`` are as in :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``)
+    for an unknown property or dtype, ``TypeError`` for an ``fn`` not callable."""
+    names = check_properties(MLA_PROPERTIES if properties is None else properties, MLA_PROPERTIES)
+    dts = tuple(str(d) for d in dtypes)
+    bad = [d for d in dts if d not in MLA_DTYPES]
+    if bad or not dts:
+        raise OptionError(
+            f"dtypes must be a subset of {MLA_DTYPES}, got {list(dts)}", "dtypes", bad, MLA_DTYPES
+        )
+    if max_examples is not None:
+        check_max_examples(max_examples)
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    results = []
+    for name in names:
+        start = time.perf_counter()
+        strategy, check = _plan(name, fn, dts)
+        status, detail, example, count, tb = run_property(strategy, check, max_examples or 6, seed)
+        took = time.perf_counter() - start
+        results.append(PropertyResult(name, status, detail, example, seed, count, (), tb, took))
+    return ConformanceReport(
+        target=target or describe_target(fn),
+        signature="mla",
+        features=(),
+        declared={},
+        results=tuple(results),
+        options=tuple(
+            (k, v)
+            for k, v, default in (
+                ("dtypes", list(dts), ["float32"]),
+                ("max_examples", max_examples, None),
+            )
+            if v != default
+        ),
+    )
