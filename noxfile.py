@@ -1,5 +1,5 @@
 """nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s lowest``,
-``nox -s docs``, ``nox -s citation``."""
+``nox -s docs``, ``nox -s docs_shell``, ``nox -s citation``."""
 
 from __future__ import annotations
 
@@ -92,13 +92,21 @@ def _ensure_chromium(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """The documentation site: ``sphinx-build`` with warnings as errors (no network: MathJax is
-    bundled), then the tests of the built site in headless Chromium and the docs' slow shell
-    examples (``pytest -n 0 -m "site or docs_shell"``; ``nox -s docs -- -k math`` passes
-    arguments to pytest). The site is ``docs/_build/html/index.html``."""
+    bundled), then the tests of the built site in headless Chromium (``pytest -n 0 -m site``;
+    ``nox -s docs -- -k math`` passes arguments to pytest). The site is
+    ``docs/_build/html/index.html``. The slow shell examples are ``nox -s docs_shell``."""
     session.install("-e", ".[docs,test]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     _ensure_chromium(session)
-    session.run("pytest", "-n", "0", "-m", "site or docs_shell", *session.posargs)
+    session.run("pytest", "-n", "0", "-m", "site", *session.posargs)
+
+
+@nox.session
+def docs_shell(session: nox.Session) -> None:
+    """The docs' slow examples (``pytest -n 0 -m docs_shell``: the blocks marked ``slow``, such
+    as ``attnref check`` runs and a pytest run of the plugin), apart from the site's build."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-n", "0", "-m", "docs_shell", *session.posargs)
 
 
 @nox.session

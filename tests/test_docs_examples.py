@@ -45,7 +45,7 @@ one per line), ``<!-- docs-test: NAME[: ARGUMENT] -->``:
 * ``skip: REASON``: the block is not run; the test is skipped with the reason (which must be
   non-empty).
 * ``slow``: the block takes more than a few seconds; its test carries ``pytest.mark.docs_shell``
-  (deselected in the default run, run by ``nox -s docs``). Everything else runs in the default
+  (deselected in the default run, run by ``nox -s docs_shell``). Everything else runs in the default
   suite.
 * ``exit N``: every command of a ``console`` block (or the whole ``bash`` block) must exit ``N``.
 * ``file: PATH``: the block (``text`` or any other label) is the content of the file ``PATH`` in
