@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -140,7 +141,20 @@ def test_cli_report_table_and_json(capsys):
     assert "Vaswani" in capsys.readouterr().out
 
 
-def test_report_default_problem_float64_below_1e12():
+@pytest.fixture
+def no_persistent_cache():
+    """JAX's persistent compilation cache off for one test, restored after. In three full runs
+    of the suite under xdist (never when the file runs alone, nor with the files tried beside
+    it), XLA's CPU ``executable.serialize()`` (jax 0.10.2) segfaulted while this test wrote one
+    of its float64 programs to the cache, taking the worker down; a segfault is XLA's bug, not a
+    result of the test, so the test compiles without writing to the cache."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_report_default_problem_float64_below_1e12(no_persistent_cache):
     """The issue's acceptance criterion on the default problem."""
     from attnref import report
 
