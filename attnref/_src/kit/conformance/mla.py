@@ -88,7 +88,8 @@ def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[A
         for dtype in dtypes:
             p = _params(bucket, seed, dtype, name != "oracle", compress and name != "oracle")
             x = rng.standard_normal((b, t, d_model)).astype(dtype)
-            x_q, kw = x, dict[str, Any]()
+            x_q = x
+            kw: dict[str, Any] = {}
             if name == "causal":
                 kw["mask"] = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
             elif name == "decode":
