@@ -453,7 +453,11 @@ def kernel_public(
     args = KERNEL_ARGS.format(
         options=lines, returns=returns, value_errors=value_errors, type_errors=type_errors
     )
-    fn.__doc__ = f"{summary}\n\n{args}\n"
+    note = ""
+    if refuses:
+        refused = ", ".join(f"``{o}``" for o in refuses)
+        note = f"\n\nNot implemented here (refused with ``NotImplementedError``):\n{refused}."
+    fn.__doc__ = f"{summary}{note}\n\n{args}\n"
     fn.formula = formula or schedule
     return fn  # type: ignore[no-any-return]
 
