@@ -1,5 +1,6 @@
 """nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s lowest``,
-``nox -s docs``, ``nox -s docs_shell``, ``nox -s citation``."""
+``nox -s docs``, ``nox -s docs_shell``, ``nox -s citation``, and ``nox -s gpu`` (a CUDA machine
+only)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,17 @@ def docs_shell(session: nox.Session) -> None:
     as ``attnref check`` runs and a pytest run of the plugin), apart from the site's build."""
     session.install("-e", ".[test]")
     session.run("pytest", "-n", "0", "-m", "docs_shell", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU run (``scripts/gpu_check.py``): on a CUDA machine, JAX with CUDA installed, then the
+    kernel-level properties on the card, the kit against jax.nn (``xla``, ``cudnn``), Pallas'
+    flash attention and torch SDPA's backends where present, and the benchmark table
+    (``nox -s gpu -- --out docs/benchmarks.md``). Not part of CI: nothing in CI needs a GPU."""
+    session.install("-e", ".[test,bench]")
+    session.install("jax[cuda12]")
+    session.run("python", "scripts/gpu_check.py", *session.posargs)
 
 
 @nox.session
