@@ -16,10 +16,13 @@ includes the source of its formula (``literalinclude`` ``:pyobject:``), read at 
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import sys
 from pathlib import Path
+
+from docutils import nodes
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -81,7 +84,11 @@ napoleon_use_ivar = True
 
 html_theme = "furo"
 html_title = f"attnref {release}"
-html_static_path: list[str] = []
+# docs/_static: wide display equations scroll sideways (attnref.css), and each display equation
+# has a copy-as-LaTeX button (copy_tex.js; the buttons are added by _copy_tex_buttons below).
+html_static_path = ["_static"]
+html_css_files = ["attnref.css"]
+html_js_files = ["copy_tex.js"]
 html_show_sourcelink = False
 
 
@@ -127,5 +134,31 @@ def _signature_as_written(app, what, name, obj, options, signature, return_annot
     return str(sig), str(raw(returns))
 
 
+def _link_readme_mentions(app, relative_path, parent_docname, content):
+    """The index includes the README: its `` `docs/<page>.md` `` mentions become links to the
+    pages (:func:`attnref.pages.link_docs_mentions`); the README itself keeps them as code."""
+    if Path(relative_path).name == "README.md":
+        content[0] = pages.link_docs_mentions(content[0], DOCS)
+
+
+def _copy_tex_buttons(app, doctree, docname):
+    """Each display equation (a ``$$`` block, ``\\begin{align}``) is wrapped with a "Copy LaTeX"
+    button that carries its TeX source in ``data-tex``; ``_static/copy_tex.js`` puts it on the
+    clipboard. HTML only: other builders skip raw HTML."""
+    for block in list(doctree.findall(nodes.math_block)):
+        tex = html.escape(block.astext(), quote=True)
+        button = nodes.raw(
+            "",
+            f'<button type="button" class="copy-tex" data-tex="{tex}" '
+            'title="Copy the LaTeX source of this equation">Copy LaTeX</button>',
+            format="html",
+        )
+        wrapper = nodes.container(classes=["attnref-equation"])
+        block.replace_self(wrapper)
+        wrapper += [block, button]
+
+
 def setup(app):
     app.connect("autodoc-process-signature", _signature_as_written)
+    app.connect("include-read", _link_readme_mentions)
+    app.connect("doctree-resolved", _copy_tex_buttons)

@@ -27,6 +27,7 @@ STEP = re.compile(r"^## Step (\d+): \S", re.M)
 REF = re.compile(r"\{ref\}`(?:[^`<]*<)?(tests\.[A-Za-z0-9_.]+)>?`")
 FORM_LINK = re.compile(r"\]\(formulations/([a-z0-9_]+)\.md\)")
 DISPLAY = re.compile(r"^\$\$\n(.+?)\n\$\$$", re.M | re.S)
+CHAIN_STEP = re.compile(r"^\s*- .*\(Step (\d+)\b", re.M)
 
 
 def _sections(text: str) -> dict[str, str]:
@@ -107,6 +108,44 @@ def test_steps_are_numbered_from_zero_without_gaps(text):
     steps = _steps(text)
     assert steps, "no '## Step N: ...' sections"
     assert sorted(steps) == list(range(len(steps)))
+
+
+def _order_problems(text: str) -> list[str]:
+    """What is out of order on an atlas page: its ``## Step N`` sections must appear as
+    0, 1, 2, ... and the chain's bullets must name each step once, in the same order."""
+    problems = []
+    headings = [int(n) for n in STEP.findall(text)]
+    if headings != sorted(set(headings)):
+        problems.append(f"sections out of order or repeated: {headings}")
+    chain = [int(n) for n in CHAIN_STEP.findall(_sections(text).get("## The chain", ""))]
+    if chain != sorted(set(chain)):
+        problems.append(f"the chain's steps out of order or repeated: {chain}")
+    if set(chain) != set(headings):
+        problems.append(f"the chain names steps {sorted(set(chain) ^ set(headings))} alone")
+    return problems
+
+
+def test_the_order_checker_rejects_misordered_pages():
+    """The checker on made-up pages: an in-order page passes; a repeated chain step, a chain out
+    of order (the atlas once read 15, 16, 16, 17 before 11) and sections out of order fail."""
+    good = (
+        "## The chain\n\n- a (Step 0, x)\n  - b (Step 1: y)\n  - c (Step 2: z)\n\n"
+        "## Step 0: a\n\n## Step 1: b\n\n## Step 2: c\n"
+    )
+    assert _order_problems(good) == []
+    assert _order_problems(good.replace("(Step 2: z)", "(Step 1: z)"))
+    assert _order_problems(
+        good.replace("(Step 1: y)", "(Step 2: q)").replace("(Step 2: z)", "(Step 1: z)")
+    )
+    swapped = good.replace("## Step 1: b", "## Step X").replace("## Step 2: c", "## Step 1: b")
+    assert _order_problems(swapped.replace("## Step X", "## Step 2: c"))
+    assert _order_problems(good.replace("  - c (Step 2: z)\n", ""))
+
+
+def test_steps_are_in_reading_order_and_named_once(text):
+    """The sections run Step 0, 1, 2, ... down the page, and the chain at the top names every
+    step exactly once, in that order."""
+    assert _order_problems(text) == []
 
 
 def test_every_registered_formulation_is_reached_by_a_step(text):

@@ -190,9 +190,9 @@ register(
         id="column",
         title='Column-vector form ("Attention: All you need to know")',
         equation=(
-            r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma\!\big(X_{kv}^\top W_{A,i} X\big) + b_O"
-            r"\mathbf{1}^\top,\quad W_{A,i} = W_{K}^\top W_{Q},\ W_{I,i} = W_{O}^\top W_{V}"
-            r"\ \text{(column convention)}"
+            r"Y = \sum_{i=1}^{H} W_{I,i} X_{kv}\, \sigma_{\mathrm{col}}\!\Big(\frac{X_{kv}^\top"
+            r" W_{A,i} X}{\sqrt{d_k}}\Big) + b_O \mathbf{1}^\top,\quad W_{A,i} = W_{K,i}^\top"
+            r" W_{Q,i},\ W_{I,i} = W_{O,i}^\top W_{V,i}\ \text{(column convention)}"
         ),
         convention="column",
         citation=COLUMN,

@@ -438,7 +438,8 @@ register(
         id="rope",
         title="Rotary position embedding (rotate q and k)",
         equation=(
-            r"s_{ij} = \frac{\big(q_i R(m_i)\big)\big(k_j R(n_j)\big)^\top}{\sqrt{d_k}},"
+            r"s^{(h)}_{ij} = \frac{\big(q^{(h)}_i R(m_i)\big)\big(k^{(h)}_j R(n_j)\big)^\top}"
+            r"{\sqrt{d_k}},\ h = 1, \dots, H,"
             r"\quad R(m) = \bigoplus_{p} \begin{pmatrix} \cos m\theta_p & \sin m\theta_p \\"
             r" -\sin m\theta_p & \cos m\theta_p \end{pmatrix},\ \theta_p = b^{-2p/d_k}"
         ),
@@ -462,9 +463,9 @@ register(
         id="rope_patterns",
         title="RoPE as a relative-position pattern matrix",
         equation=(
-            r"s_{ij} = \frac{\tilde x_i\, W_P(m_i - n_j)\, \tilde x_j^\top}{\sqrt{d_k}},"
-            r"\quad W_P(\delta) = \tilde W_Q\, R(\delta)\, \tilde W_K^\top,"
-            r"\quad \tilde x = [x, 1],\ \tilde W = [W; b]"
+            r"s^{(h)}_{ij} = \frac{\tilde x_i\, W_{P,h}(m_i - n_j)\, \tilde x_j^\top}{\sqrt{d_k}},"
+            r"\quad W_{P,h}(\delta) = \tilde W_{Q,h}\, R(\delta)\, \tilde W_{K,h}^\top,"
+            r"\quad \tilde x = [x, 1],\ \tilde W_{\cdot,h} = [W_{\cdot,h}; b_{\cdot,h}]"
         ),
         convention="row",
         citation=ROFORMER + " Pattern view: " + REFACTOR,

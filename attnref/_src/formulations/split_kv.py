@@ -270,11 +270,12 @@ register(
         id="split_kv",
         title="Split-KV attention (flash-decoding): one state per key split, one merge",
         equation=(
-            r"(o^{(p)}_i, \ell^{(p)}_i) = \Big(\mathrm{softmax}_{j \in K_p}(s_{ij}) V_{K_p},\ "
-            r"\log \sum_{j \in K_p} e^{s_{ij}}\Big),\quad m_i = \max_p \ell^{(p)}_i,\ \ "
-            r"\ell_i = m_i + \log \sum_{p=1}^{P} e^{\ell^{(p)}_i - m_i},\ \ "
-            r"o_i = \sum_{p=1}^{P} e^{\ell^{(p)}_i - \ell_i}\, o^{(p)}_i = "
-            r"\mathrm{softmax}(s_i) V"
+            r"(o^{(p)}_{i,n}, \ell^{(p)}_{i,n}) = \Big(\mathrm{softmax}_{j \in K_p}(s_{ij,n})"
+            r" V_{K_p, g(n)},\ \log \sum_{j \in K_p} e^{s_{ij,n}}\Big),\quad s_{ij,n} ="
+            r" \frac{q_{i,n} k_{j,g(n)}^\top}{\sqrt{d_k}} + b_{ij},\quad m_{i,n} = \max_p"
+            r" \ell^{(p)}_{i,n},\ \ \ell_{i,n} = m_{i,n} + \log \sum_{p=1}^{P} e^{\ell^{(p)}_{i,n}"
+            r" - m_{i,n}},\ \ o_{i,n} = \sum_{p=1}^{P} e^{\ell^{(p)}_{i,n} - \ell_{i,n}}\,"
+            r" o^{(p)}_{i,n} = \mathrm{softmax}_j(s_{ij,n}) V_{g(n)}"
         ),
         convention="kernel",
         citation=FLASH_DECODING + " The merge: " + MILAKOV + " " + DAO + " GQA: " + GQA,

@@ -141,10 +141,10 @@ register(
         id="state_merge",
         title="Attention as a tree merge of one-key states",
         equation=(
-            r"\mathrm{head}_i(q) = \bigoplus_{j \in \mathcal{A}(q)} \big(v_j,\ s_{qj}\big),"
-            r"\quad (o_a, \ell_a) \oplus (o_b, \ell_b) = \Big(\frac{e^{\ell_a} o_a + e^{\ell_b}"
-            r" o_b}{e^{\ell_a} + e^{\ell_b}},\ \log(e^{\ell_a} + e^{\ell_b})\Big)"
-            r" = \mathrm{softmax}(s_q)\,V"
+            r"\mathrm{head}_i(q) = \bigoplus_{j \in \mathcal{A}(q)} \big(v_{j,i},\ s_{qj,i}\big)"
+            r" = \mathrm{softmax}_j(s_{qj,i})\,V_i,\quad s_{qj,i} = \frac{q_i\, k_{j,i}^\top}"
+            r"{\sqrt{d_k}},\quad (o_a, \ell_a) \oplus (o_b, \ell_b) = \Big(\frac{e^{\ell_a} o_a"
+            r" + e^{\ell_b} o_b}{e^{\ell_a} + e^{\ell_b}},\ \log(e^{\ell_a} + e^{\ell_b})\Big)"
         ),
         convention="row",
         citation=(

@@ -280,3 +280,33 @@ def main() -> None:
     for p in write(ROOT / "docs" / "formulations"):
         print(p)
     print(write_distributed(ROOT / "docs" / "distributed.md"))
+
+
+# ----------------------------------------------------------------------------- the site's index
+
+# `docs/<page>.md` or `docs/<page>.md#anchor` written as inline code, not already a link's text.
+_DOCS_MENTION = re.compile(r"(?<!\[)`docs/([A-Za-z0-9_./-]+\.md)(#[A-Za-z0-9_-]+)?`(?!\]\()")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def link_docs_mentions(markdown: str, docs: Path) -> str:
+    """``markdown`` (the README, as the site's index includes it) with each inline-code mention
+    of a page of ``docs`` (`` `docs/atlas.md` ``) turned into a link whose text is that code
+    (`` [`docs/atlas.md`](docs/atlas.md) ``; MyST's ``:relative-docs: docs/`` then points it at
+    the page). Mentions of files that do not exist (``docs/formulations/<id>.md``) and text
+    inside fenced code blocks are left as they are."""
+
+    def link(m: re.Match[str]) -> str:
+        if not (docs / m.group(1)).is_file():
+            return m.group(0)
+        return f"[`docs/{m.group(1)}{m.group(2) or ''}`](docs/{m.group(1)}{m.group(2) or ''})"
+
+    out: list[str] = []
+    fenced = False
+    for line in markdown.splitlines(keepends=True):
+        if _FENCE.match(line):
+            fenced = not fenced
+            out.append(line)
+        else:
+            out.append(line if fenced else _DOCS_MENTION.sub(link, line))
+    return "".join(out)

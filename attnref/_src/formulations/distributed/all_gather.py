@@ -157,8 +157,9 @@ register(
         title="All-gather context parallelism (zigzag queries, every key gathered)",
         equation=(
             r"K' = \mathrm{all\_gather}_d(K_{\mathcal{T}_d}),\ V' = \mathrm{all\_gather}_d"
-            r"(V_{\mathcal{T}_d}),\quad O_{\mathcal{T}_d} = \mathrm{softmax}\Big(\frac{Q_"
-            r"{\mathcal{T}_d} K'^\top}{\sqrt{d_k}} + B_{\mathcal{T}_d}\Big) V',\quad"
+            r"(V_{\mathcal{T}_d}),\quad O_{\mathcal{T}_d, n} = \mathrm{softmax}\Big(\frac{Q_"
+            r"{\mathcal{T}_d, n} K'^\top_{g(n)}}{\sqrt{d_k}} + B_{\mathcal{T}_d}\Big) V'_{g(n)},"
+            r"\ n = 1, \dots, N,\quad"
             r" \mathcal{T}_d = C_d \cup C_{2P-1-d}"
         ),
         convention="kernel",

@@ -556,9 +556,12 @@ striped_attention = scheme_rows(striped_dot_product_attention, "striped_attentio
 zigzag_attention = scheme_rows(zigzag_dot_product_attention, "zigzag_attention")
 
 _STEP = (
-    r"(o_i, \mathrm{{lse}}_i) \leftarrow \mathrm{{merge}}\big((o_i, \mathrm{{lse}}_i),"
-    r" \mathrm{{state}}(q_i, K_{{(d - r) \bmod P}}, V_{{(d - r) \bmod P}})\big),\ "
-    r"r = 0, \dots, P - 1,\quad {layout}"
+    r"(o_{{i,n}}, \mathrm{{lse}}_{{i,n}}) \leftarrow \mathrm{{merge}}\big((o_{{i,n}},"
+    r" \mathrm{{lse}}_{{i,n}}), \mathrm{{state}}(q_{{i,n}}, K_{{\mathcal{{P}}_{{(d - r) \bmod"
+    r" P}}, g(n)}}, V_{{\mathcal{{P}}_{{(d - r) \bmod P}}, g(n)}})\big),\ r = 0, \dots, P - 1,"
+    r"\quad \mathrm{{state}}(q, K, V) = \Big(\mathrm{{softmax}}_j\big(\tfrac{{q k_j^\top}}"
+    r"{{\sqrt{{d_k}}}} + b_j\big) V,\ \log \sum_j e^{{q k_j^\top / \sqrt{{d_k}} + b_j}}\Big),"
+    r"\quad {layout}"
 )
 for _scheme in ("ring", "striped", "zigzag"):
     register(

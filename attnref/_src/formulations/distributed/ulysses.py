@@ -167,8 +167,9 @@ register(
         title="DeepSpeed-Ulysses: all-to-all from a sequence split to a head split",
         equation=(
             r"[Q, K, V]_{:, \mathcal{H}_d} = \mathrm{all\_to\_all}\big([Q, K, V]_{\mathcal{T}_d,"
-            r" :}\big),\quad O_{:, \mathcal{H}_d} = \mathrm{softmax}\Big(\frac{Q K^\top}"
-            r"{\sqrt{d_k}} + B\Big) V,\quad O_{\mathcal{T}_d, :} = \mathrm{all\_to\_all}"
+            r" :}\big),\quad O_{:, n} = \mathrm{softmax}\Big(\frac{Q_{:, n} K_{:, g(n)}^\top}"
+            r"{\sqrt{d_k}} + B\Big) V_{:, g(n)},\ n \in \mathcal{H}_d,"
+            r"\quad O_{\mathcal{T}_d, :} = \mathrm{all\_to\_all}"
             r"\big(O_{:, \mathcal{H}_d}\big)"
         ),
         convention="kernel",

@@ -57,8 +57,8 @@ KATHAROPOULOS = (
 )
 CHOROMANSKI = "Choromanski et al. (2021), Rethinking Attention with Performers, ICLR (FAVOR+)."
 LIN_EQ = (
-    r"y_i = \frac{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j)\, v_j^\top}"
-    r"{\sum_{j \in \mathcal{A}(i)} \phi(q_i)^\top \phi(k_j) + \epsilon}"
+    r"y_{i,h} = \frac{\sum_{j \in \mathcal{A}(i)} \phi(q_{i,h})^\top \phi(k_{j,h})\,"
+    r" v_{j,h}^\top}{\sum_{j \in \mathcal{A}(i)} \phi(q_{i,h})^\top \phi(k_{j,h}) + \epsilon}"
 )
 
 
@@ -208,8 +208,8 @@ register_linear(
     form="quadratic",
     title="Linear attention, quadratic form",
     equation=(
-        r"Y = \frac{(\phi(Q)\phi(K)^\top \odot M)\, V}"
-        r"{(\phi(Q)\phi(K)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
+        r"Y_h = \frac{(\phi(Q_h)\phi(K_h)^\top \odot M)\, V_h}"
+        r"{(\phi(Q_h)\phi(K_h)^\top \odot M)\,\mathbf{1} + \epsilon},\quad " + LIN_EQ
     ),
     citation=KATHAROPOULOS + " Feature maps: " + CHOROMANSKI,
     summary=(
@@ -224,8 +224,8 @@ register_linear(
     form="associative",
     title="Linear attention, associative (non-causal) form",
     equation=(
-        r"Y = \frac{\phi(Q)\,\big(\phi(K)^\top V\big)}"
-        r"{\phi(Q)\,\big(\phi(K)^\top \mathbf{1}\big) + \epsilon}"
+        r"Y_h = \frac{\phi(Q_h)\,\big(\phi(K_h)^\top V_h\big)}"
+        r"{\phi(Q_h)\,\big(\phi(K_h)^\top \mathbf{1}\big) + \epsilon},\ h = 1, \dots, H"
     ),
     citation=KATHAROPOULOS,
     summary=("Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."),
@@ -238,8 +238,9 @@ register_linear(
     form="prefix_sum",
     title="Linear attention, causal prefix sums",
     equation=(
-        r"S_t = \sum_{j \le t} \phi(k_j) v_j^\top,\ z_t = \sum_{j \le t} \phi(k_j),"
-        r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        r"S_{t,h} = \sum_{j \le t} \phi(k_{j,h}) v_{j,h}^\top,\ z_{t,h} = \sum_{j \le t}"
+        r" \phi(k_{j,h}),\quad y_{t,h} = \frac{\phi(q_{t,h})^\top S_{t,h}}{\phi(q_{t,h})^\top"
+        r" z_{t,h} + \epsilon}"
     ),
     citation=KATHAROPOULOS,
     summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
@@ -252,8 +253,9 @@ register_linear(
     form="recurrent",
     title="Linear attention, recurrent (RNN) form",
     equation=(
-        r"S_t = S_{t-1} + \phi(k_t) v_t^\top,\ z_t = z_{t-1} + \phi(k_t),"
-        r"\quad y_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)^\top z_t + \epsilon}"
+        r"S_{t,h} = S_{t-1,h} + \phi(k_{t,h}) v_{t,h}^\top,\ z_{t,h} = z_{t-1,h} +"
+        r" \phi(k_{t,h}),\quad y_{t,h} = \frac{\phi(q_{t,h})^\top S_{t,h}}{\phi(q_{t,h})^\top"
+        r" z_{t,h} + \epsilon}"
     ),
     citation=KATHAROPOULOS,
     summary=(
@@ -271,9 +273,9 @@ register_linear(
     form="chunked",
     title="Linear attention, chunked form",
     equation=(
-        r"y_t = \frac{\phi(q_t)^\top \big(S_{c-1} + \sum_{j \in c,\, j \le t} \phi(k_j)"
-        r" v_j^\top\big)}{\phi(q_t)^\top \big(z_{c-1} + \sum_{j \in c,\, j \le t}"
-        r" \phi(k_j)\big) + \epsilon},\ t \in \text{chunk } c"
+        r"y_{t,h} = \frac{\phi(q_{t,h})^\top \big(S_{c-1,h} + \sum_{j \in c,\, j \le t}"
+        r" \phi(k_{j,h}) v_{j,h}^\top\big)}{\phi(q_{t,h})^\top \big(z_{c-1,h} + \sum_{j \in c,"
+        r"\, j \le t} \phi(k_{j,h})\big) + \epsilon},\ t \in \text{chunk } c"
     ),
     citation=KATHAROPOULOS + " Chunkwise evaluation as in later linear-attention kernels.",
     summary=(
