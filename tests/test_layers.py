@@ -44,6 +44,7 @@ LAYERS = {
     "attnref.distributed": 1,
     "attnref._src.kit.closeness": 2,
     "attnref._src.kit.conformance": 2,
+    "attnref._src.kit.oracle_match": 2,
     "attnref.testing": 2,
     "attnref.strategies": 2,
     "attnref.conformance": 2,

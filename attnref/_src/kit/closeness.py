@@ -37,6 +37,7 @@ def assert_ratio_within(
     the index). ``ValueError`` where ``allowed`` does not broadcast to ``err``'s shape, or is
     negative or NaN anywhere (an allowance that would let any error pass, or none, by
     accident)."""
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     err = np.asarray(err)
     allowed_a = np.asarray(allowed)
     try:
@@ -70,6 +71,7 @@ def first_index(where: Any) -> tuple[int, ...]:
 
 
 def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
@@ -93,6 +95,7 @@ def assert_within_bound(actual: Any, expected: Any, bound: Any, *, label: str = 
     :func:`attnref.tolerance.attention_error_bound`). The ``AssertionError`` (a shape mismatch,
     a non-finite value, an error above the bound: the worst index and its multiple of the
     bound) names the compared quantity ``label``."""
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a, e = _prepare(actual, expected, label)
     b = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
     err = np.abs(a - e)
@@ -125,6 +128,7 @@ def assert_comparative(
     ``dtype``, ``M = floor_magnitude`` (``None``: ``max|expected|``). The ``AssertionError`` (a
     shape mismatch, a non-finite value, a largest error above the allowance: its index and
     multiple of the allowance) names the compared quantity ``label``."""
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a, e = _prepare(actual, expected, label)
     r = np.asarray(reference, dtype=np.float64)
     if r.shape != e.shape:
@@ -163,6 +167,7 @@ def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> 
     """NaN bookkeeping: returns the entries to compare. A NaN in ``actual`` where the oracle has
     none fails; a NaN in the oracle fails unless ``expected_nan`` declares it (a "nan"
     fully-masked-row policy), and then ``actual`` must have NaN at exactly those entries."""
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     nan_e, nan_a = np.isnan(e), np.isnan(a)
     if nan_e.any() and not expected_nan:
         idx = first_index(nan_e)
@@ -224,6 +229,7 @@ def assert_attention_close(
     compared quantity ``label``; ``ValueError`` for an unknown ``rule`` or a rule missing its
     ``bound``/``inputs`` or ``reference_same_dtype``.
     """
+    __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected_fp64, dtype=np.float64)
     if a.shape != e.shape:

@@ -1,0 +1,378 @@
+"""One-call checks of a kernel against the float64 oracle (:mod:`attnref.testing` re-exports
+them): :func:`assert_matches_oracle` (the output, optionally the lse) and
+:func:`assert_grads_match_oracle` (the gradients). Each runs the oracle and derives the
+allowance from the SAME keyword options, so a mask or a length is typed once, and fails with a
+numpy.testing-style summary (mismatched elements, the worst index with its axes named, both
+values, the error as a multiple of the allowance). pytest hides their frames
+(``__tracebackhide__``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from attnref import oracle, tolerance
+from attnref.tolerance import K_Y, gamma, unit_roundoff
+
+# The keyword options of attnref.oracle.dot_product_attention a kernel call may carry (jax.nn's
+# names and attnref's extensions); "implementation" is jax.nn's choice of backend, which does not
+# change the function computed, so it is accepted and ignored.
+_ORACLE_PARAMS = inspect.signature(oracle.dot_product_attention).parameters
+OPTION_NAMES = tuple(
+    n for n in _ORACLE_PARAMS if n not in ("query", "key", "value", "return_lse", "method")
+)
+IGNORED_OPTIONS = ("implementation",)
+OUT_AXES = "[b, t, n, h]"
+LSE_AXES = "[b, t, n]"
+_GRAD_AXES = {"query": "[b, t, n, h]", "key": "[b, s, k, h]", "value": "[b, s, k, h]"}
+_GRAD_AXES["bias"] = "[b, n, t, s]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A passing comparison with the oracle: ``max_error`` (the largest ``|kernel - oracle|``),
+    the ``worst`` element (largest error / allowance; ``()`` when empty) and ``ratio`` there
+    (at most 1), the ``allowed`` error there, and the compute ``dtype`` the bound was derived
+    for."""
+
+    max_error: float
+    worst: tuple[int, ...]
+    ratio: float
+    allowed: float
+    dtype: str
+
+
+def _numpy(value: Any, name: str) -> np.ndarray:
+    """``value`` (a NumPy, JAX or CPU torch array) as a NumPy array, or a ``TypeError``."""
+    __tracebackhide__ = True
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        value = value.detach().cpu()
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{name} must be an array, got {type(value).__name__} ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _floating(value: Any, name: str) -> np.ndarray:
+    __tracebackhide__ = True
+    a = _numpy(value, name)
+    if a.dtype.kind in "biucOSUmM":
+        raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    return a
+
+
+def _options(where: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword options as NumPy (arrays converted, a segment-id pair kept a pair), an unknown
+    one refused with a ``TypeError`` naming it and the accepted ones."""
+    __tracebackhide__ = True
+    unknown = sorted(set(options) - set(OPTION_NAMES) - set(IGNORED_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{where}: unknown option(s) {unknown}; the options are those of "
+            f"attnref.oracle.dot_product_attention: {', '.join(OPTION_NAMES)}"
+        )
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in IGNORED_OPTIONS:
+            continue
+        if isinstance(value, (tuple, list)) and any(hasattr(v, "__array__") for v in value):
+            value = tuple(_numpy(v, name) for v in value)
+        elif hasattr(value, "__array__"):
+            value = _numpy(value, name)
+        out[name] = value
+    return out
+
+
+def _compute_dtype(dtype: Any, *arrays: np.ndarray) -> np.dtype[Any]:
+    """``dtype``, or (``None``) the coarsest of the arrays' dtypes (the largest unit
+    round-off): a kernel returning float32 from bfloat16 inputs computed in bfloat16."""
+    __tracebackhide__ = True
+    if dtype is not None:
+        try:
+            return np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be a NumPy dtype or its name, got {dtype!r}") from None
+    return max((a.dtype for a in arrays), key=unit_roundoff)
+
+
+def _call(where: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` with the oracle's and the bounds' refusals (``ValueError``,
+    ``TypeError``) re-raised as the same type, prefixed ``where`` and without their frames."""
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kw)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+
+
+def is_16bit(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 2
+
+
+def _attnref_run(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, opts: dict[str, Any], dtype: Any, cot: Any
+) -> Any:
+    """attnref's own kernel in ``dtype`` (JAX): the output, or with a cotangent ``cot`` the
+    gradients ``(dq, dk, dv[, dbias])``, as float64 NumPy (the same-precision reference of the
+    16-bit comparative rule)."""
+    import jax
+    import jax.numpy as jnp
+
+    from attnref._src.formulations.kernel import dot_product_attention
+
+    q16, k16, v16 = (jnp.asarray(x, dtype) for x in (q, k, v))
+    kw = dict(opts)
+    if kw.get("bias") is not None:
+        kw["bias"] = jnp.asarray(kw["bias"], dtype)
+    if cot is None:
+        return np.asarray(dot_product_attention(q16, k16, v16, **kw), np.float64)
+    bias = kw.pop("bias", None)
+
+    def f(*args: Any) -> Any:
+        return dot_product_attention(*args[:3], bias=args[3] if len(args) > 3 else None, **kw)
+
+    args = (q16, k16, v16) if bias is None else (q16, k16, v16, bias)
+    out, pull = jax.vjp(f, *args)
+    return [np.asarray(g, np.float64) for g in pull(jnp.asarray(cot, out.dtype))]
+
+
+def _flash_allowance(ref: np.ndarray, exact: np.ndarray, floor: float) -> float:
+    """FlashAttention's rule: twice the same-precision reference's largest error plus
+    ``floor`` (NaN entries, a declared masked-rows meaning, left out)."""
+    diff = np.abs(ref - exact)
+    keep = ~np.isnan(exact)
+    ref_err = float(np.max(np.where(keep, np.nan_to_num(diff, nan=np.inf), 0.0), initial=0.0))
+    return 2.0 * ref_err + floor
+
+
+def _index_text(index: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, index)) + "]"
+
+
+def compare(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    allowed: Any,
+    *,
+    name: str,
+    axes: str,
+    dtype: np.dtype[Any],
+    rule: str,
+) -> Match:
+    """Fail unless ``|actual - expected| <= allowed`` elementwise, the numpy.testing way.
+
+    ``expected`` may hold NaN only where NaN is the declared meaning (a fully masked row under
+    ``masked_rows="nan"``): ``actual`` must be NaN exactly there. A NaN or inf of ``actual``
+    elsewhere is a mismatch of infinite error. The ``AssertionError`` says how many elements
+    mismatch, the worst one (largest error / allowance) as ``name{axes} = name[i, j, ...]``,
+    the kernel's and the oracle's values there, the error and its multiple of the allowance,
+    and the ``rule`` that gave the allowance."""
+    __tracebackhide__ = True
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{name}: shape {actual.shape} != the oracle's {expected.shape} {axes}"
+        )
+    a = actual.astype(np.float64)
+    e = np.asarray(expected, np.float64)
+    allowed = np.broadcast_to(np.asarray(allowed, np.float64), a.shape)
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(a - e)
+    err = np.where(nan_a & nan_e, 0.0, np.where(np.isfinite(err), err, np.inf))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0.0, 0.0, err / allowed)  # err > 0 = allowance: inf
+    bad = err > allowed
+    worst = (
+        tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), a.shape)) if a.size else ()
+    )
+    if not bad.any():
+        if not a.size:
+            return Match(0.0, (), 0.0, 0.0, str(dtype))
+        return Match(
+            float(err.max()), worst, float(ratio[worst]), float(allowed[worst]), str(dtype)
+        )
+    n_bad, total = int(bad.sum()), a.size
+    finite = np.isfinite(err) & bad
+    lines = [
+        f"{name} does not match the float64 oracle within the derived allowance "
+        f"({rule}, {dtype}, u = {unit_roundoff(dtype):.3g})",
+        f"Mismatched elements: {n_bad} / {total} ({100.0 * n_bad / total:.3g}%)",
+        f"Worst element: {name}{axes} = {name}{_index_text(worst)}",
+        f"  kernel:  {float(a[worst])!r}",
+        f"  oracle:  {float(e[worst])!r}",
+        f"  |error|: {err[worst]:.3e} = {ratio[worst]:.3g} x the allowance {allowed[worst]:.3e}",
+    ]
+    if finite.any():
+        lines.append(f"Max absolute error among mismatches: {float(err[finite].max()):.3e}")
+    if (~np.isfinite(err)).any():
+        count = int((~np.isfinite(err)).sum())
+        lines.append(f"NaN or inf where the oracle has a number (or the reverse): {count}")
+    raise AssertionError("\n".join(lines))
+
+
+def assert_matches_oracle(
+    out: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    dtype: Any = None,
+    lse: Any = None,
+    **options: Any,
+) -> Match:
+    """Assert that a kernel's ``out = fn(query, key, value, **options)`` equals the float64 oracle
+    :func:`attnref.oracle.dot_product_attention` (row vectors, ``out [B, T, N, H_v]``) within the
+    derived componentwise bound :func:`attnref.tolerance.kernel_call_error_bound` for ``dtype``,
+    both computed from the same ``options``.
+
+    Args:
+        out: The kernel's output ``[B, T, N, H_v]`` (NumPy, JAX or a CPU torch array).
+        query: ``[B, T, N, H]``, exactly as the kernel received it.
+        key: ``[B, S, K, H]``.
+        value: ``[B, S, K, H_v]``.
+        dtype: The kernel's compute format; ``None`` (default): the coarsest of ``out``'s and
+            ``query``'s dtypes. 16-bit formats use the bound's model of XLA (float32
+            accumulation, each stored intermediate rounded once); a kernel that accumulates in
+            16 bits needs :func:`assert_attention_close`'s comparative rule instead.
+        lse: The kernel's log-sum-exp ``[B, T, N]``, if it returns one: compared, within the
+            lse bound, where the oracle's lse is finite (not on fully masked or padding rows).
+        **options: Those of :func:`attnref.oracle.dot_product_attention` (jax.nn's ``bias``,
+            ``mask``, ``scale``, ``is_causal``, ``query_seq_lengths``,
+            ``key_value_seq_lengths``, ``local_window_size``, and ``segment_ids``, ``softcap``,
+            ``sinks``, ``sink_tokens``, ``dropout_mask``, ``dropout_rate``, ``masked_rows``,
+            ``causal_alignment``); jax.nn's ``implementation`` is accepted and ignored.
+
+    Returns:
+        The :class:`Match` of the output (its worst element and ratio).
+
+    Raises:
+        AssertionError: The output (or lse) has the wrong shape, or any element off by more
+            than its allowance (NaN and inf included): how many, the worst index
+            ``[b, t, n, h]``, both values there and the error as a multiple of the allowance.
+        TypeError: An argument that is not a (floating) array, an unknown option or dtype, or an
+            option of the wrong type (the oracle's message).
+        ValueError: Inputs or options the oracle refuses (its message: the argument and its
+            shape).
+    """
+    __tracebackhide__ = True
+    where = "assert_matches_oracle"
+    a = _floating(out, "out")
+    q, k, v = (_floating(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    opts = _options(where, options)
+    dt = _compute_dtype(dtype, a, q)
+    ref, ref_lse = _call(where, oracle.dot_product_attention, q, k, v, return_lse=True, **opts)
+    bound, lse_bound = _call(where, tolerance.kernel_call_error_bound, q, k, v, dtype=dt, **opts)
+    rule = "tolerance.kernel_call_error_bound"
+    allowed: Any = bound
+    if is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
+        magnitude = float(np.max(np.abs(np.nan_to_num(ref)), initial=0.0))
+        same = _attnref_run(q, k, v, opts, dt, None)
+        allowed = _flash_allowance(same, ref, gamma(K_Y, unit_roundoff(dt)) * magnitude)
+        rule = "FlashAttention's rule: 2 x attnref's own error in this dtype + gamma_8(u) max|o|"
+    match = compare(a, ref, allowed, name="out", axes=OUT_AXES, dtype=dt, rule=rule)
+    if lse is not None:
+        got = _floating(lse, "lse")
+        live = np.isfinite(ref_lse)
+        if got.shape == ref_lse.shape:
+            got = np.where(live, got.astype(np.float64), 0.0)
+        compare(
+            got,
+            np.where(live, ref_lse, 0.0),
+            np.where(live, lse_bound, 0.0),
+            name="lse",
+            axes=LSE_AXES,
+            dtype=dt,
+            rule=rule + " (lse)",
+        )
+    return match
+
+
+def assert_grads_match_oracle(
+    grads: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    cotangent: Any,
+    *,
+    lse_cotangent: Any = None,
+    dtype: Any = None,
+    **options: Any,
+) -> dict[str, Match]:
+    """Assert that a kernel's gradients ``grads = (dq, dk, dv)`` (or ``(dq, dk, dv, dbias)``) of
+    ``sum(cotangent * out) + sum(lse_cotangent * lse)``, ``out = fn(query, key, value,
+    **options)``, equal the float64 gradient oracle
+    :func:`attnref.oracle.dot_product_attention_vjp` within the derived componentwise bound
+    :func:`attnref.tolerance.kernel_grad_error_bound` for ``dtype``, both from the same
+    ``options``.
+
+    ``grads`` is what ``jax.vjp``'s pullback returns for ``(query, key, value)`` (or with the
+    bias), or ``jax.grad(..., argnums=(0, 1, 2))``'s tuple. ``cotangent`` is ``dO [B, T, N,
+    H_v]``; ``dtype`` and ``options`` as :func:`assert_matches_oracle`'s. Returns
+    ``{"query": Match, "key": ..., "value": ...[, "bias": ...]}``.
+
+    Raises:
+        AssertionError: A gradient of the wrong shape, or with any element off by more than
+            its allowance: which gradient, how many elements, the worst index (``dq[b, t, n,
+            h]``, ``dk[b, s, k, h]``, ``dv[b, s, k, h]``, ``dbias[b, n, t, s]``), both values and
+            the multiple of the allowance.
+        TypeError: ``grads`` not a sequence of 3 (or, with a ``bias``, 4) arrays, a
+            non-floating array, an unknown option or dtype.
+        ValueError: Inputs, options or a cotangent the oracle refuses (its message).
+    """
+    __tracebackhide__ = True
+    where = "assert_grads_match_oracle"
+    if isinstance(grads, dict) or not isinstance(grads, Sequence):
+        raise TypeError(
+            f"{where}: grads must be a tuple (dq, dk, dv) or (dq, dk, dv, dbias), got "
+            f"{type(grads).__name__}"
+        )
+    names = ("query", "key", "value", "bias")
+    if len(grads) not in (3, 4) or (len(grads) == 4 and options.get("bias") is None):
+        raise TypeError(
+            f"{where}: grads must hold 3 arrays (dq, dk, dv), or 4 with a bias (dq, dk, dv, "
+            f"dbias), got {len(grads)}" + (" without a bias option" if len(grads) == 4 else "")
+        )
+    got = [
+        _floating(g, f"grads[{i}] (d{n})")
+        for i, (g, n) in enumerate(zip(grads, names, strict=False))
+    ]
+    q, k, v = (_floating(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    cot = _numpy(cotangent, "cotangent")
+    opts = _options(where, options)
+    dt = _compute_dtype(dtype, q, *got)
+    kw = dict(cotangent=cot, lse_cotangent=lse_cotangent, **opts)
+    exact = _call(where, oracle.dot_product_attention_vjp, q, k, v, **kw)
+    bound = _call(where, tolerance.kernel_grad_error_bound, q, k, v, dtype=dt, **kw)
+    rule = "tolerance.kernel_grad_error_bound"
+    allowed: list[Any] = [getattr(bound, n) for n in names[: len(got)]]
+    if is_16bit(dt):  # the kit's 16-bit rule for gradients (module docstring)
+        same = _attnref_run(q, k, v, opts, dt, cot)
+        wanted = [getattr(exact, n) for n in names[: len(got)]]
+        top = max(float(np.max(np.abs(np.nan_to_num(e)), initial=0.0)) for e in wanted)
+        _, t_, n_, h_ = q.shape
+        s_, k_, h_v = v.shape[1], v.shape[2], v.shape[3]
+        n_b = t_ * (n_ // max(k_, 1)) + s_ + h_ + h_v + 2  # the backward's longest chain
+        floor = gamma(n_b, unit_roundoff(dt)) * top
+        allowed = [_flash_allowance(r, e, floor) for r, e in zip(same, wanted, strict=False)]
+        rule = (
+            "FlashAttention's rule: 2 x attnref's own gradient error in this dtype + "
+            "gamma_N(u) max|g|, N = T G + S + H + H_v + 2"
+        )
+    out: dict[str, Match] = {}
+    for name, g, allow in zip(names, got, allowed, strict=False):
+        out[name] = compare(
+            g,
+            getattr(exact, name),
+            allow,
+            name=f"d{name[0] if name != 'bias' else 'bias'}",
+            axes=_GRAD_AXES[name],
+            dtype=dt,
+            rule=rule,
+        )
+    return out
