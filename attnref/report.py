@@ -6,6 +6,7 @@ from __future__ import annotations
 from attnref._src.tools.report import (
     COLUMNS,
     FOOTER,
+    PlainRows,
     Problem,
     Row,
     Table,
@@ -20,6 +21,7 @@ from attnref._src.tools.report import (
 __all__ = [
     "COLUMNS",
     "FOOTER",
+    "PlainRows",
     "Problem",
     "Row",
     "Table",

@@ -90,15 +90,22 @@ def test_docs_exist():
 
 
 def test_readme_opens_with_the_two_commands():
-    """The fresh-machine commands; the README's tour and every other block are run by
-    ``tests/test_docs_examples.py``."""
+    """The fresh-machine commands, one block each (pasting the first must not start the
+    suite); the README's tour and every other block are run by ``tests/test_docs_examples.py``."""
     text = (ROOT / "README.md").read_text()
-    first_block = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    before, first, rest = text.split("```bash\n", 2)
+    assert before.splitlines()[0] == "# attnref"
+    assert all(line.startswith("<!--") for line in before.splitlines()[1:] if line.strip())
+    job = first.split("```", 1)[0].splitlines()
+    between, tests = first.split("```", 1)[1], rest.split("```", 1)[0].splitlines()
+    assert all(line.startswith("<!--") for line in between.splitlines() if line.strip())
     # Each command makes its own virtual environment (PEP 668: the system pip may refuse).
-    assert first_block[0].startswith("python3 -m venv .venv && .venv/bin/pip install . && ")
-    assert ".venv/bin/attnref report" in first_block[0]
-    assert first_block[1].startswith("python3 -m venv .venv && .venv/bin/pip install ")
-    assert ".venv/bin/python -m pytest -q" in first_block[1]
+    assert len(job) == 1 and "pytest" not in job[0]
+    assert job[0].startswith("python3 -m venv .venv && .venv/bin/pip install . && ")
+    assert ".venv/bin/attnref report" in job[0]
+    assert len(tests) == 1 and "attnref report" not in tests[0]
+    assert tests[0].startswith("python3 -m venv .venv && .venv/bin/pip install ")
+    assert ".venv/bin/python -m pytest -q" in tests[0]
 
 
 def test_cli_report_table_and_json(capsys):

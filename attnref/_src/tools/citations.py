@@ -428,3 +428,143 @@ def formulation_bibtex(fid: str) -> str:
     (``KeyError`` if ``fid`` has no mapping in :data:`SOURCES`)."""
     entries = [bibtex(k, attnref_entry() if k == ATTNREF_KEY else ENTRIES[k]) for k in keys(fid)]
     return "\n\n".join(entries) + "\n"
+
+
+# ``attnref cite NAME``: besides a registry id, the names people use. Each maps to a registry id
+# ("formulation", id) or to a source of ENTRIES ("source", key); ``tests/test_cli_cite.py``
+# checks that every one resolves to what it names.
+FORMULATION_ALIASES: dict[str, str] = {
+    "flash": "blockwise",
+    "online softmax": "blockwise",
+    "flash decoding": "split_kv",
+    "kv cache": "kv_cache",
+    "multi-head attention": "concat",
+    "mha": "concat",
+    "qk ov circuits": "column",
+    "rotary": "rope",
+    "ring attention": "ring",
+    "striped attention": "striped",
+    "deepspeed ulysses": "ulysses",
+    "megatron": "tensor_parallel",
+    "context parallelism": "all_gather",
+    "linear attention": "linear_quadratic",
+}
+SOURCE_ALIASES: dict[str, str] = {
+    "transformer": "vaswani2017attention",
+    "attention is all you need": "vaswani2017attention",
+    "transformer circuits": "elhage2021mathematical",
+    "flashattention": "dao2022flashattention",
+    "gqa": "ainslie2023gqa",
+    "grouped-query attention": "ainslie2023gqa",
+    "mqa": "shazeer2019fast",
+    "multi-query attention": "shazeer2019fast",
+    "roformer": "su2024roformer",
+    "performer": "choromanski2021performers",
+    "favor+": "choromanski2021performers",
+    "megatron-lm": "shoeybi2019megatron",
+    "llama 3": "grattafiori2024llama3",
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``attnref cite NAME`` names: a registry id (``kind`` ``"formulation"``) or the key
+    of a source in :data:`ENTRIES` (``kind`` ``"source"``)."""
+
+    kind: str
+    name: str
+
+
+def _norm(text: str) -> str:
+    """``text`` compared without case, spaces or punctuation (``Flash-Decoding`` ==
+    ``flash_decoding``)."""
+    return "".join(c for c in text.lower() if c.isalnum())
+
+
+def _surnames(entry: Entry) -> list[str]:
+    """The surnames of ``entry``'s authors (``Last, First and ...``), braces and accents'
+    commands removed; none for an entry without an author."""
+    authors = dict(entry.fields).get("author", "")
+    names = [a.split(",")[0] for a in authors.split(" and ") if a.strip() and a != "others"]
+    return [_norm(n.replace("\\", "")) for n in names]
+
+
+def _tiers() -> list[dict[str, set[Resolved]]]:
+    """Normalised name -> what it names, in order of precedence: registry ids, formulation
+    titles and aliases, source keys and aliases, first authors, any author."""
+    from attnref._src.core.registry import formulations
+
+    tiers: list[dict[str, set[Resolved]]] = [{}, {}, {}, {}, {}]
+
+    def add(tier: int, name: str, target: Resolved) -> None:
+        tiers[tier].setdefault(_norm(name), set()).add(target)
+
+    for f in formulations():
+        add(0, f.id, Resolved("formulation", f.id))
+        add(1, f.title, Resolved("formulation", f.id))
+        add(1, f.title.split(" (")[0], Resolved("formulation", f.id))
+    for alias, fid in FORMULATION_ALIASES.items():
+        add(1, alias, Resolved("formulation", fid))
+    for key, entry in ENTRIES.items():
+        add(2, key, Resolved("source", key))
+        surnames = _surnames(entry)
+        for position, surname in enumerate(surnames):
+            add(3 if position == 0 else 4, surname, Resolved("source", key))
+    for alias, key in SOURCE_ALIASES.items():
+        add(2, alias, Resolved("source", key))
+    return tiers
+
+
+def resolve(name: str) -> Resolved:
+    """What ``name`` names, case, spaces and punctuation ignored: a registry id, a formulation's
+    title or alias (:data:`FORMULATION_ALIASES`), a source's key, alias
+    (:data:`SOURCE_ALIASES`) or author (its first author before any other). ``LookupError``,
+    its message one line, when nothing or several sources match (the close names suggested)."""
+    import difflib
+
+    tiers = _tiers()
+    wanted = _norm(name)
+    for tier in tiers:
+        found = tier.get(wanted, set())
+        if len(found) == 1:
+            return next(iter(found))
+        if found:
+            keys = ", ".join(sorted(r.name for r in found))
+            raise LookupError(f"{name!r} names several sources: {keys}; cite one of them by key")
+    known = [n for tier in tiers for n in tier]
+    close = difflib.get_close_matches(wanted, known, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise LookupError(
+        f"nothing to cite is called {name!r}{hint}; give a registry id (attnref list shows "
+        "them), a formulation's title, a source's BibTeX key or its author"
+    )
+
+
+def _plain(value: str) -> str:
+    """A BibTeX value as plain text: braces dropped, ``{\\L}`` and ``{\\'e}`` as their letters."""
+    for command in ("\\L", "\\'", "\\c", "\\", "{", "}", "$"):
+        value = value.replace(command, "L" if command == "\\L" else "")
+    return value
+
+
+def source_text(key: str) -> str:
+    """Source ``key`` of :data:`ENTRIES` as one line of plain text, the registry's style:
+    ``Surname et al. (year). Title. Venue. Address.`` (``A & B`` for two authors)."""
+    fields = dict(ENTRIES[key].fields)
+    authors = [a.strip() for a in fields.get("author", "").split(" and ") if a.strip()]
+    surnames = [_plain(a.split(",")[0]) for a in authors]
+    if len(authors) > 2 or "others" in authors:
+        who = f"{surnames[0]} et al."
+    else:
+        who = " & ".join(surnames)
+    venue = fields.get("booktitle") or fields.get("journal") or fields.get("howpublished", "")
+    where = fields.get("url") or (f"https://doi.org/{fields['doi']}" if "doi" in fields else "")
+    year = fields["year"]
+    parts = [f"{who} ({year})", fields["title"]] if who else [f"{fields['title']} ({year})"]
+    parts += [venue, where]
+    return " ".join(_plain(p).rstrip(".") + "." for p in parts if p).rstrip(".")
+
+
+def citing(key: str) -> tuple[str, ...]:
+    """The registry ids whose sources include ``key``, in :data:`SOURCES`' order."""
+    return tuple(fid for fid, sources in SOURCES.items() if key in sources)

@@ -1,8 +1,9 @@
 """The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check``,
 ``attnref check-merge``, ``attnref cite`` and ``attnref --version``.
 
-Tables print as plain text when piped, drawn by rich on a terminal; a progress bar shows on
-stderr only when it is a terminal. Exit status 2 is a usage error (one line of error on stderr).
+Tables print as plain text when piped (the report a row at a time), drawn by rich on a
+terminal; a progress bar shows on stderr only when it is a terminal. Exit status 2 is a usage
+error: one line of error on stderr (:mod:`cli_parser`, which builds the parser).
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
+import shutil
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -23,259 +28,111 @@ from attnref import __version__
 from attnref import conformance as kit
 from attnref import report as _report_mod
 from attnref._src.core.checks import enable_x64
-from attnref._src.core.registry import formulations, get, ids
-from attnref._src.formulations.feature_maps import MAP_NAMES
+from attnref._src.core.registry import formulations, get
 from attnref._src.formulations.mla_family import mla_cost_table
 from attnref._src.kit import console
 from attnref._src.kit.console import is_terminal
 from attnref._src.tools import citations
+from attnref._src.tools.cli_parser import CHECK_XLA_FLAGS, build, did_you_mean
 from attnref.conformance import ALIGNMENTS, MASKED_ROWS
 
-# What ``attnref check`` and ``check-merge`` add to XLA_FLAGS in the console script (each flag
-# unless the caller's XLA_FLAGS sets it already): a check compiles the target at dozens of
-# shapes, and compiling is most of its time. On the CPU (no other backend reads them), LLVM's
-# optimisation level 0 and the classic elemental emitters cut XLA's compile time by more than
-# half (a default check of jax.nn: 65 s -> 27 s on 2 cores); they change how fast the generated
-# code runs, not the operations it computes (the suite runs with the same two flags).
-CHECK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+__all__ = ["CHECK_XLA_FLAGS", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnref", description=__doc__)
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="every formulation against the float64 oracle")
-    d = _report_mod.Problem()
-    for name in ("batch", "t_q", "t_k", "num_heads", "d_model", "d_k", "d_v"):
-        r.add_argument(f"--{name.replace('_', '-')}", type=_positive, default=getattr(d, name))
-    r.add_argument("--seed", type=_nonnegative, default=d.seed)
-    r.add_argument("--no-bias", action="store_true", help="parameters without biases")
-    r.add_argument("--no-causal", action="store_true", help="no causal mask")
-    r.add_argument(
-        "--formulations",
-        type=_formulation_ids,
-        help="comma-separated registry ids (default: all)",
-    )
-    r.add_argument(
-        "--dtypes",
-        type=_report_dtypes,
-        default=REPORT_DTYPES,
-        help=f"comma-separated dtypes, from {', '.join(REPORT_DTYPES)} (default: both)",
-    )
-    r.add_argument(
-        "--feature-map",
-        default="elu_plus_one",
-        choices=MAP_NAMES,
-        help="feature map for the linear family",
-    )
-    r.add_argument("--json", action="store_true", help="machine-readable output")
-    r.add_argument("--repeats", type=_positive, default=5, help="timed calls per formulation")
-    r.add_argument(
-        "--plot",
-        metavar="DIR",
-        help="also sweep T and write log-log PNGs to DIR (needs attnref[plot])",
-    )
-    r.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
-    r.add_argument(
-        "--mla",
-        action="store_true",
-        help="print multi-head latent attention's cost table instead (naive against absorbed "
-        "form: matmul GFLOPs, cache bytes per token, the crossover T_q*) and exit",
-    )
-    sub.add_parser(
-        "list",
-        help="registered formulations with their equations",
-        description="One line per registered formulation: id, family, convention, title, "
-        "equation, cost and citation (a table; plain text when piped).",
-    )
-    c = sub.add_parser(
-        "check",
-        help="run the conformance properties against your attention function",
-        description="Run attnref's conformance properties (check_attention) against an "
-        "attention function. One example in four takes tile-straddling lengths (15 to 513), "
-        "so a fault in a kernel's last, partial tile fails by default. The check compiles the "
-        "function at dozens of shapes: XLA's CPU compile runs with "
-        f"{CHECK_XLA_FLAGS} unless XLA_FLAGS sets those flags. Exit status: 0 all passed "
-        "(skips allowed), 1 a property failed, 2 the target cannot be loaded or an option is "
-        "invalid.",
-    )
-    c.add_argument("target", help="package.module:function (or package.module:obj.attr)")
-    c.add_argument(
-        "--signature",
-        default="jax_nn",
-        help="jax_nn (jax.nn.dot_product_attention's), qkv_mask (fn(q, k, v, mask)) or numpy "
-        "(NumPy in, NumPy out); default jax_nn",
-    )
-    c.add_argument(
-        "--features",
-        help="comma-separated features the function supports (default: the signature's)",
-    )
-    c.add_argument("--properties", help="comma-separated properties to run (default: all)")
-    c.add_argument("--max-examples", type=int, help="examples per property (20)")
-    c.add_argument("--seed", type=int, default=0, help="base seed (a failure prints its own)")
-    c.add_argument(
-        "--masked-rows",
-        default="zeros",
-        choices=MASKED_ROWS,
-        help="the function's declared output on fully masked rows (jax.nn and Flax: uniform)",
-    )
-    c.add_argument(
-        "--causal-alignment",
-        default="top_left",
-        choices=ALIGNMENTS,
-        help="the function's declared causal alignment when T != S (FlashAttention: bottom_right)",
-    )
-    c.add_argument(
-        "--dtypes",
-        help="comma-separated input dtypes the function takes (default float32): the oracle "
-        "property runs in each, the others in the first (float32 when listed); with --devices, "
-        "ring_size_growth runs in each, so list a 16-bit format next to float32 "
-        "(float32,bfloat16) to check a 16-bit ring. A 16-bit merge of partial states must "
-        "accumulate in float32 (the running output and lse), else the error grows with the "
-        "ring size",
-    )
-    c.add_argument(
-        "--shapes",
-        default="small",
-        choices=("small", "production"),
-        help="small: Hypothesis draws over small shapes (default); production: tile-boundary "
-        "lengths (2^k - 1, 2^k, 2^k + 1 up to 8193), head dims 64/128/256, up to 32 heads with "
-        "GQA, every mask kind, against the fast float64 oracle (minutes on 2 cores)",
-    )
-    c.add_argument(
-        "--devices",
-        metavar="LIST",
-        help="check a distributed kernel (fn(query, key, value, ..., mesh=, axis_name=)) on "
-        "1-D meshes of these sizes, e.g. 1,2,4,8: every property on each size, plus "
-        "ring_size_growth (in every --dtypes format: a 16-bit merge of partial states must "
-        "accumulate in float32, the running output and lse, else the error grows with the ring "
-        "size) and uneven_lengths. Lengths are multiples of 2 lcm(sizes), K/V head counts of "
-        "lcm(sizes), so a head-parallel kernel can split them. The host needs that many "
-        "devices: on a CPU host run with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-        "(otherwise a clear error, exit 2)",
-    )
-    c.add_argument("--json", action="store_true", help="machine-readable report")
-    c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
-    c.add_argument(
-        "--verbose",
-        action="store_true",
-        help="print a line per production case and per mesh size to stderr even when it is not "
-        "a terminal (on a terminal these lines show above the progress bar anyway)",
-    )
-    m = sub.add_parser(
-        "check-merge",
-        help="run the state-algebra properties against your merge_states",
-        description="Run the attention state algebra's properties (check_merge_states: oracle, "
-        "commutative, associative, identity, stability, dtypes, gradients) against a function "
-        "merge(o_a, lse_a, o_b, lse_b) -> (o, lse). Exit status: 0 all passed, 1 a property "
-        "failed, 2 the target cannot be loaded or an option is invalid.",
-    )
-    m.add_argument("target", help="package.module:function")
-    m.add_argument("--properties", help="comma-separated properties to run (default: all)")
-    m.add_argument("--max-examples", type=int, help="examples per property (20)")
-    m.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every property")
-    m.add_argument("--dtypes", help="comma-separated formats (float32,float64,bfloat16,float16)")
-    m.add_argument(
-        "--masked-rows",
-        default="zeros",
-        choices=("zeros", "nan"),
-        help="the declared o of a merge of empty states",
-    )
-    m.add_argument(
-        "--no-grad",
-        action="store_true",
-        help="the merge cannot be differentiated by jax.vjp (NumPy inside): skip gradients",
-    )
-    m.add_argument("--json", action="store_true", help="machine-readable report")
-    k = sub.add_parser(
-        "cite",
-        help="how to cite a formulation: its sources and attnref",
-        description="Print the citation of a registered formulation: its title, its sources "
-        "and attnref (plain text), or BibTeX entries for them with --bibtex.",
-    )
-    k.add_argument("id", type=_formulation_id, help="a registry id (attnref list shows them)")
-    k.add_argument("--bibtex", action="store_true", help="BibTeX entries instead of plain text")
-    return p
+    return build(__version__, _report_mod.Problem(), MASKED_ROWS, ALIGNMENTS)
 
 
-PROGRESS_HELP = "no progress bar (one is shown only when stderr is a terminal)"
-REPORT_DTYPES = ("float32", "float64")
-
-
-def _positive(text: str) -> int:
-    """``text`` as an integer of at least 1; otherwise argparse's one-line error."""
-    value = _nonnegative(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def _nonnegative(text: str) -> int:
-    """``text`` as an integer of at least 0; otherwise argparse's one-line error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
-    return value
-
-
-def _formulation_ids(text: str) -> list[str]:
-    """Comma-separated registry ids; otherwise argparse's one-line error naming the known ids."""
-    return [_formulation_id(s) for s in _items(text)]
-
-
-def _report_dtypes(text: str) -> list[str]:
-    """Comma-separated dtypes of :data:`REPORT_DTYPES`; otherwise argparse's one-line error."""
-    chosen = _items(text)
-    for name in chosen:
-        if name not in REPORT_DTYPES:
-            raise argparse.ArgumentTypeError(
-                f"unknown dtype {name!r} (choose from {', '.join(REPORT_DTYPES)})"
-            )
-    return chosen
-
-
-def _items(text: str) -> list[str]:
-    """The non-empty items of a comma-separated list (at least one)."""
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-    return items
-
-
-def _fail(command: str, error: Exception) -> SystemExit:
+def _fail(command: str, error: Exception | str) -> SystemExit:
     """Print ``attnref <command>: error: <error>`` (one line) to stderr; the exit to raise."""
     message = " ".join(line.strip() for line in str(error).strip().splitlines())
     print(f"attnref {command}: error: {message}", file=sys.stderr)
     return SystemExit(2)
 
 
-def _formulation_id(text: str) -> str:
-    """``text`` if it is a registry id; otherwise argparse's one-line error naming the known ids."""
-    known = ids()
-    if text not in known:
-        raise argparse.ArgumentTypeError(
-            f"unknown formulation {text!r} (known: {', '.join(known)})"
-        )
-    return text
-
-
-def _cite(fid: str, bibtex: bool) -> str:
-    """The citation of registry entry ``fid``: plain text (title, the registry's citation,
-    attnref's) or BibTeX (its sources' entries, then attnref's)."""
+def _cite(name: str, bibtex: bool) -> str:
+    """The citation of what ``name`` names (:func:`citations.resolve`): a formulation's title,
+    sources and attnref, or one source, the formulations citing it and attnref; as plain text
+    or BibTeX (the sources' entries, then attnref's). A name nothing matches is a usage
+    error."""
+    try:
+        found = citations.resolve(name)
+    except LookupError as e:
+        raise _fail("cite", e) from None
+    if found.kind == "formulation":
+        if bibtex:
+            return citations.formulation_bibtex(found.name).rstrip()
+        f = get(found.name)
+        return f"{f.title} ({f.id})\n\nSources: {f.citation}\n\nattnref: {citations.attnref_text()}"
+    key = found.name
     if bibtex:
-        return citations.formulation_bibtex(fid).rstrip()
-    f = get(fid)
-    return f"{f.title} ({fid})\n\nSources: {f.citation}\n\nattnref: {citations.attnref_text()}"
+        ours = citations.bibtex(citations.ATTNREF_KEY, citations.attnref_entry())
+        return f"{citations.bibtex(key, citations.ENTRIES[key])}\n\n{ours}"
+    users = ", ".join(citations.citing(key))
+    return (
+        f"{citations.source_text(key)}\n\nCited by the formulations: {users}\n\n"
+        f"attnref: {citations.attnref_text()}"
+    )
+
+
+def _suggestion(error: ValueError) -> str:
+    """The "did you mean" of the kit's rejection of an option (its ``OptionError``, the cause
+    of ``error``): the accepted value closest to the first rejected one, read from the kit
+    (its features, properties, signatures), or ``""``."""
+    cause = error.__cause__
+    accepted = getattr(cause, "accepted", ())
+    value = getattr(cause, "value", None)
+    first = value[0] if isinstance(value, (list, tuple)) and value else value
+    return did_you_mean(first, accepted) if isinstance(first, str) and accepted else ""
+
+
+def load(spec: str) -> Callable[..., Any]:
+    """The callable ``spec`` names: ``package.module:function`` (the kit's :func:`kit.load`),
+    or ``path/to/attn.py:function`` (a ``.py`` file, or a path with a ``/``), loaded from that
+    file as a module, its directory first on ``sys.path`` (as ``python path/to/attn.py`` puts
+    it) so its own imports of neighbours work. Every failure is a :class:`kit.TargetError`
+    whose message (one line) says what was wrong."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not (where.endswith(".py") or "/" in where or os.sep in where):
+        return kit.load(spec)
+    path = Path(where)
+    if not path.is_file():
+        raise kit.TargetError(f"target {spec!r}: no such file {where!r}")
+    if not attr:
+        raise kit.TargetError(f"target {spec!r} names no function: use {where}:function")
+    name = "attnref_target_" + "".join(c if c.isalnum() else "_" for c in path.stem)
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise kit.TargetError(f"target {spec!r}: {where!r} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    sys.modules[name] = module  # before it runs: a dataclass in the file looks its module up
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if not isinstance(e, Exception):
+            raise
+        raise kit.TargetError(f"cannot load {where!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            hint = did_you_mean(part, names)
+            raise kit.TargetError(f"target {spec!r}: {where!r} has no {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise kit.TargetError(f"target {spec!r} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
 
 
 def _check_merge(args: argparse.Namespace) -> int:
     from attnref.testing import check_merge_states
 
     try:
-        fn = kit.load(args.target)
+        fn = load(args.target)
     except kit.TargetError as e:
         _fail("check-merge", e)
         return 2
@@ -323,9 +180,9 @@ def _check(args: argparse.Namespace) -> int:
     try:
         options.validate()
     except ValueError as e:
-        raise _fail("check", e) from None
+        raise _fail("check", f"{e}{_suggestion(e)}") from None
     try:
-        fn = kit.load(args.target)
+        fn = load(args.target)
     except kit.TargetError as e:
         _fail("check", e)
         return 2
@@ -366,14 +223,30 @@ def _replay_text(report: Any, options: kit.Options) -> str:
 
 def _list() -> Table:
     """The registry as a table: a row per formulation, its title, equation, cost and citation
-    on consecutive lines of the last column, a blank line between rows."""
+    on consecutive lines of the last column, a blank line between rows. In plain text the last
+    column is wrapped to the width ``shutil.get_terminal_size`` reports (``COLUMNS``, else 100
+    when piped), its continued lines indented; on a terminal rich wraps it."""
     headings = ("id", "family", "convention", "title, equation, cost, citation")
-    table = console.table(headings, terminal=is_terminal(sys.stdout))
+    terminal = is_terminal(sys.stdout)
+    table = console.table(headings, terminal=terminal)
     table.leading = 1
-    for f in formulations():
-        about = "\n".join((f.title, f.equation, f"cost: {f.cost}", f.citation))
-        table.add_row(f.id, f.family.name, f.convention, Text(about))
+    entries = formulations()
+    columns: list[list[str]] = [[f.id, f.family.name, str(f.convention)] for f in entries]
+    used = sum(max(len(headings[i]), *(len(c[i]) for c in columns)) + 2 for i in range(3))
+    width = max(shutil.get_terminal_size((100, 24)).columns - used, 30)
+    for f in entries:
+        about = [f.title, f.equation, f"cost: {f.cost}", f.citation]
+        if not terminal:
+            about = [_wrap(line, width) for line in about]
+        table.add_row(f.id, f.family.name, f.convention, Text("\n".join(about)))
     return table
+
+
+def _wrap(line: str, width: int) -> str:
+    """``line`` wrapped at spaces to ``width`` columns, continued lines indented by two (a word
+    longer than that, such as a long LaTeX command run, is cut)."""
+    wrapped = textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(wrapped)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -386,11 +259,32 @@ def _report(args: argparse.Namespace) -> int:
         bias=not args.no_bias,
         causal=not args.no_causal,
     )
+    # Piped, the rows print as they are measured (a report of every formulation takes a
+    # minute); on a terminal the progress bar runs and rich draws the table at the end.
+    stream = (
+        None
+        if args.json or is_terminal(sys.stdout)
+        else _report_mod.PlainRows(problem, args.formulations or [f.id for f in formulations()])
+    )
+    if stream is not None:
+        print(stream.head(), flush=True)
+
+    def on_row(row: _report_mod.Row) -> None:
+        if stream is not None:
+            print(stream.row(row), flush=True)
+
     with enable_x64(), console.progress_bar(not args.no_progress) as bar:
         # the table includes float64 rows; float32 rows stay float32
         rows = _report_mod.run(
-            problem, args.formulations, args.dtypes, repeats=args.repeats, progress=bar.update
+            problem,
+            args.formulations,
+            args.dtypes,
+            repeats=args.repeats,
+            progress=bar.update,
+            on_row=on_row,
         )
+        if stream is not None:
+            print(_report_mod.FOOTER, flush=True)
         if args.plot:
             swept = _report_mod.sweep(problem, args.formulations, progress=bar.update)
             try:
@@ -401,7 +295,7 @@ def _report(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(_report_mod.to_json(rows, problem))
-    else:
+    elif stream is None:
         console.emit(_report_mod.Table(rows, problem))
     return 0 if all(r.bound_ratio <= 1.0 for r in rows) else 1
 
@@ -429,7 +323,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "check-merge":
         return _check_merge(args)
     if args.command == "cite":
-        print(_cite(args.id, args.bibtex))
+        print(_cite(args.name, args.bibtex))
         return 0
     if args.command == "list":
         console.emit(_list())

@@ -92,9 +92,11 @@ def run(
     *,
     repeats: int = 5,
     progress: Progress | None = None,
+    on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Every chosen formulation on the problem: error against its family's oracle, analytic
-    cost, XLA's counts and the median jitted time.
+    cost, XLA's counts and the median jitted time; ``on_row(row)``, if given, is called with
+    each row as soon as it is measured (``attnref report`` prints it then, when piped).
 
     Each entry runs causally if the problem is and the entry can (else in its default mode),
     with the keyword arguments of its family's ``example`` (a causal mask, or the linear
@@ -147,6 +149,8 @@ def run(
                     _median_us(fn, (params, x_q, xkv), kw, repeats),
                 )
             )
+            if on_row is not None:
+                on_row(rows[-1])
             done += 1
     if progress is not None:
         progress(total, total, "done")
@@ -190,8 +194,8 @@ NUMERIC = COLUMNS[2:5] + COLUMNS[6:10]
 @dataclasses.dataclass(frozen=True)
 class Table:
     """The report of :func:`run`'s rows on ``problem``, as rich renders it: the heading
-    (:func:`header`), a row per formulation and dtype, the FLOP columns' legend.
-    :func:`format_table` is the same as plain text."""
+    (:func:`header`), a row per formulation and dtype, the FLOP columns' legend; on a
+    terminal, cells wrap to its width. :func:`format_table` is the plain-text layout."""
 
     rows: Sequence[Row]
     problem: Problem
@@ -202,29 +206,74 @@ class Table:
         yield Text("")
         table = console.table(COLUMNS, right=NUMERIC, terminal=terminal)
         for r in self.rows:
-            ok = "ok" if r.bound_ratio <= 1.0 else "FAIL"
-            table.add_row(
-                r.id,
-                r.dtype,
-                f"{r.max_abs_error:.3e}",
-                f"{r.max_rel_error:.3e}",
-                f"{r.bound_ratio:.2e}",
-                Text(ok, console.status_style(ok, terminal)),
-                f"{r.model_flops:,d}",
-                f"{r.xla_flops:,.0f}",
-                f"{r.temp_bytes:,d}",
-                f"{r.median_us:.1f}",
-                r.note,
-            )
+            cells = _cells(r)
+            ok = Text(cells[5], console.status_style(cells[5], terminal))
+            table.add_row(*cells[:5], ok, *cells[6:])
         yield table
         yield Text(FOOTER)
 
 
+def _cells(r: Row) -> tuple[str, ...]:
+    """Row ``r``'s cells, in :data:`COLUMNS`' order, as both layouts print them."""
+    return (
+        r.id,
+        r.dtype,
+        f"{r.max_abs_error:.3e}",
+        f"{r.max_rel_error:.3e}",
+        f"{r.bound_ratio:.2e}",
+        "ok" if r.bound_ratio <= 1.0 else "FAIL",
+        f"{r.model_flops:,d}",
+        f"{r.xla_flops:,.0f}",
+        f"{r.temp_bytes:,d}",
+        f"{r.median_us:.1f}",
+        r.note,
+    )
+
+
+# The plain layout's least widths of the numeric columns: a count up to 9,999,999,999 fits, the
+# errors' and the time's formats always do; a wider cell widens its own line only.
+_LEAST = {"model FLOPs": 13, "XLA FLOPs": 13, "temp bytes": 13, "ok": 4, "dtype": 7}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainRows:
+    """The report as plain text, one line at a time, so that a row prints as soon as it is
+    measured (``attnref report`` piped): the columns' widths are fixed before any row exists,
+    from the headings, the formulations' ids and fixed least widths; numbers right-aligned
+    under their headings, columns two spaces apart, no trailing space."""
+
+    problem: Problem
+    ids: Sequence[str]
+
+    def widths(self) -> tuple[int, ...]:
+        first = max([len(COLUMNS[0]), *map(len, self.ids)])
+        rest = [max(len(c), _LEAST.get(c, 0)) for c in COLUMNS[1:-1]]
+        return (first, *rest)
+
+    def line(self, cells: Sequence[str]) -> str:
+        """One line of the table: ``cells`` in :data:`COLUMNS`' order, padded to the widths."""
+        padded = [
+            cell.rjust(w) if heading in NUMERIC else cell.ljust(w)
+            for cell, w, heading in zip(cells, self.widths(), COLUMNS, strict=False)
+        ]
+        return "  ".join([*padded, *cells[len(padded) :]]).rstrip()
+
+    def head(self) -> str:
+        """What precedes the rows: :func:`header`, a blank line, the headings and their rule."""
+        rule = self.line(["-" * w for w in self.widths()] + ["-" * len(COLUMNS[-1])])
+        return f"{header(self.problem)}\n\n{self.line(COLUMNS)}\n{rule}"
+
+    def row(self, r: Row) -> str:
+        """Row ``r`` as one line."""
+        return self.line(_cells(r))
+
+
 def format_table(rows: Sequence[Row], problem: Problem) -> str:
-    """:class:`Table` of :func:`run`'s ``rows`` as plain text (what ``attnref report`` prints to
-    a pipe or a file): the heading, a blank line, an ASCII table (no line wrapped), the legend
-    of the FLOP columns."""
-    return console.plain(Table(rows, problem))
+    """:func:`run`'s ``rows`` as plain text (what ``attnref report`` prints to a pipe or a
+    file, a row at a time): the heading, a blank line, an ASCII table (no line wrapped), the
+    legend of the FLOP columns (:class:`PlainRows`)."""
+    plain = PlainRows(problem, [r.id for r in rows])
+    return "\n".join([plain.head(), *map(plain.row, rows), FOOTER])
 
 
 def to_json(rows: Sequence[Row], problem: Problem) -> str:
