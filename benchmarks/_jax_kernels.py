@@ -1,18 +1,20 @@
 """Time and temporary memory of attnref's JAX kernels against ``jax.nn.dot_product_attention``.
 
-Not a test: ``python benchmarks/_jax_kernels.py [--lengths 1024,2048,4096] [--repeats 5]`` prints
+Not a test: ``python benchmarks/_jax_kernels.py [--settings 4096:causal,8192:window 256]
+[--repeats 5]`` prints
 a table; ``benchmarks/bench_oracle.py`` calls :func:`jax_kernel_rows` for its section of
 ``docs/benchmarks.md``.
 
 Three kernels compute the same attention on the same float32 inputs ``q, k, v [B, T, N, H]``
-(``T = S``, no mask but ``is_causal``): ``jax.nn.dot_product_attention(implementation="xla")``
-(the reference of every ratio), ``attnref.dot_product_attention`` (the naive form: every ``T x S``
-logit at once) and ``attnref.blockwise_dot_product_attention`` (the flash form, its default
-blocks). Each is jitted and compiled once; the compiled executables then run round-robin,
-``repeats`` times each after one warm-up call, so a change in the machine's load falls on all
-three alike. Reported: the median wall-clock time (``block_until_ready``) and XLA's temporary
-memory, ``compiled.memory_analysis().temp_size_in_bytes`` (buffers beyond the arguments and the
-output), each with its ratio to jax.nn's.
+(``T = S``; no mask, causal, or a causal 256-token sliding window: :data:`MASKS`):
+``jax.nn.dot_product_attention(implementation="xla")`` (the reference of every ratio),
+``attnref.dot_product_attention`` (the naive form: every ``T x S`` logit at once) and
+``attnref.blockwise_dot_product_attention`` (the flash form, its default blocks, skipping the
+tiles the mask removes). Each is jitted and compiled once; the compiled executables then run
+round-robin, ``repeats`` times each after one warm-up call, so a change in the machine's load
+falls on all three alike. Reported: the median wall-clock time (``block_until_ready``) and XLA's
+temporary memory, ``compiled.memory_analysis().temp_size_in_bytes`` (buffers beyond the
+arguments and the output), each with its ratio to jax.nn's.
 """
 
 from __future__ import annotations
@@ -32,17 +34,19 @@ import attnref
 
 MIB = 2**20
 
-# name -> f(q, k, v, *, causal): the candidates, the reference (jax.nn) first.
+# The masks measured: name -> jax.nn-compatible options. "window 256": each query reads itself and
+# the 255 keys before it (a causal sliding window of 256 tokens, Mistral's and Gemma's).
+MASKS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "causal": {"is_causal": True},
+    "window 256": {"is_causal": True, "local_window_size": (255, 0)},
+}
+
+# name -> f(q, k, v, **mask options): the candidates, the reference (jax.nn) first.
 KERNELS: dict[str, Callable[..., Any]] = {
-    "jax.nn (xla)": lambda q, k, v, *, causal: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="xla"
-    ),
-    "attnref naive": lambda q, k, v, *, causal: attnref.dot_product_attention(
-        q, k, v, is_causal=causal
-    ),
-    "attnref blockwise": lambda q, k, v, *, causal: attnref.blockwise_dot_product_attention(
-        q, k, v, is_causal=causal
-    ),
+    "jax.nn (xla)": functools.partial(jax.nn.dot_product_attention, implementation="xla"),
+    "attnref naive": attnref.dot_product_attention,
+    "attnref blockwise": attnref.blockwise_dot_product_attention,
 }
 
 
@@ -70,18 +74,24 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+SETTINGS = (
+    *((t, m) for t in (1024, 2048, 4096) for m in ("none", "causal")),
+    (8192, "window 256"),
+)
+
+
 def jax_kernel_rows(
-    lengths: tuple[int, ...] = (1024, 2048, 4096),
+    settings: tuple[tuple[int, str], ...] = SETTINGS,
     *,
     batch: int = 1,
     heads: int = 8,
     head_dim: int = 64,
     repeats: int = 5,
 ) -> list[dict[str, Any]]:
-    """Time and temporary memory of every kernel of :data:`KERNELS`, causal and not.
+    """Time and temporary memory of every kernel of :data:`KERNELS` at each setting.
 
     Args:
-        lengths: The sequence lengths ``T = S`` to measure.
+        settings: ``(T, mask)`` pairs: the sequence length ``T = S`` and a key of :data:`MASKS`.
         batch: The batch size ``B``.
         heads: The number of heads ``N`` (query and key/value heads alike).
         head_dim: The head dim ``H``.
@@ -89,8 +99,8 @@ def jax_kernel_rows(
             reported.
 
     Returns:
-        One dict per kernel, length and causal flag, in that nesting order (jax.nn first):
-        ``kernel`` (name), ``T``, ``causal``, ``ms`` (median milliseconds), ``time_ratio``
+        One dict per setting and kernel, in that nesting order (jax.nn first): ``kernel``
+        (name), ``T``, ``mask``, ``ms`` (median milliseconds), ``time_ratio``
         (``ms`` over jax.nn's), ``temp_mib`` (XLA's temporary memory, MiB) and ``temp_ratio``
         (over jax.nn's).
 
@@ -100,47 +110,46 @@ def jax_kernel_rows(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     rows: list[dict[str, Any]] = []
-    for t in lengths:
+    for t, mask in settings:
         args = _inputs(t, batch, heads, head_dim)
-        for causal in (False, True):
-            compiled = {
-                name: jax.jit(functools.partial(fn, causal=causal)).lower(*args).compile()
-                for name, fn in KERNELS.items()
-            }
-            times: dict[str, list[float]] = {name: [] for name in compiled}
-            for c in compiled.values():
-                _run_once(c, args)  # warm-up, not timed
-            for _ in range(repeats):
-                for name, c in compiled.items():
-                    times[name].append(_run_once(c, args))
-            seconds = {name: statistics.median(ts) for name, ts in times.items()}
-            temp = {name: _temp_bytes(c) for name, c in compiled.items()}
-            ref = next(iter(KERNELS))
-            for name in compiled:
-                rows.append(
-                    {
-                        "kernel": name,
-                        "T": t,
-                        "causal": causal,
-                        "ms": seconds[name] * 1e3,
-                        "time_ratio": _ratio(seconds[name], seconds[ref]),
-                        "temp_mib": temp[name] / MIB,
-                        "temp_ratio": _ratio(temp[name], temp[ref]),
-                    }
-                )
-            del compiled
+        compiled = {
+            name: jax.jit(functools.partial(fn, **MASKS[mask])).lower(*args).compile()
+            for name, fn in KERNELS.items()
+        }
+        times: dict[str, list[float]] = {name: [] for name in compiled}
+        for c in compiled.values():
+            _run_once(c, args)  # warm-up, not timed
+        for _ in range(repeats):
+            for name, c in compiled.items():
+                times[name].append(_run_once(c, args))
+        seconds = {name: statistics.median(ts) for name, ts in times.items()}
+        temp = {name: _temp_bytes(c) for name, c in compiled.items()}
+        ref = next(iter(KERNELS))
+        for name in compiled:
+            rows.append(
+                {
+                    "kernel": name,
+                    "T": t,
+                    "mask": mask,
+                    "ms": seconds[name] * 1e3,
+                    "time_ratio": _ratio(seconds[name], seconds[ref]),
+                    "temp_mib": temp[name] / MIB,
+                    "temp_ratio": _ratio(temp[name], temp[ref]),
+                }
+            )
+        del compiled
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The rows of :func:`jax_kernel_rows` as a Markdown table."""
     lines = [
-        "| kernel | T = S | causal | time ms | time / jax.nn | temp MiB | temp / jax.nn |",
+        "| kernel | T = S | mask | time ms | time / jax.nn | temp MiB | temp / jax.nn |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['kernel']} | {r['T']} | {'yes' if r['causal'] else 'no'} | {r['ms']:.1f} | "
+            f"| {r['kernel']} | {r['T']} | {r['mask']} | {r['ms']:.1f} | "
             f"{r['time_ratio']:.2f}x | {r['temp_mib']:.1f} | {r['temp_ratio']:.3f}x |"
         )
     return "\n".join(lines)
@@ -148,12 +157,16 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default="1024,2048,4096", help="comma-separated T = S")
+    ap.add_argument(
+        "--settings",
+        default=",".join(f"{t}:{m}" for t, m in SETTINGS),
+        help="comma-separated T:mask pairs (masks: " + ", ".join(MASKS) + ")",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per kernel (median)")
     args = ap.parse_args()
-    lengths = tuple(int(x) for x in args.lengths.split(","))
+    settings = tuple((int(t), m) for t, m in (x.split(":") for x in args.settings.split(",")))
     print(f"JAX {jax.__version__} on {jax.default_backend()}, float32, B = 1, N = 8, H = 64")
-    print(format_rows(jax_kernel_rows(lengths, repeats=args.repeats)))
+    print(format_rows(jax_kernel_rows(settings, repeats=args.repeats)))
 
 
 if __name__ == "__main__":

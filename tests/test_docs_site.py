@@ -105,20 +105,7 @@ def _head_problems(equation: str, scaled: bool) -> list[str]:
     return problems
 
 
-# blockwise's registration (kernel_forms.py) is edited apart from this change; strict, so that
-# its fix turns this mark into a failure to remove.
-_PENDING = {"blockwise": "s_ij, the head index and the scale are not yet in its equation"}
-
-
-@pytest.mark.parametrize(
-    "fid",
-    [
-        pytest.param(i, marks=pytest.mark.xfail(reason=_PENDING[i], strict=True))
-        if i in _PENDING
-        else i
-        for i in attnref.ids()
-    ],
-)
+@pytest.mark.parametrize("fid", attnref.ids())
 def test_every_equation_shows_its_head_index_and_its_scale(fid):
     r"""Each registered equation carries its head index on both sides, and the softmax forms
     (softmax, RoPE, distributed) carry the scale $1/\sqrt{d_k}$ in the equation, not only in

@@ -18,15 +18,23 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v)
 
 
-def hlo_dot_flops(hlo_text: str) -> int:
+def hlo_dot_flops(hlo_text: str, executed: bool = False) -> int:
     """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
     optimised HLO text, e.g. ``jax.jit(fn).lower(*args).compile().as_text()`` (0 without a
-    ``dot``; a ``while`` body's dots are counted once, as ``cost_analysis`` does)."""
+    ``dot``). A ``while`` body's dots are counted once, as ``cost_analysis`` does, or, with
+    ``executed``, as many times as the body runs (its known trip count; ``ValueError`` for a
+    loop with none)."""
     shapes = {m.group(1): _shape(m.group(2)) for m in _INSTR.finditer(hlo_text)}
+    comps, entry = _computations(hlo_text) if executed else ({"": [hlo_text]}, "")
+    runs: dict[str, int | None] = _executions(comps, entry)[0] if executed else {"": 1}
     total = 0
-    for m in _DOT.finditer(hlo_text):
-        out, lhs = _shape(m.group(1)), shapes[m.group(2)]
-        total += 2 * math.prod(out) * math.prod(lhs[c] for c in _shape(m.group(3)))
+    for name, lines in comps.items():
+        times = runs.get(name, 0)
+        for m in _DOT.finditer("\n".join(lines)):
+            if times is None:
+                raise ValueError(f"a dot in %{name} runs in a loop with no known trip count")
+            out, lhs = _shape(m.group(1)), shapes[m.group(2)]
+            total += times * 2 * math.prod(out) * math.prod(lhs[c] for c in _shape(m.group(3)))
     return total
 
 

@@ -9,8 +9,10 @@ accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
     a' = e^{m - m'} a + sum_j e^{s_ij - m'} v_j,            o_i = a / l,  lse_i = m + log l
 
 ``T`` and ``S`` need not be multiples of the block sizes: the last tile is padded and its padding
-is never allowed. Only ``O(block_q * block_k)`` logits exist at a time, so the temporary memory
-grows linearly in ``T`` (the naive form's grows as ``T * S``).
+is never allowed. The tiles run from a static schedule (:func:`tile_schedule`): a tile that
+causality, the window or the padding leaves fully masked is never computed, and a tile left fully
+allowed (when no mask, bias, lengths or segment ids are given) skips the mask arithmetic.
+Only ``O(block_q * block_k)`` logits exist at a time, so the temporary memory grows linearly in ``T`` (the naive form's grows as ``T * S``).
 
 The backward is a ``jax.custom_vjp`` that saves ``o`` and ``lse`` and recomputes every tile's
 probabilities ``p_ij = exp(s_ij - lse_i)`` (FlashAttention's backward)::
@@ -29,11 +31,13 @@ fully-masked-row policy, query padding) run after the ``custom_vjp``, under auto
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from attnref._src.core.checks import HIGHEST
@@ -76,6 +80,114 @@ def _slice(a: Array, axis: int, start: Array, size: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
 
 
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """The ``(query tile, key tile)`` pairs one blockwise call computes, each ``int32 [P, 2]``.
+
+    Attributes:
+        edge: Pairs that pay for the mask (some pair masked, padded or masked at run time).
+        full: Pairs allowed everywhere, computed without the mask arithmetic.
+        tiles: ``(n_q, n_k)``, the tile grid; the pairs in neither list are fully masked and
+            never computed.
+    """
+
+    edge: np.ndarray
+    full: np.ndarray
+    tiles: tuple[int, int]
+
+    @property
+    def skipped(self) -> int:
+        """How many tiles are never computed."""
+        return self.tiles[0] * self.tiles[1] - len(self.edge) - len(self.full)
+
+
+def tile_schedule(
+    t: int,
+    s: int,
+    block_q: int,
+    block_k: int,
+    *,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: str = "top_left",
+    sink_tokens: int = 0,
+    dynamic: bool = False,
+) -> TileSchedule:
+    """The static schedule of a ``T x S`` call in ``block_q x block_k`` tiles.
+
+    Query ``i`` may read key ``j`` only if ``lo_i <= j <= hi_i`` or ``j < sink_tokens``, with
+    ``p_i = i`` (``"top_left"``) or ``i + S - T`` (``"bottom_right"``), ``hi_i = p_i`` when causal
+    (``p_i + right`` with a window's right side), ``lo_i = p_i - left`` (a window's left side).
+    A tile none of whose rows reaches a key of it is skipped; a tile whose every (unpadded) row
+    reads every (unpadded) key of it is ``full``, unless ``dynamic`` (a mask, a bias, lengths or
+    segment ids, which the schedule cannot see: their tiles are all ``edge``). Bottom-right
+    alignment under lengths has no static band (the caller passes neither rule then).
+    """
+    nq, nk = -(-t // block_q), -(-s // block_k)
+    big = t + s + 1  # beyond every index: an unbounded side
+    pos = np.arange(t)[:, None] + (0 if alignment == "top_left" else s - t)  # [T, 1]
+    left, right = window or (None, None)
+    reach = [0] if is_causal else []
+    reach += [] if right is None else [right]
+    hi = pos + min(reach) if reach else np.full_like(pos, big)
+    lo = pos - left if left is not None else np.full_like(pos, -big)
+    c0 = np.arange(nk)[None, :] * block_k  # [1, nk]: each key tile's first and last key
+    c1 = np.minimum(c0 + block_k, s) - 1
+    top = np.minimum(c1, hi)
+    # A row reads a key of the tile: one in [max(c0, lo), top], or the sink token c0 <= top.
+    reads = (c0 <= top) & ((np.maximum(c0, lo) <= top) | (c0 < sink_tokens))
+    # A row reads every key of the tile: none past hi, and those below lo are sink tokens.
+    every = (c1 <= hi) & ((c0 >= lo) | (np.minimum(c1, lo - 1) < sink_tokens))
+    pad = np.zeros((nq * block_q - t, nk), bool)  # padded rows: no reads, never "every"
+    reads = np.concatenate([reads, pad]).reshape(nq, block_q, nk).any(axis=1)
+    every = np.concatenate([every, pad]).reshape(nq, block_q, nk).all(axis=1)
+    every &= (c0 + block_k <= s) & (not dynamic)  # no padded key, nothing seen only at run time
+    pairs = np.argwhere(reads).astype(np.int32)  # row-major: query tile, then key tile
+    full = every[reads]
+    return TileSchedule(pairs[~full], pairs[full], (nq, nk))
+
+
+def _schedule(spec: KernelSpec, inputs: KernelInputs, bq: int, bk: int) -> TileSchedule:
+    """:func:`tile_schedule` for one call: the static band (none for bottom-right alignment
+    under lengths, whose offset ``S_b - T_b`` is known only at run time)."""
+    lengths = inputs.q_lens is not None or inputs.kv_lens is not None
+    static = spec.alignment == "top_left" or not lengths
+    dynamic = lengths or any(
+        a is not None for a in (inputs.mask, inputs.bias, inputs.q_seg, inputs.kv_seg)
+    )
+    return tile_schedule(
+        spec.t,
+        spec.s,
+        bq,
+        bk,
+        is_causal=spec.is_causal and static,
+        window=spec.window if static else None,
+        alignment=spec.alignment,
+        sink_tokens=spec.sink_tokens,
+        dynamic=dynamic,
+    )
+
+
+def _read(buffers: tuple[Array, ...], i: Array) -> tuple[Array, ...]:
+    return tuple(jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in buffers)
+
+
+def _write(buffers: tuple[Array, ...], i: Array, values: tuple[Array, ...]) -> tuple[Array, ...]:
+    return tuple(
+        jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0)
+        for a, v in zip(buffers, values, strict=True)
+    )
+
+
+def _over_pairs(schedule: TileSchedule, step: Any, carry: Any) -> Any:
+    """``step(full)(carry, (i, j))`` over the full pairs, then the edge pairs (skipping an empty
+    list: each list is one ``lax.scan``)."""
+    for full, pairs in ((True, schedule.full), (False, schedule.edge)):
+        if len(pairs):
+            carry, _ = jax.lax.scan(step(full), carry, jnp.asarray(pairs))
+    return carry
+
+
 class _Tiles:
     """Padded inputs of one call and the per-tile computation shared by forward and backward."""
 
@@ -96,6 +208,7 @@ class _Tiles:
         )
         self.q_seg = None if inputs.q_seg is None else _pad_axis(inputs.q_seg, 1, tp, -1)
         self.kv_seg = None if inputs.kv_seg is None else _pad_axis(inputs.kv_seg, 1, sp, -2)
+        self.schedule = _schedule(spec, inputs, bq, bk)
 
     def q_rows(self, a: Array, i: Array, axis: int = 1) -> Array:
         return _slice(a, axis, i * self.bq, self.bq)
@@ -103,22 +216,27 @@ class _Tiles:
     def k_rows(self, a: Array, j: Array, axis: int = 1) -> Array:
         return _slice(a, axis, j * self.bk, self.bk)
 
-    def tile(self, i: Array, j: Array, find_dirty: bool = False) -> dict[str, Any]:
-        """Allowed pairs, operands (the finite parts of the inputs) and logits of query tile
-        ``i`` and key tile ``j``; ``find_dirty`` adds the tile's rows that read a non-finite
-        key, value or bias entry (``attnref._src.core.nonfinite``)."""
+    def tile(self, i: Array, j: Array, full: bool, find_dirty: bool = False) -> dict[str, Any]:
+        """Allowed pairs (``None`` in a ``full`` tile, which skips the mask arithmetic), operands
+        (the finite parts of the inputs) and logits of query tile ``i`` and key tile ``j``;
+        ``find_dirty`` adds the tile's rows that read a non-finite key, value or bias entry
+        (``attnref._src.core.nonfinite``)."""
         spec = self.spec
-        q_idx = i * self.bq + jnp.arange(self.bq)
-        k_idx = j * self.bk + jnp.arange(self.bk)
-        q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
-        kv_seg = None if self.kv_seg is None else self.k_rows(self.kv_seg, j)
         mask, bias, bias_bad, keep = (
             None if a is None else self.k_rows(self.q_rows(a, i, 2), j, 3)
             for a in (self.mask, self.bias, self.bias_bad, self.keep)
         )
-        allowed = allowed_pairs(spec, self.inputs, q_idx, k_idx, q_seg, kv_seg, mask, bias, True)
-        assert allowed is not None  # in_range: never None
-        allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
+        allowed = None
+        if not full:
+            q_idx = i * self.bq + jnp.arange(self.bq)
+            k_idx = j * self.bk + jnp.arange(self.bk)
+            q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
+            kv_seg = None if self.kv_seg is None else self.k_rows(self.kv_seg, j)
+            allowed = allowed_pairs(
+                spec, self.inputs, q_idx, k_idx, q_seg, kv_seg, mask, bias, True
+            )
+            assert allowed is not None  # in_range: never None
+            allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
         ops = {
             "q": self.q_rows(self.q, i),
             "k": self.k_rows(self.k, j),
@@ -132,8 +250,20 @@ class _Tiles:
             logits = logits + bias
         reads = None
         if find_dirty:
-            reads = reads_bad(spec, allowed, self.k_rows(self.bad_kv, j), bias_bad)
+            every = jnp.ones((1, 1, 1, self.bk), bool)  # a full tile reads each of its keys
+            reads = reads_bad(
+                spec, every if full else allowed, self.k_rows(self.bad_kv, j), bias_bad
+            )
         return dict(allowed=allowed, raw=raw, logits=logits, reads=reads, keep=keep, **ops)
+
+    def exp(self, t: dict[str, Any], shift: Array) -> Array:
+        """``e^{s_ij - shift_i}`` on the allowed pairs, 0 elsewhere (no select in a full tile)."""
+        allowed = t["allowed"]
+        if allowed is None:
+            return jnp.exp(t["logits"] - shift[..., None])
+        return jnp.where(
+            allowed, jnp.exp(jnp.where(allowed, t["logits"] - shift[..., None], 0.0)), 0.0
+        )
 
     def merge_q(self, a: Array, axis: int) -> Array:
         """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
@@ -150,33 +280,38 @@ class _Tiles:
 def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
     """Online softmax: ``o [B, T, N, H_v]`` (compute dtype), ``lse [B, T, N]``, live rows and
     dirty rows (rows that read a non-finite value)."""
-    spec, cd = tiles.spec, tiles.spec.compute_dtype
+    spec, cd, bq = tiles.spec, tiles.spec.compute_dtype, tiles.bq
 
-    def q_block(i: Array) -> tuple[Array, Array, Array, Array]:
-        def step(carry: tuple[Array, Array, Array, Array], j: Array) -> tuple[Any, None]:
-            m, run_sum, acc, dirty = carry
-            t = tiles.tile(i, j, find_dirty=True)
-            allowed, logits = t["allowed"], t["logits"]
-            m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1))
+    def step(full: bool) -> Any:
+        def body(state: tuple[Array, ...], ij: Array) -> tuple[tuple[Array, ...], None]:
+            i, j = ij[0], ij[1]
+            m, run_sum, acc, dirty = _read(state, i)  # query tile i's running state
+            t = tiles.tile(i, j, full, find_dirty=True)
+            logits = t["logits"] if full else jnp.where(t["allowed"], t["logits"], -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - shift[..., None], 0.0)), 0.0)
+            e = tiles.exp(t, shift)
             alpha = jnp.exp(m - shift)  # 0 while nothing has been seen (m = -inf)
             ew = dropped(spec, e, t["keep"])  # the numerator's weights (the sum keeps e)
             ev = jnp.einsum("bkgts,bskh->bkgth", grouped(ew, spec), t["v"], precision=HIGHEST)
-            acc = alpha[..., None] * acc + ev.reshape(acc.shape)
-            dirty = jnp.logical_or(dirty, t["reads"])
-            return (m_new, alpha * run_sum + jnp.sum(e, axis=-1), acc, dirty), None
+            new = (
+                m_new,
+                alpha * run_sum + jnp.sum(e, axis=-1),
+                alpha[..., None] * acc + ev.reshape(acc.shape),
+                jnp.logical_or(dirty, t["reads"]),
+            )
+            return _write(state, i, new), None
 
-        init = (
-            jnp.full((spec.b, spec.n, tiles.bq), -jnp.inf, cd),
-            jnp.zeros((spec.b, spec.n, tiles.bq), cd),
-            jnp.zeros((spec.b, spec.n, tiles.bq, spec.h_v), cd),
-            jnp.zeros((spec.b, spec.n, tiles.bq), bool),
-        )
-        (m, run_sum, acc, dirty), _ = jax.lax.scan(step, init, jnp.arange(tiles.nk))
-        return m, run_sum, acc, dirty
+        return body
 
-    m, run_sum, acc, dirty = jax.lax.map(q_block, jnp.arange(tiles.nq))
+    rows = (tiles.nq, spec.b, spec.n, bq)
+    init = (
+        jnp.full(rows, -jnp.inf, cd),
+        jnp.zeros(rows, cd),
+        jnp.zeros((*rows, spec.h_v), cd),
+        jnp.zeros(rows, bool),
+    )
+    m, run_sum, acc, dirty = _over_pairs(tiles.schedule, step, init)
     m, run_sum, acc = tiles.merge_q(m, 2), tiles.merge_q(run_sum, 2), tiles.merge_q(acc, 2)
     dirty = tiles.merge_q(dirty, 2)
     live = run_sum > 0
@@ -206,11 +341,9 @@ def _backward(
     }
     do_p = _pad_axis(do, 1, tp)
 
-    def grads(i: Array, j: Array) -> tuple[dict[str, Array], Array, Array, Array]:
-        t = tiles.tile(i, j)
-        lse_t = tiles.q_rows(rows["lse"], i, 2)[..., None]
-        allowed = t["allowed"]
-        probs = jnp.where(allowed, jnp.exp(jnp.where(allowed, t["logits"] - lse_t, 0.0)), 0.0)
+    def grads(i: Array, j: Array, full: bool) -> tuple[dict[str, Any], Array, Array, Array]:
+        t = tiles.tile(i, j, full)
+        probs = tiles.exp(t, tiles.q_rows(rows["lse"], i, 2))
         do_t = tiles.q_rows(do_p, i)  # [B, bq, N, H_v]
         dog = do_t.reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, t["v"], precision=HIGHEST)
@@ -223,41 +356,42 @@ def _backward(
             ds_raw = ds * (1.0 - th * th)
         return t, probs, ds, ds_raw * tiles.inputs.scale
 
-    def kv_block(j: Array) -> tuple[Array, Array]:
-        def step(carry: tuple[Array, Array], i: Array) -> tuple[Any, None]:
-            dk, dv = carry
-            t, probs, _, ds_raw = grads(i, j)
+    def step(full: bool) -> Any:
+        def body(carry: tuple[Array, ...], ij: Array) -> tuple[tuple[Array, ...], None]:
+            i, j = ij[0], ij[1]
+            dq, dk, dv, ds_all = carry
+            t, probs, ds, ds_raw = grads(i, j, full)
             probs = dropped(spec, probs, t["keep"])
-            do_t = tiles.q_rows(do_p, i).reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
-            dv = dv + jnp.einsum("bkgts,btkgh->bskh", grouped(probs, spec), do_t, precision=HIGHEST)
+            dog = tiles.q_rows(do_p, i).reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
             qg = t["q"].reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h)
-            dk = dk + jnp.einsum("bkgts,btkgh->bskh", grouped(ds_raw, spec), qg, precision=HIGHEST)
-            return (dk, dv), None
+            g_v = jnp.einsum("bkgts,btkgh->bskh", grouped(probs, spec), dog, precision=HIGHEST)
+            g_k = jnp.einsum("bkgts,btkgh->bskh", grouped(ds_raw, spec), qg, precision=HIGHEST)
+            g_q = jnp.einsum("bkgts,bskh->btkgh", grouped(ds_raw, spec), t["k"], precision=HIGHEST)
+            (dk_j, dv_j), (dq_i,) = _read((dk, dv), j), _read((dq,), i)
+            dk, dv = _write((dk, dv), j, (dk_j + g_k, dv_j + g_v))
+            (dq,) = _write((dq,), i, (dq_i + g_q.reshape(dq_i.shape),))
+            if ds_all is not None:  # dbias: this tile's ds at (i, j)
+                ds_i = jax.lax.dynamic_index_in_dim(ds_all, i, 0, keepdims=False)
+                ds_all = _write((ds_all,), i, (_write((ds_i,), j, (ds,))[0],))[0]
+            return (dq, dk, dv, ds_all), None
 
-        init = (
-            jnp.zeros((spec.b, tiles.bk, spec.k, spec.h), cd),
-            jnp.zeros((spec.b, tiles.bk, spec.k, spec.h_v), cd),
-        )
-        (dk, dv), _ = jax.lax.scan(step, init, jnp.arange(tiles.nq))
-        return dk, dv
+        return body
 
-    def q_block(i: Array) -> tuple[Array, Array | None]:
-        def step(dq: Array, j: Array) -> tuple[Array, Array | None]:
-            t, _, ds, ds_raw = grads(i, j)
-            g = jnp.einsum("bkgts,bskh->btkgh", grouped(ds_raw, spec), t["k"], precision=HIGHEST)
-            return dq + g.reshape(dq.shape), (ds if tiles.inputs.bias is not None else None)
-
-        init = jnp.zeros((spec.b, tiles.bq, spec.n, spec.h), cd)
-        return jax.lax.scan(step, init, jnp.arange(tiles.nk))
-
-    dk, dv = jax.lax.map(kv_block, jnp.arange(tiles.nk))
-    dq, ds = jax.lax.map(q_block, jnp.arange(tiles.nq))
+    init = (
+        jnp.zeros((tiles.nq, spec.b, tiles.bq, spec.n, spec.h), cd),
+        jnp.zeros((tiles.nk, spec.b, tiles.bk, spec.k, spec.h), cd),
+        jnp.zeros((tiles.nk, spec.b, tiles.bk, spec.k, spec.h_v), cd),
+        None
+        if tiles.inputs.bias is None
+        else jnp.zeros((tiles.nq, tiles.nk, spec.b, spec.n, tiles.bq, tiles.bk), cd),
+    )
+    dq, dk, dv, ds = _over_pairs(tiles.schedule, step, init)
     dq, dk, dv = tiles.merge_q(dq, 1), tiles.merge_k(dk, 1), tiles.merge_k(dv, 1)
     dbias = None
     if ds is not None:  # [nq, nk, B, N, bq, bk] -> [B, N, T, S]
-        full = jnp.transpose(ds, (2, 3, 0, 4, 1, 5))
-        full = full.reshape(spec.b, spec.n, tiles.nq * tiles.bq, tiles.nk * tiles.bk)
-        dbias = full[:, :, : spec.t, : spec.s]
+        grid = jnp.transpose(ds, (2, 3, 0, 4, 1, 5))
+        grid = grid.reshape(spec.b, spec.n, tiles.nq * tiles.bq, tiles.nk * tiles.bk)
+        dbias = grid[:, :, : spec.t, : spec.s]
     return dq, dk, dv, dbias
 
 
@@ -318,6 +452,22 @@ def flash(call: KernelCall, block_q: int, block_k: int) -> tuple[Array, Array]:
     bq, bk = min(block_q, spec.t), min(block_k, spec.s)
     o, lse = _flash(spec, max(bq, 1), max(bk, 1), call.inputs)
     return finish_all(spec, call.inputs, o, lse, ~jnp.isneginf(lse))
+
+
+def blockwise_dot_flops(
+    b: int, n: int, h: int, h_v: int, schedule: TileSchedule, block_q: int, block_k: int
+) -> tuple[int, int]:
+    """The dot FLOPs of one blockwise call, forward and backward, counting computed tiles only.
+
+    Per computed ``block_q x block_k`` tile and head: the forward's ``q k^T`` and ``e v``,
+    ``2 bq bk (H + H_v)``; the backward recomputes ``q k^T`` and forms ``dO v^T``, ``dv``, ``dk``
+    and ``dq``, ``2 bq bk (3 H + 2 H_v)``. ``block_q``, ``block_k`` are the tile sizes the call
+    uses (capped at ``T`` and ``S``). XLA's executed dot FLOPs (:func:`attnref.costs.hlo_dot_flops`
+    with ``executed=True``) equal these.
+    """
+    tiles = len(schedule.edge) + len(schedule.full)
+    per_tile = 2 * b * n * block_q * block_k
+    return tiles * per_tile * (h + h_v), tiles * per_tile * (3 * h + 2 * h_v)
 
 
 def check_blocks(block_q: Any, block_k: Any) -> None:

@@ -227,7 +227,13 @@ def _tiles(d: _cost.Dims) -> tuple[int, int, int, int]:
 
 
 def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
-    """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile."""
+    """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile.
+
+    The entry is measured with a full mask and a bias (what this model counts), so every tile
+    is an edge tile: one loop, each tile with the mask arithmetic. Without them the kernel's
+    schedule (:func:`attnref.costs.tile_schedule`) runs its full tiles in a second loop without
+    the mask; :func:`attnref.costs.blockwise_dot_flops` counts the kernel's tiles for any options.
+    """
     b, h, dm = d.batch, d.heads, d.d_model
     bq, bk, nq, nk = _tiles(d)
     pq, pk, pv = _cost.projections(d)
@@ -349,9 +355,11 @@ register(
         id="blockwise",
         title="Blockwise online softmax (the flash form)",
         equation=(
-            r"m' = \max(m, \max_j s_{ij}),\ \ \ell' = e^{m - m'}\ell + \sum_{j \in B}"
-            r" e^{s_{ij} - m'},\ \ a' = e^{m - m'} a + \sum_{j \in B} e^{s_{ij} - m'} v_j,"
-            r"\quad o_i = a / \ell = \mathrm{softmax}(s_i) V,\ \ \mathrm{lse}_i = m + \log \ell"
+            r"s_{ij,n} = \frac{q_{i,n} k_{j,g(n)}^\top}{\sqrt{d_k}} + b_{ij},\quad"
+            r" m' = \max(m, \max_{j \in B} s_{ij,n}),\ \ \ell' = e^{m - m'}\ell"
+            r" + \sum_{j \in B} e^{s_{ij,n} - m'},\ \ a' = e^{m - m'} a + \sum_{j \in B}"
+            r" e^{s_{ij,n} - m'} v_{j,g(n)},\quad o_{i,n} = a / \ell"
+            r" = \mathrm{softmax}_j(s_{ij,n}) V_{g(n)},\ \ \mathrm{lse}_{i,n} = m + \log \ell"
         ),
         convention="kernel",
         citation=MILAKOV + " " + DAO + " GQA: " + GQA,
@@ -359,8 +367,9 @@ register(
         formula=blockwise_dot_product_attention.formula,  # type: ignore[attr-defined]
         native=blockwise_dot_product_attention,
         summary=(
-            "Query tiles (lax.map) times key tiles (lax.scan) with a running max and sum; the "
-            "backward is a custom_vjp that recomputes tiles from the saved lse."
+            "The tile pairs of a static schedule (lax.scan; a tile the mask removes is never "
+            "computed) with a running max and sum per query tile; the backward is a custom_vjp "
+            "that recomputes the same tiles from the saved lse."
         ),
         cost=(
             "FLOPs as concat plus O(H T_q T_k / B_k) rescalings; memory O(H (T_q + T_k) d + "
