@@ -113,15 +113,16 @@ def test_help_is_plain_text_and_every_option_has_its_help_and_default(capsys):
         (["report", "--t_q", "3"], "attnref report: error: unrecognized arguments: --t_q 3 "
          "(did you mean '--t-q'?)"),
         (["report", "--bogus"], "attnref report: error: unrecognized arguments: --bogus"),
-        (["reprot"], "attnref: error: argument COMMAND: invalid choice: 'reprot' (choose from "
-         "'report', 'list', 'check', 'check-merge', 'cite') (did you mean 'report'?)"),
+        (["reprot"], "attnref: error: argument COMMAND: invalid choice: 'reprot'"),
+        (["reprot"], "(did you mean 'report'?)"),
         (["report", "--formulations", "concta"], "unknown formulation 'concta' (did you mean "
          "'concat'?)"),
         (["report", "--dtypes", "float46"], "unknown dtype 'float46' (did you mean 'float64'?)"),
         (["report", "--feature-map", "relu_feature"], "unknown feature map 'relu_feature' (did "
          "you mean 'relu_features'?)"),
         (["check", GOOD, "--shapes", "smal"], "attnref check: error: argument --shapes: invalid "
-         "choice: 'smal' (choose from 'small', 'production') (did you mean 'small'?)"),
+         "choice: 'smal'"),
+        (["check", GOOD, "--shapes", "smal"], "(did you mean 'small'?)"),
         (["check", GOOD, "--masked_rows", "uniform"], "did you mean '--masked-rows'?"),
         (["check", GOOD, "--signature", "jax-nn"], "attnref check: error: signature 'jax-nn' is "
          "not one of jax_nn, qkv_mask, numpy (did you mean 'jax_nn'?)"),

@@ -75,12 +75,12 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        choice = re.search(
-            r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message
-        )
+        choice = re.search(r"argument (\S+): invalid choice: '([^']*)'", message)
         if choice:
-            known = re.findall(r"'([^']*)'", choice.group(3))
-            message += did_you_mean(choice.group(2), known)
+            name, given = choice.groups()
+            for action in self._actions:
+                if action.choices and name in (*action.option_strings, action.metavar):
+                    message += did_you_mean(given, [str(c) for c in action.choices])
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
