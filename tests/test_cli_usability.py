@@ -127,6 +127,10 @@ def test_help_is_plain_text_and_every_option_has_its_help_and_default(capsys):
         (["check", GOOD, "--signature", "jax-nn"], "attnref check: error: signature 'jax-nn' is "
          "not one of jax_nn, qkv_mask, numpy (did you mean 'jax_nn'?)"),
         (["check", GOOD, "--properties", "oracel"], "(did you mean 'oracle'?)"),
+        (["check-merge", "attnref:merge_states", "--properties", "oracle,comutative"],
+         "attnref check-merge: error: unknown properties ['comutative']"),
+        (["check-merge", "attnref:merge_states", "--properties", "comutative"],
+         "(did you mean 'commutative'?)"),
         (["cite", "elhagee"], "attnref cite: error: nothing to cite is called 'elhagee' (did you "
          "mean 'elhage'"),
         (["cite", "dao"], "attnref cite: error: 'dao' names several sources: "

@@ -129,8 +129,11 @@ def load(spec: str) -> Callable[..., Any]:
 
 
 def _check_merge(args: argparse.Namespace) -> int:
-    from attnref.testing import check_merge_states
+    from attnref.testing import MERGE_PROPERTIES, check_merge_states
 
+    chosen = kit.split_list(args.properties) or ()
+    unknown = [p for p in chosen if p not in MERGE_PROPERTIES]
+    hint = did_you_mean(unknown[0], MERGE_PROPERTIES) if unknown else ""
     try:
         fn = load(args.target)
     except kit.TargetError as e:
@@ -150,8 +153,8 @@ def _check_merge(args: argparse.Namespace) -> int:
             grad=not args.no_grad,
             **kwargs,
         )
-    except ValueError as e:
-        raise _fail("check-merge", e) from None
+    except ValueError as e:  # the engine's check of an option; hint: a misspelt property
+        raise _fail("check-merge", f"{e}{hint}") from None
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

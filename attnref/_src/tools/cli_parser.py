@@ -19,6 +19,7 @@ from attnref._src.formulations.feature_maps import (
     relu_features,
     taylor2,
 )
+from attnref._src.kit.conformance.options import SIGNATURES
 
 # The feature maps by the names of their factories (``attnref.linear.relu_features``), as the
 # README and the linear family's pages write them -> the name the formulations take. The CLI
@@ -307,11 +308,14 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         "invalid.",
     )
     c.add_argument("target", help=TARGET_HELP)
+    about = {
+        "jax_nn": "jax.nn.dot_product_attention's",
+        "qkv_mask": "fn(q, k, v, mask)",
+        "numpy": "NumPy in, NumPy out",
+    }
+    named = [f"{n} ({about[n]})" if n in about else n for n in SIGNATURES]
     c.add_argument(
-        "--signature",
-        default="jax_nn",
-        help="jax_nn (jax.nn.dot_product_attention's), qkv_mask (fn(q, k, v, mask)) or numpy "
-        "(NumPy in, NumPy out)",
+        "--signature", default="jax_nn", help=f"how the function is called: {', '.join(named)}"
     )
     c.add_argument(
         "--features",
