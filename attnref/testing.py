@@ -41,6 +41,7 @@ from attnref._src.kit.conformance.options import (
     ALL_PROPERTIES,
     DEFAULT_FEATURES,
     DISTRIBUTED_PROPERTIES,
+    FEATURE_ALIASES,
     FEATURES,
     PROPERTIES,
     SIGNATURES,

@@ -265,7 +265,9 @@ def _indent(text: str, prefix: str) -> str:
 
 def format_failure(result: Any, options: Options) -> str:
     """A failed property as text: the engine's message (rule, index, ratio), the failing
-    example (headed shrunk or explicit) and how to replay it."""
+    example (headed shrunk or explicit) and how to replay it (the ``attnref check`` line, and
+    where it has one the Python line that rebuilds the failing call,
+    :attr:`PropertyResult.problem_replay`)."""
     lines = [f"property {result.name!r} failed after {result.examples} example(s)"]
     lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
     if result.example:
@@ -278,6 +280,8 @@ def format_failure(result: Any, options: Options) -> str:
         lines.append("per mesh size: " + ", ".join(_mesh_text(m) for m in result.meshes))
     replay = options.replay_command(result.name, result.seed, failed_devices(result))
     lines.append(f"replay (seed {result.seed}): {replay}")
+    if getattr(result, "problem_replay", None):
+        lines.append(f"replay the failing call (Python): {result.problem_replay}")
     return "\n".join(lines)
 
 

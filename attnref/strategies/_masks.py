@@ -34,7 +34,7 @@ PRODUCTION_KINDS = ("sinks", "sink_tokens", "dropout")
 KIND_FEATURES: dict[str, tuple[str, ...]] = {
     "none": (),
     "causal": ("causal",),
-    "padding": ("seq_lengths",),
+    "padding": ("query_seq_lengths", "key_value_seq_lengths"),
     "random": ("mask",),
     "bias": ("bias",),
     "alibi": ("bias",),
@@ -43,7 +43,7 @@ KIND_FEATURES: dict[str, tuple[str, ...]] = {
     "segments": ("segment_ids",),
     "softcap": ("softcap",),
     "fully_masked_row": ("mask",),
-    "combined": ("causal", "seq_lengths", "mask", "bias"),
+    "combined": ("causal", "query_seq_lengths", "key_value_seq_lengths", "mask", "bias"),
     "sinks": ("sinks",),
     "sink_tokens": ("window", "sink_tokens"),
     "dropout": ("dropout",),

@@ -60,9 +60,14 @@ def assert_ratio_within(
     worst = float(ratio[index])
     if worst > 1.0 or (require_finite and not np.all(np.isfinite(err))):
         fields = {"allowed": allowed, **values}
-        at = {k: v[index] if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+        at = {k: _scalar(v[index]) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
         raise AssertionError(message.format(index=index, ratio=worst, error=err[index], **at))
     return index, worst
+
+
+def _scalar(value: Any) -> Any:
+    """A NumPy scalar as the Python number (its repr without ``np.float64(...)``)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def first_index(where: Any) -> tuple[int, ...]:

@@ -29,7 +29,8 @@ Properties (each equality with the oracle uses the tolerance rules of
     case (every key, or every query, equal), drawn on purpose.
 ``masks``
     Every supported mask option (boolean ``mask``, ``bias`` including ALiBi and ``-inf`` entries,
-    ``is_causal`` with ``T != S`` when ``"cross"`` is supported, sequence lengths, a local window,
+    ``is_causal`` with ``T != S`` when ``"cross"`` is supported, sequence lengths (both, or the
+    one declared: ``query_seq_lengths`` or ``key_value_seq_lengths`` alone), a local window,
     segment ids, softcap, and all of causal + lengths + mask + bias together) equals the oracle run
     with the declared ``causal_alignment`` and ``masked_rows``. Every example checks every option,
     and draws the shape of its boolean mask and of its ``-inf`` bias from all 16 that broadcast
@@ -51,7 +52,7 @@ Properties (each equality with the oracle uses the tolerance rules of
     Each batch element run alone (every per-example option sliced with it) equals its slice of the
     batched run within twice the derived bound, with NaN in the same places, and both runs equal
     the oracle (an all-NaN kernel is batch-independent, and wrong).
-``fully_masked_rows`` (needs ``"mask"`` or ``"seq_lengths"``)
+``fully_masked_rows`` (needs ``"mask"`` or ``"key_value_seq_lengths"``)
     A query row with no allowed key returns the declared ``masked_rows`` meaning (``"zeros"``,
     ``"uniform"``: the mean of every ``v`` row, ``"nan"``), and no other row is NaN.
 ``gradients`` (needs ``"grad"``)

@@ -27,6 +27,13 @@ _GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
 _MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
 # One drawn config in TILE_SHARE takes tile-straddling lengths (Context.configs).
 TILE_SHARE = 4
+# The kit's one-sided padding kinds, for a target that takes one of jax.nn's two length
+# arguments only (the strategies' "padding" kind sets both): the option each sets, lengths
+# drawn in [1, T] or [1, S] from the problem's seed (Context.problem).
+ONE_SIDED: dict[str, str] = {
+    "query_padding": "query_seq_lengths",
+    "key_padding": "key_value_seq_lengths",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +91,8 @@ class Context:
     ``ratios`` collects each example's worst error / allowance where a plan reports one;
     ``calls`` each call's outcome where a plan tallies them (``uneven_lengths``:
     ``"computed"`` or ``"refused: <the exception's first line>"``); ``sub_case`` the sub-case
-    the running check is at (:meth:`at`)."""
+    the running check is at (:meth:`at`); ``failing`` the target's last call (its problem and,
+    for a gradient call, its cotangent) where the latest property failed."""
 
     target: Target
     signature: str
@@ -99,6 +107,8 @@ class Context:
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
+    # the target's last call (problem, cotangent or None) in the failing example of a property
+    failing: tuple[ast.KernelProblem, np.ndarray | None] | None = None
 
     def at(self, sub_case: str) -> None:
         """Record the sub-case a check is at (a mask kind, a dtype, one of its runs): a
@@ -165,17 +175,28 @@ class Context:
         return self.small_configs(pool, dtype).flatmap(ast.tile_configs)
 
     def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
-        return ast.make_kernel_problem(
+        """:func:`attnref.strategies.make_kernel_problem` with the declared semantics, or a kind
+        of :data:`ONE_SIDED` (the ``"none"`` problem with that one length option)."""
+        p = ast.make_kernel_problem(
             config,
-            kind,
+            "none" if kind in ONE_SIDED else kind,
             seed,
             masked_rows=self.masked_rows,
             causal_alignment=self.causal_alignment,
             **kw,
         )
+        if kind in ONE_SIDED:
+            name = ONE_SIDED[kind]
+            top = config.t if name == "query_seq_lengths" else config.s
+            lens = np.random.default_rng([seed, 3]).integers(1, top + 1, size=config.b)
+            p = p.replace(options={name: lens.astype(np.int32)}, kind=kind)
+        return p
 
     def kinds(self, candidates: Sequence[str]) -> tuple[str, ...]:
-        return tuple(k for k in candidates if set(ast.KIND_FEATURES[k]) <= self.features)
+        """The ``candidates`` whose features the target declares (kinds of
+        :data:`attnref.strategies.KIND_FEATURES` or :data:`ONE_SIDED`)."""
+        need = {**ast.KIND_FEATURES, **{k: (o,) for k, o in ONE_SIDED.items()}}
+        return tuple(k for k in candidates if set(need[k]) <= self.features)
 
     def run(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         return self.target.forward(to_target(p, self.signature), want_lse)

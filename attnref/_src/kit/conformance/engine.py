@@ -34,10 +34,12 @@ from attnref._src.kit.conformance.options import (
     check_max_examples,
     check_properties,
     check_signature,
+    expand_features,
     head_multiple,
     length_multiple,
 )
 from attnref._src.kit.conformance.plans import PLANS, TargetRaised, calls_detail
+from attnref._src.kit.conformance.replay import call_inputs, problem_replay
 from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.kit.conformance.targets import Target, describe_target, mesh, takes_keyword
 
@@ -212,13 +214,17 @@ def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
 
 
 def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_Run, float] | str:
-    """``run(ctx, *args)`` with the target's new notes joined to its detail, and its time."""
+    """``run(ctx, *args)`` with the target's new notes joined to its detail, and its time;
+    ``ctx.failing`` the target's last call where it failed."""
     start = time.perf_counter()
     before = len(ctx.target.notes)
+    ctx.target.last_call = ctx.failing = None
     out = run(ctx, *args)
     if isinstance(out, str):
         return out
     status, detail, example, count, tb = out
+    if status == "failed":
+        ctx.failing = ctx.target.last_call
     notes = ctx.target.notes[before:]
     if status == "passed" and ctx.calls:
         detail = calls_detail(ctx.calls)
@@ -244,7 +250,8 @@ def _on_meshes(
         if isinstance(timed, str):
             return timed
         run, took = timed
-        out.append(MeshResult(size, *run, took, max(ctx.ratios) if ctx.ratios else None))
+        ratio = max(ctx.ratios) if ctx.ratios else None
+        out.append(MeshResult(size, *run, took, ratio, *_failing(ctx, True)))
         if log is not None:
             log(f"{name} P={size}: {run[0]} ({took:.1f} s)")
     return tuple(out)
@@ -267,7 +274,21 @@ def _combined(
         None if first is None else first.traceback,
         sum(m.seconds for m in meshes),
         meshes,
+        None if first is None else first.inputs,
+        None,
     )
+
+
+def _failing(
+    ctx: Context, distributed: bool, target: str = "fn"
+) -> tuple[dict[str, Any] | None, str | None]:
+    """``(inputs, problem_replay)`` of the failing call recorded in ``ctx.failing``
+    (:mod:`attnref._src.kit.conformance.replay`), or ``(None, None)``."""
+    if ctx.failing is None:
+        return None, None
+    p, cot = ctx.failing
+    replay = problem_replay(p, cot, ctx.signature, target, distributed)
+    return call_inputs(p, cot), replay
 
 
 def mesh_contexts(
@@ -317,10 +338,11 @@ def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
 
 
 def _features(signature: str, features: Sequence[str] | None) -> tuple[str, ...]:
-    """The target's features (``None``: the signature's default), checked."""
+    """The target's features (``None``: the signature's default), checked, aliases expanded."""
     check_signature(signature)
     feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
     check_features(feats)
+    feats = expand_features(feats)
     check_expressible(signature, feats)
     return feats
 
@@ -351,6 +373,8 @@ def check_attention(
             adapters, package docstring).
         features: What ``fn`` supports (:data:`FEATURES`; ``None`` = ``DEFAULT_FEATURES
             [signature]``); a property needing an absent feature is skipped with the reason.
+            ``"seq_lengths"`` stands for both ``"query_seq_lengths"`` and
+            ``"key_value_seq_lengths"`` (jax.nn's two length arguments, declared apart).
         max_examples: Hypothesis examples per property (``None``: 20); with
             ``shapes="production"``, the first cases of each property's sweep (``None``: all).
         seed: The Hypothesis seed of every property (a failure replays with it).
@@ -438,8 +462,21 @@ def check_attention(
                 results.append(PropertyResult(name, "skipped", timed, None, seed, 0))
             else:
                 (status, detail, example, count, tb), took = timed
+                inputs, replay = _failing(ctx, False, target or describe_target(fn))
                 results.append(
-                    PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
+                    PropertyResult(
+                        name,
+                        status,
+                        detail,
+                        example,
+                        seed,
+                        count,
+                        in_effect,
+                        tb,
+                        took,
+                        inputs=inputs,
+                        problem_replay=replay,
+                    )
                 )
         if progress is not None:
             progress(done, len(names), name)

@@ -38,7 +38,8 @@ FEATURES = (
     "mask",
     "bias",
     "causal",
-    "seq_lengths",
+    "query_seq_lengths",
+    "key_value_seq_lengths",
     "window",
     "gqa",
     "cross",
@@ -50,13 +51,19 @@ FEATURES = (
     "sink_tokens",
     "dropout",
 )
+# Names a target may declare that stand for several features: "seq_lengths" (the name before the
+# split) is both of jax.nn's length arguments.
+FEATURE_ALIASES: dict[str, tuple[str, ...]] = {
+    "seq_lengths": ("query_seq_lengths", "key_value_seq_lengths"),
+}
+_LENGTHS = FEATURE_ALIASES["seq_lengths"]
 DEFAULT_FEATURES: dict[str, tuple[str, ...]] = {
     # what jax.nn.dot_product_attention supports
-    "jax_nn": ("mask", "bias", "causal", "seq_lengths", "window", "gqa", "cross", "lse", "grad"),
+    "jax_nn": ("mask", "bias", "causal", *_LENGTHS, "window", "gqa", "cross", "lse", "grad"),
     # everything a boolean mask can express, differentiable
-    "qkv_mask": ("mask", "causal", "seq_lengths", "window", "cross", "grad", "segment_ids"),
+    "qkv_mask": ("mask", "causal", *_LENGTHS, "window", "cross", "grad", "segment_ids"),
     # jax.nn's options, NumPy in and out, no gradients
-    "numpy": ("mask", "bias", "causal", "seq_lengths", "window", "gqa", "cross", "lse"),
+    "numpy": ("mask", "bias", "causal", *_LENGTHS, "window", "gqa", "cross", "lse"),
 }
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "jax_nn": (),
@@ -112,13 +119,26 @@ def check_signature(signature: str) -> None:
 
 
 def check_features(features: Sequence[str]) -> None:
-    """``set(features) <= set(FEATURES)``, else an :class:`OptionError` listing the unknown
-    ones in the given order."""
-    unknown = [f for f in features if f not in FEATURES]
+    """Every feature is in :data:`FEATURES` or :data:`FEATURE_ALIASES`, else an
+    :class:`OptionError` listing the unknown ones in the given order."""
+    unknown = [f for f in features if f not in FEATURES and f not in FEATURE_ALIASES]
     if unknown:
         raise OptionError(
-            f"unknown features {unknown}; choose from {FEATURES}", "features", unknown, FEATURES
+            f"unknown features {unknown}; choose from {FEATURES} (or {tuple(FEATURE_ALIASES)}: "
+            + ", ".join(f"{a} = {' + '.join(fs)}" for a, fs in FEATURE_ALIASES.items())
+            + ")",
+            "features",
+            unknown,
+            FEATURES,
         )
+
+
+def expand_features(features: Sequence[str]) -> tuple[str, ...]:
+    """``features`` with each alias (:data:`FEATURE_ALIASES`) replaced by what it stands for,
+    in place, repeats dropped: ``("mask", "seq_lengths")`` -> ``("mask",
+    "query_seq_lengths", "key_value_seq_lengths")``."""
+    out = (g for f in features for g in FEATURE_ALIASES.get(f, (f,)))
+    return tuple(dict.fromkeys(out))
 
 
 def check_expressible(signature: str, features: Sequence[str]) -> None:

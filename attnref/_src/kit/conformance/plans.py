@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attnref import strategies as ast
 from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within, first_index
-from attnref._src.kit.conformance.context import Case, Context, Plan, case_strategy
+from attnref._src.kit.conformance.context import ONE_SIDED, Case, Context, Plan, case_strategy
 from attnref._src.kit.conformance.options import GROWTH, UNEVEN
 from attnref._src.kit.conformance.references import (
     assert_lse,
@@ -61,10 +61,12 @@ def _plan_oracle(ctx: Context) -> Plan | str:
 
 def _plan_masks(ctx: Context) -> Plan | str:
     kinds = ctx.kinds(_MASK_PROPERTY_KINDS)
+    if "padding" not in kinds:  # one length option alone: a kind of its own
+        kinds += ctx.kinds(tuple(ONE_SIDED))
     if not kinds:
         return (
-            "needs a mask feature (one of mask, bias, causal, seq_lengths, window, segment_ids, "
-            "softcap)"
+            "needs a mask feature (one of mask, bias, causal, query_seq_lengths, "
+            "key_value_seq_lengths, window, segment_ids, softcap)"
         )
 
     def check(case: Case) -> None:
@@ -269,8 +271,8 @@ def _observed_policy(row: np.ndarray, mean_v: np.ndarray, tol: float) -> str:
 
 
 def _plan_fully_masked(ctx: Context) -> Plan | str:
-    if not ({"mask", "seq_lengths"} & ctx.features):
-        return "needs feature 'mask' or 'seq_lengths' to build a row with no allowed key"
+    if not ({"mask", "key_value_seq_lengths"} & ctx.features):
+        return "needs feature 'mask' or 'key_value_seq_lengths' to build a row with no allowed key"
     use_mask = "mask" in ctx.features
 
     def check(case: Case) -> None:

@@ -144,8 +144,8 @@ def cases(ctx: Context, name: str) -> list[Case] | str:
         kinds = ctx.kinds(("none", "causal", "padding"))
         return _sweep(ctx, [(n, n) for n in (127, 129, 255, 257, 1025)], kinds)
     if name in ("batch_independence", "fully_masked_rows"):
-        if "seq_lengths" not in ctx.features:
-            return "needs feature 'seq_lengths' for ragged lengths"
+        if not {"query_seq_lengths", "key_value_seq_lengths"} <= ctx.features:
+            return "needs features 'query_seq_lengths' and 'key_value_seq_lengths' (ragged lengths)"
         sizes = (257, 1025) if name == "fully_masked_rows" else (129, 1025, 2049)
         return [
             dataclasses.replace(c, ragged=True)

@@ -11,12 +11,14 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from rich.console import Console, ConsoleOptions, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from attnref._src.kit import console
 from attnref._src.kit.conformance.options import DEFAULT_SEMANTICS
+from attnref._src.kit.conformance.replay import JSON_MAX_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,8 @@ class MeshResult:
     traceback: str | None = None
     seconds: float = 0.0
     ratio: float | None = None
+    inputs: dict[str, Any] | None = None
+    problem_replay: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +57,19 @@ class PropertyResult:
     returned something the kit could not use): where it was raised, Hypothesis's own frames
     left out. ``seconds`` is the wall-clock time (0 when skipped). ``meshes``, for a distributed
     target, holds the outcome on each mesh size (ascending): the property failed when it failed
-    on any, and ``detail``, ``example`` and ``traceback`` are those of the first size it failed
-    on, ``detail`` prefixed with ``P=<size>:`` and a space."""
+    on any, and ``detail``, ``example``, ``traceback`` and ``inputs`` are those of the first size
+    it failed on, ``detail`` prefixed with ``P=<size>:`` and a space.
+
+    ``inputs`` (a failure only; else ``None``): the target's last call in the failing example as
+    keyword arguments, NumPy arrays and the options it was passed (``query``, ``key``,
+    ``value``, ``mask``, ``is_causal``, ...; ``cotangent`` for a gradient call): where the
+    property compares two calls (``causality``, ``batch_independence``), the later one.
+    ``problem_replay``: one line of Python that rebuilds those inputs with
+    :func:`attnref.strategies.make_kernel_problem`, calls the target and asserts the call
+    equals the oracle (:func:`attnref.testing.assert_matches_oracle`, or for gradients
+    ``assert_grads_match_oracle``); ``None`` where the property changed the problem after
+    building it (scaled, sliced or re-padded) or the target is distributed: ``inputs`` is then
+    the way to the failing call."""
 
     name: str
     status: str
@@ -66,6 +81,8 @@ class PropertyResult:
     traceback: str | None = None
     seconds: float = 0.0
     meshes: tuple[MeshResult, ...] = ()
+    inputs: dict[str, Any] | None = None
+    problem_replay: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +192,8 @@ class ConformanceReport:
                     lines.append(f.traceback.rstrip())
                 devices = f.devices if isinstance(f, MeshResult) else None
                 lines.append(f"replay: {self.replay(r, devices)}")
+                if f.problem_replay:
+                    lines.append(f"replay the failing call: {f.problem_replay}")
         return lines
 
     def replay(self, result: PropertyResult, devices: int | None = None) -> str:
@@ -212,13 +231,36 @@ class ConformanceReport:
             "passed": self.passed,
             "results": [
                 {
-                    **dataclasses.asdict(r),
+                    **_as_dict(r),
                     "declared": list(r.declared),
-                    "meshes": [dataclasses.asdict(m) for m in r.meshes],
+                    "meshes": [_as_dict(m) for m in r.meshes],
                 }
                 for r in self.results
             ],
         }
+
+
+def _json_value(value: Any) -> Any:
+    """An input as JSON: an array as ``{"dtype", "shape", "data"}`` (``data`` the nested list,
+    ``None`` above ``JSON_MAX_ELEMENTS`` elements), a pair as a list, a number as itself."""
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, np.ndarray):
+        small = value.size <= JSON_MAX_ELEMENTS
+        data = value.astype(np.float64).tolist() if value.dtype.kind == "V" else value.tolist()
+        return {
+            "dtype": str(value.dtype),
+            "shape": list(value.shape),
+            "data": data if small else None,
+        }
+    return value
+
+
+def _as_dict(r: PropertyResult | MeshResult) -> dict[str, Any]:
+    out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "meshes"}
+    if r.inputs is not None:
+        out["inputs"] = {k: _json_value(v) for k, v in r.inputs.items()}
+    return out
 
 
 def _first_line(text: str) -> str:

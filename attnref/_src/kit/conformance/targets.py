@@ -156,6 +156,8 @@ class Target:
         self.mesh = mesh
         self._eager: set[tuple[Any, ...]] = set()  # (kind, static, lse, dtype) that failed jit
         self.notes: list[str] = []
+        # the problem and cotangent (None: a forward call) of the latest call, as passed
+        self.last_call: tuple[ast.KernelProblem, np.ndarray | None] | None = None
         self.lse_keyword = _lse_keyword(fn)
         params = _parameters(fn) or {}
         self._mesh_kw: dict[str, Any] = {}
@@ -238,6 +240,7 @@ class Target:
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         """``(out, lse or None)`` as NumPy arrays, each checked to be a numeric array of the
         expected shape (``out [B, T, N, H_v]``, ``lse [B, T, N]``) before any comparison."""
+        self.last_call = (p, None)
         static, arrays = split_options(p.options)
         raw = self._raw(static, want_lse)
         result = self._invoke(("forward", static, want_lse), raw, (p.q, p.k, p.v, arrays), p.dtype)
@@ -257,6 +260,7 @@ class Target:
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
+        self.last_call = (p, cotangent)
         static, arrays = split_options(p.options)
         raw = self._raw(static, False)
 

@@ -1,0 +1,133 @@
+"""A failing property's inputs, for :class:`PropertyResult`: the arrays of the target's last call
+in the failing example (:func:`call_inputs`) and the Python that rebuilds them with
+:func:`attnref.strategies.make_kernel_problem` and checks that call against the oracle with
+:func:`attnref.testing.assert_matches_oracle` (:func:`problem_replay`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from attnref import strategies as ast
+from attnref._src.kit.conformance.references import to_target
+
+# Arrays above this many elements are left out of ConformanceReport.to_dict (shape and dtype kept).
+JSON_MAX_ELEMENTS = 10_000
+
+
+def call_inputs(p: ast.KernelProblem, cotangent: Any = None) -> dict[str, Any]:
+    """The target's call as keyword arguments: ``query``, ``key``, ``value`` (NumPy, in the
+    problem's dtype), every option it was passed (``mask``, ``bias``, the lengths, a
+    ``segment_ids`` array or pair, ``is_causal``, ``local_window_size``, ...), and ``cotangent``
+    for a gradient call. ``fn(**inputs)`` (without ``cotangent``) repeats a ``jax_nn`` call."""
+    out: dict[str, Any] = {"query": p.q, "key": p.k, "value": p.v, **p.options}
+    if cotangent is not None:
+        out["cotangent"] = np.asarray(cotangent)
+    return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+
+
+def _pattern(shape: tuple[int, ...], c: ast.Config) -> str:
+    """The :data:`attnref.strategies.BROADCAST_SHAPES` pattern of a rank-4 mask or bias shape."""
+    return "".join(
+        "1" if n == 1 else ch for ch, n in zip("BNTS", shape, strict=True)
+    ) or "1111"  # fmt: skip
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return (
+            isinstance(a, tuple)
+            and isinstance(b, tuple)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+    return bool(a == b)
+
+
+def rebuild(p: ast.KernelProblem, signature: str) -> tuple[ast.KernelProblem, str] | None:
+    """``(problem, its Python)``: the :func:`attnref.strategies.make_kernel_problem` call that
+    gives ``p`` (as the target sees it) exactly, or ``None`` where the property changed the
+    problem after building it (scaled keys, a prefix, one batch element, other lengths)."""
+    if p.kind not in ast.MASK_KINDS + ast.PRODUCTION_KINDS:
+        return None
+    kw: dict[str, Any] = {}
+    if p.identical != "none":
+        kw["identical"] = p.identical
+    if p.masked_rows != "zeros":
+        kw["masked_rows"] = p.masked_rows
+    if p.causal_alignment != "top_left":
+        kw["causal_alignment"] = p.causal_alignment
+    if signature != "qkv_mask":
+        if p.kind in ast.MASK_SHAPE_KINDS and "mask" in p.options:
+            kw["mask_shape"] = _pattern(np.shape(p.options["mask"]), p.config)
+        if p.kind in ast.BIAS_SHAPE_KINDS and "bias" in p.options:
+            kw["bias_shape"] = _pattern(np.shape(p.options["bias"]), p.config)
+    try:
+        built = ast.make_kernel_problem(p.config, p.kind, p.seed, **kw)
+    except ValueError:
+        return None
+    seen = to_target(built, signature)
+    arrays = all(_same(x, y) for x, y in ((seen.q, p.q), (seen.k, p.k), (seen.v, p.v)))
+    options = set(seen.options) == set(p.options) and all(
+        _same(seen.options[k], p.options[k]) for k in p.options
+    )
+    if not (arrays and options):
+        return None
+    args = ", ".join(
+        [repr(p.config), repr(p.kind), str(p.seed), *(f"{k}={v!r}" for k, v in kw.items())]
+    )
+    return built, f"p = make_kernel_problem({args})"
+
+
+def problem_replay(
+    p: ast.KernelProblem, cotangent: Any, signature: str, target: str, distributed: bool
+) -> str | None:
+    """One line of Python that rebuilds the failing call's inputs (:func:`rebuild`), calls the
+    target on them and asserts the result equals the oracle (the output with
+    :func:`attnref.testing.assert_matches_oracle`, a gradient call's ``(dq, dk, dv)`` with
+    :func:`attnref.testing.assert_grads_match_oracle`), under the kit's allowance for a
+    single-device kernel. ``None`` where the inputs cannot be rebuilt that way, and for a
+    distributed target (its allowance is the merged-states bound). The target is
+    ``load_target(target)`` where ``target`` is a ``module:function`` name, else ``fn``."""
+    if distributed:
+        return None
+    found = rebuild(p, signature)
+    if found is None:
+        return None
+    built, line = found
+    loadable = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target)
+    fn = f"load_target({target!r})" if loadable else "fn"
+    assertion = "assert_matches_oracle" if cotangent is None else "assert_grads_match_oracle"
+    imports = [
+        "from attnref.strategies import Config, make_kernel_problem",
+        f"from attnref.testing import {assertion}" + (", load_target" if loadable else ""),
+    ]
+    semantics = "".join(f", {k}={v!r}" for k, v in built.kwargs.items() if k not in built.options)
+    if signature == "qkv_mask":
+        call, opts = "f(p.q, p.k, p.v, p.allowed())", "mask=p.allowed()" + semantics
+        define = f"f = {fn}"
+    else:
+        call, opts = "f(p.q, p.k, p.v, **p.options)", "**p.kwargs"
+        define = f"f = {fn}"
+    if cotangent is None:
+        check = f"assert_matches_oracle({call}, p.q, p.k, p.v, {opts})"
+    else:
+        c = p.config
+        seeded = np.random.default_rng([p.seed, 1]).standard_normal((c.b, c.t, c.n, c.h_v))
+        if not _same(seeded.astype(c.dtype), np.asarray(cotangent)):
+            return None
+        imports.append("import jax, numpy as np")
+        shape = np.shape(cotangent)
+        cot = f"cot = np.random.default_rng([{p.seed}, 1]).standard_normal({shape})"
+        cot += f".astype({c.dtype!r})"
+        body = call.replace("f(p.q, p.k, p.v", "f(q, k, v")
+        check = (
+            f"{cot}; _, pull = jax.vjp(lambda q, k, v: {body}, p.q, p.k, p.v); "
+            f"assert_grads_match_oracle(pull(cot), p.q, p.k, p.v, cot, {opts})"
+        )
+    return "; ".join([*imports, define, line, check])
