@@ -18,10 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnref
 from attnref import oracle
+from attnref import strategies as ast
 from attnref.testing import Match, assert_grads_match_oracle, assert_matches_oracle
+
+from .kernel_helpers import kproblems
 
 B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
 
@@ -80,6 +85,31 @@ def test_jax_nn_16bit_passes_and_a_16bit_fault_fails(dtype):
     assert match.dtype == str(np.dtype(dtype))
     with pytest.raises(AssertionError, match=r"(?s)FlashAttention.*Mismatched elements: 1 / 320 "):
         assert_matches_oracle(out.at[1, 2, 3, 4].add(1.0), q, k, v)
+
+
+_DPA = jax.jit(attnref.dot_product_attention, static_argnames=ast.STATIC_OPTIONS)
+
+
+@given(p=kproblems(dtypes=("float32",), buckets=ast.KERNEL_BUCKETS[:2]), data=st.data())
+def test_every_option_mix_passes_and_one_planted_element_fails(p, data):
+    """attnref's kernel (float32, jitted) on mixed problems (every array kind, every static
+    profile, rows with no key under each masked-rows policy) passes with its lse; the output
+    with one drawn element moved by 1.0 fails with exactly that element mismatched (1.0 is far
+    above any float32 allowance at these sizes: values are O(1), allowances O(1e-5))."""
+    out, lse = _DPA(p.q, p.k, p.v, return_lse=True, **p.kwargs)
+    assert_matches_oracle(out, p.q, p.k, p.v, lse=lse, **p.kwargs)
+    bad = np.array(out)
+    idx = tuple(
+        data.draw(st.integers(0, n - 1), label=f"axis {i}") for i, n in enumerate(bad.shape)
+    )
+    if np.isnan(bad[idx]):  # masked_rows="nan": NaN + 1.0 is still the declared NaN
+        return
+    bad[idx] += 1.0
+    where = ", ".join(map(str, idx))
+    with pytest.raises(
+        AssertionError, match=rf"(?s)Mismatched elements: 1 / {bad.size} .*out\[{where}\]"
+    ):
+        assert_matches_oracle(bad, p.q, p.k, p.v, **p.kwargs)
 
 
 def test_attnref_options_pass_and_the_lse_is_checked():
