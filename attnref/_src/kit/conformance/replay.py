@@ -28,11 +28,10 @@ def call_inputs(p: ast.KernelProblem, cotangent: Any = None) -> dict[str, Any]:
     return {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
 
 
-def _pattern(shape: tuple[int, ...], c: ast.Config) -> str:
-    """The :data:`attnref.strategies.BROADCAST_SHAPES` pattern of a rank-4 mask or bias shape."""
-    return "".join(
-        "1" if n == 1 else ch for ch, n in zip("BNTS", shape, strict=True)
-    ) or "1111"  # fmt: skip
+def _pattern(shape: tuple[int, ...]) -> str:
+    """The :data:`attnref.strategies.BROADCAST_SHAPES` pattern of a rank-4 mask or bias shape
+    (an axis of size 1 as ``1``: the same arrays whichever the pattern said)."""
+    return "".join("1" if n == 1 else ch for ch, n in zip("BNTS", shape, strict=True))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -64,9 +63,9 @@ def rebuild(p: ast.KernelProblem, signature: str) -> tuple[ast.KernelProblem, st
         kw["causal_alignment"] = p.causal_alignment
     if signature != "qkv_mask":
         if p.kind in ast.MASK_SHAPE_KINDS and "mask" in p.options:
-            kw["mask_shape"] = _pattern(np.shape(p.options["mask"]), p.config)
+            kw["mask_shape"] = _pattern(np.shape(p.options["mask"]))
         if p.kind in ast.BIAS_SHAPE_KINDS and "bias" in p.options:
-            kw["bias_shape"] = _pattern(np.shape(p.options["bias"]), p.config)
+            kw["bias_shape"] = _pattern(np.shape(p.options["bias"]))
     try:
         built = ast.make_kernel_problem(p.config, p.kind, p.seed, **kw)
     except ValueError:
