@@ -373,8 +373,9 @@ def test_entry_point_and_testpaths_are_declared():
 
 def test_docs_testing_your_kernel_examples_run(monkeypatch):
     """docs/testing_your_kernel.md: its kernel passes, its broken kernel fails the oracle
-    property, its distributed ring passes on 1 and 2 devices, and its assert_attention_close
-    example runs."""
+    property, its distributed ring passes on 1 and 2 devices, and its examples of
+    assert_matches_oracle (with pytest.raises on the broken kernel) and assert_attention_close
+    run."""
     import types
 
     from attnref.testing import check_attention
@@ -388,7 +389,11 @@ def test_docs_testing_your_kernel_examples_run(monkeypatch):
         "mypkg/merge.py",
         "mypkg/ring.py",
     ]
-    (tolerance_src,) = (b for b in blocks if not b.startswith("# mypkg/"))
+    examples = [b for b in blocks if not b.startswith("# mypkg/")]
+    assert [("assert_matches_oracle(" in b, "assert_attention_close(" in b) for b in examples] == [
+        (True, False),
+        (False, True),
+    ]
     package = types.ModuleType("mypkg")
     monkeypatch.setitem(sys.modules, "mypkg", package)
     modules = {}
@@ -413,4 +418,5 @@ def test_docs_testing_your_kernel_examples_run(monkeypatch):
             max_examples=2,
         )
         assert report.passed, report.summary()
-    exec(compile(tolerance_src, "docs tolerance example", "exec"), {})
+    for i, src in enumerate(examples):
+        exec(compile(src, f"docs example {i}", "exec"), {})

@@ -196,3 +196,16 @@ def test_the_guide_closes_its_fences_and_its_failure_block_is_consistent():
     dtypes = set(re.findall(r"dtype='(\w+)'", block))
     assert headers == dtypes == {"float32"}, (headers, dtypes)
     assert "np.float64(" not in block
+
+
+def test_the_guide_installs_as_the_readme_does():
+    """The kernel guide's install command is the README's (a reader who followed the README has
+    the guide's environment)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "testing_your_kernel.md").read_text()
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0]
+    install = block.splitlines()[0]
+    assert install.startswith("python3 -m venv .venv && .venv/bin/pip install "), install
+    assert install in (root / "README.md").read_text()

@@ -129,7 +129,7 @@ def check_features(features: Sequence[str]) -> None:
             + ")",
             "features",
             unknown,
-            FEATURES,
+            FEATURES + tuple(FEATURE_ALIASES),
         )
 
 
