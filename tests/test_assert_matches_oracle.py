@@ -253,6 +253,31 @@ def test_bad_input_is_refused_by_name():
     assert_matches_oracle(out, q, k, v, implementation=None)
 
 
+class _TorchLike:
+    """A stand-in for a torch tensor: ``detach()`` and ``cpu()``, then ``__array__``."""
+
+    def __init__(self, array):
+        self.array, self.calls = array, []
+
+    def detach(self):
+        self.calls.append("detach")
+        return self
+
+    def cpu(self):
+        self.calls.append("cpu")
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype)
+
+
+def test_a_torch_like_tensor_is_detached_and_read():
+    q, k, v = _inputs()
+    out = _TorchLike(oracle.dot_product_attention(q, k, v).astype(np.float32))
+    assert_matches_oracle(out, q, k, v)
+    assert out.calls == ["detach", "cpu"]
+
+
 _FAILING_TEST = """
 import numpy as np
 from attnref import oracle

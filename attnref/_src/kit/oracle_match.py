@@ -28,8 +28,13 @@ OPTION_NAMES = tuple(
 IGNORED_OPTIONS = ("implementation",)
 OUT_AXES = "[b, t, n, h]"
 LSE_AXES = "[b, t, n]"
-_GRAD_AXES = {"query": "[b, t, n, h]", "key": "[b, s, k, h]", "value": "[b, s, k, h]"}
-_GRAD_AXES["bias"] = "[b, n, t, s]"
+# each gradient's axes (dbias has the bias's own broadcast shape)
+_GRAD_AXES = {
+    "query": "[b, t, n, h]",
+    "key": "[b, s, k, h]",
+    "value": "[b, s, k, h]",
+    "bias": "[b, n, t, s]",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +116,9 @@ def _call(where: str, fn: Any, *args: Any, **kw: Any) -> Any:
         raise type(exc)(f"{where}: {exc}") from None
 
 
-def is_16bit(dtype: Any) -> bool:
+def _is_16bit(dtype: Any) -> bool:
+    """float16 and bfloat16: the comparative rule's formats (the derived bound's 16-bit model
+    is XLA's, which other kernels need not follow)."""
     return np.dtype(dtype).itemsize == 2
 
 
@@ -270,7 +277,7 @@ def assert_matches_oracle(
     bound, lse_bound = _call(where, tolerance.kernel_call_error_bound, q, k, v, dtype=dt, **opts)
     rule = "tolerance.kernel_call_error_bound"
     allowed: Any = bound
-    if is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
+    if _is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
         magnitude = float(np.max(np.abs(np.nan_to_num(ref)), initial=0.0))
         same = _attnref_run(q, k, v, opts, dt, None)
         allowed = _flash_allowance(same, ref, gamma(K_Y, unit_roundoff(dt)) * magnitude)
@@ -351,7 +358,7 @@ def assert_grads_match_oracle(
     bound = _call(where, tolerance.kernel_grad_error_bound, q, k, v, dtype=dt, **kw)
     rule = "tolerance.kernel_grad_error_bound"
     allowed: list[Any] = [getattr(bound, n) for n in names[: len(got)]]
-    if is_16bit(dt):  # the kit's 16-bit rule for gradients (module docstring)
+    if _is_16bit(dt):  # the gradients property's 16-bit rule (attnref._src.kit.conformance)
         same = _attnref_run(q, k, v, opts, dt, cot)
         wanted = [getattr(exact, n) for n in names[: len(got)]]
         top = max(float(np.max(np.abs(np.nan_to_num(e)), initial=0.0)) for e in wanted)
