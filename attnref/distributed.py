@@ -9,10 +9,11 @@ sharding) and :func:`tensor_parallel_dot_product_attention` (heads sharded). Row
 (``<id>_attention(params, x_q, x_kv, *, mask, bias, scale, residual, mesh)``, the registry's
 ``apply``) of the same names. :func:`default_mesh` builds a 1-D mesh over the first devices;
 :data:`DISTRIBUTED` is the family. The pieces merge with :func:`attnref.merge_states`.
-:func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load
-balance of a layout (:data:`LAYOUTS`: ``"contiguous"``, ``"striped"``, ``"zigzag"``; the ring
-schemes' in :data:`LAYOUT_OF`); :func:`positions` lists the global positions each device holds
-in a sequence padded to :func:`padded_length`.
+:func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load balance
+of a layout, :func:`ring_tiles_computed` the ring's computed tiles per device (a step's piece in
+:func:`chunk_tiles` tiles per side, the empty ones skipped) (:data:`LAYOUTS`: ``"contiguous"``,
+``"striped"``, ``"zigzag"``; the ring schemes' in :data:`LAYOUT_OF`); :func:`positions` lists the
+global positions each device holds in a sequence padded to :func:`padded_length`.
 
 On one host, ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before JAX starts)
 gives 8 virtual CPU devices. See ``docs/distributed.md``.
@@ -22,7 +23,13 @@ from attnref._src.formulations.distributed.all_gather import (
     all_gather_attention,
     all_gather_dot_product_attention,
 )
-from attnref._src.formulations.distributed.cost import load_balance, useful_flops, useful_pairs
+from attnref._src.formulations.distributed.cost import (
+    chunk_tiles,
+    load_balance,
+    ring_tiles_computed,
+    useful_flops,
+    useful_pairs,
+)
 from attnref._src.formulations.distributed.family import DISTRIBUTED, default_mesh
 from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
 from attnref._src.formulations.distributed.ring import (
@@ -49,12 +56,14 @@ __all__ = [
     "LAYOUT_OF",
     "all_gather_attention",
     "all_gather_dot_product_attention",
+    "chunk_tiles",
     "default_mesh",
     "load_balance",
     "padded_length",
     "positions",
     "ring_attention",
     "ring_dot_product_attention",
+    "ring_tiles_computed",
     "striped_attention",
     "striped_dot_product_attention",
     "tensor_parallel_attention",

@@ -36,9 +36,11 @@ import attnref  # noqa: E402
 import attnref.distributed as dist  # noqa: E402
 from attnref.costs import Dims, hlo_collectives  # noqa: E402
 from attnref.distributed import (  # noqa: E402
+    chunk_tiles,
     load_balance,
     padded_length,
     positions,
+    ring_tiles_computed,
     useful_pairs,
 )
 
@@ -65,16 +67,14 @@ def _timeit(fn, *args, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _pieces(t: int, devices: int, layout: str) -> tuple[int, int]:
-    """(busiest device, all devices): the ring pieces computed under causality. Device ``d``
-    meets chunk ``(d - r) mod P`` at step ``r``; the ring skips a piece when no local query
-    ``i`` may read any of its keys ``j`` (``j <= i``, both real)."""
+def _pieces(t: int, devices: int, layout: str) -> tuple[float, float]:
+    """(busiest device, all devices): the ring's computed work under causality, in pieces
+    (a piece is one step's ``c x c`` block; :func:`attnref.distributed.ring_tiles_computed`
+    counts its computed ``n x n`` tiles, skipped tiles and steps doing none)."""
     table = positions(padded_length(t, devices, layout), devices, layout)
-    first_key = np.where(table < t, table, np.iinfo(np.int32).max).min(axis=1)
-    last_query = np.where(table < t, table, -1).max(axis=1)
-    reach = first_key[None, :] <= last_query[:, None]  # [device, chunk owner]
-    per_device = reach.sum(axis=1)
-    return int(per_device.max()), int(per_device.sum())
+    n = chunk_tiles(table.shape[1], table.shape[1])
+    tiles = ring_tiles_computed(t, devices, layout)
+    return float(tiles.max()) / n**2, float(tiles.sum()) / n**2
 
 
 def _sent(collectives, *, scheme: bool) -> tuple[float, bool]:
@@ -148,7 +148,7 @@ def main() -> None:
             reshard, _ = _sent(found, scheme=False)
             results[(fid, t)] = ms / base_ms
             busiest, total = _pieces(t, p, layout) if fid in RINGS else (0, 0)
-            pieces = f"{busiest} / {total} of {p * p}" if fid in RINGS else "-"
+            pieces = f"{busiest:g} / {total:g} of {p * p}" if fid in RINGS else "-"
             rows.append(
                 f"| {fid} | {t} | {balance:.4f} | {pieces} | {model:.2f} | {'<= ' if bound else ''}"
                 f"{sent:.2f} | {reshard:.2f} | {temp:.1f} | {ms:.0f} | {ms / base_ms:.2f}x |"
@@ -191,14 +191,14 @@ def main() -> None:
             f"Machine and problem: {machine}.\n\n"
             "Columns: the useful-FLOP balance is max / mean of the allowed causal pairs per "
             "device (the layout's; Ulysses and tensor parallelism split heads: 1). Ring pieces: "
-            "a ring piece is naive (every pair of the piece is computed, allowed or not) and a "
-            "piece no local query may read is skipped, so under causality the contiguous ring "
-            "computes `P (P + 1) / 2` of the `P^2` pieces (device `d`: `d + 1`) and the striped "
-            "and zigzag rings all of them (every piece holds an allowed pair). On one host whose "
-            "cores the devices share, total work sets the time, which favours the contiguous "
-            "ring; on real devices the busiest device does, and it computes `P` pieces in all "
-            "three layouts: the balance pays off with a piece kernel that also skips the masked "
-            "part of a piece (a flash kernel's causal tiles). Sent per "
+            "a ring step's piece (its queries against one K/V chunk) is computed in 2 x 2 "
+            "tiles, each a naive product, and a tile or a whole step no local query may read is "
+            "skipped (`attnref.distributed.ring_tiles_computed`), so under causality the busiest "
+            "device computes `P - 1/4` pieces' worth with contiguous chunks, `3P/4` striped "
+            "and `(2P + 1)/4` zigzag, about half: the balance of the layouts shows as work. On "
+            "one host whose cores the devices share, total work sets the time; on real devices "
+            "the busiest device does. "
+            "Sent per "
             "device: the cost model's (the row form's communication: tensor parallelism's psum "
             "of the block output, which its kernel level does not run) and the compiled "
             "kernel's collectives inside the `shard_map` (`<=`: a send in a conditional branch, "

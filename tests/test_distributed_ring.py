@@ -61,20 +61,24 @@ def _call(scheme, devices, p):
 
 
 def ring_bound(scheme, devices, p):
-    """:func:`attnref.tolerance.pieces_error_bound` of the ring (module docstring): piece ``d``
-    is the K/V chunk device ``d`` holds in the scheme's layout, merged sequentially."""
+    """:func:`attnref.tolerance.pieces_error_bound` of the ring (module docstring): a piece is
+    one key tile of the K/V chunk device ``d`` holds in the scheme's layout (the chunk split
+    into :func:`attnref.distributed.chunk_tiles` tiles), merged sequentially (any binary merge
+    of the ``P n`` pieces, the ring's included, is no deeper than the sequential one)."""
     s = p.config.s
     layout = ring.LAYOUT_OF[scheme]
     table = ring.positions(ring.padded_length(s, devices, layout), devices, layout)
+    c_q = ring.padded_length(p.config.t, devices, layout) // devices
+    n = ring.chunk_tiles(c_q, table.shape[1])
     ids = np.full(table.size, -1)
     for d, row in enumerate(table):
-        ids[row] = d
+        ids[row] = d * n + np.arange(row.size) // (row.size // n)
     return tolerance.pieces_error_bound(
         p.q,
         p.k,
         p.v,
         pieces=ids[:s],
-        num_pieces=devices,
+        num_pieces=devices * n,
         tree="sequential",
         key_blocks=1,
         **p.semantics(),
@@ -324,3 +328,32 @@ def test_bad_input_names_the_argument(unchecked_annotations):
         ring.ring_dot_product_attention(
             q, q, q, mesh=default_mesh(2), key_value_seq_lengths=np.array([5], np.int32)
         )
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize(("t", "devices"), [(16, 4), (64, 8), (37, 8), (12, 1), (8, 8)])
+def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, devices):
+    """:func:`attnref.distributed.ring_tiles_computed` = the tiles of each device's pieces that
+    hold a pair the oracle allows (:func:`attnref.oracle.kernel_allowed`, causal), counted by
+    brute force; and, by hand, the balanced layouts' busiest device computes about half of
+    its ``P`` pieces: zigzag ``(2 P + 1) / 4`` of them once ``2P`` divides ``T``."""
+    allowed = oracle.kernel_allowed((1, 1, t, t), is_causal=True)[0, 0]
+    table = ring.positions(ring.padded_length(t, devices, layout), devices, layout)
+    c = table.shape[1]
+    n = ring.chunk_tiles(c, c)
+    padded = np.zeros((table.size, table.size), bool)
+    padded[:t, :t] = allowed
+    parts = table.reshape(devices, n, c // n)
+    want = [
+        sum(
+            bool(padded[np.ix_(parts[d, a], parts[o, b])].any())
+            for o in range(devices)
+            for a in range(n)
+            for b in range(n)
+        )
+        for d in range(devices)
+    ]
+    got = ring.ring_tiles_computed(t, devices, layout)
+    assert got.tolist() == want
+    if layout == "zigzag" and t % (2 * devices) == 0 and devices > 1:
+        assert got.max() == 2 * devices + 1  # quarter pieces: (2P + 1) / 4 of a piece's 4

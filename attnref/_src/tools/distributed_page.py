@@ -85,6 +85,28 @@ def _balance_table() -> str:
     return "\n".join(lines)
 
 
+def _tiles_table() -> str:
+    """The ring's computed work under causality: the busiest device's and the mean device's
+    pieces (computed tiles over ``n^2``), of the ``P`` pieces a device meets."""
+    from attnref._src.formulations.distributed import layout as seq_layout
+    from attnref._src.formulations.distributed.cost import chunk_tiles, ring_tiles_computed
+
+    lines = [
+        "| P | T | " + " | ".join(f"{layout} (busiest / mean)" for layout in seq_layout.LAYOUTS),
+        "|---|---|" + "---|" * len(seq_layout.LAYOUTS),
+    ]
+    for p in (2, 4, 8):
+        t = 4096
+        cells = []
+        for layout in seq_layout.LAYOUTS:
+            c = seq_layout.padded_length(t, p, layout) // p
+            tiles = ring_tiles_computed(t, p, layout) / chunk_tiles(c, c) ** 2
+            cells.append(f"{tiles.max():g} / {tiles.mean():g}")
+        lines.append(f"| {p} | {t} | " + " | ".join(cells) + " |")
+    lines[0] += " |"
+    return "\n".join(lines)
+
+
 def _distributed_name(fn: Callable[..., Any]) -> str:
     """``attnref.distributed.<name>`` where that namespace exports ``fn``, else
     :func:`public_name` (the namespace joins :data:`NAMESPACES` with the family's registration)."""
@@ -188,8 +210,14 @@ def render_distributed(existing: str = "") -> str:
         f"\n\n{_balance_table()}\n\n"
         "All-gather context parallelism uses the zigzag layout (its balance is zigzag's); "
         "Ulysses and tensor parallelism split heads, so every device does the same causal work. "
-        "The ring skips a step whose chunk no local query may read, so on the contiguous layout "
-        "device `d` computes `d + 1` of its `P` pieces under a causal mask.\n\n"
+        "The ring skips a step whose chunk no local query may read, and computes the other "
+        "steps' pieces in 2 x 2 tiles, skipping the tiles no query of them may read (forward "
+        "and backward). So the balance shows as work: under a causal mask the busiest "
+        "device computes `P - 1/4` pieces' worth with contiguous chunks, `3P/4` striped and "
+        "`(2P + 1)/4` zigzag, of the `P` pieces it meets "
+        "(`attnref.distributed.ring_tiles_computed`; `tests/test_distributed_ring.py` checks "
+        "it against a brute-force count of the oracle's allowed pairs):"
+        f"\n\n{_tiles_table()}\n\n"
         f"{_bench_section(existing)}\n\n"
         "*Generated from the registry and the cost models by `python -m attnref.pages` (the "
         "benchmark section by `benchmarks/bench_distributed.py`); "

@@ -120,13 +120,22 @@ def _ring(d: Dims, layout: str) -> Cost:
     p, b, h = d.devices, d.batch, d.heads
     t_pad, s_pad = _padded(d, layout)
     cq, ck = t_pad // p, s_pad // p
-    mm, el, logits = _piece(d, h, cq, ck)
+    n = chunk_tiles(cq, ck)  # a step's piece in n x n tiles (ring.py's _state_fn)
+    mm, el, logits = (n * n * x for x in _piece(d, h, cq // n, ck // n))
     rows = b * h * cq
-    step_el = el + MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v
-    # exp of the logits; per row the piece's log(denominator) and the merge's two weights and
-    # log1p, less one with one device: XLA folds the weight of the merge's constant empty state
-    # (exp(-inf) = 0) when the single step is not in a loop.
-    step_tr = logits + (3 if p == 1 else 4) * rows
+    # The tiles' own reachability tests (4 per pair when tiled), and the n - 1 merges of each
+    # query tile's key tiles before the step's merge.
+    tiled = (
+        0
+        if n == 1
+        else 4 * logits + (n - 1) * (MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v)
+    )
+    step_el = el + tiled + MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v
+    # exp of the logits; per row each key tile's log(denominator), the key tiles' merges and the
+    # step's merge (two weights and log1p each), less one with one device: XLA folds the
+    # weight of the merge's constant empty state (exp(-inf) = 0) when the single step is not in
+    # a loop.
+    step_tr = logits + n * rows + 3 * (n - 1) * rows + (2 if p == 1 else 3) * rows
     sharded = layout == "contiguous"
     outside = _projections(d, sharded, layout)
     chunk_bytes = b * ck * h * (d.d_k + d.d_v) * d.itemsize
@@ -140,7 +149,7 @@ def _ring(d: Dims, layout: str) -> Cost:
         tokens,
         pairs,  # laid out
         2 * b * ck * h * (d.d_k + d.d_v),  # the chunk held and the chunk received
-        8 * b * h * cq * ck,  # one piece's logits, allowed set, weights and temporaries
+        8 * b * h * cq * ck,  # the pieces' logits, allowed sets, weights and temporaries
         4 * rows * (d.d_v + 1),  # the running and the piece's states, merged and finished
         b * t_pad * h * d.d_v,
         b * d.t_q * h * d.d_v,
@@ -152,7 +161,7 @@ def _ring(d: Dims, layout: str) -> Cost:
         p * step_tr,
         inputs,
         output,
-        max(b * h * cq * ck, b * cq * h * d.d_v) * d.itemsize,
+        max(b * h * (cq // n) * (ck // n), b * cq * h * d.d_v) * d.itemsize,
         sum(tensors) * d.itemsize + inputs,
         loop_trips=p,
         per_trip_matmul_flops=mm if p > 1 else 0,
@@ -349,6 +358,40 @@ def useful_flops(t: int, devices: int, layout: str, *, causal: bool = True, **si
     b, n = sizes.get("batch", 1), sizes.get("heads", 1)
     per_pair = 2 * b * n * (sizes.get("d_k", 1) + sizes.get("d_v", 1))
     return per_pair * useful_pairs(t, devices, layout, causal=causal)
+
+
+def chunk_tiles(c_q: int, c_k: int) -> int:
+    """Tiles per side of a ring step's ``c_q x c_k`` piece: 2 (four quarter pieces, each
+    skipped when the position rules leave it empty) when both sides split evenly, else 1."""
+    return 2 if c_q % 2 == 0 and c_k % 2 == 0 and min(c_q, c_k) >= 2 else 1
+
+
+def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = True) -> np.ndarray:
+    """The ring's computed tiles per device, of ``P n^2`` (``n``: :func:`chunk_tiles`).
+
+    At step ``r`` device ``d`` meets chunk ``(d - r) mod P``; each of the piece's ``n x n``
+    tiles is computed when one of its real queries ``i`` may read one of its real keys ``j``
+    (``j <= i`` under causality; any real pair without), and skipped otherwise.
+
+    Args:
+        t, devices, layout, causal: As in :func:`useful_pairs` (self-attention, ``S = T``).
+
+    Returns:
+        int64 ``[P]``.
+    """
+    table = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
+    c = table.shape[1]
+    n = chunk_tiles(c, c)
+    tiles = table.reshape(devices, n, c // n)  # [device, tile, positions]
+    real = tiles < t
+    last_q = np.where(real, tiles, -1).max(axis=2)  # [device, tile]
+    first_k = np.where(real, tiles, np.iinfo(np.int64).max).min(axis=2)
+    any_real = real.any(axis=2)
+    if causal:  # tile (a, b) of (d, owner o): first key of o's tile b <= last query of d's a
+        reach = first_k[None, :, None, :] <= last_q[:, None, :, None]
+    else:
+        reach = any_real[:, None, :, None] & any_real[None, :, None, :]
+    return reach.sum(axis=(1, 2, 3)).astype(np.int64)
 
 
 def load_balance(t: int, devices: int, layout: str, *, causal: bool = True) -> Fraction:

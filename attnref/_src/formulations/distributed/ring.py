@@ -19,16 +19,18 @@ option is a rule on global positions or an array indexed by them
 queries are dropped). States are kept in the compute dtype (float32 for 16-bit inputs) and
 rounded to the input dtype once, at the end.
 
-**Skipped steps.** A step whose chunk no local query may read by the position rules alone
-(causality, the window, sequence lengths and padding: ``allowed_pairs`` without segment
-ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A step
-that is not skipped computes its whole ``c_q x c_k`` block (masked pairs included). Under a
+**Skipped steps and tiles.** A step whose chunk no local query may read by the position rules
+alone (causality, the window, sequence lengths and padding: ``allowed_pairs`` without segment
+ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A
+step that is not skipped computes its ``c_q x c_k`` piece in ``2 x 2`` tiles (when both sides
+are even; else whole), skipping by the same rules each tile none of whose queries may read one
+of its keys, forward and backward, and merging each query tile's key tiles in order. Under a
 causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs ``d + 1``
-steps, every one fully useful but the diagonal, and device ``P - 1`` runs all ``P``; with the
-striped and zigzag layouts every device runs all ``P`` steps and holds the same number of
-useful (allowed) pairs, about half of each block. The ring's time is its busiest device's in
-both cases here; the balance of useful pairs is what a chunk kernel that skips masked tiles
-(FlashAttention's causal tiles) turns into time (``attnref._src.formulations.distributed.cost``).
+steps, and device ``P - 1`` computes ``P - 1/4`` pieces' worth of tiles; with the zigzag layout
+every step of every device leaves two of its four tiles empty, but the diagonal step (one), so
+the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``; with the striped layout
+the diagonal tile of each step stays, ``3 P / 4`` (:func:`attnref.distributed.ring_tiles_computed`,
+``docs/distributed.md``).
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
 ``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
@@ -174,29 +176,64 @@ def _reachable(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array) -> Array:
     return jnp.any(allowed)
 
 
+def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
+    """``a[..., part, ...]`` along ``axis``; ``None`` and a broadcast (size-1) axis stay."""
+    if a is None or a.shape[axis] == 1:
+        return a
+    return jax.lax.slice_in_dim(a, part.start, part.stop, axis=axis)
+
+
 def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
     """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
     (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
-    argument, so the backward's ``jax.vjp`` gives its cotangent)."""
-    lengths = lengths_only(local.q_lens, local.kv_lens)
+    argument, so the backward's ``jax.vjp`` gives its cotangent).
 
-    def state(
-        q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
-    ) -> tuple[Array, Array]:
+    The piece is computed in ``n x n`` tiles (``n``:
+    :func:`attnref._src.formulations.distributed.cost.chunk_tiles`): a tile no local
+    query of it may read by the position rules is skipped (``lax.cond``, forward and, through
+    ``jax.vjp``, backward), and each query tile merges its key tiles' states in order."""
+    lengths = lengths_only(local.q_lens, local.kv_lens)
+    c_q, c_k = q_pos.shape[0], k_pos.shape[0]
+    n = _dcost.chunk_tiles(c_q, c_k)
+    q_parts = [slice(a * c_q // n, (a + 1) * c_q // n) for a in range(n)]
+    k_parts = [slice(b * c_k // n, (b + 1) * c_k // n) for b in range(n)]
+
+    def tile(
+        q: Array, k: Array, v: Array, bias: Array | None, scale: Any, qs: slice, ks: slice
+    ) -> Any:
         return chunks.chunk_state(
             ring.spec,
             lengths,
             ring.scale if scale is None else scale,
-            q,
-            q_pos,
-            local.q_seg,
-            k,
-            v,
-            k_pos,
-            kv_seg,
-            bias,
-            local.mask,
+            _rows_of(q, 1, qs),
+            q_pos[qs],
+            _rows_of(local.q_seg, 1, qs),
+            _rows_of(k, 1, ks),
+            _rows_of(v, 1, ks),
+            k_pos[ks],
+            _rows_of(kv_seg, 1, ks),
+            _rows_of(bias, 2, qs),
+            _rows_of(local.mask, 2, qs),
         )
+
+    def state(
+        q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
+    ) -> tuple[Array, Array]:
+        if n == 1:
+            return tile(q, k, v, bias, scale, slice(0, c_q), slice(0, c_k))  # type: ignore[no-any-return]
+        rows = []
+        for qs in q_parts:
+            o = lse = None
+            for ks in k_parts:
+                o_t, lse_t = jax.lax.cond(
+                    _reachable(ring, local, q_pos[qs], k_pos[ks]),
+                    functools.partial(tile, qs=qs, ks=ks),
+                    lambda *_, qs=qs: _empty_state(ring, q[:, qs]),
+                    q, k, v, bias, scale,
+                )  # fmt: skip
+                o, lse = (o_t, lse_t) if o is None else merge_states(o, lse, o_t, lse_t)
+            rows.append((o, lse))
+        return jnp.concatenate([r[0] for r in rows], 1), jnp.concatenate([r[1] for r in rows], 1)
 
     return state
 
