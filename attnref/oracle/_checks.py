@@ -15,13 +15,13 @@ default scale ``1/sqrt(H)`` is undefined.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 POLICIES = ("zeros", "uniform", "nan")
 ALIGNMENTS = ("top_left", "bottom_right")
-CONVENTIONS = ("rotate_half", "interleaved")
 PARAM_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 PARAM_BIASES = ("b_q", "b_k", "b_v", "b_o")
 
@@ -59,6 +59,13 @@ def check_real_scalar(name: str, x: Any) -> float:
 
     ``ValueError`` for a non-scalar, ``TypeError`` for a scalar that is not a real number.
     """
+    check_real_kind(name, x)
+    return float(np.asarray(x, dtype=np.float64))
+
+
+def check_real_kind(name: str, x: Any) -> None:
+    """The kind checks of :func:`check_real_scalar`, on shape and dtype only (``x`` may be an
+    array whose values are unknown: the JAX functions call this on traced scales)."""
     if isinstance(x, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {x!r}")
     if np.ndim(x) != 0:
@@ -66,7 +73,6 @@ def check_real_scalar(name: str, x: Any) -> float:
     dt = dtype_of(x)
     if not (is_floating(dt) or is_integer(dt)):
         raise TypeError(f"{name} must be a real number, got {x!r} (dtype {dt})")
-    return float(np.asarray(x, dtype=np.float64))
 
 
 def check_scale(scale: Any) -> float | None:
@@ -79,10 +85,16 @@ def check_mask_and_bias(
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``mask`` boolean and ``bias`` floating, each broadcasting to ``target`` without growing it
     (rank >= 2). Returns them broadcast to ``target`` (``bias`` in float64)."""
-    out: list[np.ndarray | None] = []
+    check_mask_and_bias_kinds(mask, bias, target, axes)
+    m = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), target)
+    b = None if bias is None else np.broadcast_to(np.asarray(bias, dtype=np.float64), target)
+    return m, b
+
+
+def check_mask_and_bias_kinds(mask: Any, bias: Any, target: tuple[int, ...], axes: str) -> None:
+    """The shape and dtype checks of :func:`check_mask_and_bias`, without reading the values."""
     for name, arr in (("mask", mask), ("bias", bias)):
         if arr is None:
-            out.append(None)
             continue
         shape = shape_of(arr)
         if len(shape) < 2:
@@ -105,9 +117,6 @@ def check_mask_and_bias(
             )
         if name == "bias" and not is_floating(dt):
             raise TypeError(f"bias must be floating, got dtype {dt}")
-        a = np.asarray(arr, dtype=bool if name == "mask" else np.float64)
-        out.append(np.broadcast_to(a, target))
-    return out[0], out[1]
 
 
 def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
@@ -192,9 +201,12 @@ def check_window(local_window_size: Any) -> tuple[int | None, int | None]:
     return (out[0], out[1])
 
 
-def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> np.ndarray | None:
+def check_ints(
+    name: str, x: Any, shape: tuple[int, ...], upper: int | None, *, concrete: bool = True
+) -> Any:
     """An integer array of exactly ``shape``, every entry in ``[0, upper]`` when ``upper`` is
-    given; ``None`` passes through."""
+    given; returned as int64, ``None`` passes through. ``concrete=False`` (values unknown, a JAX
+    tracer): shape and dtype only, ``x`` returned as it is."""
     if x is None:
         return None
     if shape_of(x) != shape:
@@ -202,6 +214,8 @@ def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> 
     dt = dtype_of(x)
     if not is_integer(dt):
         raise TypeError(f"{name} must be integer, got dtype {dt}")
+    if not concrete:
+        return x
     arr = np.asarray(x).astype(np.int64)
     if upper is not None and arr.size and (arr.min() < 0 or arr.max() > upper):
         raise ValueError(
@@ -211,9 +225,10 @@ def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> 
 
 
 def check_segments(
-    segment_ids: Any, b: int, t: int, s: int
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``None``, one ``[B, T]`` integer array (needs ``T == S``), or a pair ``([B, T], [B, S])``."""
+    segment_ids: Any, b: int, t: int, s: int, check: Callable[..., Any] = check_ints
+) -> tuple[Any, Any]:
+    """``None``, one ``[B, T]`` integer array (needs ``T == S``), or a pair ``([B, T], [B, S])``;
+    each array is checked (and converted) by ``check(name, x, shape, None)``."""
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):
@@ -231,8 +246,8 @@ def check_segments(
             )
         q_in = kv_in = segment_ids
     return (
-        check_ints("query_segment_ids", q_in, (b, t), None),
-        check_ints("key_value_segment_ids", kv_in, (b, s), None),
+        check("query_segment_ids", q_in, (b, t), None),
+        check("key_value_segment_ids", kv_in, (b, s), None),
     )
 
 
@@ -297,6 +312,25 @@ def check_kernel(
 
     Returns ``(B, T, S, N, K, H, H_v, scale, softcap, masked_rows)``.
     """
+    (b, t, n, h), (s, kh, h_v), _ = check_kernel_arrays(query, key, value)
+    policy = check_policy(masked_rows)
+    sc = check_scale(scale)
+    cap = check_softcap(softcap)
+    if s == 0 and policy == "uniform":
+        raise ValueError(
+            f"key has S=0 keys (shape {shape_of(key)}): every query row is fully masked, and "
+            "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
+            "use 'zeros' or 'nan'"
+        )
+    return b, t, s, n, kh, h, h_v, (1.0 / math.sqrt(h) if sc is None else sc), cap, policy
+
+
+def check_kernel_arrays(
+    query: Any, key: Any, value: Any
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int], np.dtype[Any]]:
+    """``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]`` of one floating
+    dtype with ``N`` a positive multiple of ``K`` and ``H >= 1`` (shapes and dtypes only);
+    returns ``((B, T, N, H), (S, K, H_v), dtype)``."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
             layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
@@ -330,23 +364,21 @@ def check_kernel(
         raise TypeError(f"query must be floating, got dtype {dtypes['query']}")
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"query, key and value must share one dtype, got {dtypes}; cast explicitly")
-    policy = check_policy(masked_rows)
-    sc = check_scale(scale)
-    cap: float | None = None
-    if softcap is not None:
-        ok = not isinstance(softcap, (str, bytes, bool, np.bool_)) and np.ndim(softcap) == 0
-        if ok:
-            ok = is_floating(dtype_of(softcap)) or is_integer(dtype_of(softcap))
-        cap = float(np.asarray(softcap, dtype=np.float64)) if ok else None
-        if cap is None or not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
-    if s == 0 and policy == "uniform":
-        raise ValueError(
-            f"key has S=0 keys (shape {ks}): every query row is fully masked, and "
-            "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
-            "use 'zeros' or 'nan'"
-        )
-    return b, t, s, n, kh, h, h_v, (1.0 / math.sqrt(h) if sc is None else sc), cap, policy
+    return (b, t, n, h), (s, kh, h_v), dtypes["query"]
+
+
+def check_softcap(softcap: Any, *, concrete: bool = True) -> float | None:
+    """``None``, or a positive finite real scalar, as a float (``concrete=False``, a value not
+    known yet, e.g. a JAX tracer: refused)."""
+    if softcap is None:
+        return None
+    ok = concrete and not isinstance(softcap, (str, bytes, bool, np.bool_))
+    ok = ok and np.ndim(softcap) == 0
+    ok = ok and (is_floating(dtype_of(softcap)) or is_integer(dtype_of(softcap)))
+    cap = float(np.asarray(softcap, dtype=np.float64)) if ok else None
+    if cap is None or not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a positive finite Python number, got {softcap!r}")
+    return cap
 
 
 # ----------------------------------------------------------------------------- weight level
@@ -356,12 +388,24 @@ def _param(params: Any, name: str) -> Any:
     return params.get(name) if isinstance(params, dict) else getattr(params, name, None)
 
 
-def check_params(params: Any) -> tuple[int, int, int, int, int]:
+def heads_message(sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, ...]) -> str:
+    """The error text of :func:`check_params` when ``H`` is not a multiple of ``K``."""
+    return (
+        f"params.w_q has {sq[0]} heads, params.w_k {sk[0]} and params.w_v {sv[0]} (shapes {sq}, "
+        f"{sk}, {sv}); num_heads must be a multiple of num_kv_heads"
+    )
+
+
+def check_params(
+    params: Any, *, heads_text: Callable[..., str] = heads_message
+) -> tuple[int, int, int, int, int]:
     """The parameter pytree's shapes and dtypes; returns ``(H, K, d_model, d_k, d_v)``.
 
     ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
     ``w_o [H, d_v, d_model]``, optional ``b_q [H, d_k]``, ``b_k [K, d_k]``, ``b_v [K, d_v]``,
     ``b_o [d_model]``; ``H % K == 0``, ``H, K, d_k >= 1``; one floating dtype throughout.
+    Shapes and dtypes only (the leaves may be JAX tracers); ``heads_text(w_q, w_k, w_v shapes)``
+    words the ``H % K`` error.
     """
     for name in PARAM_WEIGHTS:
         w = _param(params, name)
@@ -390,10 +434,7 @@ def check_params(params: Any) -> tuple[int, int, int, int, int]:
     sv = shape_of(_param(params, "w_v"))
     hv, dmv, d_v = sv
     if kv < 1 or h % kv:
-        raise ValueError(
-            f"params.w_q has {h} heads, params.w_k {kv} and params.w_v {hv} (shapes {sq}, {sk}, "
-            f"{sv}); num_heads must be a multiple of num_kv_heads"
-        )
+        raise ValueError(heads_text(sq, sk, sv))
     if dmv != d_model:
         raise ValueError(f"params.w_v has shape {sv}; expected [K={kv}, d_model={d_model}, d_v]")
     if hv != kv:
@@ -448,13 +489,30 @@ def check_weight_level(
     weights, output ``b_O``).
     """
     _, _, d_model, _, _ = check_params(params)
-    p_dtype = dtype_of(_param(params, "w_q"))
     x_kv = x_q if x_kv is None else x_kv
-    want = "[..., T, d_model]"
-    for name, x in (("x_q", x_q), ("x_kv", x_kv)):
+    batch, t_q, t_k = check_tokens(d_model, dtype_of(_param(params, "w_q")), x_q, x_kv)
+    m, b = check_mask_and_bias(mask, bias, (*batch, t_q, t_k), "[..., T_q, T_k]")
+    return batch, t_q, t_k, m, b, check_scale(scale)
+
+
+def check_tokens(
+    d_model: int,
+    p_dtype: np.dtype[Any],
+    x_q: Any,
+    x_kv: Any,
+    *,
+    layout: str = "row",
+    names: tuple[str, str] = ("x_q", "x_kv"),
+) -> tuple[tuple[int, ...], int, int]:
+    """Token inputs of width ``d_model`` and the parameters' dtype, with one batch shape;
+    ``layout="row"``: ``[..., T, d_model]``, ``"column"``: ``[..., d_model, T]``. Returns
+    ``(batch_shape, T_q, T_k)``."""
+    feat_axis, tok_axis = (-1, -2) if layout == "row" else (-2, -1)
+    want = "[..., T, d_model]" if layout == "row" else "[..., d_model, T]"
+    for name, x in zip(names, (x_q, x_kv), strict=True):
         if np.ndim(x) < 2:
             raise ValueError(f"{name} must have rank >= 2 ({want}), got shape {shape_of(x)}")
-        if shape_of(x)[-1] != d_model:
+        if shape_of(x)[feat_axis] != d_model:
             raise ValueError(
                 f"{name} has shape {shape_of(x)} but params have d_model={d_model}; expected {want}"
             )
@@ -466,56 +524,10 @@ def check_weight_level(
     sq, skv = shape_of(x_q), shape_of(x_kv)
     if sq[:-2] != skv[:-2]:
         raise ValueError(
-            f"x_q has batch shape {sq[:-2]} (shape {sq}) but x_kv has batch shape {skv[:-2]} "
-            f"(shape {skv}); batch dimensions must match exactly"
+            f"{names[0]} has batch shape {sq[:-2]} (shape {sq}) but {names[1]} has batch shape "
+            f"{skv[:-2]} (shape {skv}); batch dimensions must match exactly"
         )
-    batch, t_q, t_k = sq[:-2], sq[-2], skv[-2]
-    m, b = check_mask_and_bias(mask, bias, (*batch, t_q, t_k), "[..., T_q, T_k]")
-    return batch, t_q, t_k, m, b, check_scale(scale)
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-
-def check_convention(convention: Any) -> str:
-    """One of :data:`CONVENTIONS`."""
-    if not isinstance(convention, str) or convention not in CONVENTIONS:
-        raise ValueError(f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS}")
-    return convention
-
-
-def check_even_head_dim(d: int, name: str) -> None:
-    """RoPE rotates pairs of features: ``d`` must be a positive even integer."""
-    if d < 2 or d % 2:
-        raise ValueError(f"RoPE needs an even head dimension, got {name} = {d}")
-
-
-def check_base(base: Any) -> float:
-    """A positive finite real ``base`` (``TypeError`` when it is not a number)."""
-    try:
-        b = check_real_scalar("base", base)
-    except ValueError as err:
-        raise TypeError(f"base must be a static Python number, got {base!r}") from err
-    if not (math.isfinite(b) and b > 0.0):
-        raise ValueError(f"base must be a positive finite number, got {base!r}")
-    return b
-
-
-def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) -> np.ndarray:
-    """Integer positions broadcasting to ``lead + (t,)`` without growing it; returns them
-    broadcast (int64)."""
-    dt = dtype_of(positions)
-    if not is_integer(dt):
-        raise TypeError(f"{name} must be integer, got dtype {dt}")
-    shape = shape_of(positions)
-    target = (*lead, t)
-    try:
-        ok = len(shape) >= 1 and shape[-1] == t and np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
-    return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
+    return sq[:-2], sq[tok_axis], skv[tok_axis]
 
 
 # ----------------------------------------------------------------------------- production options

@@ -33,16 +33,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import (
-    check_base,
-    check_convention,
     check_mask_and_bias,
-    check_positions,
     check_scale,
     dtype_of,
     is_floating,
     shape_of,
 )
-from ._rope import rope
+from ._doc import signed
+from ._rope import check_base, check_convention, check_positions, rope
 
 __all__ = ["mla_attention", "mla_qkv"]
 
@@ -217,7 +215,7 @@ def mla_qkv(
     return q, k, v
 
 
-def mla_attention(
+def mla_call(
     params: Any,
     x_q: Any,
     x_kv: Any = None,
@@ -229,8 +227,27 @@ def mla_attention(
     scale: float | None = None,
     base: float = 10000.0,
     convention: str = "interleaved",
-    residual: bool = False,
-) -> np.ndarray:
+) -> None:
+    """The inputs of MLA (:func:`mla_attention` and its bound), written once: a template for
+    :func:`~attnref.oracle._doc.signed`."""
+
+
+def mla_problem(call: dict[str, Any]) -> tuple[Any, ...]:
+    """``(q, k, v, mask, bias, scale)`` of an :func:`mla_call`: :func:`mla_qkv`, ``mask`` and
+    ``bias`` broadcast to ``[..., T_q, T_k]`` (or None), ``scale`` (default
+    ``1/sqrt(d_nope + d_rope)``)."""
+    q, k, v = mla_qkv(
+        *(call[n] for n in ("params", "x_q", "x_kv")),
+        **{n: call[n] for n in ("positions_q", "positions_kv", "base", "convention")},
+    )
+    batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
+    m, b = check_mask_and_bias(call["mask"], call["bias"], (*batch, t_q, t_k), "(query, key)")
+    s = check_scale(call["scale"])
+    return q, k, v, m, b, 1.0 / math.sqrt(q.shape[-1]) if s is None else s
+
+
+@signed(mla_call)
+def mla_attention(call: dict[str, Any], *, residual: bool = False) -> np.ndarray:
     """Multi-head latent attention from the paper's equations, ``[..., T_q, d_model]`` in float64
     (module docstring): ``y_t = sum_i softmax_j(q_{t,i} . k_{j,i} * scale + bias, mask) v_{j,i}
     W_O[i]`` on the decompressed :func:`mla_qkv`; ``scale`` defaults to ``1/sqrt(d_nope +
@@ -242,19 +259,7 @@ def mla_attention(
             shapes, batch shapes, positions, mask/bias shapes, ``base`` or ``convention``.
         TypeError: Mixed dtypes, a non-boolean mask, non-integer positions, non-real scale.
     """
-    q, k, v = mla_qkv(
-        params,
-        x_q,
-        x_kv,
-        positions_q=positions_q,
-        positions_kv=positions_kv,
-        base=base,
-        convention=convention,
-    )
-    batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
-    m, b = check_mask_and_bias(mask, bias, (*batch, t_q, t_k), "(query, key)")
-    s = check_scale(scale)
-    s = 1.0 / math.sqrt(q.shape[-1]) if s is None else s
+    q, k, v, m, b, s = mla_problem(call)
     # A key or value that a query may not read never reaches it (whatever it holds): the sums
     # run over the allowed pairs only; a row that reads a non-finite value is NaN.
     bad_q, bad_k, bad_v = (~np.isfinite(a).all(-1) for a in (q, k, v))  # [..., T, H]
@@ -275,5 +280,5 @@ def mla_attention(
     kv_bad = np.swapaxes(bad_k | bad_v, -1, -2)[..., None, :]  #         [..., H, 1, T_k]
     dirty = (allowed & kv_bad).any(-1) | (np.swapaxes(bad_q, -1, -2) & allowed.any(-1))
     o = np.where(dirty[..., None], np.nan, o)
-    y = np.einsum("...itv,ivd->...td", o, np.asarray(params.w_o, np.float64))
-    return np.asarray(x_q, np.float64) + y if residual else y
+    y = np.einsum("...itv,ivd->...td", o, np.asarray(call["params"].w_o, np.float64))
+    return np.asarray(call["x_q"], np.float64) + y if residual else y

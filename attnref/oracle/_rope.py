@@ -36,14 +36,12 @@ from typing import Any
 import numpy as np
 
 from ._checks import (
-    check_base,
-    check_convention,
-    check_even_head_dim,
     check_method,
-    check_positions,
+    check_real_scalar,
     check_weight_level,
     dtype_of,
     is_floating,
+    is_integer,
     shape_of,
 )
 from ._core import (
@@ -57,6 +55,53 @@ from ._core import (
     per_head_per_query,
 )
 from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, signed
+
+CONVENTIONS = ("rotate_half", "interleaved")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_convention(convention: Any) -> str:
+    """One of :data:`CONVENTIONS`."""
+    if not isinstance(convention, str) or convention not in CONVENTIONS:
+        raise ValueError(f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS}")
+    return convention
+
+
+def check_even_head_dim(d: int, name: str) -> None:
+    """RoPE rotates pairs of features: ``d`` must be a positive even integer."""
+    if d < 2 or d % 2:
+        raise ValueError(f"RoPE needs an even head dimension, got {name} = {d}")
+
+
+def check_base(base: Any) -> float:
+    """A positive finite real ``base`` (``TypeError`` when it is not a number)."""
+    try:
+        b = check_real_scalar("base", base)
+    except ValueError as err:
+        raise TypeError(f"base must be a static Python number, got {base!r}") from err
+    if not (math.isfinite(b) and b > 0.0):
+        raise ValueError(f"base must be a positive finite number, got {base!r}")
+    return b
+
+
+def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) -> np.ndarray:
+    """Integer positions broadcasting to ``lead + (t,)`` without growing it; returns them
+    broadcast (int64)."""
+    dt = dtype_of(positions)
+    if not is_integer(dt):
+        raise TypeError(f"{name} must be integer, got dtype {dt}")
+    shape = shape_of(positions)
+    target = (*lead, t)
+    try:
+        ok = len(shape) >= 1 and shape[-1] == t and np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
+    return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
+
 
 __all__ = ["rope", "rope_attention"]
 

@@ -46,7 +46,8 @@ from ._doc import STATES, doc
 STATE_POLICIES = ("zeros", "nan")
 
 
-def _check_policy(masked_rows: Any) -> None:
+def check_state_policy(masked_rows: Any) -> None:
+    """``masked_rows`` of a merge: ``"zeros"`` or ``"nan"``."""
     if not isinstance(masked_rows, str) or masked_rows not in STATE_POLICIES:
         raise ValueError(
             f"masked_rows must be one of {STATE_POLICIES} for a merge of states, got "
@@ -55,7 +56,7 @@ def _check_policy(masked_rows: Any) -> None:
         )
 
 
-def _check_state(name: str, o: Any, lse: Any) -> None:
+def check_state(name: str, o: Any, lse: Any) -> None:
     """``o [..., H_v]`` and ``lse [...]`` floating, ``lse``'s shape ``o``'s without the last."""
     o_shape, l_shape = shape_of(o), shape_of(lse)
     if len(o_shape) < 1:
@@ -68,6 +69,24 @@ def _check_state(name: str, o: Any, lse: Any) -> None:
     for label, x in ((f"o_{name}", o), (f"lse_{name}", lse)):
         if not is_floating(dtype_of(x)):
             raise TypeError(f"{label} must be floating, got dtype {dtype_of(x)}")
+
+
+def check_merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, masked_rows: Any) -> None:
+    """The checks of a two-state merge (shapes and dtypes only: the JAX twin calls them too)."""
+    check_state_policy(masked_rows)
+    check_state("a", o_a, lse_a)
+    check_state("b", o_b, lse_b)
+    if shape_of(o_a) != shape_of(o_b):
+        raise ValueError(
+            f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
+        )
+
+
+def check_stack(o: Any, lse: Any, axis: Any, masked_rows: Any) -> int:
+    """The checks of a stacked merge; returns ``axis`` non-negative."""
+    check_state_policy(masked_rows)
+    check_state("stack", o, lse)
+    return check_axis(axis, shape_of(lse))
 
 
 def _stacked(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -140,13 +159,7 @@ def merge_states(
             two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
         TypeError: If an input is not floating.
     """
-    _check_policy(masked_rows)
-    _check_state("a", o_a, lse_a)
-    _check_state("b", o_b, lse_b)
-    if shape_of(o_a) != shape_of(o_b):
-        raise ValueError(
-            f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
-        )
+    check_merge(o_a, lse_a, o_b, lse_b, masked_rows)
     return _merge_last(*_stacked(o_a, lse_a, o_b, lse_b), masked_rows)
 
 
@@ -173,8 +186,8 @@ def merge_states_vjp(
             the states' or the cotangents' shapes differ from ``o_a``'s and ``lse_a``'s.
         TypeError: If an input is not floating.
     """
-    _check_state("a", o_a, lse_a)
-    _check_state("b", o_b, lse_b)
+    check_state("a", o_a, lse_a)
+    check_state("b", o_b, lse_b)
     for name, x, like, want in (
         ("o_b", o_b, "o_a", shape_of(o_a)),
         ("g_o", g_o, "o_a", shape_of(o_a)),
@@ -214,9 +227,7 @@ def merge_state_stack(
             out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
         TypeError: If an input is not floating or ``axis`` is not an int.
     """
-    _check_policy(masked_rows)
-    _check_state("stack", o, lse)
-    ax = check_axis(axis, shape_of(lse))
+    ax = check_stack(o, lse, axis, masked_rows)
     lse64 = np.moveaxis(np.asarray(lse, np.float64), ax, -1)
     o64 = np.moveaxis(np.asarray(o, np.float64), ax, -2)
     return _merge_last(o64, lse64, masked_rows)

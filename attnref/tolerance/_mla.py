@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from attnref.oracle._checks import check_mask_and_bias, check_scale
-from attnref.oracle._mla import MLA_FIELDS, check_mla_params, mla_qkv
+from attnref.oracle._doc import signed
+from attnref.oracle._mla import MLA_FIELDS, check_mla_params, mla_call, mla_problem
 
 from ._core import softmax, worst_case_terms
 from ._rope import pair_sum, rope_logit_error
@@ -56,20 +56,9 @@ def mla_logit_chain(dims: Any) -> int:
     return 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
 
 
+@signed(mla_call)
 def mla_attention_error_bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
-    *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "interleaved",
-    residual: bool = False,
-    dtype: Any = np.float32,
+    call: dict[str, Any], *, residual: bool = False, dtype: Any = np.float32
 ) -> np.ndarray:
     """Componentwise bound on ``|MLA in dtype - float64 oracle|``, ``[..., T_q, d_model]``, for
     both forms (``attnref.mla.mla_attention``, ``mla_absorbed_attention`` and their cache-level
@@ -82,17 +71,10 @@ def mla_attention_error_bound(
     Raises:
         ValueError, TypeError: As :func:`attnref.oracle.mla_attention`.
     """
+    params, x_q, convention, base = (call[n] for n in ("params", "x_q", "convention", "base"))
     dims = check_mla_params(params)
-    x_kv = x_q if x_kv is None else x_kv
-    q, k, v = mla_qkv(
-        params,
-        x_q,
-        x_kv,
-        positions_q=positions_q,
-        positions_kv=positions_kv,
-        base=base,
-        convention=convention,
-    )
+    x_kv = x_q if call["x_kv"] is None else call["x_kv"]
+    q, k, v, m, b, s = mla_problem(call)
     batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
     f: dict[str, Any] = {
         n: None if getattr(params, n) is None else np.asarray(getattr(params, n), np.float64)
@@ -101,9 +83,6 @@ def mla_attention_error_bound(
     a: dict[str, Any] = {n: None if w is None else np.abs(w) for n, w in f.items()}
     xq, xkv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
     full = (*batch, t_q, t_k)
-    m, b = check_mask_and_bias(mask, bias, full, "(query, key)")
-    sc = check_scale(scale)
-    s = 1.0 / np.sqrt(dims.d_nope + dims.d_rope) if sc is None else sc
     mask_b = np.ones(full, bool) if m is None else m
     bias_b = np.zeros(full) if b is None else b
     logits = np.einsum("...tid,...jid->...itj", q, k) * s + bias_b[..., None, :, :]
@@ -119,8 +98,8 @@ def mla_attention_error_bound(
         "...jc,icn->...ijn", ckv, a["w_uk"]
     )  #                        [..., H, T_k, d_nope]
     ls_pre = np.einsum("...itn,...ijn->...itj", qa, ka)
-    pos_q = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
-    pos_k = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
+    pos_q = np.arange(t_q) if call["positions_q"] is None else np.asarray(call["positions_q"])
+    pos_k = np.arange(t_k) if call["positions_kv"] is None else np.asarray(call["positions_kv"])
     if dims.d_rope:
         qr = np.einsum(
             "...tc,icr->...itr", cq, a["w_qr"]

@@ -25,14 +25,14 @@ from attnref._src.core.checks import (
     shape_of,
 )
 from attnref._src.core.common import scale_value
-from attnref.oracle._checks import check_production
+from attnref.oracle import _checks as oc
 
 MaskedRows = Literal["zeros", "uniform", "nan"]
 Alignment = Literal["top_left", "bottom_right"]
 # The accepted values of masked_rows and causal_alignment: the one copy (prepare, alibi_bias,
 # the conformance kit and its CLI read these).
-MASKED_ROWS_POLICIES = ("zeros", "uniform", "nan")
-CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+MASKED_ROWS_POLICIES = oc.POLICIES
+CAUSAL_ALIGNMENTS = oc.ALIGNMENTS
 # Keyword options that change the computation's structure: static under jax.jit.
 STATIC_OPTIONS = (
     "scale",
@@ -171,14 +171,9 @@ def prepare(
         for x in (query, key, value)
     )
     (b, t, n, h), (s, kh, h_v), dtype = check_kernel_arrays(query, key, value)
-    if not isinstance(masked_rows, str) or masked_rows not in MASKED_ROWS_POLICIES:
-        raise ValueError(f"masked_rows must be one of {MASKED_ROWS_POLICIES}, got {masked_rows!r}")
-    if not isinstance(causal_alignment, str) or causal_alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    oc.check_policy(masked_rows)
+    oc.check_alignment(causal_alignment)
+    oc.check_flag("is_causal", is_causal)
     check_scale(scale)
     cap = check_softcap(softcap)
     target = (b, n, t, s)
@@ -191,26 +186,9 @@ def prepare(
     check_mask_and_bias(mask, bias, target, axes="[B, N, T, S]")
     q_lens = check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
     kv_lens = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
-    q_seg = kv_seg = None
-    if segment_ids is not None:
-        if isinstance(segment_ids, (tuple, list)):
-            if len(segment_ids) != 2:
-                raise ValueError(
-                    "segment_ids must be one [B, T] array (T == S) or a pair "
-                    "(query_segment_ids [B, T], key_value_segment_ids [B, S])"
-                )
-            q_seg_in, kv_seg_in = segment_ids
-        else:
-            if t != s:
-                raise ValueError(
-                    f"a single segment_ids array needs T == S, got T={t}, S={s}; "
-                    "pass (query_segment_ids, key_value_segment_ids)"
-                )
-            q_seg_in = kv_seg_in = segment_ids
-        q_seg = check_ints("query_segment_ids", q_seg_in, (b, t), None)
-        kv_seg = check_ints("key_value_segment_ids", kv_seg_in, (b, s), None)
+    q_seg, kv_seg = oc.check_segments(segment_ids, b, t, s, check=check_ints)
     window = check_window(local_window_size)
-    n_sink, rate = check_production(
+    n_sink, rate = oc.check_production(
         target,
         window,
         sinks=sinks,

@@ -31,36 +31,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
-from attnref._src.core.checks import dtype_of, float64_scoped, shape_of
-
-STATE_POLICIES = ("zeros", "nan")
-
-
-def _check_policy(masked_rows: Any) -> None:
-    if not isinstance(masked_rows, str) or masked_rows not in STATE_POLICIES:
-        raise ValueError(
-            f"masked_rows must be one of {STATE_POLICIES} for a merge of states, got "
-            f"{masked_rows!r} ('uniform' is the mean of the values over all keys, which the "
-            "states do not carry: fill those rows after the merge)"
-        )
-
-
-def _check_state(name: str, o: Any, lse: Any) -> None:
-    """``o [..., H_v]`` floating and ``lse [...]`` floating, ``lse``'s shape ``o``'s minus one."""
-    o_shape, l_shape = shape_of(o), shape_of(lse)
-    if len(o_shape) < 1:
-        raise ValueError(f"o_{name} must have rank >= 1 ([..., H_v]), got shape {o_shape}")
-    if l_shape != o_shape[:-1]:
-        raise ValueError(
-            f"lse_{name} has shape {l_shape}; expected {o_shape[:-1]} (the shape of o_{name} "
-            f"{o_shape} without its last axis)"
-        )
-    for label, x in ((f"o_{name}", o), (f"lse_{name}", lse)):
-        if not jnp.issubdtype(dtype_of(x), jnp.floating):
-            raise TypeError(f"{label} must be floating, got dtype {dtype_of(x)}")
+from attnref._src.core.checks import dtype_of, float64_scoped
+from attnref.oracle._states import check_merge, check_stack
 
 
 def _compute_dtype(*xs: Any) -> Any:
@@ -111,13 +85,7 @@ def merge_states(
             two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
         TypeError: If an input is not floating.
     """
-    _check_policy(masked_rows)
-    _check_state("a", o_a, lse_a)
-    _check_state("b", o_b, lse_b)
-    if shape_of(o_a) != shape_of(o_b):
-        raise ValueError(
-            f"o_a has shape {shape_of(o_a)} but o_b has {shape_of(o_b)}; they must agree"
-        )
+    check_merge(o_a, lse_a, o_b, lse_b, masked_rows)
     cd = _compute_dtype(o_a, lse_a, o_b, lse_b)
     la, lb = jnp.asarray(lse_a, cd), jnp.asarray(lse_b, cd)
     m = jnp.maximum(la, lb)  # NaN propagates
@@ -173,14 +141,7 @@ def merge_state_stack(
             out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
         TypeError: If an input is not floating or ``axis`` is not an int.
     """
-    _check_policy(masked_rows)
-    _check_state("stack", o, lse)
-    rank = len(shape_of(lse))
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for lse of shape {shape_of(lse)}")
-    ax = int(axis) % rank
+    ax = check_stack(o, lse, axis, masked_rows)
     cd = _compute_dtype(o, lse)
     ls, os_ = jnp.asarray(lse, cd), jnp.asarray(o, cd)
     if ls.shape[ax] == 0:
