@@ -27,34 +27,49 @@ the residual update ``x' = x + sum_i alpha_i M_i``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar, no_type_check
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Float
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
-from attnref._src.core.common import ROW_PROBES, add_output_bias, prepare_rows
-from attnref._src.core.params import AttentionParams
+from attnref._src.core.common import ROW_PROBES, Prepared, add_output_bias
 from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
 from attnref._src.formulations.standard import logits
 
 __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
+def _probe(summary: str, returns: str) -> Callable[[Callable[[Prepared], Any]], Any]:
+    """The public probe ``fn.__name__`` of ``fn(rows)``: the row probes' signature and validation
+    (:data:`ROW_PROBES`), float64 scoping, and ``summary``, the Args text and ``returns`` as its
+    docstring. The probes read the caller's arrays as given (no non-finite guard: they show what
+    the block computes)."""
 
-def _documented(summary: str, returns: str) -> Callable[[F], F]:
-    """The docstring: ``summary``, the row level's Args text, ``returns``. The probes read the
-    caller's arrays as given (no non-finite guard: they show what the block computes)."""
+    def wrap(fn: Callable[[Prepared], Any]) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return fn(ROW_PROBES.prepare(*args, **kwargs))  # type: ignore[arg-type]
 
-    def attach(fn: F) -> F:
-        fn.__doc__ = f"{summary}\n\n{ROW_PROBES.args}\n\nReturns:\n    {returns}\n"
-        return fn
+        out: Any = float64_scoped(call)
+        del out.__wrapped__  # the signature is the level's
+        evaluated = inspect.signature(fn, eval_str=True).return_annotation  # a class: shown so
+        returned = (
+            evaluated if inspect.isclass(evaluated) else inspect.signature(fn).return_annotation
+        )
+        out.__signature__ = inspect.signature(ROW_PROBES.prepare).replace(
+            return_annotation=returned
+        )
+        out.__name__ = out.__qualname__ = fn.__name__
+        out.__module__ = fn.__module__
+        out.__doc__ = f"{summary}\n\n{ROW_PROBES.args}\n\nReturns:\n    {returns}\n"
+        out.formula = fn
+        return out
 
-    return attach
+    return wrap
 
 
 def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
@@ -63,44 +78,15 @@ def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
     return jnp.where(allowed, raw, jnp.asarray(-jnp.inf, raw.dtype))
 
 
-@_documented(
+@_probe(
     "Pre-softmax logits ``scale q_i . k_j + bias`` per query head; masked entries ``-inf``.\n\n"
     "``softmax`` of a row gives :func:`attnref.attention_weights` (a row that is entirely\n"
     "``-inf`` has zero weights by attnref's convention).",
     "``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is\n"
     "    ``False`` or the bias is ``-inf``.",
 )
-@float64_scoped
-def attention_logits(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-) -> Float[Array, "... H T_q T_k"]:
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
-    return _masked_logits(logits(params, p.x_q, p.x_kv, p.bias, p.scale), p.head_mask())
-
-
-@_documented(
-    "``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation\n"
-    "``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with\n"
-    "``residual=True``.",
-    "``x_q + output``, ``[..., T_q, d_model]``.",
-)
-@float64_scoped
-def residual_update(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-) -> Float[Array, "... T_q d_model"]:
-    return attention_probes(params, x_q, x_kv, mask=mask, bias=bias, scale=scale).residual
+def attention_logits(p: Prepared) -> Float[Array, "... H T_q T_k"]:
+    return _masked_logits(logits(p.params, p.x_q, p.x_kv, p.bias, p.scale), p.head_mask())
 
 
 # @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
@@ -130,24 +116,15 @@ class AttentionProbes:
     residual: Array
 
 
-@_documented(
+@_probe(
     "All probes of the block at once (see :class:`AttentionProbes`); ``jax.jit``-able.\n\n"
     "The scores come from the query-key logits, the per-head outputs from scores times messages\n"
     "(``o_i = A_i M_i``, the seeds' order), so ``sum_i o_i + b_O`` is the scores-messages\n"
     "formulation of the block output.",
     "An :class:`AttentionProbes` with every probe (shapes there).",
 )
-@float64_scoped
-def attention_probes(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-) -> AttentionProbes:
-    p = prepare_rows(params, x_q, x_kv, mask, bias, scale)
+def attention_probes(p: Prepared) -> AttentionProbes:
+    params = p.params
     raw = logits(params, p.x_q, p.x_kv, p.bias, p.scale)
     mask_h = p.head_mask()
     scores = masked_softmax(raw, mask_h)
@@ -164,3 +141,13 @@ def attention_probes(
         output=output,
         residual=p.x_q + output,
     )
+
+
+@_probe(
+    "``x_q + sum_i A_i M_i + b_O``: the residual stream after the block (seed notation\n"
+    "``x' = x + sum_i alpha_i M_i``; ``b_O`` is added once). Equal to every formulation with\n"
+    "``residual=True``.",
+    "``x_q + output``, ``[..., T_q, d_model]``.",
+)
+def residual_update(p: Prepared) -> Float[Array, "... T_q d_model"]:
+    return attention_probes.formula(p).residual
