@@ -56,10 +56,9 @@ def _probe(summary: str, returns: str) -> Callable[[Callable[[Prepared], Any]], 
 
         out: Any = float64_scoped(call)
         del out.__wrapped__  # the signature is the level's
-        evaluated = inspect.signature(fn, eval_str=True).return_annotation  # a class: shown so
-        returned = (
-            evaluated if inspect.isclass(evaluated) else inspect.signature(fn).return_annotation
-        )
+        returned = inspect.signature(fn).return_annotation
+        if returned.isidentifier():  # a class (AttentionProbes): evaluated, so the docs link it
+            returned = inspect.signature(fn, eval_str=True).return_annotation
         out.__signature__ = inspect.signature(ROW_PROBES.prepare).replace(
             return_annotation=returned
         )
