@@ -136,6 +136,22 @@ STATES = {
     "g_o": "The cotangent of the merged ``o``, the shape of ``o_a``.",
     "g_lse": "The cotangent of the merged ``lse``, the shape of ``lse_a``.",
     "masked_rows": '``o`` of a row where every state is empty: ``"zeros"`` (default) or ``"nan"``.',
+    "o": "``P`` normalised outputs stacked along ``axis`` of ``lse``'s shape plus ``H_v``: "
+    "``[..., P, ..., H_v]``, floating.",
+    "lse": "Their log-sum-exps, ``o``'s shape without the last axis (``-inf``: empty).",
+    "axis": "The stacking axis of ``lse`` (negative counts from ``lse``'s last axis); ``P = 0`` "
+    "gives the empty state.",
+}
+# The Raises of a merge of two states and of a stack (JAX and oracle alike).
+MERGE_RAISES = {
+    "ValueError": "If a ``lse`` does not have the shape of its ``o`` without the last axis, the "
+    'two states\' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.',
+    "TypeError": "If an input is not floating.",
+}
+STACK_RAISES = {
+    "ValueError": "If ``lse`` does not have ``o``'s shape without the last axis, ``axis`` is out "
+    'of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.',
+    "TypeError": "If an input is not floating or ``axis`` is not an int.",
 }
 
 
@@ -205,6 +221,18 @@ def linear_options(
     eps_policy: str = "add",
 ) -> None:
     """The options of linear attention, written once: a template for :func:`signed`."""
+
+
+def retemplate(template: Callable[..., Any], **defaults: Any) -> Callable[..., None]:
+    """``template`` with other ``defaults``: a template for :func:`signed`."""
+    sig = inspect.signature(template)
+    params = [p.replace(default=defaults.get(p.name, p.default)) for p in sig.parameters.values()]
+
+    def retemplated(*args: Any, **kwargs: Any) -> None:
+        """A template (never called)."""
+
+    retemplated.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return retemplated
 
 
 def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:

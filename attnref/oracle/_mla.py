@@ -39,7 +39,7 @@ from ._checks import (
     is_floating,
     shape_of,
 )
-from ._doc import signed
+from ._doc import retemplate, rope_call, signed
 from ._rope import check_base, check_convention, check_positions, rope
 
 __all__ = ["mla_attention", "mla_qkv"]
@@ -215,21 +215,8 @@ def mla_qkv(
     return q, k, v
 
 
-def mla_call(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
-    *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "interleaved",
-) -> None:
-    """The inputs of MLA (:func:`mla_attention` and its bound), written once: a template for
-    :func:`~attnref.oracle._doc.signed`."""
+# The inputs of MLA (:func:`mla_attention` and its bound): RoPE's, with DeepSeek's convention.
+mla_call = retemplate(rope_call, convention="interleaved")
 
 
 def mla_problem(call: dict[str, Any]) -> tuple[Any, ...]:

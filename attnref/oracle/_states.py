@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_axis, dtype_of, is_floating, shape_of
-from ._doc import STATES, doc
+from ._doc import MERGE_RAISES, STACK_RAISES, STATES, doc
 
 STATE_POLICIES = ("zeros", "nan")
 
@@ -142,7 +142,7 @@ def _merge_last_vjp(
     return d_o, d_lse
 
 
-@doc(STATES)
+@doc(STATES, MERGE_RAISES)
 def merge_states(
     o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, *, masked_rows: str = "zeros"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -153,11 +153,6 @@ def merge_states(
 
     Returns:
         ``(o [..., H_v], lse [...])`` in float64.
-
-    Raises:
-        ValueError: If a ``lse`` does not have the shape of its ``o`` without the last axis, the
-            two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
-        TypeError: If an input is not floating.
     """
     check_merge(o_a, lse_a, o_b, lse_b, masked_rows)
     return _merge_last(*_stacked(o_a, lse_a, o_b, lse_b), masked_rows)
@@ -204,28 +199,15 @@ def merge_states_vjp(
     return d_o[..., 0, :], d_lse[..., 0], d_o[..., 1, :], d_lse[..., 1]
 
 
+@doc(STATES, STACK_RAISES)
 def merge_state_stack(
     o: Any, lse: Any, *, axis: int = 0, masked_rows: str = "zeros"
 ) -> tuple[np.ndarray, np.ndarray]:
     """The state of the union of ``P`` disjoint key sets, their states stacked along ``axis``,
     in float64: ``lse = log sum_p e^{lse_p}``, ``o = sum_p e^{lse_p - lse} o_p``.
 
-    Args:
-        o: ``P`` normalised outputs stacked along ``axis`` of ``lse``'s shape plus ``H_v``:
-            ``[..., P, ..., H_v]``, floating.
-        lse: Their log-sum-exps, ``o``'s shape without the last axis (``-inf``: empty).
-        axis: The stacking axis of ``lse`` (negative counts from ``lse``'s last axis);
-            ``P = 0`` gives the empty state.
-        masked_rows: ``o`` of a row where every state is empty: ``"zeros"`` (default) or
-            ``"nan"``.
-
     Returns:
         ``(o, lse)`` with ``axis`` removed, in float64.
-
-    Raises:
-        ValueError: If ``lse`` does not have ``o``'s shape without the last axis, ``axis`` is
-            out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
-        TypeError: If an input is not floating or ``axis`` is not an int.
     """
     ax = check_stack(o, lse, axis, masked_rows)
     lse64 = np.moveaxis(np.asarray(lse, np.float64), ax, -1)

@@ -34,7 +34,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from attnref._src.core.checks import dtype_of, float64_scoped
+from attnref.oracle._doc import MERGE_RAISES, STACK_RAISES, STATES, doc
 from attnref.oracle._states import check_merge, check_stack
+
+BOTH_EMPTY = '``o`` of a row where both states are empty: ``"zeros"`` (default) or ``"nan"``.'
 
 
 def _compute_dtype(*xs: Any) -> Any:
@@ -54,6 +57,7 @@ def _finish(
 
 
 @float64_scoped
+@doc(STATES, MERGE_RAISES, masked_rows=BOTH_EMPTY)
 def merge_states(
     o_a: Float[ArrayLike, "*rows H_v"],
     lse_a: Float[ArrayLike, "*rows"],
@@ -68,22 +72,9 @@ def merge_states(
     ``m = max(lse_a, lse_b)`` and ``w = exp(lse - m)``: stable for any finite ``lse`` (``|lse|``
     of 1e4 and beyond), with ``lse = -inf`` the identity (its ``o`` is never read).
 
-    Args:
-        o_a: Normalised output of ``A``, ``[..., H_v]``, floating.
-        lse_a: Log-sum-exp of ``A``'s logits, ``[...]`` (``-inf``: ``A`` is empty), floating.
-        o_b: Normalised output of ``B``, the shape of ``o_a``.
-        lse_b: Log-sum-exp of ``B``'s logits, the shape of ``lse_a``.
-        masked_rows: ``o`` of a row where both states are empty: ``"zeros"`` (default) or
-            ``"nan"``.
-
     Returns:
         ``(o, lse)``: ``o`` in the dtype of ``o_a`` and ``o_b`` (promoted), ``lse`` in the dtype
         of ``lse_a`` and ``lse_b``; NaN where either ``lse`` is NaN or ``+inf``.
-
-    Raises:
-        ValueError: If a ``lse`` does not have the shape of its ``o`` without the last axis, the
-            two states' shapes differ, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
-        TypeError: If an input is not floating.
     """
     check_merge(o_a, lse_a, o_b, lse_b, masked_rows)
     cd = _compute_dtype(o_a, lse_a, o_b, lse_b)
@@ -111,6 +102,7 @@ def merge_states(
 
 
 @float64_scoped
+@doc(STATES, STACK_RAISES)
 def merge_state_stack(
     o: Float[ArrayLike, "*rows H_v"],
     lse: Float[ArrayLike, "*rows"],
@@ -123,23 +115,9 @@ def merge_state_stack(
     ``lse = m + log(sum_p w_p)``, ``o = sum_p w_p o_p / sum_p w_p`` with ``m = max_p lse_p`` and
     ``w_p = exp(lse_p - m)`` (the n-ary form of :func:`merge_states`, one pass, no overflow).
 
-    Args:
-        o: ``P`` normalised outputs stacked along ``axis`` of ``lse``'s shape plus ``H_v``:
-            ``[..., P, ..., H_v]``, floating.
-        lse: Their log-sum-exps, ``o``'s shape without the last axis (``-inf``: empty).
-        axis: The stacking axis of ``lse`` (negative counts from ``lse``'s last axis);
-            ``P = 0`` gives the empty state.
-        masked_rows: ``o`` of a row where every state is empty: ``"zeros"`` (default) or
-            ``"nan"``.
-
     Returns:
         ``(o, lse)`` with ``axis`` removed, in the dtypes of the inputs; NaN where any ``lse``
         is NaN or ``+inf``.
-
-    Raises:
-        ValueError: If ``lse`` does not have ``o``'s shape without the last axis, ``axis`` is
-            out of range for ``lse``, or ``masked_rows`` is not ``"zeros"`` or ``"nan"``.
-        TypeError: If an input is not floating or ``axis`` is not an int.
     """
     ax = check_stack(o, lse, axis, masked_rows)
     cd = _compute_dtype(o, lse)
