@@ -125,7 +125,7 @@ def test_help_is_plain_text_and_every_option_has_its_help_and_default(capsys):
         (["check", GOOD, "--shapes", "smal"], "(did you mean 'small'?)"),
         (["check", GOOD, "--masked_rows", "uniform"], "did you mean '--masked-rows'?"),
         (["check", GOOD, "--signature", "jax-nn"], "attnref check: error: signature 'jax-nn' is "
-         "not one of jax_nn, qkv_mask, numpy (did you mean 'jax_nn'?)"),
+         "not one of jax_nn, qkv_mask, numpy, torch (did you mean 'jax_nn'?)"),
         (["check", GOOD, "--properties", "oracel"], "(did you mean 'oracle'?)"),
         (["check-merge", "attnref:merge_states", "--properties", "oracle,comutative"],
          "attnref check-merge: error: unknown properties ['comutative']"),

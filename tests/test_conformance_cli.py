@@ -203,8 +203,8 @@ def test_console_script_finds_targets_in_the_current_directory():
     ("options", "cli", "engine"),
     [
         (
-            {"signature": "torch"},
-            "signature 'torch' is not one of jax_nn, qkv_mask, numpy",
+            {"signature": "pytorch"},
+            "signature 'pytorch' is not one of jax_nn, qkv_mask, numpy, torch",
             "signature must be one of",
         ),
         ({"features": ("mask", "nope")}, "unknown feature 'nope'; choose from", "unknown features"),

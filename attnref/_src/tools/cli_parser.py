@@ -312,6 +312,7 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         "jax_nn": "jax.nn.dot_product_attention's",
         "qkv_mask": "fn(q, k, v, mask)",
         "numpy": "NumPy in, NumPy out",
+        "torch": "torch SDPA's, [B, N, T, H] tensors",
     }
     named = [f"{n} ({about[n]})" if n in about else n for n in SIGNATURES]
     c.add_argument(

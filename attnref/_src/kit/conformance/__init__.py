@@ -130,6 +130,13 @@ Adapters (``signature``):
     mask alone (so a padded query row is a fully masked row).
 ``"numpy"``
     The ``"jax_nn"`` calling convention with NumPy arrays in and out; no jit, no gradients.
+``"torch"``
+    ``fn(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)``
+    with the conventions of ``torch.nn.functional.scaled_dot_product_attention``: CPU tensors
+    ``[B, N, T, H]`` (bfloat16 converted through float32, exactly), ``attn_mask`` boolean
+    (``True`` = may attend) or an additive float, ``is_causal`` top-left, ``enable_gqa=True``
+    when ``N != K``; each keyword passed only when used. Gradients by autograd; no lse, lengths,
+    windows or segments (:mod:`.torch_target`). Needs PyTorch (``pip install 'attnref[torch]'``).
 
 Modules: :mod:`.options` (the accepted names and the check of each option), :mod:`.report`,
 :mod:`.targets` (loading the target, the meshes, the adapter that calls it), :mod:`.references`

@@ -42,6 +42,7 @@ from attnref._src.kit.conformance.plans import PLANS, TargetRaised, calls_detail
 from attnref._src.kit.conformance.replay import call_inputs, problem_replay
 from attnref._src.kit.conformance.report import ConformanceReport, MeshResult, PropertyResult
 from attnref._src.kit.conformance.targets import Target, describe_target, mesh, takes_keyword
+from attnref._src.kit.conformance.torch_target import require_torch
 
 
 # A hypothesis.settings, typed as the test decorator it is used as: beartype (the suite's runtime
@@ -369,8 +370,8 @@ def check_attention(
 
     Args:
         fn: The attention function.
-        signature: How to call ``fn``: ``"jax_nn"``, ``"qkv_mask"`` or ``"numpy"`` (the
-            adapters, package docstring).
+        signature: How to call ``fn``: ``"jax_nn"``, ``"qkv_mask"``, ``"numpy"`` or
+            ``"torch"`` (the adapters, package docstring).
         features: What ``fn`` supports (:data:`FEATURES`; ``None`` = ``DEFAULT_FEATURES
             [signature]``); a property needing an absent feature is skipped with the reason.
             ``"seq_lengths"`` stands for both ``"query_seq_lengths"`` and
@@ -415,8 +416,11 @@ def check_attention(
             production shapes (an ``OptionError``, checked in that order).
         TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
             ``fn`` that takes no ``mesh`` keyword.
+        ImportError: ``signature="torch"`` where PyTorch is not installed.
     """
     feats = _features(signature, features)
+    if signature == "torch":
+        require_torch()  # an ImportError saying how to install it
     check_choice("masked_rows", masked_rows)
     check_choice("causal_alignment", causal_alignment)
     default = PROPERTIES if devices is None else (*PROPERTIES, *DISTRIBUTED_PROPERTIES)

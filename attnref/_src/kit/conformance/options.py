@@ -31,7 +31,7 @@ GROWTH = "ring_size_growth"
 UNEVEN = "uneven_lengths"
 DISTRIBUTED_PROPERTIES = (GROWTH, UNEVEN)
 ALL_PROPERTIES = PROPERTIES + DISTRIBUTED_PROPERTIES
-SIGNATURES = ("jax_nn", "qkv_mask", "numpy")
+SIGNATURES = ("jax_nn", "qkv_mask", "numpy", "torch")
 # "small": Hypothesis draws over a few small buckets; "production": tile-boundary sweeps
 SHAPES = ("small", "production")
 FEATURES = (
@@ -64,11 +64,24 @@ DEFAULT_FEATURES: dict[str, tuple[str, ...]] = {
     "qkv_mask": ("mask", "causal", *_LENGTHS, "window", "cross", "grad", "segment_ids"),
     # jax.nn's options, NumPy in and out, no gradients
     "numpy": ("mask", "bias", "causal", *_LENGTHS, "window", "gqa", "cross", "lse"),
+    # torch.nn.functional.scaled_dot_product_attention's options, gradients by autograd
+    "torch": ("mask", "bias", "causal", "gqa", "cross", "grad"),
 }
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "jax_nn": (),
     "qkv_mask": ("bias", "softcap", "lse", "sinks", "dropout"),
     "numpy": ("grad",),
+    # SDPA has attn_mask, is_causal, scale and enable_gqa; no lse, lengths, windows or segments
+    "torch": (
+        *_LENGTHS,
+        "window",
+        "segment_ids",
+        "softcap",
+        "lse",
+        "sinks",
+        "sink_tokens",
+        "dropout",
+    ),
 }
 DEFAULT_SEMANTICS = {"masked_rows": "zeros", "causal_alignment": "top_left"}
 # The values each declared semantics may take: the kernel's own option names.
@@ -143,7 +156,8 @@ def expand_features(features: Sequence[str]) -> tuple[str, ...]:
 
 def check_expressible(signature: str, features: Sequence[str]) -> None:
     """The signature can pass every feature (``qkv_mask`` has no bias, softcap or lse;
-    ``numpy`` no gradients), else an :class:`OptionError` naming those it cannot."""
+    ``numpy`` no gradients; ``torch`` only SDPA's options), else an :class:`OptionError`
+    naming those it cannot."""
     impossible = [f for f in features if f in _UNSUPPORTED[signature]]
     if impossible:
         raise OptionError(

@@ -90,10 +90,11 @@ def problem_replay(
     target on them and asserts the result equals the oracle (the output with
     :func:`attnref.testing.assert_matches_oracle`, a gradient call's ``(dq, dk, dv)`` with
     :func:`attnref.testing.assert_grads_match_oracle`), under the kit's allowance for a
-    single-device kernel. ``None`` where the inputs cannot be rebuilt that way, and for a
-    distributed target (its allowance is the merged-states bound). The target is
-    ``load_target(target)`` where ``target`` is a ``module:function`` name, else ``fn``."""
-    if distributed:
+    single-device kernel. ``None`` where the inputs cannot be rebuilt that way, for a
+    distributed target (its allowance is the merged-states bound) and for a ``torch`` one. The
+    target is ``load_target(target)`` where ``target`` is a ``module:function`` name,
+    else ``fn``."""
+    if distributed or signature == "torch":  # torch: the inputs are tensors in another layout
         return None
     found = rebuild(p, signature)
     if found is None:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from attnref import strategies as ast
 from attnref._src.core.checks import enable_x64
+from attnref._src.kit.conformance.torch_target import torch_forward, torch_vjp
 
 # The axis of the kit's meshes (attnref's own distributed schemes name theirs the same).
 AXIS = "devices"
@@ -241,10 +242,13 @@ class Target:
         """``(out, lse or None)`` as NumPy arrays, each checked to be a numeric array of the
         expected shape (``out [B, T, N, H_v]``, ``lse [B, T, N]``) before any comparison."""
         self.last_call = (p, None)
+        c = p.config
+        if self.signature == "torch":  # no lse: the signature refuses that feature
+            out = torch_forward(self.fn, p)
+            return _checked_array(out, (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]"), None
         static, arrays = split_options(p.options)
         raw = self._raw(static, want_lse)
         result = self._invoke(("forward", static, want_lse), raw, (p.q, p.k, p.v, arrays), p.dtype)
-        c = p.config
         if want_lse:
             if not isinstance(result, (tuple, list)) or len(result) != 2:
                 raise AssertionError(
@@ -261,6 +265,13 @@ class Target:
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
         self.last_call = (p, cotangent)
+        if self.signature == "torch":
+            return tuple(
+                _checked_array(g, np.shape(x), f"gradient d/d{name}")
+                for name, g, x in zip(
+                    "qkv", torch_vjp(self.fn, p, cotangent), (p.q, p.k, p.v), strict=True
+                )
+            )
         static, arrays = split_options(p.options)
         raw = self._raw(static, False)
 
