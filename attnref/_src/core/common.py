@@ -179,6 +179,12 @@ def row_args(more: str = RESIDUAL_ARG, also: str = "") -> str:
     return _ROW_ARGS.format(more=more, also=also)
 
 
+# The shapes a row-level formula reads (validated and finite), written once.
+Queries = Float[Array, "... T_q d_model"]
+Keys = Float[Array, "... T_k d_model"]
+Mask = Bool[Array, "... #T_q #T_k"] | None
+Bias = Float[Array, "... #T_q #T_k"] | None
+
 _ROW_NAMES = ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual")
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.common import Bias, Keys, Mask, Queries, residual_or
 from attnref._src.core.entry import public
 from attnref._src.formulations.mla_family import (
     MLA_CACHE,
@@ -40,11 +41,7 @@ from attnref._src.formulations.rope_family import (
 )
 from attnref.oracle._mla import check_mla_params, check_mla_tokens
 
-Queries = Float[Array, "... T_q d_model"]
-Keys = Float[Array, "... T_k d_model"]
 Cache = Float[Array, "... T_k d_c_plus_d_rope"]
-Mask = Bool[Array, "... #T_q #T_k"] | None
-Bias = Float[Array, "... #T_q #T_k"] | None
 
 # ----------------------------------------------------------------------------- the two forms
 
@@ -158,10 +155,6 @@ def queries(p: MLAParams, x_q: Queries, rot: Rotary) -> Float[Array, "... H T_q 
 def output(p: MLAParams, o: Float[Array, "... H T_q d_v"]) -> Float[Array, "... T_q d_model"]:
     """``sum_i o_i W_O[i]``."""
     return jnp.einsum("...hqv,hvd->...qd", o, p.w_o, precision=HIGHEST)
-
-
-def residual_or(y: Array, x: Array, residual: bool) -> Array:
-    return x + y if residual else y
 
 
 # ----------------------------------------------------------------------------- public functions

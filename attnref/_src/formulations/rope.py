@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checks import (
     HIGHEST,
@@ -56,6 +56,10 @@ from attnref._src.core.checks import (
 )
 from attnref._src.core.common import (
     BLOCK_RETURNS,
+    Bias,
+    Keys,
+    Mask,
+    Queries,
     add_output_bias,
     homogeneous,
     homogeneous_weights,
@@ -85,11 +89,6 @@ from attnref._src.formulations.rope_family import (
     rope_patterns_cost,
     with_args,
 )
-
-Queries = Float[Array, "... T_q d_model"]
-Keys = Float[Array, "... T_k d_model"]
-Mask = Bool[Array, "... #T_q #T_k"] | None
-Bias = Float[Array, "... #T_q #T_k"] | None
 
 # ----------------------------------------------------------------------------- rotary attention
 

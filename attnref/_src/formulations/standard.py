@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from attnref._src.core import cost as _cost
 from attnref._src.core.checks import HIGHEST
@@ -18,6 +18,10 @@ from attnref._src.core.common import (
     BLOCK_RETURNS,
     ROW_PROBES,
     ROWS,
+    Bias,
+    Keys,
+    Mask,
+    Queries,
     add_output_bias,
     project,
     project_kv,
@@ -29,10 +33,6 @@ from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, r
 from attnref._src.core.softmax import masked_softmax
 
 Params = AttentionParams
-Queries = Float[Array, "... T_q d_model"]
-Keys = Float[Array, "... T_k d_model"]
-Mask = Bool[Array, "... #T_q #T_k"] | None
-Bias = Float[Array, "... #T_q #T_k"] | None
 
 
 def concat(

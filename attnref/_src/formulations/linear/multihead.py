@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
 from attnref._src.core.checks import HIGHEST, check_tokens
-from attnref._src.core.common import add_output_bias, project, project_kv, residual_or
+from attnref._src.core.common import (
+    Keys,
+    Queries,
+    add_output_bias,
+    project,
+    project_kv,
+    residual_or,
+)
 from attnref._src.core.entry import Level, public
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.feature_maps import FeatureMapLike, check_feature_map
@@ -47,12 +54,9 @@ from attnref._src.formulations.linear.kernel import (
 )
 from attnref._src.formulations.merged import compute_messages
 
-XQ = Float[Array, "... T_q d_model"]
-XKV = Float[Array, "... T_k d_model"]
-
 
 def multihead(
-    params: AttentionParams, x_q: XQ, x_kv: XKV, o: Options, residual: bool
+    params: AttentionParams, x_q: Queries, x_kv: Keys, o: Options, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``y = sum_i z_i W_O[i] + b_O``, ``z_i`` the kernel-level form on head ``i``'s
     ``q_i = x_q W_Q[i] + b_Q[i]`` and its key/value head's ``k_i``, ``v_i``."""
@@ -68,7 +72,7 @@ def multihead(
 
 
 def messages(
-    params: AttentionParams, x_q: XQ, x_kv: XKV, o: Options, residual: bool
+    params: AttentionParams, x_q: Queries, x_kv: Keys, o: Options, residual: bool
 ) -> Float[Array, "... T_q d_model"]:
     """``y = sum_i A_i (X_kv W_M[i] + b_V[i // G] W_O[i]) + b_O`` with the normalised linear
     attention matrix ``A_i = rownorm(phi(Q_i) phi(K_i)^T)`` (masked)."""
