@@ -29,7 +29,9 @@ chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -265,32 +267,11 @@ def linear_step(
 
 # ----------------------------------------------------------------------------- the kernel level
 #
-# One validation for every form (:func:`kernel_call`). ``form``, ``modes`` (the causal modes it
-# takes) and the default of ``causal`` (``modes[0]``) are bound by ``functools.partial``; the
-# public signature is the rest of :func:`prepare_kernel`'s, or of :func:`prepare_causal`'s
-# (``T_q == T_k = T``), with ``chunk_size`` for the chunked form (:func:`with_chunk_size`).
-
-
-def kernel_call(
-    form: Form,
-    modes: tuple[bool, ...],
-    q: Any,
-    k: Any,
-    v: Any,
-    feature_map: FeatureMapLike,
-    causal: bool,
-    key_mask: Any,
-    eps: Any,
-    eps_policy: str,
-) -> KernelCall:
-    """Validate a kernel-level call of ``form``: the one validation of the kernel level."""
-    check_mode(form, modes, causal)
-    check_qkv(q, k, v, key_mask, causal)
-    check_policy(eps, eps_policy)
-    check_feature_map(feature_map)
-    km = None if key_mask is None else jnp.asarray(key_mask)
-    o = Options(feature_map, eps, eps_policy, causal, km, form=form)
-    return KernelCall(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), o)
+# One validation for every form (:func:`prepare_kernel`). ``form``, ``modes`` (the causal modes
+# it takes) and the default of ``causal`` (``modes[0]``) are bound by ``functools.partial``; the
+# public signature is the rest of :func:`prepare_kernel`'s (with ``T`` for ``T_q == T_k`` in the
+# causal-only forms, :func:`one_length`), with ``chunk_size`` for the chunked form
+# (:func:`with_chunk_size`).
 
 
 def prepare_kernel(
@@ -306,23 +287,31 @@ def prepare_kernel(
     eps: Real[ArrayLike, ""] = 0.0,
     eps_policy: EpsPolicy = "add",
 ) -> KernelCall:
-    return kernel_call(form, modes, q, k, v, feature_map, causal, key_mask, eps, eps_policy)
+    """Validate a kernel-level call of ``form``: the one validation of the kernel level."""
+    check_mode(form, modes, causal)
+    check_qkv(q, k, v, key_mask, causal)
+    check_policy(eps, eps_policy)
+    check_feature_map(feature_map)
+    km = None if key_mask is None else jnp.asarray(key_mask)
+    o = Options(feature_map, eps, eps_policy, causal, km, form=form)
+    return KernelCall(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), o)
 
 
-def prepare_causal(
-    form: Form,
-    modes: tuple[bool, ...],
-    q: Float[ArrayLike, "... T H d_k"],
-    k: Float[ArrayLike, "... T H d_k"],
-    v: Float[ArrayLike, "... T H d_v"],
-    *,
-    feature_map: FeatureMapLike,
-    causal: bool,
-    key_mask: Bool[ArrayLike, "... T"] | None = None,
-    eps: Real[ArrayLike, ""] = 0.0,
-    eps_policy: EpsPolicy = "add",
-) -> KernelCall:
-    return kernel_call(form, modes, q, k, v, feature_map, causal, key_mask, eps, eps_policy)
+def one_length(prepare: Callable[..., KernelCall]) -> Callable[..., KernelCall]:
+    """``prepare`` with ``T_q`` and ``T_k`` written ``T`` in its annotations: the signature of
+    the causal-only forms (``T_q == T_k = T``)."""
+
+    @functools.wraps(prepare)
+    def prepare_causal(*args: Any, **kwargs: Any) -> KernelCall:
+        return prepare(*args, **kwargs)
+
+    signature = inspect.signature(prepare)
+    params = [
+        p.replace(annotation=re.sub(r"\bT_[qk]\b", "T", p.annotation))
+        for p in signature.parameters.values()
+    ]
+    prepare_causal.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return prepare_causal
 
 
 CAUSAL_ARG = """
@@ -366,7 +355,7 @@ KERNEL_ARGS = (
 def kernel_form(form: Form, modes: tuple[bool, ...], summary: str) -> Callable[..., Array]:
     """The public kernel-level function ``linear_<form>``: validate, scope float64, guard."""
     causal_only = modes == (True,)  # then T_q == T_k = T
-    prepare = prepare_causal if causal_only else prepare_kernel
+    prepare = one_length(prepare_kernel) if causal_only else prepare_kernel
     prepare = with_chunk_size(prepare) if form is chunked else prepare
     t = "T" if causal_only else "T_q"
     args = KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else "")
