@@ -37,6 +37,7 @@ from jaxtyping import Array, Float
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import ROW_PROBES, Prepared, add_output_bias
+from attnref._src.core.params import AttentionParams
 from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
 from attnref._src.formulations.standard import logits
@@ -44,15 +45,16 @@ from attnref._src.formulations.standard import logits
 __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
 
 
-def _probe(summary: str, returns: str) -> Callable[[Callable[[Prepared], Any]], Any]:
-    """The public probe ``fn.__name__`` of ``fn(rows)``: the row probes' signature and validation
-    (:data:`ROW_PROBES`), float64 scoping, and ``summary``, the Args text and ``returns`` as its
-    docstring. The probes read the caller's arrays as given (no non-finite guard: they show what
-    the block computes)."""
+def _probe(summary: str, returns: str) -> Callable[[Callable[..., Any]], Any]:
+    """The public probe ``fn.__name__`` of ``fn(params, rows)``: the row probes' signature and
+    validation (:data:`ROW_PROBES`), float64 scoping, and ``summary``, the Args text and
+    ``returns`` as its docstring. The probes read the caller's arrays as given (no non-finite
+    guard: they show what the block computes)."""
 
-    def wrap(fn: Callable[[Prepared], Any]) -> Any:
+    def wrap(fn: Callable[..., Any]) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            return fn(ROW_PROBES.prepare(*args, **kwargs))  # type: ignore[arg-type]
+            rows: Any = ROW_PROBES.prepare(*args, **kwargs)
+            return fn(rows.params, rows)
 
         out: Any = float64_scoped(call)
         del out.__wrapped__  # the signature is the level's
@@ -84,8 +86,8 @@ def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
     "``S_i`` for every query head, ``[..., H, T_q, T_k]``: ``-inf`` where the mask is\n"
     "    ``False`` or the bias is ``-inf``.",
 )
-def attention_logits(p: Prepared) -> Float[Array, "... H T_q T_k"]:
-    return _masked_logits(logits(p.params, p.x_q, p.x_kv, p.bias, p.scale), p.head_mask())
+def attention_logits(params: AttentionParams, p: Prepared) -> Float[Array, "... H T_q T_k"]:
+    return _masked_logits(logits(params, p.x_q, p.x_kv, p.bias, p.scale), p.head_mask())
 
 
 # @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
@@ -122,8 +124,7 @@ class AttentionProbes:
     "formulation of the block output.",
     "An :class:`AttentionProbes` with every probe (shapes there).",
 )
-def attention_probes(p: Prepared) -> AttentionProbes:
-    params = p.params
+def attention_probes(params: AttentionParams, p: Prepared) -> AttentionProbes:
     raw = logits(params, p.x_q, p.x_kv, p.bias, p.scale)
     mask_h = p.head_mask()
     scores = masked_softmax(raw, mask_h)
@@ -148,5 +149,5 @@ def attention_probes(p: Prepared) -> AttentionProbes:
     "``residual=True``.",
     "``x_q + output``, ``[..., T_q, d_model]``.",
 )
-def residual_update(p: Prepared) -> Float[Array, "... T_q d_model"]:
-    return attention_probes.formula(p).residual
+def residual_update(params: AttentionParams, p: Prepared) -> Float[Array, "... T_q d_model"]:
+    return attention_probes.formula(params, p).residual
