@@ -19,71 +19,110 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import dtype_of, shape_of
 from ._kernel import dot_product_attention
 
 # The kernel options the paged layout sets itself.
 OWN_OPTIONS = ("key_value_seq_lengths", "causal_alignment")
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
+def check_paged_options(options: dict[str, Any], known: tuple[str, ...] | None = None) -> None:
+    """The kernel options of a paged call: not those the layout sets (:data:`OWN_OPTIONS`), only
+    ``known`` ones (when given), and not ``masked_rows="uniform"``."""
+    for name in OWN_OPTIONS:
+        if name in options:
+            raise TypeError(
+                f"paged_attention sets {name} itself (seq_lens, bottom-right positions); "
+                f"do not pass {name}"
+            )
+    unknown = set(options) - set(options if known is None else known)
+    if unknown:
+        raise TypeError(f"paged_attention got unexpected keyword arguments {sorted(unknown)}")
+    if options.get("masked_rows") == "uniform":
+        raise ValueError(
+            "masked_rows='uniform' is refused by paged_attention: the mean of value over all "
+            "S slots would read unused slots and pages; use 'zeros' or 'nan'"
+        )
+
+
+def check_values(block_table: Any, seq_lens: Any, num_pages: int, page_size: int) -> None:
+    """Concrete tables and lengths: raise ``ValueError`` naming the row and the value."""
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
+    s = table.shape[1] * page_size
+    for b, length in enumerate(lens.tolist()):
+        if not 0 <= length <= s:
+            raise ValueError(
+                f"seq_lens[{b}] = {length} is out of range: a sequence holds between 0 and "
+                f"max_pages * page_size = {table.shape[1]} * {page_size} = {s} tokens"
+            )
+        used = -(-length // page_size)
+        for p, page in enumerate(table[b, :used].tolist()):
+            if not 0 <= page < num_pages:
+                raise ValueError(
+                    f"block_table[{b}, {p}] = {page} is out of range [0, num_pages={num_pages}) "
+                    f"for batch row {b}, which reads page slot {p} (seq_lens[{b}] = {length}, "
+                    f"page_size = {page_size}); a page table entry must name a page of k_pages"
+                )
+
+
+def check_layout(
+    query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any
+) -> tuple[int, int]:
+    """Shapes and dtypes of the paged arguments (the kernel checks the rest); returns
+    ``(num_pages, page_size)``."""
+    if np.ndim(query) != 4:
+        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {shape_of(query)}")
+    for name, x, layout in (
+        ("k_pages", k_pages, "[num_pages, page_size, K, H]"),
+        ("v_pages", v_pages, "[num_pages, page_size, K, H_v]"),
+    ):
+        if np.ndim(x) != 4:
+            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
+    b, _, _, h = shape_of(query)
+    num_pages, page_size, kh, hk = shape_of(k_pages)
+    if shape_of(v_pages)[:3] != (num_pages, page_size, kh):
+        raise ValueError(
+            f"v_pages has shape {shape_of(v_pages)}; expected [num_pages={num_pages}, "
+            f"page_size={page_size}, K={kh}, H_v] to match k_pages {shape_of(k_pages)}"
+        )
+    if hk != h:
+        raise ValueError(
+            f"k_pages has head dim {hk} (shape {shape_of(k_pages)}) but query has {h} "
+            f"(shape {shape_of(query)})"
+        )
+    if page_size < 1:
+        raise ValueError(f"k_pages has page_size 0 (shape {shape_of(k_pages)}); it must be >= 1")
+    dtypes = {
+        n: dtype_of(x) for n, x in (("query", query), ("k_pages", k_pages), ("v_pages", v_pages))
+    }
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, k_pages and v_pages must share one dtype, got {dtypes}")
+    if np.ndim(block_table) != 2 or shape_of(block_table)[0] != b:
+        raise ValueError(
+            f"block_table has shape {shape_of(block_table)}; expected [B={b}, max_pages]"
+        )
+    if shape_of(seq_lens) != (b,):
+        raise ValueError(f"seq_lens has shape {shape_of(seq_lens)}; expected [B={b}]")
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not np.issubdtype(dtype_of(x), np.integer):
+            raise TypeError(f"{name} must be integer, got dtype {dtype_of(x)}")
+    if num_pages < 1 and shape_of(block_table)[1] > 0:
+        raise ValueError(
+            f"k_pages holds no page (shape {shape_of(k_pages)}) but block_table has "
+            f"{shape_of(block_table)[1]} page slots per row"
+        )
+    return num_pages, page_size
 
 
 def _check(
     query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any, options: dict[str, Any]
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Every refusal of the JAX twin; returns the table, the lengths and ``page_size``."""
-    for name in OWN_OPTIONS:
-        if name in options:
-            raise TypeError(f"paged_attention sets {name} itself; do not pass {name}")
-    if options.get("masked_rows") == "uniform":
-        raise ValueError(
-            "masked_rows='uniform' is refused by paged_attention: the mean of value over all "
-            "S slots would read unused slots and pages"
-        )
-    if np.ndim(query) != 4:
-        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {_shape(query)}")
-    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if np.ndim(x) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 ([num_pages, page_size, K, H]), got shape {_shape(x)}"
-            )
-    b = _shape(query)[0]
-    num_pages, page_size, kh, hk = _shape(k_pages)
-    if _shape(v_pages)[:3] != (num_pages, page_size, kh):
-        raise ValueError(
-            f"v_pages has shape {_shape(v_pages)}; expected to match {_shape(k_pages)}"
-        )
-    if hk != _shape(query)[3]:
-        raise ValueError(f"k_pages has head dim {hk} but query has {_shape(query)[3]}")
-    if page_size < 1:
-        raise ValueError(f"k_pages has page_size 0 (shape {_shape(k_pages)}); it must be >= 1")
-    dtypes = {np.asarray(x).dtype for x in (query, k_pages, v_pages)}
-    if len(dtypes) != 1:
-        raise TypeError(f"query, k_pages and v_pages must share one dtype, got {dtypes}")
-    table, lens = np.asarray(block_table), np.asarray(seq_lens)
-    if table.ndim != 2 or table.shape[0] != b:
-        raise ValueError(f"block_table has shape {table.shape}; expected [B={b}, max_pages]")
-    if lens.shape != (b,):
-        raise ValueError(f"seq_lens has shape {lens.shape}; expected [B={b}]")
-    for name, x in (("block_table", table), ("seq_lens", lens)):
-        if not np.issubdtype(x.dtype, np.integer):
-            raise TypeError(f"{name} must be integer, got dtype {x.dtype}")
-    if num_pages < 1 and table.shape[1] > 0:
-        raise ValueError(f"k_pages holds no page (shape {_shape(k_pages)})")
-    s = table.shape[1] * page_size
-    for row in range(b):
-        length = int(lens[row])
-        if not 0 <= length <= s:
-            raise ValueError(f"seq_lens[{row}] = {length} is out of range [0, {s}]")
-        for j in range(length):  # the slots the definition reads
-            page = int(table[row, j // page_size])
-            if not 0 <= page < num_pages:
-                raise ValueError(
-                    f"block_table[{row}, {j // page_size}] = {page} is out of range "
-                    f"[0, num_pages={num_pages}) for batch row {row}"
-                )
-    return table, lens, page_size
+    """Every refusal of the JAX twin (the same checks); returns the table, the lengths and
+    ``page_size``."""
+    check_paged_options(options)
+    num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
+    check_values(block_table, seq_lens, num_pages, page_size)
+    return np.asarray(block_table), np.asarray(seq_lens), page_size
 
 
 def gather_pages(

@@ -49,6 +49,7 @@ from attnref._src.core.checked import require
 from attnref._src.core.checks import dtype_of, float64_scoped, is_traced, shape_of
 from attnref._src.core.entry import Level, public
 from attnref._src.formulations.kernel import dot_product_attention
+from attnref.oracle._paged import OWN_OPTIONS, check_layout, check_paged_options, check_values
 
 # ----------------------------------------------------------------------------- the formula
 
@@ -106,10 +107,6 @@ def paged_append(
 # ----------------------------------------------------------------------------- the call
 
 
-# The kernel options that paged attention sets itself (from seq_lens and the layout).
-OWN_OPTIONS = ("key_value_seq_lengths", "causal_alignment")
-
-
 def used_pages(seq_lens: Array, page_size: int, max_pages: int) -> Bool[Array, "B max_pages"]:
     """Page slot ``p`` of row ``b`` is read iff ``p page_size < seq_lens[b]``."""
     return jnp.arange(max_pages)[None, :] * page_size < seq_lens[:, None]
@@ -126,75 +123,6 @@ def table_ok(
         (block_table < 0) | (block_table >= num_pages)
     )
     return ~jnp.any(bad, axis=1), lens_ok
-
-
-def check_values(block_table: Any, seq_lens: Any, num_pages: int, page_size: int) -> None:
-    """Concrete tables and lengths: raise ``ValueError`` naming the row and the value."""
-    table, lens = np.asarray(block_table), np.asarray(seq_lens)
-    s = table.shape[1] * page_size
-    for b, length in enumerate(lens.tolist()):
-        if not 0 <= length <= s:
-            raise ValueError(
-                f"seq_lens[{b}] = {length} is out of range: a sequence holds between 0 and "
-                f"max_pages * page_size = {table.shape[1]} * {page_size} = {s} tokens"
-            )
-        used = -(-length // page_size)
-        for p, page in enumerate(table[b, :used].tolist()):
-            if not 0 <= page < num_pages:
-                raise ValueError(
-                    f"block_table[{b}, {p}] = {page} is out of range [0, num_pages={num_pages}) "
-                    f"for batch row {b}, which reads page slot {p} (seq_lens[{b}] = {length}, "
-                    f"page_size = {page_size}); a page table entry must name a page of k_pages"
-                )
-
-
-def check_layout(
-    query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any
-) -> tuple[int, int]:
-    """Shapes and dtypes of the paged arguments (the kernel checks the rest); returns
-    ``(num_pages, page_size)``."""
-    if np.ndim(query) != 4:
-        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {shape_of(query)}")
-    for name, x, layout in (
-        ("k_pages", k_pages, "[num_pages, page_size, K, H]"),
-        ("v_pages", v_pages, "[num_pages, page_size, K, H_v]"),
-    ):
-        if np.ndim(x) != 4:
-            raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
-    b, _, _, h = shape_of(query)
-    num_pages, page_size, kh, hk = shape_of(k_pages)
-    if shape_of(v_pages)[:3] != (num_pages, page_size, kh):
-        raise ValueError(
-            f"v_pages has shape {shape_of(v_pages)}; expected [num_pages={num_pages}, "
-            f"page_size={page_size}, K={kh}, H_v] to match k_pages {shape_of(k_pages)}"
-        )
-    if hk != h:
-        raise ValueError(
-            f"k_pages has head dim {hk} (shape {shape_of(k_pages)}) but query has {h} "
-            f"(shape {shape_of(query)})"
-        )
-    if page_size < 1:
-        raise ValueError(f"k_pages has page_size 0 (shape {shape_of(k_pages)}); it must be >= 1")
-    dtypes = {
-        n: dtype_of(x) for n, x in (("query", query), ("k_pages", k_pages), ("v_pages", v_pages))
-    }
-    if len(set(dtypes.values())) != 1:
-        raise TypeError(f"query, k_pages and v_pages must share one dtype, got {dtypes}")
-    if np.ndim(block_table) != 2 or shape_of(block_table)[0] != b:
-        raise ValueError(
-            f"block_table has shape {shape_of(block_table)}; expected [B={b}, max_pages]"
-        )
-    if shape_of(seq_lens) != (b,):
-        raise ValueError(f"seq_lens has shape {shape_of(seq_lens)}; expected [B={b}]")
-    for name, x in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if not np.issubdtype(dtype_of(x), np.integer):
-            raise TypeError(f"{name} must be integer, got dtype {dtype_of(x)}")
-    if num_pages < 1 and shape_of(block_table)[1] > 0:
-        raise ValueError(
-            f"k_pages holds no page (shape {shape_of(k_pages)}) but block_table has "
-            f"{shape_of(block_table)[1]} page slots per row"
-        )
-    return num_pages, page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,20 +156,7 @@ def prepare_paged(
     """Validate a paged call (its signature is :data:`SIGNATURE`): the layout, the options the
     layout sets (refused), ``masked_rows="uniform"`` (refused: it would average every slot,
     unused ones included), and the table and lengths (eagerly, or by :func:`require`)."""
-    for name in OWN_OPTIONS:
-        if name in options:
-            raise TypeError(
-                f"paged_attention sets {name} itself (seq_lens, bottom-right positions); "
-                f"do not pass {name}"
-            )
-    unknown = set(options) - set(KERNEL_OPTIONS)
-    if unknown:
-        raise TypeError(f"paged_attention got unexpected keyword arguments {sorted(unknown)}")
-    if options.get("masked_rows") == "uniform":
-        raise ValueError(
-            "masked_rows='uniform' is refused by paged_attention: the mean of value over all "
-            "S slots would read unused slots and pages; use 'zeros' or 'nan'"
-        )
+    check_paged_options(options, KERNEL_OPTIONS)
     num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
     table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
     if not is_traced(block_table, seq_lens):
