@@ -8,6 +8,7 @@ and head ``[B, N]``, and a query position ``p_i = i + offset_b`` on the key axis
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,36 @@ def _batch_size(slopes_shape: tuple[int, ...], lengths: dict[str, Any]) -> int |
     return sources[0][1] if sources else None
 
 
+def check_alibi(
+    slopes: Any,
+    t: Any,
+    s: Any,
+    causal_alignment: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    check: Callable[..., Any] = check_ints,
+) -> tuple[int | None, Any, Any]:
+    """The checks of an ALiBi bias (JAX and oracle alike); returns ``(B or None, q_len,
+    kv_len)``, the lengths checked (and converted) by ``check(name, x, shape, upper)``."""
+    check_alignment(causal_alignment)
+    for name, size in (("t", t), ("s", s)):
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {size!r}")
+    if np.ndim(slopes) not in (1, 2):
+        raise ValueError(f"slopes must have shape [N] or [B, N], got shape {shape_of(slopes)}")
+    dt = dtype_of(slopes)
+    if not (is_floating(dt) or is_integer(dt)):
+        raise TypeError(f"slopes must be real, got dtype {dt}")
+    lengths = {
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+    }
+    b = _batch_size(shape_of(slopes), lengths)
+    q_len = check("query_seq_lengths", query_seq_lengths, (b or 0,), t)
+    kv_len = check("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
+    return b, q_len, kv_len
+
+
 def alibi_bias(
     slopes: Any,
     t: int,
@@ -96,22 +127,9 @@ def alibi_bias(
             sizes disagree, or a length is out of range.
         TypeError: If ``slopes`` is not real or a lengths array is not integer.
     """
-    check_alignment(causal_alignment)
-    for name, size in (("t", t), ("s", s)):
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {size!r}")
-    if np.ndim(slopes) not in (1, 2):
-        raise ValueError(f"slopes must have shape [N] or [B, N], got shape {shape_of(slopes)}")
-    dt = dtype_of(slopes)
-    if not (is_floating(dt) or is_integer(dt)):
-        raise TypeError(f"slopes must be real, got dtype {dt}")
-    lengths = {
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-    }
-    b = _batch_size(shape_of(slopes), lengths)
-    q_len = check_ints("query_seq_lengths", query_seq_lengths, (b or 0,), t)
-    kv_len = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
+    b, q_len, kv_len = check_alibi(
+        slopes, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths
+    )
 
     m = np.asarray(slopes, dtype=np.float64)
     m = m[None] if m.ndim == 1 else m  # [B or 1, N]

@@ -11,8 +11,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checked import require
-from attnref._src.core.checks import check_ints, dtype_of, in_x64_if_float64, shape_of
-from attnref._src.formulations.kernel_spec import CAUSAL_ALIGNMENTS, Alignment
+from attnref._src.core.checks import check_ints, in_x64_if_float64
+from attnref._src.formulations.kernel_spec import Alignment
+from attnref.oracle._alibi import check_alibi
 
 
 def alibi(
@@ -51,21 +52,6 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     if c != num_heads:
         slopes += power_of_two(2 * c)[0::2][: num_heads - c]
     return np.asarray(slopes, dtype=np.float64)
-
-
-def _batch(slopes: Any, lengths: dict[str, Any]) -> int | None:
-    """The batch size ``B`` that ``slopes [B, N]`` and the lengths ``[B]`` agree on (``None``
-    when nothing is per batch element)."""
-    given = [(f"slopes [B, N] = {shape_of(slopes)}", shape_of(slopes)[0])]
-    given = given if len(shape_of(slopes)) == 2 else []
-    for name, lens in lengths.items():
-        if lens is not None:
-            if len(shape_of(lens)) != 1:
-                raise ValueError(f"{name} must have shape [B], got shape {shape_of(lens)}")
-            given.append((f"{name} [B] = {shape_of(lens)}", shape_of(lens)[0]))
-    if any(size != given[0][1] for _, size in given):
-        raise ValueError("the batch size B disagrees between " + " and ".join(w for w, _ in given))
-    return given[0][1] if given else None
 
 
 def alibi_bias(
@@ -112,27 +98,11 @@ def alibi_bias(
         TypeError: If ``slopes`` is not real, the lengths are not integer, or ``dtype`` is not
             a floating dtype.
     """
-    if causal_alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    for name, size in (("t", t), ("s", s)):
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {size!r}")
-    if len(shape_of(slopes)) not in (1, 2):
-        raise ValueError(f"slopes must have shape [N] or [B, N], got shape {shape_of(slopes)}")
-    kind = dtype_of(slopes)
-    if not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
-        raise TypeError(f"slopes must be real, got dtype {kind}")
+    _, q_len, kv_len = check_alibi(
+        slopes, t, s, causal_alignment, query_seq_lengths, key_value_seq_lengths, check_ints
+    )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
-    lengths = {
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-    }
-    b = _batch(slopes, lengths)
-    q_len = check_ints("query_seq_lengths", query_seq_lengths, (b or 0,), t)
-    kv_len = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
     return in_x64_if_float64(dtype, _bias, slopes, t, s, causal_alignment, q_len, kv_len, dtype)
 
 
