@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ._kernel_call import KernelCall, allowed_rows, full_columns, key_range, query_block
+from ._threads import each_block
 
 
 def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,41 +242,47 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     rows = block or min(max(1, 256 // grp), query_block(c, 2))
     key_chunk = max(1, (8 << 20) // (8 * grp * rows))  # 8 MiB of logits per chunk (measured)
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
+    jobs = []
     for hg in head_groups(c):
-        v1 = hg.v1
         finite = hg.finite_v
-        v1t = np.ascontiguousarray(v1.T) if finite else None
+        v1t = np.ascontiguousarray(hg.v1.T) if finite else None
         shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
-        for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
-            if shift_free and v1t is not None:
-                o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
-                top = np.zeros(live.shape)
-            else:
-                e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, finite)
-                flat = (grp * (i1 - i0), j1 - j0)
-                flat_ok = None if ok is None else ok.reshape(flat)
-                vt = None if v1t is None else v1t[:, j0:j1]
-                if c.keep is None:
-                    o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
-                else:  # dropout: the kept weights scaled in the numerator, e in the sum
-                    w = dropout_weights(c, hg, i0, i1, j0, j1) * e
-                    o_num = _weighted_values(w.reshape(flat), hg.v[j0:j1], flat_ok)
-                    o1 = np.concatenate([o_num, e.reshape(flat).sum(axis=-1)[:, None]], axis=1)
-            o1 = o1.reshape(grp, i1 - i0, h_v + 1)
-            total = o1[..., h_v]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                o = o1[..., :h_v] / total[..., None]
-                ls = top + np.log(total)
-            if live.all():
-                out[hg.b, i0:i1, hg.heads] = o.transpose(1, 0, 2)
-                lse[hg.b, i0:i1, hg.heads] = ls.T
-                continue
-            out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
-            lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
-            if c.sinks is not None:
-                continue  # with sinks a row with no key is 0, lse = z_n (with_sinks)
-            for n, r in zip(*np.nonzero(~live), strict=True):
-                _dead_rows(c, hg.b, int(hg.g * grp + n), out, np.array([i0 + r]))
+        jobs += [(hg, finite, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]
+
+    def one_block(job: tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]) -> None:
+        hg, finite, v1t, shift_free, (i0, i1, j0, j1) = job
+        v1 = hg.v1
+        if shift_free and v1t is not None:
+            o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
+            top = np.zeros(live.shape)
+        else:
+            e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, finite)
+            flat = (grp * (i1 - i0), j1 - j0)
+            flat_ok = None if ok is None else ok.reshape(flat)
+            vt = None if v1t is None else v1t[:, j0:j1]
+            if c.keep is None:
+                o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
+            else:  # dropout: the kept weights scaled in the numerator, e in the sum
+                w = dropout_weights(c, hg, i0, i1, j0, j1) * e
+                o_num = _weighted_values(w.reshape(flat), hg.v[j0:j1], flat_ok)
+                o1 = np.concatenate([o_num, e.reshape(flat).sum(axis=-1)[:, None]], axis=1)
+        o1 = o1.reshape(grp, i1 - i0, h_v + 1)
+        total = o1[..., h_v]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = o1[..., :h_v] / total[..., None]
+            ls = top + np.log(total)
+        if live.all():
+            out[hg.b, i0:i1, hg.heads] = o.transpose(1, 0, 2)
+            lse[hg.b, i0:i1, hg.heads] = ls.T
+            return
+        out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
+        lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
+        if c.sinks is not None:
+            return  # with sinks a row with no key is 0, lse = z_n (with_sinks)
+        for n, r in zip(*np.nonzero(~live), strict=True):
+            _dead_rows(c, hg.b, int(hg.g * grp + n), out, np.array([i0 + r]))
+
+    each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of out and lse
     return (out, lse) if c.sinks is None else with_sinks(c, out, lse)
 
 

@@ -21,6 +21,7 @@ from attnref.oracle._kernel_fast import (
     raw_logits,
     row_blocks,
 )
+from attnref.oracle._threads import each_block
 
 from ._core import Softmax, softmax
 from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
@@ -283,55 +284,61 @@ def _streamed_bound(
     o_ref = np.zeros_like(out) if is_16bit(fmt) else None
     dead = np.ones((b_size, t, n_heads), bool)
     rows = max(1, query_block(c, 6, budget))
+    jobs = []
     for hg in head_groups(c):
         abs_kt, abs_v = np.abs(hg.kt), np.abs(hg.v)
-        for i0, i1, j0, j1 in row_blocks(c, hg.b, rows):
-            s, ok = logits_block(c, hg, i0, i1, j0, j1)
-            live = block_live(ok, s.shape)
-            reads = np.broadcast_to(live[..., None], s.shape) if ok is None else ok
-            q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2)
-            mag = abs(c.scale) * (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
-            v_blk = abs_v[j0:j1]
-            w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
-            if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
-                s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
-                live = np.asarray(reads.any(axis=-1))
-            top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
-            with np.errstate(invalid="ignore"):
-                # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
-                local = np.where(reads, np.abs(s) + (top - s), 0.0)
-            if c.softcap is not None:
-                capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
-                if c.sinks is not None:  # the sink is not capped
-                    capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
-                local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
-            e = np.where(reads, np.exp(np.where(reads, s - top, 0.0)), 0.0)
-            total = e.sum(axis=-1)
-            p = e / np.where(live, total, 1.0)[..., None]
-            pw = p if w is None else p * w  # dropout: the kept weights, scaled
-            flat = (s.shape[0] * s.shape[1], s.shape[2])
-            o_mag = (pw.reshape(flat) @ v_blk).reshape(*s.shape[:2], h_v)
-            log_l = np.log(np.where(live, total, 1.0))
-            lse_ref = top[..., 0] + log_l
-            blk_out = np.zeros_like(o_mag)
-            blk_lse = np.zeros(s.shape[:2])
-            for u in units:
-                e_row = np.where(reads, gamma(h + 1, u) * mag + u * local, 0.0).max(
-                    axis=-1, initial=0.0
-                )
-                rho, delta = row_terms(s_len, n_b, e_row, u)
-                d_lse = lse_row_error(e_row, delta)
-                g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
-                blk_out += (rho + g_o)[..., None] * o_mag
-                d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
-                blk_lse += np.where(live, d_lse, 0.0)
-            out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
-            lse[hg.b, i0:i1, hg.heads] = blk_lse.T
-            dead[hg.b, i0:i1, hg.heads] = ~live.T
-            if o_ref is not None:
-                v_ref = hg.v[j0:j1] if c.sinks is None else np.vstack([hg.v[j0:j1], np.zeros(h_v)])
-                ref = (pw.reshape(flat) @ v_ref).reshape(*s.shape[:2], h_v)
-                o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
+        jobs += [(hg, abs_kt, abs_v, blk) for blk in row_blocks(c, hg.b, rows)]
+
+    def one_block(job: tuple[Any, np.ndarray, np.ndarray, tuple[int, int, int, int]]) -> None:
+        hg, abs_kt, abs_v, (i0, i1, j0, j1) = job
+        s, ok = logits_block(c, hg, i0, i1, j0, j1)
+        live = block_live(ok, s.shape)
+        reads = np.broadcast_to(live[..., None], s.shape) if ok is None else ok
+        q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2)
+        mag = abs(c.scale) * (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
+        v_blk = abs_v[j0:j1]
+        w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
+        if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
+            s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
+            live = np.asarray(reads.any(axis=-1))
+        top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
+        with np.errstate(invalid="ignore"):
+            # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
+            local = np.where(reads, np.abs(s) + (top - s), 0.0)
+        if c.softcap is not None:
+            capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
+            if c.sinks is not None:  # the sink is not capped
+                capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
+            local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
+        e = np.where(reads, np.exp(np.where(reads, s - top, 0.0)), 0.0)
+        total = e.sum(axis=-1)
+        p = e / np.where(live, total, 1.0)[..., None]
+        pw = p if w is None else p * w  # dropout: the kept weights, scaled
+        flat = (s.shape[0] * s.shape[1], s.shape[2])
+        o_mag = (pw.reshape(flat) @ v_blk).reshape(*s.shape[:2], h_v)
+        log_l = np.log(np.where(live, total, 1.0))
+        lse_ref = top[..., 0] + log_l
+        blk_out = np.zeros_like(o_mag)
+        blk_lse = np.zeros(s.shape[:2])
+        for u in units:
+            e_row = np.where(reads, gamma(h + 1, u) * mag + u * local, 0.0).max(
+                axis=-1, initial=0.0
+            )
+            rho, delta = row_terms(s_len, n_b, e_row, u)
+            d_lse = lse_row_error(e_row, delta)
+            g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
+            blk_out += (rho + g_o)[..., None] * o_mag
+            d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+            blk_lse += np.where(live, d_lse, 0.0)
+        out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
+        lse[hg.b, i0:i1, hg.heads] = blk_lse.T
+        dead[hg.b, i0:i1, hg.heads] = ~live.T
+        if o_ref is not None:
+            v_ref = hg.v[j0:j1] if c.sinks is None else np.vstack([hg.v[j0:j1], np.zeros(h_v)])
+            ref = (pw.reshape(flat) @ v_ref).reshape(*s.shape[:2], h_v)
+            o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
+
+    each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of the outputs
     uniform = dead[..., None] if c.policy == "uniform" and c.sinks is None else None
     vg = c.v if uniform is None else np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
     return _uniform_and_cast(out, o_ref, uniform, vg, s_len, units, fmt), lse

@@ -12,7 +12,8 @@ accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
 is never allowed. The tiles run from a static schedule (:func:`tile_schedule`): a tile that
 causality, the window or the padding leaves fully masked is never computed, and a tile left fully
 allowed (when no mask, bias, lengths or segment ids are given) skips the mask arithmetic.
-Only ``O(block_q * block_k)`` logits exist at a time, so the temporary memory grows linearly in ``T`` (the naive form's grows as ``T * S``).
+Only ``O(block_q * block_k)`` logits exist at a time, so the temporary memory grows linearly in
+``T`` (the naive form's grows as ``T * S``).
 
 The backward is a ``jax.custom_vjp`` that saves ``o`` and ``lse`` and recomputes every tile's
 probabilities ``p_ij = exp(s_ij - lse_i)`` (FlashAttention's backward)::
@@ -250,10 +251,9 @@ class _Tiles:
             logits = logits + bias
         reads = None
         if find_dirty:
-            every = jnp.ones((1, 1, 1, self.bk), bool)  # a full tile reads each of its keys
-            reads = reads_bad(
-                spec, every if full else allowed, self.k_rows(self.bad_kv, j), bias_bad
-            )
+            # a full tile reads each of its keys
+            seen = jnp.ones((1, 1, 1, self.bk), bool) if allowed is None else allowed
+            reads = reads_bad(spec, seen, self.k_rows(self.bad_kv, j), bias_bad)
         return dict(allowed=allowed, raw=raw, logits=logits, reads=reads, keep=keep, **ops)
 
     def exp(self, t: dict[str, Any], shift: Array) -> Array:

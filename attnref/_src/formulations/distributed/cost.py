@@ -386,7 +386,7 @@ def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = Tru
     real = tiles < t
     last_q = np.where(real, tiles, -1).max(axis=2)  # [device, tile]
     first_k = np.where(real, tiles, np.iinfo(np.int64).max).min(axis=2)
-    any_real = real.any(axis=2)
+    any_real = np.asarray(real.any(axis=2))
     if causal:  # tile (a, b) of (d, owner o): first key of o's tile b <= last query of d's a
         reach = first_k[None, :, None, :] <= last_q[:, None, :, None]
     else:

@@ -176,11 +176,16 @@ def _reachable(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array) -> Array:
     return jnp.any(allowed)
 
 
-def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
-    """``a[..., part, ...]`` along ``axis``; ``None`` and a broadcast (size-1) axis stay."""
-    if a is None or a.shape[axis] == 1:
+def _part(a: Array, axis: int, part: slice) -> Array:
+    """``a[..., part, ...]`` along ``axis``; a broadcast (size-1) axis stays."""
+    if a.shape[axis] == 1:
         return a
     return jax.lax.slice_in_dim(a, part.start, part.stop, axis=axis)
+
+
+def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
+    """:func:`_part`, ``None`` staying ``None``."""
+    return None if a is None else _part(a, axis, part)
 
 
 def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
@@ -205,11 +210,11 @@ def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Ar
             ring.spec,
             lengths,
             ring.scale if scale is None else scale,
-            _rows_of(q, 1, qs),
+            _part(q, 1, qs),
             q_pos[qs],
             _rows_of(local.q_seg, 1, qs),
-            _rows_of(k, 1, ks),
-            _rows_of(v, 1, ks),
+            _part(k, 1, ks),
+            _part(v, 1, ks),
             k_pos[ks],
             _rows_of(kv_seg, 1, ks),
             _rows_of(bias, 2, qs),
@@ -221,17 +226,24 @@ def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Ar
     ) -> tuple[Array, Array]:
         if n == 1:
             return tile(q, k, v, bias, scale, slice(0, c_q), slice(0, c_k))  # type: ignore[no-any-return]
-        rows = []
+        rows: list[tuple[Array, Array]] = []
         for qs in q_parts:
-            o = lse = None
-            for ks in k_parts:
-                o_t, lse_t = jax.lax.cond(
+            states = [
+                jax.lax.cond(
                     _reachable(ring, local, q_pos[qs], k_pos[ks]),
                     functools.partial(tile, qs=qs, ks=ks),
                     lambda *_, qs=qs: _empty_state(ring, q[:, qs]),
-                    q, k, v, bias, scale,
-                )  # fmt: skip
-                o, lse = (o_t, lse_t) if o is None else merge_states(o, lse, o_t, lse_t)
+                    q,
+                    k,
+                    v,
+                    bias,
+                    scale,
+                )
+                for ks in k_parts
+            ]
+            o, lse = states[0]
+            for o_t, lse_t in states[1:]:  # the query tile's key tiles, merged in order
+                o, lse = merge_states(o, lse, o_t, lse_t)
             rows.append((o, lse))
         return jnp.concatenate([r[0] for r in rows], 1), jnp.concatenate([r[1] for r in rows], 1)
 

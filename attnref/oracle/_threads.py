@@ -1,0 +1,55 @@
+"""Independent blocks of NumPy work on a thread pool: the oracle's and the bounds' query blocks.
+
+NumPy's ufuncs and BLAS release the GIL, so blocks that write disjoint slices of their outputs run
+side by side on the machine's cores. BLAS is held to one thread per worker while they run
+(``threadpoolctl``), so the workers do not oversubscribe the cores; each block's arithmetic is
+what it is on one thread, only the order in which blocks finish changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from threadpoolctl import threadpool_limits
+
+Job = TypeVar("Job")
+
+
+def workers(jobs: int) -> int:
+    """Threads for ``jobs`` blocks: the usable cores (``os.sched_getaffinity`` where the
+    platform has it), at most one a job; ``ATTNREF_THREADS`` overrides (``1``: serial)."""
+    forced = os.environ.get("ATTNREF_THREADS")
+    if forced:
+        return max(1, min(jobs, int(forced)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(jobs, cores or 1))
+
+
+@contextlib.contextmanager
+def _one_blas_thread(threads: int) -> Iterator[None]:
+    if threads <= 1:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+def each_block(jobs: Sequence[Job], work: Callable[[Job], None]) -> None:
+    """``work(job)`` for every job, on :func:`workers` threads; each job writes its own slices
+    of the caller's outputs. Each job runs in a copy of the caller's context, so the caller's
+    ``np.errstate`` (a context variable) holds in the workers too. The first exception a job
+    raises is raised here."""
+    threads = workers(len(jobs))
+    if threads <= 1:
+        for job in jobs:
+            work(job)
+        return
+    contexts = [contextvars.copy_context() for _ in jobs]
+    with _one_blas_thread(threads), ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(lambda ctx, job: ctx.run(work, job), contexts, jobs):
+            pass
