@@ -63,9 +63,12 @@ CONVENTIONS = ("rotate_half", "interleaved")
 
 
 def check_convention(convention: Any) -> str:
-    """One of :data:`CONVENTIONS`."""
+    """One of :data:`CONVENTIONS` (JAX and oracle alike)."""
     if not isinstance(convention, str) or convention not in CONVENTIONS:
-        raise ValueError(f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS}")
+        raise ValueError(
+            f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS} "
+            "('rotate_half': pairs (x_p, x_{p+d/2}); 'interleaved': pairs (x_2p, x_2p+1))"
+        )
     return convention
 
 

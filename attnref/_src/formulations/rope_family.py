@@ -26,20 +26,12 @@ from attnref._src.core.entry import Level
 from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.standard import concat_cost
+from attnref.oracle._rope import CONVENTIONS as CONVENTIONS  # the one copy (attnref.rope)
+from attnref.oracle._rope import check_convention
 
 F = TypeVar("F", bound=Callable[..., Any])
-CONVENTIONS = ("rotate_half", "interleaved")
 
 # ----------------------------------------------------------------------------- validation
-
-
-def check_convention(convention: Any) -> str:
-    if convention not in CONVENTIONS:
-        raise ValueError(
-            f"unknown RoPE convention {convention!r}; expected one of {CONVENTIONS} "
-            "('rotate_half': pairs (x_p, x_{p+d/2}); 'interleaved': pairs (x_2p, x_2p+1))"
-        )
-    return str(convention)
 
 
 def check_head_dim(head_dim: Any, name: str = "head_dim") -> int:
