@@ -59,18 +59,20 @@ def _block(
     d_l: np.ndarray,
     sc: float,
     softcap: float | None,
-    u: float,
+    units: tuple[float, ...],
     n_dk: int,
     w: np.ndarray | None = None,
     z: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Bounds for one batch element and a block of query rows, per query head: ``q [N, R, H]``,
     ``kg [N, S, H]``, ``vg [N, S, H_v]``, ``ok``/``bias [N, R, S]``, ``d_o [N, R, H_v]``,
-    ``d_l [N, R]``. Returns ``(e_dq [N, R, H], e_dk [N, S, H], e_dv [N, S, H_v], e_dS, |dS|)``
-    (the last two ``[N, R, S]``, for the bias). ``w [N, R, S]``: dropout's ``keep / (1 - p)``
-    (the values read by pair ``ij`` are ``w_ij v_j``). ``z [N]``: the sinks, appended as key
-    ``S`` (logit ``z_n``, value 0, read by every row; a ``-inf`` sink by none): then ``e_dk``,
-    ``e_dv`` hold ``S + 1`` keys and ``e_dS``, ``|dS|`` ``S + 1`` columns, the last the sink's."""
+    ``d_l [N, R]``; the bounds are summed over the unit round-offs ``units`` (the kernel's
+    format's and float64's, the oracle's). Returns ``(e_dq [N, R, H], e_dk [N, S, H],
+    e_dv [N, S, H_v], e_dS, |dS|)`` (the last two ``[N, R, S]``, for the bias).
+    ``w [N, R, S]``: dropout's ``keep / (1 - p)`` (the values read by pair ``ij`` are
+    ``w_ij v_j``). ``z [N]``: the sinks, appended as key ``S`` (logit ``z_n``, value 0, read
+    by every row; a ``-inf`` sink by none): then ``e_dk``, ``e_dv`` hold ``S + 1`` keys and
+    ``e_dS``, ``|dS|`` ``S + 1`` columns, the last the sink's."""
     c = C_EXP
     if z is not None:
         n_r = q.shape[1]
@@ -83,53 +85,68 @@ def _block(
         if w is not None:
             w = np.concatenate([w, np.ones(col.shape)], axis=-1)
     h, s_len, h_v = q.shape[-1], kg.shape[1], vg.shape[-1]
+    # What no unit round-off changes, once: the logits, weights and the cotangents' products.
     lg = kernel_logits(q, kg.transpose(0, 2, 1), sc, softcap, bias, ok)
     raw, mag, p = lg.raw, lg.mag, lg.sm.weights
-    e_row = logit_error(lg, ok, h, u, softcap)  # [N, R]
-    rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
-    l_err = lse_row_error(e_row, delta)
-    with np.errstate(over="ignore"):
-        r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]  # [N, R, 1]
     abs_v, abs_do = np.abs(vg), np.abs(d_o)
     pw = p if w is None else p * w  # the weights of the values (dropout: kept, scaled)
     o_mag = pw @ abs_v  # [N, R, H_v]
-    e_o = (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag
     d_p = d_o @ vg.transpose(0, 2, 1)  # [N, R, S]
-    e_dp = gamma(h_v, u) * (abs_do @ abs_v.transpose(0, 2, 1))
+    dp_mag = abs_do @ abs_v.transpose(0, 2, 1)  # e_dp = gamma_{H_v} dp_mag (times w)
     if w is not None:  # dP_ij = w_ij dO_i . v_j: one more product
         d_p = w * d_p
-        e_dp = w * e_dp + u * np.abs(d_p)
+        dp_mag = w * dp_mag
     big_d = np.sum(p * d_p, axis=-1, keepdims=True)
-    e_d1 = (
-        np.sum(abs_do * e_o, -1, keepdims=True)
-        + gamma(h_v, u) * np.sum(abs_do * o_mag, -1)[..., None]
-    )
     pd = p * np.abs(d_p)
-    e_d2 = np.sum(r * pd + p * e_dp, -1, keepdims=True) + gamma(s_len, u) * pd.sum(-1)[..., None]
-    e_d = np.maximum(e_d1, e_d2)
     g_mag = np.abs(d_p) + np.abs(big_d) + np.abs(d_l)[..., None]
     d_s = p * (d_p - big_d + d_l[..., None])
-    e_ds = p * (r * g_mag + e_dp + e_d + 3 * u * g_mag)
-    d_x, e_dx = d_s, e_ds
+    f = t = None
+    d_x = d_s
     if softcap is not None:
         t = np.tanh(raw / softcap)
         f = 1.0 - t * t
-        e_t = f * gamma(h + 1, u) * mag / softcap + (c + 1) * u * np.abs(t)
-        e_f = 2 * np.abs(t) * e_t + 2 * u
         d_x = d_s * f
-        e_dx = e_ds * f + np.abs(d_s) * e_f + u * np.abs(d_x)
-    abs_k, abs_q = np.abs(kg), np.abs(q)
-    e_dq = abs(sc) * (e_dx @ abs_k + gamma(s_len + 2, u) * (np.abs(d_x) @ abs_k))
-    e_dk = abs(sc) * (
-        e_dx.transpose(0, 2, 1) @ abs_q
-        + gamma(n_dk + 2, u) * (np.abs(d_x).transpose(0, 2, 1) @ abs_q)
-    )
-    pt = p.transpose(0, 2, 1)
-    if w is not None:
-        p, pt = pw, pw.transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
-    e_dv = (r * p).transpose(0, 2, 1) @ abs_do + gamma(n_dk + 1 + (w is not None), u) * (
-        pt @ abs_do
-    )
+    # The bound is a sum over the units; every product below is linear in its u-dependent
+    # factor, so the factors are summed first and each product is formed once.
+    e_ds = np.zeros_like(p)
+    e_dx = np.zeros_like(p)
+    rp = np.zeros_like(p)  # sum_u r_i p_ij
+    g_q = g_k = g_v = 0.0
+    for u in units:
+        e_row = logit_error(lg, ok, h, u, softcap)  # [N, R]
+        rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
+        l_err = lse_row_error(e_row, delta)
+        with np.errstate(over="ignore"):
+            r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]
+        e_o = (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag
+        e_dp = gamma(h_v, u) * dp_mag
+        if w is not None:
+            e_dp = e_dp + u * np.abs(d_p)
+        e_d1 = (
+            np.sum(abs_do * e_o, -1, keepdims=True)
+            + gamma(h_v, u) * np.sum(abs_do * o_mag, -1)[..., None]
+        )
+        e_d2 = (
+            np.sum(r * pd + p * e_dp, -1, keepdims=True) + gamma(s_len, u) * pd.sum(-1)[..., None]
+        )
+        e_d = np.maximum(e_d1, e_d2)
+        e_ds_u = p * (r * g_mag + e_dp + e_d + 3 * u * g_mag)
+        e_ds += e_ds_u
+        if softcap is not None and f is not None and t is not None:
+            e_t = f * gamma(h + 1, u) * mag / softcap + (c + 1) * u * np.abs(t)
+            e_f = 2 * np.abs(t) * e_t + 2 * u
+            e_dx += e_ds_u * f + np.abs(d_s) * e_f + u * np.abs(d_x)
+        else:
+            e_dx += e_ds_u
+        rp += r * (pw if w is not None else p)
+        g_q += gamma(s_len + 2, u)
+        g_k += gamma(n_dk + 2, u)
+        g_v += gamma(n_dk + 1 + (w is not None), u)
+    abs_k, abs_q, abs_dx = np.abs(kg), np.abs(q), np.abs(d_x)
+    e_dq = abs(sc) * (e_dx @ abs_k + g_q * (abs_dx @ abs_k))
+    e_dk = abs(sc) * (e_dx.transpose(0, 2, 1) @ abs_q + g_k * (abs_dx.transpose(0, 2, 1) @ abs_q))
+    pt = (p if w is None else pw).transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
+    e_dv = rp.transpose(0, 2, 1) @ abs_do + g_v * (pt @ abs_do)
     return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
 
 
@@ -182,35 +199,32 @@ def kernel_grad_error_bound(
                 w = np.where(keep, 1.0 / (1.0 - c.rate), 0.0)
             if c.sinks is not None:  # a row with a finite sink is alive
                 dead[i0:i1] &= ~np.isfinite(c.sinks)[None, :]
-            for u in units:
-                e_dq, e_dk, e_dv, e_ds, a_ds = _block(
-                    q,
-                    kg,
-                    vg,
-                    ok,
-                    bias_blk,
-                    d_o[b, i0:i1].transpose(1, 0, 2),
-                    d_l[b, i0:i1].T,
-                    c.scale,
-                    c.softcap,
-                    u,
-                    t * grp,
-                    w,
-                    c.sinks,
-                )
-                if e_dz is not None and a_dz is not None:  # the sink's column, then the keys'
-                    e_dz += e_ds[..., s_len].sum(axis=1)
-                    if u == units[0]:
-                        a_dz += a_ds[..., s_len].sum(axis=1)
-                    e_dk, e_dv = e_dk[:, :s_len], e_dv[:, :s_len]
-                    e_ds, a_ds = e_ds[..., :s_len], a_ds[..., :s_len]
-                out[0][b, i0:i1] += e_dq.transpose(1, 0, 2)
-                out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
-                out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
-                if e_db is not None and a_db is not None:
-                    bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
-                    if u == units[0]:
-                        bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+            e_dq, e_dk, e_dv, e_ds, a_ds = _block(
+                q,
+                kg,
+                vg,
+                ok,
+                bias_blk,
+                d_o[b, i0:i1].transpose(1, 0, 2),
+                d_l[b, i0:i1].T,
+                c.scale,
+                c.softcap,
+                units,
+                t * grp,
+                w,
+                c.sinks,
+            )
+            if e_dz is not None and a_dz is not None:  # the sink's column, then the keys'
+                e_dz += e_ds[..., s_len].sum(axis=1)
+                a_dz += a_ds[..., s_len].sum(axis=1)
+                e_dk, e_dv = e_dk[:, :s_len], e_dv[:, :s_len]
+                e_ds, a_ds = e_ds[..., :s_len], a_ds[..., :s_len]
+            out[0][b, i0:i1] += e_dq.transpose(1, 0, 2)
+            out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
+            out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
+            if e_db is not None and a_db is not None:
+                bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+                bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
         if c.policy == "uniform" and c.sinks is None:
             dead_do = np.where(dead[..., None], np.abs(d_o[b]), 0.0).sum(0)  # [N, H_v]
             per_kv = dead_do.reshape(n_kv, grp, -1).sum(1)
