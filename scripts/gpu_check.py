@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if not quick:
         # Each pytest worker is a process of its own: none may take the card's memory up front.
         env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        # tests/conftest.py sets CPU code-generation flags unless XLA_FLAGS is set; a GPU build
+        # of XLA that does not know one aborts at start (the likely cause of the workers that
+        # died without a message on the H100), so the card's run sets its own (none).
+        env.setdefault("XLA_FLAGS", "")
         files = [str(ROOT / "tests" / f) for f in PROPERTY_FILES]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", *files]
         ok = _run(cmd, args.budget, env)

@@ -58,7 +58,10 @@ LAYERS = {
     "attnref.cli": 4,
     "attnref.__main__": 4,
 }
-NUMPY_ONLY = {"numpy", "ml_dtypes", "math", "__future__", "typing", "dataclasses", "itertools"}
+# The bottom layer's third-party imports: NumPy and its dtypes, and threadpoolctl, which holds
+# BLAS to one thread while the oracle's blocks run on threads (attnref.oracle._threads).
+NUMPY_ONLY = {"numpy", "ml_dtypes", "threadpoolctl", "math", "__future__", "typing", "dataclasses"}
+NUMPY_ONLY |= {"itertools"}
 
 
 def layer(module: str) -> int:
