@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_kernel, check_options, check_production
+from ._doc import signed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,31 +118,20 @@ def pick(args: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {name: args[name] for name in names}
 
 
-def parse(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
-    *,
-    scale: Any = None,
-    softcap: Any = None,
-    masked_rows: Any = "zeros",
-    sinks: Any = None,
-    dropout_mask: Any = None,
-    dropout_rate: Any = None,
-    **options: Any,
-) -> KernelCall:
+@signed(kernel_call)
+def parse(call: dict[str, Any]) -> KernelCall:
     """Validate a kernel call as :func:`attnref.dot_product_attention` does (same exception types,
-    the argument named) and return it as a :class:`KernelCall` (``options``: :data:`OPTIONS`)."""
+    the argument named) and return it as a :class:`KernelCall`."""
+    query, key, value, bias, mask = (call[n] for n in ("query", "key", "value", "bias", "mask"))
+    sinks, dropout_mask, rate = call["sinks"], call["dropout_mask"], call["dropout_rate"]
     b, t, s, n, _, _, _, sc, cap, policy = check_kernel(
-        query, key, value, scale=scale, softcap=softcap, masked_rows=masked_rows
+        query, key, value, **pick(call, ("scale", "softcap", "masked_rows"))
     )
     m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = check_options(
-        (b, n, t, s), bias, mask, **options
+        (b, n, t, s), bias, mask, **pick(call, OPTIONS)
     )
     _, rate = check_production(
-        (b, n, t, s), window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=dropout_rate
+        (b, n, t, s), window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=rate
     )
     keep = None if dropout_mask is None else np.asarray(dropout_mask, bool)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
