@@ -86,7 +86,7 @@ Properties (each equality with the oracle uses the tolerance rules of
     chunks), lengths that ``2P`` does not divide (a bucket's plus an offset from ``1 .. 2P - 1``,
     drawn apart for ``T`` and ``S`` in the ``T != S`` bucket), kinds ``none`` and ``causal``, in
     the first dtype (float32 when requested). Each call is a refusal (an exception of
-    :data:`.plans.REFUSAL_TYPES` whose message contains one of :data:`.plans.REFUSAL_WORDS`,
+    :data:`.targets.REFUSAL_TYPES` whose message contains one of :data:`.targets.REFUSAL_WORDS`,
     case-insensitive: ``jax.shard_map``'s "not evenly divisible" ``ValueError``,
     ``jax.numpy``'s "cannot reshape array" ``TypeError``) or an answer within the ``oracle``
     property's allowance for a distributed kernel; anything else fails (another exception, an
@@ -108,6 +108,10 @@ kept (``K = 8`` on meshes of 1, 2, 4 and 8, the MQA bucket's one K/V head includ
 head-parallel kernel (Ulysses, tensor parallelism) splits them on every size; a
 sequence-parallel one ignores them. Every property runs on every size (one :class:`MeshResult`
 each, in :attr:`PropertyResult.meshes`); a failure names the size.
+
+A declared limit (``refuses_lengths=True``, a single-device kernel): a clear refusal of the
+call's lengths (the rule of ``uneven_lengths``) draws another example instead of failing, and the
+property's detail counts the refused calls and gives the first; any other exception still fails.
 
 Every property first checks that ``fn`` returned an output ``[B, T, N, H_v]`` (and, when the lse
 is asked for, a pair whose lse is an array ``[B, T, N]``), and fails with both shapes otherwise.

@@ -14,6 +14,7 @@ from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis.reporting import with_reporter
 
 from attnref._src.kit import closeness
@@ -120,6 +121,8 @@ def run_property(
             state["count"] += 1
         try:
             check(case)
+        except UnsatisfiedAssumption:  # a declared refusal (refuses_lengths): another draw
+            raise
         except BaseException:
             if not state["failed"] and is_explicit:
                 state["count"] += 1
@@ -188,6 +191,8 @@ def _production(
         start = time.perf_counter()
         try:
             check(case)
+        except UnsatisfiedAssumption:  # a declared refusal (refuses_lengths): the next case
+            continue
         except Exception as exc:
             message, tb = _failure(exc)
             return "failed", message, f"production case {i}/{len(cases)}: {case}", i, tb
@@ -218,7 +223,7 @@ def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_R
     """``run(ctx, *args)`` with the target's new notes joined to its detail, and its time;
     ``ctx.failing`` the target's last call where it failed."""
     start = time.perf_counter()
-    before = len(ctx.target.notes)
+    before, refused = len(ctx.target.notes), len(ctx.target.refusals)
     ctx.target.last_call = ctx.failing = None
     out = run(ctx, *args)
     if isinstance(out, str):
@@ -227,6 +232,11 @@ def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_R
     if status == "failed":
         ctx.failing = ctx.target.last_call
     notes = ctx.target.notes[before:]
+    if refusals := ctx.target.refusals[refused:]:
+        notes.append(
+            f"{len(refusals)} call(s) refused, as declared (refuses_lengths), examples drawn "
+            f"again; first: {refusals[0]}"
+        )
     if status == "passed" and ctx.calls:
         detail = calls_detail(ctx.calls)
     detail = "; ".join([detail, *notes] if detail else notes) if notes else detail
@@ -364,6 +374,7 @@ def check_attention(
     shapes: str = "small",
     log: Callable[[str], None] | None = None,
     devices: Sequence[int] | None = None,
+    refuses_lengths: bool = False,
 ) -> ConformanceReport:
     """Run the conformance properties (package docstring) against ``fn``: each is a Hypothesis
     test whose examples compare ``fn`` with the float64 oracle.
@@ -417,6 +428,14 @@ def check_attention(
         TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
             ``fn`` that takes no ``mesh`` keyword.
         ImportError: ``signature="torch"`` where PyTorch is not installed.
+
+    ``refuses_lengths`` declares a limit: ``fn`` refuses some sequence lengths (a blocked kernel
+    whose block size must divide them, such as Pallas' flash attention). A call that raises a
+    clear refusal (an exception of :data:`.targets.REFUSAL_TYPES` whose message has one of
+    :data:`.targets.REFUSAL_WORDS`) is then not a failure: the example is drawn again (the
+    production sweep skips the case), and the property's detail counts the refused calls and
+    gives the first. Any other exception still fails. Not with ``devices`` (whose
+    ``uneven_lengths`` property has its own refusal rule).
     """
     feats = _features(signature, features)
     if signature == "torch":
@@ -435,6 +454,13 @@ def check_attention(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if sizes is not None:
         _check_distributed(fn, signature, shapes)
+        if refuses_lengths:
+            raise OptionError(
+                "refuses_lengths is for a single-device kernel; with devices= the "
+                "uneven_lengths property judges refusals",
+                "refuses_lengths",
+                refuses_lengths,
+            )
 
     semantics = {"masked_rows": masked_rows, "causal_alignment": causal_alignment}
     declared = {k: v for k, v in semantics.items() if v != DEFAULT_SEMANTICS[k]}
@@ -445,7 +471,7 @@ def check_attention(
         causal_alignment=causal_alignment,
         dtypes=dts,
     )
-    ctx = Context(target=Target(fn, signature), **common)
+    ctx = Context(target=Target(fn, signature, refuses_lengths=refuses_lengths), **common)
     contexts = {} if sizes is None else mesh_contexts(fn, sizes, **common)
     results: list[PropertyResult] = []
     for done, name in enumerate(names, start=1):
@@ -493,6 +519,7 @@ def check_attention(
         dtypes=(list(dtypes), ["float32"]),
         shapes=(shapes, "small"),
         devices=(sizes, None),
+        refuses_lengths=(refuses_lengths, False),
     )
     return ConformanceReport(
         target=target or describe_target(fn),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,12 @@ from attnref._src.kit.conformance.references import (
     assert_output,
     is_16bit,
     ref_vjp,
+)
+from attnref._src.kit.conformance.targets import (
+    REFUSAL_TYPES,
+    REFUSAL_WORDS,
+    first_line,
+    is_refusal,
 )
 from attnref.tolerance import gamma, unit_roundoff
 
@@ -473,33 +478,9 @@ def _assert_growth(ctx: Context, anchor: Any, p: ast.KernelProblem, kind: str) -
     )
 
 
-# uneven_lengths' refusal rule: the exception types, and the words (case-insensitive, anywhere in
-# the message) that say the refusal is about the length. "reshape" is jax.numpy's refusal
-# ("cannot reshape array of shape (1, 65) ... into shape (1, 4, 16)") in a kernel that cuts the
-# sequence into equal chunks; shard_map's own refusal says "not evenly divisible".
-REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
-REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
-_REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
-
-
 class TargetRaised(AssertionError):
     """A property's failure that is an exception the target raised (``__cause__``): the report
     gives the property's message and the cause's traceback."""
-
-
-def is_refusal(exc: BaseException) -> bool:
-    """Whether ``exc`` is a clear refusal of a length: an instance of :data:`REFUSAL_TYPES`
-    whose message contains one of :data:`REFUSAL_WORDS` (case-insensitive)."""
-    return isinstance(exc, REFUSAL_TYPES) and _REFUSAL.search(str(exc)) is not None
-
-
-def _first_line(exc: BaseException) -> str:
-    """``"<Type>: <the message's first line>"``, memory addresses dropped (a function's repr in
-    shard_map's message) and cut at 300 characters."""
-    line = (str(exc).strip().splitlines() or [""])[0]
-    line = re.sub(r" at 0x[0-9a-fA-F]+", "", line)
-    line = line if len(line) <= 300 else line[:297] + "..."
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 def _plan_uneven(ctx: Context) -> Plan | str:
@@ -534,10 +515,10 @@ def _assert_uneven(ctx: Context, p: ast.KernelProblem, kind: str) -> None:
         raise
     except Exception as exc:
         if is_refusal(exc):
-            ctx.calls.append(f"refused: {_first_line(exc)}")
+            ctx.calls.append(f"refused: {first_line(exc)}")
             return
         raise TargetRaised(
-            f"{label}: fn raised {_first_line(exc)}; not a refusal (a {UNEVEN} refusal is a "
+            f"{label}: fn raised {first_line(exc)}; not a refusal (a {UNEVEN} refusal is a "
             f"{', '.join(t.__name__ for t in REFUSAL_TYPES)} whose message contains one of "
             f"{', '.join(REFUSAL_WORDS)})"
         ) from exc

@@ -10,9 +10,11 @@ import contextlib
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,32 @@ _ARRAYS = (
     "bias", "mask", "query_seq_lengths", "key_value_seq_lengths", "segment_ids", "sinks",
     "dropout_mask",
 )  # fmt: skip
+
+
+# A clear refusal of a length (uneven_lengths' rule, and a target that declares refuses_lengths):
+# the exception types, and the words (case-insensitive, anywhere in the message) that say the
+# refusal is about the length. "reshape" is jax.numpy's refusal ("cannot reshape array of shape
+# (1, 65) ... into shape (1, 4, 16)") in a kernel that cuts the sequence into equal chunks;
+# shard_map's own refusal says "not evenly divisible"; Pallas' flash attention says "q_seq_len=129
+# must be a multiple of block_q=128".
+REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
+REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
+_REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a clear refusal of a length: an instance of :data:`REFUSAL_TYPES`
+    whose message contains one of :data:`REFUSAL_WORDS` (case-insensitive)."""
+    return isinstance(exc, REFUSAL_TYPES) and _REFUSAL.search(str(exc)) is not None
+
+
+def first_line(exc: BaseException) -> str:
+    """``"<Type>: <the message's first line>"``, memory addresses dropped (a function's repr in
+    shard_map's message) and cut at 300 characters."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    line = re.sub(r" at 0x[0-9a-fA-F]+", "", line)
+    line = line if len(line) <= 300 else line[:297] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 def load_target(spec: str) -> Callable[..., Any]:
@@ -151,10 +179,19 @@ class Target:
     ``mesh`` (a distributed target), passes ``mesh=`` (and ``axis_name=`` where ``fn`` names that
     parameter) and shards ``q, k, v`` along their sequence axis over the mesh."""
 
-    def __init__(self, fn: Callable[..., Any], signature: str, mesh: Mesh | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        signature: str,
+        mesh: Mesh | None = None,
+        refuses_lengths: bool = False,
+    ) -> None:
         self.fn = fn
         self.signature = signature
         self.mesh = mesh
+        # a declared limit: a clear refusal of the call's lengths skips the example
+        self.refuses_lengths = refuses_lengths
+        self.refusals: list[str] = []  # each refused call's first line, in order
         self._eager: set[tuple[Any, ...]] = set()  # (kind, static, lse, dtype) that failed jit
         self.notes: list[str] = []
         # the problem and cotangent (None: a forward call) of the latest call, as passed
@@ -238,9 +275,26 @@ class Target:
             return args
         return tuple(jax.tree_util.tree_map(jnp.asarray, a) for a in args)
 
+    @contextlib.contextmanager
+    def _declared_limit(self, p: ast.KernelProblem) -> Any:
+        """With ``refuses_lengths``, a clear refusal (:func:`is_refusal`) of the call is recorded
+        in :attr:`refusals` and the example rejected (``hypothesis.reject()``: Hypothesis draws
+        another; the production sweep skips the case); anything else propagates."""
+        try:
+            yield
+        except Exception as exc:
+            if not (self.refuses_lengths and is_refusal(exc)):
+                raise
+            self.refusals.append(f"T={p.config.t}, S={p.config.s}: {first_line(exc)}")
+            hypothesis.reject()
+
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         """``(out, lse or None)`` as NumPy arrays, each checked to be a numeric array of the
         expected shape (``out [B, T, N, H_v]``, ``lse [B, T, N]``) before any comparison."""
+        with self._declared_limit(p):
+            return self._forward(p, want_lse)
+
+    def _forward(self, p: ast.KernelProblem, want_lse: bool) -> tuple[np.ndarray, Any]:
         self.last_call = (p, None)
         c = p.config
         if self.signature == "torch":  # no lse: the signature refuses that feature
@@ -264,6 +318,10 @@ class Target:
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
+        with self._declared_limit(p):
+            return self._vjp(p, cotangent)
+
+    def _vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         self.last_call = (p, cotangent)
         if self.signature == "torch":
             return tuple(

@@ -1,0 +1,66 @@
+"""``check_attention(..., refuses_lengths=True)``: a kernel that declares it refuses some
+sequence lengths (a blocked kernel whose block size must divide them, as Pallas' flash attention)
+has a clear refusal of those lengths counted in the property's detail, not failed; any other
+exception, and a wrong answer on the lengths it accepts, still fail.
+
+The targets wrap ``jax.nn.dot_product_attention`` (exact within the derived bound) with a check
+of the lengths at trace time; one property (``oracle``), a few examples, a fixed seed. Shrinking
+or the tile-length draws (one example in four) reach lengths that 4 does not divide.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from attnref.conformance import OptionError
+from attnref.testing import check_attention
+
+BLOCK = 4
+
+
+def _blocked(query, key, value, **kw):
+    t, s = query.shape[1], key.shape[1]
+    if t % BLOCK or s % BLOCK:
+        raise ValueError(f"q_seq_len={t} and kv_seq_len={s} must be multiples of {BLOCK}")
+    return jax.nn.dot_product_attention(query, key, value, **kw)
+
+
+def _crashes(query, key, value, **kw):
+    if query.shape[1] % BLOCK:
+        raise RuntimeError("segmentation fault in the tile loop")
+    return jax.nn.dot_product_attention(query, key, value, **kw)
+
+
+def _wrong_when_accepted(query, key, value, **kw):
+    return 1.001 * _blocked(query, key, value, **kw)
+
+
+def _oracle(fn, **kw):
+    (result,) = check_attention(fn, max_examples=12, properties=["oracle"], **kw).results
+    return result
+
+
+def test_a_declared_refusal_is_counted_not_failed():
+    result = _oracle(_blocked, refuses_lengths=True)
+    assert result.status == "passed", result.detail
+    assert "refused, as declared (refuses_lengths)" in result.detail, result.detail
+    assert "must be multiples of 4" in result.detail
+
+
+def test_without_the_declaration_the_refusal_fails():
+    result = _oracle(_blocked)
+    assert result.status == "failed"
+    assert "must be multiples of 4" in result.detail
+
+
+def test_other_exceptions_and_wrong_answers_still_fail():
+    crash = _oracle(_crashes, refuses_lengths=True)
+    assert crash.status == "failed" and "RuntimeError" in crash.detail, crash.detail
+    wrong = _oracle(_wrong_when_accepted, refuses_lengths=True)
+    assert wrong.status == "failed" and "rule 'bound' failed" in wrong.detail, wrong.detail
+
+
+def test_refuses_lengths_is_not_for_distributed_kernels():
+    with pytest.raises(OptionError, match="refuses_lengths is for a single-device kernel"):
+        check_attention(lambda *a, **k: None, devices=[1], refuses_lengths=True)
