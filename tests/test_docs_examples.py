@@ -47,6 +47,8 @@ one per line), ``<!-- docs-test: NAME[: ARGUMENT] -->``:
 * ``slow``: the block takes more than a few seconds; its test carries ``pytest.mark.docs_shell``
   (deselected in the default run, run by ``nox -s docs_shell``). Everything else runs in the default
   suite.
+* ``torch``: the block needs PyTorch; its test carries ``pytest.mark.torch`` (deselected in the
+  default run, where torch is not installed; run by ``nox -s clients``).
 * ``exit N``: every command of a ``console`` block (or the whole ``bash`` block) must exit ``N``.
 * ``file: PATH``: the block (``text`` or any other label) is the content of the file ``PATH`` in
   the page's directory; it is written there, not run, before the page's later blocks run.
@@ -84,7 +86,7 @@ PAGES = sorted(
 )
 PROGRAMS = {"python", "console", "bash", "sh"}
 OUTPUTS = {"", "text", "bibtex", "none"}
-DIRECTIVES = {"skip", "slow", "exit", "file", "run"}
+DIRECTIVES = {"skip", "slow", "exit", "file", "run", "torch"}
 FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})\s*(\S*)")
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 FILE_COMMENT = re.compile(r"^# ([\w./-]+\.py)\s*$")
@@ -252,7 +254,10 @@ def _forget_modules(where: Path) -> None:
     """Drop the modules imported from a page's directory, so the next import reads the files."""
     for name, module in list(sys.modules.items()):
         paths = [getattr(module, "__file__", None) or ""]
-        paths += [str(p) for p in getattr(module, "__path__", [])]
+        try:
+            paths += [str(p) for p in getattr(module, "__path__", [])]
+        except Exception:  # torch's torch._classes: a __path__ that is not a list of paths
+            pass
         if any(p.startswith(str(where)) for p in paths):
             del sys.modules[name]
 
@@ -315,6 +320,8 @@ def _run_console(block: Block, where: Path, status: int) -> None:
 
 def _param(block: Block):
     marks = [pytest.mark.docs_shell] if block.directive("slow") is not None else []
+    if block.directive("torch") is not None:
+        marks.append(pytest.mark.torch)
     return pytest.param(block, id=block.id, marks=marks)
 
 
