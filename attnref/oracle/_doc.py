@@ -223,6 +223,9 @@ def linear_options(
     """The options of linear attention, written once: a template for :func:`signed`."""
 
 
+LINEAR_OPTIONS = tuple(inspect.signature(linear_options).parameters)
+
+
 def retemplate(template: Callable[..., Any], **defaults: Any) -> Callable[..., None]:
     """``template`` with other ``defaults``: a template for :func:`signed`."""
     sig = inspect.signature(template)

@@ -28,7 +28,16 @@ import numpy as np
 
 from ._checks import check_flag, check_method
 from ._core import Params, group_size, head_weights, tokens, unpack
-from ._doc import LINEAR, LINEAR_RAISES, doc, linear_options, linear_qkv, signed, weight_tokens
+from ._doc import (
+    LINEAR,
+    LINEAR_OPTIONS,
+    LINEAR_RAISES,
+    doc,
+    linear_options,
+    linear_qkv,
+    signed,
+    weight_tokens,
+)
 
 __all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
 
@@ -391,21 +400,13 @@ def linear_multihead(
     Returns:
         float64 block output ``[..., T_q, d_model]``.
     """
-    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     check_method(method)
-    w, kv_of, xq, xkv = multihead_inputs(params, x_q, x_kv)
+    w, kv_of, xq, xkv = multihead_inputs(call["params"], call["x_q"], call["x_kv"])
     w_q, w_k, w_v, w_o = head_weights(w)
-    z = linear_attention(
-        project(xq, w_q, w["b_q"]),
-        project(xkv, w_k, w["b_k"])[..., kv_of, :],
-        project(xkv, w_v, w["b_v"])[..., kv_of, :],
-        feature_map=feature_map,
-        causal=causal,
-        key_mask=key_mask,
-        eps=eps,
-        eps_policy=eps_policy,
-        method=method,
-    )
+    q = project(xq, w_q, w["b_q"])
+    k, v = (project(xkv, wt, w[b])[..., kv_of, :] for wt, b in ((w_k, "b_k"), (w_v, "b_v")))
+    options = {name: call[name] for name in LINEAR_OPTIONS}
+    z = linear_attention(q, k, v, **options, method=method)
     y = np.einsum("...qhv,hvd->...qd", z, w_o)
     if w["b_o"] is not None:
         y = y + w["b_o"]
