@@ -212,6 +212,13 @@ def linear_qkv(q: Any, k: Any, v: Any) -> None:
     """The per-head inputs of linear attention: a template for :func:`signed`."""
 
 
+def rope_map_call(
+    x: Any, positions: Any, *, base: float = 10000.0, convention: str = "rotate_half"
+) -> None:
+    """The inputs of the RoPE map (:func:`attnref.oracle.rope` and its bound), written once: a
+    template for :func:`signed`."""
+
+
 def linear_options(
     *,
     feature_map: Any,

@@ -54,7 +54,7 @@ from ._core import (
     get_param,
     per_head_per_query,
 )
-from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, signed
+from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, rope_map_call, signed
 
 CONVENTIONS = ("rotate_half", "interleaved")
 
@@ -211,14 +211,8 @@ def rope_inputs(
     x="``[..., T, N, d]`` (tokens, heads, head dim), floating, ``d`` even.",
     positions="Integer positions ``[..., T]`` or ``[T]``.",
 )
-def rope(
-    x: Any,
-    positions: Any,
-    *,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
-    method: str = "fast",
-) -> np.ndarray:
+@signed(rope_map_call)
+def rope(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
     """RoPE of ``x [..., T, N, d]`` at integer ``positions``, in float64 (``"fast"``: whole
     arrays from ``cos``/``sin`` tables). Refuses what :func:`attnref.rope.apply_rope` refuses
     (same exception types).
@@ -233,6 +227,7 @@ def rope(
         TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
             a Python number.
     """
+    x, positions, base, convention = call.values()
     check_method(method)
     check_convention(convention)
     shape = shape_of(x)

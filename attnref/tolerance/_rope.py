@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from attnref.oracle._core import Params, head_weights
-from attnref.oracle._doc import WEIGHT, doc, rope_call, signed
+from attnref.oracle._doc import WEIGHT, doc, rope_call, rope_map_call, signed
 
 from ._core import (
     BOUND_RAISES,
@@ -110,14 +110,8 @@ def rope_logit_error(
     x="``[..., T, N, d]``, the layout of ``attnref.rope.apply_rope``, ``d`` even.",
     positions="Integer positions ``[..., T]`` or ``[T]``.",
 )
-def rope_map_error_bound(
-    x: Any,
-    positions: Any,
-    *,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
-    dtype: Any = np.float32,
-) -> np.ndarray:
+@signed(rope_map_call)
+def rope_map_error_bound(call: dict[str, Any], *, dtype: Any = np.float32) -> np.ndarray:
     """Componentwise bound on ``|rope(x) in dtype - float64 oracle|`` for ``x [..., T, N, d]``.
 
     Each rotated component of a pair ``(a, b)`` is off by at most ``(|a| + |b|) (e_p(m) +
@@ -130,6 +124,7 @@ def rope_map_error_bound(
     Raises:
         ValueError: ``x`` has fewer than 3 axes, ``d`` is odd, or the convention is unknown.
     """
+    x, positions, base, convention = call.values()
     xs = np.asarray(x, np.float64)
     if xs.ndim < 3:
         raise ValueError(f"x must have shape [..., T, N, d], got {xs.shape}")
