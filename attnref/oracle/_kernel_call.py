@@ -72,7 +72,7 @@ class KernelCall:
         )
 
 
-# The allowed-set options of a kernel call, and every argument of one that :func:`parse` reads.
+# The allowed-set options of a kernel call.
 OPTIONS = (
     "is_causal",
     "query_seq_lengths",
@@ -82,10 +82,6 @@ OPTIONS = (
     "causal_alignment",
     "sink_tokens",
 )
-CALL = (
-    "query", "key", "value", "bias", "mask", "scale", "softcap", "masked_rows",
-    "sinks", "dropout_mask", "dropout_rate", *OPTIONS,
-)  # fmt: skip
 
 
 def kernel_call(

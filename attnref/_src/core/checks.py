@@ -150,11 +150,6 @@ def check_mask_and_bias(
     oc.check_mask_and_bias_kinds(mask, bias, target, axes)
 
 
-def real_dtype(dt: Any) -> bool:
-    """A real floating or integer dtype (bool and complex are not)."""
-    return bool(jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer))
-
-
 def check_scale(scale: Any) -> None:
     """A scale is a Python or NumPy real scalar, or a 0-d array (traced is fine).
 

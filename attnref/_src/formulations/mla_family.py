@@ -36,11 +36,6 @@ from attnref._src.formulations.rope_family import (
 )
 from attnref.oracle._mla import MLADims, check_mla_params, check_mla_tokens
 
-DEEPSEEK_V2 = (
-    "DeepSeek-AI (2024), DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts "
-    "Language Model, arXiv:2405.04434, section 2.1 (multi-head latent attention)."
-)
-
 # ----------------------------------------------------------------------------- parameters
 
 
