@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnref.oracle import _checks as oc
+from attnref.oracle._checks import dtype_of as dtype_of  # written once (NumPy only)
+from attnref.oracle._checks import shape_of as shape_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -82,15 +84,6 @@ def in_x64_if_float64(dtype: Any, fn: Callable[..., Any], *args: Any, **kwargs: 
         with _enable_x64_context():
             return fn(*args, **kwargs)
     return fn(*args, **kwargs)
-
-
-def shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
-
-
-def dtype_of(x: Any) -> np.dtype[Any]:
-    dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
 
 
 def is_traced(*xs: Any) -> bool:
