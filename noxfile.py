@@ -1,6 +1,6 @@
 """nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s lowest``,
-``nox -s docs``, ``nox -s docs_shell``, ``nox -s citation``, and ``nox -s gpu`` (a CUDA machine
-only)."""
+``nox -s docs``, ``nox -s docs_shell``, ``nox -s clients``, ``nox -s citation``, and ``nox -s gpu``
+(a CUDA machine only)."""
 
 from __future__ import annotations
 
@@ -119,6 +119,17 @@ def gpu(session: nox.Session) -> None:
     session.install("-e", ".[test,bench]")
     session.install("jax[cuda12]")
     session.run("python", "scripts/gpu_check.py", *session.posargs)
+
+
+@nox.session
+def clients(session: nox.Session) -> None:
+    """The conformance kit on real clients: installs PyTorch, Equinox and transformers, runs the
+    tests that need torch (``pytest -n 0 -m torch``: the kit's torch signature,
+    docs/torch_kernels.md's examples), then ``scripts/clients.py``, which rewrites
+    ``docs/clients.md`` (``nox -s clients -- --examples 2`` passes arguments to the script)."""
+    session.install("-e", ".[test,torch]", "equinox", "transformers")
+    session.run("pytest", "-n", "0", "-m", "torch")
+    session.run("python", "scripts/clients.py", *session.posargs)
 
 
 @nox.session
