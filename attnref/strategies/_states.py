@@ -13,6 +13,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
+from attnref.tolerance._states import as_dtype as as_dtype  # written once
 
 from ._kernel import KernelProblem, kernel_problems
 from ._shapes import DrawFn, ShortRepr
@@ -30,15 +31,6 @@ LAYOUTS = ("contiguous", "striped", "random")  # how keys are assigned to pieces
 # A merge tree: a piece index, or a pair of trees (nested; typed one level deep for the runtime
 # checks).
 Tree = int | tuple[Any, Any]
-
-
-def as_dtype(name: Any) -> np.dtype[Any]:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, str(name)))
 
 
 @dataclasses.dataclass
