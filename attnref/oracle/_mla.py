@@ -164,6 +164,12 @@ def check_mla_tokens(
     return bq, shape_of(x_q)[-2], shape_of(x_kv)[-2]
 
 
+def mla_weights(params: Any) -> dict[str, Any]:
+    """Every MLA weight (:data:`MLA_FIELDS`) in float64, ``None`` where absent."""
+    get = {name: getattr(params, name) for name, _ in MLA_FIELDS}
+    return {name: None if w is None else np.asarray(w, np.float64) for name, w in get.items()}
+
+
 def mla_qkv(
     params: Any,
     x_q: Any,
@@ -193,12 +199,7 @@ def mla_qkv(
     pk = np.broadcast_to(np.arange(t_k), (*batch, t_k)) if positions_kv is None else positions_kv
     pq = check_positions("positions_q", pq, batch, t_q)
     pk = check_positions("positions_kv", pk, batch, t_k)
-    f: dict[str, Any] = {
-        name: (
-            None if getattr(params, name) is None else np.asarray(getattr(params, name), np.float64)
-        )
-        for name, _ in MLA_FIELDS
-    }
+    f = mla_weights(params)
     xq, xkv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
     c_q = xq if f["w_dq"] is None else xq @ f["w_dq"]  # c_t^Q          [..., T_q, d_q]
     q = np.einsum("...tc,icn->...tin", c_q, f["w_uq"])  # q^C             [..., T_q, H, d_nope]

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from attnref.oracle._doc import signed
-from attnref.oracle._mla import MLA_FIELDS, check_mla_params, mla_call, mla_problem
+from attnref.oracle._mla import check_mla_params, mla_call, mla_problem, mla_weights
 
 from ._core import softmax, worst_case_terms
 from ._rope import pair_sum, rope_logit_error
@@ -76,10 +76,7 @@ def mla_attention_error_bound(
     x_kv = x_q if call["x_kv"] is None else call["x_kv"]
     q, k, v, m, b, s = mla_problem(call)
     batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
-    f: dict[str, Any] = {
-        n: None if getattr(params, n) is None else np.asarray(getattr(params, n), np.float64)
-        for n, _ in MLA_FIELDS
-    }
+    f: dict[str, Any] = mla_weights(params)
     a: dict[str, Any] = {n: None if w is None else np.abs(w) for n, w in f.items()}
     xq, xkv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
     full = (*batch, t_q, t_k)
