@@ -250,21 +250,8 @@ def prepare_mla(
     """Validate an MLA call on tokens (the weights, tokens, mask, bias, positions, RoPE
     options)."""
     x_kv = x_q if x_kv is None else x_kv
-    return _prepare(
-        params,
-        x_q,
-        x_kv,
-        "x_kv",
-        0,
-        positions_q,
-        positions_kv,
-        mask,
-        bias,
-        scale,
-        base,
-        convention,
-        residual,
-    )
+    rest = (mask, bias, scale, base, convention, residual)
+    return _prepare(params, x_q, x_kv, "x_kv", 0, positions_q, positions_kv, *rest)
 
 
 def prepare_mla_cache(
@@ -282,21 +269,8 @@ def prepare_mla_cache(
 ) -> MLAInputs:
     """Validate an MLA call on the latent cache ``[..., T_k, d_c + d_rope]``."""
     d = check_mla_params(params)
-    return _prepare(
-        params,
-        x_q,
-        cache,
-        "cache",
-        d.d_c + d.d_rope,
-        positions_q,
-        None,
-        mask,
-        bias,
-        scale,
-        base,
-        convention,
-        residual,
-    )
+    rest = (mask, bias, scale, base, convention, residual)
+    return _prepare(params, x_q, cache, "cache", d.d_c + d.d_rope, positions_q, None, *rest)
 
 
 _COMMON_ARGS = """
