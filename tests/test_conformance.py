@@ -287,7 +287,7 @@ def test_skipped_properties_name_the_missing_feature():
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="signature"):
-        check_attention(naive_kernel, signature="torch")
+        check_attention(naive_kernel, signature="pytorch")
     with pytest.raises(ValueError, match="unknown features"):
         check_attention(naive_kernel, features=("flash",))
     with pytest.raises(ValueError, match="cannot express"):
