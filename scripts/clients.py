@@ -407,7 +407,7 @@ def _finding_pallas_x64() -> str:
             mha(q, q, q, None, sm_scale=0.5, causal=True, interpret=True)
         seen = "no error (fixed in this JAX)"
     except TypeError as exc:
-        seen = f"`TypeError: {str(exc).splitlines()[0][:90]}`"
+        seen = f"`TypeError: {str(exc).splitlines()[0].split(' (Tip')[0]}`"
     return (
         "**Pallas mha, `causal=True` under `jax_enable_x64`: it does not trace.** With 64-bit "
         "mode on (as in attnref's test suite), its causal loop bound mixes int32 and int64: "
@@ -431,7 +431,8 @@ def _finding_torch_mha_mask() -> str:
         "**torch.nn.MultiheadAttention reads a boolean `attn_mask` the other way round from "
         "SDPA:** `True` means *not* allowed. Passing SDPA's mask `[[True, False], [True, "
         f"True]]` gives the weights {np.round(a[0].detach().numpy(), 3).tolist()} (row 0 "
-        "attends only to the key SDPA's mask removes; row 1, all `True`, is NaN). The row "
+        "attends only to the key SDPA's mask removes; row 1, all `True`, has NaN weights, while "
+        "the output of its `need_weights=False` path is zeros there). The row "
         "above inverts the mask in its wrapper; without the inversion the kit's `masks` "
         "property fails.\n\n```python\nimport torch\n"
         "m = torch.nn.MultiheadAttention(4, 1, bias=False, batch_first=True)\n"
