@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+from attnref.cli import main
 from attnref.conformance import OptionError
 from attnref.testing import check_attention
 
@@ -64,3 +65,17 @@ def test_other_exceptions_and_wrong_answers_still_fail():
 def test_refuses_lengths_is_not_for_distributed_kernels():
     with pytest.raises(OptionError, match="refuses_lengths is for a single-device kernel"):
         check_attention(lambda *a, **k: None, devices=[1], refuses_lengths=True)
+
+
+def test_cli_flag_declares_the_limit_and_the_replay_keeps_it(capsys):
+    target = "tests/test_declared_limits.py:_blocked"
+    args = ["--properties", "oracle", "--max-examples", "12", "--no-progress"]
+    assert main(["check", target, *args, "--refuses-lengths"]) == 0
+    out = capsys.readouterr().out
+    assert "refused, as declared" in out, out
+    assert main(["check", target, *args]) == 1
+    out = capsys.readouterr().out
+    assert "must be multiples of 4" in out, out
+    assert main(["check", "tests/test_declared_limits.py:_wrong_when_accepted", *args,
+                 "--refuses-lengths"]) == 1  # fmt: skip
+    assert "--refuses-lengths" in capsys.readouterr().out  # in the replay line

@@ -150,6 +150,7 @@ class Options:
     properties: tuple[str, ...] | None = None
     shapes: str = "small"
     devices: tuple[int, ...] | None = None
+    refuses_lengths: bool = False
 
     def validate(self) -> None:
         """Check the options before the target is loaded, with ``check_attention``'s own checks
@@ -212,6 +213,8 @@ class Options:
             kw["dtypes"] = self.dtypes
         if self.devices is not None:
             kw["devices"] = self.devices
+        if self.refuses_lengths:
+            kw["refuses_lengths"] = True
         return check_attention(fn, **kw)
 
     def replay_command(self, name: str, seed: int, devices: int | None = None) -> str:
@@ -231,6 +234,8 @@ class Options:
             if value != default:
                 text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
                 args += [f"--{flag}", text]
+        if self.refuses_lengths:
+            args.append("--refuses-lengths")
         return shlex.join(args)
 
 

@@ -179,6 +179,7 @@ def _check(args: argparse.Namespace) -> int:
         properties=kit.split_list(args.properties),
         shapes=args.shapes,
         devices=devices,
+        refuses_lengths=args.refuses_lengths,
     )
     try:
         options.validate()

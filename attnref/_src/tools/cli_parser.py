@@ -372,6 +372,15 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         "devices: on a CPU host run with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
         "(otherwise a clear error, exit 2) (default: one device, no mesh)",
     )
+    c.add_argument(
+        "--refuses-lengths",
+        action="store_true",
+        help="a declared limit: the function refuses some sequence lengths (a blocked kernel "
+        "whose block size must divide them); a clear refusal (ValueError, TypeError or "
+        "NotImplementedError saying divisible, divide, multiple, length, pad or reshape) draws "
+        "another example and is counted in the property's detail instead of failing it "
+        "(default: every refusal fails)",
+    )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)
     c.add_argument(
