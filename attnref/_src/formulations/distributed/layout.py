@@ -13,16 +13,23 @@ and cut into ``P`` equal shards of ``c = n_pad / P`` tokens. Device ``d`` holds 
 
 Positions ``>= n`` are padding: never attended as keys (the allowed rule tests ``j < S``) and
 dropped as queries. :func:`to_layout` and :func:`from_layout` move a natural-order array into the
-device-major order (the concatenation of the shards) and back.
+device-major order (the concatenation of the shards) and back; :func:`shard_inputs` lays out a
+validated kernel call's arrays for a ring's ``shard_map`` (:class:`LocalInputs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array
+
+from attnref._src.formulations.kernel_spec import KernelInputs
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
@@ -94,3 +101,86 @@ def jax_slice(y: Array, axis: int, n: int) -> Array:
     index = [slice(None)] * y.ndim
     index[axis] = slice(0, n)
     return y[tuple(index)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalInputs:
+    """One device's inputs in a ring: local queries and their rows of bias and mask, its own K/V
+    chunk, the global lengths and a traced scale (``None`` where an option is not given, and for
+    a concrete scale, which the ring's static description carries). The same pytree carries the
+    ``in_specs`` (``PartitionSpec`` leaves) and the cotangents (``None`` for the integer
+    leaves), hence ``Any``."""
+
+    q: Any
+    k: Any
+    v: Any
+    bias: Any
+    mask: Any
+    q_seg: Any
+    kv_seg: Any
+    q_lens: Any
+    kv_lens: Any
+    scale: Any
+
+
+jax.tree_util.register_dataclass(
+    LocalInputs,
+    data_fields=[f.name for f in dataclasses.fields(LocalInputs)],
+    meta_fields=[],
+)
+
+
+def shard_inputs(
+    inputs: KernelInputs,
+    layout: str,
+    devices: int,
+    axis: str,
+    t_pad: int,
+    s_pad: int,
+    traced_scale: bool,
+) -> tuple[LocalInputs, LocalInputs]:
+    """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes padded
+    and permuted into device-major order and split over ``axis``; a mask or bias split along
+    ``T`` when that axis is full (else shared); lengths and a traced scale shared."""
+    tokens, shared = PartitionSpec(None, axis), PartitionSpec()
+
+    def seq(a: Array | None, n_pad: int, fill: float = 0.0) -> Array | None:
+        """Axis 1 (tokens) in device-major order (``fill`` takes the array's dtype)."""
+        return None if a is None else to_layout(a, 1, n_pad, devices, layout, fill)
+
+    def rows(a: Array | None) -> tuple[Array | None, Any]:
+        """A mask or bias: ``T`` laid out like the queries when full (padded rows ``0.0``,
+        i.e. ``False``: padded queries are dropped anyway), else shared."""
+        if a is None:
+            return None, None
+        if a.shape[2] == 1:
+            return a, shared
+        return to_layout(a, 2, t_pad, devices, layout, 0.0), PartitionSpec(None, None, axis)
+
+    bias, bias_spec = rows(inputs.bias)
+    mask, mask_spec = rows(inputs.mask)
+    local = LocalInputs(
+        q=seq(inputs.q, t_pad),
+        k=seq(inputs.k, s_pad),
+        v=seq(inputs.v, s_pad),
+        bias=bias,
+        mask=mask,
+        q_seg=seq(inputs.q_seg, t_pad, -1.0),
+        kv_seg=seq(inputs.kv_seg, s_pad, -2.0),
+        q_lens=inputs.q_lens,
+        kv_lens=inputs.kv_lens,
+        scale=inputs.scale if traced_scale else None,
+    )
+    specs = LocalInputs(
+        q=tokens,
+        k=tokens,
+        v=tokens,
+        bias=bias_spec,
+        mask=mask_spec,
+        q_seg=None if inputs.q_seg is None else tokens,
+        kv_seg=None if inputs.kv_seg is None else tokens,
+        q_lens=None if inputs.q_lens is None else shared,
+        kv_lens=None if inputs.kv_lens is None else shared,
+        scale=shared if traced_scale else None,
+    )
+    return local, specs

@@ -95,8 +95,9 @@ from attnref._src.formulations.distributed.family import (
     mesh_kernel,
     scheme_rows,
 )
+from attnref._src.formulations.distributed.layout import LocalInputs, shard_inputs
 from attnref._src.formulations.kernel import KernelCall, allowed_pairs, finish, naive, uniform_rows
-from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec, lengths_only
+from attnref._src.formulations.kernel_spec import KernelSpec, lengths_only
 from attnref._src.formulations.states import merge_states
 
 # The layout of each scheme, by registry id.
@@ -115,7 +116,7 @@ class _Ring:
     t_pad: int
     s_pad: int
     bias_shared: bool  # the bias's T axis is broadcast: one copy on every device
-    scale: float | None  # the caller's scale when concrete (a traced one travels in _Local)
+    scale: float | None  # the caller's scale when concrete (a traced one travels in LocalInputs)
 
     def q_positions(self) -> Int[Array, " tq"]:
         """Global positions of this device's queries."""
@@ -140,34 +141,7 @@ class _Ring:
         return jax.lax.cond(step < self.devices - 1, self.rotate, lambda a: a, xs)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Local:
-    """One device's inputs: local queries and their rows of bias and mask, its own K/V chunk,
-    the global lengths and a traced scale (``None`` where an option is not given, and for a
-    concrete scale, which :class:`_Ring` carries). The same pytree carries the ``in_specs``
-    (``PartitionSpec`` leaves) and the cotangents (``None`` for the integer leaves), hence
-    ``Any``."""
-
-    q: Any
-    k: Any
-    v: Any
-    bias: Any
-    mask: Any
-    q_seg: Any
-    kv_seg: Any
-    q_lens: Any
-    kv_lens: Any
-    scale: Any
-
-
-jax.tree_util.register_dataclass(
-    _Local,
-    data_fields=[f.name for f in dataclasses.fields(_Local)],
-    meta_fields=[],
-)
-
-
-def _reachable(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array) -> Array:
+def _reachable(ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array) -> Array:
     """Whether any local query may read any key of the chunk by the position rules alone
     (lengths, causality, window, padding); ``False`` means the chunk's state is empty."""
     lengths = lengths_only(local.q_lens, local.kv_lens)
@@ -188,7 +162,9 @@ def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
     return None if a is None else _part(a, axis, part)
 
 
-def _state_fn(ring: _Ring, local: _Local, q_pos: Array, k_pos: Array, kv_seg: Array | None) -> Any:
+def _state_fn(
+    ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array, kv_seg: Array | None
+) -> Any:
     """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
     (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
     argument, so the backward's ``jax.vjp`` gives its cotangent).
@@ -270,7 +246,7 @@ def _empty_state(ring: _Ring, q: Array) -> tuple[Array, Array]:
     return _varying(ring, o), _varying(ring, jnp.full(rows, -jnp.inf, spec.compute_dtype))
 
 
-def _forward(ring: _Ring, local: _Local) -> tuple[Array, Array]:
+def _forward(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
     """The ring: ``P`` steps of chunk state and merge, K/V rotated between steps."""
     q_pos = ring.q_positions()
     cd = ring.spec.compute_dtype
@@ -296,17 +272,17 @@ def _forward(ring: _Ring, local: _Local) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_states(ring: _Ring, local: _Local) -> tuple[Array, Array]:
+def _ring_states(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
     """The merged state ``(o, lse)`` of the local queries over every key (compute dtype)."""
     return _forward(ring, local)
 
 
-def _ring_fwd(ring: _Ring, local: _Local) -> tuple[tuple[Array, Array], Any]:
+def _ring_fwd(ring: _Ring, local: LocalInputs) -> tuple[tuple[Array, Array], Any]:
     o, lse = _forward(ring, local)
     return (o, lse), (local, o, lse)
 
 
-def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
+def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[LocalInputs]:
     local, o, lse = res
     cd = ring.spec.compute_dtype
     q_pos = ring.q_positions()
@@ -350,7 +326,7 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
     dq, dk, dv, db, ds = jax.lax.fori_loop(
         0, ring.devices, body, (local.k, local.v, local.kv_seg, *zeros)
     )[3:]
-    grads_x = _Local(
+    grads_x = LocalInputs(
         q=dq.astype(local.q.dtype),
         k=dk.astype(local.k.dtype),
         v=dv.astype(local.v.dtype),
@@ -369,7 +345,7 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[_Local]:
 _ring_states.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _device(ring: _Ring, local: _Local) -> tuple[Array, Array]:
+def _device(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
     """One device's program: the ring's merged state, then the kernel's finishing rules."""
     spec = ring.spec
     if local.bias is not None and ring.bias_shared:
@@ -387,7 +363,7 @@ def _device(ring: _Ring, local: _Local) -> tuple[Array, Array]:
 
 
 @functools.lru_cache(maxsize=256)
-def _program(ring: _Ring, mesh: Any, specs: _Local) -> Any:
+def _program(ring: _Ring, mesh: Any, specs: LocalInputs) -> Any:
     """The jitted ``shard_map`` of :func:`_device` (cached: an eager call compiles once per
     ring, mesh and option set instead of dispatching every operation on every device)."""
     tokens = PartitionSpec(None, ring.axis)
@@ -399,64 +375,6 @@ def _program(ring: _Ring, mesh: Any, specs: _Local) -> Any:
             out_specs=(tokens, tokens),
         )
     )
-
-
-def _shard(
-    inputs: KernelInputs,
-    layout: str,
-    devices: int,
-    axis: str,
-    t_pad: int,
-    s_pad: int,
-    traced_scale: bool,
-) -> tuple[_Local, _Local]:
-    """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes padded
-    and permuted into device-major order and split over ``axis``; a mask or bias split along
-    ``T`` when that axis is full (else shared); lengths and a traced scale shared."""
-    tokens, shared = PartitionSpec(None, axis), PartitionSpec()
-
-    def seq(a: Array | None, n_pad: int, fill: float = 0.0) -> Array | None:
-        """Axis 1 (tokens) in device-major order (``fill`` takes the array's dtype)."""
-        return None if a is None else seq_layout.to_layout(a, 1, n_pad, devices, layout, fill)
-
-    def rows(a: Array | None) -> tuple[Array | None, Any]:
-        """A mask or bias: ``T`` laid out like the queries when full (padded rows ``0.0``,
-        i.e. ``False``: padded queries are dropped anyway), else shared."""
-        if a is None:
-            return None, None
-        if a.shape[2] == 1:
-            return a, shared
-        return seq_layout.to_layout(a, 2, t_pad, devices, layout, 0.0), PartitionSpec(
-            None, None, axis
-        )
-
-    bias, bias_spec = rows(inputs.bias)
-    mask, mask_spec = rows(inputs.mask)
-    local = _Local(
-        q=seq(inputs.q, t_pad),
-        k=seq(inputs.k, s_pad),
-        v=seq(inputs.v, s_pad),
-        bias=bias,
-        mask=mask,
-        q_seg=seq(inputs.q_seg, t_pad, -1.0),
-        kv_seg=seq(inputs.kv_seg, s_pad, -2.0),
-        q_lens=inputs.q_lens,
-        kv_lens=inputs.kv_lens,
-        scale=inputs.scale if traced_scale else None,
-    )
-    specs = _Local(
-        q=tokens,
-        k=tokens,
-        v=tokens,
-        bias=bias_spec,
-        mask=mask_spec,
-        q_seg=None if inputs.q_seg is None else tokens,
-        kv_seg=None if inputs.kv_seg is None else tokens,
-        q_lens=None if inputs.q_lens is None else shared,
-        kv_lens=None if inputs.kv_lens is None else shared,
-        scale=shared if traced_scale else None,
-    )
-    return local, specs
 
 
 # JAX's error for forward-mode differentiation of a ``custom_vjp`` (raised while ``jax.jvp``
@@ -482,7 +400,7 @@ def _schedule(layout: str) -> Any:
         t_pad = seq_layout.padded_length(spec.t, devices, layout)
         s_pad = seq_layout.padded_length(spec.s, devices, layout)
         traced_scale = scale is not None and is_traced(scale)
-        local, specs = _shard(inputs, layout, devices, axis, t_pad, s_pad, traced_scale)
+        local, specs = shard_inputs(inputs, layout, devices, axis, t_pad, s_pad, traced_scale)
         ring = _Ring(
             spec=spec,
             axis=axis,
