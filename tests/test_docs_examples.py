@@ -61,6 +61,7 @@ A directive that is not one of these, or ``skip`` without a reason, fails the li
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import linecache
@@ -254,10 +255,9 @@ def _forget_modules(where: Path) -> None:
     """Drop the modules imported from a page's directory, so the next import reads the files."""
     for name, module in list(sys.modules.items()):
         paths = [getattr(module, "__file__", None) or ""]
-        try:
+        # torch's torch._classes has a __path__ that is not a list of paths
+        with contextlib.suppress(Exception):
             paths += [str(p) for p in getattr(module, "__path__", [])]
-        except Exception:  # torch's torch._classes: a __path__ that is not a list of paths
-            pass
         if any(p.startswith(str(where)) for p in paths):
             del sys.modules[name]
 
