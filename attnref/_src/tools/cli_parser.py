@@ -32,6 +32,17 @@ FEATURE_MAPS: dict[str, str] = {
 REPORT_DTYPES = ("float32", "float64")
 
 
+def _run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """The options every kit command takes: the properties, the examples and the seed."""
+    parser.add_argument(
+        "--properties", metavar="LIST", help="comma-separated properties to run (default: all)"
+    )
+    parser.add_argument(
+        "--max-examples", type=int, metavar="N", help="examples per property (default: 20)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the choice closest to ``word`` (difflib's ratio at least
     0.6, case and ``-``/``_`` ignored), else ``""``."""
@@ -323,13 +334,7 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         metavar="LIST",
         help="comma-separated features the function supports (default: the signature's)",
     )
-    c.add_argument(
-        "--properties", metavar="LIST", help="comma-separated properties to run (default: all)"
-    )
-    c.add_argument(
-        "--max-examples", type=int, metavar="N", help="examples per property (default: 20)"
-    )
-    c.add_argument("--seed", type=int, default=0, help="base seed (a failure prints its own)")
+    _run_options(c, "base seed (a failure prints its own)")
     c.add_argument(
         "--masked-rows",
         default="zeros",
@@ -401,13 +406,7 @@ def _merge_parser(sub: Any) -> None:
         "failed, 2 the target cannot be loaded or an option is invalid.",
     )
     m.add_argument("target", help=TARGET_HELP)
-    m.add_argument(
-        "--properties", metavar="LIST", help="comma-separated properties to run (default: all)"
-    )
-    m.add_argument(
-        "--max-examples", type=int, metavar="N", help="examples per property (default: 20)"
-    )
-    m.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every property")
+    _run_options(m, "Hypothesis seed of every property")
     m.add_argument(
         "--dtypes",
         metavar="LIST",
