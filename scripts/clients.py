@@ -434,7 +434,7 @@ def _finding_torch_mha_mask() -> str:
         "attends only to the key SDPA's mask removes; row 1, all `True`, has NaN weights, while "
         "the output of its `need_weights=False` path is zeros there). The row "
         "above inverts the mask in its wrapper; without the inversion the kit's `masks` "
-        "property fails.\n\n```python\nimport torch\n"
+        "property fails.\n\n<!-- docs-test: torch -->\n```python\nimport torch\n"
         "m = torch.nn.MultiheadAttention(4, 1, bias=False, batch_first=True)\n"
         "x = torch.randn(1, 2, 4)\n"
         "print(m(x, x, x, attn_mask=torch.tensor([[True, False], [True, True]]))[1])\n```"
