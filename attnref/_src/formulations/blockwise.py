@@ -1,9 +1,9 @@
 """Blockwise attention with an online softmax (the flash form), with the flash backward.
 
 Same signature and semantics as :func:`attnref.dot_product_attention` plus ``block_q`` and
-``block_k``. Queries are processed in tiles of ``block_q`` rows (``lax.map``) and, for each, the
-keys in tiles of ``block_k`` (``lax.scan``) with a running max ``m``, running sum ``l`` and
-accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
+``block_k``. Queries are processed in tiles of ``block_q`` rows and keys in tiles of ``block_k``
+(a ``lax.scan`` over the scheduled tile pairs), each query tile keeping a running max ``m``,
+running sum ``l`` and accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
 
     m' = max(m, max_j s_ij),   l' = e^{m - m'} l + sum_j e^{s_ij - m'},
     a' = e^{m - m'} a + sum_j e^{s_ij - m'} v_j,            o_i = a / l,  lse_i = m + log l
