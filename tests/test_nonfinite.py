@@ -34,7 +34,6 @@ gradient function. The eager variant covers the softmax family on two examples.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -414,6 +413,15 @@ def kernel_poisoned(
     return kp, poisoned, dirty, reads_v
 
 
+def _kernel_forward(which: str, static: tuple[tuple[str, Any], ...], q, k, v, bias, arrays):
+    return tb._FNS[which](q, k, v, bias, **dict(static), **arrays)
+
+
+# One compiled forward per (kernel, static options), reused by the poisoned and clean problems
+# and across examples (a fresh jax.jit per call would compile each time).
+_FORWARD = jax.jit(_kernel_forward, static_argnames=("which", "static"))
+
+
 def _kernel_run(
     which: str, kp: ast.KernelProblem, cot: np.ndarray, cot_lse: np.ndarray
 ) -> tuple[Any, list[np.ndarray]]:
@@ -422,11 +430,7 @@ def _kernel_run(
     bias = kp.kwargs.get("bias", np.zeros((1, b.n, b.t, b.s)))
     bias = np.broadcast_to(bias, (b.batch, b.n, b.t, b.s)).astype(np.float64)
     static = tuple(sorted(kp.static.items()))
-    fn = {
-        "naive": attnref.dot_product_attention,
-        "blockwise": attnref.blockwise_dot_product_attention,
-    }[which]
-    out = jax.jit(functools.partial(fn, **dict(static)))(kp.q, kp.k, kp.v, bias, **arrays)
+    out = _FORWARD(which, static, kp.q, kp.k, kp.v, bias, arrays)
     return out, tb._grads(which, static, kp, np.float64, bias, arrays, cot, cot_lse)
 
 
