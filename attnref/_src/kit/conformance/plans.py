@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from attnref import strategies as ast
 from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within, first_index
+from attnref._src.kit.conformance import memo
 from attnref._src.kit.conformance.context import ONE_SIDED, Case, Context, Plan, case_strategy
 from attnref._src.kit.conformance.options import GROWTH, UNEVEN
 from attnref._src.kit.conformance.references import (
@@ -125,7 +126,7 @@ def _plan_causality(ctx: Context) -> Plan | str:
         part, _ = ctx.run(pre)
         full = np.asarray(full_out, np.float64)[:, :t]
         part = np.asarray(part, np.float64)
-        bound = ctx.view(p).bound()[0][:, :t] + ctx.view(pre).bound()[0]
+        bound = memo.bound(ctx.view(p))[0][:, :t] + memo.bound(ctx.view(pre))[0]
         bad = ~np.isfinite(full) | ~np.isfinite(part)
         err = np.where(bad, np.inf, np.abs(np.nan_to_num(full - part)))
         assert_ratio_within(
@@ -217,7 +218,7 @@ def _plan_batch(ctx: Context) -> Plan | str:
         ctx.at("the batched run")
         full, _ = ctx.run(p)
         full = np.asarray(full, np.float64)
-        bound, _ = ctx.view(p).bound()
+        bound, _ = memo.bound(ctx.view(p))
         if is_16bit(p.dtype):
             bound = bound + unit_roundoff(p.dtype) * np.abs(full)
         for b in range(p.config.b):
@@ -292,7 +293,7 @@ def _plan_fully_masked(ctx: Context) -> Plan | str:
         view = ctx.view(p)
         out, _ = ctx.run(p)
         out = np.asarray(out, np.float64)
-        ref, _ = view.oracle()
+        ref, _ = memo.oracle(view)
         allowed = view.allowed()  # [B, N, T, S]
         dead = ~allowed.any(-1)  # [B, N, T]
         if view.options.get("query_seq_lengths") is not None:
@@ -349,7 +350,7 @@ def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str
     FlashAttention's comparative rule in 16 bits (at most twice the error of attnref's own
     16-bit gradient, plus a rounding floor ``gamma_{N_b}(u) max|g64|`` with ``N_b = T G + S + H +
     H_v + 2`` the longest reduction chain of the backward)."""
-    grads = p.oracle_vjp(cot)
+    grads = memo.oracle_vjp(p, cot)
     exact = (grads.query, grads.key, grads.value)
     allowances: list[Any]
     if is_16bit(p.dtype):
@@ -364,7 +365,7 @@ def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str
         ]
         rule = "comparative rule (2 x attnref's {dtype} error + gamma_N_b(u) max|g64|)"
     else:
-        bound = p.grad_bound(cot)
+        bound = memo.grad_bound(p, cot)
         allowances = [bound.query, bound.key, bound.value]
         rule = "derived gradient bound (tolerance.kernel_grad_error_bound)"
     for name, g, e, allowed in zip("qkv", got, exact, allowances, strict=False):
@@ -404,7 +405,7 @@ def _plan_extreme(ctx: Context) -> Plan | str:
         p = p.replace(q=(q64 * grow).astype(p.dtype), k=(k64 * grow).astype(p.dtype))
         out, _ = ctx.run(p)
         out = np.asarray(out, np.float64)
-        bad = ~np.isfinite(out) & ~np.isnan(ctx.view(p).oracle()[0])
+        bad = ~np.isfinite(out) & ~np.isnan(memo.oracle(ctx.view(p))[0])
         if bad.any():
             idx = first_index(bad)
             raise AssertionError(
@@ -448,8 +449,8 @@ def _assert_growth(ctx: Context, anchor: Any, p: ast.KernelProblem, kind: str) -
     excess over the bound on one device (``FLASH_FACTOR`` = 2 is the comparative rule's factor;
     ``anchor`` is the target on one device). Appends the worst ratio to ``ctx.ratios``."""
     label = f"{GROWTH} [P={ctx.devices}, {p.dtype}, {kind}]"
-    ref, _ = p.oracle()
-    bound, _ = p.bound()
+    ref, _ = memo.oracle(p)
+    bound, _ = memo.bound(p)
     out, _ = ctx.run(p)
     rule = "the derived bound"
     allowed = bound

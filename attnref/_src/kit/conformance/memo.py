@@ -1,0 +1,108 @@
+"""The float64 oracle and the derived bounds of a kit problem, computed once per problem content.
+
+The properties compute the oracle and the bound of the same problem several times: a property's
+output and lse checks each ask for them, and a distributed target's mesh sizes draw the same
+examples (the same buckets and seed), whose allowance (the merged-states bound) does not depend
+on the mesh size. Each is a pure function of the arrays and options the problem passes
+(:meth:`attnref.strategies.KernelProblem.apply`: ``q, k, v``, the options, the semantics), of
+the problem's class (whose ``bound`` may differ) and of the call's own arguments; it is keyed
+here by a digest of exactly those, and every caller gets its own copy of the cached result.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from attnref import strategies as ast
+
+_MAX_BYTES = 64 << 20  # the cached results' arrays, least recently used dropped first
+_CACHE: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
+_bytes = 0
+
+
+class _Unkeyed(Exception):
+    """A value the digest does not know: the call is computed without the cache."""
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(value)
+        if a.dtype.hasobject:
+            raise _Unkeyed
+        h.update(f"a{a.dtype.name}{a.dtype.str}{a.shape}:".encode())
+        h.update(a.tobytes())
+    elif isinstance(value, (tuple, list)):
+        h.update(f"{type(value).__name__}{len(value)}(".encode())
+        for v in value:
+            _feed(h, v)
+        h.update(b")")
+    elif isinstance(value, dict):
+        h.update(f"d{len(value)}{{".encode())
+        for k in sorted(value):
+            h.update(f"{k!r}=".encode())
+            _feed(h, value[k])
+        h.update(b"}")
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    else:
+        raise _Unkeyed
+
+
+def _key(p: ast.KernelProblem, tag: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    h = hashlib.blake2b(digest_size=20)
+    _feed(h, (p.q, p.k, p.v, p.options, p.semantics(), args))
+    return (type(p), tag, h.hexdigest())
+
+
+def _memo(p: ast.KernelProblem, tag: str, compute: Callable[[], Any], *args: Any) -> Any:
+    try:
+        key = _key(p, tag, args)
+    except _Unkeyed:
+        return compute()
+    global _bytes
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = compute()
+        size = _nbytes(hit)
+        while _CACHE and _bytes + size > _MAX_BYTES:
+            _bytes -= _nbytes(_CACHE.popitem(last=False)[1])
+        if size <= _MAX_BYTES:
+            _CACHE[key] = hit
+            _bytes += size
+    else:
+        _CACHE.move_to_end(key)
+    return copy.deepcopy(hit)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 64
+
+
+def oracle(p: ast.KernelProblem) -> tuple[np.ndarray, np.ndarray]:
+    """``p.oracle()``."""
+    return _memo(p, "oracle", p.oracle)
+
+
+def bound(p: ast.KernelProblem) -> tuple[np.ndarray, np.ndarray]:
+    """``p.bound()`` (a distributed view's merged-states bound for its class)."""
+    return _memo(p, "bound", p.bound)
+
+
+def oracle_vjp(p: ast.KernelProblem, cot: np.ndarray) -> Any:
+    """``p.oracle_vjp(cot)``."""
+    return _memo(p, "oracle_vjp", lambda: p.oracle_vjp(cot), cot)
+
+
+def grad_bound(p: ast.KernelProblem, cot: np.ndarray) -> Any:
+    """``p.grad_bound(cot)``."""
+    return _memo(p, "grad_bound", lambda: p.grad_bound(cot), cot)
