@@ -60,6 +60,19 @@ KERNELS = (
     attnref.blockwise_dot_product_attention,
     attnref.split_kv_dot_product_attention,
 )
+# Compiled once per static option set and shape, shared by the tests below (a fresh jit per call
+# or an eager run compiles every primitive again; the eager paths are ProductionOracleTest's
+# without-jit variant).
+_NAIVE_JIT = jax.jit(attnref.dot_product_attention, static_argnames=STATIC)
+SINK_SPLITS = (1, 3, 5)
+
+
+@jax.jit
+def _split_outputs(q, k, v, z):
+    """Split-KV with the sinks ``z`` at each of :data:`SINK_SPLITS`, one program."""
+    return [
+        attnref.split_kv_dot_product_attention(q, k, v, sinks=z, num_splits=n) for n in SINK_SPLITS
+    ]
 
 
 def problems(**kw):
@@ -128,21 +141,25 @@ class ProductionOracleTest(chex.TestCase):
         self._check(p, BLOCKS[0], 3)
 
     def _check(self, p: ast.KernelProblem, blocks: tuple[int, int], splits: int) -> None:
-        naive = self.variant(attnref.dot_product_attention, static_argnames=STATIC)
-        out, lse = naive(p.q, p.k, p.v, return_lse=True, **p.kwargs)
-        assert_kernel_close(out, lse, p, f"naive {p!r}")
-        flash = self.variant(
-            attnref.blockwise_dot_product_attention, static_argnames=(*STATIC, "block_q", "block_k")
+        three = self.variant(_three_kernels, static_argnames=(*STATIC, "blocks", "splits"))
+        naive, flash, split = three(
+            p.q, p.k, p.v, return_lse=True, blocks=blocks, splits=splits, **p.kwargs
         )
-        out, lse = flash(
-            p.q, p.k, p.v, return_lse=True, block_q=blocks[0], block_k=blocks[1], **p.kwargs
-        )
-        assert_kernel_close(out, lse, p, f"blockwise {blocks} {p!r}")
-        split = self.variant(
-            attnref.split_kv_dot_product_attention, static_argnames=(*STATIC, "num_splits")
-        )
-        out, lse = split(p.q, p.k, p.v, return_lse=True, num_splits=splits, **p.kwargs)
-        assert_close_to(out, lse, p, split_bound(p, splits), f"split_kv P={splits} {p!r}")
+        assert_kernel_close(*naive, p, f"naive {p!r}")
+        assert_kernel_close(*flash, p, f"blockwise {blocks} {p!r}")
+        assert_close_to(*split, p, split_bound(p, splits), f"split_kv P={splits} {p!r}")
+
+
+def _three_kernels(q, k, v, *, blocks, splits, **kw):
+    """Naive, blockwise (``blocks`` tiles) and split-KV (``splits`` splits) on one call's
+    arguments: under jit one program per example's static options and shapes, not three."""
+    return (
+        attnref.dot_product_attention(q, k, v, **kw),
+        attnref.blockwise_dot_product_attention(
+            q, k, v, block_q=blocks[0], block_k=blocks[1], **kw
+        ),
+        attnref.split_kv_dot_product_attention(q, k, v, num_splits=splits, **kw),
+    )
 
 
 @given(problem=problems(dtypes=("float64",)))
@@ -193,43 +210,58 @@ def test_gradients_match_the_gradient_oracle(problem):
     bound = tolerance.kernel_grad_error_bound(
         p.q, p.k, p.v, cotangent=cot, lse_cotangent=cot_lse, **call
     )
-    static = {k: v for k, v in kw.items() if k in ast.STATIC_OPTIONS}
-    arrays = {k: v for k, v in kw.items() if k not in static}
-    kernels = (
-        (attnref.dot_product_attention, {}),
-        (attnref.blockwise_dot_product_attention, {"block_q": 2, "block_k": 3}),
-        (attnref.split_kv_dot_product_attention, {"num_splits": 3}),
-    )
-    for fn, extra in kernels:
-
-        def loss(q, k, v, bias_, z, fn=fn, extra=extra):
-            o, lse = fn(q, k, v, bias_, sinks=z, return_lse=True, **static, **arrays, **extra)
-            return jnp.sum(o * cot) + jnp.sum(lse * cot_lse)
-
-        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(p.q, p.k, p.v, bias, sinks)
+    static = tuple(sorted((k, v) for k, v in kw.items() if k in ast.STATIC_OPTIONS))
+    arrays = {k: v for k, v in kw.items() if k not in ast.STATIC_OPTIONS}
+    grads = _kernel_grads(p.q, p.k, p.v, bias, sinks, arrays, cot, cot_lse, static=static)
+    for fn, got in zip(KERNELS, grads, strict=True):
         for name, g, e, bd in zip("qkvbz", got, exact, bound, strict=True):
             err = np.abs(np.asarray(g, np.float64) - e)
             assert np.all(err <= bd), f"{fn.__name__} d/d{name}: {err.max():.3e} {p!r}"
 
 
+@functools.partial(jax.jit, static_argnames=("static",))
+def _kernel_grads(q, k, v, bias, z, arrays, cot, cot_lse, *, static):
+    """d/d(q, k, v, bias, sinks) of ``sum(o * cot) + sum(lse * cot_lse)`` through the naive,
+    blockwise (2 x 3 tiles) and split-KV (3 splits) kernels, one program for the three."""
+    extras = ({}, {"block_q": 2, "block_k": 3}, {"num_splits": 3})
+    grads = []
+    for fn, extra in zip(KERNELS, extras, strict=True):
+
+        def loss(q, k, v, bias_, z, fn=fn, extra=extra):
+            o, lse = fn(q, k, v, bias_, sinks=z, return_lse=True, **dict(static), **arrays, **extra)
+            return jnp.sum(o * cot) + jnp.sum(lse * cot_lse)
+
+        grads.append(jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, z))
+    return grads
+
+
 def test_a_dropped_entry_passes_no_gradient():
     """Dropout's gradient flows through the kept entries only: a key dropped for every query
-    gets ``dv = 0`` exactly, and the lse (unchanged by dropout) gives ``v`` no gradient."""
+    gets ``dv = 0`` exactly, and the lse (unchanged by dropout) gives ``v`` no gradient (the
+    kernels' gradients compiled as one program)."""
     p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[0], "none", 1, np.float32)
     keep = np.ones((1, 1, p.config.t, p.config.s), bool)
     keep[..., 1] = False
-    for fn in KERNELS:
-        dv = jax.grad(lambda v, fn=fn: fn(p.q, p.k, v, dropout_mask=keep, dropout_rate=0.5).sum())(
-            p.v
-        )
+    for fn, (dv, dv_l) in zip(KERNELS, _dropout_dv(p.q, p.k, p.v, keep), strict=True):
         assert np.all(np.asarray(dv)[:, 1] == 0.0), fn.__name__
         assert np.any(np.asarray(dv)[:, 0] != 0.0), fn.__name__  # the test can fail
-        dv_l = jax.grad(
-            lambda v, fn=fn: fn(p.q, p.k, v, dropout_mask=keep, dropout_rate=0.5, return_lse=True)[
-                1
-            ].sum()
-        )(p.v)
         assert np.all(np.asarray(dv_l) == 0.0), fn.__name__
+
+
+@jax.jit
+def _dropout_dv(q, k, v, keep):
+    """Per kernel, ``dv`` of the output's sum and of the lse's sum under dropout at rate 0.5."""
+    grads = []
+    for fn in KERNELS:
+
+        def out(v, fn=fn):
+            return fn(q, k, v, dropout_mask=keep, dropout_rate=0.5).sum()
+
+        def lse(v, fn=fn):
+            return fn(q, k, v, dropout_mask=keep, dropout_rate=0.5, return_lse=True)[1].sum()
+
+        grads.append((jax.grad(out)(v), jax.grad(lse)(v)))
+    return grads
 
 
 # ----------------------------------------------------------------------------- the sink, once
@@ -239,14 +271,13 @@ def test_the_sink_is_merged_once():
     """Split-KV merges its splits' states and only then the sink: any number of splits gives
     the oracle's answer. A planted kernel that merges the sink into every split's state (the
     bug the issue names) is off by far more than the bound for ``P > 1``, so the property can
-    fail."""
+    fail. (Split-KV runs compiled here; its eager run with sinks is ProductionOracleTest's.)"""
     p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[1], "none", 3, np.float64)
     z = np.array([0.5, -1.0, 2.0, 0.0][: p.config.n])
     p = p.replace(options={**p.options, "sinks": z})
     ref, ref_lse = p.oracle()
     bound = p.bound()[0]
-    for splits in (1, 3, 5):
-        out = attnref.split_kv_dot_product_attention(p.q, p.k, p.v, sinks=z, num_splits=splits)
+    for splits, out in zip(SINK_SPLITS, _split_outputs(p.q, p.k, p.v, z), strict=True):
         assert np.all(np.abs(np.asarray(out) - ref) <= split_bound(p, splits)[0]), splits
     # The planted bug: each split's state (o_p, lse_p) with the sink merged in, then merged.
     s, splits = p.config.s, 3
@@ -273,31 +304,46 @@ def test_the_sink_is_merged_once():
 def test_a_fully_masked_row_with_a_sink_is_zero_under_every_policy():
     """With a sink a row with no allowed key puts its whole weight on the sink: ``o = 0`` and
     ``lse = z_n`` under ``"zeros"``, ``"uniform"`` and ``"nan"`` alike, in every kernel and the
-    oracle; a ``-inf`` sink is no sink (``lse = -inf``)."""
+    oracle; a ``-inf`` sink is no sink (``lse = -inf``). (The kernels run compiled, the
+    three policies in one program per kernel.)"""
     p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[0], "none", 2, np.float32)
     c = p.config
     z = np.linspace(-1.0, 1.0, c.n).astype(np.float32)
     z[0] = -np.inf
     mask = np.ones((c.batch, 1, c.t, c.s), bool)
     mask[:, :, 0] = False  # query row 0 attends to nothing
-    kernels = (
-        attnref.dot_product_attention,
-        attnref.blockwise_dot_product_attention,
-        attnref.split_kv_dot_product_attention,
-        oracle.dot_product_attention,
-    )
-    for policy in ("zeros", "uniform", "nan"):
-        for fn in kernels:
-            o, lse = fn(p.q, p.k, p.v, None, mask, sinks=z, masked_rows=policy, return_lse=True)
-            o, lse = np.asarray(o), np.asarray(lse)
-            assert np.all(o[:, 0] == 0.0), (fn.__name__, policy)
+    got = {fn.__name__: _policy_outputs(p.q, p.k, p.v, mask, z, fn=fn) for fn in KERNELS}
+    got["oracle"] = {
+        policy: oracle.dot_product_attention(
+            p.q, p.k, p.v, None, mask, sinks=z, masked_rows=policy, return_lse=True
+        )
+        for policy in POLICIES
+    }
+    for name, outputs in got.items():
+        for policy in POLICIES:
+            o, lse = (np.asarray(a) for a in outputs[policy])
+            assert np.all(o[:, 0] == 0.0), (name, policy)
             np.testing.assert_array_equal(lse[:, 0], np.broadcast_to(z, lse[:, 0].shape))
-            assert np.all(np.isfinite(o[:, 1:])), (fn.__name__, policy)
+            assert np.all(np.isfinite(o[:, 1:])), (name, policy)
+
+
+POLICIES = ("zeros", "uniform", "nan")
+
+
+@functools.partial(jax.jit, static_argnames=("fn",))
+def _policy_outputs(q, k, v, mask, z, *, fn):
+    """``fn``'s output and lse with the sinks ``z`` under each masked-rows policy, one program
+    per kernel."""
+    return {
+        policy: fn(q, k, v, None, mask, sinks=z, masked_rows=policy, return_lse=True)
+        for policy in POLICIES
+    }
 
 
 def test_a_nan_sink_poisons_its_head_only():
     """A NaN (or ``+inf``) sink is read by every row of its head: those rows are NaN, the other
-    heads are untouched, in every kernel and the oracle alike."""
+    heads are untouched, in every kernel and the oracle alike (the kernels compiled, one
+    program for both bad values)."""
     p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[0], "none", 4, np.float32)
     z = np.zeros(p.config.n, np.float32)
     clean = oracle.dot_product_attention(p.q, p.k, p.v, sinks=z)
@@ -305,8 +351,12 @@ def test_a_nan_sink_poisons_its_head_only():
     for bad in (np.nan, np.inf):
         zb = z.copy()
         zb[1] = bad
-        for fn in (*KERNELS, oracle.dot_product_attention):
-            o = np.asarray(fn(p.q, p.k, p.v, sinks=zb))
+        outputs = (
+            *_kernels_with_sinks(p.q, p.k, p.v, zb),
+            oracle.dot_product_attention(p.q, p.k, p.v, sinks=zb),
+        )
+        for fn, o in zip((*KERNELS, oracle.dot_product_attention), outputs, strict=True):
+            o = np.asarray(o)
             assert np.all(np.isnan(o[:, :, 1])), (fn.__name__, bad)
             err = np.abs(np.delete(o, 1, axis=2) - np.delete(clean, 1, axis=2))
             assert np.all(err <= np.delete(bound, 1, axis=2)), (fn.__name__, bad)
@@ -315,7 +365,8 @@ def test_a_nan_sink_poisons_its_head_only():
 def test_a_row_that_reads_a_nan_key_stays_nan_with_a_sink():
     """A NaN key that a row may read makes that row NaN, output and lse, in every kernel with
     sinks (the sink's merge never turns it into a number), while the rows that cannot read it
-    (causal: queries 0 and 1) are unaffected: the oracle's pattern exactly."""
+    (causal: queries 0 and 1) are unaffected: the oracle's pattern exactly (the kernels
+    compiled as one program)."""
     p = ast.make_kernel_problem(ast.KERNEL_BUCKETS[0], "causal", 5, np.float32)
     k = p.k.copy()
     k[0, 2, 0, 0] = np.nan  # key 2 of batch 0, K/V head 0: read by queries 2.. only
@@ -324,10 +375,16 @@ def test_a_row_that_reads_a_nan_key_stays_nan_with_a_sink():
         p.q, k, p.v, is_causal=True, sinks=z, return_lse=True
     )
     assert np.isnan(ref).any() and not np.isnan(ref).all()  # the test can fail
-    for fn in KERNELS:
-        o, lse = fn(p.q, k, p.v, is_causal=True, sinks=z, return_lse=True)
+    outputs = _kernels_with_sinks(p.q, k, p.v, z, is_causal=True, return_lse=True)
+    for fn, (o, lse) in zip(KERNELS, outputs, strict=True):
         np.testing.assert_array_equal(np.isnan(np.asarray(o)), np.isnan(ref), err_msg=fn.__name__)
         np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.isnan(ref_lse), fn.__name__)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "return_lse"))
+def _kernels_with_sinks(q, k, v, z, *, is_causal=False, return_lse=False):
+    """The three kernels with the sinks ``z``, one program."""
+    return [fn(q, k, v, sinks=z, is_causal=is_causal, return_lse=return_lse) for fn in KERNELS]
 
 
 # ----------------------------------------------------------------------------- peers' references
@@ -411,7 +468,8 @@ def test_oracle_matches_flashattentions_reference_formulas(method):
 def test_a_sink_worked_by_hand():
     """One query, two keys with logits 0 and ln 2 (scale 1), sink z = 0: the denominator is
     1 + 2 + 1 = 4, so ``o = (v_0 + 2 v_1) / 4`` and ``lse = ln 4``; dropping key 1 at rate 1/2
-    gives ``o = v_0 / 4 * 2``. Exact arithmetic, no code under test in the expected values."""
+    gives ``o = v_0 / 4 * 2``. Exact arithmetic, no code under test in the expected values (the
+    naive kernel compiled, the oracle in NumPy)."""
     q = np.array([[[[1.0]]]])
     k = np.array([[[[0.0]], [[math.log(2.0)]]]])
     v = np.array([[[[4.0, -8.0]]], [[[12.0, 16.0]]]]).reshape(1, 2, 1, 2)
@@ -424,7 +482,7 @@ def test_a_sink_worked_by_hand():
     drop_bound = tolerance.kernel_call_error_bound(
         q, k, v, scale=1.0, sinks=z, dropout_mask=keep, dropout_rate=0.5
     )[0]
-    for fn in (oracle.dot_product_attention, attnref.dot_product_attention):
+    for fn in (oracle.dot_product_attention, _NAIVE_JIT):
         o, lse = fn(q, k, v, scale=1.0, sinks=z, return_lse=True)
         assert np.all(
             np.abs(np.asarray(o).ravel() - [(4 + 24) / 4, (-8 + 32) / 4]) <= bound.ravel()
