@@ -370,6 +370,15 @@ def test_decoding_token_by_token_under_scan_equals_causal_attention():
 # ----------------------------------------------------------------------------- gradients
 
 
+def _paged_loss(q, kp, vp, table, lens, cot, static):
+    return jnp.sum(cot * paged_attention(q, kp, vp, table, lens, **dict(static)))
+
+
+# Arrays as arguments and the static options as one static argument: under jit, one compile per
+# (shape, static options), shared across examples (a closure per example would compile each).
+_PAGED_GRAD = jax.grad(_paged_loss, argnums=(0, 1, 2))
+
+
 class PagedGradTest(chex.TestCase):
     @chex.variants(with_jit=True)
     @given(
@@ -391,11 +400,10 @@ class PagedGradTest(chex.TestCase):
         p = make_paged(bucket, seed, np.float64, profile)
         cot = np.random.default_rng(seed + 1).normal(size=(*p.q.shape[:3], p.v_pages.shape[-1]))
 
-        def loss(q, kp, vp, table, lens, cot):  # arrays as arguments: one compile per shape
-            return jnp.sum(cot * paged_attention(q, kp, vp, table, lens, **p.options))
-
-        fn = self.variant(jax.grad(loss, argnums=(0, 1, 2)))
-        grads = fn(p.q, p.k_pages, p.v_pages, p.table, p.lens, cot)
+        fn = self.variant(_PAGED_GRAD, static_argnames=("static",))
+        grads = fn(
+            p.q, p.k_pages, p.v_pages, p.table, p.lens, cot, tuple(sorted(p.options.items()))
+        )
         dq, dk, dv = (np.asarray(g) for g in grads)
         call = p.call()
         ref = oracle.dot_product_attention_vjp(**call, cotangent=cot)
