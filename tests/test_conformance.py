@@ -41,7 +41,9 @@ from attnref.testing import (
 from . import conformance_targets as targets
 
 EXAMPLES = 5
-JAX_NN = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+# jax.nn with implementation "xla": conformance_targets' ``good``, the same object as the other
+# kit tests' (the kit's jitted programs are keyed by the function, so they are compiled once)
+JAX_NN = targets.good
 
 
 # ----------------------------------------------------------------------------- a hand kernel
@@ -96,6 +98,13 @@ def naive_kernel(
 
 
 HAND_FEATURES = ("mask", "bias", "causal", "gqa", "cross", "grad")
+
+
+@functools.cache
+def broken_kernel(bug):
+    """``naive_kernel`` with ``bug``, one object per bug: the kit's jitted programs are keyed by
+    the function, so the tests that check the same bug reuse them instead of compiling again."""
+    return functools.partial(naive_kernel, bug=bug)
 
 
 def _fails(report: ConformanceReport) -> dict[str, PropertyResult]:
@@ -210,7 +219,7 @@ def test_the_hand_kernel_itself_passes():
 @pytest.mark.parametrize("bug", sorted(BROKEN))
 def test_broken_kernel_is_caught_with_a_small_shrunk_example(bug):
     properties, catchers = BROKEN[bug]
-    fn = functools.partial(naive_kernel, bug=bug)
+    fn = broken_kernel(bug)
     report = check_attention(
         fn, features=HAND_FEATURES, properties=properties, max_examples=EXAMPLES, seed=0
     )
@@ -226,7 +235,7 @@ def test_broken_kernel_is_caught_with_a_small_shrunk_example(bug):
 
 def test_shrunk_examples_are_small():
     """Shrinking moves towards the first (smallest) bucket and the smallest logit scale."""
-    fn = functools.partial(naive_kernel, bug="no_max")
+    fn = broken_kernel("no_max")
     report = check_attention(
         fn, features=HAND_FEATURES, properties=["extreme_logits"], max_examples=EXAMPLES, seed=0
     )
@@ -237,7 +246,7 @@ def test_shrunk_examples_are_small():
 
 
 def test_failure_replays_from_its_seed():
-    fn = functools.partial(naive_kernel, bug="causal_off_by_one")
+    fn = broken_kernel("causal_off_by_one")
     first = check_attention(
         fn, features=HAND_FEATURES, properties=["causality"], max_examples=EXAMPLES, seed=7
     )
