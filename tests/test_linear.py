@@ -119,22 +119,32 @@ def _static(f):
     return tuple(n for n in f.static_argnames if n != "residual")
 
 
+def _kernel_forms(q, k, v, *, causal, chunk, **kw):
+    """Every kernel-level form that takes ``causal``, on the same arguments (``chunk`` for the
+    chunked form; ``None``: its default): ``{form id: y}``. Under jit one program for all."""
+    out = {}
+    for f in KERNEL:
+        if causal in f.causal_modes:
+            chunked = chunk is not None and "chunk_size" in f.static_argnames
+            extra = {"chunk_size": chunk} if chunked else {}
+            out[f.id] = f.native(q, k, v, causal=causal, **kw, **extra)
+    return out
+
+
 def _check_kernel_forms(p, chunk, variant):
     ref = oracle.linear_attention(p.q, p.k, p.v, **_kw(p))
     bound = tolerance.linear_error_bound(p.q, p.k, p.v, dtype=p.dtype, **_kw(p))
-    ran = 0
     for f in KERNEL:
         if p.causal not in f.causal_modes:
             with pytest.raises(ValueError, match="causal"):
                 f.native(p.q, p.k, p.v, **_kw(p))
-            continue
-        extra = {"chunk_size": chunk} if "chunk_size" in f.static_argnames else {}
-        fn = variant(f.native, static_argnames=_static(f))
-        y = np.asarray(fn(p.q, p.k, p.v, **_kw(p, **extra)))
-        assert y.dtype == p.dtype, f.id
-        assert_within_bound(y, ref, bound, label=f.id)
-        ran += 1
-    assert ran >= 2  # non-causal: quadratic, associative; causal: four forms
+    forms = variant(_kernel_forms, static_argnames=("causal", "chunk", "eps_policy"))
+    ys = forms(p.q, p.k, p.v, chunk=chunk, **_kw(p))
+    for fid, y in ys.items():
+        y = np.asarray(y)
+        assert y.dtype == p.dtype, fid
+        assert_within_bound(y, ref, bound, label=fid)
+    assert len(ys) >= 2  # non-causal: quadratic, associative; causal: four forms
 
 
 class KernelAgreementTest(chex.TestCase):
@@ -188,16 +198,26 @@ def test_multihead_forms_match_oracle(bucket, name, causal, seed, dtype, eps, po
 
 
 def test_multihead_residual_form():
+    """Every causal form with ``residual=True`` against the oracle (the forms compiled as one
+    program)."""
     p = ast.make_attention_problem(ast.WEIGHT_BUCKETS[2], "none", 4, np.float64)
     kw = dict(feature_map=attnref.linear.elu_plus_one(), causal=True)
     ref = oracle.linear_multihead(p.params, p.x_q, residual=True, **kw)
     bound = tolerance.linear_multihead_error_bound(
         p.params, p.x_q, residual=True, dtype=np.float64, **kw
     )
-    for f in LINEAR:
-        if True in f.causal_modes:
-            y = f.apply(p.params, p.x_q, residual=True, **kw)
-            assert_within_bound(y, ref, bound, label=f.id)
+    for fid, y in _residual_forms(p.params, p.x_q, kw["feature_map"]).items():
+        assert_within_bound(y, ref, bound, label=fid)
+
+
+@jax.jit
+def _residual_forms(params, x_q, fm):
+    """Every causal registry form's ``apply`` with ``residual=True``, one program."""
+    return {
+        f.id: f.apply(params, x_q, residual=True, feature_map=fm, causal=True)
+        for f in LINEAR
+        if True in f.causal_modes
+    }
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -307,7 +327,8 @@ def _jitted(fid):
 
 def _prefix_check(fn, p, extra_tokens, seed):
     """Outputs for the first T tokens are unchanged when future tokens are appended: both runs
-    are within their bounds of the same exact values (causality makes them equal)."""
+    are within their bounds of the same exact values (causality makes them equal). ``fn``
+    returns one output or ``{label: output}`` (several forms)."""
     rng = np.random.default_rng(seed)
 
     def extend(a, more=None):
@@ -318,10 +339,18 @@ def _prefix_check(fn, p, extra_tokens, seed):
     q2, k2, v2 = extend(p.q), extend(p.k, _future_keys(p, extra_tokens, rng)), extend(p.v)
     km2 = np.concatenate([p.key_mask, np.ones((*p.key_mask.shape[:-1], extra_tokens), bool)], -1)
     kw = dict(feature_map=p.fm, causal=True, eps=p.eps, eps_policy=p.eps_policy)
-    short = np.asarray(fn(p.q, p.k, p.v, key_mask=p.key_mask, **kw))
-    long = np.asarray(fn(q2, k2, v2, key_mask=km2, **kw))[..., : p.bucket.t, :, :]
+    short = fn(p.q, p.k, p.v, key_mask=p.key_mask, **kw)
+    long = fn(q2, k2, v2, key_mask=km2, **kw)
+    if not isinstance(short, dict):
+        short, long = {"": short}, {"": long}
     bound = tolerance.linear_error_bound(p.q, p.k, p.v, key_mask=p.key_mask, dtype=p.dtype, **kw)
-    assert_within_bound(long, short, 2 * bound, label="prefix outputs after appending tokens")
+    for label, y in short.items():
+        assert_within_bound(
+            np.asarray(long[label])[..., : p.bucket.t, :, :],
+            np.asarray(y),
+            2 * bound,
+            label=f"prefix outputs after appending tokens {label}",
+        )
 
 
 @scaled(0.3)
@@ -334,11 +363,15 @@ def _prefix_check(fn, p, extra_tokens, seed):
     policy=st.sampled_from(POLICIES),
 )
 def test_appending_future_tokens_never_changes_the_past(bucket, name, seed, extra, eps, policy):
-    """eps > 0 throughout: with eps = 0 a per-sequence shift would cancel and hide a leak."""
+    """eps > 0 throughout: with eps = 0 a per-sequence shift would cancel and hide a leak.
+    Every causal form (default chunk size), compiled as one program per shape."""
     p = make_kproblem(bucket, name, True, True, eps, seed, np.float64, policy)
-    for f in KERNEL:
-        if True in f.causal_modes:
-            _prefix_check(_jitted(f.id), p, extra, seed)
+    _prefix_check(_CAUSAL_FORMS, p, extra, seed)
+
+
+_CAUSAL_FORMS = jax.jit(
+    functools.partial(_kernel_forms, chunk=None), static_argnames=("causal", "eps_policy")
+)
 
 
 def test_causality_check_catches_a_sequence_wide_max():
@@ -346,8 +379,11 @@ def test_causality_check_catches_a_sequence_wide_max():
     eps > 0 the shift no longer cancels, so future keys move past outputs)."""
     p = make_kproblem(KBUCKETS[1], "favor_plus", True, False, 1e-2, 3, np.float64)
     leaky = dataclasses.replace(p, fm=_LeakyMap(p.fm))
+    leaky_quadratic = jax.jit(
+        attnref.linear.linear_quadratic, static_argnames=("causal", "eps_policy", "feature_map")
+    )  # the duck-typed map is no pytree: static
     with pytest.raises(AssertionError, match="prefix outputs"):
-        _prefix_check(attnref.linear.linear_quadratic, leaky, 3, 3)
+        _prefix_check(leaky_quadratic, leaky, 3, 3)
 
 
 class _LeakyMap:
@@ -366,6 +402,7 @@ class _LeakyMap:
 
 @pytest.mark.parametrize("fid", [f.id for f in KERNEL if True in f.causal_modes])
 def test_gradient_to_future_tokens_is_exactly_zero(fid):
+    """d y_t / d(q, k, v) is exactly 0 at every later position (the gradient compiled)."""
     p = make_kproblem(KBUCKETS[1], "favor_plus", True, False, 1e-3, 5, np.float64)
     f = attnref.get(fid)
     t = 2
@@ -374,7 +411,7 @@ def test_gradient_to_future_tokens_is_exactly_zero(fid):
         y = f.native(q, k, v, feature_map=p.fm, causal=True, key_mask=p.key_mask, eps=p.eps)
         return jnp.sum(y[..., t, :, :])
 
-    gq, gk, gv = jax.grad(out_t, argnums=(0, 1, 2))(p.q, p.k, p.v)
+    gq, gk, gv = jax.jit(jax.grad(out_t, argnums=(0, 1, 2)))(p.q, p.k, p.v)
     for g in (gq, gk, gv):
         np.testing.assert_array_equal(np.asarray(g)[..., t + 1 :, :, :], 0.0)
     assert np.abs(np.asarray(gk)[..., : t + 1, :, :]).max() > 0  # the past does matter
@@ -658,31 +695,31 @@ def test_no_allowed_key_gives_zero_output_and_finite_gradient(fid):
     def loss(q):
         return jnp.sum(f.native(q, p.k, p.v, feature_map=p.fm, causal=causal, key_mask=key_mask))
 
-    y = np.asarray(f.native(p.q, p.k, p.v, feature_map=p.fm, causal=causal, key_mask=key_mask))
+    def out_and_grad(q):  # one compiled program
+        return f.native(q, p.k, p.v, feature_map=p.fm, causal=causal, key_mask=key_mask), jax.grad(
+            loss
+        )(q)
+
+    y, g = (np.asarray(a) for a in jax.jit(out_and_grad)(p.q))
     np.testing.assert_array_equal(y[0], 0.0)
-    g = np.asarray(jax.grad(loss)(p.q))
     assert np.all(np.isfinite(g)) and np.all(g[0] == 0.0)
 
 
 def test_identity_map_near_zero_denominator_is_reproduced_not_hidden():
     """Signed features: D = phi(q).sum_j phi(k_j) can cancel. Exact cancellation gives 0 (no
     NaN); near cancellation the ratio grows like 1/D and float64 still determines it (finite
-    bound), while float32's bound is infinite there (the ratio is not determined)."""
+    bound), while float32's bound is infinite there (the ratio is not determined). The form and
+    its gradient run compiled, one program for both ``k``."""
     fm = attnref.linear.identity_features()
     q = np.array([[[1.0, 0.0]], [[1.0, 0.0]]])  # [T=2, H=1, d=2]
     for delta, expect_zero in ((0.0, True), (1e-9, False)):
         k = np.array([[[1.0, 0.5]], [[-1.0 + delta, 0.25]]])
         v = np.array([[[2.0]], [[1.0]]])
-        y = np.asarray(attnref.linear.linear_associative(q, k, v, feature_map=fm))
+        y, g = (np.asarray(a) for a in _associative_and_grad(q, k, v, fm))
         assert np.all(np.isfinite(y))
         if expect_zero:
             np.testing.assert_array_equal(y, 0.0)
-            g = jax.grad(
-                lambda q, k=k, v=v: jnp.sum(
-                    attnref.linear.linear_associative(q, k, v, feature_map=fm)
-                )
-            )(q)
-            assert np.all(np.isfinite(np.asarray(g)))
+            assert np.all(np.isfinite(g))
             continue
         ref = oracle.linear_attention(q, k, v, feature_map=fm)
         assert np.abs(ref).min() > 1e8  # ~ (2 + 1) / 1e-9
@@ -697,6 +734,16 @@ def test_identity_map_near_zero_denominator_is_reproduced_not_hidden():
             dtype=np.float32,
         )
         assert np.all(np.isinf(b32))
+
+
+@jax.jit
+def _associative_and_grad(q, k, v, fm):
+    """``linear_associative``'s output and d(sum of it)/dq."""
+
+    def total(q):
+        return jnp.sum(attnref.linear.linear_associative(q, k, v, feature_map=fm))
+
+    return attnref.linear.linear_associative(q, k, v, feature_map=fm), jax.grad(total)(q)
 
 
 # ----------------------------------------------------------------------------- bad input
