@@ -100,8 +100,8 @@ def test_correct_ring_kernels_pass_on_1_2_4_8_devices(name, properties, dtypes):
     size; the growth row of each size has its worst error / allowance below 1.
 
     A sweep over the mesh sizes: 1, 2, 4 and 8 in the ``thorough`` profile, 1 and 8 in ``ci``
-    (:data:`SWEEP`; the same lengths and head counts, the sizes 2 and 4 run in ``ci`` by the
-    broken kernels' tests below and by ``tests/test_kit_schemes.py``)."""
+    (:data:`SWEEP`; the same lengths and head counts; the sizes 2 and 4 run in ``ci`` in the
+    broken kernels' and the uneven lengths' tests below)."""
     report = check_attention(
         getattr(targets, name),
         features=FEATURES,
