@@ -62,7 +62,11 @@ def test_wrong_scale_is_caught_in_every_formulation(fid, monkeypatch):
     for name, mod in list(sys.modules.items()):  # wherever the scale is computed
         if name.startswith("attnref.") and hasattr(mod, "scale_value"):
             monkeypatch.setattr(mod, "scale_value", wrong)
-    _caught(attnref.get(fid).apply)
+    apply = attnref.get(fid).apply
+    # A fresh jitted wrapper, traced here after the patch (no program compiled before it can
+    # be reused), compiled once for the three problems of one shape: eager runs would compile
+    # every primitive and re-trace the looped forms' control flow on each call.
+    _caught(jax.jit(lambda *args, **kwargs: apply(*args, **kwargs)))
 
 
 def test_transposed_w_o_is_caught():
@@ -120,7 +124,10 @@ def test_nonfinite_leak_through_zero_times_nan_is_caught(form, monkeypatch):
         for name, identity in (("finite_part", lambda a: a), ("poison_rows", lambda d, v: v)):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, identity)
-    fn = attnref.dot_product_attention if form == "dot_product_attention" else _blockwise
+    kernel = attnref.dot_product_attention if form == "dot_product_attention" else _blockwise
+    # A fresh jitted wrapper, traced here after the patch: one compiled forward (and backward)
+    # for the clean call and the five poisoned ones, instead of every primitive run eagerly.
+    fn = jax.jit(lambda q, k, v, **kw: kernel(q, k, v, **kw), static_argnames=("is_causal",))
     with pytest.raises(AssertionError):
         check_unread_nonfinite_values(fn)
 
