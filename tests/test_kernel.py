@@ -8,6 +8,8 @@ docs/tolerances.md); no tolerance here is hand-picked.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -112,27 +114,43 @@ CAUSAL = _causal_fns()
 @pytest.mark.parametrize("name", sorted(CAUSAL))
 def test_causality_prefix_and_zero_gradient(name):
     """Appending future tokens leaves earlier outputs unchanged (within the two derived bounds),
-    and the gradient of output ``t`` with respect to every input after ``t`` is exactly zero."""
-    fn = jax.jit(CAUSAL[name])
+    and the gradient of output ``t`` with respect to every input after ``t`` is exactly zero
+    (the full call, the prefixes and the gradients compiled as one program)."""
     p = ast.make_kernel_problem(KBUCKETS[1], "causal", 11, np.float32)
-    full = np.asarray(fn(p.q, p.k, p.v), np.float64)
+    full, prefixes, all_grads = _causal_runs(p.q, p.k, p.v, name=name)
+    full = np.asarray(full, np.float64)
     bound_full, _ = p.bound()
-    for t in (1, 3, 5):
+    for t in PREFIXES:
         sub = p.replace(q=p.q[:, :t], k=p.k[:, :t], v=p.v[:, :t])
-        prefix = np.asarray(fn(sub.q, sub.k, sub.v), np.float64)
+        prefix = np.asarray(prefixes[t], np.float64)
         bound_sub, _ = sub.bound()
         assert np.all(np.abs(full[:, :t] - prefix) <= bound_full[:, :t] + bound_sub), name
-
-        def out_t(q, k, v, t=t):
-            return jnp.sum(jnp.sin(fn(q, k, v)[:, t - 1]))
-
-        grads = jax.grad(out_t, argnums=(0, 1, 2))(p.q, p.k, p.v)
+        grads = all_grads[t]
         for g, label in zip(grads, "qkv", strict=True):
             g = np.asarray(g)
             assert np.all(g[:, t:] == 0.0), f"{name}: d out[{t - 1}] / d {label}[{t}:] != 0"
             # (with one allowed key the weight is 1 whatever q and k are: only v then matters)
             if label == "v" or t > 1:
                 assert np.any(g[:, :t] != 0.0), f"{name}: gradient to the past vanished"
+
+
+PREFIXES = (1, 3, 5)
+
+
+@functools.partial(jax.jit, static_argnames=("name",))
+def _causal_runs(q, k, v, *, name):
+    """``CAUSAL[name]`` on the whole sequence and on each prefix of :data:`PREFIXES`, and the
+    gradients of ``sum(sin(out[:, t - 1]))`` for each ``t``."""
+    fn = jax.jit(CAUSAL[name])  # traced once per shape, its gradients reuse the trace
+    prefixes = {t: fn(q[:, :t], k[:, :t], v[:, :t]) for t in PREFIXES}
+    grads = {}
+    for t in PREFIXES:
+
+        def out_t(q, k, v, t=t):
+            return jnp.sum(jnp.sin(fn(q, k, v)[:, t - 1]))
+
+        grads[t] = jax.grad(out_t, argnums=(0, 1, 2))(q, k, v)
+    return fn(q, k, v), prefixes, grads
 
 
 def _padded_problem(dtype):
@@ -187,10 +205,12 @@ def test_nan_in_padding_never_reaches_output_or_gradients(name):
 def check_broadcast_patterns(fn, patterns, **extra):
     """``fn`` (a kernel) on masks and biases of the given broadcast patterns
     (:data:`attnref.strategies.BROADCAST_SHAPES`), each mask pattern paired with a bias pattern
-    (``7 i + 3 mod 16``: a permutation of all 16), against the oracle within the derived bound."""
+    (``7 i + 3 mod 16``: a permutation of all 16), against the oracle within the derived bound.
+    The calls are traced into one compiled program (one per pattern would compile each)."""
+    problems = {}
     for i, mask_pattern in enumerate(patterns):
         bias_pattern = ast.BROADCAST_SHAPES[(7 * i + 3) % 16]
-        p = ast.make_kernel_problem(
+        problems[f"mask {mask_pattern} bias {bias_pattern}"] = ast.make_kernel_problem(
             KBUCKETS[0],
             ("random", "bias"),
             40 + i,
@@ -199,8 +219,23 @@ def check_broadcast_patterns(fn, patterns, **extra):
             bias_shape=bias_pattern,
             empty_rows=True,
         )
-        out, lse = fn(p.q, p.k, p.v, return_lse=True, **p.kwargs, **extra)
-        label = f"mask {mask_pattern} bias {bias_pattern}"
+    statics = {label: p.static for label, p in problems.items()}
+
+    @jax.jit
+    def run_all(arrays):
+        return {
+            label: fn(q, k, v, return_lse=True, **kw, **statics[label], **extra)
+            for label, (q, k, v, kw) in arrays.items()
+        }
+
+    outputs = run_all(
+        {
+            label: (p.q, p.k, p.v, {k: a for k, a in p.kwargs.items() if k not in p.static})
+            for label, p in problems.items()
+        }
+    )
+    for label, p in problems.items():
+        out, lse = outputs[label]
         assert_kernel_close(out, lse, p, label, key_blocks=3 if extra else None)
 
 
@@ -209,7 +244,7 @@ def test_every_broadcast_shape_of_mask_and_bias_in_the_tiled_form():
     full or 1), each paired with a bias pattern, gives the oracle's rows in the blockwise form,
     with blocks that pad both T and S: a size-1 axis must broadcast, never be padded as data
     (issue 11, defect 1). Every kernel form draws all 16 patterns in ``kproblems`` too; this
-    test enumerates the ones that tiling can get wrong (12 compiles)."""
+    test enumerates the ones that tiling can get wrong (12 kernels, one compiled program)."""
     tiled_axis_broadcast = [pt for pt in ast.BROADCAST_SHAPES if "1" in pt[2:]]
     check_broadcast_patterns(KERNELS["blockwise"], tiled_axis_broadcast, block_q=2, block_k=3)
 
@@ -358,15 +393,12 @@ def test_agrees_with_jax_nn_where_semantics_agree():
 def test_documented_difference_from_jax_nn_on_fully_masked_rows():
     """The difference, stated: for a fully masked row jax.nn returns the mean of V (it masks with
     a large finite negative, so the softmax is uniform) and a finite lse; attnref returns zeros
-    and ``-inf`` by default, and matches jax.nn's values with ``masked_rows="uniform"``."""
+    and ``-inf`` by default, and matches jax.nn's values with ``masked_rows="uniform"`` (the
+    three calls compiled as one program)."""
     p = ast.make_kernel_problem(KBUCKETS[1], "none", 6, np.float32)
     mask = np.ones((1, 2, 6, 6), bool)
     mask[0, :, 3] = False
-    theirs, their_lse = jax.nn.dot_product_attention(
-        p.q, p.k, p.v, mask=mask, implementation="xla", return_residual=True
-    )
-    ours, our_lse = attnref.dot_product_attention(p.q, p.k, p.v, mask=mask, return_lse=True)
-    uni = attnref.dot_product_attention(p.q, p.k, p.v, mask=mask, masked_rows="uniform")
+    (theirs, their_lse), (ours, our_lse), uni = _jax_nn_and_ours(p.q, p.k, p.v, mask)
     theirs, ours, uni = (np.asarray(a, np.float64) for a in (theirs, ours, uni))
     mean_v = p.v[0].astype(np.float64).mean(0)  # [K, H_v]
     # A mean of S = 6 float32 values (sum, then divide): gamma_{S+1}(u32) max|v|, on each side.
@@ -380,6 +412,18 @@ def test_documented_difference_from_jax_nn_on_fully_masked_rows():
     live[3] = False
     bound, _ = p.bound()
     assert np.all(np.abs(ours[0, live] - theirs[0, live]) <= 2 * bound[0, live])
+
+
+@jax.jit
+def _jax_nn_and_ours(q, k, v, mask):
+    """jax.nn's output and lse, attnref's (default policy), attnref's under ``"uniform"``."""
+    return (
+        jax.nn.dot_product_attention(
+            q, k, v, mask=mask, implementation="xla", return_residual=True
+        ),
+        attnref.dot_product_attention(q, k, v, mask=mask, return_lse=True),
+        attnref.dot_product_attention(q, k, v, mask=mask, masked_rows="uniform"),
+    )
 
 
 # ----------------------------------------------------------------------------- ALiBi, errors
