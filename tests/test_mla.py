@@ -146,15 +146,18 @@ def _no_kv_positions(kw):
 
 
 def _all_forms(variant, prob: Problem, dtype) -> dict[str, np.ndarray]:
-    """Both forms from tokens, and both from the cache that ``mla_latent_cache`` builds."""
+    """Both forms from tokens, and both from the cache that ``mla_latent_cache`` builds (under
+    jit one program for the four)."""
     p, xq, xkv = prob.cast(dtype)
-    out = {}
-    for name, f in FORMS.items():
-        out[name] = np.asarray(variant(f, static_argnames=STATIC)(p, xq, xkv, **prob.kw))
-    cache = CACHE(p, xkv, positions_kv=prob.kw["positions_kv"], convention=prob.kw["convention"])
+    out = variant(_forms_and_cache_forms, static_argnames=STATIC)(p, xq, xkv, **prob.kw)
+    return {name: np.asarray(y) for name, y in out.items()}
+
+
+def _forms_and_cache_forms(p, xq, xkv, **kw):
+    out = {name: f(p, xq, xkv, **kw) for name, f in FORMS.items()}
+    cache = CACHE(p, xkv, positions_kv=kw["positions_kv"], convention=kw["convention"])
     for name, f in CACHE_FORMS.items():
-        fn = variant(f, static_argnames=STATIC)
-        out["cache_" + name] = np.asarray(fn(p, xq, cache, **_no_kv_positions(prob.kw)))
+        out["cache_" + name] = f(p, xq, cache, **_no_kv_positions(kw))
     return out
 
 
@@ -190,9 +193,14 @@ def test_residual_and_explicit_scale():
     for kw in (dict(residual=True), dict(scale=0.3)):
         ref = oracle.mla_attention(p, xq, xkv, **prob.kw, **kw)
         bound = tolerance.mla_attention_error_bound(p, xq, xkv, dtype=np.float32, **prob.kw, **kw)
-        for name, f in FORMS.items():
-            y = f(p, xq, xkv, **prob.kw, **kw)  # eager: scale is a Python number
+        for name, y in _token_forms(p, xq, xkv, **prob.kw, **kw).items():
             assert_within_bound(y, ref, bound, label=f"{name} {kw}")
+
+
+@functools.partial(jax.jit, static_argnames=(*STATIC, "scale"))  # scale a Python number
+def _token_forms(p, xq, xkv, **kw):
+    """Both forms from tokens, one program."""
+    return {name: f(p, xq, xkv, **kw) for name, f in FORMS.items()}
 
 
 # ----------------------------------------------------------------------------- (2) anchors
