@@ -72,7 +72,9 @@ def compiled(fn: Callable[..., Any], *args: Any) -> Any:
     caller's trace (``jit``, ``grad``, ``vmap``) it is inlined: the caller's program is the same
     as without it. Validation, including :func:`~attnref._src.core.checked.require`'s eager
     value checks, runs before it, on the caller's concrete arrays. An unhashable static leaf
-    falls back to calling ``fn`` directly.
+    falls back to calling ``fn`` directly. Programs are cached by ``fn`` and the static leaves:
+    code that patches attnref's internals at run time (a mutation test) calls
+    ``jax.clear_caches()`` before and after.
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
     mask = tuple(traced(leaf) for leaf in leaves)
