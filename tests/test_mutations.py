@@ -40,6 +40,16 @@ COMMON = inspect.getmodule(STANDARD.project)  # the shared row-form preparation
 SQUARE = ast.Config(batch=(2,), t=5, s=5, n=2, k=2, h=4, h_v=4, d_model=8)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_programs():
+    """Each public function compiles one program per shapes and options and reuses it
+    (``jax.jit``'s caches): a mutant patched into attnref's internals must be traced afresh, and
+    its program must not outlive the test. ``jax.clear_caches`` before and after each test."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 def _problems(kind):
     return [ast.make_attention_problem(SQUARE, kind, seed, np.float32) for seed in range(3)]
 

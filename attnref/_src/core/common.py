@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
@@ -25,6 +26,9 @@ from attnref._src.core.nonfinite import (
 from attnref._src.core.params import AttentionParams, repeat_heads
 
 
+# Pytrees (every field a child): :func:`attnref._src.core.entry.compiled` traces their arrays
+# and keeps the rest (shapes, flags) static.
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Validated row-convention inputs (built by :func:`prepare_rows`, the one validation of a
@@ -80,6 +84,7 @@ class Prepared:
         )
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Call:
     """A formula's validated arguments, in its order, and its dirty rows: what the ``prepare`` of

@@ -7,7 +7,8 @@ A formulation is a pure function of validated, finite inputs; it checks and guar
     out = inputs.run(formula)                      # the formula, on the finite parts
     return poison_rows(inputs.dirty_rows(), out)   # NaN on rows that read a non-finite value
 
-inside :func:`~attnref._src.core.checks.float64_scoped`. A :class:`Level` declares a signature
+inside :func:`~attnref._src.core.checks.float64_scoped`, the last two lines as one compiled
+program (:func:`compiled`) when the inputs are a pytree. A :class:`Level` declares a signature
 once: its ``prepare`` (the signature and the validation) and its Args text. The row level
 (:data:`ROWS`, :data:`ROW_PROBES`) is defined in :mod:`attnref._src.core.common`; the column,
 kernel and linear levels live next to their formulations.
@@ -16,10 +17,13 @@ kernel and linear levels live next to their formulations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import jax
+import numpy as np
 from jaxtyping import Array
 
 from attnref._src.core.checks import float64_scoped
@@ -52,6 +56,50 @@ def guard(inputs: Guardable, formula: Callable[..., Any], heads: bool = False) -
     return poison_rows(dirty, inputs.run(formula))
 
 
+def traced(leaf: Any) -> bool:
+    """Whether :func:`compiled` traces a leaf: arrays and NumPy scalars. Python numbers (a
+    caller's ``scale``), strings, dtypes, specs and functions stay static: the formula sees them
+    exactly as an eager call does."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` as one compiled program: what a public function computes after validating.
+
+    ``jax.jit`` with the array leaves of ``args`` traced and every other leaf static (part of
+    the program's key), so an eager call compiles one program per shapes and options, reused,
+    instead of dispatching each operation on its own (dozens of small compilations). Inside a
+    caller's trace (``jit``, ``grad``, ``vmap``) it is inlined: the caller's program is the same
+    as without it. Validation, including :func:`~attnref._src.core.checked.require`'s eager
+    value checks, runs before it, on the caller's concrete arrays. An unhashable static leaf
+    falls back to calling ``fn`` directly. Programs are cached by ``fn`` and the static leaves:
+    code that patches attnref's internals at run time (a mutation test) calls
+    ``jax.clear_caches()`` before and after.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    mask = tuple(traced(leaf) for leaf in leaves)
+    static = tuple(None if t else leaf for t, leaf in zip(mask, leaves, strict=True))
+    try:
+        hash(static)
+    except TypeError:
+        return fn(*args)
+    dynamic = [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
+    return _program(fn, tree, mask, static, *dynamic)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
+def _program(
+    fn: Callable[..., Any],
+    tree: Any,
+    mask: tuple[bool, ...],
+    static: tuple[Any, ...],
+    *dynamic: Any,
+) -> Any:
+    it = iter(dynamic)
+    leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
+    return fn(*jax.tree_util.tree_unflatten(tree, leaves))
+
+
 @dataclasses.dataclass(frozen=True)
 class Level:
     """One calling convention: ``prepare`` has the public signature and validates a call into
@@ -77,7 +125,7 @@ def public(
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return guard(level.prepare(*args, **kwargs), formula, heads)
+        return compiled(guard, level.prepare(*args, **kwargs), formula, heads)
 
     fn: Any = float64_scoped(call)
     del fn.__wrapped__  # the signature is the level's, not ``call``'s

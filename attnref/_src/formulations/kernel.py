@@ -66,7 +66,7 @@ from attnref._src.core.common import (
     residual_or,
     row_args,
 )
-from attnref._src.core.entry import Level, guard, public
+from attnref._src.core.entry import Level, compiled, guard, public
 from attnref._src.core.nonfinite import finite_bias, finite_part, nonfinite_rows
 from attnref._src.formulations.kernel_spec import CAUSAL_ALIGNMENTS as CAUSAL_ALIGNMENTS
 from attnref._src.formulations.kernel_spec import (
@@ -400,6 +400,19 @@ class Option:
     doc: str
 
 
+def scheduled(
+    schedule: Callable[..., tuple[Array, Array]],
+    spec: KernelSpec,
+    inputs: KernelInputs,
+    return_lse: bool,
+    scale: Any,
+    extras: dict[str, Any],
+) -> Any:
+    """``schedule`` on one validated call: ``o``, or ``(o, lse)`` with ``return_lse``."""
+    out, lse = schedule(KernelCall(spec, inputs, return_lse, scale), **extras)
+    return (out, lse) if return_lse else out
+
+
 def kernel_public(
     schedule: Callable[..., tuple[Array, Array]],
     *,
@@ -412,13 +425,16 @@ def kernel_public(
     type_errors: str = "",
     formula: Callable[..., Any] | None = None,
     refuses: Sequence[str] = (),
+    compile: bool = True,
 ) -> Callable[..., Any]:
     """The public kernel ``name``: :func:`prepare`'s signature (the ``options`` after ``mask``),
     float64-scoped; validates (``check(**options)`` first, then :func:`prepare`) and returns
     ``schedule(call, **options)``, ``o`` or ``(o, lse)``. Its docstring is ``summary`` and
     :data:`KERNEL_ARGS` with the options' lines and the extra ``returns``/raises text.
     ``refuses``: options of :func:`prepare` this schedule does not implement; given a value
-    other than their default, they are refused (``NotImplementedError``), never ignored."""
+    other than their default, they are refused (``NotImplementedError``), never ignored.
+    ``compile``: run the schedule as one compiled program (:func:`~attnref._src.core.entry.
+    compiled`); ``False`` for a schedule that compiles its own."""
     params = list(inspect.signature(prepare).parameters.values())
     kw = inspect.Parameter.KEYWORD_ONLY
     extra = [
@@ -439,10 +455,11 @@ def kernel_public(
                 )
         if check is not None:
             check(**extras)
-        call = KernelCall(*prepare(**given))
-        require_lengths_in_range(call.spec, call.inputs)
-        out, lse = schedule(call, **extras)
-        return (out, lse) if call.return_lse else out
+        spec, inputs, return_lse, scale = prepare(**given)
+        require_lengths_in_range(spec, inputs)
+        if not compile:
+            return scheduled(schedule, spec, inputs, return_lse, scale, extras)
+        return compiled(scheduled, schedule, spec, inputs, return_lse, scale, extras)
 
     fn: Any = float64_scoped(kernel)
     fn.__wrapped__ = prepare  # the annotated signature (the suite's jaxtyping hook checks it)

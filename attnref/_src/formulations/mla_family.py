@@ -160,6 +160,7 @@ def to_attention_params(params: MLAParams) -> AttentionParams:
 # ----------------------------------------------------------------------------- the levels
 
 
+@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class MLAInputs:
     """Validated inputs of one MLA call (``x_kv``: tokens, or the latent cache): what

@@ -41,6 +41,7 @@ import dataclasses
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -125,6 +126,7 @@ def table_ok(
     return ~jnp.any(bad, axis=1), lens_ok
 
 
+@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class PagedCall:
     """One validated call: the arrays, the kernel's options, and which batch rows are valid."""

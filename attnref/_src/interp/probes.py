@@ -37,6 +37,7 @@ from jaxtyping import Array, Float
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import ROW_PROBES, Prepared, add_output_bias
+from attnref._src.core.entry import compiled
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
@@ -54,7 +55,7 @@ def _probe(summary: str, returns: str) -> Callable[[Callable[..., Any]], Any]:
     def wrap(fn: Callable[..., Any]) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             rows: Any = ROW_PROBES.prepare(*args, **kwargs)
-            return fn(rows.params, rows)
+            return compiled(fn, rows.params, rows)
 
         out: Any = float64_scoped(call)
         del out.__wrapped__  # the signature is the level's

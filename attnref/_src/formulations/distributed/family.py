@@ -211,6 +211,7 @@ def mesh_kernel(
         summary=summary,
         options=(_MESH, axis_name),
         refuses=("sinks", "sink_tokens", "dropout_mask", "dropout_rate"),
+        compile=False,  # the scheme jits its own program, a concrete scale static in its key
         returns=returns,
         value_errors="; if ``axis_name`` is not an axis of ``mesh`` (or is ``None`` for a "
         "mesh with several axes)" + value_errors,

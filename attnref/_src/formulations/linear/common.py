@@ -25,6 +25,7 @@ EPS_POLICIES = ("add", "clamp")
 Form = Callable[..., Array]  # a kernel-level form: (q, k, v, o: Options) -> y
 
 
+@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The validated options of one call: what every form reads besides ``q``, ``k``, ``v``.
@@ -218,6 +219,7 @@ def finite_or_same(a: Array) -> Array:
     return finite_part(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a
 
 
+@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
     """Validated kernel-level inputs ``q, k, v [..., T, H, d]``: ``run(form)`` is
@@ -239,6 +241,7 @@ class KernelCall:
         return dirty_rows(nonfinite_rows(self.q), bad_kv, o.key_mask, o.causal, False, -2)
 
 
+@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class RowCall:
     """Validated multi-head inputs ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``:
