@@ -50,3 +50,9 @@ def check_formulation(
     ref, bound = expected(p)
     assert_within_bound(y, ref, bound, label=label)
     return y
+
+
+def thorough() -> bool:
+    """Whether the ``thorough`` Hypothesis profile is loaded (``tests/conftest.py``): a sweep runs
+    in full there and on its end sizes in ``ci`` and ``dev``."""
+    return settings.get_current_profile_name() == "thorough"

@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import settings
 
 from attnref.cli import main
 from attnref.conformance import DISTRIBUTED_PROPERTIES, Options
@@ -51,6 +50,7 @@ from attnref.testing import (
 )
 
 from . import conformance_targets as targets
+from .helpers import thorough
 
 pytest_plugins = ["pytester"]
 
@@ -58,7 +58,7 @@ DEVICES = (1, 2, 4, 8)
 # The correct kernels' sweep: every size in the ``thorough`` profile; in ``ci`` (and ``dev``) the
 # sizes that bracket it, one device (no merge) and eight (the most merges), whose lengths
 # (2 lcm = 16 times the buckets') and head counts are the full sweep's, so each is one of its runs.
-SWEEP = DEVICES if settings._current_profile == "thorough" else (1, 8)
+SWEEP = DEVICES if thorough() else (1, 8)
 EXAMPLES = 2
 FEATURES = ("causal", "lse")
 GROWTH = "ring_size_growth"
@@ -287,7 +287,7 @@ def test_attnref_zigzag_pads_inside_and_computes_the_exact_answer():
 
     A sweep over the mesh sizes: 1, 2 and 4 in the ``thorough`` profile, 1 and 4 in ``ci``
     (the same buckets: lengths times 2 lcm = 8)."""
-    sweep = (1, 2, 4) if settings._current_profile == "thorough" else (1, 4)
+    sweep = (1, 2, 4) if thorough() else (1, 4)
     seen = set()
 
     def spy(query, key, value, *, mesh, **kw):

@@ -15,18 +15,19 @@ import math
 
 import jax
 import pytest
-from hypothesis import settings
 
 import attnref.distributed
 from attnref.conformance import Context, Target, mesh_contexts
 from attnref.testing import check_attention
+
+from .helpers import thorough
 
 SCHEMES = ("ring", "striped", "zigzag", "all_gather", "ulysses", "tensor_parallel")
 DEVICES = (2, 4, 8)
 # The sweep over mesh sizes: every size in the ``thorough`` profile; in ``ci`` (and ``dev``) the
 # smallest and the largest, whose buckets are the full sweep's (lengths times 2 lcm = 16, K/V
 # heads 8), so each is one of its runs.
-SWEEP = DEVICES if settings._current_profile == "thorough" else (2, 8)
+SWEEP = DEVICES if thorough() else (2, 8)
 PROPERTIES = ("oracle", "ring_size_growth")
 EXAMPLES = 1
 
