@@ -24,8 +24,6 @@ the exact answer.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
@@ -62,12 +60,10 @@ def _rows(a: Array | None, t_pad: int, devices: int, fill: float) -> Array | Non
     return to_layout(a, 2, t_pad, devices, LAYOUT, fill)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _all_gather(
     mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
-    """Zigzag layout, gather K/V, local queries against every key; ``(o, lse)`` global.
-    Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    """Zigzag layout, gather K/V, local queries against every key; ``(o, lse)`` global."""
     spec, scale, mesh, axis, devices = mesh_run
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
 

@@ -167,10 +167,12 @@ class MeshRun:
 def mesh_schedule(
     program: Callable[..., tuple[Array, Array]], heads: str | None = None
 ) -> Callable[..., tuple[Array, Array]]:
-    """The schedule of a scheme whose jitted ``shard_map`` program takes ``(run: MeshRun,
-    inputs, traced_scale)``: the mesh axis resolved (and, for a head-parallel scheme named
-    ``heads``, its size checked against ``N``), the caller's scale split into a static and a
-    traced part (:func:`split_scale`)."""
+    """The schedule of a scheme whose ``shard_map`` program takes ``(run: MeshRun, inputs,
+    traced_scale)``: the mesh axis resolved (and, for a head-parallel scheme named ``heads``,
+    its size checked against ``N``), the caller's scale split into a static and a traced part
+    (:func:`split_scale`). The program is jitted here, ``run`` static (a ``shard_map`` run
+    eagerly dispatches every operation on its own)."""
+    jitted = jax.jit(program, static_argnums=0)
 
     def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
         axis, devices = mesh_axis(mesh, axis_name)
@@ -178,7 +180,7 @@ def mesh_schedule(
             query = f"query {tuple(call.inputs.q.shape)}"
             check_heads(call.spec.n, devices, axis, heads, query)
         static, traced = split_scale(call.scale)
-        return program(MeshRun(call.spec, static, mesh, axis, devices), call.inputs, traced)
+        return jitted(MeshRun(call.spec, static, mesh, axis, devices), call.inputs, traced)
 
     schedule.__module__ = program.__module__
     return schedule

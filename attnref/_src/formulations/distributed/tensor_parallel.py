@@ -21,7 +21,7 @@ evenly and each device holds the copies its query heads read. ``P`` must divide 
 that cannot keep every query head whole on one device is refused (``ValueError``).
 
 The head-splitting helpers here (:func:`check_heads`, :func:`kv_repeats`, :func:`head_spec`,
-:func:`local_attention`) are shared with Ulysses
+:func:`head_specs`, :func:`local_attention`) are shared with Ulysses
 (:mod:`attnref._src.formulations.distributed.ulysses`), which splits the heads the same way after
 its all-to-all. Gradients are autodiff (the transpose of a
 ``psum`` is a broadcast).
@@ -92,6 +92,17 @@ def head_spec(a: Array | None, axis_name: str, head_axis: int = 1) -> Spec:
     return Spec(*([None] * head_axis), axis_name)
 
 
+def head_specs(args: dict[str, Array], qkv: Spec, axis_name: str) -> dict[str, Spec]:
+    """The ``shard_map`` specs of a head-splitting scheme's arguments (:func:`mesh_args`):
+    ``q``, ``k``, ``v`` as ``qkv``, a mask or bias by :func:`head_spec`, the rest replicated."""
+    specs = {name: Spec() for name in args}
+    specs.update(q=qkv, k=qkv, v=qkv)
+    for name in ("bias", "mask"):
+        if name in args:
+            specs[name] = head_spec(args[name], axis_name)
+    return specs
+
+
 def local_attention(
     spec: KernelSpec, a: dict[str, Array], scale: float | None, masked_rows: str, **arrays: Array
 ) -> tuple[Float[Array, "B T n H_v"], Float[Array, "B T n"]]:
@@ -122,21 +133,15 @@ def local_attention(
 # ----------------------------------------------------------------------------- kernel level
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _sharded(
     mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
-    """The kernel on ``N/P`` query heads per device; ``(o, lse)`` global, natural head order.
-    Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    """The kernel on ``N/P`` query heads per device; ``(o, lse)`` global, natural head order."""
     spec, scale, mesh, axis, devices = mesh_run
     r = kv_repeats(spec.n, spec.k, devices)
     heads = Spec(None, None, axis)
     args = mesh_args(inputs, traced_scale, k=repeat_kv(inputs.k, r), v=repeat_kv(inputs.v, r))
-    specs = {name: Spec() for name in args}
-    specs.update(q=heads, k=heads, v=heads)
-    for name in ("bias", "mask"):
-        if name in args:
-            specs[name] = head_spec(args[name], axis)
+    specs = head_specs(args, heads, axis)
 
     def body(a: dict[str, Array]) -> tuple[Array, Array]:
         return local_attention(spec, a, scale, spec.masked_rows)
@@ -257,7 +262,6 @@ register(
         ),
         apply=tensor_parallel_attention,
         native=tensor_parallel_dot_product_attention,
-        formula=head_parallel_rows,
         summary=(
             "Each device projects and attends with its own H/P heads (K/V heads repeated when P "
             "does not divide them) and writes its partial sum of o_n W_O[n]; one psum "

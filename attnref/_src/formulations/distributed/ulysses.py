@@ -28,7 +28,6 @@ autodiff (the transpose of an all-to-all is the reverse all-to-all).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -48,7 +47,7 @@ from attnref._src.formulations.distributed.family import (
 )
 from attnref._src.formulations.distributed.layout import padded_length
 from attnref._src.formulations.distributed.tensor_parallel import (
-    head_spec,
+    head_specs,
     kv_repeats,
     local_attention,
     repeat_kv,
@@ -90,12 +89,10 @@ def _uniform_rows(
     return jnp.where(dead[..., None], mean.astype(o.dtype), o)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _ulysses(
     mesh_run: MeshRun, inputs: KernelInputs, traced_scale: Array | None
 ) -> tuple[Array, Array]:
-    """Pad, all-to-all to heads, attend, all-to-all back; ``(o, lse)`` global, unpadded.
-    Jitted (a ``shard_map`` run eagerly dispatches every operation on its own)."""
+    """Pad, all-to-all to heads, attend, all-to-all back; ``(o, lse)`` global, unpadded."""
     spec, scale, mesh, axis, devices = mesh_run
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
     r = kv_repeats(spec.n, spec.k, devices)
@@ -114,11 +111,7 @@ def _ulysses(
         kv_seg=None if inputs.kv_seg is None else pad_axis(inputs.kv_seg, 1, s_pad),
     )
     seq = Spec(None, axis)
-    specs = {name: Spec() for name in args}
-    specs.update(q=seq, k=seq, v=seq)
-    for name in ("bias", "mask"):
-        if name in args:
-            specs[name] = head_spec(args[name], axis)
+    specs = head_specs(args, seq, axis)
     uniform = spec.masked_rows == "uniform"
     k_local = spec.k * r // devices
 
