@@ -397,7 +397,6 @@ register(
             "Models from Multi-Head Checkpoints, EMNLP."
         ),
         apply=kv_cache_attention,
-        formula=kv_cache,
         native=cache_attend,
         summary=(
             "Keys and values projected once into a cache (slots with absolute positions), then a "

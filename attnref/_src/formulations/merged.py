@@ -211,7 +211,6 @@ register(
         convention="row",
         citation="Messages: " + HIDDEN_MESSAGES + ", which introduces them; " + REFACTOR,
         apply=scores_messages_attention,
-        formula=scores_messages,
         native=scores_messages_attention,
         summary="Value and output projections merged into a d_model x d_model message matrix.",
         cost=(
@@ -236,7 +235,6 @@ register(
         convention="row",
         citation=REFACTOR,
         apply=patterns_messages_attention,
-        formula=patterns_messages,
         native=patterns_messages_attention,
         summary="Query and key projections merged into a pattern matrix; scale stays 1/sqrt(d_k).",
         cost=(

@@ -446,7 +446,6 @@ register(
         citation=ROFORMER,
         apply=rope_attention,
         native=rope_attention,
-        formula=rope,
         summary=(
             "Queries and keys rotated pairwise by position-dependent angles (rotate-half or "
             "interleaved pairs); values untouched."
@@ -470,7 +469,6 @@ register(
         citation=ROFORMER + " Pattern view: " + REFACTOR,
         apply=rope_patterns_attention,
         native=rope_patterns_attention,
-        formula=rope_patterns,
         summary=(
             "The pattern matrix becomes a function of the offset m - n: one d_model x d_model "
             "W_P per distinct offset, gathered per (query, key) pair."

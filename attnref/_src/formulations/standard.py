@@ -168,7 +168,6 @@ register(
         convention="row",
         citation=VASWANI,
         apply=concat_attention,
-        formula=concat,
         native=concat_attention,
         summary="The textbook form: heads concatenated along features, one stacked output matrix.",
         cost=(
@@ -197,7 +196,6 @@ register(
             + REFACTOR
         ),
         apply=per_head_sum_attention,
-        formula=per_head_sum,
         native=per_head_sum_attention,
         summary=(
             "W_O split into per-head blocks; each head writes to model space and the writes add."

@@ -153,7 +153,6 @@ register(
             "O(n^2) Memory, arXiv:2112.05682 (attention as a reduction over keys)."
         ),
         apply=state_merge_attention,
-        formula=state_merge,
         native=state_merge_attention,
         summary=(
             "Each key is a state (v_j, s_ij); attention is their merge, done pairwise in a "

@@ -300,7 +300,6 @@ register_linear(
     convention="row",
     citation=KATHAROPOULOS + " Messages view: " + REFACTOR,
     apply=multihead.linear_messages_attention,
-    formula=multihead.messages,
     native=multihead.linear_messages_attention,
     summary="The normalised linear attention matrix of each head times its messages X W_M.",
     cost=(
