@@ -32,7 +32,7 @@ from attnref._src.formulations.rope_family import (
     Rotary,
     check_base,
     check_convention,
-    check_positions,
+    rotary,
 )
 from attnref.oracle._mla import MLADims, check_mla_params, check_mla_tokens
 
@@ -214,14 +214,9 @@ def _prepare(
     batch, t_q, t_k = check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
-    for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
-        if pos is not None:
-            check_positions(name, pos, batch, t)
+    rot = rotary(positions_q, positions_kv, batch, t_q, t_k, b, conv)
     xq = jnp.asarray(x_q)
     value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
-    # Default positions 0 .. T - 1 are NumPy constants (static under jit).
-    pos_q = np.arange(t_q) if positions_q is None else positions_q
-    pos_k = np.arange(t_k) if positions_kv is None else positions_kv
     return MLAInputs(
         params=params,
         x_q=xq,
@@ -230,7 +225,7 @@ def _prepare(
         bias=None if bias is None else jnp.asarray(bias).astype(xq.dtype),
         scale=jnp.asarray(value, dtype=xq.dtype),
         residual=bool(residual),
-        rot=Rotary(pos_q, pos_k, b, conv),
+        rot=rot,
     )
 
 

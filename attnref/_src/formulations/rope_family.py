@@ -202,6 +202,26 @@ class RopeInputs:
         return self.rows.dirty_rows()
 
 
+def rotary(
+    positions_q: Any,
+    positions_kv: Any,
+    batch: tuple[int, ...],
+    t_q: int,
+    t_k: int,
+    base: float,
+    convention: str,
+) -> Rotary:
+    """The rotation of a call on ``batch`` with ``t_q`` queries and ``t_k`` keys: its positions
+    checked (``None``: ``arange(T)``, NumPy constants, so the offsets stay static under jit),
+    with the checked ``base`` and ``convention``."""
+    for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
+        if pos is not None:
+            check_positions(name, pos, batch, t)
+    pos_q = np.arange(t_q) if positions_q is None else positions_q
+    pos_k = np.arange(t_k) if positions_kv is None else positions_kv
+    return Rotary(pos_q, pos_k, base, convention)
+
+
 def prepare_rope(
     params: AttentionParams,
     x_q: Float[ArrayLike, "... T_q d_model"],
@@ -222,16 +242,8 @@ def prepare_rope(
     b = check_base(base)
     rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
     check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")
-    for name, pos, t in (
-        ("positions_q", positions_q, rows.t_q),
-        ("positions_kv", positions_kv, rows.t_k),
-    ):
-        if pos is not None:
-            check_positions(name, pos, rows.batch_shape, t)
-    # Default positions 0 .. T - 1 are NumPy constants, so the offsets stay static under jit.
-    pos_q = np.arange(rows.t_q) if positions_q is None else positions_q
-    pos_k = np.arange(rows.t_k) if positions_kv is None else positions_kv
-    return RopeInputs(rows, Rotary(pos_q, pos_k, b, conv))
+    positions = (positions_q, positions_kv, rows.batch_shape, rows.t_q, rows.t_k)
+    return RopeInputs(rows, rotary(*positions, b, conv))
 
 
 # The multi-head RoPE level: formulas take ``(params, x_q, x_kv, mask, bias, scale, residual,
