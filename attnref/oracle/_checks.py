@@ -15,7 +15,7 @@ default scale ``1/sqrt(H)`` is undefined.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -252,26 +252,17 @@ def check_segments(
 
 
 def check_options(
-    shape: tuple[int, int, int, int],
-    bias: Any,
-    mask: Any,
-    *,
-    is_causal: Any = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    causal_alignment: Any = "top_left",
-    sink_tokens: Any = 0,
+    shape: tuple[int, int, int, int], bias: Any, mask: Any, options: Mapping[str, Any]
 ) -> tuple[Any, ...]:
-    """The checks of the allowed-set options for ``shape = (B, N, T, S)``.
+    """The checks of the allowed-set options (``options``, by the names of
+    :func:`attnref.dot_product_attention`'s arguments) for ``shape = (B, N, T, S)``.
 
     Returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window, alignment, is_causal,
     sink_tokens)`` with mask and bias broadcast to ``shape``.
     """
     b, _, t, s = shape
-    alignment = check_alignment(causal_alignment)
-    causal = check_flag("is_causal", is_causal)
+    alignment = check_alignment(options["causal_alignment"])
+    causal = check_flag("is_causal", options["is_causal"])
     for name, arr in (("bias", bias), ("mask", mask)):
         if arr is not None and np.ndim(arr) != 4:
             raise ValueError(
@@ -279,11 +270,11 @@ def check_options(
                 f"{shape_of(arr)}"
             )
     m, bs = check_mask_and_bias(mask, bias, shape, "[B, N, T, S]")
-    q_lens = check_ints("query_seq_lengths", query_seq_lengths, (b,), t)
-    kv_lens = check_ints("key_value_seq_lengths", key_value_seq_lengths, (b,), s)
-    q_seg, kv_seg = check_segments(segment_ids, b, t, s)
-    window = check_window(local_window_size)
-    n_sink, _ = check_production(shape, window, sink_tokens=sink_tokens)
+    q_lens = check_ints("query_seq_lengths", options["query_seq_lengths"], (b,), t)
+    kv_lens = check_ints("key_value_seq_lengths", options["key_value_seq_lengths"], (b,), s)
+    q_seg, kv_seg = check_segments(options["segment_ids"], b, t, s)
+    window = check_window(options["local_window_size"])
+    n_sink, _ = check_production(shape, window, sink_tokens=options["sink_tokens"])
     return m, bs, q_lens, kv_lens, q_seg, kv_seg, window, alignment, causal, n_sink
 
 

@@ -233,10 +233,17 @@ def linear_options(
 LINEAR_OPTIONS = tuple(inspect.signature(linear_options).parameters)
 
 
-def retemplate(template: Callable[..., Any], **defaults: Any) -> Callable[..., None]:
-    """``template`` with other ``defaults``: a template for :func:`signed`."""
+def retemplate(
+    template: Callable[..., Any], only: tuple[str, ...] | None = None, **defaults: Any
+) -> Callable[..., None]:
+    """``template`` with other ``defaults`` (and only the parameters named in ``only``, in the
+    template's order): a template for :func:`signed`."""
     sig = inspect.signature(template)
-    params = [p.replace(default=defaults.get(p.name, p.default)) for p in sig.parameters.values()]
+    params = [
+        p.replace(default=defaults.get(p.name, p.default))
+        for p in sig.parameters.values()
+        if only is None or p.name in only
+    ]
 
     def retemplated(*args: Any, **kwargs: Any) -> None:
         """A template (never called)."""

@@ -34,26 +34,18 @@ from ._checks import (
     check_method,
     check_options,
 )
-from ._doc import KERNEL, KERNEL_RAISES, doc, signed
+from ._doc import KERNEL, KERNEL_RAISES, doc, retemplate, signed
 from ._kernel_call import OPTIONS, KernelCall, call_allowed, kernel_call, parse, pick
 from ._kernel_fast import forward
 
 
+def allowed_shape(shape: tuple[int, int, int, int]) -> None:
+    """The grid ``(B, N, T, S)`` of :func:`kernel_allowed`: a template for :func:`signed`."""
+
+
 @doc(KERNEL)
-def kernel_allowed(
-    shape: tuple[int, int, int, int],
-    bias: Any = None,
-    mask: Any = None,
-    *,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: Any = None,
-    segment_ids: Any = None,
-    causal_alignment: str = "top_left",
-    sink_tokens: int = 0,
-    method: str = "fast",
-) -> np.ndarray:
+@signed(allowed_shape, retemplate(kernel_call, only=("bias", "mask", *OPTIONS)))
+def kernel_allowed(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
     """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (only ``bias``'s ``-inf``
     entries matter here).
 
@@ -69,7 +61,7 @@ def kernel_allowed(
             :func:`attnref.dot_product_attention`.
         TypeError: For an option refused with ``TypeError`` there.
     """
-    options = pick(locals(), OPTIONS)
+    shape, bias, mask, options = call["shape"], call["bias"], call["mask"], pick(call, OPTIONS)
     check_method(method)
     full = check_allowed_shape(shape)
     b_size, n_heads, t, s = full
@@ -77,7 +69,7 @@ def kernel_allowed(
         kv = np.zeros((b_size, s, n_heads, 1))
         return call_allowed(parse(np.zeros((b_size, t, n_heads, 1)), kv, kv, bias, mask, **options))
     mask_f, bias_f, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = (
-        check_options(full, bias, mask, **options)
+        check_options(full, bias, mask, options)
     )
     q_len = np.full(b_size, t) if q_lens is None else q_lens
     kv_len = np.full(b_size, s) if kv_lens is None else kv_lens

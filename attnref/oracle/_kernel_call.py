@@ -124,7 +124,7 @@ def parse(call: dict[str, Any]) -> KernelCall:
         query, key, value, **pick(call, ("scale", "softcap", "masked_rows"))
     )
     m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = check_options(
-        (b, n, t, s), bias, mask, **pick(call, OPTIONS)
+        (b, n, t, s), bias, mask, pick(call, OPTIONS)
     )
     _, rate = check_production(
         (b, n, t, s), window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=rate

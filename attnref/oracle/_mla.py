@@ -170,16 +170,14 @@ def mla_weights(params: Any) -> dict[str, Any]:
     return {name: None if w is None else np.asarray(w, np.float64) for name, w in get.items()}
 
 
-def mla_qkv(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
-    *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    base: float = 10000.0,
-    convention: str = "interleaved",
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+# The inputs of MLA (:func:`mla_attention` and its bound): RoPE's, with DeepSeek's convention.
+mla_call = retemplate(rope_call, convention="interleaved")
+# Those that give its queries, keys and values (:func:`mla_qkv`).
+QKV = ("params", "x_q", "x_kv", "positions_q", "positions_kv", "base", "convention")
+
+
+@signed(retemplate(mla_call, only=QKV))
+def mla_qkv(call: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The decompressed per-head queries, keys and values of MLA in float64, in the kernel layout
     of ``attnref.oracle.dot_product_attention``: ``q [..., T_q, H, d_nope + d_rope]``,
     ``k [..., T_k, H, d_nope + d_rope]`` (``k_rope`` repeated for every head), ``v [..., T_k, H,
@@ -190,6 +188,7 @@ def mla_qkv(
     Raises:
         ValueError, TypeError: As :func:`mla_attention`.
     """
+    params, x_q, x_kv, positions_q, positions_kv, base, convention = call.values()
     dims = check_mla_params(params)
     check_convention(convention)
     check_base(base)
@@ -216,18 +215,11 @@ def mla_qkv(
     return q, k, v
 
 
-# The inputs of MLA (:func:`mla_attention` and its bound): RoPE's, with DeepSeek's convention.
-mla_call = retemplate(rope_call, convention="interleaved")
-
-
 def mla_problem(call: dict[str, Any]) -> tuple[Any, ...]:
     """``(q, k, v, mask, bias, scale)`` of an :func:`mla_call`: :func:`mla_qkv`, ``mask`` and
     ``bias`` broadcast to ``[..., T_q, T_k]`` (or None), ``scale`` (default
     ``1/sqrt(d_nope + d_rope)``)."""
-    q, k, v = mla_qkv(
-        *(call[n] for n in ("params", "x_q", "x_kv")),
-        **{n: call[n] for n in ("positions_q", "positions_kv", "base", "convention")},
-    )
+    q, k, v = mla_qkv(**{n: call[n] for n in QKV})
     batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
     m, b = check_mask_and_bias(call["mask"], call["bias"], (*batch, t_q, t_k), "(query, key)")
     s = check_scale(call["scale"])
