@@ -70,7 +70,8 @@ from attnref._src.kit.conformance.options import (
 from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
 from attnref._src.kit.conformance.targets import describe_target
 from attnref.oracle import merge_states_vjp
-from attnref.strategies._states import as_dtype
+from attnref.oracle._states import STATE_POLICIES
+from attnref.strategies._states import STATE_DTYPES, as_dtype
 from attnref.tolerance import merge_grad_error_bound
 
 MERGE_PROPERTIES = (
@@ -82,8 +83,7 @@ MERGE_PROPERTIES = (
     "dtypes",
     "gradients",
 )
-MERGE_DTYPES = ("float32", "float64", "bfloat16", "float16")
-_POLICIES = ("zeros", "nan")
+MERGE_DTYPES = STATE_DTYPES
 _SHAPE = (((2, 3), 4),)  # one (rows, H_v) bucket: a jitted target compiles one program per dtype
 
 
@@ -453,12 +453,13 @@ def check_merge_states(
     dtype or ``masked_rows``, no dtypes or ``max_examples < 1``; ``TypeError`` for a ``merge``
     not callable or a ``grad`` not a bool.
     """
-    if masked_rows not in _POLICIES:
+    if masked_rows not in STATE_POLICIES:
         raise OptionError(
-            f"masked_rows must be one of {_POLICIES} for a merge of states, got {masked_rows!r}",
+            f"masked_rows must be one of {STATE_POLICIES} for a merge of states, got "
+            f"{masked_rows!r}",
             "masked_rows",
             masked_rows,
-            _POLICIES,
+            STATE_POLICIES,
         )
     names = check_properties(
         MERGE_PROPERTIES if properties is None else properties, MERGE_PROPERTIES
