@@ -10,8 +10,8 @@ sharding) and :func:`tensor_parallel_dot_product_attention` (heads sharded). Row
 ``apply``) of the same names. :func:`default_mesh` builds a 1-D mesh over the first devices;
 :data:`DISTRIBUTED` is the family. The pieces merge with :func:`attnref.merge_states`.
 :func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load balance
-of a layout, :func:`ring_tiles_computed` the ring's computed tiles per device (a step's piece in
-:func:`chunk_tiles` tiles per side, the empty ones skipped) (:data:`LAYOUTS`: ``"contiguous"``,
+of a layout, :func:`ring_tiles_computed` the ring's computed tiles per device (a step's piece in the
+tiles of :func:`piece_tiles`, the empty ones skipped) (:data:`LAYOUTS`: ``"contiguous"``,
 ``"striped"``, ``"zigzag"``; the ring schemes' in :data:`LAYOUT_OF`); :func:`positions` lists the
 global positions each device holds in a sequence padded to :func:`padded_length`.
 
@@ -24,8 +24,12 @@ from attnref._src.formulations.distributed.all_gather import (
     all_gather_dot_product_attention,
 )
 from attnref._src.formulations.distributed.cost import (
+    ALWAYS,
+    NEVER,
+    SOMETIMES,
     chunk_tiles,
     load_balance,
+    piece_tiles,
     ring_tiles_computed,
     useful_flops,
     useful_pairs,
@@ -51,15 +55,19 @@ from attnref._src.formulations.distributed.ulysses import (
 )
 
 __all__ = [
+    "ALWAYS",
     "DISTRIBUTED",
     "LAYOUTS",
     "LAYOUT_OF",
+    "NEVER",
+    "SOMETIMES",
     "all_gather_attention",
     "all_gather_dot_product_attention",
     "chunk_tiles",
     "default_mesh",
     "load_balance",
     "padded_length",
+    "piece_tiles",
     "positions",
     "ring_attention",
     "ring_dot_product_attention",

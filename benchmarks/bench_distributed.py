@@ -36,10 +36,8 @@ import attnref  # noqa: E402
 import attnref.distributed as dist  # noqa: E402
 from attnref.costs import Dims, hlo_collectives  # noqa: E402
 from attnref.distributed import (  # noqa: E402
-    chunk_tiles,
     load_balance,
-    padded_length,
-    positions,
+    piece_tiles,
     ring_tiles_computed,
     useful_pairs,
 )
@@ -71,8 +69,7 @@ def _pieces(t: int, devices: int, layout: str) -> tuple[float, float]:
     """(busiest device, all devices): the ring's computed work under causality, in pieces
     (a piece is one step's ``c x c`` block; :func:`attnref.distributed.ring_tiles_computed`
     counts its computed ``n x n`` tiles, skipped tiles and steps doing none)."""
-    table = positions(padded_length(t, devices, layout), devices, layout)
-    n = chunk_tiles(table.shape[1], table.shape[1])
+    n = piece_tiles(t, t, devices, layout, 0).shape[0]
     tiles = ring_tiles_computed(t, devices, layout)
     return float(tiles.max()) / n**2, float(tiles.sum()) / n**2
 

@@ -27,6 +27,7 @@ once per (scheme, mesh, bucket, dtype, static options).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +41,7 @@ from hypothesis import strategies as st
 import attnref.distributed as ring
 from attnref import oracle, tolerance
 from attnref import strategies as ast
+from attnref.costs import xla_counts
 from attnref.distributed import default_mesh
 from attnref.testing import assert_ratio_within, assert_within_bound
 
@@ -60,16 +62,31 @@ def _call(scheme, devices, p):
     return JITTED[scheme](p.q, p.k, p.v, mesh=default_mesh(devices), return_lse=True, **p.kwargs)
 
 
+def causal_offset(p):
+    """The ``causal_offset`` of :func:`attnref.distributed.piece_tiles` for problem ``p``:
+    ``j <= i + offset`` when causality is the only position rule, else ``None``."""
+    kw = p.kwargs
+    lengths = ("query_seq_lengths", "key_value_seq_lengths")
+    if (
+        not kw.get("is_causal")
+        or kw.get("local_window_size") is not None
+        or any(kw.get(n) is not None for n in lengths)
+    ):
+        return None
+    return 0 if kw.get("causal_alignment", "top_left") == "top_left" else p.config.s - p.config.t
+
+
 def ring_bound(scheme, devices, p):
     """:func:`attnref.tolerance.pieces_error_bound` of the ring (module docstring): a piece is
     one key tile of the K/V chunk device ``d`` holds in the scheme's layout (the chunk split
     into :func:`attnref.distributed.chunk_tiles` tiles), merged sequentially (any binary merge
     of the ``P n`` pieces, the ring's included, is no deeper than the sequential one)."""
-    s = p.config.s
+    t, s = p.config.t, p.config.s
     layout = ring.LAYOUT_OF[scheme]
     table = ring.positions(ring.padded_length(s, devices, layout), devices, layout)
-    c_q = ring.padded_length(p.config.t, devices, layout) // devices
-    n = ring.chunk_tiles(c_q, table.shape[1])
+    kinds = ring.piece_tiles(t, s, devices, layout, causal_offset(p))
+    # a finely split causal piece: each query tile reads one run of keys per chunk (one piece)
+    n = 1 if (kinds != ring.SOMETIMES).all() else kinds.shape[0]
     ids = np.full(table.size, -1)
     for d, row in enumerate(table):
         ids[row] = d * n + np.arange(row.size) // (row.size // n)
@@ -153,6 +170,57 @@ def test_matches_oracle(case):
         bias_shape=bias_shape,
     )
     _check_forward(scheme, devices, p)
+
+
+# (devices, T, S, static options, array kinds): causal pieces the ring splits finely
+# (attnref.distributed.piece_tiles: every tile of a striped piece is reachable on every step or
+# on none); top-left T = S = 128 on 2 devices (4 x 4 tiles of 16, the six above the diagonal
+# never computed) with a mask and a bias; bottom-right T = 64 < S = 96 with segments.
+FINE_CASES = (
+    (2, 128, 128, {"is_causal": True}, ("random", "bias")),
+    (
+        2,
+        64,
+        96,
+        {"is_causal": True, "causal_alignment": "bottom_right", "masked_rows": "uniform"},
+        ("segments", "neg_inf_bias"),
+    ),
+)
+
+
+def _fine_problem(case):
+    devices, t, s, static, kinds = case
+    config = dataclasses.replace(ast.KERNEL_BUCKETS[1], t=t, s=s)
+    p = ast.make_kernel_problem(config, kinds, 5, np.float32, static=static, mask_shape="B1TS")
+    kind = ring.piece_tiles(t, s, devices, "striped", causal_offset(p))
+    assert (kind != ring.SOMETIMES).all() and kind.shape[0] > 1, kind  # the fine path runs
+    return p
+
+
+@pytest.mark.parametrize("case", FINE_CASES, ids=lambda c: f"T{c[1]}-S{c[2]}")
+def test_fine_causal_pieces_match_the_oracle(case):
+    """The striped ring with its pieces split finely (the tiles above each piece's diagonal
+    left out, each query tile reading one run of keys): output, lse and, through the
+    custom_vjp, ``d/dq``, ``d/dk``, ``d/dv`` and ``d/dbias`` within the derived bounds of
+    the oracles (float32, jitted)."""
+    p = _fine_problem(case)
+    devices = case[0]
+    _check_forward("striped", devices, p)
+    b = p.config
+    rng = np.random.default_rng(1)
+    cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v)).astype(np.float32)
+    cot_lse = rng.standard_normal((b.batch, b.t, b.n)).astype(np.float32)
+    kw = dict(p.options)
+    bias = kw.pop("bias", None)
+    static = tuple(sorted((n, a) for n, a in p.kwargs.items() if n in STATIC_OPTIONS))
+    arrays = {n: a for n, a in kw.items() if n not in STATIC_OPTIONS}
+    _, got = _outputs_and_grads(
+        "striped", devices, static, p.q, p.k, p.v, bias, arrays, cot, cot_lse
+    )
+    exact, bound = p.oracle_vjp(cot, cot_lse), p.grad_bound(cot, cot_lse)
+    for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
+        if e is not None:
+            assert_within_bound(np.asarray(g, np.float64), e, bd, label=f"fine d/d{name}")
 
 
 def _loss_outputs(scheme, devices, static, q, k, v, bias, arrays):
@@ -331,29 +399,67 @@ def test_bad_input_names_the_argument(unchecked_annotations):
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
-@pytest.mark.parametrize(("t", "devices"), [(16, 4), (64, 8), (37, 8), (12, 1), (8, 8)])
+@pytest.mark.parametrize(
+    ("t", "devices"), [(16, 4), (64, 8), (37, 8), (12, 1), (8, 8), (256, 2), (512, 4), (1024, 8)]
+)
 def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, devices):
     """:func:`attnref.distributed.ring_tiles_computed` = the tiles of each device's pieces that
     hold a pair the oracle allows (:func:`attnref.oracle.kernel_allowed`, causal), counted by
-    brute force; and, by hand, the balanced layouts' busiest device computes about half of
-    its ``P`` pieces: zigzag ``(2 P + 1) / 4`` of them once ``2P`` divides ``T``."""
-    allowed = oracle.kernel_allowed((1, 1, t, t), is_causal=True)[0, 0]
+    brute force, with the tiling of :func:`attnref.distributed.piece_tiles`; and, by hand, the
+    balanced layouts' busiest device computes about half of its ``P`` pieces: zigzag
+    ``(2 P + 1) / 4`` of them once ``2P`` divides ``T``, striped ``(n + 1) P / (2 n)`` once its
+    pieces split into ``n > 1`` fine tiles a side."""
+    allowed = np.tril(np.ones((t, t), bool))
+    if t <= 64:  # the oracle's own allowed set where it is cheap; the same lower triangle
+        np.testing.assert_array_equal(
+            oracle.kernel_allowed((1, 1, t, t), is_causal=True)[0, 0], allowed
+        )
     table = ring.positions(ring.padded_length(t, devices, layout), devices, layout)
     c = table.shape[1]
-    n = ring.chunk_tiles(c, c)
+    kinds = ring.piece_tiles(t, t, devices, layout, 0)
+    n = kinds.shape[0]
     padded = np.zeros((table.size, table.size), bool)
     padded[:t, :t] = allowed
     parts = table.reshape(devices, n, c // n)
-    want = [
-        sum(
-            bool(padded[np.ix_(parts[d, a], parts[o, b])].any())
-            for o in range(devices)
-            for a in range(n)
-            for b in range(n)
-        )
-        for d in range(devices)
-    ]
+    reach = np.array(
+        [
+            [
+                [
+                    [padded[np.ix_(parts[d, a], parts[o, b])].any() for b in range(n)]
+                    for o in range(devices)
+                ]
+                for a in range(n)
+            ]
+            for d in range(devices)
+        ]
+    )  # [d, a, o, b]
     got = ring.ring_tiles_computed(t, devices, layout)
-    assert got.tolist() == want
+    assert got.tolist() == reach.sum(axis=(1, 2, 3)).tolist()
+    # a tile the plan never computes is never reachable; one it always computes always is
+    never, always = kinds == ring.NEVER, kinds == ring.ALWAYS
+    assert not reach.transpose(0, 2, 1, 3)[:, :, never].any()
+    assert reach.transpose(0, 2, 1, 3)[:, :, always].all()
     if layout == "zigzag" and t % (2 * devices) == 0 and devices > 1:
         assert got.max() == 2 * devices + 1  # quarter pieces: (2P + 1) / 4 of a piece's 4
+    if layout == "striped" and n > 1 and (kinds != ring.SOMETIMES).all():
+        assert 2 * got.max() == devices * n * (n + 1)  # (n + 1) P / (2 n) of a piece's n^2
+
+
+@pytest.mark.parametrize(("t", "devices"), [(64, 2), (256, 4)])
+def test_fine_pieces_are_what_xla_compiles(t, devices):
+    """What the tiling saves is absent from the compiled program: the causal striped ring's dot
+    FLOPs per device and step (XLA's ``cost_analysis`` counts the loop body once) equal
+    ``2 B N (d_k + d_v)`` times the pairs of the tiles :func:`attnref.distributed.piece_tiles`
+    always computes, ``(n + 1) / (2 n)`` of a whole piece's."""
+    b, n_heads, d_k, d_v = 1, 2, 4, 6
+    q = np.zeros((b, t, n_heads, d_k), np.float32)
+    v = np.zeros((b, t, n_heads, d_v), np.float32)
+    mesh = default_mesh(devices)
+    fn = jax.jit(
+        lambda q, k, v: ring.striped_dot_product_attention(q, k, v, mesh=mesh, is_causal=True)
+    )
+    kinds = ring.piece_tiles(t, t, devices, "striped", 0)
+    n, c = kinds.shape[0], t // devices
+    per_step = 2 * b * n_heads * (d_k + d_v) * int((kinds == ring.ALWAYS).sum()) * (c // n) ** 2
+    assert xla_counts(fn, q, q, v).dot_flops == per_step
+    assert 2 * n * per_step == (n + 1) * 2 * b * n_heads * (d_k + d_v) * c * c

@@ -89,7 +89,7 @@ def _tiles_table() -> str:
     """The ring's computed work under causality: the busiest device's and the mean device's
     pieces (computed tiles over ``n^2``), of the ``P`` pieces a device meets."""
     from attnref._src.formulations.distributed import layout as seq_layout
-    from attnref._src.formulations.distributed.cost import chunk_tiles, ring_tiles_computed
+    from attnref._src.formulations.distributed.cost import piece_tiles, ring_tiles_computed
 
     lines = [
         "| P | T | " + " | ".join(f"{layout} (busiest / mean)" for layout in seq_layout.LAYOUTS),
@@ -99,8 +99,8 @@ def _tiles_table() -> str:
         t = 4096
         cells = []
         for layout in seq_layout.LAYOUTS:
-            c = seq_layout.padded_length(t, p, layout) // p
-            tiles = ring_tiles_computed(t, p, layout) / chunk_tiles(c, c) ** 2
+            n = piece_tiles(t, t, p, layout, 0).shape[0]
+            tiles = ring_tiles_computed(t, p, layout) / n**2
             cells.append(f"{tiles.max():g} / {tiles.mean():g}")
         lines.append(f"| {p} | {t} | " + " | ".join(cells) + " |")
     lines[0] += " |"
@@ -211,12 +211,17 @@ def render_distributed(existing: str = "") -> str:
         "All-gather context parallelism uses the zigzag layout (its balance is zigzag's); "
         "Ulysses and tensor parallelism split heads, so every device does the same causal work. "
         "The ring skips a step whose chunk no local query may read, and computes the other "
-        "steps' pieces in 2 x 2 tiles, skipping the tiles no query of them may read (forward "
-        "and backward). So the balance shows as work: under a causal mask the busiest "
-        "device computes `P - 1/4` pieces' worth with contiguous chunks, `3P/4` striped and "
-        "`(2P + 1)/4` zigzag, of the `P` pieces it meets "
-        "(`attnref.distributed.ring_tiles_computed`; `tests/test_distributed_ring.py` checks "
-        "it against a brute-force count of the oracle's allowed pairs):"
+        "steps' pieces in tiles (`attnref.distributed.piece_tiles`), forward and backward: "
+        "in general 2 x 2 tiles, each skipped when no query of it may read one of its keys; "
+        "a striped piece under causality alone is the same local triangle on every step, so "
+        "it is split into up to 16 x 16 tiles and those above the diagonal are not in the "
+        "program (each query tile reads one run of keys, no cond, no merge; "
+        "`tests/test_distributed_ring.py` checks XLA's dot FLOPs against the count). So the "
+        "balance shows as work: under a causal mask the busiest device computes `P - 1/4` "
+        "pieces' worth with contiguous chunks, `(2P + 1)/4` zigzag and `(n + 1)P/(2n)` "
+        "striped (`17P/32` at `n = 16`; it was `3P/4` in 2 x 2 tiles), of the `P` pieces it "
+        "meets (`attnref.distributed.ring_tiles_computed`; `tests/test_distributed_ring.py` "
+        "checks it against a brute-force count of the allowed pairs):"
         f"\n\n{_tiles_table()}\n\n"
         f"{_bench_section(existing)}\n\n"
         "*Generated from the registry and the cost models by `python -m attnref.pages` (the "

@@ -361,13 +361,87 @@ def useful_flops(t: int, devices: int, layout: str, *, causal: bool = True, **si
 
 
 def chunk_tiles(c_q: int, c_k: int) -> int:
-    """Tiles per side of a ring step's ``c_q x c_k`` piece: 2 (four quarter pieces, each
-    skipped when the position rules leave it empty) when both sides split evenly, else 1."""
+    """Tiles per side of a ring step's ``c_q x c_k`` piece whose tiles are each computed under a
+    ``lax.cond`` (skipped when the position rules leave it empty): 2 (four quarter pieces) when
+    both sides split evenly, else 1."""
     return 2 if c_q % 2 == 0 and c_k % 2 == 0 and min(c_q, c_k) >= 2 else 1
 
 
+# A causal piece is split into up to MAX_TILES tiles a side, of at least MIN_TILE rows and keys.
+MIN_TILE, MAX_TILES = 16, 16
+
+# The kinds of tile in piece_tiles' table.
+NEVER, SOMETIMES, ALWAYS = 0, 1, 2
+
+
+def _fine_tiles(c_q: int, c_k: int) -> int:
+    """The most tiles a side (a power of two, at most :data:`MAX_TILES`) that split both sides
+    evenly into tiles of at least :data:`MIN_TILE`."""
+    n = 1
+    while (
+        2 * n <= MAX_TILES
+        and c_q % (2 * n) == 0
+        and c_k % (2 * n) == 0
+        and min(c_q, c_k) >= 2 * n * MIN_TILE
+    ):
+        n *= 2
+    return n
+
+
+def _causal_reach(t: int, s: int, devices: int, layout: str, n: int, offset: int) -> np.ndarray:
+    """``[P, n, P, n]``: whether tile ``a`` of device ``d``'s queries may read a key of tile ``b``
+    of device ``o``'s chunk under ``j <= i + offset`` (real positions only: ``i < T``,
+    ``j < S``)."""
+    tq = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
+    tk = positions(padded_length(s, devices, layout), devices, layout).astype(np.int64)
+    q_tiles = tq.reshape(devices, n, -1)
+    k_tiles = tk.reshape(devices, n, -1)
+    last_q = np.where(q_tiles < t, q_tiles, np.iinfo(np.int64).min // 2).max(axis=2)
+    first_k = np.where(k_tiles < s, k_tiles, np.iinfo(np.int64).max).min(axis=2)
+    return np.asarray(first_k[None, None, :, :] <= last_q[:, :, None, None] + offset)
+
+
+def piece_tiles(
+    t: int, s: int, devices: int, layout: str, causal_offset: int | None = None
+) -> np.ndarray:
+    """How the ring computes a step's piece: its ``[n, n]`` tiles (``n`` a side), each
+    :data:`NEVER` reachable (not computed), :data:`SOMETIMES` (computed under a ``lax.cond`` on
+    the step's positions) or :data:`ALWAYS` (computed unconditionally; the adjacent ones of a
+    query tile as one slice of keys, with no merge between them).
+
+    When the position rules are causality alone, ``j <= i + causal_offset`` (no window, no
+    traced lengths: the rules are known from the shapes), every tile reachable on one step of
+    one device is reachable on all of them for the striped layout (each piece is a local
+    causal triangle): the piece is then split finely (:data:`MIN_TILE`, :data:`MAX_TILES`), the
+    tiles above the diagonal are never computed and the busiest device computes
+    ``(n + 1) P / (2 n)`` pieces. Otherwise (a step-dependent pattern, other rules) the piece is
+    :func:`chunk_tiles` tiles a side, each :data:`SOMETIMES`.
+
+    Args:
+        t, s: The query and key lengths (before padding).
+        devices: ``P``.
+        layout: One of :data:`LAYOUTS`.
+        causal_offset: ``S - T`` for bottom-right alignment, 0 for top-left; ``None`` when the
+            position rules are not causality alone.
+
+    Returns:
+        int8 ``[n, n]``.
+    """
+    c_q = padded_length(t, devices, layout) // devices
+    c_k = padded_length(s, devices, layout) // devices
+    n = _fine_tiles(c_q, c_k)
+    if causal_offset is not None and n > 1:
+        reach = _causal_reach(t, s, devices, layout, n, causal_offset)
+        some, every = reach.any(axis=(0, 2)), reach.all(axis=(0, 2))
+        if (some == every).all():
+            return np.where(every, ALWAYS, NEVER).astype(np.int8)
+    n = chunk_tiles(c_q, c_k)
+    return np.full((n, n), SOMETIMES, np.int8)
+
+
 def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = True) -> np.ndarray:
-    """The ring's computed tiles per device, of ``P n^2`` (``n``: :func:`chunk_tiles`).
+    """The ring's computed tiles per device, of ``P n^2`` (``n``: :func:`piece_tiles`, causal
+    self-attention with top-left alignment when ``causal``).
 
     At step ``r`` device ``d`` meets chunk ``(d - r) mod P``; each of the piece's ``n x n``
     tiles is computed when one of its real queries ``i`` may read one of its real keys ``j``
@@ -379,18 +453,13 @@ def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = Tru
     Returns:
         int64 ``[P]``.
     """
-    table = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
-    c = table.shape[1]
-    n = chunk_tiles(c, c)
-    tiles = table.reshape(devices, n, c // n)  # [device, tile, positions]
-    real = tiles < t
-    last_q = np.where(real, tiles, -1).max(axis=2)  # [device, tile]
-    first_k = np.where(real, tiles, np.iinfo(np.int64).max).min(axis=2)
-    any_real = np.asarray(real.any(axis=2))
-    if causal:  # tile (a, b) of (d, owner o): first key of o's tile b <= last query of d's a
-        reach = first_k[None, :, None, :] <= last_q[:, None, :, None]
+    n = piece_tiles(t, t, devices, layout, 0 if causal else None).shape[0]
+    if causal:
+        reach = _causal_reach(t, t, devices, layout, n, 0)
     else:
-        reach = any_real[:, None, :, None] & any_real[None, :, None, :]
+        table = positions(padded_length(t, devices, layout), devices, layout)
+        real = (table.reshape(devices, n, -1) < t).any(axis=2)
+        reach = real[:, :, None, None] & real[None, None, :, :]
     return reach.sum(axis=(1, 2, 3)).astype(np.int64)
 
 

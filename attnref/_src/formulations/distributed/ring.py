@@ -22,15 +22,20 @@ rounded to the input dtype once, at the end.
 **Skipped steps and tiles.** A step whose chunk no local query may read by the position rules
 alone (causality, the window, sequence lengths and padding: ``allowed_pairs`` without segment
 ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A
-step that is not skipped computes its ``c_q x c_k`` piece in ``2 x 2`` tiles (when both sides
-are even; else whole), skipping by the same rules each tile none of whose queries may read one
-of its keys, forward and backward, and merging each query tile's key tiles in order. Under a
-causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs ``d + 1``
-steps, and device ``P - 1`` computes ``P - 1/4`` pieces' worth of tiles; with the zigzag layout
-every step of every device leaves two of its four tiles empty, but the diagonal step (one), so
-the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``; with the striped layout
-the diagonal tile of each step stays, ``3 P / 4`` (:func:`attnref.distributed.ring_tiles_computed`,
-``docs/distributed.md``).
+step that is not skipped computes its ``c_q x c_k`` piece in tiles
+(:func:`attnref.distributed.piece_tiles`), merging each query tile's key tiles in order,
+forward and backward. In general the piece is ``2 x 2`` tiles (when both sides are even; else
+whole), each skipped by the same rules when none of its queries may read one of its keys.
+Under a causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs
+``d + 1`` steps, and device ``P - 1`` computes ``P - 1/4`` pieces' worth of tiles; with the
+zigzag layout every step of every device leaves two of its four tiles empty, but the
+diagonal step (one), so the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``.
+With the striped layout every piece is a local causal triangle, the same on every step and
+device, so when causality is the only position rule the piece is split finely (up to
+``16 x 16`` tiles of at least 16 rows): the tiles above the diagonal are left out of the
+program, each query tile reads one run of keys with no cond and no merge, and the busiest
+device computes ``(n + 1) P / (2 n)`` pieces, ``17 P / 32`` at ``n = 16``
+(:func:`attnref.distributed.ring_tiles_computed`, ``docs/distributed.md``).
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
 ``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
@@ -162,6 +167,36 @@ def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
     return None if a is None else _part(a, axis, part)
 
 
+def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
+    """Per query tile of :func:`piece_tiles`' table, the key tiles it computes as runs
+    ``(b0, b1, gated)``: each :data:`SOMETIMES` tile alone under a ``lax.cond`` (``gated``),
+    adjacent :data:`ALWAYS` tiles as one ungated slice; :data:`NEVER` tiles are left out."""
+    runs: list[list[tuple[int, int, bool]]] = []
+    for row in kinds.tolist():
+        mine: list[tuple[int, int, bool]] = []
+        for b, kind in enumerate(row):
+            if kind == _dcost.SOMETIMES:
+                mine.append((b, b + 1, True))
+            elif kind == _dcost.ALWAYS:
+                if mine and not mine[-1][2] and mine[-1][1] == b:
+                    mine[-1] = (mine[-1][0], b + 1, False)
+                else:
+                    mine.append((b, b + 1, False))
+        runs.append(mine)
+    return runs
+
+
+def _piece_kinds(ring: _Ring, local: LocalInputs) -> Any:
+    """:func:`attnref.distributed.piece_tiles` of the call: the fine causal tiling when the
+    position rules are causality alone and known from the shapes (no window, no lengths)."""
+    spec = ring.spec
+    static_causal = (
+        spec.is_causal and spec.window is None and local.q_lens is None and local.kv_lens is None
+    )
+    offset = (0 if spec.alignment == "top_left" else spec.s - spec.t) if static_causal else None
+    return _dcost.piece_tiles(spec.t, spec.s, ring.devices, ring.layout, offset)
+
+
 def _state_fn(
     ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array, kv_seg: Array | None
 ) -> Any:
@@ -169,15 +204,16 @@ def _state_fn(
     (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
     argument, so the backward's ``jax.vjp`` gives its cotangent).
 
-    The piece is computed in ``n x n`` tiles (``n``:
-    :func:`attnref._src.formulations.distributed.cost.chunk_tiles`): a tile no local
-    query of it may read by the position rules is skipped (``lax.cond``, forward and, through
-    ``jax.vjp``, backward), and each query tile merges its key tiles' states in order."""
+    The piece is computed in ``n x n`` tiles (:func:`attnref.distributed.piece_tiles`): a tile
+    no query may ever read is left out, one that some steps reach is computed under a
+    ``lax.cond`` on the position rules (forward and, through ``jax.vjp``, backward), and each
+    query tile merges its key tiles' (or key runs') states in order."""
     lengths = lengths_only(local.q_lens, local.kv_lens)
     c_q, c_k = q_pos.shape[0], k_pos.shape[0]
-    n = _dcost.chunk_tiles(c_q, c_k)
+    kinds = _piece_kinds(ring, local)
+    n = kinds.shape[0]
     q_parts = [slice(a * c_q // n, (a + 1) * c_q // n) for a in range(n)]
-    k_parts = [slice(b * c_k // n, (b + 1) * c_k // n) for b in range(n)]
+    runs = _key_runs(kinds)
 
     def tile(
         q: Array, k: Array, v: Array, bias: Array | None, scale: Any, qs: slice, ks: slice
@@ -203,22 +239,28 @@ def _state_fn(
         if n == 1:
             return tile(q, k, v, bias, scale, slice(0, c_q), slice(0, c_k))  # type: ignore[no-any-return]
         rows: list[tuple[Array, Array]] = []
-        for qs in q_parts:
-            states = [
-                jax.lax.cond(
-                    _reachable(ring, local, q_pos[qs], k_pos[ks]),
-                    functools.partial(tile, qs=qs, ks=ks),
-                    lambda *_, qs=qs: _empty_state(ring, q[:, qs]),
-                    q,
-                    k,
-                    v,
-                    bias,
-                    scale,
+        for qs, mine in zip(q_parts, runs, strict=True):
+            states = []
+            for b0, b1, gated in mine:
+                ks = slice(b0 * c_k // n, b1 * c_k // n)
+                run = functools.partial(tile, qs=qs, ks=ks)
+                if not gated:
+                    states.append(run(q, k, v, bias, scale))
+                    continue
+                states.append(
+                    jax.lax.cond(
+                        _reachable(ring, local, q_pos[qs], k_pos[ks]),
+                        run,
+                        lambda *_, qs=qs: _empty_state(ring, q[:, qs]),
+                        q,
+                        k,
+                        v,
+                        bias,
+                        scale,
+                    )
                 )
-                for ks in k_parts
-            ]
-            o, lse = states[0]
-            for o_t, lse_t in states[1:]:  # the query tile's key tiles, merged in order
+            o, lse = states[0] if states else _empty_state(ring, q[:, qs])
+            for o_t, lse_t in states[1:]:  # the query tile's key runs, merged in order
                 o, lse = merge_states(o, lse, o_t, lse_t)
             rows.append((o, lse))
         return jnp.concatenate([r[0] for r in rows], 1), jnp.concatenate([r[1] for r in rows], 1)
