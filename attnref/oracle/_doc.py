@@ -174,49 +174,54 @@ def _entries(items: Mapping[str, str]) -> list[str]:
     ]
 
 
-def weight_call(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
-    *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-) -> None:
-    """The inputs of the weight level (:func:`attnref.oracle.attention` and its bounds), written
-    once: a template for :func:`signed`."""
+def _template(params: list[inspect.Parameter]) -> Callable[..., None]:
+    """A template for :func:`signed` with the signature ``params``."""
+
+    def template(*args: Any, **kwargs: Any) -> None:
+        """A template (never called)."""
+
+    template.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return template
 
 
-def rope_call(
-    params: Any,
-    x_q: Any,
-    x_kv: Any = None,
-    *,
-    positions_q: Any = None,
-    positions_kv: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
-) -> None:
-    """The inputs of the RoPE weight level (:func:`attnref.oracle.rope_attention` and its
-    bounds), written once: a template for :func:`signed`."""
+def joined(*templates: Callable[..., Any]) -> Callable[..., None]:
+    """One template of several, in :func:`signed`'s order: their positional parameters, then
+    their keyword-only ones, each in the templates' order."""
+    params = [p for t in templates for p in inspect.signature(t).parameters.values()]
+    params.sort(key=lambda p: p.kind is p.KEYWORD_ONLY)  # stable: the order within each kind
+    return _template(params)
 
 
 def weight_tokens(params: Any, x_q: Any, x_kv: Any = None) -> None:
     """The weights and tokens of a multi-head block: a template for :func:`signed`."""
 
 
+def weight_options(*, mask: Any = None, bias: Any = None, scale: float | None = None) -> None:
+    """The mask, bias and scale of the weight level: a template for :func:`signed`."""
+
+
+def rope_positions(*, positions_q: Any = None, positions_kv: Any = None) -> None:
+    """The token positions of a RoPE block: a template for :func:`signed`."""
+
+
+def rope_options(*, base: float = 10000.0, convention: str = "rotate_half") -> None:
+    """The RoPE frequency base and pair convention: a template for :func:`signed`."""
+
+
+def rope_tokens(x: Any, positions: Any) -> None:
+    """The vectors and positions the RoPE map rotates: a template for :func:`signed`."""
+
+
+# The inputs of the weight level (:func:`attnref.oracle.attention` and its bounds), of the RoPE
+# weight level (:func:`attnref.oracle.rope_attention` and its bounds) and of the RoPE map
+# (:func:`attnref.oracle.rope` and its bound), each written once: templates for :func:`signed`.
+weight_call = joined(weight_tokens, weight_options)
+rope_call = joined(weight_tokens, rope_positions, weight_options, rope_options)
+rope_map_call = joined(rope_tokens, rope_options)
+
+
 def linear_qkv(q: Any, k: Any, v: Any) -> None:
     """The per-head inputs of linear attention: a template for :func:`signed`."""
-
-
-def rope_map_call(
-    x: Any, positions: Any, *, base: float = 10000.0, convention: str = "rotate_half"
-) -> None:
-    """The inputs of the RoPE map (:func:`attnref.oracle.rope` and its bound), written once: a
-    template for :func:`signed`."""
 
 
 def linear_options(
@@ -238,18 +243,13 @@ def retemplate(
 ) -> Callable[..., None]:
     """``template`` with other ``defaults`` (and only the parameters named in ``only``, in the
     template's order): a template for :func:`signed`."""
-    sig = inspect.signature(template)
-    params = [
-        p.replace(default=defaults.get(p.name, p.default))
-        for p in sig.parameters.values()
-        if only is None or p.name in only
-    ]
-
-    def retemplated(*args: Any, **kwargs: Any) -> None:
-        """A template (never called)."""
-
-    retemplated.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    return retemplated
+    return _template(
+        [
+            p.replace(default=defaults.get(p.name, p.default))
+            for p in inspect.signature(template).parameters.values()
+            if only is None or p.name in only
+        ]
+    )
 
 
 def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
