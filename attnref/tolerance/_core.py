@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights, tokens
-from attnref.oracle._doc import WEIGHT, doc, signed, weight_call
+from attnref.oracle._doc import WEIGHT, doc, retemplate, signed, weight_call
 
 from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
 
@@ -24,6 +24,15 @@ BOUND_RAISES = {
     "not divide ``w_q``'s); for RoPE, ``d_k`` is odd or the convention unknown; for a gradient, "
     "``d_y`` is not of the output's shape."
 }
+
+
+def bound_options(*, residual: bool = False, dtype: Any = np.float32) -> None:
+    """The options of a block's bound (the weight, RoPE, MLA and multi-head linear levels), written
+    once: a template for :func:`attnref.oracle._doc.signed`."""
+
+
+# Those of a block's gradient bound: float64 by default.
+grad_bound_options = retemplate(bound_options, dtype=np.float64)
 
 
 def read_params(params: Any) -> Params:
@@ -221,13 +230,8 @@ def _bound_for(
 
 
 @doc(WEIGHT, BOUND_RAISES)
-@signed(weight_call)
-def attention_error_bound(
-    call: dict[str, Any],
-    *,
-    residual: bool = False,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+@signed(weight_call, bound_options)
+def attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     """Componentwise bound on ``|attention in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
 
     ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj + gamma_{N_y} |b_O|`` with
@@ -241,7 +245,7 @@ def attention_error_bound(
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
     """
-    params, x_q, x_kv, mask, bias, scale = call.values()
+    params, x_q, x_kv, mask, bias, scale, residual, dtype = call.values()
     w, _ = read_weights(params)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     _, _, w_v, w_o = head_weights(w)

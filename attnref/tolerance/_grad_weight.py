@@ -79,7 +79,15 @@ from attnref.oracle._core import FIELDS, get_param, head_weights, tokens
 from attnref.oracle._doc import WEIGHT, doc, rope_call, signed, weight_call
 from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
-from ._core import BOUND_RAISES, abs_heads, hom, problem_softmax, read_problem, read_weights
+from ._core import (
+    BOUND_RAISES,
+    abs_heads,
+    grad_bound_options,
+    hom,
+    problem_softmax,
+    read_problem,
+    read_weights,
+)
 from ._rope import check_rope, pair_sum, rope_angle_error, rope_spread, rope_theta, rotated_heads
 from ._rounding import C_EXP, gamma, unit_roundoff
 
@@ -269,14 +277,8 @@ def _bound(
 
 
 @doc(WEIGHT, BOUND_RAISES)
-@signed(weight_call, front=("d_y",))
-def attention_vjp_error_bound(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
-    dtype: Any = np.float64,
-) -> AttentionGrads:
+@signed(weight_call, grad_bound_options, front=("d_y",))
+def attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     """Componentwise bound on the rounding error of one computation of
     :func:`attnref.oracle.attention_vjp` in ``dtype`` (every operation in its ``u``, the
     worst-case model; module docstring, stages 1 to 11), from exact inputs.
@@ -288,19 +290,13 @@ def attention_vjp_error_bound(
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
         of the gradient it bounds (``None`` where the gradient is ``None``).
     """
-    params, x_q, x_kv, mask, bias, scale = call.values()
+    params, x_q, x_kv, mask, bias, scale, residual, dtype = call.values()
     return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, None)
 
 
 @doc(WEIGHT, BOUND_RAISES)
-@signed(rope_call, front=("d_y",))
-def rope_attention_vjp_error_bound(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
-    dtype: Any = np.float64,
-) -> AttentionGrads:
+@signed(rope_call, grad_bound_options, front=("d_y",))
+def rope_attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     """Componentwise bound on the rounding error of one computation of
     :func:`attnref.oracle.rope_attention_vjp` in ``dtype`` (module docstring; the rotations add
     their ``cos``/``sin`` error ``e_p(m)`` and ``gamma_2`` in stages 1, 9 and 10).
@@ -308,6 +304,7 @@ def rope_attention_vjp_error_bound(
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
     """
+    residual, dtype = call.pop("residual"), call.pop("dtype")
     params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
         call.values()
     )

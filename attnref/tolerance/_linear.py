@@ -16,7 +16,7 @@ from attnref.oracle._core import Params, head_weights, tokens
 from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
 from attnref.oracle._linear import features, linear_attention, query_log_scale
 
-from ._core import abs_heads, project_heads, read_params, value_magnitude
+from ._core import abs_heads, bound_options, project_heads, read_params, value_magnitude
 from ._rounding import C_EXP, gamma, max_float, unit_roundoff
 
 
@@ -198,13 +198,8 @@ def linear_error_bound(
 
 
 @doc(LINEAR)
-@signed(weight_tokens, linear_options)
-def linear_multihead_error_bound(
-    call: dict[str, Any],
-    *,
-    residual: bool = False,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+@signed(weight_tokens, linear_options, bound_options)
+def linear_multihead_error_bound(call: dict[str, Any]) -> np.ndarray:
     """Componentwise bound for multi-head linear attention, ``[..., T_q, d_model]``.
 
     ``|dy| <= sum_h dz_h |W_O[h]| + gamma_{n_y} (sum_h sum_j Abar_ij / |D_i| G_hj + |b_O|)``:
@@ -221,6 +216,7 @@ def linear_multihead_error_bound(
             ``linear_attention`` refuses (e.g. an unknown ``eps_policy``).
         TypeError: ``feature_map`` is not a feature map.
     """
+    residual, dtype = call.pop("residual"), call.pop("dtype")
     params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     w = read_params(params)
     xq, xkv = tokens(x_q, x_kv)

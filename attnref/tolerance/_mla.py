@@ -44,7 +44,7 @@ import numpy as np
 from attnref.oracle._doc import signed
 from attnref.oracle._mla import check_mla_params, mla_call, mla_problem, mla_weights
 
-from ._core import softmax, worst_case_terms
+from ._core import bound_options, softmax, worst_case_terms
 from ._rope import pair_sum, rope_logit_error
 from ._rounding import unit_roundoff
 
@@ -56,10 +56,8 @@ def mla_logit_chain(dims: Any) -> int:
     return 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
 
 
-@signed(mla_call)
-def mla_attention_error_bound(
-    call: dict[str, Any], *, residual: bool = False, dtype: Any = np.float32
-) -> np.ndarray:
+@signed(mla_call, bound_options)
+def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     """Componentwise bound on ``|MLA in dtype - float64 oracle|``, ``[..., T_q, d_model]``, for
     both forms (``attnref.mla.mla_attention``, ``mla_absorbed_attention`` and their cache-level
     twins fed the cache of ``mla_latent_cache``); the arguments of
@@ -72,6 +70,7 @@ def mla_attention_error_bound(
         ValueError, TypeError: As :func:`attnref.oracle.mla_attention`.
     """
     params, x_q, convention, base = (call[n] for n in ("params", "x_q", "convention", "base"))
+    residual, dtype = call["residual"], call["dtype"]
     dims = check_mla_params(params)
     x_kv = x_q if call["x_kv"] is None else call["x_kv"]
     q, k, v, m, b, s = mla_problem(call)

@@ -17,6 +17,7 @@ from attnref.oracle._doc import WEIGHT, doc, rope_call, rope_map_call, signed
 from ._core import (
     BOUND_RAISES,
     abs_heads,
+    bound_options,
     problem_softmax,
     project_heads,
     read_problem,
@@ -140,13 +141,8 @@ def rope_map_error_bound(call: dict[str, Any], *, dtype: Any = np.float32) -> np
 
 
 @doc(WEIGHT, BOUND_RAISES)
-@signed(rope_call)
-def rope_attention_error_bound(
-    call: dict[str, Any],
-    *,
-    residual: bool = False,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+@signed(rope_call, bound_options)
+def rope_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     """Componentwise bound on ``|RoPE attention in dtype - float64 oracle|``,
     ``[..., T_q, d_model]``, for every RoPE formulation (rotating ``q`` and ``k``, or the
     relative pattern matrices ``W~_Q R(m - n) W~_K^T``).
@@ -162,6 +158,7 @@ def rope_attention_error_bound(
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
         bound).
     """
+    residual, dtype = call.pop("residual"), call.pop("dtype")
     params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
         call.values()
     )
