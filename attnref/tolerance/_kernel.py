@@ -301,29 +301,41 @@ def _streamed_bound(
         if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
             s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
             live = np.asarray(reads.any(axis=-1))
+        all_read = ok is None and c.sinks is None  # every (row, key) of the block is read
         top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
         with np.errstate(invalid="ignore"):
+            gap = top - s  # s_ij's distance below the row max (+inf off the allowed set)
             # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
-            local = np.where(reads, np.abs(s) + (top - s), 0.0)
+            local = np.abs(s)
+            local += gap
+        if not all_read:
+            np.copyto(local, 0.0, where=~reads)
+            np.copyto(mag, 0.0, where=~reads)
         if c.softcap is not None:
             capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
             if c.sinks is not None:  # the sink is not capped
                 capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
             local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
-        e = np.where(reads, np.exp(np.where(reads, s - top, 0.0)), 0.0)
+        e = np.exp(np.negative(gap, out=gap), out=gap)  # exp(s_ij - max_j s_ij), in place
+        if not all_read:
+            np.copyto(e, 0.0, where=~reads)
         total = e.sum(axis=-1)
-        p = e / np.where(live, total, 1.0)[..., None]
-        pw = p if w is None else p * w  # dropout: the kept weights, scaled
+        ew = e if w is None else e * w  # dropout: the kept weights, scaled
         flat = (s.shape[0] * s.shape[1], s.shape[2])
-        o_mag = (pw.reshape(flat) @ v_blk).reshape(*s.shape[:2], h_v)
+        norm = np.where(live, total, 1.0)[..., None]
+        # sum_j p_ij |v_j| with p = e / l: the block's products by l once per row, not per pair
+        o_mag = (ew.reshape(flat) @ v_blk).reshape(*s.shape[:2], h_v) / norm
         log_l = np.log(np.where(live, total, 1.0))
         lse_ref = top[..., 0] + log_l
         blk_out = np.zeros_like(o_mag)
         blk_lse = np.zeros(s.shape[:2])
         for u in units:
-            e_row = np.where(reads, gamma(h + 1, u) * mag + u * local, 0.0).max(
-                axis=-1, initial=0.0
-            )
+            # E_i = max_j gamma_{H+1} |q_i| |k_j| |scale| + u (|s_ij| + |s_ij - max|) over the
+            # keys read, as gamma_{H+1} max_j (mag + (u / gamma_{H+1}) local): one scaled add
+            g = gamma(h + 1, u)
+            scaled = np.multiply(local, u / g)
+            scaled += mag
+            e_row = g * scaled.max(axis=-1, initial=0.0)
             rho, delta = row_terms(s_len, n_b, e_row, u)
             d_lse = lse_row_error(e_row, delta)
             g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
@@ -335,7 +347,7 @@ def _streamed_bound(
         dead[hg.b, i0:i1, hg.heads] = ~live.T
         if o_ref is not None:
             v_ref = hg.v[j0:j1] if c.sinks is None else np.vstack([hg.v[j0:j1], np.zeros(h_v)])
-            ref = (pw.reshape(flat) @ v_ref).reshape(*s.shape[:2], h_v)
+            ref = (ew.reshape(flat) @ v_ref).reshape(*s.shape[:2], h_v) / norm
             o_ref[hg.b, i0:i1, hg.heads] = ref.transpose(1, 0, 2)
 
     each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of the outputs

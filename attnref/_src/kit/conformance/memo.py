@@ -22,6 +22,10 @@ import numpy as np
 from attnref import strategies as ast
 
 _MAX_BYTES = 64 << 20  # the cached results' arrays, least recently used dropped first
+# A problem whose arrays exceed this is computed without a digest: hashing it costs more than a
+# rare repeat saves (the production sweep never repeats a case; the properties' problems are
+# small).
+_MAX_KEYED_BYTES = 16 << 20
 _CACHE: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
 _bytes = 0
 
@@ -55,8 +59,11 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def _key(p: ast.KernelProblem, tag: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    parts = (p.q, p.k, p.v, p.options, p.semantics(), args)
+    if _nbytes(parts) > _MAX_KEYED_BYTES:
+        raise _Unkeyed
     h = hashlib.blake2b(digest_size=20)
-    _feed(h, (p.q, p.k, p.v, p.options, p.semantics(), args))
+    _feed(h, parts)
     return (type(p), tag, h.hexdigest())
 
 
@@ -85,6 +92,8 @@ def _nbytes(value: Any) -> int:
         return value.nbytes
     if isinstance(value, (tuple, list)):
         return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
     return 64
 
 
