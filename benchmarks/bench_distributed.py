@@ -34,9 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import attnref  # noqa: E402
 import attnref.distributed as dist  # noqa: E402
-from attnref.costs import Dims, hlo_collectives  # noqa: E402
+from attnref.costs import Dims, hlo_collectives, xla_counts  # noqa: E402
 from attnref.distributed import (  # noqa: E402
     load_balance,
+    padded_length,
     piece_tiles,
     ring_tiles_computed,
     useful_pairs,
@@ -123,7 +124,7 @@ def main() -> None:
             args.repeats,
         )
         rows.append(
-            f"| blockwise (1 device) | {t} | 1 | - | - | - | - | {base_temp:.1f} | "
+            f"| blockwise (1 device) | {t} | 1 | - | - | - | - | - | {base_temp:.1f} | "
             f"{base_ms:.0f} | 1.00x |"
         )
         dims = Dims(1, t, t, n, n * h, h, h, devices=p)
@@ -146,8 +147,16 @@ def main() -> None:
             results[(fid, t)] = ms / base_ms
             busiest, total = _pieces(t, p, layout) if fid in RINGS else (0, 0)
             pieces = f"{busiest:g} / {total:g} of {p * p}" if fid in RINGS else "-"
+            compiled = "-"
+            if fid in RINGS:  # XLA's dot FLOPs of one loop trip (a step), over a whole piece's
+                fn = jax.jit(
+                    lambda q, k, v, kernel=kernel: kernel(q, k, v, mesh=mesh, is_causal=True)
+                )
+                piece = 2 * n * (2 * h) * (padded_length(t, p, layout) // p) ** 2
+                compiled = f"{xla_counts(fn, q, k, v).dot_flops / piece:.4g}"
             rows.append(
-                f"| {fid} | {t} | {balance:.4f} | {pieces} | {model:.2f} | {'<= ' if bound else ''}"
+                f"| {fid} | {t} | {balance:.4f} | {pieces} | {compiled} | {model:.2f} | "
+                f"{'<= ' if bound else ''}"
                 f"{sent:.2f} | {reshard:.2f} | {temp:.1f} | {ms:.0f} | {ms / base_ms:.2f}x |"
             )
             print(rows[-1], flush=True)
@@ -161,9 +170,10 @@ def main() -> None:
     table = "\n".join(
         [
             "| scheme | T | useful FLOP balance (max/mean) | ring pieces computed (busiest / "
-            "all) | sent per device, model (MiB) | sent per device, HLO (MiB) | partitioner "
-            "resharding (MiB) | temp per device (MiB) | time (ms) | time / blockwise |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "all) | step's dot FLOPs in XLA's count (pieces) | sent per device, model (MiB) | "
+            "sent per device, HLO (MiB) | partitioner resharding (MiB) | temp per device (MiB) | "
+            "time (ms) | time / blockwise |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
@@ -188,13 +198,18 @@ def main() -> None:
             f"Machine and problem: {machine}.\n\n"
             "Columns: the useful-FLOP balance is max / mean of the allowed causal pairs per "
             "device (the layout's; Ulysses and tensor parallelism split heads: 1). Ring pieces: "
-            "a ring step's piece (its queries against one K/V chunk) is computed in 2 x 2 "
-            "tiles, each a naive product, and a tile or a whole step no local query may read is "
-            "skipped (`attnref.distributed.ring_tiles_computed`), so under causality the busiest "
-            "device computes `P - 1/4` pieces' worth with contiguous chunks, `3P/4` striped "
-            "and `(2P + 1)/4` zigzag, about half: the balance of the layouts shows as work. On "
-            "one host whose cores the devices share, total work sets the time; on real devices "
-            "the busiest device does. "
+            "a ring step's piece (its queries against one K/V chunk) is computed in tiles "
+            "(`attnref.distributed.piece_tiles`), each a naive product, and a tile or a whole "
+            "step no local query may read is skipped (`attnref.distributed."
+            "ring_tiles_computed`), so under causality the busiest device computes `P - 1/4` "
+            "pieces' worth with contiguous chunks, `(2P + 1)/4` zigzag and `17P/32` striped "
+            "(16 x 16 tiles), about half: the balance of the layouts shows as work. The step's "
+            "dot FLOPs in XLA's count: `cost_analysis()` of the compiled kernel, which counts "
+            "the loop body once and every branch of a `cond`, over a whole piece's; the striped "
+            "ring's tiles above the diagonal are not in its program (`17/32` of a piece), the "
+            "contiguous and zigzag rings skip their tiles at run time, under a `cond` "
+            "(XLA's count: 1). On one host whose cores the devices share, total work sets the "
+            "time; on real devices the busiest device does. "
             "Sent per "
             "device: the cost model's (the row form's communication: tensor parallelism's psum "
             "of the block output, which its kernel level does not run) and the compiled "

@@ -445,7 +445,7 @@ def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, device
         assert 2 * got.max() == devices * n * (n + 1)  # (n + 1) P / (2 n) of a piece's n^2
 
 
-@pytest.mark.parametrize(("t", "devices"), [(64, 2), (256, 4)])
+@pytest.mark.parametrize(("t", "devices"), [(64, 2), (256, 4), (512, 8)])
 def test_fine_pieces_are_what_xla_compiles(t, devices):
     """What the tiling saves is absent from the compiled program: the causal striped ring's dot
     FLOPs per device and step (XLA's ``cost_analysis`` counts the loop body once) equal
