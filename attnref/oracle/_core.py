@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, check_weight_level
-from ._doc import WEIGHT, WEIGHT_RAISES, doc, signed, weight_call
+from ._doc import WEIGHT, WEIGHT_RAISES, doc, method_option, signed, weight_call
 
 __all__ = ["attention", "attention_weights", "head_outputs"]
 
@@ -388,26 +388,28 @@ def fast_output(
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
-@signed(weight_call)
-def attention_weights(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
+@signed(weight_call, method_option)
+def attention_weights(call: dict[str, Any]) -> np.ndarray:
     """Row-stochastic attention weights ``[..., H, T_q, T_k]`` (zero rows where fully masked).
 
     Returns:
         float64 weights ``[..., H, T_q, T_k]``.
     """
+    method = call.pop("method")
     definition = check_method(method) == "definition"
     p = fast_problem(*call.values())
     return per_head_per_query(p)[0] if definition else _fast_weights(p)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
-@signed(weight_call)
-def head_outputs(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
+@signed(weight_call, method_option)
+def head_outputs(call: dict[str, Any]) -> np.ndarray:
     """Per-head outputs in model space ``[..., H, T_q, d_model]`` (without ``b_O``).
 
     Returns:
         float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
     """
+    method = call.pop("method")
     definition = check_method(method) == "definition"
     p = fast_problem(*call.values())
     return per_head_per_query(p)[1] if definition else _fast_head_outputs(p)

@@ -208,6 +208,15 @@ def rope_options(*, base: float = 10000.0, convention: str = "rotate_half") -> N
     """The RoPE frequency base and pair convention: a template for :func:`signed`."""
 
 
+def method_option(*, method: str = "fast") -> None:
+    """How an oracle is evaluated (``"fast"`` or ``"definition"``): a template for
+    :func:`signed`."""
+
+
+def residual_option(*, residual: bool = False) -> None:
+    """Whether a block returns ``x_q + y``: a template for :func:`signed`."""
+
+
 def rope_tokens(x: Any, positions: Any) -> None:
     """The vectors and positions the RoPE map rotates: a template for :func:`signed`."""
 
@@ -218,6 +227,8 @@ def rope_tokens(x: Any, positions: Any) -> None:
 weight_call = joined(weight_tokens, weight_options)
 rope_call = joined(weight_tokens, rope_positions, weight_options, rope_options)
 rope_map_call = joined(rope_tokens, rope_options)
+# The options of a multi-head block's oracle, written once: a template for :func:`signed`.
+block_options = joined(residual_option, method_option)
 
 
 def linear_qkv(q: Any, k: Any, v: Any) -> None:
@@ -241,15 +252,11 @@ LINEAR_OPTIONS = tuple(inspect.signature(linear_options).parameters)
 def retemplate(
     template: Callable[..., Any], only: tuple[str, ...] | None = None, **defaults: Any
 ) -> Callable[..., None]:
-    """``template`` with other ``defaults`` (and only the parameters named in ``only``, in the
-    template's order): a template for :func:`signed`."""
-    return _template(
-        [
-            p.replace(default=defaults.get(p.name, p.default))
-            for p in inspect.signature(template).parameters.values()
-            if only is None or p.name in only
-        ]
-    )
+    """``template`` with other ``defaults`` (and only the parameters named in ``only``, in that
+    order): a template for :func:`signed`."""
+    params = inspect.signature(template).parameters
+    names = list(params) if only is None else only
+    return _template([params[n].replace(default=defaults.get(n, params[n].default)) for n in names])
 
 
 def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:

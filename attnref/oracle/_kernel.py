@@ -34,7 +34,7 @@ from ._checks import (
     check_method,
     check_options,
 )
-from ._doc import KERNEL, KERNEL_RAISES, doc, retemplate, signed
+from ._doc import KERNEL, KERNEL_RAISES, doc, method_option, retemplate, signed
 from ._kernel_call import OPTIONS, KernelCall, call_allowed, kernel_call, parse, pick
 from ._kernel_fast import forward
 
@@ -44,8 +44,8 @@ def allowed_shape(shape: tuple[int, int, int, int]) -> None:
 
 
 @doc(KERNEL)
-@signed(allowed_shape, retemplate(kernel_call, only=("bias", "mask", *OPTIONS)))
-def kernel_allowed(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
+@signed(allowed_shape, retemplate(kernel_call, only=("bias", "mask", *OPTIONS)), method_option)
+def kernel_allowed(call: dict[str, Any]) -> np.ndarray:
     """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (only ``bias``'s ``-inf``
     entries matter here).
 
@@ -61,6 +61,7 @@ def kernel_allowed(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
             :func:`attnref.dot_product_attention`.
         TypeError: For an option refused with ``TypeError`` there.
     """
+    method = call.pop("method")
     shape, bias, mask, options = call["shape"], call["bias"], call["mask"], pick(call, OPTIONS)
     check_method(method)
     full = check_allowed_shape(shape)

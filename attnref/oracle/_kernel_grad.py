@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_method, dtype_of, is_floating, shape_of
-from ._doc import KERNEL, KERNEL_RAISES, doc, signed
+from ._doc import KERNEL, KERNEL_RAISES, doc, method_option, signed
 from ._kernel import definition_logit, kernel_allowed
 from ._kernel_call import OPTIONS, KernelCall, kernel_call, parse, pick, query_block
 from ._kernel_fast import (
@@ -235,13 +235,9 @@ def _definition(
 
 
 @doc(KERNEL, KERNEL_RAISES)
-@signed(kernel_call, front=("cotangent", "lse_cotangent"))
+@signed(kernel_call, method_option, front=("cotangent", "lse_cotangent"))
 def dot_product_attention_vjp(
-    call: dict[str, Any],
-    *,
-    cotangent: Any,
-    lse_cotangent: Any = None,
-    method: str = "fast",
+    call: dict[str, Any], *, cotangent: Any, lse_cotangent: Any = None
 ) -> KernelGrads:
     """Float64 vector-Jacobian product of :func:`attnref.oracle.dot_product_attention`: the
     gradients of ``sum(cotangent * o) + sum(lse_cotangent * lse)`` (equations in the module
@@ -251,6 +247,7 @@ def dot_product_attention_vjp(
         :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its
         input (``bias`` ``None`` without a bias).
     """
+    method = call.pop("method")
     check_method(method)
     c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)

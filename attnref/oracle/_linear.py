@@ -32,9 +32,11 @@ from ._doc import (
     LINEAR,
     LINEAR_OPTIONS,
     LINEAR_RAISES,
+    block_options,
     doc,
     linear_options,
     linear_qkv,
+    method_option,
     signed,
     weight_tokens,
 )
@@ -330,8 +332,8 @@ def _linear_fast(
 
 
 @doc(LINEAR)
-@signed(linear_qkv, linear_options)
-def linear_attention(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
+@signed(linear_qkv, linear_options, method_option)
+def linear_attention(call: dict[str, Any]) -> np.ndarray:
     """Linear attention ``[..., T_q, H, d_v]`` from its definition, per head and per query::
 
         A_ij = phi(q_i) . phi(k_j)  for allowed j (key_mask, and j <= i when causal)
@@ -350,6 +352,7 @@ def linear_attention(call: dict[str, Any], *, method: str = "fast") -> np.ndarra
             bool (a truthy ``1`` or ``"False"`` would silently read as causal).
         ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
+    method = call.pop("method")
     q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)
@@ -386,13 +389,8 @@ def linear_attention(call: dict[str, Any], *, method: str = "fast") -> np.ndarra
 
 
 @doc(LINEAR, LINEAR_RAISES)
-@signed(weight_tokens, linear_options)
-def linear_multihead(
-    call: dict[str, Any],
-    *,
-    residual: bool = False,
-    method: str = "fast",
-) -> np.ndarray:
+@signed(weight_tokens, linear_options, block_options)
+def linear_multihead(call: dict[str, Any]) -> np.ndarray:
     """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
     ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
     residual); ``method`` says how :func:`linear_attention` is evaluated.
@@ -400,6 +398,7 @@ def linear_multihead(
     Returns:
         float64 block output ``[..., T_q, d_model]``.
     """
+    residual, method = call.pop("residual"), call.pop("method")
     check_method(method)
     w, kv_of, xq, xkv = multihead_inputs(call["params"], call["x_q"], call["x_kv"])
     w_q, w_k, w_v, w_o = head_weights(w)

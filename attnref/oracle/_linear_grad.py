@@ -49,7 +49,17 @@ import numpy as np
 
 from ._checks import check_flag, shape_of
 from ._core import head_weights
-from ._doc import LINEAR, LINEAR_RAISES, doc, linear_options, linear_qkv, signed, weight_tokens
+from ._doc import (
+    LINEAR,
+    LINEAR_RAISES,
+    block_options,
+    doc,
+    linear_options,
+    linear_qkv,
+    method_option,
+    signed,
+    weight_tokens,
+)
 from ._linear import (
     adjusted,
     allowed,
@@ -315,14 +325,15 @@ def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any)
 
 
 @doc(LINEAR, LINEAR_RAISES)
-@signed(linear_qkv, linear_options, front=("d_y",))
-def linear_attention_vjp(call: dict[str, Any], d_y: Any, *, method: str = "fast") -> LinearGrads:
+@signed(linear_qkv, linear_options, method_option, front=("d_y",))
+def linear_attention_vjp(call: dict[str, Any], d_y: Any) -> LinearGrads:
     """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
     product), analytic (module docstring), float64.
 
     Returns:
         :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
     """
+    method = call.pop("method")
     q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)
@@ -365,14 +376,8 @@ def _project_back_definition(
 
 
 @doc(LINEAR, LINEAR_RAISES)
-@signed(weight_tokens, linear_options, front=("d_y",))
-def linear_multihead_vjp(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
-    method: str = "fast",
-) -> LinearMultiheadGrads:
+@signed(weight_tokens, linear_options, block_options, front=("d_y",))
+def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGrads:
     """Gradients of ``L = sum(d_y * linear_multihead(params, x_q, x_kv, ...))``, analytic, float64.
 
     With ``q = x_q W_Q[h] + b_Q[h]`` (and ``k``, ``v`` from ``x_kv`` with key/value head
@@ -390,6 +395,7 @@ def linear_multihead_vjp(
         every field present in ``params``; ``x_kv`` is ``None`` when ``x_kv`` was ``None`` (its
         gradient is then in ``x_q``).
     """
+    residual, method = call.pop("residual"), call.pop("method")
     params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
     fm = feature_map
     causal = check_options(fm, causal, eps_policy, method)

@@ -54,7 +54,16 @@ from ._core import (
     get_param,
     per_head_per_query,
 )
-from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, rope_map_call, signed
+from ._doc import (
+    WEIGHT,
+    WEIGHT_RAISES,
+    block_options,
+    doc,
+    method_option,
+    rope_call,
+    rope_map_call,
+    signed,
+)
 
 CONVENTIONS = ("rotate_half", "interleaved")
 
@@ -211,8 +220,8 @@ def rope_inputs(
     x="``[..., T, N, d]`` (tokens, heads, head dim), floating, ``d`` even.",
     positions="Integer positions ``[..., T]`` or ``[T]``.",
 )
-@signed(rope_map_call)
-def rope(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
+@signed(rope_map_call, method_option)
+def rope(call: dict[str, Any]) -> np.ndarray:
     """RoPE of ``x [..., T, N, d]`` at integer ``positions``, in float64 (``"fast"``: whole
     arrays from ``cos``/``sin`` tables). Refuses what :func:`attnref.rope.apply_rope` refuses
     (same exception types).
@@ -227,6 +236,7 @@ def rope(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
         TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
             a Python number.
     """
+    method = call.pop("method")
     x, positions, base, convention = call.values()
     check_method(method)
     check_convention(convention)
@@ -250,13 +260,8 @@ def rope(call: dict[str, Any], *, method: str = "fast") -> np.ndarray:
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
-@signed(rope_call)
-def rope_attention(
-    call: dict[str, Any],
-    *,
-    residual: bool = False,
-    method: str = "fast",
-) -> np.ndarray:
+@signed(rope_call, block_options)
+def rope_attention(call: dict[str, Any]) -> np.ndarray:
     """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (module docstring;
     ``d_k`` even); fully masked query rows give ``b_O``. Refuses what
     :func:`attnref.rope.rope_attention` refuses, with the same exception types.
@@ -264,6 +269,7 @@ def rope_attention(
     Returns:
         float64 block output ``[..., T_q, d_model]``.
     """
+    residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
     prob, pq, pk = rope_inputs(*call.values())
     base, convention = call["base"], call["convention"]

@@ -60,7 +60,7 @@ from ._core import (
     offset,
     row_weights,
 )
-from ._doc import WEIGHT, WEIGHT_RAISES, doc, rope_call, signed, weight_call
+from ._doc import WEIGHT, WEIGHT_RAISES, block_options, doc, rope_call, signed, weight_call
 from ._rope import rope_inputs, rotation, turn
 
 __all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
@@ -329,14 +329,8 @@ def _fast(
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
-@signed(weight_call, front=("d_y",))
-def attention_vjp(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
-    method: str = "fast",
-) -> AttentionGrads:
+@signed(weight_call, block_options, front=("d_y",))
+def attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attnref.oracle.attention` with the cotangent ``d_y``:
     the gradients of ``sum(d_y * attention(params, x_q, x_kv, mask=mask, bias=bias, ...))``
     with respect to every parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64
@@ -347,20 +341,15 @@ def attention_vjp(
         biases; ``x_kv``: ``None`` when ``x_kv`` was ``None``; ``bias``: ``bias``'s own shape,
         or ``None``).
     """
+    residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
     p = fast_problem(*call.values())
     return _vjp(p, d_y, call["bias"], fast, call["x_kv"] is None, residual)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
-@signed(rope_call, front=("d_y",))
-def rope_attention_vjp(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
-    method: str = "fast",
-) -> AttentionGrads:
+@signed(rope_call, block_options, front=("d_y",))
+def rope_attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     """Vector-Jacobian product of :func:`attnref.oracle.rope_attention` with the cotangent
     ``d_y`` (module docstring, with ``R`` the rotation at each token's position; positions are
     integers and get no gradient), float64.
@@ -368,6 +357,7 @@ def rope_attention_vjp(
     Returns:
         :class:`AttentionGrads`, as :func:`attention_vjp`.
     """
+    residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
     p, pq, pk = rope_inputs(*call.values())
     rope = (pq, pk, call["base"], call["convention"])
