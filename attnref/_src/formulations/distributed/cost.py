@@ -458,7 +458,7 @@ def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = Tru
         reach = _causal_reach(t, t, devices, layout, n, 0)
     else:
         table = positions(padded_length(t, devices, layout), devices, layout)
-        real = (table.reshape(devices, n, -1) < t).any(axis=2)
+        real = np.asarray((table.reshape(devices, n, -1) < t).any(axis=2))
         reach = real[:, :, None, None] & real[None, None, :, :]
     return reach.sum(axis=(1, 2, 3)).astype(np.int64)
 
