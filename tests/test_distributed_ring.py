@@ -174,14 +174,14 @@ def test_matches_oracle(case):
 
 # (devices, T, S, static options, array kinds): causal pieces the ring splits finely
 # (attnref.distributed.piece_tiles: every tile of a striped piece is reachable on every step or
-# on none); top-left T = S = 128 on 2 devices (4 x 4 tiles of 16, the six above the diagonal
-# never computed) with a mask and a bias; bottom-right T = 64 < S = 96 with segments.
+# on none); top-left T = S = 512 on 2 devices (4 x 4 tiles of 64, the six above the diagonal
+# never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments.
 FINE_CASES = (
-    (2, 128, 128, {"is_causal": True}, ("random", "bias")),
+    (2, 512, 512, {"is_causal": True}, ("random", "bias")),
     (
         2,
-        64,
-        96,
+        256,
+        384,
         {"is_causal": True, "causal_alignment": "bottom_right", "masked_rows": "uniform"},
         ("segments", "neg_inf_bias"),
     ),
@@ -400,7 +400,8 @@ def test_bad_input_names_the_argument(unchecked_annotations):
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize(
-    ("t", "devices"), [(16, 4), (64, 8), (37, 8), (12, 1), (8, 8), (256, 2), (512, 4), (1024, 8)]
+    ("t", "devices"),
+    [(16, 4), (64, 8), (37, 8), (12, 1), (8, 8), (256, 2), (1024, 4), (4096, 8)],
 )
 def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, devices):
     """:func:`attnref.distributed.ring_tiles_computed` = the tiles of each device's pieces that
@@ -445,7 +446,7 @@ def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, device
         assert 2 * got.max() == devices * n * (n + 1)  # (n + 1) P / (2 n) of a piece's n^2
 
 
-@pytest.mark.parametrize(("t", "devices"), [(64, 2), (256, 4), (512, 8)])
+@pytest.mark.parametrize(("t", "devices"), [(256, 2), (1024, 4), (4096, 8)])
 def test_fine_pieces_are_what_xla_compiles(t, devices):
     """What the tiling saves is absent from the compiled program: the causal striped ring's dot
     FLOPs per device and step (XLA's ``cost_analysis`` counts the loop body once) equal

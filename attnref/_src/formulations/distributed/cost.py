@@ -368,7 +368,7 @@ def chunk_tiles(c_q: int, c_k: int) -> int:
 
 
 # A causal piece is split into up to MAX_TILES tiles a side, of at least MIN_TILE rows and keys.
-MIN_TILE, MAX_TILES = 16, 16
+MIN_TILE, MAX_TILES = 64, 16
 
 # The kinds of tile in piece_tiles' table.
 NEVER, SOMETIMES, ALWAYS = 0, 1, 2

@@ -32,9 +32,9 @@ zigzag layout every step of every device leaves two of its four tiles empty, but
 diagonal step (one), so the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``.
 With the striped layout every piece is a local causal triangle, the same on every step and
 device, so when causality is the only position rule the piece is split finely (up to
-``16 x 16`` tiles of at least 16 rows): the tiles above the diagonal are left out of the
-program, each query tile reads one run of keys with no cond and no merge, and the busiest
-device computes ``(n + 1) P / (2 n)`` pieces, ``17 P / 32`` at ``n = 16``
+``16 x 16`` tiles of at least 64 rows and keys): the tiles above the diagonal are left out of
+the program, each query tile reads one run of keys with no cond and no merge, and the busiest
+device computes ``(n + 1) P / (2 n)`` pieces, ``9 P / 16`` in ``8 x 8`` tiles
 (:func:`attnref.distributed.ring_tiles_computed`, ``docs/distributed.md``).
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
