@@ -172,25 +172,27 @@ def test_matches_oracle(case):
     _check_forward(scheme, devices, p)
 
 
-# (devices, T, S, static options, array kinds): causal pieces the ring splits finely
+# (devices, T, S, static options, array kinds, bucket): causal pieces the ring splits finely
 # (attnref.distributed.piece_tiles: every tile of a striped piece is reachable on every step or
 # on none); top-left T = S = 512 on 2 devices (4 x 4 tiles of 64, the six above the diagonal
-# never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments.
+# never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments, GQA
+# (4 query heads over 2 K/V heads) and a batch of 2.
 FINE_CASES = (
-    (2, 512, 512, {"is_causal": True}, ("random", "bias")),
+    (2, 512, 512, {"is_causal": True}, ("random", "bias"), 1),
     (
         2,
         256,
         384,
         {"is_causal": True, "causal_alignment": "bottom_right", "masked_rows": "uniform"},
         ("segments", "neg_inf_bias"),
+        0,
     ),
 )
 
 
 def _fine_problem(case):
-    devices, t, s, static, kinds = case
-    config = dataclasses.replace(ast.KERNEL_BUCKETS[1], t=t, s=s)
+    devices, t, s, static, kinds, bucket = case
+    config = dataclasses.replace(ast.KERNEL_BUCKETS[bucket], t=t, s=s)
     p = ast.make_kernel_problem(config, kinds, 5, np.float32, static=static, mask_shape="B1TS")
     kind = ring.piece_tiles(t, s, devices, "striped", causal_offset(p))
     assert (kind != ring.SOMETIMES).all() and kind.shape[0] > 1, kind  # the fine path runs
