@@ -176,7 +176,8 @@ def test_matches_oracle(case):
 # (attnref.distributed.piece_tiles: every tile of a striped piece is reachable on every step or
 # on none); top-left T = S = 512 on 2 devices (4 x 4 tiles of 64, the six above the diagonal
 # never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments, GQA
-# (4 query heads over 2 K/V heads) and a batch of 2.
+# (4 query heads over 2 K/V heads) and a batch of 2; bottom-right T > S, where the first query
+# tile of every piece is never computed (its rows read no key: the masked_rows policy).
 FINE_CASES = (
     (2, 512, 512, {"is_causal": True}, ("random", "bias"), 1),
     (
@@ -187,6 +188,8 @@ FINE_CASES = (
         ("segments", "neg_inf_bias"),
         0,
     ),
+    # bottom-right T = 1024 > S = 256: the first query tile of every piece reads no key at all
+    (2, 1024, 256, {"is_causal": True, "causal_alignment": "bottom_right"}, ("random",), 1),
 )
 
 
