@@ -414,8 +414,9 @@ def piece_tiles(
     one device is reachable on all of them for the striped layout (each piece is a local
     causal triangle), and for any layout on one device: the piece is then split finely
     (:data:`MIN_TILE`, :data:`MAX_TILES`), the tiles above the diagonal are never computed and
-    the busiest device computes ``(n + 1) P / (2 n)`` pieces. Otherwise (a step-dependent pattern, other rules) the piece is
-    :func:`chunk_tiles` tiles a side, each :data:`SOMETIMES`.
+    the busiest device computes ``(n + 1) P / (2 n)`` pieces. Otherwise (a step-dependent
+    pattern, other rules) the piece is :func:`chunk_tiles` tiles a side, each
+    :data:`SOMETIMES`.
 
     Args:
         t, s: The query and key lengths (before padding).
