@@ -62,18 +62,23 @@ def _call(scheme, devices, p):
     return JITTED[scheme](p.q, p.k, p.v, mesh=default_mesh(devices), return_lse=True, **p.kwargs)
 
 
-def causal_offset(p):
-    """The ``causal_offset`` of :func:`attnref.distributed.piece_tiles` for problem ``p``:
-    ``j <= i + offset`` when causality is the only position rule, else ``None``."""
+def tiling_rules(p):
+    """Problem ``p``'s position rules as :func:`attnref.distributed.piece_tiles` takes them
+    (``offset=None`` when the shapes do not fix them: traced lengths, or sink tokens beside a
+    window)."""
     kw = p.kwargs
+    window = kw.get("local_window_size")
+    window = (window, window) if isinstance(window, int) else window
     lengths = ("query_seq_lengths", "key_value_seq_lengths")
-    if (
-        not kw.get("is_causal")
-        or kw.get("local_window_size") is not None
-        or any(kw.get(n) is not None for n in lengths)
-    ):
-        return None
-    return 0 if kw.get("causal_alignment", "top_left") == "top_left" else p.config.s - p.config.t
+    fixed = not any(kw.get(n) is not None for n in lengths) and not (
+        window is not None and kw.get("sink_tokens")
+    )
+    offset = 0 if kw.get("causal_alignment", "top_left") == "top_left" else p.config.s - p.config.t
+    return {
+        "offset": offset if fixed else None,
+        "causal": bool(kw.get("is_causal")),
+        "window": window,
+    }
 
 
 def ring_bound(scheme, devices, p):
@@ -84,9 +89,13 @@ def ring_bound(scheme, devices, p):
     t, s = p.config.t, p.config.s
     layout = ring.LAYOUT_OF[scheme]
     table = ring.positions(ring.padded_length(s, devices, layout), devices, layout)
-    kinds = ring.piece_tiles(t, s, devices, layout, causal_offset(p))
-    # a finely split causal piece: each query tile reads one run of keys per chunk (one piece)
-    n = 1 if (kinds != ring.SOMETIMES).all() else kinds.shape[0]
+    kinds = ring.piece_tiles(t, s, devices, layout, **tiling_rules(p))
+    fallback = (kinds == ring.SOMETIMES).all()  # chunk_tiles tiles a side, each one piece
+    # a fine split with one run of keys per query tile: one naive piece per chunk; else (a
+    # window's band, some tiles under a cond) any tiling of the chunk's keys (key_blocks=None)
+    runs = [np.flatnonzero(row != ring.NEVER) for row in kinds]
+    one_run = (kinds != ring.SOMETIMES).all() and all(np.all(np.diff(r) == 1) for r in runs)
+    n = kinds.shape[0] if fallback else 1
     ids = np.full(table.size, -1)
     for d, row in enumerate(table):
         ids[row] = d * n + np.arange(row.size) // (row.size // n)
@@ -97,7 +106,7 @@ def ring_bound(scheme, devices, p):
         pieces=ids[:s],
         num_pieces=devices * n,
         tree="sequential",
-        key_blocks=1,
+        key_blocks=1 if fallback or one_run else None,
         **p.semantics(),
         **p.options,
     )
@@ -172,15 +181,18 @@ def test_matches_oracle(case):
     _check_forward(scheme, devices, p)
 
 
-# (devices, T, S, static options, array kinds, bucket): causal pieces the ring splits finely
-# (attnref.distributed.piece_tiles: every tile of a striped piece is reachable on every step or
-# on none); top-left T = S = 512 on 2 devices (4 x 4 tiles of 64, the six above the diagonal
-# never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments, GQA
-# (4 query heads over 2 K/V heads) and a batch of 2; bottom-right T > S, where the first query
-# tile of every piece is never computed (its rows read no key: the masked_rows policy).
+# (scheme, devices, T, S, static options, array kinds, bucket): pieces the ring splits finely
+# (attnref.distributed.piece_tiles). Striped, causal: every tile of a piece is reachable on every
+# step or on none; top-left T = S = 512 on 2 devices (4 x 4 tiles of 64, the six above the
+# diagonal never computed) with a mask and a bias; bottom-right T = 256 < S = 384 with segments,
+# GQA (4 query heads over 2 K/V heads) and a batch of 2; bottom-right T > S, where the first
+# query tile of every piece is never computed (its rows read no key: the masked_rows policy).
+# Windows: the striped band, causal and two-sided; the contiguous ring's band, whose tiles are
+# reachable on some steps only (each under a cond).
 FINE_CASES = (
-    (2, 512, 512, {"is_causal": True}, ("random", "bias"), 1),
+    ("striped", 2, 512, 512, {"is_causal": True}, ("random", "bias"), 1),
     (
+        "striped",
         2,
         256,
         384,
@@ -188,29 +200,39 @@ FINE_CASES = (
         ("segments", "neg_inf_bias"),
         0,
     ),
-    # bottom-right T = 1024 > S = 256: the first query tile of every piece reads no key at all
-    (2, 1024, 256, {"is_causal": True, "causal_alignment": "bottom_right"}, ("random",), 1),
+    (
+        "striped",
+        2,
+        1024,
+        256,
+        {"is_causal": True, "causal_alignment": "bottom_right"},
+        ("random",),
+        1,
+    ),
+    ("striped", 2, 512, 512, {"is_causal": True, "local_window_size": (100, 0)}, ("bias",), 1),
+    ("striped", 2, 512, 512, {"local_window_size": (50, 50), "masked_rows": "nan"}, ("random",), 0),
+    ("ring", 2, 512, 512, {"is_causal": True, "local_window_size": (64, 0)}, ("random",), 1),
 )
 
 
 def _fine_problem(case):
-    devices, t, s, static, kinds, bucket = case
+    scheme, devices, t, s, static, kinds, bucket = case
     config = dataclasses.replace(ast.KERNEL_BUCKETS[bucket], t=t, s=s)
     p = ast.make_kernel_problem(config, kinds, 5, np.float32, static=static, mask_shape="B1TS")
-    kind = ring.piece_tiles(t, s, devices, "striped", causal_offset(p))
-    assert (kind != ring.SOMETIMES).all() and kind.shape[0] > 1, kind  # the fine path runs
+    kind = ring.piece_tiles(t, s, devices, ring.LAYOUT_OF[scheme], **tiling_rules(p))
+    assert kind.shape[0] > 1 and (kind != ring.SOMETIMES).any(), kind  # the fine path runs
     return p
 
 
-@pytest.mark.parametrize("case", FINE_CASES, ids=lambda c: f"T{c[1]}-S{c[2]}")
-def test_fine_causal_pieces_match_the_oracle(case):
-    """The striped ring with its pieces split finely (the tiles above each piece's diagonal
-    left out, each query tile reading one run of keys): output, lse and, through the
-    custom_vjp, ``d/dq``, ``d/dk``, ``d/dv`` and ``d/dbias`` within the derived bounds of
-    the oracles (float32, jitted)."""
+@pytest.mark.parametrize("case", FINE_CASES, ids=lambda c: f"{c[0]}-T{c[2]}-S{c[3]}-{len(c[4])}")
+def test_fine_pieces_match_the_oracle(case):
+    """The ring with its pieces split finely (the tiles no query may read left out of the
+    program, each query tile reading its runs of keys, the tiles only some steps reach under a
+    cond): output, lse and, through the custom_vjp, ``d/dq``, ``d/dk``, ``d/dv`` and
+    ``d/dbias`` within the derived bounds of the oracles (float32, jitted)."""
     p = _fine_problem(case)
-    devices = case[0]
-    _check_forward("striped", devices, p)
+    scheme, devices = case[0], case[1]
+    _check_forward(scheme, devices, p)
     b = p.config
     rng = np.random.default_rng(1)
     cot = rng.standard_normal((b.batch, b.t, b.n, b.h_v)).astype(np.float32)
@@ -219,9 +241,7 @@ def test_fine_causal_pieces_match_the_oracle(case):
     bias = kw.pop("bias", None)
     static = tuple(sorted((n, a) for n, a in p.kwargs.items() if n in STATIC_OPTIONS))
     arrays = {n: a for n, a in kw.items() if n not in STATIC_OPTIONS}
-    _, got = _outputs_and_grads(
-        "striped", devices, static, p.q, p.k, p.v, bias, arrays, cot, cot_lse
-    )
+    _, got = _outputs_and_grads(scheme, devices, static, p.q, p.k, p.v, bias, arrays, cot, cot_lse)
     exact, bound = p.oracle_vjp(cot, cot_lse), p.grad_bound(cot, cot_lse)
     for name, g, e, bd in zip(("q", "k", "v", "bias"), got, exact[:4], bound[:4], strict=True):
         if e is not None:
@@ -413,8 +433,8 @@ def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, device
     hold a pair the oracle allows (:func:`attnref.oracle.kernel_allowed`, causal), counted by
     brute force, with the tiling of :func:`attnref.distributed.piece_tiles`; and, by hand, the
     balanced layouts' busiest device computes about half of its ``P`` pieces: zigzag
-    ``(2 P + 1) / 4`` of them once ``2P`` divides ``T``, striped ``(n + 1) P / (2 n)`` once its
-    pieces split into ``n > 1`` fine tiles a side."""
+    ``P / 2 + 1 / (2 n)`` of them once ``2P`` divides ``T`` (``n`` tiles a side), striped
+    ``(n + 1) P / (2 n)`` once its pieces split into ``n > 1`` fine tiles a side."""
     allowed = np.tril(np.ones((t, t), bool))
     if t <= 64:  # the oracle's own allowed set where it is cheap; the same lower triangle
         np.testing.assert_array_equal(
@@ -446,7 +466,8 @@ def test_ring_tiles_computed_against_the_oracles_allowed_pairs(layout, t, device
     assert not reach.transpose(0, 2, 1, 3)[:, :, never].any()
     assert reach.transpose(0, 2, 1, 3)[:, :, always].all()
     if layout == "zigzag" and t % (2 * devices) == 0 and devices > 1:
-        assert got.max() == 2 * devices + 1  # quarter pieces: (2P + 1) / 4 of a piece's 4
+        # P/2 + 1/(2n) pieces: (2P + 1)/4 in quarter pieces (n = 2), (4P + 1)/8 with n = 4
+        assert 2 * got.max() == n * n * devices + n
     if layout == "striped" and n > 1 and (kinds != ring.SOMETIMES).all():
         assert 2 * got.max() == devices * n * (n + 1)  # (n + 1) P / (2 n) of a piece's n^2
 

@@ -388,42 +388,71 @@ def _fine_tiles(c_q: int, c_k: int) -> int:
     return n
 
 
-def _causal_reach(t: int, s: int, devices: int, layout: str, n: int, offset: int) -> np.ndarray:
+def _reach(
+    t: int,
+    s: int,
+    devices: int,
+    layout: str,
+    n: int,
+    offset: int,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+) -> np.ndarray:
     """``[P, n, P, n]``: whether tile ``a`` of device ``d``'s queries may read a key of tile ``b``
-    of device ``o``'s chunk under ``j <= i + offset`` (real positions only: ``i < T``,
-    ``j < S``)."""
+    of device ``o``'s chunk by the position rules, on the tiles' position ranges: some real
+    ``i``, ``j`` (``i < T``, ``j < S``) with ``j - (i + offset)`` in ``[-left, 0]`` (causal)
+    and ``[-left, right]`` (window). Exact for causality alone; for a window, a tile whose
+    positions are strided (striped) may be reported reachable when none of its pairs is: such a
+    tile is computed, never wrongly skipped."""
+    big = np.iinfo(np.int64).max // 4
     tq = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
     tk = positions(padded_length(s, devices, layout), devices, layout).astype(np.int64)
-    q_tiles = tq.reshape(devices, n, -1)
-    k_tiles = tk.reshape(devices, n, -1)
-    last_q = np.where(q_tiles < t, q_tiles, np.iinfo(np.int64).min // 2).max(axis=2)
-    first_k = np.where(k_tiles < s, k_tiles, np.iinfo(np.int64).max).min(axis=2)
-    return np.asarray(first_k[None, None, :, :] <= last_q[:, :, None, None] + offset)
+    q_tiles, k_tiles = tq.reshape(devices, n, -1), tk.reshape(devices, n, -1)
+    real_q, real_k = q_tiles < t, k_tiles < s
+    first_q = np.where(real_q, q_tiles, big).min(axis=2) + offset
+    last_q = np.where(real_q, q_tiles, -big).max(axis=2) + offset
+    first_k = np.where(real_k, k_tiles, big).min(axis=2)
+    last_k = np.where(real_k, k_tiles, -big).max(axis=2)
+    left, right = window or (None, None)
+    hi = min(0 if causal else big, big if right is None else right)
+    lo = -big if left is None else -left
+    any_q, any_k = np.asarray(real_q.any(axis=2)), np.asarray(real_k.any(axis=2))
+    both = any_q[:, :, None, None] & any_k[None, None, :, :]
+    lowest = first_k[None, None, :, :] - last_q[:, :, None, None]  # min of j - (i + offset)
+    highest = last_k[None, None, :, :] - first_q[:, :, None, None]
+    return np.asarray(both & (lowest <= hi) & (highest >= lo))
 
 
 def piece_tiles(
-    t: int, s: int, devices: int, layout: str, causal_offset: int | None = None
+    t: int,
+    s: int,
+    devices: int,
+    layout: str,
+    offset: int | None = None,
+    *,
+    causal: bool = True,
+    window: tuple[int | None, int | None] | None = None,
 ) -> np.ndarray:
     """How the ring computes a step's piece: its ``[n, n]`` tiles (``n`` a side), each
     :data:`NEVER` reachable (not computed), :data:`SOMETIMES` (computed under a ``lax.cond`` on
     the step's positions) or :data:`ALWAYS` (computed unconditionally; the adjacent ones of a
     query tile as one slice of keys, with no merge between them).
 
-    When the position rules are causality alone, ``j <= i + causal_offset`` (no window, no
-    traced lengths: the rules are known from the shapes), every tile reachable on one step of
-    one device is reachable on all of them for the striped layout (each piece is a local
-    causal triangle), and for any layout on one device: the piece is then split finely
-    (:data:`MIN_TILE`, :data:`MAX_TILES`), the tiles above the diagonal are never computed and
-    the busiest device computes ``(n + 1) P / (2 n)`` pieces. Otherwise (a step-dependent
-    pattern, other rules) the piece is :func:`chunk_tiles` tiles a side, each
-    :data:`SOMETIMES`.
+    When the position rules are known from the shapes (causality and the window; no traced
+    lengths), the piece is split finely (:data:`MIN_TILE`, :data:`MAX_TILES`) if that needs few
+    conditions: no tile is :data:`SOMETIMES` (a striped piece under causality alone is the same
+    local triangle on every step and device, as is any layout's on one device: the busiest
+    device then computes ``(n + 1) P / (2 n)`` pieces), or some tile is never reachable and at
+    most ``2 n`` are :data:`SOMETIMES` (a window's band). Otherwise the piece is
+    :func:`chunk_tiles` tiles a side, each :data:`SOMETIMES`.
 
     Args:
         t, s: The query and key lengths (before padding).
         devices: ``P``.
         layout: One of :data:`LAYOUTS`.
-        causal_offset: ``S - T`` for bottom-right alignment, 0 for top-left; ``None`` when the
-            position rules are not causality alone.
+        offset: Key ``i + offset`` is query ``i``'s own position: 0 for top-left alignment,
+            ``S - T`` for bottom-right; ``None`` when the rules are not known from the shapes.
+        causal, window: The position rules (``window``: ``(left, right)``, either ``None``).
 
     Returns:
         int8 ``[n, n]``.
@@ -431,11 +460,12 @@ def piece_tiles(
     c_q = padded_length(t, devices, layout) // devices
     c_k = padded_length(s, devices, layout) // devices
     n = _fine_tiles(c_q, c_k)
-    if causal_offset is not None and n > 1:
-        reach = _causal_reach(t, s, devices, layout, n, causal_offset)
+    if offset is not None and (causal or window is not None) and n > 1:
+        reach = _reach(t, s, devices, layout, n, offset, causal, window)
         some, every = reach.any(axis=(0, 2)), reach.all(axis=(0, 2))
-        if (some == every).all():
-            return np.where(every, ALWAYS, NEVER).astype(np.int8)
+        gated = int((some & ~every).sum())
+        if gated == 0 or (not some.all() and gated <= 2 * n):
+            return np.select([every, some], [ALWAYS, SOMETIMES], NEVER).astype(np.int8)
     n = chunk_tiles(c_q, c_k)
     return np.full((n, n), SOMETIMES, np.int8)
 
@@ -456,7 +486,7 @@ def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = Tru
     """
     n = piece_tiles(t, t, devices, layout, 0 if causal else None).shape[0]
     if causal:
-        reach = _causal_reach(t, t, devices, layout, n, 0)
+        reach = _reach(t, t, devices, layout, n, 0, True, None)
     else:
         table = positions(padded_length(t, devices, layout), devices, layout)
         real = np.asarray((table.reshape(devices, n, -1) < t).any(axis=2))

@@ -30,12 +30,14 @@ Under a causal mask this is where the layouts differ: with contiguous chunks dev
 ``d + 1`` steps, and device ``P - 1`` computes ``P - 1/4`` pieces' worth of tiles; with the
 zigzag layout every step of every device leaves two of its four tiles empty, but the
 diagonal step (one), so the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``.
-With the striped layout every piece is a local causal triangle, the same on every step and
-device, so when causality is the only position rule the piece is split finely (up to
-``16 x 16`` tiles of at least 64 rows and keys): the tiles above the diagonal are left out of
-the program, each query tile reads one run of keys with no cond and no merge, and the busiest
-device computes ``(n + 1) P / (2 n)`` pieces, ``9 P / 16`` in ``8 x 8`` tiles
-(:func:`attnref.distributed.ring_tiles_computed`, ``docs/distributed.md``).
+When the position rules are known from the shapes (causality, the window; no traced lengths)
+and a finer split needs few conditions, the piece is split finely (up to ``16 x 16`` tiles of
+at least 64 rows and keys): the tiles no step may reach are left out of the program, those every
+step reaches run with no cond (a query tile's adjacent ones as one run of keys, no merge), the
+rest under a cond. With the striped layout every causal piece is the same local triangle on
+every step and device, so the busiest device computes ``(n + 1) P / (2 n)`` pieces, ``9 P / 16``
+in ``8 x 8`` tiles (:func:`attnref.distributed.ring_tiles_computed`, ``docs/distributed.md``);
+a window leaves only its band.
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
 ``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
@@ -187,14 +189,19 @@ def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
 
 
 def _piece_kinds(ring: _Ring, local: LocalInputs) -> Any:
-    """:func:`attnref.distributed.piece_tiles` of the call: the fine causal tiling when the
-    position rules are causality alone and known from the shapes (no window, no lengths)."""
+    """:func:`attnref.distributed.piece_tiles` of the call: its position rules (causality, the
+    window) when they are known from the shapes (no traced lengths; no sink tokens, whose
+    exemption from the window the tiling does not model)."""
     spec = ring.spec
-    static_causal = (
-        spec.is_causal and spec.window is None and local.q_lens is None and local.kv_lens is None
+    static = (
+        local.q_lens is None
+        and local.kv_lens is None
+        and not (spec.window is not None and spec.sink_tokens)
     )
-    offset = (0 if spec.alignment == "top_left" else spec.s - spec.t) if static_causal else None
-    return _dcost.piece_tiles(spec.t, spec.s, ring.devices, ring.layout, offset)
+    offset = (0 if spec.alignment == "top_left" else spec.s - spec.t) if static else None
+    return _dcost.piece_tiles(
+        spec.t, spec.s, ring.devices, ring.layout, offset, causal=spec.is_causal, window=spec.window
+    )
 
 
 def _state_fn(
