@@ -12,12 +12,8 @@ that cites it; ``primaryClass`` is given only where the arXiv category was seen.
 been published is cited as published (venue, year, pages, DOI), with its arXiv id kept; the year
 is the published one, and the prose uses the same year and the same first author. Every entry is
 cited by at least one registry id (``tests/test_citations.py``), and no entry carries a ``note``:
-a bibliography would print it.
-
-The seed posts (``../shared/seeds``) are cited with what each post names of itself: none names
-its author; one names its site (far.in.net, given as ``url``); none gives its own address. Their
-entries say no more than that (title, site, year and month); the comments below record what each
-post leaves out.
+a bibliography would print it. The seed posts (``../shared/seeds``) are cited with only what
+each post names of itself (the comments at their entries).
 """
 
 from __future__ import annotations
@@ -40,27 +36,23 @@ class Entry:
     fields: tuple[tuple[str, str], ...]
 
 
-def _arxiv(eprint: str, primary: str | None) -> tuple[tuple[str, str], ...]:
-    """The arXiv fields; ``primary`` ``None`` where the category was not checked."""
-    category = (("primaryClass", primary),) if primary else ()
-    return (
-        ("eprint", eprint),
-        ("archivePrefix", "arXiv"),
-        *category,
-        ("url", f"https://arxiv.org/abs/{eprint}"),
+def _entry(kind: str, arxiv: tuple[str, str | None] | None = None, **fields: str) -> Entry:
+    """``fields`` in the order given, then the arXiv fields of ``arxiv`` = ``(eprint,
+    primaryClass)``, the category ``None`` where it was not checked."""
+    if arxiv is None:
+        return Entry(kind, tuple(fields.items()))
+    eprint, primary = arxiv
+    category = {"primaryClass": primary} if primary else {}
+    extra = {"eprint": eprint, "archivePrefix": "arXiv", **category}
+    return Entry(
+        kind, (*fields.items(), *extra.items(), ("url", f"https://arxiv.org/abs/{eprint}"))
     )
 
 
 def _preprint(author: str, title: str, year: str, eprint: str, primary: str | None) -> Entry:
-    return Entry(
-        "misc",
-        (
-            ("author", author),
-            ("title", title),
-            ("howpublished", f"arXiv preprint arXiv:{eprint}"),
-            ("year", year),
-            *_arxiv(eprint, primary),
-        ),
+    how = f"arXiv preprint arXiv:{eprint}"
+    return _entry(
+        "misc", (eprint, primary), author=author, title=title, howpublished=how, year=year
     )
 
 
@@ -69,92 +61,63 @@ def _seed(title: str, date: str, site: str = "", url: str = "") -> Entry:
     and address only where the post names them. No author: none of the posts names one."""
     year, month, _ = date.split("-")
     where = f"Blog post, {site}" if site else "Blog post"
-    return Entry(
-        "misc",
-        (
-            ("title", title),
-            ("howpublished", where),
-            ("year", year),
-            ("month", month.lstrip("0")),
-            *((("url", url),) if url else ()),
-        ),
+    address = {"url": url} if url else {}
+    return _entry(
+        "misc", title=title, howpublished=where, year=year, month=month.lstrip("0"), **address
     )
 
 
 ENTRIES: dict[str, Entry] = {
-    "vaswani2017attention": Entry(
+    "vaswani2017attention": _entry(
         "inproceedings",
-        (
-            (
-                "author",
-                "Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and "
-                "Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia",
-            ),
-            ("title", "Attention Is All You Need"),
-            ("booktitle", "Advances in Neural Information Processing Systems"),
-            ("volume", "30"),
-            ("publisher", "Curran Associates, Inc."),
-            ("year", "2017"),
-            *_arxiv("1706.03762", "cs.CL"),
-        ),
+        ("1706.03762", "cs.CL"),
+        author="Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and "
+        "Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia",
+        title="Attention Is All You Need",
+        booktitle="Advances in Neural Information Processing Systems",
+        volume="30",
+        publisher="Curran Associates, Inc.",
+        year="2017",
     ),
-    "elhage2021mathematical": Entry(
+    "elhage2021mathematical": _entry(
         "article",
-        (
-            (
-                "author",
-                "Elhage, Nelson and Nanda, Neel and Olsson, Catherine and Henighan, Tom and "
-                "Joseph, Nicholas and Mann, Ben and Askell, Amanda and Bai, Yuntao and Chen, Anna "
-                "and Conerly, Tom and DasSarma, Nova and Drain, Dawn and Ganguli, Deep and "
-                "Hatfield-Dodds, Zac and Hernandez, Danny and Jones, Andy and Kernion, Jackson "
-                "and Lovitt, Liane and Ndousse, Kamal and Amodei, Dario and Brown, Tom and Clark, "
-                "Jack and Kaplan, Jared and McCandlish, Sam and Olah, Chris",
-            ),
-            ("title", "A Mathematical Framework for Transformer Circuits"),
-            ("journal", "Transformer Circuits Thread"),
-            ("year", "2021"),
-            ("url", "https://transformer-circuits.pub/2021/framework/index.html"),
-        ),
+        author="Elhage, Nelson and Nanda, Neel and Olsson, Catherine and Henighan, Tom and "
+        "Joseph, Nicholas and Mann, Ben and Askell, Amanda and Bai, Yuntao and Chen, Anna "
+        "and Conerly, Tom and DasSarma, Nova and Drain, Dawn and Ganguli, Deep and "
+        "Hatfield-Dodds, Zac and Hernandez, Danny and Jones, Andy and Kernion, Jackson "
+        "and Lovitt, Liane and Ndousse, Kamal and Amodei, Dario and Brown, Tom and Clark, "
+        "Jack and Kaplan, Jared and McCandlish, Sam and Olah, Chris",
+        title="A Mathematical Framework for Transformer Circuits",
+        journal="Transformer Circuits Thread",
+        year="2021",
+        url="https://transformer-circuits.pub/2021/framework/index.html",
     ),
     # The seed posts (../shared/seeds), each read for what it names of itself. None names its
     # author. All but "Attention: All you need to know" name no site and no address of their own
     # (cited by title and date); that one names its site, far.in.net, the address given.
-    "hidden_messages2025": _seed(
-        "The Hidden Messages of Multi-Head Attention",
-        "2025-02-17",
-    ),
+    "hidden_messages2025": _seed("The Hidden Messages of Multi-Head Attention", "2025-02-17"),
     # Its one link is to a video by its author, not to the post.
     "reframing_attention2025": _seed(
-        "Reframing Attention: A Matrix Decomposition Perspective",
-        "2025-02-18",
+        "Reframing Attention: A Matrix Decomposition Perspective", "2025-02-18"
     ),
     "refactoring_attention2025": _seed(
-        "Refactoring the Attention Equations: Patterns and Messages",
-        "2025-02-19",
+        "Refactoring the Attention Equations: Patterns and Messages", "2025-02-19"
     ),
     "attention_all_you_need_to_know2025": _seed(
-        "Attention: All you need to know",
-        "2025-03-29",
-        site="far.in.net",
-        url="https://far.in.net",
+        "Attention: All you need to know", "2025-03-29", site="far.in.net", url="https://far.in.net"
     ),
     # The address it gives (learnopencv.com/attention-mechanism-in-transformer-neural-networks/)
     # is its source, not the post.
     "attention_mechanism_concept2025": _seed(
-        "[Concept] The Attention Mechanism of Transformer Models",
-        "2025-08-22",
+        "[Concept] The Attention Mechanism of Transformer Models", "2025-08-22"
     ),
-    "karpathy2023cs25": Entry(
+    "karpathy2023cs25": _entry(
         "misc",
-        (
-            ("author", "Karpathy, Andrej"),
-            ("title", "Introduction to Transformers"),
-            (
-                "howpublished",
-                "Lecture, Stanford {CS25}: Transformers United {V2}, Stanford Online (YouTube)",
-            ),
-            ("year", "2023"),
-        ),
+        author="Karpathy, Andrej",
+        title="Introduction to Transformers",
+        howpublished="Lecture, Stanford {CS25}: Transformers United {V2}, Stanford Online "
+        "(YouTube)",
+        year="2023",
     ),
     "milakov2018online": _preprint(
         "Milakov, Maxim and Gimelshein, Natalia",
@@ -163,33 +126,23 @@ ENTRIES: dict[str, Entry] = {
         "1805.02867",
         "cs.PF",
     ),
-    "dao2022flashattention": Entry(
+    "dao2022flashattention": _entry(
         "inproceedings",
-        (
-            (
-                "author",
-                "Dao, Tri and Fu, Daniel Y. and Ermon, Stefano and Rudra, Atri and "
-                "R{\\'e}, Christopher",
-            ),
-            (
-                "title",
-                "{FlashAttention}: Fast and Memory-Efficient Exact Attention with {IO}-Awareness",
-            ),
-            ("booktitle", "Advances in Neural Information Processing Systems (NeurIPS)"),
-            ("year", "2022"),
-            *_arxiv("2205.14135", "cs.LG"),
-        ),
+        ("2205.14135", "cs.LG"),
+        author="Dao, Tri and Fu, Daniel Y. and Ermon, Stefano and Rudra, Atri and "
+        "R{\\'e}, Christopher",
+        title="{FlashAttention}: Fast and Memory-Efficient Exact Attention with {IO}-Awareness",
+        booktitle="Advances in Neural Information Processing Systems (NeurIPS)",
+        year="2022",
     ),
-    "dao2023flashdecoding": Entry(
+    "dao2023flashdecoding": _entry(
         "misc",
-        (
-            ("author", "Dao, Tri and Haziza, Daniel and Massa, Francisco and Sizov, Grigory"),
-            ("title", "{Flash-Decoding} for long-context inference"),
-            ("howpublished", "PyTorch and Stanford {CRFM} blog posts"),
-            ("year", "2023"),
-            ("month", "10"),
-            ("url", "https://crfm.stanford.edu/2023/10/12/flashdecoding.html"),
-        ),
+        author="Dao, Tri and Haziza, Daniel and Massa, Francisco and Sizov, Grigory",
+        title="{Flash-Decoding} for long-context inference",
+        howpublished="PyTorch and Stanford {CRFM} blog posts",
+        year="2023",
+        month="10",
+        url="https://crfm.stanford.edu/2023/10/12/flashdecoding.html",
     ),
     "rabe2021selfattention": _preprint(
         "Rabe, Markus N. and Staats, Charles",
@@ -198,30 +151,19 @@ ENTRIES: dict[str, Entry] = {
         "2112.05682",
         "cs.LG",
     ),
-    "ainslie2023gqa": Entry(
+    "ainslie2023gqa": _entry(
         "inproceedings",
-        (
-            (
-                "author",
-                "Ainslie, Joshua and Lee-Thorp, James and de Jong, Michiel and Zemlyanskiy, Yury "
-                "and Lebr{\\'o}n, Federico and Sanghai, Sumit",
-            ),
-            (
-                "title",
-                "{GQA}: Training Generalized Multi-Query Transformer Models from Multi-Head "
-                "Checkpoints",
-            ),
-            (
-                "booktitle",
-                "Proceedings of the 2023 Conference on Empirical Methods in Natural Language "
-                "Processing (EMNLP)",
-            ),
-            ("pages", "4895--4901"),
-            ("publisher", "Association for Computational Linguistics"),
-            ("year", "2023"),
-            ("doi", "10.18653/v1/2023.emnlp-main.298"),
-            *_arxiv("2305.13245", "cs.CL"),
-        ),
+        ("2305.13245", "cs.CL"),
+        author="Ainslie, Joshua and Lee-Thorp, James and de Jong, Michiel and Zemlyanskiy, Yury "
+        "and Lebr{\\'o}n, Federico and Sanghai, Sumit",
+        title="{GQA}: Training Generalized Multi-Query Transformer Models from Multi-Head "
+        "Checkpoints",
+        booktitle="Proceedings of the 2023 Conference on Empirical Methods in Natural Language "
+        "Processing (EMNLP)",
+        pages="4895--4901",
+        publisher="Association for Computational Linguistics",
+        year="2023",
+        doi="10.18653/v1/2023.emnlp-main.298",
     ),
     "shazeer2019fast": _preprint(
         "Shazeer, Noam",
@@ -233,58 +175,40 @@ ENTRIES: dict[str, Entry] = {
     # The journal version (Neurocomputing 568, 2024; arXiv:2104.09864 is the preprint, 2021).
     # Its record lists the authors in this order and form (arXiv: Su, Lu, Pan, Ahmed Murtadha,
     # Bo Wen, Liu), as the reference lists that cite its DOI print them.
-    "su2024roformer": Entry(
+    "su2024roformer": _entry(
         "article",
-        (
-            (
-                "author",
-                "Su, Jianlin and Ahmed, Murtadha and Lu, Yu and Pan, Shengfeng and Bo, Wen and "
-                "Liu, Yunfeng",
-            ),
-            ("title", "{RoFormer}: Enhanced Transformer with Rotary Position Embedding"),
-            ("journal", "Neurocomputing"),
-            ("volume", "568"),
-            ("pages", "127063"),
-            ("year", "2024"),
-            ("doi", "10.1016/j.neucom.2023.127063"),
-            *_arxiv("2104.09864", "cs.CL"),
-        ),
+        ("2104.09864", "cs.CL"),
+        author="Su, Jianlin and Ahmed, Murtadha and Lu, Yu and Pan, Shengfeng and Bo, Wen and "
+        "Liu, Yunfeng",
+        title="{RoFormer}: Enhanced Transformer with Rotary Position Embedding",
+        journal="Neurocomputing",
+        volume="568",
+        pages="127063",
+        year="2024",
+        doi="10.1016/j.neucom.2023.127063",
     ),
-    "katharopoulos2020transformers": Entry(
+    "katharopoulos2020transformers": _entry(
         "inproceedings",
-        (
-            (
-                "author",
-                "Katharopoulos, Angelos and Vyas, Apoorv and Pappas, Nikolaos and "
-                "Fleuret, Fran{\\c{c}}ois",
-            ),
-            (
-                "title",
-                "Transformers are {RNNs}: Fast Autoregressive Transformers with Linear Attention",
-            ),
-            ("booktitle", "Proceedings of the 37th International Conference on Machine Learning"),
-            ("series", "Proceedings of Machine Learning Research"),
-            ("volume", "119"),
-            ("pages", "5156--5165"),
-            ("year", "2020"),
-            *_arxiv("2006.16236", "cs.LG"),
-        ),
+        ("2006.16236", "cs.LG"),
+        author="Katharopoulos, Angelos and Vyas, Apoorv and Pappas, Nikolaos and "
+        "Fleuret, Fran{\\c{c}}ois",
+        title="Transformers are {RNNs}: Fast Autoregressive Transformers with Linear Attention",
+        booktitle="Proceedings of the 37th International Conference on Machine Learning",
+        series="Proceedings of Machine Learning Research",
+        volume="119",
+        pages="5156--5165",
+        year="2020",
     ),
-    "choromanski2021performers": Entry(
+    "choromanski2021performers": _entry(
         "inproceedings",
-        (
-            (
-                "author",
-                "Choromanski, Krzysztof and Likhosherstov, Valerii and Dohan, David and Song, "
-                "Xingyou and Gane, Andreea and Sarlos, Tamas and Hawkins, Peter and Davis, Jared "
-                "and Mohiuddin, Afroz and Kaiser, Lukasz and Belanger, David and Colwell, Lucy "
-                "and Weller, Adrian",
-            ),
-            ("title", "Rethinking Attention with Performers"),
-            ("booktitle", "International Conference on Learning Representations (ICLR)"),
-            ("year", "2021"),
-            *_arxiv("2009.14794", "cs.LG"),
-        ),
+        ("2009.14794", "cs.LG"),
+        author="Choromanski, Krzysztof and Likhosherstov, Valerii and Dohan, David and Song, "
+        "Xingyou and Gane, Andreea and Sarlos, Tamas and Hawkins, Peter and Davis, Jared "
+        "and Mohiuddin, Afroz and Kaiser, Lukasz and Belanger, David and Colwell, Lucy "
+        "and Weller, Adrian",
+        title="Rethinking Attention with Performers",
+        booktitle="International Conference on Learning Representations (ICLR)",
+        year="2021",
     ),
     "liu2023ring": _preprint(
         "Liu, Hao and Zaharia, Matei and Abbeel, Pieter",
@@ -301,15 +225,13 @@ ENTRIES: dict[str, Entry] = {
         "2311.09431",
         None,
     ),
-    "zhu2024ringflashattention": Entry(
+    "zhu2024ringflashattention": _entry(
         "misc",
-        (
-            ("author", "Zhu, Zilin"),
-            ("title", "ring-flash-attention"),
-            ("howpublished", "GitHub repository zhuzilin/ring-flash-attention"),
-            ("year", "2024"),
-            ("url", "https://github.com/zhuzilin/ring-flash-attention"),
-        ),
+        author="Zhu, Zilin",
+        title="ring-flash-attention",
+        howpublished="GitHub repository zhuzilin/ring-flash-attention",
+        year="2024",
+        url="https://github.com/zhuzilin/ring-flash-attention",
     ),
     "jacobs2023ulysses": _preprint(
         "Jacobs, Sam Ade and Tanaka, Masahiro and Zhang, Chengming and Zhang, Minjia and "
