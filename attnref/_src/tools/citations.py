@@ -36,7 +36,7 @@ class Entry:
     fields: tuple[tuple[str, str], ...]
 
 
-def _entry(kind: str, arxiv: tuple[str, str | None] | None = None, **fields: str) -> Entry:
+def _entry(kind: str, arxiv: tuple[str, str | None] | None = None, /, **fields: str) -> Entry:
     """``fields`` in the order given, then the arXiv fields of ``arxiv`` = ``(eprint,
     primaryClass)``, the category ``None`` where it was not checked."""
     if arxiv is None:
