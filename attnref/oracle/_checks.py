@@ -1,15 +1,9 @@
-"""Input validation of the float64 oracle, NumPy only (never JAX), written independently.
+"""Input validation of the float64 oracle, NumPy only (never JAX), shared with the JAX twins.
 
-The oracle refuses every bad input that its JAX twin refuses, with the same exception type
-(``ValueError`` for a bad shape or value, ``TypeError`` for a bad dtype or kind) and a message
-that names the argument and its shape or value. Nothing here converts silently: a float mask is
-refused (not cast to bool), a fractional length is refused (not truncated), an unknown policy or
-alignment string is refused (not read as the default).
-
-Empty inputs have one meaning, shared with the JAX functions: ``T = 0`` (no queries) gives an
-empty output; ``S = 0`` (no keys) makes every query row fully masked, so ``masked_rows`` decides
-(``"uniform"``, the mean over zero keys, is refused); a head dimension of 0 is refused, since the
-default scale ``1/sqrt(H)`` is undefined.
+Every refusal is ``ValueError`` (bad shape or value) or ``TypeError`` (bad dtype or kind), naming
+the argument; nothing converts silently (a float mask, a fractional length, a misspelt policy are
+refused). ``T = 0`` gives an empty output; ``S = 0`` masks every row (``"uniform"`` is refused);
+a head dimension of 0 is refused (the default scale ``1/sqrt(H)`` is undefined).
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ PARAM_BIASES = ("b_q", "b_k", "b_v", "b_o")
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
-    """The shape of an array or array-like (a nested list gives its NumPy shape)."""
+    """The shape of an array or array-like."""
     return tuple(int(d) for d in np.shape(x))
 
 
@@ -55,17 +49,13 @@ def _is_int(x: Any) -> bool:
 
 
 def check_real_scalar(name: str, x: Any) -> float:
-    """A real number (Python, NumPy scalar or 0-d array; not bool, complex or text) as float.
-
-    ``ValueError`` for a non-scalar, ``TypeError`` for a scalar that is not a real number.
-    """
+    """A real number (Python, NumPy scalar or 0-d array; not bool, complex or text) as float."""
     check_real_kind(name, x)
     return float(np.asarray(x, dtype=np.float64))
 
 
 def check_real_kind(name: str, x: Any) -> None:
-    """The kind checks of :func:`check_real_scalar`, on shape and dtype only (``x`` may be an
-    array whose values are unknown: the JAX functions call this on traced scales)."""
+    """The checks of :func:`check_real_scalar` on shape and dtype only (``x`` may be traced)."""
     if isinstance(x, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {x!r}")
     if np.ndim(x) != 0:
@@ -83,8 +73,7 @@ def check_scale(scale: Any) -> float | None:
 def check_mask_and_bias(
     mask: Any, bias: Any, target: tuple[int, ...], axes: str
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``mask`` boolean and ``bias`` floating, each broadcasting to ``target`` without growing it
-    (rank >= 2). Returns them broadcast to ``target`` (``bias`` in float64)."""
+    """``mask`` boolean and ``bias`` floating, each broadcast to ``target`` (``bias`` float64)."""
     check_mask_and_bias_kinds(mask, bias, target, axes)
     m = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), target)
     b = None if bias is None else np.broadcast_to(np.asarray(bias, dtype=np.float64), target)
@@ -101,11 +90,7 @@ def check_mask_and_bias_kinds(mask: Any, bias: Any, target: tuple[int, ...], axe
             raise ValueError(
                 f"{name} must have rank >= 2 with its last two axes {axes}, got shape {shape}"
             )
-        try:
-            ok = np.broadcast_shapes(shape, target) == target
-        except ValueError:
-            ok = False
-        if not ok:
+        if not broadcasts(shape, target):
             raise ValueError(
                 f"{name} has shape {shape}, which does not broadcast to {axes} = {target}"
             )
@@ -119,9 +104,16 @@ def check_mask_and_bias_kinds(mask: Any, bias: Any, target: tuple[int, ...], axe
             raise TypeError(f"bias must be floating, got dtype {dt}")
 
 
+def broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without growing it."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
 def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
-    """An int axis of an array of ``shape`` (``lse``'s), negative from the end; returns it
-    non-negative."""
+    """An int axis of ``lse``'s ``shape`` (negative from the end), returned non-negative."""
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
         raise TypeError(f"axis must be an int, got {axis!r}")
     if not -len(shape) <= axis < len(shape):
@@ -132,29 +124,28 @@ def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
 # ----------------------------------------------------------------------------- kernel level
 
 
+METHODS = ("fast", "definition")  # vectorised BLAS by query blocks; one element at a time
+
+
+def _one_of(name: str, x: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(x, str) or x not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {x!r}")
+    return x
+
+
 def check_policy(masked_rows: Any) -> str:
     """One of :data:`POLICIES`, spelled exactly (no case folding)."""
-    if not isinstance(masked_rows, str) or masked_rows not in POLICIES:
-        raise ValueError(f"masked_rows must be one of {POLICIES}, got {masked_rows!r}")
-    return masked_rows
+    return _one_of("masked_rows", masked_rows, POLICIES)
 
 
 def check_alignment(causal_alignment: Any) -> str:
     """One of :data:`ALIGNMENTS`, spelled exactly (``"bottom-right"`` is refused)."""
-    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    return causal_alignment
-
-
-METHODS = ("fast", "definition")
+    return _one_of("causal_alignment", causal_alignment, ALIGNMENTS)
 
 
 def check_method(method: Any) -> str:
-    """One of :data:`METHODS`: ``"fast"`` (vectorised float64 BLAS, streamed over query blocks)
-    or ``"definition"`` (one element at a time, the root of trust)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
+    """One of :data:`METHODS`."""
+    return _one_of("method", method, METHODS)
 
 
 def check_flag(name: str, x: Any) -> bool:
@@ -165,10 +156,8 @@ def check_flag(name: str, x: Any) -> bool:
 
 
 def check_window(local_window_size: Any) -> tuple[int | None, int | None]:
-    """``None``, ``w`` (both sides) or ``(left, right)`` with ints >= 0 or ``None`` (unbounded).
-
-    Returns ``(left, right)``; ``(None, None)`` when there is no window.
-    """
+    """``None``, ``w`` (both sides) or ``(left, right)`` of ints >= 0 or ``None`` (unbounded);
+    returns ``(left, right)``."""
     if local_window_size is None:
         return (None, None)
     if _is_int(local_window_size):
@@ -204,9 +193,8 @@ def check_window(local_window_size: Any) -> tuple[int | None, int | None]:
 def check_ints(
     name: str, x: Any, shape: tuple[int, ...], upper: int | None, *, concrete: bool = True
 ) -> Any:
-    """An integer array of exactly ``shape``, every entry in ``[0, upper]`` when ``upper`` is
-    given; returned as int64, ``None`` passes through. ``concrete=False`` (values unknown, a JAX
-    tracer): shape and dtype only, ``x`` returned as it is."""
+    """An integer array of exactly ``shape`` with entries in ``[0, upper]`` (unless ``upper`` is
+    None), as int64; ``concrete=False`` (a tracer): shape and dtype only, ``x`` returned."""
     if x is None:
         return None
     if shape_of(x) != shape:
@@ -227,8 +215,8 @@ def check_ints(
 def check_segments(
     segment_ids: Any, b: int, t: int, s: int, check: Callable[..., Any] = check_ints
 ) -> tuple[Any, Any]:
-    """``None``, one ``[B, T]`` integer array (needs ``T == S``), or a pair ``([B, T], [B, S])``;
-    each array is checked (and converted) by ``check(name, x, shape, None)``."""
+    """``None``, one ``[B, T]`` array (needs ``T == S``) or a pair ``([B, T], [B, S])``, each
+    checked by ``check(name, x, shape, None)``."""
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):
@@ -254,12 +242,9 @@ def check_segments(
 def check_options(
     shape: tuple[int, int, int, int], bias: Any, mask: Any, options: Mapping[str, Any]
 ) -> tuple[Any, ...]:
-    """The checks of the allowed-set options (``options``, by the names of
-    :func:`attnref.dot_product_attention`'s arguments) for ``shape = (B, N, T, S)``.
-
-    Returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window, alignment, is_causal,
-    sink_tokens)`` with mask and bias broadcast to ``shape``.
-    """
+    """The allowed-set ``options`` (named as :func:`attnref.dot_product_attention`'s arguments)
+    for ``shape = (B, N, T, S)``; returns ``(mask, bias, q_lens, kv_lens, q_seg, kv_seg, window,
+    alignment, is_causal, sink_tokens)``, mask and bias broadcast to ``shape``."""
     b, _, t, s = shape
     alignment = check_alignment(options["causal_alignment"])
     causal = check_flag("is_causal", options["is_causal"])
@@ -299,10 +284,8 @@ def check_kernel(
     softcap: Any,
     masked_rows: Any,
 ) -> tuple[int, int, int, int, int, int, int, float, float | None, str]:
-    """Shapes, dtypes, scale, softcap and policy of a kernel call.
-
-    Returns ``(B, T, S, N, K, H, H_v, scale, softcap, masked_rows)``.
-    """
+    """A kernel call's shapes, dtypes, scale, softcap and policy; returns ``(B, T, S, N, K, H,
+    H_v, scale, softcap, masked_rows)``."""
     (b, t, n, h), (s, kh, h_v), _ = check_kernel_arrays(query, key, value)
     policy = check_policy(masked_rows)
     sc = check_scale(scale)
@@ -319,9 +302,8 @@ def check_kernel(
 def check_kernel_arrays(
     query: Any, key: Any, value: Any
 ) -> tuple[tuple[int, int, int, int], tuple[int, int, int], np.dtype[Any]]:
-    """``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]`` of one floating
-    dtype with ``N`` a positive multiple of ``K`` and ``H >= 1`` (shapes and dtypes only);
-    returns ``((B, T, N, H), (S, K, H_v), dtype)``."""
+    """``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``, one floating dtype,
+    ``K | N``, ``H >= 1``; returns ``((B, T, N, H), (S, K, H_v), dtype)``."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
             layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
@@ -359,8 +341,7 @@ def check_kernel_arrays(
 
 
 def check_softcap(softcap: Any, *, concrete: bool = True) -> float | None:
-    """``None``, or a positive finite real scalar, as a float (``concrete=False``, a value not
-    known yet, e.g. a JAX tracer: refused)."""
+    """``None`` or a positive finite real scalar as float (``concrete=False``: refused)."""
     if softcap is None:
         return None
     ok = concrete and not isinstance(softcap, (str, bytes, bool, np.bool_))
@@ -390,14 +371,10 @@ def heads_message(sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, ...])
 def check_params(
     params: Any, *, heads_text: Callable[..., str] = heads_message
 ) -> tuple[int, int, int, int, int]:
-    """The parameter pytree's shapes and dtypes; returns ``(H, K, d_model, d_k, d_v)``.
-
-    ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
-    ``w_o [H, d_v, d_model]``, optional ``b_q [H, d_k]``, ``b_k [K, d_k]``, ``b_v [K, d_v]``,
-    ``b_o [d_model]``; ``H % K == 0``, ``H, K, d_k >= 1``; one floating dtype throughout.
-    Shapes and dtypes only (the leaves may be JAX tracers); ``heads_text(w_q, w_k, w_v shapes)``
-    words the ``H % K`` error.
-    """
+    """The parameters' shapes and dtypes (leaves may be traced); returns ``(H, K, d_model, d_k,
+    d_v)``. ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
+    ``w_o [H, d_v, d_model]``, optional biases (shapes below); ``K | H``, ``H, K, d_k >= 1``, one
+    floating dtype. ``heads_text(w_q, w_k, w_v shapes)`` words the ``K | H`` error."""
     for name in PARAM_WEIGHTS:
         w = _param(params, name)
         if w is None:
@@ -472,13 +449,8 @@ def check_params(
 def check_weight_level(
     params: Any, x_q: Any, x_kv: Any, mask: Any, bias: Any, scale: Any
 ) -> tuple[tuple[int, ...], int, int, np.ndarray | None, np.ndarray | None, float | None]:
-    """Parameters, tokens ``[..., T, d_model]``, ``mask``/``bias`` ``[..., T_q, T_k]`` and scale of
-    the weight-level functions. Returns ``(batch_shape, T_q, T_k, mask, bias, scale)`` with mask
-    and bias broadcast to ``batch_shape + (T_q, T_k)``.
-
-    ``T_q = 0`` gives an empty output; ``T_k = 0`` leaves every query row fully masked (zero
-    weights, output ``b_O``).
-    """
+    """Parameters, tokens ``[..., T, d_model]``, ``mask``/``bias`` ``[..., T_q, T_k]`` and scale;
+    returns ``(batch_shape, T_q, T_k, mask, bias, scale)``, mask and bias broadcast."""
     _, _, d_model, _, _ = check_params(params)
     x_kv = x_q if x_kv is None else x_kv
     batch, t_q, t_k = check_tokens(d_model, dtype_of(_param(params, "w_q")), x_q, x_kv)
@@ -495,9 +467,8 @@ def check_tokens(
     layout: str = "row",
     names: tuple[str, str] = ("x_q", "x_kv"),
 ) -> tuple[tuple[int, ...], int, int]:
-    """Token inputs of width ``d_model`` and the parameters' dtype, with one batch shape;
-    ``layout="row"``: ``[..., T, d_model]``, ``"column"``: ``[..., d_model, T]``. Returns
-    ``(batch_shape, T_q, T_k)``."""
+    """Tokens ``[..., T, d_model]`` (``layout="column"``: ``[..., d_model, T]``) of the parameters'
+    dtype and one batch shape; returns ``(batch_shape, T_q, T_k)``."""
     feat_axis, tok_axis = (-1, -2) if layout == "row" else (-2, -1)
     want = "[..., T, d_model]" if layout == "row" else "[..., d_model, T]"
     for name, x in zip(names, (x_q, x_kv), strict=True):
@@ -533,12 +504,9 @@ def check_production(
     dropout_mask: Any = None,
     dropout_rate: Any = None,
 ) -> tuple[int, float | None]:
-    """The checks of the learnable sinks, the sink tokens and the dropout of a kernel call of
-    ``shape = (B, N, T, S)`` (``window``: the checked ``local_window_size``), shapes and dtypes
-    only (the arrays may be traced). Written once: the oracle and the JAX kernels both call it.
-
-    Returns ``(sink_tokens, dropout_rate)`` (``dropout_rate`` ``None`` without a dropout mask).
-    """
+    """Sinks, sink tokens and dropout of a kernel call of ``shape = (B, N, T, S)`` (``window``:
+    the checked ``local_window_size``; arrays may be traced); returns ``(sink_tokens,
+    dropout_rate)`` (rate ``None`` without a mask)."""
     _, n, _, _ = shape
     if sinks is not None:
         if shape_of(sinks) != (n,):
@@ -568,11 +536,7 @@ def check_production(
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate!r}")
     mshape = shape_of(dropout_mask)
-    try:
-        ok = len(mshape) == 4 and np.broadcast_shapes(mshape, shape) == shape
-    except ValueError:
-        ok = False
-    if not ok:
+    if len(mshape) != 4 or not broadcasts(mshape, shape):
         raise ValueError(
             f"dropout_mask must have rank 4 broadcastable to [B, N, T, S] = {shape}, got shape "
             f"{mshape}"

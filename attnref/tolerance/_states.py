@@ -1,116 +1,62 @@
-"""The bound of the attention state merge: :func:`merge_error_bound` for ``P`` states ``(o, lse)``
-merged in a format, by a binary merge tree of depth ``D`` or one stacked ``P``-ary merge. NumPy
-only, float64.
+"""The bound of the attention state merge (:func:`merge_error_bound`: ``P`` states ``(o, lse)``
+merged in a format by a binary tree of depth ``D`` or one stacked merge) and of the gradient of
+one merge (:func:`merge_grad_error_bound`). NumPy only, float64; full derivation in
+``docs/states.md``.
 
-**Notation.** Pieces ``p = 1..P`` with exact states ``(o_p, lse_p)``; the merged state
-``L = log sum_p e^{lse_p}``, ``o* = sum_p pi_p o_p`` with the shares ``pi_p = e^{lse_p - L}``
-(``sum_p pi_p = 1``). Per row and component: ``V = max_p |o_p|`` and the range
-``R = max_p o_p - min_p o_p`` over the live (finite-``lse``) pieces, ``Lmax = max_p |lse_p| +
-ln P``, which bounds ``|lse|`` of every partial merge. The merge computes in ``u`` (float32's for
-16-bit states, as :func:`attnref.merge_states` does) and stores each result in the states'
-formats: ``r_o = u_16`` when ``o`` is 16-bit (else 0, the arithmetic already rounds to it), and
-``r_l`` likewise for ``lse``. ``tiny`` is the smallest normal number of the working format (an
-``exp`` that underflows, or is flushed to zero, is off by at most that much).
+**Notation.** Exact piece states ``(o_p, lse_p)``, merged ``L = log sum_p e^{lse_p}``,
+``o* = sum_p pi_p o_p``, shares ``pi_p = e^{lse_p - L}``. Per row and component over the live
+(finite-``lse``) pieces: ``V = max_p |o_p|``, ``R = max_p o_p - min_p o_p``, ``Lmax = max_p
+|lse_p| + ln P``. Work in ``u`` (float32's for 16-bit states); ``r_o``/``r_l`` the store
+round-offs of a 16-bit ``o``/``lse`` (else 0); ``tiny`` the working format's smallest normal.
 
-**One binary merge** ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)``,
-``lse = m + log1p(min(w_a, w_b))``, ``o = (w_a o_a + w_b o_b) / (w_a + w_b)``:
+**One binary merge** (``m = max(lse_a, lse_b)``, ``w = exp(lse - m)``, ``lse = m +
+log1p(min(w_a, w_b))``, ``o = (w_a o_a + w_b o_b) / (w_a + w_b)``):
 
-1. ``d = lse_s - m`` (the smaller state; ``d = 0`` for the larger) is rounded once:
-   ``fl(d) = d (1 + delta)``, so ``w_s`` gets the relative error ``|d| u``, absolute
-   ``|d| u e^{-|d|} <= u / e``: large differences cost nothing, because the weight they perturb
-   is ``e^{-|d|}``. ``exp`` adds the relative error ``C_EXP u`` to each weight
-   (:mod:`attnref.tolerance._rounding`).
-2. A relative error ``eta`` in a child's weight is a shift of that child's ``lse`` by ``eta``.
-   ``o`` is a convex combination, ``d o / d lse_c = pi_c (o_c - o)``, so shifts ``eps_p`` of the
-   pieces' ``lse`` move ``o`` by at most ``max|eps| sum_p pi_p |o_p - o| <= max|eps| R / 2`` (the
-   mean absolute deviation of numbers spread over a range ``R`` is at most ``R / 2``; by the
-   mean value theorem this holds beyond first order). The ``|d| u`` shift of the smaller child
-   moves ``o`` by ``pi_s |d| u |o_s - o| <= (u / e) R``.
-3. The products, the sum, the total ``w_a + w_b`` and the division: 4 roundings,
-   ``gamma_4 sum_c pi_c |o_c| <= gamma_4 V``; storing ``o`` adds ``r_o V``.
-4. ``lse``: ``log1p`` of ``w_s`` (off by ``w_s (|d| + C_EXP) u <= (1/e + C_EXP) u``, and
-   ``log1p`` is 1-Lipschitz on ``[0, 1]``), evaluated to ``C_EXP u`` relative
-   (``<= C_EXP u ln 2``), the add ``u |lse|``, the store ``r_l |lse|``:
-   ``l = (1/e + C_EXP + C_EXP ln 2) u + (u + r_l) Lmax + tiny``.
+1. ``d = lse_s - m`` rounds once: ``w_s`` is off by ``|d| u e^{-|d|} <= u / e``; ``exp`` adds
+   ``C_EXP u`` relative.
+2. A relative weight error ``eta`` is an ``lse`` shift by ``eta``; ``d o / d lse_c = pi_c (o_c -
+   o)``, so shifts ``eps_p`` move ``o`` by ``<= max|eps| R / 2`` (mean absolute deviation; by the
+   mean value theorem beyond first order), and step 1's shift by ``(u / e) R``.
+3. Products, sum, total and division: ``gamma_4 V``; storing ``o``: ``r_o V``.
+4. ``lse``: ``l = (1/e + C_EXP + C_EXP ln 2) u + (u + r_l) Lmax + tiny`` (``log1p`` 1-Lipschitz
+   on ``[0, 1]``, its evaluation, the add and the store).
 
-**Depth.** An input ``lse`` error ``lambda`` passes through a merge unamplified
-(``logaddexp`` is 1-Lipschitz in the max norm), so after ``D`` levels ``|d lse| <= Lambda_0 +
-D l``. An error in a node's stored ``lse`` (or weight) is a shift of every piece below it, so each
-piece's ``lse`` is shifted by at most ``eps = Lambda_0 + D (C_EXP u + l)`` in all, and ``o``
-moves by at most ``eps R / 2`` (step 2, whatever the tree). The steps 1 and 3 terms apply once
-per node; the nodes of one level hold disjoint pieces whose shares sum to at most 1, so they add
-``(u / e + tiny) R + (gamma_4 + r_o) V`` per level. An input ``o`` error ``e_p`` reaches the
-result with the computed share of its piece, at most ``e^{2 eps'} pi_p`` (and at most 1), where
-``eps' = eps + 2 D u Lmax`` also counts the ``|d| u`` shifts. Hence, for any binary tree of
-depth ``D``::
+**Depth.** ``logaddexp`` is 1-Lipschitz, so ``|d lse| <= Lambda_0 + D l``; a node's ``lse`` error
+shifts every piece below it, in all ``eps = Lambda_0 + D (C_EXP u + l)``. Nodes of one level hold
+disjoint pieces (shares sum to ``<= 1``), adding ``(u / e + tiny) R + (gamma_4 + r_o) V`` per
+level; an input ``o`` error ``e_p`` arrives with its computed share ``<= e^{2 eps'} pi_p``,
+``eps' = eps + 2 D u Lmax``. For any binary tree of depth ``D``::
 
     |d o|   <= [min(max_p e_p, e^{2 eps'} sum_p pi_p e_p) + D (gamma_4 + r_o) V'
                 + min(R', eps R' / 2 + D (u / e + tiny) R')] (1 + r_o)^D
     |d lse| <= (Lambda_0 + D l) (1 + r_l)^D
 
-with ``R' = R + 2 max_p e_p`` and ``V' = V + max_p e_p`` (the range and magnitude of the
-computed pieces); a value off by ``delta`` and then stored is off by ``r |x| + (1 + r) delta``,
-whence the ``(1 + r)^D`` factors. Every term grows **linearly in the depth**: ``D = P - 1``
-for a sequential merge (a ring: an online softmax over ``P`` chunks), ``D = ceil(log2 P)`` for
-a balanced tree.
-Any order and grouping of ``P`` pieces is a binary tree of depth at most ``P - 1``, so
-``tree="sequential"`` covers all of them. The ``D l`` term dominates at large ``|lse|``: the
-spacing of float32 near ``1e4`` is ``1e-3``, and every stored partial ``lse`` is that far off.
+with ``R' = R + 2 max_p e_p``, ``V' = V + max_p e_p`` (a stored value off by ``delta`` is off by
+``r |x| + (1 + r) delta``: the ``(1 + r)^D``). Linear in ``D``: ``P - 1`` sequential (covers every
+order and grouping), ``ceil(log2 P)`` balanced.
 
-**One stacked merge** (:func:`attnref.merge_state_stack`: ``w_p = exp(lse_p - m)``,
-``lse = m + log sum_p w_p``, ``o = sum_p w_p o_p / sum_p w_p``): ``D = 1`` with the ``P``-ary
-constants. The shifts ``|d_p| u`` total ``sum_p pi_p |d_p| u |o_p - o| <= c_P u R`` with
-``c_P = min((P - 1) / e, ln P)`` (``pi_p <= e^{-|d_p|}``: each term is at most ``1 / e``, and
-``sum_p pi_p |d_p| <= sum_p pi_p ln(1 / pi_p) <= ln P``); the arithmetic is ``gamma_{2P}``
-(products, two sums of ``P`` terms, the division); ``lse`` is off by
-``(c_P + C_EXP) u + gamma_{P-1} + C_EXP u ln P + (u + r_l) Lmax + (P - 1) tiny``.
+**One stacked merge** (:func:`attnref.merge_state_stack`): ``D = 1``, shifts ``c_P u R`` with
+``c_P = min((P - 1) / e, ln P)`` (``sum_p pi_p |d_p| <= sum_p pi_p ln(1 / pi_p) <= ln P``),
+arithmetic ``gamma_{2P}``, ``lse`` off by ``(c_P + C_EXP) u + gamma_{P-1} + C_EXP u ln P + (u +
+r_l) Lmax + (P - 1) tiny``.
 
-The float64 oracle's own error (:func:`attnref.oracle.merge_state_stack`, the shares form
-``o = sum_p e^{lse_p - L} o_p``: each share off by ``(|lse_p - L| + C_EXP) u`` relative plus
-``L``'s error, the sum ``gamma_P``) is added, so ``|merged - oracle merge| <= bound`` is a
-rigorous first-order test. Rows whose merge is empty (every ``lse = -inf``) or NaN (a NaN or
-``+inf`` ``lse``) are exact and get 0.
+The float64 oracle's own error (shares form: each share off by ``(|lse_p - L| + C_EXP) u`` plus
+``L``'s error, the sum ``gamma_P``) is added. Empty (all ``-inf``) or NaN rows are exact: 0.
 
-**The gradient of one binary merge** (:func:`merge_grad_error_bound`). For cotangents ``g_o`` on
-the merged ``o`` and ``g_l`` on the merged ``lse`` the exact VJP is ``d o_p = pi_p g_o`` and
-``d lse_p = pi_p (g_o . (o_p - o) + g_l)``, ``p in {a, b}`` (the float64 oracle
-``attnref.oracle._states.merge_states_vjp``, differentiated by hand). A backward pass (autodiff
-of the merge above, or one written by hand) evaluates these as sums of terms, each a computed
-share times a product of cotangent and ``o`` entries. Per row, with ``|g_o| . x = sum_h |g_o,h|
-x_h`` and ``M_p = |g_l| + |g_o| . (|o_p| + |o| + delta_o)`` (the magnitude of ``d lse_p``'s
-terms over ``pi_p``):
+**The gradient of one binary merge.** Exact VJP: ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o .
+(o_p - o) + g_l)``. With ``M_p = |g_l| + |g_o| . (|o_p| + |o| + delta_o)``:
 
-1. **Shares.** ``pi_p`` is computed as ``w_p / (w_a + w_b)`` with ``w_p = exp(fl(lse_p - m))``,
-   or as ``exp(fl(lse_p - lse))`` from the computed ``lse``. Either way it is
-   ``pi_p e^{theta_p}`` with ``|theta_p| <= theta_0 + |lse_p - L| u``, ``theta_0 = l + C_EXP u``:
-   the computed ``lse`` is within ``l`` (step 4 of one merge), the subtraction rounds once
-   (``|lse_p - L| u``; the weights form's ``|d_p| <= |lse_p - L|``), ``exp`` adds ``C_EXP u``,
-   and the weights form's total and division, ``(2 + 1/e + C_EXP) u`` beyond its weight's
-   ``(|d_p| + C_EXP) u``, are within ``l``'s ``(1/e + C_EXP + C_EXP ln 2) u`` plus the other
-   ``C_EXP u`` since ``C_EXP ln 2 >= 2``. The relative error of a share is at most
-   ``rho_p = e^{theta_0 + |lse_p - L| u} - 1`` (so ``pi_p |lse_p - L| u <= u / e``: a tiny share
-   costs nothing).
-2. **Rounding.** Every term passes through at most ``K = H_v + 12`` rounded operations: the dot
-   product with ``g_o`` (``H_v``), the products with the share and the cotangent, the division
-   by the total, the subtraction of ``g_o . o``, ``exp``'s and ``log1p``'s derivatives (a product
-   and a division), and the sums of the direct, ``lse`` and shift paths into ``d lse_p``, with
-   room: ``gamma_K`` relative to the term.
-3. **The shift.** A backward that differentiates through the shift ``m = max(lse_a, lse_b)``
-   (or any shift that is not a ``stop_gradient``) adds to the state the shift was taken from a
-   sum of terms that is exactly 0: ``g_l`` and every term of both states' ``lse`` paths,
-   ``|g_l| + sum_q pi_q M_q`` in magnitude, hence ``gamma_K |g_l| + sum_q pi_q (rho_q +
-   gamma_K) M_q`` computed. Which state receives it depends on the implementation (both, halved,
-   on a tie), so every live state is allowed it.
-4. **The merged ``o``** a backward reads is the computed one (a kernel's backward reads its
-   stored output, as FlashAttention's ``D = rowsum(dO * O)`` does), within the forward bound
-   ``delta_o`` of one merge (:func:`merge_error_bound`): it moves ``d lse_p`` by
-   ``pi_p |g_o| . delta_o`` directly and by ``|g_o| . delta_o`` through the shift.
-5. **Underflow.** An ``exp`` or product that underflows (or is flushed to zero) is off by at
-   most ``tiny``: ``4 tiny`` per term's magnitude covers the share's ``exp`` and division and
-   the products.
-6. **The store.** The gradients are returned in the states' formats: a 16-bit ``d o`` adds
-   ``r_o`` of its value (``<= pi_p |g_o|``) plus ``r_o tiny_o`` (half the format's subnormal
-   spacing), and likewise ``r_l`` for ``d lse`` (value ``<= pi_p M_p``).
+1. **Shares** ``pi_p e^{theta_p}``, ``|theta_p| <= theta_0 + |lse_p - L| u``, ``theta_0 = l +
+   C_EXP u`` (weights form or ``exp(lse_p - lse)``; ``C_EXP ln 2 >= 2`` covers the weights form's
+   total and division): relative error ``rho_p = e^{theta_0 + |lse_p - L| u} - 1``.
+2. **Rounding.** At most ``K = H_v + 12`` operations per term (the ``g_o`` dot product, products,
+   division, subtraction, ``exp``/``log1p`` derivatives, the path sums): ``gamma_K`` relative.
+3. **The shift.** Differentiating through ``m`` adds an exactly-zero sum of magnitude ``|g_l| +
+   sum_q pi_q M_q`` to whichever state (implementation-defined), so every live state gets it.
+4. **The merged ``o``** read by the backward is within ``delta_o`` (forward bound of one merge):
+   ``pi_p |g_o| . delta_o`` directly, ``|g_o| . delta_o`` through the shift.
+5. **Underflow**: ``4 tiny`` per term's magnitude. 6. **Store**: ``r_o``/``r_l`` of the value
+   plus ``r tiny`` of the format.
 
 Hence::
 
@@ -120,9 +66,8 @@ Hence::
                     + sum_q pi_q (rho_q + gamma_K) M_q + (1 + pi_p) |g_o| . delta_o
                     + 4 tiny (|g_l| + |g_o| . (V + |o| + delta_o))] + r_l (pi_p M_p + tiny_l)
 
-plus the float64 oracle's own error (the same expression at ``u_64``, no store). An empty state
-(``lse = -inf``) and every state of an empty row get 0: ``exp(-inf) = 0`` exactly, so a correct
-backward gives exactly 0 there (never NaN from an empty state's NaN ``o``).
+plus the oracle's own error (same expression at ``u_64``, no store). Empty states and every state
+of an empty row get 0 (``exp(-inf) = 0`` exactly).
 """
 
 from __future__ import annotations
@@ -132,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from attnref.oracle._checks import check_axis
+from attnref.oracle._checks import broadcasts, check_axis
 from attnref.oracle._doc import STATES, doc
 
 from ._rounding import C_EXP, finfo_of, gamma, is_16bit, unit_roundoff
@@ -141,8 +86,7 @@ TREES = ("sequential", "balanced", "stack")
 
 
 def merge_depth(tree: str | int, pieces: int) -> int:
-    """The depth ``D`` of the merge of ``pieces`` states (the number of merges on the longest
-    path from a piece to the result).
+    """The depth ``D`` of the merge of ``pieces`` states (merges on the longest path).
 
     Args:
         tree: ``"sequential"`` (``P - 1``: one state after another, a ring), ``"balanced"``
@@ -188,8 +132,7 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
 
 
 def _live_stats(o: np.ndarray, lse: np.ndarray) -> dict[str, np.ndarray]:
-    """Per row (pieces on the last axis of ``lse [..., P]``, ``o [..., P, H_v]``): shares,
-    ``V``, ``R``, ``Lmax``, and the rows that are exact (empty or NaN)."""
+    """Per row (``lse [..., P]``, ``o [..., P, H_v]``): shares, ``V``, ``R``, ``Lmax``, ..."""
     live = np.isfinite(lse)
     some = live.any(axis=-1)
     exact = ~some | np.isnan(lse).any(axis=-1) | np.isposinf(lse).any(axis=-1)
@@ -225,24 +168,16 @@ def _errors(
     eo = np.zeros(o.shape) if o_error is None else np.asarray(o_error, np.float64)
     el = np.zeros(lse.shape) if lse_error is None else np.asarray(lse_error, np.float64)
     for name, e, want in (("o_error", eo, o.shape), ("lse_error", el, lse.shape)):
-        try:
-            grows = np.broadcast_shapes(e.shape, want) != want
-        except ValueError:
-            grows = True
-        if grows:
+        if not broadcasts(e.shape, want):
             raise ValueError(f"{name} has shape {e.shape}; expected {want} (or broadcastable)")
     eo = np.moveaxis(np.broadcast_to(eo, o.shape), ax, -2)
     el = np.moveaxis(np.broadcast_to(el, lse.shape), ax, -1)
-    eo = np.where(live[..., None], eo, 0.0)
-    el = np.where(live, el, 0.0)
-    return eo, el
+    return np.where(live[..., None], eo, 0.0), np.where(live, el, 0.0)
 
 
 def _oracle_error(st: dict[str, np.ndarray], pieces: int) -> tuple[np.ndarray, np.ndarray]:
-    """The float64 oracle's own error (shares form, module docstring): ``lse`` as the stacked
-    merge; each share ``e^{lse_p - L}`` off by ``(|lse_p - L| + C_EXP) u + |d L|`` relative,
-    where ``sum_p pi_p |lse_p - L| = sum_p pi_p ln(1 / pi_p) <= ln P``; the products and the sum
-    ``gamma_P``."""
+    """The float64 oracle's own error (shares form, module docstring; ``sum_p pi_p |lse_p - L| <=
+    ln P``)."""
     u = unit_roundoff(np.float64)
     tiny = float(np.finfo(np.float64).tiny)
     ln_p = math.log(max(pieces, 1))
@@ -270,43 +205,32 @@ def merge_error_bound(
     lse_error: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` of the merge of
-    ``P`` states, computed in ``dtype`` by a binary merge tree of depth ``D`` or one stacked
-    merge: ``(Lambda_0 + D l) (1 + r_l)^D`` on ``lse`` and the ``|d o|`` of the module docstring
-    ("Depth"; ``docs/states.md``), linear in the depth ``D`` (``P - 1`` sequential,
-    ``ceil(log2 P)`` balanced), plus the float64 oracle's own error. With
-    ``o_error``/``lse_error`` (``e_p``, ``Lambda_0 = max_p lambda_p``: bounds on how far each
-    piece's state is from its exact state, e.g.
-    :func:`attnref.tolerance.kernel_call_error_bound` of each piece's call) the result bounds
-    the distance from the exact merged state, i.e. from attention over all keys: "computed piece
-    by piece and merged vs the whole call".
+    ``P`` states in ``dtype`` by a tree of depth ``D`` or one stacked merge (module docstring,
+    "Depth"), plus the oracle's own error. With ``o_error``/``lse_error`` (each piece's distance
+    from its exact state, e.g. :func:`attnref.tolerance.kernel_call_error_bound`) it bounds the
+    distance from attention over all keys.
 
     Args:
-        o: The pieces' exact states' outputs, stacked along ``axis`` of ``lse``'s shape plus
-            ``H_v`` (e.g. the oracle's states of each piece, or the states as the merge
-            received them).
+        o: The pieces' states' outputs, ``lse``'s shape plus ``H_v``.
         lse: Their log-sum-exps (``-inf``: an empty piece, which adds nothing).
         axis: The stacking axis of ``lse``.
-        dtype: The format of the states' ``o``; 16-bit states are merged in float32 and each
-            merge's ``o`` is stored in ``dtype``.
+        dtype: The format of the states' ``o`` (16-bit: merged in float32, stored in ``dtype``).
         lse_dtype: The format of the states' ``lse`` (default ``dtype``).
-        tree: ``"sequential"`` (default: depth ``P - 1``, valid for every binary order and
-            grouping), ``"balanced"`` (``ceil(log2 P)``), ``"stack"`` (one stacked merge,
-            :func:`attnref.merge_state_stack`) or an int, the depth of the binary tree used.
+        tree: ``"sequential"`` (depth ``P - 1``, valid for every binary order), ``"balanced"``,
+            ``"stack"`` (:func:`attnref.merge_state_stack`) or an int depth (:func:`merge_depth`).
         o_error: Bounds on ``|o_p - exact|``, ``o``'s shape (or broadcastable); ``None``: 0.
         lse_error: Bounds on ``|lse_p - exact|``, ``lse``'s shape; ``None``: 0.
 
     Returns:
-        ``(o_bound [..., H_v], lse_bound [...])`` with ``axis`` removed, float64, non-negative;
-        0 on rows whose merge is empty or NaN and on components where a live piece's ``o`` is
-        NaN or inf (the result is exactly ``-inf``, 0 or NaN there).
+        ``(o_bound [..., H_v], lse_bound [...])`` without ``axis``, float64, non-negative; 0 where
+        the result is exact or NaN (empty or NaN rows, a live piece's non-finite ``o``).
 
     Raises:
         ValueError: Mismatched shapes, an ``axis`` out of range, or a bad ``tree``
             (:func:`merge_depth`).
         TypeError: ``tree`` neither a string nor an int.
     """
-    lse64 = np.asarray(lse, np.float64)
-    o64 = np.asarray(o, np.float64)
+    lse64, o64 = np.asarray(lse, np.float64), np.asarray(o, np.float64)
     if o64.ndim < 1 or lse64.shape != o64.shape[:-1]:
         raise ValueError(
             f"lse has shape {lse64.shape}; expected {o64.shape[:-1]} (o's shape {o64.shape} "
@@ -322,10 +246,8 @@ def merge_error_bound(
 
     u, tiny, r_o, r_l = _formats(dtype, lse_dtype)
 
-    e_max = eo.max(axis=-2, initial=0.0)
-    lam0 = el.max(axis=-1, initial=0.0)
-    rng = st["R"] + 2.0 * e_max
-    mag = st["V"] + e_max
+    e_max, lam0 = eo.max(axis=-2, initial=0.0), el.max(axis=-1, initial=0.0)
+    rng, mag = st["R"] + 2.0 * e_max, st["V"] + e_max
     if stack and pieces > 1:
         c_p = min((pieces - 1) / math.e, math.log(pieces))
         d_lse = (
@@ -359,11 +281,9 @@ def merge_error_bound(
     d_o = (carried + local_o + weights) * (1.0 + r_o) ** levels
     d_lse = d_lse * (1.0 + r_l) ** levels
     ora_o, ora_l = _oracle_error(st, max(pieces, 1))
-    d_o = d_o + ora_o
-    d_lse = d_lse + ora_l
     exact = st["exact"]
     exact_o = exact[..., None] | st["bad_o"]
-    return np.where(exact_o, 0.0, d_o), np.where(exact, 0.0, d_lse)
+    return np.where(exact_o, 0.0, d_o + ora_o), np.where(exact, 0.0, d_lse + ora_l)
 
 
 def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
@@ -373,8 +293,7 @@ def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[
 
 
 def _formats(dtype: Any, lse_dtype: Any) -> tuple[float, float, float, float]:
-    """``(u, tiny, r_o, r_l)``: the working format's unit round-off and smallest normal (float32
-    for 16-bit states) and the store round-offs of a 16-bit ``o`` and ``lse`` (else 0)."""
+    """``(u, tiny, r_o, r_l)``: the working format's (float32 for 16-bit) and the store's."""
     o_fmt, l_fmt = _store_formats(dtype, lse_dtype)
     work = np.result_type(np.float32, *(np.float32 if is_16bit(f) else f for f in (o_fmt, l_fmt)))
     r_o = unit_roundoff(o_fmt) if is_16bit(o_fmt) else 0.0
@@ -383,8 +302,7 @@ def _formats(dtype: Any, lse_dtype: Any) -> tuple[float, float, float, float]:
 
 
 def _level_error(st: dict[str, np.ndarray], u: float, tiny: float, r_l: float) -> np.ndarray:
-    """``l = (1/e + C_EXP + C_EXP ln 2) u + (u + r_l) Lmax + tiny``: one merge level's ``lse``
-    error (module docstring)."""
+    """One merge level's ``lse`` error ``l`` (module docstring, step 4)."""
     return (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
 
 
@@ -400,10 +318,8 @@ def _grad_terms(
     tiny: float,
     r_l: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 1-5 of the gradient bound (module docstring), before the store: ``(e_o [..., P,
-    H_v], e_lse [..., P])`` in a format of unit round-off ``u``, pieces on the last axis;
-    ``gap = |lse_p - L|``, ``mag = |g_l| + |g_o| . (V + |o| + delta_o)``, ``read_o = |g_o| .
-    delta_o``."""
+    """Steps 1-5 of the gradient bound before the store, pieces last: ``gap = |lse_p - L|``, ``mag
+    = |g_l| + |g_o| . (V + |o| + delta_o)``, ``read_o = |g_o| . delta_o``."""
     gam = gamma(g_abs.shape[-1] + 12, u)
     ell = _level_error(st, u, tiny, r_l)
     rho = np.expm1((ell + C_EXP * u)[..., None] + gap * u)
@@ -435,21 +351,18 @@ def merge_grad_error_bound(
     dtype: Any = np.float32,
     lse_dtype: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Componentwise bounds on the error of the gradient of one binary merge computed in
-    ``dtype``, against the exact VJP ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) +
-    g_lse)``: the bound "Hence" of the module docstring ("The gradient of one binary merge",
-    ``K = H_v + 12``, ``delta_o`` the forward bound of one merge), plus the float64 oracle's own
-    error.
+    """Componentwise bounds on the error of the gradient of one binary merge in ``dtype``
+    against the exact VJP (module docstring, "The gradient of one binary merge"), plus the
+    float64 oracle's own error.
 
     Returns:
         ``(bound of d o_a, of d lse_a, of d o_b, of d lse_b)``, float64, non-negative, the
-        inputs' shapes; 0 for an empty state, on a row whose merge is empty or NaN, and for
-        ``d lse`` on a row where a live state's ``o`` is not finite (the gradient is exact, or
-        NaN, there).
+        inputs' shapes; 0 where the gradient is exact or NaN (empty states or rows; ``d lse``
+        where a live ``o`` is not finite).
 
     Raises:
-        ValueError: If the shapes do not agree (every ``o`` and ``g_o`` one shape, every ``lse``
-            and ``g_lse`` that shape without its last axis).
+        ValueError: If the shapes do not agree (``o``s and ``g_o`` one shape, ``lse``s and
+            ``g_lse`` that shape without its last axis).
     """
     o = np.stack([np.asarray(o_a, np.float64), np.asarray(o_b, np.float64)])
     lse = np.stack([np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)])
