@@ -173,15 +173,16 @@ Raises:
         ``d_model`` or different batch shapes, ``mask``/``bias`` do not broadcast to
         ``[..., T_q, T_k]``, or ``scale`` is not a scalar{also}.
     TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-        ``bias`` is not floating, or ``scale`` is not a real number."""
+        ``bias`` is not floating, or ``scale`` is not a real number{also_type}."""
 RESIDUAL_ARG = """
     residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update)."""
 
 
-def row_args(more: str = RESIDUAL_ARG, also: str = "") -> str:
+def row_args(more: str = RESIDUAL_ARG, also: str = "", also_type: str = "") -> str:
     """The row level's Args and Raises text; ``more``: the arguments after ``scale``
-    (``residual`` by default), ``also``: a further ``ValueError`` case (``", or ..."``)."""
-    return _ROW_ARGS.format(more=more, also=also)
+    (``residual`` by default), ``also``/``also_type``: further ``ValueError``/``TypeError``
+    cases (``", or ..."``)."""
+    return _ROW_ARGS.format(more=more, also=also, also_type=also_type)
 
 
 # The shapes a row-level formula reads (validated and finite), written once.

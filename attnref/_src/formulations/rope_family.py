@@ -16,15 +16,13 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Bool
 
 from attnref import oracle, tolerance
 from attnref._src.core import cost as _cost
 from attnref._src.core.checks import dtype_of, shape_of
-from attnref._src.core.common import Prepared, prepare_rows
-from attnref._src.core.entry import Level
+from attnref._src.core.common import RESIDUAL_ARG, Prepared, row_args, rows_level
 from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
-from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.standard import concat_cost
 from attnref.oracle._rope import CONVENTIONS as CONVENTIONS  # the one copy (attnref.rope)
 from attnref.oracle._rope import check_convention
@@ -148,32 +146,6 @@ Raises:
         ``base`` is not positive and finite, or ``convention`` is unknown.
     TypeError: If ``deltas`` is not integer, or ``base`` is not a static Python number."""
 
-_ROPE_ROW_ARGS = f"""Args:
-    params: Per-head weights (:class:`attnref.AttentionParams`); query head ``i`` reads
-        key/value head ``i // G`` (``G = H / K``).
-    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
-    x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``;
-        ``None`` (default) means ``x_q`` (self-attention).
-    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; ``None`` (default)
-        means ``arange(T_q)``.
-    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
-        means ``arange(T_k)``.
-    mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
-        (default) allows every pair.
-    bias: Floating additive bias, broadcastable to ``[..., T_q, T_k]``, added to the scaled
-        logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
-    scale: The logit scale; ``None`` (default) means ``1/sqrt(d_k)``.{_BASE}{_CONVENTION}
-    residual: If ``True``, return ``x_q + MultiHead`` (the residual-stream update).
-
-Raises:
-    ValueError: If ``params`` is malformed or ``d_k`` is odd, ``x_q``/``x_kv`` have rank
-        < 2, the wrong ``d_model`` or different batch shapes, ``mask``/``bias``/positions do
-        not broadcast to their shapes, ``scale`` is not a scalar, ``base`` is not positive
-        and finite, or ``convention`` is unknown.
-    TypeError: If ``x_q``, ``x_kv`` and ``params`` mix dtypes, ``mask`` is not boolean,
-        ``bias`` is not floating, positions are not integers, ``scale`` is not a real
-        number, or ``base`` is not a static Python number."""
-
 # ----------------------------------------------------------------------------- the row level
 
 
@@ -222,33 +194,45 @@ def rotary(
     return Rotary(pos_q, pos_k, base, convention)
 
 
-def prepare_rope(
-    params: AttentionParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    positions_q: Int[ArrayLike, "... T_q"] | None = None,
-    positions_kv: Int[ArrayLike, "... T_k"] | None = None,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "rotate_half",
-    residual: bool = False,
+def _rope_inputs(
+    rows: Prepared,
+    scale: Any,
+    positions_q: Any,
+    positions_kv: Any,
+    base: Any,
+    convention: Any,
 ) -> RopeInputs:
-    """Validate a multi-head RoPE call once (the RoPE options, :func:`prepare_rows`, the
-    positions)."""
-    conv = check_convention(convention)
-    b = check_base(base)
-    rows = prepare_rows(params, x_q, x_kv, mask, bias, scale, residual)
-    check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")
+    """The row inputs (validated by :func:`prepare_rows`) plus the checked rotation."""
+    check_head_dim(rows.params.d_k, "d_k (params.w_q.shape[2])")
     positions = (positions_q, positions_kv, rows.batch_shape, rows.t_q, rows.t_k)
-    return RopeInputs(rows, rotary(*positions, b, conv))
+    return RopeInputs(rows, rotary(*positions, check_base(base), check_convention(convention)))
 
 
-# The multi-head RoPE level: formulas take ``(params, x_q, x_kv, mask, bias, scale, residual,
-# rot)``, positionally, validated and finite.
-ROPE_ROWS = Level(prepare_rope, _ROPE_ROW_ARGS)
+_POSITIONS = """
+    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; ``None`` (default)
+        means ``arange(T_q)``.
+    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
+        means ``arange(T_k)``."""
+
+# The multi-head RoPE level: the row level plus positions, ``base`` and ``convention``; formulas
+# take ``(params, x_q, x_kv, mask, bias, scale, residual, rot)``, positionally, validated, finite.
+ROPE_ROWS = rows_level(
+    "prepare_rope",
+    _rope_inputs,
+    row_args(
+        RESIDUAL_ARG + _POSITIONS + _BASE + _CONVENTION,
+        also=";\n        or ``d_k`` is odd, positions do not broadcast, ``base`` is not positive "
+        "and finite,\n        or ``convention`` is unknown",
+        also_type=";\n        or positions are not integers, or ``base`` is not a static Python "
+        "number",
+    ),
+    {
+        "positions_q": (None, 'Int[ArrayLike, "... T_q"] | None'),
+        "positions_kv": (None, 'Int[ArrayLike, "... T_k"] | None'),
+        "base": (10000.0, "float"),
+        "convention": ("rotate_half", "str"),
+    },
+)
 
 # ----------------------------------------------------------------------------- the RoPE family
 
@@ -264,8 +248,9 @@ ROPE = Family(
     name="rope",
     oracle=oracle.rope_attention,
     bound=tolerance.rope_attention_error_bound,
-    signature="apply(params, x_q, x_kv=None, *, positions_q=None, positions_kv=None, "
-    "mask=None, bias=None, scale=None, base=10000.0, convention='rotate_half', residual=False)",
+    signature="apply(params, x_q, x_kv=None, *, mask=None, bias=None, scale=None, "
+    "residual=False, positions_q=None, positions_kv=None, base=10000.0, "
+    "convention='rotate_half')",
     note="Scale $1/\\sqrt{d_k}$ unless `scale=` is given; positions default to `arange(T)`; "
     "`convention='rotate_half'` pairs $(x_p, x_{p + d/2})$, `'interleaved'` pairs $(x_{2p}, "
     "x_{2p+1})$. Fully masked rows as in the softmax family (output $b_O$); see "

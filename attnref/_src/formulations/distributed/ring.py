@@ -20,24 +20,14 @@ queries are dropped). States are kept in the compute dtype (float32 for 16-bit i
 rounded to the input dtype once, at the end.
 
 **Skipped steps and tiles.** A step whose chunk no local query may read by the position rules
-alone (causality, the window, sequence lengths and padding: ``allowed_pairs`` without segment
-ids) is skipped with ``lax.cond``; its state would be the empty one, the merge's identity. A
-step that is not skipped computes its ``c_q x c_k`` piece in tiles
-(:func:`attnref.distributed.piece_tiles`), merging each query tile's key tiles in order,
-forward and backward. In general the piece is ``2 x 2`` tiles (when both sides are even; else
-whole), each skipped by the same rules when none of its queries may read one of its keys.
-Under a causal mask this is where the layouts differ: with contiguous chunks device ``d`` runs
-``d + 1`` steps, and device ``P - 1`` computes ``P - 1/4`` pieces' worth of tiles; with the
-zigzag layout every step of every device leaves two of its four tiles empty, but the
-diagonal step (one), so the busiest device computes ``(2 P + 1) / 4`` pieces, about ``P / 2``.
-When the position rules are known from the shapes (causality, the window; no traced lengths)
-and a finer split needs few conditions, the piece is split finely (up to ``16 x 16`` tiles of
-at least 64 rows and keys): the tiles no step may reach are left out of the program, those every
-step reaches run with no cond (a query tile's adjacent ones as one run of keys, no merge), the
-rest under a cond. With the striped layout every causal piece is the same local triangle on
-every step and device, so the busiest device computes ``(n + 1) P / (2 n)`` pieces, ``9 P / 16``
-in ``8 x 8`` tiles (:func:`attnref.distributed.ring_tiles_computed`, ``docs/distributed.md``);
-a window leaves only its band.
+alone (``allowed_pairs`` without segment ids) is skipped with ``lax.cond``: its state would be
+the merge's identity. Otherwise the ``c_q x c_k`` piece is computed in the tiles of
+:func:`attnref.distributed.piece_tiles`, each query tile merging its key tiles in order: ``2 x 2``
+tiles under a cond in general; when the rules are known from the shapes (causality, a window),
+up to ``16 x 16`` tiles of at least 64 rows, those no step reaches left out of the program and
+those every step reaches run with no cond. Under a causal mask the busiest device computes
+``P - 1/4`` pieces with contiguous chunks, ``(2 P + 1) / 4`` with zigzag and ``9 P / 16`` with
+striped (``docs/distributed.md``).
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
 ``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
@@ -62,15 +52,8 @@ transpose. Rows with ``L = -inf`` (no key) or a non-finite ``L`` (a row that rea
 non-finite value) get ``w_c = 0``: no NaN reaches a gradient. There are no gradients with
 respect to the mask, lengths or segment ids.
 
-**Forward mode.** JAX has no forward-mode rule for a ``custom_vjp``: ``jax.jvp``,
-``jax.jacfwd`` and ``jax.linearize`` of these kernels are refused: a ``TypeError`` that names
-the kernel when the transform calls it directly; under an outer ``jax.jit`` (and for the
-function ``jax.linearize`` returns) the failure only shows when JAX compiles or runs the
-derivative, after the kernel has returned, as JAX's own ``TypeError``. A ``custom_jvp``
-would make JAX derive the reverse mode by transposing the tangent ring, keeping every step's
-probabilities: the memory this backward avoids. Forward over reverse (``jax.hessian``,
-``jax.jvp`` of ``jax.grad``) works: it differentiates the ``custom_vjp``'s forward and
-backward rules, which are ordinary JAX code.
+**Forward mode** is refused (a ``custom_vjp`` has no JVP rule); forward over reverse works
+(``docs/distributed.md``).
 
 References: Liu, Zaharia & Abbeel (2023), *Ring Attention with Blockwise Transformers for
 Near-Infinite Context*, arXiv:2310.01889; Brandon et al. (2023), *Striped Attention: Faster Ring
