@@ -122,40 +122,44 @@ def _is_16bit(dtype: Any) -> bool:
     return np.dtype(dtype).itemsize == 2
 
 
-def _attnref_run(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, opts: dict[str, Any], dtype: Any, cot: Any
-) -> Any:
-    """attnref's own kernel in ``dtype`` (JAX): the output, or with a cotangent ``cot`` the
-    gradients ``(dq, dk, dv[, dbias])``, as float64 NumPy (the same-precision reference of the
-    16-bit comparative rule)."""
+def _flash_allowances(
+    qkv: tuple[np.ndarray, ...],
+    opts: dict[str, Any],
+    dtype: Any,
+    cot: Any,
+    exact: Sequence[np.ndarray],
+    n: int,
+) -> list[float]:
+    """FlashAttention's rule for each of ``exact`` (the output, or with a cotangent ``cot`` the
+    gradients): twice the largest error of attnref's own kernel in ``dtype`` (the same-precision
+    reference; NaN entries, a declared masked-rows meaning, left out) plus
+    ``gamma_n(u) max|exact|``."""
     import jax
     import jax.numpy as jnp
 
     from attnref._src.formulations.kernel import dot_product_attention
 
-    q16, k16, v16 = (jnp.asarray(x, dtype) for x in (q, k, v))
+    q16, k16, v16 = (jnp.asarray(x, dtype) for x in qkv)
     kw = dict(opts)
-    if kw.get("bias") is not None:
-        kw["bias"] = jnp.asarray(kw["bias"], dtype)
-    if cot is None:
-        return np.asarray(dot_product_attention(q16, k16, v16, **kw), np.float64)
     bias = kw.pop("bias", None)
-
-    def f(*args: Any) -> Any:
-        return dot_product_attention(*args[:3], bias=args[3] if len(args) > 3 else None, **kw)
-
+    bias = None if bias is None else jnp.asarray(bias, dtype)
     args = (q16, k16, v16) if bias is None else (q16, k16, v16, bias)
-    out, pull = jax.vjp(f, *args)
-    return [np.asarray(g, np.float64) for g in pull(jnp.asarray(cot, out.dtype))]
 
+    def f(*a: Any) -> Any:
+        return dot_product_attention(*a[:3], bias=a[3] if len(a) > 3 else None, **kw)
 
-def _flash_allowance(ref: np.ndarray, exact: np.ndarray, floor: float) -> float:
-    """FlashAttention's rule: twice the same-precision reference's largest error plus
-    ``floor`` (NaN entries, a declared masked-rows meaning, left out)."""
-    diff = np.abs(ref - exact)
-    keep = ~np.isnan(exact)
-    ref_err = float(np.max(np.where(keep, np.nan_to_num(diff, nan=np.inf), 0.0), initial=0.0))
-    return 2.0 * ref_err + floor
+    if cot is None:
+        same = [f(*args)]
+    else:
+        o, pull = jax.vjp(f, *args)
+        same = pull(jnp.asarray(cot, o.dtype))
+    top = max(float(np.max(np.abs(np.nan_to_num(e)), initial=0.0)) for e in exact)
+    floor = gamma(n, unit_roundoff(dtype)) * top
+    errors = (
+        np.where(np.isnan(e), 0.0, np.nan_to_num(np.abs(np.asarray(r, np.float64) - e), nan=np.inf))
+        for r, e in zip(same, exact, strict=False)
+    )
+    return [2.0 * float(np.max(err, initial=0.0)) + floor for err in errors]
 
 
 def _index_text(index: tuple[int, ...]) -> str:
@@ -278,9 +282,7 @@ def assert_matches_oracle(
     rule = "tolerance.kernel_call_error_bound"
     allowed: Any = bound
     if _is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
-        magnitude = float(np.max(np.abs(np.nan_to_num(ref)), initial=0.0))
-        same = _attnref_run(q, k, v, opts, dt, None)
-        allowed = _flash_allowance(same, ref, gamma(K_Y, unit_roundoff(dt)) * magnitude)
+        allowed = _flash_allowances((q, k, v), opts, dt, None, [ref], K_Y)[0]
         rule = "FlashAttention's rule: 2 x attnref's own error in this dtype + gamma_8(u) max|o|"
     match = compare(a, ref, allowed, name="out", axes=OUT_AXES, dtype=dt, rule=rule)
     if lse is not None:
@@ -359,14 +361,11 @@ def assert_grads_match_oracle(
     rule = "tolerance.kernel_grad_error_bound"
     allowed: list[Any] = [getattr(bound, n) for n in names[: len(got)]]
     if _is_16bit(dt):  # the gradients property's 16-bit rule (attnref._src.kit.conformance)
-        same = _attnref_run(q, k, v, opts, dt, cot)
         wanted = [getattr(exact, n) for n in names[: len(got)]]
-        top = max(float(np.max(np.abs(np.nan_to_num(e)), initial=0.0)) for e in wanted)
         _, t_, n_, h_ = q.shape
         s_, k_, h_v = v.shape[1], v.shape[2], v.shape[3]
         n_b = t_ * (n_ // max(k_, 1)) + s_ + h_ + h_v + 2  # the backward's longest chain
-        floor = gamma(n_b, unit_roundoff(dt)) * top
-        allowed = [_flash_allowance(r, e, floor) for r, e in zip(same, wanted, strict=False)]
+        allowed = _flash_allowances((q, k, v), opts, dt, cot, wanted, n_b)
         rule = (
             "FlashAttention's rule: 2 x attnref's own gradient error in this dtype + "
             "gamma_N(u) max|g|, N = T G + S + H + H_v + 2"

@@ -153,6 +153,53 @@ def run_property(
     return "passed", "", None, int(state["count"]), None
 
 
+def run_suite(
+    names: Sequence[str],
+    plan: Callable[[str], tuple[Any, ...] | str],
+    *,
+    seed: int,
+    max_examples: int,
+    progress: Callable[[int, int, str], None] | None = None,
+    in_effect: Callable[[str], tuple[str, ...]] = lambda name: (),
+) -> tuple[PropertyResult, ...]:
+    """Each property ``name`` run by :func:`run_property` over ``plan(name)``, ``(strategy,
+    check[, explicit cases])`` or a skip reason; ``progress`` after each."""
+    results: list[PropertyResult] = []
+    for done, name in enumerate(names, start=1):
+        start = time.perf_counter()
+        planned = plan(name)
+        if isinstance(planned, str):
+            results.append(PropertyResult(name, "skipped", planned, None, seed, 0))
+        else:
+            strategy, check, *explicit = planned
+            run = run_property(strategy, check, max_examples, seed, *explicit)
+            status, detail, example, count, tb = run
+            took = time.perf_counter() - start
+            results.append(
+                PropertyResult(
+                    name, status, detail, example, seed, count, in_effect(name), tb, took
+                )
+            )
+        if progress is not None:
+            progress(done, len(names), name)
+    return tuple(results)
+
+
+def changed(*given: tuple[str, Any, Any]) -> tuple[tuple[str, Any], ...]:
+    """The ``(option, value)`` of each ``(option, value, default)`` whose value is not the default
+    (:attr:`ConformanceReport.options`)."""
+    return tuple((k, v) for k, v, default in given if v != default)
+
+
+def check_target(fn: Any, max_examples: int | None, name: str = "fn") -> None:
+    """``max_examples`` (``None`` or ``>= 1``) and a callable ``fn``, else an :class:`OptionError`
+    or a ``TypeError``."""
+    if max_examples is not None:
+        check_max_examples(max_examples)
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+
+
 def _name_sub_case(text: str, sub_case: str | None) -> str:
     """``text`` with ``  # failed at: <sub_case>`` after the first line that shows the drawn
     case (``case=Case(...)`` or ``p=KernelProblem(...)``), which stays valid Python."""
@@ -510,17 +557,6 @@ def check_attention(
                 )
         if progress is not None:
             progress(done, len(names), name)
-    given = dict(
-        signature=(signature, "jax_nn"),
-        features=(None if features is None else list(features), None),
-        max_examples=(max_examples, None),
-        masked_rows=(masked_rows, "zeros"),
-        causal_alignment=(causal_alignment, "top_left"),
-        dtypes=(list(dtypes), ["float32"]),
-        shapes=(shapes, "small"),
-        devices=(sizes, None),
-        refuses_lengths=(refuses_lengths, False),
-    )
     return ConformanceReport(
         target=target or describe_target(fn),
         signature=signature,
@@ -529,7 +565,17 @@ def check_attention(
         results=tuple(results),
         shapes=shapes,
         devices=sizes or (),
-        options=tuple((k, v) for k, (v, default) in given.items() if v != default),
+        options=changed(
+            ("signature", signature, "jax_nn"),
+            ("features", None if features is None else list(features), None),
+            ("max_examples", max_examples, None),
+            ("masked_rows", masked_rows, "zeros"),
+            ("causal_alignment", causal_alignment, "top_left"),
+            ("dtypes", list(dtypes), ["float32"]),
+            ("shapes", shapes, "small"),
+            ("devices", sizes, None),
+            ("refuses_lengths", refuses_lengths, False),
+        ),
     )
 
 

@@ -35,7 +35,6 @@ Properties (:data:`MLA_PROPERTIES`):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,9 +44,9 @@ from hypothesis import strategies as st
 from attnref import oracle, tolerance
 from attnref._src.formulations.mla_family import init_mla_params
 from attnref._src.kit.closeness import assert_ratio_within
-from attnref._src.kit.conformance.engine import run_property
-from attnref._src.kit.conformance.options import OptionError, check_max_examples, check_properties
-from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
+from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.options import check_properties, check_subset
+from attnref._src.kit.conformance.report import ConformanceReport
 from attnref._src.kit.conformance.targets import describe_target
 
 MLA_PROPERTIES = ("oracle", "rope", "causal", "decode", "masked_nan")
@@ -131,35 +130,16 @@ def check_mla(
     ``target`` are as in :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``)
     for an unknown property or dtype, ``TypeError`` for an ``fn`` not callable."""
     names = check_properties(MLA_PROPERTIES if properties is None else properties, MLA_PROPERTIES)
-    dts = tuple(str(d) for d in dtypes)
-    bad = [d for d in dts if d not in MLA_DTYPES]
-    if bad or not dts:
-        raise OptionError(
-            f"dtypes must be a subset of {MLA_DTYPES}, got {list(dts)}", "dtypes", bad, MLA_DTYPES
-        )
-    if max_examples is not None:
-        check_max_examples(max_examples)
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    results = []
-    for name in names:
-        start = time.perf_counter()
-        strategy, check = _plan(name, fn, dts)
-        status, detail, example, count, tb = run_property(strategy, check, max_examples or 6, seed)
-        took = time.perf_counter() - start
-        results.append(PropertyResult(name, status, detail, example, seed, count, (), tb, took))
+    dts = check_subset("dtypes", dtypes, MLA_DTYPES)
+    check_target(fn, max_examples)
+    results = run_suite(
+        names, lambda name: _plan(name, fn, dts), seed=seed, max_examples=max_examples or 6
+    )
     return ConformanceReport(
         target=target or describe_target(fn),
         signature="mla",
         features=(),
         declared={},
-        results=tuple(results),
-        options=tuple(
-            (k, v)
-            for k, v, default in (
-                ("dtypes", list(dts), ["float32"]),
-                ("max_examples", max_examples, None),
-            )
-            if v != default
-        ),
+        results=results,
+        options=changed(("dtypes", list(dts), ["float32"]), ("max_examples", max_examples, None)),
     )

@@ -192,6 +192,20 @@ def check_properties(
     return tuple(p for p in known if p in properties)
 
 
+def check_subset(
+    option: str, given: Sequence[Any], allowed: tuple[str, ...], empty: bool = False
+) -> tuple[str, ...]:
+    """``given`` as strings, each in ``allowed`` and (unless ``empty``) at least one, else an
+    :class:`OptionError` listing the unknown ones."""
+    out = tuple(str(x) for x in given)
+    bad = [x for x in out if x not in allowed]
+    if bad or not (out or empty):
+        some = "a" if empty else "a non-empty"
+        message = f"{option} must be {some} subset of {allowed}, got {list(out)}"
+        raise OptionError(message, option, bad, allowed)
+    return out
+
+
 def check_dtypes(dtypes: Sequence[Any]) -> tuple[str, ...]:
     """The canonical names of at least one dtype (an :class:`OptionError` for none; NumPy's
     ``TypeError`` for a name that is not a dtype)."""

@@ -49,7 +49,6 @@ Properties (:data:`PAGED_PROPERTIES`; shapes: ``page_size`` 8 and 16, lengths dr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,12 +58,11 @@ import numpy as np
 from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
-from attnref._src.core.checks import enable_x64
 from attnref._src.kit.closeness import assert_ratio_within, first_index
-from attnref._src.kit.conformance.engine import run_property
-from attnref._src.kit.conformance.options import OptionError, check_max_examples, check_properties
-from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
-from attnref._src.kit.conformance.targets import describe_target
+from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.options import check_properties, check_subset
+from attnref._src.kit.conformance.report import ConformanceReport
+from attnref._src.kit.conformance.targets import describe_target, x64_if
 
 PAGED_PROPERTIES = (
     "oracle",
@@ -152,8 +150,7 @@ class _Target:
         self.fn = fn
 
     def __call__(self, p: Problem, lse: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        ctx = enable_x64() if p.dtype == np.float64 else _null()
-        with ctx:
+        with x64_if(p.dtype):
             out = self.fn(*p.args(), **p.options, **({"return_lse": True} if lse else {}))
             o, l_out = (out[0], out[1]) if lse else (out, None)
             o = np.asarray(o).astype(np.float64)
@@ -166,14 +163,6 @@ class _Target:
             if l_arr.shape != p.q.shape[:3]:
                 raise AssertionError(f"lse has shape {l_arr.shape}; expected {p.q.shape[:3]}")
             return o, l_arr
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _check(got: tuple[np.ndarray, np.ndarray | None], p: Problem, label: str) -> None:
@@ -283,8 +272,7 @@ def _plan(name: str, target: _Target, dtypes: tuple[str, ...]) -> tuple[Any, Any
     def check_grad(case: tuple[Any, int]) -> None:
         p = Problem(*case, dtypes[0], fill=np.nan)
         cot = np.random.default_rng([case[1], 3]).normal(size=p.q.shape)
-        ctx = enable_x64() if p.dtype == np.float64 else _null()
-        with ctx:
+        with x64_if(p.dtype):
 
             def loss(q: Any, kp: Any, vp: Any) -> Any:
                 o = target.fn(q, kp, vp, p.table, p.lens)
@@ -341,50 +329,27 @@ def check_paged(
     names = check_properties(
         PAGED_PROPERTIES if properties is None else properties, PAGED_PROPERTIES
     )
-    for option, given, allowed in (
-        ("features", tuple(features), PAGED_FEATURES),
-        ("dtypes", tuple(dtypes), PAGED_DTYPES),
-    ):
-        bad = [x for x in given if x not in allowed]
-        if bad or (option == "dtypes" and not given):
-            raise OptionError(
-                f"{option} must be a subset of {allowed}, got {list(given)}", option, bad, allowed
-            )
-    if max_examples is not None:
-        check_max_examples(max_examples)
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    feats, dts = tuple(features), tuple(str(d) for d in dtypes)
+    feats = check_subset("features", features, PAGED_FEATURES, empty=True)
+    dts = check_subset("dtypes", dtypes, PAGED_DTYPES)
+    check_target(fn, max_examples)
     call = _Target(fn)
-    results: list[PropertyResult] = []
-    for done, name in enumerate(names, start=1):
+
+    def plan(name: str) -> tuple[Any, Any] | str:
         need = _NEEDS.get(name)
         if need is not None and need not in feats:
-            reason = f"needs the {need!r} feature (not declared)"
-            results.append(PropertyResult(name, "skipped", reason, None, seed, 0))
-        else:
-            start = time.perf_counter()
-            strategy, check = _plan(name, call, dts)
-            status, detail, example, count, tb = run_property(
-                strategy, check, max_examples or 10, seed
-            )
-            took = time.perf_counter() - start
-            results.append(PropertyResult(name, status, detail, example, seed, count, (), tb, took))
-        if progress is not None:
-            progress(done, len(names), name)
+            return f"needs the {need!r} feature (not declared)"
+        return _plan(name, call, dts)
+
+    results = run_suite(names, plan, seed=seed, max_examples=max_examples or 10, progress=progress)
     return ConformanceReport(
         target=target or describe_target(fn),
         signature="paged",
         features=feats,
         declared={},
-        results=tuple(results),
-        options=tuple(
-            (k, v)
-            for k, v, default in (
-                ("features", list(feats), list(PAGED_FEATURES)),
-                ("dtypes", list(dts), ["float32"]),
-                ("max_examples", max_examples, None),
-            )
-            if v != default
+        results=results,
+        options=changed(
+            ("features", list(feats), list(PAGED_FEATURES)),
+            ("dtypes", list(dts), ["float32"]),
+            ("max_examples", max_examples, None),
         ),
     )

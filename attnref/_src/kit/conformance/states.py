@@ -47,8 +47,6 @@ Properties (:data:`MERGE_PROPERTIES`):
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,16 +57,11 @@ from hypothesis import strategies as st
 
 from attnref import oracle
 from attnref import strategies as ast
-from attnref._src.core.checks import enable_x64
 from attnref._src.kit.closeness import assert_ratio_within, first_index
-from attnref._src.kit.conformance.engine import run_property
-from attnref._src.kit.conformance.options import (
-    OptionError,
-    check_max_examples,
-    check_properties,
-)
-from attnref._src.kit.conformance.report import ConformanceReport, PropertyResult
-from attnref._src.kit.conformance.targets import describe_target
+from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.options import OptionError, check_properties, check_subset
+from attnref._src.kit.conformance.report import ConformanceReport
+from attnref._src.kit.conformance.targets import describe_target, x64_if
 from attnref.oracle import merge_states_vjp
 from attnref.oracle._states import STATE_POLICIES
 from attnref.strategies._states import STATE_DTYPES, as_dtype
@@ -99,12 +92,6 @@ def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
     return ast.StateStack(o, s.lse.astype(as_dtype(l_dt)), s.spread, s.center, s.seed)
 
 
-def _x64(*states: Any) -> Any:
-    """``jax.enable_x64`` where a state is float64."""
-    wide = any(np.dtype(x.dtype) == np.float64 for x in states)
-    return enable_x64() if wide else contextlib.nullcontext()
-
-
 class _Merge:
     """Calls the target on NumPy states and reads back ``(o, lse)`` as float64; :meth:`vjp`
     differentiates it with ``jax.vjp``."""
@@ -115,7 +102,7 @@ class _Merge:
         self.eager = False  # set once the target fails to trace under jit
 
     def __call__(self, o_a: Any, l_a: Any, o_b: Any, l_b: Any) -> tuple[np.ndarray, np.ndarray]:
-        with _x64(o_a, l_a, o_b, l_b):
+        with x64_if(o_a, l_a, o_b, l_b):
             o, lse = (np.asarray(x).astype(np.float64) for x in self._pair(o_a, l_a, o_b, l_b))
         return o, lse
 
@@ -143,7 +130,7 @@ class _Merge:
         Forward and backward are jitted together (one compile per format); a target that
         cannot be traced under ``jit`` (Python control flow on values) is differentiated
         eagerly."""
-        with _x64(o_a, l_a, o_b, l_b):
+        with x64_if(o_a, l_a, o_b, l_b):
             states = tuple(jnp.asarray(x) for x in (o_a, l_a, o_b, l_b))
             cot = (jnp.asarray(g_o), jnp.asarray(g_l))
             try:
@@ -464,54 +451,37 @@ def check_merge_states(
     names = check_properties(
         MERGE_PROPERTIES if properties is None else properties, MERGE_PROPERTIES
     )
-    dts = tuple(str(d) for d in dtypes)
-    bad = [d for d in dts if d not in MERGE_DTYPES]
-    if bad or not dts:
-        raise OptionError(
-            f"dtypes must be a non-empty subset of {MERGE_DTYPES}, got {list(dts)}",
-            "dtypes",
-            bad,
-            MERGE_DTYPES,
-        )
-    if max_examples is not None:
-        check_max_examples(max_examples)
-    if not callable(merge):
-        raise TypeError(f"merge must be callable, got {type(merge).__name__}")
+    dts = check_subset("dtypes", dtypes, MERGE_DTYPES)
+    check_target(merge, max_examples, "merge")
     if not isinstance(grad, bool):
         raise TypeError(f"grad must be a bool, got {type(grad).__name__}")
     declared = {"masked_rows": masked_rows} if masked_rows != "zeros" else {}
     target_merge = _Merge(merge)
-    results: list[PropertyResult] = []
-    for done, name in enumerate(names, start=1):
+
+    def plan(name: str) -> tuple[Any, ...] | str:
         if name == "gradients" and not grad:
-            reason = "needs gradient support (grad=False: a merge JAX cannot differentiate)"
-            results.append(PropertyResult(name, "skipped", reason, None, seed, 0))
-        else:
-            start = time.perf_counter()
-            strategy, check, explicit = _plan(name, target_merge, masked_rows, dts)
-            status, detail, example, count, tb = run_property(
-                strategy, check, max_examples or 20, seed, explicit
-            )
-            # no empty row in stability; a gradient is 0 on empty rows whatever their o
-            skip = name in ("stability", "gradients")
-            in_effect = tuple(f"{k}={v}" for k, v in declared.items() if not skip)
-            took = time.perf_counter() - start
-            results.append(
-                PropertyResult(name, status, detail, example, seed, count, in_effect, tb, took)
-            )
-        if progress is not None:
-            progress(done, len(names), name)
-    given = dict(
-        max_examples=(max_examples, None),
-        dtypes=(list(dts), list(MERGE_DTYPES)),
-        masked_rows=(masked_rows, "zeros"),
-        grad=(grad, True),
+            return "needs gradient support (grad=False: a merge JAX cannot differentiate)"
+        return _plan(name, target_merge, masked_rows, dts)
+
+    # no empty row in stability; a gradient is 0 on empty rows whatever their o
+    def in_effect(name: str) -> tuple[str, ...]:
+        skip = name in ("stability", "gradients")
+        return tuple(f"{k}={v}" for k, v in declared.items() if not skip)
+
+    examples = max_examples or 20
+    results = run_suite(
+        names, plan, seed=seed, max_examples=examples, progress=progress, in_effect=in_effect
     )
     return ConformanceReport(
         target=target or describe_target(merge),
         signature="merge_states",
         features=("grad",) if grad else (),
         declared=declared,
-        results=tuple(results),
-        options=tuple((k, v) for k, (v, default) in given.items() if v != default),
+        results=results,
+        options=changed(
+            ("max_examples", max_examples, None),
+            ("dtypes", list(dts), list(MERGE_DTYPES)),
+            ("masked_rows", masked_rows, "zeros"),
+            ("grad", grad, True),
+        ),
     )

@@ -60,6 +60,12 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
+def x64_if(*arrays: Any) -> Any:
+    """``jax.enable_x64`` where one of the arrays (or dtypes) is float64, else nothing."""
+    wide = any(np.dtype(getattr(a, "dtype", a)) == np.float64 for a in arrays)
+    return enable_x64() if wide else contextlib.nullcontext()
+
+
 def load_target(spec: str) -> Callable[..., Any]:
     """Import a callable by name: ``"package.module:function"`` -> ``package.module.function``
     (or ``"package.module:object.attribute"``). Raises ``ValueError`` (not exactly one ``:``
@@ -253,7 +259,7 @@ class Target:
         NumPy arrays go to the jitted callable as they are (converting them first would compile
         a staging program per shape); an eager JAX call gets jax arrays. float64 runs inside
         ``jax.enable_x64``."""
-        with enable_x64() if np.dtype(dtype) == np.float64 else contextlib.nullcontext():
+        with x64_if(dtype):
             args = self._sharded(args)
             eager_key = (*key, str(np.dtype(dtype)))
             if self.signature != "numpy" and eager_key not in self._eager:
