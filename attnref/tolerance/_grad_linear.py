@@ -1,27 +1,17 @@
 """A derived float64 error bound for the linear-attention gradient oracle
 (:func:`attnref.oracle.linear_attention_vjp`, :func:`attnref.oracle.linear_multihead_vjp`).
 
-NumPy only; the oracle is imported lazily where a bound needs its feature maps. The bound is
-componentwise and first order in ``u`` (``u = 2^-53``, ``gamma_n = n u / (1 - n u)``, Higham 2002,
-Lemma 3.1 and eq. 3.13), and rigorous to that order for either method of the oracle (the counts
-below include spare roundings so that both evaluation orders are covered).
+NumPy only. Componentwise, first order in ``u = 2^-53`` (``gamma_n = n u / (1 - n u)``, Higham
+2002, Lemma 3.1 and eq. 3.13), for either method of the oracle (spare roundings cover both
+orders).
 
-**Rule.** Every quantity ``x`` of the backward pass (module docstring of
-``attnref.oracle._linear_grad``) is carried with an error bound ``E_x >= |fl(x) - x|``:
-
-* a sum of ``n`` computed terms ``sum_k t_k`` (any order): ``sum_k E_t_k + gamma_n sum_k |t_k|``;
-* a product ``a b``: ``E_a |b| + |a| E_b`` (its rounding counted in the enclosing ``gamma``);
-* a division by ``D`` with ``E_D < |D|``: relative error ``r = E_D / (|D| - E_D) + u`` of
-  ``1 / D``;
-* ``exp`` of an argument off by ``E``: relative ``expm1(E) + C_EXP u``;
-* input errors (``dq, dk, dv, d_dy``: zero for :func:`linear_attention_vjp_error_bound` called
-  by a user, the projections' errors for the multi-head bound) enter through the maps' first
-  *and second* derivatives, so the gradient's change with its inputs (the Hessian term) is
-  covered.
-
-So the bound is the backward pass evaluated on absolute values, each term weighted by the sum of
-its factors' relative errors plus ``gamma`` of its rounding count. Per (batch, head), with
-``Abar_ij = |phi(q_i)|.|phi(k_j)|``, ``m`` features, for the maps but FAVOR+::
+**Rule.** Every quantity ``x`` of the backward (module docstring of
+``attnref.oracle._linear_grad``) carries ``E_x >= |fl(x) - x|``: a sum of ``n`` terms adds
+``sum_k E_t_k + gamma_n sum_k |t_k|``; a product ``E_a |b| + |a| E_b``; a division by ``D``
+(``E_D < |D|``) the relative ``r = E_D / (|D| - E_D) + u``; ``exp`` the relative ``expm1(E) +
+C_EXP u``. Input errors (``dq, dk, dv, d_dy``; the projections' for multi-head) enter through the
+maps' first *and second* derivatives (the Hessian term). Per (batch, head), ``Abar_ij =
+|phi(q_i)|.|phi(k_j)|``, ``m`` features, every map but FAVOR+::
 
     E_A    = E_phi(q).|phi(k)| + |phi(q)|.E_phi(k) + gamma_m Abar
     E_S    = sum_j E_A + gamma_{T_k+2} sum_j |A|,      E_D = E_S + u |D|  (clamp: E_S or 0)
@@ -34,10 +24,9 @@ its factors' relative errors plus ``gamma`` of its rounding count. Per (batch, h
     E_dq   = |J| E_dphi + E_J |dphi| + u |J||dphi|           (taylor2: its VJP, gamma_{2d+4})
 
 with ``E_phi``, ``E_J`` each map's evaluation error (elu: ``C_EXP + 1`` units; taylor2: ``3 u``
-for ``x~`` and for each product) plus its input error times the largest slope on the interval
-(elu: ``exp(min(x + dx, 0))`` bounds both ``phi'`` and ``phi''``; relu is exactly 0 below
-``-dx`` and its step can flip by 1 within ``|x| <= dx``). FAVOR+ (log space,
-``z_ijf = w_f.(q~_i + k~_j)``)::
+for ``x~`` and each product) plus the input error times the largest slope nearby (elu:
+``exp(min(x + dx, 0))`` bounds ``phi'`` and ``phi''``; relu is 0 below ``-dx`` and its step may
+flip within ``|x| <= dx``). FAVOR+ (log space, ``z_ijf = w_f.(q~_i + k~_j)``)::
 
     E_z    = |w_f|.(E_q~ + E_k~) + gamma_{d+2} (|w_f|.|q~| + |w_f|.|k~| + |w_f|^2/2)
     E_ell  = max_f E_z + u (max_f |z - max z| + |lse| + log m) + C_EXP u + gamma_m
@@ -50,18 +39,17 @@ for ``x~`` and for each product) plus its input error times the largest slope on
     E_dq~_i = sum_j E_G (|R||w| + |q~_i|) + |G| (rho_R |R||w| + E_q~_i)
               + gamma_{T_k+m+3} sum_j |G| (|R||w| + |q~_i|)
 
-(the ``|w_f|^2/2`` term covers evaluations through the stabilised features, whose exponents
-carry ``+-|w_f|^2/2``, as in :func:`attnref.tolerance.linear_error_bound`).
+(``|w_f|^2/2`` covers the stabilised features' exponents, as in
+:func:`attnref.tolerance.linear_error_bound`).
 
-**Undetermined rows.** Where ``|D_i| <= E_D`` (a signed map near cancellation) or, for "clamp",
-``|S_i - eps| <= E_S`` (the clamp's switch, where the gradient jumps), the gradient is not
-determined by the arithmetic: the bound is ``inf`` for ``dq_i`` and for every ``dk_j``, ``dv_j``
-that row reads. Rows with ``D_i = 0`` exactly and ``E_D = 0`` have zero gradient and zero bound.
+**Undetermined rows.** Where ``|D_i| <= E_D`` or, for "clamp", ``|S_i - eps| <= E_S`` (where the
+gradient jumps) the bound is ``inf`` for ``dq_i`` and every ``dk_j``, ``dv_j`` the row reads; rows
+with ``D_i = 0`` and ``E_D = 0`` exactly have zero gradient and bound.
 
-**Multi-head.** The projections ``q = x W + b`` carry ``gamma_{d_model+1} |x~||W~|`` into the
-kernel level, ``dz = dy W_O^T`` carries ``gamma_{d_model} |dy||W_O|``; the parameter gradients are
-sums over ``prod(batch) T`` positions (``gamma_{prod(batch) T + 2}``), the input gradients over
-``H d_k`` (``K (d_k + d_v)`` for ``x_kv``) terms plus the residual and self-attention additions.
+**Multi-head.** Projections carry ``gamma_{d_model+1} |x~||W~|``, ``dz = dy W_O^T`` carries
+``gamma_{d_model} |dy||W_O|``; parameter gradients sum ``prod(batch) T`` positions
+(``gamma_{prod(batch) T + 2}``), input gradients ``H d_k`` (``K (d_k + d_v)`` for ``x_kv``) terms
+plus the residual and self-attention additions.
 """
 
 from __future__ import annotations
@@ -97,8 +85,7 @@ def _bt(a: np.ndarray) -> np.ndarray:
 
 
 def _elementwise_leaves(name: str, x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(phi, E_phi, J, E_J)`` of an elementwise map (elu + 1, relu, identity) at ``x`` known
-    to ``ex``: evaluation rounding plus the input error times the largest slope nearby."""
+    """``(phi, E_phi, J, E_J)`` of an elementwise map at ``x`` known to ``ex``."""
     if name == "elu_plus_one":
         e = np.exp(np.minimum(x, 0.0))
         phi, jac = np.where(x > 0, x + 1.0, e), np.where(x > 0, 1.0, e)
@@ -114,8 +101,7 @@ def _elementwise_leaves(name: str, x: np.ndarray, ex: np.ndarray) -> tuple[np.nd
 
 
 def _taylor2_leaves(x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(phi, E_phi, x~, E_x~)`` of taylor2: ``x~ = x / d^(1/4)`` (``3 u``: the power and the
-    division), products ``x~_a x~_b / sqrt 2`` (``3 u`` more)."""
+    """``(phi, E_phi, x~, E_x~)`` of taylor2 (``3 u`` for ``x~``, ``3 u`` more per product)."""
     d = x.shape[-1]
     xs = x / d**0.25
     exs = ex / d**0.25 + 3 * U * np.abs(xs)
@@ -157,8 +143,7 @@ def _taylor2_vjp(
 
 
 def _dot_err(a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray, spec: str) -> Any:
-    """``(a.b, E)`` for an einsum contraction ``spec`` of ``n`` terms: ``E_a.|b| + |a|.E_b +
-    gamma_{n+2} |a|.|b|`` (``n`` the contracted size)."""
+    """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the contracted size of ``spec``."""
     n = _contracted(spec, a, b)
     val = np.einsum(spec, a, b, optimize=True)
     mag = np.einsum(spec, np.abs(a), np.abs(b), optimize=True)
@@ -186,8 +171,7 @@ def _cotangent_terms(
     ey: np.ndarray,
     c: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``g_ij = dy_i.v_j - c_i dy_i.y_i`` (``dA_ij D_i``) and its error, head-major
-    ``[..., T_q, T_k]``."""
+    """``g_ij = dy_i.v_j - c_i dy_i.y_i`` (``dA_ij D_i``) and its error, ``[..., T_q, T_k]``."""
     p, ep = _dot_err(dy, edy, v, ev, "...iv,...jv->...ij")
     qv, eqv = _dot_err(dy, edy, y, ey, "...iv,...iv->...i")
     g = p - (c * qv)[..., None]
@@ -197,9 +181,8 @@ def _cotangent_terms(
 def _denominator(
     s: np.ndarray, es: np.ndarray, eps: float, eps_policy: str, ulp: float
 ) -> tuple[np.ndarray, ...]:
-    """``(D, E_D, c, live, bad)`` from ``S`` known to ``es``: ``c`` whether ``D`` follows ``S``;
-    ``live`` rows divide; ``bad`` rows are undetermined (``|D| <= E_D``, or the clamp's switch
-    within ``E_S``); the rest have ``D = 0`` exactly (zero gradient)."""
+    """``(D, E_D, c, live, bad)`` from ``S`` known to ``es`` (``bad``: undetermined rows; rows
+    neither live nor bad have ``D = 0`` exactly)."""
     if eps_policy == "add":
         d = s + eps
         ed = es + ulp * np.abs(d)
@@ -218,8 +201,7 @@ def _denominator(
 def _with_inf(
     b: tuple[np.ndarray, np.ndarray, np.ndarray], bad: np.ndarray, allowed: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """``inf`` where an undetermined row reaches: ``dq_i`` of the row, ``dk_j, dv_j`` it reads
-    (head-major; ``bad [..., T_q]``, ``allowed [..., T_q, T_k]``)."""
+    """``inf`` for ``dq_i`` of an undetermined row and the ``dk_j, dv_j`` it reads."""
     hit = np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
     bq = np.where(bad[..., None], np.inf, b[0])
     return bq, np.where(hit, np.inf, b[1]), np.where(hit, np.inf, b[2])
@@ -241,7 +223,7 @@ def _kernel_features(
         fq, efq, jq, ejq = _elementwise_leaves(fm.name, q, eq)
         fk, efk, jk, ejk = _elementwise_leaves(fm.name, k, ek)
     al = allowed.astype(float)
-    t_q, t_k, m = q.shape[-2], k.shape[-2], fq.shape[-1]
+    t_k, m = k.shape[-2], fq.shape[-1]
     a = al * np.einsum("...im,...jm->...ij", fq, fk)
     abs_a = np.abs(a)
     e_a = al * (
@@ -256,23 +238,14 @@ def _kernel_features(
     inv = np.where(live, 1.0 / d_abs, 0.0)
     r = np.where(live, ed / (d_abs - np.where(live, ed, 0.0)) + U, 0.0)
     signed_inv = np.where(live, 1.0 / np.where(live, d, 1.0), 0.0)
-    y = np.einsum("...ij,...jv->...iv", a, v) * signed_inv[..., None]
-    e_n = (
-        np.einsum("...ij,...jv->...iv", e_a, np.abs(v))
-        + np.einsum("...ij,...jv->...iv", abs_a, ev)
-        + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", abs_a, np.abs(v))
-    )
+    num, e_n = _dot_err(a, e_a, v, ev, "...ij,...jv->...iv")
+    y = num * signed_inv[..., None]
     e_y = e_n * inv[..., None] + np.abs(y) * r[..., None]
     g, e_g = _cotangent_terms(v, ev, dy, edy, y, e_y, c)
     da = al * g * signed_inv[..., None]
     e_da = al * (e_g + np.abs(g) * r[..., None]) * inv[..., None]
-    w_abs = abs_a * inv[..., None]
-    e_dv = (
-        np.einsum("...ij,...iv->...jv", e_a * inv[..., None], np.abs(dy))
-        + np.einsum("...ij,...iv->...jv", w_abs, edy)
-        + np.einsum("...ij,...iv->...jv", w_abs * (r[..., None] + _g(t_q + 2)), np.abs(dy))
-    )
-    dv = np.einsum("...ij,...iv->...jv", a * signed_inv[..., None], dy)
+    e_w = (e_a + abs_a * r[..., None]) * inv[..., None]
+    dv, e_dv = _dot_err(a * signed_inv[..., None], e_w, dy, edy, "...ij,...iv->...jv")
     dfq, e_dfq = _dot_err(da, e_da, fk, efk, "...ij,...jm->...im")
     dfk, e_dfk = _dot_err(da, e_da, fq, efq, "...ij,...im->...jm")
     if taylor:
@@ -289,8 +262,8 @@ def _kernel_features(
 def _favor_log_parts(
     w: np.ndarray, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """``(ell, E_ell, R, rho_R, q~, E_q~, k~, E_k~)``, head-major: ``log A_ij`` and the softmax
-    over the features ``R [..., T_q, T_k, m]`` with their errors (module docstring)."""
+    """``(ell, E_ell, R, rho_R, q~, E_q~, k~, E_k~)``: ``log A_ij`` and the feature softmax ``R``
+    with their errors (module docstring)."""
     d, m = q.shape[-1], w.shape[0]
     aw = np.abs(w)
     qs, ks = q / d**0.25, k / d**0.25
@@ -355,12 +328,7 @@ def _kernel_favor(
     ratio = np.where(ok[..., None], weights / np.where(ok, den, 1.0)[..., None], 0.0)
     omega = rho + np.where(ok, delta / (1 - np.where(ok, delta, 0.0)), 0.0)[..., None] + U
     e_w = omega * ratio
-    y = np.einsum("...ij,...jv->...iv", ratio, v)
-    e_y = (
-        np.einsum("...ij,...jv->...iv", e_w, np.abs(v))
-        + np.einsum("...ij,...jv->...iv", ratio, ev)
-        + _g(t_k + 2) * np.einsum("...ij,...jv->...iv", ratio, np.abs(v))
-    )
+    y, e_y = _dot_err(ratio, e_w, v, ev, "...ij,...jv->...iv")
     g, e_g = _cotangent_terms(v, ev, dy, edy, y, e_y, c)
     big_g = g * ratio
     e_big = e_g * ratio + np.abs(g) * (e_w + U * ratio)
@@ -383,12 +351,7 @@ def _kernel_favor(
     dq, dk = dqs / scale, dks / scale
     e_dq = err(-1, t_k, qs, eqs) / scale + 3 * U * np.abs(dq)
     e_dk = err(-2, t_q, ks, eks) / scale + 3 * U * np.abs(dk)
-    dv = np.einsum("...ij,...iv->...jv", ratio, dy)
-    e_dv = (
-        np.einsum("...ij,...iv->...jv", e_w, np.abs(dy))
-        + np.einsum("...ij,...iv->...jv", ratio, edy)
-        + _g(t_q + 2) * np.einsum("...ij,...iv->...jv", ratio, np.abs(dy))
-    )
+    dv, e_dv = _dot_err(ratio, e_w, dy, edy, "...ij,...iv->...jv")
     bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
     return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
 
@@ -436,8 +399,7 @@ def linear_attention_vjp_error_bound(
     dv: Any = 0.0,
     d_dy: Any = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` in float64
-    (either ``method``), first order in ``u`` (module docstring).
+    """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` (module docstring).
 
     Returns:
         :class:`attnref.oracle.LinearGrads` ``(q, k, v)`` of float64 bounds shaped as the inputs,
@@ -466,8 +428,8 @@ def _fold(a: np.ndarray, n_kv: int) -> np.ndarray:
 def _param_bounds(
     x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For ``h = x W + b`` with ``dh`` known to ``b`` (value ``g``, token-major): bounds on
-    ``(dW, db, dx)`` and the magnitude of ``dx`` (``sum_h |dh||W|^T``)."""
+    """Bounds on ``(dW, db, dx)`` of ``h = x W + b`` with ``dh = g`` known to ``b``, and ``|dx|``'s
+    magnitude."""
     n_pos = math.prod(x.shape[:-1])
     ax = np.abs(x)
     dw = np.einsum("...td,...the->hde", ax, b, optimize=True) + _g(n_pos + 2) * np.einsum(
@@ -489,8 +451,8 @@ def linear_multihead_vjp_error_bound(
     d_y: Any,
     residual: bool = False,
 ) -> Any:
-    """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` in float64 (either
-    ``method``), first order in ``u`` (module docstring, "Multi-head").
+    """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` (module docstring,
+    "Multi-head").
 
     Returns:
         :class:`attnref.oracle.LinearMultiheadGrads` of bounds: ``params`` a dict with one

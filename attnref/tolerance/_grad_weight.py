@@ -1,71 +1,45 @@
-"""Derived error bound for the weight-level gradient oracle (:func:`attnref.oracle.attention_vjp`
-and :func:`attnref.oracle.rope_attention_vjp`). NumPy only, float64.
+"""Derived error bound for the weight-level gradient oracle (:func:`attnref.oracle.attention_vjp`,
+:func:`attnref.oracle.rope_attention_vjp`). NumPy only, float64.
 
-The bound is first order in the unit round-off ``u`` of ``dtype`` (every operation in that
-format, the worst-case model ``gamma_n = n u / (1 - n u)``, Higham 2002, Lemma 3.1 and eq. 3.13),
-componentwise, for *one* computation of the gradients from exact inputs (already in the format).
-Two float64 computations (the oracle's ``"fast"`` and ``"definition"`` methods) therefore differ
-by at most twice the float64 bound.
+First order in ``dtype``'s ``u`` (every operation in that format, ``gamma_n = n u / (1 - n u)``,
+Higham 2002, Lemma 3.1 and eq. 3.13), componentwise, for *one* computation from exact inputs: the
+oracle's two float64 methods differ by at most twice the float64 bound.
 
-**Model.** Every intermediate ``X`` of the backward formulas (module docstring of
-:mod:`attnref.oracle._weight_grad`) carries a magnitude ``M_X >= |X|`` and an error bound
-``E_X >= |fl(X) - X|``. A stage ``C = sum_l a_l b_l`` over ``n`` leaves (a product or a sum, in
-any order and any grouping, each leaf one product) adds ``gamma_n`` of its magnitude, and its
-inexact inputs propagate linearly (first order)::
+**Model.** Every intermediate ``X`` of the backward (module docstring of
+:mod:`attnref.oracle._weight_grad`) carries a magnitude ``M_X >= |X|`` and an error ``E_X``. A
+stage ``C = sum_l a_l b_l`` over ``n`` leaves (any order and grouping) gives ``M_C = sum |a| M_b``,
+``E_C = sum (E_a M_b + M_a E_b) + gamma_{n + extra} M_C`` (``extra``: further roundings on a
+leaf's path). Magnitudes use homogeneous coordinates (``x~ = [x, 1]``, ``W~ = [W; b]``); ``P`` is
+the float64 softmax (its own error is second order).
 
-    M_C = sum |a| M_b ...,   E_C = sum (E_a M_b + M_a E_b) + gamma_{n + extra} M_C
+**Forward** (batch element, query head ``i``, key/value head ``g``):
 
-with ``extra`` the further roundings on a leaf's path (a scale multiply, a bias add). Magnitudes
-are the products of absolute values (``|x~||W~|``: homogeneous coordinates ``x~ = [x, 1]``,
-``W~ = [W; b]`` fold the biases in); ``P`` is the float64 softmax (its own error is second order
-in the magnitudes).
-
-**Forward stages** (per batch element and query head ``i``, reading key/value head ``g``):
-
-1. ``Q = x~_q W~_Q[i]``, ``K``, ``V`` likewise: ``d_model + 1`` leaves, ``E_Q = gamma_{d_model+1}
-   M_Q``. With RoPE, ``R`` turns each pair ``(a, b)``; ``|R v| <= J |v|`` (``J``: the sum over the
-   pair) and the computed rotation is off by ``(|a| + |b|) (e_p(m) + gamma_2)`` with ``e_p(m)``
-   the ``cos``/``sin`` error of :mod:`attnref.tolerance` (RoPE section), so
-   ``M_Qr = J M_Q``, ``E_Qr = J E_Q + (e(m) + gamma_2) M_Qr``.
-2. ``S = scale Q K^T + bias``: ``d_k`` leaves, the scale multiply and the bias add:
-   ``E_S = |scale| (E_Q M_K^T + M_Q E_K^T) + gamma_{d_k + 2} Ls + u |S - max S|``,
-   ``Ls = |scale| M_Q M_K^T + |bias|`` (the last term: the max subtraction).
-3. ``P``: logit errors ``<= E_row = max_j E_S`` move every weight by a factor in
-   ``[exp(-2 E_row), exp(2 E_row)]``; ``exp``, the row sum and the division add
-   ``gamma_{T_k + 2 + 2 C_EXP}`` (as in the forward bound): ``E_P = rho P``,
-   ``rho = exp(2 E_row) - 1 + gamma_{T_k + 2 + 2 C_EXP}``.
+1. ``Q = x~_q W~_Q[i]``, ``K``, ``V``: ``E = gamma_{d_model+1} M``. RoPE: ``M_Qr = J M_Q``,
+   ``E_Qr = J E_Q + (e(m) + gamma_2) M_Qr`` (``J`` the pair sum, ``e_p(m)`` the ``cos``/``sin``
+   error of :mod:`attnref.tolerance`).
+2. ``S = scale Q K^T + bias``: ``E_S = |scale| (E_Q M_K^T + M_Q E_K^T) + gamma_{d_k + 2} Ls + u |S
+   - max S|``, ``Ls = |scale| M_Q M_K^T + |bias|``.
+3. ``P``: ``E_P = rho P``, ``rho = exp(2 max_j E_S) - 1 + gamma_{T_k + 2 + 2 C_EXP}``.
 4. ``Z = P V``: ``E_Z = E_P M_V + P E_V + gamma_{T_k} P M_V``.
 
-**Backward stages** (``A = |dY|``; ``dY`` and the weights are exact inputs):
+**Backward** (``A = |dY|``; ``dY`` and the weights exact):
 
 5. ``dZ = dY W_O^T``: ``M = A |W_O|^T``, ``E = gamma_{d_model} M``.
-6. ``dP = dZ V^T``: ``M_dP = M_dZ M_V^T``, ``E_dP = E_dZ M_V^T + M_dZ E_V^T + gamma_{d_v} M_dP``.
-7. ``dS = P (dP - c)``, ``c = sum_j P dP``: ``M_dS = P (M_dP + sum_j P M_dP)`` and
-   ``E_dS = E_P (M_dP + sum_j P M_dP) + P (E_dP + sum_j (E_P M_dP + P E_dP))
-   + gamma_{T_k + C_SOFTMAX_VJP} M_dS``. The longest leaf path (through ``c``) has ``T_k - 1``
-   additions and at most ``C_SOFTMAX_VJP = 5`` further roundings: 3 in ``P (dP - c)`` (the
-   product in ``c``, the subtraction, the product by ``P``), 5 in reverse-mode autodiff of
-   ``e / sum e`` (``g e``, ``sum^-2`` (2), their product, the add to ``g / sum``, the product
-   by ``e``), which is what JAX computes for the concatenated form; the ratios ``e / sum e``
-   carry the same ``rho`` as ``P``.
-8. ``dbias = sum_i dS_i``, summed over the broadcast axes: ``n = H r`` leaves (``r`` copies).
-9. ``dQ = scale dS K``: ``E = |scale| (E_dS M_K + M_dS E_K) + gamma_{T_k + 1} M``; then ``R^T``
-   (RoPE) as in stage 1.
-10. ``dK_i = scale dS^T Q`` and ``dV_i = P^T dZ``, per query head: ``gamma_{G T_q + 1}`` and
-    ``gamma_{G T_q}`` (covering a flat sum over the ``G T_q`` queries of a key/value group, as a
-    grouped product computes it); then ``R^T`` for ``dK``.
-11. Outputs, each a flat sum over ``n`` leaves in any order (the group sums of shared key/value
-    heads may come before or after the projections, which only shortens the paths):
-    ``dW~_Q[i] = sum x~_q^T dQ_i`` (``n = B T_q``, ``B`` the batch size), ``dW~_K[g]`` and
-    ``dW~_V[g]`` (``n = B G T_k``), ``dW_O[i] = sum Z_i^T dY`` and ``db_O`` (``n = B T_q``),
-    ``dX_kv = sum_i dK_i W_K^T + dV_i W_V^T`` (``n = H (d_k + d_v)``), ``dX_q = sum_i dQ_i
-    W_Q^T`` (``n = H d_k``, plus 1 with the residual path and ``H (d_k + d_v)`` when ``x_kv``
-    is ``x_q``).
+6. ``dP = dZ V^T``: ``E_dP = E_dZ M_V^T + M_dZ E_V^T + gamma_{d_v} M_dP``.
+7. ``dS = P (dP - c)``, ``c = sum_j P dP``: ``M_dS = P (M_dP + sum_j P M_dP)``, ``E_dS = E_P (M_dP
+   + sum_j P M_dP) + P (E_dP + sum_j (E_P M_dP + P E_dP)) + gamma_{T_k + C_SOFTMAX_VJP} M_dS``:
+   ``T_k - 1`` additions through ``c`` plus at most 5 roundings (3 in ``P (dP - c)``; 5 in JAX's
+   reverse mode of ``e / sum e``, whose ratios carry ``P``'s ``rho``).
+8. ``dbias = sum_i dS_i`` over the broadcast axes: ``n = H r`` (``r`` copies).
+9. ``dQ = scale dS K``: ``gamma_{T_k + 1}``; then ``R^T`` as in stage 1.
+10. ``dK_i = scale dS^T Q``, ``dV_i = P^T dZ``: ``gamma_{G T_q + 1}``, ``gamma_{G T_q}`` (a flat sum
+    over a key/value group's queries); ``R^T`` for ``dK``.
+11. Outputs, flat sums in any order: ``dW~_Q`` (``n = B T_q``), ``dW~_K``, ``dW~_V`` (``n = B G
+    T_k``), ``dW_O``, ``db_O`` (``n = B T_q``), ``dX_kv`` (``n = H (d_k + d_v)``), ``dX_q`` (``n =
+    H d_k``, +1 with the residual, ``+ H (d_k + d_v)`` when ``x_kv`` is ``x_q``).
 
-This covers the oracle's two methods (the same stages; the fast path sums a block's heads in one
-product and groups key/value heads before projecting them, the definition after) and the float64
-reverse-mode gradient of :func:`attnref.concat_attention` (the same stages, with the softmax VJP
-of stage 7). ``inf`` entries where ``gamma_n`` is (``n u >= 1``).
+This covers both oracle methods and the float64 reverse-mode gradient of
+:func:`attnref.concat_attention`. ``inf`` where ``gamma_n`` is (``n u >= 1``).
 """
 
 from __future__ import annotations
@@ -280,11 +254,7 @@ def _bound(
 @signed(weight_call, grad_bound_options, front=("d_y",))
 def attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     """Componentwise bound on the rounding error of one computation of
-    :func:`attnref.oracle.attention_vjp` in ``dtype`` (every operation in its ``u``, the
-    worst-case model; module docstring, stages 1 to 11), from exact inputs.
-
-    Two float64 computations (``method="fast"`` and ``"definition"``, or the float64 autodiff
-    gradient of :func:`attnref.concat_attention`) differ by at most twice the float64 bound.
+    :func:`attnref.oracle.attention_vjp` in ``dtype`` from exact inputs (module docstring).
 
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape

@@ -1,60 +1,39 @@
-"""The bound of attention computed in pieces whose states are merged:
-:func:`pieces_error_bound` for split-KV decoding, ring / striped / zigzag attention, or any scheme
-that computes the state ``(o, lse)`` of each piece of the keys and merges the states. NumPy only,
+"""The bound of attention computed in pieces whose states are merged (:func:`pieces_error_bound`:
+split-KV, ring / striped / zigzag, any scheme merging per-piece states ``(o, lse)``). NumPy only,
 float64.
 
 **Why the kernel bound is not enough.** :func:`attnref.tolerance.kernel_call_error_bound` with
-``key_blocks=P`` models an online softmax over ``P`` key blocks: a running max ``m`` kept exactly
-and a running sum rescaled by ``exp(m - m')`` once per block, so its ``P``-dependent term does not
-depend on ``|lse|``. A merge of states stores each piece's ``lse_p = m_p + log l_p`` (rounded:
-off by ``u |lse_p|``) and each partial merge's ``lse`` (off by ``u |lse|`` again), and every
-such error is a shift of the weights of everything merged below it. After a chain of depth
-``D`` the weights are off by about ``D u Lmax`` in log terms (``Lmax`` the largest ``|lse|``):
-with ``|lse| ~ 1e4`` in float32 that is ``D x 6e-4``, far beyond the kernel bound.
+``key_blocks=P`` keeps the running max exact, so its ``P`` term does not depend on ``|lse|``; a
+merge stores every piece's and partial merge's ``lse`` (off by ``u |lse|`` each), a shift of the
+weights below it: ``~ D u Lmax`` after depth ``D`` (``D x 6e-4`` at ``|lse| ~ 1e4`` in float32).
 
-**The composition** (derivation of each factor: :func:`kernel_call_error_bound` and
-:func:`attnref.tolerance.merge_error_bound`, ``docs/states.md``). Pieces ``p = 1..P`` hold
-disjoint key sets ``A_p``; piece ``p`` is the call restricted to ``A_p`` (the whole call's allowed
-pairs on those columns), computed by a kernel whose states are stored in ``state_dtype``:
+**The composition** (factors: :func:`kernel_call_error_bound`, :func:`merge_error_bound`,
+``docs/states.md``). Pieces hold disjoint key sets ``A_p``; piece ``p`` is the call restricted
+to ``A_p``, its states stored in ``state_dtype``:
 
-1. Each piece's state is within ``(e_p, lambda_p)`` of its exact state, ``e_p, lambda_p`` the
-   kernel bound of the piece's call (``key_blocks`` blocks per piece; 16-bit states add the
-   cast of ``o_p``, a 16-bit ``lse_p`` its cast ``u_16 (|lse_p| + lambda_p)``). A row with no
-   key in ``A_p`` has the empty state, which the merge ignores.
-2. The merge of the exact pieces' states is the state of the whole call (the state algebra), so
-   :func:`merge_error_bound` with ``o_error = e_p`` and ``lse_error = lambda_p`` bounds the
-   distance of the merged result from the exact whole-call state, for a binary tree of depth
-   ``D`` (``"sequential"``: ``P - 1``, every order and grouping; ``"balanced"``:
-   ``ceil(log2 P)``; an int: the depth used) or one stacked merge (``"stack"``).
-3. The whole call's float64 oracle error (its kernel bound in float64, which counts it twice)
-   is added, so the result bounds ``|merged - oracle.dot_product_attention(all keys)|``.
-4. Rows with no allowed key at all: the merge is exact (``o = 0`` or NaN, ``lse = -inf``);
-   under ``masked_rows="uniform"`` the scheme fills them with the mean of ``v``, whose bound is
-   the whole call's kernel bound there.
-5. A 16-bit ``dtype`` with states in a wider format (attnref's schemes: float32 states) rounds
-   the merged output once: ``+ u_16 (|o| + bound)``.
+1. Each piece's state is within ``(e_p, lambda_p)``, its kernel bound (``key_blocks`` per piece;
+   16-bit states add the cast of ``o_p``, a 16-bit ``lse_p`` ``u_16 (|lse_p| + lambda_p)``). A row
+   with no key in ``A_p`` has the empty state.
+2. The exact pieces' states merge to the whole call's state, so :func:`merge_error_bound` with
+   ``o_error = e_p``, ``lse_error = lambda_p`` bounds the distance from it for ``tree``.
+3. The whole call's float64 kernel bound (counting the oracle twice) is added.
+4. Rows with no allowed key merge exactly; under ``masked_rows="uniform"`` they get the whole
+   call's kernel bound.
+5. A 16-bit ``dtype`` with wider states rounds the merged output once: ``+ u_16 (|o| + bound)``.
 
-**Unknown pieces** (``pieces=None``: the conformance kit's allowance for a user's distributed
-kernel, which may split the keys and merge the states in any way). Every partition into at most
-``S`` pieces, each computed by a kernel with any tiling, merged by a binary tree of depth at most
-``D = depth(tree, S)``, is covered by the merge bound of the one-key states ``(v_j, s_ij)``
-(every key its own piece) with errors that dominate every piece's:
+**Unknown pieces** (``pieces=None``: any partition into at most ``S`` pieces, any tiling, any
+tree of depth ``<= depth(tree, S)``) are covered by the merge bound of the one-key states ``(v_j,
+s_ij)`` with errors dominating every piece's:
 
-* ``o_error_j = c_i |v_j|`` with ``c_i = K_i / sum_j p_ij |v_j|``, ``K_i`` the whole call's
-  kernel bound (``key_blocks=None``: ``rho_i + gamma_S``, which no piece's ``rho + gamma_{S_p}``
-  exceeds since a piece's logits, spread and key count are at most the whole call's). Then
-  ``sum_p pi_p e_p <= sum_j p_ij c_i |v_j|`` (``pi_p p^(p)_j = p_ij``) and ``max_p e_p <=
-  max_j c_i |v_j|``: the merge bound's carried term is at least every partition's.
-* ``lse_error = K^lse_i + sum_u u ((C_EXP + 1) ln S + max_j |s_ij| + ln S)``: a piece's
-  ``|log l_p| <= ln S`` and ``|lse_p| <= max_j |s_ij| + ln S``, so every ``lambda_p`` is below it.
-* The states' statistics dominate every partition's: ``V = max_j |v_j|`` and the range ``R`` of
-  the ``v_j`` bound those of the convex combinations ``o_p``; ``max_j |s_ij| + ln S`` bounds
-  ``|lse|`` of every partial merge of every partition (the lse of a key subset); ``D`` is at
-  least the depth of any tree of that kind over ``P <= S`` pieces; every term of the merge bound
-  is non-decreasing in each of them.
+* ``o_error_j = c_i |v_j|``, ``c_i = K_i / sum_j p_ij |v_j|`` (``K_i`` the whole call's kernel
+  bound with ``key_blocks=None``, which no piece's exceeds): then ``sum_p pi_p e_p <= sum_j p_ij
+  c_i |v_j|`` and ``max_p e_p <= max_j c_i |v_j|``.
+* ``lse_error = K^lse_i + sum_u u ((C_EXP + 1) ln S + max_j |s_ij| + ln S)`` (a piece's ``|log
+  l_p| <= ln S``, ``|lse_p| <= max_j |s_ij| + ln S``).
+* ``V``, ``R`` of the ``v_j`` and ``max_j |s_ij| + ln S`` dominate every partition's statistics,
+  and the merge bound is non-decreasing in each.
 
-Memory: the allowed set ``[B, N, T, S]``, and ``P`` (``S`` with ``pieces=None``) states of
-``[B, T, N, H_v]``: a bound for test-sized calls.
+Memory: the allowed set ``[B, N, T, S]`` and ``P`` (or ``S``) states ``[B, T, N, H_v]``.
 """
 
 from __future__ import annotations
@@ -121,8 +100,7 @@ def _piece_states(
     lse_fmt: np.dtype[Any],
     key_blocks: int | None,
 ) -> tuple[np.ndarray, ...]:
-    """Step 1: per piece, the oracle's state of the call restricted to the piece's keys and its
-    kernel bound in the states' format, stacked on axis 0 (an empty piece: the empty state)."""
+    """Step 1: per piece (axis 0), the oracle's state of the restricted call and its bound."""
     b_size, n_heads, t, _ = c.shape
     h_v = c.v.shape[-1]
     bias = None if c.bias is None else np.where(allowed, c.bias, 0.0)  # masked: never read
@@ -157,8 +135,7 @@ def _key_states(
     state_fmt: np.dtype[Any],
     lse_fmt: np.dtype[Any],
 ) -> tuple[np.ndarray, ...]:
-    """Unknown pieces (module docstring): the one-key states ``(v_j, s_ij)`` stacked on axis 0
-    and errors that dominate those of every piece of every partition."""
+    """Unknown pieces (module docstring): the one-key states and their dominating errors."""
     b_size, n_heads, t, s = c.shape
     k_out, k_lse = kernel_call_error_bound(**call, dtype=work, key_blocks=None)
     absolute = {"query": c.q, "key": c.k, "value": np.abs(c.v), "masked_rows": "zeros"}
@@ -193,9 +170,8 @@ def _key_states(
     "into at most ``S`` pieces, each with any tiling: the worst case, module docstring).",
     num_pieces="With an array of ids, the number of states merged (default ``max id + 1``; more "
     "when pieces of padding alone are merged too).",
-    tree='``"sequential"`` (default: depth ``P - 1``, valid for every binary order and grouping, '
-    'a ring), ``"balanced"`` (``ceil(log2 P)``), ``"stack"`` (one stacked merge, split-KV) or an '
-    "int, the depth of the binary tree used.",
+    tree='``"sequential"`` (default: depth ``P - 1``, every binary order, a ring), ``"balanced"``, '
+    '``"stack"`` (split-KV) or an int depth (:func:`attnref.tolerance.merge_depth`).',
     dtype="The format of the inputs and the output; ``None`` (default) is ``query``'s.",
     state_dtype="The format the pieces' ``o`` are stored and merged in; ``None`` (default): the "
     "compute format (float32 for 16-bit inputs, as attnref's schemes), the output then rounded "
@@ -220,14 +196,8 @@ def pieces_error_bound(
     key_blocks: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` of attention
-    computed in pieces: each piece of the keys by a kernel (its own
-    :func:`kernel_call_error_bound`), the pieces' states ``(o_p, lse_p)`` merged by ``tree``
-    (:func:`merge_error_bound`), against the float64 oracle of the whole call
-    (:func:`attnref.oracle.dot_product_attention`). Derivation: module docstring.
-
-    Unlike the kernel bound with ``key_blocks=P`` (an online softmax, whose running max is exact
-    and which never stores a partial ``lse``), this counts the rounding of every stored partial
-    ``lse``, ``u |lse|`` per merge level, which dominates at large logits.
+    computed in pieces (each by a kernel, the states merged by ``tree``) against the float64
+    oracle of the whole call. Derivation: module docstring.
 
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64, non-negative.
