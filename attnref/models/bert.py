@@ -9,12 +9,9 @@ The forward pass of Hugging Face's ``BertModel`` (Devlin et al. 2019) for infere
 * sentence embedding (sentence-transformers' ``Pooling(mean)`` then ``Normalize``): the mean of
   the last hidden states over the non-padding tokens, divided by its Euclidean norm.
 
-LayerNorm is ``(x - mean) / sqrt(var + eps) * gamma + beta`` with the biased variance. The six
-(or ``L``) layers are stacked along a leading axis and run by ``jax.lax.scan``, so one compiled
-layer serves all of them. Weights are a pytree (:class:`BertWeights`); the configuration is
-static (:class:`BertConfig`).
-
-Only NumPy and JAX are needed here; reading files is in :mod:`attnref.models.minilm`.
+LayerNorm is ``(x - mean) / sqrt(var + eps) * gamma + beta`` with the biased variance. The
+``L`` layers are stacked on a leading axis and run by ``jax.lax.scan`` (one compiled layer).
+NumPy and JAX only; reading files is in :mod:`attnref.models.minilm`.
 """
 
 from __future__ import annotations
@@ -51,12 +48,11 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-    """Static sizes of a BERT encoder (Hugging Face ``config.json`` names in comments).
-
-    Hashable, so it can key :func:`make_encoder`'s cache and be a static ``jax.jit`` argument.
+    """Static sizes of a BERT encoder, hashable (a :func:`make_encoder` cache key and a static
+    ``jax.jit`` argument).
 
     Attributes:
-        num_layers: The number of layers ``L`` (``num_hidden_layers``).
+        num_layers: The number of layers ``L`` (Hugging Face ``num_hidden_layers``).
         num_heads: Attention heads per layer (``num_attention_heads``).
         d_model: The hidden size (``hidden_size``).
         d_ff: The feed-forward width (``intermediate_size``).
@@ -65,12 +61,12 @@ class BertConfig:
         layer_norm_eps: LayerNorm's epsilon (default ``1e-12``).
     """
 
-    num_layers: int  # num_hidden_layers
-    num_heads: int  # num_attention_heads
-    d_model: int  # hidden_size
-    d_ff: int  # intermediate_size
+    num_layers: int
+    num_heads: int
+    d_model: int
+    d_ff: int
     vocab_size: int
-    max_positions: int  # max_position_embeddings
+    max_positions: int
     layer_norm_eps: float = 1e-12
 
     @classmethod
@@ -93,18 +89,16 @@ class BertConfig:
         )
 
 
-# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
-# a pytree with any leaves (tree_map results, vmap axes, placeholders).
+# @no_type_check (here and on BertWeights): no runtime check of the fields (the suite's jaxtyping
+# hook), since JAX rebuilds a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 @no_type_check
 class BertLayers:
-    """Every layer's weights stacked on a leading ``[L, ...]`` axis (row convention:
-    ``w_1 [L, d_model, d_ff]``, ``w_2 [L, d_ff, d_model]``); ``attention`` is an
-    :class:`~attnref.AttentionParams` whose leaves have the extra leading axis.
+    """Every layer's weights stacked on a leading ``[L, ...]`` axis (row convention).
 
     Attributes:
-        attention: Stacked attention weights (``w_q [L, H, d_model, d_k]``, ...).
+        attention: Stacked :class:`~attnref.AttentionParams` (``w_q [L, H, d_model, d_k]``, ...).
         ln1_gamma: Post-attention LayerNorm scale ``[L, d_model]``.
         ln1_beta: Post-attention LayerNorm shift ``[L, d_model]``.
         w_1: Feed-forward input weights ``[L, d_model, d_ff]``.
@@ -126,8 +120,6 @@ class BertLayers:
     ln2_beta: ArrayLike
 
 
-# @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
-# a pytree with any leaves (tree_map results, vmap axes, placeholders).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 @no_type_check
@@ -143,9 +135,9 @@ class BertWeights:
         layers: The stacked layers (:class:`BertLayers`).
     """
 
-    word: ArrayLike  # [vocab, d_model]
-    position: ArrayLike  # [max_positions, d_model]
-    token_type: ArrayLike  # [types, d_model]
+    word: ArrayLike
+    position: ArrayLike
+    token_type: ArrayLike
     ln_gamma: ArrayLike
     ln_beta: ArrayLike
     layers: BertLayers
@@ -165,12 +157,10 @@ def bert_from_state_dict(
     state_dict: Mapping[str, Any], config: BertConfig, *, prefix: str = ""
 ) -> BertWeights:
     """A Hugging Face ``BertModel`` state dict (``nn.Linear`` ``(out, in)`` layout) as
-    :class:`BertWeights`. ``prefix`` is e.g. ``"bert."`` for checkpoints of task heads.
-
-    Attention weights are read by :func:`attnref.interop.from_hf_bert` (query/key/value/dense with
-    biases), one :class:`~attnref.AttentionParams` per layer, then stacked; NumPy arrays in the
-    stored dtype. ``KeyError`` for a missing weight, ``ValueError`` for an attention projection
-    that does not split into ``num_heads`` heads.
+    :class:`BertWeights`, NumPy arrays in the stored dtype; ``prefix`` is e.g. ``"bert."`` for
+    checkpoints of task heads. Attention is read per layer by
+    :func:`attnref.interop.from_hf_bert`, then stacked. ``KeyError`` for a missing weight,
+    ``ValueError`` for a projection that does not split into ``num_heads`` heads.
     """
 
     def g(key: str) -> np.ndarray:
@@ -211,11 +201,9 @@ def layer_attention(weights: BertWeights) -> list[AttentionParams]:
 
 
 def with_attention(weights: BertWeights, attention: Sequence[AttentionParams]) -> BertWeights:
-    """``weights`` with every layer's attention block replaced (e.g. by refactored params).
-
-    ``attention`` holds one :class:`~attnref.AttentionParams` per layer, in layer order, all of
-    one structure (shapes and which biases are present; else ``ValueError`` while stacking). The
-    other weights are shared; the attention is stacked as NumPy.
+    """``weights`` with every layer's attention block replaced (e.g. by refactored params):
+    one :class:`~attnref.AttentionParams` per layer, in order, all of one structure (else
+    ``ValueError`` while stacking), stacked as NumPy; the other weights are shared.
     """
     stacked = jax.tree_util.tree_map(lambda *a: np.stack([np.asarray(x) for x in a]), *attention)
     return dataclasses.replace(
@@ -242,12 +230,9 @@ def bert_hidden_states(
     formulation: str = "concat",
     all_layers: bool = False,
 ) -> Float[Array, "B T d_model"] | Float[Array, "L1 B T d_model"]:
-    """Last hidden states ``[B, T, d_model]`` with the attention block of ``formulation`` (a
-    softmax registry id). Padding keys (``attention_mask == 0``) are masked out for every
-    query; padding positions still get (unused) hidden states.
-
-    ``all_layers=True`` returns ``[L + 1, B, T, d_model]``: entry ``l`` is the input of layer
-    ``l`` (entry 0 the embeddings), entry ``L`` the output of the last layer.
+    """Last hidden states with the attention block of ``formulation``; padding keys
+    (``attention_mask == 0``) are masked out for every query (padding positions still get
+    unused hidden states).
 
     Args:
         weights: The model's :class:`BertWeights`.
@@ -258,8 +243,8 @@ def bert_hidden_states(
         all_layers: If ``True``, return every layer's input and the final output.
 
     Returns:
-        ``[B, T, d_model]``, or ``[L + 1, B, T, d_model]`` with ``all_layers``, in the weights'
-        dtype.
+        ``[B, T, d_model]``, or with ``all_layers`` ``[L + 1, B, T, d_model]`` (entry ``l`` the
+        input of layer ``l``, entry ``L`` the last output), in the weights' dtype.
 
     Raises:
         KeyError: If ``formulation`` is not registered.
@@ -322,13 +307,10 @@ def sentence_embeddings(
 def make_encoder(
     config: BertConfig, formulation: str = "concat", *, normalize: bool = True
 ) -> Callable[[BertWeights, ArrayLike, ArrayLike], Array]:
-    """``jax.jit``-compiled ``encode(weights, input_ids, attention_mask) -> [B, d_model]``.
-
-    Weights are an argument (not baked in), so one compilation serves any weights of the same
-    shapes; float64 weights run in float64 whatever the global x64 flag. Cached per
-    ``(config, formulation, normalize)``, so repeated calls reuse the compiled code. ``encode``
-    is :func:`sentence_embeddings` with these arguments; an unregistered ``formulation`` raises
-    ``KeyError`` here, before compiling.
+    """``jax.jit``-compiled ``encode(weights, input_ids, attention_mask) -> [B, d_model]``,
+    :func:`sentence_embeddings` with these arguments (weights are an argument, so one compile
+    serves any weights of these shapes; float64 weights run in float64 whatever the x64 flag).
+    Cached per arguments; an unregistered ``formulation`` raises ``KeyError`` before compiling.
     """
     get(formulation)  # fail early on an unknown id
     fn = jax.jit(

@@ -65,12 +65,8 @@ def minilm_dir() -> Path:
 
 
 class MiniLM:
-    """The loaded model: :class:`BertConfig`, :class:`BertWeights` and the tokenizer.
-
-    ``embed(sentences, formulation=...)`` tokenises, pads to a multiple of ``pad_multiple``
-    (so batches of similar length share a compilation) and returns unit-norm sentence
-    embeddings ``[N, 384]`` as NumPy. Compiled encoders are cached per formulation.
-    Build one with :func:`load_minilm`.
+    """The loaded model (build one with :func:`load_minilm`): :class:`BertConfig`,
+    :class:`BertWeights` and the tokenizer; compiled encoders are cached per formulation.
 
     Attributes:
         config: The model's sizes (:class:`BertConfig`).
@@ -87,11 +83,10 @@ class MiniLM:
     def tokenize(
         self, sentences: Sequence[str], *, pad_multiple: int = 8
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids [N, T], attention_mask [N, T])`` as int32, right-padded with ``[PAD]``
-        (id 0) to the longest sentence rounded up to ``pad_multiple``; sentences longer than
-        256 tokens are truncated (sentence-transformers' ``max_seq_length``). ``sentences`` is a
-        sequence of ``N`` strings (``TypeError`` for a single string).
-        """
+        """``(input_ids [N, T], attention_mask [N, T])`` as int32 for ``N`` strings (``TypeError``
+        for one string), right-padded with ``[PAD]`` (id 0) to the longest rounded up to
+        ``pad_multiple`` (so batches of similar length share a compilation), truncated to 256
+        tokens (sentence-transformers' ``max_seq_length``)."""
         if isinstance(sentences, str):
             raise TypeError("pass a sequence of sentences, not one string")
         enc = self.tokenizer.encode_batch(list(sentences))

@@ -24,11 +24,9 @@ paper), and anything between the layers (LayerNorm, an MLP) is ignored: the scor
 much the two heads' subspaces overlap, not a causal effect. Random matrices do not score 0;
 compare with :func:`composition_baseline`.
 
-**Alignment** (:func:`top_aligned`): the ``k`` rows of an embedding table (vocabulary or
-positions) with the largest cosine similarity or dot product with given model-space directions,
-e.g. a pattern ``p = x W_P[i]`` (which key tokens a query looks for) or a message
-``m = x W_M[i]`` (what a token would write), as the seeds propose ("Reframing Attention",
-2025-02-18).
+**Alignment** (:func:`top_aligned`): the embedding rows (vocabulary or positions) most aligned
+with model-space directions such as patterns or messages, as the seeds propose ("Reframing
+Attention", 2025-02-18).
 """
 
 from __future__ import annotations
@@ -93,19 +91,16 @@ def composition_scores(
     g_v1, oo1 = _gram(v1), _ein("hvd,hwd->hvw", o1, o1)
     norm_m1 = jnp.sqrt(jnp.einsum("hab,hba->h", g_v1, oo1))  # ||W_M1||_F
     if kind == "q":  # ||W_V1 (W_O1 W_Q2) W_K2^T||
-        c = _ein("hvd,gdk->hgvk", o1, q2)
-        num = _sq_norm(g_v1[:, None], c, _gram(k2)[None])
-        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(q2), _gram(k2)))
+        num = _sq_norm(g_v1[:, None], _ein("hvd,gdk->hgvk", o1, q2), _gram(k2)[None])
     elif kind == "k":  # ||W_Q2 (W_K2^T W_O1^T) W_V1^T||
-        c = _ein("gdk,hvd->hgkv", k2, o1)
-        num = _sq_norm(_gram(q2)[None], c, g_v1[:, None])
-        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(q2), _gram(k2)))
+        num = _sq_norm(_gram(q2)[None], _ein("gdk,hvd->hgkv", k2, o1), g_v1[:, None])
     elif kind == "v":  # ||W_V1 (W_O1 W_V2) W_O2||
-        c = _ein("hvd,gdw->hgvw", o1, v2)
-        num = _sq_norm(g_v1[:, None], c, _ein("gwd,gxd->gwx", o2, o2)[None])
-        norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", _gram(v2), _ein("gwd,gxd->gwx", o2, o2)))
+        oo2 = _ein("gwd,gxd->gwx", o2, o2)
+        num = _sq_norm(g_v1[:, None], _ein("hvd,gdw->hgvw", o1, v2), oo2[None])
     else:
         raise ValueError(f"unknown composition kind {kind!r}; expected 'q', 'k' or 'v'")
+    pair = (_gram(v2), oo2) if kind == "v" else (_gram(q2), _gram(k2))
+    norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", *pair))  # ||W_P2||_F or ||W_M2||_F
     denom = norm_m1[:, None] * norm_2[None, :]
     num = jnp.sqrt(jnp.maximum(num, 0.0))
     return jnp.where(denom > 0, num / jnp.where(denom > 0, denom, 1.0), 0.0)

@@ -13,11 +13,9 @@ Row convention (``docs/conventions.md``). For query head ``i`` with key/value he
   output);
 * the **residual update** ``x_q + sum_i o_i + b_O`` (the residual stream after the block).
 
-Everything is a pure JAX function of static shapes, so :func:`attention_probes` runs under
-``jax.jit``. The per-quantity functions :func:`attnref.interp.patterns`,
-:func:`attnref.interp.messages`,
-:func:`attnref.head_outputs` and :func:`attnref.attention_weights` already exist; this module
-adds the logits, the residual update and one call that returns every probe at once.
+Everything is a pure JAX function of static shapes (:func:`attention_probes` runs under
+``jax.jit``); :func:`attnref.interp.patterns`, :func:`attnref.interp.messages`,
+:func:`attnref.head_outputs` and :func:`attnref.attention_weights` give single quantities.
 
 Seeds: "The Hidden Messages of Multi-Head Attention" (2025-02-17) names the per-head outputs and
 messages; "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18) the patterns and

@@ -9,33 +9,12 @@ Row convention. Query head ``i`` (key/value head ``g = i // G``) has the pattern
 ``d x d``); then ``W = (Q_A U) S (Q_B V)^T`` is an SVD of ``W``. Cost ``O((m + n) d^2 + d^3)``; no
 ``m x n`` matrix is ever formed.
 
-**Biases (exact rules).** The block's function depends on the biases only through
-
-* ``b_Q``: the logit of query ``x`` and key ``y`` is
-  ``(x W_Q + b_Q)(y W_K + b_K)^T = x~ W~_Q W_K^T y^T + (terms without y)`` with homogeneous
-  coordinates ``x~ = [x, 1]``, ``W~_Q = [W_Q; b_Q]`` (``(d_model + 1) x d_k``). Terms without
-  ``y`` are constant along a softmax row and cancel, so **b_K drops out** and the function
-  depends on the augmented pattern matrix ``W~_P = W~_Q W_K^T`` (``(d_model + 1) x d_model``;
-  its first ``d_model`` rows are ``W_P``, its last row ``b_Q W_K^T``);
-* ``b_V``: messages are ``y W_M + b_V W_O``. Either **fold** it (default): the scores of a row
-  sum to 1, so ``sum_j A_ij b_V W_O = b_V W_O`` and ``b_O' = b_O + sum_i b_V[g] W_O[i]`` is exact
-  for every query row with at least one allowed key (a fully masked row outputs ``b_O`` by
-  attnref's convention; after folding it outputs ``b_O'``); or keep it **homogeneous**: the
-  augmented message matrix ``W~_M = [W_V; b_V] W_O`` is refactored and ``b_V'`` is the last row
-  of the new ``W~_V'``, exact for every row, fully masked ones included.
-
-**Refactoring** (:func:`refactor`) replaces, per query head, ``W~_P`` and ``W_M`` (or ``W~_M``) by
-their best rank-``r`` approximations in Frobenius (and spectral) norm (Eckart and Young 1936):
-keep the top ``r`` singular triplets, ``W_r = U_r S_r V_r^T``, and split ``S_r`` between the two
-factors by the ``gauge``: ``"sqrt"`` (balanced, default) ``U_r S_r^(1/2)`` and ``V_r S_r^(1/2)``;
-``"left"`` ``U_r S_r`` and ``V_r``; ``"right"`` ``U_r`` and ``V_r S_r``. Any split gives the same
-products, hence the same function. The result is standard-form :class:`AttentionParams` with
-``d_k' = rank_qk`` and ``d_v' = rank_vo``. Because the default scale is ``1/sqrt(d_k)``, the new
-query factor is multiplied by ``sqrt(rank_qk / d_k)`` (``rescale=True``) so that a call with the
-default scale ``1/sqrt(d_k')`` computes the approximated logits.
-
-Grouped-query parameters are refactored per query head (each query head has its own ``W_P`` and
-``W_M``), so the result is multi-head (``K' = H``).
+**Biases (exact rules).** ``(x W_Q + b_Q)(y W_K + b_K)^T = [x, 1] [W_Q; b_Q] W_K^T y^T`` plus
+terms without ``y``, constant along a softmax row: ``b_K`` drops out and the function depends on
+the augmented ``W~_P = [W_Q; b_Q] W_K^T`` (``(d_model + 1) x d_model``). Messages are
+``y W_M + b_V W_O``: scores sum to 1, so folding ``b_O' = b_O + sum_i b_V[g] W_O[i]`` is exact
+on every row with an allowed key (a fully masked row then outputs ``b_O'``, not ``b_O``); the
+augmented ``W~_M = [W_V; b_V] W_O`` is exact on every row.
 
 Seed: "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18), which proposes
 fusing ``W_Q W_K^T`` and ``W_V W_O`` and factoring them again by SVD.
@@ -76,15 +55,13 @@ ValueBias = Literal["fold", "homogeneous"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FactoredSVD:
-    """Thin SVD ``W[h] = left[h] diag(s[h]) right[h]^T`` per head, singular values descending.
-
-    ``left [H, m, k]`` and ``right [H, n, k]`` have orthonormal columns, ``s [H, k]`` with
-    ``k = min(d, m, n)`` for factors of inner width ``d``.
+    """Thin SVD ``W[h] = left[h] diag(s[h]) right[h]^T`` per head, ``k = min(d, m, n)`` for
+    factors of inner width ``d``.
 
     Attributes:
-        left: Left singular vectors ``U`` per head, ``[H, m, k]``.
+        left: Left singular vectors ``U`` per head, ``[H, m, k]``, orthonormal columns.
         s: Singular values per head, ``[H, k]``, descending.
-        right: Right singular vectors ``V`` per head, ``[H, n, k]``.
+        right: Right singular vectors ``V`` per head, ``[H, n, k]``, orthonormal columns.
     """
 
     left: Any
@@ -113,14 +90,12 @@ def _resolve_dtype(dtype: Any) -> Any:
 def factored_svd(
     a: Float[ArrayLike, "H m d"], b: Float[ArrayLike, "H n d"], *, dtype: Any = None
 ) -> FactoredSVD:
-    """SVD of ``a[h] @ b[h]^T`` per head from the thin factors (QR of each, SVD of the core).
+    """SVD of ``a[h] @ b[h]^T`` per head from the thin factors ``a [H, m, d]``, ``b [H, n, d]``.
 
-    ``dtype=None`` computes in the inputs' dtype (float32 for 16-bit or non-float inputs),
-    ``np.float32`` or ``np.float64`` in that format. Concrete inputs are computed with NumPy's
-    LAPACK (single or double precision) and give NumPy arrays; under ``jax.jit`` (traced inputs)
-    the same steps run in ``jax.numpy`` (enable x64 yourself for float64 there, as for any
-    jitted JAX code). ``ValueError`` if the factors are not ``[H, m, d]`` and ``[H, n, d]`` with
-    one ``H`` and ``d``, or ``dtype`` is not one of those three.
+    ``dtype``: ``None`` (the inputs'; float32 for 16-bit or non-float inputs), ``np.float32`` or
+    ``np.float64``. Concrete inputs go through NumPy's LAPACK and give NumPy arrays; traced ones
+    (under ``jax.jit``; enable x64 yourself for float64) take the same steps in ``jax.numpy``.
+    ``ValueError`` for factors without one ``H`` and ``d``, or another ``dtype``.
     """
     if np.ndim(a) != 3 or np.ndim(b) != 3 or np.shape(a)[::2] != np.shape(b)[::2]:
         raise ValueError(
@@ -142,12 +117,8 @@ def factored_svd(
 
 
 def _single_threaded_blas() -> Any:
-    """Run NumPy's LAPACK on one thread when ``threadpoolctl`` is installed.
-
-    These are small problems (``d_model x d_k``), and a multithreaded OpenBLAS on a busy machine
-    (pytest-xdist workers, XLA's thread pool) can spend seconds spin-waiting on one QR; on one
-    thread it takes milliseconds.
-    """
+    """NumPy's LAPACK on one thread (if ``threadpoolctl`` is installed): on a busy machine a
+    multithreaded OpenBLAS can spin for seconds on one small QR."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - optional
@@ -156,8 +127,7 @@ def _single_threaded_blas() -> Any:
 
 
 def _augment(w: Any, b: Any) -> Any:
-    """``[W; b]`` per head, ``[H, d_model + 1, d]`` (:func:`homogeneous_weights`); ``W`` itself
-    when ``b`` is ``None``. NumPy arrays unless traced."""
+    """``[W; b]`` per head (:func:`homogeneous_weights`), ``W`` if ``b`` is ``None``."""
     if b is None:
         return (jnp if is_traced(w) else np).asarray(w)
     return homogeneous_weights(w, b, xp=jnp if is_traced(w, b) else np)
@@ -180,11 +150,9 @@ def _vo_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
 def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = None) -> FactoredSVD:
     """SVD of the pattern matrices ``W_P[i] = W_Q[i] W_K[i // G]^T`` from the factors.
 
-    ``bias=True`` gives the augmented ``W~_P[i] = [W_Q[i]; b_Q[i]] W_K^T`` (``d_model + 1`` rows,
-    the matrix the block's function depends on; ``b_K`` drops out). ``s [H, min(d_k, d_model)]``,
-    descending; ``left [H, d_model(+1), k]``, ``right [H, d_model, k]``. Grouped heads are
-    repeated per query head; without ``b_Q``, ``bias`` is ignored. ``dtype`` (the compute
-    dtype) and the errors are those of :func:`factored_svd`, and of a malformed ``params``.
+    ``bias=True`` (ignored without ``b_Q``): of the augmented ``W~_P[i] = [W_Q[i]; b_Q[i]] W_K^T``.
+    ``s [H, min(d_k, d_model)]`` descending, ``left [H, d_model(+1), k]``, ``right [H, d_model,
+    k]``; grouped heads repeated per query head. ``dtype`` and errors as :func:`factored_svd`.
     """
     check_params(params)
     return factored_svd(*_qk_factors(params, bias and params.b_q is not None), dtype=dtype)
@@ -233,8 +201,7 @@ def effective_rank(
         cum = jnp.cumsum(e, axis=-1)
         total = cum[..., -1:]
         # The tolerance keeps threshold=1 from failing on the rounding of the cumulative sum.
-        k = e.shape[-1]
-        slack = k * jnp.finfo(e.dtype).eps * total
+        slack = e.shape[-1] * jnp.finfo(e.dtype).eps * total
         reached = cum >= threshold * total - slack
         return jnp.where(total[..., 0] > 0, jnp.argmax(reached, axis=-1) + 1, 0).astype(s.dtype)
     raise ValueError(f"unknown method {method!r}; expected 'entropy' or 'energy'")
@@ -308,9 +275,7 @@ def _split(svd: FactoredSVD, rank: int, gauge: str) -> tuple[Any, Any]:
         return u * root, v * root
     if gauge == "left":
         return u * s[..., None, :], v
-    if gauge == "right":
-        return u, v * s[..., None, :]
-    raise ValueError(f"unknown gauge {gauge!r}; expected 'sqrt', 'left' or 'right'")
+    return u, v * s[..., None, :]  # "right" (refactor checks the gauge)
 
 
 def _check_rank(name: str, rank: int | None, width: int, d_model: int) -> None:
@@ -336,38 +301,29 @@ def refactor(
     rescale: bool = True,
     dtype: Any = None,
 ) -> Refactored:
-    """Fuse-and-refactor: best rank-``r`` approximations of the merged matrices, as factors.
+    """Fuse-and-refactor: per query head, the best rank-``r`` approximations (Eckart-Young) of
+    the merged matrices, as standard-form factors; grouped-query parameters become multi-head.
 
-    Per query head ``i``:
-
-    * ``rank_qk = r``: ``[W_Q'; b_Q'] W_K'^T = c * (best rank-r approximation of
-      [W_Q; b_Q] W_K^T)`` with ``c = sqrt(r / d_k)`` when ``rescale`` (so the default scale
-      ``1/sqrt(r)`` of the result reproduces the logits' scale ``1/sqrt(d_k)``), ``c = 1``
-      otherwise (for callers who pass an explicit ``scale=``). ``b_K' = None`` (it drops out of
-      the softmax); ``b_Q' = None`` when ``b_Q`` was absent. ``None`` keeps ``W_Q, W_K, b_Q, b_K``.
-    * ``rank_vo = r``: ``W_V' W_O' =`` best rank-``r`` approximation of ``W_M`` with
-      ``value_bias="fold"`` (``b_V' = None``, ``b_O' = b_O + sum_i b_V[i // G] W_O[i]``, exact
-      where a query row has at least one allowed key), or of ``[W_V; b_V] W_O`` with
-      ``"homogeneous"`` (``b_V'`` = the last row of the new ``[W_V'; b_V']``; exact everywhere).
-      ``None`` keeps ``W_V, W_O, b_V, b_O``.
-
-    ``gauge`` splits the kept singular values between the factors (``"sqrt"``, ``"left"``,
-    ``"right"``; the merged products and hence the outputs do not depend on it). At
-    ``r = d_k`` (or ``d_v``) the merged matrices are reproduced to rounding, so the block's
-    function is preserved. ``dtype=None`` computes in the parameters' dtype (float32 for 16-bit
-    ones), ``np.float64`` in float64; the result has the parameters' dtype, as NumPy arrays
-    (LAPACK; :func:`refactor` is not traced). Grouped-query parameters become multi-head.
+    ``rank_qk = r``: ``[W_Q'; b_Q'] W_K'^T = c * (rank-r approximation of [W_Q; b_Q] W_K^T)``,
+    ``c = sqrt(r / d_k)`` if ``rescale`` (so the default scale ``1/sqrt(r)`` reproduces
+    ``1/sqrt(d_k)``) else 1; ``b_K' = None`` (``b_Q' = None`` without ``b_Q``). ``rank_vo = r``:
+    ``W_V' W_O'`` approximates ``W_M`` (``value_bias="fold"``: ``b_V' = None``, ``b_V W_O``
+    folded into ``b_O'``) or ``[W_V; b_V] W_O`` (``"homogeneous"``: ``b_V'`` its last row); the
+    module docstring says where each is exact. ``gauge`` splits ``S_r`` between the factors:
+    ``"sqrt"`` ``U_r S_r^(1/2)``, ``V_r S_r^(1/2)``; ``"left"`` ``U_r S_r``, ``V_r``; ``"right"``
+    ``U_r``, ``V_r S_r`` (the products, hence the outputs, do not depend on it). At ``r = d_k``
+    (``d_v``) the function is preserved to rounding.
 
     Args:
         params: Per-head weights (:class:`attnref.AttentionParams`).
-        rank_qk: The pattern rank ``1 <= r <= min(d_k, d_model)``, or ``None`` to keep the
-            query/key side.
-        rank_vo: The message rank ``1 <= r <= min(d_v, d_model)``, or ``None`` to keep the
-            value/output side.
+        rank_qk: ``1 <= r <= min(d_k, d_model)``, or ``None`` to keep ``W_Q, W_K, b_Q, b_K``.
+        rank_vo: ``1 <= r <= min(d_v, d_model)``, or ``None`` to keep ``W_V, W_O, b_V, b_O``.
         gauge: ``"sqrt"`` (default), ``"left"`` or ``"right"``.
-        value_bias: ``"fold"`` (default) or ``"homogeneous"`` (see above).
+        value_bias: ``"fold"`` (default) or ``"homogeneous"``.
         rescale: Multiply the new query factor by ``sqrt(rank_qk / d_k)`` (default ``True``).
-        dtype: The compute dtype: ``None`` (default), ``np.float32`` or ``np.float64``.
+        dtype: The compute dtype: ``None`` (the parameters'; float32 for 16-bit ones),
+            ``np.float32`` or ``np.float64``. The result has the parameters' dtype, as NumPy
+            arrays (LAPACK; not traced).
 
     Returns:
         A :class:`Refactored` with the new parameters, counts, spectra and errors (with both

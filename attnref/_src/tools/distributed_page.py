@@ -29,82 +29,70 @@ def _distributed() -> list[Formulation]:
     return sorted(entries, key=lambda f: rank.get(f.id, len(rank)))
 
 
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the headings, their rule, a line per row."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in [head, *rows]]
+    return "\n".join([lines[0], "|---" * len(head) + "|", *lines[1:]])
+
+
 def _positions_table(n: int, devices: int) -> str:
     """Which positions each device holds in each layout for ``n`` tokens (padding in italics)."""
-    from attnref._src.formulations.distributed import layout as seq_layout
+    from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
 
-    lines = ["| device | " + " | ".join(seq_layout.LAYOUTS) + " |", "|---" * 4 + "|"]
-    tables = {
-        layout: seq_layout.positions(seq_layout.padded_length(n, devices, layout), devices, layout)
-        for layout in seq_layout.LAYOUTS
-    }
-    for d in range(devices):
-        cells = [
-            " ".join(str(i) if i < n else f"*{i}*" for i in tables[layout][d])
-            for layout in seq_layout.LAYOUTS
-        ]
-        lines.append(f"| {d} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    held = [positions(padded_length(n, devices, lo), devices, lo) for lo in LAYOUTS]
+    rows = [
+        [str(d), *(" ".join(str(i) if i < n else f"*{i}*" for i in h[d]) for h in held)]
+        for d in range(devices)
+    ]
+    return _table(["device", *LAYOUTS], rows)
 
 
 def _communication_table() -> str:
     """Per-device work and communication of each scheme on :data:`REFERENCE` (its cost model)."""
-    lines = [
-        "| scheme | collective | calls | operand per call (MiB) | sent per device (MiB) "
-        "| matmul per device (GFLOP) | largest intermediate (MiB) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    head = "scheme, collective, calls, operand per call (MiB), sent per device (MiB)"
+    head += ", matmul per device (GFLOP), largest intermediate (MiB)"
+    rows = []
     mib = 2.0**20
     for f in _distributed():
         c = f.cost_model(REFERENCE)  # type: ignore[misc]
+        work = [f"{c.matmul_flops / 1e9:.2f}", f"{c.intermediate_bytes / mib:.1f}"]
         for kind in dict.fromkeys(k.kind for k in c.collectives):
             ks = [k for k in c.collectives if k.kind == kind]
-            sizes = sorted({k.operand_bytes / mib for k in ks})
-            lines.append(
-                f"| {f.id} | {kind} | {sum(k.calls for k in ks)} | "
-                + ", ".join(f"{v:.3f}" for v in sizes)
-                + f" | {sum(k.sent_bytes for k in ks) / mib:.3f} | {c.matmul_flops / 1e9:.2f} | "
-                f"{c.intermediate_bytes / mib:.1f} |"
-            )
-    return "\n".join(lines)
+            sizes = ", ".join(f"{v:.3f}" for v in sorted({k.operand_bytes / mib for k in ks}))
+            sent = f"{sum(k.sent_bytes for k in ks) / mib:.3f}"
+            rows.append([f.id, kind, str(sum(k.calls for k in ks)), sizes, sent, *work])
+    return _table(head.split(", "), rows)
 
 
 def _balance_table() -> str:
     """``max / mean`` useful causal pairs per device for each layout (exact fractions)."""
-    from attnref._src.formulations.distributed import layout as seq_layout
     from attnref._src.formulations.distributed.cost import load_balance
+    from attnref._src.formulations.distributed.layout import LAYOUTS
 
-    lines = [
-        "| P | T | " + " | ".join(seq_layout.LAYOUTS) + " |",
-        "|---|---|" + "---|" * len(seq_layout.LAYOUTS),
+    rows = [
+        [str(p), str(t), *(f"{float(load_balance(t, p, layout)):.4f}" for layout in LAYOUTS)]
+        for p in (2, 4, 8)
+        for t in (1000, 1024, 4096)
     ]
-    for p in (2, 4, 8):
-        for t in (1000, 1024, 4096):
-            cells = [f"{float(load_balance(t, p, layout)):.4f}" for layout in seq_layout.LAYOUTS]
-            lines.append(f"| {p} | {t} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _table(["P", "T", *LAYOUTS], rows)
 
 
 def _tiles_table() -> str:
     """The ring's computed work under causality: the busiest device's and the mean device's
     pieces (computed tiles over ``n^2``), of the ``P`` pieces a device meets."""
-    from attnref._src.formulations.distributed import layout as seq_layout
     from attnref._src.formulations.distributed.cost import piece_tiles, ring_tiles_computed
+    from attnref._src.formulations.distributed.layout import LAYOUTS
 
-    lines = [
-        "| P | T | " + " | ".join(f"{layout} (busiest / mean)" for layout in seq_layout.LAYOUTS),
-        "|---|---|" + "---|" * len(seq_layout.LAYOUTS),
-    ]
+    t = 4096
+    rows = []
     for p in (2, 4, 8):
-        t = 4096
         cells = []
-        for layout in seq_layout.LAYOUTS:
+        for layout in LAYOUTS:
             n = piece_tiles(t, t, p, layout, 0).shape[0]
             tiles = ring_tiles_computed(t, p, layout) / n**2
             cells.append(f"{tiles.max():g} / {tiles.mean():g}")
-        lines.append(f"| {p} | {t} | " + " | ".join(cells) + " |")
-    lines[0] += " |"
-    return "\n".join(lines)
+        rows.append([str(p), str(t), *cells])
+    return _table(["P", "T", *(f"{layout} (busiest / mean)" for layout in LAYOUTS)], rows)
 
 
 def _distributed_name(fn: Callable[..., Any]) -> str:
