@@ -1,7 +1,5 @@
-"""What the property plans draw from: the conformance buckets (few shapes, so that a jitted
-target compiles a handful of programs), the drawn :class:`Case`, and the :class:`Context` of one
-``check_attention`` call (the target, its features and declared semantics, the dtypes) or, for a
-distributed target, of one mesh size of it."""
+"""What the property plans draw from: the buckets (few shapes: few compiled programs), the drawn
+:class:`Case`, and the :class:`Context` of one ``check_attention`` call (or mesh size)."""
 
 from __future__ import annotations
 
@@ -27,9 +25,7 @@ _GQA = ast.Config(batch=2, t=4, s=4, n=4, k=2, h=4, h_v=4, d_model=8)
 _MQA = ast.Config(batch=1, t=4, s=4, n=4, k=1, h=4, h_v=4, d_model=8)
 # One drawn config in TILE_SHARE takes tile-straddling lengths (Context.configs).
 TILE_SHARE = 4
-# The kit's one-sided padding kinds, for a target that takes one of jax.nn's two length
-# arguments only (the strategies' "padding" kind sets both): the option each sets, lengths
-# drawn in [1, T] or [1, S] from the problem's seed (Context.problem).
+# One-sided padding kinds (the strategies' "padding" sets both) and the option each sets.
 ONE_SIDED: dict[str, str] = {
     "query_padding": "query_seq_lengths",
     "key_padding": "key_value_seq_lengths",
@@ -57,23 +53,17 @@ class Case(ShortRepr):
 
 @dataclasses.dataclass
 class _MergedProblem(ast.KernelProblem):
-    """A kernel problem as a distributed target sees it: the same call, and :meth:`bound` the
-    allowance of a scheme that computes pieces of the keys and merges their states ``(o, lse)``
-    in any way the kit cannot see (any partition, any tiling inside a piece, any merge order and
-    grouping, states in the compute format).
+    """A kernel problem as a distributed target sees it: :meth:`bound` allows for any partition
+    of the keys, any tiling, any merge order of the states ``(o, lse)``.
 
-    That allowance is :func:`attnref.tolerance.pieces_error_bound` with ``pieces=None``: the
-    merge bound of the one-key states ``(v_j, s_ij)`` (every key its own piece, a binary merge
-    tree of depth ``S - 1``) carrying errors that dominate every piece's kernel bound, which
-    covers every coarser partition and every tree (its module docstring). Beyond the kernel bound
-    (``key_blocks=None``) it counts the rounding of every stored partial ``lse`` (``u |lse|`` per
-    merge level), so a correct lse-merging ring cannot fail at large logits; its states are in
-    float32 for 16-bit inputs, so a ring that rounds its running state to 16 bits still exceeds
-    it (``ring_size_growth``)."""
+    That is :func:`attnref.tolerance.pieces_error_bound` with ``pieces=None``: the merge bound of
+    the one-key states (every key its own piece, a merge tree of depth ``S - 1``), which covers
+    every coarser partition and tree; it counts each stored partial ``lse``'s rounding (``u
+    |lse|`` per level), so a correct ring passes at large logits, and keeps 16-bit inputs' states
+    in float32, so a ring rounding its running state to 16 bits fails (``ring_size_growth``)."""
 
     def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` of a distributed kernel
-        (``key_blocks`` must be ``None``: the pieces and their tilings are unknown)."""
+        """Bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` (``key_blocks=None`` only)."""
         if key_blocks is not None:
             raise ValueError(
                 "a distributed target's allowance assumes any tiling (key_blocks=None)"
@@ -83,16 +73,11 @@ class _MergedProblem(ast.KernelProblem):
 
 @dataclasses.dataclass
 class Context:
-    """One target as the plans see it. A distributed target has one context per mesh size:
-    ``devices`` is ``P``, ``anchor`` the same function on one device (the growth rule's
-    reference), every bucket's lengths are multiplied by ``length_multiple`` (so that every
-    layout of every mesh size divides them) and its head counts scaled so that ``head_multiple``
-    divides ``K`` (:meth:`pool`: a head-parallel kernel splits the heads on every mesh size).
-    ``ratios`` collects each example's worst error / allowance where a plan reports one;
-    ``calls`` each call's outcome where a plan tallies them (``uneven_lengths``:
-    ``"computed"`` or ``"refused: <the exception's first line>"``); ``sub_case`` the sub-case
-    the running check is at (:meth:`at`); ``failing`` the target's last call (its problem and,
-    for a gradient call, its cotangent) where the latest property failed."""
+    """One target as the plans see it; a distributed target has one per mesh size ``devices``,
+    ``anchor`` the target on one device, lengths times ``length_multiple`` and ``K`` a multiple
+    of ``head_multiple`` (:meth:`pool`). ``ratios``: each example's worst error / allowance;
+    ``calls``: ``uneven_lengths``' tally; ``sub_case``: see :meth:`at`; ``failing``: the
+    target's last call ``(problem, cotangent or None)`` where the latest property failed."""
 
     target: Target
     signature: str
@@ -107,12 +92,10 @@ class Context:
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
-    # the target's last call (problem, cotangent or None) in the failing example of a property
     failing: tuple[ast.KernelProblem, np.ndarray | None] | None = None
 
     def at(self, sub_case: str) -> None:
-        """Record the sub-case a check is at (a mask kind, a dtype, one of its runs): a
-        failure's ``Case(...)`` line names the one it failed at."""
+        """Record the sub-case a check is at (a failure's ``Case(...)`` line names it)."""
         self.sub_case = sub_case
 
     @property
@@ -121,13 +104,11 @@ class Context:
         return "float32" if "float32" in self.dtypes else self.dtypes[0]
 
     def pool(self, *shapes: str) -> tuple[ast.Config, ...]:
-        """The conformance buckets of the named shapes the features allow (few, so that a
-        jitted target compiles a handful of programs): ``"self"`` (T == S, N == K, batch 2),
-        ``"general"`` (T < S when ``"cross"``, N = 2K when ``"gqa"``, batch 2), ``"tall"``
-        (T > S, when ``"cross"``), ``"gqa"`` (N = 2K) and ``"mqa"`` (N = 4K); ``T`` and ``S``
-        times :attr:`length_multiple`, ``N`` and ``K`` times the least factor that makes ``K``
-        a multiple of :attr:`head_multiple` (the ratio ``N / K`` kept: on meshes of 2, 4 and
-        8, ``K = 8`` and ``N`` 8, 16 or 32; one K/V head, the ``"mqa"`` bucket's, becomes 8)."""
+        """The buckets of the named shapes the features allow: ``"self"`` (T == S, N == K),
+        ``"general"`` (T < S with ``"cross"``, N = 2K with ``"gqa"``), ``"tall"`` (T > S, with
+        ``"cross"``), ``"gqa"`` (N = 2K), ``"mqa"`` (N = 4K); ``T``, ``S`` times
+        :attr:`length_multiple`, ``N``, ``K`` times the least factor making ``K`` a multiple of
+        :attr:`head_multiple`."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
         general = dataclasses.replace(
             _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
@@ -148,35 +129,27 @@ class Context:
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
-        """A config from ``pool`` (the small buckets, where Hypothesis shrinks to), or a bucket
-        with tile-straddling lengths (:meth:`tile_configs`): a kernel's partial last tile is
-        checked by default, and a failure there shrinks to the shortest length that fails."""
+        """A config from ``pool``, or with tile-straddling lengths (:meth:`mix`)."""
         return self.mix(self.small_configs(pool, dtype), self.tile_configs(pool, dtype))
 
     def mix(self, small: Any, tiles: Any) -> Any:
-        """``small`` in ``TILE_SHARE - 1`` examples of ``TILE_SHARE``, ``tiles`` in the other:
-        each tile example is a new compiled program of the target (most of a property's time),
-        and a tail-tile fault fails at most tile lengths. A distributed target draws ``small``
-        alone: its buckets' lengths are already ``2 lcm(devices)`` times 3 to 5 (48 to 80 on 8
-        devices, each device's chunk of 3 to 10 keys), and its own question about lengths, those
-        the mesh does not divide, is ``uneven_lengths``'; its programs on up to 8 devices, with
-        heads times ``lcm(devices)``, are the costly ones."""
+        """``small`` in ``TILE_SHARE - 1`` examples of ``TILE_SHARE``, ``tiles`` (each a new
+        compiled program) in the other; a distributed target draws ``small`` alone (its lengths
+        are already 48 to 80 on 8 devices, and ``uneven_lengths`` asks its length question)."""
         if self.devices is not None:
             return small
         return st.one_of(*[small] * (TILE_SHARE - 1), tiles)
 
     def small_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
-        """A config from ``pool`` as it is (the small buckets)."""
         return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
 
     def tile_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
-        """A config from ``pool`` with ``T`` and ``S`` from
-        :data:`attnref.strategies.TILE_LENGTHS` (15 .. 513)."""
+        """A config from ``pool`` with ``T``, ``S`` from :data:`attnref.strategies.TILE_LENGTHS`."""
         return self.small_configs(pool, dtype).flatmap(ast.tile_configs)
 
     def problem(self, config: ast.Config, kind: str, seed: int, **kw: Any) -> ast.KernelProblem:
-        """:func:`attnref.strategies.make_kernel_problem` with the declared semantics, or a kind
-        of :data:`ONE_SIDED` (the ``"none"`` problem with that one length option)."""
+        """:func:`attnref.strategies.make_kernel_problem` with the declared semantics; a kind of
+        :data:`ONE_SIDED` is ``"none"`` with that one length option drawn from ``seed``."""
         p = ast.make_kernel_problem(
             config,
             "none" if kind in ONE_SIDED else kind,
@@ -193,8 +166,7 @@ class Context:
         return p
 
     def kinds(self, candidates: Sequence[str]) -> tuple[str, ...]:
-        """The ``candidates`` whose features the target declares (kinds of
-        :data:`attnref.strategies.KIND_FEATURES` or :data:`ONE_SIDED`)."""
+        """The ``candidates`` whose features the target declares."""
         need = {**ast.KIND_FEATURES, **{k: (o,) for k, o in ONE_SIDED.items()}}
         return tuple(k for k in candidates if set(need[k]) <= self.features)
 
@@ -202,8 +174,7 @@ class Context:
         return self.target.forward(to_target(p, self.signature), want_lse)
 
     def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
-        """The problem as the target sees it (:func:`to_target`); for a distributed target a
-        :class:`_MergedProblem`, whose ``bound()`` allows for the merge of states."""
+        """The problem as the target sees it (a :class:`_MergedProblem` when distributed)."""
         p = to_target(p, self.signature)
         if self.devices is None:
             return p

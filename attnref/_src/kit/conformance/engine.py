@@ -1,7 +1,5 @@
-"""The conformance kit's engine: each property plan run as a Hypothesis test (settings, the
-runner that turns a failure into a report entry) and :func:`check_attention`, which validates its
-options, runs the selected properties (on each mesh size, for a distributed target) and returns
-the :class:`ConformanceReport`."""
+"""The conformance kit's engine: each property plan run as a Hypothesis test, and
+:func:`check_attention`."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ from attnref._src.kit.conformance.targets import Target, describe_target, mesh, 
 from attnref._src.kit.conformance.torch_target import require_torch
 
 
-# A hypothesis.settings, typed as the test decorator it is used as: beartype (the suite's runtime
-# checks) rejects the settings class as a hint (its metaclass's repr is inconsistent).
+# Typed as the decorator it is used as: beartype rejects the settings class as a hint.
 def _settings(max_examples: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return settings(
         max_examples=max_examples,
@@ -73,9 +70,7 @@ _KIT_FILES = frozenset(
 
 
 def _is_comparison_failure(exc: BaseException) -> bool:
-    """An ``AssertionError`` raised by the kit's own comparisons (this package or
-    :mod:`attnref._src.kit.closeness`), as opposed to an exception from the target or its
-    libraries."""
+    """An ``AssertionError`` raised in the kit's own files, not the target's."""
     if not isinstance(exc, AssertionError) or exc.__traceback__ is None:
         return False
     frames = traceback.extract_tb(exc.__traceback__)
@@ -107,12 +102,10 @@ def run_property(
     explicit: Sequence[Any] = (),
     sub_case: Callable[[], str | None] = lambda: None,
 ) -> tuple[str, str, str | None, int, str | None]:
-    """Run ``check`` as a Hypothesis test; ``(status, detail, example, examples, traceback)``,
-    the traceback only for an exception that is not one of the kit's comparisons. The
-    ``explicit`` cases run first, in every Hypothesis version and for every seed; they count
-    among the examples only when one fails. The example is headed :data:`SHRUNK` or
-    :data:`EXPLICIT`, and its ``Case(...)`` line ends with the sub-case that failed
-    (``sub_case()`` after the failing run: the mask kind, dtype or run a check was at)."""
+    """Run ``check`` as a Hypothesis test: ``(status, detail, example, examples, traceback)``.
+    The ``explicit`` cases run first for every seed (counted only when one fails); the example
+    is headed :data:`SHRUNK` or :data:`EXPLICIT`, its ``Case(...)`` line ending with
+    ``sub_case()`` after the failing run."""
     state = {"count": 0, "failed": False, "explicit": False}
 
     def body(case: Any) -> None:
@@ -201,8 +194,7 @@ def check_target(fn: Any, max_examples: int | None, name: str = "fn") -> None:
 
 
 def _name_sub_case(text: str, sub_case: str | None) -> str:
-    """``text`` with ``  # failed at: <sub_case>`` after the first line that shows the drawn
-    case (``case=Case(...)`` or ``p=KernelProblem(...)``), which stays valid Python."""
+    """``text`` with ``  # failed at: <sub_case>`` after the drawn case's line."""
     if not sub_case:
         return text
     lines = text.splitlines()
@@ -214,8 +206,8 @@ def _name_sub_case(text: str, sub_case: str | None) -> str:
 
 
 def _failure(exc: BaseException) -> tuple[str, str | None]:
-    """``(message, traceback)``: the traceback only for an exception that is not one of the
-    kit's comparisons (for a :class:`TargetRaised`, its cause's: the target's exception)."""
+    """``(message, traceback)``, the traceback (a :class:`TargetRaised`'s cause's) only for an
+    exception that is not one of the kit's comparisons."""
     message = str(exc).strip() or type(exc).__name__
     if isinstance(exc, TargetRaised) and exc.__cause__ is not None:
         return message, _format_traceback(exc.__cause__)
@@ -227,9 +219,7 @@ def _failure(exc: BaseException) -> tuple[str, str | None]:
 def _production(
     ctx: Context, name: str, max_examples: int | None, log: Callable[[str], None] | None
 ) -> tuple[str, str, str | None, int, str | None] | str:
-    """Property ``name`` over the first ``max_examples`` cases of its production sweep, in
-    order, stopping at the first failure (``(status, detail, example, examples, traceback)`` as
-    :func:`run_property`), or why it is skipped."""
+    """:func:`run_property` over the first ``max_examples`` production cases, in order."""
     cases = production.cases(ctx, name)
     if isinstance(cases, str):
         return cases
@@ -252,7 +242,7 @@ _Run = tuple[str, str, str | None, int, str | None]
 
 
 def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
-    """Property ``name`` as a Hypothesis test over the small buckets, or why it is skipped."""
+    """:func:`run_property` over the small buckets, or why it is skipped."""
     plan = PLANS[name](ctx)
     if isinstance(plan, str):
         return plan
@@ -267,8 +257,8 @@ def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
 
 
 def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_Run, float] | str:
-    """``run(ctx, *args)`` with the target's new notes joined to its detail, and its time;
-    ``ctx.failing`` the target's last call where it failed."""
+    """``(run(ctx, *args) with the target's new notes in its detail, seconds)``; sets
+    ``ctx.failing``."""
     start = time.perf_counter()
     before, refused = len(ctx.target.notes), len(ctx.target.refusals)
     ctx.target.last_call = ctx.failing = None
@@ -297,9 +287,7 @@ def _on_meshes(
     seed: int,
     log: Callable[[str], None] | None,
 ) -> tuple[MeshResult, ...] | str:
-    """Property ``name`` on each mesh size (ascending; ``log`` gets a line after each), or why
-    it is skipped (the same at every size: a plan's reason depends on the features only). A
-    passing size whose plan tallied its calls (``uneven_lengths``) has the tally as its detail."""
+    """Property ``name`` on each mesh size, or why it is skipped (the same at every size)."""
     out: list[MeshResult] = []
     for size, ctx in contexts.items():
         ctx.ratios.clear()
@@ -318,8 +306,7 @@ def _on_meshes(
 def _combined(
     name: str, meshes: tuple[MeshResult, ...], seed: int, in_effect: tuple[str, ...]
 ) -> PropertyResult:
-    """One property's result over every mesh size: failed where any size failed (its message,
-    example and traceback those of the first such size, the message prefixed ``P=<size>: ``)."""
+    """One result over every mesh size: the first failing size's, prefixed ``P=<size>: ``."""
     first = next((m for m in meshes if m.status == "failed"), None)
     return PropertyResult(
         name,
@@ -340,8 +327,7 @@ def _combined(
 def _failing(
     ctx: Context, distributed: bool, target: str = "fn"
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """``(inputs, problem_replay)`` of the failing call recorded in ``ctx.failing``
-    (:mod:`attnref._src.kit.conformance.replay`), or ``(None, None)``."""
+    """``(inputs, problem_replay)`` of ``ctx.failing``, or ``(None, None)``."""
     if ctx.failing is None:
         return None, None
     p, cot = ctx.failing
@@ -352,9 +338,8 @@ def _failing(
 def mesh_contexts(
     fn: Callable[..., Any], sizes: tuple[int, ...], **common: Any
 ) -> dict[int, Context]:
-    """A distributed target's contexts, one per mesh size: they share the one-device target
-    (the growth rule's anchor), lengths that every layout of every size divides and head counts
-    that every size divides (the same shapes at every size)."""
+    """A distributed target's context per mesh size: one anchor (the one-device target), the
+    same shapes at every size."""
     anchor = Target(fn, common["signature"], mesh(1))
     multiple = length_multiple(sizes)
     heads = head_multiple(sizes)
@@ -372,8 +357,7 @@ def mesh_contexts(
 
 
 def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
-    """What a distributed target (``devices=``) needs: the ``jax_nn`` signature, the small
-    shapes, and a ``mesh`` keyword."""
+    """``devices=`` needs the ``jax_nn`` signature, small shapes and a ``mesh`` keyword."""
     if signature != "jax_nn":
         raise OptionError(
             f"devices= needs signature 'jax_nn' (a distributed kernel takes jax.nn's arguments "
@@ -396,7 +380,7 @@ def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
 
 
 def _features(signature: str, features: Sequence[str] | None) -> tuple[str, ...]:
-    """The target's features (``None``: the signature's default), checked, aliases expanded."""
+    """The features (``None``: the signature's default), checked, aliases expanded."""
     check_signature(signature)
     feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
     check_features(feats)
@@ -423,66 +407,50 @@ def check_attention(
     devices: Sequence[int] | None = None,
     refuses_lengths: bool = False,
 ) -> ConformanceReport:
-    """Run the conformance properties (package docstring) against ``fn``: each is a Hypothesis
-    test whose examples compare ``fn`` with the float64 oracle.
+    """Run the conformance properties (package docstring) against ``fn``, each a Hypothesis test
+    comparing ``fn`` with the float64 oracle.
 
     Args:
         fn: The attention function.
-        signature: How to call ``fn``: ``"jax_nn"``, ``"qkv_mask"``, ``"numpy"`` or
-            ``"torch"`` (the adapters, package docstring).
-        features: What ``fn`` supports (:data:`FEATURES`; ``None`` = ``DEFAULT_FEATURES
-            [signature]``); a property needing an absent feature is skipped with the reason.
-            ``"seq_lengths"`` stands for both ``"query_seq_lengths"`` and
-            ``"key_value_seq_lengths"`` (jax.nn's two length arguments, declared apart).
-        max_examples: Hypothesis examples per property (``None``: 20); with
-            ``shapes="production"``, the first cases of each property's sweep (``None``: all).
-        seed: The Hypothesis seed of every property (a failure replays with it).
-        masked_rows: The kernel's declared output on fully masked rows; the oracle is run with
-            it, and the report lists it when it differs from attnref's default (``"zeros"``).
-        causal_alignment: The kernel's declared causal alignment when ``T != S``, likewise
-            (attnref's default: ``"top_left"``).
-        dtypes: The input dtypes ``fn`` takes (default float32 alone). The oracle property
-            (and with ``devices`` ``ring_size_growth``) runs each, the others float32 when
-            requested, else the first (float64 inside ``jax.enable_x64``). A kernel that takes
-            16-bit inputs declares it here, e.g. ``("float32", "bfloat16")``: its merge of
-            partial states must then accumulate in float32, else the error grows with the ring.
-        properties: A subset of :data:`ALL_PROPERTIES` (default: :data:`PROPERTIES`, and
-            with ``devices`` the :data:`DISTRIBUTED_PROPERTIES`), run in that order.
+        signature: ``"jax_nn"``, ``"qkv_mask"``, ``"numpy"`` or ``"torch"`` (the adapters).
+        features: What ``fn`` supports (:data:`FEATURES`; ``None``: ``DEFAULT_FEATURES
+            [signature]``); a property needing an absent one is skipped. ``"seq_lengths"`` is
+            both ``"query_seq_lengths"`` and ``"key_value_seq_lengths"``.
+        max_examples: Examples per property (``None``: 20); with production shapes, the first
+            cases of each sweep (``None``: all).
+        seed: The Hypothesis seed of every property.
+        masked_rows: The kernel's output on fully masked rows (the oracle runs with it; the
+            report lists it when not attnref's ``"zeros"``).
+        causal_alignment: Its causal alignment when ``T != S``, likewise (``"top_left"``).
+        dtypes: The input dtypes ``fn`` takes (default float32). ``oracle`` (and
+            ``ring_size_growth``) runs each, the others float32 when requested, else the first
+            (float64 inside ``jax.enable_x64``). A kernel taking 16-bit inputs declares them,
+            e.g. ``("float32", "bfloat16")``.
+        properties: A subset of :data:`ALL_PROPERTIES` (default :data:`PROPERTIES`, plus
+            :data:`DISTRIBUTED_PROPERTIES` with ``devices``), run in that order.
         progress: ``progress(done, total, name)`` after each property.
-        target: The name shown in the report (default: ``fn``'s module and name).
-        shapes: ``"small"`` (default: Hypothesis draws over a few small buckets and, for a
-            single-device ``fn``, in one example in four over the tile-straddling lengths
-            :data:`attnref.strategies.TILE_LENGTHS`) or ``"production"``: fixed sweeps at tile
-            boundaries against the fast float64 oracle
-            (:mod:`attnref._src.kit.conformance.production`).
-        log: ``log(line)`` after each production case (its sizes and time), and with
-            ``devices`` after each property on each mesh size.
-        devices: Check a distributed kernel on meshes of these sizes, e.g. ``(1, 2, 4, 8)``
-            (package docstring): ``fn`` also takes ``mesh=`` (and ``axis_name=``), ``q, k, v``
-            come sharded along the sequence axis, every length is a multiple of
-            ``2 lcm(devices)`` (but in ``uneven_lengths``) and every K/V head count of
-            ``lcm(devices)``. Each property runs on each size (a :class:`MeshResult` each).
-            ``None`` (default): a single-device function.
+        target: The report's name for ``fn`` (default: its module and name).
+        shapes: ``"small"`` (Hypothesis draws; default) or ``"production"`` (fixed sweeps at tile
+            boundaries, :mod:`attnref._src.kit.conformance.production`).
+        log: ``log(line)`` after each production case, and with ``devices`` after each property
+            on each mesh size.
+        devices: Mesh sizes to check a distributed kernel on, e.g. ``(1, 2, 4, 8)`` (package
+            docstring); ``None``: a single-device function.
+        refuses_lengths: ``fn`` refuses some lengths (a blocked kernel, such as Pallas' flash
+            attention): a clear refusal (:func:`.targets.is_refusal`) draws another example (the
+            production sweep skips the case), counted in the detail. Not with ``devices``.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
 
     Raises:
-        ValueError: An unknown signature, feature, semantics or property; a feature the
-            signature cannot express; no dtypes; ``max_examples < 1``; bad ``devices`` or more
-            than the host has; ``devices`` with another signature than ``jax_nn`` or with
-            production shapes (an ``OptionError``, checked in that order).
+        ValueError: An ``OptionError``, in this order: an unknown signature, feature, semantics
+            or property; a feature the signature cannot express; no dtypes; ``max_examples <
+            1``; bad ``devices`` or more than the host has; ``devices`` with another signature
+            than ``jax_nn``, with production shapes or with ``refuses_lengths``.
         TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
-            ``fn`` that takes no ``mesh`` keyword.
-        ImportError: ``signature="torch"`` where PyTorch is not installed.
-
-    ``refuses_lengths`` declares a limit: ``fn`` refuses some sequence lengths (a blocked kernel
-    whose block size must divide them, such as Pallas' flash attention). A call that raises a
-    clear refusal (an exception of :data:`.targets.REFUSAL_TYPES` whose message has one of
-    :data:`.targets.REFUSAL_WORDS`) is then not a failure: the example is drawn again (the
-    production sweep skips the case), and the property's detail counts the refused calls and
-    gives the first. Any other exception still fails. Not with ``devices`` (whose
-    ``uneven_lengths`` property has its own refusal rule).
+            ``fn`` without a ``mesh`` keyword.
+        ImportError: ``signature="torch"`` without PyTorch.
     """
     feats = _features(signature, features)
     if signature == "torch":
@@ -582,11 +550,9 @@ def check_attention(
 def production_plan(
     signature: str = "jax_nn", features: Sequence[str] | None = None
 ) -> dict[str, tuple[str, ...] | str]:
-    """The cases ``check_attention(..., shapes="production")`` runs for a target of this
-    ``signature`` and these ``features`` (``None``: the signature's default), without running
-    any: ``{property: the cases' one-line labels, cheapest first, or why it is skipped}`` in
-    ``PROPERTIES`` order. Raises ``ValueError`` (an ``OptionError``) for an unknown signature
-    or feature, or one the signature cannot express."""
+    """The cases ``check_attention(..., shapes="production")`` would run for this ``signature``
+    and ``features``: ``{property: case labels, cheapest first, or why it is skipped}``. Raises
+    ``ValueError`` (an ``OptionError``) as :func:`check_attention`."""
     feats = _features(signature, features)
     ctx = Context(
         target=Target(lambda *a, **k: None, signature),
