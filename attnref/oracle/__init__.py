@@ -1,32 +1,16 @@
 """The float64 NumPy oracle: attention from its definitions, written independently of the JAX code.
 
-This package imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
-agreement between the two is evidence, not tautology. Everything is computed in float64.
+NumPy only (never JAX), sharing no code with the JAX formulations, so that agreement is evidence,
+not tautology. Every function takes ``method="fast"`` (default: float64 BLAS streamed over query
+blocks, extra memory ``O(block x S)``) or ``"definition"`` (one element at a time, the root of
+trust); the ``*_vjp`` functions are the gradient oracles, from the analytic backward.
 
-Every function takes ``method="fast"`` (the default: float64 BLAS, streamed over blocks of query
-rows, extra memory ``O(block x S)``) or ``method="definition"`` (one element at a time, the root
-of trust the fast path is tested against); the ``*_vjp`` functions are the gradient oracles,
-from the analytic backward in both methods.
-
-* :mod:`attnref.oracle._core`: multi-head attention at the weight level.
-* :mod:`attnref.oracle._weight_grad`: its gradient oracle (``attention_vjp``,
-  ``rope_attention_vjp``).
-* :mod:`attnref.oracle._linear`, :mod:`attnref.oracle._linear_grad`: linear attention, its
-  feature maps and its gradient oracles.
-* :mod:`attnref.oracle._rope`: rotary position embedding and attention with it.
-* :mod:`attnref.oracle._mla`: multi-head latent attention (DeepSeek-V2), from the paper.
-* :mod:`attnref.oracle._kernel`: the kernel level ``dot_product_attention(q, k, v, ...)`` with
-  every mask option (the definition), and the ALiBi helpers; :mod:`attnref.oracle._kernel_call`
-  (one validated call, its allowed set by blocks), :mod:`attnref.oracle._kernel_fast` (the fast
-  path), :mod:`attnref.oracle._kernel_grad` (``dot_product_attention_vjp``).
-* :mod:`attnref.oracle._states`: the attention state algebra (``merge_states``,
-  ``merge_state_stack``: the state ``(o, lse)`` of a union of disjoint key sets;
-  ``merge_states_vjp``: its gradient, by hand).
-* :mod:`attnref.oracle._paged`: attention over a paged KV cache (``paged_attention``: the
-  kernel oracle on the keys read through the page table).
-* :mod:`attnref.oracle._checks` (every refusal, as the JAX twins refuse) and
-  :mod:`attnref.oracle._doc` (the Args text of the oracle and of :mod:`attnref.tolerance`,
-  written once per calling convention and attached to each function).
+Modules: ``_core`` (weight level), ``_weight_grad`` (its gradients), ``_linear`` and
+``_linear_grad`` (linear attention), ``_rope``, ``_mla`` (DeepSeek-V2 latent attention),
+``_kernel`` (``dot_product_attention`` with every mask option; ``_kernel_call``, ``_kernel_fast``,
+``_kernel_grad``), ``_alibi``, ``_states`` (``merge_states``, ``merge_state_stack`` and their
+gradient), ``_paged`` (paged KV cache), ``_checks`` (every refusal, as the JAX twins refuse) and
+``_doc`` (the shared Args text).
 """
 
 from __future__ import annotations

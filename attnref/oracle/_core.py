@@ -1,7 +1,4 @@
-"""Oracle core: multi-head attention from its definition, per head and per query.
-
-This module imports NumPy only (never JAX) and shares no code with the JAX formulations, so that
-agreement between the two is evidence, not tautology. Everything is computed in float64.
+"""Oracle core: multi-head attention from its definition, per head and per query (NumPy, float64).
 
 For batch index ``b``, query head ``i`` and query ``t`` (row convention, Vaswani et al. 2017),
 with ``g = i // G`` the key/value head of query head ``i``::
@@ -12,30 +9,18 @@ with ``g = i // G`` the key/value head of query head ``i``::
     y[b, t] += sum_j p_j (x_kv[b, j] W_V[g] + b_V[g]) W_O[i]
     y[b, t] += b_O   (once)
 
-``W_Q [H, d_model, d_k]`` and ``W_O [H, d_v, d_model]`` have one entry per query head;
-``W_K [K, d_model, d_k]`` and ``W_V [K, d_model, d_v]`` (and ``b_K``, ``b_V``) one per key/value
-head, ``H = K G``: consecutive query heads share a key/value head (grouped-query attention,
-Ainslie et al. 2023; ``K = 1`` is multi-query attention, Shazeer 2019; ``K = H`` multi-head).
+``W_Q [H, d_model, d_k]``, ``W_O [H, d_v, d_model]`` per query head; ``W_K [K, d_model, d_k]``,
+``W_V [K, d_model, d_v]`` (and ``b_K``, ``b_V``) per key/value head, ``H = K G`` (grouped-query
+attention, Ainslie et al. 2023; ``K = 1``: multi-query, Shazeer 2019). ``scale`` defaults to
+``1/sqrt(d_k)``; a key is allowed where ``mask`` is True and ``bias`` is not ``-inf``; a query
+with no allowed key outputs ``b_O``.
 
-``scale`` defaults to ``1/sqrt(d_k)``. A key is allowed when ``mask`` is True and ``bias`` is not
-``-inf``. A query with no allowed key contributes nothing from any head (its output is ``b_O``).
-
-``emulate=dtype`` turns the oracle into a *same-precision reference*: every intermediate above is
-rounded to ``dtype`` (arithmetic between roundings in float64), which is how a straightforward
-implementation in that format behaves, with its own operation order. It is what the comparative
-tolerance rule for 16-bit formats measures against (see :mod:`attnref.tolerance`).
-
-Two implementations of the same equations, selected by ``method``:
-
-* ``"definition"``: the loops above, one batch element, head and query at a time (the root of
-  trust; it is what ``emulate`` rounds, in its own operation order).
-* ``"fast"`` (default): per batch element, every query head at once with float64 BLAS
-  (``Q_i K_i^T``, ``P_i V_i``, ``Z W_O``), streaming over blocks of queries so that the
-  temporaries ``[H, block, T_k]`` stay within about 64 MiB (:data:`_BUDGET_BYTES`) whatever
-  ``T_q``. Key/value heads are projected once per key/value head and read by the ``G`` query
-  heads of their group through one index (so grouped parameters and their repeated multi-head
-  twin give bit-identical results). Both are within the float64 bound of
-  :func:`attnref.tolerance.attention_error_bound` of the exact result.
+``emulate=dtype`` rounds every intermediate to ``dtype`` (a same-precision reference, for the
+comparative rule of :mod:`attnref.tolerance`). ``method="definition"`` runs the loops above;
+``"fast"`` (default) uses float64 BLAS for every head of a batch element, streamed over query
+blocks whose ``[H, block, T_k]`` temporaries stay within :data:`_BUDGET_BYTES`, each key/value
+head projected once and indexed by its ``G`` query heads (so grouped parameters and their
+multi-head twin agree bit for bit).
 """
 
 from __future__ import annotations
@@ -62,6 +47,7 @@ def get_param(params: Any, name: str) -> np.ndarray | None:
 
 
 def unpack(params: Any) -> Params:
+    """The parameters as float64 arrays (weights required)."""
     out = {name: get_param(params, name) for name in FIELDS}
     for name in ("w_q", "w_k", "w_v", "w_o"):
         if out[name] is None:
@@ -118,8 +104,7 @@ def softmax_row(scores: np.ndarray, allowed: np.ndarray, rd: Any) -> np.ndarray:
 
 
 def row_weights(p: Fast, idx: tuple[int, ...], t: int, scores: np.ndarray, rd: Any) -> np.ndarray:
-    """The weights of query ``t`` of batch element ``idx`` from its scaled logits ``scores``:
-    ``bias`` added, the keys that ``mask`` or a ``-inf`` bias forbid left out."""
+    """The weights of query ``t`` of batch element ``idx`` from its scaled logits (bias, mask)."""
     allowed = np.ones(scores.shape[-1], dtype=bool)
     if p.bias is not None:
         scores = rd(scores + p.bias[idx][t])
@@ -139,9 +124,8 @@ def per_head_per_query(
     turn: Turn | None = None,
     pos: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]``, one batch
-    element, head and query at a time, every intermediate rounded to ``emulate``; with ``turn``
-    (RoPE), queries and keys are rotated one vector at a time to the positions ``pos``."""
+    """Weights ``[..., H, T_q, T_k]`` and per-head outputs ``[..., H, T_q, d_model]`` by the
+    definition, rounded to ``emulate``; ``turn`` (RoPE) rotates to the positions ``pos``."""
     rd = _rounder(emulate)
     w_q, w_k, w_v, w_o = head_weights(p.w)
     n_heads, d_model, _ = w_q.shape
@@ -234,15 +218,13 @@ def _query_blocks(t_q: int, rows: int) -> Iterator[slice]:
 
 
 def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray:
-    """``x W[h] + b[h]`` for every head: ``x [n, d_model]``, ``W [heads, d_model, d]`` ->
-    ``[heads, n, d]`` (one BLAS product per head)."""
+    """``x W[h] + b[h]`` for every head: ``[n, d_model]`` -> ``[heads, n, d]``."""
     y = np.matmul(x, wt)
     return y if bt is None else y + bt[:, None, :]
 
 
 def _keys_values(p: Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``, one per
-    query head (each key/value head projected once, then read by its ``G`` query heads)."""
+    """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``."""
     _, w_k, w_v, _ = head_weights(p.w)
     keys = _project(p.xkv[idx], w_k, p.w["b_k"])[p.kv_of]
     values = _project(p.xkv[idx], w_v, p.w["b_v"])[p.kv_of]
@@ -250,8 +232,7 @@ def _keys_values(p: Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]
 
 
 def _allowed(p: Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
-    """``mask & (bias != -inf)`` for the query ``rows`` of batch element ``idx``, ``[n, T_k]``;
-    ``None`` when every pair is allowed."""
+    """``mask & (bias != -inf)`` for ``rows`` of batch element ``idx`` (``None``: all allowed)."""
     keep = None if p.mask is None else p.mask[idx][rows]
     if p.bias is not None:
         finite = p.bias[idx][rows] != -np.inf
@@ -271,8 +252,8 @@ def _logits(
 
 
 def _softmax_block(scores: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-    """``p_j = exp(s_j - max s) / sum exp(s - max s)`` over the allowed keys of every row of
-    ``scores [..., T_k]``; a row without an allowed key is all zero. Overwrites ``scores``."""
+    """The masked softmax of every row of ``scores [..., T_k]`` (zero rows where none is allowed),
+    in place."""
     if allowed is not None:
         np.copyto(scores, -np.inf, where=~allowed)
     top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
@@ -304,10 +285,9 @@ def each_block(
     rotate_k: Rotation | None = None,
     arrays: int = _FORWARD_ARRAYS,
 ) -> None:
-    """Call ``visit`` on the attention weights of one query block at a time (block size from the
-    memory budget for ``arrays`` temporaries ``[H, block, T_k]``; a callback rather than a
-    generator, so that no block outlives its visit). ``rotate_q(idx, rows, q)`` and
-    ``rotate_k(idx, slice(None), k)`` (RoPE) are applied to queries and keys after projection."""
+    """Call ``visit`` on one query block at a time (``arrays`` temporaries ``[H, block, T_k]`` in
+    the budget; a callback, so no block outlives its visit); ``rotate_q``/``rotate_k`` (RoPE)
+    turn queries and keys after projection."""
     w_q = head_weights(p.w)[0]
     t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
     step = _block_rows(w_q.shape[0], t_k, arrays)
@@ -325,8 +305,8 @@ def each_block(
 
 
 def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``z = P V`` per head, ``[H, n, d_v]``, as the definition sums it: a key whose weight is 0
-    (masked, or underflowed) is skipped, so its value, even NaN or inf, never reaches ``z``."""
+    """``z = P V`` per head, ``[H, n, d_v]``, skipping keys of weight 0 (so a NaN value there is
+    never read), as the definition does."""
     bad = ~np.isfinite(values)  # [H, T_k, d_v]
     if not bad.any():
         return np.matmul(weights, values)
@@ -368,8 +348,8 @@ def fast_output(
     rotate_k: Rotation | None = None,
     residual: bool = False,
 ) -> np.ndarray:
-    """``y = sum_i P_i V_i W_O[i] (+ b_O) (+ x_q)``, ``[*batch, T_q, d_model]``: per block one
-    product ``[n, H d_v] @ [H d_v, d_model]`` of the concatenated heads, never ``[H, T_q, T_k]``."""
+    """``y = sum_i P_i V_i W_O[i] (+ b_O) (+ x_q)``, ``[*batch, T_q, d_model]``, one product of the
+    concatenated heads per block."""
     w_o = head_weights(p.w)[3]
     n_heads, d_v, d_model = w_o.shape
     w_cat = w_o.reshape(n_heads * d_v, d_model)

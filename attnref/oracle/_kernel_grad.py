@@ -1,9 +1,8 @@
-"""The float64 gradient oracle of the kernel level: the vector-Jacobian product of
-``dot_product_attention`` from its analytic formulas, independent of any autodiff.
+"""The float64 gradient oracle of the kernel level: the VJP of ``dot_product_attention`` from its
+analytic formulas, independent of any autodiff. NumPy only.
 
-For one batch element, query head ``n`` (reading key/value head ``g = n // G``) and query ``i``
-with allowed keys ``j`` (row convention), given the cotangents ``dO_i`` of the output and
-``dl_i`` of the lse::
+For one batch element, query head ``n`` (key/value head ``g = n // G``), query ``i`` and allowed
+keys ``j`` (row convention), cotangents ``dO_i`` (output) and ``dl_i`` (lse)::
 
     x_ij = scale q_i . k_j,   s_ij = c tanh(x_ij / c) + bias_ij,   p_ij = softmax_j(s_ij)
     dv_j  += p_ij w_ij dO_i                     dP_ij = w_ij dO_i . v_j
@@ -12,19 +11,13 @@ with allowed keys ``j`` (row convention), given the cotangents ``dO_i`` of the o
     dbias_ij = dS_ij          dX_ij = dS_ij (1 - tanh^2(x_ij / c))   (dX = dS without softcap)
     dq_i  += scale sum_j dX_ij k_j              dk_j += scale dX_ij q_i
 
-``w_ij = keep_ij / (1 - rate)`` with dropout (1 without); with sinks ``p`` is normalised with
-the sink's ``exp(z_n)`` in the denominator. ``d lse_i / d s_ij = p_ij`` gives the ``dl_i``
-term. The gradients of the K/V heads sum over the ``G`` query heads that share them; the bias
-gradient sums over the axes the bias broadcasts.
-Rows with no allowed key and padding rows (``i >= T_b``) pass no gradient, except under
-``masked_rows="uniform"`` where the output is the mean of all ``S`` value rows, so every
-``dv_j`` gains ``dO_i / S``. Pairs that are not allowed pass nothing, whatever their values; a
-non-finite logit or value in an allowed pair has no derivative and is refused (``ValueError``).
-
-``method="definition"`` evaluates these equations one batch element, head and query at a time;
-``"fast"`` evaluates them with float64 BLAS over blocks of query rows (extra memory
-``O(block x S)``). Both are within :func:`attnref.tolerance.kernel_grad_error_bound`'s float64
-term of the exact gradient. NumPy only.
+``w_ij = keep_ij / (1 - rate)`` with dropout (else 1); sinks add ``exp(z_n)`` to the softmax
+denominator. K/V head gradients sum over their ``G`` query heads; the bias gradient over its
+broadcast axes. Rows with no allowed key and padding rows pass nothing, except under
+``masked_rows="uniform"`` (every ``dv_j`` gains ``dO_i / S``); pairs not allowed pass nothing,
+whatever their values; a non-finite logit or value in an allowed pair is refused
+(``ValueError``). ``method="definition"``: one element at a time; ``"fast"``: BLAS over query
+blocks (extra memory ``O(block x S)``).
 """
 
 from __future__ import annotations

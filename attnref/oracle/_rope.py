@@ -1,31 +1,18 @@
 """Oracle for rotary position embedding (RoPE; Su et al. 2024), NumPy only, float64.
 
-Written from the equations, independently of :mod:`attnref._src.formulations.rope` (no JAX is
-imported). For an even head dimension ``d`` and pair ``p = 0 .. d/2 - 1`` with frequency
-``theta_p = base ** (-2 p / d)``, a token at integer position ``m`` has its pair ``(a, b)``
-replaced by::
+For an even head dimension ``d``, pair ``p = 0 .. d/2 - 1``, ``theta_p = base ** (-2 p / d)``, a
+token at integer position ``m`` has its pair ``(a, b)`` replaced by::
 
     a' = a cos(m theta_p) - b sin(m theta_p)
     b' = a sin(m theta_p) + b cos(m theta_p)
 
-where the pair is ``(x[p], x[p + d/2])`` for ``convention="rotate_half"`` (GPT-NeoX, Hugging Face
-Llama) and ``(x[2p], x[2p + 1])`` for ``"interleaved"`` (RoFormer, GPT-J, Meta Llama).
+the pair being ``(x[p], x[p + d/2])`` (``"rotate_half"``: GPT-NeoX, Hugging Face Llama) or
+``(x[2p], x[2p + 1])`` (``"interleaved"``: RoFormer, GPT-J, Meta Llama). Attention with RoPE is
+:mod:`attnref.oracle._core`'s with ``q = rope(x_q W_Q[n] + b_Q[n], pos_q)`` and ``k_j =
+rope(x_kv[j] W_K[g] + b_K[g], pos_kv[j])``, ``g = n // (H / K)``.
 
-Attention with RoPE, for batch index ``b``, head ``n`` and query ``t`` (row convention)::
-
-    g   = n // (H / K)                      (K key/value heads shared by groups of query heads)
-    q   = rope(x_q[b, t] W_Q[n] + b_Q[n], pos_q[b, t])
-    k_j = rope(x_kv[b, j] W_K[g] + b_K[g], pos_kv[b, j])
-    s_j = (q . k_j) * scale + bias[b, t, j]                 for allowed keys j
-    p_j = exp(s_j - max s) / sum exp(s - max s)             (all zero if no key is allowed)
-    y[b, t] += sum_j p_j (x_kv[b, j] W_V[g] + b_V[g]) W_O[n];   y[b, t] += b_O once
-
-``method="definition"`` computes all of this one vector (and one pair) at a time;
-``method="fast"`` (default) rotates whole arrays at once from tables of ``cos(m theta_p)`` and
-``sin(m theta_p)`` per position and pair, and runs attention through the vectorised, query-block
-streaming path of :mod:`attnref.oracle._core` with queries and keys rotated after projection.
-Both are within the float64 bounds of :func:`attnref.tolerance.rope_map_error_bound` and
-:func:`attnref.tolerance.rope_attention_error_bound` of the exact result.
+``method="definition"`` rotates one vector (and pair) at a time; ``"fast"`` rotates whole arrays
+from ``cos``/``sin`` tables and runs the query-block path of :mod:`attnref.oracle._core`.
 """
 
 from __future__ import annotations

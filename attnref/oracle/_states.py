@@ -1,37 +1,24 @@
 """Oracle twin of the attention state algebra: merging states ``(o, lse)`` in float64 NumPy.
 
-For one query row and a set ``A`` of allowed keys the state is ``lse_A = log sum_{j in A} e^{s_j}``
-and ``o_A = sum_{j in A} e^{s_j - lse_A} v_j``. For disjoint key sets ``A_1, ..., A_P`` the state
-of their union follows from the definition by grouping the sum by piece::
+For one query row and allowed keys ``A``, ``lse_A = log sum_{j in A} e^{s_j}`` and ``o_A = sum_{j
+in A} e^{s_j - lse_A} v_j``. For disjoint ``A_1, ..., A_P``, grouping the sum by piece gives::
 
     lse = log sum_p e^{lse_p}                  computed as  m + log sum_p e^{lse_p - m}
     o   = sum_p e^{lse_p - lse} o_p            (pi_p = e^{lse_p - lse}: the pieces' shares)
 
-with ``m = max_p lse_p`` (no ``exp`` overflows; Milakov & Gimelshein 2018). Written here from
-these equations (the shares form, not the JAX code's ``sum w o / sum w``), independently of
-:mod:`attnref._src.formulations.states`, whose semantics it shares:
+with ``m = max_p lse_p`` (Milakov & Gimelshein 2018), written in the shares form, independently
+of :mod:`attnref._src.formulations.states`, whose semantics it shares: an empty state (``lse =
+-inf``) is the identity (its ``o`` never read); a NaN or ``+inf`` ``lse`` makes the result NaN, a
+NaN ``o`` of a live state the merged ``o``; an all-empty row is empty, its ``o`` 0 or NaN by
+``masked_rows`` (``"uniform"`` is refused); any floating input is read exactly into float64.
 
-* an empty state (``lse = -inf``) is the identity: its ``o`` is never read (NaN allowed);
-* a NaN or ``+inf`` ``lse`` makes the merged ``o`` and ``lse`` NaN; a finite ``lse`` with a NaN
-  ``o`` gives a NaN ``o``;
-* a row where every state is empty is empty (``lse = -inf``) and its ``o`` follows
-  ``masked_rows``: ``"zeros"`` (0) or ``"nan"`` (``"uniform"``, the mean of the values over all
-  keys, is not a function of the states and is refused);
-* inputs of any floating dtype (bfloat16 included) are read exactly into float64, and the result
-  is float64.
-
-The gradient (:func:`merge_states_vjp`) is differentiated by hand from the same equations: with
-cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on the merged ``lse``, ``d pi_p / d lse_q =
-pi_p ([p = q] - pi_q)`` and ``d L / d lse_p = pi_p`` give::
+The gradient (:func:`merge_states_vjp`), by hand: ``d pi_p / d lse_q = pi_p ([p = q] - pi_q)``
+and ``d L / d lse_p = pi_p`` give::
 
     d o_p   = pi_p g_o
     d lse_p = pi_p (g_o . (o_p - o) + g_lse)
 
-An empty state (``lse_p = -inf``: ``-inf`` plus any finite perturbation is ``-inf``, so the
-merge does not move) gets 0 in both, and so does every state of a row where all are empty.
-
-Bad input is refused as the JAX functions refuse it (same exception type, the argument and its
-shape named). NumPy only, no JAX.
+and 0 for an empty state and for every state of an all-empty row. Refusals as the JAX twins'.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
-"""Gradient oracle: the vector-Jacobian product of the weight-level attention oracle, from the
-analytic backward formulas (never autodiff). NumPy only, float64.
+"""Gradient oracle: the VJP of the weight-level attention oracle from the analytic backward
+(never autodiff). NumPy only, float64.
 
 For batch element ``b`` and query head ``i`` reading key/value head ``g = i // G`` (row
-convention; ``X_q [T_q, d_model]``, ``X_kv [T_k, d_model]`` the tokens of ``b``; ``R_m`` the RoPE
-rotation at position ``m``, the identity without RoPE)::
+convention; ``R_m`` the RoPE rotation at position ``m``, the identity without RoPE)::
 
     Q_i = R(X_q W_Q[i] + b_Q[i])        K_i = R(X_kv W_K[g] + b_K[g])     V_i = X_kv W_V[g] + b_V[g]
     S_i = scale Q_i K_i^T + bias         P_i = softmax over the allowed keys of every row of S_i
     Y   = sum_i P_i V_i W_O[i] + b_O  (+ X_q if residual)
 
-and a cotangent ``dY [T_q, d_model]``, the backward pass is::
+and a cotangent ``dY [T_q, d_model]``::
 
     dW_O[i] += (P_i V_i)^T dY             db_O += sum_t dY[t]
     dZ_i     = dY W_O[i]^T                                        [T_q, d_v]
@@ -23,22 +22,11 @@ and a cotangent ``dY [T_q, d_model]``, the backward pass is::
     dW_V[g] += X_kv^T dV_i   db_V[g] += colsum dV_i    dX_kv += dV_i W_V[g]^T
     dX_q += dY (residual);   dX_q += dX_kv when x_kv is None (self-attention: both paths)
 
-so the gradients of a shared key/value head sum over the ``G`` query heads that read it. A fully
-masked query row has ``P = 0``, hence ``dS = 0``: no gradient flows through its softmax (its
-output ``b_O`` still passes ``dY`` to ``db_O`` and, residually, to ``x_q``). ``mask`` and the
-integer positions have no gradient; the bias gradient is zero wherever ``bias`` is ``-inf`` or the
-pair is masked (``P = 0`` there).
-
-A key/value token that no query may read (masked, or ``-inf`` bias, for every query) passes
-nothing, whatever it holds: it is read as zeros (its gradient is exactly zero either way), so a
-NaN or inf there never reaches ``dW_K``, ``dW_V`` or ``dx_kv`` through ``0 x NaN``. Other inputs
-are assumed finite (a non-finite token that some query reads has no derivative).
-
-``method="definition"`` runs these formulas one batch element, head and query at a time, with
-scalar-by-scalar sums over keys; ``method="fast"`` runs them with float64 BLAS for every head at
-once, streaming over query blocks (temporaries ``[H, block, T_k]`` within the budget of
-:mod:`attnref.oracle._core`; the key/value-side sums ``dK``, ``dV`` are kept per batch element,
-``[H, T_k, d]``). Their error bound: :func:`attnref.tolerance.attention_vjp_error_bound`.
+A fully masked row has ``P = 0``, hence ``dS = 0``; ``mask`` and positions have no gradient. A
+key/value token no query may read passes nothing (read as zeros, so a NaN there never reaches
+``dW_K``, ``dW_V``, ``dx_kv``); other inputs are assumed finite. ``method="definition"``: one
+element at a time; ``"fast"``: BLAS for every head, by query blocks (the budget of
+:mod:`attnref.oracle._core`; ``dK``, ``dV`` kept per batch element).
 """
 
 from __future__ import annotations

@@ -1,35 +1,26 @@
 """The kernel level's gradient bound: :func:`kernel_grad_error_bound` on ``|g - g_oracle|`` for
-the gradients of ``dot_product_attention`` computed in a format with unit round-off ``u``.
-NumPy only, float64.
+the gradients of ``dot_product_attention`` in a format of unit round-off ``u``. NumPy, float64.
 
-First order, componentwise, for any evaluation order of the backward equations of
-:mod:`attnref.oracle._kernel_grad` (naive autodiff or a flash backward that recomputes ``p``
-from the lse), with ``C = C_EXP`` and ``mag`` the magnitudes of the forward bound
-(:mod:`attnref.tolerance._kernel`):
+First order, componentwise, for any evaluation order of the backward of
+:mod:`attnref.oracle._kernel_grad` (autodiff, or a flash backward recomputing ``p`` from the
+lse); ``C = C_EXP``, ``mag`` the forward bound's magnitudes (:mod:`attnref.tolerance._kernel`):
 
-1. Weights: ``|dp_ij| <= r_i p_ij`` with ``r_i = max(rho_i, expm1(E_i + L_i) + gamma_{C+2})``:
-   ``rho_i`` the forward's softmax factor (any key tiling), the second term for ``p`` recomputed
-   as ``exp(s - lse)`` with an lse off by ``L_i`` (the forward's lse bound).
+1. Weights: ``|dp_ij| <= r_i p_ij``, ``r_i = max(rho_i, expm1(E_i + L_i) + gamma_{C+2})`` (the
+   forward's softmax factor; ``p = exp(s - lse)`` with the lse off by ``L_i``).
 2. ``dP_ij = dO_i . v_j``: ``e_dP = gamma_{H_v} |dO_i|.|v_j|``.
-3. ``D_i``: as ``dO_i . o_i``, ``|dO_i|.e_o + gamma_{H_v} |dO_i|.|o|_i`` (``e_o`` the forward's
-   output bound); as ``sum_j p_ij dP_ij``, ``sum_j p_ij (r_i |dP_ij| + e_dP) + gamma_S
-   sum_j p_ij |dP_ij|``; the larger of the two.
-4. ``dS_ij = p_ij (dP_ij - D_i + dl_i)`` in any association: with ``G = |dP| + |D| + |dl|``,
-   ``e_dS = p_ij (r_i G_ij + e_dP + e_D + 3 u G_ij)``.
-5. Softcap: ``dX = dS f``, ``f = 1 - t^2``, ``t = tanh(x / c)`` with ``x`` off by
-   ``e_x = gamma_{H+1} mag``: ``e_t = f e_x / c + (C + 1) u |t|``, ``e_f = 2 |t| e_t + 2 u``,
-   ``e_dX = e_dS f + |dS| e_f + u |dX|`` (without softcap ``dX = dS``).
-6. Sums: ``dq_i = scale sum_j dX_ij k_j``: ``|scale| (e_dX |k| + gamma_{S+2} |dX| |k|)``;
-   ``dk_j`` sums over the ``T G`` (query, head) pairs of its K/V head:
-   ``|scale| (e_dX^T |q| + gamma_{T G+2} |dX|^T |q|)``; ``dv_j = sum p_ij dO_i``:
-   ``(r p)^T |dO| + gamma_{T G+1} p^T |dO|``; the bias gradient, summed over its ``m``
-   broadcast entries: ``sum e_dS + gamma_m sum |dS|``. ``masked_rows="uniform"`` adds
-   ``gamma_{T G+2} sum |dO_i| / S`` to every ``dv_j`` for the dead rows' mean.
+3. ``D_i``: the larger of ``|dO_i|.e_o + gamma_{H_v} |dO_i|.|o|_i`` (as ``dO_i . o_i``) and
+   ``sum_j p_ij (r_i |dP_ij| + e_dP) + gamma_S sum_j p_ij |dP_ij|`` (as ``sum_j p_ij dP_ij``).
+4. ``dS_ij = p_ij (dP_ij - D_i + dl_i)``, ``G = |dP| + |D| + |dl|``: ``e_dS = p_ij (r_i G_ij +
+   e_dP + e_D + 3 u G_ij)``.
+5. Softcap ``dX = dS f``, ``f = 1 - t^2``, ``t = tanh(x / c)``, ``e_x = gamma_{H+1} mag``: ``e_t =
+   f e_x / c + (C + 1) u |t|``, ``e_f = 2 |t| e_t + 2 u``, ``e_dX = e_dS f + |dS| e_f + u |dX|``.
+6. Sums: ``dq``: ``|scale| (e_dX |k| + gamma_{S+2} |dX| |k|)``; ``dk`` over the ``T G`` pairs of
+   its K/V head: ``|scale| (e_dX^T |q| + gamma_{T G+2} |dX|^T |q|)``; ``dv``: ``(r p)^T |dO| +
+   gamma_{T G+1} p^T |dO|``; bias over its ``m`` broadcast entries: ``sum e_dS + gamma_m sum
+   |dS|``; ``masked_rows="uniform"`` adds ``gamma_{T G+2} sum |dO_i| / S`` to every ``dv_j``.
 
-16-bit inputs are computed in float32 (the kernel promotes) and the gradient is rounded once to
-the 16-bit format (``+ u_16 (|g| + bound)``). The float64 gradient oracle's own error (the same
-bound with float64's ``u``) is included, so ``|g - g_oracle| <= bound`` is a rigorous
-first-order test.
+16-bit inputs run in float32 and the gradient is rounded once (``+ u_16 (|g| + bound)``). The
+float64 oracle's own error is included: ``|g - g_oracle| <= bound`` is rigorous to first order.
 """
 
 from __future__ import annotations

@@ -1,38 +1,30 @@
 """The derived error bound of multi-head latent attention (MLA), both forms (NumPy only, float64).
 
 **Derivation.** Both forms compute the same products in a different order (row convention;
-``W_DQ`` is the identity without query compression, ``d_cq = 0``):
+``W_DQ`` the identity without query compression, ``d_cq = 0``):
 
-* **Logits, compressed part.** The naive form computes ``(x_i W_DQ W_UQ[h]) . (x_j W_DKV
-  W_UK[h])``, the absorbed form ``((x_i W_DQ W_UQ[h]) W_UK[h]^T) . (x_j W_DKV)``: two
-  parenthesisations of one product of six factors. For a product computed in any order,
-  ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``, ``N`` the sum of the inner
-  dimensions (Higham 2002, eq. 3.13, Lemma 3.3): ``d_model`` (``x W_DQ``, or ``x W_UQ``),
-  ``d_cq``, ``d_model`` (``x W_DKV``), then ``d_c`` and ``d_nope`` (the up-projection on the key
-  side, or the absorption on the query side) and the final dot, which also sums the RoPE part
-  (``d_nope + d_rope`` or ``d_c + d_rope``): in both orders at most
-  ``2 d_model + d_cq + d_c + d_nope + d_rope``.
-* **Logits, RoPE part** (shared ``k_rope``, per-head ``q_rope``; not absorbable: the rotation
-  ``R(m_i) R(n_j)^T`` sits between ``W_QR`` and ``W_KR``). As in
-  :func:`attnref.tolerance.rope_attention_error_bound`: each rotated pair adds ``gamma_2`` relative
-  to the pair sums ``QJ``, ``KJ`` of the magnitudes (``|a| + |b|`` on both members), and the angle
-  error ``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp`` (:func:`attnref.tolerance.rope_logit_error`).
-* With the scale multiply and the bias add, ``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6``
-  and ``|ds_hij| <= gamma_{N_s} Ls_hij + |scale| angle_hij + u |s_hij - max_j s_hij|`` with
-  ``Ls = |scale| (|x_i||W_DQ||W_UQ[h]||W_UK[h]|^T|W_DKV|^T|x_j|^T + QJ_hi . KJ_j) + |bias_ij|``.
-* **Softmax** as for every formulation (``docs/tolerances.md``): ``rho_hi = exp(2 E_hi) - 1 +
-  gamma_{T_k + 2 + 2 C_EXP}``, ``E_hi`` the row maximum of the logit bound over allowed keys.
-* **Output.** ``y_i = sum_h sum_j p_hij x_j W_DKV W_UV[h] W_O[h]``: the naive form forms ``v``
-  first, the absorbed form mixes the latent first (``sum_j p_hij c_j``) and up-projects after;
-  both are orders of one product with inner dimensions ``T_k, d_model, d_c, d_v``, summed over
-  ``H`` heads: ``N_y = T_k + d_model + d_c + d_v + H + 2`` and, with
-  ``G_hj = |x_j||W_DKV||W_UV[h]||W_O[h]|``,
-  ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj`` (``+ u |x_i + y_i|`` residual).
+* **Logits, compressed part.** Naive ``(x_i W_DQ W_UQ[h]) . (x_j W_DKV W_UK[h])`` and absorbed
+  ``((x_i W_DQ W_UQ[h]) W_UK[h]^T) . (x_j W_DKV)`` are two parenthesisations of one six-factor
+  product; in any order ``|fl(A_1...A_k) - A_1...A_k| <= gamma_N |A_1|...|A_k|``, ``N`` the sum
+  of inner dimensions (Higham 2002, eq. 3.13, Lemma 3.3): at most ``2 d_model + d_cq + d_c +
+  d_nope + d_rope`` (the final dot also sums the RoPE part).
+* **Logits, RoPE part** (shared ``k_rope``, per-head ``q_rope``; not absorbable): as in
+  :func:`attnref.tolerance.rope_attention_error_bound`, ``gamma_2`` relative to the pair sums
+  ``QJ``, ``KJ`` and the angle error ``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``
+  (:func:`attnref.tolerance.rope_logit_error`).
+* With scale and bias, ``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6``, ``|ds_hij| <=
+  gamma_{N_s} Ls_hij + |scale| angle_hij + u |s_hij - max_j s_hij|``, ``Ls = |scale|
+  (|x_i||W_DQ||W_UQ[h]||W_UK[h]|^T|W_DKV|^T|x_j|^T + QJ_hi . KJ_j) + |bias_ij|``.
+* **Softmax** as everywhere (``docs/tolerances.md``): ``rho_hi = exp(2 E_hi) - 1 + gamma_{T_k + 2
+  + 2 C_EXP}``, ``E_hi`` the row max of the logit bound.
+* **Output.** ``y_i = sum_h sum_j p_hij x_j W_DKV W_UV[h] W_O[h]`` in either order (values first,
+  or the latent mixed first): ``N_y = T_k + d_model + d_c + d_v + H + 2``, ``|dy_i| <= sum_h
+  (rho_hi + gamma_{N_y}) sum_j p_hij G_hj``, ``G_hj = |x_j||W_DKV||W_UV[h]||W_O[h]|`` (``+ u |x_i
+  + y_i|`` residual).
 
-The float64 oracle's own error is the same expression in float64's ``u``; the bound is the sum
-of both, so ``|form in dtype - oracle| <= bound`` is a rigorous first-order test. Two forms in
-the same dtype differ by at most twice the bound. 16-bit formats get the same worst-case
-expression in their ``u`` (loose).
+Plus the float64 oracle's own error (the same at float64's ``u``): ``|form in dtype - oracle| <=
+bound`` is a rigorous first-order test; two forms differ by at most twice it. 16-bit formats get
+the worst-case expression in their ``u`` (loose).
 """
 
 from __future__ import annotations
