@@ -5,45 +5,39 @@ The target has the signature of :func:`attnref.decode.paged_attention`::
     fn(query [B, T, N, H], k_pages [P, page_size, K, H], v_pages [P, page_size, K, H],
        block_table [B, max_pages] int32, seq_lens [B] int32, **options) -> o [B, T, N, H]
 
-(NumPy arrays in, anything :func:`numpy.asarray` reads out; ``jax.numpy`` arrays for the
-``gradients`` property). Token ``j`` of sequence ``b`` lives in page
-``block_table[b, j // page_size]`` at offset ``j % page_size``; ``seq_lens`` counts every token,
-the queries' own included, and the ``T`` queries are the last ``T`` tokens. An option keyword is
-passed only when a property uses it: ``is_causal=True`` (``prefill``), ``return_lse=True``
-(``lse``: the target then returns ``(o, lse [B, T, N])``). Wrap a kernel of another layout (the
-Pallas one: ``q [B, N, H]``, pages ``[K, P, page_size, H]``, no ``1/sqrt(H)`` scale) in a few
-lines; ``docs/paged.md`` shows one.
+(NumPy in, anything :func:`numpy.asarray` reads out; ``jax.numpy`` arrays for ``gradients``).
+Token ``j`` of sequence ``b`` is in page ``block_table[b, j // page_size]`` at offset ``j %
+page_size``; ``seq_lens`` counts every token, the ``T`` queries being the last ``T``. Options are
+passed only when used: ``is_causal=True`` (``prefill``), ``return_lse=True`` (``lse``: ``(o, lse
+[B, T, N])``). ``docs/paged.md`` wraps a kernel of another layout (the Pallas one).
 
-Each property compares with the float64 oracle :func:`attnref.oracle.paged_attention` within the
-kernel's derived bound :func:`attnref.tolerance.kernel_call_error_bound` on the gathered keys
-(``key_blocks=None``: valid for any tiling of the keys, so for any page or split schedule); a
-gather moves values without rounding them, so the kernel's bound is the paged bound.
+Each property compares with the float64 oracle :func:`attnref.oracle.paged_attention` within
+:func:`attnref.tolerance.kernel_call_error_bound` on the gathered keys (``key_blocks=None``: any
+page or split schedule; a gather does not round).
 
-Properties (:data:`PAGED_PROPERTIES`; shapes: ``page_size`` 8 and 16, lengths drawn in
-``[1, S]``, most of them not filling their last page):
+Properties (:data:`PAGED_PROPERTIES`; ``page_size`` 8 and 16, lengths in ``[1, S]``, most not
+filling their last page):
 
 ``oracle``
-    Decoding (``T = 1``), pages permuted at random in a pool with pages no table lists; unused
-    slots hold large finite values (``1e4``: a kernel that reads one gives a visibly wrong row).
+    Decoding (``T = 1``), pages permuted in a pool with unlisted pages; unused slots hold ``1e4``
+    (a kernel reading one gives a visibly wrong row).
 ``unused_pages``
-    Unused slots and pages hold NaN, and unused table entries name pages of *other* sequences:
-    no NaN and no foreign value may reach the output.
+    Unused slots and pages hold NaN, unused table entries name *other* sequences' pages: no NaN
+    and no foreign value may reach the output.
 ``permutation``
-    The same logical cache under two page layouts (two permutations of the pool): both equal
-    the oracle, and they agree within twice the bound.
+    One logical cache under two page layouts: both equal the oracle and agree within twice the
+    bound.
 ``append``
-    One sequence grown token by token through the table (page boundaries crossed, a fresh page
-    taken each ``page_size`` steps): the decode output at each length equals the oracle.
+    One sequence grown token by token (page boundaries crossed): each decode equals the oracle.
 ``prefill`` (needs ``"prefill"``)
-    ``T = 3`` queries continuing the cache (chunked prefill), ``is_causal=True`` with
-    bottom-right positions ``seq_lens - T + i``.
+    ``T = 3`` queries continuing the cache, ``is_causal=True`` (positions ``seq_lens - T + i``).
 ``gqa`` (needs ``"gqa"``)
     ``N = 2K`` and ``N = 4K`` (query head ``n`` reads K/V head ``n // (N / K)``).
 ``lse`` (needs ``"lse"``)
     The returned ``lse`` equals the oracle's within its bound.
 ``gradients`` (needs ``"grad"``)
     ``jax.grad`` with respect to ``query``, ``k_pages``, ``v_pages`` equals the kernel gradient
-    oracle on the gathered keys moved back through the table (within
+    oracle moved back through the table (within
     :func:`attnref.tolerance.kernel_grad_error_bound`); unused slots (NaN) get exactly 0.
 """
 
@@ -143,8 +137,7 @@ class Problem:
 
 
 class _Target:
-    """Calls the user's function with the problem's arrays (and options) and reads back
-    float64 ``(o, lse or None)``, checking the shapes."""
+    """Calls the target on a :class:`Problem`: float64 ``(o, lse or None)``, shapes checked."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -314,17 +307,15 @@ def check_paged(
     target: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ConformanceReport:
-    """Run the paged-cache properties (module docstring) against ``fn``, a paged decode kernel
-    with the signature of :func:`attnref.decode.paged_attention`: a
-    :class:`ConformanceReport` (signature ``"paged"``), one :class:`PropertyResult` per property.
+    """Run the paged-cache properties (module docstring) against ``fn``: a
+    :class:`ConformanceReport` (signature ``"paged"``).
 
-    ``features`` (a subset of :data:`PAGED_FEATURES`) declares what ``fn`` supports; a property
-    that needs a missing one is skipped with the reason. ``dtypes`` (of
-    :data:`PAGED_DTYPES`) are the formats each forward property runs in (the ``append`` and
-    ``gradients`` properties use the first). ``max_examples`` (``None``: 10), ``seed``,
-    ``properties``, ``target`` and ``progress`` are as in :func:`check_attention`. Raises
-    ``ValueError`` (an ``OptionError``) for an unknown property, feature or dtype;
-    ``TypeError`` for an ``fn`` not callable.
+    ``features`` (of :data:`PAGED_FEATURES`): what ``fn`` supports (a property needing another
+    is skipped). ``dtypes`` (of :data:`PAGED_DTYPES`): each forward property's formats
+    (``append`` and ``gradients`` use the first). ``max_examples`` (``None``: 10), ``seed``,
+    ``properties``, ``target``, ``progress`` as in :func:`check_attention`. Raises
+    ``ValueError`` (an ``OptionError``) for an unknown property, feature or dtype, ``TypeError``
+    for ``fn`` not callable.
     """
     names = check_properties(
         PAGED_PROPERTIES if properties is None else properties, PAGED_PROPERTIES

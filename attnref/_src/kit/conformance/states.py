@@ -1,48 +1,40 @@
 """The conformance kit for a user's merge of attention states: :func:`check_merge_states`.
 
-The target is a binary merge ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (the signature of
-:func:`attnref.merge_states`; NumPy arrays in, anything :func:`numpy.asarray` reads out). Each
-property is a Hypothesis test over :func:`attnref.strategies.attention_states` whose examples
-compare the target with the float64 oracle :func:`attnref.oracle.merge_state_stack` within the
-derived bound :func:`attnref.tolerance.merge_error_bound`; a row where every state is empty must
-come back empty (``lse = -inf``) with ``o`` as ``masked_rows`` declares (0 or NaN).
+The target is ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (:func:`attnref.merge_states`'
+signature; NumPy in, anything :func:`numpy.asarray` reads out). Each property is a Hypothesis test
+over :func:`attnref.strategies.attention_states` comparing with the float64 oracle
+:func:`attnref.oracle.merge_state_stack` within :func:`attnref.tolerance.merge_error_bound`; a row
+where every state is empty must come back empty (``lse = -inf``, ``o`` per ``masked_rows``).
 
 Properties (:data:`MERGE_PROPERTIES`):
 
 ``oracle``
-    Two states (ties, small and > 88 differences, empty states whose ``o`` is NaN, empty rows)
-    merge to the oracle's state within the bound of one merge.
+    Two states (ties, small and > 88 differences, empty states with NaN ``o``, empty rows) merge
+    to the oracle within the bound of one merge.
 ``commutative``
-    ``merge(a, b)`` and ``merge(b, a)`` agree within twice that bound (each is within it of
-    the same oracle state), with ``-inf`` and NaN in the same places.
+    ``merge(a, b)`` and ``merge(b, a)`` agree within twice that bound, ``-inf`` and NaN alike.
 ``associative``
-    Three to five states merged by two random trees (random order and grouping): each equals
-    the oracle within the bound of its depth, and they agree within the sum of the two bounds.
+    Three to five states merged by two random trees: each equals the oracle within the bound of
+    its depth, and they agree within the sum of the two bounds.
 ``identity``
-    The empty state (``lse = -inf``, ``o`` NaN, never to be read) is the identity on either
-    side, and merging two empty states gives the empty state under ``masked_rows``.
+    The empty state (``lse = -inf``, ``o`` NaN) is the identity on either side; two empty states
+    merge to the empty state.
 ``stability``
-    States with ``|lse|`` up to ``1e4`` and differences from 89 (``exp`` overflows float32) to
-    ``2e4``: the result is finite (no inf, no NaN) and within the bound. (A merge written
-    ``lse_a + log(1 + exp(lse_b - lse_a))`` overflows here.)
+    ``|lse|`` up to ``1e4``, differences from 89 (float32 ``exp`` overflows) to ``2e4``: finite
+    and within the bound (a merge written ``lse_a + log(1 + exp(lse_b - lse_a))`` overflows).
 ``dtypes``
-    One drawn pair of states, rounded to every requested format (``o`` float32, float64,
-    bfloat16, float16; a 16-bit ``o`` with its ``lse`` in float32 and in the same 16-bit format)
-    and merged in each, within the bound of that format (16-bit states merged in float32, each
-    result stored in the states' formats). float64 runs inside ``jax.enable_x64``.
+    One pair rounded to every requested format (``o`` float32, float64, bfloat16, float16; a
+    16-bit ``o`` with float32 and with 16-bit ``lse``), each merged within its format's bound
+    (16-bit states merged in float32, stored in the states' formats; float64 under x64).
 ``gradients`` (skipped with ``grad=False``)
-    ``jax.vjp`` of the merge, for random cotangents ``g_o`` on the merged ``o`` and ``g_lse`` on
-    its ``lse``, with respect to both states' ``o`` and ``lse``, equals the float64 gradient
-    derived by hand from the merge's definition (:func:`attnref.oracle.merge_states_vjp`)::
+    ``jax.vjp`` of the merge for random ``g_o``, ``g_lse`` equals the float64 gradient
+    (:func:`attnref.oracle.merge_states_vjp`)::
 
         d o_p   = pi_p g_o,   d lse_p = pi_p (g_o . (o_p - o) + g_lse),   pi_p = e^{lse_p - lse}
 
-    within the derived bound :func:`attnref.tolerance.merge_grad_error_bound`, on the drawn
-    states of the forward properties in their format (float32 when requested; ties, differences
-    past 88, ``|lse|`` up to ``1e4``, empty states and empty rows): an empty state
-    (``lse = -inf``, weight 0) and every state of an empty row get exactly 0, never NaN. A
-    merge that is exact forward but ``stop_gradient``s its weights loses the
-    ``pi_p g_o . (o_p - o)`` term and fails here only.
+    within :func:`attnref.tolerance.merge_grad_error_bound` on the forward properties' states;
+    an empty state and every state of an empty row get exactly 0, never NaN. A merge that
+    ``stop_gradient``s its weights loses ``pi_p g_o . (o_p - o)`` and fails here only.
 """
 
 from __future__ import annotations
@@ -93,8 +85,7 @@ def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
 
 
 class _Merge:
-    """Calls the target on NumPy states and reads back ``(o, lse)`` as float64; :meth:`vjp`
-    differentiates it with ``jax.vjp``."""
+    """Calls the target on NumPy states, ``(o, lse)`` back as float64; :meth:`vjp`: jax.vjp."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -125,11 +116,8 @@ class _Merge:
     def vjp(
         self, o_a: Any, l_a: Any, o_b: Any, l_b: Any, g_o: np.ndarray, g_l: np.ndarray
     ) -> tuple[np.ndarray, ...]:
-        """``jax.vjp`` of the target at the states for the cotangents ``(g_o, g_l)`` of its
-        ``(o, lse)``: ``(d o_a, d lse_a, d o_b, d lse_b)`` as float64 (the inputs' shapes).
-        Forward and backward are jitted together (one compile per format); a target that
-        cannot be traced under ``jit`` (Python control flow on values) is differentiated
-        eagerly."""
+        """``(d o_a, d lse_a, d o_b, d lse_b)`` as float64 for the cotangents ``(g_o, g_l)``,
+        jitted (eagerly for a target that cannot be traced)."""
         with x64_if(o_a, l_a, o_b, l_b):
             states = tuple(jnp.asarray(x) for x in (o_a, l_a, o_b, l_b))
             cot = (jnp.asarray(g_o), jnp.asarray(g_l))
@@ -156,8 +144,7 @@ class _Merge:
 
 
 def _merge_tree(merge: _Merge, tree: ast.Tree, s: ast.StateStack) -> tuple[Any, Any]:
-    """``tree`` evaluated with ``merge``, each intermediate state cast back to the states'
-    formats (what a merge in that format hands to the next)."""
+    """``tree`` evaluated with ``merge``, each intermediate cast back to the states' formats."""
     if isinstance(tree, tuple):
         o, lse = merge(*_merge_tree(merge, tree[0], s), *_merge_tree(merge, tree[1], s))
         return o.astype(s.o.dtype), lse.astype(s.lse.dtype)
@@ -167,8 +154,7 @@ def _merge_tree(merge: _Merge, tree: ast.Tree, s: ast.StateStack) -> tuple[Any, 
 def _check_state(
     got: tuple[np.ndarray, np.ndarray], s: ast.StateStack, tree: str | int, policy: str, label: str
 ) -> None:
-    """``got`` equals the oracle merge of ``s`` within the bound of ``tree``; empty rows empty
-    with ``o`` per ``policy``; no non-finite value on a live row."""
+    """``got`` is the oracle merge of ``s`` within the bound of ``tree``, empty rows empty."""
     o, lse = got
     ref_o, ref_l = oracle.merge_state_stack(s.o, s.lse, masked_rows=policy)
     o_b, l_b = s.bound(tree)
@@ -201,7 +187,6 @@ def _check_state(
 
 
 def _within(x: Any, ref: Any, b: Any, mask: Any, what: str, bound: str) -> None:
-    """``|x - ref| <= b`` where ``mask``; the failure begins ``what = <the error>``."""
     assert_ratio_within(
         np.abs(np.where(mask, x, 0.0) - np.where(mask, ref, 0.0)),
         np.where(mask, b, 0.0),
@@ -220,10 +205,8 @@ _GRAD_NAMES = ("o_a", "lse_a", "o_b", "lse_b")
 def _check_gradients(
     got: tuple[np.ndarray, ...], s: ast.StateStack, g_o: np.ndarray, g_l: np.ndarray, label: str
 ) -> None:
-    """``got = (d o_a, d lse_a, d o_b, d lse_b)`` equals the float64 gradient oracle
-    ``d o_p = pi_p g_o``, ``d lse_p = pi_p (g_o . (o_p - o) + g_lse)`` within the derived bound
-    (``merge_grad_error_bound``): exactly 0 for an empty state and on an empty row (weight 0),
-    finite wherever the oracle is."""
+    """``got = (d o_a, d lse_a, d o_b, d lse_b)`` within ``merge_grad_error_bound`` of the
+    float64 gradient, exactly 0 for an empty state and on an empty row."""
     states = (*s.state(0), *s.state(1))
     want = merge_states_vjp(*states, g_o, g_l)
     bounds = merge_grad_error_bound(*states, g_o, g_l, dtype=s.dtype, lse_dtype=s.lse_dtype)
@@ -254,8 +237,7 @@ def _check_gradients(
 
 
 def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
-    """``s`` (two states over rows ``(2, 3)``) with row ``(0, 0)`` empty in both, state ``a``
-    empty on row ``(0, 1)`` and state ``b`` on row ``(1, 0)`` (``lse = -inf``, ``o`` NaN)."""
+    """``s`` with row ``(0, 0)`` empty in both states, ``(0, 1)`` in ``a``, ``(1, 0)`` in ``b``."""
     o, lse = s.o.copy(), s.lse.copy()
     for p, row in ((0, (0, 0)), (1, (0, 0)), (0, (0, 1)), (1, (1, 0))):
         lse[(p, *row)] = -np.inf
@@ -264,8 +246,7 @@ def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
 
 
 def _agree(a: Any, b: Any, allowed: Any, label: str, message: str, **fields: Any) -> None:
-    """Two merged states ``(o, lse)`` have NaN and infinities in the same places and, elsewhere,
-    ``lse`` then ``o`` differ by at most ``allowed`` (``(o, lse)`` allowances)."""
+    """Two ``(o, lse)`` with NaN and infinities alike, elsewhere within ``allowed``."""
     for i, what in ((1, "lse"), (0, "o")):
         x, y = (np.asarray(g[i], np.float64) for g in (a, b))
         for kind, f in (("NaN", np.isnan), ("-inf", np.isneginf), ("+inf", np.isposinf)):
@@ -315,13 +296,13 @@ def _explicit(dtype: str, spread: str, center: float, pieces: int = 2) -> ast.St
 def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tuple[Any, ...]:
     """``(strategy, check, explicit cases)`` of property ``name``."""
     primary = "float32" if "float32" in dtypes else dtypes[0]
+
+    def check_one(s: ast.StateStack) -> None:
+        _check_state(merge(*s.state(0), *s.state(1)), s, 1, policy, "merge(a, b)")
+
     if name == "oracle":
-
-        def check_oracle(s: ast.StateStack) -> None:
-            _check_state(merge(*s.state(0), *s.state(1)), s, 1, policy, "merge(a, b)")
-
         spreads = ("tied", "small", "large")
-        return _states((2, 2), primary, spreads=spreads, centers=(0.0,)), check_oracle, ()
+        return _states((2, 2), primary, spreads=spreads, centers=(0.0,)), check_one, ()
     if name == "commutative":
 
         def check_comm(s: ast.StateStack) -> None:
@@ -377,14 +358,9 @@ def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tup
 
         return _states((1, 1), primary), check_identity, ()
     if name == "stability":
-
-        def check_stable(s: ast.StateStack) -> None:
-            _check_state(merge(*s.state(0), *s.state(1)), s, 1, policy, "merge(a, b)")
-
         strategy = _states((2, 2), primary, spreads=("large", "huge"), empty=False)
         explicit = (_explicit(primary, "large", 1e4), _explicit(primary, "huge", 0.0))
-        return strategy, check_stable, explicit
-
+        return strategy, check_one, explicit
     if name == "gradients":
 
         def check_gradients(s: ast.StateStack) -> None:
@@ -423,22 +399,17 @@ def check_merge_states(
     progress: Callable[[int, int, str], None] | None = None,
     grad: bool = True,
 ) -> ConformanceReport:
-    """Run the state-algebra properties (module docstring) against a user's binary ``merge``:
-    a :class:`ConformanceReport` (signature ``"merge_states"``), one :class:`PropertyResult` per
-    property.
+    """Run the state-algebra properties (module docstring) against ``merge(o_a, lse_a, o_b,
+    lse_b) -> (o, lse)`` (``o [..., H_v]``, ``lse [...]``, NumPy in): a
+    :class:`ConformanceReport` (signature ``"merge_states"``).
 
-    ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (``o [..., H_v]``, ``lse [...]``: the
-    signature of :func:`attnref.merge_states`) receives NumPy arrays (float64 inside
-    ``jax.enable_x64``). ``dtypes`` are the formats of the ``dtypes`` property (default all of
-    :data:`MERGE_DTYPES`); the other properties run in float32 when it is requested, else in the
-    first. ``masked_rows`` declares the ``o`` of a merge of empty states (``"zeros"`` or
-    ``"nan"``). ``grad=False`` (the report's features then lack ``"grad"``) is for a merge
-    ``jax.vjp`` cannot differentiate (NumPy inside): the ``gradients`` property is skipped with
-    the reason. ``max_examples`` (``None``: 20), ``seed``, ``properties`` (a subset of
-    :data:`MERGE_PROPERTIES`, default all), ``target`` and ``progress`` are as in
-    :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``) for an unknown property,
-    dtype or ``masked_rows``, no dtypes or ``max_examples < 1``; ``TypeError`` for a ``merge``
-    not callable or a ``grad`` not a bool.
+    ``dtypes``: the ``dtypes`` property's formats (default :data:`MERGE_DTYPES`); the others run
+    in float32 when requested, else the first. ``masked_rows``: the ``o`` of a merge of empty
+    states (``"zeros"`` or ``"nan"``). ``grad=False``: a merge ``jax.vjp`` cannot differentiate
+    (``gradients`` skipped). ``max_examples`` (``None``: 20), ``seed``, ``properties``,
+    ``target`` and ``progress`` as in :func:`check_attention`. Raises ``ValueError`` (an
+    ``OptionError``) for an unknown property, dtype or ``masked_rows``, no dtypes or
+    ``max_examples < 1``; ``TypeError`` for ``merge`` not callable or ``grad`` not a bool.
     """
     if masked_rows not in STATE_POLICIES:
         raise OptionError(
