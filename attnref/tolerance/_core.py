@@ -27,8 +27,7 @@ BOUND_RAISES = {
 
 
 def bound_options(*, residual: bool = False, dtype: Any = np.float32) -> None:
-    """The options of a block's bound (the weight, RoPE, MLA and multi-head linear levels), written
-    once: a template for :func:`attnref.oracle._doc.signed`."""
+    """The options of a block's bound: a template for :func:`attnref.oracle._doc.signed`."""
 
 
 # Those of a block's gradient bound: float64 by default.
@@ -36,11 +35,7 @@ grad_bound_options = retemplate(bound_options, dtype=np.float64)
 
 
 def read_params(params: Any) -> Params:
-    """The parameters as float64 arrays, key/value heads repeated to one per query head.
-
-    ``w_k, w_v [K, ...]`` and ``b_k, b_v [K, d]`` become ``[H, ...]`` with entry ``i`` taken from
-    key/value head ``i // G`` (``G = H / K``); multi-head parameters pass through unchanged.
-    """
+    """The parameters as float64, key/value heads repeated to one per query head (``i // G``)."""
     w = {n: get_param(params, n) for n in FIELDS}
     if any(w[n] is None for n in ("w_q", "w_k", "w_v", "w_o")):
         raise ValueError("params must have w_q, w_k, w_v and w_o")
@@ -66,9 +61,7 @@ def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 def project_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
-    """``x W[i] + b[i]`` per head (float64): ``[..., H, T, d]`` for ``layout="hte"`` (head-major),
-    ``[..., T, H, d]`` for ``"the"`` (token-major, the layout of the oracle's RoPE and linear
-    attention)."""
+    """``x W[i] + b[i]`` per head: ``[..., H, T, d]`` (``layout="hte"``) or ``[..., T, H, d]``."""
     y = np.einsum(f"...td,hde->...{layout}", x, wt)
     if b is None:
         return y
@@ -138,8 +131,7 @@ def read_problem(
     bias: Any,
     scale: float | None,
 ) -> _Problem:
-    """The inputs as float64 arrays, the scale (default ``1/sqrt(d_k)``), the finite logit bias
-    and the allowed pairs, for the parameters ``w`` of :func:`read_weights`."""
+    """The inputs as float64, the scale, the finite logit bias and the allowed pairs."""
     w_q, _, w_v, _ = head_weights(w)
     h, d_model, d_k = w_q.shape
     xq, xkv = tokens(x_q, x_kv)
@@ -154,8 +146,7 @@ def read_problem(
 
 
 def problem_softmax(p: _Problem, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, Softmax]:
-    """The allowed pairs and the softmax of ``s = scale q k^T + bias`` ``[..., H, T_q, T_k]``
-    from per-head ``q, k [..., H, T, d]``."""
+    """The allowed pairs and the softmax of ``s = scale q k^T + bias``, ``[..., H, T_q, T_k]``."""
     logits = np.einsum("...hqd,...hkd->...hqk", q, k) * p.scale + p.bias
     allowed = np.broadcast_to(p.keep, logits.shape)
     return allowed, softmax(logits, allowed)
@@ -184,8 +175,7 @@ def worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, flo
 
 
 def _chain_sizes(dims: tuple[int, int, int, int, int]) -> tuple[int, int, int]:
-    """``(N_s, N_y, T_k)`` (module docstring, steps 1 and 3) of ``dims = (H, d_model, d_k, d_v,
-    T_k)``."""
+    """``(N_s, N_y, T_k)`` (steps 1 and 3) of ``dims = (H, d_model, d_k, d_v, T_k)``."""
     h, d_model, d_k, d_v, t_k = dims
     return 2 * (d_model + 1) + d_k + 2, t_k + d_model + d_v + h + 2, t_k
 
@@ -232,14 +222,9 @@ def _bound_for(
 @doc(WEIGHT, BOUND_RAISES)
 @signed(weight_call, bound_options)
 def attention_error_bound(call: dict[str, Any]) -> np.ndarray:
-    """Componentwise bound on ``|attention in dtype - float64 oracle|``, ``[..., T_q, d_model]``.
-
-    ``|dy_i| <= sum_h (rho_hi + gamma_{N_y}) sum_j p_hij G_hj + gamma_{N_y} |b_O|`` with
-    ``rho_hi = exp(2 max_j |ds_hij|) - 1 + gamma_{T_k + 10}``,
-    ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|`` (module docstring), summed over
-    ``dtype``'s ``u`` and float64's (the oracle's own error); ``+ u |x_i + y_i|`` if ``residual``.
-    16-bit formats use the float32-accumulation model (``K_S``, ``K_Y``). The inputs are exactly
-    as the formulation received them (already in ``dtype``).
+    """Componentwise bound on ``|attention in dtype - float64 oracle|``, ``[..., T_q, d_model]``:
+    steps 1 to 3 of the :mod:`attnref.tolerance` docstring summed over ``dtype``'s ``u`` and
+    float64's (16-bit: the float32-accumulation model), inputs as the formulation received them.
 
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
@@ -281,27 +266,14 @@ def attention_local_errors(
     scale: float | None = None,
     dtype: Any = np.float32,
 ) -> dict[str, Any]:
-    """The three local error terms of :func:`attention_error_bound`'s derivation, unpropagated.
-
-    ``logits: gamma_{N_s} Ls + u |s - max s|``, ``weights: gamma_{T_k + 2 + 2 C_EXP}``,
-    ``output: gamma_{N_y} (sum_h sum_j p_hij G_hj + |b_O|)``.
-
-    For a caller that propagates them itself, e.g. with a float64 Jacobian through a whole model
-    (``tests/test_bert.py``), where they give a tighter bound than ``rho`` (which assumes the worst
-    sign and the row's largest logit error for every weight). First order, any formulation:
-
-    * ``"logits"`` ``[..., H, T_q, T_k]``: ``|ds_ij| <= gamma_{N_s} Ls_ij + u |s_ij - max_j s_ij|``
-      (step 1; zero at masked keys, which get exact zero weight);
-    * ``"weights"`` (a float): the relative error ``gamma_{T_k + 2 + 2 C_EXP}`` that ``exp``, the
-      row sum and the division add to each weight, on top of the logits' (step 2);
-    * ``"output"`` ``[..., T_q, d_model]``: ``gamma_{N_y} (sum_h sum_j p_hij G_hj + |b_O|)``, the
-      rounding of the weighted sum of values and the output projection given the weights (step 3).
-
-    Each is the sum of ``dtype``'s share and the float64 oracle's (as in ``attention_error_bound``).
-    No ``bias`` argument: the logit bias is zero (masking is by ``mask``).
+    """The local error terms of :func:`attention_error_bound` (steps 1 to 3), unpropagated, for
+    a caller that propagates them itself (e.g. a float64 Jacobian through a model,
+    ``tests/test_bert.py``); each ``dtype``'s share plus float64's; no bias (masking by ``mask``).
 
     Returns:
-        ``{"logits": array, "weights": float, "output": array}`` as above.
+        ``{"logits": gamma_{N_s} Ls + u |s - max s|`` ``[..., H, T_q, T_k]`` (0 at masked keys),
+        ``"weights": gamma_{T_k + 2 + 2 C_EXP}`` (relative, a float), ``"output": gamma_{N_y}
+        (sum_h sum_j p_hij G_hj + |b_O|)`` ``[..., T_q, d_model]}``.
     """
     w, _ = read_weights(params)
     p = read_problem(w, x_q, x_kv, mask=mask, bias=None, scale=scale)
@@ -322,11 +294,8 @@ def attention_local_errors(
 def comparative_bound(
     reference_error: float, magnitude: float, dtype: Any, *, factor: float = 2.0, n: int = 1
 ) -> float:
-    """FlashAttention's rule: allowed error ``= factor * reference_error + gamma_n(u) * magnitude``.
-
-    ``reference_error`` is the max error of a same-precision reference (different operation
-    order) against float64; ``gamma_n * magnitude`` is a rounding floor for the case where that
-    reference happens to be almost exact. FlashAttention's tests use ``factor = 2``.
+    """FlashAttention's rule: allowed error ``= factor * reference_error + gamma_n(u) * magnitude``
+    (the ``gamma_n`` floor for a reference that happens to be almost exact).
 
     Args:
         reference_error: ``max |R - oracle_64|`` of the same-precision reference ``R``.

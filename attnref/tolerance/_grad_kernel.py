@@ -55,15 +55,9 @@ def _block(
     w: np.ndarray | None = None,
     z: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """Bounds for one batch element and a block of query rows, per query head: ``q [N, R, H]``,
-    ``kg [N, S, H]``, ``vg [N, S, H_v]``, ``ok``/``bias [N, R, S]``, ``d_o [N, R, H_v]``,
-    ``d_l [N, R]``; the bounds are summed over the unit round-offs ``units`` (the kernel's
-    format's and float64's, the oracle's). Returns ``(e_dq [N, R, H], e_dk [N, S, H],
-    e_dv [N, S, H_v], e_dS, |dS|)`` (the last two ``[N, R, S]``, for the bias).
-    ``w [N, R, S]``: dropout's ``keep / (1 - p)`` (the values read by pair ``ij`` are
-    ``w_ij v_j``). ``z [N]``: the sinks, appended as key ``S`` (logit ``z_n``, value 0, read
-    by every row; a ``-inf`` sink by none): then ``e_dk``, ``e_dv`` hold ``S + 1`` keys and
-    ``e_dS``, ``|dS|`` ``S + 1`` columns, the last the sink's."""
+    """Bounds of one batch element and query block per head (``q [N, R, H]``, ``kg [N, S, H]``,
+    ``vg [N, S, H_v]``, ``ok``/``bias``/``w`` (dropout) ``[N, R, S]``), summed over ``units``:
+    ``(e_dq, e_dk, e_dv, e_dS, |dS|)``; sinks ``z [N]`` are appended as key ``S`` (value 0)."""
     c = C_EXP
     if z is not None:
         n_r = q.shape[1]
@@ -151,9 +145,8 @@ def kernel_grad_error_bound(
     dtype: Any = None,
     budget: int = 64 << 20,
 ) -> Any:
-    """Componentwise bounds on the error of the gradients ``(dq, dk, dv, dbias)`` of
-    ``sum(cotangent * o) + sum(lse_cotangent * lse)`` computed in ``dtype`` (derivation in the
-    module docstring), streamed over blocks of query rows.
+    """Componentwise bounds on the error of the gradients of ``sum(cotangent * o) +
+    sum(lse_cotangent * lse)`` computed in ``dtype`` (module docstring), by query blocks.
 
     Returns:
         :class:`attnref.oracle.KernelGrads` of float64 bounds, each the shape of its input

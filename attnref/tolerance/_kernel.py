@@ -102,27 +102,20 @@ def kernel_error_bound(
     key_blocks: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Componentwise bounds on ``|o - o_oracle|`` and ``|lse - lse_oracle|`` for kernel-level
-    attention computed in ``dtype``.
+    attention in ``dtype`` (the weight-level derivation of :mod:`attnref.tolerance`, ``q, k, v``
+    exact), plus the float64 oracle's own error:
 
-    ``|do_i| <= (rho_i + gamma_S) sum_j p_ij |v_j|``, ``rho_i = exp(2 E_i) - 1 + gamma_{S + 2 +
-    2 C_EXP + 2 (C_EXP + 1)(n_b - 1)}``, ``E_i = max_j |ds_ij|``.
+    1. ``|ds_ij| <= gamma_{H+1} scale |q_i|.|k_j| + (C_EXP + 2) u |s~_ij| + u |s_ij| + u |s_ij -
+       max_j s_ij|`` (dot and scale; softcap, 1-Lipschitz; bias add; max subtraction).
+    2. ``rho_i = exp(2 E_i) - 1 + gamma_{S + 2 + 2 C_EXP + 2 (C_EXP + 1)(n_b - 1)}``, ``E_i =
+       max_j |ds_ij|``: the online form rescales by ``exp(m - m')`` once per later key block
+       (``n_b = key_blocks``; ``None``: ``S``).
+    3. ``|do_i| <= (rho_i + gamma_S) sum_j p_ij |v_j|``; ``|d lse_i| <= E_i + delta_i / (1 -
+       delta_i) + (C_EXP + 1) u |log l_i| + u |lse_i|``, ``delta_i = expm1(E_i) + gamma_{S + C_EXP
+       + 2 (C_EXP + 1)(n_b - 1)}``.
 
-    The derivation follows the weight-level bound (module docstring), with the kernel's inputs
-    ``q, k, v`` exact:
-
-    1. ``|ds_ij| <= gamma_{H+1} scale |q_i|.|k_j| + (C_EXP + 2) u |s~_ij| + u |s_ij| +
-       u |s_ij - max_j s_ij|`` (dot product and scale; softcap's tanh, division and multiply,
-       whose derivative is at most 1; the bias add; the max subtraction).
-    2. Softmax: ``rho_i`` as above: the online form rescales each partial sum by ``exp(m - m')``
-       once per later key block (``n_b = key_blocks`` blocks; ``None`` assumes the worst,
-       ``n_b = S``).
-    3. Output as above; ``lse``:
-       ``|d lse_i| <= E_i + delta_i / (1 - delta_i) + (C_EXP + 1) u |log l_i| + u |lse_i|``
-       with ``delta_i = expm1(E_i) + gamma_{S + C_EXP + 2 (C_EXP + 1)(n_b - 1)}``.
-
-    16-bit inputs are computed in float32 (the kernel promotes), so the float32 terms apply and
-    the final cast adds ``u_16 |o|``. Fully masked rows are exact (0 or NaN) except under
-    ``"uniform"``: ``gamma_{S+1} mean_j |v_j|``. Includes the float64 oracle's own error.
+    16-bit inputs run in float32 and the cast adds ``u_16 |o|``; fully masked rows are exact except
+    under ``"uniform"`` (``gamma_{S+1} mean_j |v_j|``).
 
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64, non-negative (``inf``
@@ -162,9 +155,7 @@ def _bound_rows(
     dtype: Any,
     key_blocks: int | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kernel_error_bound` of some query rows: ``qa [B, T', N, H]``, the keys and values
-    repeated per query head ``kg [B, S, N, H]``, ``vg [B, S, N, H_v]``, ``allowed`` and ``bias``
-    ``[B, N, T', S]``. Rows are independent, so a caller may stream over row blocks."""
+    """:func:`kernel_error_bound` of some query rows (keys and values repeated per query head)."""
     h = qa.shape[-1]
     s = kg.shape[1]
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
@@ -209,9 +200,8 @@ def _uniform_and_cast(
     units: tuple[float, float],
     fmt: np.dtype[Any],
 ) -> np.ndarray:
-    """The output bound's last steps: a dead row (``dead [B, T, N, 1]``, ``masked_rows=
-    "uniform"``) is the mean of the values ``vg [B, S, N, H_v]``, off by ``gamma_{S+1} mean_j
-    |v_j|``; a 16-bit output (``o_ref`` given) adds its final rounding ``u_16 (|o| + bound)``."""
+    """The dead rows under ``"uniform"`` (``gamma_{S+1} mean_j |v_j|``) and a 16-bit output's
+    final rounding ``u_16 (|o| + bound)`` (``o_ref`` given)."""
     if dead is not None:
         g = sum(gamma(s + 1, u) for u in units)
         out = np.where(dead, g * np.abs(vg).mean(axis=1)[:, None], out)
@@ -231,10 +221,8 @@ def sink_column(
     v_abs: np.ndarray,
     w: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A block ``[G, rows, S']`` with the sink as key ``S'``: logit ``z_n`` (exact: magnitude 0),
-    read by every row (a ``-inf`` sink by none), value 0 (``v_abs [S', H_v]`` gains a zero
-    row), weight 1. The kernels merge the sink into the finished state: one more merge of the
-    online softmax (the bound's key blocks count it)."""
+    """A block with the sink as one more key: exact logit ``z_n``, value 0, weight 1 (one more
+    online-softmax merge, counted in the key blocks)."""
     z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
     s = np.concatenate([s, z], axis=-1)
     mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
@@ -253,10 +241,8 @@ def kernel_call_error_bound(
     key_blocks: int | None = None,
     budget: int = 64 << 20,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kernel_error_bound` of a kernel call given by its arguments (those of
-    :func:`attnref.oracle.dot_product_attention`), streamed over blocks of query rows: the
-    allowed set is built one block at a time, so memory is ``O(block x N x S)``, never
-    ``O(T x S)`` (for production shapes, where ``[B, N, T, S]`` does not fit).
+    """:func:`kernel_error_bound` of a kernel call given by its arguments, streamed over query
+    blocks (memory ``O(block x N x S)``, never ``O(T x S)``).
 
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64.
@@ -269,9 +255,7 @@ def kernel_call_error_bound(
 def _streamed_bound(
     c: Any, fmt: np.dtype[Any], key_blocks: int | None, budget: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kernel_call_error_bound` of a validated call: the forward's own blocks (one
-    (batch, key/value head) pair and a block of query rows at a time, only the keys the block
-    can reach), the two GEMMs of the bound (``|q| |k|^T`` and ``p |v|``) beside the oracle's."""
+    """:func:`kernel_call_error_bound` of a validated call, on the forward's own blocks."""
     b_size, n_heads, t, s_len = c.shape
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt

@@ -48,9 +48,8 @@ def _abs_feature_error(
 def _favor_exponent_error(
     fm: Any, xs: np.ndarray, dxs: np.ndarray, u: float, factor: float
 ) -> np.ndarray:
-    """Per feature ``[..., m]``: ``factor gamma_{d+6} mag + |dx~|.|w_i| + |x~|.|dx~|``, the error
-    of the FAVOR+ exponent ``w_i.x~ -/+ |x~|^2/2 -/+ |w_i|^2/2`` (each part a sum of ``<= d + 3``
-    terms) with ``mag`` the sum of the parts' magnitudes; ``dxs`` the error of ``x~``."""
+    """``factor gamma_{d+6} mag + |dx~|.|w_i| + |x~|.|dx~|`` per feature: the error of the FAVOR+
+    exponent ``w_i.x~ -/+ |x~|^2/2 -/+ |w_i|^2/2`` (``mag``: its parts' magnitudes)."""
     w = np.abs(np.asarray(fm.omega, dtype=np.float64))
     mag = xs @ w.T + 0.5 * np.sum(xs * xs, -1, keepdims=True) + 0.5 * np.sum(w * w, -1)
     return (
@@ -61,14 +60,10 @@ def _favor_exponent_error(
 def _scaled_eps(
     fm: Any, q: np.ndarray, dq: np.ndarray, eps: float, dtype: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``eps exp(-c_q)`` ``[..., T_q, H]``, the eps of the definition in the units of the
-    stabilised features (``c_q = 0`` except FAVOR+, see ``oracle.query_log_scale``), and a bound
-    on its relative evaluation error. The forms compute ``eps exp(min(-c, L))`` with ``c`` off by
-    at most ``dc = max_i(gamma_{d+6} mag_i + |dq~|.|w_i|) + |q~|.|dq~|``: relative error
-    ``expm1(dc) + (C_EXP + 2) u``. Where ``c < -L`` (``L = log(max float) / 2``) they also rescale
-    ``num``, ``den`` and ``eps`` by ``exp(c + L)``: the eps term's error relative to the
-    others grows by ``expm1(dc + u (|c| + L)) + (C_EXP + 1) u``, and ``num``, ``den`` take one
-    rounding more (added by the caller)."""
+    """``eps exp(-c_q)`` (``eps`` in the stabilised features' units, ``oracle.query_log_scale``)
+    and its relative error: ``c`` off by ``dc = max_i(gamma_{d+6} mag_i + |dq~|.|w_i|) +
+    |q~|.|dq~|`` gives ``expm1(dc) + (C_EXP + 2) u``; where ``c < -L`` (``L = log(max float) /
+    2``) the forms rescale by ``exp(c + L)``, adding ``expm1(dc + u (|c| + L)) + (C_EXP + 1) u``."""
     c = query_log_scale(fm, q)
     eps_s = eps * np.exp(np.minimum(-c, 700.0))  # float64: exact unless |q~|^2 > ~1400
     if eps == 0 or fm.name != "favor_plus":
@@ -86,8 +81,7 @@ def _scaled_eps(
 
 
 def projected_heads(x: np.ndarray, w: Params, name: str, g: float) -> tuple[np.ndarray, np.ndarray]:
-    """Token-major heads ``x W[h] + b[h]`` ``[..., T, H, d]`` and their projection error bound
-    ``g |x~||W~[h]|`` (``g``: the projection's ``gamma``)."""
+    """Token-major heads ``x W[h] + b[h]`` and their projection error ``g |x~||W~[h]|``."""
     wt, b = w["w_" + name], w["b_" + name]
     assert wt is not None
     return project_heads(x, wt, b, "the"), g * abs_heads(x, wt, b, "the")
@@ -96,8 +90,7 @@ def projected_heads(x: np.ndarray, w: Params, name: str, g: float) -> tuple[np.n
 def _kernel_matrix(
     fm: Any, q: np.ndarray, k: np.ndarray, allowed: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """``(phi(q), phi(k), A, Abar)``: the features and, head-major ``[..., H, T_q, T_k]`` over
-    the allowed pairs, ``A_ij = phi(q_i).phi(k_j)`` and ``Abar_ij = |phi(q_i)|.|phi(k_j)|``."""
+    """``(phi(q), phi(k), A, Abar)``, ``Abar_ij = |phi(q_i)|.|phi(k_j)|`` (head-major)."""
     fq, fk = features(fm, q, "query"), features(fm, k, "key")
     a = np.where(allowed, np.einsum("...qhm,...khm->...hqk", fq, fk), 0.0)
     abar = np.where(allowed, np.einsum("...qhm,...khm->...hqk", np.abs(fq), np.abs(fk)), 0.0)
@@ -137,16 +130,11 @@ def linear_error_bound(
         |d D_i|   <= sum_j (E_ij + g Abar_ij) + u |D_i| + eps_i rho_i
         |d y_i|   <= (|d num_i| + |y_i| |d D_i|) / (|D_i| - |d D_i|) + u |y_i|
 
-    ``D_i`` is the adjusted denominator in the units of the features as computed: for FAVOR+
-    those carry a per-query factor ``exp(-c_i)``, so ``eps_i = eps exp(-c_i)`` with relative
-    evaluation error ``rho_i`` (:func:`_scaled_eps`; ``g`` counts one rounding more there, for
-    the rescaling where ``exp(-c_i)`` would overflow).
-
-    Every form sums the same products ``phi(q_i)_f phi(k_j)_f v_j`` in some order (quadratic,
-    associative, prefix sums, recurrence, chunks), so one bound covers them all. Where the
-    denominator's error can reach its size (signed maps near cancellation) the bound is ``inf``:
-    the ratio is then not determined by the arithmetic. Exactly-zero denominators with no
-    possible error give exactly zero outputs and a zero bound. Includes the float64 oracle's error.
+    ``eps_i = eps exp(-c_i)`` (FAVOR+'s per-query feature scale) with relative error ``rho_i``
+    (:func:`_scaled_eps`; ``g`` counts its rescaling). Every form sums the same products
+    ``phi(q_i)_f phi(k_j)_f v_j`` in some order, so one bound covers them all; ``inf`` where the
+    denominator's error can reach its size; exact zero denominators give a zero bound. Includes
+    the float64 oracle's error.
 
     Returns:
         The bound, float64 ``[..., T_q, H, d_v]``, non-negative (``inf`` where undetermined).

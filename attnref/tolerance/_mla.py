@@ -51,9 +51,7 @@ def mla_logit_chain(dims: Any) -> int:
 @signed(mla_call, bound_options)
 def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     """Componentwise bound on ``|MLA in dtype - float64 oracle|``, ``[..., T_q, d_model]``, for
-    both forms (``attnref.mla.mla_attention``, ``mla_absorbed_attention`` and their cache-level
-    twins fed the cache of ``mla_latent_cache``); the arguments of
-    :func:`attnref.oracle.mla_attention` plus ``dtype``. Derivation: module docstring.
+    both forms and their cache-level twins (module docstring).
 
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative.

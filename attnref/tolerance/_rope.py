@@ -89,11 +89,8 @@ def rope_logit_error(
     u: float,
     base: float,
 ) -> np.ndarray:
-    """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``: the angle errors of
-    plane ``p`` times that plane's share of ``QJ . KJ`` (``QP``: the pair sums of ``qa``).
-
-    ``qa [..., H, T_q, d]``, ``ka [..., H, T_k, d]`` are the magnitudes ``|x~||W~|``; positions
-    broadcast to ``[..., T_q]`` and ``[..., T_k]``."""
+    """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``, from the magnitudes
+    ``qa``, ``ka`` (``|x~||W~|``, ``[..., H, T, d]``)."""
     theta = rope_theta(qa.shape[-1], base)
     lead_q, lead_k = qa.shape[:-3] + qa.shape[-2:-1], ka.shape[:-3] + ka.shape[-2:-1]
     mq = np.abs(np.broadcast_to(pos_q, lead_q).astype(np.float64))[..., None, :, None]
@@ -115,9 +112,8 @@ def rope_logit_error(
 def rope_map_error_bound(call: dict[str, Any], *, dtype: Any = np.float32) -> np.ndarray:
     """Componentwise bound on ``|rope(x) in dtype - float64 oracle|`` for ``x [..., T, N, d]``.
 
-    Each rotated component of a pair ``(a, b)`` is off by at most ``(|a| + |b|) (e_p(m) +
-    gamma_2)``, ``e_p(m) = (gamma_2 + (|ln base| + 3) u64) |m| theta_p + C_TRIG u`` (module
-    docstring), summed over ``dtype``'s ``u`` and float64's (the oracle's own error).
+    ``(|a| + |b|) (e_p(m) + gamma_2)`` per rotated component of a pair ``(a, b)`` (module
+    docstring), summed over ``dtype``'s ``u`` and float64's.
 
     Returns:
         The bound, float64, the shape of ``x``.
@@ -143,16 +139,10 @@ def rope_map_error_bound(call: dict[str, Any], *, dtype: Any = np.float32) -> np
 @doc(WEIGHT, BOUND_RAISES)
 @signed(rope_call, bound_options)
 def rope_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
-    """Componentwise bound on ``|RoPE attention in dtype - float64 oracle|``,
-    ``[..., T_q, d_model]``, for every RoPE formulation (rotating ``q`` and ``k``, or the
-    relative pattern matrices ``W~_Q R(m - n) W~_K^T``).
-
-    As :func:`attention_error_bound` with the logit error
-    ``|ds_ij| <= gamma_{N_s} Ls_ij + |scale| sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp
-    + u |s_ij - max_j s_ij|``, ``N_s = 2 (d_model + 3) + 2 d_k + 2``, ``Ls = |scale| QJ . KJ +
-    |bias|`` (module docstring, ``docs/tolerances.md``); the float64 oracle's own error is
-    included. 16-bit formats get the same worst-case expression in their ``u`` (loose; the
-    tests use :func:`comparative_bound` there).
+    """Componentwise bound on ``|RoPE attention in dtype - float64 oracle|``, ``[..., T_q,
+    d_model]``, for every RoPE formulation: :func:`attention_error_bound` with the RoPE logit
+    error of the :mod:`attnref.tolerance` docstring, plus the oracle's own error (16-bit: the
+    worst-case expression in their ``u``, loose).
 
     Returns:
         The bound, float64 ``[..., T_q, d_model]``, non-negative (``inf`` where the model gives no
