@@ -46,12 +46,8 @@ def allowed_shape(shape: tuple[int, int, int, int]) -> None:
 @doc(KERNEL)
 @signed(allowed_shape, retemplate(kernel_call, only=("bias", "mask", *OPTIONS)), method_option)
 def kernel_allowed(call: dict[str, Any]) -> np.ndarray:
-    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (only ``bias``'s ``-inf``
-    entries matter here).
-
-    Every option is validated as :func:`attnref.dot_product_attention` validates it.
-    ``method="definition"`` decides one pair at a time; ``"fast"`` (default) builds the same set
-    from broadcast comparisons, one batch element at a time.
+    """The allowed (query, key) pairs ``[B, N, T, S]`` of a kernel call (of ``bias`` only its
+    ``-inf`` entries matter), options validated as :func:`attnref.dot_product_attention` does.
 
     Returns:
         A boolean array ``[B, N, T, S]``, ``True`` where query ``i`` may read key ``j``.
@@ -101,14 +97,7 @@ def dot_product_attention(
     method: str = "fast",
 ) -> Any:
     """Float64 reference for :func:`attnref.dot_product_attention` (same arguments, same
-    refusals: see :mod:`attnref.oracle._checks`).
-
-    ``method="fast"`` (default) is vectorised with float64 BLAS and streamed over blocks of query
-    rows (:mod:`attnref.oracle._kernel_fast`: extra memory ``O(block x S)``, causal costs half
-    the square); ``"definition"`` is the element-wise definition of the module docstring, one
-    batch element, head and query at a time, the root of trust the fast path is tested against.
-    Both are within :func:`attnref.tolerance.kernel_error_bound`'s float64 term of the exact
-    result.
+    refusals); ``"definition"`` is the module docstring's element-wise definition.
 
     Returns:
         float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully

@@ -41,12 +41,8 @@ def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _weighted_values(
     e: np.ndarray, v: np.ndarray, ok: np.ndarray | None, vt: np.ndarray | None = None
 ) -> np.ndarray:
-    """``sum_j e_ij v_j`` over the allowed keys only: ``e [R, S']`` (0 off ``ok``), ``v [S', H_v]``
-    (``vt``: ``v^T``, contiguous, when ``v`` is known finite: the GEMM then runs as
-    ``(v^T e^T)^T``, which BLAS does faster for a narrow ``v``).
-
-    A non-finite ``v_j`` enters only the rows that may read key ``j`` (as in the definition, where
-    ``0 x inf = NaN`` for an allowed key whose weight underflowed)."""
+    """``sum_j e_ij v_j`` over the allowed keys only (a non-finite ``v_j`` reaches only the rows
+    that may read it); ``vt`` (``v^T``, when ``v`` is finite) runs the GEMM as ``(v^T e^T)^T``."""
     if vt is not None:
         return (vt @ e.T).T
     finite, bad = _masked_values(v)
@@ -136,10 +132,8 @@ _NO_SHIFT = 700.0
 
 
 def softmax_block(s: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """In place: ``s <- exp(s - m)``; returns ``(s, m)``. ``m`` is the row max, or 0 for every row
-    when each row's max lies in ``(-700, 700)``: ``exp(s - m) / sum exp(s - m)`` is the same
-    number for any ``m`` and the shift's pass over the block is saved. Rows with no allowed key
-    (``live`` False) have ``m = 0``."""
+    """In place ``s <- exp(s - m)``; returns ``(s, m)``, ``m`` the row max, or 0 where every max
+    lies in ``(-700, 700)`` (the ratio does not depend on ``m``) and in rows without a key."""
     top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)
     if np.all(np.abs(top) < _NO_SHIFT):  # False for a NaN or infinite max
         top = np.zeros_like(top)
@@ -163,9 +157,7 @@ def _dead_rows(c: KernelCall, b: int, n: int, out: np.ndarray, rows: np.ndarray)
 
 
 def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
-    """Whether every logit of the head group lies in ``(-700, 700)`` by Cauchy-Schwarz,
-    ``|s_ij| <= |scale| |q_i| |k_j| + |bias_ij|`` (or the softcap ``c``), so ``exp`` needs no
-    shift and no row max is computed."""
+    """Whether every logit of the head group lies in ``(-700, 700)`` (Cauchy-Schwarz)."""
     top = (
         abs(c.scale)
         * float(q_norm.max(initial=0.0))
@@ -184,10 +176,8 @@ def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
 def _forward_block(
     c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int, finite_v: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(e, shift, live, ok)`` of one block whose logits may need a shift (the general path):
-    ``e = exp(s - shift)`` with ``s = -inf`` off the allowed set. Only the keys some row may not
-    read are masked (the causal diagonal band); ``ok`` is the full allowed set only where a
-    non-finite value needs it (else ``None``)."""
+    """``(e, shift, live, ok)`` of a block that may need a shift: ``e = exp(s - shift)``, 0 off
+    the allowed set (``ok``: only where a non-finite value needs it, else ``None``)."""
     s = capped_logits(c, hg, i0, i1, j0, j1)
     jp = full_columns(c, hg.b, i0, i1, j0, j1)
     tail = allowed_rows(c, hg.b, hg.heads, i0, i1, jp, j1)
@@ -204,10 +194,8 @@ def _forward_block(
 def _shift_free_block(
     c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int, v1t: np.ndarray, chunk: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``([V, 1]^T exp(S)^T)^T [G rows, H_v + 1]`` and the live rows ``[G, rows]`` of a block whose
-    logits need no shift, summed over key chunks of ``chunk`` columns (no rescaling: without a
-    shift the partial sums simply add, and at long ``S`` a chunk's logits are reused by ``exp``
-    and the value GEMM before they leave the cache)."""
+    """``([V, 1]^T exp(S)^T)^T`` and the live rows of a block that needs no shift, summed over
+    key chunks of ``chunk`` columns (unshifted partial sums simply add)."""
     grp, rows = c.group, i1 - i0
     jp = full_columns(c, hg.b, i0, i1, j0, j1)
     acc = np.zeros((v1t.shape[0], grp * rows))
@@ -231,10 +219,7 @@ def _shift_free_block(
 
 
 def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks.
-
-    Rows beyond ``T_b`` are 0 with ``lse = -inf``; rows with no allowed key follow
-    ``masked_rows`` with ``lse = -inf``."""
+    """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks."""
     b_size, n_heads, t, _ = c.shape
     grp, h_v = c.group, c.v.shape[-1]
     out = np.zeros((b_size, t, n_heads, h_v))

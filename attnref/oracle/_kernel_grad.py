@@ -44,9 +44,7 @@ __all__ = ["KernelGrads", "dot_product_attention_vjp"]
 
 
 class KernelGrads(NamedTuple):
-    """Gradients of a kernel call: ``query [B, T, N, H]``, ``key [B, S, K, H]``,
-    ``value [B, S, K, H_v]``, ``bias`` (the bias's own shape; ``None`` without a bias) and
-    ``sinks [N]`` (``None`` without sinks)."""
+    """Gradients of a kernel call, each its input's shape (``None``: no bias, no sinks)."""
 
     query: np.ndarray
     key: np.ndarray
@@ -232,9 +230,8 @@ def _definition(
 def dot_product_attention_vjp(
     call: dict[str, Any], *, cotangent: Any, lse_cotangent: Any = None
 ) -> KernelGrads:
-    """Float64 vector-Jacobian product of :func:`attnref.oracle.dot_product_attention`: the
-    gradients of ``sum(cotangent * o) + sum(lse_cotangent * lse)`` (equations in the module
-    docstring), from the analytic formulas, never from autodiff.
+    """Float64 VJP of :func:`attnref.oracle.dot_product_attention`: the gradients of
+    ``sum(cotangent * o) + sum(lse_cotangent * lse)`` (module docstring), never by autodiff.
 
     Returns:
         :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its

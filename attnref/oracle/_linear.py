@@ -1,21 +1,14 @@
-"""Oracle of linear (kernel) attention: feature maps and ``linear_attention`` from their
-definitions, per head and per query, and the multi-head form. NumPy only, float64.
+"""Oracle of linear (kernel) attention: feature maps, ``linear_attention`` per head and query,
+and the multi-head form. NumPy only, float64.
 
-Two evaluations of the same equations (``method``):
-
-* ``"definition"``: one batch element, head and query at a time, one key at a time (FAVOR+: one
-  query at a time, in log space); the root of trust.
-* ``"fast"`` (default): per batch element and head, streamed over blocks of queries. Every block
-  forms the *quadratic* form ``A = phi(Q_blk) phi(K)^T`` (masked), then ``A V`` and ``A 1``, so its
-  extra memory is ``O(block x T_k)`` (FAVOR+: ``O(block x T_k x m)``, the log-sum-exp over the
-  random features), the block chosen from a 64 MiB budget of temporaries. Causal blocks read only
-  the keys ``j < end of block``. The quadratic form was chosen over the associative
-  ``phi(Q) (phi(K)^T V)``: both sum the same products ``phi(q_i)_f phi(k_j)_f v_j``, so both obey
-  the same first-order componentwise bound (:func:`attnref.tolerance.linear_error_bound`,
-  ``gamma_{m + T_k}``), but only the quadratic one computes numerator and denominator from the
-  *same* rounded ``A_ij`` (for positive maps the output stays a convex combination of the values),
-  needs no prefix sums when causal (whose error would grow with the position), and leaves masked
-  entries exact zeros, as the definition skips them.
+``method="definition"``: one batch element, head, query and key at a time (FAVOR+: in log space);
+the root of trust. ``"fast"`` (default): per batch element and head, by query blocks (64 MiB
+budget), each forming the *quadratic* ``A = phi(Q_blk) phi(K)^T`` (masked; causal blocks read
+keys ``j < end of block``), then ``A V`` and ``A 1`` (FAVOR+: log-sum-exp over the features). The
+associative ``phi(Q) (phi(K)^T V)`` sums the same products (same bound,
+:func:`attnref.tolerance.linear_error_bound`), but only the quadratic form takes numerator and
+denominator from the *same* rounded ``A_ij``, needs no prefix sums when causal, and leaves
+masked entries exact zeros, as the definition does.
 """
 
 from __future__ import annotations
@@ -87,12 +80,9 @@ def multihead_inputs(
 
 
 def features(fm: Any, x: Any, role: str) -> np.ndarray:
-    """Features ``phi(x)`` of the last axis, float64, for a map given by ``fm.name`` (and
-    ``fm.omega`` for FAVOR+), following the equations of ``attnref._src.formulations.feature_maps``.
-
-    For FAVOR+ these are the *stabilised* features (keys ``exp(-|x~ - w_i|^2/2) / sqrt(m)``,
-    queries shifted by their own max), whose products are ``exp(-c_q)`` times the defined kernel
-    (:func:`query_log_scale`); :func:`linear_attention` does not use them for FAVOR+.
+    """Features ``phi(x)`` of the last axis, float64 (``attnref._src.formulations.feature_maps``'s
+    equations); FAVOR+'s are the *stabilised* ones, ``exp(-c_q)`` times the defined kernel
+    (:func:`query_log_scale`), which :func:`linear_attention` does not use.
 
     Args:
         fm: A feature map (:class:`attnref.linear.FeatureMap` or any object with ``name`` and,
@@ -162,9 +152,8 @@ def favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 def _ratio_from_logs(ell: np.ndarray, vals: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
-    """``sum_j A_j v_j / (sum_j A_j + eps)`` (or ``/ max(sum_j A_j, eps)``) from ``log A_j``:
-    every term, ``eps`` included, is divided by ``exp(s)``, ``s = max(max_j log A_j, log eps)``,
-    so the largest is 1 (a softmax with ``eps`` as one more weight)."""
+    """``sum_j A_j v_j / (sum_j A_j + eps)`` (or ``/ max(...)``) from ``log A_j``, every term
+    divided by ``exp(max(max_j log A_j, log eps))``."""
     if ell.size == 0:
         return np.zeros(vals.shape[-1])  # no allowed key: the numerator is 0
     log_eps = math.log(eps) if eps > 0 else -math.inf
@@ -212,9 +201,7 @@ def allowed(km: np.ndarray, i0: int, i1: int, causal: bool) -> np.ndarray:
 
 
 def masked_matmul(a: np.ndarray, ok: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``sum_j a_ij b_j`` over allowed ``j`` (``a [n, kk]``, 0 elsewhere; ``b [kk, p]``): ``a @ b``,
-    or, where ``b`` is not finite (``0 * inf`` would reach rows that may not read it), the sum
-    of the allowed terms only, as the definition skips the others."""
+    """``sum_j a_ij b_j`` over allowed ``j`` only (``a @ b`` unless ``b`` is not finite)."""
     if np.isfinite(b).all():
         return a @ b
     with np.errstate(invalid="ignore"):  # 0 * inf only at the entries the where discards
@@ -250,11 +237,8 @@ def favor_parts(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 def favor_log_block(
     qw: np.ndarray, kw: np.ndarray, nq: np.ndarray, nk: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`favor_log_kernel` for a block of queries: ``log A_ij = lse_f(z_ijf) - log m -
-    |q~_i|^2/2 - |k~_j|^2/2`` with ``z_ijf = w_f.q~_i + w_f.k~_j`` (``qw [n, m]``, ``kw [kk, m]``).
-
-    Returns ``(ell [n, kk], e [n, kk, m], total [n, kk])`` with ``e = exp(z - max_f z)`` and
-    ``total = sum_f e`` (``e / total`` is the softmax over the features, used by the gradient)."""
+    """:func:`favor_log_kernel` for a block of queries; returns ``(ell, e, total)`` with ``e =
+    exp(z - max_f z)``, ``total = sum_f e`` (``e / total``: the feature softmax)."""
     e = qw[:, None, :] + kw[None, :, :]
     top = e.max(axis=-1)
     np.subtract(e, top[..., None], out=e)
@@ -267,13 +251,8 @@ def favor_log_block(
 def ratio_parts(
     ell: np.ndarray, ok: np.ndarray, eps: float, eps_policy: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_ratio_from_logs` row-wise: with ``s_i = max(max_j log A_ij, log eps)`` over the
-    allowed ``j``, ``weights = exp(log A - s)`` (0 at other keys), ``sink = exp(log eps - s)``,
-    ``den = sum_j weights + sink`` ("add") or ``max(sum_j weights, sink)``.
-
-    Returns ``(weights [n, kk], den [n], depends [n])``: ``den`` is 1 in rows with no allowed key
-    (whose weights are all 0), ``depends`` whether ``D`` follows ``sum_j A_ij`` (always for "add";
-    for "clamp" where ``sum_j weights >= sink``, the side Python's ``max`` picks on a tie)."""
+    """:func:`_ratio_from_logs` row-wise: ``(weights, den, depends)`` (``den`` 1 in rows without
+    a key; ``depends``: whether ``D`` follows ``sum_j A_ij``, on a tie as Python's ``max``)."""
     log_eps = math.log(eps) if eps > 0 else -math.inf
     ell = np.where(ok, ell, -np.inf)
     live = ok.any(axis=-1)
@@ -340,9 +319,8 @@ def linear_attention(call: dict[str, Any]) -> np.ndarray:
         y_i  = sum_j A_ij v_j / D_i,  D_i = sum_j A_ij + eps ("add") or max(sum_j A_ij, eps)
         y_i  = 0 where D_i == 0
 
-    FAVOR+ (positive kernel) is evaluated in log space, ``log A_ij`` from the definition
-    (:func:`favor_log_kernel`), with no stabilised features: ``eps`` is compared with the
-    defined ``A_ij``, whatever the stabilisation of the JAX forms.
+    FAVOR+ runs in log space from the definition (:func:`favor_log_kernel`): ``eps`` meets the
+    defined ``A_ij``, whatever the JAX forms' stabilisation.
 
     Returns:
         float64 ``y [..., T_q, H, d_v]``.
@@ -391,9 +369,8 @@ def linear_attention(call: dict[str, Any]) -> np.ndarray:
 @doc(LINEAR, LINEAR_RAISES)
 @signed(weight_tokens, linear_options, block_options)
 def linear_multihead(call: dict[str, Any]) -> np.ndarray:
-    """Multi-head linear attention: per-head projections (query head ``i`` reads key/value head
-    ``i // G``), :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if
-    residual); ``method`` says how :func:`linear_attention` is evaluated.
+    """Multi-head linear attention: per-head projections (key/value head ``i // G``),
+    :func:`linear_attention`, then ``sum_i y_i W_O[i] + b_O`` (``x_q +`` that if residual).
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.

@@ -89,9 +89,8 @@ class LinearGrads(NamedTuple):
 
 
 class LinearMultiheadGrads(NamedTuple):
-    """Gradients of :func:`attnref.oracle.linear_multihead`: ``params`` holds one array per field
-    present in the parameters (``w_q``, ..., ``b_o`` where given); ``x_kv`` is ``None`` when the
-    call had no ``x_kv`` (then ``x_q`` carries both paths)."""
+    """Gradients of :func:`attnref.oracle.linear_multihead` (``params``: the fields present;
+    ``x_kv`` ``None`` when the call had none, ``x_q`` then carrying both paths)."""
 
     params: dict[str, np.ndarray]
     x_q: np.ndarray
@@ -102,8 +101,7 @@ class LinearMultiheadGrads(NamedTuple):
 
 
 def feature_vjp(fm: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """``J_phi(x)^T g``: the gradient through the feature map ``phi`` of the last axis, for every
-    map but FAVOR+ (differentiated in log space with the kernel).
+    """``J_phi(x)^T g`` through the feature map of the last axis (every map but FAVOR+).
 
     Args:
         fm: A feature map (``name``: ``elu_plus_one``, ``relu``, ``identity``, ``taylor2``).
@@ -205,9 +203,8 @@ def _vjp_definition_head(
 def _vjp_fast_head(
     fm: Any, pre: Any, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any
 ) -> tuple[np.ndarray, ...]:
-    """``(y, dq-part, dk-part, dv)`` of one (batch, head), streamed over query blocks: the
-    gradients with respect to the features (other maps) or to ``x~`` (FAVOR+). ``pre``: the
-    per-token precomputation (:func:`_precompute`) of this head."""
+    """``(y, dq-part, dk-part, dv)`` of one (batch, head) by query blocks, the parts with respect
+    to the features (FAVOR+: ``x~``); ``pre``: this head's :func:`_precompute`."""
     causal, eps, eps_policy = opt
     favor = fm.name == "favor_plus"
     qa, ka = pre[0], pre[1]  # features, or x~
@@ -274,9 +271,8 @@ def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
 def _unread_keys_as_zeros(
     k: np.ndarray, v: np.ndarray, km: np.ndarray, *, causal: bool, t_q: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``k``, ``v`` with the non-finite entries of keys no query reads (``key_mask`` False, or
-    past the last query when causal) replaced by zeros: such a key only meets ``A_ij = 0``, so
-    its gradient is exactly zero, and a NaN or inf there must not turn it into ``0 x NaN``."""
+    """``k``, ``v`` with the non-finite entries of keys no query reads replaced by zeros (no
+    ``0 x NaN``; their gradient is exactly 0)."""
     unread = ~km
     if causal:
         unread = unread | (np.arange(k.shape[-3]) >= t_q)
@@ -327,8 +323,7 @@ def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any)
 @doc(LINEAR, LINEAR_RAISES)
 @signed(linear_qkv, linear_options, method_option, front=("d_y",))
 def linear_attention_vjp(call: dict[str, Any], d_y: Any) -> LinearGrads:
-    """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))`` (the vector-Jacobian
-    product), analytic (module docstring), float64.
+    """Gradients of ``L = sum(d_y * linear_attention(q, k, v, ...))``, analytic, float64.
 
     Returns:
         :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
@@ -387,13 +382,10 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
         (dq, dk, dv) = linear_attention_vjp(q, k, v, dz)
         dW_Q[h] = sum_t x_t^T dq_th,  db_Q[h] = sum_t dq_th,  dx_t = sum_h dq_th W_Q[h]^T
 
-    (the key/value gradients summed over the ``G`` query heads sharing a key/value head), plus
-    ``dy`` itself into ``dx_q`` when ``residual``.
+    (key/value gradients summed over their ``G`` query heads; ``dy`` into ``dx_q`` if residual).
 
     Returns:
-        :class:`LinearMultiheadGrads` ``(params, x_q, x_kv)``: a dict with the gradient of
-        every field present in ``params``; ``x_kv`` is ``None`` when ``x_kv`` was ``None`` (its
-        gradient is then in ``x_q``).
+        :class:`LinearMultiheadGrads` ``(params, x_q, x_kv)``.
     """
     residual, method = call.pop("residual"), call.pop("method")
     params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()

@@ -81,9 +81,7 @@ def _get(params: Any, name: str) -> Any:
 
 
 def check_mla_params(params: Any) -> MLADims:
-    """Check the shapes and dtypes of MLA parameters (shapes and dtypes only, so traced arrays
-    pass); return their :class:`MLADims`. Errors name the field, the expected and the actual
-    shape."""
+    """The shapes and dtypes of MLA parameters (traced arrays pass) as :class:`MLADims`."""
     w = {name: _get(params, name) for name, _ in MLA_FIELDS}
     shapes = {k: (None if v is None else shape_of(v)) for k, v in w.items()}
     want = dict(MLA_FIELDS)
@@ -181,9 +179,8 @@ def mla_qkv(call: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The decompressed per-head queries, keys and values of MLA in float64, in the kernel layout
     of ``attnref.oracle.dot_product_attention``: ``q [..., T_q, H, d_nope + d_rope]``,
     ``k [..., T_k, H, d_nope + d_rope]`` (``k_rope`` repeated for every head), ``v [..., T_k, H,
-    d_v]`` (module docstring; positions default to ``arange(T)``, ``convention`` as in
-    :func:`attnref.rope.apply_rope`, default ``"interleaved"``: DeepSeek's ``apply_rotary_emb``
-    multiplies consecutive pairs as complex numbers).
+    d_v]`` (module docstring; ``convention`` default ``"interleaved"``, as DeepSeek's
+    ``apply_rotary_emb``).
 
     Raises:
         ValueError, TypeError: As :func:`mla_attention`.
@@ -216,9 +213,7 @@ def mla_qkv(call: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def mla_problem(call: dict[str, Any]) -> tuple[Any, ...]:
-    """``(q, k, v, mask, bias, scale)`` of an :func:`mla_call`: :func:`mla_qkv`, ``mask`` and
-    ``bias`` broadcast to ``[..., T_q, T_k]`` (or None), ``scale`` (default
-    ``1/sqrt(d_nope + d_rope)``)."""
+    """``(q, k, v, mask, bias, scale)`` of an :func:`mla_call`, mask and bias broadcast."""
     q, k, v = mla_qkv(**{n: call[n] for n in QKV})
     batch, t_q, t_k = q.shape[:-3], q.shape[-3], k.shape[-3]
     m, b = check_mask_and_bias(call["mask"], call["bias"], (*batch, t_q, t_k), "(query, key)")

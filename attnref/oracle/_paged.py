@@ -152,9 +152,7 @@ def paged_attention(
     """Float64 reference for :func:`attnref.decode.paged_attention` (same arguments, same
     refusals): ``dot_product_attention(q, K, V, bias, mask, key_value_seq_lengths=seq_lens,
     causal_alignment="bottom_right", **options)`` on the keys and values read through the page
-    table (module docstring). ``options``: every keyword of
-    :func:`attnref.oracle.dot_product_attention` (``return_lse``, ``method``, ...) but the two
-    the layout sets.
+    table (module docstring); ``options``: the kernel oracle's other keywords.
 
     Returns:
         float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``return_lse``.

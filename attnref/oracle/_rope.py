@@ -167,9 +167,8 @@ def _rotate(x: np.ndarray, angles: np.ndarray, convention: str) -> np.ndarray:
 
 
 def rotation(positions: np.ndarray, base: float, convention: str, sign: float = 1.0) -> Rotation:
-    """The rotation of the fast path for ``positions [*batch, T]``: vectors ``[H, n, d]`` of
-    batch element ``idx`` at rows ``rows`` turned by ``sign m theta_p`` (``sign = -1``: the
-    inverse, which is the transpose ``R(m)^T = R(-m)``)."""
+    """The fast path's rotation of vectors ``[H, n, d]`` at ``positions[idx][rows]`` by ``sign m
+    theta_p`` (``sign = -1``: ``R(m)^T = R(-m)``)."""
 
     def turn(idx: tuple[int, ...], rows: slice, v: np.ndarray) -> np.ndarray:
         angles = _angles(positions[idx][rows], v.shape[-1], base)
@@ -209,9 +208,8 @@ def rope_inputs(
 )
 @signed(rope_map_call, method_option)
 def rope(call: dict[str, Any]) -> np.ndarray:
-    """RoPE of ``x [..., T, N, d]`` at integer ``positions``, in float64 (``"fast"``: whole
-    arrays from ``cos``/``sin`` tables). Refuses what :func:`attnref.rope.apply_rope` refuses
-    (same exception types).
+    """RoPE of ``x [..., T, N, d]`` at integer ``positions``, float64, with the refusals of
+    :func:`attnref.rope.apply_rope`.
 
     Returns:
         The rotated ``x`` in float64, same shape.
@@ -249,9 +247,8 @@ def rope(call: dict[str, Any]) -> np.ndarray:
 @doc(WEIGHT, WEIGHT_RAISES)
 @signed(rope_call, block_options)
 def rope_attention(call: dict[str, Any]) -> np.ndarray:
-    """Multi-head attention with RoPE, ``[..., T_q, d_model]`` in float64 (module docstring;
-    ``d_k`` even); fully masked query rows give ``b_O``. Refuses what
-    :func:`attnref.rope.rope_attention` refuses, with the same exception types.
+    """Multi-head attention with RoPE, ``[..., T_q, d_model]``, float64 (module docstring), with
+    the refusals of :func:`attnref.rope.rope_attention`.
 
     Returns:
         float64 block output ``[..., T_q, d_model]``.

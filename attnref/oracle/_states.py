@@ -150,15 +150,8 @@ def merge_states_vjp(
     o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, g_o: Any, g_lse: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The gradient of ``<g_o, o> + <g_lse, lse>`` of :func:`merge_states` with respect to both
-    states, in float64, derived by hand (no autodiff)::
-
-        d o_p   = pi_p g_o
-        d lse_p = pi_p (g_o . (o_p - o) + g_lse),      pi_p = e^{lse_p - lse},  p in {a, b}
-
-    where ``(o, lse)`` is the merged state. An empty state (``lse_p = -inf``) gets exactly 0
-    (its ``o``, NaN allowed, is never read), and so does a row where both are empty (the merge is
-    the constant empty state there, whatever ``masked_rows``); a NaN or ``+inf`` ``lse`` makes
-    the row's gradients NaN, and a NaN ``o`` of a live state its row's ``d lse``.
+    states, float64, by hand (module docstring): 0 for an empty state and an all-empty row; NaN
+    where a NaN or ``+inf`` ``lse`` (or, for ``d lse``, a live NaN ``o``) is read.
 
     Returns:
         ``(d o_a, d lse_a, d o_b, d lse_b)`` in float64, the shapes of the inputs.

@@ -40,10 +40,8 @@ def _one_blas_thread(threads: int) -> Iterator[None]:
 
 
 def each_block(jobs: Sequence[Job], work: Callable[[Job], None]) -> None:
-    """``work(job)`` for every job, on :func:`workers` threads; each job writes its own slices
-    of the caller's outputs. Each job runs in a copy of the caller's context, so the caller's
-    ``np.errstate`` (a context variable) holds in the workers too. The first exception a job
-    raises is raised here."""
+    """``work(job)`` for every job on :func:`workers` threads, each in a copy of the caller's
+    context (so ``np.errstate`` holds); the first exception is raised here."""
     threads = workers(len(jobs))
     if threads <= 1:
         for job in jobs:

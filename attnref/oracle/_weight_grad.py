@@ -80,9 +80,7 @@ class AttentionGrads(NamedTuple):
 
 
 def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
-    """``p`` with the non-finite ``x_kv`` tokens that no query may read replaced by zeros (their
-    keys and values only ever meet weights of exactly 0; with ``x_kv=None`` a token is also a
-    query, so nothing is replaced)."""
+    """``p`` with the non-finite ``x_kv`` tokens no query may read replaced by zeros."""
     if shared or (p.mask is None and p.bias is None):
         return p
     parts = [a for a in (p.mask, None if p.bias is None else p.bias != -np.inf) if a is not None]
@@ -159,9 +157,8 @@ def _definition(
     pos_q: np.ndarray | None = None,
     pos_k: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """The backward formulas one batch element, head and query at a time; returns
-    ``(param grads, dX_q, dX_kv, dbias [*batch, T_q, T_k])`` before the residual and shared
-    paths. ``turn(v, m)`` rotates one vector by position ``m`` (RoPE; ``R^T``: ``turn(v, -m)``)."""
+    """The backward one element at a time: ``(param grads, dX_q, dX_kv, dbias)`` before the
+    residual and shared paths; ``turn(v, m)`` (RoPE) rotates one vector."""
     w_q, w_k, w_v, w_o = head_weights(p.w)
     n_heads, _, d_k = w_q.shape
     d_v = w_v.shape[2]
@@ -245,9 +242,8 @@ def _fast(
     bias_shape: tuple[int, ...] | None,
     rotations: tuple[Rotation, Rotation, Rotation, Rotation] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
-    """The backward formulas with BLAS for every head at once, one query block at a time;
-    ``rotations = (R_q, R_k, R_q^T, R_k^T)`` for RoPE. Returns what :func:`_definition` does,
-    with the bias gradient already in ``bias_shape``."""
+    """:func:`_definition` with BLAS by query blocks (``rotations = (R_q, R_k, R_q^T, R_k^T)``),
+    the bias gradient in ``bias_shape``."""
     w_q, w_k, w_v, w_o = head_weights(p.w)
     n_heads, d_model, d_k = w_q.shape
     n_kv, d_v = w_v.shape[0], w_v.shape[2]
@@ -319,15 +315,11 @@ def _fast(
 @doc(WEIGHT, WEIGHT_RAISES)
 @signed(weight_call, block_options, front=("d_y",))
 def attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
-    """Vector-Jacobian product of :func:`attnref.oracle.attention` with the cotangent ``d_y``:
-    the gradients of ``sum(d_y * attention(params, x_q, x_kv, mask=mask, bias=bias, ...))``
-    with respect to every parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64
-    (``attention_vjp(params, x_q, d_y=dy)`` for self-attention).
+    """Gradients of ``sum(d_y * attention(params, x_q, x_kv, ...))`` with respect to every
+    parameter, ``x_q``, ``x_kv`` and ``bias`` (module docstring), float64.
 
     Returns:
-        :class:`AttentionGrads` (``params``: a dict of the eight fields, ``None`` for absent
-        biases; ``x_kv``: ``None`` when ``x_kv`` was ``None``; ``bias``: ``bias``'s own shape,
-        or ``None``).
+        :class:`AttentionGrads`.
     """
     residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
@@ -338,9 +330,8 @@ def attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
 @doc(WEIGHT, WEIGHT_RAISES)
 @signed(rope_call, block_options, front=("d_y",))
 def rope_attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
-    """Vector-Jacobian product of :func:`attnref.oracle.rope_attention` with the cotangent
-    ``d_y`` (module docstring, with ``R`` the rotation at each token's position; positions are
-    integers and get no gradient), float64.
+    """:func:`attention_vjp` of :func:`attnref.oracle.rope_attention` (positions get no
+    gradient).
 
     Returns:
         :class:`AttentionGrads`, as :func:`attention_vjp`.
