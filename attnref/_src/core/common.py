@@ -47,7 +47,7 @@ class Prepared:
     batch_shape: tuple[int, ...]
     t_q: int
     t_k: int
-    params: AttentionParams | None = None
+    params: Any = None  # AttentionParams (MLAParams at the MLA levels)
     residual: bool | None = None  # None: the function has no residual argument
 
     def run(self, formula: Callable[..., Any]) -> Any:
@@ -201,14 +201,18 @@ def rows_level(
     options: dict[str, tuple[Any, str]],
     check: Callable[..., object] | None = None,
     residual: bool = True,
+    validate: Callable[..., Prepared] = prepare_rows,
+    params_type: str = "AttentionParams",
 ) -> Level:
     """A level whose ``prepare`` (named ``name``) has the signature of :data:`ROWS` plus the
     keyword-only ``options`` (name -> (default, annotation)); it validates the row arguments with
     :func:`prepare_rows` and returns ``build(rows, scale, **options)`` (the caller's ``scale``);
     ``check(**options)``, if given, runs first; ``residual=False``: without ``residual`` (the
-    inputs' ``residual`` is then ``None``)."""
+    inputs' ``residual`` is then ``None``); ``validate``, ``params_type``: another weights type
+    and its validation (same arguments as :func:`prepare_rows`)."""
     base = inspect.signature(_rows)
     row_parameters = [p for p in base.parameters.values() if residual or p.name != "residual"]
+    row_parameters[0] = row_parameters[0].replace(annotation=params_type)
     kind = inspect.Parameter.KEYWORD_ONLY
     extra = [inspect.Parameter(n, kind, default=d, annotation=a) for n, (d, a) in options.items()]
     signature = base.replace(parameters=[*row_parameters, *extra])
@@ -220,7 +224,7 @@ def rows_level(
         chosen = {n: values[n] for n in options}
         if check is not None:
             check(**chosen)
-        rows = prepare_rows(values["params"], *(values.get(n) for n in _ROW_NAMES[1:]))
+        rows = validate(values["params"], *(values.get(n) for n in _ROW_NAMES[1:]))
         return build(rows, values["scale"], **chosen)
 
     fn: Any = prepare

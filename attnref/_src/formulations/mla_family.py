@@ -19,21 +19,10 @@ import numpy as np
 from jaxtyping import ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, float64_scoped
+from attnref._src.core.common import Prepared, rows_level
 from attnref._src.core.entry import Level
-from attnref._src.core.nonfinite import (
-    allowed_pairs,
-    finite_bias,
-    finite_part,
-    nonfinite_rows,
-    reads_nonfinite,
-)
 from attnref._src.core.params import AttentionParams
-from attnref._src.formulations.rope_family import (
-    Rotary,
-    check_base,
-    check_convention,
-    rotary,
-)
+from attnref._src.formulations.rope_family import RopeInputs, rotated
 from attnref.oracle._mla import MLADims, check_mla_params, check_mla_tokens
 
 # ----------------------------------------------------------------------------- parameters
@@ -160,94 +149,39 @@ def to_attention_params(params: MLAParams) -> AttentionParams:
 # ----------------------------------------------------------------------------- the levels
 
 
-@jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
-@dataclasses.dataclass(frozen=True)
-class MLAInputs:
-    """Validated inputs of one MLA call (``x_kv``: tokens, or the latent cache): what
-    :func:`attnref._src.core.entry.guard` runs a formula on."""
-
-    params: MLAParams
-    x_q: jax.Array
-    x_kv: jax.Array
-    mask: jax.Array | None
-    bias: jax.Array | None  # in the dtype of x_q
-    scale: jax.Array
-    residual: bool
-    rot: Rotary
-
-    def run(self, formula: Any) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale, residual, rot)`` on the finite parts
-        (non-finite entries read as 0; their rows are poisoned by :meth:`dirty_rows`)."""
-        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
-        return formula(self.params, x_q, x_kv, self.mask, bias, self.scale, self.residual, self.rot)
-
-    def dirty_rows(self) -> Bool[jax.Array, "... T_q"]:
-        """Query rows that read a non-finite value through an allowed pair."""
-        shape = (*self.x_q.shape[:-2], self.x_q.shape[-2], self.x_kv.shape[-2])
-        return reads_nonfinite(
-            allowed_pairs(self.mask, self.bias, shape),
-            nonfinite_rows(self.x_q),
-            nonfinite_rows(self.x_kv),
-            self.bias,
-            self.residual,
-        )
-
-
-def _prepare(
+def _mla_rows(
     params: MLAParams,
     x_q: Any,
     x_kv: Any,
-    kv_name: str,
-    kv_width: int,
-    positions_q: Any,
-    positions_kv: Any,
     mask: Any,
     bias: Any,
     scale: Any,
-    base: Any,
-    convention: Any,
-    residual: bool,
-) -> MLAInputs:
-    conv, b = check_convention(convention), check_base(base)
+    residual: Any,
+    kv_name: str = "x_kv",
+    kv_width: int = 0,
+) -> Prepared:
+    """Validate an MLA call's weights, tokens (or ``kv_width``-wide cache), mask, bias and scale
+    (default ``1/sqrt(d_nope + d_rope)``) into :class:`Prepared` rows."""
     dims = check_mla_params(params)
+    x_kv = x_q if x_kv is None else x_kv
     dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
     batch, t_q, t_k = check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
-    rot = rotary(positions_q, positions_kv, batch, t_q, t_k, b, conv)
     xq = jnp.asarray(x_q)
     value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
-    return MLAInputs(
-        params=params,
+    return Prepared(
         x_q=xq,
         x_kv=jnp.asarray(x_kv),
         mask=None if mask is None else jnp.asarray(mask),
         bias=None if bias is None else jnp.asarray(bias).astype(xq.dtype),
         scale=jnp.asarray(value, dtype=xq.dtype),
+        batch_shape=batch,
+        t_q=t_q,
+        t_k=t_k,
+        params=params,
         residual=bool(residual),
-        rot=rot,
     )
-
-
-def prepare_mla(
-    params: MLAParams,
-    x_q: Float[ArrayLike, "... T_q d_model"],
-    x_kv: Float[ArrayLike, "... T_k d_model"] | None = None,
-    *,
-    positions_q: Int[ArrayLike, "... T_q"] | None = None,
-    positions_kv: Int[ArrayLike, "... T_k"] | None = None,
-    mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
-    bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
-    scale: float | None = None,
-    base: float = 10000.0,
-    convention: str = "interleaved",
-    residual: bool = False,
-) -> MLAInputs:
-    """Validate an MLA call on tokens (the weights, tokens, mask, bias, positions, RoPE
-    options)."""
-    x_kv = x_q if x_kv is None else x_kv
-    rest = (mask, bias, scale, base, convention, residual)
-    return _prepare(params, x_q, x_kv, "x_kv", 0, positions_q, positions_kv, *rest)
 
 
 def prepare_mla_cache(
@@ -255,20 +189,23 @@ def prepare_mla_cache(
     x_q: Float[ArrayLike, "... T_q d_model"],
     cache: Float[ArrayLike, "... T_k d_c_plus_d_rope"],
     *,
-    positions_q: Int[ArrayLike, "... T_q"] | None = None,
     mask: Bool[ArrayLike, "... #T_q #T_k"] | None = None,
     bias: Float[ArrayLike, "... #T_q #T_k"] | None = None,
     scale: float | None = None,
+    residual: bool = False,
+    positions_q: Int[ArrayLike, "... T_q"] | None = None,
     base: float = 10000.0,
     convention: str = "interleaved",
-    residual: bool = False,
-) -> MLAInputs:
+) -> RopeInputs:
     """Validate an MLA call on the latent cache ``[..., T_k, d_c + d_rope]``."""
     d = check_mla_params(params)
-    rest = (mask, bias, scale, base, convention, residual)
-    return _prepare(params, x_q, cache, "cache", d.d_c + d.d_rope, positions_q, None, *rest)
+    rows = _mla_rows(params, x_q, cache, mask, bias, scale, residual, "cache", d.d_c + d.d_rope)
+    return rotated(rows, positions_q, None, base, convention)
 
 
+_HEAD_ARGS = """Args:
+    params: :class:`attnref.mla.MLAParams`.
+    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``."""
 _COMMON_ARGS = """
     mask: Boolean, broadcastable to ``[..., T_q, T_k]``, ``True`` = may attend; ``None``
         (default) allows every pair.
@@ -276,10 +213,12 @@ _COMMON_ARGS = """
         logits (``-inf`` masks like ``False``); cast to the dtype of ``x_q``.
     scale: The logit scale; ``None`` (default) means ``1/sqrt(d_nope + d_rope)`` (DeepSeek-V2's
         ``1/sqrt(d_h + d_h^R)``).
+    residual: If ``True``, return ``x_q + MLA`` (the residual-stream update).
+    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; default ``arange(T_q)``."""
+_ROPE_ARGS = """
     base: The RoPE frequency base (default 10000), a static positive finite number.
     convention: The RoPE pairs: ``"interleaved"`` (default; DeepSeek's ``apply_rotary_emb``
         multiplies consecutive pairs as complex numbers) or ``"rotate_half"``; static.
-    residual: If ``True``, return ``x_q + MLA`` (the residual-stream update).
 
 Raises:
     ValueError: If ``params`` is malformed (the message names the field and both shapes), the
@@ -288,27 +227,31 @@ Raises:
         finite, or ``convention`` is unknown.
     TypeError: If the tokens and the weights mix dtypes, ``mask`` is not boolean, ``bias`` is
         not floating, positions are not integers, or ``scale`` is not a real number."""
-
-_MLA_ARGS = f"""Args:
-    params: :class:`attnref.mla.MLAParams`.
-    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+_MLA_ARGS = f"""{_HEAD_ARGS}
     x_kv: Key/value tokens ``[..., T_k, d_model]`` with the batch shape of ``x_q``; ``None``
-        (default) means ``x_q`` (self-attention).
-    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; default ``arange(T_q)``.
-    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; default ``arange(T_k)``.
-{_COMMON_ARGS}"""
-
-_CACHE_ARGS = f"""Args:
-    params: :class:`attnref.mla.MLAParams`.
-    x_q: Query tokens, row vectors ``[..., T_q, d_model]``, the dtype of ``params``.
+        (default) means ``x_q`` (self-attention).{_COMMON_ARGS}
+    positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; default ``arange(T_k)``.\
+{_ROPE_ARGS}"""
+_CACHE_ARGS = f"""{_HEAD_ARGS}
     cache: The latent cache ``[..., T_k, d_c + d_rope]`` (``[c^KV, RoPE(x W_KR)]`` per token,
-        :func:`attnref.mla.mla_latent_cache`) with the batch shape of ``x_q``.
-    positions_q: Integer query positions ``[..., T_q]`` or ``[T_q]``; default ``arange(T_q)``.
-{_COMMON_ARGS}"""
+        :func:`attnref.mla.mla_latent_cache`) with the batch shape of ``x_q``.\
+{_COMMON_ARGS}{_ROPE_ARGS}"""
 
 # Formulas take ``(params, x_q, x_kv_or_cache, mask, bias, scale, residual, rot)``, validated and
 # finite (``mask``/``bias`` ``[..., T_q, T_k]``).
-MLA_ROWS = Level(prepare_mla, _MLA_ARGS)
+MLA_ROWS = rows_level(
+    "prepare_mla",
+    lambda rows, scale, **rope: rotated(rows, **rope),
+    _MLA_ARGS,
+    {
+        "positions_q": (None, 'Int[ArrayLike, "... T_q"] | None'),
+        "positions_kv": (None, 'Int[ArrayLike, "... T_k"] | None'),
+        "base": (10000.0, "float"),
+        "convention": ("interleaved", "str"),
+    },
+    validate=_mla_rows,
+    params_type="MLAParams",
+)
 MLA_CACHE = Level(prepare_mla_cache, _CACHE_ARGS)
 
 # ----------------------------------------------------------------------------- cost model

@@ -194,18 +194,17 @@ def rotary(
     return Rotary(pos_q, pos_k, base, convention)
 
 
-def _rope_inputs(
-    rows: Prepared,
-    scale: Any,
-    positions_q: Any,
-    positions_kv: Any,
-    base: Any,
-    convention: Any,
+def rotated(
+    rows: Prepared, positions_q: Any, positions_kv: Any, base: Any, convention: Any
 ) -> RopeInputs:
-    """The row inputs (validated by :func:`prepare_rows`) plus the checked rotation."""
-    check_head_dim(rows.params.d_k, "d_k (params.w_q.shape[2])")
+    """Validated rows plus their checked rotation."""
     positions = (positions_q, positions_kv, rows.batch_shape, rows.t_q, rows.t_k)
     return RopeInputs(rows, rotary(*positions, check_base(base), check_convention(convention)))
+
+
+def _rope_inputs(rows: Prepared, scale: Any, **rope: Any) -> RopeInputs:
+    check_head_dim(rows.params.d_k, "d_k (params.w_q.shape[2])")
+    return rotated(rows, **rope)
 
 
 _POSITIONS = """
