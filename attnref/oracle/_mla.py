@@ -40,7 +40,7 @@ from ._checks import (
     shape_of,
 )
 from ._doc import retemplate, rope_call, signed
-from ._rope import check_base, check_convention, check_positions, rope
+from ._rope import check_base, check_convention, read_positions, rope
 
 __all__ = ["mla_attention", "mla_qkv"]
 
@@ -191,10 +191,8 @@ def mla_qkv(call: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     check_base(base)
     x_kv = x_q if x_kv is None else x_kv
     batch, t_q, t_k = check_mla_tokens(dims, dtype_of(params.w_dkv), x_q, x_kv)
-    pq = np.broadcast_to(np.arange(t_q), (*batch, t_q)) if positions_q is None else positions_q
-    pk = np.broadcast_to(np.arange(t_k), (*batch, t_k)) if positions_kv is None else positions_kv
-    pq = check_positions("positions_q", pq, batch, t_q)
-    pk = check_positions("positions_kv", pk, batch, t_k)
+    pq = read_positions(positions_q, batch, t_q, "positions_q")
+    pk = read_positions(positions_kv, batch, t_k, "positions_kv")
     f = mla_weights(params)
     xq, xkv = np.asarray(x_q, np.float64), np.asarray(x_kv, np.float64)
     c_q = xq if f["w_dq"] is None else xq @ f["w_dq"]  # c_t^Q          [..., T_q, d_q]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import (
+    broadcasts,
     check_method,
     check_real_scalar,
     check_weight_level,
@@ -93,11 +94,7 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
         raise TypeError(f"{name} must be integer, got dtype {dt}")
     shape = shape_of(positions)
     target = (*lead, t)
-    try:
-        ok = len(shape) >= 1 and shape[-1] == t and np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        ok = False
-    if not ok:
+    if not (len(shape) >= 1 and shape[-1] == t and broadcasts(shape, target)):
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
     return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
 
@@ -105,17 +102,11 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
 __all__ = ["rope", "rope_attention"]
 
 
-def _pairs(d: int, convention: str) -> list[tuple[int, int]]:
-    if convention == "rotate_half":
-        return [(p, p + d // 2) for p in range(d // 2)]
-    return [(2 * p, 2 * p + 1) for p in range(d // 2)]
-
-
 def rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.ndarray:
     """RoPE of one vector ``v [d]`` at position ``m``, pair by pair."""
     d = v.shape[0]
     out = np.empty(d)
-    for p, (i, j) in enumerate(_pairs(d, convention)):
+    for p, (i, j) in enumerate(zip(*_pair_index(d, convention), strict=True)):
         angle = float(m) * base ** (-2.0 * p / d)
         c, s = math.cos(angle), math.sin(angle)
         out[i] = v[i] * c - v[j] * s
@@ -125,14 +116,10 @@ def rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.nda
 
 def turn(base: float, convention: str) -> Turn:
     """RoPE of one vector at an integer position (the definition path's rotation)."""
-
-    def rotated(v: np.ndarray, m: int) -> np.ndarray:
-        return rotate_vector(v, m, float(base), convention)
-
-    return rotated
+    return lambda v, m: rotate_vector(v, m, float(base), convention)
 
 
-def _positions(positions: Any, lead: tuple[int, ...], t: int, name: str) -> np.ndarray:
+def read_positions(positions: Any, lead: tuple[int, ...], t: int, name: str) -> np.ndarray:
     """Integer positions broadcast to ``lead + (t,)``; ``None`` is ``arange(t)``."""
     if positions is None:
         return np.broadcast_to(np.arange(t), (*lead, t))
@@ -196,8 +183,8 @@ def rope_inputs(
     batch, t_q, t_k, _, _, _ = check_weight_level(params, x_q, x_kv, mask, bias, scale)
     d_k = shape_of(get_param(params, "w_q"))[2]
     check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
-    pq = _positions(positions_q, batch, t_q, "positions_q")
-    pk = _positions(positions_kv, batch, t_k, "positions_kv")
+    pq = read_positions(positions_q, batch, t_q, "positions_q")
+    pk = read_positions(positions_kv, batch, t_k, "positions_kv")
     return fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
 
 
