@@ -1,10 +1,5 @@
-"""The ``attnref`` command line: ``attnref report``, ``attnref list``, ``attnref check``,
-``attnref check-merge``, ``attnref cite`` and ``attnref --version``.
-
-Tables print as plain text when piped (the report a row at a time), drawn by rich on a
-terminal; a progress bar shows on stderr only when it is a terminal. Exit status 2 is a usage
-error: one line of error on stderr (:mod:`cli_parser`, which builds the parser).
-"""
+"""The ``attnref`` command line: ``attnref report``, ``list``, ``check``, ``check-merge``,
+``cite`` and ``--version`` (the parser, its help and its usage errors: :mod:`cli_parser`)."""
 
 from __future__ import annotations
 
@@ -51,10 +46,9 @@ def _fail(command: str, error: Exception | str) -> SystemExit:
 
 
 def _cite(name: str, bibtex: bool) -> str:
-    """The citation of what ``name`` names (:func:`citations.resolve`): a formulation's title,
-    sources and attnref, or one source, the formulations citing it and attnref; as plain text
-    or BibTeX (the sources' entries, then attnref's). A name nothing matches is a usage
-    error."""
+    """The citation of what ``name`` names (:func:`citations.resolve`, else a usage error): a
+    formulation's title and sources, or one source and the formulations citing it; then
+    attnref's. Plain text, or the BibTeX entries."""
     try:
         found = citations.resolve(name)
     except LookupError as e:
@@ -76,9 +70,8 @@ def _cite(name: str, bibtex: bool) -> str:
 
 
 def _suggestion(error: ValueError) -> str:
-    """The "did you mean" of the kit's rejection of an option (its ``OptionError``, the cause
-    of ``error``): the accepted value closest to the first rejected one, read from the kit
-    (its features, properties, signatures), or ``""``."""
+    """The "did you mean" of the kit's rejection of an option (``error``'s cause, an
+    ``OptionError``): the accepted value closest to the first rejected one, or ``""``."""
     cause = error.__cause__
     accepted = getattr(cause, "accepted", ())
     value = getattr(cause, "value", None)
@@ -139,26 +132,33 @@ def _check_merge(args: argparse.Namespace) -> int:
     except kit.TargetError as e:
         _fail("check-merge", e)
         return 2
-    kwargs: dict[str, Any] = {}
+    dtypes: dict[str, Any] = {}
     if args.dtypes is not None:
-        kwargs["dtypes"] = tuple(kit.split_list(args.dtypes) or ())
+        dtypes["dtypes"] = tuple(kit.split_list(args.dtypes) or ())
     try:
         report = check_merge_states(
             fn,
             max_examples=args.max_examples,
             seed=args.seed,
             masked_rows=args.masked_rows,
-            properties=kit.split_list(args.properties) or None,
+            properties=chosen or None,
             target=args.target,
             grad=not args.no_grad,
-            **kwargs,
+            **dtypes,
         )
     except ValueError as e:  # the engine's check of an option; hint: a misspelt property
         raise _fail("check-merge", f"{e}{hint}") from None
-    if args.json:
+    return _emit(report, args.json)
+
+
+def _emit(report: Any, as_json: bool, replay: str = "") -> int:
+    """Print a kit's ``report`` (JSON, or the table and then ``replay``); the exit status."""
+    if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         console.emit(report)
+        if replay:
+            print(replay)
     return 0 if report.passed else 1
 
 
@@ -205,14 +205,7 @@ def _check(args: argparse.Namespace) -> int:
         if names:
             progress(0, len(names), names[0])
         report = options.run(fn, progress=progress, log=bar.log)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        console.emit(report)
-        replay = _replay_text(report, options)
-        if replay:
-            print(replay)
-    return 0 if report.passed else 1
+    return _emit(report, args.json, "" if args.json else _replay_text(report, options))
 
 
 def _replay_text(report: Any, options: kit.Options) -> str:
@@ -226,10 +219,9 @@ def _replay_text(report: Any, options: kit.Options) -> str:
 
 
 def _list() -> Table:
-    """The registry as a table: a row per formulation, its title, equation, cost and citation
-    on consecutive lines of the last column, a blank line between rows. In plain text the last
-    column is wrapped to the width ``shutil.get_terminal_size`` reports (``COLUMNS``, else 100
-    when piped), its continued lines indented; on a terminal rich wraps it."""
+    """The registry as a table, a blank line between rows, the last column holding title,
+    equation, cost and citation; rich wraps it on a terminal, else :func:`_wrap` to the width
+    ``shutil.get_terminal_size`` reports (``COLUMNS``, else 100)."""
     headings = ("id", "family", "convention", "title, equation, cost, citation")
     terminal = is_terminal(sys.stdout)
     table = console.table(headings, terminal=terminal)
@@ -305,9 +297,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compile_fast(argv: Sequence[str] | None) -> None:
-    """Add to ``XLA_FLAGS`` each flag of :data:`CHECK_XLA_FLAGS` it does not set already (a
-    caller's own setting wins), for a check run from the shell (``argv`` ``None``; JAX reads
-    the variable when its backend starts, at the first computation)."""
+    """From the shell (``argv`` ``None``), add to ``XLA_FLAGS`` each flag of
+    :data:`CHECK_XLA_FLAGS` it does not set (JAX reads it at the first computation)."""
     if argv is not None:
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -355,9 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _leave(status: int) -> None:
-    """Exit at once with ``status``, after flushing the standard streams: an interrupted JAX
-    compilation can crash the interpreter's ordinary teardown (a segmentation fault, status
-    -11, instead of 130)."""
+    """Flush the standard streams and exit at once: an interrupted JAX compilation can crash
+    the interpreter's teardown (a segmentation fault, status -11, instead of 130)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -46,11 +46,8 @@ class Problem:
         params = init_params(self.seed, **sizes, d_v=self.d_v, bias=self.bias, dtype=np.float64)
         rng = np.random.default_rng(self.seed + 1)
         x_q = rng.standard_normal((self.batch, self.t_q, self.d_model))
-        x_kv = (
-            x_q
-            if self.t_k == self.t_q
-            else rng.standard_normal((self.batch, self.t_k, self.d_model))
-        )
+        kv_shape = (self.batch, self.t_k, self.d_model)
+        x_kv = x_q if self.t_k == self.t_q else rng.standard_normal(kv_shape)
         return params.astype(dtype), x_q.astype(dtype), x_kv.astype(dtype)
 
 
@@ -95,17 +92,14 @@ def run(
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Every chosen formulation on the problem: error against its family's oracle, analytic
-    cost, XLA's counts and the median jitted time; ``on_row(row)``, if given, is called with
-    each row as soon as it is measured (``attnref report`` prints it then, when piped).
+    cost, XLA's counts and the median jitted time; ``on_row(row)`` gets each row once measured.
 
     Each entry runs causally if the problem is and the entry can (else in its default mode),
-    with the keyword arguments of its family's ``example`` (a causal mask, or the linear
-    family's feature map and ``causal`` flag, self-attention when causal).
-
-    ``max_rel_error = max|y - y_64| / max|y_64|`` (normwise); ``bound_ratio`` is the largest
-    ``|y - y_64| / bound`` with the derived componentwise bound of :mod:`attnref.tolerance`
-    (at most 1 means within the bound). ``progress(done, total, label)``, if given, is called
-    before each entry (``label``: its id and dtype) and once at the end (``label`` ``"done"``).
+    with the keyword arguments of its family's ``example``. ``max_rel_error = max|y - y_64| /
+    max|y_64|`` (normwise); ``bound_ratio`` is the largest ``|y - y_64| / bound`` with the
+    derived componentwise bound of :mod:`attnref.tolerance` (at most 1: within it).
+    ``progress(done, total, label)`` is called before each entry (``label``: its id and dtype)
+    and once at the end (``label`` ``"done"``).
     """
     chosen = formulations() if ids is None else tuple(get(i) for i in ids)
     rows = []
@@ -133,22 +127,10 @@ def run(
             t_k = problem.t_q if example.self_attention else problem.t_k
             model = cost(f.id, _dims(problem, causal, t_k, dt))
             xc = xla_counts(fn, params, x_q, xkv, **kw)
-            rows.append(
-                Row(
-                    f.id,
-                    dt_name,
-                    float(err.max()),
-                    float(err.max() / scale),
-                    ratio,
-                    note,
-                    model.flops,
-                    model.matmul_flops,
-                    xc.flops,
-                    xc.dot_flops,
-                    xc.temp_bytes,
-                    _median_us(fn, (params, x_q, xkv), kw, repeats),
-                )
-            )
+            errors = (float(err.max()), float(err.max() / scale), ratio, note)
+            counts = (model.flops, model.matmul_flops, xc.flops, xc.dot_flops, xc.temp_bytes)
+            timing = _median_us(fn, (params, x_q, xkv), kw, repeats)
+            rows.append(Row(f.id, dt_name, *errors, *counts, timing))
             if on_row is not None:
                 on_row(rows[-1])
             done += 1
@@ -356,9 +338,8 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
         ("temp_bytes", "XLA temporary memory", "bytes per call"),
         ("median_us", "median wall time of the jitted call", "time per call (\u00b5s)"),
     )
-    if problem is None:
-        setting = "float32 self-attention"
-    else:
+    setting = "float32 self-attention"
+    if problem is not None:
         setting = (
             f"float32 {'causal ' if problem.causal else ''}self-attention, B={problem.batch}, "
             f"H={problem.num_heads}, d_model={problem.d_model}, d_k={problem.d_k}, "

@@ -13,6 +13,7 @@ from pathlib import Path
 from attnref._src.core.family import public_path
 from attnref._src.core.registry import Formulation, formulations
 
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 TESTS = Path(__file__).resolve().parents[3] / "tests"  # the suite of this checkout
 
 # The property tests that run formulations against the oracle and against each other, as
@@ -53,16 +54,9 @@ def site_label(test: str) -> str:
 def suite_functions(source: str) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """The test functions of a module's ``source``, in order: top-level ``test_*`` functions
     and the ``test_*`` methods of top-level classes, as ``(qualname, node)``."""
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if node.name.startswith("test"):
-                yield node.name, node
-        elif isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
-                    item.name.startswith("test")
-                ):
-                    yield f"{node.name}.{item.name}", item
+    for name, node in _definitions(ast.parse(source)).items():
+        if isinstance(node, _FUNCTIONS) and node.name.startswith("test"):
+            yield name, node
 
 
 def _definitions(tree: ast.Module) -> dict[str, ast.AST]:
@@ -70,12 +64,12 @@ def _definitions(tree: ast.Module) -> dict[str, ast.AST]:
     ``Class.method``), each with the node that defines it."""
     defs: dict[str, ast.AST] = {}
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, _FUNCTIONS):
             defs[node.name] = node
         elif isinstance(node, ast.ClassDef):
             defs[node.name] = node
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if isinstance(item, _FUNCTIONS):
                     defs[f"{node.name}.{item.name}"] = item
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -104,7 +98,7 @@ def _covered_in(module: str, qualname: str, source: str) -> frozenset[str]:
     defs = _definitions(ast.parse(source))
     if qualname not in defs or not qualname.rsplit(".", 1)[-1].startswith("test"):
         raise LookupError(f"tests/{module}.py has no test function {qualname}")
-    cls = qualname.split(".")[0] if "." in qualname else None
+    cls = qualname.split(".")[0] if "." in qualname else None  # None.x is in no module
     families = {f.family.name for f in formulations()}
     registered = {f.id for f in formulations()}
     ids: set[str] = set()
@@ -120,9 +114,7 @@ def _covered_in(module: str, qualname: str, source: str) -> frozenset[str]:
                 todo.append(node.id)
             elif (
                 isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in ("self", "cls")
-                and cls is not None
+                and getattr(node.value, "id", None) in ("self", "cls")
                 and f"{cls}.{node.attr}" in defs
             ):
                 todo.append(f"{cls}.{node.attr}")
@@ -203,9 +195,7 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
     for module in modules:
         path = out / f"{module}.md"
         text = render_test_page(module, (tests_dir / f"{module}.py").read_text())
-        if not path.exists() or path.read_text() != text:  # unchanged: Sphinx reuses its read
-            path.write_text(text)
-        paths.append(path)
+        paths.append(_write_changed(path, text))
     index = out / "index.md"
     text = (
         "# The test suite\n\n"
@@ -214,7 +204,11 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
         "pages and the atlas link to the property that checks each claim.\n\n"
         "```{toctree}\n:maxdepth: 1\n\n" + "\n".join(modules) + "\n```\n"
     )
-    if not index.exists() or index.read_text() != text:
-        index.write_text(text)
-    paths.append(index)
-    return paths
+    return [*paths, _write_changed(index, text)]
+
+
+def _write_changed(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` unless it holds it already (then Sphinx reuses its read)."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
