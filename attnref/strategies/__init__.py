@@ -1,6 +1,4 @@
-"""Hypothesis strategies for attention problems, at the kernel level and at the weight level.
-
-A kernel author writes property tests with these instead of hand-picking shapes::
+"""Hypothesis strategies for attention problems, at the kernel level and at the weight level::
 
     from hypothesis import given
     from attnref import strategies as ast
@@ -15,63 +13,43 @@ A kernel author writes property tests with these instead of hand-picking shapes:
 
 Design rules:
 
-* **Shapes from buckets.** A config (``batch, T, S, N, K, H, H_v, d_model``, dtype) is drawn from a
-  short tuple of buckets, so a jitted function is compiled once per bucket and dtype, not once per
-  example: :data:`BUCKETS` (power-of-two head dims, every attention shape class),
-  :data:`KERNEL_BUCKETS` (odd head dims) and :data:`WEIGHT_BUCKETS` (zero, one and two leading
-  batch dims, for the weight level). Buckets are ordered small to large, so Hypothesis shrinks
-  towards the smallest.
-* **Tile-straddling lengths.** :func:`tile_configs` gives a bucket lengths from
-  :data:`TILE_LENGTHS` (``n - 1, n, n + 1, 3n/2 + 1, 2n + 1`` for the tile sizes
-  :data:`TILE_SIZES` 16 .. 256), where a kernel's last, partial tile is; sorted, so a failure
-  shrinks to the shortest length that still fails.
-* **No degenerate fill.** Arrays come from NumPy's seeded PCG64 generator (the seed is a labelled
-  draw), standard normal, rounded once to the tested dtype; the oracle sees the rounded values.
-  Identical rows (every key equal, or every query equal) are a special case drawn on purpose with
-  the label ``"identical rows"``, never an accident of shrinking.
-* **Every draw is labelled** (``draw(..., label=...)``) and summarised with ``hypothesis.note``.
-* **Every broadcastable shape.** A boolean mask and an additive bias may have any of the 16
-  shapes :data:`BROADCAST_SHAPES` (each axis of ``[B, N, T, S]`` full or 1; rank 4 only, as
-  :func:`jax.nn.dot_product_attention` and :func:`attnref.dot_product_attention` require).
-  :func:`kernel_problems` draws the mask's and the bias's shape separately (labelled draws,
-  :func:`broadcast_shapes`), one pair per example: a shape changes the compiled program, so an
-  example costs at most one new compilation per mask kind, and the shapes shrink towards the
-  full ``"BNTS"``, so a shrunk example shows the least broadcasting that still fails.
+* **Shapes from buckets** (a jitted function compiles once per bucket and dtype), ordered small
+  to large so Hypothesis shrinks to the smallest: :data:`BUCKETS` (power-of-two head dims, every
+  shape class), :data:`KERNEL_BUCKETS` (odd head dims), :data:`WEIGHT_BUCKETS` (zero to two
+  leading batch dims). :func:`tile_configs` gives a bucket lengths from :data:`TILE_LENGTHS`
+  (``n - 1, n, n + 1, 3n/2 + 1, 2n + 1`` for the tiles :data:`TILE_SIZES` 16 .. 256), where a
+  kernel's partial last tile is, sorted so a failure shrinks to the shortest length.
+* **No degenerate fill.** Arrays are seeded PCG64 standard normal (the seed a labelled draw),
+  rounded once to the dtype; the oracle sees the rounded values. Identical rows (every key, or
+  every query, equal) are drawn on purpose, labelled ``"identical rows"``. Every draw is
+  labelled and summarised with ``hypothesis.note``.
+* **Every broadcastable shape.** A boolean mask and an additive bias take any of the 16
+  :data:`BROADCAST_SHAPES` (each axis of ``[B, N, T, S]`` full or 1; rank 4, as jax.nn requires),
+  drawn apart (:func:`broadcast_shapes`), one pair per example (at most one new compilation per
+  kind), shrinking towards the full ``"BNTS"``.
 * **Mask kinds** (:data:`MASK_KINDS`): ``none``, ``causal``, ``padding`` (sequence lengths),
-  ``random`` (boolean mask, every row keeps a key), ``bias``, ``alibi``, ``neg_inf_bias`` (a bias
-  with ``-inf`` entries, every row keeps a finite one), ``window``, ``segments`` (segment ids),
-  ``softcap``, ``fully_masked_row`` (a boolean mask with one row entirely False) and ``combined``
-  (causal, padding, a random mask and a bias together); :data:`PRODUCTION_KINDS` (``sinks``,
-  ``sink_tokens``, ``dropout``) are drawn only where asked for. :data:`KIND_FEATURES` names the
-  feature of :func:`attnref.testing.check_attention` each kind needs. One builder,
-  :func:`make_options`, makes every kind's arrays, at the kernel level and (rendered to a full
-  ``[..., T, S]`` mask and bias) at the weight level; ``empty_rows=True`` lets masks, lengths,
-  segment ids and ``-inf`` biases leave a query row with no key by accident, as well as on
-  purpose.
-* **Option mixes.** :func:`mixed_kernel_problems` draws one of the static option profiles
-  :data:`STATIC_PROFILES` (causal alignment, windows, softcap, the masked-rows policy) with up to
-  three of the array kinds :data:`ARRAY_KINDS` at once; :func:`with_production` adds the
-  production options to any kernel problem (learnable sinks, sink tokens under a window, a
-  deterministic dropout mask of every broadcast shape).
+  ``random`` (boolean mask, every row keeps a key), ``bias``, ``alibi``, ``neg_inf_bias``
+  (``-inf`` entries, every row keeps a finite one), ``window``, ``segments``, ``softcap``,
+  ``fully_masked_row`` and ``combined`` (causal, padding, a random mask and a bias);
+  :data:`PRODUCTION_KINDS` (``sinks``, ``sink_tokens``, ``dropout``) only where asked for.
+  :data:`KIND_FEATURES`: the :func:`attnref.testing.check_attention` feature each kind needs.
+  :func:`make_options` builds every kind's arrays at both levels; ``empty_rows=True`` lets a
+  query row lose every key by accident too.
+* **Option mixes.** :func:`mixed_kernel_problems` draws a static profile of
+  :data:`STATIC_PROFILES` with up to three :data:`ARRAY_KINDS`; :func:`with_production` adds
+  learnable sinks, sink tokens under a window and a dropout mask of every broadcast shape.
 
 Kernel problems use the layout of :func:`attnref.dot_product_attention` (``q [B, T, N, H]``,
-``k [B, S, K, H]``, ``v [B, S, K, H_v]``); weight-level problems the multi-head layout of
+``k [B, S, K, H]``, ``v [B, S, K, H_v]``); weight-level problems that of
 :func:`attnref.oracle.attention` (``x_q [B, T, d_model]``, ``x_kv [B, S, d_model]``, parameters
-from :func:`attnref.init_params`, GQA through ``num_kv_heads``).
+from :func:`attnref.init_params`).
 
-**Attention states** (:mod:`._states`): :func:`attention_states` draws ``P`` states ``(o, lse)``
-where merges break (:class:`StateStack`): ``|lse|`` up to ``1e4``, differences between states
-beyond 88 (``exp`` of the difference overflows float32, so ``lse + log(1 + exp(lse_b - lse))``
-is ``inf``) and beyond 709 (float64), exact ties, and empty states (``lse = -inf``) whose ``o``
-holds NaN (never to be read). :func:`merge_trees` draws a merge tree, a nested pair of piece
-indices (every order and grouping of ``P`` pieces is one), and :func:`key_partitions` a kernel
-problem's keys split into ``P`` pieces (:class:`KeyPartition`: each piece is the call with an
-extra key mask; ``.bound()`` is the derived allowance of the merged pieces against the whole
-call).
-
-Submodules: :mod:`._shapes` (Config, buckets, broadcast shapes), :mod:`._masks` (mask kinds and
-their builder), :mod:`._kernel` (kernel-level problems), :mod:`._mixes` (option mixes),
-:mod:`._weight` (weight-level problems), :mod:`._states` (states, merge trees, key partitions).
+**Attention states**: :func:`attention_states` draws ``P`` states ``(o, lse)`` where merges break
+(:class:`StateStack`): ``|lse|`` up to ``1e4``, differences beyond 88 (float32 ``exp``
+overflows) and 709 (float64), exact ties, empty states (``lse = -inf``, ``o`` NaN).
+:func:`merge_trees` draws a merge tree (nested pairs of piece indices) and :func:`key_partitions`
+a problem's keys split into ``P`` pieces (:class:`KeyPartition`; ``.bound()`` the merged pieces'
+allowance).
 """
 
 # ruff: noqa: F401 (the names below are the exports: __all__ lists them)

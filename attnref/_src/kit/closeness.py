@@ -1,7 +1,5 @@
-"""Closeness rules: is an output close enough to the float64 oracle? (:mod:`attnref.testing`
-re-exports them and describes the rules.) :func:`assert_ratio_within` is the step every rule,
-and the conformance kit's own comparisons, share: find the element with the largest error in
-units of its allowance and fail naming it."""
+"""Closeness rules (:mod:`attnref.testing` describes them); :func:`assert_ratio_within` is the
+step every rule and the kit's comparisons share."""
 
 from __future__ import annotations
 
@@ -25,18 +23,15 @@ def assert_ratio_within(
     require_finite: bool = False,
     **values: Any,
 ) -> tuple[tuple[int, ...], float]:
-    """Fail at the worst element of ``r = err / allowed`` when ``r > 1`` there (with
-    ``require_finite``, also when any ``err`` is NaN or inf); return its ``(index, ratio)``
-    (``((), 0.0)`` for an empty ``err``).
+    """Fail at the worst element of ``r = err / allowed`` (``0`` where ``err == 0``) when ``r >
+    1`` there (with ``require_finite``, also for any non-finite ``err``); return its ``(index,
+    ratio)`` (``((), 0.0)`` when empty).
 
-    ``r`` is ``0`` where ``err == 0`` (so a zero allowance fails only a nonzero error). The worst
-    element is the first largest ``r`` (the first NaN, if any); with one scalar allowance for
-    every element it is the first largest ``err``. The ``AssertionError`` is ``message``, a
-    :meth:`str.format` template, filled with ``index`` (a tuple of ints), ``ratio``, ``error``
-    and ``allowed`` (``err`` and the allowance there) and the ``values`` (a NumPy array read at
-    the index). ``ValueError`` where ``allowed`` does not broadcast to ``err``'s shape, or is
-    negative or NaN anywhere (an allowance that would let any error pass, or none, by
-    accident)."""
+    The worst element is the first largest ``r`` (the first NaN), or with a scalar allowance the
+    first largest ``err``. The ``AssertionError`` is the :meth:`str.format` template ``message``
+    filled with ``index``, ``ratio``, ``error``, ``allowed`` and the ``values`` (arrays read at
+    the index). ``ValueError`` where ``allowed`` does not broadcast to ``err`` or is negative or
+    NaN anywhere."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     err = np.asarray(err)
     allowed_a = np.asarray(allowed)
@@ -66,12 +61,11 @@ def assert_ratio_within(
 
 
 def _scalar(value: Any) -> Any:
-    """A NumPy scalar as the Python number (its repr without ``np.float64(...)``)."""
     return value.item() if isinstance(value, np.generic) else value
 
 
 def first_index(where: Any) -> tuple[int, ...]:
-    """The index of the first ``True`` of ``where`` (C order), as a tuple of ints."""
+    """The index of the first ``True`` of ``where`` (C order)."""
     return tuple(int(i) for i in np.argwhere(where)[0])
 
 
@@ -95,11 +89,10 @@ def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.nda
 
 
 def assert_within_bound(actual: Any, expected: Any, bound: Any, *, label: str = "output") -> None:
-    """The derived-bound rule: ``|actual - expected| <= bound`` elementwise, ``expected`` the
-    finite oracle value, ``bound`` broadcastable (e.g. from
-    :func:`attnref.tolerance.attention_error_bound`). The ``AssertionError`` (a shape mismatch,
-    a non-finite value, an error above the bound: the worst index and its multiple of the
-    bound) names the compared quantity ``label``."""
+    """The derived-bound rule: ``|actual - expected| <= bound`` elementwise (``expected`` the
+    finite oracle value, ``bound`` e.g. from :func:`attnref.tolerance.attention_error_bound`).
+    The ``AssertionError`` (a shape mismatch, a non-finite value, the worst index above the
+    bound) names ``label``."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a, e = _prepare(actual, expected, label)
     b = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
@@ -128,11 +121,10 @@ def assert_comparative(
     label: str = "output",
 ) -> None:
     """FlashAttention's rule: ``max|actual - expected| <= factor max|reference - expected|
-    + gamma_{floor_n}(u) M``, ``expected`` the finite oracle value, ``reference`` a
-    same-precision computation in another operation order, ``u`` the unit round-off of
-    ``dtype``, ``M = floor_magnitude`` (``None``: ``max|expected|``). The ``AssertionError`` (a
-    shape mismatch, a non-finite value, a largest error above the allowance: its index and
-    multiple of the allowance) names the compared quantity ``label``."""
+    + gamma_{floor_n}(u) M``, ``reference`` a same-precision computation in another order,
+    ``u`` the unit round-off of ``dtype``, ``M = floor_magnitude`` (``None``: ``max|expected|``).
+    The ``AssertionError`` (a shape mismatch, a non-finite value, the worst index above the
+    allowance) names ``label``."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a, e = _prepare(actual, expected, label)
     r = np.asarray(reference, dtype=np.float64)
@@ -157,9 +149,8 @@ def assert_comparative(
 
 @dataclasses.dataclass(frozen=True)
 class Closeness:
-    """The outcome of a passing :func:`assert_attention_close`: the ``rule`` applied, the
-    error at the worst entry ``index`` (``()`` for an empty array), what the rule ``allowed``
-    there, and ``ratio = max_error / allowed`` (at most 1)."""
+    """A passing :func:`assert_attention_close`: the ``rule``, the worst entry's ``index``
+    (``()`` when empty), its error, what was ``allowed`` there and their ``ratio``."""
 
     rule: str
     max_error: float
@@ -169,9 +160,8 @@ class Closeness:
 
 
 def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> np.ndarray:
-    """NaN bookkeeping: returns the entries to compare. A NaN in ``actual`` where the oracle has
-    none fails; a NaN in the oracle fails unless ``expected_nan`` declares it (a "nan"
-    fully-masked-row policy), and then ``actual`` must have NaN at exactly those entries."""
+    """The entries to compare; NaN must match a declared (``expected_nan``) oracle NaN, inf
+    fails."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     nan_e, nan_a = np.isnan(e), np.isnan(a)
     if nan_e.any() and not expected_nan:
@@ -224,15 +214,11 @@ def assert_attention_close(
     * ``"torch"`` (PyTorch's SDPA tests): ``max|actual - expected| <= max(gamma_{floor_n}(u)
       max|expected|, 5 max|ref - expected|)``.
 
-    A NaN in ``actual`` where the oracle has none always fails; a NaN in the oracle fails unless
-    ``expected_nan`` declares it.
-
-    ``dtype`` is the kernel's precision, ``rule=None`` picks ``"bound"`` when ``bound`` or
-    ``inputs`` is given, else ``"flash"``. Returns the :class:`Closeness` of the worst entry.
-    The ``AssertionError`` (a shape mismatch, misplaced NaN or inf, an error above the
-    allowance: the rule, the index, the error and its multiple of the allowance) names the
-    compared quantity ``label``; ``ValueError`` for an unknown ``rule`` or a rule missing its
-    ``bound``/``inputs`` or ``reference_same_dtype``.
+    NaN in ``actual`` must match NaN in the oracle, which fails unless ``expected_nan``.
+    ``dtype``: the kernel's precision; ``rule=None``: ``"bound"`` when ``bound`` or ``inputs`` is
+    given, else ``"flash"``. Returns the worst entry's :class:`Closeness`. The
+    ``AssertionError`` (shape, misplaced NaN or inf, the worst index above the allowance) names
+    ``label``; ``ValueError`` for an unknown ``rule`` or one missing its arguments.
     """
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     a = np.asarray(actual, dtype=np.float64)

@@ -1,10 +1,5 @@
-"""One-call checks of a kernel against the float64 oracle (:mod:`attnref.testing` re-exports
-them): :func:`assert_matches_oracle` (the output, optionally the lse) and
-:func:`assert_grads_match_oracle` (the gradients). Each runs the oracle and derives the
-allowance from the SAME keyword options, so a mask or a length is typed once, and fails with a
-numpy.testing-style summary (mismatched elements, the worst index with its axes named, both
-values, the error as a multiple of the allowance). pytest hides their frames
-(``__tracebackhide__``)."""
+"""One-call checks of a kernel against the float64 oracle, the allowance derived from the same
+options (:mod:`attnref.testing` describes them)."""
 
 from __future__ import annotations
 
@@ -18,9 +13,7 @@ import numpy as np
 from attnref import oracle, tolerance
 from attnref.tolerance import K_Y, gamma, unit_roundoff
 
-# The keyword options of attnref.oracle.dot_product_attention a kernel call may carry (jax.nn's
-# names and attnref's extensions); "implementation" is jax.nn's choice of backend, which does not
-# change the function computed, so it is accepted and ignored.
+# The oracle's keyword options; jax.nn's "implementation" (a backend choice) is ignored.
 _ORACLE_PARAMS = inspect.signature(oracle.dot_product_attention).parameters
 OPTION_NAMES = tuple(
     n for n in _ORACLE_PARAMS if n not in ("query", "key", "value", "return_lse", "method")
@@ -39,10 +32,9 @@ _GRAD_AXES = {
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """A passing comparison with the oracle: ``max_error`` (the largest ``|kernel - oracle|``),
-    the ``worst`` element (largest error / allowance; ``()`` when empty) and ``ratio`` there
-    (at most 1), the ``allowed`` error there, and the compute ``dtype`` the bound was derived
-    for."""
+    """A passing comparison: ``max_error`` (largest ``|kernel - oracle|``), the ``worst`` element
+    (largest error / allowance; ``()`` when empty), the ``ratio`` and ``allowed`` error there,
+    and the compute ``dtype`` of the bound."""
 
     max_error: float
     worst: tuple[int, ...]
@@ -52,7 +44,7 @@ class Match:
 
 
 def _numpy(value: Any, name: str) -> np.ndarray:
-    """``value`` (a NumPy, JAX or CPU torch array) as a NumPy array, or a ``TypeError``."""
+    """A NumPy, JAX or CPU torch array as NumPy, or a ``TypeError``."""
     __tracebackhide__ = True
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
         value = value.detach().cpu()
@@ -73,8 +65,7 @@ def _floating(value: Any, name: str) -> np.ndarray:
 
 
 def _options(where: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The keyword options as NumPy (arrays converted, a segment-id pair kept a pair), an unknown
-    one refused with a ``TypeError`` naming it and the accepted ones."""
+    """The options as NumPy (a segment-id pair kept a pair); ``TypeError`` for an unknown one."""
     __tracebackhide__ = True
     unknown = sorted(set(options) - set(OPTION_NAMES) - set(IGNORED_OPTIONS))
     if unknown:
@@ -95,8 +86,7 @@ def _options(where: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compute_dtype(dtype: Any, *arrays: np.ndarray) -> np.dtype[Any]:
-    """``dtype``, or (``None``) the coarsest of the arrays' dtypes (the largest unit
-    round-off): a kernel returning float32 from bfloat16 inputs computed in bfloat16."""
+    """``dtype``, or (``None``) the arrays' coarsest (float32 out of bfloat16 in: bfloat16)."""
     __tracebackhide__ = True
     if dtype is not None:
         try:
@@ -107,8 +97,7 @@ def _compute_dtype(dtype: Any, *arrays: np.ndarray) -> np.dtype[Any]:
 
 
 def _call(where: str, fn: Any, *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)`` with the oracle's and the bounds' refusals (``ValueError``,
-    ``TypeError``) re-raised as the same type, prefixed ``where`` and without their frames."""
+    """``fn(*args, **kw)``, a ``ValueError`` or ``TypeError`` re-raised prefixed ``where``."""
     __tracebackhide__ = True
     try:
         return fn(*args, **kw)
@@ -117,8 +106,7 @@ def _call(where: str, fn: Any, *args: Any, **kw: Any) -> Any:
 
 
 def _is_16bit(dtype: Any) -> bool:
-    """float16 and bfloat16: the comparative rule's formats (the derived bound's 16-bit model
-    is XLA's, which other kernels need not follow)."""
+    """The comparative rule's formats (the bound's 16-bit model is XLA's, not every kernel's)."""
     return np.dtype(dtype).itemsize == 2
 
 
@@ -130,10 +118,9 @@ def _flash_allowances(
     exact: Sequence[np.ndarray],
     n: int,
 ) -> list[float]:
-    """FlashAttention's rule for each of ``exact`` (the output, or with a cotangent ``cot`` the
-    gradients): twice the largest error of attnref's own kernel in ``dtype`` (the same-precision
-    reference; NaN entries, a declared masked-rows meaning, left out) plus
-    ``gamma_n(u) max|exact|``."""
+    """FlashAttention's rule for each of ``exact`` (the output, or the gradients for ``cot``):
+    twice attnref's own largest error in ``dtype`` (NaN entries left out) + ``gamma_n(u)
+    max|exact|``."""
     import jax
     import jax.numpy as jnp
 
@@ -176,14 +163,10 @@ def compare(
     dtype: np.dtype[Any],
     rule: str,
 ) -> Match:
-    """Fail unless ``|actual - expected| <= allowed`` elementwise, the numpy.testing way.
-
-    ``expected`` may hold NaN only where NaN is the declared meaning (a fully masked row under
-    ``masked_rows="nan"``): ``actual`` must be NaN exactly there. A NaN or inf of ``actual``
-    elsewhere is a mismatch of infinite error. The ``AssertionError`` says how many elements
-    mismatch, the worst one (largest error / allowance) as ``name{axes} = name[i, j, ...]``,
-    the kernel's and the oracle's values there, the error and its multiple of the allowance,
-    and the ``rule`` that gave the allowance."""
+    """Fail unless ``|actual - expected| <= allowed`` elementwise, the numpy.testing way (NaN
+    must match ``expected``'s, a declared meaning; other NaN or inf has infinite error): how many
+    mismatch, the worst as ``name{axes} = name[i, ...]``, both values, the error as a multiple
+    of the allowance, the ``rule``."""
     __tracebackhide__ = True
     if actual.shape != expected.shape:
         raise AssertionError(
@@ -247,29 +230,23 @@ def assert_matches_oracle(
         query: ``[B, T, N, H]``, exactly as the kernel received it.
         key: ``[B, S, K, H]``.
         value: ``[B, S, K, H_v]``.
-        dtype: The kernel's compute format; ``None`` (default): the coarsest of ``out``'s and
-            ``query``'s dtypes. 16-bit formats use the bound's model of XLA (float32
-            accumulation, each stored intermediate rounded once); a kernel that accumulates in
-            16 bits needs :func:`assert_attention_close`'s comparative rule instead.
-        lse: The kernel's log-sum-exp ``[B, T, N]``, if it returns one: compared, within the
-            lse bound, where the oracle's lse is finite (not on fully masked or padding rows).
-        **options: Those of :func:`attnref.oracle.dot_product_attention` (jax.nn's ``bias``,
-            ``mask``, ``scale``, ``is_causal``, ``query_seq_lengths``,
-            ``key_value_seq_lengths``, ``local_window_size``, and ``segment_ids``, ``softcap``,
-            ``sinks``, ``sink_tokens``, ``dropout_mask``, ``dropout_rate``, ``masked_rows``,
-            ``causal_alignment``); jax.nn's ``implementation`` is accepted and ignored.
+        dtype: The kernel's compute format (``None``: the coarsest of ``out``'s and
+            ``query``'s). 16-bit formats are judged by FlashAttention's rule against attnref's
+            own kernel in that format.
+        lse: The kernel's log-sum-exp ``[B, T, N]``, if any: compared within the lse bound
+            where the oracle's is finite.
+        **options: Those of :func:`attnref.oracle.dot_product_attention`; jax.nn's
+            ``implementation`` is ignored.
 
     Returns:
         The :class:`Match` of the output (its worst element and ratio).
 
     Raises:
-        AssertionError: The output (or lse) has the wrong shape, or any element off by more
-            than its allowance (NaN and inf included): how many, the worst index
-            ``[b, t, n, h]``, both values there and the error as a multiple of the allowance.
-        TypeError: An argument that is not a (floating) array, an unknown option or dtype, or an
-            option of the wrong type (the oracle's message).
-        ValueError: Inputs or options the oracle refuses (its message: the argument and its
-            shape).
+        AssertionError: A wrong shape, or an element off by more than its allowance (NaN and
+            inf included): how many, the worst index ``[b, t, n, h]``, both values, the ratio.
+        TypeError: Not a floating array, an unknown option or dtype, an option of the wrong
+            type (the oracle's message).
+        ValueError: Inputs or options the oracle refuses (its message).
     """
     __tracebackhide__ = True
     where = "assert_matches_oracle"
@@ -313,25 +290,22 @@ def assert_grads_match_oracle(
     dtype: Any = None,
     **options: Any,
 ) -> dict[str, Match]:
-    """Assert that a kernel's gradients ``grads = (dq, dk, dv)`` (or ``(dq, dk, dv, dbias)``) of
-    ``sum(cotangent * out) + sum(lse_cotangent * lse)``, ``out = fn(query, key, value,
-    **options)``, equal the float64 gradient oracle
-    :func:`attnref.oracle.dot_product_attention_vjp` within the derived componentwise bound
-    :func:`attnref.tolerance.kernel_grad_error_bound` for ``dtype``, both from the same
-    ``options``.
+    """Assert that a kernel's ``grads = (dq, dk, dv[, dbias])`` of ``sum(cotangent * out) +
+    sum(lse_cotangent * lse)``, ``out = fn(query, key, value, **options)``, equal the float64
+    gradient oracle :func:`attnref.oracle.dot_product_attention_vjp` within
+    :func:`attnref.tolerance.kernel_grad_error_bound` for ``dtype``, both from ``options``.
 
-    ``grads`` is what ``jax.vjp``'s pullback returns for ``(query, key, value)`` (or with the
-    bias), or ``jax.grad(..., argnums=(0, 1, 2))``'s tuple. ``cotangent`` is ``dO [B, T, N,
-    H_v]``; ``dtype`` and ``options`` as :func:`assert_matches_oracle`'s. Returns
-    ``{"query": Match, "key": ..., "value": ...[, "bias": ...]}``.
+    ``grads``: ``jax.vjp``'s pullback or ``jax.grad(..., argnums=(0, 1, 2))``'s tuple;
+    ``cotangent``: ``dO [B, T, N, H_v]``; ``dtype``, ``options`` as
+    :func:`assert_matches_oracle`'s. Returns ``{"query": Match, "key": ..., "value": ...[,
+    "bias": ...]}``.
 
     Raises:
-        AssertionError: A gradient of the wrong shape, or with any element off by more than
-            its allowance: which gradient, how many elements, the worst index (``dq[b, t, n,
-            h]``, ``dk[b, s, k, h]``, ``dv[b, s, k, h]``, ``dbias[b, n, t, s]``), both values and
-            the multiple of the allowance.
-        TypeError: ``grads`` not a sequence of 3 (or, with a ``bias``, 4) arrays, a
-            non-floating array, an unknown option or dtype.
+        AssertionError: A wrong shape or an element off by more than its allowance: which
+            gradient, how many, the worst index (``dq[b, t, n, h]``, ``dk[b, s, k, h]``,
+            ``dv[b, s, k, h]``, ``dbias[b, n, t, s]``), both values, the ratio.
+        TypeError: ``grads`` not 3 (with a ``bias``, 4) floating arrays, an unknown option or
+            dtype.
         ValueError: Inputs, options or a cotangent the oracle refuses (its message).
     """
     __tracebackhide__ = True
