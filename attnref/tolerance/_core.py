@@ -205,15 +205,25 @@ def _bound_for(
 ) -> np.ndarray:
     """One format's share of :func:`attention_error_bound` (steps 1 to 3)."""
     g_s, u, g_soft, g_y = _chain_terms(dtype, *_chain_sizes(dims))
-    err_s = np.where(allowed, g_s * ls + u * spread, 0.0)
-    e_row = err_s.max(axis=-1)  # [..., H, T_q]
+    mixed = np.einsum("...hqk,...hkd->...hqd", weights, g_mag)  # sum_j p_hij G_hj
+    return output_bound(g_s * ls + u * spread, allowed, g_soft, g_y, mixed, b_o)
+
+
+def output_bound(
+    err: np.ndarray,
+    allowed: np.ndarray,
+    g_soft: float,
+    g_y: float,
+    mixed: np.ndarray,
+    b_o: np.ndarray | None = None,
+) -> np.ndarray:
+    """Steps 2 and 3 from the logit errors ``err [..., H, T_q, T_k]``: ``sum_h (rho_hi + g_y)
+    mixed_hi + g_y |b_O|``, ``rho_hi = exp(2 max_j err_hij) - 1 + g_soft`` over allowed keys."""
+    e_row = np.where(allowed, err, 0.0).max(axis=-1)  # [..., H, T_q]
     with np.errstate(over="ignore"):
         rho = np.expm1(2.0 * e_row) + g_soft
-    mixed = np.einsum("...hqk,...hkd->...hqd", weights, g_mag)  # sum_j p_hij G_hj
     bound = np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
-    if b_o is not None:
-        bound = bound + g_y * np.abs(b_o)
-    return bound
+    return bound if b_o is None else bound + g_y * np.abs(b_o)
 
 
 # ----------------------------------------------------------------------------- public bounds

@@ -36,7 +36,7 @@ import numpy as np
 from attnref.oracle._doc import signed
 from attnref.oracle._mla import check_mla_params, mla_call, mla_problem, mla_weights
 
-from ._core import bound_options, softmax, worst_case_terms
+from ._core import bound_options, output_bound, softmax, worst_case_terms
 from ._rope import pair_sum, rope_logit_error
 from ._rounding import unit_roundoff
 
@@ -77,19 +77,13 @@ def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
 
     cq = np.abs(xq) if a["w_dq"] is None else np.abs(xq) @ a["w_dq"]  # |x||W_DQ|
     ckv = np.abs(xkv) @ a["w_dkv"]  # |x||W_DKV|                                 [..., T_k, d_c]
-    qa = np.einsum(
-        "...tc,icn->...itn", cq, a["w_uq"]
-    )  #                         [..., H, T_q, d_nope]
-    ka = np.einsum(
-        "...jc,icn->...ijn", ckv, a["w_uk"]
-    )  #                        [..., H, T_k, d_nope]
+    qa = np.einsum("...tc,icn->...itn", cq, a["w_uq"])  # [..., H, T_q, d_nope]
+    ka = np.einsum("...jc,icn->...ijn", ckv, a["w_uk"])  # [..., H, T_k, d_nope]
     ls_pre = np.einsum("...itn,...ijn->...itj", qa, ka)
     pos_q = np.arange(t_q) if call["positions_q"] is None else np.asarray(call["positions_q"])
     pos_k = np.arange(t_k) if call["positions_kv"] is None else np.asarray(call["positions_kv"])
     if dims.d_rope:
-        qr = np.einsum(
-            "...tc,icr->...itr", cq, a["w_qr"]
-        )  #                     [..., H, T_q, d_rope]
+        qr = np.einsum("...tc,icr->...itr", cq, a["w_qr"])  # [..., H, T_q, d_rope]
         kr = np.broadcast_to(
             (np.abs(xkv) @ a["w_kr"])[..., None, :, :], (*batch, dims.heads, t_k, dims.d_rope)
         )
@@ -97,9 +91,7 @@ def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
             "...itr,...ijr->...itj", pair_sum(qr, convention), pair_sum(kr, convention)
         )
     ls = abs(s) * ls_pre + np.abs(bias_b)[..., None, :, :]
-    g = np.einsum(
-        "...jc,icv,ivd->...ijd", ckv, a["w_uv"], a["w_o"]
-    )  # G_hj      [..., H, T_k, d_model]
+    g = np.einsum("...jc,icv,ivd->...ijd", ckv, a["w_uv"], a["w_o"])  # G_hj [..., H, T_k, d_model]
     mixed = np.einsum("...itj,...ijd->...itd", sm.weights, g)
     y_exact = np.einsum("...itj,...jiv,ivd->...td", sm.weights, v, f["w_o"])
     n_s = mla_logit_chain(dims)
@@ -110,10 +102,7 @@ def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
         err = g_s * ls + u * sm.spread
         if dims.d_rope:
             err = err + abs(s) * rope_logit_error(qr, kr, pos_q, pos_k, convention, u, base)
-        err_row = np.where(allowed, err, 0.0).max(axis=-1)  #                     [..., H, T_q]
-        with np.errstate(over="ignore"):
-            rho = np.expm1(2.0 * err_row) + g_soft
-        bound = bound + np.einsum("...it,...itd->...td", rho + g_y, mixed)
+        bound = bound + output_bound(err, allowed, g_soft, g_y, mixed)
         if residual:
             bound = bound + u * np.abs(xq + y_exact)
     return bound

@@ -18,6 +18,7 @@ from ._core import (
     BOUND_RAISES,
     abs_heads,
     bound_options,
+    output_bound,
     problem_softmax,
     project_heads,
     read_problem,
@@ -181,12 +182,8 @@ def rope_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     for dt in (dtype, np.float64):  # 16-bit formats too: every operation in their own u
         g_s, u, g_soft, g_y = worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
         angles = abs(s) * rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
-        err_row = np.where(allowed, g_s * ls + angles + u * sm.spread, 0.0).max(axis=-1)
-        with np.errstate(over="ignore"):
-            rho = np.expm1(2.0 * err_row) + g_soft
-        bound = bound + np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
-        if w["b_o"] is not None:
-            bound = bound + g_y * np.abs(w["b_o"])
+        err = g_s * ls + angles + u * sm.spread
+        bound = bound + output_bound(err, allowed, g_soft, g_y, mixed, w["b_o"])
         if residual:  # one more rounding: x_q + y
             bound = bound + u * np.abs(xq + y_exact)
     return bound
