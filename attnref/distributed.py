@@ -1,19 +1,12 @@
 """Distributed attention on a JAX mesh: the same function, computed in pieces on several devices.
 
 Kernel level (the layout and options of ``jax.nn.dot_product_attention`` plus ``mesh`` and
-``axis_name``; global arrays in, global arrays out): :func:`ring_dot_product_attention`,
-:func:`striped_dot_product_attention`, :func:`zigzag_dot_product_attention` (K/V rotated around
-a ring with ``ppermute``, states merged online), :func:`all_gather_dot_product_attention` (K/V
-all-gathered), :func:`ulysses_dot_product_attention` (``all_to_all`` between sequence and head
-sharding) and :func:`tensor_parallel_dot_product_attention` (heads sharded). Row forms
-(``<id>_attention(params, x_q, x_kv, *, mask, bias, scale, residual, mesh)``, the registry's
-``apply``) of the same names. :func:`default_mesh` builds a 1-D mesh over the first devices;
-:data:`DISTRIBUTED` is the family. The pieces merge with :func:`attnref.merge_states`.
-:func:`useful_pairs`, :func:`useful_flops` and :func:`load_balance` measure the causal load balance
-of a layout, :func:`ring_tiles_computed` the ring's computed tiles per device (a step's piece in the
-tiles of :func:`piece_tiles`, the empty ones skipped) (:data:`LAYOUTS`: ``"contiguous"``,
-``"striped"``, ``"zigzag"``; the ring schemes' in :data:`LAYOUT_OF`); :func:`positions` lists the
-global positions each device holds in a sequence padded to :func:`padded_length`.
+``axis_name``; global arrays in, global arrays out): ``<scheme>_dot_product_attention`` for the
+ring, striped and zigzag rings (K/V rotated with ``ppermute``, states merged online by
+:func:`attnref.merge_states`), all-gather, Ulysses (``all_to_all`` between sequence and head
+sharding) and tensor parallelism (heads sharded); row forms ``<scheme>_attention(params, x_q,
+x_kv, *, mask, bias, scale, residual, mesh)``, the registry's ``apply``. The layouts
+(:data:`LAYOUTS`) come with their causal load balance and the ring's computed tiles.
 
 On one host, ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before JAX starts)
 gives 8 virtual CPU devices. See ``docs/distributed.md``.

@@ -234,18 +234,16 @@ class Refactored:
     """The result of :func:`refactor`.
 
     Attributes:
-        params: The refactored standard-form parameters (``d_k' = rank_qk``,
-            ``d_v' = rank_vo``, one key/value head per query head).
+        params: The refactored parameters (``d_k' = rank_qk``, ``d_v' = rank_vo``, ``K = H``).
         count_before: :func:`param_count` of the input.
         count_after: :func:`param_count` of the result.
         rank_qk: The pattern rank asked for (``None``: that side was kept).
         rank_vo: The message rank asked for (``None``: that side was kept).
-        s_qk: Singular values ``[H, k]`` of the truncated ``W~_P`` (with the ``b_Q`` row when
-            ``b_Q`` is present); ``None`` for a side that was kept.
-        s_vo: Singular values ``[H, k]`` of the truncated ``W_M`` or ``W~_M``; ``None`` if kept.
-        error_qk: Relative Frobenius truncation errors per head, ``||W - W_r||_F / ||W||_F``
-            (``[H]``); ``None`` if kept.
-        error_vo: As ``error_qk`` for the messages.
+        s_qk: Singular values ``[H, k]`` of the truncated ``W~_P`` (``W_P`` without ``b_Q``).
+        s_vo: Singular values ``[H, k]`` of the truncated ``W_M`` or ``W~_M``.
+        error_qk: Relative truncation errors ``||W - W_r||_F / ||W||_F`` per head, ``[H]``.
+        error_vo: As ``error_qk`` for the messages; ``s_*`` and ``error_*`` are ``None`` for a
+            side that was kept.
     """
 
     params: AttentionParams

@@ -1,10 +1,6 @@
-"""Render the per-formulation Markdown pages of ``docs/formulations/`` from the registry
-(``python -m attnref.pages``; ``docs/distributed.md`` and the site's test pages are made by
-:mod:`~attnref._src.tools.distributed_page` and :mod:`~attnref._src.tools.suite_pages`).
-
-Each page shows, beside its LaTeX, the source of the pure function that computes the
-formulation (``Formulation.formula``), included by Sphinx's ``literalinclude`` ``:pyobject:`` at
-build time, so the page cannot drift from the code.
+"""The per-formulation Markdown pages of ``docs/formulations/`` (``python -m attnref.pages``),
+each with the source of the function that computes it (``Formulation.formula``) included by
+Sphinx's ``literalinclude`` at build time, so the page cannot drift from the code.
 
 The export rule (checked by ``tests/test_docs_pages.py``): every registered formulation's
 ``native`` and ``apply`` are exported under their ``__name__``, from ``attnref`` or from one of
@@ -140,15 +136,14 @@ def public_name(fn: Callable[..., Any]) -> str:
 
 
 def _autodoc(fn: Callable[..., Any]) -> str:
-    """An autodoc block for ``fn`` under its public name: the site shows the signature and the
-    docstring from the code (``:no-index:``: the API reference is the indexed entry)."""
+    """An autodoc block for ``fn`` under its public name (``:no-index:``: the API reference is
+    the indexed entry)."""
     return f"```{{eval-rst}}\n.. autofunction:: {public_name(fn)}\n   :no-index:\n```"
 
 
 def formula_source(f: Formulation) -> tuple[str, str]:
-    """Where the function that computes ``f`` (``f.formula``, unwrapped) is defined: its file,
-    relative to the repository root, and its qualified name, what ``literalinclude``'s
-    ``:pyobject:`` takes (for a function defined inside another one, the outer function).
+    """Where ``f.formula`` (unwrapped) is defined: its file relative to the repository root and
+    the qualified name ``literalinclude``'s ``:pyobject:`` takes (a nested function's outer one).
 
     Raises:
         ValueError: The formula is not defined in a file of this checkout.
@@ -291,10 +286,9 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 
 def link_docs_mentions(markdown: str, docs: Path) -> str:
     """``markdown`` (the README, as the site's index includes it) with each inline-code mention
-    of a page of ``docs`` (`` `docs/atlas.md` ``) turned into a link whose text is that code
-    (`` [`docs/atlas.md`](docs/atlas.md) ``; MyST's ``:relative-docs: docs/`` then points it at
-    the page). Mentions of files that do not exist (``docs/formulations/<id>.md``) and text
-    inside fenced code blocks are left as they are."""
+    of an existing page of ``docs`` (`` `docs/atlas.md` ``), outside fenced code, made a link
+    with that text (`` [`docs/atlas.md`](docs/atlas.md) ``; MyST's ``:relative-docs: docs/``
+    then points it at the page)."""
 
     def link(m: re.Match[str]) -> str:
         if not (docs / m.group(1)).is_file():

@@ -39,9 +39,7 @@ class Problem:
     feature_map: str = "elu_plus_one"  # the linear family's (FAVOR+ gets 2 d_k features)
 
     def build(self, dtype: Any) -> tuple[AttentionParams, np.ndarray, np.ndarray]:
-        """Parameters, ``x_q``, ``x_kv``; drawn in float64 and rounded once to ``dtype`` (the
-        causal mask, or the linear family's ``causal`` flag, comes from the family's
-        ``example``)."""
+        """Parameters, ``x_q``, ``x_kv``: drawn in float64, rounded once to ``dtype``."""
         sizes = {"d_model": self.d_model, "num_heads": self.num_heads, "d_k": self.d_k}
         params = init_params(self.seed, **sizes, d_v=self.d_v, bias=self.bias, dtype=np.float64)
         rng = np.random.default_rng(self.seed + 1)
@@ -175,9 +173,8 @@ NUMERIC = COLUMNS[2:5] + COLUMNS[6:10]
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """The report of :func:`run`'s rows on ``problem``, as rich renders it: the heading
-    (:func:`header`), a row per formulation and dtype, the FLOP columns' legend; on a
-    terminal, cells wrap to its width. :func:`format_table` is the plain-text layout."""
+    """:func:`run`'s rows on ``problem`` as rich renders them (cells wrap to a terminal's
+    width): :func:`header`, a row per formulation and dtype, the FLOP columns' legend."""
 
     rows: Sequence[Row]
     problem: Problem
@@ -219,10 +216,9 @@ _LEAST = {"model FLOPs": 13, "XLA FLOPs": 13, "temp bytes": 13, "ok": 4, "dtype"
 
 @dataclasses.dataclass(frozen=True)
 class PlainRows:
-    """The report as plain text, one line at a time, so that a row prints as soon as it is
-    measured (``attnref report`` piped): the columns' widths are fixed before any row exists,
-    from the headings, the formulations' ids and fixed least widths; numbers right-aligned
-    under their headings, columns two spaces apart, no trailing space."""
+    """The report as plain text a line at a time (``attnref report`` piped), its column widths
+    fixed before any row exists (headings, ids, least widths); numbers right-aligned, columns
+    two spaces apart, no trailing space."""
 
     problem: Problem
     ids: Sequence[str]
@@ -251,9 +247,8 @@ class PlainRows:
 
 
 def format_table(rows: Sequence[Row], problem: Problem) -> str:
-    """:func:`run`'s ``rows`` as plain text (what ``attnref report`` prints to a pipe or a
-    file, a row at a time): the heading, a blank line, an ASCII table (no line wrapped), the
-    legend of the FLOP columns (:class:`PlainRows`)."""
+    """:func:`run`'s ``rows`` as ``attnref report`` prints them to a pipe (:class:`PlainRows`):
+    the heading, a blank line, an ASCII table (no line wrapped), the FLOP columns' legend."""
     plain = PlainRows(problem, [r.id for r in rows])
     return "\n".join([plain.head(), *map(plain.row, rows), FOOTER])
 
@@ -276,10 +271,8 @@ def sweep(
     repeats: int = 3,
     progress: Progress | None = None,
 ) -> list[Row]:
-    """float32 rows of :func:`run` for self-attention at each ``T`` (``note`` holds ``T=...``).
-
-    ``progress(done, total, label)`` counts the entries over every ``T``.
-    """
+    """float32 rows of :func:`run` for self-attention at each ``T`` (``note`` holds ``T=...``);
+    ``progress(done, total, label)`` counts the entries over every ``T``."""
     rows = []
     for i, t in enumerate(ts):
         sized = dataclasses.replace(problem, t_q=t, t_k=t)
@@ -295,10 +288,8 @@ def sweep(
 
 def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) -> list[str]:
     """Log-log PNGs of :func:`sweep`'s rows against ``T``: ``cost_vs_T.png`` (model FLOPs, XLA
-    FLOPs, XLA temporary bytes) and ``time_vs_T.png`` (median time).
-
-    One colour and marker per formulation, one line style per family (keyed at the top of the
-    legend), the legend right of the axes, never over them; ``T`` ticks at the swept lengths.
+    FLOPs, XLA temporary bytes) and ``time_vs_T.png`` (median time): a colour and marker per
+    formulation, a line style per family, the legend right of the axes.
 
     Args:
         rows: :func:`sweep`'s rows (``note`` is ``T=...``).
@@ -371,13 +362,11 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
                         label=fid,
                     )
                 ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
+                ax.set(yscale="log", xlabel="T (tokens, log scale)", ylabel=f"{unit}, log scale")
+                ax.set_title(panel)
                 ax.xaxis.set_major_locator(FixedLocator(ts))
                 ax.xaxis.set_major_formatter(ScalarFormatter())
                 ax.xaxis.set_minor_locator(NullLocator())
-                ax.set_xlabel("T (tokens, log scale)")
-                ax.set_ylabel(f"{unit}, log scale")
-                ax.set_title(panel)
                 ax.grid(True, which="major", alpha=0.35)
                 ax.grid(True, which="minor", axis="y", alpha=0.12)
             handles, _ = axes[0][0].get_legend_handles_labels()
