@@ -127,8 +127,8 @@ def run(
             xc = xla_counts(fn, params, x_q, xkv, **kw)
             errors = (float(err.max()), float(err.max() / scale), ratio, note)
             counts = (model.flops, model.matmul_flops, xc.flops, xc.dot_flops, xc.temp_bytes)
-            timing = _median_us(fn, (params, x_q, xkv), kw, repeats)
-            rows.append(Row(f.id, dt_name, *errors, *counts, timing))
+            measured = (*errors, *counts, _median_us(fn, (params, x_q, xkv), kw, repeats))
+            rows.append(Row(f.id, dt_name, *measured))
             if on_row is not None:
                 on_row(rows[-1])
             done += 1
