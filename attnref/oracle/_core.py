@@ -26,7 +26,7 @@ multi-head twin agree bit for bit).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -206,17 +206,6 @@ def fast_problem(
     return Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
 
 
-def _block_rows(n_heads: int, t_k: int, arrays: int) -> int:
-    """Query rows per block: ``arrays`` float64 temporaries ``[H, rows, T_k]`` fit the budget."""
-    return max(1, _BUDGET_BYTES // (arrays * 8 * n_heads * max(t_k, 1)))
-
-
-def _query_blocks(t_q: int, rows: int) -> Iterator[slice]:
-    """``slice(0, rows), slice(rows, 2 rows), ...`` covering ``range(t_q)``."""
-    for start in range(0, t_q, rows):
-        yield slice(start, min(start + rows, t_q))
-
-
 def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray:
     """``x W[h] + b[h]`` for every head: ``[n, d_model]`` -> ``[heads, n, d]``."""
     y = np.matmul(x, wt)
@@ -290,12 +279,13 @@ def each_block(
     turn queries and keys after projection."""
     w_q = head_weights(p.w)[0]
     t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
-    step = _block_rows(w_q.shape[0], t_k, arrays)
+    step = max(1, _BUDGET_BYTES // (arrays * 8 * w_q.shape[0] * max(t_k, 1)))  # rows per block
     for idx in np.ndindex(*p.batch):
         keys, values = _keys_values(p, idx)
         if rotate_k is not None:
             keys = rotate_k(idx, slice(None), keys)
-        for rows in _query_blocks(t_q, step):
+        for start in range(0, t_q, step):
+            rows = slice(start, min(start + step, t_q))
             q = _project(p.xq[idx][rows], w_q, p.w["b_q"])
             if rotate_q is not None:
                 q = rotate_q(idx, rows, q)
@@ -317,25 +307,16 @@ def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
     return z
 
 
-def _fast_weights(p: Fast) -> np.ndarray:
-    """Attention weights ``[*batch, H, T_q, T_k]`` (the full array: it is the result)."""
-    n_heads = head_weights(p.w)[0].shape[0]
-    out = np.zeros((*p.batch, n_heads, p.xq.shape[-2], p.xkv.shape[-2]))
-
-    def visit(blk: Block) -> None:
-        out[blk.idx][:, blk.rows] = blk.weights
-
-    each_block(p, visit)
-    return out
-
-
-def _fast_head_outputs(p: Fast) -> np.ndarray:
-    """Per-head outputs ``o_i = P_i V_i W_O[i]``, ``[*batch, H, T_q, d_model]``."""
+def _fast_per_head(p: Fast, outputs: bool) -> np.ndarray:
+    """The weights ``[*batch, H, T_q, T_k]``, or the per-head outputs ``o_i = P_i V_i W_O[i]``
+    ``[*batch, H, T_q, d_model]``."""
     w_o = head_weights(p.w)[3]
-    out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], w_o.shape[2]))
+    last = w_o.shape[2] if outputs else p.xkv.shape[-2]
+    out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], last))
 
     def visit(blk: Block) -> None:
-        out[blk.idx][:, blk.rows] = np.matmul(_weighted_values(blk.weights, blk.values), w_o)
+        z = np.matmul(_weighted_values(blk.weights, blk.values), w_o) if outputs else blk.weights
+        out[blk.idx][:, blk.rows] = z
 
     each_block(p, visit)
     return out
@@ -378,7 +359,7 @@ def attention_weights(call: dict[str, Any]) -> np.ndarray:
     method = call.pop("method")
     definition = check_method(method) == "definition"
     p = fast_problem(*call.values())
-    return per_head_per_query(p)[0] if definition else _fast_weights(p)
+    return per_head_per_query(p)[0] if definition else _fast_per_head(p, outputs=False)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
@@ -392,7 +373,7 @@ def head_outputs(call: dict[str, Any]) -> np.ndarray:
     method = call.pop("method")
     definition = check_method(method) == "definition"
     p = fast_problem(*call.values())
-    return per_head_per_query(p)[1] if definition else _fast_head_outputs(p)
+    return per_head_per_query(p)[1] if definition else _fast_per_head(p, outputs=True)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)

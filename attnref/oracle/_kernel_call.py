@@ -1,12 +1,9 @@
 """One validated kernel call, and its allowed (query, key) pairs one block of query rows at a time.
 
 :func:`parse` runs every check of :mod:`attnref.oracle._checks` once and returns a frozen
-:class:`KernelCall`; :func:`allowed_rows` builds the allowed set of query rows ``i0 .. i1 - 1``
-of one batch element and a range of query heads from the rules of the element-wise definition
-(:func:`attnref.oracle.kernel_allowed`, ``method="definition"``; module docstring of
-:mod:`attnref.oracle._kernel`). :func:`key_range` is the smallest key interval that can hold an
-allowed key of the block, so the fast oracle skips the keys that causality, a window or the key
-length rule out (causal attention costs half the square). NumPy only.
+:class:`KernelCall`; :func:`allowed_rows` builds the allowed set of a block of query rows by the
+rules of the definition (module docstring of :mod:`attnref.oracle._kernel`); :func:`key_range` is
+the smallest key interval holding every allowed key of a block (causal costs half the square).
 """
 
 from __future__ import annotations
@@ -58,18 +55,6 @@ class KernelCall:
     def group(self) -> int:
         """``G = N / K``: query head ``n`` reads key/value head ``n // G``."""
         return self.q.shape[2] // self.k.shape[2]
-
-    @property
-    def plain(self) -> bool:
-        """Every pair within the lengths is allowed (no mask, bias, causal, window, segments)."""
-        return (
-            self.mask is None
-            and self.bias is None
-            and self.seg_q is None
-            and not self.causal
-            and self.left is None
-            and self.right is None
-        )
 
 
 # The allowed-set options of a kernel call.

@@ -247,15 +247,8 @@ def kernel_call_error_bound(
     Returns:
         ``(out_bound [B, T, N, H_v], lse_bound [B, T, N])``, float64.
     """
-    c = parse(**call)
+    c = parse(**call)  # then the forward's own blocks
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
-    return _streamed_bound(c, fmt, key_blocks, budget)
-
-
-def _streamed_bound(
-    c: Any, fmt: np.dtype[Any], key_blocks: int | None, budget: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kernel_call_error_bound` of a validated call, on the forward's own blocks."""
     b_size, n_heads, t, s_len = c.shape
     grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
