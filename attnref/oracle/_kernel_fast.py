@@ -1,6 +1,5 @@
-"""The fast float64 kernel oracle: ``dot_product_attention`` vectorised with float64 BLAS and
-streamed over blocks of query rows, with the exact semantics of the element-wise definition
-(:mod:`attnref.oracle._kernel`).
+"""The fast float64 kernel oracle: ``dot_product_attention`` with float64 BLAS over blocks of
+query rows, with the semantics of the element-wise definition (:mod:`attnref.oracle._kernel`).
 
 For batch ``b``, key/value head ``g`` (query heads ``g G .. g G + G - 1``) and a block of query
 rows, with ``A`` the allowed pairs (:func:`attnref.oracle._kernel_call.allowed_rows`)::
@@ -10,15 +9,10 @@ rows, with ``A`` the allowed pairs (:func:`attnref.oracle._kernel_call.allowed_r
     S = -inf where not A         (so a masked NaN or inf never reaches a live row)
     m = max_j S,  E = exp(S - m),  [E V, l] = E [V, 1],  O = (E V) / l,  lse = m + log l
 
-Two savings leave the result the same number up to rounding: when Cauchy-Schwarz
-(``|s_ij| <= |scale| |q_i| |k_j| + |bias_ij|``) keeps every logit in ``(-700, 700)``, ``m = 0``
-(no row max, no shift: ``exp`` neither overflows nor underflows) and the keys are summed in
-chunks (partial sums of unshifted exponentials simply add); and only the keys some row of the
-block may not read are masked (for causal attention, the diagonal band). Rows with no allowed
-key follow ``masked_rows``. Extra memory is ``O(G x rows x S)`` (a 64 MiB budget picks ``rows``),
-never ``O(T x S)``. The error of each entry is within
-:func:`attnref.tolerance.kernel_error_bound`'s float64 term (any evaluation order of the same sums
-is covered). NumPy only.
+Two savings change only the rounding: where Cauchy-Schwarz keeps every logit in ``(-700,
+700)``, ``m = 0`` and the keys are summed in chunks; and only keys some row may not read are
+masked (for causal attention, the diagonal band). Extra memory ``O(G x rows x S)`` (64 MiB
+budget). NumPy only.
 """
 
 from __future__ import annotations

@@ -1,43 +1,34 @@
 """Gradient oracle of linear (kernel) attention: the vector-Jacobian product, analytic, NumPy only.
 
-For one batch element and head, with ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys (key
-padding, and ``j <= i`` when causal) and row vectors::
+For one batch element and head, ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys (row
+vectors)::
 
     S_i = sum_j A_ij,   N_i = sum_j A_ij v_j,   y_i = N_i / D_i
     D_i = S_i + eps ("add")   or   max(S_i, eps) ("clamp")
 
-the gradient of ``L = sum_i dy_i . y_i`` is, with ``c_i = 1`` where ``D_i`` follows ``S_i`` (always
-for "add"; for "clamp" where ``S_i >= eps``, the side Python's ``max`` picks on a tie) and
-``c_i = 0`` where the clamp holds ``D_i = eps``::
+the gradient of ``L = sum_i dy_i . y_i``, with ``c_i = 1`` where ``D_i`` follows ``S_i`` ("add";
+"clamp" where ``S_i >= eps``, on a tie as Python's ``max``), else 0::
 
     dv_j       = sum_i A_ij dy_i / D_i
     dA_ij      = (dy_i . v_j - c_i dy_i . y_i) / D_i                    (allowed (i, j) only)
     dphi(q_i)  = sum_j dA_ij phi(k_j),     dphi(k_j) = sum_i dA_ij phi(q_i)
     dq_i       = J_phi(q_i)^T dphi(q_i),   dk_j      = J_phi(k_j)^T dphi(k_j)
 
-A row with ``D_i == 0`` has output 0 and contributes no gradient. The feature maps' Jacobians:
-``elu + 1``: ``1`` for ``x > 0``, else ``exp(x)``; ``relu``: ``1`` for ``x > 0``, else ``0`` (``0``
-at ``x = 0``, as ``jax.grad(jax.nn.relu)(0.0)``); identity: ``1``; ``taylor2``
-(``phi = [1, x~, vec(x~ x~^T)/sqrt 2]``, ``x~ = x / d^(1/4)``): with ``g = [g_0, g_1, G_2]``,
-``dx~ = g_1 + (G_2 + G_2^T) x~ / sqrt 2`` and ``dx = dx~ / d^(1/4)``.
+(a row with ``D_i == 0`` passes nothing). Jacobians: ``elu + 1``: ``1`` for ``x > 0``, else
+``exp(x)``; ``relu``: ``1`` for ``x > 0``, else 0 (as ``jax.grad(jax.nn.relu)(0.0)``); identity:
+1; ``taylor2`` (``phi = [1, x~, vec(x~ x~^T)/sqrt 2]``, ``x~ = x / d^(1/4)``, ``g = [g_0, g_1,
+G_2]``): ``dx = (g_1 + (G_2 + G_2^T) x~ / sqrt 2) / d^(1/4)``.
 
-FAVOR+ (``phi_f(x) = m^(-1/2) exp(w_f.x~ - |x~|^2/2)``, both roles) is differentiated in log
-space, like its forward (never forming ``phi``, so nothing overflows): with ``W_ij = A_ij / D_i``
-(from ``log A_ij`` as :func:`attnref.oracle._linear._ratio_from_logs` forms it), the softmax over
-the features ``R_ijf = exp(z_ijf - lse_f z_ij)``, ``z_ijf = w_f.(q~_i + k~_j)``, and
-``E_ij = sum_f R_ijf w_f``, since ``dA_ij / dq~_i = A_ij (E_ij - q~_i)``::
+FAVOR+ (``phi_f(x) = m^(-1/2) exp(w_f.x~ - |x~|^2/2)``) is differentiated in log space, like its
+forward: with ``W_ij = A_ij / D_i``, ``R_ijf = softmax_f(z_ijf)``, ``z_ijf = w_f.(q~_i + k~_j)``,
+``E_ij = sum_f R_ijf w_f`` (``dA_ij / dq~_i = A_ij (E_ij - q~_i)``)::
 
     G_ij = (dy_i . v_j - c_i dy_i . y_i) W_ij   (= dA_ij A_ij)
     dq~_i = sum_j G_ij (E_ij - q~_i),   dk~_j = sum_i G_ij (E_ij - k~_j),   dv_j = sum_i W_ij dy_i
 
-``method="definition"`` loops over batch, head, query and key with these scalar formulas;
-``method="fast"`` evaluates them per (batch, head), streamed over query blocks as the fast
-forward (extra memory ``O(block x T_k)``, FAVOR+ ``O(block x T_k x m)``, 64 MiB budget).
-A key no query reads (``key_mask`` False, or past the last query when causal) passes nothing,
-whatever it holds (its non-finite entries are read as zeros; its gradient is exactly 0); other
-inputs are assumed finite. Error bounds:
-:func:`attnref.tolerance.linear_attention_vjp_error_bound` and
-:func:`attnref.tolerance.linear_multihead_vjp_error_bound`.
+``method="definition"``: scalar loops; ``"fast"``: per (batch, head) by query blocks, as the fast
+forward. A key no query reads passes nothing (its non-finite entries read as zeros); other inputs
+are assumed finite.
 """
 
 from __future__ import annotations

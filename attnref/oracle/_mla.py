@@ -1,10 +1,9 @@
 """Oracle for multi-head latent attention (MLA; DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434,
 section 2.1), NumPy only, float64.
 
-Written from the paper's equations (9)-(19), independently of
-:mod:`attnref._src.formulations.mla` (no JAX is imported). attnref stores tokens as ROW vectors,
-so the paper's ``W h_t`` (column) is ``h_t W`` here, with per-head weights stored per head. For
-batch element ``b``, query token ``t``, key token ``j`` and head ``i``::
+From the paper's equations (9)-(19), independently of :mod:`attnref._src.formulations.mla`, in
+ROW convention (the paper's ``W h_t`` is ``h_t W``). For batch element ``b``, query token ``t``,
+key token ``j`` and head ``i``::
 
     c_t^Q     = h_t W_DQ                       (optional query compression; else c_t^Q = h_t)
     q_{t,i}^C = c_t^Q W_UQ[i]                  [d_nope]
@@ -16,13 +15,11 @@ batch element ``b``, query token ``t``, key token ``j`` and head ``i``::
     o_{t,i} = sum_j softmax_j(q_{t,i} . k_{j,i} * scale + bias_tj, mask) v_{j,i}^C
     y_t     = sum_i o_{t,i} W_O[i]
 
-with ``scale = 1/sqrt(d_nope + d_rope)`` (the paper's ``1/sqrt(d_h + d_h^R)``; DeepSeek-V3's
-``inference/model.py`` uses ``qk_head_dim ** -0.5`` with ``qk_head_dim = qk_nope_head_dim +
-qk_rope_head_dim``). Without the RoPE part (``w_kr = w_qr = None``, ``d_rope = 0``) this is
-ordinary multi-head attention with ``W_Q[i] = W_DQ W_UQ[i]``, ``W_K[i] = W_DKV W_UK[i]``,
-``W_V[i] = W_DKV W_UV[i]``. No RMSNorm on the latents (the paper's equations have none; the
-reference code normalises ``c^KV`` and ``c^Q`` before caching, an elementwise map that the caller
-can apply to ``x`` first). Fully masked rows get zero weights (output 0), as everywhere in attnref.
+with ``scale = 1/sqrt(d_nope + d_rope)`` (the paper's ``1/sqrt(d_h + d_h^R)``, DeepSeek-V3's
+``qk_head_dim ** -0.5``). Without RoPE (``w_kr = w_qr = None``) this is multi-head attention with
+``W_Q[i] = W_DQ W_UQ[i]``, ``W_K[i] = W_DKV W_UK[i]``, ``W_V[i] = W_DKV W_UV[i]``. No RMSNorm on
+the latents (the reference code's is elementwise: apply it to ``x`` first). Fully masked rows
+output 0.
 """
 
 from __future__ import annotations

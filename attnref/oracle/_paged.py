@@ -1,16 +1,12 @@
 """Oracle twin of :func:`attnref.decode.paged_attention`: attention over a paged KV cache, float64.
 
-Written from the definition (vLLM's reference ``ref_single_query_cached_kv_attention`` reads its
-cache the same way): for each sequence ``b`` and each of its ``seq_lens[b]`` tokens ``j``, the key
-and value are read from page ``block_table[b, j // page_size]`` at offset ``j % page_size``; no
-other slot is read (the rest of the contiguous ``[B, S, K, H]`` keys are zeros that no query may
-attend to). The ``T`` queries are the last ``T`` tokens of each sequence (query ``i`` at position
-``seq_lens[b] - T + i``), so the result is :func:`attnref.oracle.dot_product_attention` on the
-gathered keys with ``key_value_seq_lengths=seq_lens`` and ``causal_alignment="bottom_right"``.
-
-Bad input is refused as the JAX twin refuses it (same exception types, the argument named): the
-layout, the options the layout sets, ``masked_rows="uniform"``, a ``seq_lens`` entry outside
-``[0, max_pages * page_size]`` and a used table entry outside ``[0, num_pages)``. NumPy only.
+From the definition (as vLLM's ``ref_single_query_cached_kv_attention`` reads its cache): token
+``j < seq_lens[b]`` of sequence ``b`` is read from page ``block_table[b, j // page_size]`` at
+offset ``j % page_size``, no other slot; the ``T`` queries are the sequence's last ``T`` tokens,
+so the result is :func:`attnref.oracle.dot_product_attention` on the gathered keys with
+``key_value_seq_lengths=seq_lens`` and ``causal_alignment="bottom_right"``. Refusals as the JAX
+twin's (the layout, the options it sets, ``masked_rows="uniform"``, lengths and used table
+entries out of range). NumPy only.
 """
 
 from __future__ import annotations

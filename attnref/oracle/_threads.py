@@ -1,9 +1,7 @@
 """Independent blocks of NumPy work on a thread pool: the oracle's and the bounds' query blocks.
 
-NumPy's ufuncs and BLAS release the GIL, so blocks that write disjoint slices of their outputs run
-side by side on the machine's cores. BLAS is held to one thread per worker while they run
-(``threadpoolctl``), so the workers do not oversubscribe the cores; each block's arithmetic is
-what it is on one thread, only the order in which blocks finish changes.
+Ufuncs and BLAS release the GIL, so blocks writing disjoint slices run side by side; BLAS is held
+to one thread per worker (``threadpoolctl``), so each block's arithmetic is unchanged.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""The rounding model: unit round-off, ``gamma_n`` and the constants every bound is built from.
+"""The rounding model: unit round-off, ``gamma_n`` and the constants every bound is built from
+(the one place where a format's arithmetic is modelled). NumPy only.
 
-This is the one place where the arithmetic of a floating-point format is modelled. NumPy only.
-
-* ``u = eps / 2`` (:func:`unit_roundoff`): every basic operation ``fl(a op b) = (a op b)(1 + d)``
-  with ``|d| <= u`` (Higham 2002, eq. 2.4).
-* ``gamma_n = n u / (1 - n u)`` (:func:`gamma`): ``n`` such factors compound to at most
-  ``1 + gamma_n`` (Higham 2002, Lemma 3.1); ``inf`` once ``n u >= 1``, where no bound of this
-  form exists.
-* ``C_EXP``, ``C_TRIG``: the assumed accuracy of ``exp`` and of ``cos``/``sin``, in units of ``u``.
-* ``K_S``, ``K_Y``: stored 16-bit intermediates on the logit and output chains of the weight-level
-  formulations (16-bit formats accumulate in float32 and round each stored result once).
+* ``u = eps / 2``: ``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u`` (Higham 2002, eq. 2.4).
+* ``gamma_n = n u / (1 - n u)``: ``n`` such factors compound to at most ``1 + gamma_n`` (Higham
+  2002, Lemma 3.1); ``inf`` once ``n u >= 1``.
+* ``C_EXP``, ``C_TRIG``: the assumed accuracy of ``exp`` and ``cos``/``sin``, in units of ``u``.
+* ``K_S``, ``K_Y``: stored 16-bit intermediates on the logit and output chains (16-bit formats
+  accumulate in float32 and round each stored result once).
 """
 
 from __future__ import annotations
