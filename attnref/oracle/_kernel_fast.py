@@ -26,12 +26,6 @@ from ._kernel_call import KernelCall, allowed_rows, full_columns, key_range, que
 from ._threads import each_block
 
 
-def _masked_values(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``v`` with its non-finite entries zeroed, and their positions (``[S', H_v]``)."""
-    bad = ~np.isfinite(v)
-    return (np.where(bad, 0.0, v), bad) if bad.any() else (v, bad)
-
-
 def _weighted_values(
     e: np.ndarray, v: np.ndarray, ok: np.ndarray | None, vt: np.ndarray | None = None
 ) -> np.ndarray:
@@ -39,8 +33,8 @@ def _weighted_values(
     that may read it); ``vt`` (``v^T``, when ``v`` is finite) runs the GEMM as ``(v^T e^T)^T``."""
     if vt is not None:
         return (vt @ e.T).T
-    finite, bad = _masked_values(v)
-    out = e @ finite
+    bad = ~np.isfinite(v)
+    out = e @ (np.where(bad, 0.0, v) if bad.any() else v)
     for j, h in zip(*np.nonzero(bad), strict=True):
         reads = np.ones(e.shape[0], bool) if ok is None else ok[:, j]
         out[reads, h] += e[reads, j] * v[j, h]

@@ -213,12 +213,6 @@ def adjusted(den: np.ndarray, eps: float, eps_policy: str) -> np.ndarray:
     return den + eps if eps_policy == "add" else np.maximum(den, eps)
 
 
-def _divide(num: np.ndarray, adj: np.ndarray) -> np.ndarray:
-    """``num_i / adj_i`` row-wise, exactly 0 where ``adj_i == 0``."""
-    zero = adj == 0
-    return np.where(zero[:, None], 0.0, num / np.where(zero, 1.0, adj)[:, None])
-
-
 def favor_omega(fm: Any, d: int) -> np.ndarray:
     """FAVOR+'s ``omega [m, d]`` in float64, refused (as the definition refuses it) unless its
     width is the inputs' ``d``."""
@@ -306,7 +300,10 @@ def _linear_fast(
                     continue
                 a = np.where(ok, fq[idx][i0:i1, h] @ fk[idx][:kk, h].T, 0.0)
                 adj = adjusted(a.sum(axis=-1), eps, eps_policy)
-                out[idx][i0:i1, h] = _divide(masked_matmul(a, ok, vals[:kk]), adj)
+                num = masked_matmul(a, ok, vals[:kk])  # y = 0 where D == 0
+                out[idx][i0:i1, h] = np.where(
+                    (adj == 0)[:, None], 0.0, num / np.where(adj == 0, 1.0, adj)[:, None]
+                )
     return out
 
 

@@ -259,15 +259,17 @@ def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- public
 
 
+def unread_keys(km: np.ndarray, causal: bool, t_q: int) -> np.ndarray:
+    """``[..., T_k]``: keys no query reads (``key_mask`` False, or past the last query)."""
+    return ~km | (np.arange(km.shape[-1]) >= t_q) if causal else ~km
+
+
 def _unread_keys_as_zeros(
     k: np.ndarray, v: np.ndarray, km: np.ndarray, *, causal: bool, t_q: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``k``, ``v`` with the non-finite entries of keys no query reads replaced by zeros (no
     ``0 x NaN``; their gradient is exactly 0)."""
-    unread = ~km
-    if causal:
-        unread = unread | (np.arange(k.shape[-3]) >= t_q)
-    unread = unread[..., None, None]  # [..., T_k, 1, 1] against [..., T_k, H, d]
+    unread = unread_keys(km, causal, t_q)[..., None, None]  # against [..., T_k, H, d]
     return (
         np.where(unread & ~np.isfinite(k), 0.0, k),
         np.where(unread & ~np.isfinite(v), 0.0, v),
@@ -392,8 +394,8 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
     group = w_q.shape[0] // n_kv
     km = key_mask_array(key_mask, list(xkv.shape[:-2]), xkv.shape[-2])
     if x_kv is not None:  # a token no query reads: read as zeros (its gradient is 0 either way)
-        unread = ~km if not causal else ~km | (np.arange(xkv.shape[-2]) >= xq.shape[-2])
-        xkv = np.where(unread[..., None] & ~np.isfinite(xkv), 0.0, xkv)
+        unread = unread_keys(km, causal, xq.shape[-2])[..., None]
+        xkv = np.where(unread & ~np.isfinite(xkv), 0.0, xkv)
     q = project(xq, w_q, w["b_q"])
     k, v = project(xkv, w_k, w["b_k"]), project(xkv, w_v, w["b_v"])
     back = _project_back_fast if method == "fast" else _project_back_definition

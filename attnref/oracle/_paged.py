@@ -110,17 +110,6 @@ def check_layout(
     return num_pages, page_size
 
 
-def _check(
-    query: Any, k_pages: Any, v_pages: Any, block_table: Any, seq_lens: Any, options: dict[str, Any]
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Every refusal of the JAX twin (the same checks); returns the table, the lengths and
-    ``page_size``."""
-    check_paged_options(options)
-    num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
-    check_values(block_table, seq_lens, num_pages, page_size)
-    return np.asarray(block_table), np.asarray(seq_lens), page_size
-
-
 def gather_pages(
     pages: Any, block_table: np.ndarray, seq_lens: np.ndarray, page_size: int
 ) -> np.ndarray:
@@ -159,7 +148,10 @@ def paged_attention(
         TypeError: For mismatched dtypes, non-integer tables or lengths, an option the layout
             sets; or the kernel oracle's type errors.
     """
-    table, lens, page_size = _check(query, k_pages, v_pages, block_table, seq_lens, options)
+    check_paged_options(options)  # every refusal of the JAX twin
+    num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
+    check_values(block_table, seq_lens, num_pages, page_size)
+    table, lens = np.asarray(block_table), np.asarray(seq_lens)
     keys = gather_pages(k_pages, table, lens, page_size)
     values = gather_pages(v_pages, table, lens, page_size)
     return dot_product_attention(

@@ -223,15 +223,15 @@ def _bound(
     g_kv = gamma(n_b * group * t_k, u)
     g_o = _product("...hqv,...qd->hvd", z, _exact(a_dy), gamma(n_b * t_q, u))
     grads = {
-        "w_q": g_q.e[:, :d_model],
-        "b_q": g_q.e[:, d_model],
-        "w_k": g_k[1][:, :d_model] + _times(g_kv, g_k[0][:, :d_model]),
-        "b_k": g_k[1][:, d_model] + _times(g_kv, g_k[0][:, d_model]),
-        "w_v": g_v[1][:, :d_model] + _times(g_kv, g_v[0][:, :d_model]),
-        "b_v": g_v[1][:, d_model] + _times(g_kv, g_v[0][:, d_model]),
         "w_o": g_o.e,
         "b_o": _times(gamma(n_b * t_q, u), a_dy.sum(axis=tuple(range(a_dy.ndim - 1)))),
     }
+    for name, e in (
+        ("q", g_q.e),
+        ("k", g_k[1] + _times(g_kv, g_k[0])),
+        ("v", g_v[1] + _times(g_kv, g_v[0])),
+    ):
+        grads["w_" + name], grads["b_" + name] = e[:, :d_model], e[:, d_model]
     x_from_q = _product("...hqe,hae->...qa", dq, _exact(np.abs(w_q)), 0.0)
     x_from_k = _product("...hke,hae->...ka", dk, _exact(np.abs(w_k)), 0.0)
     x_from_v = _product("...hkv,hav->...ka", dv, _exact(np.abs(w_v)), 0.0)
