@@ -147,12 +147,6 @@ class BertWeights:
         return jax.tree_util.tree_map(lambda a: np.asarray(a).astype(dtype), self)
 
 
-def _req(sd: Mapping[str, Any], key: str) -> np.ndarray:
-    if key not in sd:
-        raise KeyError(f"BERT weights are missing {key!r} ({len(sd)} keys present)")
-    return np.asarray(sd[key])
-
-
 def bert_from_state_dict(
     state_dict: Mapping[str, Any], config: BertConfig, *, prefix: str = ""
 ) -> BertWeights:
@@ -164,7 +158,11 @@ def bert_from_state_dict(
     """
 
     def g(key: str) -> np.ndarray:
-        return _req(state_dict, prefix + key)
+        if prefix + key not in state_dict:
+            raise KeyError(
+                f"BERT weights are missing {prefix + key!r} ({len(state_dict)} keys present)"
+            )
+        return np.asarray(state_dict[prefix + key])
 
     layers = []
     for i in range(config.num_layers):

