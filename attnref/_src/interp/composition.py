@@ -1,28 +1,13 @@
 """Composition scores between heads of consecutive layers, and alignment with embedding tables.
 
-**Composition** (Elhage et al. 2021, "A Mathematical Framework for Transformer Circuits"). In the
-paper's column convention a head has ``W_QK = W_Q^T W_K`` (logits ``x_q^T W_QK x_k``) and
-``W_OV = W_O W_V`` (it writes ``W_OV x``). attnref stores rows, so (``docs/conventions.md``)
-
-* ``W_QK = W_P = W_Q W_K^T`` (the same bilinear form: ``x_q W_P x_k^T``), and
-* ``W_OV = W_M^T`` with ``W_M = W_V W_O`` (a row ``x`` writes ``x W_M``).
-
-For a head ``h1`` of layer ``l`` writing ``y W_M1`` into the residual stream and a head ``h2`` of
-layer ``l + 1`` reading it, the paper's scores translate to
-
-* **Q-composition** ``||W_QK2^T W_OV1||_F / (||W_QK2||_F ||W_OV1||_F) = ||W_M1 W_P2||_F /
-  (||W_M1||_F ||W_P2||_F)``: ``h1``'s output feeds ``h2``'s queries (``(y W_M1) W_P2``);
-* **K-composition** ``||W_QK2 W_OV1||_F / (...) = ||W_P2 W_M1^T||_F / (||W_P2||_F
-  ||W_M1||_F)``: it feeds ``h2``'s keys (``x W_P2 (y W_M1)^T``);
-* **V-composition** ``||W_OV2 W_OV1||_F / (...) = ||W_M1 W_M2||_F / (||W_M1||_F
-  ||W_M2||_F)``: it feeds ``h2``'s values (``(y W_M1) W_M2``).
-
-Each score is in ``[0, 1]`` (submultiplicativity of the Frobenius norm). All are computed from
-the thin factors with ``||X C Y||_F^2 = tr(C^T (X^T X) C (Y Y^T))``, never forming a
-``d_model x d_model`` matrix. Biases are not part of the scores (they are weight-only, as in the
-paper), and anything between the layers (LayerNorm, an MLP) is ignored: the scores measure how
-much the two heads' subspaces overlap, not a causal effect. Random matrices do not score 0;
-compare with :func:`composition_baseline`.
+**Composition** (Elhage et al. 2021; ``docs/probes.md``). The paper's ``W_QK = W_Q^T W_K`` and
+``W_OV = W_O W_V`` are, in attnref's rows, ``W_P = W_Q W_K^T`` and ``W_M^T = (W_V W_O)^T``. Head
+``h1`` of layer ``l`` writes ``y W_M1``; head ``h2`` of layer ``l + 1`` reads it into its queries
+(**Q**: ``||W_M1 W_P2||_F / (||W_M1||_F ||W_P2||_F)``), keys (**K**: ``||W_P2 W_M1^T||_F / (...)``)
+or values (**V**: ``||W_M1 W_M2||_F / (||W_M1||_F ||W_M2||_F)``). Each score is in ``[0, 1]``,
+computed from the thin factors with ``||X C Y||_F^2 = tr(C^T (X^T X) C (Y Y^T))``. Weights only
+(no biases, nothing between the layers): an overlap of subspaces, not a causal effect; random
+heads score about ``1 / sqrt(d_model)`` (:func:`composition_baseline`).
 
 **Alignment** (:func:`top_aligned`): the embedding rows (vocabulary or positions) most aligned
 with model-space directions such as patterns or messages, as the seeds propose ("Reframing

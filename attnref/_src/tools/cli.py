@@ -112,8 +112,7 @@ def load(spec: str) -> Callable[..., Any]:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            hint = did_you_mean(part, names)
+            hint = did_you_mean(part, [n for n in dir(obj) if not n.startswith("_")])
             raise kit.TargetError(f"target {spec!r}: {where!r} has no {part!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
