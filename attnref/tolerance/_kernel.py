@@ -122,42 +122,12 @@ def kernel_error_bound(
         where the model gives no bound).
     """
     qa, ka, va = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    b_size, t, n_heads, _ = qa.shape
-    s, n_kv = ka.shape[1], ka.shape[2]
-    group = n_heads // n_kv
+    b_size, t, n_heads, h = qa.shape
+    s, group = ka.shape[1], n_heads // ka.shape[2]
     full = (b_size, n_heads, t, s)
     allowed = np.broadcast_to(np.asarray(allowed, bool), full)
-    b_arr = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
-    return _bound_rows(
-        qa,
-        np.repeat(ka, group, axis=2),
-        np.repeat(va, group, axis=2),
-        allowed,
-        b_arr,
-        scale=scale,
-        softcap=softcap,
-        masked_rows=masked_rows,
-        dtype=dtype,
-        key_blocks=key_blocks,
-    )
-
-
-def _bound_rows(
-    qa: np.ndarray,
-    kg: np.ndarray,
-    vg: np.ndarray,
-    allowed: np.ndarray,
-    bias: np.ndarray | None,
-    *,
-    scale: float | None,
-    softcap: float | None,
-    masked_rows: str,
-    dtype: Any,
-    key_blocks: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kernel_error_bound` of some query rows (keys and values repeated per query head)."""
-    h = qa.shape[-1]
-    s = kg.shape[1]
+    bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    kg, vg = np.repeat(ka, group, axis=2), np.repeat(va, group, axis=2)  # per query head
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T', H], [B, N, H, S]
     lg = kernel_logits(qt, kt, sc, softcap, bias, allowed)
