@@ -430,13 +430,8 @@ def _flash_bwd(
         q=dq.astype(inputs.q.dtype),
         k=dk.astype(inputs.k.dtype),
         v=dv.astype(inputs.v.dtype),
-        bias=db,
-        mask=None,
-        q_lens=None,
-        kv_lens=None,
-        q_seg=None,
-        kv_seg=None,
         scale=jnp.zeros_like(inputs.scale),
+        bias=db,
     )
     return (grads,)
 

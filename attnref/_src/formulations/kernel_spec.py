@@ -86,13 +86,13 @@ class KernelInputs:
     q: Array
     k: Array
     v: Array
-    bias: Array | None  # rank 4, broadcastable to [B, N, T, S], compute dtype
-    mask: Array | None  # rank 4, broadcastable to [B, N, T, S]
-    q_lens: Array | None  # [B] int32
-    kv_lens: Array | None  # [B] int32
-    q_seg: Array | None  # [B, T] int32
-    kv_seg: Array | None  # [B, S] int32
     scale: Array  # scalar, compute dtype
+    bias: Array | None = None  # rank 4, broadcastable to [B, N, T, S], compute dtype
+    mask: Array | None = None  # rank 4, broadcastable to [B, N, T, S]
+    q_lens: Array | None = None  # [B] int32
+    kv_lens: Array | None = None  # [B] int32
+    q_seg: Array | None = None  # [B, T] int32
+    kv_seg: Array | None = None  # [B, S] int32
     sinks: Array | None = None  # [N], compute dtype: one sink logit per query head
     keep: Array | None = None  # rank 4 bool, broadcastable to [B, N, T, S]: dropout's keep mask
 
@@ -101,7 +101,7 @@ def lengths_only(q_lens: Array | None, kv_lens: Array | None) -> KernelInputs:
     """A :class:`KernelInputs` carrying only the lengths (what the position rules read; the
     arrays they never read are ``None``)."""
     unread: Any = None
-    return KernelInputs(unread, unread, unread, None, None, q_lens, kv_lens, None, None, unread)
+    return KernelInputs(unread, unread, unread, unread, q_lens=q_lens, kv_lens=kv_lens)
 
 
 def lengths_in_range(spec: KernelSpec, lengths: KernelInputs) -> Bool[Array, " B"]:

@@ -114,13 +114,13 @@ class LocalInputs:
     q: Any
     k: Any
     v: Any
-    bias: Any
-    mask: Any
-    q_seg: Any
-    kv_seg: Any
-    q_lens: Any
-    kv_lens: Any
-    scale: Any
+    bias: Any = None
+    mask: Any = None
+    q_seg: Any = None
+    kv_seg: Any = None
+    q_lens: Any = None
+    kv_lens: Any = None
+    scale: Any = None
 
 
 jax.tree_util.register_dataclass(

@@ -363,11 +363,6 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[LocalInp
         k=dk.astype(local.k.dtype),
         v=dv.astype(local.v.dtype),
         bias=None if db is None else db.astype(local.bias.dtype),
-        mask=None,
-        q_seg=None,
-        kv_seg=None,
-        q_lens=None,
-        kv_lens=None,
         # This device's share: the pcast that shares a traced scale (_device) sums the shares.
         scale=None if ds is None else ds.astype(local.scale.dtype),
     )
@@ -433,16 +428,9 @@ def _schedule(layout: str) -> Any:
         s_pad = seq_layout.padded_length(spec.s, devices, layout)
         traced_scale = scale is not None and is_traced(scale)
         local, specs = shard_inputs(inputs, layout, devices, axis, t_pad, s_pad, traced_scale)
-        ring = _Ring(
-            spec=spec,
-            axis=axis,
-            devices=devices,
-            layout=layout,
-            t_pad=t_pad,
-            s_pad=s_pad,
-            bias_shared=specs.bias == PartitionSpec(),
-            scale=None if scale is None or traced_scale else float(scale),
-        )
+        shared = specs.bias == PartitionSpec()  # the bias's T axis broadcast
+        static_scale = None if scale is None or traced_scale else float(scale)
+        ring = _Ring(spec, axis, devices, layout, t_pad, s_pad, shared, static_scale)
         try:
             o, lse = _program(ring, mesh, specs)(local)
         except TypeError as error:
