@@ -306,35 +306,6 @@ def _level_error(st: dict[str, np.ndarray], u: float, tiny: float, r_l: float) -
     return (1.0 / math.e + C_EXP + C_EXP * math.log(2.0)) * u + (u + r_l) * st["Lmax"] + tiny
 
 
-def _grad_terms(
-    st: dict[str, np.ndarray],
-    m_p: np.ndarray,
-    gap: np.ndarray,
-    mag: np.ndarray,
-    read_o: np.ndarray,
-    g_abs: np.ndarray,
-    g_l_abs: np.ndarray,
-    u: float,
-    tiny: float,
-    r_l: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 1-5 of the gradient bound before the store, pieces last: ``gap = |lse_p - L|``, ``mag
-    = |g_l| + |g_o| . (V + |o| + delta_o)``, ``read_o = |g_o| . delta_o``."""
-    gam = gamma(g_abs.shape[-1] + 12, u)
-    ell = _level_error(st, u, tiny, r_l)
-    rho = np.expm1((ell + C_EXP * u)[..., None] + gap * u)
-    pi = st["share"]
-    shift = gam * g_l_abs + (pi * (rho + gam) * m_p).sum(axis=-1)
-    e_o = (pi * (rho + gam) + 4.0 * tiny)[..., None] * g_abs[..., None, :]
-    e_l = (
-        pi * (rho + gam) * m_p
-        + shift[..., None]
-        + (1.0 + pi) * read_o[..., None]
-        + 4.0 * tiny * mag[..., None]
-    )
-    return e_o, e_l
-
-
 @doc(
     STATES,
     dtype="The format of the states' ``o`` (and of ``d o``); 16-bit states are merged in float32.",
@@ -395,10 +366,19 @@ def merge_grad_error_bound(
         total = np.where(live, np.exp(shifted), 0.0).sum(axis=-1)
     big_l = top + np.log(np.where(exact, 1.0, total))
     gap = np.where(live, np.abs(np.where(live, ls, 0.0) - big_l[..., None]), 0.0)
+
+    def terms(u: float, tiny: float, r_l: float) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 1-5 before the store (``gap = |lse_p - L|``), pieces last."""
+        gam = gamma(g_abs.shape[-1] + 12, u)
+        rho = np.expm1((_level_error(st, u, tiny, r_l) + C_EXP * u)[..., None] + gap * u)
+        shift = gam * g_l_abs + (pi * (rho + gam) * m_p).sum(axis=-1)
+        e_o = (pi * (rho + gam) + 4.0 * tiny)[..., None] * g_abs[..., None, :]
+        e_l = pi * (rho + gam) * m_p + shift[..., None] + (1.0 + pi) * read_o[..., None]
+        return e_o, e_l + 4.0 * tiny * mag[..., None]
+
     u, tiny, r_o, r_l = _formats(dtype, lse_dtype)
-    args = (st, m_p, gap, mag, read_o, g_abs, g_l_abs)
-    e_o, e_l = _grad_terms(*args, u, tiny, r_l)
-    f_o, f_l = _grad_terms(*args, unit_roundoff(np.float64), float(np.finfo(np.float64).tiny), 0.0)
+    e_o, e_l = terms(u, tiny, r_l)
+    f_o, f_l = terms(unit_roundoff(np.float64), float(np.finfo(np.float64).tiny), 0.0)
     tiny_o, tiny_l = (float(finfo_of(f).tiny) for f in _store_formats(dtype, lse_dtype))
     b_o = (1.0 + r_o) * e_o + r_o * (pi[..., None] * g_abs[..., None, :] + tiny_o) + f_o
     b_l = (1.0 + r_l) * e_l + r_l * (pi * m_p + tiny_l) + f_l
