@@ -8,10 +8,9 @@
   test per property (:mod:`attnref.conformance.test_conformance`), with the options of
   :mod:`attnref.conformance.plugin` (registered through the ``pytest11`` entry point).
 
-Both call :func:`attnref.testing.check_attention`; see ``docs/testing_your_kernel.md``. This
-module is the glue they share, and the home of the checks of other kernel shapes:
-:func:`check_paged` (a paged KV cache, ``docs/paged.md``) and :func:`check_mla` (multi-head
-latent attention, ``docs/mla.md``).
+Both call :func:`attnref.testing.check_attention` (``docs/testing_your_kernel.md``) through the
+glue here; also :func:`check_paged` (a paged KV cache, ``docs/paged.md``) and :func:`check_mla`
+(multi-head latent attention, ``docs/mla.md``).
 """
 
 from __future__ import annotations
@@ -90,8 +89,7 @@ def split_list(text: str | None) -> tuple[str, ...] | None:
 
 
 def split_devices(text: str | None) -> tuple[int, ...] | None:
-    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None`` (a single-device target);
-    ``ValueError`` for an entry that is not an integer."""
+    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None``; ``ValueError`` otherwise."""
     items = split_list(text)
     if items is None:
         return None
@@ -104,11 +102,8 @@ def split_devices(text: str | None) -> tuple[int, ...] | None:
 
 
 def load(spec: str) -> Callable[..., Any]:
-    """Load ``package.module:function`` (or ``package.module:obj.attr``) as a callable.
-
-    The current directory is appended to ``sys.path`` first (as ``python -m`` would put it in
-    front), so ``attnref check mypkg.kernels:attention`` works from a project's root without an
-    install. Every failure is a :class:`TargetError` whose message says what was wrong.
+    """Load ``package.module:function`` (or ``package.module:obj.attr``), the current directory
+    on ``sys.path`` (a project's root works uninstalled); a :class:`TargetError` says what failed.
     """
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
@@ -134,10 +129,8 @@ def load(spec: str) -> Callable[..., Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What the CLI and the pytest plugin pass to ``check_attention``: its keywords (``None``:
-    its default), and ``target``, the target's spec ``package.module:function`` (the name in
-    the report). ``properties=None`` runs all (the nine of ``PROPERTIES``, and with ``devices``
-    the ``DISTRIBUTED_PROPERTIES``); ``devices=None``, a single-device target."""
+    """What the CLI and the pytest plugin pass to ``check_attention`` (``None``: its default),
+    and ``target``, the spec ``package.module:function``."""
 
     target: str
     signature: str = "jax_nn"
@@ -153,10 +146,8 @@ class Options:
     refuses_lengths: bool = False
 
     def validate(self) -> None:
-        """Check the options before the target is loaded, with ``check_attention``'s own checks
-        (the rest, e.g. a feature the signature cannot express, is :meth:`preflight`'s); a
-        ``ValueError`` names the bad option, its value and the accepted ones, in the CLI's words
-        (:func:`_cli_message`)."""
+        """``check_attention``'s checks before the target is loaded (the rest:
+        :meth:`preflight`); a ``ValueError`` in the CLI's words."""
         try:
             check_signature(self.signature)
             check_features(self.features or ())
@@ -178,8 +169,7 @@ class Options:
         return tuple(p for p in ALL_PROPERTIES if p in self.properties)
 
     def preflight(self, fn: Callable[..., Any]) -> None:
-        """Let ``check_attention`` validate these options against ``fn`` without running a
-        property (e.g. a feature the signature cannot express); raises ``ValueError``."""
+        """``check_attention``'s validation against ``fn``, no property run; ``ValueError``."""
         try:
             self.run(fn, properties=())
         except TypeError as e:
@@ -192,34 +182,13 @@ class Options:
         progress: Callable[[int, int, str], None] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> Any:
-        """``check_attention(fn, ...)`` with these options; ``properties`` overrides the
-        selection (the plugin runs one property per test); ``log`` receives one line per
-        production case, or per property and mesh size with ``devices``."""
-        kw: dict[str, Any] = dict(
-            signature=self.signature,
-            features=self.features,
-            seed=self.seed,
-            masked_rows=self.masked_rows,
-            causal_alignment=self.causal_alignment,
-            properties=list(properties if properties is not None else self.selected()),
-            progress=progress,
-            target=self.target,
-            shapes=self.shapes,
-            log=log,
-        )
-        if self.max_examples is not None:
-            kw["max_examples"] = self.max_examples
-        if self.dtypes is not None:
-            kw["dtypes"] = self.dtypes
-        if self.devices is not None:
-            kw["devices"] = self.devices
-        if self.refuses_lengths:
-            kw["refuses_lengths"] = True
-        return check_attention(fn, **kw)
+        """``check_attention(fn, ...)`` with these options (``properties`` overrides them)."""
+        kw = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        kw["properties"] = list(properties if properties is not None else self.selected())
+        return check_attention(fn, progress=progress, log=log, **kw)
 
     def replay_command(self, name: str, seed: int, devices: int | None = None) -> str:
-        """The ``attnref check`` line that reruns property ``name`` from ``seed`` (on a mesh of
-        ``devices`` devices alone, when given; else on the options' own mesh sizes)."""
+        """The ``attnref check`` line that reruns ``name`` from ``seed`` (on ``devices`` alone)."""
         args = ["attnref", "check", self.target, "--properties", name, "--seed", str(seed)]
         for flag, value, default in (
             ("signature", self.signature, "jax_nn"),
@@ -240,7 +209,6 @@ class Options:
 
 
 def _cli_message(e: OptionError) -> str:
-    """``check_attention``'s rejection of an option in the CLI's and the plugin's words."""
     if e.option == "signature":
         return f"signature {e.value!r} is not one of {', '.join(e.accepted)}"
     if e.option in ("features", "properties") and e.accepted:
@@ -269,10 +237,7 @@ def _indent(text: str, prefix: str) -> str:
 
 
 def format_failure(result: Any, options: Options) -> str:
-    """A failed property as text: the engine's message (rule, index, ratio), the failing
-    example (headed shrunk or explicit) and how to replay it (the ``attnref check`` line, and
-    where it has one the Python line that rebuilds the failing call,
-    :attr:`PropertyResult.problem_replay`)."""
+    """A failed property as text: the message, the example, and the replay lines."""
     lines = [f"property {result.name!r} failed after {result.examples} example(s)"]
     lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
     if result.example:
@@ -291,9 +256,8 @@ def format_failure(result: Any, options: Options) -> str:
 
 
 def read_xfail_file(path: str | os.PathLike[str], known: Sequence[str]) -> dict[str, str]:
-    """Property names to mark xfail, one per line; ``#`` starts a comment (the rest of the line
-    is the reason). Accepts ``oracle`` or a test id ending in ``[oracle]``. Unknown names raise
-    ``ValueError`` so a typo cannot silently disable nothing."""
+    """Property names (or test ids ending ``[name]``) to mark xfail, one a line, ``#`` starting
+    the reason; ``ValueError`` for an unknown name."""
     text = Path(path).read_text(encoding="utf-8")
     out: dict[str, str] = {}
     for number, raw in enumerate(text.splitlines(), 1):

@@ -4,19 +4,10 @@ Registered through the ``pytest11`` entry point ``attnref``, so installing attnr
 
     python -m pytest --pyargs attnref.conformance --attnref-target=mypkg.kernels:attention
 
-Without ``--attnref-target`` the options do nothing and the shipped tests skip. With it, the target
-is loaded and every option validated once at start-up; a bad target or option is a usage error
-(pytest exit status 4) with a message that says what is wrong. Where plugin autoloading is off
-(``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with ``-p attnref.conformance.plugin``.
-``--attnref-devices=1,2,4,8`` checks a distributed kernel on meshes of those sizes (each test then
-covers every size, and ``ring_size_growth`` and ``uneven_lengths`` are two more tests).
-``--attnref-merge-target`` checks a state merge (``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)``)
-with the state algebra's properties, one test each (``test_merge_property``).
-
-This module uses the kit (:mod:`attnref.conformance`, hence JAX and Hypothesis) only in
-:func:`pytest_configure`, once an ``--attnref-*`` option asks for it. Loading the plugin still
-imports its parent packages, before jaxtyping's import hook (``--jaxtyping-packages=attnref,...``)
-is installed; :func:`pytest_load_initial_conftests` has them imported again, instrumented.
+Without ``--attnref-target`` the shipped tests skip; with it, the target is loaded and every
+option validated once (a bad one is a usage error, exit status 4). Without plugin autoloading,
+add ``-p attnref.conformance.plugin``. The kit (JAX, Hypothesis) is imported only once an
+``--attnref-*`` option asks for it.
 """
 
 from __future__ import annotations
@@ -33,16 +24,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Session", "session"]
 
-# The declared-semantics choices, spelled out so that adding the options imports nothing;
-# :meth:`attnref.conformance.Options.validate` checks the values against the kit's own lists.
+# Spelled out so that adding the options imports nothing (Options.validate checks the values).
 _MASKED_ROWS_HELP = "zeros, uniform or nan"
 _ALIGNMENTS_HELP = "top_left or bottom_right"
 
 
 @dataclasses.dataclass(frozen=True)
 class Session:
-    """The plugin's view of one pytest run: the options, the loaded target (``None`` without
-    ``--attnref-target``), the properties to generate tests for and the xfail entries."""
+    """One pytest run: the options, the target, the properties to test and the xfail entries."""
 
     options: Options | None
     fn: Callable[..., Any] | None
@@ -59,8 +48,7 @@ def session(config: pytest.Config) -> Session | None:
     return config.stash.get(_KEY, None)
 
 
-# The --attnref-<name> options, in --help order: (name, metavar, default, help); examples and
-# seed are ints.
+# The --attnref-<name> options: (name, metavar, default, help); examples and seed are ints.
 _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     (
         "target",
@@ -144,13 +132,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(
     early_config: pytest.Config, parser: pytest.Parser, args: list[str]
 ) -> None:
-    """Let ``--jaxtyping-packages=attnref...`` instrument attnref although this plugin is in it.
-
-    pytest imports this entry-point plugin, and so its parent packages, before jaxtyping's
-    hook is installed, which then refuses them ("already imported") or leaves them unchecked.
-    Nothing has used them yet, so every attnref module but this one is dropped from
-    ``sys.modules``, to be imported again, instrumented, on first use (never a stale copy of a
-    class)."""
+    """Let ``--jaxtyping-packages=attnref...`` instrument attnref: its modules, imported with this
+    plugin before jaxtyping's hook, are dropped from ``sys.modules`` to be imported again."""
     del early_config
     value = getattr(parser.parse_known_args(args), "jaxtyping_packages", None)
     if not value:
@@ -221,7 +204,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _merge_target(spec: str | None) -> Callable[..., Any] | None:
-    """The function named by ``--attnref-merge-target`` (``None`` without it)."""
     if spec is None:
         return None
     from attnref.conformance import TargetError, load

@@ -2,18 +2,11 @@
 
     python -m pytest --pyargs attnref.conformance --attnref-target=mypkg.kernels:attention
 
-Options (``pytest --help``, group "attnref"): ``--attnref-signature``, ``--attnref-features``,
-``--attnref-properties``, ``--attnref-examples``, ``--attnref-seed``, ``--attnref-masked-rows``,
-``--attnref-causal-alignment``, ``--attnref-dtypes``, ``--attnref-shapes``,
-``--attnref-devices`` (a distributed kernel: meshes of these sizes, plus the ring-size growth
-property), ``--attnref-merge-target`` (a state merge: one ``test_merge_property`` per
-state-algebra property) and ``--attnref-xfail=FILE``.
-
-Each test runs :func:`attnref.testing.check_attention` for its own property, so ``-k``, ``-x``
-and ``pytest-xdist`` work per property and a failure's seed replays exactly that property. A
-failure shows the engine's message (rule, index, ratio), the shrunk example and the replay
-command; a property the target does not support is skipped with the engine's reason.
-Without ``--attnref-target`` every test skips.
+Options: ``pytest --help``, group "attnref" (``--attnref-merge-target``: one
+``test_merge_property`` per state-algebra property). Each test runs
+:func:`attnref.testing.check_attention` for its property, so ``-k``, ``-x`` and xdist work per
+property; a failure shows the message, the shrunk example and the replay command, an unsupported
+property skips with the reason.
 """
 
 from __future__ import annotations

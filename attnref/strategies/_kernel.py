@@ -41,10 +41,9 @@ IDENTICAL = ("none", "keys", "queries")  # the "identical rows" special case
 def kernel_inputs(
     config: Config, seed: int, *, identical: str = "none", scale: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``: standard normal
-    from PCG64 ``seed`` (``q`` and ``k`` times ``scale``), rounded to ``config.dtype`` (an
-    ``int`` batch). ``identical="keys"`` repeats key row 0 over every key position (the softmax
-    is then uniform), ``"queries"`` query row 0 (:data:`IDENTICAL`; ``ValueError`` otherwise)."""
+    """``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``: PCG64 ``seed`` standard
+    normal (``q``, ``k`` times ``scale``) in ``config.dtype``; ``identical`` repeats key (or
+    query) row 0 everywhere (:data:`IDENTICAL`)."""
     if identical not in IDENTICAL:
         raise ValueError(f"identical must be one of {IDENTICAL}, got {identical!r}")
     check_kernel_batch(config)
@@ -73,12 +72,9 @@ def _describe(value: Any) -> str:
 
 @dataclasses.dataclass
 class KernelProblem(ShortRepr):
-    """One kernel-level problem: ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``,
-    the keyword ``options`` of :func:`attnref.dot_product_attention` (``bias``, ``mask``,
-    ``is_causal``, sequence lengths, ``local_window_size``, ``segment_ids``, ``softcap``,
-    ``scale``), its :class:`Config`, the mask ``kind`` (kinds joined by ``+`` for a mix), the
-    data ``seed``, the ``identical`` rows case (:data:`IDENTICAL`), and the semantics the oracle
-    is run with (``masked_rows``, ``causal_alignment``)."""
+    """``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, H_v]``, the keyword ``options`` of
+    :func:`attnref.dot_product_attention`, the :class:`Config`, the mask ``kind`` (``+``-joined
+    for a mix), the ``seed``, the ``identical`` case and the oracle's semantics."""
 
     q: np.ndarray
     k: np.ndarray
@@ -101,7 +97,7 @@ class KernelProblem(ShortRepr):
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        """The inputs' dtype, ``config.dtype``."""
+        """``config.dtype``."""
         return np.dtype(self.config.dtype)
 
     def semantics(self) -> dict[str, Any]:
@@ -110,8 +106,7 @@ class KernelProblem(ShortRepr):
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """Every keyword argument of :func:`attnref.dot_product_attention` for the problem: the
-        ``options``, and ``masked_rows`` / ``causal_alignment`` where they are not the defaults."""
+        """The ``options``, and the semantics where not the defaults."""
         kw = dict(self.options)
         if self.masked_rows != "zeros":
             kw["masked_rows"] = self.masked_rows
@@ -121,18 +116,15 @@ class KernelProblem(ShortRepr):
 
     @property
     def static(self) -> dict[str, Any]:
-        """The entries of :attr:`kwargs` that ``jax.jit`` takes as static
-        (:data:`STATIC_OPTIONS`)."""
+        """The entries of :attr:`kwargs` in :data:`STATIC_OPTIONS`."""
         return {k: v for k, v in self.kwargs.items() if k in STATIC_OPTIONS}
 
     def apply(self, fn: Callable[..., Any], **kw: Any) -> Any:
-        """``fn(q, k, v, **kw)`` with the problem's options and semantics (how the oracle and
-        the bounds below are called)."""
+        """``fn(q, k, v, **kw)`` with the problem's options and semantics."""
         return fn(self.q, self.k, self.v, **kw, **self.semantics(), **self.options)
 
     def allowed(self) -> np.ndarray:
-        """The allowed (query, key) pairs ``[B, N, T, S]``
-        (:func:`attnref.oracle.kernel_allowed`)."""
+        """The allowed pairs ``[B, N, T, S]`` (:func:`attnref.oracle.kernel_allowed`)."""
         c = self.config
         values = ("softcap", "scale", "sinks", "dropout_mask", "dropout_rate")  # not the set's
         kw = {k: v for k, v in self.options.items() if k not in values}
@@ -141,9 +133,8 @@ class KernelProblem(ShortRepr):
         )
 
     def oracle(self, method: str = "fast") -> tuple[np.ndarray, np.ndarray]:
-        """Float64 ``(out [B, T, N, H_v], lse [B, T, N])`` from
-        :func:`attnref.oracle.dot_product_attention` with the problem's semantics (``method``:
-        ``"fast"``, the default, or ``"definition"``)."""
+        """Float64 ``(out [B, T, N, H_v], lse [B, T, N])`` (``method`` ``"fast"`` or
+        ``"definition"``)."""
         return self.apply(oracle.dot_product_attention, return_lse=True, method=method)
 
     def oracle_vjp(
@@ -155,14 +146,12 @@ class KernelProblem(ShortRepr):
         return self.apply(vjp, cotangent=cotangent, lse_cotangent=lse_cotangent, method=method)
 
     def bound(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Componentwise bounds on ``|out - oracle|`` and ``|lse - oracle lse|`` in the problem's
-        dtype (:func:`attnref.tolerance.kernel_call_error_bound`, streamed over query blocks;
-        ``key_blocks=None`` is valid for any tiling of the keys)."""
+        """:func:`attnref.tolerance.kernel_call_error_bound` of ``(out, lse)`` in the problem's
+        dtype (``key_blocks=None``: any tiling)."""
         return self.apply(tolerance.kernel_call_error_bound, key_blocks=key_blocks)
 
     def grad_bound(self, cotangent: Any, lse_cotangent: Any = None) -> KernelGrads:
-        """Componentwise bounds on the gradient error of a kernel computing in the problem's
-        dtype (:func:`attnref.tolerance.kernel_grad_error_bound`)."""
+        """:func:`attnref.tolerance.kernel_grad_error_bound` in the problem's dtype."""
         bound = tolerance.kernel_grad_error_bound
         return self.apply(bound, cotangent=cotangent, lse_cotangent=lse_cotangent)
 
@@ -216,16 +205,12 @@ def make_kernel_problem(
     static: dict[str, Any] | None = None,
     empty_rows: bool = False,
 ) -> KernelProblem:
-    """The deterministic :class:`KernelProblem` behind one draw of :func:`kernel_problems` (or
-    of :func:`mixed_kernel_problems`, with ``static`` and several kinds).
-
-    ``seed`` seeds the inputs (:func:`kernel_inputs`, with ``identical`` and ``scale``, which
-    multiplies ``q`` and ``k``: not the attention scale) and the kinds' arrays
-    (:func:`make_options`, with ``mask_shape``, ``bias_shape`` and ``empty_rows``); ``dtype``
-    overrides ``config.dtype``. ``static`` adds static options (a :data:`STATIC_PROFILES` entry:
-    ``is_causal``, ``local_window_size``, ``softcap``, ``scale``; ``ValueError`` for any other,
-    ``return_lse`` too); its ``masked_rows`` and ``causal_alignment`` override the arguments of
-    those names, the semantics the oracle runs with."""
+    """The :class:`KernelProblem` behind one draw of :func:`kernel_problems` (or, with
+    ``static`` and several kinds, :func:`mixed_kernel_problems`): inputs by
+    :func:`kernel_inputs` (``scale`` multiplies ``q`` and ``k``), options by
+    :func:`make_options`; ``dtype`` overrides ``config.dtype``. ``static``: a
+    :data:`STATIC_PROFILES` entry (static options only, else ``ValueError``), whose semantics
+    override ``masked_rows`` and ``causal_alignment``."""
     c = with_dtype(config, dtype)
     extra = dict(static or {})
     masked_rows = extra.pop("masked_rows", masked_rows)
@@ -261,12 +246,10 @@ def kernel_problems(
     mask_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
     bias_shapes: tuple[str, ...] | None = BROADCAST_SHAPES,
 ) -> KernelProblem:
-    """A :class:`KernelProblem` (:func:`make_kernel_problem`) of ``masked_rows`` and
-    ``causal_alignment``: a config from ``configs`` (default :func:`configs`), a mask kind from
-    ``kinds``, a data seed, with ``identical_rows`` the identical-rows special case one time in
-    four and, for a kind with a boolean mask or a bias, its broadcast shape from ``mask_shapes``
-    / ``bias_shapes`` (default: every one of :data:`BROADCAST_SHAPES`; ``None``: the kind's own
-    fixed shape, one compiled program per bucket), each a labelled draw."""
+    """A :class:`KernelProblem` (:func:`make_kernel_problem`), labelled draws of a config (default
+    :func:`configs`), a kind from ``kinds``, a seed, with ``identical_rows`` the identical-rows
+    case one time in four, and a mask's or bias's broadcast shape from ``mask_shapes`` /
+    ``bias_shapes`` (``None``: the kind's fixed shape)."""
     strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
@@ -277,9 +260,10 @@ def kernel_problems(
         bias_shape = draw(broadcast_shapes(tuple(bias_shapes)), label="bias shape")
     identical = "none"
     if identical_rows:
-        # one draw in four is the special case, chosen on purpose (and shrinks towards "none")
-        pick = draw(st.sampled_from(("none", "none", "keys", "queries")), label="identical rows")
-        identical = pick
+        # one draw in four, on purpose (shrinks towards "none")
+        identical = draw(
+            st.sampled_from(("none", "none", "keys", "queries")), label="identical rows"
+        )
     seed = draw(st.integers(0, 2**32 - 1), label="data seed")
     shapes = "".join(
         f" {name}={value}"

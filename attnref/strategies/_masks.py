@@ -105,9 +105,8 @@ def build(
     causal_alignment: str,
     empty_rows: bool,
 ) -> dict[str, Any]:
-    """The one mask-kind builder: kernel options for a set of parts, drawn from ``rng`` in a
-    fixed order (boolean mask, lengths, bias, segment ids), so a kind's arrays do not depend on
-    which other parts come with it."""
+    """Kernel options for a set of parts, drawn from ``rng`` in a fixed order (a kind's arrays
+    do not depend on the other parts)."""
     if len(parts & set(_BIAS_PARTS)) > 1:
         raise ValueError(f"at most one of {_BIAS_PARTS} per problem, got {sorted(parts)}")
     m_shape = broadcast_shape(c, mask_shape)
@@ -195,22 +194,17 @@ def make_options(
     bias_shape: str | None = None,
     empty_rows: bool = False,
 ) -> dict[str, Any]:
-    """The keyword options of :func:`attnref.dot_product_attention` (``mask``, ``bias``,
-    ``is_causal``, sequence lengths, ``local_window_size``, ``segment_ids``, ``softcap``: those
-    the kinds need) for one mask ``kind`` of :data:`MASK_KINDS` or a tuple of them to combine
-    (at most one of ``bias``, ``alibi`` and ``neg_inf_bias``; ``()`` is ``"none"``).
+    """The keyword options of :func:`attnref.dot_product_attention` that one mask ``kind`` of
+    :data:`MASK_KINDS` (or a tuple of them combined, at most one bias kind; ``()``: ``"none"``)
+    needs: NumPy arrays seeded by ``seed`` and the kinds, the bias in ``config.dtype`` (an
+    ``int`` batch), ``alibi`` distances in ``causal_alignment`` (with ``padding``,
+    FlashAttention's per-(batch, head) slopes and actual lengths).
 
-    NumPy arrays, seeded by ``seed`` and the kinds; the bias in ``config.dtype`` (an ``int``
-    batch); ``alibi`` distances in ``causal_alignment`` (with ``padding``: per-(batch, head)
-    slopes and each sequence's own lengths, as FlashAttention's ``alibi_slopes``). Each kind
-    has fixed array shapes and static values, so a jitted kernel compiles one program per kind,
-    bucket and broadcast shape: ``mask_shape`` is a :data:`BROADCAST_SHAPES` pattern for the
-    boolean mask of ``random``, ``fully_masked_row`` and ``combined`` (``None``: the kind's own,
-    :data:`MASK_SHAPE_KINDS`), ``bias_shape`` likewise for the bias of ``bias``,
-    ``neg_inf_bias`` and ``combined`` (:data:`BIAS_SHAPE_KINDS`). Unless ``empty_rows``, only
-    ``fully_masked_row`` (and ``combined`` with ``bottom_right`` alignment) can leave a query
-    row with no allowed key; with it the random mask, sequence lengths (``0`` allowed), segment
-    ids (query and key packings independent) and ``-inf`` biases may too, by accident.
+    A kind's shapes and static values are fixed (one compiled program per kind, bucket and
+    broadcast shape): ``mask_shape`` / ``bias_shape`` are :data:`BROADCAST_SHAPES` patterns
+    (``None``: :data:`MASK_SHAPE_KINDS` / :data:`BIAS_SHAPE_KINDS`). Only ``fully_masked_row``
+    (and ``combined`` aligned ``bottom_right``) leaves a query row with no key, unless
+    ``empty_rows``: then masks, lengths (0 allowed), segment ids and ``-inf`` biases may too.
     ``ValueError`` for an unknown kind or pattern, two bias kinds, or a tuple batch."""
     kinds = mask_kind_tuple(kind)
     index = [(MASK_KINDS + PRODUCTION_KINDS).index(k) for k in kinds]
@@ -233,10 +227,8 @@ def make_options(
 def mask_kinds(
     features: tuple[str, ...] | None = None, *, kinds: tuple[str, ...] = MASK_KINDS
 ) -> st.SearchStrategy[str]:
-    """A mask kind from ``kinds`` (in shrinking order; the weight level's are
-    :data:`WEIGHT_KINDS`) whose :data:`KIND_FEATURES` are all in ``features``
-    (:func:`attnref.testing.check_attention` features; ``None``: every kind). ``ValueError``
-    for an unknown kind, or when no kind needs only ``features``."""
+    """A mask kind from ``kinds`` (shrinking in order) whose :data:`KIND_FEATURES` are all in
+    ``features`` (``None``: any); ``ValueError`` for an unknown kind or none left."""
     unknown = [k for k in kinds if k not in KIND_FEATURES]
     if unknown:
         raise ValueError(f"unknown mask kinds {unknown}; known: {MASK_KINDS}")

@@ -47,18 +47,11 @@ def mixed_kernel_problems(
     mask_shapes: tuple[str, ...] = BROADCAST_SHAPES,
     bias_shapes: tuple[str, ...] = BROADCAST_SHAPES,
 ) -> KernelProblem:
-    """A :class:`KernelProblem` mixing a static option profile with several array kinds
-    (``kind``: the kinds joined by ``+``).
-
-    Every draw is labelled: the config (from ``configs``, default :func:`configs`), a profile
-    from ``profiles``, a set of up to ``max_kinds`` kinds from ``kinds`` (a subset of
-    :data:`ARRAY_KINDS`; one bias at most: ``neg_inf_bias`` wins over ``alibi``, ``alibi`` over
-    ``bias``), the mask's and the bias's broadcast shapes from ``mask_shapes`` and
-    ``bias_shapes`` (``alibi`` has its own, ``[1, N, T, S]``), the data seed, and the sequence
-    lengths (:func:`seq_lengths`) and segment ids (:func:`segment_ids`, independent packings of
-    queries and keys) where drawn. Rows with no key come up by accident (``empty_rows=True`` of
-    :func:`make_options`), under each profile's masked-rows policy. ``ValueError`` (when drawn)
-    for other kinds or no profile."""
+    """A :class:`KernelProblem` mixing a static profile with several array kinds (``kind``
+    ``+``-joined), labelled draws of a config, a profile, up to ``max_kinds`` of ``kinds`` (one
+    bias at most: ``neg_inf_bias`` over ``alibi`` over ``bias``), broadcast shapes, a seed, and
+    lengths and segment ids (independent packings) where drawn; rows may lose every key by
+    accident (``empty_rows=True``). ``ValueError`` (when drawn) for other kinds or no profile."""
     bad = [k for k in kinds if k not in ARRAY_KINDS]
     if bad or not profiles:
         raise ValueError(f"kinds must be a subset of ARRAY_KINDS and profiles non-empty: {bad}")

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 if TYPE_CHECKING:
     from hypothesis.strategies import DrawFn
 else:
-    # Hypothesis's ``DrawFn`` is a Protocol that ``isinstance`` cannot check; to the runtime
-    # checks (jaxtyping's import hook with beartype in the test suite) it is any callable.
+    # a Protocol isinstance cannot check: to the runtime checks, any callable
     DrawFn = Callable[..., Any]
 
 
@@ -29,12 +28,10 @@ class ShortRepr:
 
 @dataclasses.dataclass(frozen=True)
 class Config(ShortRepr):
-    """Sizes and dtype of one attention problem: ``batch`` examples, ``t`` queries ``T``, ``s``
-    keys ``S``, ``n`` query heads ``N``, ``k`` key/value heads ``K`` (``n % k == 0``; query head
-    ``i`` reads K/V head ``i // (n // k)``), head dims ``h`` (queries and keys; ``d_k`` at the
-    weight level) and ``h_v`` (values; ``d_v``), model width ``d_model`` (weight level), the
-    dtype's name. At the weight level ``batch`` may be a tuple of leading batch dims (``()``:
-    none); the kernel level takes one batch axis, an ``int``."""
+    """Sizes and dtype of one problem: ``batch``, ``t`` queries ``T``, ``s`` keys ``S``, ``n``
+    query heads ``N``, ``k`` K/V heads ``K`` (query head ``i`` reads ``i // (n // k)``), head dims
+    ``h`` (``d_k``) and ``h_v`` (``d_v``), ``d_model`` and the dtype's name; ``batch`` is an
+    ``int`` at the kernel level, a tuple of leading dims allowed at the weight level."""
 
     batch: int | tuple[int, ...]
     t: int
@@ -48,13 +45,12 @@ class Config(ShortRepr):
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        """The leading batch dims: ``(batch,)`` for an ``int``, else ``batch`` itself."""
+        """The leading batch dims as a tuple."""
         return (self.batch,) if isinstance(self.batch, int) else tuple(self.batch)
 
     @property
     def b(self) -> int:
-        """The kernel level's one batch axis (``batch`` as an ``int``; ``ValueError`` for a
-        tuple of weight-level batch dims)."""
+        """``batch`` as an ``int`` (``ValueError`` for a tuple)."""
         if not isinstance(self.batch, int):
             raise ValueError(f"the kernel level takes one batch axis (an int), got {self.batch}")
         return self.batch
@@ -118,11 +114,8 @@ WEIGHT_BUCKETS: tuple[Config, ...] = (
     Config(batch=(2, 2), t=4, s=4, n=3, k=3, h=2, h_v=5, d_model=6),  # two batch dims
 )
 
-# Tile-straddling lengths: where real kernels break. A kernel cuts T and S into tiles, commonly
-# of 16 to 256 rows or keys; the commonest bug is the last, partial tile (never visited, never
-# written, or read past its end). For each tile size n:
-# n - 1, n, n + 1, 3n/2 + 1 (odd, between n and 2n) and 2n + 1 (two full tiles and one key).
-# Sorted, so Hypothesis shrinks a failure to the smallest length that still fails.
+# Tile-straddling lengths, where a kernel's last, partial tile is: for each tile size n, n - 1,
+# n, n + 1, 3n/2 + 1 and 2n + 1; sorted, so a failure shrinks to the shortest.
 TILE_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 TILE_LENGTHS: tuple[int, ...] = tuple(
     sorted({m for n in TILE_SIZES for m in (n - 1, n, n + 1, n + n // 2 + 1, 2 * n + 1)})
@@ -131,18 +124,15 @@ TILE_LENGTHS: tuple[int, ...] = tuple(
 
 @st.composite
 def tile_configs(draw: DrawFn, base: Config, lengths: tuple[int, ...] = TILE_LENGTHS) -> Config:
-    """``base`` with tile-straddling lengths: ``T`` from ``lengths`` (sorted) and, when
-    ``base`` is cross-attention (``T != S``), ``S`` drawn separately (else ``S = T``); labelled
-    draws ``"tile T"`` and ``"tile S"``, shrinking towards the shortest. Heads, head dims, batch
-    and dtype stay ``base``'s (the kernel's tiling is along ``T`` and ``S``)."""
+    """``base`` with ``T`` from ``lengths`` and (when ``T != S``) ``S`` drawn apart, else ``S =
+    T``: labelled draws ``"tile T"``, ``"tile S"``, shrinking towards the shortest."""
     t = draw(st.sampled_from(lengths), label="tile T")
     s = draw(st.sampled_from(lengths), label="tile S") if base.is_cross else t
     return dataclasses.replace(base, t=t, s=s)
 
 
-# Every rank-4 shape that broadcasts to [B, N, T, S]: each axis full (its letter) or 1, ordered by
-# the number of broadcast axes (full first, "1111" last), so Hypothesis shrinks towards "BNTS".
-# "B11S" is the usual key-padding mask, "111S" a mask or bias shared by every batch element.
+# Every rank-4 shape broadcasting to [B, N, T, S] (each axis its letter or 1), fewest 1s first so
+# Hypothesis shrinks towards "BNTS"; "B11S" is the key-padding mask.
 BROADCAST_SHAPES: tuple[str, ...] = tuple(
     sorted(
         (
@@ -155,9 +145,8 @@ BROADCAST_SHAPES: tuple[str, ...] = tuple(
 
 
 def broadcast_shape(config: Config, pattern: str) -> tuple[int, int, int, int]:
-    """The rank-4 array shape of a :data:`BROADCAST_SHAPES` ``pattern`` for ``config`` (an
-    ``int`` batch): ``broadcast_shape(c, "B11S") == (c.batch, 1, 1, c.s)``; ``ValueError`` for
-    an unknown pattern or a tuple batch."""
+    """The shape of a :data:`BROADCAST_SHAPES` ``pattern``: ``broadcast_shape(c, "B11S") ==
+    (c.batch, 1, 1, c.s)``; ``ValueError`` for an unknown pattern or a tuple batch."""
     if pattern not in BROADCAST_SHAPES:
         raise ValueError(
             f"pattern must be one of BROADCAST_SHAPES (each of 'BNTS' or '1'), got {pattern!r}"
@@ -175,9 +164,8 @@ def check_kernel_batch(config: Config) -> None:
 
 
 def broadcast_shapes(patterns: tuple[str, ...] = BROADCAST_SHAPES) -> st.SearchStrategy[str]:
-    """A broadcast pattern from ``patterns`` (a non-empty subset of :data:`BROADCAST_SHAPES`,
-    all 16 by default, in shrinking order: ``ValueError`` otherwise); :func:`broadcast_shape`
-    turns it into a shape."""
+    """A pattern from ``patterns`` (a non-empty subset of :data:`BROADCAST_SHAPES`, else
+    ``ValueError``), shrinking in order."""
     bad = [p for p in patterns if p not in BROADCAST_SHAPES]
     if bad or not patterns:
         raise ValueError(f"patterns must be a non-empty subset of BROADCAST_SHAPES, got {bad}")
@@ -209,9 +197,9 @@ def configs(
     gqa: bool = True,
     value_dim_differs: bool = False,
 ) -> Config:
-    """A :class:`Config` from ``buckets`` (small to large) and a dtype from ``dtypes``, both
-    labelled draws: only ``T == S`` unless ``cross``, only ``N == K`` unless ``gqa``, only
-    ``H_v == H`` unless ``value_dim_differs`` (``ValueError`` when drawn if no bucket is left)."""
+    """A :class:`Config` from ``buckets`` with a dtype from ``dtypes`` (labelled draws): ``T ==
+    S`` unless ``cross``, ``N == K`` unless ``gqa``, ``H_v == H`` unless ``value_dim_differs``
+    (``ValueError`` when drawn if no bucket is left)."""
     pool = _filter_buckets(tuple(buckets), cross, gqa, value_dim_differs)
     bucket = draw(st.sampled_from(pool), label="bucket")
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")

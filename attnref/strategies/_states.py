@@ -1,6 +1,4 @@
-"""Attention states (:class:`StateStack`, :func:`attention_states`), merge trees
-(:func:`merge_trees`, :func:`apply_merge_tree`) and key partitions (:class:`KeyPartition`,
-:func:`key_partitions`); the package docstring says where the states are drawn."""
+"""Attention states, merge trees and key partitions (package docstring)."""
 
 from __future__ import annotations
 
@@ -35,10 +33,8 @@ Tree = int | tuple[Any, Any]
 
 @dataclasses.dataclass
 class StateStack(ShortRepr):
-    """``P`` attention states stacked on axis 0: the normalised outputs ``o [P, *rows, H_v]``
-    in ``dtype`` and the log-sum-exps ``lse [P, *rows]`` in ``lse_dtype`` (``-inf``: an empty
-    state, its ``o`` NaN), how far apart the ``lse`` are (``spread``, :data:`SPREADS`), where
-    they sit (``center``, :data:`CENTERS`) and the data ``seed``."""
+    """``P`` states on axis 0: ``o [P, *rows, H_v]``, ``lse [P, *rows]`` (``-inf``: empty, ``o``
+    NaN), their ``spread`` (:data:`SPREADS`), ``center`` (:data:`CENTERS`) and data ``seed``."""
 
     o: np.ndarray
     lse: np.ndarray
@@ -55,17 +51,17 @@ class StateStack(ShortRepr):
 
     @property
     def pieces(self) -> int:
-        """``P``, the number of states."""
+        """``P``."""
         return int(self.lse.shape[0])
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        """The dtype of ``o``."""
+        """``o``'s dtype."""
         return self.o.dtype
 
     @property
     def lse_dtype(self) -> np.dtype[Any]:
-        """The dtype of ``lse``."""
+        """``lse``'s dtype."""
         return self.lse.dtype
 
     def state(self, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,8 +73,7 @@ class StateStack(ShortRepr):
         return oracle.merge_state_stack(self.o, self.lse, masked_rows=masked_rows)
 
     def bound(self, tree: str | int = "sequential") -> tuple[np.ndarray, np.ndarray]:
-        """:func:`attnref.tolerance.merge_error_bound` of merging these states in their
-        formats by ``tree``."""
+        """:func:`attnref.tolerance.merge_error_bound` of merging these states by ``tree``."""
         return tolerance.merge_error_bound(
             self.o, self.lse, dtype=self.dtype, lse_dtype=self.lse_dtype, tree=tree
         )
@@ -103,14 +98,11 @@ def make_state_stack(
     empty_row: bool = False,
     max_abs_lse: float = 1e4,
 ) -> StateStack:
-    """The deterministic :class:`StateStack` behind one draw of :func:`attention_states`:
-    ``P = pieces >= 0`` states, ``lse`` of shape ``rows`` each, value dim ``h_v``.
-
-    ``o`` standard normal from PCG64 ``seed``; per row, ``lse`` = ``center`` plus a random
-    offset plus the ``spread`` offsets of the states (:data:`SPREADS`; ``ValueError``
-    otherwise), clipped to ``|lse| <= max_abs_lse``; then each state is empty with probability
-    ``empty`` (``lse = -inf`` and ``o`` NaN), and with ``empty_row`` the first row is empty in
-    every state. Rounded to ``dtype`` (``o``) and ``lse_dtype`` (default ``dtype``)."""
+    """The :class:`StateStack` behind one draw of :func:`attention_states`: ``pieces`` states,
+    ``lse [*rows]``, ``o [*rows, h_v]`` PCG64 ``seed`` normal; ``lse`` = ``center`` + a row offset
+    + the ``spread`` offsets (:data:`SPREADS`), clipped to ``max_abs_lse``; each state empty with
+    probability ``empty`` (with ``empty_row``, row 0 in every state); ``o`` in ``dtype``, ``lse``
+    in ``lse_dtype`` (default ``dtype``)."""
     if spread not in SPREADS:
         raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
     rng = np.random.default_rng(seed)
@@ -150,12 +142,10 @@ def attention_states(
     centers: tuple[float, ...] = CENTERS,
     empty: bool = True,
 ) -> StateStack:
-    """A :class:`StateStack` (:func:`make_state_stack`), each a labelled draw: ``min_pieces``
-    to ``max_pieces`` states, a ``(rows, H_v)`` pair from ``shapes``, the dtype of ``o`` from
-    ``dtypes`` (:data:`STATE_DTYPES` lists all four) and of ``lse`` from ``lse_dtypes``
-    (``None``: ``o``'s, or float32 for a 16-bit ``o`` one draw in two, as kernels keep ``lse``
-    in float32), a spread, a center (0 and ``+-1e4`` by default), with ``empty`` whether states
-    may be empty (``lse = -inf``, ``o`` NaN) and a row of empty states, and a seed."""
+    """A :class:`StateStack` (:func:`make_state_stack`), labelled draws of ``min_pieces`` to
+    ``max_pieces`` states, a ``(rows, H_v)`` of ``shapes``, ``o``'s dtype of ``dtypes``,
+    ``lse``'s of ``lse_dtypes`` (``None``: ``o``'s, or float32 one time in two for 16 bits), a
+    spread, a center, empty states and rows (with ``empty``) and a seed."""
     pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
     rows, h_v = draw(st.sampled_from(tuple(shapes)), label="shape")
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
@@ -208,8 +198,7 @@ def tree_depth(tree: Tree) -> int:
 
 
 def sequential_tree(order: Sequence[int]) -> Tree:
-    """``(((o0, o1), o2), ...)``: one state after another (a ring, an online softmax);
-    ``ValueError`` for an empty ``order``."""
+    """``(((o0, o1), o2), ...)``: one state after another (a ring); ``ValueError`` if empty."""
     if not len(order):
         raise ValueError("a merge tree needs at least one piece")
     tree: Tree = int(order[0])
@@ -219,8 +208,7 @@ def sequential_tree(order: Sequence[int]) -> Tree:
 
 
 def balanced_tree(order: Sequence[int]) -> Tree:
-    """Pairs, then pairs of pairs: depth ``ceil(log2 P)``; ``ValueError`` for an empty
-    ``order``."""
+    """Pairs, then pairs of pairs: depth ``ceil(log2 P)``; ``ValueError`` if empty."""
     if not len(order):
         raise ValueError("a merge tree needs at least one piece")
     if len(order) == 1:
@@ -231,9 +219,8 @@ def balanced_tree(order: Sequence[int]) -> Tree:
 
 @st.composite
 def merge_trees(draw: DrawFn, pieces: int) -> Tree:
-    """A binary merge tree over ``range(pieces)``, ``P >= 1``, as nested pairs of piece
-    indices: a random order of the pieces and a random grouping (every order and grouping can
-    be drawn; shrinks towards the sequential tree in index order)."""
+    """A merge tree over ``range(pieces)`` (nested pairs): any order and grouping, shrinking
+    towards the sequential tree in index order."""
     order = draw(st.permutations(range(pieces)), label="merge order")
 
     def group(leaves: Sequence[int]) -> Tree:
@@ -246,10 +233,8 @@ def merge_trees(draw: DrawFn, pieces: int) -> Tree:
 
 
 def apply_merge_tree(merge: Callable[..., Any], tree: Tree, o: Any, lse: Any) -> tuple[Any, Any]:
-    """Merge the states ``(o[p], lse[p])`` (stacked on axis 0) by ``tree`` (:func:`merge_trees`)
-    with a binary ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (e.g.
-    :func:`attnref.merge_states`): the merged ``(o, lse)`` as ``merge`` returns them (a single
-    piece: its state)."""
+    """The states ``(o[p], lse[p])`` merged by ``tree`` with ``merge(o_a, lse_a, o_b, lse_b) ->
+    (o, lse)`` (e.g. :func:`attnref.merge_states`)."""
     if isinstance(tree, tuple):
         o_a, l_a = apply_merge_tree(merge, tree[0], o, lse)
         o_b, l_b = apply_merge_tree(merge, tree[1], o, lse)
@@ -263,14 +248,10 @@ def apply_merge_tree(merge: Callable[..., Any], tree: Tree, o: Any, lse: Any) ->
 
 @dataclasses.dataclass
 class KeyPartition(ShortRepr):
-    """A kernel ``problem`` (the whole call, ``masked_rows`` ``"zeros"`` or ``"nan"``) whose
-    keys are split into ``pieces`` ``P`` by ``assignment`` (``[S]`` ints in ``[0, P)``, laid out
-    by ``layout``, :data:`LAYOUTS`), and a merge ``tree`` over them.
-
-    Piece ``p`` is the same call with the extra key mask ``assignment == p`` (combined with the
-    problem's own mask), so every option (causal, windows, lengths, segments, biases) keeps its
-    meaning on global key positions, and a query row with no key in the piece gets the empty
-    state. Merging the pieces' states by any tree gives the state of the whole call."""
+    """A kernel ``problem`` whose keys are split into ``pieces`` by ``assignment`` (``[S]`` in
+    ``[0, P)``, by ``layout``), and a merge ``tree``. Piece ``p`` is the call with the extra key
+    mask ``assignment == p`` (every option keeps its meaning on global positions; a row with no
+    key gets the empty state); merging the pieces by any tree gives the whole call's state."""
 
     problem: KernelProblem
     assignment: np.ndarray
@@ -286,7 +267,6 @@ class KeyPartition(ShortRepr):
 
     @property
     def depth(self) -> int:
-        """The depth of :attr:`tree`."""
         return tree_depth(self.tree)
 
     def piece_mask(self, p: int) -> np.ndarray:
@@ -294,9 +274,7 @@ class KeyPartition(ShortRepr):
         return (self.assignment == p)[None, None, None, :]
 
     def piece(self, p: int, masked_rows: str = "nan") -> KernelProblem:
-        """The call restricted to piece ``p``'s keys: the problem with its mask combined with
-        :meth:`piece_mask` and ``masked_rows`` (default ``"nan"``: a row with no key in the
-        piece gets ``o`` NaN and ``lse = -inf``, the empty state)."""
+        """The call on piece ``p``'s keys (``masked_rows="nan"``: a row without one is empty)."""
         opts = dict(self.problem.options)
         keep = self.piece_mask(p)
         opts["mask"] = keep if "mask" not in opts else np.logical_and(opts["mask"], keep)
@@ -308,21 +286,16 @@ class KeyPartition(ShortRepr):
         return np.stack([s[0] for s in states]), np.stack([s[1] for s in states])
 
     def piece_bounds(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Each piece's kernel bound in the problem's dtype
-        (:func:`attnref.tolerance.kernel_call_error_bound`), stacked like
-        :meth:`oracle_states`."""
+        """Each piece's :func:`attnref.tolerance.kernel_call_error_bound`, stacked."""
         bounds = [self.piece(p).bound(key_blocks) for p in range(self.pieces)]
         return np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
 
     def bound(
         self, tree: str | int | None = None, key_blocks: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Bounds on ``|merged - whole-call oracle|`` for ``o [B, T, N, H_v]`` and
-        ``lse [B, T, N]`` when each piece is computed by a kernel in the problem's dtype (``o``
-        stored in it, ``lse`` in float32 for 16-bit problems, as attnref's kernels return them;
-        ``key_blocks`` per piece, ``None``: any tiling) and merged by ``tree`` (default: a binary
-        tree of :attr:`depth`): :func:`attnref.tolerance.pieces_error_bound` (the pieces' kernel
-        bounds carried through the merge bound, plus the whole call's float64 oracle error)."""
+        """:func:`attnref.tolerance.pieces_error_bound` of ``(o, lse)`` against the whole call:
+        pieces by a kernel in the problem's dtype (``lse`` float32 for 16 bits; ``key_blocks``
+        per piece) merged by ``tree`` (default: :attr:`depth`)."""
         dt = self.problem.dtype
         return self.problem.apply(
             tolerance.pieces_error_bound,
@@ -343,13 +316,10 @@ def make_key_partition(
     seed: int = 0,
     tree: Tree | None = None,
 ) -> KeyPartition:
-    """The :class:`KeyPartition` behind one draw of :func:`key_partitions`: ``P = pieces >= 1``
-    (a piece may get no key: its state is empty) by ``layout`` ``"contiguous"`` (``P`` chunks in
-    order), ``"striped"`` (key ``j`` to piece ``j mod P``) or ``"random"`` (PCG64 ``seed``),
-    merged by ``tree`` (default: sequential in index order). ``ValueError`` for an unknown
-    layout, ``pieces < 1``, a ``tree`` not over ``range(pieces)``, or a ``problem`` with
-    ``masked_rows="uniform"`` (the mean over all keys is not a function of the pieces' states).
-    """
+    """The :class:`KeyPartition` behind one draw of :func:`key_partitions`: ``pieces >= 1`` by
+    ``layout`` ``"contiguous"``, ``"striped"`` (key ``j`` to ``j mod P``) or ``"random"`` (PCG64
+    ``seed``), merged by ``tree`` (default sequential). ``ValueError`` for an unknown layout,
+    ``pieces < 1``, a ``tree`` not over ``range(pieces)`` or ``masked_rows="uniform"``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(pieces, (int, np.integer)) or pieces < 1:
@@ -381,10 +351,8 @@ def key_partitions(
     max_pieces: int = 4,
     layouts: tuple[str, ...] = LAYOUTS,
 ) -> KeyPartition:
-    """A :class:`KeyPartition` (:func:`make_key_partition`), each a labelled draw: a problem
-    from ``problems`` (default :func:`kernel_problems`, whose ``masked_rows`` is ``"zeros"``),
-    ``min_pieces`` to ``max_pieces`` pieces, a layout from ``layouts`` (and its seed) and a
-    merge tree with a random order and grouping."""
+    """A :class:`KeyPartition` (:func:`make_key_partition`), labelled draws of a problem (default
+    :func:`kernel_problems`), ``min_pieces`` to ``max_pieces`` pieces, a layout and a tree."""
     problem = draw(kernel_problems() if problems is None else problems, label="problem")
     pieces = draw(st.integers(min_pieces, max_pieces), label="pieces")
     layout = draw(st.sampled_from(tuple(layouts)), label="layout")

@@ -33,12 +33,10 @@ _WEIGHT_PARTS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass
 class AttentionProblem(ShortRepr):
-    """One weight-level problem: ``params`` (:class:`attnref.AttentionParams`, ``config.k``
-    K/V heads), query tokens ``x_q [*batch, T, d_model]``, key/value tokens
-    ``x_kv [*batch, S, d_model]`` (sometimes ``x_q`` itself), a boolean ``mask [*batch, T, S]``
-    (``True`` = may attend) and an additive ``bias [*batch, T, S]`` (zeros for kinds without a
-    bias), both full whatever the kind (one compiled program serves every kind), its
-    :class:`Config`, the mask ``kind`` (:data:`WEIGHT_KINDS`) and the data ``seed``."""
+    """One weight-level problem: ``params`` (``config.k`` K/V heads), ``x_q [*batch, T,
+    d_model]``, ``x_kv [*batch, S, d_model]`` (sometimes ``x_q`` itself), a boolean ``mask
+    [*batch, T, S]`` (``True`` = may attend) and an additive ``bias [*batch, T, S]``, both full
+    whatever the kind (one program for every kind), the :class:`Config`, ``kind`` and ``seed``."""
 
     params: AttentionParams
     x_q: np.ndarray
@@ -54,7 +52,7 @@ class AttentionProblem(ShortRepr):
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        """The problem's dtype, ``config.dtype``."""
+        """``config.dtype``."""
         return np.dtype(self.config.dtype)
 
     def inputs(self) -> dict[str, np.ndarray]:
@@ -63,17 +61,12 @@ class AttentionProblem(ShortRepr):
 
     def oracle(self) -> np.ndarray:
         """Float64 output ``[*batch, T, d_model]`` from :func:`attnref.oracle.attention`."""
-        return oracle.attention(self.params, self.x_q, self.x_kv, mask=self.mask, bias=self.bias)
+        return oracle.attention(self.params, self.x_q, self.x_kv, **self.inputs())
 
     def bound(self) -> np.ndarray:
         """Componentwise bound (:func:`attnref.tolerance.attention_error_bound`)."""
         return tolerance.attention_error_bound(
-            self.params,
-            self.x_q,
-            self.x_kv,
-            mask=self.mask,
-            bias=self.bias,
-            dtype=np.dtype(self.config.dtype),
+            self.params, self.x_q, self.x_kv, **self.inputs(), dtype=self.dtype
         )
 
     def astype(self, dtype: Any) -> AttentionProblem:
@@ -97,16 +90,11 @@ def make_attention_problem(
     *,
     param_bias: bool = True,
 ) -> AttentionProblem:
-    """The deterministic :class:`AttentionProblem` behind one draw of
-    :func:`attention_problems`, in ``config.dtype`` (or ``dtype``; ``batch`` an ``int`` or a
-    tuple of leading batch dims), of ``kind`` in :data:`WEIGHT_KINDS` (``padding`` pads keys
-    only).
-
-    Parameters from :func:`attnref.init_params` (seeded by ``seed``, ``config.k`` K/V heads,
-    biases when ``param_bias``); inputs standard normal from PCG64 ``seed``, with ``x_kv`` the
-    very ``x_q`` in about half the problems whose ``T == S`` (self-attention proper); the mask
-    and bias from the kernel level's builder (:func:`make_options`), rendered full.
-    ``ValueError`` for another kind or sizes :func:`attnref.init_params` rejects."""
+    """The :class:`AttentionProblem` behind one draw of :func:`attention_problems`, in
+    ``config.dtype`` (or ``dtype``), of ``kind`` in :data:`WEIGHT_KINDS` (``padding`` pads keys):
+    parameters from :func:`attnref.init_params` (``param_bias``), PCG64 ``seed`` normal inputs
+    (``x_kv`` is ``x_q`` in about half the ``T == S`` problems), the mask and bias of
+    :func:`make_options` rendered full. ``ValueError`` for another kind or rejected sizes."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
     c = with_dtype(config, dtype)
@@ -155,11 +143,10 @@ def attention_problems(
     kinds: tuple[str, ...] = WEIGHT_KINDS,
     param_bias: bool | None = None,
 ) -> AttentionProblem:
-    """A weight-level :class:`AttentionProblem` (:func:`make_attention_problem`; GQA when the
-    config has ``k < n``), each a labelled draw: a config from ``configs`` (default
-    :func:`configs`; the weight level's own buckets:
-    ``configs(buckets=WEIGHT_BUCKETS, value_dim_differs=True)``), a mask kind from ``kinds``,
-    parameter biases (``param_bias``; ``None``: drawn) and a data seed."""
+    """An :class:`AttentionProblem` (:func:`make_attention_problem`; GQA when ``k < n``),
+    labelled draws of a config (e.g. ``configs(buckets=WEIGHT_BUCKETS,
+    value_dim_differs=True)``), a kind from ``kinds``, parameter biases (``None``: drawn) and a
+    seed."""
     strategy = configs_strategy() if configs is None else configs
     config = draw(strategy, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")

@@ -1,10 +1,6 @@
-"""Terminal output of the command line and the reports, through rich.
-
-On a terminal, tables are drawn by rich (bold headings, coloured statuses) and a progress bar
-runs on stderr. Anywhere else (a pipe, a file, a CI log, a captured stream) a table is plain
-ASCII text: no ANSI escape, no line wrapped at 80 columns, no trailing spaces, and there is no
-progress bar at all. One rule decides: ``stream.isatty()``.
-"""
+"""Terminal output through rich: on a terminal (``stream.isatty()``), tables in colour and a
+progress bar on stderr; elsewhere plain ASCII tables (no escape, no wrapping, no trailing space)
+and no bar."""
 
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ STATUS_STYLES = {"passed": "green", "ok": "green", "failed": "bold red", "FAIL":
 
 
 def is_terminal(stream: Any) -> bool:
-    """Whether ``stream.isatty()`` answers True (False for ``None``, a closed file, ...)."""
+    """``stream.isatty()``, False where it cannot answer."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
@@ -39,9 +35,8 @@ def is_terminal(stream: Any) -> bool:
 
 
 def make_console(stream: Any) -> Console:
-    """A rich console writing to ``stream``: rich's own on a terminal, elsewhere one without
-    colour or terminal codes, :data:`PLAIN_WIDTH` columns wide. Markup, highlighting and emoji
-    codes are off either way, so text such as ``[float32]`` or ``:bias:`` prints as written."""
+    """A rich console on ``stream`` (plain and :data:`PLAIN_WIDTH` wide off a terminal); no
+    markup, highlighting or emoji, so ``[float32]`` or ``:bias:`` print as written."""
     common: dict[str, Any] = {"file": stream, "markup": False, "highlight": False, "emoji": False}
     if is_terminal(stream):
         return Console(**common)
@@ -55,11 +50,9 @@ def table(
     wrap: Sequence[str] | None = None,
     terminal: bool = False,
 ) -> Table:
-    """An empty rich table with ``headings`` (the ``right`` ones right-aligned), in attnref's
-    style: no frame and no edge padding, headings underlined by a rule, two spaces between
-    columns. In plain text (``terminal=False``) the rule is ASCII ``-`` and no cell wraps; on a
-    terminal narrower than the table, rich wraps the cells of the ``wrap`` columns (default: the
-    last) at spaces, ids and numbers staying whole."""
+    """An empty table with ``headings`` (``right`` ones right-aligned): no frame, headings
+    underlined, two spaces between columns; in plain text the rule is ASCII and nothing wraps,
+    on a narrow terminal the ``wrap`` columns (default: the last) wrap at spaces."""
     t = Table(
         box=box.SIMPLE_HEAD if terminal else ASCII_HEAD,
         show_edge=False,
@@ -80,22 +73,20 @@ def table(
 
 
 def status_style(status: str, terminal: bool) -> str:
-    """The style of a status cell (``passed``, ``failed``, ``ok``, ``FAIL``): colour on a
-    terminal, none in plain text."""
+    """A status cell's colour on a terminal, none in plain text."""
     return STATUS_STYLES.get(status, "") if terminal else ""
 
 
 def plain(renderable: RenderableType) -> str:
-    """``renderable`` (anything rich prints) as plain text, as :func:`emit` writes it to a
-    pipe: no ANSI code, no trailing space, no final newline."""
+    """``renderable`` as plain text, as :func:`emit` writes it to a pipe (no final newline)."""
     buffer = io.StringIO()
     make_console(buffer).print(renderable)
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()).rstrip("\n")
 
 
 def emit(renderable: RenderableType, stream: Any = None) -> None:
-    """Print ``renderable`` to ``stream`` (default: ``sys.stdout`` now): drawn by rich on a
-    terminal, :func:`plain` text otherwise."""
+    """Print ``renderable`` to ``stream`` (default ``sys.stdout``): rich on a terminal, else
+    :func:`plain`."""
     stream = sys.stdout if stream is None else stream
     if is_terminal(stream):
         make_console(stream).print(renderable)
@@ -104,8 +95,7 @@ def emit(renderable: RenderableType, stream: Any = None) -> None:
 
 
 class Bar:
-    """The handle :func:`progress_bar` yields: ``update`` moves the bar, ``log`` prints a line
-    above it; both do nothing when no bar is shown."""
+    """What :func:`progress_bar` yields: ``update`` moves the bar, ``log`` prints above it."""
 
     def __init__(self, progress: Progress | None, log_stream: Any) -> None:
         self._progress = progress
@@ -119,8 +109,7 @@ class Bar:
         return self._progress is not None
 
     def update(self, done: int, total: int, label: str) -> None:
-        """Show ``done`` of ``total`` steps, the step now running named ``label`` (drawn at once
-        when the step changes, so a step shorter than the refresh interval is still named)."""
+        """Show ``done`` of ``total``, the running step ``label`` (drawn when it changes)."""
         if self._progress is not None and self._task is not None:
             changed, self._label = label != self._label, label
             self._progress.update(
@@ -128,7 +117,7 @@ class Bar:
             )
 
     def log(self, line: str) -> None:
-        """Print ``line`` above the bar on the terminal (or to the log stream; else nowhere)."""
+        """Print ``line`` above the bar (or to the log stream; else nowhere)."""
         if self._progress is not None:
             self._progress.console.print(line)
         elif self._log_stream is not None:
@@ -137,10 +126,8 @@ class Bar:
 
 @contextlib.contextmanager
 def progress_bar(enabled: bool = True, *, log: Any = None) -> Iterator[Bar]:
-    """A :class:`Bar` on ``sys.stderr``, drawn only if ``enabled`` (not ``--no-progress``) and
-    stderr is a terminal; ``log`` is where :meth:`Bar.log` lines go when no bar is drawn
-    (``None``: nowhere). The bar is erased when the block ends (normally, or by an exception
-    such as ``KeyboardInterrupt``), so what stays on the terminal is the command's output."""
+    """A :class:`Bar` on ``sys.stderr``, drawn if ``enabled`` and stderr is a terminal (``log``:
+    where :meth:`Bar.log` lines go otherwise), erased when the block ends."""
     stream = sys.stderr
     if not (enabled and is_terminal(stream)):
         yield Bar(None, log)

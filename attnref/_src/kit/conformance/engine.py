@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -148,34 +149,46 @@ def run_property(
 
 def run_suite(
     names: Sequence[str],
+    run: Callable[[str], PropertyResult | str],
+    *,
+    seed: int,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[PropertyResult, ...]:
+    """``run(name)`` for each property (a string: why it is skipped); ``progress`` after each."""
+    results: list[PropertyResult] = []
+    for done, name in enumerate(names, start=1):
+        out = run(name)
+        if isinstance(out, str):
+            out = PropertyResult(name, "skipped", out, None, seed, 0)
+        results.append(out)
+        if progress is not None:
+            progress(done, len(names), name)
+    return tuple(results)
+
+
+def planned(
     plan: Callable[[str], tuple[Any, ...] | str],
     *,
     seed: int,
     max_examples: int,
-    progress: Callable[[int, int, str], None] | None = None,
     in_effect: Callable[[str], tuple[str, ...]] = lambda name: (),
-) -> tuple[PropertyResult, ...]:
-    """Each property ``name`` run by :func:`run_property` over ``plan(name)``, ``(strategy,
-    check[, explicit cases])`` or a skip reason; ``progress`` after each."""
-    results: list[PropertyResult] = []
-    for done, name in enumerate(names, start=1):
+) -> Callable[[str], PropertyResult | str]:
+    """A :func:`run_suite` runner: :func:`run_property` over ``plan(name)``, ``(strategy,
+    check[, explicit cases])`` or why it is skipped."""
+
+    def run(name: str) -> PropertyResult | str:
         start = time.perf_counter()
-        planned = plan(name)
-        if isinstance(planned, str):
-            results.append(PropertyResult(name, "skipped", planned, None, seed, 0))
-        else:
-            strategy, check, *explicit = planned
-            run = run_property(strategy, check, max_examples, seed, *explicit)
-            status, detail, example, count, tb = run
-            took = time.perf_counter() - start
-            results.append(
-                PropertyResult(
-                    name, status, detail, example, seed, count, in_effect(name), tb, took
-                )
-            )
-        if progress is not None:
-            progress(done, len(names), name)
-    return tuple(results)
+        out = plan(name)
+        if isinstance(out, str):
+            return out
+        strategy, check, *explicit = out
+        status, detail, example, count, tb = run_property(
+            strategy, check, max_examples, seed, *explicit
+        )
+        took = time.perf_counter() - start
+        return PropertyResult(name, status, detail, example, seed, count, in_effect(name), tb, took)
+
+    return run
 
 
 def changed(*given: tuple[str, Any, Any]) -> tuple[tuple[str, Any], ...]:
@@ -308,19 +321,17 @@ def _combined(
 ) -> PropertyResult:
     """One result over every mesh size: the first failing size's, prefixed ``P=<size>: ``."""
     first = next((m for m in meshes if m.status == "failed"), None)
-    return PropertyResult(
-        name,
-        "passed" if first is None else "failed",
-        "" if first is None else f"P={first.devices}: {first.detail}",
-        None if first is None else first.example,
-        seed,
-        sum(m.examples for m in meshes),
-        in_effect,
-        None if first is None else first.traceback,
-        sum(m.seconds for m in meshes),
-        meshes,
-        None if first is None else first.inputs,
-        None,
+    examples, took = sum(m.examples for m in meshes), sum(m.seconds for m in meshes)
+    result = PropertyResult(name, "passed", "", None, seed, examples, in_effect, None, took, meshes)
+    if first is None:
+        return result
+    return dataclasses.replace(
+        result,
+        status="failed",
+        detail=f"P={first.devices}: {first.detail}",
+        example=first.example,
+        traceback=first.traceback,
+        inputs=first.inputs,
     )
 
 
@@ -458,8 +469,7 @@ def check_attention(
     check_choice("masked_rows", masked_rows)
     check_choice("causal_alignment", causal_alignment)
     default = PROPERTIES if devices is None else (*PROPERTIES, *DISTRIBUTED_PROPERTIES)
-    names = tuple(default if properties is None else properties)
-    names = check_properties(names)
+    names = check_properties(tuple(default if properties is None else properties))
     dts = check_dtypes(dtypes)
     if max_examples is not None:
         check_max_examples(max_examples)
@@ -488,49 +498,31 @@ def check_attention(
     )
     ctx = Context(target=Target(fn, signature, refuses_lengths=refuses_lengths), **common)
     contexts = {} if sizes is None else mesh_contexts(fn, sizes, **common)
-    results: list[PropertyResult] = []
-    for done, name in enumerate(names, start=1):
+
+    def run(name: str) -> PropertyResult | str:
         in_effect = tuple(f"{k}={declared[k]}" for k in DEPENDS[name] if k in declared)
         if contexts:
             meshes = _on_meshes(contexts, name, max_examples or 20, seed, log)
-            if isinstance(meshes, str):
-                results.append(PropertyResult(name, "skipped", meshes, None, seed, 0))
-            else:
-                results.append(_combined(name, meshes, seed, in_effect))
+            return meshes if isinstance(meshes, str) else _combined(name, meshes, seed, in_effect)
+        if shapes == "production":
+            timed = _timed(ctx, _production, name, max_examples, log)
         else:
-            timed = (
-                _timed(ctx, _production, name, max_examples, log)
-                if shapes == "production"
-                else _timed(ctx, _small, name, max_examples or 20, seed)
-            )
-            if isinstance(timed, str):
-                results.append(PropertyResult(name, "skipped", timed, None, seed, 0))
-            else:
-                (status, detail, example, count, tb), took = timed
-                inputs, replay = _failing(ctx, False, target or describe_target(fn))
-                results.append(
-                    PropertyResult(
-                        name,
-                        status,
-                        detail,
-                        example,
-                        seed,
-                        count,
-                        in_effect,
-                        tb,
-                        took,
-                        inputs=inputs,
-                        problem_replay=replay,
-                    )
-                )
-        if progress is not None:
-            progress(done, len(names), name)
+            timed = _timed(ctx, _small, name, max_examples or 20, seed)
+        if isinstance(timed, str):
+            return timed
+        (status, detail, example, count, tb), took = timed
+        failing = _failing(ctx, False, target or describe_target(fn))
+        return PropertyResult(
+            name, status, detail, example, seed, count, in_effect, tb, took, (), *failing
+        )
+
+    results = run_suite(names, run, seed=seed, progress=progress)
     return ConformanceReport(
         target=target or describe_target(fn),
         signature=signature,
         features=feats,
         declared=declared,
-        results=tuple(results),
+        results=results,
         shapes=shapes,
         devices=sizes or (),
         options=changed(

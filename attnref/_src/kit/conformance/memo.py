@@ -1,13 +1,7 @@
-"""The float64 oracle and the derived bounds of a kit problem, computed once per problem content.
-
-The properties compute the oracle and the bound of the same problem several times: a property's
-output and lse checks each ask for them, and a distributed target's mesh sizes draw the same
-examples (the same buckets and seed), whose allowance (the merged-states bound) does not depend
-on the mesh size. Each is a pure function of the arrays and options the problem passes
-(:meth:`attnref.strategies.KernelProblem.apply`: ``q, k, v``, the options, the semantics), of
-the problem's class (whose ``bound`` may differ) and of the call's own arguments; it is keyed
-here by a digest of exactly those, and every caller gets its own copy of the cached result.
-"""
+"""The float64 oracle and the derived bounds of a kit problem, computed once per content (the
+output and lse checks, and every mesh size, ask for the same): keyed by a digest of ``q, k, v``,
+the options, the semantics, the problem's class and the call's arguments; each caller gets a
+copy."""
 
 from __future__ import annotations
 
@@ -22,9 +16,7 @@ import numpy as np
 from attnref import strategies as ast
 
 _MAX_BYTES = 64 << 20  # the cached results' arrays, least recently used dropped first
-# A problem whose arrays exceed this is computed without a digest: hashing it costs more than a
-# rare repeat saves (the production sweep never repeats a case; the properties' problems are
-# small).
+# Larger problems are not cached (hashing costs more than a rare repeat saves).
 _MAX_KEYED_BYTES = 16 << 20
 _CACHE: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
 _bytes = 0

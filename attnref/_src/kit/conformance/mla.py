@@ -6,15 +6,12 @@ The target has the signature of :func:`attnref.mla.mla_attention` (and of
     fn(params: attnref.mla.MLAParams, x_q [B, T_q, d_model], x_kv [B, T_k, d_model], *,
        positions_q=None, positions_kv=None, mask=None) -> y [B, T_q, d_model]
 
-NumPy arrays in (the parameters a :class:`attnref.mla.MLAParams` of NumPy arrays), anything
-:func:`numpy.asarray` reads out. A keyword is passed only when a property uses it. Wrap a kernel
-that works on the latent cache (FlashMLA's layout: the cache ``[T_k, d_c + d_rope]`` and the
-absorbed queries) in a few lines: :func:`attnref.mla.mla_latent_cache` builds the cache.
-
-Each property compares with the float64 oracle :func:`attnref.oracle.mla_attention` (the paper's
-equations) within :func:`attnref.tolerance.mla_attention_error_bound` for the input dtype (valid
-for both forms, any evaluation order of the same sums). Parameters come from
-:func:`attnref.mla.init_mla_params`; the shapes are small buckets.
+NumPy in (parameters included), anything :func:`numpy.asarray` reads out; a keyword only when a
+property uses it (a latent-cache kernel, FlashMLA's layout, wraps with
+:func:`attnref.mla.mla_latent_cache`). Each property compares with the float64 oracle
+:func:`attnref.oracle.mla_attention` within :func:`attnref.tolerance.mla_attention_error_bound`
+(both forms, any summation order), parameters from :func:`attnref.mla.init_mla_params`, small
+buckets.
 
 Properties (:data:`MLA_PROPERTIES`):
 
@@ -44,7 +41,7 @@ from hypothesis import strategies as st
 from attnref import oracle, tolerance
 from attnref._src.formulations.mla_family import init_mla_params
 from attnref._src.kit.closeness import assert_ratio_within
-from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.engine import changed, check_target, planned, run_suite
 from attnref._src.kit.conformance.options import check_properties, check_subset
 from attnref._src.kit.conformance.report import ConformanceReport
 from attnref._src.kit.conformance.targets import describe_target
@@ -105,8 +102,7 @@ def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[A
                 x[:, 1] = np.nan
                 x_q = rng.standard_normal((b, t, d_model)).astype(dtype)  # finite queries
             want = oracle.mla_attention(p, x_q, x, **kw)
-            # The bound of the same problem with the never-read NaN token read as 0 (a masked
-            # token enters no sum, so any value there leaves the bound valid).
+            # the never-read NaN token as 0: a masked token enters no sum, so the bound holds
             finite = np.where(np.isnan(x), 0.0, x).astype(dtype)
             bound = tolerance.mla_attention_error_bound(p, x_q, finite, dtype=dtype, **kw)
             _compare(fn(p, x_q, x, **kw), want, bound, f"{name} [{dtype}]")
@@ -123,18 +119,16 @@ def check_mla(
     properties: Sequence[str] | None = None,
     target: str | None = None,
 ) -> ConformanceReport:
-    """Run the MLA properties (module docstring) against ``fn``, with the signature of
-    :func:`attnref.mla.mla_attention`: a :class:`ConformanceReport` (signature ``"mla"``), one
-    :class:`PropertyResult` per property. ``dtypes`` (of :data:`MLA_DTYPES`) are the formats
-    each property runs in; ``max_examples`` (``None``: 6), ``seed``, ``properties`` and
-    ``target`` are as in :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``)
-    for an unknown property or dtype, ``TypeError`` for an ``fn`` not callable."""
+    """Run the MLA properties (module docstring) against ``fn``: a :class:`ConformanceReport`
+    (signature ``"mla"``). ``dtypes`` (of :data:`MLA_DTYPES`): each property's formats;
+    ``max_examples`` (``None``: 6), ``seed``, ``properties``, ``target`` as in
+    :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``) for an unknown property
+    or dtype, ``TypeError`` for ``fn`` not callable."""
     names = check_properties(MLA_PROPERTIES if properties is None else properties, MLA_PROPERTIES)
     dts = check_subset("dtypes", dtypes, MLA_DTYPES)
     check_target(fn, max_examples)
-    results = run_suite(
-        names, lambda name: _plan(name, fn, dts), seed=seed, max_examples=max_examples or 6
-    )
+    run = planned(lambda name: _plan(name, fn, dts), seed=seed, max_examples=max_examples or 6)
+    results = run_suite(names, run, seed=seed)
     return ConformanceReport(
         target=target or describe_target(fn),
         signature="mla",

@@ -1,6 +1,5 @@
-"""What ``check_attention`` accepts: the names of its properties, signatures, features and
-declared semantics, and the one check of each option (the CLI and the pytest plugin call the
-same checks through :class:`attnref.conformance.Options`)."""
+"""What ``check_attention`` accepts, and the one check of each option (which the CLI and the
+pytest plugin share through :class:`attnref.conformance.Options`)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,7 @@ PROPERTIES = (
     "gradients",
     "extreme_logits",
 )
-# The properties of a distributed kernel alone (check_attention(..., devices=...)): the error
-# against the oracle at each mesh size within the derived bound; lengths the mesh does not divide
-# refused clearly or answered right.
+# The properties of a distributed kernel alone (check_attention(..., devices=...)).
 GROWTH = "ring_size_growth"
 UNEVEN = "uneven_lengths"
 DISTRIBUTED_PROPERTIES = (GROWTH, UNEVEN)
@@ -107,9 +104,8 @@ DEPENDS: dict[str, tuple[str, ...]] = {
 
 
 class OptionError(ValueError):
-    """An invalid ``check_attention`` option: ``str(error)`` is ``check_attention``'s message;
-    ``option`` names it, ``value`` is what was given (or the list of unknown names), ``accepted``
-    the accepted values (empty where there is no list)."""
+    """An invalid option: ``option`` names it, ``value`` is what was given (or the unknown
+    names), ``accepted`` the accepted values (or ``()``)."""
 
     def __init__(
         self, message: str, option: str, value: Any, accepted: tuple[str, ...] = ()
@@ -132,8 +128,7 @@ def check_signature(signature: str) -> None:
 
 
 def check_features(features: Sequence[str]) -> None:
-    """Every feature is in :data:`FEATURES` or :data:`FEATURE_ALIASES`, else an
-    :class:`OptionError` listing the unknown ones in the given order."""
+    """Every feature in :data:`FEATURES` or an alias, else an :class:`OptionError`."""
     unknown = [f for f in features if f not in FEATURES and f not in FEATURE_ALIASES]
     if unknown:
         raise OptionError(
@@ -147,17 +142,13 @@ def check_features(features: Sequence[str]) -> None:
 
 
 def expand_features(features: Sequence[str]) -> tuple[str, ...]:
-    """``features`` with each alias (:data:`FEATURE_ALIASES`) replaced by what it stands for,
-    in place, repeats dropped: ``("mask", "seq_lengths")`` -> ``("mask",
-    "query_seq_lengths", "key_value_seq_lengths")``."""
+    """``features`` with each alias expanded in place, repeats dropped."""
     out = (g for f in features for g in FEATURE_ALIASES.get(f, (f,)))
     return tuple(dict.fromkeys(out))
 
 
 def check_expressible(signature: str, features: Sequence[str]) -> None:
-    """The signature can pass every feature (``qkv_mask`` has no bias, softcap or lse;
-    ``numpy`` no gradients; ``torch`` only SDPA's options), else an :class:`OptionError`
-    naming those it cannot."""
+    """The signature can pass every feature, else an :class:`OptionError` naming those it cannot."""
     impossible = [f for f in features if f in _UNSUPPORTED[signature]]
     if impossible:
         raise OptionError(
@@ -169,9 +160,7 @@ def check_expressible(signature: str, features: Sequence[str]) -> None:
 
 
 def check_choice(option: str, value: str) -> None:
-    """``masked_rows`` in ``MASKED_ROWS_POLICIES``, ``causal_alignment`` in
-    ``CAUSAL_ALIGNMENTS`` (the kernel's own), ``shapes`` in ``SHAPES``; else an
-    :class:`OptionError`."""
+    """``value`` is one of ``option``'s choices, else an :class:`OptionError`."""
     accepted = _CHOICES[option]
     if value not in accepted:
         raise OptionError(
@@ -182,8 +171,7 @@ def check_choice(option: str, value: str) -> None:
 def check_properties(
     properties: Sequence[str], known: tuple[str, ...] = ALL_PROPERTIES
 ) -> tuple[str, ...]:
-    """``set(properties) <= set(known)``, else an :class:`OptionError` listing the unknown ones
-    in the given order; returns them in ``known``'s order."""
+    """``properties`` in ``known``'s order, else an :class:`OptionError` listing the unknown."""
     bad = [p for p in properties if p not in known]
     if bad:
         raise OptionError(
@@ -207,8 +195,7 @@ def check_subset(
 
 
 def check_dtypes(dtypes: Sequence[Any]) -> tuple[str, ...]:
-    """The canonical names of at least one dtype (an :class:`OptionError` for none; NumPy's
-    ``TypeError`` for a name that is not a dtype)."""
+    """At least one dtype's canonical name (NumPy's ``TypeError`` for an unknown one)."""
     names = tuple(str(np.dtype(d)) for d in dtypes)
     if not names:
         raise OptionError("dtypes must name at least one dtype", "dtypes", names)
@@ -224,8 +211,8 @@ def check_max_examples(max_examples: int) -> None:
 
 
 def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
-    """Mesh sizes, ascending without repeats: positive ints, at most ``jax.device_count()``;
-    else an :class:`OptionError` (for too many, saying how to get virtual CPU devices)."""
+    """Mesh sizes, ascending, unique, positive, at most ``jax.device_count()``, else an
+    :class:`OptionError`."""
     sizes = tuple(devices)
     bad = [p for p in sizes if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1]
     if bad or not sizes:
@@ -249,12 +236,10 @@ def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
 
 
 def length_multiple(devices: Sequence[int]) -> int:
-    """``2 lcm(devices)``: sequence lengths that every layout of every mesh size divides (a
-    zigzag layout cuts the sequence into ``2P`` chunks)."""
+    """``2 lcm(devices)``: divisible by every layout (zigzag cuts ``2P`` chunks) of every size."""
     return 2 * math.lcm(*devices)
 
 
 def head_multiple(devices: Sequence[int]) -> int:
-    """``lcm(devices)``: K/V head counts (and so query head counts) that every mesh size
-    divides, so that a head-parallel kernel (Ulysses, tensor parallelism) can split them."""
+    """``lcm(devices)``: head counts a head-parallel kernel splits on every mesh size."""
     return math.lcm(*devices)

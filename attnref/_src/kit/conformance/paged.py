@@ -43,6 +43,7 @@ filling their last page):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +54,7 @@ from hypothesis import strategies as st
 
 from attnref import oracle, tolerance
 from attnref._src.kit.closeness import assert_ratio_within, first_index
-from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.engine import changed, check_target, planned, run_suite
 from attnref._src.kit.conformance.options import check_properties, check_subset
 from attnref._src.kit.conformance.report import ConformanceReport
 from attnref._src.kit.conformance.targets import describe_target, x64_if
@@ -136,26 +137,23 @@ class Problem:
         return out
 
 
-class _Target:
-    """Calls the target on a :class:`Problem`: float64 ``(o, lse or None)``, shapes checked."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, p: Problem, lse: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        with x64_if(p.dtype):
-            out = self.fn(*p.args(), **p.options, **({"return_lse": True} if lse else {}))
-            o, l_out = (out[0], out[1]) if lse else (out, None)
-            o = np.asarray(o).astype(np.float64)
-            want = (*p.q.shape[:3], p.v_pages.shape[-1])
-            if o.shape != want:
-                raise AssertionError(f"the target returned o {o.shape}; expected {want}")
-            if l_out is None:
-                return o, None
-            l_arr = np.asarray(l_out).astype(np.float64)
-            if l_arr.shape != p.q.shape[:3]:
-                raise AssertionError(f"lse has shape {l_arr.shape}; expected {p.q.shape[:3]}")
-            return o, l_arr
+def _call(
+    fn: Callable[..., Any], p: Problem, lse: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``fn`` on a :class:`Problem`: float64 ``(o, lse or None)``, shapes checked."""
+    with x64_if(p.dtype):
+        out = fn(*p.args(), **p.options, **({"return_lse": True} if lse else {}))
+        o, l_out = (out[0], out[1]) if lse else (out, None)
+        o = np.asarray(o).astype(np.float64)
+        want = (*p.q.shape[:3], p.v_pages.shape[-1])
+        if o.shape != want:
+            raise AssertionError(f"the target returned o {o.shape}; expected {want}")
+        if l_out is None:
+            return o, None
+        l_arr = np.asarray(l_out).astype(np.float64)
+        if l_arr.shape != p.q.shape[:3]:
+            raise AssertionError(f"lse has shape {l_arr.shape}; expected {p.q.shape[:3]}")
+        return o, l_arr
 
 
 def _check(got: tuple[np.ndarray, np.ndarray | None], p: Problem, label: str) -> None:
@@ -194,8 +192,9 @@ def _relayout(p: Problem, seed: int) -> Problem:
     return q
 
 
-def _plan(name: str, target: _Target, dtypes: tuple[str, ...]) -> tuple[Any, Any]:
+def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[Any, Any]:
     """``(strategy, check)`` of property ``name``."""
+    target = functools.partial(_call, fn)
     seeds = st.integers(0, 2**16)
     buckets = st.sampled_from(_GQA_BUCKETS if name == "gqa" else _BUCKETS)
     cases = st.tuples(buckets, seeds)
@@ -268,7 +267,7 @@ def _plan(name: str, target: _Target, dtypes: tuple[str, ...]) -> tuple[Any, Any
         with x64_if(p.dtype):
 
             def loss(q: Any, kp: Any, vp: Any) -> Any:
-                o = target.fn(q, kp, vp, p.table, p.lens)
+                o = fn(q, kp, vp, p.table, p.lens)
                 return jnp.sum(jnp.asarray(cot, o.dtype) * o)
 
             grads = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(a) for a in p.args()[:3]))
@@ -323,15 +322,15 @@ def check_paged(
     feats = check_subset("features", features, PAGED_FEATURES, empty=True)
     dts = check_subset("dtypes", dtypes, PAGED_DTYPES)
     check_target(fn, max_examples)
-    call = _Target(fn)
 
     def plan(name: str) -> tuple[Any, Any] | str:
         need = _NEEDS.get(name)
         if need is not None and need not in feats:
             return f"needs the {need!r} feature (not declared)"
-        return _plan(name, call, dts)
+        return _plan(name, fn, dts)
 
-    results = run_suite(names, plan, seed=seed, max_examples=max_examples or 10, progress=progress)
+    run = planned(plan, seed=seed, max_examples=max_examples or 10)
+    results = run_suite(names, run, seed=seed, progress=progress)
     return ConformanceReport(
         target=target or describe_target(fn),
         signature="paged",

@@ -1,6 +1,5 @@
-"""The property plans: for each property, the Hypothesis strategy of its examples and the check
-run on each (or the reason it is skipped). The properties are described in the package
-docstring (:mod:`attnref._src.kit.conformance`)."""
+"""The property plans (package docstring): each property's strategy and check, or why it is
+skipped."""
 
 from __future__ import annotations
 
@@ -32,9 +31,7 @@ from attnref._src.kit.conformance.targets import (
 )
 from attnref.tolerance import gamma, unit_roundoff
 
-# The kinds of the masks property whose mask or bias takes the example's drawn broadcast shape:
-# a boolean mask (every row keeps a key) and a bias with -inf entries (every row keeps a finite
-# one, so it is also the finite bias's broadcast check).
+# The masks property's kinds whose mask or bias takes the drawn broadcast shape.
 _DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
     "random": ("mask_shape",),
     "neg_inf_bias": ("bias_shape",),
@@ -83,16 +80,13 @@ def _plan_masks(ctx: Context) -> Plan | str:
             out, _ = ctx.run(p)
             assert_output(out, ctx.view(p), f"masks [{kind}: {_options_text(p)}]")
 
-    # One mask shape and one bias shape per example, from all 16 broadcastable ones. A shape is
-    # a new compiled program, so only two kinds take them (an example adds at most two
-    # programs); the other kinds keep their fixed shapes, compiled once per bucket. An example
-    # at tile-straddling lengths (every one a new program) checks one drawn kind.
+    # A drawn shape is a new program: two kinds take one; a tile-length example checks one kind.
     pool = ctx.pool("self", "general", "tall")
     shapes = dict(mask_shape=ast.broadcast_shapes(), bias_shape=ast.broadcast_shapes())
     small = case_strategy(ctx.small_configs(pool), **shapes)
     tiles = case_strategy(ctx.tile_configs(pool), kind=st.sampled_from(kinds), **shapes)
     strategy = ctx.mix(small, tiles)
-    # The key-padding shapes run first whatever the seed: a mask [B, 1, 1, S], a bias [1, 1, 1, S].
+    # The key-padding shapes (mask [B, 1, 1, S], bias [1, 1, 1, S]) run first for every seed.
     first = Case(
         dataclasses.replace(pool[0], dtype=ctx.primary),
         0,
@@ -257,9 +251,7 @@ def _plan_batch(ctx: Context) -> Plan | str:
         kinds=kinds,
         masked_rows=ctx.masked_rows,
         causal_alignment=ctx.causal_alignment,
-        # the kinds' fixed shapes (per-example and batch-broadcast masks and biases among them):
-        # the masks property draws the broadcast shapes, and each costs a compiled program here
-        # twice (the batch and one element)
+        # fixed shapes: the masks property draws the broadcast ones
         mask_shapes=None,
         bias_shapes=None,
     )
@@ -344,12 +336,7 @@ def _plan_gradients(ctx: Context) -> Plan | str:
 
 
 def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str) -> None:
-    """``got = (dq, dk, dv)`` equals the float64 gradient oracle
-    (:func:`attnref.oracle.dot_product_attention_vjp`): within the derived bound
-    (:func:`attnref.tolerance.kernel_grad_error_bound`) in float32 and float64; by
-    FlashAttention's comparative rule in 16 bits (at most twice the error of attnref's own
-    16-bit gradient, plus a rounding floor ``gamma_{N_b}(u) max|g64|`` with ``N_b = T G + S + H +
-    H_v + 2`` the longest reduction chain of the backward)."""
+    """``got = (dq, dk, dv)`` equals the float64 gradient oracle (the ``gradients`` property)."""
     grads = memo.oracle_vjp(p, cot)
     exact = (grads.query, grads.key, grads.value)
     allowances: list[Any]
@@ -440,14 +427,9 @@ def _plan_growth(ctx: Context) -> Plan | str:
 
 
 def _assert_growth(ctx: Context, anchor: Any, p: ast.KernelProblem, kind: str) -> None:
-    """The growth rule on ``P = ctx.devices`` devices: ``|o_P - o64| <= bound + 2 e_1``
-    componentwise, ``bound`` the derived allowance of a distributed kernel (``p`` is
-    ``ctx.view``'s :class:`~attnref._src.kit.conformance.context._MergedProblem`: any partition of
-    the keys, any tiling, states merged in float32 or wider by any tree, every stored partial
-    ``lse``'s rounding counted; one rounding of the output to a 16-bit dtype), ``e_1 = 0`` in
-    float32 and float64, and in 16 bits ``e_1 = max(|o_1 - o64| - bound)^+``, the target's own
-    excess over the bound on one device (``FLASH_FACTOR`` = 2 is the comparative rule's factor;
-    ``anchor`` is the target on one device). Appends the worst ratio to ``ctx.ratios``."""
+    """``|o_P - o64| <= bound + 2 e_1`` (``ring_size_growth``; ``p`` a merged-states view,
+    ``anchor`` the one-device target, ``2`` = ``FLASH_FACTOR``); the worst ratio goes to
+    ``ctx.ratios``."""
     label = f"{GROWTH} [P={ctx.devices}, {p.dtype}, {kind}]"
     ref, _ = memo.oracle(p)
     bound, _ = memo.bound(p)
@@ -480,8 +462,7 @@ def _assert_growth(ctx: Context, anchor: Any, p: ast.KernelProblem, kind: str) -
 
 
 class TargetRaised(AssertionError):
-    """A property's failure that is an exception the target raised (``__cause__``): the report
-    gives the property's message and the cause's traceback."""
+    """A failure that is the target's exception (``__cause__``, whose traceback is reported)."""
 
 
 def _plan_uneven(ctx: Context) -> Plan | str:
@@ -504,10 +485,8 @@ def _plan_uneven(ctx: Context) -> Plan | str:
 
 
 def _assert_uneven(ctx: Context, p: ast.KernelProblem, kind: str) -> None:
-    """One call on lengths ``2P`` does not divide: a refusal (:func:`is_refusal`) passes and is
-    tallied in ``ctx.calls``; an output must equal the oracle within the ``oracle`` property's
-    allowance (:func:`_assert_output`, the merged-states bound of a distributed target); any
-    other exception fails (:class:`TargetRaised`, with its traceback)."""
+    """One ``uneven_lengths`` call: a refusal or an output equal to the oracle, tallied in
+    ``ctx.calls``; another exception fails (:class:`TargetRaised`)."""
     c = p.config
     label = f"{UNEVEN} [P={ctx.devices}, T={c.t}, S={c.s}, {p.dtype}, {kind}]"
     try:
@@ -528,8 +507,7 @@ def _assert_uneven(ctx: Context, p: ast.KernelProblem, kind: str) -> None:
 
 
 def calls_detail(calls: list[str]) -> str:
-    """The detail of a passing ``uneven_lengths`` run from its tally: the first refusal's line
-    (``"refused: <Type>: <first line>"``), then how many calls were refused and computed."""
+    """A passing ``uneven_lengths`` detail: the first refusal, how many refused and computed."""
     refused = [c for c in calls if c != "computed"]
     counts = (
         f"{len(refused)} of {len(calls)} calls refused, {len(calls) - len(refused)} computed "

@@ -1,19 +1,13 @@
-"""Checks at production shapes (``check_attention(..., shapes="production")``): where kernels
-tile. Each property runs a fixed list of cases, cheapest first, against the fast float64 oracle
-and its streamed bound, stopping at the first failure:
+"""Checks at production shapes (``check_attention(..., shapes="production")``): each property
+runs a fixed list of cases, cheapest first, against the fast float64 oracle, stopping at the
+first failure: lengths ``2^k - 1, 2^k, 2^k + 1`` for ``k = 7 .. 13`` (``T == S``, and ``T != S``
+with ``cross``); head dims 64, 128, 256; up to 32 query heads over 8 (GQA), 1 (MQA) or 32 K/V
+heads; every allowed mask kind, ragged lengths one past a 128-tile, the lse and the gradients.
 
-* lengths at tile boundaries ``2^k - 1, 2^k, 2^k + 1`` for ``k = 7 .. 13`` (127 .. 8193),
-  ``T == S`` and ``T != S`` (one query against long keys, long queries against short keys);
-* head dimensions 64, 128 and 256; up to 32 query heads over 8 (GQA), 1 (MQA) or 32 K/V heads;
-* every mask kind the target's features allow (``masks``), ragged per-batch lengths one past a
-  128-tile (``batch_independence``, ``fully_masked_rows``), the lse and the gradients.
-
-A case's work ``B N T S (H + H_v)`` is capped (:data:`WORK_BUDGET` multiply-adds; kinds that
-bring a ``[.., T, S]`` mask or bias also cap ``B N T S`` at :data:`ARRAY_BUDGET`) by taking fewer
-heads at longer lengths (one head, at head dim 64, always runs), so the whole run takes minutes
-on two cores; array kinds skip the lengths whose ``[T, S]`` arrays exceed their cap.
-``max_examples`` keeps the first cases of each list. ``causality`` and ``extreme_logits`` run at
-the small shapes only.
+A case's work ``B N T S (H + H_v)`` is capped at :data:`WORK_BUDGET` (``B N T S`` at
+:data:`ARRAY_BUDGET` for kinds with ``[.., T, S]`` arrays, which skip longer lengths) by taking
+fewer heads (one head at head dim 64 always runs): minutes on two cores. ``max_examples`` keeps
+the first cases. ``causality`` and ``extreme_logits`` run at the small shapes only.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ SMALL_ONLY = {
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One production case: sizes, mask kind and data seed (``str`` is its one-line label)."""
+    """One production case (``str``: its label)."""
 
     config: ast.Config
     kind: str
@@ -62,9 +56,8 @@ def _config(b: int, t: int, s: int, n: int, k: int, h: int, dtype: str) -> ast.C
 
 
 def _heads(ctx: Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[int, int] | None:
-    """The most query heads (a power of two <= 32) the budgets allow, with K = N / 4 under
-    ``gqa`` (else K = N). One head always runs when the case's arrays fit (every listed length
-    is checked at least once); ``None`` when they do not."""
+    """``(N, K)``: the most query heads (a power of two <= 32) the budgets allow, ``K = N / 4``
+    under ``gqa``; at least one when the arrays fit, else ``None``."""
     if kind in _ARRAY_KINDS and b * t * s > ARRAY_BUDGET:
         return None
     n = 32
@@ -100,13 +93,12 @@ def _sweep(
 
 
 def _work(case: Case) -> int:
-    """``B N T S (H + H_v)``: the multiply-adds of the case's forward (cheapest first)."""
+    """``B N T S (H + H_v)``: the forward's multiply-adds."""
     c = case.config
     return c.b * c.n * c.t * c.s * (c.h + c.h_v)
 
 
 def _pairs(ctx: Context) -> list[tuple[int, int]]:
-    """``T == S`` at every boundary length, and with ``cross`` a few ``T != S`` pairs."""
     pairs = [(n, n) for n in LENGTHS]
     if "cross" in ctx.features:
         pairs += [(1, 8193), (129, 4097), (4095, 255), (1023, 2049)]
@@ -155,8 +147,8 @@ def cases(ctx: Context, name: str) -> list[Case] | str:
 
 
 def problem(ctx: Context, case: Case, empty: bool = False) -> ast.KernelProblem:
-    """The case's kernel problem; ``ragged``: lengths ``[T, T']`` and ``[S, S']`` with ``T'``,
-    ``S'`` one past a 128-tile (``S' = 0`` with ``empty``: a batch element with no key)."""
+    """The case's problem; ``ragged``: lengths ``[T, T']``, ``[S, S']``, ``T'``, ``S'`` one past
+    a 128-tile (``S' = 0`` with ``empty``)."""
     p = ctx.problem(case.config, case.kind, case.seed)
     if case.ragged:
         c = case.config
@@ -167,7 +159,6 @@ def problem(ctx: Context, case: Case, empty: bool = False) -> ast.KernelProblem:
 
 
 def check(ctx: Context, name: str) -> Callable[[Case], None]:
-    """The check of property ``name`` on one production case."""
 
     def forward(case: Case) -> None:
         p = problem(ctx, case)

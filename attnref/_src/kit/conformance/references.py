@@ -1,7 +1,5 @@
-"""The conformance kit's references: attnref's own forward and backward passes (the
-same-precision reference, jitted once per static option set) and the comparisons of a target's
-output and lse with the float64 oracle under the closeness rules of
-:mod:`attnref._src.kit.closeness`."""
+"""attnref's own passes (the same-precision reference) and the comparisons of a target's output
+and lse with the float64 oracle."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ def _ref_vjp_jit(static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
 
 
 def ref_vjp(p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
-    """attnref's own ``(dq, dk, dv)`` in the problem's 16-bit dtype: the same-precision reference
-    of the gradients' comparative rule (float32 and float64 use the derived bound instead)."""
+    """attnref's own ``(dq, dk, dv)`` in the problem's dtype (the comparative rule's reference)."""
     if "query_seq_lengths" not in p.options:
         # the structural options as one full mask: one compiled program serves every kind
         keep = {k: v for k, v in p.options.items() if k in ("bias", "softcap", "scale")}
@@ -59,8 +56,7 @@ def is_16bit(dtype: Any) -> bool:
 
 
 def assert_output(out: np.ndarray, p: ast.KernelProblem, label: str) -> None:
-    """``out`` equals the oracle: the derived bound (float32/64) or FlashAttention's rule against
-    attnref in the same dtype (16-bit)."""
+    """``out`` equals the oracle: the derived bound, or in 16 bits FlashAttention's rule."""
     ref, _ = memo.oracle(p)
     nan = p.masked_rows == "nan"
     if is_16bit(p.dtype):
@@ -103,8 +99,7 @@ def assert_lse(lse: np.ndarray, p: ast.KernelProblem, label: str) -> None:
 
 
 def to_target(p: ast.KernelProblem, signature: str) -> ast.KernelProblem:
-    """The problem as the target sees it: for ``"qkv_mask"`` every option becomes one full
-    boolean mask ``[B, N, T, S]`` (and the oracle sees only that mask)."""
+    """The problem as the target sees it (``"qkv_mask"``: one full mask ``[B, N, T, S]``)."""
     if signature != "qkv_mask":
         return p
     return p.replace(options={"mask": p.allowed()})

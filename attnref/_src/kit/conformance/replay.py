@@ -1,7 +1,5 @@
-"""A failing property's inputs, for :class:`PropertyResult`: the arrays of the target's last call
-in the failing example (:func:`call_inputs`) and the Python that rebuilds them with
-:func:`attnref.strategies.make_kernel_problem` and checks that call against the oracle with
-:func:`attnref.testing.assert_matches_oracle` (:func:`problem_replay`)."""
+"""A failing call's inputs (:func:`call_inputs`) and the Python that rebuilds and checks it
+(:func:`problem_replay`), for :class:`PropertyResult`."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ JSON_MAX_ELEMENTS = 10_000
 
 
 def call_inputs(p: ast.KernelProblem, cotangent: Any = None) -> dict[str, Any]:
-    """The target's call as keyword arguments: ``query``, ``key``, ``value`` (NumPy, in the
-    problem's dtype), every option it was passed (``mask``, ``bias``, the lengths, a
-    ``segment_ids`` array or pair, ``is_causal``, ``local_window_size``, ...), and ``cotangent``
-    for a gradient call. ``fn(**inputs)`` (without ``cotangent``) repeats a ``jax_nn`` call."""
+    """The call as keyword arguments: ``query``, ``key``, ``value``, its options, and
+    ``cotangent`` for a gradient call."""
     out: dict[str, Any] = {"query": p.q, "key": p.k, "value": p.v, **p.options}
     if cotangent is not None:
         out["cotangent"] = np.asarray(cotangent)
@@ -29,8 +25,7 @@ def call_inputs(p: ast.KernelProblem, cotangent: Any = None) -> dict[str, Any]:
 
 
 def _pattern(shape: tuple[int, ...]) -> str:
-    """The :data:`attnref.strategies.BROADCAST_SHAPES` pattern of a rank-4 mask or bias shape
-    (an axis of size 1 as ``1``: the same arrays whichever the pattern said)."""
+    """The :data:`attnref.strategies.BROADCAST_SHAPES` pattern of a rank-4 shape."""
     return "".join("1" if n == 1 else ch for ch, n in zip("BNTS", shape, strict=True))
 
 
@@ -49,9 +44,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def rebuild(p: ast.KernelProblem, signature: str) -> tuple[ast.KernelProblem, str] | None:
-    """``(problem, its Python)``: the :func:`attnref.strategies.make_kernel_problem` call that
-    gives ``p`` (as the target sees it) exactly, or ``None`` where the property changed the
-    problem after building it (scaled keys, a prefix, one batch element, other lengths)."""
+    """``(problem, its Python)``: the :func:`attnref.strategies.make_kernel_problem` call giving
+    ``p`` exactly, or ``None`` (the property changed the problem after building it)."""
     if p.kind not in ast.MASK_KINDS + ast.PRODUCTION_KINDS:
         return None
     kw: dict[str, Any] = {}
@@ -86,14 +80,10 @@ def rebuild(p: ast.KernelProblem, signature: str) -> tuple[ast.KernelProblem, st
 def problem_replay(
     p: ast.KernelProblem, cotangent: Any, signature: str, target: str, distributed: bool
 ) -> str | None:
-    """One line of Python that rebuilds the failing call's inputs (:func:`rebuild`), calls the
-    target on them and asserts the result equals the oracle (the output with
-    :func:`attnref.testing.assert_matches_oracle`, a gradient call's ``(dq, dk, dv)`` with
-    :func:`attnref.testing.assert_grads_match_oracle`), under the kit's allowance for a
-    single-device kernel. ``None`` where the inputs cannot be rebuilt that way, for a
-    distributed target (its allowance is the merged-states bound) and for a ``torch`` one. The
-    target is ``load_target(target)`` where ``target`` is a ``module:function`` name,
-    else ``fn``."""
+    """One line of Python that rebuilds the call (:func:`rebuild`), calls the target
+    (``load_target(target)`` or ``fn``) and asserts it against the oracle
+    (:func:`attnref.testing.assert_matches_oracle` or ``assert_grads_match_oracle``); ``None``
+    where it cannot be rebuilt, or for a distributed or ``torch`` target."""
     if distributed or signature == "torch":  # torch: the inputs are tensors in another layout
         return None
     found = rebuild(p, signature)

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from attnref import oracle
 from attnref import strategies as ast
 from attnref._src.kit.closeness import assert_ratio_within, first_index
-from attnref._src.kit.conformance.engine import changed, check_target, run_suite
+from attnref._src.kit.conformance.engine import changed, check_target, planned, run_suite
 from attnref._src.kit.conformance.options import OptionError, check_properties, check_subset
 from attnref._src.kit.conformance.report import ConformanceReport
 from attnref._src.kit.conformance.targets import describe_target, x64_if
@@ -439,10 +439,8 @@ def check_merge_states(
         skip = name in ("stability", "gradients")
         return tuple(f"{k}={v}" for k, v in declared.items() if not skip)
 
-    examples = max_examples or 20
-    results = run_suite(
-        names, plan, seed=seed, max_examples=examples, progress=progress, in_effect=in_effect
-    )
+    run = planned(plan, seed=seed, max_examples=max_examples or 20, in_effect=in_effect)
+    results = run_suite(names, run, seed=seed, progress=progress)
     return ConformanceReport(
         target=target or describe_target(merge),
         signature="merge_states",

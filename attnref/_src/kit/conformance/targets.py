@@ -1,8 +1,5 @@
-"""The conformance kit's view of the target: loading it by name, and the adapter
-(:class:`Target`) that calls it through its signature, jitted where the signature is JAX's (one
-jitted callable per static option set, shared across ``check_attention`` calls), and checks the
-shape of what it returns. A distributed target gets a ``mesh`` (:func:`mesh`) and its inputs
-``q, k, v`` sharded along the sequence axis over it."""
+"""The conformance kit's view of the target: loading it by name, and :class:`Target`, which calls
+it through its signature and checks the shape of what it returns."""
 
 from __future__ import annotations
 
@@ -34,26 +31,20 @@ _ARRAYS = (
 )  # fmt: skip
 
 
-# A clear refusal of a length (uneven_lengths' rule, and a target that declares refuses_lengths):
-# the exception types, and the words (case-insensitive, anywhere in the message) that say the
-# refusal is about the length. "reshape" is jax.numpy's refusal ("cannot reshape array of shape
-# (1, 65) ... into shape (1, 4, 16)") in a kernel that cuts the sequence into equal chunks;
-# shard_map's own refusal says "not evenly divisible"; Pallas' flash attention says "q_seq_len=129
-# must be a multiple of block_q=128".
+# A clear refusal of a length: the exception types, and the words of the message (jax.numpy's
+# "cannot reshape array", shard_map's "not evenly divisible", Pallas' "must be a multiple of").
 REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
 REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
 _REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
 
 
 def is_refusal(exc: BaseException) -> bool:
-    """Whether ``exc`` is a clear refusal of a length: an instance of :data:`REFUSAL_TYPES`
-    whose message contains one of :data:`REFUSAL_WORDS` (case-insensitive)."""
+    """``exc`` is one of :data:`REFUSAL_TYPES` with one of :data:`REFUSAL_WORDS` (any case)."""
     return isinstance(exc, REFUSAL_TYPES) and _REFUSAL.search(str(exc)) is not None
 
 
 def first_line(exc: BaseException) -> str:
-    """``"<Type>: <the message's first line>"``, memory addresses dropped (a function's repr in
-    shard_map's message) and cut at 300 characters."""
+    """``"<Type>: <first line>"``, memory addresses dropped, cut at 300 characters."""
     line = (str(exc).strip().splitlines() or [""])[0]
     line = re.sub(r" at 0x[0-9a-fA-F]+", "", line)
     line = line if len(line) <= 300 else line[:297] + "..."
@@ -67,10 +58,9 @@ def x64_if(*arrays: Any) -> Any:
 
 
 def load_target(spec: str) -> Callable[..., Any]:
-    """Import a callable by name: ``"package.module:function"`` -> ``package.module.function``
-    (or ``"package.module:object.attribute"``). Raises ``ValueError`` (not exactly one ``:``
-    with text on both sides), ``ImportError``, ``AttributeError`` (an attribute on the path is
-    missing) or ``TypeError`` (the object found is not callable)."""
+    """Import ``"package.module:function"`` (or ``"package.module:object.attribute"``). Raises
+    ``ValueError`` (not one ``:`` with text on both sides), ``ImportError``, ``AttributeError``
+    or ``TypeError`` (not callable)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"target must look like 'package.module:function' (one ':'), got {spec!r}")
     module_name, attr_path = spec.split(":")
@@ -108,8 +98,7 @@ def describe_target(fn: Any) -> str:
 
 @functools.cache
 def mesh(devices: int) -> Mesh:
-    """The 1-D mesh (axis :data:`AXIS`) over the first ``devices`` of ``jax.devices()``; cached,
-    so that jitted callers see the same mesh and reuse their programs."""
+    """The 1-D mesh (axis :data:`AXIS`) over the first ``devices`` of ``jax.devices()``, cached."""
     return Mesh(jax.devices()[:devices], (AXIS,))
 
 
@@ -121,8 +110,7 @@ def _parameters(fn: Any) -> dict[str, inspect.Parameter] | None:
 
 
 def takes_keyword(fn: Any, name: str) -> bool | None:
-    """Whether ``fn`` accepts the keyword ``name`` (by name or through ``**kwargs``); ``None``
-    when its signature cannot be read."""
+    """Whether ``fn`` accepts keyword ``name`` (``None``: its signature cannot be read)."""
     params = _parameters(fn)
     if params is None:
         return None
@@ -130,14 +118,14 @@ def takes_keyword(fn: Any, name: str) -> bool | None:
 
 
 def _lse_keyword(fn: Any) -> str:
-    """The keyword that asks ``fn`` for the lse: ``return_residual`` (jax.nn) or ``return_lse``
-    (attnref), whichever ``fn`` names; for ``fn(..., **kw)`` naming neither, ``return_residual``."""
+    """``return_lse`` where ``fn`` names it (and not ``return_residual``), else
+    ``return_residual``."""
     params = _parameters(fn) or {}
     return next((kw for kw in ("return_residual", "return_lse") if kw in params), "return_residual")
 
 
 class _ShapeError(Exception):
-    """Raised while tracing the target's vjp when its output has the wrong shape."""
+    """The target's output had the wrong shape while tracing its vjp."""
 
 
 # jitted callables shared across check_attention calls: (fn, signature, kind, static) -> jitted
@@ -159,8 +147,7 @@ def _first(result: Any) -> Any:
 
 
 def _checked_array(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
-    """``value`` as a NumPy array, or an ``AssertionError`` naming ``what``, the expected shape
-    and what came back (``None``, a non-numeric object, another shape)."""
+    """``value`` as a numeric array of ``shape``, or an ``AssertionError`` naming ``what``."""
     if value is None:
         raise AssertionError(f"fn returned None for its {what}; expected an array of shape {shape}")
     try:
@@ -180,10 +167,16 @@ def _checked_array(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     return arr
 
 
+def _checked_grads(grads: Any, p: ast.KernelProblem) -> tuple[np.ndarray, ...]:
+    return tuple(
+        _checked_array(g, np.shape(x), f"gradient d/d{name}")
+        for name, g, x in zip("qkv", grads, (p.q, p.k, p.v), strict=True)
+    )
+
+
 class Target:
-    """Calls the user's function through its adapter, jitted where the signature is JAX's; with a
-    ``mesh`` (a distributed target), passes ``mesh=`` (and ``axis_name=`` where ``fn`` names that
-    parameter) and shards ``q, k, v`` along their sequence axis over the mesh."""
+    """Calls the user's function through its adapter, jitted where JAX's; with a ``mesh``, passes
+    ``mesh=`` (and ``axis_name=``) and shards ``q, k, v`` along the sequence axis."""
 
     def __init__(
         self,
@@ -227,8 +220,7 @@ class Target:
         return call
 
     def _sharded(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``q, k, v`` (the first three arguments) placed on the mesh, sharded along the
-        sequence axis (axis 1) where the mesh size divides it, else replicated."""
+        """``q, k, v`` sharded along axis 1 where the mesh size divides it, else replicated."""
         on = self.mesh
         if on is None:
             return args
@@ -254,11 +246,8 @@ class Target:
     def _invoke(
         self, key: tuple[Any, ...], fn: Callable[..., Any], args: tuple[Any, ...], dtype: Any
     ) -> Any:
-        """``fn(*args)`` jitted (one jitted callable per ``key``, reused across examples and
-        calls), or eagerly for NumPy targets and where jitting failed for this ``key`` and dtype.
-        NumPy arrays go to the jitted callable as they are (converting them first would compile
-        a staging program per shape); an eager JAX call gets jax arrays. float64 runs inside
-        ``jax.enable_x64``."""
+        """``fn(*args)``, jitted once per ``key`` (eagerly for NumPy targets and where jitting
+        failed for this ``key`` and dtype); float64 inside ``jax.enable_x64``."""
         with x64_if(dtype):
             args = self._sharded(args)
             eager_key = (*key, str(np.dtype(dtype)))
@@ -283,9 +272,8 @@ class Target:
 
     @contextlib.contextmanager
     def _declared_limit(self, p: ast.KernelProblem) -> Any:
-        """With ``refuses_lengths``, a clear refusal (:func:`is_refusal`) of the call is recorded
-        in :attr:`refusals` and the example rejected (``hypothesis.reject()``: Hypothesis draws
-        another; the production sweep skips the case); anything else propagates."""
+        """With ``refuses_lengths``, a clear refusal is recorded in :attr:`refusals` and the
+        example rejected (``hypothesis.reject()``)."""
         try:
             yield
         except Exception as exc:
@@ -295,32 +283,31 @@ class Target:
             hypothesis.reject()
 
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
-        """``(out, lse or None)`` as NumPy arrays, each checked to be a numeric array of the
-        expected shape (``out [B, T, N, H_v]``, ``lse [B, T, N]``) before any comparison."""
+        """``(out [B, T, N, H_v], lse [B, T, N] or None)``, shapes checked."""
         with self._declared_limit(p):
             return self._forward(p, want_lse)
 
     def _forward(self, p: ast.KernelProblem, want_lse: bool) -> tuple[np.ndarray, Any]:
         self.last_call = (p, None)
         c = p.config
+        lse: Any = None
         if self.signature == "torch":  # no lse: the signature refuses that feature
             out = torch_forward(self.fn, p)
-            return _checked_array(out, (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]"), None
-        static, arrays = split_options(p.options)
-        raw = self._raw(static, want_lse)
-        result = self._invoke(("forward", static, want_lse), raw, (p.q, p.k, p.v, arrays), p.dtype)
-        if want_lse:
-            if not isinstance(result, (tuple, list)) or len(result) != 2:
+        else:
+            static, arrays = split_options(p.options)
+            raw = self._raw(static, want_lse)
+            key = ("forward", static, want_lse)
+            out = self._invoke(key, raw, (p.q, p.k, p.v, arrays), p.dtype)
+            if want_lse and (not isinstance(out, (tuple, list)) or len(out) != 2):
                 raise AssertionError(
                     f"asked for the lse ({self.lse_keyword}=True) but fn returned "
-                    f"{type(result).__name__}, not a pair (out, lse)"
+                    f"{type(out).__name__}, not a pair (out, lse)"
                 )
-            out = _checked_array(result[0], (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
-            lse = _checked_array(
-                result[1], (c.b, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)"
-            )
-            return out, lse
-        return _checked_array(_first(result), (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]"), None
+            out, lse = out if want_lse else (_first(out), None)
+        out = _checked_array(out, (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
+        if want_lse and self.signature != "torch":
+            lse = _checked_array(lse, (c.b, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)")
+        return out, lse
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
@@ -330,12 +317,7 @@ class Target:
     def _vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         self.last_call = (p, cotangent)
         if self.signature == "torch":
-            return tuple(
-                _checked_array(g, np.shape(x), f"gradient d/d{name}")
-                for name, g, x in zip(
-                    "qkv", torch_vjp(self.fn, p, cotangent), (p.q, p.k, p.v), strict=True
-                )
-            )
+            return _checked_grads(torch_vjp(self.fn, p, cotangent), p)
         static, arrays = split_options(p.options)
         raw = self._raw(static, False)
 
@@ -354,7 +336,4 @@ class Target:
             )
         except _ShapeError as exc:
             raise AssertionError(str(exc)) from None
-        return tuple(
-            _checked_array(g, np.shape(x), f"gradient d/d{name}")
-            for name, g, x in zip("qkv", result, (p.q, p.k, p.v), strict=True)
-        )
+        return _checked_grads(result, p)

@@ -1,18 +1,14 @@
-"""The conformance kit's ``"torch"`` adapter: a PyTorch attention function called with the
-conventions of :func:`torch.nn.functional.scaled_dot_product_attention`.
+"""The conformance kit's ``"torch"`` adapter, with the conventions of
+:func:`torch.nn.functional.scaled_dot_product_attention`.
 
-``fn(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)`` with
-``query [B, N, T, H]``, ``key [B, K, S, H]``, ``value [B, K, S, H_v]`` torch tensors on the CPU,
-returning ``[B, N, T, H_v]`` (or a tuple whose first item is). ``attn_mask`` broadcasts to
-``[B, N, T, S]`` and is either boolean (``True``: may attend) or an additive float in the
-query's dtype (the kit passes a mask, a bias or ``is_causal``, one at a time: the features of
-this signature draw no problem with two); a keyword is passed only when used
-(``enable_gqa=True`` when ``N != K``).
-Gradients run through autograd (``out.backward(cotangent)``); there is no lse.
+``fn(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)``, CPU
+tensors ``query [B, N, T, H]``, ``key [B, K, S, H]``, ``value [B, K, S, H_v]``, returning ``[B,
+N, T, H_v]`` (or a tuple whose first item is). ``attn_mask`` is boolean (``True``: may attend)
+or an additive float; the kit passes a mask, a bias or ``is_causal``, one at a time, each keyword
+only when used (``enable_gqa=True`` when ``N != K``). Gradients by autograd; no lse.
 
-The kit's problems are NumPy in the layout ``[B, T, N, H]``: they are transposed to torch's
-layout and back, and bfloat16 goes through float32 both ways (NumPy's bfloat16 is ml_dtypes',
-which torch cannot read; every bfloat16 value is a float32 value, so nothing is rounded).
+The kit's NumPy ``[B, T, N, H]`` arrays are transposed to torch's layout and back; bfloat16 goes
+through float32 both ways (torch cannot read ml_dtypes' bfloat16; nothing is rounded).
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ def require_torch() -> Any:
 
 
 def to_torch(x: Any, layout: bool = False) -> Any:
-    """A NumPy array as a CPU tensor of the same dtype (bfloat16 through float32, exactly);
-    ``layout``: ``[B, T, N, H] -> [B, N, T, H]``, contiguous."""
+    """A NumPy array as a CPU tensor of its dtype; ``layout``: ``[B, T, N, H] -> [B, N, T, H]``."""
     torch = require_torch()
     a = np.asarray(x)
     if layout:
@@ -54,8 +49,7 @@ def to_torch(x: Any, layout: bool = False) -> Any:
 
 
 def from_torch(t: Any, what: str) -> Any:
-    """A tensor as a NumPy array (bfloat16 through float32, exactly); anything else is returned
-    as :func:`numpy.asarray` reads it (the kit's shape check then names what came back)."""
+    """A tensor as a NumPy array; anything else as :func:`numpy.asarray` reads it."""
     torch = require_torch()
     if not isinstance(t, torch.Tensor):
         return np.asarray(t) if t is not None else t
@@ -68,8 +62,7 @@ def from_torch(t: Any, what: str) -> Any:
 
 
 def torch_kwargs(p: ast.KernelProblem) -> dict[str, Any]:
-    """The keyword arguments of ``fn`` for problem ``p`` (module docstring): ``attn_mask``,
-    ``is_causal``, ``scale``, ``enable_gqa``, each only when used."""
+    """``fn``'s keyword arguments for ``p``, each only when used."""
     unknown = sorted(set(p.options) - set(TORCH_OPTIONS))
     given = [k for k in ("mask", "bias", "is_causal") if k in p.options]
     if unknown or len(given) > 1:  # the torch features draw no such problem
@@ -92,8 +85,7 @@ def torch_kwargs(p: ast.KernelProblem) -> dict[str, Any]:
 
 
 def _output(result: Any, p: ast.KernelProblem) -> Any:
-    """The output tensor of ``fn`` (the first item of a tuple), checked to be ``[B, N, T, H_v]``
-    (torch's layout) before anything else."""
+    """``fn``'s output tensor (a tuple's first item), checked to be ``[B, N, T, H_v]``."""
     torch = require_torch()
     out = result[0] if isinstance(result, (tuple, list)) else result
     c = p.config
@@ -123,8 +115,8 @@ def torch_forward(fn: Callable[..., Any], p: ast.KernelProblem) -> np.ndarray:
 def torch_vjp(
     fn: Callable[..., Any], p: ast.KernelProblem, cotangent: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v`` by autograd, as
-    NumPy ``[B, T, N, H]`` (an input ``fn`` does not read gets zeros)."""
+    """Gradients of ``<fn(q, k, v), cotangent>`` by autograd, NumPy ``[B, T, N, H]`` (zeros for
+    an unread input)."""
     leaves = [to_torch(x, True).requires_grad_(True) for x in (p.q, p.k, p.v)]
     out = _output(fn(*leaves, **torch_kwargs(p)), p)
     cot = to_torch(np.asarray(cotangent), True).to(out.dtype)
