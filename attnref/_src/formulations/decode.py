@@ -1,37 +1,14 @@
 """KV-cached decoding: a cache pytree, chunked appends, ring buffers, and ``lax.scan`` generation.
 
-A :class:`KVCache` holds ``C`` slots per batch element: keys ``[B, C, K, H]``, values
-``[B, C, K, H_v]``, the absolute position stored in each slot (``-1`` = empty) and ``lengths
-[B]``, the number of tokens seen. Token number ``p`` (its absolute position) lives in slot
-``p mod C``. With ``window = W`` the cache is a ring buffer of the last tokens and a query at
-position ``p`` attends to positions ``p - W < j <= p`` (the W most recent, itself included:
-``local_window_size=(W - 1, 0)`` with ``is_causal``); without a window it attends to every
-``j <= p`` and ``C`` must hold the whole sequence.
-
-:func:`cached_attention` appends a chunk of ``L`` tokens (``L = 1`` is one decoding step; the
-first call on an empty cache is the prefill) and attends from the chunk's queries to the cache
-and the chunk. ``valid [B, L]`` marks real tokens: padding (left, right, or anywhere) is skipped
-and real tokens are numbered consecutively, so left-padded and right-padded prompts give the same
-cache and ragged batches advance independently. At every step the output equals full causal
-attention over each sequence's prefix (the property the tests check).
-
-**Overflow and other value errors.** Two conditions depend on array values, not shapes: a cache
-without a window that is asked to hold more than ``C`` tokens (the ring wraps and overwrites keys
-that later queries need), and a ``mask``/``bias`` ``[B, L, P]`` too short for an attended absolute
-position. Eagerly (concrete values) they raise ``ValueError``. Under ``jax.jit``, ``vmap`` or
-``lax.scan`` they cannot be checked at trace time, so:
-
-* unchecked (plain ``jax.jit``): every output row whose query would need a key the cache no
-  longer holds, or a position past ``P``, is NaN (all ``H_v``, or ``d_model``, entries) -- never a
-  silently wrong number. Rows that only need keys still present are exact; an overflowing
-  append itself keeps the ring's last ``C`` tokens, and later reads turn rows into NaN;
-* checked (:func:`attnref.checked`, built on ``jax.experimental.checkify``):
-  ``attnref.checked(jax.jit(fn))(...)`` raises ``checkify.JaxRuntimeError`` (a ``ValueError``)
-  naming the capacity, the window and the offending position, at the same append at which the
-  eager code raises.
-
-A query at position ``p`` *needs* the keys ``max(0, p - W + 1) <= j <= p`` (``W = inf`` without a
-window); the masks do not enter this rule, so the check does not depend on mask values.
+A :class:`KVCache` holds ``C`` slots per batch element (keys, values, each slot's absolute
+position, ``-1`` = empty, and ``lengths [B]``); token ``p`` lives in slot ``p mod C``. A query at
+position ``p`` reads ``j <= p`` (with ``window = W``, a ring buffer: ``p - W < j <= p``).
+:func:`cached_attention` appends a chunk of ``L`` tokens (``valid [B, L]`` marks real ones,
+numbered consecutively) and attends from its queries to the cache and the chunk: at every step
+the output equals causal attention over each sequence's prefix. A query needs the keys
+``max(0, p - W + 1) <= j <= p``; one the cache no longer holds (or a ``mask``/``bias`` too short)
+raises ``ValueError`` eagerly, gives NaN rows under ``jax.jit`` and raises under
+:func:`attnref.checked` (``docs/kernel.md``, "KV-cached decoding").
 """
 
 from __future__ import annotations
@@ -203,13 +180,9 @@ def kv_cache_append(
     v: Float[ArrayLike, "B L K H_v"],
     valid: Bool[ArrayLike, "B L"] | None = None,
 ) -> KVCache:
-    """Write the chunk's real tokens to slots ``position mod C``.
-
-    In a ring buffer a chunk longer than the capacity keeps only its last ``C`` tokens, so no
-    slot is written twice in one update. Without a window, ``lengths + (real tokens) > C`` is an
-    overflow (the value errors of the module docstring): under plain ``jax.jit`` the append
-    wraps (keeping the last ``C`` tokens, positions recorded) and every later read that needs an
-    overwritten key returns NaN rows."""
+    """Write the chunk's real tokens to slots ``position mod C`` (a chunk longer than a ring
+    buffer keeps its last ``C``). Without a window an overflow wraps under plain ``jax.jit`` and
+    every later read that needs an overwritten key returns NaN rows."""
     valid = check_chunk(cache, k, v, valid)
     pos, lengths = chunk_positions(cache, valid)
     require_room(cache, lengths - cache.lengths)
@@ -245,14 +218,9 @@ def cached_attention(
     and ``mask_i[pos_j]``; kernel layout ``[B, L, N, H]`` (row convention, ``N`` a multiple of
     the cache's ``K`` heads), ``s_ij = scale q_i . k_j`` (default ``scale = 1/sqrt(H)``).
 
-    ``mask`` and ``bias`` (optional, ``[B, L, P]``) are indexed by the keys' *absolute*
-    positions ``0..P-1`` (``P`` must exceed every position attended), so a mask or bias written
-    for the full sequence applies unchanged to cached decoding. ``q``, ``k``, ``v`` must have
-    the cache's dtype (``TypeError`` naming both otherwise); float64 computes in float64.
-
-    Value errors (a cache without a window overflowing, ``P`` too short): ``ValueError``
-    eagerly; under plain ``jax.jit`` the affected output rows are NaN; under
-    :func:`attnref.checked` a ``checkify.JaxRuntimeError`` naming capacity, window and position.
+    ``mask`` and ``bias`` ``[B, L, P]`` are indexed by the keys' absolute positions, so a mask
+    written for the full sequence applies unchanged. The value errors are NaN rows under plain
+    ``jax.jit`` and ``checkify.JaxRuntimeError`` under :func:`attnref.checked`.
     """
     valid = check_chunk(cache, k, v, valid, q, mask, bias)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -289,16 +257,11 @@ def cache_attend(
     """Attend from queries to the cached tokens only, without appending anything:
     ``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over filled slots ``j``.
 
-    Every filled slot is a candidate; ``query_positions`` (optional, ``-1`` = padding query)
-    adds the causal rule ``pos_j <= pos_i`` (and the window), and ``mask``/``bias``
-    (``[B, L, P]``, by absolute key position) select and shift keys. This is the
-    encoder-decoder pattern: a prefilled cache read by queries one step at a time.
-
-    A query at position ``p`` needs the keys ``max(0, p - W + 1) <= j <= min(p, lengths - 1)``;
-    without ``query_positions`` a cache without a window needs all ``lengths`` tokens (a ring
-    buffer is read as it is). A row whose needed keys were overwritten, or whose attended
-    positions reach past ``P``, raises ``ValueError`` eagerly, is NaN under plain ``jax.jit``
-    and raises ``checkify.JaxRuntimeError`` under :func:`attnref.checked`."""
+    ``query_positions`` adds the causal rule ``pos_j <= pos_i`` (and the window); ``mask`` and
+    ``bias`` ``[B, L, P]`` are read by absolute key position (the encoder-decoder pattern). A
+    query at ``p`` needs the keys ``max(0, p - W + 1) <= j <= min(p, lengths - 1)`` (all
+    ``lengths`` tokens without ``query_positions`` or window); a row missing one is an error as
+    in :func:`cached_attention`."""
     qp = check_query(cache, q, query_positions, mask, bias)
     return cache_read(cache, jnp.asarray(q), qp, mask, bias, scale, softcap)
 
@@ -332,11 +295,8 @@ def step(
 ) -> tuple[Float[Array, "B L d_model"], KVCache]:
     """Multi-head decoding step: project the chunk ``x`` (``q = x W_Q + b_Q``, ``k``, ``v`` with
     the K/V heads of ``params``), append ``k, v``, attend, and return ``sum_n o_n W_O[n] + b_O``.
-    ``x_kv`` (default ``x``) gives the chunk's keys and values when they differ from its queries.
-    ``mask``/``bias`` as in :func:`cached_attention` (indexed by absolute key position), and so
-    are the value errors: a row that overflows the cache is NaN under plain ``jax.jit`` (all
-    ``d_model`` entries) and raises under :func:`attnref.checked`. ``params``, ``cache`` and
-    ``x`` share one dtype (``TypeError`` otherwise)."""
+    ``x_kv`` (default ``x``) gives the chunk's keys and values; ``mask``, ``bias`` and the value
+    errors are those of :func:`cached_attention` (NaN rows are all ``d_model`` entries)."""
     d_model = check_multihead(params, cache, x=x, x_kv=x_kv)
     x = jnp.asarray(x)
     if x.ndim != 3 or x.shape[-1] != d_model:
@@ -386,11 +346,9 @@ def scan(
 ) -> tuple[Float[Array, "B T d_model"], KVCache]:
     """Feed ``xs`` one token at a time through :func:`step` with ``lax.scan``;
     row ``t`` of ``mask``/``bias`` goes with token ``t`` (indexed by absolute key position);
-    ``xs_kv`` (default ``xs``) supplies each token's keys and values.
-
-    A cache without a window must hold ``lengths + (real tokens of xs)``: checked before the
-    scan (``ValueError`` eagerly, ``checkify.JaxRuntimeError`` under :func:`attnref.checked`);
-    under plain ``jax.jit`` the rows that need overwritten keys are NaN."""
+    ``xs_kv`` (default ``xs``) supplies each token's keys and values. A cache without a window
+    must hold ``lengths + (real tokens of xs)``, checked before the scan (the value errors of
+    :func:`cached_attention`)."""
     check_multihead(params, cache, xs=xs, xs_kv=xs_kv)
     xs = jnp.asarray(xs)
     if xs.ndim != 3:
@@ -400,10 +358,9 @@ def scan(
     valid_a = check_valid(valid, xs.shape[:2], f"[B, T] = {xs.shape[:2]}")
     require_room(cache, jnp.sum(valid_a, axis=1, dtype=jnp.int32))
     steps["valid"] = jnp.swapaxes(valid_a, 0, 1)
-    if mask is not None:
-        steps["mask"] = jnp.swapaxes(jnp.asarray(mask), 0, 1)
-    if bias is not None:
-        steps["bias"] = jnp.swapaxes(jnp.asarray(bias), 0, 1)
+    for name, a in (("mask", mask), ("bias", bias)):
+        if a is not None:
+            steps[name] = jnp.swapaxes(jnp.asarray(a), 0, 1)
 
     def body(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
         extra = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
@@ -445,12 +402,9 @@ def generate(
     scale: float | None = None,
 ) -> tuple[Float[Array, "B steps d_model"], Float[Array, "B steps d_model"], KVCache]:
     """Autoregressive generation with ``lax.scan``: ``y_t = attend(x_t)``, then
-    ``x_{t+1} = next_input(x_t, y_t)`` (a residual update, a sampled embedding, ...).
-
-    Returns the inputs ``x_0..x_{steps-1}``, the outputs ``y_t`` and the final cache. A cache
-    without a window must hold ``lengths + steps`` tokens: ``ValueError`` eagerly,
-    ``checkify.JaxRuntimeError`` under :func:`attnref.checked`; under plain ``jax.jit`` the
-    outputs that need overwritten keys are NaN (and so is everything generated from them)."""
+    ``x_{t+1} = next_input(x_t, y_t)`` (a residual update, a sampled embedding, ...). A cache
+    without a window must hold ``lengths + steps`` tokens (the value errors of
+    :func:`cached_attention`; under plain ``jax.jit`` what is generated from a NaN row is NaN)."""
     check_multihead(params, cache, x0=x0)
     if not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be a non-negative int (static under jax.jit), got {steps!r}")

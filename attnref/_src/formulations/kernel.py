@@ -1,46 +1,18 @@
 """Kernel-level attention ``(q, k, v) -> o`` with the layout of ``jax.nn.dot_product_attention``.
 
-Shapes: ``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``; ``N`` query heads,
-``K`` key/value heads with ``N % K == 0``: query head ``n`` reads key/value head ``n // (N // K)``
-(consecutive query heads share a K/V head, as in every anchor: GQA, Ainslie et al. 2023; MQA,
-Shazeer 2019). Output ``[B, T, N, H_v]``; ``lse [B, T, N]``.
+``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]`` -> ``o [B, T, N, H_v]``,
+``lse [B, T, N]``; query head ``n`` reads K/V head ``n // (N // K)`` (GQA, Ainslie et al. 2023;
+MQA, Shazeer 2019). Per batch ``b``, head ``n`` and query ``i`` (row convention)::
 
-For batch ``b``, head ``n`` and query ``i`` (row convention)::
-
-    s_ij = scale * q_i . k_j                       scale defaults to 1/sqrt(H)
-    s_ij = c * tanh(s_ij / c)                      if softcap = c is given
-    s_ij = s_ij + bias_ij
+    s_ij = softcap(scale q_i . k_j) + bias_ij      scale defaults to 1/sqrt(H)
     o_i  = sum_{j allowed} softmax_j(s_ij) v_j,    lse_i = log sum_{j allowed} exp(s_ij)
 
-Key ``j`` is *allowed* for query ``i`` when every given condition holds (:func:`allowed_pairs`,
-the one helper that folds them): ``mask`` is True, the bias is not ``-inf``,
-``i < query_seq_lengths[b]``, ``j < key_value_seq_lengths[b]``, ``segment_ids`` agree, and, with
-query ``i`` placed at key position ``p_i = i + offset``, ``j <= p_i`` (``is_causal``) and
-``p_i - left <= j <= p_i + right`` (``local_window_size``). ``causal_alignment="top_left"``
-(default; jax.nn, PyTorch SDPA) uses ``offset = 0``; ``"bottom_right"`` (FlashAttention) uses
-``offset = S_b - T_b`` with the actual lengths, so the last query sits on the last key.
-
-A query row with no allowed key is *fully masked*. ``masked_rows`` says what it returns:
-``"zeros"`` (default, attnref's meaning everywhere), ``"uniform"`` (the mean of ``v`` over all ``S``
-keys, what jax.nn and Flax give because they mask with a large finite negative), or ``"nan"``
-(xformers, the Pallas GPU reference). Its ``lse`` is ``-inf`` under every policy. Query rows at or
-beyond ``query_seq_lengths[b]`` are padding: output 0 and ``lse = -inf`` under every policy (as
-jax.nn).
-
-A key, value or bias entry that query ``i`` may not attend to never influences row ``i``'s
-output or gradients, whatever it holds (NaN, inf): every product runs on the finite parts of
-the operands, and a row that does read a non-finite value (its own query, an allowed key, value
-or bias entry) is NaN, with NaN ``lse`` and no gradient (``attnref._src.core.nonfinite``).
-``masked_rows="uniform"`` reads every ``v`` row by definition.
-
-16-bit inputs are computed with float32 logits, softmax and accumulation (as jax.nn and
-FlashAttention do) and the output is cast back; float64 inputs are computed in float64.
-
-Every kernel of attnref (this naive form, blockwise, split-KV and the four distributed schemes)
-takes the same validated call: :func:`prepare` checks the arguments once into a
-:class:`KernelCall` (a :class:`KernelSpec` of shapes and static options, the
-:class:`KernelInputs` arrays), and :func:`kernel_public` makes each public kernel from its
-schedule, with the one signature and Args text (:data:`KERNEL_ARGS`).
+Every mask option folds into :func:`allowed_pairs`; ``masked_rows`` says what a row with no
+allowed key returns; 16-bit inputs compute in float32. What a query may not attend to (even NaN
+or inf) never reaches its output or gradients. The options' semantics, with their tests, are
+in ``docs/kernel.md``. Every kernel (naive, blockwise, split-KV, the four distributed schemes)
+takes the one validated call of :func:`prepare` (:class:`KernelSpec`, :class:`KernelInputs`);
+:func:`kernel_public` gives each the one signature and Args text (:data:`KERNEL_ARGS`).
 """
 
 from __future__ import annotations

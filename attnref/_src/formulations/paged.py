@@ -1,38 +1,20 @@
 """Attention over a paged KV cache (the vLLM / FlashInfer / FlashAttention ``block_table`` layout).
 
-Shapes: ``query [B, T, N, H]``; the cache is a pool of pages ``k_pages [P, page_size, K, H]``,
-``v_pages [P, page_size, K, H_v]``; ``block_table [B, max_pages]`` (int) lists the pages of each
-sequence in order and ``seq_lens [B]`` (int) counts its tokens. Token ``j`` of sequence ``b``
-(its absolute position) lives in page ``block_table[b, j // page_size]`` at offset
-``j % page_size``. Output ``[B, T, N, H_v]`` (and ``lse [B, T, N]``).
-
-``seq_lens`` counts *every* token of the sequence, the ``T`` new queries' own keys included
-(vLLM's ``seq_lens``: its reference reads ``j < seq_lens[b]`` for a decoding query;
-FlashAttention's ``flash_attn_with_kvcache`` with new ``k``/``v`` attends to
-``cache_seqlens + seqlen_new`` keys). The ``T`` queries are the *last* ``T`` tokens: query ``i``
-sits at position ``p_i = seq_lens[b] - T + i`` (FlashAttention's bottom-right alignment), so
-``is_causal`` reads ``j <= p_i`` and ``local_window_size=(l, r)`` reads ``p_i - l <= j <= p_i + r``.
-``T = 1`` is decoding; ``T > 1`` is chunked prefill against the cache. The result is, by
-definition, :func:`attnref.dot_product_attention` on the gathered keys::
+``query [B, T, N, H]``; pages ``k_pages [P, page_size, K, H]``, ``v_pages [P, page_size, K,
+H_v]``; ``block_table [B, max_pages]`` lists each sequence's pages in order and ``seq_lens [B]``
+counts its tokens, the ``T`` new queries' own keys included (vLLM's ``seq_lens``). The queries
+are the last ``T`` tokens (bottom-right alignment: ``p_i = seq_lens[b] - T + i``). By
+definition the result is the kernel on the gathered keys::
 
     K[b, j] = k_pages[block_table[b, j // page_size], j % page_size]   (j < S = max_pages page)
     o = dot_product_attention(q, K, V, key_value_seq_lengths=seq_lens,
                               causal_alignment="bottom_right")
 
-Slots at or beyond ``seq_lens[b]`` (the tail of the last page, unused pages, pages no table
-lists) may hold anything, NaN included: they never reach the output or a gradient. Table entries
-of unused pages are never read, so they may be anything too (``-1`` padding included).
-
-**Value errors.** A table entry of a *used* page (``p < ceil(seq_lens[b] / page_size)``) outside
-``[0, P)``, or ``seq_lens[b]`` outside ``[0, S]``, would read another sequence's page or past
-the table: eagerly a ``ValueError`` naming the argument, the batch row and the value; under
-``jax.jit`` every output (and ``lse``) entry of that batch row is NaN, and under
-:func:`attnref.checked` the call raises (``checkify.JaxRuntimeError``).
-
-:func:`paged_kv_append` writes a chunk of new keys and values through the table (token ``t`` of
-row ``b`` to position ``seq_lens[b] + t``) and returns the new lengths; a row that does not fit
-writes nothing and gets the length ``-1`` under ``jax.jit`` (so the next attention is NaN).
-:func:`paged_cost` counts the FLOPs and the KV bytes read per step.
+Unused slots and table entries may hold anything (NaN, ``-1``): they are never read. A used
+entry outside ``[0, P)`` or ``seq_lens[b]`` outside ``[0, S]`` raises ``ValueError`` eagerly,
+gives NaN rows under ``jax.jit`` and raises under :func:`attnref.checked`. :func:`paged_kv_append`
+writes new keys and values through the table; :func:`paged_cost` counts FLOPs and KV bytes
+(``docs/paged.md``).
 """
 
 from __future__ import annotations

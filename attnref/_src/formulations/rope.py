@@ -1,41 +1,13 @@
 """Rotary position embedding (RoPE; Su et al. 2024, RoFormer) and the relative-pattern view.
 
-**Frequencies.** For an even head dimension ``d`` there are ``d/2`` planes with frequencies
-``theta_p = base^(-2p/d)``, ``p = 0 .. d/2 - 1`` (``base = 10000`` in the paper).
-
-**Rotation.** A feature pair ``(a, b)`` of a token at integer position ``m`` is rotated by the angle
-``m theta_p``::
-
-    (a, b) -> (a cos(m theta_p) - b sin(m theta_p),  a sin(m theta_p) + b cos(m theta_p))
-
-Two layouts of the pairs are in use (``convention=``):
-
-* ``"rotate_half"`` (GPT-NeoX, Hugging Face Llama): pair ``p`` is ``(x_p, x_{p + d/2})``.
-* ``"interleaved"`` (the RoFormer paper, GPT-J, Meta's Llama reference): pair ``p`` is
-  ``(x_{2p}, x_{2p+1})``.
-
-They are the same map up to a fixed permutation of the head dimension: with
-``P x = concat(x[0::2], x[1::2])``, ``rope_interleaved(x) = P^-1 rope_rotate_half(P x)``.
-
-**Row convention and the relative offset.** For a row vector ``q``, ``rope(q, m) = q R(m)`` with
-``R(m)`` the block rotation of :func:`rope_rotation`; ``R(m) R(n)^T = R(m - n)``, so
-
-    rope(q, m) . rope(k, n) = q R(m) R(n)^T k^T = q R(m - n) k^T
-
-and the logits depend on the positions only through ``delta = pos_q - pos_k`` (query minus key).
-
-**Angle dtype.** ``theta_p`` is evaluated in float64 by NumPy (``head_dim`` and ``base`` are
-static Python values) and rounded once to the *angle dtype*: float64 for float64 inputs, float32
-for every other input dtype (float32, float16, bfloat16). Positions are converted to the angle
-dtype (exact for ``|m| < 2^24`` in float32), the angle ``m theta_p`` and its cos/sin are computed
-in the angle dtype, and cos/sin are then rounded to the input dtype, in which the rotation itself
-is computed (as Hugging Face Llama does). float64 inputs compute in float64 even with x64 off.
-
-**Multi-head attention** (row convention, shapes as in :mod:`attnref._src.formulations.standard`):
-``q_n = rope(x_q W_Q[n] + b_Q[n], pos_q)``, ``k_n = rope(x_kv W_K[g(n)] + b_K[g(n)], pos_k)``,
-``y = sum_n softmax(q_n k_n^T scale + bias, mask) (x_kv W_V[g(n)] + b_V[g(n)]) W_O[n] + b_O``.
-Key/value heads may be shared (grouped-query attention): with ``K = W_K.shape[0]`` key heads
-(and ``W_V.shape[0]`` value heads) dividing ``H``, query head ``n`` uses ``g(n) = n // (H / K)``.
+A feature pair ``(a, b)`` at integer position ``m`` turns by ``m theta_p``, ``theta_p =
+base^(-2p/d)``; pairs are ``(x_p, x_{p + d/2})`` (``"rotate_half"``: GPT-NeoX, Hugging Face
+Llama) or ``(x_{2p}, x_{2p+1})`` (``"interleaved"``: RoFormer, GPT-J, Meta's Llama). For row
+vectors ``rope(q, m) = q R(m)`` and ``R(m) R(n)^T = R(m - n)``, so ``rope(q, m) . rope(k, n) =
+q R(m - n) k^T``: the logits depend only on ``pos_q - pos_k``. Multi-head (row convention):
+``y = sum_n softmax(rope(q_n, pos_q) rope(k_{g(n)}, pos_k)^T scale + bias, mask) V_{g(n)} W_O[n]
++ b_O``, ``g(n) = n // (H / K)``. The angle dtype (float64 for float64 inputs, else float32)
+and the two layouts' permutation are in ``docs/rope.md``.
 """
 
 from __future__ import annotations
