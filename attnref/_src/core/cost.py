@@ -1,35 +1,11 @@
-"""Analytic cost models: the counting conventions, :class:`Dims`, :class:`Cost`, the shared
-helpers, :func:`cost`, and XLA's own counts (:func:`xla_counts`, :func:`hlo_dot_flops`).
+"""Analytic cost models (:class:`Dims`, :class:`Cost`, the shared helpers, :func:`cost`) and
+XLA's own counts (:func:`xla_counts`, :func:`hlo_collectives`).
 
-Each formulation's model, ``<id>_cost(dims) -> Cost`` in its own order of operations, lives
-next to its code and is its registry entry's ``cost_model`` (``concat_cost`` in
-``attnref/_src/formulations/standard.py``, ``rope_cost`` in ``.../rope.py``, ...).
-
-Counting conventions (XLA's, so the model can be checked against ``cost_analysis()``):
-
-* **matmul FLOPs**: a contraction of ``M x K`` by ``K x N`` costs ``2 M N K`` (a multiply-add is
-  2); exact for each formulation's einsums, including forming ``W_P``, ``W_M``, ``W_A``, ``W_I``.
-* **transcendentals**: one per ``exp`` / ``expm1`` element, and one per ``cos`` / ``sin``
-  element (RoPE's angles; see :func:`_angles`); exact.
-* **elementwise FLOPs**: one per element per arithmetic, comparison or select op, ``n - 1`` per
-  reduction of ``n`` elements. The model gives an *upper bound* counted from attnref's source
-  (e.g. the masked softmax touches each logit with at most 12 such ops and each row with 2);
-  XLA's simplifier can only remove work, so ``matmul <= XLA <= matmul + elementwise``.
-* **bytes**: inputs (parameters, tokens, masks), the output, the largest intermediate tensor and
-  a workspace bound: every intermediate this order of operations produces, all alive at once,
-  plus one copy of the inputs (XLA may copy an input to change its layout). XLA's temporary
-  memory lies between the largest intermediate (it must be materialised) and the workspace.
-
-Scan-based forms (``linear_recurrent``, ``linear_chunked``) run their body ``T`` (or ``T / C``)
-times; XLA's ``cost_analysis`` counts a ``while`` body once, so :class:`Cost` also carries
-``loop_trips`` and ``per_trip_*`` for comparing with XLA.
-
-Distributed forms (``Dims.devices = P > 1``, ``attnref._src.formulations.distributed.cost``)
-count **per device**, as XLA's ``cost_analysis`` of an SPMD program does, and list their
-communication in :attr:`Cost.collectives` (:class:`Collective`: the kind, the operand bytes of
-one call on one device, the number of calls). :func:`hlo_collectives` reads the same from
-compiled HLO, ``while`` trip counts included, so the model's communication is checked against
-the compiler.
+Each formulation's ``<id>_cost(dims) -> Cost`` lives next to its code as its registry entry's
+``cost_model``. The counting conventions (XLA's: ``2 M N K`` per contraction, one transcendental
+per ``exp``/``expm1``/``cos``/``sin`` element, an elementwise upper bound, bytes up to a
+workspace bound, ``while`` bodies counted once by XLA, per-device counts and
+:class:`Collective` records for distributed forms) are in ``docs/cost.md``.
 """
 
 from __future__ import annotations
@@ -117,10 +93,9 @@ class Collective:
 
     @property
     def sent_bytes_per_call(self) -> float:
-        """Bytes one device sends in one call under the bandwidth-optimal algorithms: a permute
-        sends its operand once, a ring all-gather its shard ``P - 1`` times; an all-to-all keeps
-        ``1/P`` of its operand; a ring all-reduce (reduce-scatter, all-gather) sends
-        ``2 (P - 1) / P`` of it."""
+        """Bytes one device sends in one call (bandwidth-optimal ring algorithms): ``n``,
+        ``(P - 1) n``, ``(P - 1) n / P`` and ``2 (P - 1) n / P`` for a permute, all-gather,
+        all-to-all and all-reduce of operand ``n``."""
         p, n = self.devices, self.operand_bytes
         if p <= 1:
             return 0.0
@@ -195,12 +170,9 @@ SOFTMAX_PER_LOGIT = 12  # != -inf, and mask, any, where, max, -, where, where, s
 SOFTMAX_PER_ROW = 2  # where(any, max, 0), where(any, sum, 1)
 
 
-# The non-finite guard (``attnref._src.core.nonfinite``), counted from its source. Per operand
-# element (q, k, v, or a token row's entries): isfinite and where for the finite part, then
-# isfinite, not and the row reduction for the dirty test. Per logit: the live test, the reads test
-# (and, any), and with a bias: isfinite, not, and, any for the dirty test and isnan, == inf, or,
-# where for its finite part. Per query row: the or of the dirty terms; per output entry: the
-# poisoning where.
+# The non-finite guard (``core/nonfinite.py``), counted from its source. Per operand element:
+# isfinite, where; isfinite, not, reduce. Per logit: live test; and, any; with a bias also
+# isfinite, not, and, any; isnan, == inf, or, where. Per row: the or of the dirty terms.
 GUARD_PER_OPERAND = 5
 GUARD_PER_LOGIT = 3
 GUARD_PER_BIASED_LOGIT = 8
@@ -213,16 +185,13 @@ def guard_elementwise(d: Dims, *, operands: int, logits: int, rows: int, outputs
     return GUARD_PER_OPERAND * operands + per_logit * logits + GUARD_PER_ROW * rows + outputs
 
 
-# At the weight level (``Prepared.guarded``): the token rows' finite parts and dirty tests
-# (GUARD_PER_OPERAND per entry of x_q and x_kv), and per (query, key) pair the allowed set (and,
-# != -inf), the live and reads tests (any; and, any), the bias's dirty test (isfinite, not, and,
-# any) and finite part (isnan, == inf, or, where); per output entry the poisoning where.
+# At the weight level (``Prepared.guarded``), per (query, key) pair: and, != -inf; any; and, any;
+# the bias's isfinite, not, and, any and isnan, == inf, or, where.
 WEIGHT_GUARD_PER_PAIR = 13
 
 
 def weight_guard_elementwise(d: Dims, *, pairs: bool = True) -> int:
-    """Elementwise FLOPs of the weight-level non-finite guard. ``pairs=False``: the linear
-    family's O(T) form (running ors over keys instead of a ``T_q x T_k`` test)."""
+    """Elementwise FLOPs of the weight-level guard (``pairs=False``: linear's O(T) form)."""
     b, dm = d.batch, d.d_model
     tokens = GUARD_PER_OPERAND * b * (d.t_q + d.t_k) * dm
     per_pair = WEIGHT_GUARD_PER_PAIR * b * d.t_q * d.t_k if pairs else 4 * b * (d.t_q + d.t_k)
@@ -259,24 +228,26 @@ def projections(d: Dims) -> tuple[int, int, int]:
 
 
 def softmax_tensors(d: Dims, logits: int) -> list[int]:
-    """Logit-sized tensors the masked softmax can materialise (logits, scaled and biased,
-    allowed, shifted, exponentials, weights) and its row vectors (any, max, sum, safe sum)."""
+    """The masked softmax's 6 logit-sized tensors and 4 row vectors."""
     rows = d.batch * d.heads * d.t_q
     return [logits] * 6 + [rows] * 4
 
 
+def build(
+    d: Dims, mm: int, el: int, tr: int, tensors: list[int], largest: int | None = None, **kw: Any
+) -> Cost:
+    """A :class:`Cost` with :func:`io`'s bytes, the largest intermediate (``largest`` elements,
+    else ``max(tensors)``) and the workspace ``sum(tensors)`` plus the inputs."""
+    inputs, output = io(d)
+    big = max(tensors) if largest is None else largest
+    return Cost(
+        mm, el, tr, inputs, output, big * d.itemsize, sum(tensors) * d.itemsize + inputs, **kw
+    )
+
+
 def finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
     """A weight-level softmax form's cost, with its non-finite guard's elementwise work."""
-    inputs, output = io(d)
-    return Cost(
-        matmul,
-        elementwise + weight_guard_elementwise(d),
-        trans,
-        inputs,
-        output,
-        max(tensors) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
-    )
+    return build(d, matmul, elementwise + weight_guard_elementwise(d), trans, tensors)
 
 
 def messages(d: Dims) -> tuple[int, int]:
@@ -322,8 +293,7 @@ def feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
 
 
 def eps_exp(d: Dims, queries: int) -> int:
-    """FAVOR+'s ``eps exp(-c_q)`` (eps in the units of the stabilised features): one ``exp`` per
-    query and head; the other maps need none."""
+    """FAVOR+'s ``eps exp(-c_q)``: one ``exp`` per query and head (none for the other maps)."""
     return d.batch * queries * d.heads if d.feature_map == "favor_plus" else 0
 
 
@@ -344,8 +314,7 @@ def normalize_el(d: Dims) -> int:
 
 
 def linear_tensors(d: Dims) -> list[int]:
-    """Projections (and their token-major copies), features with one temporary each, the
-    masked key features, the head outputs and the pre-bias output."""
+    """Projections and features (twice each), masked key features, head and pre-bias outputs."""
     b, h, m = d.batch, d.heads, feature_count(d)
     proj = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
     feats = [b * d.t_q * h * m, b * d.t_k * h * m]
@@ -359,18 +328,8 @@ def linear(d: Dims, form_mm: int, form_el: int, tensors: list[int], **loop: Any)
     mm_p, el_p = linear_proj(d)
     el = elq + elk + el_p + form_el + normalize_el(d) + d.batch * d.t_k * d.heads * m  # key mask
     el += weight_guard_elementwise(d, pairs=False)
-    inputs, output = io(d)
-    every = linear_tensors(d) + tensors
-    return Cost(
-        mm_p + mmq + mmk + form_mm,
-        el,
-        trq + trk + eps_exp(d, d.t_q),
-        inputs,
-        output,
-        max(every) * d.itemsize,
-        sum(every) * d.itemsize + inputs,
-        **loop,
-    )
+    tr = trq + trk + eps_exp(d, d.t_q)
+    return build(d, mm_p + mmq + mmk + form_mm, el, tr, linear_tensors(d) + tensors, **loop)
 
 
 def feature_count(d: Dims) -> int:
@@ -378,22 +337,13 @@ def feature_count(d: Dims) -> int:
 
 
 # ----------------------------------------------------------------------------- RoPE
-#
-# RoPE adds one ``cos`` and one ``sin`` per (position, plane), which XLA counts as
-# transcendentals like ``exp``, and the rotations ``a c - b s``, ``a s + b c`` of each pair.
-# Default positions ``arange(T)`` have shape ``[T]`` and are shared by the batch and the heads;
-# positions ``[..., T]`` with batch dimensions multiply the angle work by the batch.
 
 ROTATE_PER_PAIR = 6  # a*c, b*s, a*c - b*s, a*s, b*c, a*s + b*c
 
 
 def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
-    """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p`` for
-    ``positions`` positions: the angle multiply, then one cos and one sin per angle.
-
-    With constant positions and ``d_k = 2`` (one plane, ``theta = [1]``) the angle is the
-    position itself and XLA constant-folds ``cos``/``sin``: nothing is left to count. (With more
-    planes the angle is a broadcast product, which XLA's constant folding does not fold.)"""
+    """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p``; with constant
+    positions and ``d_k = 2`` the angle is the position and XLA folds both."""
     n = positions * (d.d_k // 2)
     if d.d_k == 2 and not traced:
         return 0, 0, [n, n, n]
@@ -421,14 +371,13 @@ def cost(formulation_id: str, dims: Dims) -> Cost:
 
 
 def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
-    """The collectives of compiled (SPMD, per-device) HLO text, one per instruction, each with
-    the number of times it runs (``while`` trip counts included; in a branch of a
-    ``conditional``, an upper bound, flagged :attr:`Collective.conditional`), its operand bytes
-    (a tuple-shaped collective's operands summed), its group size, and whether its metadata
-    places it in a ``shard_map`` (the scheme's) or not (the SPMD partitioner's resharding).
-    ``hlo_text`` is optimised HLO, e.g. ``jax.jit(fn).lower(*args).compile().as_text()``.
-    ``ValueError`` for a collective inside a ``while`` loop with no known trip count, or an
-    asynchronous one (``*-start``; the CPU backend emits none)."""
+    """The collectives of optimised per-device HLO text (``...compile().as_text()``),
+    one :class:`Collective` per instruction with its run count (``while`` trips included; an
+    upper bound in a ``conditional`` branch) and summed operand bytes.
+
+    Raises:
+        ValueError: For a collective in a ``while`` with no known trip count, or an async one.
+    """
     return tuple(
         Collective(kind, size, calls, p, scheme, conditional=branched)
         for kind, size, calls, p, scheme, branched in collective_calls(hlo_text)

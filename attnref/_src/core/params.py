@@ -1,19 +1,10 @@
-"""Per-head attention parameters, their merged matrices, and fused-layout converters.
+"""Per-head attention parameters and their merged matrices.
 
-Row-vector convention (Vaswani et al. 2017): a token is a row ``x`` of length ``d_model`` and
-query head ``i`` computes ``q = x W_Q[i] + b_Q[i]``, ``k = x W_K[g(i)] + b_K[g(i)]``,
-``v = x W_V[g(i)] + b_V[g(i)]`` and writes ``o = softmax(.) v W_O[i]``; the block adds ``b_O`` once.
-
-Shapes: ``W_Q: [H, d_model, d_k]``, ``W_K: [K, d_model, d_k]``, ``W_V: [K, d_model, d_v]``,
-``W_O: [H, d_v, d_model]``, ``b_Q: [H, d_k]``, ``b_K: [K, d_k]``, ``b_V: [K, d_v]``,
-``b_O: [d_model]``. Biases are optional (``None``).
-
-**Key/value heads.** ``H`` query heads share ``K`` key/value heads, ``H % K == 0``, in groups of
-``G = H / K`` consecutive query heads: query head ``i`` reads K/V head ``g(i) = i // G`` (the
-grouping of ``jax.nn.dot_product_attention``, PyTorch's ``enable_gqa`` and Flax). ``K == H`` is
-ordinary multi-head attention (Vaswani et al. 2017), ``1 < K < H`` grouped-query attention
-(Ainslie et al. 2023) and ``K == 1`` multi-query attention (Shazeer 2019).
-:func:`repeat_kv_heads` gives the equivalent ``K == H`` parameters.
+Row-vector convention (Vaswani et al. 2017): query head ``i`` computes ``q = x W_Q[i] + b_Q[i]``,
+``k = x W_K[g(i)] + b_K[g(i)]``, ``v = x W_V[g(i)] + b_V[g(i)]`` and writes
+``o = softmax(.) v W_O[i]``; the block adds ``b_O`` once. ``H`` query heads share ``K`` K/V heads
+in groups of ``G = H / K``: ``g(i) = i // G`` (grouped-query attention, Ainslie et al. 2023;
+multi-query, ``K = 1``, Shazeer 2019). Shapes and conventions: ``docs/conventions.md``.
 """
 
 from __future__ import annotations
@@ -41,12 +32,8 @@ from attnref._src.core.checks import (
 @dataclasses.dataclass(frozen=True)
 @no_type_check
 class AttentionParams:
-    """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``).
-
-    ``H`` query heads (``w_q``, ``w_o``, ``b_q``) and ``K`` key/value heads (``w_k``, ``w_v``,
-    ``b_k``, ``b_v``) with ``H % K == 0``; query head ``i`` uses K/V head ``i // (H / K)``.
-    Row convention: ``q = x W_Q[i] + b_Q[i]`` for a token row ``x [d_model]``. Shapes are
-    checked by every formulation, not here; :func:`attnref.init_params` draws random ones.
+    """Per-head multi-head attention weights (a JAX pytree; absent biases are ``None``); query
+    head ``i`` uses K/V head ``i // (H / K)``. Shapes are checked by every formulation, not here.
 
     Attributes:
         w_q: Query weights ``[H, d_model, d_k]``.
@@ -134,17 +121,10 @@ def init_params(
     dtype: Any = np.float32,
     num_kv_heads: int | None = None,
 ) -> AttentionParams:
-    """Seeded random parameters with fan-in scaling, as NumPy arrays of ``dtype``.
-
-    ``W_Q, W_K, W_V ~ N(0, 1/d_model)``, ``W_O ~ N(0, 1/(H d_v))``; with ``bias=True`` every bias
-    is drawn ``N(0, 0.1^2)`` (non-zero, so that tests exercise the bias paths). Drawing with
-    NumPy's PCG64 keeps the values identical on every platform and independent of JAX's x64 flag.
-    ``num_kv_heads=K`` (default ``H = num_heads``) draws ``K`` key/value heads, ``H % K == 0``;
-    the default draws exactly what earlier versions drew for the same seed. ``d_v`` defaults to
-    ``d_k``; ``bias=False`` (default) leaves every bias ``None``. The shapes are
-    ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
-    ``w_o [H, d_v, d_model]``. ``ValueError`` if a size is not a positive integer or ``H`` is
-    not a multiple of ``K``.
+    """Seeded random parameters (NumPy PCG64, platform-independent) as NumPy arrays of ``dtype``:
+    ``W_Q, W_K, W_V ~ N(0, 1/d_model)``, ``W_O ~ N(0, 1/(H d_v))``, with ``bias=True`` every bias
+    ``N(0, 0.1^2)`` (else ``None``); ``K = num_kv_heads`` (default ``H``) K/V heads, ``d_v``
+    defaults to ``d_k``. ``ValueError`` if a size is not positive or ``K`` does not divide ``H``.
     """
     d_v = d_k if d_v is None else d_v
     kv = num_heads if num_kv_heads is None else num_kv_heads
@@ -190,12 +170,8 @@ def init_params(
 
 
 def repeat_heads(a: Any, group_size: int, *, axis: int = 0) -> Any:
-    """Repeat every K/V head ``group_size`` times along ``axis`` (``[K, ...] -> [K G, ...]``).
-
-    Entry ``i`` of the result is entry ``i // group_size`` of ``a``: the grouping rule of the
-    module docstring. NumPy arrays stay NumPy arrays (exact copies); JAX arrays and tracers use
-    ``jnp.repeat``. ``group_size == 1`` returns ``a`` itself.
-    """
+    """Repeat every K/V head ``group_size`` times along ``axis`` (``[K, ...] -> [K G, ...]``,
+    entry ``i`` from ``i // group_size``); NumPy stays NumPy, ``group_size == 1`` returns ``a``."""
     if group_size == 1:
         return a
     if isinstance(a, jax.Array):
@@ -205,15 +181,9 @@ def repeat_heads(a: Any, group_size: int, *, axis: int = 0) -> Any:
 
 @float64_scoped
 def repeat_kv_heads(params: AttentionParams) -> AttentionParams:
-    """The equivalent multi-head (``K == H``) parameters of grouped- or multi-query params.
-
-    ``W_K'[i] = W_K[i // G]``, ``W_V'[i] = W_V[i // G]``, ``b_K'[i] = b_K[i // G]``,
-    ``b_V'[i] = b_V[i // G]`` for ``i < H`` and ``G = H / K``; ``W_Q``, ``W_O`` and the other
-    biases are passed through. The copies are exact, so every formulation (and the oracle) gives
-    the same function of the inputs with either set. Parameters that are already multi-head are
-    returned unchanged. Under differentiation the gradient with respect to a shared K/V head is
-    the sum of the gradients of its ``G`` copies. NumPy leaves stay NumPy, JAX leaves JAX;
-    malformed ``params`` raise as in :func:`w_p`.
+    """The equivalent multi-head (``K == H``) parameters: ``W_K'[i] = W_K[i // G]``, likewise
+    ``W_V``, ``b_K``, ``b_V`` (exact copies: the same function; the gradient of a shared head
+    sums its ``G`` copies'). Malformed ``params`` raise as in :func:`w_p`.
     """
     check_params(params)
     return repeat_kv_heads_unchecked(params)
@@ -247,9 +217,7 @@ def _per_query_head(w: Array) -> Array:
 
 # ----------------------------------------------------------------------------- merged matrices
 #
-# ``w_<x>_unchecked`` is the einsum, for callers that have validated ``params``; ``w_<x>``
-# validates, then calls it. Query heads of one group share ``W_K`` and ``W_V`` but each has its
-# own merged matrices.
+# ``w_<x>_unchecked``: the einsum, for callers that have validated ``params``.
 
 
 def w_p_unchecked(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
@@ -322,21 +290,16 @@ w_a = _merged(
     "w_a",
     """Column-convention score matrices ``W_A[i] = W_K^T W_Q``, one per query head.
 
-The notation of "Attention: All you need to know" (far.in.net, 2025-03-29), which writes tokens
-as columns by its own choice. With column vectors, ``q = W_Q^c x`` where ``W_Q^c = W_Q[i]^T`` is
-``d_k x d_model``, so ``W_A = (W_K^c)^T W_Q^c = W_K[i // G] W_Q[i]^T = W_P[i]^T`` and
-``A_{j,i} = x_j^T W_A x_i``. Elhage et al. (2021) write the scores
-``A = softmax(x^T W_Q^T W_K x)`` (query ``i`` in row ``i``): ``W_A`` is the transpose of their QK
-matrix ``W_Q^T W_K``; :func:`w_a` is the transposes of :func:`w_p`.""",
+In the column notation of "Attention: All you need to know" (far.in.net, 2025-03-29),
+``W_A = (W_K^c)^T W_Q^c = W_K[i // G] W_Q[i]^T = W_P[i]^T`` and ``A_{j,i} = x_j^T W_A x_i``;
+the transpose of Elhage et al.'s (2021) QK matrix ``W_Q^T W_K`` (``docs/conventions.md``).""",
 )
 w_i = _merged(
     w_i_unchecked,
     "w_i",
     """Column-convention output-value matrices ``W_I[i] = W_O^T W_V``, one per query head.
 
-The notation of "Attention: All you need to know" (far.in.net, 2025-03-29), which writes tokens
-as columns by its own choice. It stores ``W_V^c = W_V[i // G]^T`` (``d_v x d_model``) and
-``W_O^c = W_O[i]`` (``d_v x d_model``), so ``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i // G]^T
-= W_M[i]^T``. Elhage et al. (2021) store the output weights as ``d_model x d_v`` and write the
-same matrix ``W_OV = W_O W_V`` (the OV circuit); :func:`w_i` is the transposes of :func:`w_m`.""",
+In the column notation of "Attention: All you need to know" (far.in.net, 2025-03-29),
+``W_I = (W_O^c)^T W_V^c = W_O[i]^T W_V[i // G]^T = W_M[i]^T``: Elhage et al.'s (2021) OV circuit
+``W_OV = W_O W_V`` (``docs/conventions.md``).""",
 )

@@ -1,31 +1,9 @@
 """Feature maps ``phi`` for linear (kernel) attention: ``exp(q.k)`` replaced by ``phi(q).phi(k)``.
 
-* ``elu_plus_one``: ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020), positive.
-* ``relu``: ``phi(x) = max(x, 0)``, non-negative (a row can have a zero denominator).
-* ``identity``: ``phi(x) = x``, *signed*: denominators can be zero or negative.
-* ``taylor2``: ``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]`` with ``x~ = x / d^(1/4)``, so that
-  ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``: the second-order Taylor
-  polynomial of ``exp(s)``, positive for every ``s``.
-* ``favor_plus``: positive random features (Choromanski et al. 2021, FAVOR+):
-  ``phi(x)_i = m^(-1/2) exp(w_i.x~ - |x~|^2 / 2)`` with ``w_i ~ N(0, I_d)`` (i.i.d.) or in
-  orthogonal blocks with chi-distributed norms. ``E[phi(q).phi(k)] = exp(q.k / sqrt(d))``.
-
-FAVOR+ stabilisation, without information crossing positions: a key's features are computed as
-``m^(-1/2) exp(-|k~ - w_i|^2 / 2) = m^(-1/2) exp(w_i.k~ - |k~|^2/2 - |w_i|^2/2) <= m^(-1/2)``:
-the shift ``|w_i|^2 / 2`` depends only on the random feature, never on data, so it cannot leak
-and it never overflows. A query's features carry the compensating ``+|w_i|^2 / 2`` and then
-subtract their own maximum over ``i``, a per-query constant that cancels between numerator and
-denominator. (Subtracting a max over all keys, as some implementations do, lets a future key
-change past outputs; attnref's causality tests would catch it.)
-
-The shift does *not* cancel against ``eps``: the stabilised features give
-``phi~(q).phi~(k) = exp(-c_q) phi(q).phi(k)`` with ``c_q = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
-(:meth:`FeatureMap.query_features` returns ``c_q``), so the documented
-``num / (den + eps)`` equals ``num~ / (den~ + eps exp(-c_q))``; the linear forms rescale ``eps``
-by the same per-query factor (``attnref._src.formulations.linear.common.normalize``).
-
-The map factories (:func:`elu_plus_one`, ..., :func:`favor_plus`) return a :class:`FeatureMap`;
-passing a factory uncalled raises a ``TypeError`` that says to call it (:func:`check_feature_map`).
+The maps (``elu_plus_one``, ``relu``, ``identity``, ``taylor2``, ``favor_plus``; Katharopoulos
+et al. 2020, Choromanski et al. 2021) and FAVOR+'s leak-free stabilisation (keys shifted by the
+data-independent ``|w_i|^2 / 2``, queries by their own max ``c_q``, ``eps`` rescaled by
+``exp(-c_q)``) are in ``docs/linear_attention.md``.
 """
 
 from __future__ import annotations
@@ -60,12 +38,8 @@ class FeatureMapLike(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FeatureMap:
-    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static).
-
-    Build one with a factory (:func:`elu_plus_one`, :func:`relu_features`,
-    :func:`identity_features`, :func:`taylor2`, :func:`favor_plus`) rather than directly.
-    ``fm(x, role)`` gives the features of the last axis of ``x``; ``fm.kernel(q, k)`` the
-    unstabilised ``phi(q).phi(k)``.
+    """A feature map for linear attention (a pytree: ``omega`` is data, the rest is static);
+    build one with a factory (:func:`elu_plus_one`, ..., :func:`favor_plus`).
 
     Attributes:
         name: One of ``"elu_plus_one"``, ``"relu"``, ``"identity"``, ``"taylor2"``,
@@ -79,9 +53,7 @@ class FeatureMap:
     """
 
     name: str = dataclasses.field(metadata=dict(static=True))
-    # FAVOR+ projections [m, d], an array or None; Any, as the pytree's one leaf: JAX rebuilds
-    # the pytree with any leaves (tree_map results, ArgInfo when lowering), which the suite's
-    # runtime checks would refuse. The static fields and the methods stay checked.
+    # Any: JAX rebuilds the pytree with any leaves (tree_map results, ArgInfo when lowering).
     omega: Any = None
     orthogonal: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -97,8 +69,7 @@ class FeatureMap:
         return self.name in ("elu_plus_one", "taylor2", "favor_plus")
 
     def num_features(self, d: int) -> int:
-        """The feature count ``m`` for inputs of dimension ``d``: ``1 + d + d^2`` for
-        ``taylor2``, the number of projections for ``favor_plus``, ``d`` otherwise."""
+        """The feature count ``m`` for inputs of dimension ``d``."""
         if self.name == "taylor2":
             return 1 + d + d * d
         if self.name == "favor_plus":
@@ -118,13 +89,8 @@ class FeatureMap:
     def query_features(
         self, x: Float[ArrayLike, "... d"]
     ) -> tuple[Float[Array, "... m"], Float[Array, "..."]]:
-        """``(phi~(x), c(x))``: the query features as computed and the log of the per-query factor
-        they carry, ``phi~(q).phi~(k) = exp(-c(q)) phi(q).phi(k)`` for every key ``k``.
-
-        ``c = 0`` for every map but FAVOR+, where ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``
-        (the query's own max, less the ``|q~|^2/2`` of the definition). The linear forms divide
-        by ``den~ + eps exp(-c)``, which is ``exp(-c) (den + eps)``: ``eps`` keeps its meaning.
-        """
+        """``(phi~(x), c(x))`` with ``phi~(q).phi~(k) = exp(-c(q)) phi(q).phi(k)``; ``c = 0`` but
+        for FAVOR+, ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``."""
         x = jnp.asarray(x)
         if self.name != "favor_plus":
             return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
@@ -157,8 +123,7 @@ class FeatureMap:
         assert role == "key"  # FAVOR+ queries: query_features
         w = self._omega_for(x)
         proj = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST)
-        # exp(-|k~ - w|^2 / 2): a data-independent shift |w|^2/2, bounded by 1; the queries carry
-        # the compensating +|w|^2/2 and their own max (query_features)
+        # exp(-|k~ - w|^2 / 2) <= 1; queries carry the compensating +|w|^2/2 (query_features)
         expo = proj - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True) - 0.5 * jnp.sum(w * w, -1)
         return jnp.exp(expo) * jnp.asarray(w.shape[0] ** -0.5, x.dtype)
 
@@ -194,8 +159,7 @@ def elu_plus_one() -> FeatureMap:
 
 
 def relu_features() -> FeatureMap:
-    """``phi(x) = max(x, 0)``: non-negative, ``m = d`` features; ``phi(q).phi(k)`` can be 0, so a
-    denominator can be exactly zero, and the output there is zero."""
+    """``phi(x) = max(x, 0)``: non-negative (a denominator can be 0), ``m = d`` features."""
     return FeatureMap("relu")
 
 
@@ -205,25 +169,20 @@ def identity_features() -> FeatureMap:
 
 
 def taylor2() -> FeatureMap:
-    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``: positive,
-    ``m = 1 + d + d^2`` features; ``phi(q).phi(k) = 1 + s + s^2 / 2`` with ``s = q.k / sqrt(d)``,
-    positive for every ``s``."""
+    """``phi(x) = [1, x~, vec(x~ x~^T) / sqrt(2)]``, ``x~ = x / d^(1/4)``, ``m = 1 + d + d^2``:
+    ``phi(q).phi(k) = 1 + s + s^2 / 2 > 0``, ``s = q.k / sqrt(d)``."""
     return FeatureMap("taylor2")
 
 
 def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True) -> FeatureMap:
-    """FAVOR+ with ``num_features`` random projections of dimension ``d``, seeded (NumPy PCG64).
-
-    Orthogonal: blocks of ``d`` mutually orthogonal directions (QR of a Gaussian matrix), each row
-    rescaled by the norm of an independent ``N(0, I_d)`` vector, so every row is marginally
-    ``N(0, I_d)`` (Choromanski et al. 2021, section 2.4).
+    """FAVOR+ with ``num_features`` random projections of dimension ``d`` (Choromanski et al.
+    2021, section 2.4: orthogonal blocks by QR, rows rescaled to marginally ``N(0, I_d)``).
 
     Args:
         seed: Seed of NumPy's ``default_rng`` (PCG64); the same seed gives the same map.
         d: The input dimension (the head dim ``d_k``), ``>= 1``.
         num_features: The number of random features ``m``, ``>= 1``.
-        orthogonal: If ``True`` (default), orthogonal blocks with chi-distributed norms;
-            otherwise i.i.d. Gaussian rows.
+        orthogonal: Orthogonal blocks with chi-distributed norms (default), else i.i.d. rows.
 
     Returns:
         The positive :class:`FeatureMap` ``"favor_plus"`` with float64 ``omega [m, d]``.
@@ -249,12 +208,8 @@ def favor_plus(seed: int, d: int, num_features: int, *, orthogonal: bool = True)
 def feature_map_from_name(
     name: str, *, seed: int = 0, d: int | None = None, num_features: int | None = None
 ) -> FeatureMap:
-    """The feature map called ``name`` (one of :data:`MAP_NAMES`): the one name -> map dispatch.
-
-    ``"favor_plus"`` is drawn by :func:`favor_plus` (orthogonal) from ``seed``, ``d`` and
-    ``num_features``, which the other maps ignore. An unknown name raises the ``ValueError`` of
-    :class:`FeatureMap`.
-    """
+    """The feature map called ``name`` (one of :data:`MAP_NAMES`); ``"favor_plus"`` is drawn
+    (orthogonal) from ``seed``, ``d`` and ``num_features``, which the others ignore."""
     if name == "favor_plus":
         if d is None or num_features is None:
             raise ValueError("favor_plus needs d and num_features (and a seed)")
@@ -272,13 +227,8 @@ _FACTORY_CALLS = {
 
 
 def check_feature_map(fm: object, arg: str = "feature_map") -> None:
-    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a feature map: a :class:`FeatureMap`
-    or an object with ``__call__(x, role)``, ``num_features(d)`` and ``name``.
-
-    Every factory (``elu_plus_one``, ``relu_features``, ``identity_features``, ``taylor2``,
-    ``favor_plus``) must be called: ``favor_plus`` needs its seed and sizes, so accepting the
-    uncalled zero-argument ones would make the API inconsistent.
-    """
+    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a :class:`FeatureMapLike` (an
+    uncalled factory gets a message that says to call it)."""
     if isinstance(fm, FeatureMap):
         return
     name = getattr(fm, "__name__", None)

@@ -1,12 +1,6 @@
-"""Per-device cost models of the distributed schemes (``<id>_cost(dims) -> Cost`` with
-``dims.devices = P``) and the causal load balance of the sequence layouts.
-
-The models count per device, as XLA's ``cost_analysis()`` of an SPMD program does: matmul FLOPs
-and transcendentals exactly, elementwise work as an upper bound, bytes, and the scheme's
-collectives (:class:`attnref._src.core.cost.Collective`: kind, operand bytes per call, calls).
-``tests/test_distributed_cost.py`` checks them against the compiled HLO of each registry entry.
-
-Load balance (:func:`useful_pairs`, :func:`load_balance`): :data:`CLOSED_FORMS`.
+"""Per-device cost models of the distributed schemes (``<id>_cost(dims) -> Cost``, ``P =
+dims.devices``; conventions in ``docs/cost.md``), and the causal load balance of the layouts
+(:func:`useful_pairs`, :func:`load_balance`, :data:`CLOSED_FORMS`; ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -23,30 +17,18 @@ from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length,
 
 # ----------------------------------------------------------------------------- per-device models
 #
-# Every model is per device, ``P = dims.devices``, for the registry's row form on ``dims`` (one
-# K/V head per query head, a full mask and bias given: the worst case the row form runs). What
-# runs *inside* the ``shard_map`` is the scheme's and is counted exactly (matmul FLOPs,
-# transcendentals, the collectives). What runs *outside* it -- the row form's projections
-# ``x W_Q``, ``x W_K``, ``x W_V`` and ``o W_O`` on the global arrays -- is placed by XLA's SPMD
-# partitioner: where the layout is a plain pad (contiguous: ring, Ulysses) the shard_map's
-# sequence sharding propagates back through it and each device projects its own ``T' / P``
-# tokens; where the layout permutes tokens (a gather: striped, zigzag, all-gather) propagation
-# stops and every device projects all ``T`` tokens. Tensor parallelism projects inside its
-# shard_map (``H / P`` heads per device).
+# For the row form with a full mask and bias (the worst case). The projections outside the
+# shard_map are sharded by XLA behind a pad (contiguous) and replicated behind a gather.
 
-# Elementwise ops per (query, key) pair of one piece of a sequence-parallel scheme, counted from
-# the source: the ring's reachability test (q < T, k < S, and, any), the piece's allowed set
-# (again 3, and the mask), the naive kernel's allowed set (bias != -inf, and, any), the logits
-# (scale, finite bias: isnan, == inf, or, where; + bias, where allowed, max, - top, where,
-# sum, / denom) and the non-finite reads (isnan, == inf, or of the bias, and, or, any).
+# Elementwise ops per (query, key) pair of a piece, from the source: reachability (<, <, and,
+# any), allowed set (3, and mask), kernel's allowed set (!= -inf, and, any), logits (12) and the
+# non-finite reads (isnan, == inf, or, and, or, any).
 PIECE_PER_PAIR = 4 + 4 + 3 + 12 + 6
 # Per query row and head of a piece: the kernel's live/denominator/lse selects and the lse add
 # (4), the dirty test (and, or) and the poisoning of lse (3); per output entry its poisoning (1).
 PIECE_PER_ROW, PIECE_PER_ENTRY = 7, 1
-# One merge of two states (attnref._src.formulations.states.merge_states), per row: max,
-# isfinite, where, two (where, -), +, where, two isneginf, minimum, where, + and the empty/poison
-# tests (4) and two selects of lse; per output entry: two selects of o_a/o_b, 2 mul, add, divide,
-# two selects.
+# One merge_states, per row: max, isfinite, where, 2 x (where, -), +, where, 2 isneginf, minimum,
+# where, +, 4 tests, 2 selects; per entry: 2 selects, 2 mul, add, divide, 2 selects.
 MERGE_PER_ROW, MERGE_PER_ENTRY = 20, 8
 # Moving a token array into or out of a layout (pad, gather; the partitioner's select and
 # all-reduce add when it reshards a gather), per element.
@@ -114,6 +96,27 @@ def _check_heads(d: Dims, scheme: str) -> None:
         )
 
 
+def _finish(d: Dims, rows: int) -> int:
+    return FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v
+
+
+def _laid_out(d: Dims, t_pad: int, s_pad: int) -> tuple[int, int, int]:
+    """(q, k, v elements, mask and bias elements, elementwise work outside the shard_map) of a
+    sequence layout."""
+    b, h = d.batch, d.heads
+    tokens = b * (t_pad * h * d.d_k + s_pad * h * (d.d_k + d.d_v))
+    pairs = 2 * b * t_pad * d.t_k
+    outside = LAYOUT_PER_ELEMENT * (tokens + pairs + b * t_pad * h * d.d_v)
+    return tokens, pairs, _weight_level(d) + outside
+
+
+def _tensors(d: Dims, *middle: int) -> list[int]:
+    """The projections (replicated at most), ``middle``, the head outputs, the output twice."""
+    b, h = d.batch, d.heads
+    proj = b * d.t_q * h * max(d.d_k, d.d_v)
+    return [proj, proj, proj, *middle, b * d.t_q * h * d.d_v, 2 * b * d.t_q * d.d_model]
+
+
 def _ring(d: Dims, layout: str) -> Cost:
     """A ring over ``layout``: ``P`` steps of a piece (``c_q = T'/P`` queries against one
     ``c_k = S'/P`` chunk) and a merge, ``P - 1`` sends of the K/V chunk."""
@@ -136,33 +139,25 @@ def _ring(d: Dims, layout: str) -> Cost:
     # weight of the merge's constant empty state (exp(-inf) = 0) when the single step is not in
     # a loop.
     step_tr = logits + n * rows + 3 * (n - 1) * rows + (2 if p == 1 else 3) * rows
-    sharded = layout == "contiguous"
-    outside = _projections(d, sharded, layout)
+    outside = _projections(d, layout == "contiguous", layout)
     chunk_bytes = b * ck * h * (d.d_k + d.d_v) * d.itemsize
-    inputs, output = _cost.io(d)
-    tokens = b * (t_pad * h * d.d_k + s_pad * h * (d.d_k + d.d_v))  # laid-out q, k, v
-    pairs = 2 * b * t_pad * d.t_k  # laid-out mask and bias rows
-    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs + b * t_pad * h * d.d_v)
-    finish = FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v
-    tensors = [
-        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),  # projections (replicated at most)
+    tokens, pairs, el_outside = _laid_out(d, t_pad, s_pad)
+    tensors = _tensors(
+        d,
         tokens,
-        pairs,  # laid out
+        pairs,
         2 * b * ck * h * (d.d_k + d.d_v),  # the chunk held and the chunk received
         8 * b * h * cq * ck,  # the pieces' logits, allowed sets, weights and temporaries
         4 * rows * (d.d_v + 1),  # the running and the piece's states, merged and finished
         b * t_pad * h * d.d_v,
-        b * d.t_q * h * d.d_v,
-        2 * b * d.t_q * d.d_model,
-    ]
-    return Cost(
+    )
+    return _cost.build(
+        d,
         outside + p * mm,
-        el_outside + p * step_el + finish,
+        el_outside + p * step_el + _finish(d, rows),
         p * step_tr,
-        inputs,
-        output,
-        max(b * h * (cq // n) * (ck // n), b * cq * h * d.d_v) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        max(b * h * (cq // n) * (ck // n), b * cq * h * d.d_v),
         loop_trips=p,
         per_trip_matmul_flops=mm if p > 1 else 0,
         per_trip_elementwise_flops=step_el if p > 1 else 0,
@@ -204,31 +199,26 @@ def all_gather_cost(d: Dims) -> Cost:
     cq = t_pad // p
     mm, el, logits = _piece(d, h, cq, s_pad)
     rows = b * h * cq
-    inputs, output = _cost.io(d)
-    tokens = b * (t_pad * h * d.d_k + s_pad * h * (d.d_k + d.d_v))
-    pairs = 2 * b * t_pad * d.t_k
-    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs + b * t_pad * h * d.d_v)
+    tokens, pairs, el_outside = _laid_out(d, t_pad, s_pad)
     shard = b * (s_pad // p) * h * d.itemsize
     collectives = (Collective("all-gather", shard * (d.d_k + d.d_v), 1, p),) if p > 1 else ()
-    tensors = [
-        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),
+    gathered = b * s_pad * h * (d.d_k + d.d_v)
+    tensors = _tensors(
+        d,
         tokens,
         pairs,
-        b * s_pad * h * (d.d_k + d.d_v),  # the gathered K and V
+        gathered,
         8 * b * h * cq * s_pad,
         2 * rows * (d.d_v + 1),
         b * t_pad * h * d.d_v,
-        b * d.t_q * h * d.d_v,
-        2 * b * d.t_q * d.d_model,
-    ]
-    return Cost(
+    )
+    return _cost.build(
+        d,
         _projections(d, False, "zigzag") + mm,
-        el_outside + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        el_outside + el + _finish(d, rows),
         logits,  # the lse's log is dead in the row form (only o is returned)
-        inputs,
-        output,
-        max(b * h * cq * s_pad, b * s_pad * h * d.d_k) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        max(b * h * cq * s_pad, b * s_pad * h * d.d_k),
         collectives=collectives,
     )
 
@@ -244,30 +234,22 @@ def ulysses_cost(d: Dims) -> Cost:
     t_pad, s_pad = _padded(d, "contiguous")
     mm, el, logits = _piece(d, h // p, t_pad, s_pad)
     rows = b * (h // p) * t_pad
-    inputs, output = _cost.io(d)
     share = b * h * d.itemsize // p
     sizes = (t_pad * d.d_k, s_pad * d.d_k, s_pad * d.d_v, t_pad * d.d_v)
     collectives = tuple(Collective("all-to-all", share * n, 1, p) for n in sizes) if p > 1 else ()
     tokens = b * h * (t_pad * d.d_k + s_pad * (d.d_k + d.d_v) + t_pad * d.d_v)
     pairs = 2 * b * t_pad * s_pad
     el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs)
-    tensors = [
-        *(3 * [b * d.t_q * h * max(d.d_k, d.d_v)]),
-        2 * tokens // p,
-        pairs,
-        8 * b * (h // p) * t_pad * s_pad,
-        2 * rows * (d.d_v + 1),
-        b * d.t_q * h * d.d_v,
-        2 * b * d.t_q * d.d_model,
-    ]
-    return Cost(
+    tensors = _tensors(
+        d, 2 * tokens // p, pairs, 8 * b * (h // p) * t_pad * s_pad, 2 * rows * (d.d_v + 1)
+    )
+    return _cost.build(
+        d,
         _projections(d, True, "contiguous") + mm,
-        el_outside + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        el_outside + el + _finish(d, rows),
         logits,
-        inputs,
-        output,
-        b * (h // p) * t_pad * s_pad * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        b * (h // p) * t_pad * s_pad,
         collectives=collectives,
     )
 
@@ -282,23 +264,16 @@ def tensor_parallel_cost(d: Dims) -> Cost:
     local = dataclasses.replace(d, heads=h // p)
     mm, el, logits = _piece(d, h // p, d.t_q, d.t_k)
     rows = b * (h // p) * d.t_q
-    inputs, output = _cost.io(d)
     collectives = (Collective("all-reduce", b * d.t_q * d.d_model * d.itemsize, 1, p),)
-    tensors = [
-        *(3 * [b * d.t_q * (h // p) * max(d.d_k, d.d_v)]),
-        8 * b * (h // p) * d.t_q * d.t_k,
-        2 * rows * (d.d_v + 1),
-        b * d.t_q * (h // p) * d.d_v,
-        3 * b * d.t_q * d.d_model,
-    ]
-    return Cost(
+    logit_tensors = 8 * b * (h // p) * d.t_q * d.t_k
+    tensors = _tensors(local, logit_tensors, 2 * rows * (d.d_v + 1), b * d.t_q * d.d_model)
+    return _cost.build(
+        d,
         _projections(local, False, "contiguous") + mm,
-        _weight_level(d) + el + FINISH_PER_ROW * rows + FINISH_PER_ENTRY * rows * d.d_v,
+        _weight_level(d) + el + _finish(d, rows),
         logits,
-        inputs,
-        output,
-        b * (h // p) * d.t_q * d.t_k * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        b * (h // p) * d.t_q * d.t_k,
         collectives=collectives if p > 1 else (),
     )
 

@@ -1,14 +1,6 @@
 """The distributed family: its :class:`~attnref._src.core.family.Family`, the mesh helpers every
-scheme shares, and the public functions of a scheme: its kernel (the kernel signature plus
-``mesh`` and ``axis_name``) and its row form (the registry ``apply``).
-
-A kernel-level scheme takes the layout and options of ``jax.nn.dot_product_attention``
-(``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]``, global arrays in natural
-token order, sharded or not) plus ``mesh`` and ``axis_name``; it shards what it needs over the
-mesh axis itself (``shard_map``) and returns the global output. Its row form
-(``<id>_attention(params, x_q, x_kv, *, mask, bias, scale, residual, mesh)``) projects the heads,
-calls the scheme and applies ``W_O``: the same function as every softmax-family entry, checked
-by the same oracle (:func:`attnref.oracle.attention`).
+scheme shares, and a scheme's public kernel (the kernel signature plus ``mesh`` and
+``axis_name``) and row form (the registry ``apply``); see ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -69,9 +61,7 @@ def default_mesh(devices: int | None = None) -> Mesh:
 
 
 def head_mesh(num_heads: int) -> Mesh:
-    """The default mesh of a head-parallel scheme: :func:`default_mesh` over the largest device
-    count ``P <= jax.device_count()`` that divides ``num_heads`` (each device takes ``H / P``
-    whole heads).
+    """:func:`default_mesh` over the largest device count ``P`` that divides ``num_heads``.
 
     Args:
         num_heads: The number of query heads ``H``, a positive int.
@@ -114,8 +104,7 @@ def mesh_axis(mesh: Any, axis_name: str | None) -> tuple[str, int]:
 
 
 def split_scale(scale: Any) -> tuple[float | None, Array | None]:
-    """The caller's ``scale`` for a jitted scheme: a concrete one as a static Python float
-    (hashable, part of the compiled program's key), a traced one as an array argument."""
+    """``(static float, traced array)``: the caller's ``scale`` split for a jitted scheme."""
     if scale is None:
         return None, None
     if is_traced(scale):
@@ -129,8 +118,8 @@ def optional(**arrays: Any) -> dict[str, Any]:
 
 
 def mesh_args(inputs: KernelInputs, traced_scale: Array | None, **changed: Any) -> dict[str, Any]:
-    """A scheme's ``shard_map`` argument: the kernel's arrays (``changed`` replacing some, e.g.
-    padded or laid out) and a traced scale, without the ``None`` ones."""
+    """A scheme's ``shard_map`` argument: the kernel's arrays (``changed`` replacing some) and a
+    traced scale, without the ``None`` ones."""
     fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
     return optional(**{**fields, **changed, "scale": traced_scale})
 
@@ -151,8 +140,7 @@ def check_heads(n: int, devices: int, axis_name: str, scheme: str, what: str) ->
 
 @dataclasses.dataclass(frozen=True)
 class MeshRun:
-    """The static part of a scheme's call (hashable: its jitted program's key): the kernel
-    spec, a concrete scale (``None``: the default or a traced one), the mesh, its axis, ``P``."""
+    """The static part of a scheme's call (hashable: its jitted program's key)."""
 
     spec: KernelSpec
     scale: float | None
@@ -167,11 +155,8 @@ class MeshRun:
 def mesh_schedule(
     program: Callable[..., tuple[Array, Array]], heads: str | None = None
 ) -> Callable[..., tuple[Array, Array]]:
-    """The schedule of a scheme whose ``shard_map`` program takes ``(run: MeshRun, inputs,
-    traced_scale)``: the mesh axis resolved (and, for a head-parallel scheme named ``heads``,
-    its size checked against ``N``), the caller's scale split into a static and a traced part
-    (:func:`split_scale`). The program is jitted here, ``run`` static (a ``shard_map`` run
-    eagerly dispatches every operation on its own)."""
+    """The schedule of a scheme whose jitted ``shard_map`` program takes ``(run: MeshRun, inputs,
+    traced_scale)``; ``heads``: a head-parallel scheme's name, its ``P`` checked against ``N``."""
     jitted = jax.jit(program, static_argnums=0)
 
     def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
@@ -226,8 +211,7 @@ MESH_OPTION: dict[str, tuple[Any, str]] = {"mesh": (None, "Mesh | None")}
 
 
 def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
-    """The row level of a scheme: the row signature plus ``mesh`` (``None``: every device, or
-    for a head-parallel scheme the most devices whose count divides ``H``)."""
+    """The row level of a scheme: the row signature plus ``mesh``."""
 
     def on_mesh(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
         if mesh is None:
@@ -261,8 +245,7 @@ def scheme_rows(
     level: Level | None = None,
 ) -> Callable[..., Any]:
     """``<scheme>_attention``, the registry's ``apply``: multi-head attention through the
-    scheme's kernel ``native`` on a mesh (:func:`~attnref._src.formulations.kernel.kernel_rows`),
-    validated and guarded by :func:`attnref._src.core.entry.public`."""
+    scheme's kernel ``native`` on a mesh."""
     return rows_public(
         level or _rows_level(native, heads),
         formula,

@@ -1,66 +1,34 @@
 """Ring attention and its load-balanced orderings: K/V chunks rotate around the devices with
 ``ppermute`` while each device merges the state of its queries against every chunk.
 
-A sequence is padded and laid out over the ``P`` devices of a mesh axis
-(:mod:`attnref._src.formulations.distributed.layout`: ``"contiguous"`` for ring attention,
-``"striped"``, ``"zigzag"``); device ``d`` holds the queries and the K/V chunk at the global
-positions ``positions[d]``. At step ``r = 0, ..., P - 1`` it holds the K/V chunk of device
-``(d - r) mod P`` and updates its running state (:mod:`attnref._src.formulations.states`)::
+Device ``d`` holds the queries and the K/V chunk at the global positions ``positions[d]`` of
+the padded layout (``"contiguous"``, ``"striped"``, ``"zigzag"``; ``docs/distributed.md``). At
+step ``r = 0, ..., P - 1`` it holds chunk ``(d - r) mod P`` and updates its state::
 
     (o, lse) <- merge((o, lse), state(q, K_{(d - r) mod P}, V_{(d - r) mod P}))
 
-then passes the chunk on to device ``d + 1`` (``lax.ppermute``). After ``P`` steps every query
-has met every key; the state is the attention over all keys, and the kernel's finishing rules
-(masked rows, query padding) and the inverse layout give the result in natural order. Every
-option is a rule on global positions or an array indexed by them
-(:mod:`attnref._src.formulations.distributed.chunk`), so the answer is that of
-:func:`attnref.dot_product_attention` for any ``T``, ``S`` and ``P`` (lengths that ``P``, or
-``2 P`` for zigzag, does not divide are padded; padded keys are never attended and padded
-queries are dropped). States are kept in the compute dtype (float32 for 16-bit inputs) and
-rounded to the input dtype once, at the end.
-
-**Skipped steps and tiles.** A step whose chunk no local query may read by the position rules
-alone (``allowed_pairs`` without segment ids) is skipped with ``lax.cond``: its state would be
-the merge's identity. Otherwise the ``c_q x c_k`` piece is computed in the tiles of
-:func:`attnref.distributed.piece_tiles`, each query tile merging its key tiles in order: ``2 x 2``
-tiles under a cond in general; when the rules are known from the shapes (causality, a window),
-up to ``16 x 16`` tiles of at least 64 rows, those no step reaches left out of the program and
-those every step reaches run with no cond. Under a causal mask the busiest device computes
-``P - 1/4`` pieces with contiguous chunks, ``(2 P + 1) / 4`` with zigzag and ``9 P / 16`` with
-striped (``docs/distributed.md``).
+then passes the chunk on to device ``d + 1``. Every option is a rule on global positions, so the
+answer is :func:`attnref.dot_product_attention`'s for any ``T``, ``S`` and ``P``. A step no
+local query may read is skipped (``lax.cond``); the others are computed in the tiles of
+:func:`attnref.distributed.piece_tiles`.
 
 **Gradients** (a ``jax.custom_vjp`` around each device's ring). The forward saves the local
-``q``, ``k``, ``v``, bias and mask rows and the merged ``(o, lse)`` (never the ``P`` chunk
-states). With ``L`` the final lse, ``w_c = exp(lse_c - L)`` the weight of chunk ``c`` in
-``o = sum_c w_c o_c`` and ``L = log sum_c exp(lse_c)``, the chain rule gives the cotangents of
-chunk ``c``'s state::
+inputs and the merged ``(o, lse)``. With ``L`` the final lse and ``w_c = exp(lse_c - L)`` the
+weight of chunk ``c`` in ``o = sum_c w_c o_c``, the cotangents of chunk ``c``'s state are::
 
     do_c = w_c do,      dlse_c = w_c (do . (o_c - o) + dlse)
 
-(``d o / d lse_c = w_c (o_c - o)``, ``d L / d lse_c = w_c``). The backward runs the ring again:
-at each step it recomputes the chunk's state and feeds these cotangents to ``jax.vjp`` of the
-chunk function, accumulating ``dq`` locally and ``dk``, ``dv`` in accumulators that travel
-with the chunk; after ``P`` rotations each accumulator is back at its owner. The bias gradient
-of the local rows accumulates over the steps (a bias broadcast along ``T`` is shared by every
-device: its per-device gradients are summed by the transpose of the ``pcast`` that shares it,
-a ``psum``). A traced scale is an argument of the chunk function too, so each step's
-``jax.vjp`` also gives its cotangent, ``sum_ij dX_ij x_ij`` over the chunk's pairs
-(``x_ij = q_i . k_j``; ``dX`` the cotangent of ``scale x``, ``dS (1 - tanh^2(scale x / c))``
-under a softcap ``c``, ``dS`` the logit cotangent); it accumulates over the steps and, the
-scale being shared like such a bias, is summed over the devices by the same ``pcast``
-transpose. Rows with ``L = -inf`` (no key) or a non-finite ``L`` (a row that read a
-non-finite value) get ``w_c = 0``: no NaN reaches a gradient. There are no gradients with
-respect to the mask, lengths or segment ids.
-
-**Forward mode** is refused (a ``custom_vjp`` has no JVP rule); forward over reverse works
-(``docs/distributed.md``).
+(``d o / d lse_c = w_c (o_c - o)``, ``d L / d lse_c = w_c``). The backward runs the ring again,
+feeding these to ``jax.vjp`` of each step's recomputed chunk state: ``dq``, the bias rows' and a
+traced scale's cotangents accumulate locally, ``dk``, ``dv`` travel with the chunk back to
+their owner; what every device shares (a bias broadcast along ``T``, the scale) is summed by the
+transpose of the ``pcast`` that shares it. Rows with a non-finite ``L`` get ``w_c = 0``. Forward
+mode is refused (a ``custom_vjp`` has no JVP rule); forward over reverse works.
 
 References: Liu, Zaharia & Abbeel (2023), *Ring Attention with Blockwise Transformers for
 Near-Infinite Context*, arXiv:2310.01889; Brandon et al. (2023), *Striped Attention: Faster Ring
 Attention for Causal Transformers*, arXiv:2311.09431; the zigzag ring of
-zhuzilin/ring-flash-attention (GitHub, 2024). The Llama 3 report (Grattafiori et al. 2024,
-arXiv:2407.21783) puts its context-parallel chunks in the same layout but all-gathers the keys
-and values instead of passing them around a ring: that scheme is ``all_gather``.
+zhuzilin/ring-flash-attention (GitHub, 2024).
 """
 
 from __future__ import annotations
@@ -96,8 +64,7 @@ LAYOUT_OF = {"ring": "contiguous", "striped": "striped", "zigzag": "zigzag"}
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """Static description of one ring call: the global call's spec, the mesh axis and its size
-    ``P``, the layout and the padded lengths (``custom_vjp``'s non-differentiable argument)."""
+    """Static description of one ring call (``custom_vjp``'s non-differentiable argument)."""
 
     spec: KernelSpec
     axis: str
@@ -114,8 +81,7 @@ class _Ring:
         return table[jax.lax.axis_index(self.axis)]
 
     def k_positions(self, step: Any) -> Int[Array, " tk"]:
-        """Global positions of the K/V chunk this device holds at ``step``: device
-        ``(d - step) mod P``'s chunk."""
+        """Global positions of the chunk held at ``step`` (device ``(d - step) mod P``'s)."""
         table = jnp.asarray(seq_layout.positions(self.s_pad, self.devices, self.layout))
         owner = (jax.lax.axis_index(self.axis) - step) % self.devices
         return table[owner]
@@ -126,14 +92,12 @@ class _Ring:
         return jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, self.axis, perm), xs)
 
     def pass_on(self, step: Any, xs: Any) -> Any:
-        """:meth:`rotate` after every step but the last (``P - 1`` sends of each chunk: the
-        predicate is the same on every device, so they all take the same branch)."""
+        """:meth:`rotate` after every step but the last (the same branch on every device)."""
         return jax.lax.cond(step < self.devices - 1, self.rotate, lambda a: a, xs)
 
 
 def _reachable(ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array) -> Array:
-    """Whether any local query may read any key of the chunk by the position rules alone
-    (lengths, causality, window, padding); ``False`` means the chunk's state is empty."""
+    """Whether any local query may read any key of the chunk by the position rules alone."""
     lengths = lengths_only(local.q_lens, local.kv_lens)
     allowed = allowed_pairs(ring.spec, lengths, q_pos, k_pos, in_range=True)
     assert allowed is not None  # in_range: never None
@@ -153,9 +117,8 @@ def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
 
 
 def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
-    """Per query tile of :func:`piece_tiles`' table, the key tiles it computes as runs
-    ``(b0, b1, gated)``: each :data:`SOMETIMES` tile alone under a ``lax.cond`` (``gated``),
-    adjacent :data:`ALWAYS` tiles as one ungated slice; :data:`NEVER` tiles are left out."""
+    """Per query tile of :func:`piece_tiles`' table, its key runs ``(b0, b1, gated)``: each
+    ``SOMETIMES`` tile gated alone, adjacent ``ALWAYS`` tiles as one slice, no ``NEVER`` tile."""
     runs: list[list[tuple[int, int, bool]]] = []
     for row in kinds.tolist():
         mine: list[tuple[int, int, bool]] = []
@@ -172,9 +135,8 @@ def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
 
 
 def _piece_kinds(ring: _Ring, local: LocalInputs) -> Any:
-    """:func:`attnref.distributed.piece_tiles` of the call: its position rules (causality, the
-    window) when they are known from the shapes (no traced lengths; no sink tokens, whose
-    exemption from the window the tiling does not model)."""
+    """:func:`attnref.distributed.piece_tiles` of the call, with its position rules when they
+    are known from the shapes (no traced lengths; no sink tokens under a window)."""
     spec = ring.spec
     static = (
         local.q_lens is None
@@ -190,14 +152,8 @@ def _piece_kinds(ring: _Ring, local: LocalInputs) -> Any:
 def _state_fn(
     ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array, kv_seg: Array | None
 ) -> Any:
-    """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``
-    (``scale``: the traced scale, or ``None`` for the concrete one :class:`_Ring` carries; an
-    argument, so the backward's ``jax.vjp`` gives its cotangent).
-
-    The piece is computed in ``n x n`` tiles (:func:`attnref.distributed.piece_tiles`): a tile
-    no query may ever read is left out, one that some steps reach is computed under a
-    ``lax.cond`` on the position rules (forward and, through ``jax.vjp``, backward), and each
-    query tile merges its key tiles' (or key runs') states in order."""
+    """``(q, k, v, bias, scale) -> (o, lse)`` of the local queries against a chunk at ``k_pos``,
+    in the tiles of :func:`_piece_kinds` (``scale``: the traced one, or ``None``)."""
     lengths = lengths_only(local.q_lens, local.kv_lens)
     c_q, c_k = q_pos.shape[0], k_pos.shape[0]
     kinds = _piece_kinds(ring, local)
@@ -259,8 +215,7 @@ def _state_fn(
 
 
 def _varying(ring: _Ring, a: Array) -> Array:
-    """``a`` (the same on every device) typed as varying over the ring's axis, as the loop's
-    carries are."""
+    """``a`` (the same on every device) typed as varying over the ring's axis."""
     return jax.lax.pcast(a, ring.axis, to="varying")
 
 
@@ -391,8 +346,7 @@ def _device(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
 
 @functools.lru_cache(maxsize=256)
 def _program(ring: _Ring, mesh: Any, specs: LocalInputs) -> Any:
-    """The jitted ``shard_map`` of :func:`_device` (cached: an eager call compiles once per
-    ring, mesh and option set instead of dispatching every operation on every device)."""
+    """The jitted ``shard_map`` of :func:`_device` (cached: an eager call compiles once)."""
     tokens = PartitionSpec(None, ring.axis)
     return jax.jit(
         jax.shard_map(
@@ -404,8 +358,7 @@ def _program(ring: _Ring, mesh: Any, specs: LocalInputs) -> Any:
     )
 
 
-# JAX's error for forward-mode differentiation of a ``custom_vjp`` (raised while ``jax.jvp``
-# traces the ring's program), and the one the kernels raise instead.
+# JAX's error for forward-mode differentiation of a ``custom_vjp``, and the kernels' instead.
 _JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 _FORWARD_MODE = (
     "{name} does not support forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize): "

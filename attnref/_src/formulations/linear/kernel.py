@@ -1,29 +1,17 @@
 """Linear (kernel) attention in every form (Katharopoulos et al. 2020, "Transformers are RNNs").
 
-Kernel level, heads on the second-to-last axis (the layout of ``jax.nn.dot_product_attention``):
+Kernel level, heads second to last (``jax.nn.dot_product_attention``'s layout):
 ``q [..., T_q, H, d_k]``, ``k [..., T_k, H, d_k]``, ``v [..., T_k, H, d_v]``, output
-``[..., T_q, H, d_v]``.
-With ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys ``j`` (``key_mask`` True and, if
-``causal``, ``j <= i``)::
+``[..., T_q, H, d_v]``. With ``A_ij = phi(q_i).phi(k_j)`` over the allowed keys ``j``
+(``key_mask`` True and, if ``causal``, ``j <= i``)::
 
     y_i = (sum_j A_ij v_j) / den_i,   den_i = sum_j A_ij
 
-**Denominator policy** (one rule for every form and the oracle): ``eps_policy="add"`` (default)
-divides by ``den_i + eps``, as fast-transformers' ``LinearAttention`` does (``eps = 1e-6`` there);
-``eps_policy="clamp"`` divides by ``max(den_i, eps)``. ``den_i`` is the sum of the *defined*
-``A_ij``: FAVOR+'s stabilised features carry a per-query factor ``exp(-c_i)``, and ``eps`` is
-rescaled by the same factor (:func:`normalize`), so ``eps`` means the same under every map.
-The default ``eps = 0`` is the exact ratio; as ``eps -> 0`` both policies converge to it, with
-relative error ``eps / den_i`` for ``add``.
-Wherever the adjusted denominator is exactly zero (no allowed key, or exact cancellation with a
-signed map) the output is zero, never NaN, and the gradient is finite. With a signed map
-(``identity``) the denominator can be close to zero with keys present: the ratio is then
-ill-conditioned and grows like ``1 / den_i``; attnref reproduces that exactly rather than hiding
-it (see ``docs/formulations/linear_*.md``).
-
-Forms: quadratic (materialise ``A``), associative (``phi(Q) (phi(K)^T V)``, non-causal), causal
-prefix sums, recurrent (``lax.scan`` over the state ``(S_t, z_t)``), chunked (quadratic inside
-chunks plus the carried state). Causal forms need ``T_q == T_k`` (self-attention, aligned).
+divided by ``den_i + eps`` (``eps_policy="add"``, default) or ``max(den_i, eps)`` (``"clamp"``);
+zero where the adjusted denominator is exactly zero. Forms: quadratic, associative
+(non-causal), causal prefix sums, recurrent (``lax.scan`` over ``(S_t, z_t)``) and chunked;
+causal forms need ``T_q == T_k``. The eps policy, FAVOR+'s rescaled ``eps`` and the signed
+maps' conditioning: ``docs/linear_attention.md``.
 """
 
 from __future__ import annotations
@@ -107,11 +95,10 @@ def prefix_sum(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T H d_v"]:  # 
 
 
 class LinearState(NamedTuple):
-    """Recurrent state of causal linear attention: ``S [..., H, m, d_v]``, ``z [..., H, m]``.
+    """Recurrent state of causal linear attention.
 
     Attributes:
-        s: ``S = sum_j phi(k_j) v_j^T`` over the keys appended so far, ``[..., H, m, d_v]``
-            (``m`` features).
+        s: ``S = sum_j phi(k_j) v_j^T`` over the keys appended so far, ``[..., H, m, d_v]``.
         z: ``z = sum_j phi(k_j)``, ``[..., H, m]``.
     """
 
@@ -220,8 +207,6 @@ def linear_step(
 ) -> tuple[LinearState, Float[Array, "... H d_v"]]:
     """One decoding step (the RNN view): ``S += phi(k_t) v_t^T``, ``z += phi(k_t)``, read out.
 
-    ``key_valid`` (per batch element) skips the append for padding positions.
-
     Args:
         state: The state before this token (:class:`LinearState`), ``s [..., H, m, d_v]``,
             ``z [..., H, m]``.
@@ -267,11 +252,8 @@ def linear_step(
 
 # ----------------------------------------------------------------------------- the kernel level
 #
-# One validation for every form (:func:`prepare_kernel`). ``form``, ``modes`` (the causal modes
-# it takes) and the default of ``causal`` (``modes[0]``) are bound by ``functools.partial``; the
-# public signature is the rest of :func:`prepare_kernel`'s (with ``T`` for ``T_q == T_k`` in the
-# causal-only forms, :func:`one_length`), with ``chunk_size`` for the chunked form
-# (:func:`with_chunk_size`).
+# ``form``, ``modes`` (the causal modes it takes) and ``causal``'s default (``modes[0]``) are bound
+# by ``functools.partial``; the public signature is the rest of :func:`prepare_kernel`'s.
 
 
 def prepare_kernel(
@@ -298,8 +280,7 @@ def prepare_kernel(
 
 
 def one_length(prepare: Callable[..., KernelCall]) -> Callable[..., KernelCall]:
-    """``prepare`` with ``T_q`` and ``T_k`` written ``T`` in its annotations: the signature of
-    the causal-only forms (``T_q == T_k = T``)."""
+    """``prepare`` with ``T_q`` and ``T_k`` written ``T`` in its annotations (causal-only forms)."""
 
     @functools.wraps(prepare)
     def prepare_causal(*args: Any, **kwargs: Any) -> KernelCall:
