@@ -41,24 +41,21 @@ __all__ = ["kernel_grad_error_bound"]
 
 
 def _block(
-    q: np.ndarray,
-    kg: np.ndarray,
-    vg: np.ndarray,
-    ok: np.ndarray,
-    bias: np.ndarray | None,
-    d_o: np.ndarray,
-    d_l: np.ndarray,
-    sc: float,
-    softcap: float | None,
-    units: tuple[float, ...],
-    n_dk: int,
-    w: np.ndarray | None = None,
-    z: np.ndarray | None = None,
+    call: Any, b: int, i0: int, i1: int, ok: np.ndarray, kv: tuple[np.ndarray, ...], units: Any
 ) -> tuple[np.ndarray, ...]:
-    """Bounds of one batch element and query block per head (``q [N, R, H]``, ``kg [N, S, H]``,
-    ``vg [N, S, H_v]``, ``ok``/``bias``/``w`` (dropout) ``[N, R, S]``), summed over ``units``:
-    ``(e_dq, e_dk, e_dv, e_dS, |dS|)``; sinks ``z [N]`` are appended as key ``S`` (value 0)."""
-    c = C_EXP
+    """Bounds of query rows ``i0 .. i1 - 1`` of batch ``b`` per head (``ok [N, R, S]``; ``kv``:
+    keys, values ``[N, S, d]`` and the cotangents ``d_o``, ``d_l``), summed over ``units``:
+    ``(e_dq, e_dk, e_dv, e_dS, |dS|)``; sinks are appended as key ``S`` (value 0)."""
+    kg, vg, d_o, d_l = kv
+    d_o, d_l = d_o[b, i0:i1].transpose(1, 0, 2), d_l[b, i0:i1].T
+    bias = None if call.bias is None else call.bias[b, :, i0:i1]
+    q, sc, softcap, z = call.q[b, i0:i1].transpose(1, 0, 2), call.scale, call.softcap, call.sinks
+    w = None  # dropout's keep / (1 - p)
+    if call.keep is not None and call.rate is not None:
+        w = np.where(
+            np.broadcast_to(call.keep[b, :, i0:i1], ok.shape), 1.0 / (1.0 - call.rate), 0.0
+        )
+    n_dk, c = call.shape[2] * call.group, C_EXP
     if z is not None:
         n_r = q.shape[1]
         col = np.broadcast_to(z[:, None, None], (len(z), n_r, 1))
@@ -175,29 +172,9 @@ def kernel_grad_error_bound(
             ok = allowed_rows(c, b, slice(None), i0, i1, 0, s_len)
             ok = np.ones((n_heads, i1 - i0, s_len), bool) if ok is None else ok
             dead[i0:i1] = ~ok.any(axis=-1).T
-            bias_blk = None if c.bias is None else c.bias[b, :, i0:i1]
-            q = c.q[b, i0:i1].transpose(1, 0, 2)
-            w = None
-            if c.keep is not None and c.rate is not None:
-                keep = np.broadcast_to(c.keep[b, :, i0:i1], ok.shape)
-                w = np.where(keep, 1.0 / (1.0 - c.rate), 0.0)
             if c.sinks is not None:  # a row with a finite sink is alive
                 dead[i0:i1] &= ~np.isfinite(c.sinks)[None, :]
-            e_dq, e_dk, e_dv, e_ds, a_ds = _block(
-                q,
-                kg,
-                vg,
-                ok,
-                bias_blk,
-                d_o[b, i0:i1].transpose(1, 0, 2),
-                d_l[b, i0:i1].T,
-                c.scale,
-                c.softcap,
-                units,
-                t * grp,
-                w,
-                c.sinks,
-            )
+            e_dq, e_dk, e_dv, e_ds, a_ds = _block(c, b, i0, i1, ok, (kg, vg, d_o, d_l), units)
             if e_dz is not None and a_dz is not None:  # the sink's column, then the keys'
                 e_dz += e_ds[..., s_len].sum(axis=1)
                 a_dz += a_ds[..., s_len].sum(axis=1)

@@ -357,18 +357,11 @@ def _kernel_favor(
 
 
 def _kernel_bound(
-    q: Any,
-    k: Any,
-    v: Any,
-    d_y: Any,
-    errors: tuple[Any, Any, Any, Any],
-    fm: Any,
-    causal: bool,
-    key_mask: Any,
-    eps: float,
-    eps_policy: str,
+    q: Any, k: Any, v: Any, d_y: Any, errors: tuple[Any, ...], options: tuple[Any, ...]
 ) -> tuple[np.ndarray, ...]:
-    """Token-major ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)`` for inputs known to ``errors``."""
+    """Token-major ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)`` for inputs known to ``errors``
+    (``options``: the feature map, ``causal``, ``key_mask``, ``eps``, ``eps_policy``)."""
+    fm, causal, key_mask, eps, eps_policy = options
     causal = check_options(fm, causal, eps_policy, "fast")
     q, k, v, dy = (np.asarray(a, dtype=np.float64) for a in (q, k, v, d_y))
     eq, ek, ev, edy = (
@@ -410,10 +403,8 @@ def linear_attention_vjp_error_bound(
         TypeError: If ``feature_map`` is not a feature map, or ``causal`` is not a bool.
         ValueError: If ``eps_policy`` is unknown.
     """
-    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
-    out = _kernel_bound(
-        q, k, v, d_y, (dq, dk, dv, d_dy), feature_map, causal, key_mask, eps, eps_policy
-    )
+    q, k, v, *options = call.values()
+    out = _kernel_bound(q, k, v, d_y, (dq, dk, dv, d_dy), tuple(options))
     return LinearGrads(out[0], out[1], out[2])
 
 
@@ -463,7 +454,7 @@ def linear_multihead_vjp_error_bound(
             unknown.
         TypeError: If ``feature_map`` is not a feature map.
     """
-    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
+    params, x_q, x_kv, *options = call.values()
     w = read_params(params)  # K/V heads repeated to one per query head
     w_q, w_k, w_v, w_o = head_weights(w)
     raw_k = get_param(params, "w_k")
@@ -477,9 +468,7 @@ def linear_multihead_vjp_error_bound(
     v, ev = projected_heads(xkv, w, "v", _g(d_model + 1))
     dz = np.einsum("...qd,hvd->...qhv", dy, w_o)
     e_dz = _g(d_model + 2) * np.einsum("...qd,hvd->...qhv", np.abs(dy), np.abs(w_o))
-    bq, bk, bv, z, e_z, gq, gk, gv = _kernel_bound(
-        q, k, v, dz, (eq, ek, ev, e_dz), feature_map, causal, key_mask, eps, eps_policy
-    )
+    bq, bk, bv, z, e_z, gq, gk, gv = _kernel_bound(q, k, v, dz, (eq, ek, ev, e_dz), tuple(options))
     n_q = math.prod(xq.shape[:-1])
     out = {
         "w_o": np.einsum("...qhv,...qd->hvd", e_z, np.abs(dy), optimize=True)
