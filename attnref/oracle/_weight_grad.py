@@ -107,17 +107,11 @@ def _cotangent(d_y: Any, p: Fast) -> np.ndarray:
 
 def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
     """Zero accumulators of every field's shape (biases included, present or not)."""
-    w_q, w_k, w_v, w_o = head_weights(p.w)
-    return {
-        "w_q": np.zeros(w_q.shape),
-        "w_k": np.zeros(w_k.shape),
-        "w_v": np.zeros(w_v.shape),
-        "w_o": np.zeros(w_o.shape),
-        "b_q": np.zeros((w_q.shape[0], w_q.shape[2])),
-        "b_k": np.zeros((w_k.shape[0], w_k.shape[2])),
-        "b_v": np.zeros((w_v.shape[0], w_v.shape[2])),
-        "b_o": np.zeros(w_o.shape[2]),
-    }
+    out = {}
+    for name, w in zip(("q", "k", "v", "o"), head_weights(p.w), strict=True):
+        out["w_" + name] = np.zeros(w.shape)
+        out["b_" + name] = np.zeros(w.shape[2] if name == "o" else w.shape[::2])
+    return out
 
 
 def sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -125,26 +119,6 @@ def sum_to_shape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     a = a.sum(axis=tuple(range(a.ndim - len(shape))))
     axes = tuple(k for k, n in enumerate(shape) if n == 1 and a.shape[k] != 1)
     return a.sum(axis=axes, keepdims=True) if axes else a
-
-
-def _finish(
-    p: Fast,
-    grads: dict[str, np.ndarray],
-    dxq: np.ndarray,
-    dxkv: np.ndarray,
-    d_bias: np.ndarray | None,
-    dy: np.ndarray,
-    *,
-    shared: bool,
-    residual: bool,
-) -> AttentionGrads:
-    """Add the residual and shared-token paths; ``None`` for absent biases and inputs."""
-    if residual:
-        dxq = dxq + dy
-    if shared:
-        dxq = dxq + dxkv
-    params = {name: (grads[name] if p.w[name] is not None else None) for name in FIELDS}
-    return AttentionGrads(params, dxq, None if shared else dxkv, d_bias)
 
 
 # ----------------------------------------------------------------------------- definition
@@ -240,7 +214,7 @@ def _fast(
     p: Fast,
     dy: np.ndarray,
     bias_shape: tuple[int, ...] | None,
-    rotations: tuple[Rotation, Rotation, Rotation, Rotation] | None = None,
+    rotations: tuple[Rotation, ...] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
     """:func:`_definition` with BLAS by query blocks (``rotations = (R_q, R_k, R_q^T, R_k^T)``),
     the bias gradient in ``bias_shape``."""
@@ -360,11 +334,8 @@ def _vjp(
         rotations = None
         if rope is not None:
             pq, pk, base, convention = rope
-            rotations = (
-                rotation(pq, base, convention),
-                rotation(pk, base, convention),
-                rotation(pq, base, convention, sign=-1.0),
-                rotation(pk, base, convention, sign=-1.0),
+            rotations = tuple(
+                rotation(pos, base, convention, sign) for sign in (1.0, -1.0) for pos in (pq, pk)
             )
         g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape, rotations)
     else:
@@ -373,4 +344,9 @@ def _vjp(
         else:
             g, dxq, dxkv, d_full = _definition(p, dy, turn(rope[2], rope[3]), rope[0], rope[1])
         d_bias = None if bias_shape is None else sum_to_shape(d_full, bias_shape)
-    return _finish(p, g, dxq, dxkv, d_bias, dy, shared=shared, residual=residual)
+    if residual:
+        dxq = dxq + dy
+    if shared:
+        dxq = dxq + dxkv
+    params = {name: (g[name] if p.w[name] is not None else None) for name in FIELDS}
+    return AttentionGrads(params, dxq, None if shared else dxkv, d_bias)
