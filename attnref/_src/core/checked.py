@@ -1,20 +1,8 @@
 """Checked mode: value checks that survive ``jax.jit``, built on ``jax.experimental.checkify``.
 
-Shapes and dtypes are static, so attnref checks them at trace time (``attnref._src.core.checks``).
-Some conditions depend on array *values* (a KV cache's fill level, a sequence length, an
-absolute position): eagerly they are concrete and checked at once; under ``jax.jit``, ``vmap``
-or ``lax.scan`` they are tracers and cannot be. For those, attnref code calls :func:`require`,
-which
-
-* raises ``error(message)`` at once when the condition is concrete (eager calls), and
-* otherwise records a ``checkify.debug_check``: a no-op in plain (unchecked) traced code, and a
-  real check under :func:`checked`, which raises :class:`jax.experimental.checkify.
-  JaxRuntimeError` (a ``ValueError``) with the message filled in with the runtime values.
-
-In unchecked traced code the caller must still never return a silently wrong number: every
-``require`` site pairs the check with an unmistakable result (NaN rows, documented at the site).
-
-Usage (jit inside, so one compile is reused)::
+Conditions on array *values* (a KV cache's fill level, a length, a position) are checked at once
+when concrete; traced, :func:`require` records a ``checkify.debug_check`` that raises only under
+:func:`checked`, and the unchecked result is an unmistakable NaN row. Usage::
 
     attention = attnref.checked(jax.jit(attnref.decode.cached_attention))
     out, cache = attention(cache, q, k, v)   # raises instead of returning NaN rows
@@ -51,17 +39,9 @@ def require(
 ) -> None:
     """Assert that every element of the boolean array ``ok`` is true.
 
-    ``message`` is a ``str.format`` template whose ``{name}`` fields are filled from ``values``
-    (arrays or Python numbers; pass scalars, e.g. the first offending position, so the message
-    stays short). Put static facts (capacities, shapes) into the template itself with an
-    f-string, doubling any literal braces.
-
-    Concrete ``ok`` (eager code): raises ``error(message.format(**values))`` when any element is
-    false. Traced ``ok`` (inside ``jax.jit``, ``vmap``, ``lax.scan``, ``grad``): records
-    ``checkify.debug_check(all(ok), message, **values)``, which does nothing unless the call runs
-    under :func:`checked` (or the caller's own ``checkify.checkify``); there it raises
-    ``checkify.JaxRuntimeError``. The caller must make the unchecked traced result unmistakable
-    itself (attnref returns NaN rows).
+    ``message`` is a ``str.format`` template filled from ``values`` (pass scalars). Concrete
+    ``ok``: raises ``error(message)`` at once. Traced: records ``checkify.debug_check``, which
+    raises only under :func:`checked`; the caller makes the unchecked result NaN rows.
     """
     if not isinstance(ok, jax.core.Tracer) and not any(
         isinstance(v, jax.core.Tracer) for v in values.values()
@@ -77,18 +57,10 @@ def require(
 def checked(fn: F) -> F:
     """The checked twin of ``fn``: value checks that ``fn`` cannot do at trace time raise.
 
-    ``checked(fn)(*args, **kwargs)`` runs ``checkify.checkify(fn, errors=checkify.user_checks)``
-    and throws the first failed :func:`require` as ``checkify.JaxRuntimeError`` (a subclass of
-    ``ValueError``) whose message names the offending values; otherwise it returns ``fn``'s
-    result unchanged. Without ``checked``, the same failures give documented NaN rows under
-    ``jax.jit``. ``fn`` may itself be jitted (recommended: ``checked(jax.jit(fn))`` compiles
-    once); arguments that are not arrays (Python ints, floats, callables, strings) are passed
-    through unchanged, so ``jax.jit``'s static arguments keep working. Float64 array arguments
-    switch ``jax_enable_x64`` on for the call (as every attnref function does).
-
-    Call the result outside any ``jax.jit``: an error can only be raised once its values are
-    concrete. To check inside your own jitted code, use ``checkify.checkify`` directly and call
-    ``err.throw()`` outside.
+    ``checked(fn)`` runs ``checkify.checkify(fn, errors=checkify.user_checks)`` and throws the
+    first failed :func:`require` (without it, the same failures give NaN rows under
+    ``jax.jit``). ``fn`` may be jitted (``checked(jax.jit(fn))`` compiles once); non-array
+    arguments pass through unchanged. Call the result outside any ``jax.jit``.
 
     Args:
         fn: Any function built from attnref calls (jitted or not), e.g.

@@ -29,8 +29,8 @@ PARAM_FIELDS = WEIGHT_FIELDS + BIAS_FIELDS
 HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): this is a reference
 
 
-def _enable_x64_context() -> Any:
-    """Return JAX's scoped ``jax_enable_x64`` context manager (location moved across versions)."""
+def enable_x64() -> Any:
+    """A context manager that switches ``jax_enable_x64`` on within its scope."""
     ctx = getattr(jax, "enable_x64", None)
     if ctx is not None:
         return ctx(True)
@@ -44,25 +44,14 @@ def x64_enabled() -> bool:
     return bool(jax.config.read("jax_enable_x64"))
 
 
-def enable_x64() -> Any:
-    """A context manager that switches ``jax_enable_x64`` on within its scope."""
-    return _enable_x64_context()
-
-
 def _is_float64(leaf: Any) -> bool:
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and np.dtype(dtype) == np.float64
 
 
 def float64_scoped(fn: F) -> F:
-    """Run ``fn`` with ``jax_enable_x64`` switched on when any array argument is float64.
-
-    JAX silently turns float64 inputs into float32 while x64 is off. attnref refuses that
-    silent downgrade: a call whose inputs (arrays or parameter leaves) are float64 runs inside a
-    scoped ``jax.enable_x64(True)``, so the computation and the returned array are float64.
-    Under a caller's own ``jax.jit`` the inputs are already tracers of JAX's canonical dtype,
-    so callers who jit attnref themselves must enable x64 themselves (JAX's own rule).
-    """
+    """Run ``fn`` with ``jax_enable_x64`` switched on when any array argument is float64 (JAX
+    would silently downgrade it; under a caller's own ``jax.jit`` the caller enables x64)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -70,7 +59,7 @@ def float64_scoped(fn: F) -> F:
             return fn(*args, **kwargs)
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if any(_is_float64(leaf) for leaf in leaves):
-            with _enable_x64_context():
+            with enable_x64():
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
@@ -81,7 +70,7 @@ def in_x64_if_float64(dtype: Any, fn: Callable[..., Any], *args: Any, **kwargs: 
     """``fn(*args, **kwargs)``, with x64 switched on when ``dtype`` is float64 (for functions
     whose dtype is an argument rather than an input array's: cf. :func:`float64_scoped`)."""
     if np.dtype(dtype) == np.float64 and not x64_enabled():
-        with _enable_x64_context():
+        with enable_x64():
             return fn(*args, **kwargs)
     return fn(*args, **kwargs)
 
@@ -100,14 +89,8 @@ def jax_heads_message(sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, .
 
 
 def check_params(params: Any) -> tuple[int, int, int, int]:
-    """Validate an :class:`~attnref.AttentionParams`; return ``(H, d_model, d_k, d_v)``.
-
-    Shapes: ``w_q [H, d_model, d_k]``, ``w_k [K, d_model, d_k]``, ``w_v [K, d_model, d_v]``,
-    ``w_o [H, d_v, d_model]``, ``b_q [H, d_k]``, ``b_k [K, d_k]``, ``b_v [K, d_v]``,
-    ``b_o [d_model]``, with ``K`` key/value heads and ``H % K == 0`` (``K == H``: multi-head,
-    ``1 < K < H``: grouped-query, ``K == 1``: multi-query attention). The checks are the
-    oracle's (static shapes and dtypes, NumPy only).
-    """
+    """Validate an :class:`~attnref.AttentionParams` (the oracle's static checks, shapes as in
+    ``attnref._src.core.params``); return ``(H, d_model, d_k, d_v)``."""
     h, _, d_model, d_k, d_v = oc.check_params(params, heads_text=jax_heads_message)
     return h, d_model, d_k, d_v
 
@@ -120,11 +103,8 @@ def check_tokens(
     layout: str = "row",
     names: tuple[str, str] = ("x_q", "x_kv"),
 ) -> tuple[tuple[int, ...], int, int]:
-    """Validate token inputs against the parameters; return ``(batch_shape, T_q, T_k)``.
-
-    ``layout="row"`` expects ``[..., T, d_model]``; ``layout="column"`` expects
-    ``[..., d_model, T]``.
-    """
+    """Validate token inputs (``[..., T, d_model]``, or ``[..., d_model, T]`` for
+    ``layout="column"``); return ``(batch_shape, T_q, T_k)``."""
     _, d_model, _, _ = check_params(params)
     return oc.check_tokens(d_model, dtype_of(params.w_q), x_q, x_kv, layout=layout, names=names)
 
@@ -136,19 +116,14 @@ def check_mask_and_bias(
     *,
     axes: str = "[..., T_q, T_k]",
 ) -> None:
-    """Check that ``mask`` (boolean) and ``bias`` (floating) broadcast to ``target`` exactly.
-
-    Broadcasting may only add or stretch leading/size-1 axes; it may never grow ``target``.
-    """
+    """Check that ``mask`` (boolean) and ``bias`` (floating) broadcast to ``target`` exactly
+    (never growing it)."""
     oc.check_mask_and_bias_kinds(mask, bias, target, axes)
 
 
 def check_scale(scale: Any) -> None:
-    """A scale is a Python or NumPy real scalar, or a 0-d array (traced is fine).
-
-    ``ValueError`` for a non-scalar, ``TypeError`` for a scalar that is not a real number (text,
-    bool, complex).
-    """
+    """A scale is a real scalar or a 0-d array (traced is fine): ``ValueError`` for a
+    non-scalar, ``TypeError`` for text, bool or complex."""
     if scale is not None:
         oc.check_real_kind("scale", scale)
 

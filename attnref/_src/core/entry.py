@@ -1,17 +1,13 @@
 """The one wrapper around every formulation: validation, float64 scoping, the non-finite guard.
 
-A formulation is a pure function of validated, finite inputs; it checks and guards nothing.
-:func:`public` makes its public function, the same way at every level::
+A formulation is a pure function of validated, finite inputs. :func:`public` makes its public
+function at every level::
 
     inputs = level.prepare(*args, **kwargs)        # validation: errors name argument and shape
     out = inputs.run(formula)                      # the formula, on the finite parts
     return poison_rows(inputs.dirty_rows(), out)   # NaN on rows that read a non-finite value
 
-inside :func:`~attnref._src.core.checks.float64_scoped`, the last two lines as one compiled
-program (:func:`compiled`) when the inputs are a pytree. A :class:`Level` declares a signature
-once: its ``prepare`` (the signature and the validation) and its Args text. The row level
-(:data:`ROWS`, :data:`ROW_PROBES`) is defined in :mod:`attnref._src.core.common`; the column,
-kernel and linear levels live next to their formulations.
+inside ``float64_scoped``, the last two lines as one program (:func:`compiled`).
 """
 
 from __future__ import annotations
@@ -44,12 +40,8 @@ class Guardable(Protocol):
 
 
 def guard(inputs: Guardable, formula: Callable[..., Any], heads: bool = False) -> Any:
-    """The non-finite guard: ``formula`` on finite inputs, NaN on the dirty rows.
-
-    What a query may not read then never reaches its output or gradients, whatever it holds
-    (:mod:`attnref._src.core.nonfinite`). ``heads=True``: the outputs carry a head axis before
-    the row axis (``[..., H, T_q, ...]``).
-    """
+    """The non-finite guard: ``formula`` on finite inputs, NaN on the dirty rows (``heads``:
+    outputs ``[..., H, T_q, ...]``)."""
     dirty = inputs.dirty_rows()
     if heads:
         dirty = dirty[..., None, :]  # a size-1 head axis, broadcast by the selection
@@ -57,24 +49,16 @@ def guard(inputs: Guardable, formula: Callable[..., Any], heads: bool = False) -
 
 
 def traced(leaf: Any) -> bool:
-    """Whether :func:`compiled` traces a leaf: arrays and NumPy scalars. Python numbers (a
-    caller's ``scale``), strings, dtypes, specs and functions stay static: the formula sees them
-    exactly as an eager call does."""
+    """Whether :func:`compiled` traces a leaf (arrays and NumPy scalars; the rest is static)."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 def compiled(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` as one compiled program: what a public function computes after validating.
 
-    ``jax.jit`` with the array leaves of ``args`` traced and every other leaf static (part of
-    the program's key), so an eager call compiles one program per shapes and options, reused,
-    instead of dispatching each operation on its own (dozens of small compilations). Inside a
-    caller's trace (``jit``, ``grad``, ``vmap``) it is inlined: the caller's program is the same
-    as without it. Validation, including :func:`~attnref._src.core.checked.require`'s eager
-    value checks, runs before it, on the caller's concrete arrays. An unhashable static leaf
-    falls back to calling ``fn`` directly. Programs are cached by ``fn`` and the static leaves:
-    code that patches attnref's internals at run time (a mutation test) calls
-    ``jax.clear_caches()`` before and after.
+    ``jax.jit`` with the array leaves traced and the rest static (an eager call compiles once per
+    shapes and options; inlined inside a caller's trace); an unhashable static leaf calls ``fn``
+    directly. Code that patches attnref at run time calls ``jax.clear_caches()``.
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
     mask = tuple(traced(leaf) for leaf in leaves)
@@ -118,11 +102,8 @@ def public(
     returns: str,
     heads: bool = False,
 ) -> Callable[..., Any]:
-    """The public function ``name`` of ``formula`` at ``level``: validate, scope float64, guard.
-
-    Its signature is ``level.prepare``'s with ``formula``'s return annotation; its docstring
-    is ``summary``, the level's Args text and ``returns``.
-    """
+    """The public function ``name`` of ``formula`` at ``level``: validate, scope float64, guard
+    (``level.prepare``'s signature; docstring ``summary``, the level's Args and ``returns``)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return compiled(guard, level.prepare(*args, **kwargs), formula, heads)

@@ -1,14 +1,7 @@
-"""Formulation families: the contract that every member of a family shares.
-
-A :class:`Family` says how to call and how to check each of its members: the row-convention
-``apply`` signature they all take, the float64 NumPy oracle with that signature, the derived
-error bound (the oracle's signature plus ``dtype``), the keyword arguments a call needs, and the
-paragraph the generated pages show. The report, the docs generator and the tests call
-``f.family.oracle(...)``, ``f.family.bound(...)`` and ``f.family.example(...)`` for any entry
-``f`` instead of branching on family names.
-
-The softmax family is defined here; the linear and RoPE families live next to their
-formulations, under ``attnref/_src/formulations/``.
+"""Formulation families: the contract every member of a family shares (its ``apply``
+signature, float64 oracle, derived bound, required keyword arguments, example call and page
+paragraph), so callers use ``f.family.oracle(...)`` instead of branching on family names. The
+softmax family is defined here; the others live next to their formulations.
 """
 
 from __future__ import annotations
@@ -60,35 +53,29 @@ def no_kwargs(problem: ExampleProblem) -> dict[str, Any]:
 
 
 def masked_example(problem: ExampleProblem, causal: bool) -> Example:
-    """The softmax family's example: causality is a boolean mask (``None`` when not causal), and
-    cross-attention is allowed."""
+    """The softmax family's example: causality as a boolean mask, cross-attention allowed."""
     mask = np.tril(np.ones((problem.t_q, problem.t_k), bool)) if causal else None
     return Example({"mask": mask}, False, "causal mask" if causal else "no mask")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Family:
-    """A family of formulations: one ``apply`` signature, one oracle, one derived bound.
-
-    Families compare by identity: code calls a family's oracle, bound and hooks instead of
-    comparing names (``attnref.formulations("linear")`` accepts the name for convenience).
+    """A family of formulations: one ``apply`` signature, one oracle, one derived bound
+    (families compare by identity).
 
     Attributes:
         name: Stable name (``"softmax"``, ``"linear"``, ``"rope"``), unique among families.
-        oracle: The float64 NumPy reference from :mod:`attnref.oracle`; it takes the members'
-            ``apply`` signature, ``(params, x_q, x_kv=None, **kwargs)``.
-        bound: The derived componentwise error bound from :mod:`attnref.tolerance`: the
-            oracle's signature plus a keyword ``dtype`` (the dtype the member computed in).
+        oracle: The float64 NumPy reference (:mod:`attnref.oracle`), the members' signature.
+        bound: The derived error bound (:mod:`attnref.tolerance`), the oracle's signature plus
+            a keyword ``dtype``.
         signature: The members' ``apply`` signature as text, for the docs.
         note: The Markdown paragraph the generated pages show under **Convention**.
         equation_symbols: LaTeX symbols of the family's kernel; every member's equation shows
             at least one of them (``tests/test_registry.py`` checks it).
         static_argnames: The default ``jax.jit`` static arguments of a member's ``apply``.
-        required_kwargs: ``required_kwargs(problem) -> dict``: keyword arguments every call of
-            a member needs beyond ``(params, x_q, x_kv)`` (the linear family's
-            ``feature_map``); empty for the others.
-        example: ``example(problem, causal) -> Example``: a complete call of a member on
-            ``problem``, causal or not (the report and the tests call it).
+        required_kwargs: ``required_kwargs(problem) -> dict``: what every call needs beyond
+            ``(params, x_q, x_kv)`` (the linear family's ``feature_map``).
+        example: ``example(problem, causal) -> Example``: a complete call on ``problem``.
     """
 
     name: str
@@ -109,9 +96,8 @@ class Family:
 
 
 def public_path(fn: Callable[..., Any]) -> str:
-    """The public dotted name of a function defined in a private submodule of a public package
-    (``attnref.oracle._core.attention`` -> ``attnref.oracle.attention``): a family's oracle or
-    bound, or any function of attnref's public packages."""
+    """The public dotted name of a function of a private submodule
+    (``attnref.oracle._core.attention`` -> ``attnref.oracle.attention``)."""
     return f"{fn.__module__.split('._')[0]}.{fn.__name__}"
 
 

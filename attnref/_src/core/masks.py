@@ -1,15 +1,8 @@
 """Boolean attention masks (``True`` = the query may attend to the key) and additive biases.
 
-Row convention: masks broadcast to ``[..., T_q, T_k]``, entry ``[i, j]`` says whether query ``i``
-may read key ``j``. The column form ("Attention: All you need to know") uses the transpose,
-``M[j, i]``.
-
-A query row with no allowed key is *fully masked*. Every attnref formulation gives such a row
-zero attention weights, so each head contributes nothing and the block output is ``b_O`` (zero
-without biases; ``x + b_O`` in residual form). Its gradient is finite (zero through the
-softmax). This matches PyTorch's safe softmax and FlashAttention's reference.
-
-An additive bias entry of ``-inf`` masks that entry exactly like ``False`` in the mask.
+Row convention: masks broadcast to ``[..., T_q, T_k]``, entry ``[i, j]`` for query ``i``, key
+``j`` (the column form uses the transpose). A bias entry of ``-inf`` masks like ``False``; a
+fully masked row gives zero weights (``docs/conventions.md``).
 """
 
 from __future__ import annotations
@@ -20,10 +13,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 
 def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
-    """Top-left aligned causal mask: query ``i`` may attend to key ``j`` iff ``j <= i``.
-
-    For ``T_q == T_k`` this is the usual autoregressive mask; for ``T_q != T_k`` the alignment is
-    top-left (query 0 sees key 0), as ``jax.nn.dot_product_attention`` and PyTorch document.
+    """Top-left aligned causal mask (query 0 sees key 0, as ``jax.nn`` and PyTorch): query ``i``
+    may attend to key ``j`` iff ``j <= i``.
 
     Args:
         t_q: The number of queries ``T_q``, positive.
@@ -44,8 +35,6 @@ def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
 
 def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_k"]:
     """Key-padding mask from per-batch valid lengths: key ``j`` is visible iff ``j < lengths[b]``.
-
-    A length of 0 makes every row of that batch element fully masked.
 
     Args:
         lengths: Integer valid lengths ``[B]``, one per batch element.

@@ -1,15 +1,9 @@
 """The formulation registry: one entry per formulation, read by the tests, the CLI and the docs.
 
-Every entry's ``apply`` takes the row-convention multi-head signature of its :class:`Family`
-(``f.family.signature``) and returns ``[..., T_q, d_model]``; the family's oracle
-(``f.family.oracle``) and derived bound (``f.family.bound``) check it. ``native`` is the
-formulation in its own convention (column vectors, one query, an edge list, or the kernel level
-``(q, k, v)``), which ``apply`` adapts.
-
-A formulation registers itself: the module that defines its ``apply`` ends with its
-``register(Formulation(...))`` call and its ``<id>_cost`` model. The registry imports those
-modules (:data:`FORMULATION_MODULES`) on first read, and lists entries in that module order,
-then in each module's registration order, whatever order the modules were imported in.
+Every entry's ``apply`` takes its :class:`Family`'s row-convention signature and returns
+``[..., T_q, d_model]``; ``native`` is the formulation in its own convention. A module registers
+its formulations at its bottom; the registry imports :data:`FORMULATION_MODULES` on first read
+and lists entries in that module order, then registration order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Linear attention's shared pieces: the options every form reads (:class:`Options`), the
-validation, the denominator policy (:func:`normalize`) and the two levels' validated inputs
-(:class:`KernelCall`, :class:`RowCall`), whose ``run``/``dirty_rows`` pair
-:func:`attnref._src.core.entry.guard` applies."""
+"""Linear attention's shared pieces: :class:`Options`, the validation, the denominator policy
+(:func:`normalize`) and the two levels' validated inputs (:class:`KernelCall`, :class:`RowCall`)."""
 
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ Form = Callable[..., Array]  # a kernel-level form: (q, k, v, o: Options) -> y
 @jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The validated options of one call: what every form reads besides ``q``, ``k``, ``v``.
-
-    ``form`` is the kernel-level form of the call (``None`` for the messages form), the one a
-    multi-head call runs on its heads.
-    """
+    """The validated options of one call (``form``: the kernel-level form, ``None`` for the
+    messages form)."""
 
     feature_map: FeatureMapLike
     eps: Any
@@ -43,11 +38,11 @@ class Options:
     form: Form | None = None
 
     def features(self, q: Array, k: Array) -> tuple[Array, Array, Array | None]:
-        """``(phi(q), phi(k), c)``: :func:`features` with this call's map and key mask."""
+        """:func:`features` with this call's map and key mask."""
         return features(self.feature_map, q, k, self.key_mask)
 
     def normalize(self, num: Array, den: Array, c: Array | None) -> Array:
-        """``num / (den + eps)`` (or ``max(den, eps)``) by this call's policy: :func:`normalize`."""
+        """:func:`normalize` by this call's policy."""
         return normalize(num, den, self.eps, self.eps_policy, c)
 
 
@@ -130,7 +125,7 @@ def check_chunk_size(chunk_size: Any) -> None:
 
 def query(fm: FeatureMapLike, q: Array) -> tuple[Array, Array | None]:
     """Query features and their log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) =
-    exp(-c) phi(q).phi(k)``. A custom (duck-typed) map's features are its ``phi`` itself."""
+    exp(-c) phi(q).phi(k)``."""
     if isinstance(fm, FeatureMap) and fm.name == "favor_plus":
         return fm.query_features(q)
     return fm(q, "query"), None  # c = 0
@@ -156,10 +151,8 @@ def normalize(
         N / (D + eps)    = num / (den + eps exp(-c))          ("add")
         N / max(D, eps)  = num / max(den, eps exp(-c))        ("clamp")
 
-    Where ``exp(-c)`` could overflow (``c < -L``, ``L = log(max float) / 2``, only when
-    ``eps > 0``), ``num``, ``den`` and the eps term are all multiplied by ``exp(c + L) < 1``: the
-    eps term becomes ``eps exp(L)``, finite, and the ratio is unchanged. Elsewhere the factor is
-    exactly 1.
+    Where ``exp(-c)`` could overflow (``c < -L``, ``L = log(max float) / 2``), all three are
+    multiplied by ``exp(c + L) < 1`` (:func:`defined_eps`): the ratio is unchanged.
     """
     eps = jnp.asarray(eps, den.dtype)
     if log_scale is not None:
@@ -171,8 +164,7 @@ def normalize(
 
 @jax.jit  # one program (eagerly: one compile, not one per operation)
 def defined_eps(num: Array, den: Array, eps: Array, c: Array) -> tuple[Array, Array, Array]:
-    """``(num, den, eps exp(-c))`` times ``exp(min(c + L, 0))`` (where ``eps > 0``), the scaling
-    of :func:`normalize`."""
+    """``(num, den, eps exp(-c))`` times ``exp(min(c + L, 0))`` (where ``eps > 0``)."""
     big = 0.5 * math.log(float(jnp.finfo(den.dtype).max))
     rescale = jnp.exp(jnp.where(eps > 0, jnp.minimum(c + big, 0.0), 0.0))
     return num * rescale[..., None], den * rescale, eps * jnp.exp(jnp.minimum(-c, big))
@@ -184,21 +176,14 @@ def causal_pairs(t: int) -> Array:
 
 # ----------------------------------------------------------------------------- non-finite guard
 #
-# A key a query may not read (``key_mask`` False, or ``j > i`` when causal) never reaches that
-# query's output or gradients, whatever its key or value holds: the forms run on the finite parts
-# of their inputs, and a query that does read a non-finite value (its own ``q`` with an allowed
-# key, an allowed ``k`` or ``v``) is NaN, with no gradient (``attnref._src.core.nonfinite``).
+# The forms run on the finite parts; a query that reads a non-finite value is NaN (core/nonfinite).
 
 
 def dirty_rows(
     bad_q: Array, bad_kv: Array, key_mask: Any, causal: bool, residual: bool, axis: int
 ) -> Array:
-    """Dirty query rows in O(T): ``bad_q_i AND (residual OR live_i)`` or an allowed bad key.
-
-    The allowed keys of query ``i`` are ``key_mask_j AND (j <= i if causal)``, so "some allowed
-    key is bad" is an ``any`` over keys, or its running (prefix) version when causal; the
-    token axis of ``bad_q``, ``bad_kv`` and ``key_mask`` is ``axis`` (no ``T x T`` array).
-    """
+    """Dirty query rows in O(T): ``bad_q_i AND (residual OR live_i)`` or an allowed bad key (an
+    ``any``, or a prefix ``any`` when causal, over the token axis ``axis``)."""
     valid = jnp.ones_like(bad_kv) if key_mask is None else jnp.asarray(key_mask, bool)
     if axis != -1 and key_mask is not None:
         valid = jnp.expand_dims(valid, -1)
@@ -222,10 +207,8 @@ def finite_or_same(a: Array) -> Array:
 @jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
-    """Validated kernel-level inputs ``q, k, v [..., T, H, d]``: ``run(form)`` is
-    ``form(q, k, v, o)`` on the finite parts; query ``i`` of head ``h`` is dirty when ``q[i, h]``
-    is non-finite and it has an allowed key, or some allowed ``j`` has a non-finite ``k[j, h]``
-    or ``v[j, h]``."""
+    """Validated kernel-level inputs ``q, k, v [..., T, H, d]``; ``run(form)`` is
+    ``form(q, k, v, o)`` on the finite parts."""
 
     q: Array
     k: Array
@@ -244,10 +227,8 @@ class KernelCall:
 @jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class RowCall:
-    """Validated multi-head inputs ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``:
-    ``run(formula)`` is ``formula(params, x_q, x_kv, o, residual)`` on the finite parts; a query
-    row is dirty when it reads a non-finite token row (its own, if it has an allowed key or with
-    ``residual``)."""
+    """Validated multi-head inputs ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``;
+    ``run(formula)`` is ``formula(params, x_q, x_kv, o, residual)`` on the finite parts."""
 
     params: AttentionParams
     x_q: Array
@@ -265,8 +246,7 @@ class RowCall:
 
 
 def with_chunk_size(prepare: Callable[..., Any]) -> Callable[..., Any]:
-    """``prepare`` with one more keyword argument, the chunked form's ``chunk_size: int = 16``
-    (a positive int, checked after the others), set on the call's options."""
+    """``prepare`` with the chunked form's keyword ``chunk_size: int = 16``, set on the options."""
 
     def prepare_chunked(*args: Any, chunk_size: int = 16, **kwargs: Any) -> KernelCall | RowCall:
         call = prepare(*args, **kwargs)
