@@ -163,25 +163,20 @@ def _key_states(
 
 @doc(
     KERNEL,
-    pieces="The piece of each key: an int ``P`` (the keys padded to a multiple of ``P`` and cut "
-    "into ``P`` contiguous chunks of ``ceil(S / P)``, as split-KV and a contiguous ring do; "
-    "trailing chunks of padding alone are empty states), an int array ``[S]`` of piece ids "
-    "(``-1``: a key in no piece, which no query may attend), or ``None``: unknown (any partition "
-    "into at most ``S`` pieces, each with any tiling: the worst case, module docstring).",
-    num_pieces="With an array of ids, the number of states merged (default ``max id + 1``; more "
-    "when pieces of padding alone are merged too).",
+    pieces="An int ``P`` (contiguous chunks of ``ceil(S / P)`` keys, as split-KV and a contiguous "
+    "ring), an int array ``[S]`` of piece ids (``-1``: in no piece, attended by no query), or "
+    "``None``: unknown (any partition and tiling, module docstring).",
+    num_pieces="With an array of ids, the number of states merged (default ``max id + 1``).",
     tree='``"sequential"`` (default: depth ``P - 1``, every binary order, a ring), ``"balanced"``, '
     '``"stack"`` (split-KV) or an int depth (:func:`attnref.tolerance.merge_depth`).',
     dtype="The format of the inputs and the output; ``None`` (default) is ``query``'s.",
-    state_dtype="The format the pieces' ``o`` are stored and merged in; ``None`` (default): the "
-    "compute format (float32 for 16-bit inputs, as attnref's schemes), the output then rounded "
-    "once to ``dtype``.",
-    lse_dtype="The format of the stored ``lse``; ``None`` (default): float32 for 16-bit states, "
-    "else ``state_dtype``.",
-    masked_rows='``"zeros"`` (default), ``"uniform"`` or ``"nan"``: the whole call\'s policy for '
-    "rows with no allowed key (the pieces' states are empty there).",
-    key_blocks="Key blocks of each piece's online softmax; ``None`` (default): any tiling. Must "
-    "be ``None`` with ``pieces=None``.",
+    state_dtype="The format of the pieces' stored ``o``; ``None`` (default): the compute format "
+    "(float32 for 16-bit inputs), the output then rounded once to ``dtype``.",
+    lse_dtype="The stored ``lse``'s format; ``None``: float32 for 16-bit states, else "
+    "``state_dtype``.",
+    masked_rows='``"zeros"`` (default), ``"uniform"`` or ``"nan"``: the whole call\'s policy.',
+    key_blocks="Key blocks of each piece's online softmax; ``None`` (default, and with "
+    "``pieces=None``): any tiling.",
 )
 @signed(kernel_call, front=("pieces", "num_pieces", "tree", "dtype", "state_dtype", "lse_dtype"))
 def pieces_error_bound(
