@@ -1,5 +1,4 @@
-"""The row level (:data:`ROWS`, :data:`ROW_PROBES`: validation into :class:`Prepared` inputs,
-for :func:`attnref._src.core.entry.public`) and small helpers shared by the row-convention
+"""The row level (:data:`ROWS`, :data:`ROW_PROBES`) and helpers shared by the row-convention
 formulations (projections, homogeneous coordinates)."""
 
 from __future__ import annotations
@@ -31,13 +30,8 @@ from attnref._src.core.params import AttentionParams, repeat_heads
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """Validated row-convention inputs (built by :func:`prepare_rows`, the one validation of a
-    call): arrays converted, scale resolved, shapes recorded.
-
-    ``x_q``, ``x_kv`` and ``bias`` are the caller's arrays as given (possibly non-finite);
-    :meth:`run` evaluates a formula on their finite parts, :meth:`dirty_rows` names the rows
-    that read a non-finite value (:func:`attnref._src.core.entry.guard`).
-    """
+    """Validated row-convention inputs (:func:`prepare_rows`), possibly non-finite: :meth:`run`
+    evaluates a formula on their finite parts."""
 
     x_q: Array
     x_kv: Array
@@ -61,9 +55,7 @@ class Prepared:
         return None if self.mask is None else jnp.expand_dims(self.mask, -3)
 
     def dirty_rows(self) -> Bool[Array, "... T_q"]:
-        """Query rows that read a non-finite value through an allowed pair (their own ``x_q`` row
-        if any key is allowed, or always with ``residual``; an allowed ``x_kv`` row; an allowed
-        NaN or ``+inf`` bias entry): :func:`attnref._src.core.nonfinite.reads_nonfinite`."""
+        """Rows that read a non-finite value through an allowed pair (:func:`reads_nonfinite`)."""
         shape = (*self.batch_shape, self.t_q, self.t_k)
         return reads_nonfinite(
             allowed_pairs(self.mask, self.bias, shape),  # mask AND bias != -inf
@@ -74,8 +66,7 @@ class Prepared:
         )
 
     def finite(self) -> Prepared:
-        """A copy whose ``x_q``, ``x_kv`` are the finite parts (non-finite entries read as 0,
-        identity derivative) and whose bias has NaN and ``+inf`` read as 0 (``-inf`` kept)."""
+        """A copy on the finite parts of ``x_q``, ``x_kv`` and the bias (:func:`finite_bias`)."""
         return dataclasses.replace(
             self,
             x_q=finite_part(self.x_q),
@@ -87,13 +78,9 @@ class Prepared:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """A formula's validated arguments, in its order, and its dirty rows: what the ``prepare`` of
-    a level with a convention of its own returns (:class:`attnref._src.core.entry.Guardable`).
-
-    :meth:`run` reads the token arrays at ``tokens`` through :func:`finite_part` and the bias at
-    ``bias`` through :func:`finite_bias`; ``dirty`` marks the output rows that read a non-finite
-    value through an allowed pair (:func:`reads_nonfinite`).
-    """
+    """A formula's validated arguments, in its order, and its dirty rows (a level with a
+    convention of its own); :meth:`run` reads the token arrays at indices ``tokens`` and the bias
+    at ``bias`` through their finite parts."""
 
     args: tuple[Any, ...]
     dirty: Array
@@ -120,9 +107,8 @@ def prepare_rows(
     scale: Any = None,
     residual: Any = None,
 ) -> Prepared:
-    """Validate a row-convention call (parameters, tokens, mask, bias, scale) and return its
-    :class:`Prepared` inputs; ``x_kv=None`` means ``x_q`` (self-attention); ``residual``
-    ``None``: the function has no residual argument."""
+    """Validate a row-convention call into :class:`Prepared` inputs (``x_kv=None``: ``x_q``;
+    ``residual=None``: the function has none)."""
     x_kv = x_q if x_kv is None else x_kv
     batch, t_q, t_k = check_tokens(params, x_q, x_kv)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
@@ -179,9 +165,8 @@ RESIDUAL_ARG = """
 
 
 def row_args(more: str = RESIDUAL_ARG, also: str = "", also_type: str = "") -> str:
-    """The row level's Args and Raises text; ``more``: the arguments after ``scale``
-    (``residual`` by default), ``also``/``also_type``: further ``ValueError``/``TypeError``
-    cases (``", or ..."``)."""
+    """The row level's Args and Raises text: ``more`` after ``scale``, ``also``/``also_type``
+    further ``ValueError``/``TypeError`` cases."""
     return _ROW_ARGS.format(more=more, also=also, also_type=also_type)
 
 
@@ -204,12 +189,10 @@ def rows_level(
     validate: Callable[..., Prepared] = prepare_rows,
     params_type: str = "AttentionParams",
 ) -> Level:
-    """A level whose ``prepare`` (named ``name``) has the signature of :data:`ROWS` plus the
-    keyword-only ``options`` (name -> (default, annotation)); it validates the row arguments with
-    :func:`prepare_rows` and returns ``build(rows, scale, **options)`` (the caller's ``scale``);
-    ``check(**options)``, if given, runs first; ``residual=False``: without ``residual`` (the
-    inputs' ``residual`` is then ``None``); ``validate``, ``params_type``: another weights type
-    and its validation (same arguments as :func:`prepare_rows`)."""
+    """A level whose ``prepare`` (named ``name``) has :data:`ROWS`' signature (without
+    ``residual`` when ``residual=False``) plus keyword-only ``options`` (name -> (default,
+    annotation)) and returns ``build(validate(...), scale, **options)`` after ``check(**options)``;
+    ``params_type``: the weights' annotation."""
     base = inspect.signature(_rows)
     row_parameters = [p for p in base.parameters.values() if residual or p.name != "residual"]
     row_parameters[0] = row_parameters[0].replace(annotation=params_type)
@@ -267,11 +250,8 @@ def project_kv(
     b: ArrayLike | None,
     group_size: int,
 ) -> Float[Array, "... H T d"]:
-    """Key/value projection for every query head: ``x W[i // G] + b[i // G]`` for ``i < H``.
-
-    Each of the ``K`` key/value heads is projected once and its result repeated for the ``G``
-    query heads of its group (``H = K G``), so the head axis lines up with the query heads.
-    """
+    """Key/value projection for every query head, ``x W[i // G] + b[i // G]`` (each K/V head
+    projected once, then repeated)."""
     return repeat_heads(project(x, w, b), group_size, axis=-3)
 
 
@@ -287,11 +267,8 @@ def homogeneous(x: Float[Array, "... d"]) -> Float[Array, "... d1"]:
 def homogeneous_weights(
     w: Float[ArrayLike, "H d_in d"], b: Float[ArrayLike, "H d"] | None, *, xp: Any = jnp
 ) -> Any:
-    """``W~ = [W; b]`` per head: ``[H, d_in + 1, d]``, a zero last row when ``b`` is ``None``.
-
-    An exact copy, built with ``xp``: a JAX array with ``jax.numpy`` (default), a NumPy array
-    with NumPy (concrete inputs only).
-    """
+    """``W~ = [W; b]`` per head: ``[H, d_in + 1, d]``, a zero last row when ``b`` is ``None``
+    (built with ``xp``: ``jax.numpy`` or NumPy)."""
     wa = xp.asarray(w)
     row = xp.zeros((wa.shape[0], 1, wa.shape[2]), wa.dtype) if b is None else xp.asarray(b)[:, None]
     return xp.concatenate([wa, row], axis=1)

@@ -1,17 +1,8 @@
-"""Converters between attnref's per-head weights and the fused layouts of Flax, PyTorch and HF.
-
-attnref stores per head ``w_q: [H, d_model, d_k]``, ``w_k: [K, d_model, d_k]``, ``w_v: [K,
-d_model, d_v]``, ``w_o: [H, d_v, d_model]`` (row vectors, ``y = x W``). Flax's
-``MultiHeadDotProductAttention`` uses ``DenseGeneral`` kernels ``[d_model, H, d_head]`` and
-``[H, d_v, d_model]``; PyTorch's ``nn.MultiheadAttention`` and Hugging Face BERT store fused
-``[out, in]`` matrices (``y = x W^T``).
-
-Each ``to_*`` validates ``params`` first (a malformed one raises ``ValueError``, missing or
-non-floating weights ``TypeError``) and takes multi-head params only (``K == H``): the fused
-layouts store one K/V head per query head, so grouped-query params raise ``ValueError``
-(convert :func:`repeat_kv_heads` of them). Each ``from_*`` reads arrays or tensors NumPy can
-read and returns multi-head :class:`AttentionParams` of NumPy arrays; a missing entry raises
-``KeyError``.
+"""Converters between attnref's per-head weights and the fused layouts of Flax, PyTorch and HF
+(``docs/conventions.md``). Each ``to_*`` validates ``params`` and takes multi-head params only
+(``K == H``; convert :func:`repeat_kv_heads` of grouped ones, else ``ValueError``); each
+``from_*`` returns multi-head :class:`AttentionParams` of NumPy arrays (``KeyError`` for a
+missing entry).
 """
 
 from __future__ import annotations

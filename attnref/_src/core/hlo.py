@@ -20,10 +20,8 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def hlo_dot_flops(hlo_text: str, executed: bool = False) -> int:
     """``2 * prod(output) * prod(contracted lhs dims)`` summed over the ``dot`` instructions of
-    optimised HLO text, e.g. ``jax.jit(fn).lower(*args).compile().as_text()`` (0 without a
-    ``dot``). A ``while`` body's dots are counted once, as ``cost_analysis`` does, or, with
-    ``executed``, as many times as the body runs (its known trip count; ``ValueError`` for a
-    loop with none)."""
+    optimised HLO text; a ``while`` body's dots counted once (as ``cost_analysis``) or, with
+    ``executed``, once per known trip (``ValueError`` for a loop with no known trip count)."""
     shapes = {m.group(1): _shape(m.group(2)) for m in _INSTR.finditer(hlo_text)}
     comps, entry = _computations(hlo_text) if executed else ({"": [hlo_text]}, "")
     runs: dict[str, int | None] = _executions(comps, entry)[0] if executed else {"": 1}

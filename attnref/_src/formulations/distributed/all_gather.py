@@ -1,25 +1,14 @@
 """All-gather context parallelism (the Llama 3 report, Grattafiori et al. 2024).
 
-The sequence is split over ``P`` devices in the load-balanced zigzag layout (``2P`` chunks; device
-``d`` holds chunks ``d`` and ``2P - 1 - d``, :mod:`attnref._src.formulations.distributed.layout`),
-so that under a causal mask every device has the same number of useful (query, key) pairs. Each
-device gathers the keys and values of every device (``lax.all_gather``, with their segment ids),
-knows the global position of every gathered key (the layout's position table, flattened) and
-computes its own queries against *all* keys in one piece::
+Queries stay in the load-balanced zigzag layout (device ``d`` holds chunks ``d`` and
+``2P - 1 - d`` of ``2P``); each device gathers every key and value with their global positions
+and computes its queries against *all* keys in one piece (no state merge)::
 
     K_all, V_all = all_gather(K_d), all_gather(V_d)          # [B, S', K, H], [B, S', K, H_v]
     o_i = softmax_j(s_ij, allowed(p_i, p_j)) v_j             # i on device d, every j
 
-No state merge is needed (every row is computed in one piece, the kernel's naive form on global
-positions: :func:`~attnref._src.formulations.distributed.chunk.chunk_state`); the fully-masked-row
-policy, query padding and the cast follow (:func:`~attnref._src.formulations.kernel.finish`, with
-the value sum over every gathered real key for ``"uniform"``). Communication: one all-gather of
-``K`` and ``V``, ``(P - 1)/P`` of ``B S' K (H + H_v)`` numbers received per device; the backward
-(autodiff) reduce-scatters ``dK`` and ``dV``, the transpose of the all-gather.
-
-Lengths that ``2P`` does not divide are padded (to ``T', S'``): padded keys are never attended
-(the allowed rule tests ``j < S``) and padded queries are dropped, so every ``T, S >= 0`` gives
-the exact answer.
+then the kernel's finishing rules. The backward (autodiff) reduce-scatters ``dK`` and ``dV``.
+Padding and communication: ``docs/distributed.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""One device's piece of a sequence-parallel scheme: the state of its queries against one chunk
-of keys, located by global positions, and the finishing rules of the kernel.
-
-Every option of ``attnref.dot_product_attention`` is a rule on global positions (lengths,
-causality and its alignment, the window, segments) or an array indexed by them (mask, bias), so a
-piece computes ``allowed = structural(q_pos, k_pos) AND mask[q_pos, k_pos]`` and runs the naive
-kernel on it with ``masked_rows="zeros"`` and ``return_lse=True``: the piece's state
-``(o, lse)``. Pieces merge with :func:`attnref.merge_states`; the kernel's
-:func:`~attnref._src.formulations.kernel.finish` then applies the fully-masked-row policy and
-query padding.
-
-Pieces run in the compute dtype (float32 for 16-bit inputs): a 16-bit output rounded at every
-ring step would add one rounding per step (the error that grows with the ring size,
-zhuzilin/ring-flash-attention #42); the cast to the input dtype happens once, in
-:func:`~attnref._src.formulations.kernel.finish`.
+"""One device's piece of a sequence-parallel scheme: the state ``(o, lse)`` of its queries
+against one chunk of keys, ``allowed = structural(q_pos, k_pos) AND mask[q_pos, k_pos]`` on global
+positions, by the naive kernel (``masked_rows="zeros"``, ``return_lse=True``). Pieces run in the
+compute dtype and merge with :func:`attnref.merge_states`; the cast to the input dtype happens
+once, in the kernel's ``finish`` (one rounding, not one per ring step:
+zhuzilin/ring-flash-attention #42).
 """
 
 from __future__ import annotations

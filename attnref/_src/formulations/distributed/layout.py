@@ -1,20 +1,11 @@
 """Token layouts of sequence parallelism: which global positions each device holds.
 
-A sequence of ``n`` tokens is padded to ``n_pad`` (a multiple of ``P``, or of ``2 P`` for zigzag)
-and cut into ``P`` equal shards of ``c = n_pad / P`` tokens. Device ``d`` holds the positions
-``positions(n_pad, P, layout)[d]``:
-
-* ``"contiguous"`` (ring attention, Liu et al. 2023): ``d c, ..., d c + c - 1``;
-* ``"striped"`` (Brandon et al. 2023): ``d, d + P, d + 2P, ...`` (every ``P``-th token);
-* ``"zigzag"`` (load-balanced causal: the zigzag ring of zhuzilin/ring-flash-attention, and the
-  chunks of the Llama 3 report's all-gather context parallelism, Grattafiori et al. 2024): the
-  sequence in ``2P`` chunks of ``h = n_pad / 2P``; device ``d`` holds chunk ``d`` then chunk
-  ``2P - 1 - d``.
-
-Positions ``>= n`` are padding: never attended as keys (the allowed rule tests ``j < S``) and
-dropped as queries. :func:`to_layout` and :func:`from_layout` move a natural-order array into the
-device-major order (the concatenation of the shards) and back; :func:`shard_inputs` lays out a
-validated kernel call's arrays for a ring's ``shard_map`` (:class:`LocalInputs`).
+A sequence of ``n`` tokens is padded to ``n_pad`` (a multiple of ``P``, ``2 P`` for zigzag) and
+cut into ``P`` shards of ``c = n_pad / P``; device ``d`` holds ``positions(n_pad, P, layout)[d]``:
+``"contiguous"`` ``d c, ..., d c + c - 1`` (Liu et al. 2023), ``"striped"`` ``d, d + P, ...``
+(Brandon et al. 2023), ``"zigzag"`` chunks ``d`` and ``2P - 1 - d`` of ``2P`` (the zigzag ring of
+zhuzilin/ring-flash-attention; Llama 3's context parallelism). Positions ``>= n`` are padding
+(``docs/distributed.md``).
 """
 
 from __future__ import annotations

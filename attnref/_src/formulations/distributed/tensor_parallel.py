@@ -1,30 +1,13 @@
 """Tensor-parallel heads (Megatron-LM, Shoeybi et al. 2019): the heads are split over the devices.
 
-Multi-head attention is a sum over heads, ``y = sum_n o_n W_O[n] + b_O``, and every head is
-independent up to that sum. With ``P`` devices, device ``d`` holds query heads
-``d N/P, ..., (d + 1) N/P - 1`` (the rows of ``W_Q`` and ``W_O`` of those heads) and the key/value
-heads they read (query head ``n`` reads K/V head ``n // (N/K)``):
-
-* kernel level (:func:`tensor_parallel_dot_product_attention`): ``q [B, T, N, H]`` sharded on its
-  head axis, ``k``/``v`` on theirs, the full sequence on every device, the kernel on the local
-  heads; **no communication** (the output stays sharded on its head axis);
-* row form (:func:`tensor_parallel_attention`): each device projects its own heads
-  (``x W_Q[n] + b_Q[n]`` ...), attends and writes its partial block output
-  ``sum_{n on d} o_n W_O[n]``; one ``lax.psum`` over the devices gives the per-head sum, then
-  ``+ b_O`` (and ``x_q +`` with ``residual``). The psum is the only communication: ``B T d_model``
-  numbers per device (an all-reduce).
-
-Grouped K/V heads: when ``P`` divides ``K`` each device holds ``K/P`` whole groups. When it does
-not (MQA, or ``K < P``), every K/V head is repeated ``r = lcm(K, P) / K`` times first (as
-Megatron-LM replicates K/V heads over tensor-parallel ranks), so that the ``K r`` heads split
-evenly and each device holds the copies its query heads read. ``P`` must divide ``N``: a call
-that cannot keep every query head whole on one device is refused (``ValueError``).
-
-The head-splitting helpers here (:func:`check_heads`, :func:`kv_repeats`, :func:`head_spec`,
-:func:`head_specs`, :func:`local_attention`) are shared with Ulysses
-(:mod:`attnref._src.formulations.distributed.ulysses`), which splits the heads the same way after
-its all-to-all. Gradients are autodiff (the transpose of a
-``psum`` is a broadcast).
+``y = sum_n o_n W_O[n] + b_O`` is a sum over independent heads: device ``d`` holds query heads
+``d N/P, ..., (d + 1) N/P - 1`` and the K/V heads they read. The kernel level runs the local
+heads with no communication (the output stays sharded on its head axis); the row form projects,
+attends and writes its partial ``sum_{n on d} o_n W_O[n]``, and one ``lax.psum`` (an all-reduce
+of ``B T d_model`` numbers) gives the block output, then ``+ b_O``. ``P`` must divide ``N``; K/V
+heads are repeated ``lcm(K, P) / K`` times when ``P`` does not divide ``K`` (as Megatron-LM
+replicates them). The head-splitting helpers are shared with Ulysses. Gradients are autodiff.
+See ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -71,30 +54,27 @@ from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def kv_repeats(n: int, k: int, devices: int) -> int:
-    """How many copies ``r`` of each K/V head make ``K r`` divisible by ``P`` (and still divide
-    ``N``): ``lcm(K, P) / K``, 1 when ``P`` divides ``K``. Needs ``P | N`` and ``K | N``."""
+    """``r = lcm(K, P) / K``: the copies of each K/V head that make ``K r`` divisible by ``P``."""
     r = math.lcm(k, devices) // k
     assert n % (k * r) == 0, (n, k, devices)
     return r
 
 
 def repeat_kv(a: Array, r: int, axis: int = 2) -> Array:
-    """Each K/V head repeated ``r`` times along ``axis`` (head ``k`` becomes ``k r .. k r + r-1``;
-    query head ``n`` then reads copy ``n // (N / (K r))``, a copy of head ``n // (N/K)``)."""
+    """Each K/V head repeated ``r`` times along ``axis`` (``k`` becomes ``k r .. k r + r-1``)."""
     return a if r == 1 else jnp.repeat(a, r, axis=axis)
 
 
 def head_spec(a: Array | None, axis_name: str, head_axis: int = 1) -> Spec:
-    """The sharding of a mask or bias ``[#B, #N, ...]``: split on its head axis when that axis is
-    full (``> 1``), replicated when it broadcasts."""
+    """A mask or bias ``[#B, #N, ...]`` split on a full head axis, else replicated."""
     if a is None or a.shape[head_axis] == 1:
         return Spec()
     return Spec(*([None] * head_axis), axis_name)
 
 
 def head_specs(args: dict[str, Array], qkv: Spec, axis_name: str) -> dict[str, Spec]:
-    """The ``shard_map`` specs of a head-splitting scheme's arguments (:func:`mesh_args`):
-    ``q``, ``k``, ``v`` as ``qkv``, a mask or bias by :func:`head_spec`, the rest replicated."""
+    """The ``shard_map`` specs of a head-splitting scheme's arguments: ``q``, ``k``, ``v`` as
+    ``qkv``, a mask or bias by :func:`head_spec`, the rest replicated."""
     specs = {name: Spec() for name in args}
     specs.update(q=qkv, k=qkv, v=qkv)
     for name in ("bias", "mask"):
@@ -106,10 +86,8 @@ def head_specs(args: dict[str, Array], qkv: Spec, axis_name: str) -> dict[str, S
 def local_attention(
     spec: KernelSpec, a: dict[str, Array], scale: float | None, masked_rows: str, **arrays: Array
 ) -> tuple[Float[Array, "B T n H_v"], Float[Array, "B T n"]]:
-    """``attnref.dot_product_attention`` on one device's heads: the global call's static options
-    (causality, alignment, window, softcap), the arrays of ``a`` (a ``shard_map`` argument,
-    :func:`~attnref._src.formulations.distributed.family.mesh_args`; ``arrays`` replace some);
-    ``(o, lse)``."""
+    """``(o, lse)`` of ``attnref.dot_product_attention`` on one device's heads: the call's static
+    options and the arrays of ``a`` (``arrays`` replacing some)."""
     a = {**a, **arrays}
     return dot_product_attention(  # type: ignore[no-any-return]
         a["q"],
@@ -175,8 +153,7 @@ tensor_parallel_dot_product_attention = mesh_kernel(
 
 
 def _head_weights(params: AttentionParams, r: int) -> dict[str, Any]:
-    """Every per-head weight and bias (K/V ones repeated ``r`` times), head axis first; no
-    ``b_O`` (added once, after the ``psum``)."""
+    """Every per-head weight and bias (K/V ones repeated ``r`` times); no ``b_O``."""
     kv = {"w_k": params.w_k, "w_v": params.w_v, "b_k": params.b_k, "b_v": params.b_v}
     out = {name: None if a is None else repeat_kv(jnp.asarray(a), r, 0) for name, a in kv.items()}
     return optional(w_q=params.w_q, b_q=params.b_q, w_o=params.w_o, **out)
@@ -190,9 +167,8 @@ def _head_sum(
     mesh: Mesh,
     axis: str,
 ) -> Float[Array, "... T_q d_model"]:
-    """``psum_d sum_{n on d} o_n W_O[n]``: the weights split on their head axis, the tokens,
-    mask and bias replicated. Jitted (a ``shard_map`` run eagerly dispatches every operation
-    on its own)."""
+    """``psum_d sum_{n on d} o_n W_O[n]``: the weights split on their head axis, the rest
+    replicated."""
 
     def body(w: dict[str, Array], t: dict[str, Array]) -> Array:
         local = AttentionParams(**{n: w.get(n) for n in PARAM_FIELDS})  # type: ignore[arg-type]
@@ -218,9 +194,7 @@ def head_parallel_rows(
     options: dict[str, Any],
 ) -> Float[Array, "... T_q d_model"]:
     """``y = psum_d ( sum_{n on d} softmax(q_n k_{g(n)}^T scale + bias, mask) v_{g(n)} W_O[n] )
-    + b_O``: device ``d`` holds the ``weights`` of its ``H/P`` query heads and of the K/V heads
-    they read (``options``: the ``weights``, the ``mesh`` and its ``axis``); the tokens, mask
-    and bias are replicated."""
+    + b_O`` (``options``: the head ``weights``, the ``mesh`` and its ``axis``)."""
     weights, mesh, axis = options["weights"], options["mesh"], options["axis"]
     static, traced = split_scale(scale)
     tokens = optional(xq=x_q, xkv=x_kv, m=mask, bias=bias, scale=traced)

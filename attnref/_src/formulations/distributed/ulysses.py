@@ -1,29 +1,15 @@
 """DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns a sequence split into a head split.
 
-The inputs arrive split along the sequence (contiguous layout: device ``d`` holds tokens
-``d T'/P .. (d + 1) T'/P - 1`` of the padded length ``T'``). One ``lax.all_to_all`` per tensor
-exchanges the sequence split for a head split::
+Inputs padded to ``T', S'`` (multiples of ``P``) and split along the sequence (contiguous layout)
+are exchanged for a head split::
 
     [B, T'/P, N, H] --all_to_all--> [B, T', N/P, H]
 
-so that each device holds the *whole* sequence for ``N/P`` query heads (and, likewise, ``S'``
-keys for its K/V heads), computes ordinary attention on them
-(``attnref.dot_product_attention``, every option passed through), and a second all-to-all
-turns the output back into the sequence split. Each all-to-all sends ``(P - 1)/P`` of a
-device's block to the other devices: per device ``(P - 1)/P^2`` of ``B T' N H`` numbers for
-``q`` (likewise ``k``, ``v`` with their ``K`` heads, and ``o``), ``O(B T N H / P)`` in all; the
-volume per device stays constant when ``T`` and ``P`` grow together (Jacobs et al.'s point).
-
-Lengths ``T, S`` that ``P`` does not divide are padded to ``T', S'`` (multiples of ``P``): the
-kernel gets ``query_seq_lengths``/``key_value_seq_lengths`` (the caller's, or ``T``/``S``), so
-padded keys are never read, padded queries are dropped, and ``"bottom_right"`` alignment still
-places the last query on the last real key. ``masked_rows="uniform"`` (the mean of ``v`` over
-all ``S`` keys) is filled here over the real keys only, never the padding.
-
-Heads: ``P`` must divide ``N`` (refused otherwise). When ``P`` does not divide ``K``, every K/V
-head is repeated ``lcm(K, P)/K`` times before the all-to-all, so each device receives the K/V
-heads its query heads read (query head ``n`` reads K/V head ``n // (N/K)``). Gradients are
-autodiff (the transpose of an all-to-all is the reverse all-to-all).
+so each device attends over the whole sequence for ``N/P`` query heads (and the K/V heads they
+read) with ``attnref.dot_product_attention``; a second all-to-all turns the output back. The
+kernel gets the real lengths, so padding never changes a result; ``masked_rows="uniform"``
+averages the real keys only. ``P`` must divide ``N``; K/V heads are repeated ``lcm(K, P)/K``
+times when ``P`` does not divide ``K``. Gradients are autodiff. See ``docs/distributed.md``.
 """
 
 from __future__ import annotations

@@ -102,23 +102,21 @@ def linear_recurrent_cost(d: _cost.Dims) -> _cost.Cost:
         + _cost.normalize_el(dataclasses.replace(d, t_q=1))
     )
     mm_p, el_p = _cost.linear_proj(d)
-    inputs, output = _cost.io(d)
     proj = [b * t * h * d.d_k, b * t * h * d.d_k, b * t * h * d.d_v]
     # projections and their time-major copies, the mask, the state, the outputs
     every = [*proj * 3, b * t, b * h * m * d.d_v, b * h * m]
     every += [b * t * h * d.d_v, b * t * h * d.d_v, b * t * d.d_model]
-    return _cost.Cost(
+    step_tr = 2 * tr_f + _cost.eps_exp(d, 1)
+    return _cost.build(
+        d,
         mm_p + t * step_mm,
         el_p + t * step_el + b * t * h * m + _cost.weight_guard_elementwise(d, pairs=False),
-        t * (2 * tr_f + _cost.eps_exp(d, 1)),
-        inputs,
-        output,
-        max(every) * d.itemsize,
-        sum(every) * d.itemsize + inputs,
+        t * step_tr,
+        every,
         loop_trips=t,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,
-        per_trip_transcendentals=2 * tr_f + _cost.eps_exp(d, 1),
+        per_trip_transcendentals=step_tr,
     )
 
 
@@ -173,18 +171,9 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
         + b * d.t_k * h * m
         + _cost.weight_guard_elementwise(d, pairs=False)
     )
-    inputs, output = _cost.io(d)
     every = [*_cost.linear_tensors(d), a, a, a, b * h * d.t_q]  # A, masked, normalised; den
     every += [h * dm * dm, b * h * d.t_k * dm, b * h * d.t_k * dm, b * h * d.t_q * dm]  # messages
-    return _cost.Cost(
-        mm,
-        el,
-        trq + trk + _cost.eps_exp(d, d.t_q),
-        inputs,
-        output,
-        max(every) * d.itemsize,
-        sum(every) * d.itemsize + inputs,
-    )
+    return _cost.build(d, mm, el, trq + trk + _cost.eps_exp(d, d.t_q), every)
 
 
 def register_linear(form: str | None = None, **entry: Any) -> None:

@@ -1,11 +1,8 @@
 """Multi-head linear attention: per-head projections, a kernel-level form, the output mixing.
 
-Row vectors, batch dims lead: ``x_q [..., T_q, d_model]``, ``x_kv [..., T_k, d_model]``. Query
-head ``i`` reads key/value head ``i // G`` (``G = H / K``): ``q_i = x_q W_Q[i] + b_Q[i]``,
-``k_i = x_kv W_K[i // G] + b_K[i // G]``, ``v_i = x_kv W_V[i // G] + b_V[i // G]``; the
-kernel-level form (:mod:`attnref._src.formulations.linear.kernel`, whose docstring states the
-denominator policy and the forms) gives ``z_i``, and ``y = sum_i z_i W_O[i] + b_O``: one body,
-:func:`multihead`, behind every ``linear_<form>_attention``. The messages form
+Row vectors: ``q_i = x_q W_Q[i] + b_Q[i]``, ``k_i = x_kv W_K[i // G] + b_K[i // G]``, likewise
+``v_i``; the kernel-level form (:mod:`attnref._src.formulations.linear.kernel`) gives ``z_i`` and
+``y = sum_i z_i W_O[i] + b_O`` (:func:`multihead`, behind every ``linear_<form>_attention``).
 ``linear_messages_attention`` mixes ``X_kv W_M[i]`` with the normalised linear weights instead.
 """
 
