@@ -151,30 +151,27 @@ def linear_error_bound(
     allowed = allowed_keys(q.shape, t_k, key_mask, causal)
 
     total = np.zeros((*v.shape[:-3], t_q, *v.shape[-2:]))
+    fq, fk, a, abar = _kernel_matrix(feature_map, q, k, allowed)
+    num = np.einsum("...hqk,...khv->...qhv", a, v)
+    den = np.swapaxes(a.sum(-1), -1, -2)  # [..., T_q, H]
+    favor_eps = feature_map.name == "favor_plus" and eps > 0
     for dt in (dtype, np.float64):
         u = unit_roundoff(dt)
-        fq, fk, a, abar = _kernel_matrix(feature_map, q, k, allowed)
-        eq = _abs_feature_error(feature_map, q, dq if dt is dtype else 0 * dq, fq, u)
-        ek = _abs_feature_error(feature_map, k, dk if dt is dtype else 0 * dk, fk, u)
+        dq_, dk_, dv_ = (dq, dk, dv) if dt is dtype else (0 * dq, 0 * dk, 0 * dv)  # inputs: once
+        eq = _abs_feature_error(feature_map, q, dq_, fq, u)
+        ek = _abs_feature_error(feature_map, k, dk_, fk, u)
         err_a = np.where(
             allowed,
             np.einsum("...qhm,...khm->...hqk", eq, np.abs(fk))
             + np.einsum("...qhm,...khm->...hqk", np.abs(fq), ek),
             0.0,
         )
-        eps_s, rho_eps = _scaled_eps(feature_map, q, dq if dt is dtype else 0 * dq, eps, dt)
-        favor_eps = feature_map.name == "favor_plus" and eps > 0
-        g = gamma(fq.shape[-1] + t_k + (3 if favor_eps else 2), u)
-        absv = np.abs(v)
-        dvv = dv if dt is dtype else 0 * dv
-        e_tot = err_a + g * abar
-        d_num = np.einsum("...hqk,...khv->...qhv", e_tot, absv) + np.einsum(
-            "...hqk,...khv->...qhv", abar, dvv
-        )
-        den = np.swapaxes(a.sum(-1), -1, -2)  # [..., T_q, H]
+        eps_s, rho_eps = _scaled_eps(feature_map, q, dq_, eps, dt)
+        e_tot = err_a + gamma(fq.shape[-1] + t_k + (3 if favor_eps else 2), u) * abar
+        d_num = np.einsum("...hqk,...khv->...qhv", e_tot, np.abs(v))
+        d_num += np.einsum("...hqk,...khv->...qhv", abar, dv_)
         adj = den + eps_s if eps_policy == "add" else np.maximum(den, eps_s)
         d_den = np.swapaxes(e_tot.sum(-1), -1, -2) + u * np.abs(adj) + eps_s * rho_eps
-        num = np.einsum("...hqk,...khv->...qhv", a, v)
         y = np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
         room = np.abs(adj) - d_den
         with np.errstate(divide="ignore", invalid="ignore"):
