@@ -119,6 +119,11 @@ LINEAR = {
     "eps": "The denominator's regulariser (default 0, the exact ratio).",
     "eps_policy": '``"add"`` (default; ``D + eps``) or ``"clamp"`` (``max(D, eps)``; where the '
     "clamp holds, ``D`` is constant; on a tie it follows ``S``).",
+    # the linear bounds' input errors
+    "dq": "Absolute errors already in ``q`` (broadcast; default 0: exact), e.g. a projection's.",
+    "dk": "Absolute errors already in ``k``.",
+    "dv": "Absolute errors already in ``v``.",
+    "d_dy": "Absolute errors already in ``d_y``.",
 }
 LINEAR_RAISES = {
     "ValueError": "If a weight is missing, the head counts do not group (``H % K``), "

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._core import FIELDS, Params, get_param, group_size, head_weights, tokens
+from attnref.oracle._core import Params, group_size, head_weights, tokens, unpack
 from attnref.oracle._doc import WEIGHT, doc, retemplate, signed, weight_call
 
 from ._rounding import C_EXP, K_S, K_Y, gamma, is_16bit, unit_roundoff
@@ -36,9 +36,7 @@ grad_bound_options = retemplate(bound_options, dtype=np.float64)
 
 def read_params(params: Any) -> Params:
     """The parameters as float64, key/value heads repeated to one per query head (``i // G``)."""
-    w = {n: get_param(params, n) for n in FIELDS}
-    if any(w[n] is None for n in ("w_q", "w_k", "w_v", "w_o")):
-        raise ValueError("params must have w_q, w_k, w_v and w_o")
+    w = unpack(params)
     kv_of = np.arange(head_weights(w)[0].shape[0]) // group_size(w)
     for name in ("w_k", "w_v", "b_k", "b_v"):
         a = w[name]

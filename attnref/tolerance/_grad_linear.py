@@ -375,13 +375,7 @@ def _kernel_bound(
     return tuple(_bt(a) for a in out)
 
 
-@doc(
-    LINEAR,
-    dq="Absolute errors already in ``q`` (broadcast; default 0: exact inputs).",
-    dk="Absolute errors already in ``k``.",
-    dv="Absolute errors already in ``v``.",
-    d_dy="Absolute errors already in ``d_y``.",
-)
+@doc(LINEAR)
 @signed(linear_qkv, linear_options, front=("d_y",))
 def linear_attention_vjp_error_bound(
     call: dict[str, Any],

@@ -108,9 +108,6 @@ def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool
 @doc(
     LINEAR,
     q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.",
-    dq="Absolute errors already in ``q`` (broadcast), e.g. from a projection (default 0).",
-    dk="Absolute errors already in ``k``.",
-    dv="Absolute errors already in ``v``.",
 )
 @signed(linear_qkv, linear_options)
 def linear_error_bound(
