@@ -51,7 +51,6 @@ from attnref._src.formulations.kernel import (
     allowed_pairs,
     bad_operands,
     dropped,
-    finish_all,
     finite_inputs,
     grouped,
     kernel_public,
@@ -446,7 +445,7 @@ def flash(call: KernelCall, block_q: int, block_k: int) -> tuple[Array, Array]:
         return naive(call)
     bq, bk = min(block_q, spec.t), min(block_k, spec.s)
     o, lse = _flash(spec, max(bq, 1), max(bk, 1), call.inputs)
-    return finish_all(spec, call.inputs, o, lse, ~jnp.isneginf(lse))
+    return call.finish(o, lse, ~jnp.isneginf(lse))
 
 
 def blockwise_dot_flops(

@@ -272,10 +272,16 @@ class KernelCall:
         return jnp.swapaxes(jnp.broadcast_to(jnp.any(self.allowed, axis=-1), shape), 1, 2)
 
     def run(self, formula: Callable[..., tuple[Array, Array]]) -> tuple[Array, Array]:
-        """``formula(spec, finite inputs, allowed)``, then :func:`finish`."""
-        spec, inputs = self.spec, self.inputs
-        o, lse = formula(spec, finite_inputs(spec, inputs), self.allowed)
-        return finish_all(spec, inputs, o, lse, self.live)
+        """``formula(spec, finite inputs, allowed)``, then :meth:`finish`."""
+        o, lse = formula(self.spec, finite_inputs(self.spec, self.inputs), self.allowed)
+        return self.finish(o, lse, self.live)
+
+    def finish(self, o: Array, lse: Array, live: Bool[Array, "B T N"]) -> tuple[Array, Array]:
+        """:func:`finish` on the rows of the whole call (``"uniform"``: the mean of ``v``)."""
+        spec, inputs, mean_v = self.spec, self.inputs, None
+        if spec.masked_rows == "uniform" and not spec.has_sinks:
+            mean_v = uniform_rows(spec, jnp.sum(inputs.v.astype(spec.compute_dtype), axis=1))
+        return finish(spec, inputs, o, lse, live, jnp.arange(spec.t), mean_v, inputs.sinks)
 
     def dirty_rows(self) -> Bool[Array, "B T N"]:
         """A live row whose query is non-finite, or that reads a non-finite key, value or bias
@@ -299,20 +305,6 @@ def naive(call: KernelCall) -> tuple[Array, Array]:
 def uniform_rows(spec: KernelSpec, v_sum: Float[Array, "B K H_v"]) -> Float[Array, "B 1 N H_v"]:
     """The ``"uniform"`` policy's output, ``sum_j v_j / S`` per query head."""
     return jnp.repeat(v_sum / spec.s, spec.group, axis=1)[:, None]
-
-
-def finish_all(
-    spec: KernelSpec,
-    inputs: KernelInputs,
-    o: Float[Array, "B T N H_v"],
-    lse: Float[Array, "B T N"],
-    live: Bool[Array, "B T N"],
-) -> tuple[Array, Array]:
-    """:func:`finish` on the rows of the whole call (``"uniform"``: the mean of ``inputs.v``)."""
-    mean_v = None
-    if spec.masked_rows == "uniform" and not spec.has_sinks:
-        mean_v = uniform_rows(spec, jnp.sum(inputs.v.astype(spec.compute_dtype), axis=1))
-    return finish(spec, inputs, o, lse, live, jnp.arange(spec.t), mean_v, inputs.sinks)
 
 
 def finish(
