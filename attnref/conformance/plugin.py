@@ -147,7 +147,7 @@ def pytest_load_initial_conftests(
 
 def pytest_configure(config: pytest.Config) -> None:
     get = config.getoption
-    merge_fn = _merge_target(get("--attnref-merge-target"))
+    merge_fn = _load(get("--attnref-merge-target"), "merge-target")
     spec = get("--attnref-target")
     xfail_file = get("--attnref-xfail")
     declared = (get("--attnref-masked-rows"), get("--attnref-causal-alignment"))
@@ -158,8 +158,6 @@ def pytest_configure(config: pytest.Config) -> None:
     from attnref.conformance import (
         ALL_PROPERTIES,
         Options,
-        TargetError,
-        load,
         read_xfail_file,
         split_devices,
         split_list,
@@ -190,12 +188,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if spec is None and xfail_file is None:  # only declared semantics or devices, validated
         config.stash[_KEY] = Session(None, None, (), {}, merge_fn)
         return
-    fn = None
-    if spec is not None:
-        try:
-            fn = load(spec)
-        except TargetError as e:
-            raise pytest.UsageError(f"attnref: --attnref-target: {e}") from e
+    fn = _load(spec, "target")
+    if fn is not None:
         try:
             options.preflight(fn)
         except ValueError as e:
@@ -203,7 +197,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_KEY] = Session(options if spec else None, fn, options.selected(), xfail, merge_fn)
 
 
-def _merge_target(spec: str | None) -> Callable[..., Any] | None:
+def _load(spec: str | None, flag: str) -> Callable[..., Any] | None:
     if spec is None:
         return None
     from attnref.conformance import TargetError, load
@@ -211,7 +205,7 @@ def _merge_target(spec: str | None) -> Callable[..., Any] | None:
     try:
         return load(spec)
     except TargetError as e:
-        raise pytest.UsageError(f"attnref: --attnref-merge-target: {e}") from e
+        raise pytest.UsageError(f"attnref: --attnref-{flag}: {e}") from e
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

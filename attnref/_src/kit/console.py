@@ -103,11 +103,6 @@ class Bar:
         self._log_stream = log_stream
         self._label: str | None = None
 
-    @property
-    def shown(self) -> bool:
-        """Whether a bar is drawn."""
-        return self._progress is not None
-
     def update(self, done: int, total: int, label: str) -> None:
         """Show ``done`` of ``total``, the running step ``label`` (drawn when it changes)."""
         if self._progress is not None and self._task is not None:

@@ -21,6 +21,7 @@ OPTION_NAMES = tuple(
 IGNORED_OPTIONS = ("implementation",)
 OUT_AXES = "[b, t, n, h]"
 LSE_AXES = "[b, t, n]"
+_GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
 # each gradient's axes (dbias has the bias's own broadcast shape)
 _GRAD_AXES = {
     "query": "[b, t, n, h]",
@@ -267,15 +268,8 @@ def assert_matches_oracle(
         live = np.isfinite(ref_lse)
         if got.shape == ref_lse.shape:
             got = np.where(live, got.astype(np.float64), 0.0)
-        compare(
-            got,
-            np.where(live, ref_lse, 0.0),
-            np.where(live, lse_bound, 0.0),
-            name="lse",
-            axes=LSE_AXES,
-            dtype=dt,
-            rule=rule + " (lse)",
-        )
+        want, allow = (np.where(live, x, 0.0) for x in (ref_lse, lse_bound))
+        compare(got, want, allow, name="lse", axes=LSE_AXES, dtype=dt, rule=rule + " (lse)")
     return match
 
 
@@ -344,15 +338,9 @@ def assert_grads_match_oracle(
             "FlashAttention's rule: 2 x attnref's own gradient error in this dtype + "
             "gamma_N(u) max|g|, N = T G + S + H + H_v + 2"
         )
-    out: dict[str, Match] = {}
-    for name, g, allow in zip(names, got, allowed, strict=False):
-        out[name] = compare(
-            g,
-            getattr(exact, name),
-            allow,
-            name=f"d{name[0] if name != 'bias' else 'bias'}",
-            axes=_GRAD_AXES[name],
-            dtype=dt,
-            rule=rule,
+    return {
+        n: compare(
+            g, getattr(exact, n), a, name=_GRAD_NAMES[n], axes=_GRAD_AXES[n], dtype=dt, rule=rule
         )
-    return out
+        for n, g, a in zip(names, got, allowed, strict=False)
+    }

@@ -7,12 +7,10 @@ examples, ``hypothesis.seed(seed)``, no database): a failure comes back shrunk (
 explicit example that failed, headed as such), with the sub-case it failed at and the line that
 replays it (:meth:`ConformanceReport.replay`).
 
-Shapes: small buckets (``T, S <= 7``, two to four heads, head dim 4), where Hypothesis shrinks
-to, and, for a single-device target in one example in four (all but ``extreme_logits``),
-tile-straddling lengths from :data:`attnref.strategies.TILE_LENGTHS` (15 to 513: ``n - 1, n,
-n + 1, 3n/2 + 1, 2n + 1`` for tiles ``n`` of 16 to 256), so a tail-tile fault fails the default
-run, shrunk to its shortest length. ``shapes="production"`` replaces the draws by fixed sweeps at
-tile boundaries (:mod:`attnref._src.kit.conformance.production`; :func:`production_plan`).
+Shapes: small buckets (``T, S <= 7``, two to four heads, head dim 4) and, for a single-device
+target in one example in four (all but ``extreme_logits``), tile-straddling lengths
+(:data:`attnref.strategies.TILE_LENGTHS`); ``shapes="production"``: fixed sweeps at tile
+boundaries (:func:`production_plan`). ``docs/testing_your_kernel.md`` gives the details.
 
 Properties (each equality with the oracle under the rules of
 :func:`attnref.testing.assert_attention_close`):
@@ -62,36 +60,22 @@ Properties (each equality with the oracle under the rules of
 ``ring_size_growth`` (a distributed kernel only, ``devices=``)
     On each mesh size ``P``, per requested dtype, kinds ``none`` and ``causal``: ``|o_P - o64| <=
     bound + 2 e_1`` componentwise, ``bound`` the merged-states bound
-    (:func:`attnref.tolerance.pieces_error_bound`, ``pieces=None``: any partition of the keys
-    merged in any tree, states in float32 or wider, any ``|lse|``), ``e_1 = 0`` in float32 and
-    float64 and in 16 bits ``e_1 = max(|o_1 - o64| - bound)^+``, the target's own excess on one
-    device (a kernel storing 16-bit intermediates, as FlashAttention stores ``P``, may do so at
-    most twice as badly on ``P`` devices; merging may add no 16-bit rounding). The bound allows
-    one rounding of the output to 16 bits, so a ring rounding its running output at every step
-    (ring-flash-attention #42) fails by a factor growing with ``P``. The report gives each size's
-    worst error / allowance.
+    (:func:`attnref.tolerance.pieces_error_bound`, ``pieces=None``: any partition and merge tree,
+    states in float32 or wider, one rounding of the output), ``e_1 = 0`` in float32 and float64,
+    in 16 bits the target's own excess on one device ``max(|o_1 - o64| - bound)^+`` (the
+    comparative rule's factor 2). A ring rounding its running output to 16 bits at every step
+    fails by a factor growing with ``P``.
 ``uneven_lengths`` (a distributed kernel only, ``devices=``)
-    On each mesh size ``P`` (``P = 1`` too: a zigzag layout cuts ``2P`` chunks), lengths ``2P``
-    does not divide (a bucket's plus an offset in ``1 .. 2P - 1``, drawn apart for ``T`` and
-    ``S`` when they differ), kinds ``none`` and ``causal``, the first dtype (float32 when
-    requested). Each call is a refusal (an exception of :data:`.targets.REFUSAL_TYPES` whose
-    message contains one of :data:`.targets.REFUSAL_WORDS`, case-insensitive: shard_map's "not
-    evenly divisible", jax.numpy's "cannot reshape array") or an answer within the ``oracle``
-    allowance of a distributed kernel; anything else fails (another exception, an
-    ``AssertionError`` too, NaN where the oracle is finite, a wrong shape). A passing size's
-    detail tallies the calls (the first refusal's ``"refused: <Type>: <first line>"``, how many
-    refused and computed). A kernel that pads to a multiple of ``2P`` and leaves the padded keys
-    unmasked fails (EasyContext #57).
+    On each ``P`` (1 too), lengths ``2P`` does not divide, kinds ``none`` and ``causal``, the
+    first dtype: each call is a clear refusal (:func:`.targets.is_refusal`) or within the
+    ``oracle`` allowance; anything else (another exception, NaN, a wrong shape) fails. A passing
+    size's detail tallies refused and computed calls.
 
-Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` takes jax.nn's arguments plus ``mesh=`` (a
-1-D ``jax.sharding.Mesh``, axis ``"devices"``, over the first ``P`` of ``jax.devices()``) and
-``axis_name="devices"`` when it names that parameter; ``q, k, v`` are sharded along the sequence
-axis where ``P`` divides their length, else replicated. Every length is a multiple of ``2
-lcm(devices)`` (contiguous, striped and zigzag layouts of every size divide it), except in
-``uneven_lengths``; every K/V head count is a multiple of ``lcm(devices)`` (the buckets' heads
-scaled with ``N / K`` kept: ``K = 8`` on meshes of 1 to 8, MQA's one head included), so a
-head-parallel kernel splits them on every size. Every property runs on every size (a
-:class:`MeshResult` each, in :attr:`PropertyResult.meshes`); a failure names the size.
+Distributed kernels (``devices=(1, 2, 4, 8)``): ``fn`` also takes ``mesh=`` (1-D, axis
+``"devices"``) and ``axis_name=`` when it names it; ``q, k, v`` are sharded along the sequence
+axis where ``P`` divides it. Lengths are multiples of ``2 lcm(devices)`` (but in
+``uneven_lengths``), K/V head counts of ``lcm(devices)``. Every property runs on every size (a
+:class:`MeshResult` each); a failure names the size.
 
 ``refuses_lengths=True`` (a single-device kernel): a clear refusal of the call's lengths (the
 rule of ``uneven_lengths``) draws another example, counted in the property's detail with the

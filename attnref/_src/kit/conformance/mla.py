@@ -7,27 +7,10 @@ The target has the signature of :func:`attnref.mla.mla_attention` (and of
        positions_q=None, positions_kv=None, mask=None) -> y [B, T_q, d_model]
 
 NumPy in (parameters included), anything :func:`numpy.asarray` reads out; a keyword only when a
-property uses it (a latent-cache kernel, FlashMLA's layout, wraps with
-:func:`attnref.mla.mla_latent_cache`). Each property compares with the float64 oracle
-:func:`attnref.oracle.mla_attention` within :func:`attnref.tolerance.mla_attention_error_bound`
-(both forms, any summation order), parameters from :func:`attnref.mla.init_mla_params`, small
-buckets.
-
-Properties (:data:`MLA_PROPERTIES`):
-
-``oracle``
-    Self-attention, no mask, no RoPE part: the seeds' merged case (``W_K = W_DKV W_UK``).
-``rope``
-    The decoupled RoPE part (``d_rope > 0``, one rotated key shared by every head), with and
-    without query compression (``w_dq``), positions ``0 .. T - 1``.
-``causal``
-    A causal boolean mask ``[B, T, T]`` with the RoPE part.
-``decode``
-    Queries continuing a cache (``T_q = 2 < T_k``): ``positions_q`` the last ``T_q``
-    positions, a bottom-right causal mask ``[B, T_q, T_k]``.
-``masked_nan``
-    A key token that every query's mask excludes holds NaN in ``x_kv``: no NaN may reach the
-    output (the latent of a masked token is never read).
+property uses it. Each property (:data:`MLA_PROPERTIES`; ``docs/mla.md`` says what each checks)
+compares with the float64 oracle :func:`attnref.oracle.mla_attention` within
+:func:`attnref.tolerance.mla_attention_error_bound` (both forms, any summation order), parameters
+from :func:`attnref.mla.init_mla_params`, small buckets.
 """
 
 from __future__ import annotations

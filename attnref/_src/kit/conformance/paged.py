@@ -9,36 +9,13 @@ The target has the signature of :func:`attnref.decode.paged_attention`::
 Token ``j`` of sequence ``b`` is in page ``block_table[b, j // page_size]`` at offset ``j %
 page_size``; ``seq_lens`` counts every token, the ``T`` queries being the last ``T``. Options are
 passed only when used: ``is_causal=True`` (``prefill``), ``return_lse=True`` (``lse``: ``(o, lse
-[B, T, N])``). ``docs/paged.md`` wraps a kernel of another layout (the Pallas one).
+[B, T, N])``).
 
-Each property compares with the float64 oracle :func:`attnref.oracle.paged_attention` within
-:func:`attnref.tolerance.kernel_call_error_bound` on the gathered keys (``key_blocks=None``: any
-page or split schedule; a gather does not round).
-
-Properties (:data:`PAGED_PROPERTIES`; ``page_size`` 8 and 16, lengths in ``[1, S]``, most not
-filling their last page):
-
-``oracle``
-    Decoding (``T = 1``), pages permuted in a pool with unlisted pages; unused slots hold ``1e4``
-    (a kernel reading one gives a visibly wrong row).
-``unused_pages``
-    Unused slots and pages hold NaN, unused table entries name *other* sequences' pages: no NaN
-    and no foreign value may reach the output.
-``permutation``
-    One logical cache under two page layouts: both equal the oracle and agree within twice the
-    bound.
-``append``
-    One sequence grown token by token (page boundaries crossed): each decode equals the oracle.
-``prefill`` (needs ``"prefill"``)
-    ``T = 3`` queries continuing the cache, ``is_causal=True`` (positions ``seq_lens - T + i``).
-``gqa`` (needs ``"gqa"``)
-    ``N = 2K`` and ``N = 4K`` (query head ``n`` reads K/V head ``n // (N / K)``).
-``lse`` (needs ``"lse"``)
-    The returned ``lse`` equals the oracle's within its bound.
-``gradients`` (needs ``"grad"``)
-    ``jax.grad`` with respect to ``query``, ``k_pages``, ``v_pages`` equals the kernel gradient
-    oracle moved back through the table (within
-    :func:`attnref.tolerance.kernel_grad_error_bound`); unused slots (NaN) get exactly 0.
+Each property (:data:`PAGED_PROPERTIES`; ``docs/paged.md`` says what each checks) compares with
+the float64 oracle :func:`attnref.oracle.paged_attention` within
+:func:`attnref.tolerance.kernel_call_error_bound` (gradients:
+:func:`attnref.tolerance.kernel_grad_error_bound`) on the gathered keys (``key_blocks=None``: any
+page or split schedule; a gather does not round); ``page_size`` 8 and 16, lengths in ``[1, S]``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from hypothesis import note
 from hypothesis import strategies as st
 
 from attnref import strategies as ast
@@ -107,7 +106,7 @@ def _plan_causality(ctx: Context) -> Plan | str:
 
     def check(case: Case) -> None:
         c = case.config
-        t = case.get("prefix")
+        t = c.t // 2  # one prefix shape: one more compiled program
         p = ctx.problem(c, "causal", case.seed)
         grow = case.get("future_key_scale")
         k, v = p.k.astype(np.float64), p.v.astype(np.float64)
@@ -156,19 +155,7 @@ def _plan_causality(ctx: Context) -> Plan | str:
                         f"(position {pos[1]} is in the future of query {t - 1})"
                     )
 
-    def prefixes(config: ast.Config) -> Any:
-        return st.just(config.t // 2)  # one prefix shape: one more compiled program
-
-    @st.composite
-    def cases(draw: ast.DrawFn) -> Case:
-        config = draw(ctx.configs(pool), label="config")
-        t = draw(prefixes(config), label="prefix")
-        grow = draw(scales, label="future_key_scale")
-        seed = draw(st.integers(0, 2**32 - 1), label="data seed")
-        note(f"config={config!r} prefix={t} future_key_scale={grow} seed={seed}")
-        return Case(config, seed, (("prefix", t), ("future_key_scale", grow)))
-
-    return cases(), check
+    return case_strategy(ctx.configs(pool), future_key_scale=scales), check
 
 
 def _plan_gqa(ctx: Context) -> Plan | str:

@@ -100,10 +100,8 @@ def problem_replay(
     semantics = "".join(f", {k}={v!r}" for k, v in built.kwargs.items() if k not in built.options)
     if signature == "qkv_mask":
         call, opts = "f(p.q, p.k, p.v, p.allowed())", "mask=p.allowed()" + semantics
-        define = f"f = {fn}"
     else:
         call, opts = "f(p.q, p.k, p.v, **p.options)", "**p.kwargs"
-        define = f"f = {fn}"
     if cotangent is None:
         check = f"assert_matches_oracle({call}, p.q, p.k, p.v, {opts})"
     else:
@@ -120,4 +118,4 @@ def problem_replay(
             f"{cot}; _, pull = jax.vjp(lambda q, k, v: {body}, p.q, p.k, p.v); "
             f"assert_grads_match_oracle(pull(cot), p.q, p.k, p.v, cot, {opts})"
         )
-    return "; ".join([*imports, define, line, check])
+    return "; ".join([*imports, f"f = {fn}", line, check])

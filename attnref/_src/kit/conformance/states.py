@@ -1,40 +1,14 @@
 """The conformance kit for a user's merge of attention states: :func:`check_merge_states`.
 
 The target is ``merge(o_a, lse_a, o_b, lse_b) -> (o, lse)`` (:func:`attnref.merge_states`'
-signature; NumPy in, anything :func:`numpy.asarray` reads out). Each property is a Hypothesis test
-over :func:`attnref.strategies.attention_states` comparing with the float64 oracle
-:func:`attnref.oracle.merge_state_stack` within :func:`attnref.tolerance.merge_error_bound`; a row
-where every state is empty must come back empty (``lse = -inf``, ``o`` per ``masked_rows``).
-
-Properties (:data:`MERGE_PROPERTIES`):
-
-``oracle``
-    Two states (ties, small and > 88 differences, empty states with NaN ``o``, empty rows) merge
-    to the oracle within the bound of one merge.
-``commutative``
-    ``merge(a, b)`` and ``merge(b, a)`` agree within twice that bound, ``-inf`` and NaN alike.
-``associative``
-    Three to five states merged by two random trees: each equals the oracle within the bound of
-    its depth, and they agree within the sum of the two bounds.
-``identity``
-    The empty state (``lse = -inf``, ``o`` NaN) is the identity on either side; two empty states
-    merge to the empty state.
-``stability``
-    ``|lse|`` up to ``1e4``, differences from 89 (float32 ``exp`` overflows) to ``2e4``: finite
-    and within the bound (a merge written ``lse_a + log(1 + exp(lse_b - lse_a))`` overflows).
-``dtypes``
-    One pair rounded to every requested format (``o`` float32, float64, bfloat16, float16; a
-    16-bit ``o`` with float32 and with 16-bit ``lse``), each merged within its format's bound
-    (16-bit states merged in float32, stored in the states' formats; float64 under x64).
-``gradients`` (skipped with ``grad=False``)
-    ``jax.vjp`` of the merge for random ``g_o``, ``g_lse`` equals the float64 gradient
-    (:func:`attnref.oracle.merge_states_vjp`)::
-
-        d o_p   = pi_p g_o,   d lse_p = pi_p (g_o . (o_p - o) + g_lse),   pi_p = e^{lse_p - lse}
-
-    within :func:`attnref.tolerance.merge_grad_error_bound` on the forward properties' states;
-    an empty state and every state of an empty row get exactly 0, never NaN. A merge that
-    ``stop_gradient``s its weights loses ``pi_p g_o . (o_p - o)`` and fails here only.
+signature; NumPy in, anything :func:`numpy.asarray` reads out). Each property
+(:data:`MERGE_PROPERTIES`: ``oracle``, ``commutative``, ``associative``, ``identity``,
+``stability``, ``dtypes``, ``gradients``; ``docs/states.md`` says what each checks) is a
+Hypothesis test over :func:`attnref.strategies.attention_states` comparing with the float64 oracle
+:func:`attnref.oracle.merge_state_stack` within :func:`attnref.tolerance.merge_error_bound` (the
+gradients with :func:`attnref.oracle.merge_states_vjp` within
+:func:`attnref.tolerance.merge_grad_error_bound`); a row where every state is empty must come back
+empty (``lse = -inf``, ``o`` per ``masked_rows``), its gradients exactly 0.
 """
 
 from __future__ import annotations
