@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import check_flag, shape_of
-from ._core import head_weights
+from ._core import FIELDS, head_weights
 from ._doc import (
     LINEAR,
     LINEAR_RAISES,
@@ -337,29 +337,24 @@ def linear_attention_vjp(call: dict[str, Any], d_y: Any) -> LinearGrads:
 # ----------------------------------------------------------------------------- multi-head
 
 
-def _project_back_fast(
-    x: np.ndarray, wt: np.ndarray, dh: np.ndarray, bias: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _project_back_fast(x: np.ndarray, wt: np.ndarray, dh: np.ndarray) -> tuple[np.ndarray, ...]:
     """``(dx, dW, db)`` of ``h = x W + b`` given ``dh [..., T, H, d]``."""
-    axes = tuple(range(dh.ndim - 2))
     dw = np.einsum("...td,...the->hde", x, dh, optimize=True)
     dx = np.einsum("...the,hde->...td", dh, wt, optimize=True)
-    return dx, dw, dh.sum(axis=axes) if bias else None
+    return dx, dw, dh.sum(axis=tuple(range(dh.ndim - 2)))
 
 
 def _project_back_definition(
-    x: np.ndarray, wt: np.ndarray, dh: np.ndarray, bias: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    x: np.ndarray, wt: np.ndarray, dh: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """:func:`_project_back_fast` one batch element, head and token at a time."""
-    dx, dw = np.zeros(x.shape), np.zeros(wt.shape)
-    db = np.zeros(wt.shape[::2]) if bias else None
+    dx, dw, db = np.zeros(x.shape), np.zeros(wt.shape), np.zeros(wt.shape[::2])
     for idx in np.ndindex(*x.shape[:-2]):
         for h in range(wt.shape[0]):
             for t in range(x.shape[-2]):
                 dw[h] += np.outer(x[idx][t], dh[idx][t, h])
                 dx[idx][t] += wt[h] @ dh[idx][t, h]
-                if db is not None:
-                    db[h] += dh[idx][t, h]
+                db[h] += dh[idx][t, h]
     return dx, dw, db
 
 
@@ -405,18 +400,15 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
     batch_k = (*k.shape[:-2], n_kv, group)
     dk = g.k.reshape(*batch_k, -1).sum(axis=-2)  # query heads i = g G + r share head g
     dv = g.v.reshape(*batch_k, -1).sum(axis=-2)
-    dxq, dwq, dbq = back(xq, w_q, g.q, w["b_q"] is not None)
-    dxk, dwk, dbk = back(xkv, w_k, dk, w["b_k"] is not None)
-    dxv, dwv, dbv = back(xkv, w_v, dv, w["b_v"] is not None)
-    dwo, dbo = _output_weights(z, dy, method, w["b_o"] is not None)
-    grads = {"w_q": dwq, "w_k": dwk, "w_v": dwv, "w_o": dwo}
-    for name, db in (("b_q", dbq), ("b_k", dbk), ("b_v", dbv), ("b_o", dbo)):
-        if db is not None:
-            grads[name] = db
-    dx_q = dxq + dy if residual else dxq
+    dx, out = {}, {}
+    for name, x, wt, dh in (("q", xq, w_q, g.q), ("k", xkv, w_k, dk), ("v", xkv, w_v, dv)):
+        dx[name], out["w_" + name], out["b_" + name] = back(x, wt, dh)
+    out["w_o"], out["b_o"] = _output_weights(z, dy, method)
+    grads = {n: out[n] for n in FIELDS if n.startswith("w_") or w[n] is not None}
+    dx_q = dx["q"] + dy if residual else dx["q"]
     if x_kv is None:
-        return LinearMultiheadGrads(grads, dx_q + (dxk + dxv), None)
-    return LinearMultiheadGrads(grads, dx_q, dxk + dxv)
+        return LinearMultiheadGrads(grads, dx_q + (dx["k"] + dx["v"]), None)
+    return LinearMultiheadGrads(grads, dx_q, dx["k"] + dx["v"])
 
 
 def _project_back_out(dy: np.ndarray, w_o: np.ndarray, method: str) -> np.ndarray:
@@ -430,17 +422,14 @@ def _project_back_out(dy: np.ndarray, w_o: np.ndarray, method: str) -> np.ndarra
     return dz
 
 
-def _output_weights(
-    z: np.ndarray, dy: np.ndarray, method: str, bias: bool
-) -> tuple[np.ndarray, np.ndarray | None]:
+def _output_weights(z: np.ndarray, dy: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
     """``(dW_O, db_O)``: ``dW_O[h] = sum_t z_th^T dy_t`` and ``db_O = sum_t dy_t``."""
-    axes = tuple(range(dy.ndim - 1))
     if method == "fast":
         dwo = np.einsum("...qhv,...qd->hvd", z, dy, optimize=True)
-        return dwo, dy.sum(axis=axes) if bias else None
+        return dwo, dy.sum(axis=tuple(range(dy.ndim - 1)))
     dwo, dbo = np.zeros((z.shape[-2], z.shape[-1], dy.shape[-1])), np.zeros(dy.shape[-1])
     for idx in np.ndindex(*dy.shape[:-1]):
         dbo += dy[idx]
         for h in range(z.shape[-2]):
             dwo[h] += np.outer(z[idx][h], dy[idx])
-    return dwo, dbo if bias else None
+    return dwo, dbo
