@@ -35,8 +35,7 @@ class Dims:
         chunk: The chunk size of ``linear_chunked`` (default 16).
         itemsize: Bytes per element (default 4, float32).
         causal: Whether the linear forms run causally (default ``False``).
-        devices: The device count ``P`` of a distributed form (default 1); its cost is per
-            device.
+        devices: The device count ``P`` of a distributed form (its cost is per device).
     """
 
     batch: int
@@ -55,8 +54,7 @@ class Dims:
     devices: int = 1
 
 
-# The collectives of a distributed program, as HLO names them (``jax.lax.ppermute``,
-# ``all_gather``, ``all_to_all``, ``psum``, and ``psum_scatter``).
+# HLO's names of ``ppermute``, ``all_gather``, ``all_to_all``, ``psum`` and ``psum_scatter``.
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
 
 
@@ -66,18 +64,14 @@ class Collective:
 
     Attributes:
         kind: One of :data:`COLLECTIVES`.
-        operand_bytes: What HLO shows, on one device: the operand of ``collective-permute``,
-            ``all-to-all`` and ``all-reduce`` (the result's size), the local shard of
-            ``all-gather`` (the result over ``devices``), the full input of ``reduce-scatter``
-            (the result times ``devices``).
-        calls: How many times each device runs it (the communication steps).
+        operand_bytes: One device's operand as HLO shows it (``all-gather``: the local shard;
+            ``reduce-scatter``: the full input).
+        calls: How many times each device runs it.
         devices: The group size ``P``.
-        in_shard_map: ``True`` for a scheme's own collectives (a model's, and those HLO
-            metadata places in a ``shard_map``); ``False`` for those XLA's SPMD partitioner adds
-            around it to reshard the global arrays (:func:`hlo_collectives`).
-        conditional: ``True`` when HLO runs it in a branch of a ``conditional``:
-            :func:`hlo_collectives` then counts a call per run of the enclosing computation,
-            an upper bound (a ring that skips its last send). Always ``False`` in a model.
+        in_shard_map: ``True`` for a scheme's own collectives, ``False`` for those XLA's SPMD
+            partitioner adds to reshard the global arrays.
+        conditional: ``True`` when HLO runs it in a branch of a ``conditional`` (its ``calls``
+            are then an upper bound); always ``False`` in a model.
     """
 
     kind: str
@@ -129,8 +123,7 @@ class Cost:
         per_trip_matmul_flops: The part of ``matmul_flops`` inside the loop, per trip.
         per_trip_elementwise_flops: Likewise for ``elementwise_flops``.
         per_trip_transcendentals: Likewise for ``transcendentals``.
-        collectives: A distributed form's communication per device (:class:`Collective`);
-            empty for single-device forms.
+        collectives: A distributed form's communication per device (:class:`Collective`).
     """
 
     matmul_flops: int
@@ -351,9 +344,8 @@ def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
-    """The :class:`Cost` of registered formulation ``formulation_id`` (e.g. ``"concat"``) on
-    ``dims``, from its registry ``cost_model``; ``KeyError`` if it is not registered or has no
-    cost model."""
+    """The :class:`Cost` of registered formulation ``formulation_id`` on ``dims`` (its
+    ``cost_model``); ``KeyError`` if it is not registered or has no cost model."""
     from attnref._src.core.registry import get  # lazily: the models' modules import this one
 
     try:
@@ -393,8 +385,7 @@ class XlaCounts:
         transcendentals: ``cost_analysis()["transcendentals"]``.
         dot_flops: The dot FLOPs of the optimised HLO (:func:`hlo_dot_flops`).
         temp_bytes: ``memory_analysis().temp_size_in_bytes``.
-        collectives: The collectives of the optimised HLO (:func:`hlo_collectives`), each with
-            its ``while`` trip counts.
+        collectives: The collectives of the optimised HLO (:func:`hlo_collectives`).
     """
 
     flops: float

@@ -7,6 +7,8 @@ fully masked row gives zero weights (``docs/conventions.md``).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -71,12 +73,7 @@ def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] |
     for m in present:
         if m.dtype != jnp.bool_:
             raise TypeError(f"combine_masks takes boolean masks, got dtype {m.dtype}")
-    if not present:
-        return None
-    out = present[0]
-    for m in present[1:]:
-        out = jnp.logical_and(out, m)
-    return out
+    return functools.reduce(jnp.logical_and, present) if present else None
 
 
 def mask_to_bias(mask: Bool[ArrayLike, "..."], dtype: object = jnp.float32) -> Float[Array, "..."]:

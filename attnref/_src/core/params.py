@@ -128,13 +128,8 @@ def init_params(
     """
     d_v = d_k if d_v is None else d_v
     kv = num_heads if num_kv_heads is None else num_kv_heads
-    for name, val in (
-        ("d_model", d_model),
-        ("num_heads", num_heads),
-        ("d_k", d_k),
-        ("d_v", d_v),
-        ("num_kv_heads", kv),
-    ):
+    sizes = dict(d_model=d_model, num_heads=num_heads, d_k=d_k, d_v=d_v, num_kv_heads=kv)
+    for name, val in sizes.items():
         if int(val) < 1:
             raise ValueError(f"{name} must be a positive integer, got {val}")
     if num_heads % kv:
@@ -152,18 +147,9 @@ def init_params(
     w_k = normal((kv, d_model, d_k), d_model**-0.5)
     w_v = normal((kv, d_model, d_v), d_model**-0.5)
     w_o = normal((h, d_v, d_model), (h * d_v) ** -0.5)
-    if not bias:
-        return AttentionParams(w_q, w_k, w_v, w_o)
-    return AttentionParams(
-        w_q,
-        w_k,
-        w_v,
-        w_o,
-        b_q=normal((h, d_k), 0.1),
-        b_k=normal((kv, d_k), 0.1),
-        b_v=normal((kv, d_v), 0.1),
-        b_o=normal((d_model,), 0.1),
-    )
+    shapes = ((h, d_k), (kv, d_k), (kv, d_v), (d_model,))  # b_q, b_k, b_v, b_o, drawn in order
+    biases = [normal(shape, 0.1) for shape in shapes] if bias else [None] * 4
+    return AttentionParams(w_q, w_k, w_v, w_o, *biases)
 
 
 # ----------------------------------------------------------------------------- key/value heads

@@ -62,17 +62,12 @@ class Formulation:
         native: The formulation in its own convention (may be ``apply`` itself).
         summary: One or two sentences for the page and ``attnref list``.
         cost: Asymptotic FLOPs and peak memory of this order of operations, in words.
-        family: The :class:`Family` whose signature, oracle and bound apply
-            (default: the softmax family).
-        causal_modes: The ``causal`` values ``apply`` takes, default first (the linear
-            family's forms; the mask-based families take both).
-        static_argnames: ``jax.jit`` static arguments of ``apply``; ``None`` (the default)
-            means the family's ``static_argnames``.
-        cost_model: ``<id>_cost(dims) -> Cost``, the analytic cost model
-            (:func:`attnref.costs.cost` calls it).
-        formula: The pure function that computes the formulation (no validation, no guard),
-            whose source its page shows; ``None`` (default) means ``apply.formula`` if the
-            public function has one, else ``native``.
+        family: The :class:`Family` whose signature, oracle and bound apply (default softmax).
+        causal_modes: The ``causal`` values ``apply`` takes, default first.
+        static_argnames: ``jax.jit`` static arguments of ``apply`` (``None``: the family's).
+        cost_model: ``<id>_cost(dims) -> Cost``, the analytic cost model.
+        formula: The pure function its page shows (``None``: ``apply.formula``, else
+            ``native``).
     """
 
     id: str
@@ -107,8 +102,8 @@ _loaded = False
 
 
 def register(formulation: Formulation) -> Formulation:
-    """Add ``formulation`` to the registry and return it (call it at the bottom of the module
-    defining it). ``ValueError`` if its id is taken or its family's name is another family's."""
+    """Add ``formulation`` to the registry and return it; ``ValueError`` if its id is taken or its
+    family's name is another family's."""
     if formulation.id in REGISTRY:
         raise ValueError(f"formulation id {formulation.id!r} is already registered")
     for other in REGISTRY.values():
@@ -149,9 +144,8 @@ def get(formulation_id: str) -> Formulation:
 
 
 def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
-    """Registered formulations of ``family`` (a :class:`Family` or its name, ``"softmax"``,
-    ``"linear"``, ...; ``None``: every family), in the order of :data:`FORMULATION_MODULES`, then
-    of registration (entries registered by other modules last)."""
+    """Registered formulations of ``family`` (a :class:`Family` or its name; ``None``: all), in
+    the order of :data:`FORMULATION_MODULES`, then of registration."""
     _load()
     ordered = sorted(REGISTRY.values(), key=_rank)  # stable: registration order within a module
     if family is None:
@@ -161,8 +155,7 @@ def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
 
 
 def families() -> tuple[Family, ...]:
-    """The families of the registered formulations (one per name), in order of their first
-    entry."""
+    """The families of the registered formulations, in order of their first entry."""
     return tuple(dict.fromkeys(f.family for f in formulations()))
 
 

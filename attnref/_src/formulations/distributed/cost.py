@@ -44,8 +44,7 @@ def _padded(d: Dims, layout: str) -> tuple[int, int]:
 
 
 def _projections(d: Dims, sharded: bool, layout: str) -> int:
-    """Matmul FLOPs of ``x W_Q``, ``x W_K``, ``x W_V`` and ``o W_O`` on one device: every
-    token's (replicated) or the device's ``T' / P`` tokens' (``sharded``)."""
+    """Matmul FLOPs of the four projections on one device: all tokens' or (``sharded``) T'/P."""
     if not sharded:
         pq, pk, pv = _cost.projections(d)
         return pq + pk + pv + 2 * d.batch * d.t_q * d.heads * d.d_v * d.d_model
@@ -55,9 +54,8 @@ def _projections(d: Dims, sharded: bool, layout: str) -> int:
 
 
 def _weight_level(d: Dims) -> int:
-    """Elementwise work of the row form around the kernel, counted in full (an upper bound on
-    any device's share): the weight-level non-finite guard, the projection and output biases,
-    the head sum and the kernel operands' finite parts and dirty tests."""
+    """Elementwise work of the row form around the kernel, in full (a bound on any device's):
+    the weight-level guard, the biases, the head sum and the operands' guard."""
     b, h = d.batch, d.heads
     operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
     return (
@@ -336,9 +334,8 @@ def useful_flops(t: int, devices: int, layout: str, *, causal: bool = True, **si
 
 
 def chunk_tiles(c_q: int, c_k: int) -> int:
-    """Tiles per side of a ring step's ``c_q x c_k`` piece whose tiles are each computed under a
-    ``lax.cond`` (skipped when the position rules leave it empty): 2 (four quarter pieces) when
-    both sides split evenly, else 1."""
+    """Tiles per side of a ring step's ``c_q x c_k`` piece, each under a ``lax.cond``: 2 when both
+    sides split evenly, else 1."""
     return 2 if c_q % 2 == 0 and c_k % 2 == 0 and min(c_q, c_k) >= 2 else 1
 
 
@@ -350,8 +347,7 @@ NEVER, SOMETIMES, ALWAYS = 0, 1, 2
 
 
 def _fine_tiles(c_q: int, c_k: int) -> int:
-    """The most tiles a side (a power of two, at most :data:`MAX_TILES`) that split both sides
-    evenly into tiles of at least :data:`MIN_TILE`."""
+    """The most tiles a side (a power of two <= :data:`MAX_TILES`) of at least :data:`MIN_TILE`."""
     n = 1
     while (
         2 * n <= MAX_TILES
@@ -373,12 +369,10 @@ def _reach(
     causal: bool,
     window: tuple[int | None, int | None] | None,
 ) -> np.ndarray:
-    """``[P, n, P, n]``: whether tile ``a`` of device ``d``'s queries may read a key of tile ``b``
-    of device ``o``'s chunk by the position rules, on the tiles' position ranges: some real
-    ``i``, ``j`` (``i < T``, ``j < S``) with ``j - (i + offset)`` in ``[-left, 0]`` (causal)
-    and ``[-left, right]`` (window). Exact for causality alone; for a window, a tile whose
-    positions are strided (striped) may be reported reachable when none of its pairs is: such a
-    tile is computed, never wrongly skipped."""
+    """``[P, n, P, n]``: whether query tile ``a`` of device ``d`` may read a key of tile ``b`` of
+    device ``o``'s chunk, from the tiles' position ranges (``j - (i + offset)`` in ``[-left, 0]``
+    causal, ``[-left, right]`` window). Exact for causality; a strided tile under a window may be
+    reported reachable (computed, never wrongly skipped)."""
     big = np.iinfo(np.int64).max // 4
     tq = positions(padded_length(t, devices, layout), devices, layout).astype(np.int64)
     tk = positions(padded_length(s, devices, layout), devices, layout).astype(np.int64)
@@ -408,17 +402,11 @@ def piece_tiles(
     causal: bool = True,
     window: tuple[int | None, int | None] | None = None,
 ) -> np.ndarray:
-    """How the ring computes a step's piece: its ``[n, n]`` tiles (``n`` a side), each
-    :data:`NEVER` reachable (not computed), :data:`SOMETIMES` (computed under a ``lax.cond`` on
-    the step's positions) or :data:`ALWAYS` (computed unconditionally; the adjacent ones of a
-    query tile as one slice of keys, with no merge between them).
-
-    When the position rules are known from the shapes (causality and the window; no traced
-    lengths), the piece is split finely (:data:`MIN_TILE`, :data:`MAX_TILES`) if that needs few
-    conditions: no tile is :data:`SOMETIMES` (a striped piece under causality alone is the same
-    local triangle on every step and device, as is any layout's on one device: the busiest
-    device then computes ``(n + 1) P / (2 n)`` pieces), or some tile is never reachable and at
-    most ``2 n`` are :data:`SOMETIMES` (a window's band). Otherwise the piece is
+    """How the ring computes a step's piece: its ``[n, n]`` tiles, each :data:`NEVER` reachable
+    (not computed), :data:`SOMETIMES` (under a ``lax.cond`` on the step's positions) or
+    :data:`ALWAYS` (unconditionally). With the position rules known from the shapes the piece is
+    split finely (:data:`MIN_TILE`, :data:`MAX_TILES`) when no tile is :data:`SOMETIMES`, or some
+    is :data:`NEVER` and at most ``2 n`` are :data:`SOMETIMES`; otherwise it is
     :func:`chunk_tiles` tiles a side, each :data:`SOMETIMES`.
 
     Args:
@@ -446,12 +434,9 @@ def piece_tiles(
 
 
 def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = True) -> np.ndarray:
-    """The ring's computed tiles per device, of ``P n^2`` (``n``: :func:`piece_tiles`, causal
-    self-attention with top-left alignment when ``causal``).
-
-    At step ``r`` device ``d`` meets chunk ``(d - r) mod P``; each of the piece's ``n x n``
-    tiles is computed when one of its real queries ``i`` may read one of its real keys ``j``
-    (``j <= i`` under causality; any real pair without), and skipped otherwise.
+    """The ring's computed tiles per device, of ``P n^2`` (``n``: :func:`piece_tiles`): a tile
+    is computed when one of its real queries ``i`` may read one of its real keys ``j`` (``j <=
+    i`` under top-left causality).
 
     Args:
         t, devices, layout, causal: As in :func:`useful_pairs` (self-attention, ``S = T``).

@@ -61,33 +61,13 @@ def default_mesh(devices: int | None = None) -> Mesh:
 
 
 def head_mesh(num_heads: int) -> Mesh:
-    """:func:`default_mesh` over the largest device count ``P`` that divides ``num_heads``.
-
-    Args:
-        num_heads: The number of query heads ``H``, a positive int.
-
-    Returns:
-        The cached 1-D mesh.
-    """
+    """:func:`default_mesh` over the largest device count ``P`` that divides ``num_heads``."""
     n = max(p for p in range(1, jax.device_count() + 1) if num_heads % p == 0)
     return default_mesh(n)
 
 
 def mesh_axis(mesh: Any, axis_name: str | None) -> tuple[str, int]:
-    """The mesh axis a scheme runs over and its size ``P``.
-
-    Args:
-        mesh: A ``jax.sharding.Mesh``.
-        axis_name: One of ``mesh.axis_names``; ``None`` means the only axis of a 1-D mesh.
-
-    Returns:
-        ``(axis_name, P)``.
-
-    Raises:
-        TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
-        ValueError: If ``axis_name`` is not an axis of the mesh, or is ``None`` for a mesh with
-            several axes.
-    """
+    """``(axis_name, P)``: the mesh axis a scheme runs over (``None``: a 1-D mesh's only one)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
@@ -125,11 +105,7 @@ def mesh_args(inputs: KernelInputs, traced_scale: Array | None, **changed: Any) 
 
 
 def check_heads(n: int, devices: int, axis_name: str, scheme: str, what: str) -> None:
-    """Refuse a head count ``n`` that the ``devices`` of ``axis_name`` do not divide.
-
-    Raises:
-        ValueError: Naming ``what`` (the argument and its shape) and the mesh axis.
-    """
+    """Refuse a head count ``n`` that the ``devices`` of ``axis_name`` do not divide."""
     if n % devices:
         raise ValueError(
             f"{what} has N={n} query heads, which the P={devices} devices of mesh axis "

@@ -63,16 +63,22 @@ def positions(n_pad: int, devices: int, layout: str) -> np.ndarray:
     return table
 
 
+def pad_axis(a: Array, axis: int, n: int, fill: Any = 0) -> Array:
+    """``a`` padded with ``fill`` to length ``n`` along ``axis``."""
+    extra = n - a.shape[axis]
+    if extra <= 0:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(a, pad, constant_values=fill)
+
+
 def to_layout(
     x: Array, axis: int, n_pad: int, devices: int, layout: str, fill: float | int | bool = 0
 ) -> Array:
     """``x`` (natural order along ``axis``, length ``n``) padded with ``fill`` to ``n_pad`` and
     permuted into device-major order: shard ``d`` of the result holds ``positions[d]``."""
-    n = x.shape[axis]
-    if n_pad > n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, n_pad - n)
-        x = jnp.pad(x, pad, constant_values=fill)
+    x = pad_axis(x, axis, n_pad, fill)
     if layout == "contiguous":
         return x
     return jnp.take(x, jnp.asarray(positions(n_pad, devices, layout).reshape(-1)), axis=axis)
@@ -84,23 +90,13 @@ def from_layout(y: Array, axis: int, n: int, devices: int, layout: str) -> Array
     if layout != "contiguous":
         inverse = np.argsort(positions(n_pad, devices, layout).reshape(-1))
         y = jnp.take(y, jnp.asarray(inverse.astype(np.int32)), axis=axis)
-    return jax_slice(y, axis, n)
-
-
-def jax_slice(y: Array, axis: int, n: int) -> Array:
-    """The first ``n`` entries of ``y`` along ``axis``."""
-    index = [slice(None)] * y.ndim
-    index[axis] = slice(0, n)
-    return y[tuple(index)]
+    return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalInputs:
-    """One device's inputs in a ring: local queries and their rows of bias and mask, its own K/V
-    chunk, the global lengths and a traced scale (``None`` where an option is not given, and for
-    a concrete scale, which the ring's static description carries). The same pytree carries the
-    ``in_specs`` (``PartitionSpec`` leaves) and the cotangents (``None`` for the integer
-    leaves), hence ``Any``."""
+    """One device's inputs in a ring (``None`` where an option is not given, and for a concrete
+    scale); the same pytree carries the ``in_specs`` and the cotangents, hence ``Any``."""
 
     q: Any
     k: Any
@@ -130,9 +126,8 @@ def shard_inputs(
     s_pad: int,
     traced_scale: bool,
 ) -> tuple[LocalInputs, LocalInputs]:
-    """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes padded
-    and permuted into device-major order and split over ``axis``; a mask or bias split along
-    ``T`` when that axis is full (else shared); lengths and a traced scale shared."""
+    """The ``shard_map`` operands of a validated call and their ``in_specs``: token axes laid out
+    and split over ``axis``, a mask or bias along a full ``T``, the rest shared."""
     tokens, shared = PartitionSpec(None, axis), PartitionSpec()
 
     def seq(a: Array | None, n_pad: int, fill: float = 0.0) -> Array | None:

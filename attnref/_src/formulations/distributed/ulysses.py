@@ -31,7 +31,7 @@ from attnref._src.formulations.distributed.family import (
     mesh_schedule,
     scheme_rows,
 )
-from attnref._src.formulations.distributed.layout import padded_length
+from attnref._src.formulations.distributed.layout import pad_axis, padded_length
 from attnref._src.formulations.distributed.tensor_parallel import (
     head_specs,
     kv_repeats,
@@ -41,16 +41,6 @@ from attnref._src.formulations.distributed.tensor_parallel import (
 from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec, lengths_in_range
 
 LAYOUT = "contiguous"
-
-
-def pad_axis(a: Array, axis: int, n: int, fill: Any = 0) -> Array:
-    """``a`` padded with ``fill`` to length ``n`` along ``axis``."""
-    extra = n - a.shape[axis]
-    if extra <= 0:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(a, pad, constant_values=fill)
 
 
 def _padded(a: Array | None, t_pad: int, s_pad: int, fill: Any) -> Array | None:
