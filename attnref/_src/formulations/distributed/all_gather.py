@@ -121,14 +121,11 @@ all_gather_dot_product_attention = mesh_kernel(
     name="all_gather_dot_product_attention",
     summary=(
         "``attnref.dot_product_attention`` by all-gather context parallelism (Llama 3).\n\n"
-        "``q``, ``k``, ``v`` are padded to multiples of ``2P`` and put in the zigzag layout "
-        "(device\n``d`` holds sequence chunks ``d`` and ``2P - 1 - d``); every device "
-        "all-gathers ``k`` and\n``v`` (and the key segment ids) and computes "
-        "``o_i = softmax_j(s_ij, allowed) v_j`` for its\nqueries against every key, each row "
-        "in one piece, the options applied on global positions.\n``mask``/``bias`` rows follow "
-        "the query layout when their ``T`` axis is full; their ``S``\naxis stays whole on every "
-        "device. The output comes back in natural token order. Semantics,\nresults and errors "
-        "are those of :func:`attnref.dot_product_attention` (``docs/kernel.md``)."
+        "Queries in the zigzag layout (device ``d`` holds chunks ``d`` and ``2P - 1 - d`` of "
+        "``2P``);\nevery device all-gathers ``k`` and ``v`` and computes "
+        "``o_i = softmax_j(s_ij, allowed) v_j``\nfor its queries against every key. Semantics, "
+        "results and errors are those of\n:func:`attnref.dot_product_attention` "
+        "(``docs/kernel.md``)."
     ),
     axis="to split the sequence over",
     returns=" Natural token order.",

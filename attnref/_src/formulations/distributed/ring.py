@@ -399,22 +399,13 @@ def _schedule(layout: str) -> Any:
 
 _KERNEL_DOC = """{title}
 
-Each of the ``P`` devices of the mesh axis holds the queries and one K/V chunk at the
-global positions of the {layout} layout ({layout_rule}); at ring step ``r = 0, ..., P - 1``
-device ``d`` holds chunk ``(d - r) mod P`` and updates its state
+The {layout} layout: {layout_rule}.
+At ring step ``r = 0, ..., P - 1`` device ``d`` updates
 ``(o, lse) <- merge((o, lse), state(q, K_{{(d - r) mod P}}, V_{{(d - r) mod P}}))``
-(:func:`attnref.merge_states`), then passes the chunk to device ``d + 1``
-(``lax.ppermute``). Steps whose chunk no local query may read by the position rules
-(causality, window, lengths) are skipped. Same semantics, results and errors as
-:func:`attnref.dot_product_attention`; the backward is a ``jax.custom_vjp`` that runs the
-ring again (module docstring of ``attnref._src.formulations.distributed.ring``). {cite}
-
-Lengths that {multiple} does not divide are padded inside (padded keys are never attended,
-padded queries are dropped), so every ``T, S >= 0`` gives the exact answer. A mask or bias
-whose ``T`` axis is full is laid out like the queries; its ``S`` axis stays whole on every
-device. States are merged in the compute dtype (float32 for 16-bit inputs): the output is
-rounded to the input dtype once. Under ``jax.jit``, ``mesh`` and ``axis_name`` are static
-(name them in ``static_argnames`` or close over them).
+and passes the chunk to device ``d + 1``. Same semantics, results and errors as
+:func:`attnref.dot_product_attention` (lengths that {multiple} does not divide are padded
+inside); the backward is a ``jax.custom_vjp`` that runs the ring again.
+{cite} Under ``jax.jit``, ``mesh`` and ``axis_name`` are static.
 """
 
 

@@ -133,15 +133,10 @@ tensor_parallel_dot_product_attention = mesh_kernel(
     name="tensor_parallel_dot_product_attention",
     summary=(
         "``attnref.dot_product_attention`` with the heads split over a mesh axis "
-        "(Megatron-LM).\n\n``o_n = softmax(s_n, allowed) v_{n // G}`` for every query head "
-        "``n``; device ``d`` of the\n``P`` devices of ``axis_name`` computes heads "
-        "``d N/P .. (d + 1) N/P - 1`` over the whole\nsequence, reading its share of "
-        "``key``/``value`` heads (each K/V head repeated\n"
-        "``lcm(K, P)/K`` times first when ``P`` does not divide ``K``). ``mask`` and ``bias`` are\n"
-        "split on their head axis when it is full and replicated when it broadcasts; lengths and\n"
-        "segment ids are replicated. No communication: the output is sharded on its head axis.\n"
-        "Semantics, results and errors are those of :func:`attnref.dot_product_attention`\n"
-        "(``docs/kernel.md``); ``N`` must be a multiple of ``P``."
+        "(Megatron-LM).\n\n``o_n = softmax(s_n, allowed) v_{n // G}``; device ``d`` computes "
+        "heads\n``d N/P .. (d + 1) N/P - 1`` with no communication. Semantics, results and "
+        "errors are those of\n:func:`attnref.dot_product_attention` (``docs/kernel.md``); "
+        "``P`` must divide ``N``."
     ),
     axis="to split the heads over",
     returns=" ``o`` is sharded on its head axis.",

@@ -113,15 +113,9 @@ ulysses_dot_product_attention = mesh_kernel(
     summary=(
         "``attnref.dot_product_attention`` by DeepSpeed-Ulysses: sequence split -> head split ->\n"
         "attention -> sequence split, with two all-to-alls per tensor.\n\n"
-        "``q``, ``k``, ``v`` are padded to multiples of ``P`` and split along the sequence\n"
-        "(``[B, T'/P, N, H]`` per device); ``all_to_all`` gives each device the whole sequence "
-        "for\n``N/P`` query heads (``[B, T', N/P, H]``) and the K/V heads they read; full "
-        "attention on\nthose heads; ``all_to_all`` back gives ``[B, T'/P, N, H_v]``. "
-        "``mask``/``bias`` are split on\ntheir head axis when it is full (replicated when it "
-        "broadcasts), padded on full ``T``/``S``\naxes; lengths and segment ids are replicated. "
-        "Semantics, results and errors are those of\n:func:`attnref.dot_product_attention` "
-        "(``docs/kernel.md``); padding never changes a result.\n``N`` must be a multiple of "
-        "``P``."
+        "``[B, T'/P, N, H] --all_to_all--> [B, T', N/P, H]`` per device, full attention on those\n"
+        "heads, and back. Semantics, results and errors are those of\n"
+        ":func:`attnref.dot_product_attention` (``docs/kernel.md``); ``P`` must divide ``N``."
     ),
     axis="to run over",
     returns=" Natural token order.",
