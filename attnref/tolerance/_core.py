@@ -190,23 +190,6 @@ def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float
     return worst_case_terms(u, n_s, n_y, t_k)
 
 
-def _bound_for(
-    dtype: Any,
-    *,
-    ls: np.ndarray,
-    spread: np.ndarray,
-    allowed: np.ndarray,
-    weights: np.ndarray,
-    g_mag: np.ndarray,
-    b_o: np.ndarray | None,
-    dims: tuple[int, int, int, int, int],
-) -> np.ndarray:
-    """One format's share of :func:`attention_error_bound` (steps 1 to 3)."""
-    g_s, u, g_soft, g_y = _chain_terms(dtype, *_chain_sizes(dims))
-    mixed = np.einsum("...hqk,...hkd->...hqd", weights, g_mag)  # sum_j p_hij G_hj
-    return output_bound(g_s * ls + u * spread, allowed, g_soft, g_y, mixed, b_o)
-
-
 def output_bound(
     err: np.ndarray,
     allowed: np.ndarray,
@@ -244,16 +227,13 @@ def attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     _, _, w_v, w_o = head_weights(w)
     allowed, sm = plain_softmax(p)
     ls = logit_magnitude(p) + np.abs(p.bias)
-    kwargs = dict(
-        ls=ls,
-        spread=sm.spread,
-        allowed=allowed,
-        weights=sm.weights,
-        g_mag=value_magnitude(p.xkv, w),
-        b_o=w["b_o"],
-        dims=p.dims,
-    )
-    bound = _bound_for(dtype, **kwargs) + _bound_for(np.float64, **kwargs)  # type: ignore[arg-type]
+    mixed = np.einsum("...hqk,...hkd->...hqd", sm.weights, value_magnitude(p.xkv, w))
+    bound = np.zeros_like(p.xq)  # [..., T_q, d_model]
+    for dt in (dtype, np.float64):  # the format's share and the oracle's
+        g_s, u, g_soft, g_y = _chain_terms(dt, *_chain_sizes(p.dims))
+        bound = bound + output_bound(
+            g_s * ls + u * sm.spread, allowed, g_soft, g_y, mixed, w["b_o"]
+        )
     if residual:
         y = np.einsum(
             "...hqk,...hkd->...qd",
