@@ -103,10 +103,8 @@ def alibi_bias(
 ) -> np.ndarray:
     """``bias[b, n, i, j] = -slopes[b, n] * |i + offset_b - j|`` in float64.
 
-    ``offset_b = 0`` under ``"top_left"``; under ``"bottom_right"``, ``offset_b = S_b - T_b``
-    with ``T_b = query_seq_lengths[b]`` (default ``t``) and ``S_b = key_value_seq_lengths[b]``
-    (default ``s``): FlashAttention's ``-alibi_slope * |i + seqlen_k - seqlen_q - j|``. A slope
-    ``[N]`` is shared by every batch element.
+    FlashAttention's ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` under ``"bottom_right"``;
+    a slope ``[N]`` is shared by every batch element.
 
     Args:
         slopes: Slopes per head ``[N]``, or per batch element and head ``[B, N]``; real.

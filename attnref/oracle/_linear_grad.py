@@ -92,19 +92,7 @@ class LinearMultiheadGrads(NamedTuple):
 
 
 def feature_vjp(fm: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """``J_phi(x)^T g`` through the feature map of the last axis (every map but FAVOR+).
-
-    Args:
-        fm: A feature map (``name``: ``elu_plus_one``, ``relu``, ``identity``, ``taylor2``).
-        x: Inputs ``[..., d]``.
-        g: Gradient with respect to the features ``[..., m]``.
-
-    Returns:
-        float64 ``[..., d]``.
-
-    Raises:
-        ValueError: For FAVOR+ or an unknown map.
-    """
+    """``J_phi(x)^T g [..., d]`` through the feature map of the last axis (not FAVOR+)."""
     name, d = fm.name, x.shape[-1]
     if name == "elu_plus_one":
         return g * np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0)))
