@@ -1,8 +1,8 @@
 """The Args and Raises text of the NumPy layers, written once and attached to each function.
 
-:func:`doc` builds a function's ``Args:`` section from its signature, one entry per parameter,
-the text looked up in a table of one calling convention (:data:`WEIGHT`, :data:`KERNEL`,
-:data:`LINEAR`); the oracle and the bounds of :mod:`attnref.tolerance` share the tables.
+:func:`doc` builds ``Args:`` from a function's signature, one entry per parameter, from the table
+of its calling convention (:data:`WEIGHT`, :data:`KERNEL`, :data:`LINEAR`), shared by the oracle
+and :mod:`attnref.tolerance`; :func:`signed` gives a body the public signature of its templates.
 """
 
 from __future__ import annotations
@@ -190,8 +190,7 @@ def _template(params: list[inspect.Parameter]) -> Callable[..., None]:
 
 
 def joined(*templates: Callable[..., Any]) -> Callable[..., None]:
-    """One template of several, in :func:`signed`'s order: their positional parameters, then
-    their keyword-only ones, each in the templates' order."""
+    """One template of several: their positional parameters, then their keyword-only ones."""
     params = [p for t in templates for p in inspect.signature(t).parameters.values()]
     params.sort(key=lambda p: p.kind is p.KEYWORD_ONLY)  # stable: the order within each kind
     return _template(params)
@@ -214,8 +213,7 @@ def rope_options(*, base: float = 10000.0, convention: str = "rotate_half") -> N
 
 
 def method_option(*, method: str = "fast") -> None:
-    """How an oracle is evaluated (``"fast"`` or ``"definition"``): a template for
-    :func:`signed`."""
+    """How an oracle is evaluated: a template for :func:`signed`."""
 
 
 def residual_option(*, residual: bool = False) -> None:
@@ -257,20 +255,17 @@ LINEAR_OPTIONS = tuple(inspect.signature(linear_options).parameters)
 def retemplate(
     template: Callable[..., Any], only: tuple[str, ...] | None = None, **defaults: Any
 ) -> Callable[..., None]:
-    """``template`` with other ``defaults`` (and only the parameters named in ``only``, in that
-    order): a template for :func:`signed`."""
+    """``template`` with other ``defaults`` (and only the parameters ``only``, in that order)."""
     params = inspect.signature(template).parameters
     names = list(params) if only is None else only
     return _template([params[n].replace(default=defaults.get(n, params[n].default)) for n in names])
 
 
 def signed(*templates: Callable[..., Any], front: tuple[str, ...] = ()) -> Any:
-    """Give ``body(call, *, own...)`` the public signature of ``templates`` (written once) with the
-    body's own parameters added: those named in ``front`` right after the templates'
-    positional ones, the rest last. The public function binds its arguments to that signature
-    (defaults applied) and calls ``body`` with the template's as one dict and its own by keyword.
-    The annotations stay as written (``docs/conf.py`` shows them so), but for a returned attnref
-    class, evaluated: ``__signature__`` is returned as is even with ``eval_str``."""
+    """Give ``body(call, *, own...)`` the signature of ``templates`` plus its own parameters (those
+    in ``front`` after the templates' positional ones, the rest last); the public function calls
+    ``body`` with the templates' arguments as one dict. A returned attnref class's annotation is
+    evaluated (``__signature__`` is returned as is even with ``eval_str``)."""
 
     def wrap(body: Callable[..., Any]) -> Any:
         shared = [p for t in templates for p in inspect.signature(t).parameters.values()]
