@@ -158,36 +158,30 @@ def check_flag(name: str, x: Any) -> bool:
 def check_window(local_window_size: Any) -> tuple[int | None, int | None]:
     """``None``, ``w`` (both sides) or ``(left, right)`` of ints >= 0 or ``None`` (unbounded);
     returns ``(left, right)``."""
-    if local_window_size is None:
+    lws = local_window_size
+    if lws is None:
         return (None, None)
-    if _is_int(local_window_size):
-        pair: tuple[Any, Any] = (local_window_size, local_window_size)
-    elif isinstance(local_window_size, (tuple, list)):
-        if len(local_window_size) != 2:
-            raise ValueError(
-                "local_window_size must be an int or a (left, right) pair (None = unbounded), "
-                f"got {local_window_size!r}"
-            )
-        pair = (local_window_size[0], local_window_size[1])
-    else:
+    if not (_is_int(lws) or isinstance(lws, (tuple, list))):
         raise TypeError(
             "local_window_size must be an int or a (left, right) pair of ints (None = "
-            f"unbounded), got {local_window_size!r}"
+            f"unbounded), got {lws!r}"
         )
-    out: list[int | None] = []
+    pair = (lws, lws) if _is_int(lws) else tuple(lws)
+    if len(pair) != 2:
+        raise ValueError(
+            "local_window_size must be an int or a (left, right) pair (None = unbounded), "
+            f"got {lws!r}"
+        )
     for side, w in zip(("left", "right"), pair, strict=True):
-        if w is None:
-            out.append(None)
-            continue
-        if not _is_int(w):
+        if w is not None and not _is_int(w):
             raise TypeError(f"local_window_size {side} must be an int or None, got {w!r}")
-        if w < 0:
+        if w is not None and w < 0:
             raise ValueError(
                 f"local_window_size {side} = {w} is negative; a query at position p attends to "
                 "keys in [p - left, p + right], so both sides must be >= 0"
             )
-        out.append(int(w))
-    return (out[0], out[1])
+    left, right = (None if w is None else int(w) for w in pair)
+    return left, right
 
 
 def check_ints(
