@@ -302,10 +302,9 @@ def check_kernel_arrays(
         if np.ndim(x) != 4:
             layout = "[B, T, N, H]" if name == "query" else "[B, S, K, H]"
             raise ValueError(f"{name} must have rank 4 ({layout}), got shape {shape_of(x)}")
-    qs, ks, vs = shape_of(query), shape_of(key), shape_of(value)
-    b, t, n, h = qs
-    bk, s, kh, hk = ks
-    bv, sv, kv, h_v = vs
+    b, t, n, h = qs = shape_of(query)
+    bk, s, kh, hk = ks = shape_of(key)
+    bv, sv, kv, h_v = vs = shape_of(value)
     if bk != b or bv != b:
         raise ValueError(f"batch sizes differ: query {qs}, key {ks}, value {vs}")
     if hk != h:
@@ -377,8 +376,7 @@ def check_params(
             raise ValueError(
                 f"params.{name} must have rank 3 (per-head layout), got shape {shape_of(w)}"
             )
-    sq = shape_of(_param(params, "w_q"))
-    h, d_model, d_k = sq
+    h, d_model, d_k = sq = shape_of(_param(params, "w_q"))
     if h < 1:
         raise ValueError(f"params.w_q has shape {sq}; it needs at least one head")
     if d_k < 1:
@@ -386,15 +384,13 @@ def check_params(
             f"params.w_q has shape {sq}; d_k must be >= 1 (the default scale 1/sqrt(d_k) is "
             "undefined at 0)"
         )
-    sk = shape_of(_param(params, "w_k"))
-    kv, dmk, dkk = sk
+    kv, dmk, dkk = sk = shape_of(_param(params, "w_k"))
     if (dmk, dkk) != (d_model, d_k):
         raise ValueError(
             f"params.w_k has shape {sk} but params.w_q has shape {sq}; expected "
             f"w_k [K, d_model={d_model}, d_k={d_k}]"
         )
-    sv = shape_of(_param(params, "w_v"))
-    hv, dmv, d_v = sv
+    hv, dmv, d_v = sv = shape_of(_param(params, "w_v"))
     if kv < 1 or h % kv:
         raise ValueError(heads_text(sq, sk, sv))
     if dmv != d_model:
