@@ -12,14 +12,10 @@ written from the definition one batch element, head and query at a time::
     lse_i = log (exp(z_n) + sum_j exp(s_j))        (z_n the head's sink logit; none: no term)
     o_i   = sum_j exp(s_j - lse_i) w_ij v_j over allowed j, w_ij = keep_ij / (1 - p) (dropout)
 
-Query head ``n`` reads K/V head ``n // (N / K)``. A row with no allowed key gets zeros,
-the mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; with sinks it is 0
-with ``lse = z_n`` (the sink takes the whole weight); query rows beyond ``T_b`` are 0 with
-``lse = -inf``. NumPy only, no JAX.
-
-Bad input is refused as the JAX twin refuses it (same exception type, the argument named; see
-:mod:`attnref.oracle._checks`). ``T = 0`` gives an empty output; ``S = 0`` leaves every query row
-fully masked (``masked_rows="uniform"`` is refused there); a head dimension of 0 is refused.
+Query head ``n`` reads K/V head ``n // (N / K)``. A row with no allowed key gets zeros, the
+mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; with sinks it is 0 with
+``lse = z_n``; query rows beyond ``T_b`` are 0 with ``lse = -inf``. Refusals and empty inputs:
+:mod:`attnref.oracle._checks`. NumPy only.
 """
 
 from __future__ import annotations

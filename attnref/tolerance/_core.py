@@ -1,7 +1,5 @@
-"""Weight-level bounds: multi-head attention from ``params`` (module docstring of
-:mod:`attnref.tolerance`, steps 1 to 3), its local error terms, and FlashAttention's comparative
-rule; plus the helpers every weight-level bound shares (reading the parameters, homogeneous
-coordinates, the masked max-subtracted softmax). NumPy only, float64.
+"""Weight-level bounds (steps 1 to 3 of :mod:`attnref.tolerance`), their local error terms,
+FlashAttention's comparative rule, and the helpers the weight-level bounds share. NumPy only.
 """
 
 from __future__ import annotations

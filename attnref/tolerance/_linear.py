@@ -1,8 +1,6 @@
 """Linear-attention bounds: :func:`linear_error_bound` at the ``(q, k, v)`` level and
-:func:`linear_multihead_error_bound` from ``params``, for every feature map (FAVOR+ included) and
-every form (quadratic, associative, prefix sums, recurrence, chunks). NumPy only, float64; the
-feature maps and the oracle's linear attention are imported from :mod:`attnref.oracle` (NumPy
-only) when a bound is computed.
+:func:`linear_multihead_error_bound` from ``params``, for every feature map and every form
+(quadratic, associative, prefix sums, recurrence, chunks). NumPy only, float64.
 """
 
 from __future__ import annotations
