@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnref.oracle import _checks as oc
-from attnref.oracle._checks import dtype_of as dtype_of  # written once (NumPy only)
+from attnref.oracle._checks import check_kernel_arrays as check_kernel_arrays  # written once
+from attnref.oracle._checks import dtype_of as dtype_of  # (NumPy only)
 from attnref.oracle._checks import shape_of as shape_of
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -129,15 +130,6 @@ def check_scale(scale: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- the kernel level
-
-
-def check_kernel_arrays(
-    query: Any, key: Any, value: Any
-) -> tuple[tuple[int, int, int, int], tuple[int, int, int], Any]:
-    """``query [B, T, N, H]``, ``key [B, S, K, H]``, ``value [B, S, K, H_v]`` of one floating
-    dtype with ``N`` a positive multiple of ``K`` and ``H >= 1``; returns
-    ``((B, T, N, H), (S, K, H_v), dtype)``."""
-    return oc.check_kernel_arrays(query, key, value)
 
 
 def check_softcap(softcap: Any) -> float | None:

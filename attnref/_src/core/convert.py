@@ -58,7 +58,8 @@ def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
     """Inverse of :func:`to_flax`: ``tree`` (Flax's nested ``params`` dict for the module) has
     ``"query"``, ``"key"``, ``"value"``, ``"out"``, each with a rank-3 ``"kernel"`` (else
     ``ValueError``) and an optional ``"bias"`` (``None`` when missing)."""
-    for key in ("query", "key", "value", "out"):
+    names = ("query", "key", "value", "out")
+    for key in names:
         if key not in tree:
             raise KeyError(f"Flax attention params are missing {key!r}; got keys {sorted(tree)}")
 
@@ -71,7 +72,6 @@ def from_flax(tree: Mapping[str, Mapping[str, Any]]) -> AttentionParams:
     def bias(name: str) -> np.ndarray | None:
         return np.asarray(tree[name]["bias"]) if "bias" in tree[name] else None
 
-    names = ("query", "key", "value", "out")
     return AttentionParams(*map(kernel, names), *map(bias, names))
 
 
@@ -156,15 +156,11 @@ def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionPa
     return AttentionParams(wq, wk, wv, w_o, b_q, b_k, b_v, b_o)
 
 
-_HF_KEYS = {
-    "w_q": "self.query.weight",
-    "w_k": "self.key.weight",
-    "w_v": "self.value.weight",
-    "w_o": "output.dense.weight",
-    "b_q": "self.query.bias",
-    "b_k": "self.key.bias",
-    "b_v": "self.value.bias",
-    "b_o": "output.dense.bias",
+_HF_MODULES = {"q": "self.query", "k": "self.key", "v": "self.value", "o": "output.dense"}
+_HF_KEYS = {  # w_q: self.query.weight, ..., b_o: output.dense.bias
+    f"{kind}_{x}": f"{module}.{'weight' if kind == 'w' else 'bias'}"
+    for kind in "wb"
+    for x, module in _HF_MODULES.items()
 }
 
 

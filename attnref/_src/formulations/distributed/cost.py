@@ -445,12 +445,7 @@ def ring_tiles_computed(t: int, devices: int, layout: str, *, causal: bool = Tru
         int64 ``[P]``.
     """
     n = piece_tiles(t, t, devices, layout, 0 if causal else None).shape[0]
-    if causal:
-        reach = _reach(t, t, devices, layout, n, 0, True, None)
-    else:
-        table = positions(padded_length(t, devices, layout), devices, layout)
-        real = np.asarray((table.reshape(devices, n, -1) < t).any(axis=2))
-        reach = real[:, :, None, None] & real[None, None, :, :]
+    reach = _reach(t, t, devices, layout, n, 0, causal, None)
     return reach.sum(axis=(1, 2, 3)).astype(np.int64)
 
 

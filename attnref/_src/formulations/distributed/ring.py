@@ -409,13 +409,12 @@ inside); the backward is a ``jax.custom_vjp`` that runs the ring again.
 """
 
 
-# Per scheme: the title, its layout rule, citation (short and full), length multiple, layout
-# equation and registry summary.
+# Per scheme: the title, its layout rule, citation, length multiple, layout equation and registry
+# summary.
 _SCHEMES = {
     "ring": (
         "Ring attention (Liu et al. 2023): contiguous chunks, K/V rotated around the devices.",
         "device ``d`` holds positions ``d c, ..., d c + c - 1`` with ``c = T_pad / P``",
-        "Liu, Zaharia & Abbeel (2023), arXiv:2310.01889.",
         "Liu, Zaharia & Abbeel (2023), Ring Attention with Blockwise Transformers for "
         "Near-Infinite Context, arXiv:2310.01889.",
         "``P``",
@@ -427,7 +426,6 @@ _SCHEMES = {
         "Striped attention (Brandon et al. 2023): the ring over a striped token layout.",
         "device ``d`` holds positions ``d, d + P, d + 2P, ...``, so under a causal mask "
         "every step is about equally useful on every device",
-        "Brandon et al. (2023), arXiv:2311.09431.",
         "Brandon et al. (2023), Striped Attention: Faster Ring Attention for Causal "
         "Transformers, arXiv:2311.09431; the ring of Liu et al. (2023), arXiv:2310.01889.",
         "``P``",
@@ -440,7 +438,6 @@ _SCHEMES = {
         "``2P - 1 - d``.",
         "the sequence in ``2P`` chunks; device ``d`` holds chunk ``d`` and chunk ``2P - 1 - d``, "
         "one early and one late, which balances the causal work",
-        "The zigzag ring of zhuzilin/ring-flash-attention (GitHub, 2024).",
         "The zigzag ring layout of zhuzilin/ring-flash-attention (GitHub, 2024); the ring of "
         "Liu et al. (2023), arXiv:2310.01889.",
         "``2P``",
@@ -453,7 +450,7 @@ _SCHEMES = {
 
 def _named(scheme: str) -> Any:
     """The public kernel ``<scheme>_dot_product_attention``: the ring over its layout."""
-    title, rule, cite, _, multiple, _, _ = _SCHEMES[scheme]
+    title, rule, cite, multiple, _, _ = _SCHEMES[scheme]
     summary = _KERNEL_DOC.format(
         title=title, layout=LAYOUT_OF[scheme], layout_rule=rule, cite=cite, multiple=multiple
     )
@@ -468,13 +465,10 @@ def _named(scheme: str) -> Any:
             "(forward\n    over reverse, as ``jax.hessian``, works too)."
         ),
         type_errors=(
-            "; or under forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) of the\n"
-            "        kernel: its backward is a ``jax.custom_vjp``, which JAX cannot differentiate\n"
-            "        forward (the message names the kernel; under an outer ``jax.jit``, JAX's own\n"
-            "        ``TypeError`` comes instead, when the derivative is compiled). Use\n"
-            "        ``jax.grad``/``jax.vjp``, or\n"
-            "        :func:`attnref.distributed.all_gather_dot_product_attention`, which supports\n"
-            "        both modes"
+            "; or under forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``): the backward\n"
+            "        is a ``jax.custom_vjp`` (under an outer ``jax.jit``, JAX's own ``TypeError``\n"
+            "        when the derivative is compiled). Use reverse mode, or\n"
+            "        :func:`attnref.distributed.all_gather_dot_product_attention`"
         ),
     )
 
@@ -499,13 +493,13 @@ for _scheme in ("ring", "striped", "zigzag"):
         Formulation(
             id=_scheme,
             title=_SCHEMES[_scheme][0].split(":")[0],
-            equation=_STEP.format(layout=_SCHEMES[_scheme][5]),
+            equation=_STEP.format(layout=_SCHEMES[_scheme][4]),
             convention="kernel",
-            citation=_SCHEMES[_scheme][3],
+            citation=_SCHEMES[_scheme][2],
             apply=globals()[f"{_scheme}_attention"],
             native=globals()[f"{_scheme}_dot_product_attention"],
             formula=_forward,
-            summary=_SCHEMES[_scheme][6],
+            summary=_SCHEMES[_scheme][5],
             cost=(
                 "FLOPs as the naive kernel over P devices (skipped steps do none); per device "
                 "O(T S N H / P) work, O((T + S) N H / P) memory, P - 1 K/V sends of "
