@@ -129,19 +129,19 @@ def kernel_error_bound(
     bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
     kg, vg = np.repeat(ka, group, axis=2), np.repeat(va, group, axis=2)  # per query head
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
-    qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T', H], [B, N, H, S]
+    qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T, H], [B, N, H, S]
     lg = kernel_logits(qt, kt, sc, softcap, bias, allowed)
     top, live, l_sum = lg.sm.top, lg.sm.live, lg.sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
     p = lg.sm.e / np.where(live, l_sum, 1.0)
     vt = vg.transpose(0, 2, 1, 3)  # [B, N, S, H_v]
-    o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T', N, H_v]
+    o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T, N, H_v]
     o_ref = (p @ vt).transpose(0, 2, 1, 3)
     lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
     n_b = s if key_blocks is None else max(1, int(key_blocks))
 
     def one(u: float) -> tuple[np.ndarray, np.ndarray]:
-        e_row = logit_error(lg, allowed, h, u, softcap)  # [B, N, T']
+        e_row = logit_error(lg, allowed, h, u, softcap)  # [B, N, T]
         rho, delta = row_terms(s, n_b, e_row, u)
         out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -152,13 +152,11 @@ def kernel_error_bound(
 
     np_dtype = np.dtype(dtype)
     work = np.float32 if is_16bit(np_dtype) else np_dtype
-    out_b, lse_b = one(unit_roundoff(work))
-    out64, lse64 = one(unit_roundoff(np.float64))
-    out_b, lse_b = out_b + out64, lse_b + lse64
+    units = (unit_roundoff(work), unit_roundoff(np.float64))  # the format's share, the oracle's
+    (out_b, lse_b), (out64, lse64) = one(units[0]), one(units[1])
     dead = np.swapaxes(~live[..., 0], 1, 2)[..., None] if masked_rows == "uniform" else None
-    units = (unit_roundoff(work), unit_roundoff(np.float64))
     ref = o_ref if is_16bit(np_dtype) else None
-    return _uniform_and_cast(out_b, ref, dead, vg, s, units, np_dtype), lse_b
+    return _uniform_and_cast(out_b + out64, ref, dead, vg, s, units, np_dtype), lse_b + lse64
 
 
 def _uniform_and_cast(
