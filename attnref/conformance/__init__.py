@@ -115,16 +115,13 @@ def load(spec: str) -> Callable[..., Any]:
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
     try:
-        fn = load_target(spec)
+        return load_target(spec)
     except ImportError as e:
         raise TargetError(
             f"{e} (is the package installed, or the current directory its parent?)"
         ) from e
     except Exception as e:  # the user's module may raise anything while importing
         raise TargetError(f"cannot load target {spec!r}: {type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise TargetError(f"target {spec!r} is a {type(fn).__name__}, not a callable")
-    return fn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,8 +89,9 @@ def _format_traceback(exc: BaseException) -> str:
     )
 
 
-# How a failing example is headed in the report: Hypothesis shrinks the examples it generates;
-# an explicit example (run first, whatever the seed) fails as it is.
+# (status, detail, example, examples, traceback)
+_Run = tuple[str, str, str | None, int, str | None]
+# How a failing example is headed: a generated one is shrunk, an explicit one fails as it is.
 SHRUNK = "shrunk example (Hypothesis's smallest failing draw):"
 EXPLICIT = "explicit example (run first for every seed; not shrunk):"
 
@@ -102,7 +103,7 @@ def run_property(
     seed: int,
     explicit: Sequence[Any] = (),
     sub_case: Callable[[], str | None] = lambda: None,
-) -> tuple[str, str, str | None, int, str | None]:
+) -> _Run:
     """Run ``check`` as a Hypothesis test: ``(status, detail, example, examples, traceback)``.
     The ``explicit`` cases run first for every seed (counted only when one fails); the example
     is headed :data:`SHRUNK` or :data:`EXPLICIT`, its ``Case(...)`` line ending with
@@ -231,7 +232,7 @@ def _failure(exc: BaseException) -> tuple[str, str | None]:
 
 def _production(
     ctx: Context, name: str, max_examples: int | None, log: Callable[[str], None] | None
-) -> tuple[str, str, str | None, int, str | None] | str:
+) -> _Run | str:
     """:func:`run_property` over the first ``max_examples`` production cases, in order."""
     cases = production.cases(ctx, name)
     if isinstance(cases, str):
@@ -249,9 +250,6 @@ def _production(
         if log is not None:
             log(f"{name} {i}/{len(cases)}: {case} ({time.perf_counter() - start:.1f} s)")
     return "passed", "", None, len(cases), None
-
-
-_Run = tuple[str, str, str | None, int, str | None]
 
 
 def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:

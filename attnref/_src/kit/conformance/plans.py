@@ -158,37 +158,29 @@ def _plan_causality(ctx: Context) -> Plan | str:
     return case_strategy(ctx.configs(pool), future_key_scale=scales), check
 
 
-def _plan_gqa(ctx: Context) -> Plan | str:
-    if "gqa" not in ctx.features:
-        return "needs feature 'gqa'"
-    pool = ctx.pool("gqa", "mqa")
-    kinds = ctx.kinds(("none", "causal"))
+def _per_kind(feature: str, shapes: tuple[str, ...], kinds: tuple[str, ...]) -> Any:
+    """The plan of ``gqa`` or ``lse``: each of ``kinds`` against the oracle (and its lse)."""
 
-    def check(case: Case) -> None:
-        for kind in kinds:
-            ctx.at(f"kind={kind!r}")
-            p = ctx.problem(case.config, kind, case.seed)
-            out, _ = ctx.run(p)
+    def plan(ctx: Context) -> Plan | str:
+        if feature not in ctx.features:
+            return f"needs feature {feature!r}"
+        declared = ctx.kinds(kinds)
+
+        def check(case: Case) -> None:
             c = case.config
-            assert_output(out, ctx.view(p), f"gqa [N={c.n}, K={c.k}, {kind}]")
+            for kind in declared:
+                ctx.at(f"kind={kind!r}")
+                p = ctx.problem(c, kind, case.seed)
+                out, lse = ctx.run(p, want_lse=feature == "lse")
+                if feature == "gqa":
+                    assert_output(out, ctx.view(p), f"gqa [N={c.n}, K={c.k}, {kind}]")
+                else:
+                    assert_output(out, ctx.view(p), f"lse [{kind}] output")
+                    assert_lse(lse, ctx.view(p), f"lse [{kind}]")
 
-    return case_strategy(ctx.configs(pool)), check
+        return case_strategy(ctx.configs(ctx.pool(*shapes))), check
 
-
-def _plan_lse(ctx: Context) -> Plan | str:
-    if "lse" not in ctx.features:
-        return "needs feature 'lse'"
-    kinds = ctx.kinds(("none", "causal", "bias"))
-
-    def check(case: Case) -> None:
-        for kind in kinds:
-            ctx.at(f"kind={kind!r}")
-            p = ctx.problem(case.config, kind, case.seed)
-            out, lse = ctx.run(p, want_lse=True)
-            assert_output(out, ctx.view(p), f"lse [{kind}] output")
-            assert_lse(lse, ctx.view(p), f"lse [{kind}]")
-
-    return case_strategy(ctx.configs(ctx.pool("self", "general"))), check
+    return plan
 
 
 def _plan_batch(ctx: Context) -> Plan | str:
@@ -507,8 +499,8 @@ PLANS: dict[str, Callable[[Context], Plan | str]] = {
     "oracle": _plan_oracle,
     "masks": _plan_masks,
     "causality": _plan_causality,
-    "gqa": _plan_gqa,
-    "lse": _plan_lse,
+    "gqa": _per_kind("gqa", ("gqa", "mqa"), ("none", "causal")),
+    "lse": _per_kind("lse", ("self", "general"), ("none", "causal", "bias")),
     "batch_independence": _plan_batch,
     "fully_masked_rows": _plan_fully_masked,
     "gradients": _plan_gradients,
