@@ -26,11 +26,9 @@ def alibi(
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi head slopes (Press et al. 2022), float64 ``[num_heads]``.
-
-    For ``n`` a power of two, ``m_h = 2^(-8 h / n)``, ``h = 1..n``; otherwise the slopes of the
-    closest lower power of two ``c`` followed by every other slope of ``2c`` (the paper's
-    reference implementation).
+    """ALiBi head slopes (Press et al. 2022): ``m_h = 2^(-8 h / n)``, ``h = 1..n``, for ``n`` a
+    power of two; otherwise those of the closest lower power of two ``c`` followed by every other
+    slope of ``2c`` (the paper's reference implementation).
 
     Args:
         num_heads: The number of query heads ``n``, a positive int.
@@ -64,14 +62,10 @@ def alibi_bias(
     key_value_seq_lengths: Int[ArrayLike, " B"] | None = None,
     dtype: Any = jnp.float32,
 ) -> Float[Array, "B N T S"]:
-    """ALiBi bias ``bias[b, n, i, j] = -m[b, n] |p_i - j|``, ``p_i = i + offset_b``.
-
-    ``offset_b = 0`` under ``"top_left"``; under ``"bottom_right"``, ``offset_b = S_b - T_b``
-    from the actual lengths (``T_b = query_seq_lengths[b]``, default ``t``; ``S_b =
-    key_value_seq_lengths[b]``, default ``s``): FlashAttention's ``-alibi_slope * |i + seqlen_k
-    - seqlen_q - j|``. Under a causal mask this is the paper's ``m (j - p_i)`` on every allowed
-    key; the symmetric ``|.|`` extends it to non-causal attention, as FlashAttention does. Pass
-    it as ``bias`` with the same lengths and alignment.
+    """ALiBi bias ``bias[b, n, i, j] = -m[b, n] |p_i - j|``, ``p_i = i + offset_b``
+    (FlashAttention's ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` under bottom-right
+    alignment); under a causal mask the paper's ``m (j - p_i)``, the symmetric ``|.|`` extending
+    it to non-causal attention. Pass it as ``bias`` with the same lengths and alignment.
 
     Args:
         slopes: Slopes per head ``[N]`` (:func:`alibi_slopes`), or per batch element and head
@@ -79,9 +73,10 @@ def alibi_bias(
         t: The number of queries ``T``.
         s: The number of keys ``S``.
         causal_alignment: ``"top_left"`` (default, ``offset = 0``) or ``"bottom_right"``
-            (``offset = S_b - T_b``, the last valid query on the last valid key).
-        query_seq_lengths: Optional integer ``[B]`` in ``[0, t]``, as given to the kernel.
-        key_value_seq_lengths: Optional integer ``[B]`` in ``[0, s]``, as given to the kernel.
+            (``offset = S_b - T_b`` from the lengths: the last valid query on the last valid key).
+        query_seq_lengths: Optional integer ``[B]`` in ``[0, t]`` (``T_b``, default ``t``), as
+            given to the kernel.
+        key_value_seq_lengths: Optional integer ``[B]`` in ``[0, s]`` (``S_b``, default ``s``).
         dtype: The bias dtype (default float32).
 
     Returns:

@@ -61,10 +61,7 @@ from attnref._src.formulations.kernel import (
 
 
 def _pad_axis(a: Array, axis: int, size: int, value: Any = 0) -> Array:
-    """Pad ``axis`` to ``size``; an axis of size 1 broadcasts and is never padded as data.
-
-    (A real axis of length 1 needs no padding either: its tile size is ``min(block, 1) = 1``.)
-    """
+    """Pad ``axis`` to ``size``; a size-1 axis (broadcast, or a tile size of 1) is kept."""
     extra = size - a.shape[axis]
     if extra <= 0 or a.shape[axis] == 1:
         return a
@@ -264,16 +261,13 @@ class _Tiles:
             allowed, jnp.exp(jnp.where(allowed, t["logits"] - shift[..., None], 0.0)), 0.0
         )
 
-    def merge_q(self, a: Array, axis: int) -> Array:
-        """``[nq, ..., bq, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]``."""
+    def merge(self, a: Array, axis: int, keys: bool = False) -> Array:
+        """``[n, ..., b, ...]`` (tiles first, rows at ``axis + 1``) -> ``[..., T, ...]`` (``S``
+        for key tiles)."""
         a = jnp.moveaxis(a, 0, axis)
-        shape = (*a.shape[:axis], self.nq * self.bq, *a.shape[axis + 2 :])
-        return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.t, axis=axis)
-
-    def merge_k(self, a: Array, axis: int) -> Array:
-        a = jnp.moveaxis(a, 0, axis)
-        shape = (*a.shape[:axis], self.nk * self.bk, *a.shape[axis + 2 :])
-        return jax.lax.slice_in_dim(a.reshape(shape), 0, self.spec.s, axis=axis)
+        shape = (*a.shape[:axis], a.shape[axis] * a.shape[axis + 1], *a.shape[axis + 2 :])
+        size = self.spec.s if keys else self.spec.t
+        return jax.lax.slice_in_dim(a.reshape(shape), 0, size, axis=axis)
 
 
 def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
@@ -311,8 +305,7 @@ def _forward(tiles: _Tiles) -> tuple[Array, Array, Array, Array]:
         jnp.zeros(rows, bool),
     )
     m, run_sum, acc, dirty = _over_pairs(tiles.schedule, step, init)
-    m, run_sum, acc = tiles.merge_q(m, 2), tiles.merge_q(run_sum, 2), tiles.merge_q(acc, 2)
-    dirty = tiles.merge_q(dirty, 2)
+    m, run_sum, acc, dirty = (tiles.merge(a, 2) for a in (m, run_sum, acc, dirty))
     live = run_sum > 0
     out = acc / jnp.where(live, run_sum, 1.0)[..., None]
     lse = jnp.where(live, m + jnp.log(jnp.where(live, run_sum, 1.0)), -jnp.inf)
@@ -385,7 +378,7 @@ def _backward(
         else jnp.zeros((tiles.nq, tiles.nk, spec.b, spec.n, tiles.bq, tiles.bk), cd),
     )
     dq, dk, dv, ds = _over_pairs(tiles.schedule, step, init)
-    dq, dk, dv = tiles.merge_q(dq, 1), tiles.merge_k(dk, 1), tiles.merge_k(dv, 1)
+    dq, dk, dv = tiles.merge(dq, 1), tiles.merge(dk, 1, True), tiles.merge(dv, 1, True)
     dbias = None
     if ds is not None:  # [nq, nk, B, N, bq, bk] -> [B, N, T, S]
         grid = jnp.transpose(ds, (2, 3, 0, 4, 1, 5))
@@ -479,16 +472,9 @@ blockwise_dot_product_attention = kernel_public(
         "Equal to :func:`attnref.dot_product_attention` with the same arguments (rounding aside);\n"
         "the backward recomputes tiles from the saved ``lse`` (see the module docstring)."
     ),
-    options=(
-        Option(
-            "block_q",
-            128,
-            "int",
-            "Queries per tile, a positive int (default 128; capped at ``T``).",
-        ),
-        Option(
-            "block_k", 128, "int", "Keys per tile, a positive int (default 128; capped at ``S``)."
-        ),
+    options=tuple(
+        Option(name, 128, "int", f"{what} per tile, a positive int (default 128; capped at {cap}).")
+        for name, what, cap in (("block_q", "Queries", "``T``"), ("block_k", "Keys", "``S``"))
     ),
     check=check_blocks,
     returns=" Both are differentiable, by the flash backward.",

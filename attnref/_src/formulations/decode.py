@@ -180,9 +180,8 @@ def kv_cache_append(
     v: Float[ArrayLike, "B L K H_v"],
     valid: Bool[ArrayLike, "B L"] | None = None,
 ) -> KVCache:
-    """Write the chunk's real tokens to slots ``position mod C`` (a chunk longer than a ring
-    buffer keeps its last ``C``). Without a window an overflow wraps under plain ``jax.jit`` and
-    every later read that needs an overwritten key returns NaN rows."""
+    """Write the chunk's real tokens to slots ``position mod C`` (a ring keeps its last ``C``);
+    under plain ``jax.jit`` an overflow wraps and a later read needing a lost key is NaN."""
     valid = check_chunk(cache, k, v, valid)
     pos, lengths = chunk_positions(cache, valid)
     require_room(cache, lengths - cache.lengths)
@@ -215,13 +214,9 @@ def cached_attention(
 ) -> tuple[Float[Array, "B L N H_v"], KVCache]:
     """Append a chunk and attend from its queries: ``o_i = softmax_j(s_ij + bias_i[pos_j]) v_j``
     over cached and chunk tokens ``j`` with ``pos_j <= pos_i`` (and ``pos_i - pos_j < window``)
-    and ``mask_i[pos_j]``; kernel layout ``[B, L, N, H]`` (row convention, ``N`` a multiple of
-    the cache's ``K`` heads), ``s_ij = scale q_i . k_j`` (default ``scale = 1/sqrt(H)``).
-
-    ``mask`` and ``bias`` ``[B, L, P]`` are indexed by the keys' absolute positions, so a mask
-    written for the full sequence applies unchanged. The value errors are NaN rows under plain
-    ``jax.jit`` and ``checkify.JaxRuntimeError`` under :func:`attnref.checked`.
-    """
+    and ``mask_i[pos_j]``, ``s_ij = scale q_i . k_j``; kernel layout ``[B, L, N, H]``. A mask
+    written for the full sequence applies unchanged; the value errors are NaN rows under plain
+    ``jax.jit`` and ``checkify.JaxRuntimeError`` under :func:`attnref.checked`."""
     valid = check_chunk(cache, k, v, valid, q, mask, bias)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     return cached_step(cache, q, k, v, valid, mask, bias, scale, softcap)
@@ -254,12 +249,9 @@ def cache_attend(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> Float[Array, "B L N H_v"]:
-    """Attend from queries to the cached tokens only, without appending anything:
-    ``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over filled slots ``j``.
-
-    ``query_positions`` adds the causal rule ``pos_j <= pos_i`` (and the window); ``mask`` and
-    ``bias`` ``[B, L, P]`` are read by absolute key position (the encoder-decoder pattern). A
-    query at ``p`` needs the keys ``max(0, p - W + 1) <= j <= min(p, lengths - 1)`` (all
+    """Attend from queries to the cached tokens only, appending nothing (the encoder-decoder
+    pattern): ``o_i = softmax_j(scale q_i . k_j + bias_i[pos_j]) v_j`` over filled slots ``j``.
+    A query at ``p`` needs the keys ``max(0, p - W + 1) <= j <= min(p, lengths - 1)`` (all
     ``lengths`` tokens without ``query_positions`` or window); a row missing one is an error as
     in :func:`cached_attention`."""
     qp = check_query(cache, q, query_positions, mask, bias)
@@ -293,10 +285,9 @@ def step(
     bias: Float[ArrayLike, "B L P"] | None = None,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B L d_model"], KVCache]:
-    """Multi-head decoding step: project the chunk ``x`` (``q = x W_Q + b_Q``, ``k``, ``v`` with
-    the K/V heads of ``params``), append ``k, v``, attend, and return ``sum_n o_n W_O[n] + b_O``.
-    ``x_kv`` (default ``x``) gives the chunk's keys and values; ``mask``, ``bias`` and the value
-    errors are those of :func:`cached_attention` (NaN rows are all ``d_model`` entries)."""
+    """Multi-head decoding step: project the chunk (``q = x W_Q + b_Q``; ``k``, ``v`` from
+    ``x_kv`` with the K/V heads of ``params``), append ``k, v``, attend as
+    :func:`cached_attention` and return ``sum_n o_n W_O[n] + b_O``."""
     d_model = check_multihead(params, cache, x=x, x_kv=x_kv)
     x = jnp.asarray(x)
     if x.ndim != 3 or x.shape[-1] != d_model:
@@ -344,11 +335,8 @@ def scan(
     bias: Float[ArrayLike, "B T P"] | None = None,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B T d_model"], KVCache]:
-    """Feed ``xs`` one token at a time through :func:`step` with ``lax.scan``;
-    row ``t`` of ``mask``/``bias`` goes with token ``t`` (indexed by absolute key position);
-    ``xs_kv`` (default ``xs``) supplies each token's keys and values. A cache without a window
-    must hold ``lengths + (real tokens of xs)``, checked before the scan (the value errors of
-    :func:`cached_attention`)."""
+    """Feed ``xs`` one token at a time through :func:`step` with ``lax.scan``. A cache without
+    a window must hold ``lengths + (real tokens of xs)``, checked before the scan."""
     check_multihead(params, cache, xs=xs, xs_kv=xs_kv)
     xs = jnp.asarray(xs)
     if xs.ndim != 3:
@@ -401,10 +389,9 @@ def generate(
     *,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B steps d_model"], Float[Array, "B steps d_model"], KVCache]:
-    """Autoregressive generation with ``lax.scan``: ``y_t = attend(x_t)``, then
-    ``x_{t+1} = next_input(x_t, y_t)`` (a residual update, a sampled embedding, ...). A cache
-    without a window must hold ``lengths + steps`` tokens (the value errors of
-    :func:`cached_attention`; under plain ``jax.jit`` what is generated from a NaN row is NaN)."""
+    """Autoregressive generation with ``lax.scan``: ``y_t = step(x_t)``, then
+    ``x_{t+1} = next_input(x_t, y_t)``. A cache without a window must hold ``lengths + steps``
+    tokens (under plain ``jax.jit`` what is generated from a NaN row is NaN)."""
     check_multihead(params, cache, x0=x0)
     if not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be a non-negative int (static under jax.jit), got {steps!r}")

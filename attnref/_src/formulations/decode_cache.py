@@ -1,6 +1,5 @@
 """The KV cache of :mod:`attnref._src.formulations.decode`: the pytree, its constructors, and
-the validation of the decoding calls (shapes and dtypes, written once) with the value checks
-(overflow, positions past ``P``) that raise eagerly and become NaN rows under ``jax.jit``."""
+the checks of the decoding calls (value errors raise eagerly, NaN rows under ``jax.jit``)."""
 
 from __future__ import annotations
 
@@ -27,10 +26,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 @dataclasses.dataclass(frozen=True)
 @no_type_check
 class KVCache:
-    """Per-batch key/value slots with their absolute positions (a JAX pytree).
-
-    ``window`` (static) makes it a ring buffer: only the last ``window`` positions are attended.
-    Build one with :func:`kv_cache_init` (kernel level) or :func:`init_cache` (from params).
+    """Per-batch key/value slots with their absolute positions (a JAX pytree); build one with
+    :func:`kv_cache_init` (kernel level) or :func:`init_cache` (from params).
 
     Attributes:
         k: Cached keys ``[B, C, K, H]`` (``C`` slots; token at position ``p`` in slot
@@ -45,8 +42,8 @@ class KVCache:
 
     k: Float[Array, "B C K H"]
     v: Float[Array, "B C K H_v"]
-    positions: Int[Array, "B C"]  # absolute position in each slot, -1 = empty
-    lengths: Int[Array, " B"]  # tokens appended so far (the next token's position)
+    positions: Int[Array, "B C"]
+    lengths: Int[Array, " B"]
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
@@ -258,12 +255,8 @@ def check_multihead(params: AttentionParams, cache: KVCache, **xs: Any) -> int:
 
 
 def require_room(cache: KVCache, added: Any) -> None:
-    """Without a window the cache must hold the whole sequence: ``lengths + added <= C``.
-
-    Eagerly a ``ValueError``; traced, a :func:`~attnref._src.core.checked.require` check
-    (raised under :func:`attnref.checked`; unchecked, the reads that need lost keys return NaN
-    rows).
-    """
+    """Without a window the cache must hold the whole sequence: ``lengths + added <= C``
+    (:func:`~attnref._src.core.checked.require`; unchecked, reads of lost keys are NaN rows)."""
     if cache.window is not None:
         return
     c = cache.capacity
@@ -324,11 +317,8 @@ def by_position(
     attended: Bool[Array, "B L S"],
     q_pos: Int[Array, "B L"] | None,
 ) -> tuple[Array, Bool[Array, "B L"]]:
-    """Gather ``a[b, i, kp[b, i, s]]`` (a ``[B, L, P]`` mask or bias by absolute key position).
-
-    Returns the gathered values and, per query row, whether every attended position is ``< P``
-    (checked by ``require``; unchecked rows past ``P`` are the caller's NaN rows).
-    """
+    """Gather ``a[b, i, kp[b, i, s]]`` (a ``[B, L, P]`` mask or bias by absolute key position)
+    and, per query row, whether every attended position is ``< P`` (checked by ``require``)."""
     p_len = int(np.shape(a)[2])
     beyond = attended & (kp >= p_len)
     ok = ~jnp.any(beyond, axis=-1)

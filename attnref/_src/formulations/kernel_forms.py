@@ -266,7 +266,6 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
         )
     )
     tp, sp = nq * bq, nk * bk
-    inputs, output = _cost.io(d)
     tensors = [
         b * d.t_q * h * d.d_k,  # projections
         b * d.t_k * h * d.d_k,
@@ -282,14 +281,13 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
         b * d.t_q * dm,
         8 * tile_logits,  # one tile's logits, allowed, probabilities and their temporaries
     ]
-    return _cost.Cost(
+    return _cost.build(
+        d,
         pq + pk + pv + nq * nk * step_mm + out_mm,
         el,
         nq * nk * step_tr,
-        inputs,
-        output,
-        max(b * sp * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        max(b * sp * h * max(d.d_k, d.d_v), b * d.t_q * dm),
         loop_trips=nq * nk,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,
@@ -322,7 +320,6 @@ def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
             d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
         )
     )
-    inputs, output = _cost.io(d)
     cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions
     tensors = [
         b * d.t_q * h * d.d_k,
@@ -335,14 +332,13 @@ def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
         b * d.t_q * h * d.d_v,
         b * d.t_q * dm,
     ]
-    return _cost.Cost(
+    return _cost.build(
+        d,
         pq + pk + pv + d.t_q * step_mm + out_mm,
         el,
         d.t_q * row,
-        inputs,
-        output,
-        max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm),
         loop_trips=d.t_q,
         per_trip_matmul_flops=step_mm,
         per_trip_elementwise_flops=step_el,

@@ -90,22 +90,13 @@ def paged_append(
 # ----------------------------------------------------------------------------- the call
 
 
-def used_pages(seq_lens: Array, page_size: int, max_pages: int) -> Bool[Array, "B max_pages"]:
-    """Page slot ``p`` of row ``b`` is read iff ``p page_size < seq_lens[b]``."""
-    return jnp.arange(max_pages)[None, :] * page_size < seq_lens[:, None]
-
-
-def table_ok(
+def bad_pages(
     block_table: Array, seq_lens: Array, num_pages: int, page_size: int
-) -> tuple[Bool[Array, " B"], Bool[Array, " B"]]:
-    """Per batch row: every used table entry lies in ``[0, num_pages)``; ``seq_lens`` lies in
-    ``[0, max_pages page_size]``."""
-    max_pages = block_table.shape[1]
-    lens_ok = (seq_lens >= 0) & (seq_lens <= max_pages * page_size)
-    bad = used_pages(seq_lens, page_size, max_pages) & (
-        (block_table < 0) | (block_table >= num_pages)
-    )
-    return ~jnp.any(bad, axis=1), lens_ok
+) -> Bool[Array, "B max_pages"]:
+    """Used page slots (``p page_size < seq_lens[b]``) whose entry lies outside
+    ``[0, num_pages)``."""
+    used = jnp.arange(block_table.shape[1])[None, :] * page_size < seq_lens[:, None]
+    return used & ((block_table < 0) | (block_table >= num_pages))
 
 
 @jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
@@ -145,8 +136,9 @@ def prepare_paged(
     table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
     if not is_traced(block_table, seq_lens):
         check_values(block_table, seq_lens, num_pages, page_size)
-    pages_ok, lens_ok = table_ok(table, lens, num_pages, page_size)
     s = table.shape[1] * page_size
+    bad = bad_pages(table, lens, num_pages, page_size)
+    pages_ok, lens_ok = ~jnp.any(bad, axis=1), (lens >= 0) & (lens <= s)
     require(
         lens_ok,
         f"seq_lens must lie in [0, max_pages * page_size = {s}]; batch row {{b}} has "
@@ -154,11 +146,15 @@ def prepare_paged(
         b=jnp.argmin(lens_ok),
         value=lens[jnp.argmin(lens_ok)],
     )
+    b = jnp.argmin(pages_ok)  # the first row with a bad used entry, and its page slot
+    slot = jnp.argmax(bad[b])
     require(
         pages_ok,
         f"block_table entries of used pages must lie in [0, num_pages={num_pages}); batch row "
         "{b} reads page slot {slot}, whose entry is {value}",
-        **_first_bad(table, lens, num_pages, page_size, pages_ok),
+        b=b,
+        slot=slot,
+        value=table[b, slot],
     )
     arrays = (jnp.asarray(query), jnp.asarray(k_pages), jnp.asarray(v_pages), table, lens)
     # a bad length is clamped for the gather only; its rows are NaN (dirty_rows) and the kernel
@@ -167,18 +163,6 @@ def prepare_paged(
     return PagedCall(
         (*arrays[:4], safe_lens, bias, mask), options, jnp.logical_and(pages_ok, lens_ok)
     )
-
-
-def _first_bad(
-    table: Array, lens: Array, num_pages: int, page_size: int, pages_ok: Array
-) -> dict[str, Any]:
-    """The first batch row with a bad used entry, its page slot and the entry."""
-    b = jnp.argmin(pages_ok)
-    bad = used_pages(lens, page_size, table.shape[1])[b] & (
-        (table[b] < 0) | (table[b] >= num_pages)
-    )
-    slot = jnp.argmax(bad)
-    return {"b": b, "slot": slot, "value": table[b, slot]}
 
 
 # The kernel's keyword options, read from its signature (so options added to the kernel, such
@@ -257,12 +241,10 @@ def paged_kv_append(
     k: Float[ArrayLike, "B T K H"],
     v: Float[ArrayLike, "B T K H_v"],
 ) -> tuple[Array, Array, Array]:
-    """Write a chunk of ``T`` new tokens per sequence into its pages, through the page table:
-    token ``t`` of row ``b`` goes to position ``p = seq_lens[b] + t``, page
-    ``block_table[b, p // page_size]``, slot ``p % page_size`` (FlashAttention's
-    ``flash_attn_with_kvcache`` writes its ``k``/``v`` at ``cache_seqlens`` the same way).
-    Nothing else is written. Two rows whose tables name one page write it in an unspecified
-    order (as FlashAttention says of duplicate ``cache_batch_idx``).
+    """Write ``T`` new tokens per sequence through the page table, nothing else: token ``t`` of
+    row ``b`` goes to position ``p = seq_lens[b] + t``, page ``block_table[b, p // page_size]``,
+    slot ``p % page_size`` (as FlashAttention's ``flash_attn_with_kvcache`` at
+    ``cache_seqlens``); rows whose tables name one page write it in an unspecified order.
 
     Args:
         k_pages: ``[num_pages, page_size, K, H]``, the key pool.
@@ -287,8 +269,8 @@ def paged_kv_append(
     t = check_chunk(k_pages, v_pages, block_table, seq_lens, k, v)
     num_pages, page_size = shape_of(k_pages)[:2]
     table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
+    room = table.shape[1] * page_size
     if not is_traced(block_table, seq_lens):
-        room = table.shape[1] * page_size
         for b, length in enumerate(np.asarray(seq_lens).tolist()):
             if not 0 <= length <= room - t:
                 raise ValueError(
@@ -299,16 +281,16 @@ def paged_kv_append(
             check_values(block_table, np.asarray(seq_lens) + t, num_pages, page_size)
         except ValueError as e:
             raise ValueError(f"paged_kv_append (seq_lens counted after the append): {e}") from None
-    pages_ok, lens_ok = table_ok(table, lens + t, num_pages, page_size)
-    ok = pages_ok & lens_ok & (lens >= 0)
+    ok = ~jnp.any(bad_pages(table, lens + t, num_pages, page_size), axis=1)
+    ok &= (lens >= 0) & (lens + t <= room)
     require(
         ok,
         f"paged_kv_append: batch row {{b}} cannot take {t} tokens (seq_lens = {{value}}, room "
-        f"for {table.shape[1] * page_size}, pages in [0, {num_pages}))",
+        f"for {room}, pages in [0, {num_pages}))",
         b=jnp.argmin(ok),
         value=lens[jnp.argmin(ok)],
     )
-    safe = jnp.where(ok, lens, -(t + table.shape[1] * page_size))  # every position < 0: dropped
+    safe = jnp.where(ok, lens, -(t + room))  # every position < 0: dropped
     kp, vp = paged_append(
         jnp.asarray(k_pages), jnp.asarray(v_pages), table, safe, jnp.asarray(k), jnp.asarray(v)
     )

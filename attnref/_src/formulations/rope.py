@@ -210,12 +210,9 @@ def rotation(delta: Array, head_dim: int, base: float, convention: str, dtype: A
 
 
 def distinct_offsets(pos_q: Any, pos_k: Any) -> tuple[Array, Array]:
-    """Offsets ``u [U]`` and the index of ``pos_q[i] - pos_k[j]`` in ``u`` (``[..., T_q, T_k]``).
-
-    Concrete positions (including the defaults, also under ``jit``) give exactly the distinct
-    offsets that occur (NumPy, static). Traced positions cannot be deduplicated at a static size,
-    so every ``(i, j)`` gets its own offset entry (``U = T_q T_k`` per position batch).
-    """
+    """Offsets ``u [U]`` and the index of ``pos_q[i] - pos_k[j]`` in ``u`` (``[..., T_q, T_k]``):
+    the distinct offsets for concrete positions (NumPy, static), one per ``(i, j)`` for traced
+    ones (no static-size deduplication)."""
     cq, ck = concrete(pos_q), concrete(pos_k)
     if cq is not None and ck is not None:
         deltas = cq[..., :, None].astype(np.int64) - ck[..., None, :]
@@ -254,11 +251,8 @@ def rotate_complex(x: Array, positions: Array, base: float, convention: str) -> 
 def rope_frequencies(
     head_dim: int, base: float = 10000.0, *, dtype: Any = np.float32
 ) -> Float[Array, " half"]:
-    """Frequencies ``theta_p = base^(-2p/head_dim)``, ``p = 0 .. head_dim/2 - 1``; shape
-    ``[head_dim / 2]``.
-
-    Evaluated in float64 and rounded once to ``dtype`` (float32 by default; float64 works with
-    x64 off). ``head_dim`` must be even (RoPE rotates pairs of features)."""
+    """Frequencies ``theta_p = base^(-2p/head_dim)``, ``p = 0 .. head_dim/2 - 1``, evaluated
+    in float64 and rounded once to ``dtype`` (float64 works with x64 off)."""
     d, b = check_head_dim(head_dim), check_base(base)
     return in_x64_if_float64(dtype, theta, d, b, np.dtype(dtype))
 
@@ -272,16 +266,11 @@ def apply_rope(
     base: float = 10000.0,
     convention: str = "rotate_half",
 ) -> Float[Array, "... T N head_dim"]:
-    """Rotary position embedding of ``x [..., T, N, head_dim]`` (tokens, heads, head dim, the
-    layout of ``jax.nn.dot_product_attention``); ``positions`` are integers ``[..., T]`` or
-    ``[T]`` (broadcast over the leading axes of ``x``, shared by all heads).
-
-    Every pair ``(a, b)`` at position ``m`` becomes ``(a cos(m theta_p) - b sin(m theta_p),
-    a sin(m theta_p) + b cos(m theta_p))``, ``theta_p = base^(-2p/head_dim)``, with pair ``p``
-    ``(x_p, x_{p + head_dim/2})`` for ``convention="rotate_half"`` (GPT-NeoX, Hugging Face
-    Llama) and ``(x_{2p}, x_{2p+1})`` for ``"interleaved"`` (RoFormer, GPT-J, Meta Llama).
-    Angles are computed in float32 (float64 for float64 ``x``); see the module docstring.
-    ``base`` and ``convention`` are static."""
+    """Rotary position embedding of ``x [..., T, N, head_dim]`` (the layout of
+    ``jax.nn.dot_product_attention``), positions shared by all heads: every pair ``(a, b)``
+    (per ``convention``, module docstring) at position ``m`` becomes ``(a cos(m theta_p) -
+    b sin(m theta_p), a sin(m theta_p) + b cos(m theta_p))``, ``theta_p =
+    base^(-2p/head_dim)``; angles in float32 (float64 for float64 ``x``)."""
     conv = check_kernel_layout(x, positions, convention)
     return rotate(jnp.asarray(x), jnp.asarray(positions)[..., None], check_base(base), conv)
 
@@ -298,11 +287,9 @@ def apply_rope_complex(
     base: float = 10000.0,
     convention: str = "rotate_half",
 ) -> Float[Array, "... T N head_dim"]:
-    """The map of :func:`apply_rope` written as complex multiplication (a second computation).
-
-    Pair ``p`` is read as ``z_p = a_p + i b_p`` and multiplied by ``exp(i m theta_p)``:
-    ``Re``/``Im`` of ``z_p exp(i m theta_p)`` are the rotated pair. The arithmetic is in complex64
-    (complex128 for float64 ``x``) and the result is rounded to ``x``'s dtype."""
+    """:func:`apply_rope` as complex multiplication (a second computation): pair ``p`` is
+    ``z_p = a_p + i b_p`` times ``exp(i m theta_p)``, in complex64 (complex128 for float64
+    ``x``), rounded to ``x``'s dtype."""
     conv = check_kernel_layout(x, positions, convention)
     x = jnp.asarray(x)
     return rotate_complex(x, jnp.asarray(positions)[..., None], check_base(base), conv)
@@ -317,17 +304,11 @@ def rope_rotation(
     convention: str = "rotate_half",
     dtype: Any = np.float32,
 ) -> Float[Array, "... head_dim head_dim"]:
-    """The block rotation ``R(delta)`` (``[..., head_dim, head_dim]``) for ROW vectors.
-
-    For pair ``p = (i, j)`` (indices per ``convention``) and ``c, s = cos, sin(delta theta_p)``:
-    ``R[i, i] = R[j, j] = c``, ``R[i, j] = s``, ``R[j, i] = -s``, zero elsewhere, so that
-    ``rope(q, m) = q R(m)`` (:func:`apply_rope` on a row ``q``). ``R`` is orthogonal, ``R(0) = I``,
-    ``R(a) R(b) = R(a + b)`` and ``R(n)^T = R(-n)``, hence
-
-        (q R(m)) . (k R(n)) = q R(m) R(n)^T k^T = q R(m - n) k^T:
-
-    the logits depend only on ``delta = m - n`` (query position minus key position). Entries are
-    in ``dtype`` (angles in float32, or float64 for float64)."""
+    """The block rotation ``R(delta)`` (``[..., head_dim, head_dim]``) for ROW vectors:
+    ``rope(q, m) = q R(m)``; for pair ``p = (i, j)`` (per ``convention``) and ``c, s = cos,
+    sin(delta theta_p)``, ``R[i, i] = R[j, j] = c``, ``R[i, j] = s``, ``R[j, i] = -s``, zero
+    elsewhere. ``R`` is orthogonal and ``R(m) R(n)^T = R(m - n)``, so ``(q R(m)) . (k R(n)) =
+    q R(m - n) k^T``. Entries in ``dtype`` (angles in float32, or float64 for float64)."""
     conv = check_convention(convention)
     d, b = check_head_dim(head_dim), check_base(base)
     check_integer("delta", delta)
@@ -345,12 +326,10 @@ def rope_pattern_matrices(
     base: float = 10000.0,
     convention: str = "rotate_half",
 ) -> Float[Array, "H D d_model d_model"]:
-    """Relative pattern matrices ``W_P(delta)_n = W_Q[n] R(delta) W_K[g(n)]^T``:
-    ``[H, D, d_model, d_model]`` for integer ``deltas [D]`` (``delta = pos_q - pos_k``).
-
-    The logit of query row ``x_i`` at position ``m`` and key row ``x_j`` at position ``n``
-    (without biases) is ``x_i W_P(m - n) x_j^T * scale``. The bias rows are *not* included here;
-    :func:`rope_patterns_attention` uses the homogeneous ``[W_Q; b_Q] R [W_K; b_K]^T`` instead."""
+    """Relative pattern matrices ``W_P(delta)_n = W_Q[n] R(delta) W_K[g(n)]^T`` for integer
+    ``deltas [D]`` (``delta = pos_q - pos_k``): the bias-free logit of ``x_i`` at ``m`` and
+    ``x_j`` at ``n`` is ``x_i W_P(m - n) x_j^T scale`` (:func:`rope_patterns_attention` uses
+    the homogeneous ``[W_Q; b_Q] R [W_K; b_K]^T``)."""
     conv = check_convention(convention)
     check_params(params)
     check_head_dim(params.d_k, "d_k (params.w_q.shape[2])")

@@ -228,7 +228,6 @@ def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
             d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
         )
     )
-    inputs, output = _cost.io(d)
     qkv = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
     split_kv_ = [b * sp * h * d.d_k, b * sp * h * d.d_v]  # padded, split-major
     tensors = [
@@ -247,14 +246,13 @@ def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
         b * d.t_q * dm,
         b * d.t_q * d.t_k,  # the weight-level allowed set
     ]
-    return _cost.Cost(
+    return _cost.build(
+        d,
         pq + pk + pv + kernel_mm + out_mm,
         el,
         logits + 2 * states,  # exp of the logits; per state, the kernel's log and the weight
-        inputs,
-        output,
-        max(logits, *qkv, b * d.t_q * dm) * d.itemsize,
-        sum(tensors) * d.itemsize + inputs,
+        tensors,
+        max(logits, *qkv, b * d.t_q * dm),
     )
 
 
