@@ -160,8 +160,7 @@ class Closeness:
 
 
 def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> np.ndarray:
-    """The entries to compare; NaN must match a declared (``expected_nan``) oracle NaN, inf
-    fails."""
+    """The entries to compare: NaN must match a declared oracle NaN; inf fails."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     nan_e, nan_a = np.isnan(e), np.isnan(a)
     if nan_e.any() and not expected_nan:

@@ -119,9 +119,7 @@ def _flash_allowances(
     exact: Sequence[np.ndarray],
     n: int,
 ) -> list[float]:
-    """FlashAttention's rule for each of ``exact`` (the output, or the gradients for ``cot``):
-    twice attnref's own largest error in ``dtype`` (NaN entries left out) + ``gamma_n(u)
-    max|exact|``."""
+    """Per ``exact``: 2 x attnref's own error in ``dtype`` (NaN left out) + gamma_n(u) max|e|."""
     import jax
     import jax.numpy as jnp
 

@@ -24,6 +24,7 @@ from attnref._src.kit.conformance.options import (
     DEFAULT_SEMANTICS,
     DEPENDS,
     DISTRIBUTED_PROPERTIES,
+    NEEDS,
     PROPERTIES,
     OptionError,
     check_choice,
@@ -220,8 +221,7 @@ def _name_sub_case(text: str, sub_case: str | None) -> str:
 
 
 def _failure(exc: BaseException) -> tuple[str, str | None]:
-    """``(message, traceback)``, the traceback (a :class:`TargetRaised`'s cause's) only for an
-    exception that is not one of the kit's comparisons."""
+    """``(message, traceback)``, no traceback for the kit's own comparisons."""
     message = str(exc).strip() or type(exc).__name__
     if isinstance(exc, TargetRaised) and exc.__cause__ is not None:
         return message, _format_traceback(exc.__cause__)
@@ -254,6 +254,8 @@ def _production(
 
 def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
     """:func:`run_property` over the small buckets, or why it is skipped."""
+    if name in NEEDS and NEEDS[name] not in ctx.features:
+        return f"needs feature {NEEDS[name]!r}"
     plan = PLANS[name](ctx)
     if isinstance(plan, str):
         return plan
@@ -268,8 +270,7 @@ def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
 
 
 def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_Run, float] | str:
-    """``(run(ctx, *args) with the target's new notes in its detail, seconds)``; sets
-    ``ctx.failing``."""
+    """``(run(ctx, *args), seconds)``, the target's notes in its detail; sets ``ctx.failing``."""
     start = time.perf_counter()
     before, refused = len(ctx.target.notes), len(ctx.target.refusals)
     ctx.target.last_call = ctx.failing = None

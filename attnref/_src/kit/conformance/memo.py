@@ -90,20 +90,16 @@ def _nbytes(value: Any) -> int:
 
 
 def oracle(p: ast.KernelProblem) -> tuple[np.ndarray, np.ndarray]:
-    """``p.oracle()``."""
     return _memo(p, "oracle", p.oracle)
 
 
 def bound(p: ast.KernelProblem) -> tuple[np.ndarray, np.ndarray]:
-    """``p.bound()`` (a distributed view's merged-states bound for its class)."""
     return _memo(p, "bound", p.bound)
 
 
 def oracle_vjp(p: ast.KernelProblem, cot: np.ndarray) -> Any:
-    """``p.oracle_vjp(cot)``."""
     return _memo(p, "oracle_vjp", lambda: p.oracle_vjp(cot), cot)
 
 
 def grad_bound(p: ast.KernelProblem, cot: np.ndarray) -> Any:
-    """``p.grad_bound(cot)``."""
     return _memo(p, "grad_bound", lambda: p.grad_bound(cot), cot)

@@ -87,6 +87,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "causal_alignment": CAUSAL_ALIGNMENTS,
     "shapes": SHAPES,
 }
+# The feature a property needs (else it is skipped), small and production shapes alike.
+NEEDS = {"causality": "causal", "gqa": "gqa", "lse": "lse", "gradients": "grad"}
 # Which declared semantics can change each property's outcome (for PropertyResult.declared).
 DEPENDS: dict[str, tuple[str, ...]] = {
     "oracle": (),

@@ -19,6 +19,7 @@ import numpy as np
 
 from attnref import strategies as ast
 from attnref._src.kit.conformance.context import Context
+from attnref._src.kit.conformance.options import NEEDS
 from attnref._src.kit.conformance.plans import assert_gradients
 from attnref._src.kit.conformance.references import assert_lse, assert_output
 
@@ -56,8 +57,7 @@ def _config(b: int, t: int, s: int, n: int, k: int, h: int, dtype: str) -> ast.C
 
 
 def _heads(ctx: Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[int, int] | None:
-    """``(N, K)``: the most query heads (a power of two <= 32) the budgets allow, ``K = N / 4``
-    under ``gqa``; at least one when the arrays fit, else ``None``."""
+    """``(N, K)``: the most heads (<= 32; ``K = N / 4`` under gqa) the budgets allow, or None."""
     if kind in _ARRAY_KINDS and b * t * s > ARRAY_BUDGET:
         return None
     n = 32
@@ -109,6 +109,8 @@ def cases(ctx: Context, name: str) -> list[Case] | str:
     """The production cases of property ``name`` (cheapest first), or why it is skipped."""
     if name in SMALL_ONLY:
         return SMALL_ONLY[name]
+    if name in NEEDS and NEEDS[name] not in ctx.features:
+        return f"needs feature {NEEDS[name]!r}"
     if name == "oracle":
         return _sweep(ctx, _pairs(ctx), ("none",))
     if name == "masks":
@@ -119,20 +121,14 @@ def cases(ctx: Context, name: str) -> list[Case] | str:
         pairs = [(n, n) for n in lengths for _ in kinds]
         return _sweep(ctx, pairs, kinds)
     if name == "gqa":
-        if "gqa" not in ctx.features:
-            return "needs feature 'gqa'"
         out = []
         for i, (t, n, k, h) in enumerate(((255, 32, 8, 128), (1025, 32, 1, 64), (2049, 8, 2, 256))):
             out.append(Case(_config(1, t, t, n, k, h, ctx.primary), "none", seed=i))
         return out
     if name == "lse":
-        if "lse" not in ctx.features:
-            return "needs feature 'lse'"
         kinds = ctx.kinds(("none", "causal", "bias"))
         return _sweep(ctx, [(n, n) for n in (127, 128, 129, 1025, 4097)], kinds)
     if name == "gradients":
-        if "grad" not in ctx.features:
-            return "needs feature 'grad'"
         kinds = ctx.kinds(("none", "causal", "padding"))
         return _sweep(ctx, [(n, n) for n in (127, 129, 255, 257, 1025)], kinds)
     if name in ("batch_independence", "fully_masked_rows"):

@@ -15,6 +15,14 @@ from attnref._src.kit.conformance.references import to_target
 JSON_MAX_ELEMENTS = 10_000
 
 
+def target_call(target: str) -> tuple[str, str]:
+    """``(the Python naming the target, its import)``: ``load_target(...)`` for a loadable
+    ``module:function``, else ``fn`` (the user's function) and no import."""
+    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target):
+        return f"load_target({target!r})", ", load_target"
+    return "fn", ""
+
+
 def call_inputs(p: ast.KernelProblem, cotangent: Any = None) -> dict[str, Any]:
     """The call as keyword arguments: ``query``, ``key``, ``value``, its options, and
     ``cotangent`` for a gradient call."""
@@ -90,12 +98,11 @@ def problem_replay(
     if found is None:
         return None
     built, line = found
-    loadable = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", target)
-    fn = f"load_target({target!r})" if loadable else "fn"
+    fn, load = target_call(target)
     assertion = "assert_matches_oracle" if cotangent is None else "assert_grads_match_oracle"
     imports = [
         "from attnref.strategies import Config, make_kernel_problem",
-        f"from attnref.testing import {assertion}" + (", load_target" if loadable else ""),
+        f"from attnref.testing import {assertion}{load}",
     ]
     semantics = "".join(f", {k}={v!r}" for k, v in built.kwargs.items() if k not in built.options)
     if signature == "qkv_mask":

@@ -5,7 +5,6 @@ JSON."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from rich.text import Text
 
 from attnref._src.kit import console
 from attnref._src.kit.conformance.options import DEFAULT_SEMANTICS
-from attnref._src.kit.conformance.replay import JSON_MAX_ELEMENTS
+from attnref._src.kit.conformance.replay import JSON_MAX_ELEMENTS, target_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +179,7 @@ class ConformanceReport:
         module = (
             "attnref.conformance" if check in ("check_paged", "check_mla") else "attnref.testing"
         )
-        loadable = re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.target)
-        fn = f"load_target({self.target!r})" if loadable else "fn"
+        fn, load = target_call(self.target)
         kw: dict[str, Any] = {"properties": [result.name], "seed": result.seed}
         kw.update(self.options)
         if self.shapes == "production":  # a fixed sweep: up to the failing case
@@ -189,8 +187,7 @@ class ConformanceReport:
         if devices is not None:
             kw["devices"] = (devices,)
         args = ", ".join([fn, *(f"{k}={v!r}" for k, v in kw.items())])
-        imports = f"{check}, load_target" if loadable else check
-        return f"from {module} import {imports}; {check}({args})"
+        return f"from {module} import {check}{load}; {check}({args})"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, ``passed`` and each result, as JSON-able data."""
@@ -215,8 +212,7 @@ class ConformanceReport:
 
 
 def _json_value(value: Any) -> Any:
-    """An array as ``{"dtype", "shape", "data"}`` (``data`` ``None`` above
-    ``JSON_MAX_ELEMENTS``), a pair as a list."""
+    """An array as ``{"dtype", "shape", "data"}`` (no data above ``JSON_MAX_ELEMENTS``)."""
     if isinstance(value, tuple):
         return [_json_value(v) for v in value]
     if isinstance(value, np.ndarray):

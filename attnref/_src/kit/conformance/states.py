@@ -13,6 +13,7 @@ empty (``lse = -inf``, ``o`` per ``masked_rows``), its gradients exactly 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,8 +55,7 @@ def _formats(dtypes: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _cast(s: ast.StateStack, o_dt: str, l_dt: str) -> ast.StateStack:
-    o = s.o.astype(as_dtype(o_dt))
-    return ast.StateStack(o, s.lse.astype(as_dtype(l_dt)), s.spread, s.center, s.seed)
+    return dataclasses.replace(s, o=s.o.astype(as_dtype(o_dt)), lse=s.lse.astype(as_dtype(l_dt)))
 
 
 class _Merge:
@@ -179,8 +179,7 @@ _GRAD_NAMES = ("o_a", "lse_a", "o_b", "lse_b")
 def _check_gradients(
     got: tuple[np.ndarray, ...], s: ast.StateStack, g_o: np.ndarray, g_l: np.ndarray, label: str
 ) -> None:
-    """``got = (d o_a, d lse_a, d o_b, d lse_b)`` within ``merge_grad_error_bound`` of the
-    float64 gradient, exactly 0 for an empty state and on an empty row."""
+    """``(d o_a, d lse_a, d o_b, d lse_b)`` within the bound, 0 for empty states and rows."""
     states = (*s.state(0), *s.state(1))
     want = merge_states_vjp(*states, g_o, g_l)
     bounds = merge_grad_error_bound(*states, g_o, g_l, dtype=s.dtype, lse_dtype=s.lse_dtype)
@@ -216,7 +215,7 @@ def _with_empty_states(s: ast.StateStack) -> ast.StateStack:
     for p, row in ((0, (0, 0)), (1, (0, 0)), (0, (0, 1)), (1, (1, 0))):
         lse[(p, *row)] = -np.inf
         o[(p, *row)] = np.nan
-    return ast.StateStack(o, lse, s.spread, s.center, s.seed)
+    return dataclasses.replace(s, o=o, lse=lse)
 
 
 def _agree(a: Any, b: Any, allowed: Any, label: str, message: str, **fields: Any) -> None:
@@ -320,14 +319,10 @@ def _plan(name: str, merge: _Merge, policy: str, dtypes: tuple[str, ...]) -> tup
         def check_identity(s: ast.StateStack) -> None:
             o_e = np.full_like(s.o[0], np.nan)
             l_e = np.full_like(s.lse[0], -np.inf)
-            pair = ast.StateStack(
-                np.stack([s.o[0], o_e]), np.stack([s.lse[0], l_e]), s.spread, s.center, s.seed
-            )
+            pair = dataclasses.replace(s, o=np.stack([s.o[0], o_e]), lse=np.stack([s.lse[0], l_e]))
             _check_state(merge(*s.state(0), o_e, l_e), pair, 1, policy, "merge(a, empty)")
             _check_state(merge(o_e, l_e, *s.state(0)), pair, 1, policy, "merge(empty, a)")
-            both = ast.StateStack(
-                np.stack([o_e, o_e]), np.stack([l_e, l_e]), s.spread, s.center, s.seed
-            )
+            both = dataclasses.replace(s, o=np.stack([o_e, o_e]), lse=np.stack([l_e, l_e]))
             _check_state(merge(o_e, l_e, o_e, l_e), both, 1, policy, "merge(empty, empty)")
 
         return _states((1, 1), primary), check_identity, ()

@@ -118,8 +118,7 @@ def takes_keyword(fn: Any, name: str) -> bool | None:
 
 
 def _lse_keyword(fn: Any) -> str:
-    """``return_lse`` where ``fn`` names it (and not ``return_residual``), else
-    ``return_residual``."""
+    """``return_lse`` where ``fn`` names it (not ``return_residual``), else the latter."""
     params = _parameters(fn) or {}
     return next((kw for kw in ("return_residual", "return_lse") if kw in params), "return_residual")
 
@@ -246,8 +245,7 @@ class Target:
     def _invoke(
         self, key: tuple[Any, ...], fn: Callable[..., Any], args: tuple[Any, ...], dtype: Any
     ) -> Any:
-        """``fn(*args)``, jitted once per ``key`` (eagerly for NumPy targets and where jitting
-        failed for this ``key`` and dtype); float64 inside ``jax.enable_x64``."""
+        """``fn(*args)`` jitted once per ``key``, eagerly for NumPy or where jitting failed."""
         with x64_if(dtype):
             args = self._sharded(args)
             eager_key = (*key, str(np.dtype(dtype)))
@@ -272,8 +270,7 @@ class Target:
 
     @contextlib.contextmanager
     def _declared_limit(self, p: ast.KernelProblem) -> Any:
-        """With ``refuses_lengths``, a clear refusal is recorded in :attr:`refusals` and the
-        example rejected (``hypothesis.reject()``)."""
+        """With ``refuses_lengths``, a clear refusal is recorded and the example rejected."""
         try:
             yield
         except Exception as exc:
