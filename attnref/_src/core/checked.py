@@ -20,14 +20,11 @@ import numpy as np
 from jax.experimental import checkify
 
 from attnref._src.core.checks import float64_scoped
+from attnref._src.core.entry import traced
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["checked", "require"]
-
-
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 def require(
@@ -79,7 +76,7 @@ def checked(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        is_array = [_is_array(leaf) for leaf in leaves]
+        is_array = [traced(leaf) for leaf in leaves]  # arrays and NumPy scalars
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             raise TypeError(
                 f"checked({getattr(fn, '__name__', fn)!r}) was called with traced arguments "

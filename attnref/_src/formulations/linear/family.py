@@ -177,7 +177,8 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
 
 
 def register_linear(form: str | None = None, **entry: Any) -> None:
-    """Register a form of the LINEAR family (convention ``kernel`` unless ``entry`` says).
+    """Register a form of the LINEAR family (convention ``kernel`` and citation
+    :data:`KATHAROPOULOS` unless ``entry`` says).
 
     ``form`` (``"quadratic"``, ...) names the entry ``linear_<form>`` and its functions: the
     public ``multihead.linear_<form>_attention`` (apply), the formula ``kernel.<form>`` and the
@@ -190,7 +191,8 @@ def register_linear(form: str | None = None, **entry: Any) -> None:
             "native": getattr(kernel, f"linear_{form}"),
             **entry,
         }
-    register(Formulation(**{"convention": "kernel", "family": LINEAR, **entry}))
+    defaults = {"convention": "kernel", "citation": KATHAROPOULOS, "family": LINEAR}
+    register(Formulation(**{**defaults, **entry}))
 
 
 register_linear(
@@ -216,7 +218,6 @@ register_linear(
         r"Y_h = \frac{\phi(Q_h)\,\big(\phi(K_h)^\top V_h\big)}"
         r"{\phi(Q_h)\,\big(\phi(K_h)^\top \mathbf{1}\big) + \epsilon},\ h = 1, \dots, H"
     ),
-    citation=KATHAROPOULOS,
     summary=("Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."),
     cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
     cost_model=linear_associative_cost,
@@ -231,7 +232,6 @@ register_linear(
         r" \phi(k_{j,h}),\quad y_{t,h} = \frac{\phi(q_{t,h})^\top S_{t,h}}{\phi(q_{t,h})^\top"
         r" z_{t,h} + \epsilon}"
     ),
-    citation=KATHAROPOULOS,
     summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
     cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
     cost_model=linear_prefix_sum_cost,
@@ -246,7 +246,6 @@ register_linear(
         r" \phi(k_{t,h}),\quad y_{t,h} = \frac{\phi(q_{t,h})^\top S_{t,h}}{\phi(q_{t,h})^\top"
         r" z_{t,h} + \epsilon}"
     ),
-    citation=KATHAROPOULOS,
     summary=(
         "A lax.scan over the constant-size state (S_t, z_t): the decoding view, O(m d_v) memory."
     ),
