@@ -65,21 +65,14 @@ def repeat_kv(a: Array, r: int, axis: int = 2) -> Array:
     return a if r == 1 else jnp.repeat(a, r, axis=axis)
 
 
-def head_spec(a: Array | None, axis_name: str, head_axis: int = 1) -> Spec:
-    """A mask or bias ``[#B, #N, ...]`` split on a full head axis, else replicated."""
-    if a is None or a.shape[head_axis] == 1:
-        return Spec()
-    return Spec(*([None] * head_axis), axis_name)
-
-
 def head_specs(args: dict[str, Array], qkv: Spec, axis_name: str) -> dict[str, Spec]:
     """The ``shard_map`` specs of a head-splitting scheme's arguments: ``q``, ``k``, ``v`` as
-    ``qkv``, a mask or bias by :func:`head_spec`, the rest replicated."""
+    ``qkv``, a mask or bias ``[#B, #N, ...]`` split on a full head axis, the rest replicated."""
     specs = {name: Spec() for name in args}
     specs.update(q=qkv, k=qkv, v=qkv)
     for name in ("bias", "mask"):
-        if name in args:
-            specs[name] = head_spec(args[name], axis_name)
+        if name in args and args[name].shape[1] > 1:
+            specs[name] = Spec(None, axis_name)
     return specs
 
 
