@@ -328,15 +328,14 @@ def linear_attention(call: dict[str, Any]) -> np.ndarray:
         ValueError: If ``eps_policy`` or ``method`` is unknown. Shapes are not validated here.
     """
     method = call.pop("method")
-    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
-    fm = feature_map
+    q, k, v, fm, causal, key_mask, eps, eps_policy = call.values()
     causal = check_options(fm, causal, eps_policy, method)
     if method == "fast":
         return _linear_fast(fm, q, k, v, causal, key_mask, eps, eps_policy)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     *batch, t_q, n_heads, _ = q.shape
     t_k = k.shape[-3]
-    km = np.ones((*batch, t_k), bool) if key_mask is None else np.asarray(key_mask, bool)
+    km = key_mask_array(key_mask, batch, t_k)
     out = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     for idx in np.ndindex(*batch):
         for h in range(n_heads):

@@ -310,8 +310,7 @@ def linear_attention_vjp(call: dict[str, Any], d_y: Any) -> LinearGrads:
         :class:`LinearGrads` ``(q, k, v)``, float64, shaped as the inputs.
     """
     method = call.pop("method")
-    q, k, v, feature_map, causal, key_mask, eps, eps_policy = call.values()
-    fm = feature_map
+    q, k, v, fm, causal, key_mask, eps, eps_policy = call.values()
     causal = check_options(fm, causal, eps_policy, method)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     want = (*q.shape[:-1], v.shape[-1])
@@ -364,8 +363,7 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
         :class:`LinearMultiheadGrads` ``(params, x_q, x_kv)``.
     """
     residual, method = call.pop("residual"), call.pop("method")
-    params, x_q, x_kv, feature_map, causal, key_mask, eps, eps_policy = call.values()
-    fm = feature_map
+    params, x_q, x_kv, fm, causal, key_mask, eps, eps_policy = call.values()
     causal = check_options(fm, causal, eps_policy, method)
     residual = check_flag("residual", residual)
     w, kv_of, xq, xkv = multihead_inputs(params, x_q, x_kv)
