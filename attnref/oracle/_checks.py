@@ -112,6 +112,16 @@ def broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return False
 
 
+def check_cotangent(name: str, x: Any, want: tuple[int, ...], layout: str = "") -> np.ndarray:
+    """A floating cotangent of exactly the output's shape ``want``, as float64."""
+    got = None if x is None else shape_of(x)
+    if got != want:
+        raise ValueError(f"{name} has shape {got}; expected {layout}{want}")
+    if not is_floating(dtype_of(x)):
+        raise TypeError(f"{name} must be floating, got dtype {dtype_of(x)}")
+    return np.asarray(x, dtype=np.float64)
+
+
 def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
     """An int axis of ``lse``'s ``shape`` (negative from the end), returned non-negative."""
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_method, dtype_of, is_floating, shape_of
+from ._checks import check_cotangent, check_method
 from ._doc import KERNEL, KERNEL_RAISES, doc, method_option, signed
 from ._kernel import definition_logit, kernel_allowed
 from ._kernel_call import OPTIONS, KernelCall, kernel_call, parse, pick, query_block
@@ -54,19 +54,12 @@ class KernelGrads(NamedTuple):
 
 
 def cotangents(c: KernelCall, cotangent: Any, lse_cotangent: Any) -> tuple[np.ndarray, ...]:
+    """``(dO [B, T, N, H_v], dl [B, T, N])`` as float64 (``dl`` 0 when ``None``)."""
     b, n, t, _ = c.shape
-    want = {"cotangent": (b, t, n, c.v.shape[-1]), "lse_cotangent": (b, t, n)}
-    out = []
-    for name, x in (("cotangent", cotangent), ("lse_cotangent", lse_cotangent)):
-        if x is None and name == "lse_cotangent":
-            out.append(np.zeros(want[name]))
-            continue
-        if shape_of(x) != want[name]:
-            raise ValueError(f"{name} has shape {shape_of(x)}; expected {want[name]}")
-        if not is_floating(dtype_of(x)):
-            raise TypeError(f"{name} must be floating, got dtype {dtype_of(x)}")
-        out.append(np.asarray(x, dtype=np.float64))
-    return out[0], out[1]
+    d_o = check_cotangent("cotangent", cotangent, (b, t, n, c.v.shape[-1]))
+    if lse_cotangent is None:
+        return d_o, np.zeros((b, t, n))
+    return d_o, check_cotangent("lse_cotangent", lse_cotangent, (b, t, n))
 
 
 def _refuse_nonfinite(where: str) -> None:

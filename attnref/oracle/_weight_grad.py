@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_method, dtype_of, is_floating, shape_of
+from ._checks import check_cotangent, check_method, shape_of
 from ._core import (
     FIELDS,
     Block,
@@ -89,20 +89,6 @@ def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
     if not unread.any():
         return p
     return p._replace(xkv=np.where(unread[..., None], 0.0, p.xkv))
-
-
-def _cotangent(d_y: Any, p: Fast) -> np.ndarray:
-    """``d_y`` as float64, refused unless floating and of the output's shape."""
-    want = (*p.batch, p.xq.shape[-2], head_weights(p.w)[3].shape[2])
-    if d_y is None or shape_of(d_y) != want:
-        got = None if d_y is None else shape_of(d_y)
-        raise ValueError(
-            f"d_y has shape {got}; expected the output's shape [..., T_q, d_model] = {want}"
-        )
-    dt = dtype_of(d_y)
-    if not is_floating(dt):
-        raise TypeError(f"d_y must be floating, got dtype {dt}")
-    return np.asarray(d_y, dtype=np.float64)
 
 
 def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
@@ -328,7 +314,8 @@ def _vjp(
 ) -> AttentionGrads:
     """Both gradient oracles from a validated problem (``rope``: positions, base, convention)."""
     p = _unread_tokens_as_zeros(p, shared)
-    dy = _cotangent(d_y, p)
+    want = (*p.batch, p.xq.shape[-2], head_weights(p.w)[3].shape[2])
+    dy = check_cotangent("d_y", d_y, want, "the output's shape [..., T_q, d_model] = ")
     bias_shape = None if bias is None else shape_of(bias)
     if fast:
         rotations = None
