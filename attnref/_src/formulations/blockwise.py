@@ -1,19 +1,16 @@
 """Blockwise attention with an online softmax (the flash form), with the flash backward.
 
-Same signature and semantics as :func:`attnref.dot_product_attention` plus ``block_q`` and
-``block_k``. Queries are processed in tiles of ``block_q`` rows and keys in tiles of ``block_k``
-(a ``lax.scan`` over the scheduled tile pairs), each query tile keeping a running max ``m``,
-running sum ``l`` and accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
+:func:`attnref.dot_product_attention` plus ``block_q`` and ``block_k``: a ``lax.scan`` over the
+scheduled pairs of ``block_q``-query and ``block_k``-key tiles, each query tile keeping a running
+max ``m``, sum ``l`` and accumulator ``a`` (Milakov & Gimelshein 2018; Dao et al. 2022)::
 
     m' = max(m, max_j s_ij),   l' = e^{m - m'} l + sum_j e^{s_ij - m'},
     a' = e^{m - m'} a + sum_j e^{s_ij - m'} v_j,            o_i = a / l,  lse_i = m + log l
 
-``T`` and ``S`` need not be multiples of the block sizes: the last tile is padded and its padding
-is never allowed. The tiles run from a static schedule (:func:`tile_schedule`): a tile that
-causality, the window or the padding leaves fully masked is never computed, and a tile left fully
-allowed (when no mask, bias, lengths or segment ids are given) skips the mask arithmetic.
-Only ``O(block_q * block_k)`` logits exist at a time, so the temporary memory grows linearly in
-``T`` (the naive form's grows as ``T * S``).
+The last tile is padded (padding never allowed). In the static schedule (:func:`tile_schedule`)
+a tile left fully masked by causality, the window or padding is never computed, and one fully
+allowed (no mask, bias, lengths or segment ids) skips the mask arithmetic. Only ``O(block_q
+block_k)`` logits exist at a time: temporary memory linear in ``T`` (the naive form's ``T S``).
 
 The backward is a ``jax.custom_vjp`` that saves ``o`` and ``lse`` and recomputes every tile's
 probabilities ``p_ij = exp(s_ij - lse_i)`` (FlashAttention's backward)::
@@ -22,12 +19,11 @@ probabilities ``p_ij = exp(s_ij - lse_i)`` (FlashAttention's backward)::
     dv_j = sum_i p_ij do_i,   dk_j = scale sum_i ds'_ij q_i,   dq_i = scale sum_j ds'_ij k_j,
     dbias_ij = ds_ij,   ds' = ds (1 - tanh^2(raw / c)) with softcap c (ds' = ds without)
 
-so ``lse`` is differentiable too. There are no gradients with respect to ``scale``, the masks,
-lengths or segment ids. Forward-mode differentiation (``jax.jvp``) is not defined for a
-``custom_vjp``. With dropout (``w_ij = keep_ij / (1 - p)``) the accumulator sums
-``e^{s_ij - m'} w_ij v_j`` while ``l`` keeps the unscaled sum; the backward's ``do_i . v_j`` and
-``dv_j`` carry the same ``w_ij``. The kernel's finishing rules (learnable sinks, the
-fully-masked-row policy, query padding) run after the ``custom_vjp``, under autodiff.
+so ``lse`` is differentiable too (not ``scale``, masks, lengths or segment ids; no ``jax.jvp``
+through a ``custom_vjp``). With dropout (``w_ij = keep_ij / (1 - p)``) the accumulator sums
+``e^{s_ij - m'} w_ij v_j`` while ``l`` keeps the unscaled sum, and the backward's ``do_i . v_j``
+and ``dv_j`` carry ``w_ij``. The finishing rules (sinks, masked rows, query padding) run after
+the ``custom_vjp``, under autodiff.
 """
 
 from __future__ import annotations
@@ -79,14 +75,9 @@ def _slice(a: Array, axis: int, start: Array, size: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class TileSchedule:
-    """The ``(query tile, key tile)`` pairs one blockwise call computes, each ``int32 [P, 2]``.
-
-    Attributes:
-        edge: Pairs that pay for the mask (some pair masked, padded or masked at run time).
-        full: Pairs allowed everywhere, computed without the mask arithmetic.
-        tiles: ``(n_q, n_k)``, the tile grid; the pairs in neither list are fully masked and
-            never computed.
-    """
+    """The ``(query tile, key tile)`` pairs of one blockwise call: ``edge`` (``int32 [P, 2]``,
+    paying for the mask), ``full`` (allowed everywhere, no mask arithmetic) and the grid ``tiles =
+    (n_q, n_k)``; pairs in neither list are fully masked and never computed."""
 
     edge: np.ndarray
     full: np.ndarray
@@ -444,14 +435,10 @@ def flash(call: KernelCall, block_q: int, block_k: int) -> tuple[Array, Array]:
 def blockwise_dot_flops(
     b: int, n: int, h: int, h_v: int, schedule: TileSchedule, block_q: int, block_k: int
 ) -> tuple[int, int]:
-    """The dot FLOPs of one blockwise call, forward and backward, counting computed tiles only.
-
-    Per computed ``block_q x block_k`` tile and head: the forward's ``q k^T`` and ``e v``,
-    ``2 bq bk (H + H_v)``; the backward recomputes ``q k^T`` and forms ``dO v^T``, ``dv``, ``dk``
-    and ``dq``, ``2 bq bk (3 H + 2 H_v)``. ``block_q``, ``block_k`` are the tile sizes the call
-    uses (capped at ``T`` and ``S``). XLA's executed dot FLOPs (:func:`attnref.costs.hlo_dot_flops`
-    with ``executed=True``) equal these.
-    """
+    """The dot FLOPs of one blockwise call (tile sizes capped at ``T``, ``S``), forward and
+    backward, per computed tile and head: ``q k^T`` and ``e v``, ``2 bq bk (H + H_v)``; the
+    backward's ``q k^T``, ``dO v^T``, ``dv``, ``dk``, ``dq``, ``2 bq bk (3 H + 2 H_v)``. Equal to
+    XLA's executed dot FLOPs (:func:`attnref.costs.hlo_dot_flops` with ``executed=True``)."""
     tiles = len(schedule.edge) + len(schedule.full)
     per_tile = 2 * b * n * block_q * block_k
     return tiles * per_tile * (h + h_v), tiles * per_tile * (3 * h + 2 * h_v)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.checks import float64_scoped
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.decode_cache import (
     KVCache,
@@ -35,8 +35,7 @@ from attnref._src.formulations.decode_cache import (
     nan_rows,
     require_room,
 )
-from attnref._src.formulations.decode_cache import init_cache as init_cache  # for kernel_forms
-from attnref._src.formulations.kernel import dot_product_attention
+from attnref._src.formulations.kernel import dot_product_attention, kernel_heads, output_rows
 
 # ----------------------------------------------------------------------------- the formulas
 
@@ -155,12 +154,6 @@ def chunk_positions(
     rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
     pos = jnp.where(valid, cache.lengths[:, None] + rank, -1)
     return pos, cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-
-
-def project(x: Array, w: Any, b: Any) -> Array:
-    """``x W[h] + b[h]`` in kernel layout ``[B, L, heads, d]``."""
-    y = jnp.einsum("bld,hde->blhe", x, jnp.asarray(w), precision=HIGHEST)
-    return y if b is None else y + jnp.asarray(b)
 
 
 # ----------------------------------------------------------------------------- kernel level
@@ -295,13 +288,11 @@ def step(
     x_kv = x if x_kv is None else jnp.asarray(x_kv)
     if x_kv.shape != x.shape:
         raise ValueError(f"x_kv has shape {x_kv.shape}; expected the shape of x, {x.shape}")
-    q = project(x, params.w_q, params.b_q)
-    k = project(x_kv, params.w_k, params.b_k)
-    v = project(x_kv, params.w_v, params.b_v)
+    q = kernel_heads(x, params.w_q, params.b_q)
+    k = kernel_heads(x_kv, params.w_k, params.b_k)
+    v = kernel_heads(x_kv, params.w_v, params.b_v)
     o, cache = cached_attention(cache, q, k, v, valid, mask=mask, bias=bias, scale=scale)
-    y = jnp.einsum("blhv,hvd->bld", o, jnp.asarray(params.w_o), precision=HIGHEST)
-    if params.b_o is not None:
-        y = y + jnp.asarray(params.b_o)
+    y = output_rows(params, o, x, False)
     if valid is not None:
         y = jnp.where(jnp.asarray(valid)[..., None], y, 0.0)
     return y, cache

@@ -61,7 +61,7 @@ def kv_cache_init(
     window: int | None = None,
     dtype: Any = jnp.float32,
 ) -> KVCache:
-    """An empty cache. A ring buffer (``window`` given) needs ``capacity >= window``.
+    """An empty cache.
 
     Args:
         batch: The batch size ``B``, a positive int.
@@ -132,8 +132,7 @@ def init_cache(
             ``W <= capacity`` (a ring buffer of the last ``W`` positions).
 
     Returns:
-        An empty :class:`KVCache` ``[B, C, K, d_k]``/``[B, C, K, d_v]`` in the dtype of
-        ``params``.
+        An empty :class:`KVCache` ``[B, C, K, d_k]``/``[B, C, K, d_v]``, ``params``'s dtype.
 
     Raises:
         ValueError: As :func:`kv_cache_init` (sizes not positive ints, a bad ``window``).

@@ -1,18 +1,14 @@
-"""Attention as message passing on a graph (Karpathy 2023, via "Attention: All you need to know").
+"""Attention as message passing on a graph (Karpathy 2023, via "Attention: All you need to know";
+tokens as nodes, attention as a GNN layer, as in "[Concept] The Attention Mechanism of Transformer
+Models", 2025-08-22).
 
-The graph view, tokens as nodes and attention as a graph-neural-network layer, is also that of
-"[Concept] The Attention Mechanism of Transformer Models" (2025-08-22).
-
-Nodes are tokens; a directed edge ``s -> r`` lets receiver ``r`` listen to sender ``s``; the mask
-is the adjacency matrix. Per head ``i`` and edge ``e = (s, r)``: score
-``a_e = (x_r W_Q[i] + b_Q[i]) . (x_s W_K[i] + b_K[i]) * scale + bias_e``; a segment softmax over
-each receiver's incoming edges gives ``alpha_e``; the receiver aggregates
-``z_r = sum_{e -> r} alpha_e (x_s W_V[i] + b_V[i])`` and its update is
-``y_r = sum_i z_r W_O[i] + b_O``. A receiver with no (unmasked) incoming edge gets ``y_r = b_O``.
-With grouped-query params (``K`` key/value heads, ``G = H / K``) head ``i`` reads ``W_K``, ``b_K``,
-``W_V``, ``b_V`` of key/value head ``i // G``; each sender is projected once per key/value head.
-A sender a receiver may not listen to (no edge, a masked edge, a ``-inf`` edge bias) never
-reaches that receiver's update or gradients, whatever it holds (``attnref._src.core.nonfinite``).
+A directed edge ``s -> r`` lets receiver ``r`` listen to sender ``s`` (the mask is the adjacency
+matrix). Per head ``i`` and edge ``e = (s, r)``: ``a_e = (x_r W_Q[i] + b_Q[i]) . (x_s W_K[g] +
+b_K[g]) * scale + bias_e``, ``g = i // G`` (grouped-query params, ``G = H / K``); a segment softmax
+over each receiver's incoming edges gives ``alpha_e``; ``z_r = sum_{e -> r} alpha_e (x_s W_V[g] +
+b_V[g])`` and ``y_r = sum_i z_r W_O[i] + b_O`` (``b_O`` without an allowed incoming edge). A
+sender a receiver may not listen to (no edge, masked, ``-inf`` bias) never reaches that
+receiver's update or gradients, whatever it holds (``attnref._src.core.nonfinite``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,8 @@ from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
+from attnref._src.formulations.kernel import kernel_heads
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, qkvo_bias_adds
 
 
 def message_passing(
@@ -46,15 +43,12 @@ def message_passing(
 ) -> Float[Array, "N_r d_model"]:
     """``y_r = sum_i (sum_{e = s -> r} alpha_{e,i} v_{s,i}) W_O[i] + b_O``, ``alpha`` the
     segment softmax over each receiver's edges of ``q_{r,i} . k_{s,i} * scale + bias_e``."""
-
-    def proj(x: Array, w: ArrayLike, b: ArrayLike | None) -> Array:  # [N, heads, d]
-        y = jnp.einsum("nd,hdk->nhk", x, w, precision=HIGHEST)
-        return y if b is None else y + jnp.asarray(b)
-
     g, n_r = params.group_size, x_receivers.shape[0]
-    q = proj(x_receivers, params.w_q, params.b_q)[receivers]  #            [E, H, d_k]
-    k = repeat_heads(proj(x_senders, params.w_k, params.b_k), g, axis=1)[senders]  # [E, H, d_k]
-    v = repeat_heads(proj(x_senders, params.w_v, params.b_v), g, axis=1)[senders]  # [E, H, d_v]
+    q = kernel_heads(x_receivers, params.w_q, params.b_q)[receivers]  # [E, H, d_k]
+    k, v = (  # [E, H, d_k], [E, H, d_v]: each sender projected once per K/V head
+        repeat_heads(kernel_heads(x_senders, w, b), g, axis=1)[senders]
+        for w, b in ((params.w_k, params.b_k), (params.w_v, params.b_v))
+    )
     logits = jnp.sum(q * k, axis=-1) * scale  #                                   [E, H]
     logits = logits if edge_bias is None else logits + edge_bias[:, None]
     allowed = logits != -jnp.inf
@@ -255,9 +249,8 @@ graph_attention = public(
 
 
 def edges_from_mask(mask: Bool[ArrayLike, "T_q T_k"]) -> tuple[np.ndarray, np.ndarray]:
-    """Sparse edge list ``(senders, receivers)`` of a concrete 2-D adjacency mask ``[T_q, T_k]``.
-
-    Runs on the host (the number of edges is data-dependent), so it cannot be traced.
+    """Sparse edge list ``(senders, receivers)`` of a concrete 2-D adjacency mask ``[T_q, T_k]``
+    (on the host: the number of edges is data-dependent, so it cannot be traced).
 
     Args:
         mask: A concrete boolean adjacency matrix ``[T_q, T_k]``; ``mask[r, s]`` = receiver
@@ -297,9 +290,7 @@ def graph_cost(d: _cost.Dims) -> _cost.Cost:
         edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
         + (_cost.SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters per edge
         + 2 * edges * d.d_v  # alpha * v and its scatter-add
-        + _cost.bias_adds(
-            d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
-        )
+        + qkvo_bias_adds(d)
         + 2 * b * h * tq
     )
     per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]

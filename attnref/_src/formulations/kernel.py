@@ -62,12 +62,9 @@ def attention(
     spec: KernelSpec, inputs: KernelInputs, allowed: Bool[Array, "#B #N #T S"] | None
 ) -> tuple[Float[Array, "B T N H_v"], Float[Array, "B T N"]]:
     """``s = softcap(scale q k^T) + bias``, ``o = softmax(where(allowed, s, -inf)) v`` and
-    ``lse = log sum_{j allowed} exp(s_ij)``, on finite inputs in the compute dtype.
-
-    ``allowed=None``: every pair. A fully masked row gives ``o = 0``, ``lse = -inf``. One
-    ``select`` feeds the max and one the exponential, exactly 0 (with a zero gradient) on a pair
-    that is not allowed, whatever its logit holds.
-    """
+    ``lse = log sum_{j allowed} exp(s_ij)`` on finite inputs in the compute dtype (``allowed =
+    None``: every pair); a fully masked row gives ``o = 0``, ``lse = -inf``. The exponential of
+    a pair not allowed is exactly 0 (zero gradient), whatever its logit holds."""
     logits = scores(spec, inputs)  #                                          s  [B, N, T, S]
     live = None if allowed is None else jnp.any(allowed, axis=-1)  # a key to read [B|1, N|1, T|1]
     top = jnp.max(_where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
@@ -107,11 +104,8 @@ def with_sinks(
 
 
 def scores(spec: KernelSpec, inputs: KernelInputs) -> Float[Array, "B N T S"]:
-    """``softcap(scale q_i . k_j) + bias_ij``; query head ``n = k G + g`` reads K/V head ``k``.
-
-    The query rows of a K/V head are laid out ``(g, t)`` before the product, so the ``[T, S]``
-    logits come out of the ``dot`` in their final order (no transposed copy of them).
-    """
+    """``softcap(scale q_i . k_j) + bias_ij``; query head ``n = k G + g`` reads K/V head ``k``
+    (rows laid out ``(g, t)`` so the ``[T, S]`` logits leave the ``dot`` in their final order)."""
     q = inputs.q.reshape(spec.b, spec.t, spec.k, spec.group, spec.h)
     q = jnp.transpose(q, (0, 2, 3, 1, 4)).reshape(spec.b, spec.k, spec.group * spec.t, spec.h)
     raw = jnp.einsum("bkmh,bskh->bkms", q, inputs.k, precision=HIGHEST)
@@ -157,12 +151,10 @@ def allowed_pairs(
     bias: Float[Array, "#B #N #tq #tk"] | None = None,
     in_range: bool = False,
 ) -> Bool[Array, "#B #N #tq #tk"] | None:
-    """Every mask option in one ``and``, for the queries ``q_idx`` and keys ``k_idx`` (the
-    whole range, a tile or a chunk): lengths, causality, window, segments, then ``mask`` and
-    ``bias != -inf`` (the rows and columns of the given indices). ``in_range``: also
-    ``q_idx < T`` and ``k_idx < S`` (tile and chunk padding is never allowed). Broadcast shapes
-    are kept (a causal mask stays ``[1, 1, tq, tk]``); ``None`` when nothing restricts.
-    """
+    """Every mask option in one ``and`` for the queries ``q_idx`` and keys ``k_idx`` (the whole
+    range, a tile or a chunk): lengths, causality, window, segments, ``mask`` and ``bias !=
+    -inf``; ``in_range``: also ``q_idx < T`` and ``k_idx < S`` (padding). Broadcast shapes are
+    kept (a causal mask stays ``[1, 1, tq, tk]``); ``None`` when nothing restricts."""
     qi, kj = q_idx[None, :, None], k_idx[None, None, :]
     t_len = spec.t if inputs.q_lens is None else inputs.q_lens[:, None, None]
     s_len = spec.s if inputs.kv_lens is None else inputs.kv_lens[:, None, None]
@@ -217,11 +209,8 @@ def reads_bad(
     bad_kv: Bool[Array, "B tk K"],
     bias_bad: Array | None,
 ) -> Bool[Array, "B N #tq"]:
-    """Query rows with an allowed key whose key/value row or bias entry is non-finite.
-
-    ``allowed`` may keep size-1 (broadcast) batch, head and query axes; the result keeps the
-    query axis of ``allowed`` (and ``bias_bad``), size 1 where both broadcast.
-    """
+    """Query rows with an allowed key whose key/value row or bias entry is non-finite; the
+    query axis stays size 1 where ``allowed`` and ``bias_bad`` both broadcast it."""
 
     def head_groups(a: Array) -> Array:  # [B, N, ...] -> [B, K, G, ...]; size-1 heads stay
         return a[:, :, None] if a.shape[1] == 1 else grouped(a, spec)
@@ -317,16 +306,11 @@ def finish(
     mean_v: Float[Array, "B 1 N H_v"] | None = None,
     sinks: Float[Array, " N"] | None = None,
 ) -> tuple[Array, Array]:
-    """The learnable sinks (:func:`with_sinks`) or else the fully-masked-row policy
-    (``"uniform"``: ``mean_v``), query padding (``q_pos >= query_seq_lengths``: 0 and ``-inf``)
-    and the cast to the input dtype. ``sinks`` (``[N]``, the call's, or ``None``) must be
-    passed by every schedule whose call has them (``spec.has_sinks``).
-
-    A batch element whose ``query_seq_lengths`` or ``key_value_seq_lengths`` lies outside
-    ``[0, T]`` / ``[0, S]`` (only possible under ``jax.jit``, where the lengths are traced and
-    cannot be checked; eager calls raise) returns NaN in every output and ``lse`` entry: an
-    unmistakable result instead of a plausible wrong one (:func:`lengths_in_range`).
-    """
+    """The learnable sinks (:func:`with_sinks`; ``sinks``, the call's, must be passed when
+    ``spec.has_sinks``) or else the fully-masked-row policy (``"uniform"``: ``mean_v``), query
+    padding (``q_pos >= query_seq_lengths``: 0 and ``-inf``) and the cast to the input dtype. A
+    batch element with (traced) lengths out of range (:func:`lengths_in_range`) is NaN in every
+    output and ``lse`` entry: unmistakable instead of plausibly wrong."""
     if spec.has_sinks:
         if sinks is None:
             raise ValueError("the call has sinks: pass them to finish")
@@ -392,13 +376,11 @@ def kernel_public(
     compile: bool = True,
 ) -> Callable[..., Any]:
     """The public kernel ``name``: :func:`prepare`'s signature (the ``options`` after ``mask``),
-    float64-scoped; validates (``check(**options)`` first, then :func:`prepare`) and returns
-    ``schedule(call, **options)``, ``o`` or ``(o, lse)``. Its docstring is ``summary`` and
-    :data:`KERNEL_ARGS` with the options' lines and the extra ``returns``/raises text.
-    ``refuses``: options of :func:`prepare` this schedule does not implement; given a value
-    other than their default, they are refused (``NotImplementedError``), never ignored.
-    ``compile``: run the schedule as one compiled program (:func:`~attnref._src.core.entry.
-    compiled`); ``False`` for a schedule that compiles its own."""
+    float64-scoped; validates (``check(**options)``, then :func:`prepare`) and returns
+    ``schedule(call, **options)``, ``o`` or ``(o, lse)``, as one compiled program unless
+    ``compile=False``. Docstring: ``summary`` and :data:`KERNEL_ARGS` with the options and the
+    extra text. ``refuses``: options of :func:`prepare` the schedule does not implement, refused
+    (``NotImplementedError``) when not at their default, never ignored."""
     params = list(inspect.signature(prepare).parameters.values())
     kw = inspect.Parameter.KEYWORD_ONLY
     extra = [
@@ -475,30 +457,44 @@ def kernel_rows(
     caller's (the kernel resolves ``None`` in its compute dtype); ``options``: the kernel
     (``"kernel"``) and its keyword arguments."""
     kernel, options = options["kernel"], {k: v for k, v in options.items() if k != "kernel"}
-    batch, t_q, t_k = x_q.shape[:-2], x_q.shape[-2], x_kv.shape[-2]
-    b = math.prod(batch)
-    xq, xkv = x_q.reshape(b, t_q, -1), x_kv.reshape(b, t_k, -1)
-
-    def heads(x: Array, w: Any, w_b: Any) -> Array:  # x W[h] + b[h]     [B, L, heads, d]
-        y = jnp.einsum("bld,hde->blhe", x, jnp.asarray(w), precision=HIGHEST)
-        return y if w_b is None else y + jnp.asarray(w_b)
-
-    def pairs(a: Array | None) -> Array | None:  # [..., T_q, T_k] -> [B, 1, T_q, T_k]
-        return (
-            None if a is None else jnp.broadcast_to(a, (*batch, t_q, t_k)).reshape(b, 1, t_q, t_k)
-        )
-
+    xq, xkv, _ = flat_rows(x_q, x_kv)
     o = kernel(
-        heads(xq, params.w_q, params.b_q),
-        heads(xkv, params.w_k, params.b_k),
-        heads(xkv, params.w_v, params.b_v),
-        pairs(bias),
-        pairs(mask),
+        kernel_heads(xq, params.w_q, params.b_q),
+        kernel_heads(xkv, params.w_k, params.b_k),
+        kernel_heads(xkv, params.w_v, params.b_v),
+        kernel_pairs(bias, x_q, x_kv),
+        kernel_pairs(mask, x_q, x_kv),
         scale=scale,
         **options,
     )
+    return output_rows(params, o, x_q, residual)
+
+
+def kernel_heads(x: Array, w: Any, b: Any) -> Array:
+    """``x W[h] + b[h]``: ``[..., d] -> [..., heads, d']`` (kernel layout)."""
+    y = jnp.einsum("...d,hde->...he", x, jnp.asarray(w), precision=HIGHEST)
+    return y if b is None else y + jnp.asarray(b)
+
+
+def flat_rows(x_q: Array, x_kv: Array) -> tuple[Array, Array, int]:
+    """``x_q``, ``x_kv`` with the batch dims flattened to one, ``[B, T, d_model]``, and ``B``."""
+    b = math.prod(x_q.shape[:-2])
+    return x_q.reshape(b, x_q.shape[-2], -1), x_kv.reshape(b, x_kv.shape[-2], -1), b
+
+
+def kernel_pairs(a: Array | None, x_q: Array, x_kv: Array) -> Array | None:
+    """A ``[..., T_q, T_k]`` mask or bias in the kernel layout ``[B, 1, T_q, T_k]``."""
+    if a is None:
+        return None
+    t_q, t_k = x_q.shape[-2], x_kv.shape[-2]
+    return jnp.broadcast_to(a, (*x_q.shape[:-2], t_q, t_k)).reshape(-1, 1, t_q, t_k)
+
+
+def output_rows(params: Params, o: Array, x_q: Array, residual: bool) -> Array:
+    """``sum_n o_n W_O[n] + b_O`` from kernel outputs ``o [B, T_q, H, d_v]``, in ``x_q``'s
+    batch shape (``x_q +`` that in residual form)."""
     y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
-    return residual_or(add_output_bias(y.reshape(*batch, t_q, -1), params), x_q, residual)
+    return residual_or(add_output_bias(y.reshape(*x_q.shape[:-1], -1), params), x_q, residual)
 
 
 def row_call(rows: Prepared, scale: Any, options: dict[str, Any]) -> Call:
@@ -543,12 +539,11 @@ def feature_cost(
 ) -> FeatureCost:
     """The cost of the learnable sinks and the dropout over a kernel call without them.
 
-    Sinks (:func:`with_sinks`, once per row of ``B T N``): ``exp(lse - m)``, ``exp(z - m)``
-    and ``log`` of their sum (3 transcendentals); the max, the selects, subtractions, sum,
-    division, the guard's tests and the rescaled output row, at most ``24 + 2 H_v`` elementwise
-    ops. Dropout (:func:`dropped`, once per pair of ``B N T S``, ``S`` padded to the schedule's
-    key blocks by the caller): a product and a select, exactly 2 ops, no transcendental.
-    """
+    Sinks (:func:`with_sinks`, per row of ``B T N``): ``exp(lse - m)``, ``exp(z - m)`` and the
+    ``log`` of their sum (3 transcendentals); the max, selects, subtractions, sum, division,
+    guard tests and rescaled output row, at most ``24 + 2 H_v`` ops. Dropout (:func:`dropped`,
+    per pair of ``B N T S``, ``S`` padded to the key blocks by the caller): a product and a
+    select, exactly 2 ops."""
     rows, pairs = b * t * n, b * n * t * s
     elementwise = (rows * (24 + 2 * h_v) if sinks else 0) + (2 * pairs if dropout else 0)
     return FeatureCost(elementwise, 3 * rows if sinks else 0)

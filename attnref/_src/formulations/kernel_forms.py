@@ -1,10 +1,6 @@
-"""Multi-head (weight-level) forms of the kernel-era formulations: blockwise and cached decoding.
-
-Both take the row-convention signature of the registry's softmax family, ``apply(params, x_q,
-x_kv=None, *, mask=None, bias=None, scale=None, residual=False)`` with ``x [..., T, d_model]``,
-project per head (``q = x W_Q + b_Q``; K/V heads shared by groups of query heads), run the
-kernel in the layout of ``jax.nn.dot_product_attention``, and return
-``sum_n o_n W_O[n] + b_O`` (``x_q +`` that in residual form).
+"""Multi-head (weight-level, row-convention) forms of the blockwise and cached-decoding kernels:
+project per head (``q = x W_Q + b_Q``; K/V heads shared by groups of query heads), run the kernel
+in the ``jax.nn.dot_product_attention`` layout, return ``sum_n o_n W_O[n] + b_O``.
 """
 
 from __future__ import annotations
@@ -16,12 +12,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.checks import float64_scoped
 from attnref._src.core.common import (
     RESIDUAL_ARG,
     Call,
     Prepared,
-    add_output_bias,
     prepare_rows,
     residual_or,
     row_args,
@@ -30,12 +25,18 @@ from attnref._src.core.common import (
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.blockwise import blockwise_dot_product_attention
-from attnref._src.formulations.decode import cache_attend, init_cache, kv_cache_append, scan
-from attnref._src.formulations.decode import (
-    project as kernel_heads,  # x W[h] + b[h], [B, T, heads, d]
+from attnref._src.formulations.decode import cache_attend, kv_cache_append, scan
+from attnref._src.formulations.decode_cache import init_cache
+from attnref._src.formulations.kernel import (
+    flat_rows,
+    kernel_heads,
+    kernel_pairs,
+    kernel_rows,
+    output_rows,
+    row_call,
+    rows_public,
 )
-from attnref._src.formulations.kernel import kernel_rows, row_call, rows_public
-from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, qkvo_bias_adds
 
 
 def kv_cache(
@@ -67,28 +68,6 @@ def kv_cache(
 
     _, o = jax.lax.scan(step, None, steps)  # o_t                      [T_q, B, H, d_v]
     return output_rows(params, jnp.swapaxes(o, 0, 1), x_q, residual)
-
-
-def flat_rows(x_q: Array, x_kv: Array) -> tuple[Array, Array, int]:
-    """``x_q``, ``x_kv`` with the batch dims flattened to one, ``[B, T, d_model]``, and ``B``."""
-    b = math.prod(x_q.shape[:-2])
-    return x_q.reshape(b, x_q.shape[-2], -1), x_kv.reshape(b, x_kv.shape[-2], -1), b
-
-
-def kernel_pairs(a: Array | None, x_q: Array, x_kv: Array) -> Array | None:
-    """A ``[..., T_q, T_k]`` mask or bias in the kernel layout ``[B, 1, T_q, T_k]``."""
-    if a is None:
-        return None
-    t_q, t_k = x_q.shape[-2], x_kv.shape[-2]
-    return jnp.broadcast_to(a, (*x_q.shape[:-2], t_q, t_k)).reshape(-1, 1, t_q, t_k)
-
-
-def output_rows(params: AttentionParams, o: Array, x_q: Array, residual: bool) -> Array:
-    """``sum_n o_n W_O[n] + b_O`` from kernel outputs ``o [B, T_q, H, d_v]``, in ``x_q``'s
-    batch shape (``x_q +`` that in residual form)."""
-    y = jnp.einsum("bthv,hvd->btd", o, jnp.asarray(params.w_o), precision=HIGHEST)
-    y = add_output_bias(y.reshape(*x_q.shape[:-1], -1), params)
-    return residual_or(y, x_q, residual)
 
 
 # ----------------------------------------------------------------------------- the kernel rows
@@ -221,6 +200,19 @@ BLOCK_PER_LOGIT = 17
 BLOCK_PER_ROW = 6
 
 
+def kernel_rows_cost(
+    d: _cost.Dims, mm: int, el: int, tr: int, tensors: list[int], largest: int, **loop: int
+) -> _cost.Cost:
+    """A kernel's ``mm``, ``el``, ``tr`` plus its row form's: the projections, the output
+    projection and its head sum, the weight-level guard and the bias adds (:func:`_cost.build`;
+    ``loop``: a looping kernel's trips and per-trip counts)."""
+    b, h, dm = d.batch, d.heads, d.d_model
+    pq, pk, pv = _cost.projections(d)
+    mm += pq + pk + pv + 2 * b * d.t_q * h * d.d_v * dm
+    el += b * d.t_q * dm * (h - 1) + _cost.weight_guard_elementwise(d) + qkvo_bias_adds(d)
+    return _cost.build(d, mm, el, tr, tensors, largest, **loop)
+
+
 def _tiles(d: _cost.Dims) -> tuple[int, int, int, int]:
     bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
     return bq, bk, math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
@@ -236,7 +228,6 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
     """
     b, h, dm = d.batch, d.heads, d.d_model
     bq, bk, nq, nk = _tiles(d)
-    pq, pk, pv = _cost.projections(d)
     tile_logits = b * h * bq * bk
     step_mm = 2 * tile_logits * (d.d_k + d.d_v)
     step_el = (
@@ -251,19 +242,12 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
         )
     )
     step_tr = tile_logits + b * h * bq  # exp of the tile, exp(m - m')
-    out_mm = 2 * b * d.t_q * h * d.d_v * dm
     rows = b * h * nq * bq
-    # l > 0, where, a / l; poisoning the dirty rows; head sum
-    tail_el = rows * (2 * d.d_v + 4) + b * d.t_q * dm * (h - 1)
     kernel_operands = b * d.t_q * h * d.d_k + b * d.t_k * h * (d.d_k + d.d_v)
     el = (
         step_el * nq * nk
-        + tail_el
-        + _cost.weight_guard_elementwise(d)
+        + rows * (2 * d.d_v + 4)  # l > 0, where, a / l; poisoning the dirty rows
         + _cost.GUARD_PER_OPERAND * kernel_operands  # the kernel's finite parts and dirty tests
-        + _cost.bias_adds(
-            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
-        )
     )
     tp, sp = nq * bq, nk * bk
     tensors = [
@@ -281,9 +265,9 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
         b * d.t_q * dm,
         8 * tile_logits,  # one tile's logits, allowed, probabilities and their temporaries
     ]
-    return _cost.build(
+    return kernel_rows_cost(
         d,
-        pq + pk + pv + nq * nk * step_mm + out_mm,
+        nq * nk * step_mm,
         el,
         nq * nk * step_tr,
         tensors,
@@ -298,7 +282,6 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
 def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
     """Keys and values projected into a cache once, then ``T_q`` steps of one query each."""
     b, h, dm, tk = d.batch, d.heads, d.d_model, d.t_k
-    pq, pk, pv = _cost.projections(d)
     row = b * h * tk  # one step's logits
     step_mm = 2 * row * (d.d_k + d.d_v)
     # the naive kernel's masked softmax on one row of logits, plus building the allowed set from
@@ -310,15 +293,6 @@ def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
         logits=row,
         rows=b * h,
         outputs=b * h * (d.d_v + 1),
-    )
-    out_mm = 2 * b * d.t_q * h * d.d_v * dm
-    el = (
-        step_el * d.t_q
-        + b * d.t_q * dm * (h - 1)
-        + _cost.weight_guard_elementwise(d)
-        + _cost.bias_adds(
-            d, b * d.t_q * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * d.t_q * dm
-        )
     )
     cache = [b * tk * h * d.d_k, b * tk * h * d.d_v, b * tk]  # keys, values, positions
     tensors = [
@@ -332,10 +306,10 @@ def kv_cache_cost(d: _cost.Dims) -> _cost.Cost:
         b * d.t_q * h * d.d_v,
         b * d.t_q * dm,
     ]
-    return _cost.build(
+    return kernel_rows_cost(
         d,
-        pq + pk + pv + d.t_q * step_mm + out_mm,
-        el,
+        d.t_q * step_mm,
+        d.t_q * step_el,
         d.t_q * row,
         tensors,
         max(b * tk * h * max(d.d_k, d.d_v), b * d.t_q * dm),

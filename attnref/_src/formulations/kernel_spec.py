@@ -155,17 +155,11 @@ def prepare(
     masked_rows: MaskedRows = "zeros",
     return_lse: bool = False,
 ) -> tuple[KernelSpec, KernelInputs, bool, Any]:
-    """Validate a kernel call at trace time, once, for every kernel: the signature of each
-    public kernel (:func:`~attnref._src.formulations.kernel.kernel_public`); every error names
-    the argument and its shape. Returns the spec, the arrays, ``return_lse`` and the caller's
-    ``scale``.
-
-    Array-likes without a dtype (nested lists) are converted with ``jnp.asarray`` first. Empty
-    inputs: ``T = 0`` gives an empty output; ``S = 0`` leaves every query row fully masked, so
-    ``masked_rows`` decides (``"uniform"``, a mean over zero keys, is refused); ``H = 0`` is
-    refused (the default scale ``1/sqrt(H)`` is undefined). ``attnref.oracle`` refuses the same
-    inputs with the same exception types.
-    """
+    """Validate a kernel call once, at trace time, for every kernel (the signature of each
+    :func:`~attnref._src.formulations.kernel.kernel_public`) into the spec, the arrays,
+    ``return_lse`` and the caller's ``scale``; errors name the argument and its shape, as
+    ``attnref.oracle``'s. ``T = 0`` gives an empty output; ``S = 0`` fully masks every row
+    (``"uniform"`` refused); ``H = 0`` is refused (``1/sqrt(H)`` undefined)."""
     query, key, value = (
         x if hasattr(x, "dtype") and hasattr(x, "shape") else jnp.asarray(x)
         for x in (query, key, value)

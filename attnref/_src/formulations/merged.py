@@ -6,10 +6,7 @@ Row convention. With ``W_M[i] = W_V[g] W_O[i]`` and ``W_P[i] = W_Q[i] W_K[g]^T``
 
 * messages ``M_i = X_kv W_M[i] + 1 (b_V[g] W_O[i])`` (what each key token sends through head i);
 * patterns ``P_i = X_q W_P[i] + 1 (b_Q[i] W_K[g]^T)`` (what each query looks for in model space),
-  logits ``P_i X_kv^T / sqrt(d_k)``. The terms of ``q.k`` that involve ``b_K`` are constant along
-  each query row and cancel in the softmax, so ``b_K`` does not appear.
-
-Query heads that share a key/value head share ``W_V`` and ``W_K`` but not ``W_M`` or ``W_P``.
+  logits ``P_i X_kv^T / sqrt(d_k)``; ``b_K``'s terms are constant along a query row and cancel.
 
 Seeds: "Refactoring the Attention Equations: Patterns and Messages" (2025-02-19) and
 "Reframing Attention: A Matrix Decomposition Perspective" (2025-02-18).

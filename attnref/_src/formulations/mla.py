@@ -7,13 +7,10 @@ Row convention (``c = x W``), per-head weights per head (:class:`MLAParams`)::
     cache = [c^KV ; k^R]                                                    [T_k, d_c + d_rope]
 
 * ``mla`` (naive; DeepSeek-V3 ``inference/model.py``, ``attn_impl == "naive"``): decompress the
-  cache into per-head keys ``k_i = [c^KV W_UK[i] ; k^R]`` and values ``v_i = c^KV W_UV[i]``, then
-  ``y = sum_i softmax(q_i k_i^T scale + bias, mask) v_i W_O[i]``.
+  cache into ``k_i = [c^KV W_UK[i] ; k^R]``, ``v_i = c^KV W_UV[i]``;
 * ``mla_absorbed`` (``attn_impl == "absorb"``): ``q^C_i k^C_i^T = (q^C_i W_UK[i]^T) c^KV^T``, so
-  the query absorbs ``W_UK[i]`` and attends to the cache itself: ``logits_i = [q^C_i W_UK[i]^T ;
-  q^R_i] cache^T``; the weights mix the latent and ``W_UV[i]`` is applied after the mix:
-  ``y = sum_i (softmax(logits_i scale + bias, mask) c^KV) W_UV[i] W_O[i]``.
-  The RoPE part is not absorbed: ``R(m) R(n)^T`` sits between ``W_QR`` and ``W_KR``.
+  the query absorbs ``W_UK[i]`` and attends to the cache itself, ``W_UV[i]`` applied after the
+  mix (the RoPE part is not absorbed: ``R(m) R(n)^T`` sits between ``W_QR`` and ``W_KR``).
 
 ``scale = 1/sqrt(d_nope + d_rope)`` by default (the paper's ``1/sqrt(d_h + d_h^R)``).
 """
@@ -218,8 +215,7 @@ def mla_latent_cache(
     base: float = 10000.0,
     convention: str = "interleaved",
 ) -> Float[Array, "... T_k d_c_plus_d_rope"]:
-    """The latent cache ``[c^KV ; k^R] = [x W_DKV ; RoPE(x W_KR, n)]``, ``[..., T_k, d_c +
-    d_rope]``: all that MLA keeps per token (``d_c`` without the RoPE part).
+    """The latent cache ``[c^KV ; k^R] = [x W_DKV ; RoPE(x W_KR, n)]``: all MLA keeps per token.
 
     Args:
         params: :class:`attnref.mla.MLAParams`.

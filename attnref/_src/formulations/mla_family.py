@@ -1,11 +1,6 @@
-"""Multi-head latent attention's parameters, calling conventions and cost model (the formulas are
-in :mod:`attnref._src.formulations.mla`).
-
-:class:`MLAParams` (per-head weights stored per head, row convention), :func:`init_mla_params`,
-the converter :func:`to_attention_params` (exact without the RoPE part), the two levels
-(:data:`MLA_ROWS`: tokens ``x_kv``; :data:`MLA_CACHE`: the latent cache) and the analytic cost
-model :func:`mla_cost` (FLOPs and cache bytes per token of both forms, prefill and decoding).
-"""
+"""Multi-head latent attention's parameters, its two levels (:data:`MLA_ROWS`: tokens;
+:data:`MLA_CACHE`: the latent cache) and its cost model :func:`mla_cost`; the formulas are in
+:mod:`attnref._src.formulations.mla`."""
 
 from __future__ import annotations
 
@@ -32,10 +27,8 @@ from attnref.oracle._mla import MLADims, check_mla_params, check_mla_tokens
 @dataclasses.dataclass(frozen=True)
 @no_type_check
 class MLAParams:
-    """Multi-head latent attention weights (a JAX pytree; row convention, ``c = x W``).
-
-    DeepSeek-V2's column-convention ``W^{DKV} h_t`` is ``x W_DKV`` here; per-head up-projections
-    are stored per head (``[H, ...]``), as :class:`attnref.AttentionParams` stores ``W_Q``.
+    """Multi-head latent attention weights (a JAX pytree; row convention: DeepSeek-V2's
+    ``W^{DKV} h_t`` is ``x W_DKV``); per-head up-projections are stored ``[H, ...]``.
 
     Attributes:
         w_dkv: Down-projection to the latent ``c^KV = x W_DKV``: ``[d_model, d_c]``.
@@ -117,12 +110,10 @@ def init_mla_params(
 
 @float64_scoped
 def to_attention_params(params: MLAParams) -> AttentionParams:
-    """The decompressed per-head :class:`attnref.AttentionParams` of MLA without its RoPE part:
-    ``W_Q[i] = W_DQ W_UQ[i]`` (``W_UQ[i]`` without query compression), ``W_K[i] = W_DKV W_UK[i]``,
-    ``W_V[i] = W_DKV W_UV[i]``, ``W_O[i] = W_O[i]`` (``d_k = d_nope``): exactly the same attention
-    (the default scale ``1/sqrt(d_nope)`` is MLA's ``1/sqrt(d_nope + d_rope)`` with
-    ``d_rope = 0``), so the seeds' merged ``W_P[i] = W_Q[i] W_K[i]^T`` and ``W_M[i] = W_V[i]
-    W_O[i]`` (:mod:`attnref.interp`) apply.
+    """The decompressed per-head :class:`attnref.AttentionParams` of MLA without its RoPE part,
+    exactly the same attention (``d_k = d_nope``, so the default scales agree): ``W_Q[i] = W_DQ
+    W_UQ[i]`` (``W_UQ[i]`` without query compression), ``W_K[i] = W_DKV W_UK[i]``, ``W_V[i] =
+    W_DKV W_UV[i]``, ``W_O[i] = W_O[i]``; :mod:`attnref.interp`'s ``W_P``, ``W_M`` then apply.
 
     Raises:
         ValueError: If ``params`` is malformed or has a RoPE part (``w_kr``/``w_qr``): the

@@ -1,10 +1,5 @@
-"""RoPE's calling conventions, its family and its cost models (the formulas are in
-:mod:`attnref._src.formulations.rope`).
-
-The checks of the RoPE options (convention, head dim, base, integer positions), the multi-head
-row level :data:`ROPE_ROWS` (the row level plus positions, ``base`` and ``convention``) and the
-Args text of every public RoPE function, each written once.
-"""
+"""RoPE's option checks, multi-head level :data:`ROPE_ROWS`, Args text (each written once),
+family and cost models; the formulas are in :mod:`attnref._src.formulations.rope`."""
 
 from __future__ import annotations
 
@@ -183,9 +178,8 @@ def rotary(
     base: float,
     convention: str,
 ) -> Rotary:
-    """The rotation of a call on ``batch`` with ``t_q`` queries and ``t_k`` keys: its positions
-    checked (``None``: ``arange(T)``, NumPy constants, so the offsets stay static under jit),
-    with the checked ``base`` and ``convention``."""
+    """The rotation of a call: checked positions (``None``: ``arange(T)``, NumPy constants, so
+    the offsets stay static under jit), ``base`` and ``convention``."""
     for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
         if pos is not None:
             check_positions(name, pos, batch, t)
@@ -213,8 +207,7 @@ _POSITIONS = """
     positions_kv: Integer key positions ``[..., T_k]`` or ``[T_k]``; ``None`` (default)
         means ``arange(T_k)``."""
 
-# The multi-head RoPE level: the row level plus positions, ``base`` and ``convention``; formulas
-# take ``(params, x_q, x_kv, mask, bias, scale, residual, rot)``, positionally, validated, finite.
+# Formulas take ``(params, x_q, x_kv, mask, bias, scale, residual, rot)``, validated, finite.
 ROPE_ROWS = rows_level(
     "prepare_rope",
     _rope_inputs,
@@ -275,14 +268,11 @@ ROFORMER = (
 def rope_cost(
     d: _cost.Dims, *, positions_batch: int = 1, traced_positions: bool = False
 ) -> _cost.Cost:
-    """Concat's counts plus the rotations of ``q`` and ``k``: ``a c - b s`` and ``a s + b c``
-    per pair (6 elementwise ops per pair per head and token) and the angles ``m theta_p`` (one
-    multiply per position and plane). The matmuls are concat's: a rotation is elementwise, not a
-    ``dot``.
-
-    ``positions_batch`` is the number of position rows (1 for the default ``[T]`` positions;
-    ``B`` for positions ``[B, T]``); ``traced_positions`` says they are ``jit`` arguments rather
-    than constants (the defaults are constants)."""
+    """Concat's counts plus the rotations of ``q`` and ``k`` (``a c - b s``, ``a s + b c``: 6
+    elementwise ops per pair, head and token; a rotation is not a ``dot``) and the angles
+    ``m theta_p`` (one multiply per position and plane). ``positions_batch``: the position rows
+    (1 for ``[T]``, ``B`` for ``[B, T]``); ``traced_positions``: ``jit`` arguments, not
+    constants."""
     c = concat_cost(d)
     b, h, half = d.batch, d.heads, d.d_k // 2
     el_a, tr_a, angle_tensors = _cost.angles(positions_batch * (d.t_q + d.t_k), d, traced_positions)

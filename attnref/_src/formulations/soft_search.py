@@ -3,11 +3,9 @@
 For one query token ``x_q`` (a row of length ``d_model``) and key tokens ``X_kv [T_k, d_model]``,
 head ``i`` forms its pattern ``p_i = x_q W_P[i] + b_Q[i] W_K[g]^T``, scores every key by
 ``alpha_i = softmax(X_kv p_i^T / sqrt(d_k))`` and returns ``o = sum_i alpha_i M_i + b_O``
-with ``M_i = X_kv W_M[i] + b_V[g] W_O[i]`` (``g = i // G`` the key/value head of query head ``i``;
-``g = i`` for multi-head params). The batched form ``vmap``s this over queries and
-batch dims. A key or value the query may not read (mask, ``-inf`` bias) never reaches its
-output or gradients, whatever it holds (``attnref._src.core.nonfinite``). Seed: "Refactoring the
-Attention Equations" (2025-02-19), single-query version.
+with ``M_i = X_kv W_M[i] + b_V[g] W_O[i]`` (``g = i // G``), ``vmap``ped over queries and batch
+dims in the batched form. A key the query may not read never reaches its output or gradients
+(``attnref._src.core.nonfinite``). Seed: "Refactoring the Attention Equations" (2025-02-19).
 """
 
 from __future__ import annotations

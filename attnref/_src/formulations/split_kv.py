@@ -50,7 +50,7 @@ from attnref._src.formulations.kernel import (
     rows_public,
     uniform_rows,
 )
-from attnref._src.formulations.kernel_forms import DAO, GQA, MILAKOV
+from attnref._src.formulations.kernel_forms import DAO, GQA, MILAKOV, kernel_rows_cost
 from attnref._src.formulations.kernel_spec import lengths_only
 from attnref._src.formulations.states import merge_state_stack
 
@@ -58,12 +58,8 @@ NUM_SPLITS = 4  # the default number of splits (the registry entry's)
 
 
 def check_num_splits(num_splits: Any) -> int:
-    """``num_splits`` as an int: a positive int (NumPy ints accepted).
-
-    Raises:
-        TypeError: If it is not an int (a bool, a float, a string, an array).
-        ValueError: If it is below 1.
-    """
+    """``num_splits``, a positive int (NumPy ints accepted; ``TypeError`` for a non-int, bool
+    included, ``ValueError`` below 1), as an int."""
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, (bool, np.bool_)):
         raise TypeError(f"num_splits must be a positive int, got {num_splits!r}")
     if num_splits < 1:
@@ -188,25 +184,15 @@ MERGE_PER_ROW = 12
 
 
 def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
-    """``P`` splits of ``c = ceil(T_k / P)`` keys (padded to ``P c``), each the naive kernel on
-    its keys (all splits in one ``vmap``ped body), then the merge of the ``P`` states per row.
-
-    Args:
-        d: The problem sizes.
-        num_splits: ``P`` (default 4, the registry entry's).
-
-    Returns:
-        The :class:`~attnref._src.core.cost.Cost` of :func:`split_kv_attention`.
-    """
+    """The cost of :func:`split_kv_attention` with ``num_splits = P`` (default 4): ``P`` splits
+    of ``c = ceil(T_k / P)`` keys (padded to ``P c``), each the naive kernel on its keys (one
+    ``vmap``ped body), then the merge of the ``P`` states per row."""
     b, h, dm = d.batch, d.heads, d.d_model
     p = check_num_splits(num_splits)
     sp = p * -(-d.t_k // p)  # keys padded to whole splits
-    pq, pk, pv = _cost.projections(d)
     logits = b * h * d.t_q * sp
     rows = b * h * d.t_q
     states = p * rows
-    kernel_mm = 2 * logits * (d.d_k + d.d_v)
-    out_mm = 2 * b * d.t_q * h * d.d_v * dm
     kernel_el = (
         (_cost.SOFTMAX_PER_LOGIT + SPLIT_PER_LOGIT) * logits
         + (_cost.SOFTMAX_PER_ROW + SPLIT_PER_ROW) * states
@@ -219,15 +205,6 @@ def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
         )
     )
     merge_el = (MERGE_PER_STATE + 3 * d.d_v) * states + (MERGE_PER_ROW + 4 * d.d_v) * rows
-    el = (
-        kernel_el
-        + merge_el
-        + b * d.t_q * dm * (h - 1)  # the head sum
-        + _cost.weight_guard_elementwise(d)
-        + _cost.bias_adds(
-            d, b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v, b * d.t_q * dm
-        )
-    )
     qkv = [b * d.t_q * h * d.d_k, b * d.t_k * h * d.d_k, b * d.t_k * h * d.d_v]
     split_kv_ = [b * sp * h * d.d_k, b * sp * h * d.d_v]  # padded, split-major
     tensors = [
@@ -246,10 +223,10 @@ def split_kv_cost(d: _cost.Dims, num_splits: int = NUM_SPLITS) -> _cost.Cost:
         b * d.t_q * dm,
         b * d.t_q * d.t_k,  # the weight-level allowed set
     ]
-    return _cost.build(
+    return kernel_rows_cost(
         d,
-        pq + pk + pv + kernel_mm + out_mm,
-        el,
+        2 * logits * (d.d_k + d.d_v),
+        kernel_el + merge_el,
         logits + 2 * states,  # exp of the logits; per state, the kernel's log and the weight
         tensors,
         max(logits, *qkv, b * d.t_q * dm),

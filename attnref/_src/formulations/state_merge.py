@@ -47,13 +47,9 @@ def state_merge(
 def tree_merge(
     o: Float[Array, "... S d_v"], lse: Float[Array, "... S"]
 ) -> tuple[Float[Array, "... d_v"], Float[Array, "..."]]:
-    """Merge ``S`` states (axis ``-1`` of ``lse``) pairwise, level by level, to one.
-
-    Each level reshapes the states into pairs and merges every pair with
-    :func:`attnref.merge_state_stack` (``P = 2``): one consumer per level, so XLA does not
-    recompute a level inside the next one's fusions (two strided slices of one producer made
-    it do so, a growing factor per level).
-    """
+    """Merge ``S`` states (axis ``-1`` of ``lse``) pairwise, level by level, to one; each level
+    reshapes into pairs for :func:`attnref.merge_state_stack` (one consumer per level, so XLA
+    does not recompute a level inside the next one's fusions)."""
     if lse.shape[-1] == 0:
         return jnp.zeros(o.shape[:-2] + o.shape[-1:], o.dtype), jnp.full(
             lse.shape[:-1], -jnp.inf, lse.dtype
