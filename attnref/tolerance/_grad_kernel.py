@@ -157,10 +157,9 @@ def kernel_grad_error_bound(
     grp = c.group
     n_kv = c.k.shape[2]
     out = [np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)]
-    e_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
-    a_db = None if c.bias_shape is None else np.zeros(c.bias_shape)
-    e_dz = None if c.sinks is None else np.zeros(n_heads)  # the sinks' bound ...
-    a_dz = None if c.sinks is None else np.zeros(n_heads)  # ... and sum |dS| of their column
+    # the bias's and the sinks' (bound, sum |dS|) pairs
+    db = None if c.bias_shape is None else np.zeros((2, *c.bias_shape))
+    dz = None if c.sinks is None else np.zeros((2, n_heads))
     rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     for b in range(b_size):
@@ -175,27 +174,27 @@ def kernel_grad_error_bound(
             if c.sinks is not None:  # a row with a finite sink is alive
                 dead[i0:i1] &= ~np.isfinite(c.sinks)[None, :]
             e_dq, e_dk, e_dv, e_ds, a_ds = _block(c, b, i0, i1, ok, (kg, vg, d_o, d_l), units)
-            if e_dz is not None and a_dz is not None:  # the sink's column, then the keys'
-                e_dz += e_ds[..., s_len].sum(axis=1)
-                a_dz += a_ds[..., s_len].sum(axis=1)
+            if dz is not None:  # the sink's column, then the keys'
+                dz += np.stack([e_ds[..., s_len], a_ds[..., s_len]]).sum(axis=2)
                 e_dk, e_dv = e_dk[:, :s_len], e_dv[:, :s_len]
                 e_ds, a_ds = e_ds[..., :s_len], a_ds[..., :s_len]
             out[0][b, i0:i1] += e_dq.transpose(1, 0, 2)
             out[1][b] += e_dk.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
             out[2][b] += e_dv.reshape(n_kv, grp, s_len, -1).sum(1).transpose(1, 0, 2)
-            if e_db is not None and a_db is not None:
-                bias_add(e_db, e_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
-                bias_add(a_db, a_ds, b, slice(None), slice(i0, i1), slice(0, s_len))
+            if db is not None:
+                for acc, ds in zip(db, (e_ds, a_ds), strict=True):
+                    bias_add(acc, ds, b, slice(None), slice(i0, i1), slice(0, s_len))
         if c.policy == "uniform" and c.sinks is None:
             dead_do = np.where(dead[..., None], np.abs(d_o[b]), 0.0).sum(0)  # [N, H_v]
             per_kv = dead_do.reshape(n_kv, grp, -1).sum(1)
             g = sum(gamma(t * grp + 2, u) for u in units)
             out[2][b] += g * per_kv[None] / max(s_len, 1)
-    if e_db is not None and a_db is not None:
-        m = math.prod(c.shape) // max(1, math.prod(e_db.shape))  # entries summed per entry
-        e_db = e_db + sum(gamma(m, u) for u in units) * a_db
-    if e_dz is not None and a_dz is not None:  # dz_n sums its column over the B T rows
-        e_dz = e_dz + sum(gamma(b_size * t, u) for u in units) * a_dz
+    e_db = e_dz = None
+    if db is not None:
+        m = math.prod(c.shape) // max(1, math.prod(c.bias_shape or ()))  # entries per entry
+        e_db = db[0] + sum(gamma(m, u) for u in units) * db[1]
+    if dz is not None:  # dz_n sums its column over the B T rows
+        e_dz = dz[0] + sum(gamma(b_size * t, u) for u in units) * dz[1]
     grads = KernelGrads(out[0], out[1], out[2], e_db, e_dz)
     if is_16bit(fmt):
         ref: Any = fast(c, d_o, d_l)  # the float64 gradients (their final rounding)
