@@ -19,6 +19,7 @@ import dataclasses
 import os
 import shlex
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,18 +230,14 @@ def failed_devices(result: Any) -> int | None:
     return next((m.devices for m in meshes if m.status == "failed"), None)
 
 
-def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line if line else line for line in text.splitlines())
-
-
 def format_failure(result: Any, options: Options) -> str:
     """A failed property as text: the message, the example, and the replay lines."""
     lines = [f"property {result.name!r} failed after {result.examples} example(s)"]
-    lines.append(_indent(result.detail.rstrip() or "(no message)", "  "))
+    lines.append(textwrap.indent(result.detail.rstrip() or "(no message)", "  "))
     if result.example:
-        lines.append(_indent(result.example.rstrip(), "  "))  # headed shrunk or explicit
+        lines.append(textwrap.indent(result.example.rstrip(), "  "))  # headed shrunk or explicit
     if getattr(result, "traceback", None):
-        lines += ["traceback:", _indent(result.traceback.rstrip(), "  ")]
+        lines += ["traceback:", textwrap.indent(result.traceback.rstrip(), "  ")]
     if result.declared:
         lines.append(f"declared: {', '.join(result.declared)}")
     if getattr(result, "meshes", ()):
