@@ -85,25 +85,22 @@ Every property first checks that ``fn`` returned ``[B, T, N, H_v]`` (and, when t
 for, a pair with an lse ``[B, T, N]``), else fails with both shapes. A failure that is an
 exception (``fn`` raised) carries its traceback (:attr:`PropertyResult.traceback`).
 
-Adapters (``signature``):
+Adapters (``signature``; an option keyword is passed only when used):
 
 ``"jax_nn"``
     ``fn(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None)``, the layout of
-    :func:`jax.nn.dot_product_attention`, each option keyword passed only when used; the lse by
-    ``return_residual=True`` (jax.nn) or ``return_lse=True`` (attnref), whichever ``fn`` takes;
-    ``"segment_ids"`` and ``"softcap"`` as attnref's keywords. ``fn`` is jitted per static option
-    set (compilations reused across examples); if tracing fails it runs eagerly, noted.
+    :func:`jax.nn.dot_product_attention`; the lse by ``return_residual=True`` or
+    ``return_lse=True``, whichever ``fn`` takes; segment ids and softcap as attnref's keywords.
+    Jitted per static option set (eagerly, noted, if tracing fails).
 ``"qkv_mask"``
-    ``fn(q, k, v, mask)``, ``mask [B, N, T, S]`` boolean (``True`` = may attend) expressing
-    causality, windows, lengths and segments; the oracle sees that mask alone (a padded query
-    row is a fully masked row).
+    ``fn(q, k, v, mask)``, ``mask [B, N, T, S]`` boolean (``True`` = may attend) expressing every
+    option; the oracle sees that mask alone (a padded query row is fully masked).
 ``"numpy"``
-    The ``"jax_nn"`` convention with NumPy arrays in and out; no jit, no gradients.
+    ``"jax_nn"`` with NumPy arrays in and out; no jit, no gradients.
 ``"torch"``
-    ``fn(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)``, the
-    conventions of ``torch.nn.functional.scaled_dot_product_attention`` (:mod:`.torch_target`):
-    CPU tensors ``[B, N, T, H]``, ``attn_mask`` boolean or additive, ``is_causal`` top-left,
-    ``enable_gqa=True`` when ``N != K``; gradients by autograd; no lse, lengths, windows or
-    segments. Needs PyTorch (``pip install 'attnref[torch]'``).
+    ``fn(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)``, as
+    ``torch.nn.functional.scaled_dot_product_attention`` (:mod:`.torch_target`): CPU tensors
+    ``[B, N, T, H]``, ``attn_mask`` boolean or additive, ``is_causal`` top-left; gradients by
+    autograd; no lse, lengths, windows or segments. Needs ``pip install 'attnref[torch]'``.
 """
