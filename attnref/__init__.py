@@ -8,10 +8,9 @@ The top level holds the softmax formulations (``<id>_attention(params, x_q, x_kv
 multi-head row form of registry entry ``<id>``), the kernel level (``dot_product_attention`` and
 its helpers) and the registry. The rest lives in namespaces: :mod:`attnref.linear`,
 :mod:`attnref.rope`, :mod:`attnref.mla`, :mod:`attnref.decode`, :mod:`attnref.distributed`,
-:mod:`attnref.interp`, :mod:`attnref.interop`, :mod:`attnref.costs`, :mod:`attnref.models`,
-and the NumPy layers :mod:`attnref.oracle` and
-:mod:`attnref.tolerance`, and the testing kit :mod:`attnref.testing`,
-:mod:`attnref.strategies`, :mod:`attnref.conformance`.
+:mod:`attnref.interp`, :mod:`attnref.interop`, :mod:`attnref.costs`, :mod:`attnref.models`, the
+NumPy layers :mod:`attnref.oracle` and :mod:`attnref.tolerance`, and the testing kit
+:mod:`attnref.testing`, :mod:`attnref.strategies`, :mod:`attnref.conformance`.
 
 Everything is imported on first use (PEP 562), so ``import attnref.oracle`` and
 ``import attnref.tolerance`` load NumPy only, and ``import attnref`` loads neither JAX nor

@@ -101,16 +101,11 @@ def tile_schedule(
     sink_tokens: int = 0,
     dynamic: bool = False,
 ) -> TileSchedule:
-    """The static schedule of a ``T x S`` call in ``block_q x block_k`` tiles.
-
-    Query ``i`` may read key ``j`` only if ``lo_i <= j <= hi_i`` or ``j < sink_tokens``, with
-    ``p_i = i`` (``"top_left"``) or ``i + S - T`` (``"bottom_right"``), ``hi_i = p_i`` when causal
-    (``p_i + right`` with a window's right side), ``lo_i = p_i - left`` (a window's left side).
-    A tile none of whose rows reaches a key of it is skipped; a tile whose every (unpadded) row
-    reads every (unpadded) key of it is ``full``, unless ``dynamic`` (a mask, a bias, lengths or
-    segment ids, which the schedule cannot see: their tiles are all ``edge``). Bottom-right
-    alignment under lengths has no static band (the caller passes neither rule then).
-    """
+    """The static schedule of a ``T x S`` call in ``block_q x block_k`` tiles: query ``i`` may
+    read key ``j`` only if ``lo_i <= j <= hi_i`` or ``j < sink_tokens`` (``p_i = i``, or ``i + S
+    - T`` bottom-right; ``hi_i = p_i`` causal, ``+ right`` with a window; ``lo_i = p_i - left``).
+    A tile none of whose rows reaches a key is skipped; one whose every unpadded row reads every
+    unpadded key is ``full``, unless ``dynamic`` (a mask, bias, lengths or segment ids)."""
     nq, nk = -(-t // block_q), -(-s // block_k)
     big = t + s + 1  # beyond every index: an unbounded side
     pos = np.arange(t)[:, None] + (0 if alignment == "top_left" else s - t)  # [T, 1]

@@ -6,17 +6,14 @@ Elhage et al. (2021), who write ``A = softmax(x^T W_Q^T W_K x)`` (query ``i`` in
 ``W_OV = W_O W_V`` (their ``W_O`` is ``d_model x d_head``): ``W_A`` is the transpose of their
 ``W_Q^T W_K``, and ``W_I`` is their ``W_OV`` with ``W_O`` stored ``d_v x d_model``.
 
-Tokens are columns: ``X [..., d_model, T]``. Per head, ``A_i = X_kv^T W_A[i] X_q`` (``T_k x T_q``,
-entry ``[j, i]`` scores key ``j`` for query ``i``), ``~A_i = softmax_col(A_i / sqrt(d_k))`` is
-column-stochastic, and ``Y = sum_i W_I[i] X_kv ~A_i + b_O 1^T`` with ``W_A = W_K^T W_Q`` and
-``W_I = W_O^T W_V`` in column convention (``W_A[i] = W_P[i]^T``, ``W_I[i] = W_M[i]^T``; with
-grouped-query params query head ``i`` uses ``W_K``, ``W_V``, ``b_V`` of key/value head
-``g = i // G``).
-Masks and biases use the same transposed layout ``[..., T_k, T_q]`` (``M[j, i]``: query ``i``
-may read key ``j``). Biases: ``b_Q`` adds ``X_kv^T (W_K[g] b_Q[i]) 1^T`` to the scores (``b_K``
-cancels in the column softmax) and ``b_V`` adds ``(W_O[i]^T b_V[g]) 1^T`` to the updates.
-A key column a query may not read (mask, ``-inf`` bias) never reaches that query's output column
-or gradients, whatever it holds (``attnref._src.core.nonfinite``).
+Tokens are columns, ``X [..., d_model, T]``. Per head, ``A_i = X_kv^T W_A[i] X_q`` (``[j, i]``
+scores key ``j`` for query ``i``), ``~A_i = softmax_col(A_i / sqrt(d_k))`` (column-stochastic)
+and ``Y = sum_i W_I[i] X_kv ~A_i + b_O 1^T``, ``W_A[i] = W_P[i]^T``, ``W_I[i] = W_M[i]^T``
+(grouped-query params: ``W_K``, ``W_V``, ``b_V`` of key/value head ``g = i // G``). Masks and
+biases are transposed too, ``[..., T_k, T_q]`` (``M[j, i]``: query ``i`` may read key ``j``).
+``b_Q`` adds ``X_kv^T (W_K[g] b_Q[i]) 1^T`` to the scores (``b_K`` cancels in the column
+softmax), ``b_V`` adds ``(W_O[i]^T b_V[g]) 1^T`` to the updates. A key column a query may not
+read never reaches its output column or gradients (``attnref._src.core.nonfinite``).
 """
 
 from __future__ import annotations

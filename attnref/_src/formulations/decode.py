@@ -79,12 +79,9 @@ def cached_step(
     keys = jnp.concatenate([cache.k, k], axis=1)  # [B, C + L, K, H]
     values = jnp.concatenate([cache.v, v], axis=1)
     k_pos = jnp.concatenate([cache.positions, q_pos], axis=1)
-    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-    allowed = (qp >= 0) & (kp >= 0) & (kp <= qp)
-    if cache.window is not None:
-        allowed &= qp - kp < cache.window
+    kp = jnp.broadcast_to(k_pos[:, None, :], (*q_pos.shape, k_pos.shape[1]))
+    allowed = causal(cache, q_pos, kp)
     ok = complete_rows(cache, q_pos, q_pos, k_pos, "cached_attention")
-    kp = jnp.broadcast_to(kp, allowed.shape)
     out = attend(q, keys, values, kp, allowed, ok, q_pos, mask, bias, scale, softcap)
     return out, append(cache, k, v, q_pos, lengths)
 
@@ -105,15 +102,20 @@ def cache_read(
     allowed = kp >= 0
     last = jnp.broadcast_to(cache.lengths[:, None] - 1, (b, q.shape[1]))
     if qp is not None:
-        allowed &= (qp[:, :, None] >= 0) & (kp <= qp[:, :, None])
-        if cache.window is not None:
-            allowed &= qp[:, :, None] - kp < cache.window
+        allowed = causal(cache, qp, kp)
         ok = complete_rows(cache, qp, jnp.minimum(qp, last), cache.positions, "cache_attend")
     elif cache.window is None:  # every token so far is needed
         ok = complete_rows(cache, last, last, cache.positions, "cache_attend")
     else:
         ok = jnp.ones((b, q.shape[1]), bool)
     return attend(q, cache.k, cache.v, kp, allowed, ok, qp, mask, bias, scale, softcap)
+
+
+def causal(cache: KVCache, q_pos: Int[Array, "B L"], kp: Int[Array, "B L S"]) -> Array:
+    """Real query ``i`` reads real key ``j`` iff ``pos_j <= pos_i`` (and ``pos_i - pos_j < W``)."""
+    qp = q_pos[:, :, None]
+    allowed = (qp >= 0) & (kp >= 0) & (kp <= qp)
+    return allowed if cache.window is None else allowed & (qp - kp < cache.window)
 
 
 def attend(
@@ -332,26 +334,13 @@ def scan(
     xs = jnp.asarray(xs)
     if xs.ndim != 3:
         raise ValueError(f"xs has shape {xs.shape}; expected [B, T, d_model]")
-    steps = {"x": jnp.swapaxes(xs, 0, 1)}
-    steps["x_kv"] = steps["x"] if xs_kv is None else jnp.swapaxes(jnp.asarray(xs_kv), 0, 1)
     valid_a = check_valid(valid, xs.shape[:2], f"[B, T] = {xs.shape[:2]}")
     require_room(cache, jnp.sum(valid_a, axis=1, dtype=jnp.int32))
-    steps["valid"] = jnp.swapaxes(valid_a, 0, 1)
-    for name, a in (("mask", mask), ("bias", bias)):
-        if a is not None:
-            steps[name] = jnp.swapaxes(jnp.asarray(a), 0, 1)
+    given = {"x": xs, "x_kv": xs_kv, "valid": valid_a, "mask": mask, "bias": bias}
+    steps = {name: jnp.swapaxes(jnp.asarray(a), 0, 1) for name, a in given.items() if a is not None}
 
-    def body(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:
-        extra = {name: inp[name][:, None] for name in ("mask", "bias") if name in inp}
-        y, c = step(
-            params,
-            c,
-            inp["x"][:, None],
-            inp["valid"][:, None],
-            x_kv=inp["x_kv"][:, None],
-            scale=scale,
-            **extra,
-        )
+    def body(c: KVCache, inp: dict[str, Array]) -> tuple[KVCache, Array]:  # step's arguments
+        y, c = step(params, c, scale=scale, **{name: a[:, None] for name, a in inp.items()})
         return c, y[:, 0]
 
     cache, ys = jax.lax.scan(body, cache, steps)

@@ -85,13 +85,8 @@ def kv_cache_init(
     def is_int(val: Any) -> bool:  # Python or NumPy ints (np.int64 sizes are valid), not bools
         return isinstance(val, (int, np.integer)) and not isinstance(val, bool)
 
-    sizes = {
-        "batch": batch,
-        "capacity": capacity,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "head_dim_v": head_dim if head_dim_v is None else head_dim_v,
-    }
+    sizes = dict(batch=batch, capacity=capacity, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sizes["head_dim_v"] = head_dim if head_dim_v is None else head_dim_v
     for name, val in sizes.items():
         if not is_int(val) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")

@@ -60,10 +60,8 @@ def kv_cache(
         if full is not None:
             steps[name] = jnp.swapaxes(full[:, 0], 0, 1)  #                 [T_q, B, T_k]
 
-    def step(_: None, row: dict[str, Array]) -> tuple[None, Array]:
-        row_mask = row["mask"][:, None] if "mask" in row else None
-        row_bias = row["bias"][:, None] if "bias" in row else None
-        out = cache_attend(cache, row["q"][:, None], mask=row_mask, bias=row_bias, scale=scale)
+    def step(_: None, row: dict[str, Array]) -> tuple[None, Array]:  # cache_attend's arguments
+        out = cache_attend(cache, scale=scale, **{name: a[:, None] for name, a in row.items()})
         return None, out[:, 0]
 
     _, o = jax.lax.scan(step, None, steps)  # o_t                      [T_q, B, H, d_v]

@@ -77,14 +77,8 @@ def init_mla_params(
     ``d_v`` defaults to ``d_nope``. ``ValueError`` for a size that is not a positive integer
     (``d_rope`` may be 0, and must be even)."""
     d_v = d_nope if d_v is None else d_v
-    for name, val in (
-        ("d_model", d_model),
-        ("num_heads", num_heads),
-        ("d_c", d_c),
-        ("d_nope", d_nope),
-        ("d_v", d_v),
-        ("d_cq", 1 if d_cq is None else d_cq),
-    ):
+    sizes = dict(d_model=d_model, num_heads=num_heads, d_c=d_c, d_nope=d_nope, d_v=d_v)
+    for name, val in {**sizes, "d_cq": 1 if d_cq is None else d_cq}.items():
         if int(val) != val or val < 1:
             raise ValueError(f"{name} must be a positive integer, got {val}")
     if int(d_rope) != d_rope or d_rope < 0 or d_rope % 2:

@@ -323,13 +323,12 @@ class PagedCost:
     """Work and traffic of one paged call (``S = max_pages * page_size``, ``D = H + H_v``).
 
     Attributes:
-        matmul_flops: ``2 B N T S D``: what this reference computes (the kernel on all ``S``
-            gathered slots; XLA's dot count, exactly).
+        matmul_flops: ``2 B N T S D``: this reference's (the kernel on all ``S`` gathered
+            slots; XLA's dot count, exactly).
         useful_flops: ``2 N T D sum_b seq_lens[b]``: a kernel that skips unread slots.
-        kv_bytes_read: ``K D itemsize sum_b seq_lens[b]``: the slots the definition reads, the
-            KV traffic of one decoding step of a kernel that reads only those.
+        kv_bytes_read: ``K D itemsize sum_b seq_lens[b]``: the slots the definition reads.
         page_bytes_read: ``page_size K D itemsize sum_b ceil(seq_lens[b] / page_size)``: whole
-            pages, for a kernel that loads a page at a time (the tail of the last page too).
+            pages, for a kernel that loads a page at a time.
         gathered_bytes: ``B S K D itemsize``: the contiguous copy this reference materialises.
         table_bytes: ``4 B (max_pages + 1)``: the int32 table and lengths.
     """

@@ -1,27 +1,25 @@
-"""Split-KV attention (flash-decoding): the keys cut into ``P`` splits, one state per split, one
-merge.
+"""Split-KV attention (flash-decoding): the keys cut into ``P`` splits, one state each, one merge.
 
-The ``S`` keys are padded to ``P c`` (``c = ceil(S / P)``) and split into ``P`` contiguous runs
-``K_p = {p c, ..., p c + c - 1}``. Each split yields the state of every query against its keys
-(:func:`~attnref._src.formulations.distributed.chunk.chunk_state`: every kernel option is a rule
-on global key positions, so a split needs nothing but its positions), all ``P`` at once (``vmap``,
-one compiled body), and the states merge in one pass (:func:`attnref.merge_state_stack`)::
+The ``S`` keys, padded to ``P c`` (``c = ceil(S / P)``), form ``P`` contiguous runs ``K_p = {p c,
+..., p c + c - 1}``; each split's state of every query (:func:`~attnref._src.formulations.
+distributed.chunk.chunk_state`: kernel options are rules on global key positions) is computed
+for all ``P`` at once (``vmap``) and the states merge in one pass
+(:func:`attnref.merge_state_stack`)::
 
     (o_p, lse_p) = (softmax_{j in K_p}(s_ij) V_{K_p},  log sum_{j in K_p} exp(s_ij))
     m = max_p lse_p,   lse = m + log sum_p exp(lse_p - m),   o = sum_p exp(lse_p - lse) o_p
 
 Padded keys (positions ``>= S``) are never allowed, so a split of padding alone is the empty
-state (``lse = -inf``, the merge's identity): every ``S >= 0`` and ``P >= 1`` gives the exact
-answer, ``S < P`` included. The kernel's finishing rules (the fully-masked-row policy, query
-padding, lengths out of range) then run once on the merged state; ``masked_rows="uniform"``
-reads the sum of the values, which each split contributes (``value_sum``).
+state (``lse = -inf``, the merge's identity): exact for every ``S >= 0``, ``P >= 1`` (``S < P``
+included). The finishing rules (masked rows, query padding, lengths out of range) run once on
+the merged state; ``masked_rows="uniform"`` reads the sum of the values, each split's
+``value_sum``.
 
-This is the decoding kernel of Dao, Haziza, Massa & Sizov (2023), "Flash-Decoding for
-long-context inference" (the PyTorch and Stanford CRFM blog posts, October 2023; in the
-flash-attn repository, ``flash_fwd_splitkv_kernel`` then ``flash_fwd_splitkv_combine_kernel``
-when ``num_splits > 1``): with one query (``T = 1``) and a long cache, the splits are what runs
-in parallel. Splits are computed in the compute dtype (float32 for 16-bit inputs) and the output
-is cast once, after the merge. Gradients are by autodiff through the splits and the merge; a
+The decoding kernel of Dao, Haziza, Massa & Sizov (2023), "Flash-Decoding for long-context
+inference" (PyTorch and Stanford CRFM blog posts, October 2023; flash-attn's
+``flash_fwd_splitkv_kernel`` then ``flash_fwd_splitkv_combine_kernel`` when ``num_splits > 1``):
+with one query and a long cache, the splits run in parallel. Splits compute in the compute dtype
+(float32 for 16-bit inputs), the output is cast once after the merge; gradients by autodiff. A
 key, value or bias entry a query may not read never reaches its output or gradients (each
 split's kernel runs on finite parts).
 """

@@ -1,8 +1,7 @@
 """The attention state algebra: a partial result over a key subset is a state ``(o, lse)``.
 
-For one query row and a set ``A`` of allowed keys, the state is ``o_A = sum_{j in A} p_j v_j``
-with ``p_j = exp(s_j - lse_A)`` and ``lse_A = log sum_{j in A} exp(s_j)``. For disjoint ``A`` and
-``B``::
+For one query row and allowed keys ``A``: ``o_A = sum_{j in A} p_j v_j``, ``p_j = exp(s_j -
+lse_A)``, ``lse_A = log sum_{j in A} exp(s_j)``. For disjoint ``A`` and ``B``::
 
     lse = log(exp(lse_A) + exp(lse_B))            = m + log(w_A + w_B)
     o   = (exp(lse_A) o_A + exp(lse_B) o_B) / exp(lse)   = (w_A o_A + w_B o_B) / (w_A + w_B)
@@ -13,17 +12,15 @@ merge of Flash-Decoding's split-KV decoding, Dao et al. 2023, and of FlashInfer'
 ``merge_state``). The merge is commutative and associative, and the empty state ``lse = -inf``
 (any ``o``) is its identity.
 
-Non-finite states: a NaN or ``+inf`` ``lse`` (a row that read a non-finite value) makes the
-merge NaN in ``o`` and ``lse``; an empty state's ``o`` is never read (it may hold anything,
-NaN included), and a state with a finite ``lse`` whose ``o`` is NaN stays NaN. When every merged
-state is empty the result is empty (``lse = -inf``) and ``o`` follows the ``masked_rows``
-policy: ``"zeros"`` (0) or ``"nan"``. ``"uniform"`` (the mean of the values over *all* keys,
-masked or not) is not a function of the states; a caller that needs it fills those rows after
-the merge (:mod:`attnref.distributed` does).
+A NaN or ``+inf`` ``lse`` (a row that read a non-finite value) makes the merge NaN; an empty
+state's ``o`` is never read (NaN included), and a finite-``lse`` state with NaN ``o`` stays NaN.
+All states empty: ``lse = -inf`` and ``o`` per ``masked_rows``, ``"zeros"`` or ``"nan"``
+(``"uniform"``, the mean over *all* keys, is not a function of the states: the caller fills it,
+as :mod:`attnref.distributed` does).
 
-Shapes: ``o [..., H_v]`` and ``lse [...]`` (``o``'s shape without its last axis). Arithmetic is
-in ``promote(o, lse, float32)`` (16-bit states are merged in float32, as every kernel keeps its
-accumulators); ``o`` is returned in its own dtype and ``lse`` in ``lse``'s.
+Shapes: ``o [..., H_v]``, ``lse [...]``. Arithmetic in ``promote(o, lse, float32)`` (16-bit
+states merge in float32, as kernels keep their accumulators); ``o`` and ``lse`` are returned in
+their own dtypes.
 """
 
 from __future__ import annotations
@@ -91,14 +88,10 @@ def merge_states(
     ob = jnp.where(jnp.isneginf(lb)[..., None], 0.0, jnp.asarray(o_b, cd))
     o = (wa[..., None] * oa + wb[..., None] * ob) / total_safe[..., None]
     lse = m_safe + jnp.log1p(jnp.where(ok, jnp.minimum(wa, wb), 0.0))
-    return _finish(
-        o,
-        lse,
-        m,
-        masked_rows,
-        jnp.result_type(dtype_of(o_a), dtype_of(o_b)),
-        jnp.result_type(dtype_of(lse_a), dtype_of(lse_b)),
+    o_dtype, l_dtype = (
+        jnp.result_type(dtype_of(a), dtype_of(b)) for a, b in ((o_a, o_b), (lse_a, lse_b))
     )
+    return _finish(o, lse, m, masked_rows, o_dtype, l_dtype)
 
 
 @float64_scoped
