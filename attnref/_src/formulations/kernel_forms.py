@@ -6,6 +6,7 @@ in the ``jax.nn.dot_product_attention`` layout, return ``sum_n o_n W_O[n] + b_O`
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def kv_cache(
         if full is not None:
             steps[name] = jnp.swapaxes(full[:, 0], 0, 1)  #                 [T_q, B, T_k]
 
-    def step(_: None, row: dict[str, Array]) -> tuple[None, Array]:  # cache_attend's arguments
+    def step(_: None, row: dict[str, Any]) -> tuple[None, Array]:  # cache_attend's arguments
         out = cache_attend(cache, scale=scale, **{name: a[:, None] for name, a in row.items()})
         return None, out[:, 0]
 
