@@ -58,22 +58,12 @@ def is_16bit(dtype: Any) -> bool:
 def assert_output(out: np.ndarray, p: ast.KernelProblem, label: str) -> None:
     """``out`` equals the oracle: the derived bound, or in 16 bits FlashAttention's rule."""
     ref, _ = memo.oracle(p)
-    nan = p.masked_rows == "nan"
     if is_16bit(p.dtype):
-        assert_attention_close(
-            out,
-            ref,
-            dtype=p.dtype,
-            reference_same_dtype=_ref_forward(p),
-            rule="flash",
-            expected_nan=nan,
-            label=label,
-        )
+        rule: dict[str, Any] = {"rule": "flash", "reference_same_dtype": _ref_forward(p)}
     else:
-        bound, _ = memo.bound(p)
-        assert_attention_close(
-            out, ref, dtype=p.dtype, bound=bound, rule="bound", expected_nan=nan, label=label
-        )
+        rule = {"rule": "bound", "bound": memo.bound(p)[0]}
+    nan = p.masked_rows == "nan"
+    assert_attention_close(out, ref, dtype=p.dtype, expected_nan=nan, label=label, **rule)
 
 
 def assert_lse(lse: np.ndarray, p: ast.KernelProblem, label: str) -> None:
