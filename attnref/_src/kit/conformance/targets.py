@@ -287,9 +287,8 @@ class Target:
     def _forward(self, p: ast.KernelProblem, want_lse: bool) -> tuple[np.ndarray, Any]:
         self.last_call = (p, None)
         c = p.config
-        lse: Any = None
         if self.signature == "torch":  # no lse: the signature refuses that feature
-            out = torch_forward(self.fn, p)
+            out, lse = torch_forward(self.fn, p), None
         else:
             static, arrays = split_options(p.options)
             raw = self._raw(static, want_lse)
