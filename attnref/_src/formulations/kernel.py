@@ -505,6 +505,12 @@ def row_call(rows: Prepared, scale: Any, options: dict[str, Any]) -> Call:
     return Call((*args, options), rows.dirty_rows())
 
 
+def kernel_call(kernel: Callable[..., Any]) -> Callable[..., Call]:
+    """The ``build`` of ``kernel``'s row level (:func:`attnref._src.core.common.rows_level`):
+    :func:`row_call` with the kernel and the level's options."""
+    return lambda rows, scale, **options: row_call(rows, scale, {"kernel": kernel, **options})
+
+
 def rows_public(
     level: Level, formula: Callable[..., Any], module: str, **kw: Any
 ) -> Callable[..., Any]:

@@ -30,11 +30,11 @@ from attnref._src.formulations.decode import cache_attend, kv_cache_append, scan
 from attnref._src.formulations.decode_cache import init_cache
 from attnref._src.formulations.kernel import (
     flat_rows,
+    kernel_call,
     kernel_heads,
     kernel_pairs,
     kernel_rows,
     output_rows,
-    row_call,
     rows_public,
 )
 from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, qkvo_bias_adds
@@ -56,10 +56,8 @@ def kv_cache(
     v = kernel_heads(xkv, params.w_v, params.b_v).astype(xkv.dtype)  #  [B, T_k, K, d_v]
     cache = kv_cache_append(init_cache(params, b, xkv.shape[1]), k, v)
     steps = {"q": jnp.swapaxes(kernel_heads(xq, params.w_q, params.b_q), 0, 1)}  # [T_q, B, ...]
-    for name, a in (("mask", mask), ("bias", bias)):
-        full = kernel_pairs(a, x_q, x_kv)  #                            [B, 1, T_q, T_k]
-        if full is not None:
-            steps[name] = jnp.swapaxes(full[:, 0], 0, 1)  #                 [T_q, B, T_k]
+    pairs = {"mask": kernel_pairs(mask, x_q, x_kv), "bias": kernel_pairs(bias, x_q, x_kv)}
+    steps |= {name: jnp.swapaxes(a[:, 0], 0, 1) for name, a in pairs.items() if a is not None}
 
     def step(_: None, row: dict[str, Any]) -> tuple[None, Array]:  # cache_attend's arguments
         out = cache_attend(cache, scale=scale, **{name: a[:, None] for name, a in row.items()})
@@ -80,15 +78,10 @@ def _kernel_call(rows: Prepared, scale: float | None) -> Call:
     return Call(args, rows.dirty_rows())
 
 
-def _blockwise_call(rows: Prepared, scale: float | None, block_q: int, block_k: int) -> Call:
-    tiles = {"kernel": blockwise_dot_product_attention, "block_q": block_q, "block_k": block_k}
-    return row_call(rows, scale, tiles)
-
-
 KERNEL_ROWS = rows_level("_kernel_rows", _kernel_call, row_args(), {})
 BLOCKWISE_ROWS = rows_level(
     "_blockwise_rows",
-    _blockwise_call,
+    kernel_call(blockwise_dot_product_attention),
     row_args(
         RESIDUAL_ARG
         + """

@@ -24,18 +24,9 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import Bias, Keys, Mask, Queries, residual_or
 from attnref._src.core.entry import public
-from attnref._src.formulations.mla_family import (
-    MLA_CACHE,
-    MLA_ROWS,
-    MLAParams,
-)
+from attnref._src.formulations.mla_family import MLA_CACHE, MLA_ROWS, MLAParams
 from attnref._src.formulations.rope import rotate, weights
-from attnref._src.formulations.rope_family import (
-    Rotary,
-    check_base,
-    check_convention,
-    check_positions,
-)
+from attnref._src.formulations.rope_family import Rotary, check_base, check_convention, rotary
 from attnref.oracle._mla import check_mla_params, check_mla_tokens
 
 Cache = Float[Array, "... T_k d_c_plus_d_rope"]
@@ -237,7 +228,5 @@ def mla_latent_cache(
     dims = check_mla_params(params)
     dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
     batch, _, t_k = check_mla_tokens(dims, dtype, x_kv, x_kv, q_name="x_kv")
-    if positions_kv is not None:
-        check_positions("positions_kv", positions_kv, batch, t_k)
-    pos = np.arange(t_k) if positions_kv is None else positions_kv
-    return latent_cache(params, jnp.asarray(x_kv), Rotary(None, pos, b, conv))
+    rot = rotary(None, positions_kv, batch, 0, t_k, b, conv)  # checks positions_kv
+    return latent_cache(params, jnp.asarray(x_kv), rot)

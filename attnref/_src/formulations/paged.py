@@ -217,14 +217,12 @@ paged_attention = public(
         "``o = dot_product_attention(q, K, V, key_value_seq_lengths=seq_lens, "
         'causal_alignment="bottom_right")``\nwith ``K[b, j] = k_pages[block_table[b, j // '
         "page_size], j % page_size]`` (module docstring of\n"
-        "``attnref._src.formulations.paged`` and ``docs/paged.md``). A used table entry out of "
-        "range, or\n``seq_lens`` out of range, is a ``ValueError`` eagerly, NaN rows under "
-        "``jax.jit``, and raises\nunder :func:`attnref.checked`."
+        "``attnref._src.formulations.paged`` and ``docs/paged.md``)."
     ),
     returns=(
         "``o [B, T, N, H_v]`` in the dtype of ``query``, or ``(o, lse)`` with ``lse [B, T, N]`` "
         "when\n    ``return_lse``; NaN on every row of a batch element whose used table entries "
-        "or length\n    are out of range (under ``jax.jit``)."
+        "or length\n    are out of range (under ``jax.jit``; :func:`attnref.checked` raises)."
     ),
 )
 

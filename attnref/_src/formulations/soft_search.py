@@ -31,11 +31,7 @@ from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows, reads_non
 from attnref._src.core.params import AttentionParams, w_p_unchecked
 from attnref._src.core.registry import Formulation, register
 from attnref._src.core.softmax import masked_softmax
-from attnref._src.formulations.merged import (
-    compute_messages,
-    pattern_bias,
-    patterns_messages_cost,
-)
+from attnref._src.formulations.merged import compute_messages, pattern_bias, patterns_messages_cost
 from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 

@@ -34,17 +34,17 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.common import Call, Prepared, rows_level
+from attnref._src.core.common import rows_level
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.kernel import (
     KernelCall,
     Option,
     finish,
+    kernel_call,
     kernel_public,
     kernel_rows,
     option_args,
-    row_call,
     rows_public,
     uniform_rows,
 )
@@ -133,15 +133,10 @@ split_kv_dot_product_attention = kernel_public(
 )
 
 
-def _split_call(rows: Prepared, scale: float | None, num_splits: int) -> Call:
-    options = {"kernel": split_kv_dot_product_attention, "num_splits": num_splits}
-    return row_call(rows, scale, options)
-
-
 split_kv_attention = rows_public(
     rows_level(
         "_split_rows",
-        _split_call,
+        kernel_call(split_kv_dot_product_attention),
         option_args(
             f"num_splits: {_NUM_SPLITS_DOC}",
             "``num_splits`` is below 1",
