@@ -148,10 +148,6 @@ def _flash_allowances(
     return [2.0 * float(np.max(err, initial=0.0)) + floor for err in errors]
 
 
-def _index_text(index: tuple[int, ...]) -> str:
-    return "[" + ", ".join(map(str, index)) + "]"
-
-
 def compare(
     actual: np.ndarray,
     expected: np.ndarray,
@@ -181,12 +177,10 @@ def compare(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(err == 0.0, 0.0, err / allowed)  # err > 0 = allowance: inf
     bad = err > allowed
-    worst = (
-        tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), a.shape)) if a.size else ()
-    )
+    if not a.size:
+        return Match(0.0, (), 0.0, 0.0, str(dtype))
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), a.shape))
     if not bad.any():
-        if not a.size:
-            return Match(0.0, (), 0.0, 0.0, str(dtype))
         return Match(
             float(err.max()), worst, float(ratio[worst]), float(allowed[worst]), str(dtype)
         )
@@ -196,7 +190,7 @@ def compare(
         f"{name} does not match the float64 oracle within the derived allowance "
         f"({rule}, {dtype}, u = {unit_roundoff(dtype):.3g})",
         f"Mismatched elements: {n_bad} / {total} ({100.0 * n_bad / total:.3g}%)",
-        f"Worst element: {name}{axes} = {name}{_index_text(worst)}",
+        f"Worst element: {name}{axes} = {name}[{', '.join(map(str, worst))}]",
         f"  kernel:  {float(a[worst])!r}",
         f"  oracle:  {float(e[worst])!r}",
         f"  |error|: {err[worst]:.3e} = {ratio[worst]:.3g} x the allowance {allowed[worst]:.3e}",
