@@ -489,11 +489,7 @@ def check_attention(
     semantics = {"masked_rows": masked_rows, "causal_alignment": causal_alignment}
     declared = {k: v for k, v in semantics.items() if v != DEFAULT_SEMANTICS[k]}
     common: dict[str, Any] = dict(
-        signature=signature,
-        features=frozenset(feats),
-        masked_rows=masked_rows,
-        causal_alignment=causal_alignment,
-        dtypes=dts,
+        signature=signature, features=frozenset(feats), dtypes=dts, **semantics
     )
     ctx = Context(target=Target(fn, signature, refuses_lengths=refuses_lengths), **common)
     contexts = {} if sizes is None else mesh_contexts(fn, sizes, **common)
@@ -545,13 +541,7 @@ def production_plan(
     and ``features``: ``{property: case labels, cheapest first, or why it is skipped}``. Raises
     ``ValueError`` (an ``OptionError``) as :func:`check_attention`."""
     feats = _features(signature, features)
-    ctx = Context(
-        target=Target(lambda *a, **k: None, signature),
-        signature=signature,
-        features=frozenset(feats),
-        masked_rows="zeros",
-        causal_alignment="top_left",
-        dtypes=("float32",),
-    )
+    target = Target(lambda *a, **k: None, signature)
+    ctx = Context(target, signature, frozenset(feats), "zeros", "top_left", ("float32",))
     plan = {name: production.cases(ctx, name) for name in PROPERTIES}
     return {n: c if isinstance(c, str) else tuple(str(x) for x in c) for n, c in plan.items()}
