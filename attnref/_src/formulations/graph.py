@@ -107,7 +107,7 @@ def _check_edges(
     n_r: int,
     edge_mask: ArrayLike | None,
     edge_bias: ArrayLike | None,
-) -> int:
+) -> None:
     for name, idx in (("senders", senders), ("receivers", receivers)):
         if np.ndim(idx) != 1:
             raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
@@ -137,7 +137,6 @@ def _check_edges(
         raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
     if edge_bias is not None and not jnp.issubdtype(jnp.asarray(edge_bias).dtype, jnp.floating):
         raise TypeError(f"edge_bias must be floating, got dtype {jnp.asarray(edge_bias).dtype}")
-    return e
 
 
 def _edges(

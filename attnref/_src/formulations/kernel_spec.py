@@ -128,11 +128,6 @@ def require_lengths_in_range(spec: KernelSpec, lengths: KernelInputs) -> None:
     )
 
 
-def compute_dtype(dtype: Any) -> Any:
-    """float32 for 16-bit inputs, the input dtype otherwise."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def prepare(
     query: Float[ArrayLike, "B T N H"],
     key: Float[ArrayLike, "B S K H"],
@@ -196,7 +191,7 @@ def prepare(
             "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
             "use 'zeros' or 'nan'"
         )
-    cd = compute_dtype(dtype)
+    cd = jnp.promote_types(dtype, jnp.float32)  # float32 for 16-bit inputs
     spec = KernelSpec(
         b,
         t,

@@ -93,13 +93,12 @@ def _one_query(
     for name, arr in (("mask", mask), ("bias", bias)):
         if arr is not None and jnp.shape(arr) != (t_k,):
             raise ValueError(f"{name} must have shape ({t_k},) for one query, got {jnp.shape(arr)}")
-    mask_dt = None if mask is None else jnp.asarray(mask).dtype
+    mask_dt, bias_dt = (None if a is None else jnp.asarray(a).dtype for a in (mask, bias))
     if mask_dt is not None and mask_dt != jnp.bool_:  # worded as prepare_rows words it
         raise TypeError(
             f"mask must be boolean (True = may attend), got dtype {mask_dt}; pass additive "
             "scores through bias instead"
         )
-    bias_dt = None if bias is None else jnp.asarray(bias).dtype
     if bias_dt is not None and not jnp.issubdtype(bias_dt, jnp.floating):
         raise TypeError(f"bias must be floating, got dtype {bias_dt}")
     check_scale(scale)
