@@ -110,10 +110,8 @@ def _bias(
     m = m[None] if m.ndim == 1 else m  # [B or 1, N]
     rows = max([m.shape[0]] + [x.shape[0] for x in (q_len, kv_len) if x is not None])
     offset = jnp.zeros((rows,), jnp.int32)
-    if alignment == "bottom_right":
-        t_b = jnp.full((rows,), t, jnp.int32) if q_len is None else q_len
-        s_b = jnp.full((rows,), s, jnp.int32) if kv_len is None else kv_len
-        offset = s_b - t_b
+    if alignment == "bottom_right":  # S_b - T_b
+        offset += (s if kv_len is None else kv_len) - (t if q_len is None else q_len)
     bias = alibi(m, offset, t, s)
     if q_len is None and kv_len is None:
         return bias
