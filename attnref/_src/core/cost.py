@@ -211,6 +211,13 @@ def bias_adds(d: Dims, q: int, k: int, v: int, out: int) -> int:
     return (q + k + v + out) if d.bias else 0
 
 
+def qkvo_bias_adds(d: Dims) -> int:
+    """The bias adds of the ``q``, ``k``, ``v`` projections and the output (0 without biases)."""
+    b, h = d.batch, d.heads
+    qkv = b * h * (d.t_q * d.d_k + d.t_k * (d.d_k + d.d_v))
+    return bias_adds(d, qkv, 0, 0, b * d.t_q * d.d_model)
+
+
 def projections(d: Dims) -> tuple[int, int, int]:
     b, h, dm = d.batch, d.heads, d.d_model
     return (
@@ -294,9 +301,8 @@ def linear_proj(d: Dims) -> tuple[int, int]:
     pq, pk, pv = projections(d)
     b, h = d.batch, d.heads
     out = 2 * b * d.t_q * h * d.d_v * d.d_model
-    tq, tk = b * d.t_q, b * d.t_k
-    el = bias_adds(d, tq * h * d.d_k, tk * h * d.d_k, tk * h * d.d_v, tq * d.d_model)
-    return pq + pk + pv + out, el + b * (d.heads - 1) * d.t_q * d.d_model
+    el = qkvo_bias_adds(d) + b * (d.heads - 1) * d.t_q * d.d_model
+    return pq + pk + pv + out, el
 
 
 def normalize_el(d: Dims) -> int:

@@ -27,7 +27,7 @@ from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.kernel import kernel_heads
-from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, qkvo_bias_adds
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def message_passing(
@@ -289,7 +289,7 @@ def graph_cost(d: _cost.Dims) -> _cost.Cost:
         edges * (2 * d.d_k - 1)  # q*k and its sum over d_k
         + (_cost.SOFTMAX_PER_LOGIT + 2) * edges  # segment softmax: max/sum scatters per edge
         + 2 * edges * d.d_v  # alpha * v and its scatter-add
-        + qkvo_bias_adds(d)
+        + _cost.qkvo_bias_adds(d)
         + 2 * b * h * tq
     )
     per_edge = [edges * d.d_k, edges * d.d_k, edges * d.d_v, edges * d.d_k, edges * d.d_v]

@@ -37,7 +37,7 @@ from attnref._src.formulations.kernel import (
     output_rows,
     rows_public,
 )
-from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries, qkvo_bias_adds
+from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 
 
 def kv_cache(
@@ -201,7 +201,7 @@ def kernel_rows_cost(
     b, h, dm = d.batch, d.heads, d.d_model
     pq, pk, pv = _cost.projections(d)
     mm += pq + pk + pv + 2 * b * d.t_q * h * d.d_v * dm
-    el += b * d.t_q * dm * (h - 1) + _cost.weight_guard_elementwise(d) + qkvo_bias_adds(d)
+    el += b * d.t_q * dm * (h - 1) + _cost.weight_guard_elementwise(d) + _cost.qkvo_bias_adds(d)
     return _cost.build(d, mm, el, tr, tensors, largest, **loop)
 
 

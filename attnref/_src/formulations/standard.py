@@ -131,19 +131,12 @@ head_outputs = public(
 VASWANI = "Vaswani et al. (2017), Attention Is All You Need, NeurIPS."
 
 
-def qkvo_bias_adds(d: _cost.Dims) -> int:
-    """The bias adds of the ``q``, ``k``, ``v`` projections and the output (0 without biases)."""
-    b, h = d.batch, d.heads
-    qkv = b * h * (d.t_q * d.d_k + d.t_k * (d.d_k + d.d_v))
-    return _cost.bias_adds(d, qkv, 0, 0, b * d.t_q * d.d_model)
-
-
 def concat_cost(d: _cost.Dims) -> _cost.Cost:
     b, h, dm, tq, tk = d.batch, d.heads, d.d_model, d.t_q, d.t_k
     pq, pk, pv = _cost.projections(d)
     logits = b * h * tq * tk
     mm = pq + pk + pv + 2 * logits * (d.d_k + d.d_v) + 2 * b * tq * h * d.d_v * dm
-    el = _cost.softmax_elementwise(d) + qkvo_bias_adds(d)
+    el = _cost.softmax_elementwise(d) + _cost.qkvo_bias_adds(d)
     qkv = [b * h * tq * d.d_k, b * h * tk * d.d_k, b * h * tk * d.d_v]
     tail = [b * h * tq * d.d_v, b * tq * h * d.d_v, b * tq * dm]  # heads, concat, y
     return _cost.finish(d, mm, el, logits, qkv + _cost.softmax_tensors(d, logits) + tail)

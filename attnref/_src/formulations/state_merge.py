@@ -111,9 +111,7 @@ def state_merge_cost(d: _cost.Dims) -> _cost.Cost:
         4 * logits  # scale, + bias, the allowed set's head broadcast, where
         + merges * rows * (MERGE_PER_ROW + MERGE_PER_VALUE * d.d_v)
         + b * tq * dm * (h - 1)  # the head sum of the output projection
-        + _cost.bias_adds(
-            d, b * tq * h * d.d_k, b * tk * h * d.d_k, b * tk * h * d.d_v, b * tq * dm
-        )
+        + _cost.qkvo_bias_adds(d)
     )
     states = logits * (d.d_v + 1)  # level 0: every (query, key) pair's (o, lse)
     tensors = [

@@ -61,13 +61,7 @@ def _weight_level(d: Dims) -> int:
     return (
         _cost.weight_guard_elementwise(d)
         + _cost.GUARD_PER_OPERAND * operands
-        + _cost.bias_adds(
-            d,
-            b * d.t_q * h * d.d_k,
-            b * d.t_k * h * d.d_k,
-            b * d.t_k * h * d.d_v,
-            b * d.t_q * d.d_model,
-        )
+        + _cost.qkvo_bias_adds(d)
         + b * d.t_q * d.d_model * (h - 1)
     )
 
