@@ -12,6 +12,7 @@ import numpy as np
 
 from attnref import oracle, tolerance
 from attnref.tolerance import K_Y, gamma, unit_roundoff
+from attnref.tolerance._rounding import is_16bit
 
 # The oracle's keyword options; jax.nn's "implementation" (a backend choice) is ignored.
 _ORACLE_PARAMS = inspect.signature(oracle.dot_product_attention).parameters
@@ -104,11 +105,6 @@ def _call(where: str, fn: Any, *args: Any, **kw: Any) -> Any:
         return fn(*args, **kw)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
-
-
-def _is_16bit(dtype: Any) -> bool:
-    """The comparative rule's formats (the bound's 16-bit model is XLA's, not every kernel's)."""
-    return np.dtype(dtype).itemsize == 2
 
 
 def _flash_allowances(
@@ -251,7 +247,7 @@ def assert_matches_oracle(
     bound, lse_bound = _call(where, tolerance.kernel_call_error_bound, q, k, v, dtype=dt, **opts)
     rule = "tolerance.kernel_call_error_bound"
     allowed: Any = bound
-    if _is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
+    if is_16bit(dt):  # the kit's 16-bit rule (docs/tolerances.md): FlashAttention's
         allowed = _flash_allowances((q, k, v), opts, dt, None, [ref], K_Y)[0]
         rule = "FlashAttention's rule: 2 x attnref's own error in this dtype + gamma_8(u) max|o|"
     match = compare(a, ref, allowed, name="out", axes=OUT_AXES, dtype=dt, rule=rule)
@@ -320,7 +316,7 @@ def assert_grads_match_oracle(
     bound = _call(where, tolerance.kernel_grad_error_bound, q, k, v, dtype=dt, **kw)
     rule = "tolerance.kernel_grad_error_bound"
     allowed: list[Any] = [getattr(bound, n) for n in names[: len(got)]]
-    if _is_16bit(dt):  # the gradients property's 16-bit rule (attnref._src.kit.conformance)
+    if is_16bit(dt):  # the gradients property's 16-bit rule (attnref._src.kit.conformance)
         wanted = [getattr(exact, n) for n in names[: len(got)]]
         _, t_, n_, h_ = q.shape
         s_, k_, h_v = v.shape[1], v.shape[2], v.shape[3]

@@ -16,12 +16,7 @@ from attnref._src.kit.closeness import FLASH_FACTOR, assert_ratio_within, first_
 from attnref._src.kit.conformance import memo
 from attnref._src.kit.conformance.context import ONE_SIDED, Case, Context, Plan, case_strategy
 from attnref._src.kit.conformance.options import GROWTH, UNEVEN
-from attnref._src.kit.conformance.references import (
-    assert_lse,
-    assert_output,
-    is_16bit,
-    ref_vjp,
-)
+from attnref._src.kit.conformance.references import assert_lse, assert_output, ref_vjp
 from attnref._src.kit.conformance.targets import (
     REFUSAL_TYPES,
     REFUSAL_WORDS,
@@ -29,6 +24,7 @@ from attnref._src.kit.conformance.targets import (
     is_refusal,
 )
 from attnref.tolerance import gamma, unit_roundoff
+from attnref.tolerance._rounding import is_16bit
 
 # The masks property's kinds whose mask or bias takes the drawn broadcast shape.
 _DRAWN_SHAPES: dict[str, tuple[str, ...]] = {

@@ -17,6 +17,7 @@ from attnref._src.kit.closeness import assert_attention_close
 from attnref._src.kit.conformance import memo
 from attnref._src.kit.conformance.targets import split_options
 from attnref.tolerance import unit_roundoff
+from attnref.tolerance._rounding import is_16bit
 
 _REF = jax.jit(_attnref_dpa, static_argnames=STATIC_OPTIONS)
 
@@ -48,11 +49,6 @@ def ref_vjp(p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ..
     key = tuple(sorted({**dict(static), **p.semantics()}.items()))
     out = _ref_vjp_jit(key)(p.q, p.k, p.v, arrays, cotangent)
     return tuple(np.asarray(g, np.float64) for g in out)
-
-
-# Duplicates attnref.tolerance's _is_16bit: to fold once the tolerance package settles.
-def is_16bit(dtype: Any) -> bool:
-    return np.dtype(dtype).itemsize == 2
 
 
 def assert_output(out: np.ndarray, p: ast.KernelProblem, label: str) -> None:
