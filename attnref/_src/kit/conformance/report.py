@@ -49,7 +49,7 @@ class PropertyResult:
     unusable), Hypothesis's frames left out. ``seconds``: wall-clock time. ``meshes``: a
     distributed target's outcome per mesh size (ascending); ``detail``, ``example``,
     ``traceback`` and ``inputs`` are then the first failing size's, ``detail`` prefixed
-    ``P=<size>: ``.
+    ``P=<size>:``.
 
     ``inputs`` (failures only): the target's last call in the failing example as keyword
     arguments (``query``, ``key``, ``value``, its options; ``cotangent`` for a gradient call).
