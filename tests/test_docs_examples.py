@@ -92,7 +92,10 @@ FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})\s*(\S*)")
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 FILE_COMMENT = re.compile(r"^# ([\w./-]+\.py)\s*$")
 # The compile-speed settings of tests/conftest.py: they change what no operation computes.
-XLA_SPEED = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+XLA_SPEED = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 TIMEOUT_S = 600
 
 
