@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument(
         "--jax-settings",
         default=None,
-        help="T:mask pairs of the JAX kernels (default: _jax_kernels.SETTINGS)",
+        help='T:mask pairs of the JAX kernels (default: _jax_kernels.SETTINGS; "": none)',
     )
     ap.add_argument("--out", default=None, help="write this benchmark's section here")
     args = ap.parse_args()
@@ -115,7 +115,9 @@ def main() -> None:
     jax_rows = jax_kernel_rows(
         SETTINGS
         if args.jax_settings is None
-        else tuple((int(t), m) for t, m in (x.split(":") for x in args.jax_settings.split(",")))
+        else tuple(
+            (int(t), m) for t, m in (x.split(":") for x in args.jax_settings.split(",") if x)
+        )
     )
     jtable = format_rows(jax_rows)
     print(jtable)
