@@ -74,6 +74,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from attnref.cli import CHECK_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
     [ROOT / "README.md"]
@@ -91,11 +93,10 @@ DIRECTIVES = {"skip", "slow", "exit", "file", "run", "torch"}
 FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})\s*(\S*)")
 DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 FILE_COMMENT = re.compile(r"^# ([\w./-]+\.py)\s*$")
-# The compile-speed settings of tests/conftest.py: they change what no operation computes.
-XLA_SPEED = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    " --xla_cpu_parallel_codegen_split_count=1"
-)
+# The compile-speed settings that `attnref check` adds and tests/conftest.py sets (the conftest
+# spells them out: it sets XLA_FLAGS before attnref may be imported): they change what no
+# operation computes.
+XLA_SPEED = CHECK_XLA_FLAGS
 TIMEOUT_S = 600
 
 
