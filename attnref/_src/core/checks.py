@@ -32,12 +32,7 @@ HIGHEST = "highest"  # full-precision matmuls (no TF32/bf16 passes on GPU/TPU): 
 
 def enable_x64() -> Any:
     """A context manager that switches ``jax_enable_x64`` on within its scope."""
-    ctx = getattr(jax, "enable_x64", None)
-    if ctx is not None:
-        return ctx(True)
-    from jax import experimental  # pragma: no cover - JAX releases before jax.enable_x64
-
-    return experimental.enable_x64()  # type: ignore[attr-defined]
+    return jax.enable_x64(True)
 
 
 def x64_enabled() -> bool:

@@ -123,12 +123,8 @@ def _load() -> None:
 
 
 def _rank(f: Formulation) -> int:
-    module = f.apply.__module__
-    return (
-        FORMULATION_MODULES.index(module)
-        if module in FORMULATION_MODULES
-        else len(FORMULATION_MODULES)
-    )
+    module, modules = f.apply.__module__, FORMULATION_MODULES
+    return modules.index(module) if module in modules else len(modules)
 
 
 def get(formulation_id: str) -> Formulation:

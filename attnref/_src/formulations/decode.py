@@ -67,13 +67,11 @@ def cached_step(
     k: Float[Array, "B L K H"],
     v: Float[Array, "B L K H_v"],
     valid: Bool[Array, "B L"],
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    softcap: float | None,
+    options: dict[str, Any],
 ) -> tuple[Float[Array, "B L N H_v"], KVCache]:
     """Append the chunk, then attend from its queries to the cache and the chunk: token ``j``
-    is read by query ``i`` iff ``pos_j <= pos_i`` (and ``pos_i - pos_j < W`` in a ring)."""
+    is read by query ``i`` iff ``pos_j <= pos_i`` (and ``pos_i - pos_j < W`` in a ring);
+    ``options``: ``mask``, ``bias``, ``scale``, ``softcap`` (:func:`attend`)."""
     q_pos, lengths = chunk_positions(cache, valid)
     require_room(cache, lengths - cache.lengths)
     keys = jnp.concatenate([cache.k, k], axis=1)  # [B, C + L, K, H]
@@ -82,7 +80,7 @@ def cached_step(
     kp = jnp.broadcast_to(k_pos[:, None, :], (*q_pos.shape, k_pos.shape[1]))
     allowed = causal(cache, q_pos, kp)
     ok = complete_rows(cache, q_pos, q_pos, k_pos, "cached_attention")
-    out = attend(q, keys, values, kp, allowed, ok, q_pos, mask, bias, scale, softcap)
+    out = attend(q, keys, values, kp, allowed, ok, q_pos, **options)
     return out, append(cache, k, v, q_pos, lengths)
 
 
@@ -90,13 +88,10 @@ def cache_read(
     cache: KVCache,
     q: Float[Array, "B L N H"],
     qp: Int[Array, "B L"] | None,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    softcap: float | None,
+    options: dict[str, Any],
 ) -> Float[Array, "B L N H_v"]:
     """Attend from ``q`` to the filled slots only (with ``qp``: ``pos_j <= qp_i`` and the
-    window), appending nothing."""
+    window), appending nothing (``options`` as :func:`cached_step`'s)."""
     b, c = cache.positions.shape
     kp = jnp.broadcast_to(cache.positions[:, None, :], (b, q.shape[1], c))
     allowed = kp >= 0
@@ -108,7 +103,7 @@ def cache_read(
         ok = complete_rows(cache, last, last, cache.positions, "cache_attend")
     else:
         ok = jnp.ones((b, q.shape[1]), bool)
-    return attend(q, cache.k, cache.v, kp, allowed, ok, qp, mask, bias, scale, softcap)
+    return attend(q, cache.k, cache.v, kp, allowed, ok, qp, **options)
 
 
 def causal(cache: KVCache, q_pos: Int[Array, "B L"], kp: Int[Array, "B L S"]) -> Array:
@@ -214,7 +209,8 @@ def cached_attention(
     ``jax.jit`` and ``checkify.JaxRuntimeError`` under :func:`attnref.checked`."""
     valid = check_chunk(cache, k, v, valid, q, mask, bias)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    return cached_step(cache, q, k, v, valid, mask, bias, scale, softcap)
+    options = dict(mask=mask, bias=bias, scale=scale, softcap=softcap)
+    return cached_step(cache, q, k, v, valid, options)
 
 
 @documented(
@@ -250,7 +246,8 @@ def cache_attend(
     ``lengths`` tokens without ``query_positions`` or window); a row missing one is an error as
     in :func:`cached_attention`."""
     qp = check_query(cache, q, query_positions, mask, bias)
-    return cache_read(cache, jnp.asarray(q), qp, mask, bias, scale, softcap)
+    options = dict(mask=mask, bias=bias, scale=scale, softcap=softcap)
+    return cache_read(cache, jnp.asarray(q), qp, options)
 
 
 # ----------------------------------------------------------------------------- weight level

@@ -217,13 +217,9 @@ def feature_map_from_name(
     return FeatureMap(name)
 
 
-_FACTORY_CALLS = {
-    "elu_plus_one": "elu_plus_one()",
-    "relu_features": "relu_features()",
-    "identity_features": "identity_features()",
-    "taylor2": "taylor2()",
-    "favor_plus": "favor_plus(seed, d, num_features)",
-}
+_FACTORIES = ("elu_plus_one", "relu_features", "identity_features", "taylor2")
+_FACTORY_CALLS = {name: f"{name}()" for name in _FACTORIES}
+_FACTORY_CALLS["favor_plus"] = "favor_plus(seed, d, num_features)"
 
 
 def check_feature_map(fm: object, arg: str = "feature_map") -> None:

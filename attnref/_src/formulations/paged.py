@@ -114,8 +114,7 @@ class PagedCall:
 
     def dirty_rows(self) -> Bool[Array, "B T N"]:
         """Every row of a batch element whose table or length is out of range (NaN)."""
-        q = self.args[0]
-        return jnp.broadcast_to(~self.ok[:, None, None], (q.shape[0], q.shape[1], q.shape[2]))
+        return jnp.broadcast_to(~self.ok[:, None, None], self.args[0].shape[:3])
 
 
 def prepare_paged(
@@ -156,13 +155,11 @@ def prepare_paged(
         slot=slot,
         value=table[b, slot],
     )
-    arrays = (jnp.asarray(query), jnp.asarray(k_pages), jnp.asarray(v_pages), table, lens)
+    arrays = (jnp.asarray(query), jnp.asarray(k_pages), jnp.asarray(v_pages), table)
     # a bad length is clamped for the gather only; its rows are NaN (dirty_rows) and the kernel
     # itself never sees an out-of-range key_value_seq_lengths (which it would also NaN)
-    safe_lens = jnp.clip(lens, 0, s)
-    return PagedCall(
-        (*arrays[:4], safe_lens, bias, mask), options, jnp.logical_and(pages_ok, lens_ok)
-    )
+    args = (*arrays, jnp.clip(lens, 0, s), bias, mask)
+    return PagedCall(args, options, jnp.logical_and(pages_ok, lens_ok))
 
 
 # The kernel's keyword options, read from its signature (so options added to the kernel, such
