@@ -124,7 +124,7 @@ def check_cotangent(name: str, x: Any, want: tuple[int, ...], layout: str = "") 
 
 def check_axis(axis: Any, shape: tuple[int, ...]) -> int:
     """An int axis of ``lse``'s ``shape`` (negative from the end), returned non-negative."""
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
+    if not _is_int(axis):
         raise TypeError(f"axis must be an int, got {axis!r}")
     if not -len(shape) <= axis < len(shape):
         raise ValueError(f"axis={axis} is out of range for lse of shape {shape}")
@@ -280,17 +280,11 @@ def check_allowed_shape(shape: Any) -> tuple[int, int, int, int]:
 
 
 def check_kernel(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    scale: Any,
-    softcap: Any,
-    masked_rows: Any,
-) -> tuple[int, int, int, int, int, int, int, float, float | None, str]:
-    """A kernel call's shapes, dtypes, scale, softcap and policy; returns ``(B, T, S, N, K, H,
-    H_v, scale, softcap, masked_rows)``."""
-    (b, t, n, h), (s, kh, h_v), _ = check_kernel_arrays(query, key, value)
+    query: Any, key: Any, value: Any, *, scale: Any, softcap: Any, masked_rows: Any
+) -> tuple[tuple[int, int, int, int], float, float | None, str]:
+    """A kernel call's shapes, dtypes, scale, softcap and policy; returns ``((B, N, T, S), scale,
+    softcap, masked_rows)``."""
+    (b, t, n, h), (s, _, _), _ = check_kernel_arrays(query, key, value)
     policy = check_policy(masked_rows)
     sc = check_scale(scale)
     cap = check_softcap(softcap)
@@ -300,7 +294,7 @@ def check_kernel(
             "masked_rows='uniform' (the mean of value over all S keys) is undefined for S = 0; "
             "use 'zeros' or 'nan'"
         )
-    return b, t, s, n, kh, h, h_v, (1.0 / math.sqrt(h) if sc is None else sc), cap, policy
+    return (b, n, t, s), (1.0 / math.sqrt(h) if sc is None else sc), cap, policy
 
 
 def check_kernel_arrays(

@@ -34,8 +34,6 @@ import numpy as np
 from ._checks import check_method, check_weight_level
 from ._doc import WEIGHT, WEIGHT_RAISES, doc, method_option, signed, weight_call
 
-__all__ = ["attention", "attention_weights", "head_outputs"]
-
 FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 Params = dict[str, np.ndarray | None]
 
@@ -212,14 +210,6 @@ def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray
     return y if bt is None else y + bt[:, None, :]
 
 
-def _keys_values(p: Fast, idx: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ``[H, T_k, d_k]`` and values ``[H, T_k, d_v]`` of batch element ``idx``."""
-    _, w_k, w_v, _ = head_weights(p.w)
-    keys = _project(p.xkv[idx], w_k, p.w["b_k"])[p.kv_of]
-    values = _project(p.xkv[idx], w_v, p.w["b_v"])[p.kv_of]
-    return keys, values
-
-
 def _allowed(p: Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
     """``mask & (bias != -inf)`` for ``rows`` of batch element ``idx`` (``None``: all allowed)."""
     keep = None if p.mask is None else p.mask[idx][rows]
@@ -277,11 +267,12 @@ def each_block(
     """Call ``visit`` on one query block at a time (``arrays`` temporaries ``[H, block, T_k]`` in
     the budget; a callback, so no block outlives its visit); ``rotate_q``/``rotate_k`` (RoPE)
     turn queries and keys after projection."""
-    w_q = head_weights(p.w)[0]
+    w_q, w_k, w_v, _ = head_weights(p.w)
     t_q, t_k = p.xq.shape[-2], p.xkv.shape[-2]
     step = max(1, _BUDGET_BYTES // (arrays * 8 * w_q.shape[0] * max(t_k, 1)))  # rows per block
     for idx in np.ndindex(*p.batch):
-        keys, values = _keys_values(p, idx)
+        keys = _project(p.xkv[idx], w_k, p.w["b_k"])[p.kv_of]  # [H, T_k, d_k]
+        values = _project(p.xkv[idx], w_v, p.w["b_v"])[p.kv_of]  # [H, T_k, d_v]
         if rotate_k is not None:
             keys = rotate_k(idx, slice(None), keys)
         for start in range(0, t_q, step):
@@ -307,9 +298,13 @@ def _weighted_values(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
     return z
 
 
-def _fast_per_head(p: Fast, outputs: bool) -> np.ndarray:
+def _per_head(call: dict[str, Any], outputs: bool) -> np.ndarray:
     """The weights ``[*batch, H, T_q, T_k]``, or the per-head outputs ``o_i = P_i V_i W_O[i]``
-    ``[*batch, H, T_q, d_model]``."""
+    ``[*batch, H, T_q, d_model]``, by ``call``'s method."""
+    definition = check_method(call.pop("method")) == "definition"
+    p = fast_problem(*call.values())
+    if definition:
+        return per_head_per_query(p)[1 if outputs else 0]
     w_o = head_weights(p.w)[3]
     last = w_o.shape[2] if outputs else p.xkv.shape[-2]
     out = np.zeros((*p.batch, w_o.shape[0], p.xq.shape[-2], last))
@@ -356,10 +351,7 @@ def attention_weights(call: dict[str, Any]) -> np.ndarray:
     Returns:
         float64 weights ``[..., H, T_q, T_k]``.
     """
-    method = call.pop("method")
-    definition = check_method(method) == "definition"
-    p = fast_problem(*call.values())
-    return per_head_per_query(p)[0] if definition else _fast_per_head(p, outputs=False)
+    return _per_head(call, outputs=False)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
@@ -370,10 +362,7 @@ def head_outputs(call: dict[str, Any]) -> np.ndarray:
     Returns:
         float64 ``o_i = A_i V_i W_O[i]`` for every query head, ``[..., H, T_q, d_model]``.
     """
-    method = call.pop("method")
-    definition = check_method(method) == "definition"
-    p = fast_problem(*call.values())
-    return per_head_per_query(p)[1] if definition else _fast_per_head(p, outputs=True)
+    return _per_head(call, outputs=True)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)

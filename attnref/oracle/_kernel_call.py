@@ -105,14 +105,15 @@ def parse(call: dict[str, Any]) -> KernelCall:
     the argument named) and return it as a :class:`KernelCall`."""
     query, key, value, bias, mask = (call[n] for n in ("query", "key", "value", "bias", "mask"))
     sinks, dropout_mask, rate = call["sinks"], call["dropout_mask"], call["dropout_rate"]
-    b, t, s, n, _, _, _, sc, cap, policy = check_kernel(
+    shape, sc, cap, policy = check_kernel(
         query, key, value, **pick(call, ("scale", "softcap", "masked_rows"))
     )
+    b, n, t, s = shape
     m, bs, q_lens, kv_lens, seg_q, seg_k, window, alignment, causal, n_sink = check_options(
-        (b, n, t, s), bias, mask, pick(call, OPTIONS)
+        shape, bias, mask, pick(call, OPTIONS)
     )
     _, rate = check_production(
-        (b, n, t, s), window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=rate
+        shape, window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=rate
     )
     keep = None if dropout_mask is None else np.asarray(dropout_mask, bool)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))

@@ -57,10 +57,6 @@ class HeadGroup:
     def v1(self) -> np.ndarray:
         return np.concatenate([self.v, np.ones((self.v.shape[0], 1))], axis=1)
 
-    @property
-    def finite_v(self) -> bool:
-        return bool(np.isfinite(self.v).all())
-
 
 def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
     """Every (batch, key/value head) pair of the call, with contiguous ``K^T`` and ``V``."""
@@ -217,7 +213,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
     jobs = []
     for hg in head_groups(c):
-        finite = hg.finite_v
+        finite = bool(np.isfinite(hg.v).all())
         v1t = np.ascontiguousarray(hg.v1.T) if finite else None
         shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
         jobs += [(hg, finite, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]

@@ -39,8 +39,7 @@ from ._kernel_fast import (
     raw_logits,
     row_blocks,
 )
-
-__all__ = ["KernelGrads", "dot_product_attention_vjp"]
+from ._weight_grad import sum_to_shape
 
 
 class KernelGrads(NamedTuple):
@@ -211,10 +210,7 @@ def _definition(
                     dk[b, j, g] += c.scale * ds * c.q[b, i, n]
     if c.policy == "uniform" and c.sinks is None:
         _dead_rows_uniform(c, d_o, dead, dv)
-    db = None
-    if c.bias_shape is not None:
-        axes = tuple(a for a, size in enumerate(c.bias_shape) if size == 1 and c.shape[a] != 1)
-        db = full.sum(axis=axes, keepdims=True).reshape(c.bias_shape)
+    db = None if c.bias_shape is None else sum_to_shape(full, c.bias_shape)
     return KernelGrads(dq, dk, dv, db, dz)
 
 

@@ -34,9 +34,6 @@ from ._doc import (
     weight_tokens,
 )
 
-__all__ = ["features", "linear_attention", "linear_multihead", "query_log_scale"]
-
-
 _FACTORIES = ("elu_plus_one", "relu_features", "identity_features", "taylor2", "favor_plus")
 
 
@@ -129,10 +126,9 @@ def query_log_scale(fm: Any, x: Any) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if fm.name != "favor_plus":
         return np.zeros(x.shape[:-1])
-    xs = x / x.shape[-1] ** 0.25
     w = np.asarray(fm.omega, dtype=np.float64)
-    expo = xs @ w.T + 0.5 * np.sum(w * w, axis=-1)
-    return expo.max(axis=-1) - 0.5 * np.sum(xs * xs, axis=-1)
+    _, xw, half_sq = favor_parts(w, x)
+    return (xw + 0.5 * np.sum(w * w, axis=-1)).max(axis=-1) - half_sq
 
 
 def favor_log_kernel(fm: Any, q: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -260,14 +256,7 @@ def ratio_parts(
 
 
 def _linear_fast(
-    fm: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    causal: bool,
-    key_mask: Any,
-    eps: float,
-    eps_policy: str,
+    fm: Any, q: Any, k: Any, v: Any, causal: bool, key_mask: Any, eps: float, eps_policy: str
 ) -> np.ndarray:
     """:func:`linear_attention` vectorised per (batch, head), streamed over query blocks (the
     quadratic form; FAVOR+ in log space, as the definition)."""

@@ -68,8 +68,6 @@ from ._linear import (
     ratio_parts,
 )
 
-__all__ = ["LinearGrads", "LinearMultiheadGrads", "linear_attention_vjp", "linear_multihead_vjp"]
-
 
 class LinearGrads(NamedTuple):
     """Gradients of :func:`attnref.oracle.linear_attention` with respect to its inputs."""
@@ -237,31 +235,12 @@ def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]
     return qs, ks, qw, kw, nq, nk, w
 
 
-def _to_inputs(fm: Any, x: np.ndarray, dxa: np.ndarray) -> np.ndarray:
-    """From the gradient with respect to the features (or ``x~`` for FAVOR+) to ``x``."""
-    if fm.name == "favor_plus":
-        return dxa / x.shape[-1] ** 0.25
-    return feature_vjp(fm, x, dxa)
-
-
 # ----------------------------------------------------------------------------- public
 
 
 def unread_keys(km: np.ndarray, causal: bool, t_q: int) -> np.ndarray:
     """``[..., T_k]``: keys no query reads (``key_mask`` False, or past the last query)."""
     return ~km | (np.arange(km.shape[-1]) >= t_q) if causal else ~km
-
-
-def _unread_keys_as_zeros(
-    k: np.ndarray, v: np.ndarray, km: np.ndarray, *, causal: bool, t_q: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``k``, ``v`` with the non-finite entries of keys no query reads replaced by zeros (no
-    ``0 x NaN``; their gradient is exactly 0)."""
-    unread = unread_keys(km, causal, t_q)[..., None, None]  # against [..., T_k, H, d]
-    return (
-        np.where(unread & ~np.isfinite(k), 0.0, k),
-        np.where(unread & ~np.isfinite(v), 0.0, v),
-    )
 
 
 def _vjp(
@@ -276,7 +255,9 @@ def _vjp(
 ) -> tuple[np.ndarray, LinearGrads]:
     """``(y, grads)`` for checked float64 inputs (``km`` boolean ``[..., T_k]``)."""
     *batch, t_q, n_heads, _ = q.shape
-    k, v = _unread_keys_as_zeros(k, v, km, causal=opt[0], t_q=t_q)
+    # non-finite entries of keys no query reads as zeros (no 0 x NaN; their gradient is exactly 0)
+    unread = unread_keys(km, opt[0], t_q)[..., None, None]  # against [..., T_k, H, d]
+    k, v = (np.where(unread & ~np.isfinite(a), 0.0, a) for a in (k, v))
     y = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     dv = np.zeros(v.shape)
     pre = _precompute(fm, q, k) if method == "fast" else (q, k)
@@ -289,8 +270,11 @@ def _vjp(
             else:
                 out = _vjp_definition_head(fm, q[idx][:, h], k[idx][:, h], *args)
             y[idx][:, h], dqa[idx][:, h], dka[idx][:, h], dv[idx][:, h] = out
-    if method == "fast":
-        dqa, dka = _to_inputs(fm, q, dqa), _to_inputs(fm, k, dka)
+    if method == "fast":  # from the gradient with respect to the features (FAVOR+: x~) to x
+        dqa, dka = (
+            dxa / x.shape[-1] ** 0.25 if fm.name == "favor_plus" else feature_vjp(fm, x, dxa)
+            for x, dxa in ((q, dqa), (k, dka))
+        )
     return y, LinearGrads(dqa, dka, dv)
 
 

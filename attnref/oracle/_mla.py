@@ -39,8 +39,6 @@ from ._checks import (
 from ._doc import retemplate, rope_call, signed
 from ._rope import check_base, check_convention, read_positions, rope
 
-__all__ = ["mla_attention", "mla_qkv"]
-
 # (field, shape text) of every MLA weight, in the dataclass's order; None-able ones last.
 MLA_FIELDS = (
     ("w_dkv", "[d_model, d_c]"),

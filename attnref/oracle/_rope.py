@@ -26,7 +26,6 @@ from ._checks import (
     broadcasts,
     check_method,
     check_real_scalar,
-    check_weight_level,
     dtype_of,
     is_floating,
     is_integer,
@@ -39,7 +38,7 @@ from ._core import (
     definition_output,
     fast_output,
     fast_problem,
-    get_param,
+    head_weights,
     per_head_per_query,
 )
 from ._doc import (
@@ -97,9 +96,6 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
     if not (len(shape) >= 1 and shape[-1] == t and broadcasts(shape, target)):
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target}")
     return np.broadcast_to(np.asarray(positions).astype(np.int64), target)
-
-
-__all__ = ["rope", "rope_attention"]
 
 
 def rotate_vector(v: np.ndarray, m: int, base: float, convention: str) -> np.ndarray:
@@ -164,28 +160,16 @@ def rotation(positions: np.ndarray, base: float, convention: str, sign: float = 
     return turn
 
 
-def rope_inputs(
-    params: Any,
-    x_q: Any,
-    x_kv: Any,
-    positions_q: Any,
-    positions_kv: Any,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    base: float,
-    convention: str,
-) -> tuple[Fast, np.ndarray, np.ndarray]:
+def rope_inputs(call: dict[str, Any]) -> tuple[Fast, np.ndarray, np.ndarray]:
     """The checks of :func:`rope_attention` (same order, same errors) and the problem for the
     fast path, with the positions broadcast to ``[*batch, T_q]`` and ``[*batch, T_k]``."""
-    check_convention(convention)
-    check_base(base)
-    batch, t_q, t_k, _, _, _ = check_weight_level(params, x_q, x_kv, mask, bias, scale)
-    d_k = shape_of(get_param(params, "w_q"))[2]
-    check_even_head_dim(d_k, "d_k (params.w_q.shape[2])")
-    pq = read_positions(positions_q, batch, t_q, "positions_q")
-    pk = read_positions(positions_kv, batch, t_k, "positions_kv")
-    return fast_problem(params, x_q, x_kv, mask, bias, scale), pq, pk
+    check_convention(call["convention"])
+    check_base(call["base"])
+    p = fast_problem(*(call[n] for n in ("params", "x_q", "x_kv", "mask", "bias", "scale")))
+    check_even_head_dim(head_weights(p.w)[0].shape[2], "d_k (params.w_q.shape[2])")
+    pq = read_positions(call["positions_q"], p.batch, p.xq.shape[-2], "positions_q")
+    pk = read_positions(call["positions_kv"], p.batch, p.xkv.shape[-2], "positions_kv")
+    return p, pq, pk
 
 
 @doc(
@@ -242,7 +226,7 @@ def rope_attention(call: dict[str, Any]) -> np.ndarray:
     """
     residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
-    prob, pq, pk = rope_inputs(*call.values())
+    prob, pq, pk = rope_inputs(call)
     base, convention = call["base"], call["convention"]
     if fast:
         return fast_output(

@@ -51,8 +51,6 @@ from ._core import (
 from ._doc import WEIGHT, WEIGHT_RAISES, block_options, doc, rope_call, signed, weight_call
 from ._rope import rope_inputs, rotation, turn
 
-__all__ = ["AttentionGrads", "attention_vjp", "rope_attention_vjp"]
-
 # float64 [H, block, T_k] arrays a backward block is budgeted for: the weights and dP (turned into
 # dS in place) are kept, the rest is headroom for NumPy's temporaries and BLAS workspace
 _GRAD_ARRAYS = 6
@@ -281,10 +279,7 @@ def attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     Returns:
         :class:`AttentionGrads`.
     """
-    residual, method = call.pop("residual"), call.pop("method")
-    fast = check_method(method) == "fast"
-    p = fast_problem(*call.values())
-    return _vjp(p, d_y, call["bias"], fast, call["x_kv"] is None, residual)
+    return _vjp(call, d_y)
 
 
 @doc(WEIGHT, WEIGHT_RAISES)
@@ -296,40 +291,31 @@ def rope_attention_vjp(call: dict[str, Any], *, d_y: Any) -> AttentionGrads:
     Returns:
         :class:`AttentionGrads`, as :func:`attention_vjp`.
     """
+    return _vjp(call, d_y, rope=True)
+
+
+def _vjp(call: dict[str, Any], d_y: Any, rope: bool = False) -> AttentionGrads:
+    """Both gradient oracles of a public call (``rope``: of :func:`rope_attention`)."""
     residual, method = call.pop("residual"), call.pop("method")
     fast = check_method(method) == "fast"
-    p, pq, pk = rope_inputs(*call.values())
-    rope = (pq, pk, call["base"], call["convention"])
-    return _vjp(p, d_y, call["bias"], fast, call["x_kv"] is None, residual, rope)
-
-
-def _vjp(
-    p: Fast,
-    d_y: Any,
-    bias: Any,
-    fast: bool,
-    shared: bool,
-    residual: bool,
-    rope: tuple[np.ndarray, np.ndarray, float, str] | None = None,
-) -> AttentionGrads:
-    """Both gradient oracles from a validated problem (``rope``: positions, base, convention)."""
+    p, pq, pk = rope_inputs(call) if rope else (fast_problem(*call.values()), None, None)
+    shared = call["x_kv"] is None
     p = _unread_tokens_as_zeros(p, shared)
     want = (*p.batch, p.xq.shape[-2], head_weights(p.w)[3].shape[2])
     dy = check_cotangent("d_y", d_y, want, "the output's shape [..., T_q, d_model] = ")
-    bias_shape = None if bias is None else shape_of(bias)
+    bias_shape = None if call["bias"] is None else shape_of(call["bias"])
     if fast:
         rotations = None
-        if rope is not None:
-            pq, pk, base, convention = rope
+        if pq is not None and pk is not None:  # RoPE
             rotations = tuple(
-                rotation(pos, base, convention, sign) for sign in (1.0, -1.0) for pos in (pq, pk)
+                rotation(pos, call["base"], call["convention"], sign)
+                for sign in (1.0, -1.0)
+                for pos in (pq, pk)
             )
         g, dxq, dxkv, d_bias = _fast(p, dy, bias_shape, rotations)
     else:
-        if rope is None:
-            g, dxq, dxkv, d_full = _definition(p, dy)
-        else:
-            g, dxq, dxkv, d_full = _definition(p, dy, turn(rope[2], rope[3]), rope[0], rope[1])
+        rot = turn(call["base"], call["convention"]) if rope else None
+        g, dxq, dxkv, d_full = _definition(p, dy, rot, pq, pk)
         d_bias = None if bias_shape is None else sum_to_shape(d_full, bias_shape)
     if residual:
         dxq = dxq + dy
