@@ -205,11 +205,6 @@ def kernel_rows_cost(
     return _cost.build(d, mm, el, tr, tensors, largest, **loop)
 
 
-def _tiles(d: _cost.Dims) -> tuple[int, int, int, int]:
-    bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
-    return bq, bk, math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
-
-
 def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
     """Online softmax over ``n_q x n_k`` tiles (padded to whole tiles); XLA counts one tile.
 
@@ -219,7 +214,8 @@ def blockwise_cost(d: _cost.Dims) -> _cost.Cost:
     the mask; :func:`attnref.costs.blockwise_dot_flops` counts the kernel's tiles for any options.
     """
     b, h, dm = d.batch, d.heads, d.d_model
-    bq, bk, nq, nk = _tiles(d)
+    bq, bk = min(BLOCK_Q, d.t_q), min(BLOCK_K, d.t_k)
+    nq, nk = math.ceil(d.t_q / bq), math.ceil(d.t_k / bk)
     tile_logits = b * h * bq * bk
     step_mm = 2 * tile_logits * (d.d_k + d.d_v)
     step_el = (

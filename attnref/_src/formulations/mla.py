@@ -76,10 +76,11 @@ def mla_naive(
 ) -> Float[Array, "... T_q d_model"]:
     """The naive form on the cache: decompress every cached token into per-head keys and values."""
     q = queries(p, x_q, rot)  # q_i                              [..., H, T_q, d_nope + d_rope]
-    c, k_r = split_cache(p, cache)  # c^KV [..., T_k, d_c], k^R [..., T_k, d_rope]
+    d_c = p.dims.d_c
+    c, k_r = cache[..., :d_c], cache[..., d_c:]  # c^KV [..., T_k, d_c], k^R [..., T_k, d_rope]
     k = jnp.einsum("...kc,hcn->...hkn", c, p.w_uk, precision=HIGHEST)  # k^C_i [.., H, T_k, d_nope]
     v = jnp.einsum("...kc,hcv->...hkv", c, p.w_uv, precision=HIGHEST)  # v_i   [.., H, T_k, d_v]
-    if k_r is not None:  # k_i = [k^C_i ; k^R]: the shared rotated part, repeated per head
+    if p.w_kr is not None:  # k_i = [k^C_i ; k^R]: the shared rotated part, repeated per head
         k_r = jnp.broadcast_to(k_r[..., None, :, :], (*k.shape[:-1], k_r.shape[-1]))
         k = jnp.concatenate([k, k_r], -1)  #                      [..., H, T_k, d_nope + d_rope]
     logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST)
@@ -121,12 +122,6 @@ def latent_cache(p: MLAParams, x_kv: Keys, rot: Rotary) -> Cache:
         return c
     k_r = jnp.einsum("...kd,dr->...kr", x_kv, p.w_kr, precision=HIGHEST)
     return jnp.concatenate([c, rotate(k_r, jnp.asarray(rot.pos_k), rot.base, rot.convention)], -1)
-
-
-def split_cache(p: MLAParams, cache: Cache) -> tuple[Array, Array | None]:
-    """``(c^KV [..., T_k, d_c], k^R [..., T_k, d_rope] or None)``."""
-    d_c = p.dims.d_c
-    return cache[..., :d_c], (cache[..., d_c:] if p.w_kr is not None else None)
 
 
 def queries(p: MLAParams, x_q: Queries, rot: Rotary) -> Float[Array, "... H T_q d_qk"]:

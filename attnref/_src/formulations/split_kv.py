@@ -65,13 +65,6 @@ def check_num_splits(num_splits: Any) -> int:
     return int(num_splits)
 
 
-def split_positions(s: int, num_splits: int) -> np.ndarray:
-    """int32 ``[P, c]``, ``c = ceil(S / P)``: row ``p`` holds the key positions of split ``p``
-    (``p c, ..., p c + c - 1``; positions ``>= S`` are padding)."""
-    c = -(-s // num_splits)
-    return np.arange(num_splits * c, dtype=np.int32).reshape(num_splits, c)
-
-
 def _splits(a: Array, c: int, p: int) -> Array:
     """``[B, S, ...]`` zero-padded to ``[B, P c, ...]`` and cut into ``[P, B, c, ...]``."""
     pad = [(0, 0)] * a.ndim
@@ -86,9 +79,8 @@ def split_kv(
     """The states of the ``P`` splits (``vmap``), their merge, and the finishing rules: ``o``
     in the input dtype, ``lse`` in the compute dtype."""
     spec, inputs = call.spec, call.inputs
-    pos = split_positions(spec.s, num_splits)
-    c = pos.shape[1]
-    k_pos = jnp.asarray(pos)
+    c = -(-spec.s // num_splits)  # keys per split; positions >= S are padding
+    k_pos = jnp.asarray(np.arange(num_splits * c, dtype=np.int32).reshape(num_splits, c))
     k, v = _splits(inputs.k, c, num_splits), _splits(inputs.v, c, num_splits)
     kv_seg = None if inputs.kv_seg is None else _splits(inputs.kv_seg, c, num_splits)
     q_pos = jnp.arange(spec.t, dtype=jnp.int32)
