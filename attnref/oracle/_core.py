@@ -204,6 +204,16 @@ def fast_problem(
     return Fast(w, xq, xkv, m, b, s, tuple(batch), np.arange(n_heads) // group)
 
 
+def side_by_side(a: np.ndarray) -> np.ndarray:
+    """``[H, n, d]`` -> ``[n, H d]``: row ``t`` holds every head's row ``t``, head by head."""
+    return np.swapaxes(a, 0, 1).reshape(a.shape[1], a.shape[0] * a.shape[2])
+
+
+def stacked_t(w: np.ndarray) -> np.ndarray:
+    """``W [H, d_model, d]`` -> ``[H d, d_model]``: every ``W[h]^T``, stacked."""
+    return np.swapaxes(w, -1, -2).reshape(w.shape[0] * w.shape[2], w.shape[1])
+
+
 def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray:
     """``x W[h] + b[h]`` for every head: ``[n, d_model]`` -> ``[heads, n, d]``."""
     y = np.matmul(x, wt)
@@ -333,7 +343,7 @@ def fast_output(
 
     def visit(blk: Block) -> None:
         z = _weighted_values(blk.weights, blk.values)  # [H, n, d_v]
-        y[blk.idx][blk.rows] = np.swapaxes(z, 0, 1).reshape(z.shape[1], n_heads * d_v) @ w_cat
+        y[blk.idx][blk.rows] = side_by_side(z) @ w_cat
 
     each_block(p, visit, rotate_q=rotate_q, rotate_k=rotate_k)
     if p.w["b_o"] is not None:

@@ -1,9 +1,5 @@
-"""One validated kernel call, and its allowed (query, key) pairs one block of query rows at a time.
-
-:func:`parse` runs every check of :mod:`attnref.oracle._checks` once and returns a frozen
-:class:`KernelCall`; :func:`allowed_rows` builds the allowed set of a block of query rows by the
-rules of the definition (module docstring of :mod:`attnref.oracle._kernel`); :func:`key_range` is
-the smallest key interval holding every allowed key of a block (causal costs half the square).
+"""One validated kernel call (:func:`parse`), and its allowed (query, key) pairs one block of query
+rows at a time, by the rules of the definition (module docstring of :mod:`attnref.oracle._kernel`).
 """
 
 from __future__ import annotations

@@ -132,14 +132,6 @@ def block_live(ok: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape[:-1], shape[-1] > 0) if ok is None else np.asarray(ok.any(axis=-1))
 
 
-def _dead_rows(c: KernelCall, b: int, n: int, out: np.ndarray, rows: np.ndarray) -> None:
-    """Apply the ``masked_rows`` policy to ``out[b, rows, n]`` (query rows with no allowed key)."""
-    if c.policy == "nan":
-        out[b, rows, n] = np.nan
-    elif c.policy == "uniform":
-        out[b, rows, n] = c.v[b, :, n // c.group].mean(axis=0)
-
-
 def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
     """Whether every logit of the head group lies in ``(-700, 700)`` (Cauchy-Schwarz)."""
     top = (
@@ -248,8 +240,11 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
         lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
         if c.sinks is not None:
             return  # with sinks a row with no key is 0, lse = z_n (with_sinks)
-        for n, r in zip(*np.nonzero(~live), strict=True):
-            _dead_rows(c, hg.b, int(hg.g * grp + n), out, np.array([i0 + r]))
+        for n, r in zip(*np.nonzero(~live), strict=True):  # no allowed key: by masked_rows
+            if c.policy == "nan":
+                out[hg.b, i0 + r, hg.g * grp + n] = np.nan
+            elif c.policy == "uniform":
+                out[hg.b, i0 + r, hg.g * grp + n] = c.v[hg.b, :, hg.g].mean(axis=0)
 
     each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of out and lse
     return (out, lse) if c.sinks is None else with_sinks(c, out, lse)

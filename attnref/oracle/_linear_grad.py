@@ -178,12 +178,13 @@ def _vjp_definition_head(
 
 
 def _vjp_fast_head(
-    fm: Any, pre: Any, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any
+    fm: Any, pre: Any, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any, w: Any
 ) -> tuple[np.ndarray, ...]:
     """``(y, dq-part, dk-part, dv)`` of one (batch, head) by query blocks, the parts with respect
-    to the features (FAVOR+: ``x~``); ``pre``: this head's :func:`_precompute`."""
+    to the features (FAVOR+: ``x~``); ``pre``: this head's :func:`_precompute`, ``w`` FAVOR+'s
+    ``omega``."""
     causal, eps, eps_policy = opt
-    favor = fm.name == "favor_plus"
+    favor = w is not None
     qa, ka = pre[0], pre[1]  # features, or x~
     t_q, t_k = qa.shape[0], ka.shape[0]
     y, dv = np.zeros((t_q, v.shape[-1])), np.zeros(v.shape)
@@ -193,7 +194,7 @@ def _vjp_fast_head(
         ok = allowed(km[:kk], i0, i1, causal)
         vals, dyb = v[:kk], dy[i0:i1]
         if favor:
-            qw, kw, nq, nk, w = pre[2:]
+            qw, kw, nq, nk = pre[2:]
             ell, r, total = favor_log_block(qw[i0:i1], kw[:kk], nq[i0:i1], nk[:kk])
             weights, den, depends = ratio_parts(ell, ok, eps, eps_policy)
             ratio = weights / den[:, None]  # W_ij = A_ij / D_i
@@ -225,14 +226,14 @@ def _vjp_fast_head(
     return y, dqa, dka, dv
 
 
-def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per token, every head at once: the features ``(phi(q), phi(k))``, or for FAVOR+
-    ``(q~, k~, q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2, w)``."""
+def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[list[np.ndarray], Any]:
+    """Per token, every head at once: the features ``[phi(q), phi(k)]``, or for FAVOR+ ``[q~, k~,
+    q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2]``; and FAVOR+'s ``w`` (else ``None``)."""
     if fm.name != "favor_plus":
-        return features(fm, q, "query"), features(fm, k, "key")
+        return [features(fm, q, "query"), features(fm, k, "key")], None
     w = favor_omega(fm, q.shape[-1])
     (qs, qw, nq), (ks, kw, nk) = favor_parts(w, q), favor_parts(w, k)
-    return qs, ks, qw, kw, nq, nk, w
+    return [qs, ks, qw, kw, nq, nk], w
 
 
 # ----------------------------------------------------------------------------- public
@@ -260,13 +261,13 @@ def _vjp(
     k, v = (np.where(unread & ~np.isfinite(a), 0.0, a) for a in (k, v))
     y = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     dv = np.zeros(v.shape)
-    pre = _precompute(fm, q, k) if method == "fast" else (q, k)
+    pre, w = _precompute(fm, q, k) if method == "fast" else ([q, k], None)
     dqa, dka = np.zeros(pre[0].shape), np.zeros(pre[1].shape)
     for idx in np.ndindex(*batch):
         for h in range(n_heads):
             args = (v[idx][:, h], d_y[idx][:, h], km[idx], opt)
             if method == "fast":
-                out = _vjp_fast_head(fm, _head_of(pre, idx, h, fm), *args)
+                out = _vjp_fast_head(fm, [a[idx][:, h] for a in pre], *args, w)
             else:
                 out = _vjp_definition_head(fm, q[idx][:, h], k[idx][:, h], *args)
             y[idx][:, h], dqa[idx][:, h], dka[idx][:, h], dv[idx][:, h] = out
@@ -276,13 +277,6 @@ def _vjp(
             for x, dxa in ((q, dqa), (k, dka))
         )
     return y, LinearGrads(dqa, dka, dv)
-
-
-def _head_of(pre: tuple[np.ndarray, ...], idx: tuple[int, ...], h: int, fm: Any) -> list[Any]:
-    """One (batch, head) slice of :func:`_precompute`'s arrays (FAVOR+'s ``w`` is shared)."""
-    if fm.name != "favor_plus":
-        return [a[idx][:, h] for a in pre]
-    return [a[idx][:, h] for a in pre[:-1]] + [pre[-1]]
 
 
 @doc(LINEAR, LINEAR_RAISES)

@@ -6,10 +6,9 @@ to one thread per worker (``threadpoolctl``), so each block's arithmetic is unch
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -28,15 +27,6 @@ def workers(jobs: int) -> int:
     return max(1, min(jobs, cores or 1))
 
 
-@contextlib.contextmanager
-def _one_blas_thread(threads: int) -> Iterator[None]:
-    if threads <= 1:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 def each_block(jobs: Sequence[Job], work: Callable[[Job], None]) -> None:
     """``work(job)`` for every job on :func:`workers` threads, each in a copy of the caller's
     context (so ``np.errstate`` holds); the first exception is raised here."""
@@ -46,6 +36,6 @@ def each_block(jobs: Sequence[Job], work: Callable[[Job], None]) -> None:
             work(job)
         return
     contexts = [contextvars.copy_context() for _ in jobs]
-    with _one_blas_thread(threads), ThreadPoolExecutor(threads) as pool:
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
         for _ in pool.map(lambda ctx, job: ctx.run(work, job), contexts, jobs):
             pass

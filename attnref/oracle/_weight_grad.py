@@ -47,6 +47,8 @@ from ._core import (
     head_weights,
     offset,
     row_weights,
+    side_by_side,
+    stacked_t,
 )
 from ._doc import WEIGHT, WEIGHT_RAISES, block_options, doc, rope_call, signed, weight_call
 from ._rope import rope_inputs, rotation, turn
@@ -203,15 +205,14 @@ def _fast(
     """:func:`_definition` with BLAS by query blocks (``rotations = (R_q, R_k, R_q^T, R_k^T)``),
     the bias gradient in ``bias_shape``."""
     w_q, w_k, w_v, w_o = head_weights(p.w)
-    n_heads, d_model, d_k = w_q.shape
-    n_kv, d_v = w_v.shape[0], w_v.shape[2]
+    (n_heads, _, d_k), (n_kv, _, d_v) = w_q.shape, w_v.shape
     t_k = p.xkv.shape[-2]
     g = _zero_grads(p)
     dxq, dxkv = np.zeros(p.xq.shape), np.zeros(p.xkv.shape)
     d_keys = np.zeros((*p.batch, n_heads, t_k, d_k))  # per query head, rotated coordinates
     d_values = np.zeros((*p.batch, n_heads, t_k, d_v))
     bias_grad = None if bias_shape is None else _BiasGrad(bias_shape, len(p.batch))
-    w_q_t = np.swapaxes(w_q, -1, -2).reshape(n_heads * d_k, d_model)  # stacked W_Q[i]^T
+    w_q_t = stacked_t(w_q)
     w_o_t = np.swapaxes(w_o, -1, -2)  # [H, d_model, d_v]
     rot_q, rot_k, back_q, back_k = (None,) * 4 if rotations is None else rotations
 
@@ -236,16 +237,11 @@ def _fast(
             dq = back_q(idx, rows, dq)
         g["w_q"] += np.matmul(p.xq[idx][rows].T, dq)
         g["b_q"] += dq.sum(axis=1)
-        dxq[idx][rows] += np.swapaxes(dq, 0, 1).reshape(dq.shape[1], n_heads * d_k) @ w_q_t
+        dxq[idx][rows] += side_by_side(dq) @ w_q_t
 
     each_block(p, visit, rotate_q=rot_q, rotate_k=rot_k, arrays=_GRAD_ARRAYS)
     group = n_heads // n_kv
-    w_kv_t = np.concatenate(
-        [
-            np.swapaxes(w_k, -1, -2).reshape(n_kv * d_k, d_model),
-            np.swapaxes(w_v, -1, -2).reshape(n_kv * d_v, d_model),
-        ]
-    )  # stacked W_K[g]^T then W_V[g]^T, [K (d_k + d_v), d_model]
+    w_kv_t = np.concatenate([stacked_t(w_k), stacked_t(w_v)])  # [K (d_k + d_v), d_model]
     for idx in np.ndindex(*p.batch):
         dk = d_keys[idx] if back_k is None else back_k(idx, slice(None), d_keys[idx])
         dk = dk.reshape(n_kv, group, t_k, d_k).sum(axis=1)  # shared heads: sum over the group
@@ -255,14 +251,7 @@ def _fast(
         g["b_k"] += dk.sum(axis=1)
         g["w_v"] += np.matmul(xt, dv)
         g["b_v"] += dv.sum(axis=1)
-        flat = np.concatenate(
-            [
-                np.swapaxes(dk, 0, 1).reshape(t_k, n_kv * d_k),
-                np.swapaxes(dv, 0, 1).reshape(t_k, n_kv * d_v),
-            ],
-            axis=1,
-        )
-        dxkv[idx] = flat @ w_kv_t
+        dxkv[idx] = np.concatenate([side_by_side(dk), side_by_side(dv)], axis=1) @ w_kv_t
     g["b_o"] = dy.sum(axis=tuple(range(dy.ndim - 1)))
     return g, dxq, dxkv, None if bias_grad is None else bias_grad.result()
 
