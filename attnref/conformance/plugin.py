@@ -212,15 +212,10 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     state = session(config)
     if state is None or state.options is None:
         return None
+    from attnref._src.kit.conformance.options import DEFAULT_SEMANTICS
+
     o = state.options
-    declared = [
-        f"{k}={v}"
-        for k, v, d in (
-            ("masked_rows", o.masked_rows, "zeros"),
-            ("causal_alignment", o.causal_alignment, "top_left"),
-        )
-        if v != d
-    ]
+    declared = [f"{k}={getattr(o, k)}" for k, d in DEFAULT_SEMANTICS.items() if getattr(o, k) != d]
     return (
         f"attnref: target {o.target} (signature {o.signature}"
         + (f", features {','.join(o.features)}" if o.features is not None else "")

@@ -64,9 +64,10 @@ def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def first_index(where: Any) -> tuple[int, ...]:
-    """The index of the first ``True`` of ``where`` (C order)."""
-    return tuple(int(i) for i in np.argwhere(where)[0])
+def first_index(where: Any) -> tuple[int, ...] | None:
+    """The index of the first ``True`` of ``where`` (C order), ``None`` where there is none."""
+    hits = np.argwhere(where)
+    return tuple(int(i) for i in hits[0]) if len(hits) else None
 
 
 def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
@@ -79,9 +80,7 @@ def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.nda
         raise AssertionError(
             f"{label}: the expected (oracle) value has NaN/inf; refusing to compare"
         )
-    bad = ~np.isfinite(a)
-    if bad.any():
-        idx = first_index(bad)
+    if (idx := first_index(~np.isfinite(a))) is not None:
         raise AssertionError(
             f"{label}: non-finite value {a[idx]} at index {idx} where the oracle has {e[idx]}"
         )
@@ -163,27 +162,20 @@ def _split_nan(a: np.ndarray, e: np.ndarray, expected_nan: bool, label: str) -> 
     """The entries to compare: NaN must match a declared oracle NaN; inf fails."""
     __tracebackhide__ = True  # pytest shows the caller's frame, not this one
     nan_e, nan_a = np.isnan(e), np.isnan(a)
-    if nan_e.any() and not expected_nan:
-        idx = first_index(nan_e)
+    if not expected_nan and (idx := first_index(nan_e)) is not None:
         raise AssertionError(
             f"{label}: the oracle has NaN at index {idx}; pass expected_nan=True only if NaN is "
             "the declared meaning there (masked_rows='nan'), otherwise the inputs are invalid"
         )
-    wrong = nan_a & ~nan_e
-    if wrong.any():
-        idx = first_index(wrong)
+    if (idx := first_index(nan_a & ~nan_e)) is not None:
         raise AssertionError(f"{label}: NaN at index {idx} where the oracle has {e[idx]!r}")
-    missing = nan_e & ~nan_a
-    if missing.any():
-        idx = first_index(missing)
+    if (idx := first_index(nan_e & ~nan_a)) is not None:
         raise AssertionError(
             f"{label}: the oracle has NaN at {idx} (declared) but actual has {a[idx]!r}"
         )
     if np.isinf(e).any():
         raise AssertionError(f"{label}: the expected (oracle) value has inf; refusing to compare")
-    inf_a = np.isinf(a)
-    if inf_a.any():
-        idx = first_index(inf_a)
+    if (idx := first_index(np.isinf(a))) is not None:
         raise AssertionError(f"{label}: inf at index {idx} where the oracle has {e[idx]!r}")
     return ~nan_e
 

@@ -107,7 +107,7 @@ def check_mla(
     ``max_examples`` (``None``: 6), ``seed``, ``properties``, ``target`` as in
     :func:`check_attention`. Raises ``ValueError`` (an ``OptionError``) for an unknown property
     or dtype, ``TypeError`` for ``fn`` not callable."""
-    names = check_properties(MLA_PROPERTIES if properties is None else properties, MLA_PROPERTIES)
+    names = check_properties(properties, MLA_PROPERTIES)
     dts = check_subset("dtypes", dtypes, MLA_DTYPES)
     check_target(fn, max_examples)
     run = planned(lambda name: _plan(name, fn, dts), seed=seed, max_examples=max_examples or 6)

@@ -81,8 +81,9 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     ),
 }
 DEFAULT_SEMANTICS = {"masked_rows": "zeros", "causal_alignment": "top_left"}
-# The values each declared semantics may take: the kernel's own option names.
+# Each option's choices (the declared semantics': the kernel's own option names).
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "signature": SIGNATURES,
     "masked_rows": MASKED_ROWS_POLICIES,
     "causal_alignment": CAUSAL_ALIGNMENTS,
     "shapes": SHAPES,
@@ -120,13 +121,7 @@ class OptionError(ValueError):
 
 def check_signature(signature: str) -> None:
     """``signature in SIGNATURES``, else an :class:`OptionError`."""
-    if signature not in SIGNATURES:
-        raise OptionError(
-            f"signature must be one of {SIGNATURES}, got {signature!r}",
-            "signature",
-            signature,
-            SIGNATURES,
-        )
+    check_choice("signature", signature)
 
 
 def check_features(features: Sequence[str]) -> None:
@@ -171,9 +166,12 @@ def check_choice(option: str, value: str) -> None:
 
 
 def check_properties(
-    properties: Sequence[str], known: tuple[str, ...] = ALL_PROPERTIES
+    properties: Sequence[str] | None, known: tuple[str, ...] = ALL_PROPERTIES
 ) -> tuple[str, ...]:
-    """``properties`` in ``known``'s order, else an :class:`OptionError` listing the unknown."""
+    """``properties`` (``None``: all) in ``known``'s order, else an :class:`OptionError` listing
+    the unknown."""
+    if properties is None:
+        return known
     bad = [p for p in properties if p not in known]
     if bad:
         raise OptionError(

@@ -20,6 +20,7 @@ page or split schedule; a gather does not round); ``page_size`` 8 and 16, length
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,9 +139,7 @@ def _check(got: tuple[np.ndarray, np.ndarray | None], p: Problem, label: str) ->
     o, lse = got
     ref, ref_lse = oracle.paged_attention(*p.args(), **p.options, return_lse=True)
     bound, lse_bound = tolerance.kernel_call_error_bound(**p.call(), dtype=p.dtype)
-    bad = np.isfinite(ref) & ~np.isfinite(o)
-    if np.any(bad):
-        idx = first_index(bad)
+    if (idx := first_index(np.isfinite(ref) & ~np.isfinite(o))) is not None:
         raise AssertionError(f"{label}: non-finite output {o[idx]!r} at {idx}; oracle {ref[idx]!r}")
     assert_ratio_within(
         np.abs(o - ref),
@@ -160,8 +159,7 @@ def _check(got: tuple[np.ndarray, np.ndarray | None], p: Problem, label: str) ->
 
 def _relayout(p: Problem, seed: int) -> Problem:
     """The same logical cache in another permutation of the pool."""
-    q = Problem.__new__(Problem)
-    q.__dict__.update(p.__dict__)
+    q = copy.copy(p)
     perm = np.random.default_rng([seed, 7]).permutation(p.k_pages.shape[0])  # new id of page i
     q.k_pages, q.v_pages = np.empty_like(p.k_pages), np.empty_like(p.v_pages)
     q.k_pages[perm], q.v_pages[perm] = p.k_pages, p.v_pages
@@ -257,8 +255,7 @@ def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[A
             ("k_pages", dk, p.scatter(ref.key), p.scatter(bnd.key)),
             ("v_pages", dv, p.scatter(ref.value), p.scatter(bnd.value)),
         ):
-            if what != "query" and np.any(~read & (got != 0)):
-                idx = first_index(~read & (got != 0))
+            if what != "query" and (idx := first_index(~read & (got != 0))) is not None:
                 raise AssertionError(
                     f"d/d{what} = {got[idx]!r} at {idx}, an unused slot (never read): must be 0"
                 )
@@ -293,9 +290,7 @@ def check_paged(
     ``ValueError`` (an ``OptionError``) for an unknown property, feature or dtype, ``TypeError``
     for ``fn`` not callable.
     """
-    names = check_properties(
-        PAGED_PROPERTIES if properties is None else properties, PAGED_PROPERTIES
-    )
+    names = check_properties(properties, PAGED_PROPERTIES)
     feats = check_subset("features", features, PAGED_FEATURES, empty=True)
     dts = check_subset("dtypes", dtypes, PAGED_DTYPES)
     check_target(fn, max_examples)

@@ -27,10 +27,7 @@ from attnref.tolerance import gamma, unit_roundoff
 from attnref.tolerance._rounding import is_16bit
 
 # The masks property's kinds whose mask or bias takes the drawn broadcast shape.
-_DRAWN_SHAPES: dict[str, tuple[str, ...]] = {
-    "random": ("mask_shape",),
-    "neg_inf_bias": ("bias_shape",),
-}
+_DRAWN_SHAPES = {"random": "mask_shape", "neg_inf_bias": "bias_shape"}
 _MASK_PROPERTY_KINDS = (
     *(k for k in ast.MASK_KINDS if k not in ("none", "fully_masked_row")),
     *ast.PRODUCTION_KINDS,  # each only where the target declares its feature
@@ -70,7 +67,8 @@ def _plan_masks(ctx: Context) -> Plan | str:
     def check(case: Case) -> None:
         for kind in (case.get("kind"),) if case.has("kind") else kinds:
             ctx.at(f"kind={kind!r}")
-            shape = {name: case.get(name) for name in _DRAWN_SHAPES.get(kind, ())}
+            drawn = _DRAWN_SHAPES.get(kind)
+            shape = {drawn: case.get(drawn)} if drawn else {}
             p = ctx.problem(case.config, kind, case.seed, **shape)
             out, _ = ctx.run(p)
             assert_output(out, ctx.view(p), f"masks [{kind}: {_options_text(p)}]")
@@ -141,8 +139,7 @@ def _plan_causality(ctx: Context) -> Plan | str:
             grads = ctx.target.vjp(ctx.view(p), cot.astype(p.dtype))
             for name, g in zip("qkv", grads, strict=True):
                 g = np.asarray(g, np.float64)
-                if np.any(g[:, t:] != 0.0):
-                    idx = first_index(g[:, t:] != 0.0)
+                if (idx := first_index(g[:, t:] != 0.0)) is not None:
                     pos = (idx[0], idx[1] + t, *idx[2:])
                     raise AssertionError(
                         f"causality: d out[:, {t - 1}] / d {name}{list(pos)} = {g[pos]!r} != 0 "
@@ -193,8 +190,7 @@ def _plan_batch(ctx: Context) -> Plan | str:
             if one.shape != full[b : b + 1].shape:
                 raise AssertionError(f"batch element {b}: shape {one.shape} alone")
             nan_full, nan_one = np.isnan(full[b]), np.isnan(one[0])
-            if (nan_full != nan_one).any():
-                idx = first_index(nan_full != nan_one)
+            if (idx := first_index(nan_full != nan_one)) is not None:
                 raise AssertionError(
                     f"batch element {b}: NaN pattern differs at {idx}: batched "
                     f"{full[b][idx]!r}, alone {one[0][idx]!r}"
@@ -328,8 +324,7 @@ def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str
         g = np.asarray(g, np.float64)
         if g.shape != e.shape:
             raise AssertionError(f"{label}: d/d{name} has shape {g.shape}, expected {e.shape}")
-        if not np.all(np.isfinite(g)):
-            idx = first_index(~np.isfinite(g))
+        if (idx := first_index(~np.isfinite(g))) is not None:
             raise AssertionError(f"{label}: d/d{name}{list(idx)} = {g[idx]!r}")
         assert_ratio_within(
             np.abs(g - e),
@@ -362,8 +357,7 @@ def _plan_extreme(ctx: Context) -> Plan | str:
         out, _ = ctx.run(p)
         out = np.asarray(out, np.float64)
         bad = ~np.isfinite(out) & ~np.isnan(memo.oracle(ctx.view(p))[0])
-        if bad.any():
-            idx = first_index(bad)
+        if (idx := first_index(bad)) is not None:
             raise AssertionError(
                 f"extreme logits (max |logit| = {top:g}, {kind}): output {out[idx]!r} at {idx} "
                 "is not finite (overflow in exp? no max subtraction?)"

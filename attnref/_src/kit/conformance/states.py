@@ -133,15 +133,13 @@ def _check_state(
     ref_o, ref_l = oracle.merge_state_stack(s.o, s.lse, masked_rows=policy)
     o_b, l_b = s.bound(tree)
     empty = np.isneginf(ref_l)
-    if np.any(empty & ~np.isneginf(lse)):
-        idx = first_index(empty & ~np.isneginf(lse))
+    if (idx := first_index(empty & ~np.isneginf(lse))) is not None:
         raise AssertionError(
             f"{label}: every state of row {idx} is empty (lse = -inf), so the merge is empty; "
             f"got lse {lse[idx]!r}"
         )
     bad_fill = empty[..., None] & (~np.isnan(o) if policy == "nan" else (o != 0))
-    if np.any(bad_fill):
-        idx = first_index(bad_fill)
+    if (idx := first_index(bad_fill)) is not None:
         want = "NaN" if policy == "nan" else "0"
         raise AssertionError(
             f"{label}: row {idx[:-1]} is empty; masked_rows={policy!r} wants o = {want}, "
@@ -150,8 +148,7 @@ def _check_state(
     live = ~empty
     sides = (("lse", lse, ref_l, l_b, live), ("o", o, ref_o, o_b, live[..., None]))
     for name, x, ref, _, mask in sides:
-        if np.any(mask & ~np.isfinite(x)):
-            idx = first_index(mask & ~np.isfinite(x))
+        if (idx := first_index(mask & ~np.isfinite(x))) is not None:
             raise AssertionError(
                 f"{label}: non-finite {name} {x[idx]!r} at index {idx} where the oracle has "
                 f"{ref[idx]!r}"
@@ -187,8 +184,7 @@ def _check_gradients(
     for i, (name, x, ref, b) in enumerate(zip(_GRAD_NAMES, got, want, bounds, strict=True)):
         empty = np.isneginf(s.lse[i // 2])
         zero = empty if name.startswith("lse") else empty[..., None]
-        if np.any(zero & (x != 0)):
-            idx = first_index(zero & (x != 0))
+        if (idx := first_index(zero & (x != 0))) is not None:
             where = (
                 "both states are empty (the merge is the constant empty state)"
                 if both[idx[: both.ndim]]
@@ -199,9 +195,7 @@ def _check_gradients(
                 "is exactly 0"
             )
         defined = np.isfinite(ref)
-        bad = defined & ~np.isfinite(x)
-        if np.any(bad):
-            idx = first_index(bad)
+        if (idx := first_index(defined & ~np.isfinite(x))) is not None:
             raise AssertionError(
                 f"{label}: non-finite d/d{name} {x[idx]!r} at index {idx} where the oracle's "
                 f"gradient is {ref[idx]!r}"
@@ -223,8 +217,7 @@ def _agree(a: Any, b: Any, allowed: Any, label: str, message: str, **fields: Any
     for i, what in ((1, "lse"), (0, "o")):
         x, y = (np.asarray(g[i], np.float64) for g in (a, b))
         for kind, f in (("NaN", np.isnan), ("-inf", np.isneginf), ("+inf", np.isposinf)):
-            if not np.array_equal(f(x), f(y)):
-                idx = first_index(f(x) != f(y))
+            if (idx := first_index(f(x) != f(y))) is not None:
                 raise AssertionError(
                     f"{label}, {what}: {kind} at {idx} in one result only: {x[idx]!r} vs {y[idx]!r}"
                 )
@@ -388,9 +381,7 @@ def check_merge_states(
             masked_rows,
             STATE_POLICIES,
         )
-    names = check_properties(
-        MERGE_PROPERTIES if properties is None else properties, MERGE_PROPERTIES
-    )
+    names = check_properties(properties, MERGE_PROPERTIES)
     dts = check_subset("dtypes", dtypes, MERGE_DTYPES)
     check_target(merge, max_examples, "merge")
     if not isinstance(grad, bool):

@@ -123,10 +123,6 @@ def _lse_keyword(fn: Any) -> str:
     return next((kw for kw in ("return_residual", "return_lse") if kw in params), "return_residual")
 
 
-class _ShapeError(Exception):
-    """The target's output had the wrong shape while tracing its vjp."""
-
-
 # jitted callables shared across check_attention calls: (fn, signature, kind, static) -> jitted
 _JIT_CACHE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 _JIT_CACHE_MAX = 512
@@ -281,55 +277,46 @@ class Target:
 
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         """``(out [B, T, N, H_v], lse [B, T, N] or None)``, shapes checked."""
-        with self._declared_limit(p):
-            return self._forward(p, want_lse)
-
-    def _forward(self, p: ast.KernelProblem, want_lse: bool) -> tuple[np.ndarray, Any]:
         self.last_call = (p, None)
         c = p.config
-        if self.signature == "torch":  # no lse: the signature refuses that feature
-            out, lse = torch_forward(self.fn, p), None
-        else:
-            static, arrays = split_options(p.options)
-            raw = self._raw(static, want_lse)
-            key = ("forward", static, want_lse)
-            out = self._invoke(key, raw, (p.q, p.k, p.v, arrays), p.dtype)
-            if want_lse and (not isinstance(out, (tuple, list)) or len(out) != 2):
-                raise AssertionError(
-                    f"asked for the lse ({self.lse_keyword}=True) but fn returned "
-                    f"{type(out).__name__}, not a pair (out, lse)"
-                )
-            out, lse = out if want_lse else (_first(out), None)
-        out = _checked_array(out, (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
-        if want_lse and self.signature != "torch":
-            lse = _checked_array(lse, (c.b, c.t, c.n), f"lse [B, T, N] ({self.lse_keyword}=True)")
-        return out, lse
+        with self._declared_limit(p):
+            if self.signature == "torch":  # no lse: the signature refuses that feature
+                out, lse = torch_forward(self.fn, p), None
+            else:
+                static, arrays = split_options(p.options)
+                raw = self._raw(static, want_lse)
+                key = ("forward", static, want_lse)
+                out = self._invoke(key, raw, (p.q, p.k, p.v, arrays), p.dtype)
+                if want_lse and (not isinstance(out, (tuple, list)) or len(out) != 2):
+                    raise AssertionError(
+                        f"asked for the lse ({self.lse_keyword}=True) but fn returned "
+                        f"{type(out).__name__}, not a pair (out, lse)"
+                    )
+                out, lse = out if want_lse else (_first(out), None)
+            out = _checked_array(out, (c.b, c.t, c.n, c.h_v), "output [B, T, N, H_v]")
+            if want_lse and self.signature != "torch":
+                what = f"lse [B, T, N] ({self.lse_keyword}=True)"
+                lse = _checked_array(lse, (c.b, c.t, c.n), what)
+            return out, lse
 
     def vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         """Gradients of ``<fn(q, k, v), cotangent>`` with respect to ``q, k, v``."""
-        with self._declared_limit(p):
-            return self._vjp(p, cotangent)
-
-    def _vjp(self, p: ast.KernelProblem, cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
         self.last_call = (p, cotangent)
-        if self.signature == "torch":
-            return _checked_grads(torch_vjp(self.fn, p, cotangent), p)
-        static, arrays = split_options(p.options)
-        raw = self._raw(static, False)
+        with self._declared_limit(p):
+            if self.signature == "torch":
+                return _checked_grads(torch_vjp(self.fn, p, cotangent), p)
+            static, arrays = split_options(p.options)
+            raw = self._raw(static, False)
 
-        def grads(q: Any, k: Any, v: Any, arrays: dict[str, Any], cot: Any) -> Any:
-            out, pull = jax.vjp(lambda a, b, c: _first(raw(a, b, c, arrays)), q, k, v)
-            if tuple(out.shape) != tuple(cot.shape):
-                raise _ShapeError(
-                    f"fn returned its output [B, T, N, H_v] with shape {tuple(out.shape)}; "
-                    f"expected {tuple(cot.shape)}"
-                )
-            return pull(cot.astype(out.dtype))
+            def grads(q: Any, k: Any, v: Any, arrays: dict[str, Any], cot: Any) -> Any:
+                out, pull = jax.vjp(lambda a, b, c: _first(raw(a, b, c, arrays)), q, k, v)
+                if tuple(out.shape) != tuple(cot.shape):  # raised again by the eager call
+                    raise AssertionError(
+                        f"fn returned its output [B, T, N, H_v] with shape "
+                        f"{tuple(out.shape)}; expected {tuple(cot.shape)}"
+                    )
+                return pull(cot.astype(out.dtype))
 
-        try:
-            result = self._invoke(
-                ("vjp", static, False), grads, (p.q, p.k, p.v, arrays, cotangent), p.dtype
-            )
-        except _ShapeError as exc:
-            raise AssertionError(str(exc)) from None
-        return _checked_grads(result, p)
+            args = (p.q, p.k, p.v, arrays, cotangent)
+            result = self._invoke(("vjp", static, False), grads, args, p.dtype)
+            return _checked_grads(result, p)
