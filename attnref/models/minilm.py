@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,6 @@ class MiniLM:
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
-        self._encoders: dict[tuple[str, bool], Callable[..., Any]] = {}
 
     def tokenize(
         self, sentences: Sequence[str], *, pad_multiple: int = 8
@@ -102,10 +101,7 @@ class MiniLM:
     def encoder(self, formulation: str = "concat", *, normalize: bool = True) -> Any:
         """The cached :func:`attnref.models.make_encoder` ``(config, formulation, normalize)``:
         ``encode(weights, input_ids, attention_mask) -> [B, d_model]``."""
-        key = (formulation, normalize)
-        if key not in self._encoders:
-            self._encoders[key] = make_encoder(self.config, formulation, normalize=normalize)
-        return self._encoders[key]
+        return make_encoder(self.config, formulation, normalize=normalize)
 
     def embed(
         self,

@@ -250,8 +250,7 @@ def kernel_problems(
     :func:`configs`), a kind from ``kinds``, a seed, with ``identical_rows`` the identical-rows
     case one time in four, and a mask's or bias's broadcast shape from ``mask_shapes`` /
     ``bias_shapes`` (``None``: the kind's fixed shape)."""
-    strategy = configs_strategy() if configs is None else configs
-    config = draw(strategy, label="config")
+    config = draw(configs_strategy() if configs is None else configs, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
     mask_shape = bias_shape = None
     if kind in MASK_SHAPE_KINDS and mask_shapes is not None:

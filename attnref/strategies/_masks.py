@@ -151,11 +151,10 @@ def build(
         out["local_window_size"] = (2, 1)
     if "segments" in parts:
         if empty_rows:  # independent packings: a query's segment may have no key
-            q_seg, kv_seg = (
+            out["segment_ids"] = tuple(
                 np.sort(rng.integers(0, 3, size=(c.b, n)), axis=1).astype(np.int32)
                 for n in (c.t, c.s)
             )
-            out["segment_ids"] = (q_seg, kv_seg)
         else:
             q_seg, kv_seg = _segments(rng, c)
             out["segment_ids"] = q_seg if c.t == c.s else (q_seg, kv_seg)

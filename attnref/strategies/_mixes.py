@@ -55,8 +55,7 @@ def mixed_kernel_problems(
     bad = [k for k in kinds if k not in ARRAY_KINDS]
     if bad or not profiles:
         raise ValueError(f"kinds must be a subset of ARRAY_KINDS and profiles non-empty: {bad}")
-    strategy = configs_strategy() if configs is None else configs
-    config = draw(strategy, label="config")
+    config = draw(configs_strategy() if configs is None else configs, label="config")
     profile = draw(st.sampled_from(tuple(profiles)), label="static profile")
     chosen = draw(st.sets(st.sampled_from(tuple(kinds)), max_size=max_kinds), label="array kinds")
     if "neg_inf_bias" in chosen:
@@ -84,18 +83,14 @@ def mixed_kernel_problems(
         bias_shape=bias_shape,
         empty_rows=True,
     )
-    c = config
+    c, opts = config, problem.options
     if "padding" in chosen:
-        problem.options["query_seq_lengths"] = draw(
-            seq_lengths(c.b, c.t), label="query seq lengths"
-        )
-        problem.options["key_value_seq_lengths"] = draw(
-            seq_lengths(c.b, c.s), label="key/value seq lengths"
-        )
+        opts["query_seq_lengths"] = draw(seq_lengths(c.b, c.t), label="query seq lengths")
+        opts["key_value_seq_lengths"] = draw(seq_lengths(c.b, c.s), label="key/value seq lengths")
     if "segments" in chosen:
         q_seg = draw(segment_ids(c.b, c.t), label="query segment ids")
         kv_seg = draw(segment_ids(c.b, c.s), label="key/value segment ids")
-        problem.options["segment_ids"] = (q_seg, kv_seg)
+        opts["segment_ids"] = (q_seg, kv_seg)
     problem.kind = kind_name(picked)
     return problem
 

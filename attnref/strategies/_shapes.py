@@ -80,12 +80,6 @@ class Config(ShortRepr):
         """Whether ``N != K`` (grouped- or multi-query heads)."""
         return self.n != self.k
 
-    def __repr__(self) -> str:
-        return (
-            f"Config(batch={self.batch}, t={self.t}, s={self.s}, n={self.n}, k={self.k}, "
-            f"h={self.h}, h_v={self.h_v}, d_model={self.d_model}, dtype={self.dtype!r})"
-        )
-
 
 # Small to large: Hypothesis shrinks towards the first bucket. Head dims are powers of two, so the
 # default scale 1/sqrt(H) is exact in every dtype.
@@ -172,21 +166,6 @@ def broadcast_shapes(patterns: tuple[str, ...] = BROADCAST_SHAPES) -> st.SearchS
     return st.sampled_from(tuple(patterns))
 
 
-def _filter_buckets(
-    buckets: tuple[Config, ...], cross: bool, gqa: bool, value_dim_differs: bool
-) -> tuple[Config, ...]:
-    out = tuple(
-        b
-        for b in buckets
-        if (cross or not b.is_cross)
-        and (gqa or not b.is_gqa)
-        and (value_dim_differs or b.h == b.h_v)
-    )
-    if not out:
-        raise ValueError("no bucket satisfies the requested cross / gqa / value_dim constraints")
-    return out
-
-
 @st.composite
 def configs(
     draw: DrawFn,
@@ -200,7 +179,15 @@ def configs(
     """A :class:`Config` from ``buckets`` with a dtype from ``dtypes`` (labelled draws): ``T ==
     S`` unless ``cross``, ``N == K`` unless ``gqa``, ``H_v == H`` unless ``value_dim_differs``
     (``ValueError`` when drawn if no bucket is left)."""
-    pool = _filter_buckets(tuple(buckets), cross, gqa, value_dim_differs)
+    pool = tuple(
+        b
+        for b in buckets
+        if (cross or not b.is_cross)
+        and (gqa or not b.is_gqa)
+        and (value_dim_differs or b.h == b.h_v)
+    )
+    if not pool:
+        raise ValueError("no bucket satisfies the requested cross / gqa / value_dim constraints")
     bucket = draw(st.sampled_from(pool), label="bucket")
     dtype = draw(st.sampled_from(tuple(dtypes)), label="dtype")
     return dataclasses.replace(bucket, dtype=str(np.dtype(dtype)))

@@ -147,8 +147,7 @@ def attention_problems(
     labelled draws of a config (e.g. ``configs(buckets=WEIGHT_BUCKETS,
     value_dim_differs=True)``), a kind from ``kinds``, parameter biases (``None``: drawn) and a
     seed."""
-    strategy = configs_strategy() if configs is None else configs
-    config = draw(strategy, label="config")
+    config = draw(configs_strategy() if configs is None else configs, label="config")
     kind = draw(mask_kinds(kinds=tuple(kinds)), label="mask kind")
     with_bias = draw(st.booleans(), label="parameter biases") if param_bias is None else param_bias
     seed = draw(st.integers(0, 2**31 - 1), label="data seed")

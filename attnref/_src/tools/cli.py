@@ -34,10 +34,6 @@ from attnref.conformance import ALIGNMENTS, MASKED_ROWS
 __all__ = ["CHECK_XLA_FLAGS", "main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    return build(__version__, _report_mod.Problem(), MASKED_ROWS, ALIGNMENTS)
-
-
 def _fail(command: str, error: Exception | str) -> SystemExit:
     """Print ``attnref <command>: error: <error>`` (one line) to stderr; the exit to raise."""
     message = " ".join(line.strip() for line in str(error).strip().splitlines())
@@ -126,10 +122,8 @@ def _check_merge(args: argparse.Namespace) -> int:
     chosen = kit.split_list(args.properties) or ()
     unknown = [p for p in chosen if p not in MERGE_PROPERTIES]
     hint = did_you_mean(unknown[0], MERGE_PROPERTIES) if unknown else ""
-    try:
-        fn = load(args.target)
-    except kit.TargetError as e:
-        _fail("check-merge", e)
+    fn = _load("check-merge", args.target)
+    if fn is None:
         return 2
     dtypes: dict[str, Any] = {}
     if args.dtypes is not None:
@@ -150,6 +144,15 @@ def _check_merge(args: argparse.Namespace) -> int:
     return _emit(report, args.json)
 
 
+def _load(command: str, target: str) -> Callable[..., Any] | None:
+    """:func:`load` of ``target``; ``None`` once its failure is printed (exit status 2)."""
+    try:
+        return load(target)
+    except kit.TargetError as e:
+        _fail(command, e)
+        return None
+
+
 def _emit(report: Any, as_json: bool, replay: str = "") -> int:
     """Print a kit's ``report`` (JSON, or the table and then ``replay``); the exit status."""
     if as_json:
@@ -166,28 +169,16 @@ def _check(args: argparse.Namespace) -> int:
         devices = kit.split_devices(args.devices)
     except ValueError as e:
         raise _fail("check", e) from None
-    options = kit.Options(
-        target=args.target,
-        signature=args.signature,
-        features=kit.split_list(args.features),
-        max_examples=args.max_examples,
-        seed=args.seed,
-        masked_rows=args.masked_rows,
-        causal_alignment=args.causal_alignment,
-        dtypes=kit.split_list(args.dtypes),
-        properties=kit.split_list(args.properties),
-        shapes=args.shapes,
-        devices=devices,
-        refuses_lengths=args.refuses_lengths,
-    )
+    # the flags of the same names, the comma-separated lists split
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kit.Options)}
+    lists = {name: kit.split_list(given[name]) for name in ("features", "dtypes", "properties")}
+    options = kit.Options(**{**given, **lists, "devices": devices})
     try:
         options.validate()
     except ValueError as e:
         raise _fail("check", f"{e}{_suggestion(e)}") from None
-    try:
-        fn = load(args.target)
-    except kit.TargetError as e:
-        _fail("check", e)
+    fn = _load("check", args.target)
+    if fn is None:
         return 2
     try:
         options.preflight(fn)  # the engine's own checks (e.g. a feature the signature lacks)
@@ -309,7 +300,7 @@ def _compile_fast(argv: Sequence[str] | None) -> None:
 
 def _run(argv: Sequence[str] | None) -> int:
     """Parse ``argv`` and run the command; argparse exits 2 on a bad flag or value."""
-    args = _parser().parse_args(argv)
+    args = build(__version__, _report_mod.Problem(), MASKED_ROWS, ALIGNMENTS).parse_args(argv)
     if args.command in ("check", "check-merge"):
         _compile_fast(argv)
     if args.command == "check":

@@ -120,8 +120,7 @@ def _covered_in(module: str, qualname: str, source: str) -> frozenset[str]:
                 todo.append(f"{cls}.{node.attr}")
             if (
                 isinstance(node, ast.Call)
-                and isinstance(node.func, (ast.Name, ast.Attribute))
-                and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr)
+                and getattr(node.func, "id", getattr(node.func, "attr", None))
                 in ("formulations", "ids")
                 and node.args
                 and isinstance(node.args[0], ast.Constant)
