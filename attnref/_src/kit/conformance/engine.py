@@ -269,8 +269,12 @@ def _small(ctx: Context, name: str, max_examples: int, seed: int) -> _Run | str:
     return run_property(strategy, tracked, max_examples, seed, first, sub_case=lambda: ctx.sub_case)
 
 
-def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_Run, float] | str:
-    """``(run(ctx, *args), seconds)``, the target's notes in its detail; sets ``ctx.failing``."""
+def _timed(
+    ctx: Context, target: str, run: Callable[..., _Run | str], *args: Any
+) -> dict[str, Any] | str:
+    """``run(ctx, *args)`` as a result's fields, or why it is skipped: the target's notes in the
+    detail, the ``seconds``, a failure's ``inputs`` and ``problem_replay`` (of ``ctx.failing``,
+    the target named ``target``)."""
     start = time.perf_counter()
     before, refused = len(ctx.target.notes), len(ctx.target.refusals)
     ctx.target.last_call = ctx.failing = None
@@ -278,8 +282,6 @@ def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_R
     if isinstance(out, str):
         return out
     status, detail, example, count, tb = out
-    if status == "failed":
-        ctx.failing = ctx.target.last_call
     notes = ctx.target.notes[before:]
     if refusals := ctx.target.refusals[refused:]:
         notes.append(
@@ -289,7 +291,14 @@ def _timed(ctx: Context, run: Callable[..., _Run | str], *args: Any) -> tuple[_R
     if status == "passed" and ctx.calls:
         detail = calls_detail(ctx.calls)
     detail = "; ".join([detail, *notes] if detail else notes) if notes else detail
-    return (status, detail, example, count, tb), time.perf_counter() - start
+    took = time.perf_counter() - start
+    run_fields = dict(status=status, detail=detail, example=example, examples=count, traceback=tb)
+    if status == "failed" and ctx.target.last_call is not None:
+        p, cot = ctx.failing = ctx.target.last_call
+        distributed = ctx.devices is not None
+        replay = problem_replay(p, cot, ctx.signature, target, distributed)
+        run_fields.update(inputs=call_inputs(p, cot), problem_replay=replay)
+    return {**run_fields, "seconds": took}
 
 
 def _on_meshes(
@@ -304,14 +313,12 @@ def _on_meshes(
     for size, ctx in contexts.items():
         ctx.ratios.clear()
         ctx.calls.clear()
-        timed = _timed(ctx, _small, name, max_examples, seed)
-        if isinstance(timed, str):
-            return timed
-        run, took = timed
-        ratio = max(ctx.ratios) if ctx.ratios else None
-        out.append(MeshResult(size, *run, took, ratio, *_failing(ctx, True)))
+        run = _timed(ctx, "fn", _small, name, max_examples, seed)
+        if isinstance(run, str):
+            return run
+        out.append(MeshResult(size, ratio=max(ctx.ratios, default=None), **run))
         if log is not None:
-            log(f"{name} P={size}: {run[0]} ({took:.1f} s)")
+            log(f"{name} P={size}: {run['status']} ({run['seconds']:.1f} s)")
     return tuple(out)
 
 
@@ -332,17 +339,6 @@ def _combined(
         traceback=first.traceback,
         inputs=first.inputs,
     )
-
-
-def _failing(
-    ctx: Context, distributed: bool, target: str = "fn"
-) -> tuple[dict[str, Any] | None, str | None]:
-    """``(inputs, problem_replay)`` of ``ctx.failing``, or ``(None, None)``."""
-    if ctx.failing is None:
-        return None, None
-    p, cot = ctx.failing
-    replay = problem_replay(p, cot, ctx.signature, target, distributed)
-    return call_inputs(p, cot), replay
 
 
 def mesh_contexts(
@@ -499,17 +495,14 @@ def check_attention(
         if contexts:
             meshes = _on_meshes(contexts, name, max_examples or 20, seed, log)
             return meshes if isinstance(meshes, str) else _combined(name, meshes, seed, in_effect)
+        label = target or describe_target(fn)
         if shapes == "production":
-            timed = _timed(ctx, _production, name, max_examples, log)
+            run = _timed(ctx, label, _production, name, max_examples, log)
         else:
-            timed = _timed(ctx, _small, name, max_examples or 20, seed)
-        if isinstance(timed, str):
-            return timed
-        (status, detail, example, count, tb), took = timed
-        failing = _failing(ctx, False, target or describe_target(fn))
-        return PropertyResult(
-            name, status, detail, example, seed, count, in_effect, tb, took, (), *failing
-        )
+            run = _timed(ctx, label, _small, name, max_examples or 20, seed)
+        if isinstance(run, str):
+            return run
+        return PropertyResult(name, seed=seed, declared=in_effect, **run)
 
     results = run_suite(names, run, seed=seed, progress=progress)
     return ConformanceReport(
