@@ -155,19 +155,21 @@ FOOTER = (
     "model FLOPs: matmul (a multiply-add is 2; equal to XLA's dot count) + elementwise counted "
     "from attnref's source; XLA FLOPs: cost_analysis(), which counts a scan body once."
 )
-COLUMNS = (
-    "formulation",
-    "dtype",
-    "max abs err",
-    "max rel err",
-    "err/bound",
-    "ok",
-    "model FLOPs",
-    "XLA FLOPs",
-    "temp bytes",
-    "median us",
-    "setting",
+# Each column's heading and a row's cell in it, as both layouts print it.
+_CELLS: tuple[tuple[str, Callable[[Row], str]], ...] = (
+    ("formulation", lambda r: r.id),
+    ("dtype", lambda r: r.dtype),
+    ("max abs err", lambda r: f"{r.max_abs_error:.3e}"),
+    ("max rel err", lambda r: f"{r.max_rel_error:.3e}"),
+    ("err/bound", lambda r: f"{r.bound_ratio:.2e}"),
+    ("ok", lambda r: "ok" if r.bound_ratio <= 1.0 else "FAIL"),
+    ("model FLOPs", lambda r: f"{r.model_flops:,d}"),
+    ("XLA FLOPs", lambda r: f"{r.xla_flops:,.0f}"),
+    ("temp bytes", lambda r: f"{r.temp_bytes:,d}"),
+    ("median us", lambda r: f"{r.median_us:.1f}"),
+    ("setting", lambda r: r.note),
 )
+COLUMNS = tuple(heading for heading, _ in _CELLS)
 NUMERIC = COLUMNS[2:5] + COLUMNS[6:10]
 
 
@@ -193,20 +195,8 @@ class Table:
 
 
 def _cells(r: Row) -> tuple[str, ...]:
-    """Row ``r``'s cells, in :data:`COLUMNS`' order, as both layouts print them."""
-    return (
-        r.id,
-        r.dtype,
-        f"{r.max_abs_error:.3e}",
-        f"{r.max_rel_error:.3e}",
-        f"{r.bound_ratio:.2e}",
-        "ok" if r.bound_ratio <= 1.0 else "FAIL",
-        f"{r.model_flops:,d}",
-        f"{r.xla_flops:,.0f}",
-        f"{r.temp_bytes:,d}",
-        f"{r.median_us:.1f}",
-        r.note,
-    )
+    """Row ``r``'s cells, in :data:`COLUMNS`' order."""
+    return tuple(cell(r) for _, cell in _CELLS)
 
 
 # The plain layout's least widths of the numeric columns: a count up to 9,999,999,999 fits, the
