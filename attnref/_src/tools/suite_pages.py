@@ -190,11 +190,10 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
     for stale in out.glob("*.md"):
         if stale.stem not in modules and stale.stem != "index":
             stale.unlink()
-    paths = []
-    for module in modules:
-        path = out / f"{module}.md"
-        text = render_test_page(module, (tests_dir / f"{module}.py").read_text())
-        paths.append(_write_changed(path, text))
+    paths = [
+        _write_changed(out / f"{m}.md", render_test_page(m, (tests_dir / f"{m}.py").read_text()))
+        for m in modules
+    ]
     index = out / "index.md"
     text = (
         "# The test suite\n\n"
