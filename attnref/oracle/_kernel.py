@@ -25,11 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import (
-    check_allowed_shape,
-    check_method,
-    check_options,
-)
+from ._checks import check_allowed_shape, check_method, check_options
 from ._doc import KERNEL, KERNEL_RAISES, doc, method_option, retemplate, signed
 from ._kernel_call import OPTIONS, KernelCall, call_allowed, kernel_call, parse, pick
 from ._kernel_fast import forward

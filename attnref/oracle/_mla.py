@@ -29,13 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import (
-    check_mask_and_bias,
-    check_scale,
-    dtype_of,
-    is_floating,
-    shape_of,
-)
+from ._checks import check_mask_and_bias, check_scale, dtype_of, is_floating, shape_of
 from ._doc import retemplate, rope_call, signed
 from ._rope import check_base, check_convention, read_positions, rope
 
