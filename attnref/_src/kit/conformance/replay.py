@@ -56,13 +56,8 @@ def rebuild(p: ast.KernelProblem, signature: str) -> tuple[ast.KernelProblem, st
     ``p`` exactly, or ``None`` (the property changed the problem after building it)."""
     if p.kind not in ast.MASK_KINDS + ast.PRODUCTION_KINDS:
         return None
-    kw: dict[str, Any] = {}
-    if p.identical != "none":
-        kw["identical"] = p.identical
-    if p.masked_rows != "zeros":
-        kw["masked_rows"] = p.masked_rows
-    if p.causal_alignment != "top_left":
-        kw["causal_alignment"] = p.causal_alignment
+    defaults = {"identical": "none", "masked_rows": "zeros", "causal_alignment": "top_left"}
+    kw: dict[str, Any] = {k: getattr(p, k) for k, d in defaults.items() if getattr(p, k) != d}
     if signature != "qkv_mask":
         if p.kind in ast.MASK_SHAPE_KINDS and "mask" in p.options:
             kw["mask_shape"] = _pattern(np.shape(p.options["mask"]))

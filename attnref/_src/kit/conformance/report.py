@@ -135,18 +135,12 @@ class ConformanceReport:
         right = ("P", "examples", "time", "ratio")
         table = console.table((*head, "detail"), right=right, terminal=terminal)
         for r in self.results:
-            runs: list[Any] = list(r.meshes) or [r]
-            for m in runs:
-                cells: list[Any] = [r.name]
-                if meshes:
-                    cells.append(str(m.devices) if isinstance(m, MeshResult) else "")
-                cells += [
-                    Text(m.status, console.status_style(m.status, terminal)),
-                    str(m.examples),
-                    _took(m),
-                ]
+            for m in r.meshes or (r,):
+                status = Text(m.status, console.status_style(m.status, terminal))
+                cells: list[Any] = [r.name, status, str(m.examples), _took(m)]
                 if meshes:
                     ratio = getattr(m, "ratio", None)
+                    cells.insert(1, str(m.devices) if isinstance(m, MeshResult) else "")
                     cells.append("" if ratio is None else f"{ratio:.3g}")
                 table.add_row(*cells, _first_line(m.detail))
         return table
@@ -156,15 +150,14 @@ class ConformanceReport:
         for r in self.results:
             if r.status != "failed":
                 continue
-            failures: list[Any] = [m for m in r.meshes if m.status == "failed"] or [r]
-            for f in failures:
-                at = f" at P={f.devices}" if isinstance(f, MeshResult) else ""
+            for f in tuple(m for m in r.meshes if m.status == "failed") or (r,):
+                devices = f.devices if isinstance(f, MeshResult) else None
+                at = "" if devices is None else f" at P={devices}"
                 lines += ["", f"--- {r.name} failed{at} (seed {r.seed}) ---", f.detail.strip()]
                 if f.example:
                     lines.append(f.example.strip())
                 if f.traceback:
                     lines.append(f.traceback.rstrip())
-                devices = f.devices if isinstance(f, MeshResult) else None
                 lines.append(f"replay: {self.replay(r, devices)}")
                 if f.problem_replay:
                     lines.append(f"replay the failing call: {f.problem_replay}")
