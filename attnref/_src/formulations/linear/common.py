@@ -123,18 +123,16 @@ def check_chunk_size(chunk_size: Any) -> None:
 # ----------------------------------------------------------------------------- features, policy
 
 
-def query(fm: FeatureMapLike, q: Array) -> tuple[Array, Array | None]:
-    """Query features and their log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) =
-    exp(-c) phi(q).phi(k)``."""
-    if isinstance(fm, FeatureMap) and fm.name == "favor_plus":
-        return fm.query_features(q)
-    return fm(q, "query"), None  # c = 0
-
-
 def features(
     fm: FeatureMapLike, q: Array, k: Array, key_mask: Array | None
 ) -> tuple[Array, Array, Array | None]:
-    (fq, c), fk = query(fm, q), fm(k, "key")
+    """``(phi~(q), phi~(k), c)``: the features (keys outside ``key_mask`` zeroed) and the query
+    log factor ``c`` (``None`` where it is 0): ``phi~(q).phi~(k) = exp(-c) phi(q).phi(k)``."""
+    if isinstance(fm, FeatureMap) and fm.name == "favor_plus":
+        fq, c = fm.query_features(q)
+    else:
+        fq, c = fm(q, "query"), None  # c = 0
+    fk = fm(k, "key")
     if key_mask is not None:  # padded keys contribute nothing (and cannot leak NaN through *0)
         fk = jnp.where(key_mask[..., None, None], fk, jnp.zeros_like(fk))
     return fq, fk, c

@@ -176,27 +176,24 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
     return _cost.build(d, mm, el, trq + trk + _cost.eps_exp(d, d.t_q), every)
 
 
-def register_linear(form: str | None = None, **entry: Any) -> None:
-    """Register a form of the LINEAR family (convention ``kernel`` and citation
-    :data:`KATHAROPOULOS` unless ``entry`` says).
-
-    ``form`` (``"quadratic"``, ...) names the entry ``linear_<form>`` and its functions: the
+def register_linear(form: str, **entry: Any) -> None:
+    """Register the form ``form`` (``"quadratic"``, ...) of the LINEAR family: the entry
+    ``linear_<form>`` with the cost model ``linear_<form>_cost``, convention ``kernel`` and
+    citation :data:`KATHAROPOULOS` unless ``entry`` says, and (unless ``entry`` names them) the
     public ``multihead.linear_<form>_attention`` (apply), the formula ``kernel.<form>`` and the
     kernel ``kernel.linear_<form>`` (native)."""
-    if form is not None:
-        entry = {
-            "id": f"linear_{form}",
-            "apply": getattr(multihead, f"linear_{form}_attention"),
-            "formula": getattr(kernel, form),
-            "native": getattr(kernel, f"linear_{form}"),
-            **entry,
-        }
-    defaults = {"convention": "kernel", "citation": KATHAROPOULOS, "family": LINEAR}
+    fid = f"linear_{form}"
+    defaults = {"id": fid, "convention": "kernel", "citation": KATHAROPOULOS, "family": LINEAR}
+    if "apply" not in entry:
+        defaults["apply"] = getattr(multihead, f"{fid}_attention")
+        defaults["formula"] = getattr(kernel, form)
+        defaults["native"] = getattr(kernel, fid)
+    defaults["cost_model"] = globals()[f"{fid}_cost"]
     register(Formulation(**{**defaults, **entry}))
 
 
 register_linear(
-    form="quadratic",
+    "quadratic",
     title="Linear attention, quadratic form",
     equation=(
         r"Y_h = \frac{(\phi(Q_h)\phi(K_h)^\top \odot M)\, V_h}"
@@ -207,25 +204,22 @@ register_linear(
         "The T x T kernel matrix materialised, masked (causal and/or key padding), row-normalised."
     ),
     cost="FLOPs O(H T_q T_k (m + d_v)); memory O(H T_q T_k). m = number of features.",
-    cost_model=linear_quadratic_cost,
-    causal_modes=(False, True),
 )
 
 register_linear(
-    form="associative",
+    "associative",
     title="Linear attention, associative (non-causal) form",
     equation=(
         r"Y_h = \frac{\phi(Q_h)\,\big(\phi(K_h)^\top V_h\big)}"
         r"{\phi(Q_h)\,\big(\phi(K_h)^\top \mathbf{1}\big) + \epsilon},\ h = 1, \dots, H"
     ),
-    summary=("Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first."),
+    summary="Associativity turns O(T^2 d) into O(T m d_v): keys and values are summarised first.",
     cost="FLOPs O(H (T_q + T_k) m d_v); memory O(H m d_v): linear in T.",
-    cost_model=linear_associative_cost,
     causal_modes=(False,),
 )
 
 register_linear(
-    form="prefix_sum",
+    "prefix_sum",
     title="Linear attention, causal prefix sums",
     equation=(
         r"S_{t,h} = \sum_{j \le t} \phi(k_{j,h}) v_{j,h}^\top,\ z_{t,h} = \sum_{j \le t}"
@@ -234,12 +228,11 @@ register_linear(
     ),
     summary="Cumulative sums of phi(k) v^T and phi(k) give every causal prefix at once.",
     cost="FLOPs O(H T m d_v); memory O(H T m d_v) for the prefix states.",
-    cost_model=linear_prefix_sum_cost,
     causal_modes=(True,),
 )
 
 register_linear(
-    form="recurrent",
+    "recurrent",
     title="Linear attention, recurrent (RNN) form",
     equation=(
         r"S_{t,h} = S_{t-1,h} + \phi(k_{t,h}) v_{t,h}^\top,\ z_{t,h} = z_{t-1,h} +"
@@ -253,12 +246,11 @@ register_linear(
         "FLOPs O(H T m d_v) in T sequential steps; memory O(H m d_v), constant in T "
         "(the KV-cache analogue)."
     ),
-    cost_model=linear_recurrent_cost,
     causal_modes=(True,),
 )
 
 register_linear(
-    form="chunked",
+    "chunked",
     title="Linear attention, chunked form",
     equation=(
         r"y_{t,h} = \frac{\phi(q_{t,h})^\top \big(S_{c-1,h} + \sum_{j \in c,\, j \le t}"
@@ -273,13 +265,12 @@ register_linear(
         "FLOPs O(H T (C (m + d_v) + m d_v)) for chunk size C, T / C sequential steps; "
         "memory O(H (C^2 + m d_v))."
     ),
-    cost_model=linear_chunked_cost,
     causal_modes=(True,),
     static_argnames=(*LINEAR.static_argnames, "chunk_size"),
 )
 
 register_linear(
-    id="linear_messages",
+    "messages",
     title="Linear attention, scores x messages",
     equation=(
         r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
@@ -293,6 +284,4 @@ register_linear(
     cost=(
         "FLOPs O(H T_q T_k (m + d_model) + H T_k d_model^2); memory O(H T_q T_k + H T_k d_model)."
     ),
-    cost_model=linear_messages_cost,
-    causal_modes=(False, True),
 )

@@ -46,7 +46,6 @@ from attnref._src.formulations.linear.common import (
     check_qkv,
     features,
     normalize,  # noqa: F401  (the docstring's :func: role resolves here)
-    query,
     with_chunk_size,
 )
 
@@ -62,12 +61,16 @@ def quadratic(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T_q H d_v"]:
     return o.normalize(num, den, c)
 
 
+def kernel_matrix(fq: Array, fk: Array, causal: bool) -> Float[Array, "... H T_q T_k"]:
+    """``A = phi(Q) phi(K)^T`` per head, zero above the diagonal when ``causal``."""
+    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
+    return jnp.where(causal_pairs(a.shape[-1]), a, jnp.zeros_like(a)) if causal else a
+
+
 def quadratic_parts(
     fq: Array, fk: Array, v: Array, causal: bool
 ) -> tuple[Float[Array, "... T_q H d_v"], Float[Array, "... T_q H"]]:
-    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)  # A [..., H, T_q, T_k]
-    if causal:
-        a = jnp.where(causal_pairs(a.shape[-1]), a, jnp.zeros_like(a))
+    a = kernel_matrix(fq, fk, causal)
     num = jnp.einsum("...hqk,...khv->...qhv", a, v, precision=HIGHEST)
     return num, jnp.swapaxes(jnp.sum(a, axis=-1), -1, -2)
 
@@ -116,9 +119,7 @@ def step(
 ) -> tuple[LinearState, Float[Array, "... H d_v"]]:
     """``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``,
     ``y_t = phi(q_t) S_t / (phi(q_t) z_t)``; a key that is not valid is not appended."""
-    (fq, c), fk = query(o.feature_map, q_t), o.feature_map(k_t, "key")
-    if key_valid is not None:
-        fk = jnp.where(key_valid[..., None, None], fk, jnp.zeros_like(fk))
+    fq, fk, c = features(o.feature_map, q_t, k_t, key_valid)
     s = state.s + jnp.einsum("...hm,...hv->...hmv", fk, v_t, precision=HIGHEST)
     z = state.z + fk
     num = jnp.einsum("...hm,...hmv->...hv", fq, s, precision=HIGHEST)

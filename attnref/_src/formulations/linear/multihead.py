@@ -31,7 +31,6 @@ from attnref._src.formulations.linear.common import (
     Form,
     Options,
     RowCall,
-    causal_pairs,
     check_causal,
     check_key_mask,
     check_mode,
@@ -45,6 +44,7 @@ from attnref._src.formulations.linear.kernel import (
     RAISES,
     associative,
     chunked,
+    kernel_matrix,
     prefix_sum,
     quadratic,
     recurrent,
@@ -77,9 +77,7 @@ def messages(
     q = jnp.swapaxes(project(x_q, params.w_q, params.b_q), -3, -2)
     k = jnp.swapaxes(project_kv(x_kv, params.w_k, params.b_k, g), -3, -2)
     fq, fk, c = o.features(q, k)
-    a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)  # [..., H, T_q, T_k]
-    if o.causal:
-        a = jnp.where(causal_pairs(a.shape[-1]), a, jnp.zeros_like(a))
+    a = kernel_matrix(fq, fk, o.causal)  # [..., H, T_q, T_k]
     den = jnp.sum(a, axis=-1)  # [..., H, T_q]
     c = None if c is None else jnp.swapaxes(c, -1, -2)  # [..., H, T_q], as den
     a = o.normalize(a, den, c)  # row-normalised, zero rows where den = 0
