@@ -13,40 +13,33 @@ Padding and communication: ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array
 
-from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.chunk import chunk_state, value_sum
 from attnref._src.formulations.distributed.family import (
-    DISTRIBUTED,
     MeshRun,
-    mesh_args,
     mesh_kernel,
     mesh_schedule,
+    register_scheme,
     scheme_rows,
 )
 from attnref._src.formulations.distributed.layout import (
+    LocalInputs,
     from_layout,
     padded_length,
     positions,
-    to_layout,
+    shard_inputs,
 )
 from attnref._src.formulations.kernel import finish, uniform_rows
 from attnref._src.formulations.kernel_spec import KernelInputs, lengths_only
 
 LAYOUT = "zigzag"
-
-
-def _rows(a: Array | None, t_pad: int, devices: int, fill: float) -> Array | None:
-    """A mask or bias ``[#B, #N, #T, #S]`` with a full query axis put in the zigzag layout
-    (padded with ``fill``); a broadcast query axis stays 1."""
-    if a is None or a.shape[2] == 1:
-        return a
-    return to_layout(a, 2, t_pad, devices, LAYOUT, fill)
 
 
 def _all_gather(
@@ -55,65 +48,32 @@ def _all_gather(
     """Zigzag layout, gather K/V, local queries against every key; ``(o, lse)`` global."""
     spec, scale, mesh, axis, devices = mesh_run
     t_pad, s_pad = padded_length(spec.t, devices, LAYOUT), padded_length(spec.s, devices, LAYOUT)
+    traced = traced_scale is not None
+    local, specs = shard_inputs(inputs, LAYOUT, devices, axis, t_pad, s_pad, traced)
+    local = dataclasses.replace(local, scale=traced_scale)  # the caller's scale, when traced
+    q_table = positions(t_pad, devices, LAYOUT)
+    k_table = positions(s_pad, devices, LAYOUT).reshape(-1)  # every gathered key's position
 
-    def seq(a: Array | None, n_pad: int) -> Array | None:
-        return None if a is None else to_layout(a, 1, n_pad, devices, LAYOUT)
+    def gather(a: Any) -> Any:
+        return None if a is None else jax.lax.all_gather(a, axis, axis=1, tiled=True)
 
-    q_pos = jnp.asarray(positions(t_pad, devices, LAYOUT).reshape(-1))
-    k_pos_table = positions(s_pad, devices, LAYOUT).reshape(-1)  # every gathered key's position
-    args = mesh_args(
-        inputs,
-        traced_scale,
-        q=seq(inputs.q, t_pad),
-        k=seq(inputs.k, s_pad),
-        v=seq(inputs.v, s_pad),
-        q_pos=q_pos,
-        q_seg=seq(inputs.q_seg, t_pad),
-        kv_seg=seq(inputs.kv_seg, s_pad),
-        bias=_rows(inputs.bias, t_pad, devices, 0.0),
-        mask=_rows(inputs.mask, t_pad, devices, 0.0),  # padded with False
-    )
-    sharded = {"q": 1, "k": 1, "v": 1, "q_pos": 0, "q_seg": 1, "kv_seg": 1, "bias": 2, "mask": 2}
-    specs = {}
-    for name, a in args.items():
-        dim = sharded.get(name)
-        full_rows = dim is not None and (name not in ("bias", "mask") or a.shape[2] > 1)
-        specs[name] = Spec(*([None] * dim), axis) if full_rows else Spec()  # type: ignore[operator]
-
-    def gather(a: Array) -> Array:
-        return jax.lax.all_gather(a, axis, axis=1, tiled=True)
-
-    def body(a: dict[str, Array]) -> tuple[Array, Array]:
-        k_pos = jnp.asarray(k_pos_table)
-        lengths = lengths_only(a.get("q_lens"), a.get("kv_lens"))
-        k, v = gather(a["k"]), gather(a["v"])
-        kv_seg = gather(a["kv_seg"]) if "kv_seg" in a else None
+    def body(a: LocalInputs) -> tuple[Array, Array]:
+        q_pos, k_pos = jnp.asarray(q_table)[jax.lax.axis_index(axis)], jnp.asarray(k_table)
+        lengths = lengths_only(a.q_lens, a.kv_lens)
+        k, v, kv_seg = gather(a.k), gather(a.v), gather(a.kv_seg)
+        a_scale = scale if a.scale is None else a.scale
         o, lse = chunk_state(
-            spec,
-            lengths,
-            a.get("scale", scale),
-            a["q"],
-            a["q_pos"],
-            a.get("q_seg"),
-            k,
-            v,
-            k_pos,
-            kv_seg,
-            a.get("bias"),
-            a.get("mask"),
+            spec, lengths, a_scale, a.q, q_pos, a.q_seg, k, v, k_pos, kv_seg, a.bias, a.mask
         )
         mean_v = None
         if spec.masked_rows == "uniform":
             mean_v = uniform_rows(spec, value_sum(spec, v, k_pos))
-        return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), a["q_pos"], mean_v)
+        return finish(spec, lengths, o, lse, ~jnp.isneginf(lse), q_pos, mean_v)
 
     out_spec = Spec(None, axis)
     run = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(out_spec, out_spec))
-    out, lse = run(args)
-    return (
-        from_layout(out, 1, spec.t, devices, LAYOUT),
-        from_layout(lse, 1, spec.t, devices, LAYOUT),
-    )
+    out, lse = (from_layout(a, 1, spec.t, devices, LAYOUT) for a in run(local))
+    return out, lse
 
 
 all_gather_dot_product_attention = mesh_kernel(
@@ -130,40 +90,35 @@ all_gather_dot_product_attention = mesh_kernel(
     axis="to split the sequence over",
     returns=" Natural token order.",
 )
-all_gather_attention = scheme_rows(all_gather_dot_product_attention, "all_gather_attention")
+all_gather_attention = scheme_rows(all_gather_dot_product_attention)
 
 
-register(
-    Formulation(
-        id="all_gather",
-        title="All-gather context parallelism (zigzag queries, every key gathered)",
-        equation=(
-            r"K' = \mathrm{all\_gather}_d(K_{\mathcal{T}_d}),\ V' = \mathrm{all\_gather}_d"
-            r"(V_{\mathcal{T}_d}),\quad O_{\mathcal{T}_d, n} = \mathrm{softmax}\Big(\frac{Q_"
-            r"{\mathcal{T}_d, n} K'^\top_{g(n)}}{\sqrt{d_k}} + B_{\mathcal{T}_d}\Big) V'_{g(n)},"
-            r"\ n = 1, \dots, N,\quad"
-            r" \mathcal{T}_d = C_d \cup C_{2P-1-d}"
-        ),
-        convention="kernel",
-        citation=(
-            "Grattafiori et al. (2024), The Llama 3 Herd of Models, arXiv:2407.21783 (context "
-            "parallelism: all-gathered keys and values, each rank holding chunks i and "
-            "2P - 1 - i)."
-        ),
-        apply=all_gather_attention,
-        native=all_gather_dot_product_attention,
-        formula=_all_gather,
-        summary=(
-            "Queries stay in the load-balanced zigzag layout (chunks d and 2P-1-d); keys and "
-            "values are all-gathered, so each device computes its rows against every key in one "
-            "piece (no state merge); the backward reduce-scatters dK and dV."
-        ),
-        cost=(
-            "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device (balanced under a causal mask); "
-            "memory O(B T_k K (d_k + d_v)) for the gathered K/V plus O(B H T_q T_k / P) logits; "
-            "one all-gather of O(B T_k K (d_k + d_v)) numbers."
-        ),
-        family=DISTRIBUTED,
-        cost_model=_dcost.all_gather_cost,
-    )
+register_scheme(
+    "all_gather",
+    all_gather_attention,
+    all_gather_dot_product_attention,
+    title="All-gather context parallelism (zigzag queries, every key gathered)",
+    equation=(
+        r"K' = \mathrm{all\_gather}_d(K_{\mathcal{T}_d}),\ V' = \mathrm{all\_gather}_d"
+        r"(V_{\mathcal{T}_d}),\quad O_{\mathcal{T}_d, n} = \mathrm{softmax}\Big(\frac{Q_"
+        r"{\mathcal{T}_d, n} K'^\top_{g(n)}}{\sqrt{d_k}} + B_{\mathcal{T}_d}\Big) V'_{g(n)},"
+        r"\ n = 1, \dots, N,\quad"
+        r" \mathcal{T}_d = C_d \cup C_{2P-1-d}"
+    ),
+    citation=(
+        "Grattafiori et al. (2024), The Llama 3 Herd of Models, arXiv:2407.21783 (context "
+        "parallelism: all-gathered keys and values, each rank holding chunks i and "
+        "2P - 1 - i)."
+    ),
+    formula=_all_gather,
+    summary=(
+        "Queries stay in the load-balanced zigzag layout (chunks d and 2P-1-d); keys and "
+        "values are all-gathered, so each device computes its rows against every key in one "
+        "piece (no state merge); the backward reduce-scatters dK and dV."
+    ),
+    cost=(
+        "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device (balanced under a causal mask); "
+        "memory O(B T_k K (d_k + d_v)) for the gathered K/V plus O(B H T_q T_k / P) logits; "
+        "one all-gather of O(B T_k K (d_k + d_v)) numbers."
+    ),
 )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from attnref._src.core.common import Call, Prepared, rows_level
 from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
 from attnref._src.core.params import AttentionParams
+from attnref._src.core.registry import Formulation, register
+from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.kernel import (
     KernelCall,
     Option,
@@ -114,8 +116,7 @@ def check_heads(n: int, devices: int, axis_name: str, scheme: str, what: str) ->
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshRun:
+class MeshRun(NamedTuple):
     """The static part of a scheme's call (hashable: its jitted program's key)."""
 
     spec: KernelSpec
@@ -123,9 +124,6 @@ class MeshRun:
     mesh: Mesh
     axis: str
     devices: int
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.spec, self.scale, self.mesh, self.axis, self.devices))
 
 
 def mesh_schedule(
@@ -215,24 +213,34 @@ def mesh_row_args(heads: bool) -> str:
 
 def scheme_rows(
     native: Callable[..., Any],
-    name: str,
     heads: bool = False,
     formula: Callable[..., Any] = kernel_rows,
     level: Level | None = None,
 ) -> Callable[..., Any]:
     """``<scheme>_attention``, the registry's ``apply``: multi-head attention through the
-    scheme's kernel ``native`` on a mesh."""
+    scheme's kernel ``native`` (``<scheme>_dot_product_attention``) on a mesh."""
     return rows_public(
         level or _rows_level(native, heads),
         formula,
         native.__module__,
-        name=name,
+        name=native.__name__.replace("_dot_product_attention", "_attention"),
         summary=(
             f"Multi-head attention through :func:`{native.__name__}` on a mesh:\n"
             f"``sum_n o_n W_O[n] + b_O`` with ``o = {native.__name__}(x_q W_Q, x_kv W_K, "
             "x_kv W_V)``\nper head, ``x_q +`` that with ``residual``."
         ),
     )
+
+
+def register_scheme(
+    scheme: str, apply: Callable[..., Any], native: Callable[..., Any], **entry: Any
+) -> None:
+    """Register ``scheme`` in :data:`DISTRIBUTED` (convention ``kernel``, the cost model
+    ``cost.<scheme>_cost``); ``entry``: the other fields of its
+    :class:`~attnref._src.core.registry.Formulation`."""
+    cost_model = getattr(_dcost, f"{scheme}_cost")
+    fields = {"convention": "kernel", "family": DISTRIBUTED, "cost_model": cost_model}
+    register(Formulation(id=scheme, apply=apply, native=native, **fields, **entry))
 
 
 # The gradients section of docs/distributed.md (attnref.pages.render_distributed).

@@ -93,6 +93,7 @@ def from_layout(y: Array, axis: int, n: int, devices: int, layout: str) -> Array
     return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LocalInputs:
     """One device's inputs in a ring (``None`` where an option is not given, and for a concrete
@@ -108,13 +109,6 @@ class LocalInputs:
     q_lens: Any = None
     kv_lens: Any = None
     scale: Any = None
-
-
-jax.tree_util.register_dataclass(
-    LocalInputs,
-    data_fields=[f.name for f in dataclasses.fields(LocalInputs)],
-    meta_fields=[],
-)
 
 
 def shard_inputs(
@@ -134,39 +128,31 @@ def shard_inputs(
         """Axis 1 (tokens) in device-major order (``fill`` takes the array's dtype)."""
         return None if a is None else to_layout(a, 1, n_pad, devices, layout, fill)
 
-    def rows(a: Array | None) -> tuple[Array | None, Any]:
+    def rows(a: Array | None) -> Array | None:
         """A mask or bias: ``T`` laid out like the queries when full (padded rows ``0.0``,
-        i.e. ``False``: padded queries are dropped anyway), else shared."""
-        if a is None:
-            return None, None
-        if a.shape[2] == 1:
-            return a, shared
-        return to_layout(a, 2, t_pad, devices, layout, 0.0), PartitionSpec(None, None, axis)
+        i.e. ``False``: padded queries are dropped anyway), else as it is (shared)."""
+        if a is None or a.shape[2] == 1:
+            return a
+        return to_layout(a, 2, t_pad, devices, layout, 0.0)
 
-    bias, bias_spec = rows(inputs.bias)
-    mask, mask_spec = rows(inputs.mask)
+    def spec(name: str, a: Array | None) -> PartitionSpec | None:
+        if a is None:
+            return None
+        if name in ("bias", "mask"):
+            return shared if a.shape[2] == 1 else PartitionSpec(None, None, axis)
+        return shared if name in ("q_lens", "kv_lens", "scale") else tokens
+
     local = LocalInputs(
         q=seq(inputs.q, t_pad),
         k=seq(inputs.k, s_pad),
         v=seq(inputs.v, s_pad),
-        bias=bias,
-        mask=mask,
+        bias=rows(inputs.bias),
+        mask=rows(inputs.mask),
         q_seg=seq(inputs.q_seg, t_pad, -1.0),
         kv_seg=seq(inputs.kv_seg, s_pad, -2.0),
         q_lens=inputs.q_lens,
         kv_lens=inputs.kv_lens,
         scale=inputs.scale if traced_scale else None,
     )
-    specs = LocalInputs(
-        q=tokens,
-        k=tokens,
-        v=tokens,
-        bias=bias_spec,
-        mask=mask_spec,
-        q_seg=None if inputs.q_seg is None else tokens,
-        kv_seg=None if inputs.kv_seg is None else tokens,
-        q_lens=None if inputs.q_lens is None else shared,
-        kv_lens=None if inputs.kv_lens is None else shared,
-        scale=shared if traced_scale else None,
-    )
-    return local, specs
+    fields = dataclasses.fields(LocalInputs)
+    return local, LocalInputs(**{f.name: spec(f.name, getattr(local, f.name)) for f in fields})

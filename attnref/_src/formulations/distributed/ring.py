@@ -43,14 +43,13 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int
 
 from attnref._src.core.checks import is_traced
-from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.distributed import chunk as chunks
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed import layout as seq_layout
 from attnref._src.formulations.distributed.family import (
-    DISTRIBUTED,
     mesh_axis,
     mesh_kernel,
+    register_scheme,
     scheme_rows,
 )
 from attnref._src.formulations.distributed.layout import LocalInputs, shard_inputs
@@ -104,16 +103,11 @@ def _reachable(ring: _Ring, local: LocalInputs, q_pos: Array, k_pos: Array) -> A
     return jnp.any(allowed)
 
 
-def _part(a: Array, axis: int, part: slice) -> Array:
-    """``a[..., part, ...]`` along ``axis``; a broadcast (size-1) axis stays."""
-    if a.shape[axis] == 1:
+def _part(a: Any, axis: int, part: slice) -> Any:
+    """``a[..., part, ...]`` along ``axis``; ``None`` and a broadcast (size-1) axis stay."""
+    if a is None or a.shape[axis] == 1:
         return a
     return jax.lax.slice_in_dim(a, part.start, part.stop, axis=axis)
-
-
-def _rows_of(a: Array | None, axis: int, part: slice) -> Array | None:
-    """:func:`_part`, ``None`` staying ``None``."""
-    return None if a is None else _part(a, axis, part)
 
 
 def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
@@ -170,42 +164,37 @@ def _state_fn(
             ring.scale if scale is None else scale,
             _part(q, 1, qs),
             q_pos[qs],
-            _rows_of(local.q_seg, 1, qs),
+            _part(local.q_seg, 1, qs),
             _part(k, 1, ks),
             _part(v, 1, ks),
             k_pos[ks],
-            _rows_of(kv_seg, 1, ks),
-            _rows_of(bias, 2, qs),
-            _rows_of(local.mask, 2, qs),
+            _part(kv_seg, 1, ks),
+            _part(bias, 2, qs),
+            _part(local.mask, 2, qs),
         )
 
     def state(
         q: Array, k: Array, v: Array, bias: Array | None, scale: Array | None
     ) -> tuple[Array, Array]:
+        args = (q, k, v, bias, scale)
         if n == 1:
-            return tile(q, k, v, bias, scale, slice(0, c_q), slice(0, c_k))  # type: ignore[no-any-return]
+            return tile(*args, slice(0, c_q), slice(0, c_k))  # type: ignore[no-any-return]
+
+        def empty(qs: slice, *_: Any) -> tuple[Array, Array]:
+            return _empty_state(ring, q[:, qs])
+
         rows: list[tuple[Array, Array]] = []
         for qs, mine in zip(q_parts, runs, strict=True):
             states = []
             for b0, b1, gated in mine:
                 ks = slice(b0 * c_k // n, b1 * c_k // n)
                 run = functools.partial(tile, qs=qs, ks=ks)
-                if not gated:
-                    states.append(run(q, k, v, bias, scale))
-                    continue
-                states.append(
-                    jax.lax.cond(
-                        _reachable(ring, local, q_pos[qs], k_pos[ks]),
-                        run,
-                        lambda *_, qs=qs: _empty_state(ring, q[:, qs]),
-                        q,
-                        k,
-                        v,
-                        bias,
-                        scale,
-                    )
-                )
-            o, lse = states[0] if states else _empty_state(ring, q[:, qs])
+                if gated:
+                    reach = _reachable(ring, local, q_pos[qs], k_pos[ks])
+                    states.append(jax.lax.cond(reach, run, functools.partial(empty, qs), *args))
+                else:
+                    states.append(run(*args))
+            o, lse = states[0] if states else empty(qs)
             for o_t, lse_t in states[1:]:  # the query tile's key runs, merged in order
                 o, lse = merge_states(o, lse, o_t, lse_t)
             rows.append((o, lse))
@@ -293,9 +282,7 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[LocalInp
             spread = jnp.sum(do * (jnp.where(ok[..., None], o_c, 0.0) - o_safe), axis=-1)
             return vjp((w[..., None] * do, w * (spread + dlse)))
 
-        def skip() -> tuple[Any, ...]:
-            return _zeros(ring, (q, k, v, local.bias, local.scale))
-
+        skip = functools.partial(_zeros, ring, (q, k, v, local.bias, local.scale))
         return jax.lax.cond(_reachable(ring, local, q_pos, k_pos), compute, skip)
 
     def add(acc: tuple[Any, ...], g: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -313,15 +300,11 @@ def _ring_bwd(ring: _Ring, res: Any, cts: tuple[Array, Array]) -> tuple[LocalInp
     dq, dk, dv, db, ds = jax.lax.fori_loop(
         0, ring.devices, body, (local.k, local.v, local.kv_seg, *zeros)
     )[3:]
-    grads_x = LocalInputs(
-        q=dq.astype(local.q.dtype),
-        k=dk.astype(local.k.dtype),
-        v=dv.astype(local.v.dtype),
-        bias=None if db is None else db.astype(local.bias.dtype),
-        # This device's share: the pcast that shares a traced scale (_device) sums the shares.
-        scale=None if ds is None else ds.astype(local.scale.dtype),
-    )
-    return (grads_x,)
+    # A traced scale's cotangent is this device's share: the pcast that shares it (_device) sums
+    # the shares.
+    grads_x = {"q": dq, "k": dk, "v": dv, "bias": db, "scale": ds}
+    cast = {n: None if g is None else g.astype(getattr(local, n).dtype) for n, g in grads_x.items()}
+    return (LocalInputs(**cast),)
 
 
 _ring_states.defvjp(_ring_fwd, _ring_bwd)
@@ -369,8 +352,10 @@ _FORWARD_MODE = (
 )
 
 
-def _schedule(layout: str) -> Any:
-    """The ring engine over ``layout`` (the three public kernels differ only in it)."""
+def _schedule(scheme: str) -> Any:
+    """The ring engine over the layout of ``scheme`` (the three public kernels differ only in
+    it)."""
+    layout = LAYOUT_OF[scheme]
 
     def ring_schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
         spec, inputs, scale = call.spec, call.inputs, call.scale
@@ -389,7 +374,6 @@ def _schedule(layout: str) -> Any:
         except TypeError as error:
             if _JVP_ERROR not in str(error):
                 raise
-            scheme = next(s for s, lay in LAYOUT_OF.items() if lay == layout)
             raise TypeError(_FORWARD_MODE.format(name=f"{scheme}_dot_product_attention")) from error
         out = seq_layout.from_layout(o, 1, spec.t, devices, layout)
         return out, seq_layout.from_layout(lse, 1, spec.t, devices, layout)
@@ -455,7 +439,7 @@ def _named(scheme: str) -> Any:
         title=title, layout=LAYOUT_OF[scheme], layout_rule=rule, cite=cite, multiple=multiple
     )
     return mesh_kernel(
-        _schedule(LAYOUT_OF[scheme]),
+        _schedule(scheme),
         name=f"{scheme}_dot_product_attention",
         summary=summary.rstrip(),
         axis="of the ring",
@@ -476,9 +460,9 @@ def _named(scheme: str) -> Any:
 ring_dot_product_attention = _named("ring")
 striped_dot_product_attention = _named("striped")
 zigzag_dot_product_attention = _named("zigzag")
-ring_attention = scheme_rows(ring_dot_product_attention, "ring_attention")
-striped_attention = scheme_rows(striped_dot_product_attention, "striped_attention")
-zigzag_attention = scheme_rows(zigzag_dot_product_attention, "zigzag_attention")
+ring_attention = scheme_rows(ring_dot_product_attention)
+striped_attention = scheme_rows(striped_dot_product_attention)
+zigzag_attention = scheme_rows(zigzag_dot_product_attention)
 
 _STEP = (
     r"(o_{{i,n}}, \mathrm{{lse}}_{{i,n}}) \leftarrow \mathrm{{merge}}\big((o_{{i,n}},"
@@ -489,23 +473,18 @@ _STEP = (
     r"\quad {layout}"
 )
 for _scheme in ("ring", "striped", "zigzag"):
-    register(
-        Formulation(
-            id=_scheme,
-            title=_SCHEMES[_scheme][0].split(":")[0],
-            equation=_STEP.format(layout=_SCHEMES[_scheme][4]),
-            convention="kernel",
-            citation=_SCHEMES[_scheme][2],
-            apply=globals()[f"{_scheme}_attention"],
-            native=globals()[f"{_scheme}_dot_product_attention"],
-            formula=_forward,
-            summary=_SCHEMES[_scheme][5],
-            cost=(
-                "FLOPs as the naive kernel over P devices (skipped steps do none); per device "
-                "O(T S N H / P) work, O((T + S) N H / P) memory, P - 1 K/V sends of "
-                "O(S K (H + H_v) / P) each (2P - 1 with the backward's dK/dV)."
-            ),
-            family=DISTRIBUTED,
-            cost_model=getattr(_dcost, f"{_scheme}_cost"),
-        )
+    register_scheme(
+        _scheme,
+        globals()[f"{_scheme}_attention"],
+        globals()[f"{_scheme}_dot_product_attention"],
+        title=_SCHEMES[_scheme][0].split(":")[0],
+        equation=_STEP.format(layout=_SCHEMES[_scheme][4]),
+        citation=_SCHEMES[_scheme][2],
+        formula=_forward,
+        summary=_SCHEMES[_scheme][5],
+        cost=(
+            "FLOPs as the naive kernel over P devices (skipped steps do none); per device "
+            "O(T S N H / P) work, O((T + S) N H / P) memory, P - 1 K/V sends of "
+            "O(S K (H + H_v) / P) each (2P - 1 with the backward's dK/dV)."
+        ),
     )

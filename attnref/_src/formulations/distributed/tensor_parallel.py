@@ -25,10 +25,7 @@ from jaxtyping import Array, Float
 from attnref._src.core.checks import PARAM_FIELDS
 from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or, rows_level
 from attnref._src.core.params import AttentionParams
-from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.family import (
-    DISTRIBUTED,
     MESH_OPTION,
     MeshRun,
     check_heads,
@@ -39,6 +36,7 @@ from attnref._src.formulations.distributed.family import (
     mesh_row_args,
     mesh_schedule,
     optional,
+    register_scheme,
     scheme_rows,
     split_scale,
 )
@@ -202,38 +200,32 @@ def _head_call(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
 
 tensor_parallel_attention = scheme_rows(
     tensor_parallel_dot_product_attention,
-    "tensor_parallel_attention",
     formula=head_parallel_rows,
     level=rows_level("_head_rows", _head_call, mesh_row_args(heads=True), MESH_OPTION),
 )
 
 
-register(
-    Formulation(
-        id="tensor_parallel",
-        title="Tensor-parallel heads: per-device head sums reduced with psum (Megatron-LM)",
-        equation=(
-            r"y_i = \mathrm{psum}_{d=1}^{P} \sum_{n \in \mathcal{H}_d} \mathrm{softmax}_j"
-            r"\Big(\frac{q_{i,n} k_{j,g(n)}^\top}{\sqrt{d_k}} + b_{ij}\Big) v_{j,g(n)} W_{O,n}"
-            r" + b_O,\quad |\mathcal{H}_d| = H / P"
-        ),
-        convention="kernel",
-        citation=(
-            "Shoeybi et al. (2019), Megatron-LM: Training Multi-Billion Parameter Language "
-            "Models Using Model Parallelism, arXiv:1909.08053."
-        ),
-        apply=tensor_parallel_attention,
-        native=tensor_parallel_dot_product_attention,
-        summary=(
-            "Each device projects and attends with its own H/P heads (K/V heads repeated when P "
-            "does not divide them) and writes its partial sum of o_n W_O[n]; one psum "
-            "(all-reduce of B T d_model numbers) gives the block output."
-        ),
-        cost=(
-            "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device, no sequence communication; "
-            "memory O(B H T_q T_k / P) logits per device; one all-reduce of O(B T_q d_model)."
-        ),
-        family=DISTRIBUTED,
-        cost_model=_dcost.tensor_parallel_cost,
-    )
+register_scheme(
+    "tensor_parallel",
+    tensor_parallel_attention,
+    tensor_parallel_dot_product_attention,
+    title="Tensor-parallel heads: per-device head sums reduced with psum (Megatron-LM)",
+    equation=(
+        r"y_i = \mathrm{psum}_{d=1}^{P} \sum_{n \in \mathcal{H}_d} \mathrm{softmax}_j"
+        r"\Big(\frac{q_{i,n} k_{j,g(n)}^\top}{\sqrt{d_k}} + b_{ij}\Big) v_{j,g(n)} W_{O,n}"
+        r" + b_O,\quad |\mathcal{H}_d| = H / P"
+    ),
+    citation=(
+        "Shoeybi et al. (2019), Megatron-LM: Training Multi-Billion Parameter Language "
+        "Models Using Model Parallelism, arXiv:1909.08053."
+    ),
+    summary=(
+        "Each device projects and attends with its own H/P heads (K/V heads repeated when P "
+        "does not divide them) and writes its partial sum of o_n W_O[n]; one psum "
+        "(all-reduce of B T d_model numbers) gives the block output."
+    ),
+    cost=(
+        "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device, no sequence communication; "
+        "memory O(B H T_q T_k / P) logits per device; one all-reduce of O(B T_q d_model)."
+    ),
 )

@@ -21,14 +21,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array
 
-from attnref._src.core.registry import Formulation, register
-from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed.family import (
-    DISTRIBUTED,
     MeshRun,
     mesh_args,
     mesh_kernel,
     mesh_schedule,
+    register_scheme,
     scheme_rows,
 )
 from attnref._src.formulations.distributed.layout import pad_axis, padded_length
@@ -121,38 +119,33 @@ ulysses_dot_product_attention = mesh_kernel(
     returns=" Natural token order.",
     value_errors="; or if ``P`` does not divide the ``N`` query heads",
 )
-ulysses_attention = scheme_rows(ulysses_dot_product_attention, "ulysses_attention", heads=True)
+ulysses_attention = scheme_rows(ulysses_dot_product_attention, heads=True)
 
 
-register(
-    Formulation(
-        id="ulysses",
-        title="DeepSpeed-Ulysses: all-to-all from a sequence split to a head split",
-        equation=(
-            r"[Q, K, V]_{:, \mathcal{H}_d} = \mathrm{all\_to\_all}\big([Q, K, V]_{\mathcal{T}_d,"
-            r" :}\big),\quad O_{:, n} = \mathrm{softmax}\Big(\frac{Q_{:, n} K_{:, g(n)}^\top}"
-            r"{\sqrt{d_k}} + B\Big) V_{:, g(n)},\ n \in \mathcal{H}_d,"
-            r"\quad O_{\mathcal{T}_d, :} = \mathrm{all\_to\_all}"
-            r"\big(O_{:, \mathcal{H}_d}\big)"
-        ),
-        convention="kernel",
-        citation=(
-            "Jacobs et al. (2023), DeepSpeed Ulysses: System Optimizations for Enabling Training "
-            "of Extreme Long Sequence Transformer Models, arXiv:2309.14509."
-        ),
-        apply=ulysses_attention,
-        native=ulysses_dot_product_attention,
-        formula=_ulysses,
-        summary=(
-            "Sequence-split q, k, v are exchanged by all_to_all for a head split (H/P heads, "
-            "the whole sequence, per device), attended as usual, and the output exchanged back; "
-            "P must divide the query heads (K/V heads repeated when it does not divide them)."
-        ),
-        cost=(
-            "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device; memory O(B H T_q T_k / P) logits "
-            "per device; four all-to-alls of O(B T H d / P) numbers each."
-        ),
-        family=DISTRIBUTED,
-        cost_model=_dcost.ulysses_cost,
-    )
+register_scheme(
+    "ulysses",
+    ulysses_attention,
+    ulysses_dot_product_attention,
+    title="DeepSpeed-Ulysses: all-to-all from a sequence split to a head split",
+    equation=(
+        r"[Q, K, V]_{:, \mathcal{H}_d} = \mathrm{all\_to\_all}\big([Q, K, V]_{\mathcal{T}_d,"
+        r" :}\big),\quad O_{:, n} = \mathrm{softmax}\Big(\frac{Q_{:, n} K_{:, g(n)}^\top}"
+        r"{\sqrt{d_k}} + B\Big) V_{:, g(n)},\ n \in \mathcal{H}_d,"
+        r"\quad O_{\mathcal{T}_d, :} = \mathrm{all\_to\_all}"
+        r"\big(O_{:, \mathcal{H}_d}\big)"
+    ),
+    citation=(
+        "Jacobs et al. (2023), DeepSpeed Ulysses: System Optimizations for Enabling Training "
+        "of Extreme Long Sequence Transformer Models, arXiv:2309.14509."
+    ),
+    formula=_ulysses,
+    summary=(
+        "Sequence-split q, k, v are exchanged by all_to_all for a head split (H/P heads, "
+        "the whole sequence, per device), attended as usual, and the output exchanged back; "
+        "P must divide the query heads (K/V heads repeated when it does not divide them)."
+    ),
+    cost=(
+        "FLOPs O(B T_q T_k H (d_k + d_v) / P) per device; memory O(B H T_q T_k / P) logits "
+        "per device; four all-to-alls of O(B T H d / P) numbers each."
+    ),
 )
