@@ -42,7 +42,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int
 
-from attnref._src.core.checks import is_traced
 from attnref._src.formulations.distributed import chunk as chunks
 from attnref._src.formulations.distributed import cost as _dcost
 from attnref._src.formulations.distributed import layout as seq_layout
@@ -51,6 +50,7 @@ from attnref._src.formulations.distributed.family import (
     mesh_kernel,
     register_scheme,
     scheme_rows,
+    split_scale,
 )
 from attnref._src.formulations.distributed.layout import LocalInputs, shard_inputs
 from attnref._src.formulations.kernel import KernelCall, allowed_pairs, finish, naive, uniform_rows
@@ -364,10 +364,10 @@ def _schedule(scheme: str) -> Any:
             return naive(call)
         t_pad = seq_layout.padded_length(spec.t, devices, layout)
         s_pad = seq_layout.padded_length(spec.s, devices, layout)
-        traced_scale = scale is not None and is_traced(scale)
-        local, specs = shard_inputs(inputs, layout, devices, axis, t_pad, s_pad, traced_scale)
+        static_scale, traced_scale = split_scale(scale)
+        traced = traced_scale is not None
+        local, specs = shard_inputs(inputs, layout, devices, axis, t_pad, s_pad, traced)
         shared = specs.bias == PartitionSpec()  # the bias's T axis broadcast
-        static_scale = None if scale is None or traced_scale else float(scale)
         ring = _Ring(spec, axis, devices, layout, t_pad, s_pad, shared, static_scale)
         try:
             o, lse = _program(ring, mesh, specs)(local)
