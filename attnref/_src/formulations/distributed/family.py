@@ -19,7 +19,6 @@ from jaxtyping import Array
 from attnref import oracle, tolerance
 from attnref._src.core.checks import is_traced
 from attnref._src.core.common import Call, Prepared, rows_level
-from attnref._src.core.entry import Level
 from attnref._src.core.family import Family
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
@@ -180,23 +179,7 @@ def mesh_kernel(
     )
 
 
-# The row level's extra option of a scheme (for :func:`attnref._src.core.common.rows_level`).
-MESH_OPTION: dict[str, tuple[Any, str]] = {"mesh": (None, "Mesh | None")}
-
-
-def _rows_level(native: Callable[..., Any], heads: bool) -> Level:
-    """The row level of a scheme: the row signature plus ``mesh``."""
-
-    def on_mesh(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
-        if mesh is None:
-            params = cast(AttentionParams, rows.params)
-            mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
-        return row_call(rows, scale, {"kernel": native, "mesh": mesh})
-
-    return rows_level("rows_on_mesh", on_mesh, mesh_row_args(heads), MESH_OPTION)
-
-
-def mesh_row_args(heads: bool) -> str:
+def _mesh_row_args(heads: bool) -> str:
     """The Args text of a scheme's row form: the row level's plus ``mesh``."""
     default = (
         "the most devices (at most\n        ``jax.device_count()``) whose count divides ``H``"
@@ -215,12 +198,23 @@ def scheme_rows(
     native: Callable[..., Any],
     heads: bool = False,
     formula: Callable[..., Any] = kernel_rows,
-    level: Level | None = None,
+    on_mesh: Callable[[Prepared, float | None, Mesh | None], Call] | None = None,
 ) -> Callable[..., Any]:
     """``<scheme>_attention``, the registry's ``apply``: multi-head attention through the
-    scheme's kernel ``native`` (``<scheme>_dot_product_attention``) on a mesh."""
+    scheme's kernel ``native`` (``<scheme>_dot_product_attention``) on a mesh: the row signature
+    plus ``mesh``, the row call ``on_mesh(rows, scale, mesh)`` (default: ``native`` on ``mesh``,
+    ``None`` giving :func:`head_mesh` when ``heads``, else :func:`default_mesh`)."""
+
+    def through_native(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
+        if mesh is None:
+            params = cast(AttentionParams, rows.params)
+            mesh = head_mesh(int(jnp.shape(params.w_q)[0])) if heads else default_mesh()
+        return row_call(rows, scale, {"kernel": native, "mesh": mesh})
+
+    options = {"mesh": (None, "Mesh | None")}
+    level = rows_level("rows_on_mesh", on_mesh or through_native, _mesh_row_args(heads), options)
     return rows_public(
-        level or _rows_level(native, heads),
+        level,
         formula,
         native.__module__,
         name=native.__name__.replace("_dot_product_attention", "_attention"),

@@ -23,17 +23,15 @@ from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float
 
 from attnref._src.core.checks import PARAM_FIELDS
-from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or, rows_level
+from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.distributed.family import (
-    MESH_OPTION,
     MeshRun,
     check_heads,
     head_mesh,
     mesh_args,
     mesh_axis,
     mesh_kernel,
-    mesh_row_args,
     mesh_schedule,
     optional,
     register_scheme,
@@ -201,7 +199,8 @@ def _head_call(rows: Prepared, scale: float | None, mesh: Mesh | None) -> Call:
 tensor_parallel_attention = scheme_rows(
     tensor_parallel_dot_product_attention,
     formula=head_parallel_rows,
-    level=rows_level("_head_rows", _head_call, mesh_row_args(heads=True), MESH_OPTION),
+    heads=True,
+    on_mesh=_head_call,
 )
 
 
