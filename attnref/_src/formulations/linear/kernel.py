@@ -280,22 +280,6 @@ def prepare_kernel(
     return KernelCall(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), o)
 
 
-def one_length(prepare: Callable[..., KernelCall]) -> Callable[..., KernelCall]:
-    """``prepare`` with ``T_q`` and ``T_k`` written ``T`` in its annotations (causal-only forms)."""
-
-    @functools.wraps(prepare)
-    def prepare_causal(*args: Any, **kwargs: Any) -> KernelCall:
-        return prepare(*args, **kwargs)
-
-    signature = inspect.signature(prepare)
-    params = [
-        p.replace(annotation=re.sub(r"\bT_[qk]\b", "T", p.annotation))
-        for p in signature.parameters.values()
-    ]
-    prepare_causal.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    return prepare_causal
-
-
 CAUSAL_ARG = """
     causal: If ``True``, query ``i`` reads keys ``j <= i`` only (needs ``T_q == T_k``). The
         default is the form's: ``True`` for the causal forms (prefix sums, recurrent,
@@ -337,11 +321,16 @@ KERNEL_ARGS = (
 def kernel_form(form: Form, modes: tuple[bool, ...], summary: str) -> Callable[..., Array]:
     """The public kernel-level function ``linear_<form>``: validate, scope float64, guard."""
     causal_only = modes == (True,)  # then T_q == T_k = T
-    prepare = one_length(prepare_kernel) if causal_only else prepare_kernel
-    prepare = with_chunk_size(prepare) if form is chunked else prepare
+    prepare = with_chunk_size(prepare_kernel) if form is chunked else prepare_kernel
+    bound: Any = functools.partial(prepare, form, modes, causal=modes[0])
+    if causal_only:  # T_q and T_k written T in the annotations
+        signature = inspect.signature(bound)
+        params = signature.parameters.values()
+        t_only = [p.replace(annotation=re.sub(r"\bT_[qk]\b", "T", p.annotation)) for p in params]
+        bound.__signature__ = signature.replace(parameters=t_only)
     t = "T" if causal_only else "T_q"
     args = KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else "")
-    level = Level(functools.partial(prepare, form, modes, causal=modes[0]), args)
+    level = Level(bound, args)
     returns = (
         f"``y [..., {t}, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator\n"
         "    is exactly zero (e.g. no allowed key)."
