@@ -8,9 +8,10 @@ One run on one machine prints (and with ``--out`` writes its section of the page
   five, measured in the same run;
 * the fast oracle (``attnref.oracle.dot_product_attention``, the default ``method="fast"``) at
   ``B = 1, N = 8, H = 64``, ``T = S`` in ``--lengths`` (1024, 4096, 16384), causal and not: its
-  time, its useful FLOP rate (``4 B N T S H``, half of it when causal) as a fraction of the GEMM
-  rate (goal: at least 50% at ``T >= 4096``), and its peak memory above the inputs and outputs
-  (``tracemalloc``; goal: at most 256 MiB);
+  time (median of three calls after a warm-up call, as the GEMM's), its useful FLOP rate (``4 B
+  N T S H``, half of it when causal) as a fraction of the GEMM rate (goal: at least 50% at ``T
+  >= 4096``), and its peak memory above the inputs and outputs (``tracemalloc``, over the
+  warm-up call, which is not timed; goal: at most 256 MiB);
 * the JAX kernels (:mod:`_jax_kernels`): time and temporary memory of the naive and blockwise
   kernels relative to ``jax.nn.dot_product_attention(implementation="xla")``.
 
@@ -51,16 +52,23 @@ def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n**3 / statistics.median(times)
 
 
-def oracle_row(t: int, causal: bool, heads: int = 8, head_dim: int = 64) -> dict[str, float]:
-    """Time, useful FLOP rate and peak extra memory of one fast-oracle call."""
+def oracle_row(
+    t: int, causal: bool, heads: int = 8, head_dim: int = 64, repeats: int = 3
+) -> dict[str, float]:
+    """Time (median of ``repeats`` calls after a warm-up, as :func:`gemm_rate`), useful FLOP rate
+    and peak extra memory (the warm-up call, traced) of the fast oracle."""
     rng = np.random.default_rng(t)
     q, k, v = (rng.standard_normal((1, t, heads, head_dim)) for _ in range(3))
-    tracemalloc.start()
-    start = time.perf_counter()
+    tracemalloc.start()  # the warm-up call, traced: tracing slows allocation, so it is not timed
     out = oracle.dot_product_attention(q, k, v, is_causal=causal)
-    seconds = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        oracle.dot_product_attention(q, k, v, is_causal=causal)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     flops = 4.0 * heads * t * t * head_dim * (0.5 if causal else 1.0)
     # the output and the lse are the call's own results; inputs were allocated before tracing
     results = out.nbytes + t * heads * 8

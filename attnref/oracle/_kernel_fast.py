@@ -58,14 +58,20 @@ class HeadGroup:
         return np.concatenate([self.v, np.ones((self.v.shape[0], 1))], axis=1)
 
 
+def head_group(c: KernelCall, b: int, g: int) -> HeadGroup:
+    """Batch ``b``'s key/value head ``g`` as a :class:`HeadGroup`."""
+    kt, v = np.ascontiguousarray(c.k[b, :, g].T), np.ascontiguousarray(c.v[b, :, g])
+    return HeadGroup(b, g, kt, v, slice(g * c.group, (g + 1) * c.group))
+
+
+def group_index(c: KernelCall) -> list[tuple[int, int]]:
+    """Every (batch, key/value head) pair of the call."""
+    return [(b, g) for b in range(c.shape[0]) for g in range(c.k.shape[2])]
+
+
 def head_groups(c: KernelCall) -> Iterator[HeadGroup]:
     """Every (batch, key/value head) pair of the call, with contiguous ``K^T`` and ``V``."""
-    grp = c.group
-    for b in range(c.shape[0]):
-        for g in range(c.k.shape[2]):
-            kt = np.ascontiguousarray(c.k[b, :, g].T)
-            v = np.ascontiguousarray(c.v[b, :, g])
-            yield HeadGroup(b, g, kt, v, slice(g * grp, (g + 1) * grp))
+    return (head_group(c, b, g) for b, g in group_index(c))
 
 
 def raw_logits(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
@@ -203,16 +209,25 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     rows = block or min(max(1, 256 // grp), query_block(c, 2))
     key_chunk = max(1, (8 << 20) // (8 * grp * rows))  # 8 MiB of logits per chunk (measured)
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
-    jobs = []
-    for hg in head_groups(c):
+    groups = group_index(c)
+    plans: list[list[tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]]] = [
+        [] for _ in groups
+    ]
+
+    def plan(i: int) -> None:  # a head group's copies and checks (on the pool), its blocks
+        hg = head_group(c, *groups[i])
         finite = bool(np.isfinite(hg.v).all())
         v1t = np.ascontiguousarray(hg.v1.T) if finite else None
         shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
-        jobs += [(hg, finite, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]
+        plans[i] = [(hg, finite, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]
+
+    each_block(range(len(groups)), plan)
+    jobs = [job for jobs_of_group in plans for job in jobs_of_group]
+    # largest blocks first, so the workers finish together (causal blocks grow with the row)
+    jobs.sort(key=lambda job: (job[4][0] - job[4][1]) * (job[4][3] - job[4][2]))
 
     def one_block(job: tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]) -> None:
         hg, finite, v1t, shift_free, (i0, i1, j0, j1) = job
-        v1 = hg.v1
         if shift_free and v1t is not None:
             o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
             top = np.zeros(live.shape)
@@ -222,7 +237,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
             flat_ok = None if ok is None else ok.reshape(flat)
             vt = None if v1t is None else v1t[:, j0:j1]
             if c.keep is None:
-                o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
+                o1 = _weighted_values(e.reshape(flat), hg.v1[j0:j1], flat_ok, vt)
             else:  # dropout: the kept weights scaled in the numerator, e in the sum
                 w = dropout_weights(c, hg, i0, i1, j0, j1) * e
                 o_num = _weighted_values(w.reshape(flat), hg.v[j0:j1], flat_ok)
