@@ -34,7 +34,7 @@ from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import allowed_rows, kernel_call, parse
 from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
 
-from ._kernel import kernel_logits, logit_error, lse_row_error, row_terms
+from ._kernel import kernel_logits, logit_reach, lse_row_error, row_terms
 from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
 
 __all__ = ["kernel_grad_error_bound"]
@@ -94,8 +94,9 @@ def _block(
     e_dx = np.zeros_like(p)
     rp = np.zeros_like(p)  # sum_u r_i p_ij
     g_q = g_k = g_v = 0.0
+    reach = logit_reach(lg, ok, h, softcap)  # [N, R]
     for u in units:
-        e_row = logit_error(lg, ok, h, u, softcap)  # [N, R]
+        e_row = gamma(h + 1, u) * reach
         rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
         l_err = lse_row_error(e_row, delta)
         with np.errstate(over="ignore"):

@@ -53,13 +53,15 @@ def kernel_logits(
     return Logits(raw, mag, capped, logits, softmax(logits, allowed))
 
 
-def logit_error(
-    lg: Logits, allowed: np.ndarray, h: int, u: float, softcap: float | None
-) -> np.ndarray:
-    """Step 1: ``E_i = max_j |ds_ij|`` over the allowed keys, ``[..., R]``."""
-    err = gamma(h + 1, u) * lg.mag + u * np.abs(lg.logits) + u * lg.sm.spread
+def logit_reach(lg: Logits, allowed: np.ndarray, h: int, softcap: float | None) -> np.ndarray:
+    """Step 1 without its unit: ``M_i = max_j (mag_ij + local_ij / (H + 1))`` over the allowed
+    keys, ``[..., R]``, so that ``E_i = gamma_{H+1} M_i >= max_j |ds_ij|`` in every format
+    (``local = |s_ij| + |s_ij - max_j s_ij| (+ (C_EXP + 2) |s~_ij|)``, ``u <= gamma_{H+1} / (H +
+    1)``): one max serves every unit round-off."""
+    local = np.abs(lg.logits) + lg.sm.spread
     if softcap is not None:  # softcap's tanh, division and multiply
-        err = err + (C_EXP + 2) * u * np.abs(lg.capped)
+        local += (C_EXP + 2) * np.abs(lg.capped)
+    err = lg.mag + local / (h + 1)
     return np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)
 
 
@@ -108,8 +110,9 @@ def kernel_error_bound(
     1. ``|ds_ij| <= gamma_{H+1} scale |q_i|.|k_j| + (C_EXP + 2) u |s~_ij| + u |s_ij| + u |s_ij -
        max_j s_ij|`` (dot and scale; softcap, 1-Lipschitz; bias add; max subtraction).
     2. ``rho_i = exp(2 E_i) - 1 + gamma_{S + 2 + 2 C_EXP + 2 (C_EXP + 1)(n_b - 1)}``, ``E_i =
-       max_j |ds_ij|``: the online form rescales by ``exp(m - m')`` once per later key block
-       (``n_b = key_blocks``; ``None``: ``S``).
+       gamma_{H+1} max_j (scale |q_i|.|k_j| + (|s_ij| + ...) / (H + 1)) >= max_j |ds_ij|``
+       (:func:`logit_reach`): the online form rescales by ``exp(m - m')`` once per later key
+       block (``n_b = key_blocks``; ``None``: ``S``).
     3. ``|do_i| <= (rho_i + gamma_S) sum_j p_ij |v_j|``; ``|d lse_i| <= E_i + delta_i / (1 -
        delta_i) + (C_EXP + 1) u |log l_i| + u |lse_i|``, ``delta_i = expm1(E_i) + gamma_{S + C_EXP
        + 2 (C_EXP + 1)(n_b - 1)}``.
@@ -140,8 +143,10 @@ def kernel_error_bound(
     lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
     n_b = s if key_blocks is None else max(1, int(key_blocks))
 
+    reach = logit_reach(lg, allowed, h, softcap)  # [B, N, T]
+
     def one(u: float) -> tuple[np.ndarray, np.ndarray]:
-        e_row = logit_error(lg, allowed, h, u, softcap)  # [B, N, T]
+        e_row = gamma(h + 1, u) * reach
         rho, delta = row_terms(s, n_b, e_row, u)
         out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -239,8 +244,9 @@ def kernel_call_error_bound(
         s, ok = logits_block(c, hg, i0, i1, j0, j1)
         live = block_live(ok, s.shape)
         reads = np.broadcast_to(live[..., None], s.shape) if ok is None else ok
-        q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2)
-        mag = abs(c.scale) * (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
+        # (H + 1) |scale| |q_i| . |k_j|: logit_reach's M_i times H + 1, the factor on |q|
+        q_abs = np.abs(c.q[hg.b, i0:i1, hg.heads]).transpose(1, 0, 2) * ((h + 1) * abs(c.scale))
+        mag = (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
         v_blk = abs_v[j0:j1]
         w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
         if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
@@ -261,6 +267,9 @@ def kernel_call_error_bound(
             if c.sinks is not None:  # the sink is not capped
                 capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
             local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
+        local += mag
+        reach = local.max(axis=-1, initial=0.0) / (h + 1)  # logit_reach's M_i
+        del local, mag
         e = np.exp(np.negative(gap, out=gap), out=gap)  # exp(s_ij - max_j s_ij), in place
         if not all_read:
             np.copyto(e, 0.0, where=~reads)
@@ -275,12 +284,7 @@ def kernel_call_error_bound(
         blk_out = np.zeros_like(o_mag)
         blk_lse = np.zeros(s.shape[:2])
         for u in units:
-            # E_i = max_j gamma_{H+1} |q_i| |k_j| |scale| + u (|s_ij| + |s_ij - max|) over the
-            # keys read, as gamma_{H+1} max_j (mag + (u / gamma_{H+1}) local): one scaled add
-            g = gamma(h + 1, u)
-            scaled = np.multiply(local, u / g)
-            scaled += mag
-            e_row = g * scaled.max(axis=-1, initial=0.0)
+            e_row = gamma(h + 1, u) * reach  # E_i, one max for both units (logit_reach)
             rho, delta = row_terms(s_len, n_b, e_row, u)
             d_lse = lse_row_error(e_row, delta)
             g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
