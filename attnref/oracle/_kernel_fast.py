@@ -224,7 +224,7 @@ def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.nda
     each_block(range(len(groups)), plan)
     jobs = [job for jobs_of_group in plans for job in jobs_of_group]
     # largest blocks first, so the workers finish together (causal blocks grow with the row)
-    jobs.sort(key=lambda job: (job[4][0] - job[4][1]) * (job[4][3] - job[4][2]))
+    jobs.sort(key=lambda job: -(job[4][1] - job[4][0]) * (job[4][3] - job[4][2]))
 
     def one_block(job: tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]) -> None:
         hg, finite, v1t, shift_free, (i0, i1, j0, j1) = job
