@@ -147,11 +147,14 @@ def _shift_free(c: KernelCall, hg: HeadGroup, q_norm: np.ndarray) -> bool:
     )
     if c.softcap is not None:
         top = min(top, c.softcap)
-    if c.bias is not None:
+    if c.bias is not None:  # max |b| over the finite entries (0 if none), by reductions only
         bias = c.bias[hg.b, hg.heads]
-        if np.isnan(bias).any() or np.isposinf(bias).any():
+        hi, lo = float(bias.max(initial=-np.inf)), float(bias.min(initial=np.inf))
+        if not hi < np.inf:
             return False  # a NaN or +inf logit: the shifted path gives the definition's NaN
-        top += float(np.abs(np.where(np.isneginf(bias), 0.0, bias)).max(initial=0.0))
+        if lo == -np.inf:
+            lo = float(np.min(bias, where=bias > -np.inf, initial=0.0))
+        top += max(0.0, hi, -lo)
     return bool(np.isfinite(top) and top < _NO_SHIFT)
 
 

@@ -161,25 +161,27 @@ def kernel_error_bound(
     (out_b, lse_b), (out64, lse64) = one(units[0]), one(units[1])
     dead = np.swapaxes(~live[..., 0], 1, 2)[..., None] if masked_rows == "uniform" else None
     ref = o_ref if is_16bit(np_dtype) else None
-    return _uniform_and_cast(out_b + out64, ref, dead, vg, s, units, np_dtype), lse_b + lse64
+    return _uniform_and_cast(out_b + out64, ref, dead, va, s, units, np_dtype), lse_b + lse64
 
 
 def _uniform_and_cast(
     out: np.ndarray,
     o_ref: np.ndarray | None,
     dead: np.ndarray | None,
-    vg: np.ndarray,
+    v: np.ndarray,
     s: int,
     units: tuple[float, float],
     fmt: np.dtype[Any],
 ) -> np.ndarray:
-    """The dead rows under ``"uniform"`` (``gamma_{S+1} mean_j |v_j|``) and a 16-bit output's
-    final rounding ``u_16 (|o| + bound)`` (``o_ref`` given)."""
+    """The dead rows under ``"uniform"`` (``gamma_{S+1} mean_j |v_j|``, ``v [B, S, K, H_v]``
+    read by query heads ``g G .. g G + G - 1``) and a 16-bit output's final rounding ``u_16 (|o|
+    + bound)`` (``o_ref`` given)."""
     if dead is not None:
+        grp = out.shape[2] // v.shape[2]
         g = sum(gamma(s + 1, u) for u in units)
-        out = np.where(dead, g * np.abs(vg).mean(axis=1)[:, None], out)
+        out = np.where(dead, g * np.repeat(np.abs(v).mean(axis=1), grp, axis=1)[:, None], out)
         if o_ref is not None:
-            o_ref = np.where(dead, vg.mean(axis=1)[:, None], o_ref)
+            o_ref = np.where(dead, np.repeat(v.mean(axis=1), grp, axis=1)[:, None], o_ref)
     if o_ref is not None:
         out = out + unit_roundoff(fmt) * (np.abs(o_ref) + out)
     return out
@@ -223,7 +225,7 @@ def kernel_call_error_bound(
     c = parse(**call)  # then the forward's own blocks
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     b_size, n_heads, t, s_len = c.shape
-    grp, h, h_v = c.group, c.q.shape[-1], c.v.shape[-1]
+    h, h_v = c.q.shape[-1], c.v.shape[-1]
     work = np.dtype(np.float32) if is_16bit(fmt) else fmt
     units = (unit_roundoff(work), unit_roundoff(np.float64))
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
@@ -301,5 +303,4 @@ def kernel_call_error_bound(
 
     each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of the outputs
     uniform = dead[..., None] if c.policy == "uniform" and c.sinks is None else None
-    vg = c.v if uniform is None else np.repeat(c.v, grp, axis=2)  # [B, S, N, H_v]
-    return _uniform_and_cast(out, o_ref, uniform, vg, s_len, units, fmt), lse
+    return _uniform_and_cast(out, o_ref, uniform, c.v, s_len, units, fmt), lse
