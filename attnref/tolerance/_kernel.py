@@ -258,18 +258,17 @@ def kernel_call_error_bound(
         top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
         with np.errstate(invalid="ignore"):
             gap = top - s  # s_ij's distance below the row max (+inf off the allowed set)
-            # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction)
-            local = np.abs(s)
+            # |s_ij| + |s_ij - max_j s_ij| (the bias add, the max subtraction), in s's place
+            local = np.abs(s, out=s)
             local += gap
-        if not all_read:
+            if c.softcap is not None:
+                capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
+                if c.sinks is not None:  # the sink is not capped
+                    capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
+                local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
+            local += mag
+        if not all_read:  # off the allowed set: 0 (inf or NaN above)
             np.copyto(local, 0.0, where=~reads)
-            np.copyto(mag, 0.0, where=~reads)
-        if c.softcap is not None:
-            capped = c.softcap * np.tanh(raw_logits(c, hg, i0, i1, j0, j1) / c.softcap)
-            if c.sinks is not None:  # the sink is not capped
-                capped = np.concatenate([capped, np.zeros((*capped.shape[:2], 1))], -1)
-            local += np.where(reads, (C_EXP + 2) * np.abs(capped), 0.0)
-        local += mag
         reach = local.max(axis=-1, initial=0.0) / (h + 1)  # logit_reach's M_i
         del local, mag
         e = np.exp(np.negative(gap, out=gap), out=gap)  # exp(s_ij - max_j s_ij), in place

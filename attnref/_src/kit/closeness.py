@@ -66,8 +66,10 @@ def _scalar(value: Any) -> Any:
 
 def first_index(where: Any) -> tuple[int, ...] | None:
     """The index of the first ``True`` of ``where`` (C order), ``None`` where there is none."""
-    hits = np.argwhere(where)
-    return tuple(int(i) for i in hits[0]) if len(hits) else None
+    w = np.asarray(where, dtype=bool)
+    if not w.any():  # a scan that stops at the first True, no list of every hit
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(w)), w.shape))
 
 
 def _prepare(actual: Any, expected: Any, label: str) -> tuple[np.ndarray, np.ndarray]:
