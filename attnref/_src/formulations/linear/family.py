@@ -178,22 +178,22 @@ def linear_messages_cost(d: _cost.Dims) -> _cost.Cost:
 
 def register_linear(form: str, **entry: Any) -> None:
     """Register the form ``form`` (``"quadratic"``, ...) of the LINEAR family: the entry
-    ``linear_<form>`` with the cost model ``linear_<form>_cost``, convention ``kernel`` and
-    citation :data:`KATHAROPOULOS` unless ``entry`` says, and (unless ``entry`` names them) the
-    public ``multihead.linear_<form>_attention`` (apply), the formula ``kernel.<form>`` and the
-    kernel ``kernel.linear_<form>`` (native)."""
+    ``linear_<form>`` with convention ``kernel`` and citation :data:`KATHAROPOULOS` unless
+    ``entry`` says, and (unless ``entry`` names them) the public
+    ``multihead.linear_<form>_attention`` (apply), the formula ``kernel.<form>`` and the kernel
+    ``kernel.linear_<form>`` (native)."""
     fid = f"linear_{form}"
     defaults = {"id": fid, "convention": "kernel", "citation": KATHAROPOULOS, "family": LINEAR}
     if "apply" not in entry:
         defaults["apply"] = getattr(multihead, f"{fid}_attention")
         defaults["formula"] = getattr(kernel, form)
         defaults["native"] = getattr(kernel, fid)
-    defaults["cost_model"] = globals()[f"{fid}_cost"]
     register(Formulation(**{**defaults, **entry}))
 
 
 register_linear(
     "quadratic",
+    cost_model=linear_quadratic_cost,
     title="Linear attention, quadratic form",
     equation=(
         r"Y_h = \frac{(\phi(Q_h)\phi(K_h)^\top \odot M)\, V_h}"
@@ -208,6 +208,7 @@ register_linear(
 
 register_linear(
     "associative",
+    cost_model=linear_associative_cost,
     title="Linear attention, associative (non-causal) form",
     equation=(
         r"Y_h = \frac{\phi(Q_h)\,\big(\phi(K_h)^\top V_h\big)}"
@@ -220,6 +221,7 @@ register_linear(
 
 register_linear(
     "prefix_sum",
+    cost_model=linear_prefix_sum_cost,
     title="Linear attention, causal prefix sums",
     equation=(
         r"S_{t,h} = \sum_{j \le t} \phi(k_{j,h}) v_{j,h}^\top,\ z_{t,h} = \sum_{j \le t}"
@@ -233,6 +235,7 @@ register_linear(
 
 register_linear(
     "recurrent",
+    cost_model=linear_recurrent_cost,
     title="Linear attention, recurrent (RNN) form",
     equation=(
         r"S_{t,h} = S_{t-1,h} + \phi(k_{t,h}) v_{t,h}^\top,\ z_{t,h} = z_{t-1,h} +"
@@ -251,6 +254,7 @@ register_linear(
 
 register_linear(
     "chunked",
+    cost_model=linear_chunked_cost,
     title="Linear attention, chunked form",
     equation=(
         r"y_{t,h} = \frac{\phi(q_{t,h})^\top \big(S_{c-1,h} + \sum_{j \in c,\, j \le t}"
@@ -271,6 +275,7 @@ register_linear(
 
 register_linear(
     "messages",
+    cost_model=linear_messages_cost,
     title="Linear attention, scores x messages",
     equation=(
         r"Y = \sum_{i=1}^{H} \mathrm{rownorm}\big(\phi(Q_i)\phi(K_i)^\top \odot M\big)\,"
