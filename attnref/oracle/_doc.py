@@ -93,7 +93,8 @@ KERNEL = {
     "method": METHOD,
     "dtype": "The kernel's format; ``None`` (default) is ``query``'s dtype.",
     "key_blocks": "Key blocks of an online (blockwise) softmax; ``None`` (default): any tiling.",
-    "budget": "Bytes of temporaries per block (default 64 MiB).",
+    "budget": "Bytes of float64 temporaries per query block (the default: the fastest size "
+    "measured on 2 cores, ``docs/benchmarks.md``).",
 }
 KERNEL_RAISES = {
     "ValueError": "For the inputs :func:`attnref.dot_product_attention` refuses with "

@@ -141,7 +141,7 @@ def kernel_grad_error_bound(
     cotangent: Any,
     lse_cotangent: Any = None,
     dtype: Any = None,
-    budget: int = 64 << 20,
+    budget: int = 128 << 20,
 ) -> Any:
     """Componentwise bounds on the error of the gradients of ``sum(cotangent * o) +
     sum(lse_cotangent * lse)`` computed in ``dtype`` (module docstring), by query blocks.

@@ -214,7 +214,7 @@ def kernel_call_error_bound(
     *,
     dtype: Any = None,
     key_blocks: int | None = None,
-    budget: int = 64 << 20,
+    budget: int = 32 << 20,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`kernel_error_bound` of a kernel call given by its arguments, streamed over query
     blocks (memory ``O(block x N x S)``, never ``O(T x S)``).
