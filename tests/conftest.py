@@ -48,10 +48,16 @@ os.environ.setdefault(
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+import beartype
 import jax
 import jaxtyping
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The type checker of jaxtyping's import hook (pyproject ``addopts``, ``--jaxtyping-packages=...,
+# tests.conftest.typechecker``): beartype, checking the first item of a container rather than a
+# random one, so a run checks the same things every time.
+typechecker = beartype.beartype(conf=beartype.BeartypeConf(is_random=False))
 
 jax.config.update("jax_enable_x64", True)
 

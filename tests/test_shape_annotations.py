@@ -1,10 +1,12 @@
 """The jaxtyping annotations are checked at runtime in the test suite.
 
-pyproject's ``addopts`` run the suite with jaxtyping's import hook, ``--jaxtyping-packages=attnref,
-beartype.beartype(...)`` (as equinox runs its own): every function and dataclass in attnref is
-imported decorated with ``@jaxtyped(typechecker=beartype)``, so a call whose arrays contradict
-its shape annotation fails with a :class:`jaxtyping.TypeCheckError`, eagerly and at trace time.
-(``attnref.conformance.plugin`` lets the hook see attnref although the plugin is part of it.)
+pyproject's ``addopts`` run the suite with jaxtyping's import hook (as equinox runs its own),
+``--jaxtyping-packages=attnref._src.core,...,tests.conftest.typechecker``: every function and
+dataclass of the packages whose modules carry jaxtyping shape annotations is imported decorated
+with ``@jaxtyped(typechecker=beartype)``, so a call whose arrays contradict its shape annotation
+fails with a :class:`jaxtyping.TypeCheckError`, eagerly and at trace time. The NumPy layers'
+plain annotations are mypy's (``.ci/run``). (``attnref.conformance.plugin`` lets the hook see
+attnref although the plugin is part of it.)
 
 Here: the hook is on (a contradiction is refused by the annotation before the body runs), and
 the pytrees keep working under ``jax.jit`` and ``jax.grad``. The pytree dataclasses
@@ -16,6 +18,7 @@ accept them. ``LinearState`` is a NamedTuple, whose fields no hook checks.
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import jax
@@ -47,17 +50,39 @@ requires_hook = pytest.mark.skipif(
 )
 
 
-def test_the_configured_hook_instruments_attnref(request):
-    """With ``--jaxtyping-packages`` naming attnref (the default, from pyproject), the modules
-    really are instrumented: a plugin import order that left them unchecked fails here instead
-    of skipping every test below."""
+def _hooked_packages(request) -> list[str]:
+    """The packages ``--jaxtyping-packages`` names (its last entry is the type checker)."""
     packages = request.config.getoption("--jaxtyping-packages", default=None) or ""
     names = [p.strip() for p in packages.split("(", 1)[0].split(",")][:-1]
     if not any(n == "attnref" or n.startswith("attnref.") for n in names):
-        pytest.skip("run without --jaxtyping-packages=attnref,... (pyproject's default)")
+        pytest.skip("run without --jaxtyping-packages=attnref...,... (pyproject's default)")
+    return names
+
+
+def test_the_configured_hook_instruments_attnref(request):
+    """With ``--jaxtyping-packages`` naming attnref's packages (the default, from pyproject), the
+    modules really are instrumented: a plugin import order that left them unchecked fails here
+    instead of skipping every test below."""
+    _hooked_packages(request)
     assert HOOKED
     assert _instrumented(attnref.concat_attention)
     assert _instrumented(attnref.dot_product_attention)
+
+
+def test_the_hook_covers_every_module_with_shape_annotations(request):
+    """Every attnref module that imports jaxtyping (its annotations carry array shapes) lies in a
+    package the hook instruments, so a new such module outside the list fails here rather than
+    going unchecked."""
+    names = _hooked_packages(request)
+    root = Path(attnref.__file__).resolve().parent
+    shaped = []
+    for path in sorted(root.rglob("*.py")):
+        if re.search(r"^(from jaxtyping import|import jaxtyping)", path.read_text(), re.M):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            shaped.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert len(shaped) > 20  # the formulations, the core, the probes, the models
+    uncovered = [m for m in shaped if not any(m == n or m.startswith(n + ".") for n in names)]
+    assert not uncovered, f"shape-annotated modules outside --jaxtyping-packages: {uncovered}"
 
 
 @requires_hook
