@@ -46,7 +46,7 @@ HOOKED = _instrumented(linear.FeatureMap.kernel)
 requires_hook = pytest.mark.skipif(
     not HOOKED,
     reason="attnref is not instrumented: the suite was run without jaxtyping's import hook "
-    "(pyproject's addopts pass --jaxtyping-packages=attnref,...; it was overridden or removed)",
+    "(pyproject's addopts pass --jaxtyping-packages=attnref...,...; it was overridden or removed)",
 )
 
 
