@@ -56,7 +56,9 @@ from hypothesis import HealthCheck, settings
 
 # The type checker of jaxtyping's import hook (pyproject ``addopts``, ``--jaxtyping-packages=...,
 # tests.conftest.typechecker``): beartype, checking the first item of a container rather than a
-# random one, so a run checks the same things every time.
+# random one, so a run checks the same things every time. Named here because jaxtyping 0.3.11's
+# pytest plugin cuts a list of several packages at its first comma when the type checker is
+# written with parentheses (``if index := value.find("(") != -1`` binds the comparison).
 typechecker = beartype.beartype(conf=beartype.BeartypeConf(is_random=False))
 
 jax.config.update("jax_enable_x64", True)
