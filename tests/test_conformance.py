@@ -192,6 +192,29 @@ def test_attnref_kernels_pass():
     assert report.passed, report.summary()
 
 
+def _off_by(fraction: float):
+    """A NumPy kernel ``fraction`` times its derived bound away from the oracle, everywhere."""
+
+    def fn(query, key, value, **kw):
+        out = attnref.oracle.dot_product_attention(query, key, value, **kw)
+        bound, _ = attnref.tolerance.kernel_call_error_bound(query, key, value, **kw)
+        return out + fraction * bound
+
+    return fn
+
+
+def test_the_bound_decides_above_its_minorant():
+    """The kit tests an output first against ``tolerance.kernel_bound_minorant`` (at most half
+    the bound where a row has a key): 0.75 x the bound is above it everywhere the bound is not 0,
+    so passing needs the bound itself; 1.5 x the bound fails with the bound's own message."""
+    props, kw = ["oracle", "masks"], {"signature": "numpy", "max_examples": 3, "seed": 5}
+    report = check_attention(_off_by(0.75), properties=props, **kw)
+    assert report.passed, report.summary()
+    report = check_attention(_off_by(1.5), properties=props, **kw)
+    for r in report.results:
+        assert r.status == "failed" and "rule 'bound' failed" in r.detail, r.detail
+
+
 # ----------------------------------------------------------------------------- broken kernels
 
 # bug -> (properties run, the properties that must catch it)

@@ -90,6 +90,8 @@ KERNEL = {
     "masked_rows": '``"zeros"`` (default), ``"uniform"`` or ``"nan"``: a fully masked row\'s '
     "output.",
     "return_lse": "If ``True``, also return ``lse``.",
+    "return_magnitude": "If ``True``, also return ``sum_j p_ij w_ij |v_j|``, the output with "
+    "``|v|`` for ``v`` (what :func:`attnref.tolerance.kernel_bound_minorant` scales).",
     "method": METHOD,
     "dtype": "The kernel's format; ``None`` (default) is ``query``'s dtype.",
     "key_blocks": "Key blocks of an online (blockwise) softmax; ``None`` (default): any tiling.",

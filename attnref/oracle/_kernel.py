@@ -86,26 +86,28 @@ def dot_product_attention(
     call: dict[str, Any],
     *,
     return_lse: bool = False,
+    return_magnitude: bool = False,
     method: str = "fast",
 ) -> Any:
     """Float64 reference for :func:`attnref.dot_product_attention` (same arguments, same
     refusals); ``"definition"`` is the module docstring's element-wise definition.
 
     Returns:
-        float64 ``o [B, T, N, H_v]``, or ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on fully
-        masked and padding rows) when ``return_lse``.
+        float64 ``o [B, T, N, H_v]``; a tuple ``(o, lse)`` with ``lse [B, T, N]`` (``-inf`` on
+        fully masked and padding rows) when ``return_lse``, followed by ``|o|_w = sum_j p_ij w_ij
+        |v_j|`` ``[B, T, N, H_v]`` (``o`` with ``|v|`` for ``v``) when ``return_magnitude``.
     """
     check_method(method)
     c = parse(**call)
     if method == "fast":
-        o, lse_f = forward(c)
-        return (o, lse_f) if return_lse else o
+        return _returned(forward(c, magnitude=return_magnitude), return_lse)
     allowed = kernel_allowed(
         c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
     )
     b_size, n_heads, t, s = c.shape
     out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
     lse = np.full((b_size, t, n_heads), -np.inf)
+    mag = np.zeros_like(out)
     for b in range(b_size):
         for n in range(n_heads):
             kvh = n // c.group
@@ -115,8 +117,9 @@ def dot_product_attention(
                 if not keys and sink is None:
                     if c.policy == "uniform":
                         out[b, i, n] = c.v[b, :, kvh].mean(axis=0)
+                        mag[b, i, n] = np.abs(c.v[b, :, kvh]).mean(axis=0)
                     elif c.policy == "nan":
-                        out[b, i, n] = np.nan
+                        out[b, i, n] = mag[b, i, n] = np.nan
                     continue
                 # the sink z_n is one more logit of the softmax, with no value (gpt-oss)
                 sv = np.array([definition_logit(c, b, n, i, j)[1] for j in keys])
@@ -130,7 +133,14 @@ def dot_product_attention(
                 if c.keep is not None and c.rate is not None:  # dropout after normalising
                     w = np.where(c.keep[b, n, i, keys], w / (1.0 - c.rate), 0.0)
                 out[b, i, n] = w @ c.v[b, keys, kvh] if keys else 0.0
-    return (out, lse) if return_lse else out
+                mag[b, i, n] = w @ np.abs(c.v[b, keys, kvh]) if keys else 0.0
+    return _returned((out, lse, mag) if return_magnitude else (out, lse), return_lse)
+
+
+def _returned(res: tuple[np.ndarray, ...], return_lse: bool) -> Any:
+    """``o``, ``(o, lse)``, ``(o, |o|_w)`` or ``(o, lse, |o|_w)``, as asked."""
+    picked = res if return_lse else (res[0], *res[2:])
+    return picked if len(picked) > 1 else picked[0]
 
 
 def definition_logit(c: KernelCall, b: int, n: int, i: int, j: int) -> tuple[float, float]:

@@ -203,69 +203,87 @@ def _shift_free_block(
     return acc.T, live
 
 
-def forward(c: KernelCall, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks."""
+def forward(
+    c: KernelCall, block: int | None = None, magnitude: bool = False
+) -> tuple[np.ndarray, ...]:
+    """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks;
+    with ``magnitude`` also ``sum_j p_ij |v_j| [B, T, N, H_v]`` (the same GEMM, ``[V, 1, |V|]``
+    in place of ``[V, 1]``)."""
     b_size, n_heads, t, _ = c.shape
     grp, h_v = c.group, c.v.shape[-1]
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
+    mag = np.zeros_like(out) if magnitude else None
     rows = block or min(max(1, 256 // grp), query_block(c, 2))
     key_chunk = max(1, (8 << 20) // (8 * grp * rows))  # 8 MiB of logits per chunk (measured)
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
     groups = group_index(c)
-    plans: list[list[tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]]] = [
-        [] for _ in groups
-    ]
+    Job = tuple[HeadGroup, np.ndarray, np.ndarray | None, bool, tuple[int, ...]]
+    plans: list[list[Job]] = [[] for _ in groups]
 
     def plan(i: int) -> None:  # a head group's copies and checks (on the pool), its blocks
         hg = head_group(c, *groups[i])
+        v1 = hg.v1 if mag is None else np.concatenate([hg.v1, np.abs(hg.v)], axis=1)
         finite = bool(np.isfinite(hg.v).all())
-        v1t = np.ascontiguousarray(hg.v1.T) if finite else None
+        v1t = np.ascontiguousarray(v1.T) if finite else None
         shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])
-        plans[i] = [(hg, finite, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]
+        plans[i] = [(hg, v1, v1t, shift_free, blk) for blk in row_blocks(c, hg.b, rows)]
 
     each_block(range(len(groups)), plan)
     jobs = [job for jobs_of_group in plans for job in jobs_of_group]
     # largest blocks first, so the workers finish together (causal blocks grow with the row)
     jobs.sort(key=lambda job: -(job[4][1] - job[4][0]) * (job[4][3] - job[4][2]))
 
-    def one_block(job: tuple[HeadGroup, bool, np.ndarray | None, bool, tuple[int, ...]]) -> None:
-        hg, finite, v1t, shift_free, (i0, i1, j0, j1) = job
+    def one_block(job: Job) -> None:
+        hg, v1, v1t, shift_free, (i0, i1, j0, j1) = job
         if shift_free and v1t is not None:
             o1, live = _shift_free_block(c, hg, i0, i1, j0, j1, v1t, key_chunk)
             top = np.zeros(live.shape)
         else:
-            e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, finite)
+            e, top, live, ok = _forward_block(c, hg, i0, i1, j0, j1, v1t is not None)
             flat = (grp * (i1 - i0), j1 - j0)
             flat_ok = None if ok is None else ok.reshape(flat)
             vt = None if v1t is None else v1t[:, j0:j1]
             if c.keep is None:
-                o1 = _weighted_values(e.reshape(flat), hg.v1[j0:j1], flat_ok, vt)
+                o1 = _weighted_values(e.reshape(flat), v1[j0:j1], flat_ok, vt)
             else:  # dropout: the kept weights scaled in the numerator, e in the sum
                 w = dropout_weights(c, hg, i0, i1, j0, j1) * e
-                o_num = _weighted_values(w.reshape(flat), hg.v[j0:j1], flat_ok)
-                o1 = np.concatenate([o_num, e.reshape(flat).sum(axis=-1)[:, None]], axis=1)
-        o1 = o1.reshape(grp, i1 - i0, h_v + 1)
-        total = o1[..., h_v]
+                o_num = _weighted_values(w.reshape(flat), np.delete(v1[j0:j1], h_v, 1), flat_ok)
+                o1 = np.insert(o_num, h_v, e.reshape(flat).sum(axis=-1), axis=1)
+        o1 = o1.reshape(grp, i1 - i0, -1)
+        total = o1[..., h_v : h_v + 1]
         with np.errstate(divide="ignore", invalid="ignore"):
-            o = o1[..., :h_v] / total[..., None]
-            ls = top + np.log(total)
-        if live.all():
-            out[hg.b, i0:i1, hg.heads] = o.transpose(1, 0, 2)
-            lse[hg.b, i0:i1, hg.heads] = ls.T
-            return
-        out[hg.b, i0:i1, hg.heads] = np.where(live[..., None], o, 0.0).transpose(1, 0, 2)
-        lse[hg.b, i0:i1, hg.heads] = np.where(live, ls, -np.inf).T
-        if c.sinks is not None:
+            o = o1[..., :h_v] / total
+            ls = top + np.log(total[..., 0])
+            o_mag = None if mag is None else o1[..., h_v + 1 :] / total
+        if not live.all():
+            o = np.where(live[..., None], o, 0.0)
+            ls = np.where(live, ls, -np.inf)
+            o_mag = None if o_mag is None else np.where(live[..., None], o_mag, 0.0)
+        out[hg.b, i0:i1, hg.heads] = o.transpose(1, 0, 2)
+        lse[hg.b, i0:i1, hg.heads] = ls.T
+        if mag is not None and o_mag is not None:
+            mag[hg.b, i0:i1, hg.heads] = o_mag.transpose(1, 0, 2)
+        if live.all() or c.sinks is not None:
             return  # with sinks a row with no key is 0, lse = z_n (with_sinks)
         for n, r in zip(*np.nonzero(~live), strict=True):  # no allowed key: by masked_rows
+            at = (hg.b, i0 + r, hg.g * grp + n)
             if c.policy == "nan":
-                out[hg.b, i0 + r, hg.g * grp + n] = np.nan
+                out[at] = np.nan
+                if mag is not None:
+                    mag[at] = np.nan
             elif c.policy == "uniform":
-                out[hg.b, i0 + r, hg.g * grp + n] = c.v[hg.b, :, hg.g].mean(axis=0)
+                out[at] = c.v[hg.b, :, hg.g].mean(axis=0)
+                if mag is not None:
+                    mag[at] = np.abs(c.v[hg.b, :, hg.g]).mean(axis=0)
 
     each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of out and lse
-    return (out, lse) if c.sinks is None else with_sinks(c, out, lse)
+    if c.sinks is not None:
+        scaled = with_sinks(c, out, lse)
+        if mag is not None:  # p_ij / (1 + e^(z - lse)): the same factor as out's
+            mag = with_sinks(c, mag, lse)[0]
+        out, lse = scaled
+    return (out, lse) if mag is None else (out, lse, mag)
 
 
 def dropout_weights(c: KernelCall, hg: HeadGroup, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:

@@ -52,7 +52,7 @@ from ._core import attention_error_bound, attention_local_errors, comparative_bo
 from ._grad_kernel import kernel_grad_error_bound
 from ._grad_linear import linear_attention_vjp_error_bound, linear_multihead_vjp_error_bound
 from ._grad_weight import attention_vjp_error_bound, rope_attention_vjp_error_bound
-from ._kernel import kernel_call_error_bound, kernel_error_bound
+from ._kernel import kernel_bound_minorant, kernel_call_error_bound, kernel_error_bound
 from ._linear import linear_error_bound, linear_multihead_error_bound
 from ._mla import mla_attention_error_bound
 from ._pieces import pieces_error_bound
@@ -77,6 +77,7 @@ __all__ = [
     "attention_vjp_error_bound",
     "comparative_bound",
     "gamma",
+    "kernel_bound_minorant",
     "kernel_call_error_bound",
     "kernel_error_bound",
     "kernel_grad_error_bound",

@@ -187,6 +187,31 @@ def _uniform_and_cast(
     return out
 
 
+def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
+    """``gamma_S(u) |o|_w``: a componentwise lower bound on :func:`kernel_call_error_bound`'s
+    output bound, so that an output within it is within the bound, which then need not be
+    computed. ``magnitude = |o|_w = sum_j p_ij w_ij |v_j|`` ``[B, T, N, H_v]`` (the float64
+    oracle's, :func:`attnref.oracle.dot_product_attention` with ``return_magnitude``), ``keys =
+    S``, ``u`` the unit round-off ``dtype`` computes in (float32's for 16 bits).
+
+    Why it is below: a row with a key has ``(rho_i + gamma_{S'}) |o|_w`` per unit round-off
+    (``S' >= S``, ``rho_i >= gamma_{S'}``), so at least ``2 gamma_S(u) |o|_w``: twice the
+    minorant, far more than the float64 rounding between two evaluations of ``|o|_w``; a row
+    without one is 0 in both, or under ``"uniform"`` ``gamma_{S+1} mean_j |v_j|`` per unit
+    against ``gamma_S(u) mean_j |v_j|``; the 16-bit cast term is not negative. Non-finite
+    ``magnitude`` (or ``gamma_S = inf``): 0, i.e. exact.
+
+    Returns:
+        float64, the shape of ``magnitude``.
+    """
+    fmt = np.dtype(dtype)
+    g = gamma(int(keys), unit_roundoff(np.float32 if is_16bit(fmt) else fmt))
+    mag = np.asarray(magnitude, np.float64)
+    if not math.isfinite(g):
+        return np.zeros(mag.shape)
+    return np.where(np.isfinite(mag), g * np.where(np.isfinite(mag), mag, 0.0), 0.0)
+
+
 def sink_column(
     c: Any,
     hg: HeadGroup,
