@@ -237,7 +237,8 @@ def _production(
     cases = production.cases(ctx, name)
     if isinstance(cases, str):
         return cases
-    cases, check = cases[:max_examples], production.check(ctx, name)
+    cases = cases[:max_examples]
+    check = production.check(ctx, name, cases)
     for i, case in enumerate(cases, start=1):
         start = time.perf_counter()
         try:

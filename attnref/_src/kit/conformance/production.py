@@ -13,7 +13,8 @@ the first cases. ``causality`` and ``extreme_logits`` run at the small shapes on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -154,10 +155,38 @@ def problem(ctx: Context, case: Case, empty: bool = False) -> ast.KernelProblem:
     return p
 
 
-def check(ctx: Context, name: str) -> Callable[[Case], None]:
+class _Ahead:
+    """The problems of ``cases``, each built on a thread while the case before it runs: drawing
+    and casting the arrays and building the masks are NumPy loops that release the GIL, and one
+    core is otherwise idle then. The same problems, sooner."""
+
+    def __init__(self, ctx: Context, cases: Sequence[Case], empty: bool) -> None:
+        self.ctx, self.cases, self.empty = ctx, list(cases), empty
+        self.pool: ThreadPoolExecutor | None = None  # started by the first case with a next
+        self.next: tuple[Case, Future[ast.KernelProblem]] | None = None
+
+    def __call__(self, case: Case) -> ast.KernelProblem:
+        """``problem(ctx, case, empty)``; the following case's build starts before returning."""
+        ready = self.next
+        self.next = None
+        p = ready[1].result() if ready is not None and ready[0] == case else None
+        if case in self.cases and (i := self.cases.index(case) + 1) < len(self.cases):
+            self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="attnref-problems")
+            after = self.cases[i]
+            self.next = (after, self.pool.submit(problem, self.ctx, after, self.empty))
+        elif self.pool is not None:  # the last case: the thread ends
+            self.pool.shutdown(wait=False)
+            self.pool = None
+        return p if p is not None else problem(self.ctx, case, self.empty)
+
+
+def check(ctx: Context, name: str, cases: Sequence[Case] = ()) -> Callable[[Case], None]:
+    """Property ``name``'s check of one production case; ``cases``: the cases to be run, in
+    order, whose problems are built one ahead (:class:`_Ahead`)."""
+    ahead = _Ahead(ctx, cases, empty=name == "fully_masked_rows")
 
     def forward(case: Case) -> None:
-        p = problem(ctx, case)
+        p = ahead(case)
         want_lse = name == "lse"
         out, lse = ctx.run(p, want_lse=want_lse)
         assert_output(out, ctx.view(p), f"{name} [{case}]")
@@ -165,14 +194,14 @@ def check(ctx: Context, name: str) -> Callable[[Case], None]:
             assert_lse(lse, ctx.view(p), f"lse [{case}]")
 
     def gradients(case: Case) -> None:
-        p = ctx.view(problem(ctx, case))
+        p = ctx.view(ahead(case))
         c = case.config
         rng = np.random.default_rng([case.seed, 1])
         cot = rng.standard_normal((c.b, c.t, c.n, c.h_v)).astype(c.dtype)
         assert_gradients(p, cot, ctx.target.vjp(p, cot), f"gradients [{case}]")
 
     def batch(case: Case) -> None:
-        p = problem(ctx, case)
+        p = ahead(case)
         full, _ = ctx.run(p)
         assert_output(full, ctx.view(p), f"batch_independence [{case}] batched")
         for b in range(case.config.b):
@@ -180,7 +209,7 @@ def check(ctx: Context, name: str) -> Callable[[Case], None]:
             assert_output(one, ctx.view(p.batch_slice(b)), f"batch element {b} alone [{case}]")
 
     def empty(case: Case) -> None:
-        p = problem(ctx, case, empty=True)
+        p = ahead(case)
         out, _ = ctx.run(p)
         assert_output(out, ctx.view(p), f"fully_masked_rows [{case}, S'=0]")
 
