@@ -173,6 +173,10 @@ class Context:
     def run(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         return self.target.forward(to_target(p, self.signature), want_lse)
 
+    def compile_ahead(self, p: ast.KernelProblem, want_lse: bool = False) -> None:
+        """:meth:`run`'s program compiled now (:meth:`Target.compile_ahead`)."""
+        self.target.compile_ahead(to_target(p, self.signature), want_lse)
+
     def view(self, p: ast.KernelProblem) -> ast.KernelProblem:
         """The problem as the target sees it (a :class:`_MergedProblem` when distributed)."""
         p = to_target(p, self.signature)

@@ -156,12 +156,15 @@ def problem(ctx: Context, case: Case, empty: bool = False) -> ast.KernelProblem:
 
 
 class _Ahead:
-    """The problems of ``cases``, each built on a thread while the case before it runs: drawing
-    and casting the arrays and building the masks are NumPy loops that release the GIL, and one
-    core is otherwise idle then. The same problems, sooner."""
+    """The problems of ``cases``, each built on a thread while the case before it runs, and the
+    target's forward program for it compiled there (``want_lse``; ``None``: not the forward):
+    drawing and casting the arrays, building the masks and XLA's compile leave a core free
+    while the oracle and the target use both. The same problems and programs, sooner."""
 
-    def __init__(self, ctx: Context, cases: Sequence[Case], empty: bool) -> None:
-        self.ctx, self.cases, self.empty = ctx, list(cases), empty
+    def __init__(
+        self, ctx: Context, cases: Sequence[Case], empty: bool, want_lse: bool | None
+    ) -> None:
+        self.ctx, self.cases, self.empty, self.want_lse = ctx, list(cases), empty, want_lse
         self.pool: ThreadPoolExecutor | None = None  # started by the first case with a next
         self.next: tuple[Case, Future[ast.KernelProblem]] | None = None
 
@@ -172,18 +175,24 @@ class _Ahead:
         p = ready[1].result() if ready is not None and ready[0] == case else None
         if case in self.cases and (i := self.cases.index(case) + 1) < len(self.cases):
             self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="attnref-problems")
-            after = self.cases[i]
-            self.next = (after, self.pool.submit(problem, self.ctx, after, self.empty))
+            self.next = (after := self.cases[i], self.pool.submit(self._build, after))
         elif self.pool is not None:  # the last case: the thread ends
             self.pool.shutdown(wait=False)
             self.pool = None
         return p if p is not None else problem(self.ctx, case, self.empty)
 
+    def _build(self, case: Case) -> ast.KernelProblem:
+        p = problem(self.ctx, case, self.empty)
+        if self.want_lse is not None:
+            self.ctx.compile_ahead(p, self.want_lse)
+        return p
+
 
 def check(ctx: Context, name: str, cases: Sequence[Case] = ()) -> Callable[[Case], None]:
     """Property ``name``'s check of one production case; ``cases``: the cases to be run, in
     order, whose problems are built one ahead (:class:`_Ahead`)."""
-    ahead = _Ahead(ctx, cases, empty=name == "fully_masked_rows")
+    forward_lse = None if name == "gradients" else name == "lse"
+    ahead = _Ahead(ctx, cases, empty=name == "fully_masked_rows", want_lse=forward_lse)
 
     def forward(case: Case) -> None:
         p = ahead(case)

@@ -275,6 +275,19 @@ class Target:
             self.refusals.append(f"T={p.config.t}, S={p.config.s}: {first_line(exc)}")
             hypothesis.reject()
 
+    def compile_ahead(self, p: ast.KernelProblem, want_lse: bool = False) -> None:
+        """Compile the jitted call that :meth:`forward` of ``p`` makes, on any thread, so that
+        it finds the program compiled (JAX shares its compile cache). Only where that call is
+        jitted and unsharded; a failure is left for :meth:`forward` to meet and report."""
+        if self.signature in ("torch", "numpy") or self.mesh is not None:
+            return
+        static, arrays = split_options(p.options)
+        key = ("forward", static, want_lse)
+        if (*key, str(np.dtype(p.dtype))) in self._eager:
+            return
+        with contextlib.suppress(Exception), x64_if(p.dtype):
+            self._jitted(key, self._raw(static, want_lse)).lower(p.q, p.k, p.v, arrays).compile()
+
     def forward(self, p: ast.KernelProblem, want_lse: bool = False) -> tuple[np.ndarray, Any]:
         """``(out [B, T, N, H_v], lse [B, T, N] or None)``, shapes checked."""
         self.last_call = (p, None)
