@@ -115,6 +115,17 @@ def test_bound_minorant_is_below_every_kernel_bound(problem, key_blocks):
     assert np.all(floor[live] > 0) and np.all(floor[~live] == 0)
 
 
+def test_bound_minorant_refuses_bad_input():
+    mag = np.ones((1, 2, 1, 3))
+    for keys in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="keys must be an integer >= 0"):
+            tolerance.kernel_bound_minorant(mag, keys, np.float32)
+    with pytest.raises(ValueError, match=r"magnitude \(1, 2, 1, 3\) must be >= 0"):
+        tolerance.kernel_bound_minorant(-mag, 4, np.float32)
+    with pytest.raises(ValueError, match="expected a floating-point dtype"):
+        tolerance.kernel_bound_minorant(mag, 4, np.int32)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("extra", [{}, {"sinks": np.array([0.5, -1.0, 2.0, 0.0])}])
 def test_bound_minorant_is_tight_on_uniform_empty_rows(dtype, extra):

@@ -203,10 +203,20 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
 
     Returns:
         float64, the shape of ``magnitude``.
+
+    Raises:
+        ValueError: ``keys`` not an integer ``>= 0``, a negative ``magnitude`` entry, or
+            ``dtype`` not a floating format.
     """
+    if isinstance(keys, bool) or not isinstance(keys, (int, np.integer)) or keys < 0:
+        raise ValueError(f"keys must be an integer >= 0 (the key length S), got {keys!r}")
     fmt = np.dtype(dtype)
     g = gamma(int(keys), unit_roundoff(np.float32 if is_16bit(fmt) else fmt))
     mag = np.asarray(magnitude, np.float64)
+    if np.any(mag < 0):
+        raise ValueError(
+            f"magnitude {mag.shape} must be >= 0 (sum_j p_ij w_ij |v_j|), got a negative entry"
+        )
     if not math.isfinite(g):
         return np.zeros(mag.shape)
     return np.where(np.isfinite(mag), g * np.where(np.isfinite(mag), mag, 0.0), 0.0)
