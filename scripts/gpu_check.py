@@ -15,6 +15,10 @@ On a machine whose JAX default backend is a GPU it:
 4. times the kernels (``benchmarks/bench_attention.py``) and writes the Markdown table to
    ``--out`` (default ``gpu_benchmarks.md``; ``docs/benchmarks.md`` to replace the page's).
 
+``--steps`` picks among ``properties`` (2), ``kit`` (3, with a probe of Pallas' ``mha`` on
+chosen shapes) and ``bench`` (4); ``--only a,b`` keeps the kit targets whose names contain
+``a`` or ``b``.
+
 Without a GPU it says so and runs step 3 for ``implementation="xla"`` alone, with one example
 per property, so the script itself is exercised on any machine (``--quick`` does the same on a
 GPU machine, to check the set-up in seconds). Each verdict is printed as
@@ -30,6 +34,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,24 +103,37 @@ def _pallas_probe() -> None:
     except ImportError:
         return
     rng = np.random.default_rng(0)
-    for t, h, causal in ((128, 64, False), (128, 64, True), (16, 16, False), (8, 16, False),
-                         (16, 12, False), (5, 4, False), (40, 64, True)):  # fmt: skip
-        q, k, v = (rng.standard_normal((1, t, 2, h)).astype(np.float32) for _ in range(3))
-        s = np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), k.astype(np.float64))
-        s /= np.sqrt(h)
-        if causal:
-            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
-        w = np.exp(s - s.max(-1, keepdims=True))
-        ref = np.einsum("bnqk,bknh->bqnh", w / w.sum(-1, keepdims=True), v.astype(np.float64))
-        try:
-            out = attention.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(h), causal=causal)
-            err = float(np.max(np.abs(np.asarray(out, np.float64) - ref)))
-            print(f"pallas probe: T={t} H={h} causal={causal}: max |out - ref| = {err:.2e}")
-        except Exception as e:
-            print(f"pallas probe: T={t} H={h} causal={causal}: {type(e).__name__}: {e}"[:300])
+    # (T, S, H, causal): powers of 2, the kit's small head dims (4, 8), lengths that are not
+    # powers of 2, and causal with T > S (finding 2 of docs/clients.md, seen there in
+    # interpret mode) and T < S.
+    shapes = ((128, 128, 64, False), (128, 128, 64, True), (16, 16, 16, False), (8, 8, 16, False),
+              (16, 16, 12, False), (16, 16, 4, False), (16, 16, 4, True), (32, 32, 8, True),
+              (4, 4, 4, True), (5, 5, 4, False), (40, 40, 64, True), (32, 16, 16, True),
+              (256, 128, 64, True), (16, 32, 16, True))  # fmt: skip
+    for t, s_len, h, causal in shapes:
+        for dtype in (np.float32, np.float16):
+            q = rng.standard_normal((1, t, 2, h)).astype(dtype)
+            k, v = (rng.standard_normal((1, s_len, 2, h)).astype(dtype) for _ in range(2))
+            s = np.einsum("bqnh,bknh->bnqk", q.astype(np.float64), k.astype(np.float64))
+            s /= np.sqrt(h)
+            if causal:  # top-left, as Pallas' own mha_reference (jnp.tril of [T, S])
+                s = np.where(np.tril(np.ones((t, s_len), bool)), s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            ref = np.einsum("bnqk,bknh->bqnh", w / w.sum(-1, keepdims=True), v.astype(np.float64))
+            case = f"pallas probe: T={t} S={s_len} H={h} causal={causal} {np.dtype(dtype).name}"
+            try:
+                out = attention.mha(q, k, v, None, sm_scale=1.0 / np.sqrt(h), causal=causal)
+                out = np.asarray(out, np.float64)
+                err = float(np.max(np.abs(np.nan_to_num(out - ref, nan=np.inf))))
+                rows = np.flatnonzero(np.any(~(np.abs(out - ref) < 0.1), axis=(0, 2, 3)))
+                print(f"{case}: max |out - ref| = {err:.2e}; rows off by >= 0.1: "
+                      f"{rows.tolist()[:12]}", flush=True)  # fmt: skip
+            except Exception as e:
+                print(f"{case}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
 def _verdict(name: str, report: Any) -> bool:
+    """Print the counts, then each failure's first three lines (its shapes and its error)."""
     counts = {
         s: sum(r.status == s for r in report.results) for s in ("passed", "failed", "skipped")
     }
@@ -123,7 +141,12 @@ def _verdict(name: str, report: Any) -> bool:
           f"{counts['skipped']} skipped", flush=True)  # fmt: skip
     for r in report.results:
         if r.status == "failed":
-            print(f"  {r.name}: {r.detail.splitlines()[0] if r.detail else ''}", flush=True)
+            lines = (r.detail or "").splitlines()[:3]
+            print(f"  {r.name}: " + "\n    ".join(line[:400] for line in lines), flush=True)
+            shapes = {k: getattr(a, "shape", a) for k, a in (r.inputs or {}).items()}
+            print(f"    inputs: {shapes}"[:600], flush=True)
+            for line in (r.example or "").splitlines()[:4]:
+                print(f"    {line[:400]}", flush=True)
     return counts["failed"] == 0
 
 
@@ -143,7 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_benchmarks.md", help="the benchmark table's file")
     ap.add_argument("--examples", type=int, default=None, help="kit examples per property")
     ap.add_argument("--budget", type=float, default=900.0, help="seconds for each slow step")
+    ap.add_argument(
+        "--steps",
+        default="properties,kit,bench",
+        help="comma-separated steps to run: properties (pytest), kit, bench",
+    )
+    ap.add_argument(
+        "--only", default="", help="kit: only targets whose name contains one of these (a,b)"
+    )
     args = ap.parse_args(argv)
+    steps = set(args.steps.split(","))
     device = jax.devices()[0]
     gpu = device.platform == "gpu"
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
@@ -151,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: only the CPU check of the kit against jax.nn (xla) runs", flush=True)
     quick = args.quick or not gpu
     ok = True
-    if not quick:
+    if not quick and "properties" in steps:
         # Each pytest worker is a process of its own: none may take the card's memory up front.
         env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         # tests/conftest.py sets CPU code-generation flags unless XLA_FLAGS is set; a GPU build
@@ -182,7 +214,27 @@ def main(argv: list[str] | None = None) -> int:
             functools.partial(jax.nn.dot_product_attention, implementation="cudnn"),
             {"dtypes": ("bfloat16",), "features": ("causal", "gqa")},
         )
-        targets["pallas mha"] = (_pallas_mha(), {"features": ("causal",)})
+        # Pallas refuses lengths its blocks do not divide (declared); float32 products are
+        # TF32 there, float16 isolates its logic from that rounding.
+        pallas = {"features": ("causal",), "refuses_lengths": True}
+        targets["pallas mha"] = (_pallas_mha(), pallas)
+        targets["pallas mha (float16)"] = (_pallas_mha(), {**pallas, "dtypes": ("float16",)})
+        targets["pallas mha (float16, cross)"] = (
+            _pallas_mha(),
+            {**pallas, "dtypes": ("float16",), "features": ("causal", "cross")},
+        )
+        # Production shapes: head dims 64-256, lengths 2^k - 1, 2^k, 2^k + 1 (the first cases
+        # of each sweep with --examples).
+        targets["pallas mha (float16, production shapes)"] = (
+            _pallas_mha(),
+            {**pallas, "dtypes": ("float16",), "shapes": "production",
+             "features": ("causal", "grad")},
+        )  # fmt: skip
+        targets["jax.nn (cudnn, bfloat16, production shapes)"] = (
+            functools.partial(jax.nn.dot_product_attention, implementation="cudnn"),
+            {"dtypes": ("bfloat16",), "features": ("causal", "gqa"), "shapes": "production",
+             "refuses_lengths": True},
+        )  # fmt: skip
         targets["torch sdpa flash (float16)"] = (
             _torch_sdpa("flash"),
             {"signature": "numpy", "features": ("causal",), "dtypes": ("float16",)},
@@ -191,20 +243,25 @@ def main(argv: list[str] | None = None) -> int:
             _torch_sdpa("efficient"),
             {"signature": "numpy", "features": ("causal",)},
         )
-        _pallas_probe()
+        if "kit" in steps:
+            _pallas_probe()
     examples = 1 if quick else args.examples
     for name, (fn, declared) in targets.items():
+        if "kit" not in steps or not any(o in name for o in args.only.split(",")):
+            continue
         if fn is None:
             print(f"kit: {name}: not available here", flush=True)
             continue
         options = {"signature": "jax_nn", "features": None, **declared}  # None: jax.nn's set
+        start = time.perf_counter()
         try:
             report = check_attention(fn, max_examples=examples, **options)
         except Exception as e:  # a peer that cannot run at all is a finding, not a crash
             print(f"kit: {name}: could not run: {type(e).__name__}: {e}"[:400], flush=True)
             continue
         _verdict(name, report)
-    if gpu and not args.quick:
+        print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    if gpu and not args.quick and "bench" in steps:
         kernels = [sys.executable, str(ROOT / "benchmarks" / "_jax_kernels.py"), "--repeats", "10"]
         kernels += ["--settings", "1024:none,4096:none,4096:causal,8192:causal,8192:window 256"]
         _run(kernels, args.budget)

@@ -27,6 +27,19 @@ def _blocked(query, key, value, **kw):
     return jax.nn.dot_product_attention(query, key, value, **kw)
 
 
+def _powers_of_2(query, key, value, **kw):
+    """Pallas' Triton lowering's refusal (seen on an H200, docs/benchmarks.md) of a length that
+    is not a power of 2."""
+    t = query.shape[1]
+    if t & (t - 1):
+        raise ValueError(
+            "The Pallas Triton lowering currently requires that all operations have array "
+            f"arguments and results whose size is a power of 2. Encountered an array of shape "
+            f"({t}, {query.shape[-1]})"
+        )
+    return jax.nn.dot_product_attention(query, key, value, **kw)
+
+
 def _crashes(query, key, value, **kw):
     if query.shape[1] % BLOCK:
         raise RuntimeError("segmentation fault in the tile loop")
@@ -47,6 +60,12 @@ def test_a_declared_refusal_is_counted_not_failed():
     assert result.status == "passed", result.detail
     assert "refused, as declared (refuses_lengths)" in result.detail, result.detail
     assert "must be multiples of 4" in result.detail
+
+
+def test_pallas_power_of_2_refusal_is_a_declared_refusal():
+    result = _oracle(_powers_of_2, refuses_lengths=True)
+    assert result.status == "passed", result.detail
+    assert "size is a power of 2" in result.detail, result.detail
 
 
 def test_without_the_declaration_the_refusal_fails():

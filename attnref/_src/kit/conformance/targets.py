@@ -32,9 +32,10 @@ _ARRAYS = (
 
 
 # A clear refusal of a length: the exception types, and the words of the message (jax.numpy's
-# "cannot reshape array", shard_map's "not evenly divisible", Pallas' "must be a multiple of").
+# "cannot reshape array", shard_map's "not evenly divisible", Pallas' "must be a multiple of" and
+# its Triton lowering's "whose size is a power of 2").
 REFUSAL_TYPES: tuple[type[Exception], ...] = (ValueError, NotImplementedError, TypeError)
-REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape")
+REFUSAL_WORDS = ("divisib", "divide", "multiple", "length", "pad", "reshape", "power of 2")
 _REFUSAL = re.compile("|".join(REFUSAL_WORDS), re.IGNORECASE)
 
 
