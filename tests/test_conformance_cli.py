@@ -334,6 +334,24 @@ def test_plugin_production_shapes(pytester):
     result.stdout.fnmatch_lines(["*production case 1/1: B=1 T=129 S=129*", "*--shapes production*"])
 
 
+def test_plugin_head_dim(pytester):
+    """``--attnref-head-dim 16`` reaches the engine: a kernel refusing head dims under 16 (the
+    small shapes' default is 4) passes ``oracle``."""
+    target = "tests.test_declared_limits:_needs_wide_heads"
+    args = ("--attnref-examples=2", "--attnref-properties=oracle")
+    result = _run(pytester, f"--attnref-target={target}", "--attnref-head-dim=16", *args)
+    result.assert_outcomes(passed=1, skipped=NO_MERGE)
+
+
+def test_plugin_refuses_lengths(pytester):
+    """``--attnref-refuses-lengths`` reaches the engine: a kernel refusing lengths 4 does not
+    divide passes ``oracle`` with it and fails without it."""
+    target = "tests.test_declared_limits:_blocked"
+    args = (f"--attnref-target={target}", "--attnref-examples=12", "--attnref-properties=oracle")
+    _run(pytester, *args, "--attnref-refuses-lengths").assert_outcomes(passed=1, skipped=NO_MERGE)
+    _run(pytester, *args).assert_outcomes(failed=1, skipped=NO_MERGE)
+
+
 def test_plugin_xfail_file(pytester):
     xfails = pytester.makefile(".txt", xfails="# kernels/attention.py has the scale bug\noracle\n")
     result = _run(

@@ -98,3 +98,70 @@ def test_cli_flag_declares_the_limit_and_the_replay_keeps_it(capsys):
     assert main(["check", "tests/test_declared_limits.py:_wrong_when_accepted", *args,
                  "--refuses-lengths"]) == 1  # fmt: skip
     assert "--refuses-lengths" in capsys.readouterr().out  # in the replay line
+
+
+# head_dim: a kernel whose matrix units need a larger head dim than the small shapes' 4 (cuDNN
+# refuses one that is not a multiple of 8; Pallas' GPU flash attention computes below 16 wrongly).
+MIN_HEAD_DIM = 16
+
+
+def _needs_wide_heads(query, key, value, **kw):
+    _SEEN.add((query.shape[-1], value.shape[-1]))
+    if query.shape[-1] < MIN_HEAD_DIM:
+        raise NotImplementedError(f"head dim must be >= {MIN_HEAD_DIM}, got {query.shape[-1]}")
+    return jax.nn.dot_product_attention(query, key, value, **kw)
+
+
+def _wrong_at_wide_heads(query, key, value, **kw):
+    out = jax.nn.dot_product_attention(query, key, value, **kw)
+    return out * 1.001 if query.shape[-1] >= MIN_HEAD_DIM else out
+
+
+_SEEN: set[tuple[int, int]] = set()
+
+
+def test_head_dim_declares_the_head_dim_of_every_example():
+    _SEEN.clear()
+    report = check_attention(_needs_wide_heads, max_examples=6, properties=["oracle", "masks"])
+    assert not report.passed and "head dim must be >= 16" in report.results[0].detail
+    _SEEN.clear()
+    report = check_attention(
+        _needs_wide_heads, max_examples=6, properties=["oracle", "masks"], head_dim=MIN_HEAD_DIM
+    )
+    assert report.passed, [r.detail for r in report.results]
+    assert {(MIN_HEAD_DIM, MIN_HEAD_DIM)} == _SEEN, _SEEN
+    assert dict(report.options)["head_dim"] == MIN_HEAD_DIM
+
+
+def test_a_kernel_wrong_at_the_declared_head_dim_still_fails():
+    assert check_attention(_wrong_at_wide_heads, max_examples=4, properties=["oracle"]).passed
+    wrong = _oracle(_wrong_at_wide_heads, head_dim=MIN_HEAD_DIM)
+    assert wrong.status == "failed" and "rule 'bound' failed" in wrong.detail, wrong.detail
+
+
+def test_production_shapes_take_the_declared_head_dim():
+    _SEEN.clear()
+    report = check_attention(
+        _needs_wide_heads, shapes="production", max_examples=1, properties=["oracle"], head_dim=32
+    )
+    assert report.passed, report.results[0].detail
+    assert {(32, 32)} == _SEEN, _SEEN
+
+
+@pytest.mark.parametrize("bad", [0, 1025, 4.0, True, "16"])
+def test_a_bad_head_dim_is_refused(bad):
+    with pytest.raises(OptionError, match="head_dim must be"):
+        check_attention(_needs_wide_heads, head_dim=bad)
+
+
+def test_cli_head_dim_flag_and_its_replay(capsys):
+    target = "tests/test_declared_limits.py:_wrong_at_wide_heads"
+    args = ["--properties", "oracle", "--max-examples", "4", "--no-progress"]
+    assert main(["check", target, *args]) == 0
+    capsys.readouterr()
+    assert main(["check", target, *args, "--head-dim", "16"]) == 1
+    assert "--head-dim 16" in capsys.readouterr().out  # in the replay line
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", target, *args, "--head-dim", "0"])
+    assert exit_.value.code == 2
+    assert "head_dim must be in 1..1024, got 0" in capsys.readouterr().err

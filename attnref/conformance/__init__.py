@@ -40,6 +40,7 @@ from attnref._src.kit.conformance.options import (
     check_choice,
     check_devices,
     check_features,
+    check_head_dim,
     check_max_examples,
     check_properties,
     check_signature,
@@ -142,6 +143,7 @@ class Options:
     shapes: str = "small"
     devices: tuple[int, ...] | None = None
     refuses_lengths: bool = False
+    head_dim: int | None = None
 
     def validate(self) -> None:
         """``check_attention``'s checks before the target is loaded (the rest:
@@ -155,6 +157,8 @@ class Options:
             check_choice("shapes", self.shapes)
             if self.max_examples is not None:
                 check_max_examples(self.max_examples)
+            if self.head_dim is not None:
+                check_head_dim(self.head_dim)
             if self.devices is not None:
                 check_devices(self.devices)
         except OptionError as e:
@@ -196,6 +200,7 @@ class Options:
             ("causal-alignment", self.causal_alignment, "top_left"),
             ("dtypes", self.dtypes, None),
             ("shapes", self.shapes, "small"),
+            ("head-dim", self.head_dim, None),
             ("devices", (devices,) if devices is not None else self.devices, None),
         ):
             if value != default:

@@ -104,6 +104,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "uneven_lengths (on a CPU host: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     ),
     (
+        "head-dim",
+        "H",
+        None,
+        "the head dim of every example (default: 4 at small shapes; 64, 128 and 256 at "
+        "production shapes), for a kernel whose matrix units need more (e.g. 16 for cuDNN)",
+    ),
+    (
         "merge-target",
         "MODULE:FUNCTION",
         None,
@@ -124,8 +131,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "attnref", "attnref conformance (pytest --pyargs attnref.conformance --attnref-target=...)"
     )
     for name, metavar, default, text in _OPTIONS:
-        typed = {"type": int} if name in ("examples", "seed") else {}
+        typed = {"type": int} if name in ("examples", "seed", "head-dim") else {}
         group.addoption(f"--attnref-{name}", metavar=metavar, default=default, help=text, **typed)
+    group.addoption(
+        "--attnref-refuses-lengths",
+        action="store_true",
+        help="a declared limit: the function refuses some sequence lengths (attnref check "
+        "--refuses-lengths); a clear refusal draws another example instead of failing",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -179,6 +192,8 @@ def pytest_configure(config: pytest.Config) -> None:
         properties=split_list(get("--attnref-properties")),
         shapes=get("--attnref-shapes"),
         devices=devices,
+        head_dim=get("--attnref-head-dim"),
+        refuses_lengths=get("--attnref-refuses-lengths"),
     )
     try:
         options.validate()

@@ -385,9 +385,18 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         action="store_true",
         help="a declared limit: the function refuses some sequence lengths (a blocked kernel "
         "whose block size must divide them); a clear refusal (ValueError, TypeError or "
-        "NotImplementedError saying divisible, divide, multiple, length, pad or reshape) draws "
+        "NotImplementedError saying divisible, divide, multiple, length, pad, reshape or power "
+        "of 2) draws "
         "another example and is counted in the property's detail instead of failing it "
         "(default: every refusal fails)",
+    )
+    c.add_argument(
+        "--head-dim",
+        type=int,
+        metavar="H",
+        help="a declared limit: the head dim of every example (default: 4 at small shapes; 64, "
+        "128 and 256 at production shapes), for a kernel whose matrix units need more, e.g. 8 "
+        "or 16 for jax.nn's cuDNN path",
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)

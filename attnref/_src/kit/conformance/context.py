@@ -89,6 +89,7 @@ class Context:
     anchor: Target | None = None
     length_multiple: int = 1
     head_multiple: int = 1
+    head_dim: int | None = None
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
@@ -108,7 +109,7 @@ class Context:
         ``"general"`` (T < S with ``"cross"``, N = 2K with ``"gqa"``), ``"tall"`` (T > S, with
         ``"cross"``), ``"gqa"`` (N = 2K), ``"mqa"`` (N = 4K); ``T``, ``S`` times
         :attr:`length_multiple`, ``N``, ``K`` times the least factor making ``K`` a multiple of
-        :attr:`head_multiple`."""
+        :attr:`head_multiple`; ``H = H_v =`` :attr:`head_dim` when declared."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
         general = dataclasses.replace(
             _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
@@ -125,7 +126,9 @@ class Context:
         for c in (named.get(name) for name in shapes):
             if c is not None:
                 f = h // math.gcd(c.k, h)
-                out.append(dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f))
+                c = dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f)
+                d = self.head_dim
+                out.append(c if d is None else dataclasses.replace(c, h=d, h_v=d))
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:

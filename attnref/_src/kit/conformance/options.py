@@ -210,6 +210,16 @@ def check_max_examples(max_examples: int) -> None:
         )
 
 
+def check_head_dim(head_dim: int) -> None:
+    """``head_dim`` a whole number from 1 to 1024, else an :class:`OptionError`."""
+    if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool):
+        raise OptionError(
+            f"head_dim must be an int, got {type(head_dim).__name__}", "head_dim", head_dim
+        )
+    if not 1 <= head_dim <= 1024:
+        raise OptionError(f"head_dim must be in 1..1024, got {head_dim}", "head_dim", head_dim)
+
+
 def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
     """Mesh sizes, ascending, unique, positive, at most ``jax.device_count()``, else an
     :class:`OptionError`."""

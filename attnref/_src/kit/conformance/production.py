@@ -1,8 +1,9 @@
 """Checks at production shapes (``check_attention(..., shapes="production")``): each property
 runs a fixed list of cases, cheapest first, against the fast float64 oracle, stopping at the
 first failure: lengths ``2^k - 1, 2^k, 2^k + 1`` for ``k = 7 .. 13`` (``T == S``, and ``T != S``
-with ``cross``); head dims 64, 128, 256; up to 32 query heads over 8 (GQA), 1 (MQA) or 32 K/V
-heads; every allowed mask kind, ragged lengths one past a 128-tile, the lse and the gradients.
+with ``cross``); head dims 64, 128, 256 (the declared ``head_dim`` instead, if any); up to 32
+query heads over 8 (GQA), 1 (MQA) or 32 K/V heads; every allowed mask kind, ragged lengths one
+past a 128-tile, the lse and the gradients.
 
 A case's work ``B N T S (H + H_v)`` is capped at :data:`WORK_BUDGET` (``B N T S`` at
 :data:`ARRAY_BUDGET` for kinds with ``[.., T, S]`` arrays, which skip longer lengths) by taking
@@ -82,9 +83,10 @@ def _sweep(
     out: list[Case] = []
     for i, (t, s) in enumerate(pairs):
         kind = kinds[i % len(kinds)]
-        h = HEAD_DIMS[i % len(HEAD_DIMS)]
+        dims = HEAD_DIMS if ctx.head_dim is None else (ctx.head_dim,)
+        h = dims[i % len(dims)]
         heads = _heads(ctx, b, t, s, h, kind)
-        while heads == (1, 1) and h > 64 and b * t * s * 2 * h > WORK_BUDGET:
+        while heads == (1, 1) and h > 64 and dims is HEAD_DIMS and b * t * s * 2 * h > WORK_BUDGET:
             h //= 2  # one head over budget: the smallest head dim instead
             heads = _heads(ctx, b, t, s, h, kind)
         if heads is None:
