@@ -92,6 +92,7 @@ def test_cli_flag_declares_the_limit_and_the_replay_keeps_it(capsys):
     assert main(["check", target, *args, "--refuses-lengths"]) == 0
     out = capsys.readouterr().out
     assert "refused, as declared" in out, out
+    assert "declared limits: refuses_lengths" in out, out
     assert main(["check", target, *args]) == 1
     out = capsys.readouterr().out
     assert "must be multiples of 4" in out, out
@@ -131,6 +132,7 @@ def test_head_dim_declares_the_head_dim_of_every_example():
     assert report.passed, [r.detail for r in report.results]
     assert {(MIN_HEAD_DIM, MIN_HEAD_DIM)} == _SEEN, _SEEN
     assert dict(report.options)["head_dim"] == MIN_HEAD_DIM
+    assert "declared limits: head_dim=16" in report.summary(), report.summary()
 
 
 def test_a_kernel_wrong_at_the_declared_head_dim_still_fails():

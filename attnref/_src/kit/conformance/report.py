@@ -114,6 +114,13 @@ class ConformanceReport:
                     for k, v in sorted(self.declared.items())
                 )
             )
+        limits = dict(self.options)
+        declared_limits = [
+            *(["refuses_lengths"] if limits.get("refuses_lengths") else []),
+            *([f"head_dim={limits['head_dim']}"] if limits.get("head_dim") is not None else []),
+        ]
+        if declared_limits:
+            yield Text(f"declared limits: {', '.join(declared_limits)}")
         yield Text("")
         yield self._table(terminal)
         counts = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed")}
