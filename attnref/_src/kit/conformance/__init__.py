@@ -79,7 +79,9 @@ axis where ``P`` divides it. Lengths are multiples of ``2 lcm(devices)`` (but in
 
 ``refuses_lengths=True`` (a single-device kernel): a clear refusal of the call's lengths (the
 rule of ``uneven_lengths``) draws another example, counted in the property's detail with the
-first; any other exception still fails.
+first; any other exception still fails. ``head_dim=H``: every example's head dim is ``H``
+(small shapes draw 4, production shapes 64, 128 and 256), for a kernel whose matrix units need
+more.
 
 Every property first checks that ``fn`` returned ``[B, T, N, H_v]`` (and, when the lse is asked
 for, a pair with an lse ``[B, T, N]``), else fails with both shapes. A failure that is an
