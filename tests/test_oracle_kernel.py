@@ -124,6 +124,20 @@ def test_bound_minorant_refuses_bad_input():
         tolerance.kernel_bound_minorant(-mag, 4, np.float32)
     with pytest.raises(ValueError, match="expected a floating-point dtype"):
         tolerance.kernel_bound_minorant(mag, 4, np.int32)
+    # a negative entry beside a NaN (whose min is NaN) and a -inf are refused too
+    for bad in (np.array([np.nan, -1.0, 2.0]), np.array([1.0, -np.inf])):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            tolerance.kernel_bound_minorant(bad, 4, np.float32)
+
+
+def test_bound_minorant_is_zero_where_the_magnitude_is_not_finite():
+    mag = np.array([[1.0, np.nan], [np.inf, 2.0]])
+    g = tolerance.gamma(4, tolerance.unit_roundoff(np.float32))
+    got = tolerance.kernel_bound_minorant(mag, 4, np.float32)
+    np.testing.assert_array_equal(got, [[g, 0.0], [0.0, 2 * g]])
+    np.testing.assert_array_equal(
+        tolerance.kernel_bound_minorant(mag[:, :0], 4, "float32"), [[], []]
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
