@@ -102,8 +102,10 @@ def test_cli_flag_declares_the_limit_and_the_replay_keeps_it(capsys):
 
 
 # head_dim: a kernel whose matrix units need a larger head dim than the small shapes' 4 (cuDNN
-# refuses one that is not a multiple of 8; Pallas' GPU flash attention computes below 16 wrongly).
+# refuses one that is not a multiple of 8; docs/benchmarks.md). _SEEN: the (H, H_v) it was called
+# with.
 MIN_HEAD_DIM = 16
+_SEEN: set[tuple[int, int]] = set()
 
 
 def _needs_wide_heads(query, key, value, **kw):
@@ -116,9 +118,6 @@ def _needs_wide_heads(query, key, value, **kw):
 def _wrong_at_wide_heads(query, key, value, **kw):
     out = jax.nn.dot_product_attention(query, key, value, **kw)
     return out * 1.001 if query.shape[-1] >= MIN_HEAD_DIM else out
-
-
-_SEEN: set[tuple[int, int]] = set()
 
 
 def test_head_dim_declares_the_head_dim_of_every_example():

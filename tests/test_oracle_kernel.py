@@ -124,7 +124,7 @@ def test_bound_minorant_refuses_bad_input():
         tolerance.kernel_bound_minorant(-mag, 4, np.float32)
     with pytest.raises(ValueError, match="expected a floating-point dtype"):
         tolerance.kernel_bound_minorant(mag, 4, np.int32)
-    # a negative entry beside a NaN (whose min is NaN) and a -inf are refused too
+    # a negative entry beside a NaN, and -inf, are refused too
     for bad in (np.array([np.nan, -1.0, 2.0]), np.array([1.0, -np.inf])):
         with pytest.raises(ValueError, match="must be >= 0"):
             tolerance.kernel_bound_minorant(bad, 4, np.float32)
