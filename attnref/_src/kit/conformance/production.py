@@ -83,10 +83,10 @@ def _sweep(
     out: list[Case] = []
     for i, (t, s) in enumerate(pairs):
         kind = kinds[i % len(kinds)]
-        dims = HEAD_DIMS if ctx.head_dim is None else (ctx.head_dim,)
-        h = dims[i % len(dims)]
+        fixed = ctx.head_dim is not None  # a declared head dim is never halved
+        h = HEAD_DIMS[i % len(HEAD_DIMS)] if ctx.head_dim is None else ctx.head_dim
         heads = _heads(ctx, b, t, s, h, kind)
-        while heads == (1, 1) and h > 64 and dims is HEAD_DIMS and b * t * s * 2 * h > WORK_BUDGET:
+        while not fixed and heads == (1, 1) and h > 64 and b * t * s * 2 * h > WORK_BUDGET:
             h //= 2  # one head over budget: the smallest head dim instead
             heads = _heads(ctx, b, t, s, h, kind)
         if heads is None:
