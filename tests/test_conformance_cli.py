@@ -343,6 +343,16 @@ def test_plugin_head_dim(pytester):
     result.assert_outcomes(passed=1, skipped=NO_MERGE)
 
 
+def test_plugin_head_dim_pair(pytester):
+    """``--attnref-head-dim=8,4`` reaches the engine: a kernel taking its default scale from
+    ``H_v`` fails ``oracle``; a bad pair is a usage error naming the flag."""
+    target = "tests.test_declared_limits:_scale_from_value_dim"
+    args = (f"--attnref-target={target}", "--attnref-examples=2", "--attnref-properties=oracle")
+    _run(pytester, *args, "--attnref-head-dim=8,4").assert_outcomes(failed=1, skipped=NO_MERGE)
+    result = _run(pytester, *args, "--attnref-head-dim=8,x")
+    result.stderr.fnmatch_lines(["*attnref: --attnref-head-dim: head-dim must be H or H,H_v*"])
+
+
 def test_plugin_refuses_lengths(pytester):
     """``--attnref-refuses-lengths`` reaches the engine: a kernel refusing lengths 4 does not
     divide passes ``oracle`` with it and fails without it."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import jax
 import pytest
 
+from attnref import dot_product_attention
 from attnref.cli import main
-from attnref.conformance import OptionError
+from attnref.conformance import OptionError, split_head_dim
 from attnref.testing import check_attention
 
 BLOCK = 4
@@ -155,6 +156,67 @@ def test_a_bad_head_dim_is_refused(bad):
         check_attention(_needs_wide_heads, head_dim=bad)
 
 
+# head_dim=(H, H_v): the values' head dim of its own, the only way the kit draws H_v != H (jax.nn
+# refuses it). attnref's kernel takes any H_v; the planted bug takes the default scale from H_v,
+# which no example with H_v == H can tell from the right one.
+
+
+def _any_value_dim(query, key, value, **kw):
+    _SEEN.add((query.shape[-1], value.shape[-1]))
+    return dot_product_attention(query, key, value, **kw)
+
+
+def _scale_from_value_dim(query, key, value, scale=None, **kw):
+    scale = value.shape[-1] ** -0.5 if scale is None else scale
+    return dot_product_attention(query, key, value, scale=scale, **kw)
+
+
+def test_a_declared_value_head_dim_catches_a_scale_taken_from_it():
+    assert check_attention(_scale_from_value_dim, max_examples=4, properties=["oracle"]).passed
+    wrong = _oracle(_scale_from_value_dim, head_dim=(8, 4))
+    assert wrong.status == "failed" and "rule 'bound' failed" in wrong.detail, wrong.detail
+    _SEEN.clear()
+    report = check_attention(
+        _any_value_dim, max_examples=6, properties=["oracle"], head_dim=(4, 12)
+    )
+    assert report.passed, report.results[0].detail
+    assert {(4, 12)} == _SEEN, _SEEN
+    assert dict(report.options)["head_dim"] == [4, 12]
+    assert "declared limits: head_dim=4,12" in report.summary(), report.summary()
+    # a pair with H_v == H is the int
+    same = check_attention(_any_value_dim, max_examples=1, properties=["oracle"], head_dim=(8, 8))
+    assert dict(same.options)["head_dim"] == 8
+
+
+def test_production_shapes_take_the_declared_value_head_dim():
+    _SEEN.clear()
+    report = check_attention(
+        _any_value_dim,
+        shapes="production",
+        max_examples=1,
+        properties=["oracle", "gqa"],
+        head_dim=(64, 32),
+        log=(lines := []).append,
+    )
+    assert report.passed, [r.detail for r in report.results]
+    assert {(64, 32)} == _SEEN, _SEEN
+    assert all("H=64 H_v=32" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("bad", [(8,), (8, 4, 2), (0, 4), (8, 1025), ("8", 4), (8, True)])
+def test_a_bad_head_dim_pair_is_refused(bad):
+    with pytest.raises(OptionError, match="head_dim must be"):
+        check_attention(_any_value_dim, head_dim=bad)
+
+
+def test_split_head_dim():
+    assert split_head_dim("64") == 64 and split_head_dim(" 192, 128") == (192, 128)
+    assert split_head_dim(None) is None and split_head_dim("  ") is None
+    for bad in ("8,x", "1,2,3", "x"):
+        with pytest.raises(ValueError, match="head-dim must be H or H,H_v"):
+            split_head_dim(bad)
+
+
 def test_cli_head_dim_flag_and_its_replay(capsys):
     target = "tests/test_declared_limits.py:_wrong_at_wide_heads"
     args = ["--properties", "oracle", "--max-examples", "4", "--no-progress"]
@@ -166,3 +228,10 @@ def test_cli_head_dim_flag_and_its_replay(capsys):
         main(["check", target, *args, "--head-dim", "0"])
     assert exit_.value.code == 2
     assert "head_dim must be in 1..1024, got 0" in capsys.readouterr().err
+    target = "tests/test_declared_limits.py:_scale_from_value_dim"
+    assert main(["check", target, *args, "--head-dim", "8,4"]) == 1
+    assert "--head-dim 8,4" in capsys.readouterr().out  # in the replay line
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", target, *args, "--head-dim", "8,x"])
+    assert exit_.value.code == 2
+    assert "head-dim must be H or H,H_v" in capsys.readouterr().err

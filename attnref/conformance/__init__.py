@@ -72,6 +72,7 @@ __all__ = [
     "load",
     "read_xfail_file",
     "split_devices",
+    "split_head_dim",
     "split_list",
 ]
 
@@ -101,6 +102,21 @@ def split_devices(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(
             f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
         ) from None
+
+
+def split_head_dim(text: str | None) -> int | tuple[int, int] | None:
+    """``"64"`` -> ``64``; ``"192,128"`` -> ``(192, 128)`` (``H, H_v``); ``None`` or blank ->
+    ``None``; ``ValueError`` otherwise (the range is ``check_attention``'s to check)."""
+    items = split_list(text)
+    if items is None:
+        return None
+    try:
+        dims = tuple(int(s) for s in items)
+    except ValueError:
+        dims = ()
+    if len(dims) not in (1, 2):
+        raise ValueError(f"head-dim must be H or H,H_v (e.g. 64 or 192,128), got {text!r}")
+    return dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
 def load(spec: str) -> Callable[..., Any]:
@@ -143,7 +159,7 @@ class Options:
     shapes: str = "small"
     devices: tuple[int, ...] | None = None
     refuses_lengths: bool = False
-    head_dim: int | None = None
+    head_dim: int | tuple[int, int] | None = None
 
     def validate(self) -> None:
         """``check_attention``'s checks before the target is loaded (the rest:

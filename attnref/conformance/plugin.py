@@ -105,10 +105,11 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ),
     (
         "head-dim",
-        "H",
+        "H[,H_v]",
         None,
         "the head dim of every example (default: 4 at small shapes; 64, 128 and 256 at "
-        "production shapes), for a kernel whose matrix units need more (e.g. 16 for cuDNN)",
+        "production shapes), for a kernel whose matrix units need more (e.g. 16 for cuDNN); "
+        "H,H_v: a value head dim of its own (e.g. 192,128 for MLA)",
     ),
     (
         "merge-target",
@@ -131,7 +132,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "attnref", "attnref conformance (pytest --pyargs attnref.conformance --attnref-target=...)"
     )
     for name, metavar, default, text in _OPTIONS:
-        typed = {"type": int} if name in ("examples", "seed", "head-dim") else {}
+        typed = {"type": int} if name in ("examples", "seed") else {}
         group.addoption(f"--attnref-{name}", metavar=metavar, default=default, help=text, **typed)
     group.addoption(
         "--attnref-refuses-lengths",
@@ -173,6 +174,7 @@ def pytest_configure(config: pytest.Config) -> None:
         Options,
         read_xfail_file,
         split_devices,
+        split_head_dim,
         split_list,
     )
 
@@ -180,6 +182,10 @@ def pytest_configure(config: pytest.Config) -> None:
         devices = split_devices(get("--attnref-devices"))
     except ValueError as e:
         raise pytest.UsageError(f"attnref: --attnref-devices: {e}") from e
+    try:
+        head_dim = split_head_dim(get("--attnref-head-dim"))
+    except ValueError as e:
+        raise pytest.UsageError(f"attnref: --attnref-head-dim: {e}") from e
     options = Options(
         target=spec or "",
         signature=get("--attnref-signature"),
@@ -192,7 +198,7 @@ def pytest_configure(config: pytest.Config) -> None:
         properties=split_list(get("--attnref-properties")),
         shapes=get("--attnref-shapes"),
         devices=devices,
-        head_dim=get("--attnref-head-dim"),
+        head_dim=head_dim,
         refuses_lengths=get("--attnref-refuses-lengths"),
     )
     try:

@@ -167,12 +167,13 @@ def _emit(report: Any, as_json: bool, replay: str = "") -> int:
 def _check(args: argparse.Namespace) -> int:
     try:
         devices = kit.split_devices(args.devices)
+        head_dim = kit.split_head_dim(args.head_dim)
     except ValueError as e:
         raise _fail("check", e) from None
     # the flags of the same names, the comma-separated lists split
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kit.Options)}
     lists = {name: kit.split_list(given[name]) for name in ("features", "dtypes", "properties")}
-    options = kit.Options(**{**given, **lists, "devices": devices})
+    options = kit.Options(**{**given, **lists, "devices": devices, "head_dim": head_dim})
     try:
         options.validate()
     except ValueError as e:

@@ -392,11 +392,11 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
     )
     c.add_argument(
         "--head-dim",
-        type=int,
-        metavar="H",
+        metavar="H[,H_v]",
         help="a declared limit: the head dim of every example (default: 4 at small shapes; 64, "
         "128 and 256 at production shapes), for a kernel whose matrix units need more, e.g. 8 "
-        "or 16 for jax.nn's cuDNN path",
+        "or 16 for jax.nn's cuDNN path; H,H_v gives the values a head dim of their own, e.g. "
+        "192,128 for an MLA kernel (the only way the kit draws H_v != H)",
     )
     c.add_argument("--json", action="store_true", help="machine-readable report")
     c.add_argument("--no-progress", action="store_true", help=PROGRESS_HELP)

@@ -81,7 +81,8 @@ axis where ``P`` divides it. Lengths are multiples of ``2 lcm(devices)`` (but in
 rule of ``uneven_lengths``) draws another example, counted in the property's detail with the
 first; any other exception still fails. ``head_dim=H``: every example's head dim is ``H``
 (small shapes draw 4, production shapes 64, 128 and 256), for a kernel whose matrix units need
-more.
+more; ``head_dim=(H, H_v)``: the values' head dim is ``H_v`` (an MLA kernel's 192 and 128), the
+only way the kit draws ``H_v != H``.
 
 Every property first checks that ``fn`` returned ``[B, T, N, H_v]`` (and, when the lse is asked
 for, a pair with an lse ``[B, T, N]``), else fails with both shapes. A failure that is an

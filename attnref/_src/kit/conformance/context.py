@@ -89,7 +89,7 @@ class Context:
     anchor: Target | None = None
     length_multiple: int = 1
     head_multiple: int = 1
-    head_dim: int | None = None
+    head_dim: tuple[int, int] | None = None  # (H, H_v), declared
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
@@ -109,7 +109,7 @@ class Context:
         ``"general"`` (T < S with ``"cross"``, N = 2K with ``"gqa"``), ``"tall"`` (T > S, with
         ``"cross"``), ``"gqa"`` (N = 2K), ``"mqa"`` (N = 4K); ``T``, ``S`` times
         :attr:`length_multiple`, ``N``, ``K`` times the least factor making ``K`` a multiple of
-        :attr:`head_multiple`; ``H = H_v =`` :attr:`head_dim` when declared."""
+        :attr:`head_multiple`; ``(H, H_v) =`` :attr:`head_dim` when declared."""
         cross, gqa = "cross" in self.features, "gqa" in self.features
         general = dataclasses.replace(
             _SELF, t=3 if cross else 4, s=5 if cross else 4, n=4 if gqa else 2
@@ -128,7 +128,7 @@ class Context:
                 f = h // math.gcd(c.k, h)
                 c = dataclasses.replace(c, t=c.t * m, s=c.s * m, n=c.n * f, k=c.k * f)
                 d = self.head_dim
-                out.append(c if d is None else dataclasses.replace(c, h=d, h_v=d))
+                out.append(c if d is None else dataclasses.replace(c, h=d[0], h_v=d[1]))
         return tuple(dict.fromkeys(out))
 
     def configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
@@ -144,7 +144,13 @@ class Context:
         return st.one_of(*[small] * (TILE_SHARE - 1), tiles)
 
     def small_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
-        return ast.configs(buckets=pool, dtypes=(dtype or self.primary,), cross=True, gqa=True)
+        return ast.configs(
+            buckets=pool,
+            dtypes=(dtype or self.primary,),
+            cross=True,
+            gqa=True,
+            value_dim_differs=True,
+        )
 
     def tile_configs(self, pool: tuple[ast.Config, ...], dtype: str | None = None) -> Any:
         """A config from ``pool`` with ``T``, ``S`` from :data:`attnref.strategies.TILE_LENGTHS`."""

@@ -414,7 +414,7 @@ def check_attention(
     log: Callable[[str], None] | None = None,
     devices: Sequence[int] | None = None,
     refuses_lengths: bool = False,
-    head_dim: int | None = None,
+    head_dim: int | tuple[int, int] | None = None,
 ) -> ConformanceReport:
     """Run the conformance properties (package docstring) against ``fn``, each a Hypothesis test
     comparing ``fn`` with the float64 oracle.
@@ -448,10 +448,13 @@ def check_attention(
         refuses_lengths: ``fn`` refuses some lengths (a blocked kernel, such as Pallas' flash
             attention): a clear refusal (:func:`.targets.is_refusal`) draws another example (the
             production sweep skips the case), counted in the detail. Not with ``devices``.
-        head_dim: The head dim ``H = H_v`` of every example (``None``: 4 at small shapes; 64,
-            128 and 256 at production shapes). A kernel whose matrix units need more declares
-            it, e.g. jax.nn's cuDNN path, which refuses head dims that are not multiples of 8
-            (docs/benchmarks.md).
+        head_dim: The head dim ``H = H_v`` of every example, or a pair ``(H, H_v)`` for a value
+            head dim of its own (``None``: ``H = H_v``, 4 at small shapes; 64, 128 and 256 at
+            production shapes). A kernel whose matrix units need more declares it, e.g. jax.nn's
+            cuDNN path, which refuses head dims that are not multiples of 8
+            (docs/benchmarks.md); a kernel with ``H_v != H`` (MLA's 192 and 128) declares the
+            pair, the one way the kit draws such shapes, so that a scale taken from ``H_v``
+            is seen.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.
@@ -459,9 +462,9 @@ def check_attention(
     Raises:
         ValueError: An ``OptionError``, in this order: an unknown signature, feature, semantics
             or property; a feature the signature cannot express; no dtypes; ``max_examples <
-            1``; ``head_dim`` not an int in 1..1024; bad ``devices`` or more than the host has;
-            ``devices`` with another signature than ``jax_nn``, with production shapes or with
-            ``refuses_lengths``.
+            1``; ``head_dim`` not an int or a pair of ints in 1..1024; bad ``devices`` or more
+            than the host has; ``devices`` with another signature than ``jax_nn``, with
+            production shapes or with ``refuses_lengths``.
         TypeError: A dtype NumPy does not know, ``fn`` not callable, or (with ``devices``) a
             ``fn`` without a ``mesh`` keyword.
         ImportError: ``signature="torch"`` without PyTorch.
@@ -476,8 +479,7 @@ def check_attention(
     dts = check_dtypes(dtypes)
     if max_examples is not None:
         check_max_examples(max_examples)
-    if head_dim is not None:
-        check_head_dim(head_dim)
+    dims = None if head_dim is None else check_head_dim(head_dim)
     check_choice("shapes", shapes)
     sizes = None if devices is None else check_devices(devices)
     if not callable(fn):
@@ -495,7 +497,7 @@ def check_attention(
     semantics = {"masked_rows": masked_rows, "causal_alignment": causal_alignment}
     declared = {k: v for k, v in semantics.items() if v != DEFAULT_SEMANTICS[k]}
     common: dict[str, Any] = dict(
-        signature=signature, features=frozenset(feats), dtypes=dts, head_dim=head_dim, **semantics
+        signature=signature, features=frozenset(feats), dtypes=dts, head_dim=dims, **semantics
     )
     ctx = Context(target=Target(fn, signature, refuses_lengths=refuses_lengths), **common)
     contexts = {} if sizes is None else mesh_contexts(fn, sizes, **common)
@@ -533,9 +535,14 @@ def check_attention(
             ("shapes", shapes, "small"),
             ("devices", sizes, None),
             ("refuses_lengths", refuses_lengths, False),
-            ("head_dim", head_dim, None),
+            ("head_dim", _declared_dims(dims), None),
         ),
     )
+
+
+def _declared_dims(dims: tuple[int, int] | None) -> int | list[int] | None:
+    """The report's ``head_dim``: ``H`` where ``H_v = H``, else ``[H, H_v]``."""
+    return None if dims is None else dims[0] if dims[0] == dims[1] else list(dims)
 
 
 def production_plan(

@@ -210,14 +210,21 @@ def check_max_examples(max_examples: int) -> None:
         )
 
 
-def check_head_dim(head_dim: int) -> None:
-    """``head_dim`` a whole number from 1 to 1024, else an :class:`OptionError`."""
-    if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool):
+def check_head_dim(head_dim: int | Sequence[int]) -> tuple[int, int]:
+    """``(H, H_v)`` of ``head_dim``: an int ``H`` (``H_v = H``) or a pair ``(H, H_v)``, each a
+    whole number from 1 to 1024, else an :class:`OptionError`."""
+    dims = tuple(head_dim) if isinstance(head_dim, (tuple, list)) else (head_dim, head_dim)
+    if len(dims) != 2 or any(
+        not isinstance(d, (int, np.integer)) or isinstance(d, bool) for d in dims
+    ):
         raise OptionError(
-            f"head_dim must be an int, got {type(head_dim).__name__}", "head_dim", head_dim
+            f"head_dim must be an int H or a pair (H, H_v) of ints, got {head_dim!r}",
+            "head_dim",
+            head_dim,
         )
-    if not 1 <= head_dim <= 1024:
-        raise OptionError(f"head_dim must be in 1..1024, got {head_dim}", "head_dim", head_dim)
+    if not all(1 <= d <= 1024 for d in dims):
+        raise OptionError(f"head_dim must be in 1..1024, got {head_dim!r}", "head_dim", head_dim)
+    return int(dims[0]), int(dims[1])
 
 
 def check_devices(devices: Sequence[int]) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """Checks at production shapes (``check_attention(..., shapes="production")``): each property
 runs a fixed list of cases, cheapest first, against the fast float64 oracle, stopping at the
 first failure: lengths ``2^k - 1, 2^k, 2^k + 1`` for ``k = 7 .. 13`` (``T == S``, and ``T != S``
-with ``cross``); head dims 64, 128, 256 (the declared ``head_dim`` instead, if any); up to 32
+with ``cross``); head dims 64, 128, 256 (the declared ``(H, H_v)`` instead, if any); up to 32
 query heads over 8 (GQA), 1 (MQA) or 32 K/V heads; every allowed mask kind, ragged lengths one
 past a 128-tile, the lse and the gradients.
 
@@ -49,22 +49,28 @@ class Case:
 
     def __str__(self) -> str:
         c = self.config
-        return f"B={c.b} T={c.t} S={c.s} N={c.n} K={c.k} H={c.h} {self.kind}" + (
+        h_v = "" if c.h_v == c.h else f" H_v={c.h_v}"
+        return f"B={c.b} T={c.t} S={c.s} N={c.n} K={c.k} H={c.h}{h_v} {self.kind}" + (
             " ragged" if self.ragged else ""
         )
 
 
-def _config(b: int, t: int, s: int, n: int, k: int, h: int, dtype: str) -> ast.Config:
-    return ast.Config(batch=b, t=t, s=s, n=n, k=k, h=h, h_v=h, d_model=8, dtype=dtype)
+def _config(
+    b: int, t: int, s: int, n: int, k: int, dims: tuple[int, int], dtype: str
+) -> ast.Config:
+    h, h_v = dims
+    return ast.Config(batch=b, t=t, s=s, n=n, k=k, h=h, h_v=h_v, d_model=8, dtype=dtype)
 
 
-def _heads(ctx: Context, b: int, t: int, s: int, h: int, kind: str) -> tuple[int, int] | None:
+def _heads(
+    ctx: Context, b: int, t: int, s: int, dims: tuple[int, int], kind: str
+) -> tuple[int, int] | None:
     """``(N, K)``: the most heads (<= 32; ``K = N / 4`` under gqa) the budgets allow, or None."""
     if kind in _ARRAY_KINDS and b * t * s > ARRAY_BUDGET:
         return None
     n = 32
     while n > 1:
-        work_ok = b * n * t * s * 2 * h <= WORK_BUDGET
+        work_ok = b * n * t * s * sum(dims) <= WORK_BUDGET
         arrays_ok = kind not in _ARRAY_KINDS or b * n * t * s <= ARRAY_BUDGET
         if work_ok and arrays_ok:
             return n, (max(1, n // 4) if "gqa" in ctx.features else n)
@@ -84,14 +90,16 @@ def _sweep(
     for i, (t, s) in enumerate(pairs):
         kind = kinds[i % len(kinds)]
         fixed = ctx.head_dim is not None  # a declared head dim is never halved
-        h = HEAD_DIMS[i % len(HEAD_DIMS)] if ctx.head_dim is None else ctx.head_dim
-        heads = _heads(ctx, b, t, s, h, kind)
+        h = HEAD_DIMS[i % len(HEAD_DIMS)]
+        dims = (h, h) if ctx.head_dim is None else ctx.head_dim
+        heads = _heads(ctx, b, t, s, dims, kind)
         while not fixed and heads == (1, 1) and h > 64 and b * t * s * 2 * h > WORK_BUDGET:
             h //= 2  # one head over budget: the smallest head dim instead
-            heads = _heads(ctx, b, t, s, h, kind)
+            dims = (h, h)
+            heads = _heads(ctx, b, t, s, dims, kind)
         if heads is None:
             continue
-        out.append(Case(_config(b, t, s, *heads, h, ctx.primary), kind, seed=i))
+        out.append(Case(_config(b, t, s, *heads, dims, ctx.primary), kind, seed=i))
     return sorted(out, key=_work)
 
 
@@ -126,7 +134,8 @@ def cases(ctx: Context, name: str) -> list[Case] | str:
     if name == "gqa":
         out = []
         for i, (t, n, k, h) in enumerate(((255, 32, 8, 128), (1025, 32, 1, 64), (2049, 8, 2, 256))):
-            out.append(Case(_config(1, t, t, n, k, h, ctx.primary), "none", seed=i))
+            dims = (h, h) if ctx.head_dim is None else ctx.head_dim
+            out.append(Case(_config(1, t, t, n, k, dims, ctx.primary), "none", seed=i))
         return out
     if name == "lse":
         kinds = ctx.kinds(("none", "causal", "bias"))

@@ -117,7 +117,11 @@ class ConformanceReport:
         limits = dict(self.options)
         declared_limits = [
             *(["refuses_lengths"] if limits.get("refuses_lengths") else []),
-            *([f"head_dim={limits['head_dim']}"] if limits.get("head_dim") is not None else []),
+            *(
+                [f"head_dim={','.join(map(str, np.atleast_1d(limits['head_dim'])))}"]
+                if limits.get("head_dim") is not None
+                else []
+            ),
         ]
         if declared_limits:
             yield Text(f"declared limits: {', '.join(declared_limits)}")
