@@ -291,6 +291,44 @@ def dq_dk_without_scale(
     return _base(unscaled(query), unscaled(key), value, bias, mask, return_lse=return_lse, **kw)
 
 
+def masked_dv_leak(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    return_lse: bool = False,
+    **kw: Any,
+) -> Any:
+    """gradients, under a boolean mask: the forward is the base's (bit for bit); the backward
+    gives every masked (query, key) pair the weight ``1e-3`` in ``dv`` instead of 0 (``dv_s +=
+    1e-3 sum_t g_t`` over the queries that may not read key ``s``). Unmasked and causal calls
+    are the base's, so only a gradients property that draws a mask kind sees it."""
+    if mask is None or return_lse:
+        return _base(query, key, value, bias, mask, return_lse=return_lse, **kw)
+    n, kh = query.shape[2], key.shape[2]
+
+    @jax.custom_vjp
+    def attend(q: Any, k: Any, v: Any, bias: Any, mask: Any) -> Any:
+        return _base(q, k, v, bias, mask, **kw)
+
+    def fwd(q: Any, k: Any, v: Any, bias: Any, mask: Any) -> tuple[Any, Any]:
+        out, pull = jax.vjp(lambda a, b, c: _base(a, b, c, bias, mask, **kw), q, k, v)
+        return out, (pull, mask, k.shape)
+
+    def bwd(res: Any, g: Any) -> tuple[Any, ...]:
+        pull, mask, (b, s, _, _) = res
+        dq, dk, dv = pull(g)
+        blocked = ~jnp.broadcast_to(mask, (b, n, g.shape[1], s))
+        extra = jnp.einsum("bnts,btnh->bsnh", blocked.astype(g.dtype), g)  # per query head
+        extra = extra.reshape(b, s, kh, n // kh, -1).sum(3)  # summed over each K/V head's group
+        return dq, dk, dv + 1e-3 * extra, None, None
+
+    attend.defvjp(fwd, bwd)
+    return attend(query, key, value, bias, mask)
+
+
 # ----------------------------------------------------------------------------- extreme_logits
 
 

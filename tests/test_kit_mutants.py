@@ -38,6 +38,10 @@ the features ``mask, bias, causal, gqa, lse, grad``, so that no property is skip
   row whose logits all lie far below 0 underflows. Only ``extreme_logits`` draws such rows:
   ``causality`` scales the future keys by 1000, but every row also reads unscaled past keys.
 
+``masked_dv_leak`` (a second ``gradients`` mutant) gives masked pairs the weight ``1e-3`` in
+``dv``'s backward under a boolean mask: ``gradients`` sees it only because each of its examples
+draws a mask kind besides ``none`` and ``causal``.
+
 Each test makes two calls with the same features, semantics and seed: the property alone
 (``CATCH_EXAMPLES``) must fail, with the planted defect named in its detail; every other property
 (``PASS_EXAMPLES``, kept small because this half runs eight properties) must pass, none skipped.
@@ -53,7 +57,7 @@ import pytest
 
 from attnref.testing import PROPERTIES, check_attention
 
-from .kit_mutants import FEATURES, MUTANTS
+from .kit_mutants import FEATURES, MUTANTS, masked_dv_leak
 
 SEED = 0
 CATCH_EXAMPLES = 8  # the property alone (it stops at the first failure, then shrinks)
@@ -92,4 +96,19 @@ def test_only_its_property_catches_the_mutant(prop):
     others = [p for p in PROPERTIES if p != prop]
     rest = check_attention(fn, properties=others, max_examples=PASS_EXAMPLES, **common)
     assert [x.name for x in rest.results] == others
+    assert all(x.status == "passed" for x in rest.results), rest.summary()
+
+
+def test_gradients_sees_a_backward_that_leaks_into_masked_keys():
+    common = dict(features=FEATURES, seed=SEED)
+    caught = check_attention(
+        masked_dv_leak, properties=["gradients"], max_examples=CATCH_EXAMPLES, **common
+    )
+    (r,) = caught.results
+    assert r.status == "failed", caught.summary()
+    assert re.match(r"gradients \[random\]: d/dv off the float64 gradient oracle", r.detail), (
+        r.detail
+    )
+    others = [p for p in PROPERTIES if p != "gradients"]
+    rest = check_attention(masked_dv_leak, properties=others, max_examples=PASS_EXAMPLES, **common)
     assert all(x.status == "passed" for x in rest.results), rest.summary()

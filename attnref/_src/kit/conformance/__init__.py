@@ -47,6 +47,8 @@ Properties (each equality with the oracle under the rules of
     A row with no allowed key returns the declared ``masked_rows`` (``"zeros"``, ``"uniform"``:
     the mean of every ``v`` row, ``"nan"``), and no other row is NaN.
 ``gradients`` (needs ``"grad"``)
+    For each example, one kind drawn from the unmasked call and the ``masks`` kinds, then
+    ``causal`` where declared (a masked key's gradient is exactly 0):
     ``dq, dk, dv`` (random output cotangent) equal the float64 gradient oracle
     :func:`attnref.oracle.dot_product_attention_vjp` within
     :func:`attnref.tolerance.kernel_grad_error_bound` (any backward order) in float32 and

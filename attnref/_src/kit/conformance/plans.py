@@ -54,10 +54,15 @@ def _plan_oracle(ctx: Context) -> Plan | str:
     return strategy, check
 
 
-def _plan_masks(ctx: Context) -> Plan | str:
+def _mask_kinds(ctx: Context) -> tuple[str, ...]:
+    """The masks property's kinds the target's features allow (a one-sided length option is a
+    kind of its own where the target has one length option only)."""
     kinds = ctx.kinds(_MASK_PROPERTY_KINDS)
-    if "padding" not in kinds:  # one length option alone: a kind of its own
-        kinds += ctx.kinds(tuple(ONE_SIDED))
+    return kinds if "padding" in kinds else kinds + ctx.kinds(tuple(ONE_SIDED))
+
+
+def _plan_masks(ctx: Context) -> Plan | str:
+    kinds = _mask_kinds(ctx)
     if not kinds:
         return (
             "needs a mask feature (one of mask, bias, causal, query_seq_lengths, "
@@ -285,19 +290,24 @@ def _plan_fully_masked(ctx: Context) -> Plan | str:
 
 
 def _plan_gradients(ctx: Context) -> Plan | str:
-    kinds = ctx.kinds(("none", "causal"))
+    # Each example: a kind drawn from the unmasked call and the masks property's kinds (a masked
+    # key's gradient is exactly 0; a bias, window or lengths take another backward path), then
+    # causal where declared.
+    drawn = ("none", *(k for k in _mask_kinds(ctx) if k != "causal"))
+    fixed = ctx.kinds(("causal",))
 
     def check(case: Case) -> None:
         c = case.config
         rng = np.random.default_rng([case.seed, 1])
         cot = rng.standard_normal((c.b, c.t, c.n, c.h_v)).astype(c.dtype)
-        for kind in kinds:
+        for kind in (case.get("kind"), *fixed):
             ctx.at(f"kind={kind!r}")
             view = ctx.view(ctx.problem(c, kind, case.seed))
             got = ctx.target.vjp(view, cot)
             assert_gradients(view, cot, got, f"gradients [{kind}]")
 
-    return case_strategy(ctx.configs(ctx.pool("general") or ctx.pool("self"))), check
+    configs = ctx.configs(ctx.pool("general") or ctx.pool("self"))
+    return case_strategy(configs, kind=st.sampled_from(drawn)), check
 
 
 def assert_gradients(p: ast.KernelProblem, cot: np.ndarray, got: Any, label: str) -> None:
