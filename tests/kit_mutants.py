@@ -221,6 +221,25 @@ def lse_base2(
     return out
 
 
+def lse_without_mask(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    return_lse: bool = False,
+    **kw: Any,
+) -> Any:
+    """lse, under a boolean mask: the output is the base's, the lse is taken over every key, the
+    masked ones too. Unmasked, causal and biased calls are the base's, so only an lse property
+    that draws a mask kind sees it."""
+    out = _base(query, key, value, bias, mask, return_lse=return_lse, **kw)
+    if return_lse and mask is not None:
+        return out[0], _base(query, key, value, bias, None, return_lse=True, **kw)[1]
+    return out
+
+
 # ----------------------------------------------------------------------------- batch_independence
 
 

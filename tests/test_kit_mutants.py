@@ -38,9 +38,10 @@ the features ``mask, bias, causal, gqa, lse, grad``, so that no property is skip
   row whose logits all lie far below 0 underflows. Only ``extreme_logits`` draws such rows:
   ``causality`` scales the future keys by 1000, but every row also reads unscaled past keys.
 
-``masked_dv_leak`` (a second ``gradients`` mutant) gives masked pairs the weight ``1e-3`` in
-``dv``'s backward under a boolean mask: ``gradients`` sees it only because each of its examples
-draws a mask kind besides ``none`` and ``causal``.
+Two more mutants are seen only through a drawn mask kind: ``masked_dv_leak`` gives masked pairs
+the weight ``1e-3`` in ``dv``'s backward under a boolean mask (``gradients`` draws a kind besides
+``causal`` for each example), and ``lse_without_mask`` takes the lse over the masked keys too
+(``lse`` draws a kind besides ``causal`` and ``bias``).
 
 Each test makes two calls with the same features, semantics and seed: the property alone
 (``CATCH_EXAMPLES``) must fail, with the planted defect named in its detail; every other property
@@ -57,7 +58,7 @@ import pytest
 
 from attnref.testing import PROPERTIES, check_attention
 
-from .kit_mutants import FEATURES, MUTANTS, masked_dv_leak
+from .kit_mutants import FEATURES, MUTANTS, lse_without_mask, masked_dv_leak
 
 SEED = 0
 CATCH_EXAMPLES = 8  # the property alone (it stops at the first failure, then shrinks)
@@ -99,16 +100,24 @@ def test_only_its_property_catches_the_mutant(prop):
     assert all(x.status == "passed" for x in rest.results), rest.summary()
 
 
-def test_gradients_sees_a_backward_that_leaks_into_masked_keys():
+@pytest.mark.parametrize(
+    ("fn", "prop", "detail"),
+    [
+        (
+            masked_dv_leak,
+            "gradients",
+            r"gradients \[random\]: d/dv off the float64 gradient oracle",
+        ),
+        (lse_without_mask, "lse", r"lse \[random\]: rule "),
+    ],
+    ids=["gradients", "lse"],
+)
+def test_a_drawn_mask_kind_catches_the_mutant(fn, prop, detail):
     common = dict(features=FEATURES, seed=SEED)
-    caught = check_attention(
-        masked_dv_leak, properties=["gradients"], max_examples=CATCH_EXAMPLES, **common
-    )
+    caught = check_attention(fn, properties=[prop], max_examples=CATCH_EXAMPLES, **common)
     (r,) = caught.results
     assert r.status == "failed", caught.summary()
-    assert re.match(r"gradients \[random\]: d/dv off the float64 gradient oracle", r.detail), (
-        r.detail
-    )
-    others = [p for p in PROPERTIES if p != "gradients"]
-    rest = check_attention(masked_dv_leak, properties=others, max_examples=PASS_EXAMPLES, **common)
+    assert re.match(detail, r.detail), r.detail
+    others = [p for p in PROPERTIES if p != prop]
+    rest = check_attention(fn, properties=others, max_examples=PASS_EXAMPLES, **common)
     assert all(x.status == "passed" for x in rest.results), rest.summary()

@@ -38,7 +38,8 @@ Properties (each equality with the oracle under the rules of
 ``lse`` (needs ``"lse"``)
     The lse ``[B, T, N]`` equals the oracle's within its derived bound on rows with an allowed key
     (a fully masked row's is not compared: jax.nn returns a large finite negative, attnref
-    ``-inf``).
+    ``-inf``), for one kind per example drawn from the unmasked call and the ``masks`` kinds,
+    then ``causal`` and ``bias`` where declared.
 ``batch_independence``
     Each batch element run alone (per-example options sliced with it) equals its slice of the
     batched run within twice the derived bound, NaN in the same places, and both equal the

@@ -154,15 +154,21 @@ def _plan_causality(ctx: Context) -> Plan | str:
     return case_strategy(ctx.configs(pool), future_key_scale=scales), check
 
 
-def _per_kind(feature: str, shapes: tuple[str, ...], kinds: tuple[str, ...]) -> Any:
-    """The plan of ``gqa`` or ``lse``: each of ``kinds`` against the oracle (and its lse)."""
+def _per_kind(
+    feature: str, shapes: tuple[str, ...], kinds: tuple[str, ...], draw: bool = False
+) -> Any:
+    """The plan of ``gqa`` or ``lse``: each of ``kinds`` against the oracle (and its lse); with
+    ``draw``, first one kind per example drawn from ``"none"`` and the masks property's other
+    kinds (an lse that forgets the lengths, the window or the mask is wrong there alone)."""
 
     def plan(ctx: Context) -> Plan | str:
         declared = ctx.kinds(kinds)
+        others = ("none", *(k for k in _mask_kinds(ctx) if k not in kinds)) if draw else ()
+        extra = {"kind": st.sampled_from(others)} if others else {}
 
         def check(case: Case) -> None:
             c = case.config
-            for kind in declared:
+            for kind in (case.get("kind"), *declared) if others else declared:
                 ctx.at(f"kind={kind!r}")
                 p = ctx.problem(c, kind, case.seed)
                 out, lse = ctx.run(p, want_lse=feature == "lse")
@@ -172,7 +178,7 @@ def _per_kind(feature: str, shapes: tuple[str, ...], kinds: tuple[str, ...]) -> 
                     assert_output(out, ctx.view(p), f"lse [{kind}] output")
                     assert_lse(lse, ctx.view(p), f"lse [{kind}]")
 
-        return case_strategy(ctx.configs(ctx.pool(*shapes))), check
+        return case_strategy(ctx.configs(ctx.pool(*shapes)), **extra), check
 
     return plan
 
@@ -490,7 +496,7 @@ PLANS: dict[str, Callable[[Context], Plan | str]] = {
     "masks": _plan_masks,
     "causality": _plan_causality,
     "gqa": _per_kind("gqa", ("gqa", "mqa"), ("none", "causal")),
-    "lse": _per_kind("lse", ("self", "general"), ("none", "causal", "bias")),
+    "lse": _per_kind("lse", ("self", "general"), ("causal", "bias"), draw=True),
     "batch_independence": _plan_batch,
     "fully_masked_rows": _plan_fully_masked,
     "gradients": _plan_gradients,
