@@ -217,21 +217,21 @@ def test_split_head_dim():
             split_head_dim(bad)
 
 
-def test_cli_head_dim_flag_and_its_replay(capsys):
-    target = "tests/test_declared_limits.py:_wrong_at_wide_heads"
+@pytest.mark.parametrize(
+    ("target", "good", "bad", "refusal"),
+    [
+        ("_wrong_at_wide_heads", "16", "0", "head_dim must be in 1..1024, got 0"),
+        ("_scale_from_value_dim", "8,4", "8,x", "head-dim must be H or H,H_v"),
+    ],
+)
+def test_cli_head_dim_flag_and_its_replay(capsys, target, good, bad, refusal):
+    target = f"tests/test_declared_limits.py:{target}"
     args = ["--properties", "oracle", "--max-examples", "4", "--no-progress"]
     assert main(["check", target, *args]) == 0
     capsys.readouterr()
-    assert main(["check", target, *args, "--head-dim", "16"]) == 1
-    assert "--head-dim 16" in capsys.readouterr().out  # in the replay line
+    assert main(["check", target, *args, "--head-dim", good]) == 1
+    assert f"--head-dim {good}" in capsys.readouterr().out  # in the replay line
     with pytest.raises(SystemExit) as exit_:
-        main(["check", target, *args, "--head-dim", "0"])
+        main(["check", target, *args, "--head-dim", bad])
     assert exit_.value.code == 2
-    assert "head_dim must be in 1..1024, got 0" in capsys.readouterr().err
-    target = "tests/test_declared_limits.py:_scale_from_value_dim"
-    assert main(["check", target, *args, "--head-dim", "8,4"]) == 1
-    assert "--head-dim 8,4" in capsys.readouterr().out  # in the replay line
-    with pytest.raises(SystemExit) as exit_:
-        main(["check", target, *args, "--head-dim", "8,x"])
-    assert exit_.value.code == 2
-    assert "head-dim must be H or H,H_v" in capsys.readouterr().err
+    assert refusal in capsys.readouterr().err
