@@ -48,6 +48,7 @@ os.environ.setdefault(
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+import gc
 import socket
 
 import beartype
@@ -124,3 +125,17 @@ def unchecked_annotations():
     jaxtyping.config.update("jaxtyping_disable", True)
     yield
     jaxtyping.config.update("jaxtyping_disable", before)
+
+
+# Python's cyclic garbage collector. A worker's heap grows to millions of objects (JAX's traces,
+# lowered modules and compiled programs, kept in its caches, and Hypothesis' data), and every
+# full collection walks all of them: about 40 collections of about 0.45 s each per worker, some
+# 18 s of each worker's 330 s (measured with gc.callbacks in a full ci run on 2 cores). After
+# each test, what survives it is collected young and then frozen (``gc.freeze``: left out of
+# later collections; still freed by reference counting). Full collections then walk one test's
+# objects only: 2.7 s per worker, the same peak memory (4.9 GB and 3.9 GB per worker, against
+# 4.8 and 3.9 without). Nothing a test computes or checks changes.
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    gc.collect(1)
+    gc.freeze()

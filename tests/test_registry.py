@@ -209,3 +209,47 @@ def test_cli_plot_writes_pngs(tmp_path, capsys):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert "wrote" in capsys.readouterr().err
+
+
+# What a public function may compile besides its one program: the conversion of a caller's
+# NumPy argument into a JAX array (``jnp.asarray``: "stage"; ``astype``: "convert_element_type")
+# and its placement over a mesh's devices (JAX's "_multi_slice" cuts it into the shards).
+CONVERSIONS = {"jit(stage)", "jit(convert_element_type)", "jit(_multi_slice)"}
+
+
+def test_an_eager_call_is_one_compiled_program():
+    """Each registered formulation, called eagerly, validates and then computes in one compiled
+    program (``attnref._src.core.entry.compiled``): no formula or guard step dispatched op by
+    op, which would compile one program per operation at every new shape and dispatch each one
+    at every call (the RoPE forms once did: their inputs were not a pytree). Counted with JAX's
+    own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
+    mask and the family's required keywords; likewise the two MLA forms with given positions."""
+    import jax
+
+    problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
+    params = attnref.init_params(0, d_model=12, num_heads=2, d_k=6, d_v=4)
+    x = np.random.default_rng(0).standard_normal((1, 9, 12)).astype(np.float32)
+    compiled: list[str] = []
+
+    def listen(event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.clear_caches()
+        for f in attnref.formulations():
+            example = f.family.example(problem, f.causal_modes[-1])
+            kw = {**example.kwargs, **f.family.required_kwargs(problem)}
+            compiled.clear()
+            f.apply(params, x, None if example.self_attention else x, **kw)
+            programs = [name for name in compiled if name not in CONVERSIONS]
+            assert programs == ["jit(_program)"], (f.id, compiled)
+        mla = attnref.mla.init_mla_params(0, d_model=12, num_heads=2, d_c=6, d_nope=4, d_rope=2)
+        for fn in (attnref.mla.mla_attention, attnref.mla.mla_absorbed_attention):
+            compiled.clear()
+            fn(mla, x, mask=np.tril(np.ones((9, 9), bool)), positions_q=np.arange(9) + 3)
+            programs = [name for name in compiled if name not in CONVERSIONS]
+            assert programs == ["jit(_program)"], (fn.__name__, compiled)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

@@ -80,10 +80,11 @@ class Prepared:
 class Call:
     """A formula's validated arguments, in its order, and its dirty rows (a level with a
     convention of its own); :meth:`run` reads the token arrays at indices ``tokens`` and the bias
-    at ``bias`` through their finite parts."""
+    at ``bias`` through their finite parts. ``dirty`` is the rows' array, or the
+    :class:`Prepared` rows that compute it inside the compiled program (not eagerly)."""
 
     args: tuple[Any, ...]
-    dirty: Array
+    dirty: Array | Prepared
     tokens: tuple[int, ...] = (1, 2)
     bias: int = 4
 
@@ -95,7 +96,7 @@ class Call:
         return formula(*args)
 
     def dirty_rows(self) -> Array:
-        return self.dirty
+        return self.dirty.dirty_rows() if isinstance(self.dirty, Prepared) else self.dirty
 
 
 def prepare_rows(

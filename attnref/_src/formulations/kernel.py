@@ -502,7 +502,7 @@ def row_call(rows: Prepared, scale: Any, options: dict[str, Any]) -> Call:
     the arguments of :func:`kernel_rows` (the caller's ``scale``, the kernel's ``options``) and
     the dirty rows."""
     args = (rows.params, rows.x_q, rows.x_kv, rows.mask, rows.bias, scale, bool(rows.residual))
-    return Call((*args, options), rows.dirty_rows())
+    return Call((*args, options), rows)
 
 
 def kernel_call(kernel: Callable[..., Any]) -> Callable[..., Call]:

@@ -75,7 +75,7 @@ def kv_cache(
 
 def _kernel_call(rows: Prepared, scale: float | None) -> Call:
     args = (rows.params, rows.x_q, rows.x_kv, rows.mask, rows.bias, scale, rows.residual)
-    return Call(args, rows.dirty_rows())
+    return Call(args, rows)
 
 
 KERNEL_ROWS = rows_level("_kernel_rows", _kernel_call, row_args(), {})

@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool
 
 from attnref import oracle, tolerance
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import dtype_of, shape_of
+from attnref._src.core.checks import dtype_of, is_traced, shape_of
 from attnref._src.core.common import RESIDUAL_ARG, Prepared, row_args, rows_level
 from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
 from attnref._src.formulations.standard import concat_cost
@@ -154,12 +154,47 @@ class Rotary(NamedTuple):
     convention: str
 
 
+class Positions:
+    """Concrete positions as static data of a compiled program, compared and hashed by value: a
+    call with the same positions reuses the program, and the program sees NumPy constants."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = np.asarray(value)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.value.shape, self.value.dtype.str, self.value.tobytes())
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Positions) and self._key() == other._key()
+
+
+# A pytree, so that :func:`attnref._src.core.entry.compiled` runs it as one program: traced
+# positions are traced, concrete ones (:class:`Positions`) and the default (``None``: NumPy
+# ``arange(T)``) are static, so their offsets stay static
+# (:func:`attnref._src.formulations.rope.distinct_offsets`).
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RopeInputs:
-    """Validated inputs of a multi-head RoPE call: the row inputs plus the rotation."""
+    """Validated inputs of a multi-head RoPE call: the row inputs plus the rotation's positions
+    (traced, :class:`Positions` or ``None`` for ``arange(T)``), base and convention."""
 
     rows: Prepared
-    rot: Rotary
+    pos_q: Any
+    pos_k: Any
+    base: float
+    convention: str
+
+    @property
+    def rot(self) -> Rotary:
+        """The rotation, concrete positions as NumPy arrays."""
+        pos = [
+            np.arange(t) if p is None else p.value if isinstance(p, Positions) else p
+            for p, t in ((self.pos_q, self.rows.t_q), (self.pos_k, self.rows.t_k))
+        ]
+        return Rotary(*pos, self.base, self.convention)
 
     def run(self, formula: Callable[..., Any]) -> Any:
         """``formula(params, x_q, x_kv, mask, bias, scale, residual, rot)`` on the finite parts."""
@@ -191,9 +226,11 @@ def rotary(
 def rotated(
     rows: Prepared, positions_q: Any, positions_kv: Any, base: Any, convention: Any
 ) -> RopeInputs:
-    """Validated rows plus their checked rotation."""
-    positions = (positions_q, positions_kv, rows.batch_shape, rows.t_q, rows.t_k)
-    return RopeInputs(rows, rotary(*positions, check_base(base), check_convention(convention)))
+    """Validated rows plus their checked rotation (positions ``None``: ``arange(T)``)."""
+    shapes = (rows.batch_shape, rows.t_q, rows.t_k)
+    rot = rotary(positions_q, positions_kv, *shapes, check_base(base), check_convention(convention))
+    pos = [p if p is None or is_traced(p) else Positions(p) for p in (positions_q, positions_kv)]
+    return RopeInputs(rows, *pos, rot.base, rot.convention)
 
 
 def _rope_inputs(rows: Prepared, scale: Any, **rope: Any) -> RopeInputs:
