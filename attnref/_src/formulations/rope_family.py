@@ -190,11 +190,11 @@ class RopeInputs:
     @property
     def rot(self) -> Rotary:
         """The rotation, concrete positions as NumPy arrays."""
-        pos = [
+        pos_q, pos_k = (
             np.arange(t) if p is None else p.value if isinstance(p, Positions) else p
             for p, t in ((self.pos_q, self.rows.t_q), (self.pos_k, self.rows.t_k))
-        ]
-        return Rotary(*pos, self.base, self.convention)
+        )
+        return Rotary(pos_q, pos_k, self.base, self.convention)
 
     def run(self, formula: Callable[..., Any]) -> Any:
         """``formula(params, x_q, x_kv, mask, bias, scale, residual, rot)`` on the finite parts."""
@@ -229,8 +229,9 @@ def rotated(
     """Validated rows plus their checked rotation (positions ``None``: ``arange(T)``)."""
     shapes = (rows.batch_shape, rows.t_q, rows.t_k)
     rot = rotary(positions_q, positions_kv, *shapes, check_base(base), check_convention(convention))
-    pos = [p if p is None or is_traced(p) else Positions(p) for p in (positions_q, positions_kv)]
-    return RopeInputs(rows, *pos, rot.base, rot.convention)
+    given = (positions_q, positions_kv)
+    pos_q, pos_k = (p if p is None or is_traced(p) else Positions(p) for p in given)
+    return RopeInputs(rows, pos_q, pos_k, rot.base, rot.convention)
 
 
 def _rope_inputs(rows: Prepared, scale: Any, **rope: Any) -> RopeInputs:
