@@ -223,7 +223,8 @@ def test_an_eager_call_is_one_compiled_program():
     op, which would compile one program per operation at every new shape and dispatch each one
     at every call (the RoPE forms once did: their inputs were not a pytree). Counted with JAX's
     own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
-    mask and the family's required keywords; likewise the two MLA forms with given positions."""
+    mask and the family's required keywords; likewise the MLA forms with given positions, the
+    latent cache, RoPE on its own, the masked softmax and the state merges."""
     import jax
 
     problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
@@ -246,10 +247,29 @@ def test_an_eager_call_is_one_compiled_program():
             programs = [name for name in compiled if name not in CONVERSIONS]
             assert programs == ["jit(_program)"], (f.id, compiled)
         mla = attnref.mla.init_mla_params(0, d_model=12, num_heads=2, d_c=6, d_nope=4, d_rope=2)
-        for fn in (attnref.mla.mla_attention, attnref.mla.mla_absorbed_attention):
+        causal = np.tril(np.ones((9, 9), bool))
+        heads = x.reshape(1, 9, 2, 6)
+        o, lse = attnref.dot_product_attention(heads, heads, heads, return_lse=True)
+        calls = {
+            "mla_attention": lambda: attnref.mla.mla_attention(
+                mla, x, mask=causal, positions_q=np.arange(9) + 3
+            ),
+            "mla_absorbed_attention": lambda: attnref.mla.mla_absorbed_attention(
+                mla, x, mask=causal, positions_q=np.arange(9) + 3
+            ),
+            "mla_latent_cache": lambda: attnref.mla.mla_latent_cache(mla, x),
+            "apply_rope": lambda: attnref.rope.apply_rope(heads, np.arange(9)),
+            "apply_rope_complex": lambda: attnref.rope.apply_rope_complex(heads, np.arange(9)),
+            "masked_softmax": lambda: attnref.masked_softmax(jax.numpy.asarray(x), x > 0),
+            "merge_states": lambda: attnref.merge_states(o, lse, o, lse),
+            "merge_state_stack": lambda: attnref.merge_state_stack(
+                np.stack([o, o]), np.stack([lse, lse])
+            ),
+        }
+        for name, call in calls.items():
             compiled.clear()
-            fn(mla, x, mask=np.tril(np.ones((9, 9), bool)), positions_q=np.arange(9) + 3)
+            call()
             programs = [name for name in compiled if name not in CONVERSIONS]
-            assert programs == ["jit(_program)"], (fn.__name__, compiled)
+            assert programs == ["jit(_program)"], (name, compiled)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
+from attnref._src.core.entry import compiled
+
 
 def allowed_entries(
     logits: Float[Array, "..."], mask: Bool[ArrayLike, "..."] | None
@@ -44,6 +46,12 @@ def masked_softmax(
         Weights of ``logits``' shape: along ``axis`` they sum to 1 over the allowed entries, or
         are all zero where no entry is allowed.
     """
+    return compiled(safe_softmax, logits, mask, axis)  # type: ignore[no-any-return]
+
+
+def safe_softmax(logits: Array, mask: Array | None, axis: int) -> Array:
+    """:func:`masked_softmax`: the largest allowed logit subtracted, masked entries never in
+    ``exp``, a slice with no allowed entry all zeros."""
     allowed = allowed_entries(logits, mask)
     any_allowed = jnp.any(allowed, axis=axis, keepdims=True)
     top = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)

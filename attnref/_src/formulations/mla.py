@@ -23,7 +23,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checks import HIGHEST, float64_scoped
 from attnref._src.core.common import Bias, Keys, Mask, Queries, residual_or
-from attnref._src.core.entry import public
+from attnref._src.core.entry import compiled, public
 from attnref._src.formulations.mla_family import MLA_CACHE, MLA_ROWS, MLAParams
 from attnref._src.formulations.rope import rotate, weights
 from attnref._src.formulations.rope_family import Rotary, check_base, check_convention, rotary
@@ -224,4 +224,4 @@ def mla_latent_cache(
     dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
     batch, _, t_k = check_mla_tokens(dims, dtype, x_kv, x_kv, q_name="x_kv")
     rot = rotary(None, positions_kv, batch, 0, t_k, b, conv)  # checks positions_kv
-    return latent_cache(params, jnp.asarray(x_kv), rot)
+    return compiled(latent_cache, params, x_kv, rot)  # type: ignore[no-any-return]

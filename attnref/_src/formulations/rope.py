@@ -12,6 +12,7 @@ and the two layouts' permutation are in ``docs/rope.md``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ from attnref._src.core.common import (
     project_kv,
     residual_or,
 )
-from attnref._src.core.entry import public
+from attnref._src.core.entry import compiled, public
 from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
@@ -272,7 +273,7 @@ def apply_rope(
     b sin(m theta_p), a sin(m theta_p) + b cos(m theta_p))``, ``theta_p =
     base^(-2p/head_dim)``; angles in float32 (float64 for float64 ``x``)."""
     conv = check_kernel_layout(x, positions, convention)
-    return rotate(jnp.asarray(x), jnp.asarray(positions)[..., None], check_base(base), conv)
+    return compiled(rotate_heads, rotate, x, positions, check_base(base), conv)  # type: ignore[no-any-return]
 
 
 @with_args(
@@ -291,8 +292,15 @@ def apply_rope_complex(
     ``z_p = a_p + i b_p`` times ``exp(i m theta_p)``, in complex64 (complex128 for float64
     ``x``), rounded to ``x``'s dtype."""
     conv = check_kernel_layout(x, positions, convention)
-    x = jnp.asarray(x)
-    return rotate_complex(x, jnp.asarray(positions)[..., None], check_base(base), conv)
+    return compiled(rotate_heads, rotate_complex, x, positions, check_base(base), conv)  # type: ignore[no-any-return]
+
+
+def rotate_heads(
+    rotation: Callable[..., Array], x: Array, positions: Array, base: float, convention: str
+) -> Array:
+    """``rotation`` (:func:`rotate` or :func:`rotate_complex`) of ``x [..., T, N, head_dim]``,
+    ``positions [..., T]`` shared by the heads."""
+    return rotation(x, jnp.asarray(positions)[..., None], base, convention)
 
 
 @with_args(ROTATION_ARGS, "``R(delta)`` ``[..., head_dim, head_dim]`` of ``dtype``.")

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from attnref._src.core.checks import dtype_of, float64_scoped
+from attnref._src.core.entry import compiled
 from attnref.oracle._doc import MERGE_RAISES, STACK_RAISES, STATES, doc
 from attnref.oracle._states import check_merge, check_stack
 
@@ -51,6 +52,50 @@ def _finish(
     o = jnp.where(empty[..., None], fill, jnp.where(bad[..., None], jnp.nan, o))
     lse = jnp.where(empty, -jnp.inf, jnp.where(bad, jnp.nan, lse))
     return o.astype(o_dtype), lse.astype(l_dtype)
+
+
+def merge_pair(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, masked_rows: str) -> tuple[Array, Array]:
+    """:func:`merge_states` on validated inputs: ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)``,
+    ``lse = m + log1p(min(w_a, w_b))``, ``o = (w_a o_a + w_b o_b) / (w_a + w_b)``."""
+    cd = _compute_dtype(o_a, lse_a, o_b, lse_b)
+    la, lb = jnp.asarray(lse_a, cd), jnp.asarray(lse_b, cd)
+    m = jnp.maximum(la, lb)  # NaN propagates
+    ok = jnp.isfinite(m)
+    m_safe = jnp.where(ok, m, 0.0)
+    # exp(lse - m) with the empty state's -inf giving exactly 0 (and a zero derivative).
+    wa = jnp.exp(jnp.where(ok, la, -jnp.inf) - m_safe)
+    wb = jnp.exp(jnp.where(ok, lb, -jnp.inf) - m_safe)
+    total = wa + wb  # in [1, 2] on finite rows (the larger weight is exactly 1)
+    total_safe = jnp.where(ok, total, 1.0)
+    oa = jnp.where(jnp.isneginf(la)[..., None], 0.0, jnp.asarray(o_a, cd))
+    ob = jnp.where(jnp.isneginf(lb)[..., None], 0.0, jnp.asarray(o_b, cd))
+    o = (wa[..., None] * oa + wb[..., None] * ob) / total_safe[..., None]
+    lse = m_safe + jnp.log1p(jnp.where(ok, jnp.minimum(wa, wb), 0.0))
+    o_dtype, l_dtype = (
+        jnp.result_type(dtype_of(a), dtype_of(b)) for a, b in ((o_a, o_b), (lse_a, lse_b))
+    )
+    return _finish(o, lse, m, masked_rows, o_dtype, l_dtype)
+
+
+def merge_stack(o: Any, lse: Any, ax: int, masked_rows: str) -> tuple[Array, Array]:
+    """:func:`merge_state_stack` on validated inputs (``ax`` non-negative): ``m = max_p lse_p``,
+    ``w_p = exp(lse_p - m)``, ``lse = m + log(sum_p w_p)``, ``o = sum_p w_p o_p / sum_p w_p``."""
+    cd = _compute_dtype(o, lse)
+    ls, os_ = jnp.asarray(lse, cd), jnp.asarray(o, cd)
+    if ls.shape[ax] == 0:
+        m = jnp.full(ls.shape[:ax] + ls.shape[ax + 1 :], -jnp.inf, cd)
+    else:
+        m = jnp.max(ls, axis=ax)  # NaN propagates
+    ok = jnp.isfinite(m)
+    m_safe = jnp.where(ok, m, 0.0)
+    ok_e, m_e = jnp.expand_dims(ok, ax), jnp.expand_dims(m_safe, ax)
+    w = jnp.exp(jnp.where(ok_e, ls, -jnp.inf) - m_e)
+    total = jnp.sum(w, axis=ax)  # >= 1 on finite rows
+    total_safe = jnp.where(ok, total, 1.0)
+    oo = jnp.where(jnp.isneginf(ls)[..., None], 0.0, os_)
+    merged = jnp.sum(w[..., None] * oo, axis=ax) / total_safe[..., None]
+    lse_out = m_safe + jnp.log(total_safe)
+    return _finish(merged, lse_out, m, masked_rows, dtype_of(o), dtype_of(lse))
 
 
 @float64_scoped
@@ -74,24 +119,7 @@ def merge_states(
         of ``lse_a`` and ``lse_b``; NaN where either ``lse`` is NaN or ``+inf``.
     """
     check_merge(o_a, lse_a, o_b, lse_b, masked_rows)
-    cd = _compute_dtype(o_a, lse_a, o_b, lse_b)
-    la, lb = jnp.asarray(lse_a, cd), jnp.asarray(lse_b, cd)
-    m = jnp.maximum(la, lb)  # NaN propagates
-    ok = jnp.isfinite(m)
-    m_safe = jnp.where(ok, m, 0.0)
-    # exp(lse - m) with the empty state's -inf giving exactly 0 (and a zero derivative).
-    wa = jnp.exp(jnp.where(ok, la, -jnp.inf) - m_safe)
-    wb = jnp.exp(jnp.where(ok, lb, -jnp.inf) - m_safe)
-    total = wa + wb  # in [1, 2] on finite rows (the larger weight is exactly 1)
-    total_safe = jnp.where(ok, total, 1.0)
-    oa = jnp.where(jnp.isneginf(la)[..., None], 0.0, jnp.asarray(o_a, cd))
-    ob = jnp.where(jnp.isneginf(lb)[..., None], 0.0, jnp.asarray(o_b, cd))
-    o = (wa[..., None] * oa + wb[..., None] * ob) / total_safe[..., None]
-    lse = m_safe + jnp.log1p(jnp.where(ok, jnp.minimum(wa, wb), 0.0))
-    o_dtype, l_dtype = (
-        jnp.result_type(dtype_of(a), dtype_of(b)) for a, b in ((o_a, o_b), (lse_a, lse_b))
-    )
-    return _finish(o, lse, m, masked_rows, o_dtype, l_dtype)
+    return compiled(merge_pair, o_a, lse_a, o_b, lse_b, masked_rows)  # type: ignore[no-any-return]
 
 
 @float64_scoped
@@ -113,19 +141,4 @@ def merge_state_stack(
         is NaN or ``+inf``.
     """
     ax = check_stack(o, lse, axis, masked_rows)
-    cd = _compute_dtype(o, lse)
-    ls, os_ = jnp.asarray(lse, cd), jnp.asarray(o, cd)
-    if ls.shape[ax] == 0:
-        m = jnp.full(ls.shape[:ax] + ls.shape[ax + 1 :], -jnp.inf, cd)
-    else:
-        m = jnp.max(ls, axis=ax)  # NaN propagates
-    ok = jnp.isfinite(m)
-    m_safe = jnp.where(ok, m, 0.0)
-    ok_e, m_e = jnp.expand_dims(ok, ax), jnp.expand_dims(m_safe, ax)
-    w = jnp.exp(jnp.where(ok_e, ls, -jnp.inf) - m_e)
-    total = jnp.sum(w, axis=ax)  # >= 1 on finite rows
-    total_safe = jnp.where(ok, total, 1.0)
-    oo = jnp.where(jnp.isneginf(ls)[..., None], 0.0, os_)
-    merged = jnp.sum(w[..., None] * oo, axis=ax) / total_safe[..., None]
-    lse_out = m_safe + jnp.log(total_safe)
-    return _finish(merged, lse_out, m, masked_rows, dtype_of(o), dtype_of(lse))
+    return compiled(merge_stack, o, lse, ax, masked_rows)  # type: ignore[no-any-return]
