@@ -224,7 +224,8 @@ def test_an_eager_call_is_one_compiled_program():
     at every call (the RoPE forms once did: their inputs were not a pytree). Counted with JAX's
     own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
     mask and the family's required keywords; likewise the MLA forms with given positions, the
-    latent cache, RoPE on its own, the masked softmax and the state merges."""
+    latent cache, RoPE on its own, the masked softmax and the state merges. A second decoding
+    step at a new position compiles nothing (given positions are traced, not static)."""
     import jax
 
     problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
@@ -271,5 +272,11 @@ def test_an_eager_call_is_one_compiled_program():
             call()
             programs = [name for name in compiled if name not in CONVERSIONS]
             assert programs == ["jit(_program)"], (name, compiled)
+        # given positions are traced in an eager call: a decoding loop compiles once
+        cache = attnref.mla.mla_latent_cache(mla, x)
+        for step in (9, 10):
+            compiled.clear()
+            attnref.mla.mla_cache_attention(mla, x[:, :1], cache, positions_q=np.array([step]))
+            assert (compiled == []) == (step == 10), compiled
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)

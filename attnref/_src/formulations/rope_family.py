@@ -155,8 +155,8 @@ class Rotary(NamedTuple):
 
 
 class Positions:
-    """Concrete positions as static data of a compiled program, compared and hashed by value: a
-    call with the same positions reuses the program, and the program sees NumPy constants."""
+    """Concrete positions as static data of a compiled program, compared and hashed by value
+    (the program sees NumPy constants)."""
 
     def __init__(self, value: Any) -> None:
         self.value = np.asarray(value)
@@ -171,10 +171,11 @@ class Positions:
         return isinstance(other, Positions) and self._key() == other._key()
 
 
-# A pytree, so that :func:`attnref._src.core.entry.compiled` runs it as one program: traced
-# positions are traced, concrete ones (:class:`Positions`) and the default (``None``: NumPy
-# ``arange(T)``) are static, so their offsets stay static
-# (:func:`attnref._src.formulations.rope.distinct_offsets`).
+# A pytree, so that :func:`attnref._src.core.entry.compiled` runs it as one program. The default
+# positions (``None``: NumPy ``arange(T)``) are static, and so are concrete positions under a
+# caller's trace (:class:`Positions`): their offsets stay static
+# (:func:`attnref._src.formulations.rope.distinct_offsets`). In an eager call, given positions
+# are traced, so one program serves every position (a decoding loop compiles once).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RopeInputs:
@@ -226,11 +227,15 @@ def rotary(
 def rotated(
     rows: Prepared, positions_q: Any, positions_kv: Any, base: Any, convention: Any
 ) -> RopeInputs:
-    """Validated rows plus their checked rotation (positions ``None``: ``arange(T)``)."""
+    """Validated rows plus their checked rotation (positions ``None``: ``arange(T)``; concrete
+    positions static under a caller's trace, traced in an eager call)."""
     shapes = (rows.batch_shape, rows.t_q, rows.t_k)
     rot = rotary(positions_q, positions_kv, *shapes, check_base(base), check_convention(convention))
+    under_trace = is_traced(rows.x_q, rows.x_kv)
     given = (positions_q, positions_kv)
-    pos_q, pos_k = (p if p is None or is_traced(p) else Positions(p) for p in given)
+    pos_q, pos_k = (
+        Positions(p) if under_trace and p is not None and not is_traced(p) else p for p in given
+    )
     return RopeInputs(rows, pos_q, pos_k, rot.base, rot.convention)
 
 
