@@ -245,7 +245,7 @@ def test_an_eager_call_is_one_compiled_program():
             kw = {**example.kwargs, **f.family.required_kwargs(problem)}
             compiled.clear()
             f.apply(params, x, None if example.self_attention else x, **kw)
-            programs = [name for name in compiled if name not in CONVERSIONS]
+            programs = [n for n in compiled if n not in CONVERSIONS]
             assert programs == ["jit(_program)"], (f.id, compiled)
         mla = attnref.mla.init_mla_params(0, d_model=12, num_heads=2, d_c=6, d_nope=4, d_rope=2)
         causal = np.tril(np.ones((9, 9), bool))
@@ -270,7 +270,7 @@ def test_an_eager_call_is_one_compiled_program():
         for name, call in calls.items():
             compiled.clear()
             call()
-            programs = [name for name in compiled if name not in CONVERSIONS]
+            programs = [n for n in compiled if n not in CONVERSIONS]
             assert programs == ["jit(_program)"], (name, compiled)
         # given positions are traced in an eager call: a decoding loop compiles once
         cache = attnref.mla.mla_latent_cache(mla, x)
