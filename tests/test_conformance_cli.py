@@ -199,6 +199,47 @@ def test_console_script_finds_targets_in_the_current_directory():
     assert "is a int, not a callable" in run.stderr  # imported, so the module was found
 
 
+def _glibc_with_hugetlb() -> bool:
+    """glibc >= 2.35 on Linux, the first release with the ``glibc.malloc.hugetlb`` tunable."""
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
+    name, _, version = (libc or "").partition(" ")
+    release = tuple(int(part) for part in version.split(".")[:2]) if version else ()
+    return sys.platform.startswith("linux") and name == "glibc" and release >= (2, 35)
+
+
+@pytest.mark.parametrize(
+    ("given", "seen"),
+    [
+        ("glibc.malloc.arena_max=4", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # the caller's choice stays
+    ],
+)
+def test_check_runs_with_malloc_huge_pages(tmp_path, given, seen):
+    """``attnref check`` restarts once with ``glibc.malloc.hugetlb=1`` added to the caller's
+    ``GLIBC_TUNABLES`` (glibc >= 2.35), unless they name it: the target, loaded by the process
+    that runs the check, reads the environment it ran under."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os\n"
+        "with open(os.environ['PROBE_OUT'], 'w') as fh:\n"
+        "    fh.write(os.environ.get('GLIBC_TUNABLES', '<unset>'))\n"
+        "fn = 1\n"
+    )
+    out = tmp_path / "tunables.txt"
+    env = {**os.environ, "GLIBC_TUNABLES": given, "PROBE_OUT": str(out)}
+    run = subprocess.run(
+        [sys.executable, "-m", "attnref", "check", f"{probe}:fn"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr  # loaded once, then refused: fn is not callable
+    assert run.stderr.count("not a callable") == 1, run.stderr
+    assert out.read_text() == (seen if _glibc_with_hugetlb() else given)
+
+
 @pytest.mark.parametrize(
     ("options", "cli", "engine"),
     [

@@ -317,7 +317,10 @@ def _check_parser(sub: Any, masked_rows: Sequence[str], alignments: Sequence[str
         "attention function. One example in four takes tile-straddling lengths (15 to 513), "
         "so a fault in a kernel's last, partial tile fails by default. The check compiles the "
         "function at dozens of shapes: XLA's CPU compile runs with "
-        f"{CHECK_XLA_FLAGS} unless XLA_FLAGS sets those flags. Exit status: 0 all passed "
+        f"{CHECK_XLA_FLAGS} unless XLA_FLAGS sets those flags. On Linux with glibc >= 2.35 "
+        "the command restarts once with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES "
+        "(huge pages for large buffers), unless GLIBC_TUNABLES names that tunable. Exit "
+        "status: 0 all passed "
         "(skips allowed), 1 a property failed, 2 the target cannot be loaded or an option is "
         "invalid.",
     )
