@@ -71,6 +71,18 @@ def in_x64_if_float64(dtype: Any, fn: Callable[..., Any], *args: Any, **kwargs: 
     return fn(*args, **kwargs)
 
 
+def device_array(x: Any, dtype: Any = None) -> Any:
+    """``jnp.asarray(x, dtype)``, without compiling for NumPy or Python-scalar input. JAX 0.10
+    lifts such a value with a compiled identity program (``jit(stage)``) per new shape and dtype,
+    and casts it with a compiled ``convert_element_type``; here NumPy casts on the host (as
+    ``jax.device_put`` canonicalizes dtypes) and ``device_put`` copies (a Python scalar stays
+    weakly typed without ``dtype``, as with ``jnp.asarray``). JAX arrays, tracers and lists go
+    to ``jnp.asarray``."""
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        return jax.device_put(x if dtype is None else np.asarray(x, dtype))
+    return jnp.asarray(x, dtype)
+
+
 def is_traced(*xs: Any) -> bool:
     """Whether any of ``xs`` is a JAX tracer (its values are unknown at trace time)."""
     return any(isinstance(x, jax.core.Tracer) for x in xs)
@@ -145,4 +157,4 @@ def check_ints(name: str, x: Any, shape: tuple[int, ...], upper: int | None) -> 
     if x is None:
         return None
     oc.check_ints(name, x, shape, upper, concrete=not is_traced(x))
-    return jnp.asarray(x, dtype=jnp.int32)
+    return device_array(x, jnp.int32)

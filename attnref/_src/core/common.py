@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
+from attnref._src.core.checks import (
+    HIGHEST,
+    check_mask_and_bias,
+    check_scale,
+    check_tokens,
+    device_array,
+)
 from attnref._src.core.entry import Guardable, Level
 from attnref._src.core.nonfinite import (
     allowed_pairs,
@@ -114,13 +120,13 @@ def prepare_rows(
     batch, t_q, t_k = check_tokens(params, x_q, x_kv)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
-    xq = jnp.asarray(x_q)
+    xq = device_array(x_q)
     dtype = xq.dtype
     return Prepared(
         x_q=xq,
-        x_kv=jnp.asarray(x_kv),
-        mask=None if mask is None else jnp.asarray(mask),
-        bias=None if bias is None else jnp.asarray(bias).astype(dtype),
+        x_kv=device_array(x_kv),
+        mask=None if mask is None else device_array(mask),
+        bias=None if bias is None else device_array(bias, dtype),
         scale=scale_value(params.d_k, scale, dtype),
         batch_shape=batch,
         t_q=t_q,
@@ -234,7 +240,7 @@ BLOCK_RETURNS = (
 def scale_value(d_k: int, scale: Any, dtype: Any) -> Array:
     """``1/sqrt(d_k)`` unless an explicit ``scale`` is given, as a scalar of ``dtype``."""
     value = 1.0 / math.sqrt(d_k) if scale is None else scale
-    return jnp.asarray(value, dtype=dtype)
+    return device_array(value, dtype)
 
 
 def project(

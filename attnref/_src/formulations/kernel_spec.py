@@ -22,6 +22,7 @@ from attnref._src.core.checks import (
     check_scale,
     check_softcap,
     check_window,
+    device_array,
     shape_of,
 )
 from attnref._src.core.common import scale_value
@@ -156,7 +157,7 @@ def prepare(
     ``attnref.oracle``'s. ``T = 0`` gives an empty output; ``S = 0`` fully masks every row
     (``"uniform"`` refused); ``H = 0`` is refused (``1/sqrt(H)`` undefined)."""
     query, key, value = (
-        x if hasattr(x, "dtype") and hasattr(x, "shape") else jnp.asarray(x)
+        x if hasattr(x, "dtype") and hasattr(x, "shape") else device_array(x)
         for x in (query, key, value)
     )
     (b, t, n, h), (s, kh, h_v), dtype = check_kernel_arrays(query, key, value)
@@ -212,18 +213,18 @@ def prepare(
         sinks is not None,
     )
     inputs = KernelInputs(
-        q=jnp.asarray(query),
-        k=jnp.asarray(key),
-        v=jnp.asarray(value),
-        bias=None if bias is None else jnp.asarray(bias).astype(cd),
-        mask=None if mask is None else jnp.asarray(mask),
+        q=device_array(query),
+        k=device_array(key),
+        v=device_array(value),
+        bias=None if bias is None else device_array(bias, cd),
+        mask=None if mask is None else device_array(mask),
         q_lens=q_lens,
         kv_lens=kv_lens,
         q_seg=q_seg,
         kv_seg=kv_seg,
         scale=scale_value(h, scale, cd),
-        sinks=None if sinks is None else jnp.asarray(sinks).astype(cd),
-        keep=None if dropout_mask is None else jnp.asarray(dropout_mask),
+        sinks=None if sinks is None else device_array(sinks, cd),
+        keep=None if dropout_mask is None else device_array(dropout_mask),
     )
     return spec, inputs, bool(return_lse), scale
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.checks import HIGHEST, device_array, float64_scoped
 from attnref._src.core.common import Bias, Keys, Mask, Queries, residual_or
 from attnref._src.core.entry import compiled, public
 from attnref._src.formulations.mla_family import MLA_CACHE, MLA_ROWS, MLAParams
@@ -221,7 +221,7 @@ def mla_latent_cache(
     """
     conv, b = check_convention(convention), check_base(base)
     dims = check_mla_params(params)
-    dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
+    dtype = np.dtype(device_array(params.w_dkv).dtype)
     batch, _, t_k = check_mla_tokens(dims, dtype, x_kv, x_kv, q_name="x_kv")
     rot = rotary(None, positions_kv, batch, 0, t_k, b, conv)  # checks positions_kv
     return compiled(latent_cache, params, x_kv, rot)  # type: ignore[no-any-return]

@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, Bool, Float, Int
 
-from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, float64_scoped
+from attnref._src.core.checks import (
+    HIGHEST,
+    check_mask_and_bias,
+    check_scale,
+    device_array,
+    float64_scoped,
+)
 from attnref._src.core.common import Prepared, rows_level
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
@@ -149,18 +155,18 @@ def _mla_rows(
     (default ``1/sqrt(d_nope + d_rope)``) into :class:`Prepared` rows."""
     dims = check_mla_params(params)
     x_kv = x_q if x_kv is None else x_kv
-    dtype = np.dtype(jnp.asarray(params.w_dkv).dtype)
+    dtype = np.dtype(device_array(params.w_dkv).dtype)
     batch, t_q, t_k = check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
-    xq = jnp.asarray(x_q)
+    xq = device_array(x_q)
     value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
     return Prepared(
         x_q=xq,
-        x_kv=jnp.asarray(x_kv),
-        mask=None if mask is None else jnp.asarray(mask),
-        bias=None if bias is None else jnp.asarray(bias).astype(xq.dtype),
-        scale=jnp.asarray(value, dtype=xq.dtype),
+        x_kv=device_array(x_kv),
+        mask=None if mask is None else device_array(mask),
+        bias=None if bias is None else device_array(bias, xq.dtype),
+        scale=device_array(value, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float
 
-from attnref._src.core.checks import PARAM_FIELDS
+from attnref._src.core.checks import PARAM_FIELDS, device_array
 from attnref._src.core.common import Call, Prepared, add_output_bias, residual_or
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.distributed.family import (
@@ -139,7 +139,7 @@ tensor_parallel_dot_product_attention = mesh_kernel(
 def _head_weights(params: AttentionParams, r: int) -> dict[str, Any]:
     """Every per-head weight and bias (K/V ones repeated ``r`` times); no ``b_O``."""
     kv = {"w_k": params.w_k, "w_v": params.w_v, "b_k": params.b_k, "b_v": params.b_v}
-    out = {name: None if a is None else repeat_kv(jnp.asarray(a), r, 0) for name, a in kv.items()}
+    out = {name: None if a is None else repeat_kv(device_array(a), r, 0) for name, a in kv.items()}
     return optional(w_q=params.w_q, b_q=params.b_q, w_o=params.w_o, **out)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
-from attnref._src.core.checks import HIGHEST, check_tokens
+from attnref._src.core.checks import HIGHEST, check_tokens, device_array
 from attnref._src.core.common import (
     Keys,
     Queries,
@@ -114,9 +114,9 @@ def prepare_rows(
     check_causal(causal)
     check_key_mask(key_mask, batch, t_q, t_k, causal)
     check_policy(eps, eps_policy)
-    km = None if key_mask is None else jnp.asarray(key_mask)
+    km = None if key_mask is None else device_array(key_mask)
     o = Options(feature_map, eps, eps_policy, causal, km, form=form)
-    return RowCall(params, jnp.asarray(x_q), jnp.asarray(x_kv), o, residual)
+    return RowCall(params, device_array(x_q), device_array(x_kv), o, residual)
 
 
 ROW_ARGS = (

@@ -13,12 +13,11 @@ from typing import Any
 
 import hypothesis
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from attnref import strategies as ast
-from attnref._src.core.checks import enable_x64
+from attnref._src.core.checks import device_array, enable_x64
 from attnref._src.kit.conformance.torch_target import torch_forward, torch_vjp
 
 # The axis of the kit's meshes (attnref's own distributed schemes name theirs the same).
@@ -263,7 +262,7 @@ class Target:
     def _eager_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self.signature == "numpy":
             return args
-        return tuple(jax.tree_util.tree_map(jnp.asarray, a) for a in args)
+        return tuple(jax.tree_util.tree_map(device_array, a) for a in args)
 
     @contextlib.contextmanager
     def _declared_limit(self, p: ast.KernelProblem) -> Any:
