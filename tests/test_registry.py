@@ -5,6 +5,7 @@ The generated pages are checked by ``tests/test_docs_pages.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -225,8 +226,9 @@ def test_an_eager_call_is_one_compiled_program():
     at every call (the RoPE forms once did: their inputs were not a pytree). Counted with JAX's
     own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
     mask and the family's required keywords; likewise the MLA forms with given positions, the
-    latent cache, RoPE on its own, the masked softmax and the state merges. A second decoding
-    step at a new position compiles nothing (given positions are traced, not static)."""
+    latent cache, RoPE on its own, the masked softmax, the state merges, and the three kernels
+    with every option at once. A second decoding step at a new position compiles nothing (given
+    positions are traced, not static)."""
     import jax
 
     problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
@@ -269,6 +271,30 @@ def test_an_eager_call_is_one_compiled_program():
                 np.stack([o, o]), np.stack([lse, lse])
             ),
         }
+        # the kernels with every option at once (the lengths' range is checked in NumPy)
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((2, 9, 4, 8)).astype(np.float32)
+        kv = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+        options = {
+            "mask": np.tril(np.ones((1, 1, 9, 9), bool)),
+            "bias": rng.standard_normal((1, 4, 9, 9)).astype(np.float32),
+            "query_seq_lengths": np.array([9, 5]),
+            "key_value_seq_lengths": np.array([7, 9]),
+            "segment_ids": np.array([[0] * 4 + [1] * 5, [0] * 9]),
+            "local_window_size": (3, 0),
+            "softcap": 20.0,
+            "sinks": np.zeros(4, np.float32),
+            "dropout_mask": rng.random((2, 4, 9, 9)) > 0.1,
+            "dropout_rate": 0.1,
+            "return_lse": True,
+            "is_causal": True,
+        }
+        for kernel in (
+            attnref.dot_product_attention,
+            attnref.blockwise_dot_product_attention,
+            attnref.split_kv_dot_product_attention,
+        ):
+            calls[kernel.__name__] = functools.partial(kernel, q, kv, kv, **options)
         for name, call in calls.items():
             compiled.clear()
             call()

@@ -23,6 +23,7 @@ from attnref._src.core.checks import (
     check_softcap,
     check_window,
     device_array,
+    is_traced,
     shape_of,
 )
 from attnref._src.core.common import scale_value
@@ -118,8 +119,8 @@ def lengths_in_range(spec: KernelSpec, lengths: KernelInputs) -> Bool[Array, " B
 def require_lengths_in_range(spec: KernelSpec, lengths: KernelInputs) -> None:
     """Under :func:`attnref.checked`, raise for traced lengths out of range (eager calls have
     raised already in ``prepare``); unchecked, ``finish`` returns NaN for those batch rows."""
-    if lengths.q_lens is None and lengths.kv_lens is None:
-        return
+    if not is_traced(lengths.q_lens, lengths.kv_lens):
+        return  # none given, or concrete: ``check_ints`` has checked their range in NumPy
     ok = lengths_in_range(spec, lengths)
     require(
         ok,
