@@ -86,11 +86,12 @@ class Prepared:
 class Call:
     """A formula's validated arguments, in its order, and its dirty rows (a level with a
     convention of its own); :meth:`run` reads the token arrays at indices ``tokens`` and the bias
-    at ``bias`` through their finite parts. ``dirty`` is the rows' array, or the
-    :class:`Prepared` rows that compute it inside the compiled program (not eagerly)."""
+    at ``bias`` through their finite parts. ``dirty`` is the rows' array, or a pytree with a
+    ``dirty_rows()`` method (e.g. the :class:`Prepared` rows) that computes it inside the
+    compiled program, not eagerly."""
 
     args: tuple[Any, ...]
-    dirty: Array | Prepared
+    dirty: Any
     tokens: tuple[int, ...] = (1, 2)
     bias: int = 4
 
@@ -102,7 +103,7 @@ class Call:
         return formula(*args)
 
     def dirty_rows(self) -> Array:
-        return self.dirty.dirty_rows() if isinstance(self.dirty, Prepared) else self.dirty
+        return self.dirty.dirty_rows() if hasattr(self.dirty, "dirty_rows") else self.dirty
 
 
 def prepare_rows(

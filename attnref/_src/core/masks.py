@@ -8,10 +8,14 @@ fully masked row gives zero weights (``docs/conventions.md``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from attnref._src.core.checks import device_array
+from attnref._src.core.entry import compiled
 
 
 def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
@@ -32,7 +36,7 @@ def causal_mask(t_q: int, t_k: int | None = None) -> Bool[Array, "T_q T_k"]:
     t_k = t_q if t_k is None else t_k
     if t_q < 1 or t_k < 1:
         raise ValueError(f"causal_mask needs positive lengths, got t_q={t_q}, t_k={t_k}")
-    return jnp.asarray(np.tril(np.ones((t_q, t_k), dtype=bool)))
+    return device_array(np.tril(np.ones((t_q, t_k), dtype=bool)))
 
 
 def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_k"]:
@@ -49,11 +53,15 @@ def padding_mask(lengths: Int[ArrayLike, " B"], t_k: int) -> Bool[Array, "B 1 T_
         ValueError: If ``lengths`` is not 1-D.
         TypeError: If ``lengths`` is not integer.
     """
-    lengths = jnp.asarray(lengths)
-    if lengths.ndim != 1:
-        raise ValueError(f"lengths must have shape [B], got shape {tuple(lengths.shape)}")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(f"lengths must be integers, got dtype {lengths.dtype}")
+    lens = device_array(lengths)
+    if lens.ndim != 1:
+        raise ValueError(f"lengths must have shape [B], got shape {tuple(lens.shape)}")
+    if not jnp.issubdtype(lens.dtype, jnp.integer):
+        raise TypeError(f"lengths must be integers, got dtype {lens.dtype}")
+    return compiled(_padding, lens, t_k)  # type: ignore[no-any-return]
+
+
+def _padding(lengths: Int[Array, " B"], t_k: int) -> Bool[Array, "B 1 T_k"]:
     return (jnp.arange(t_k)[None, :] < lengths[:, None])[:, None, :]
 
 
@@ -69,11 +77,15 @@ def combine_masks(*masks: Bool[ArrayLike, "..."] | None) -> Bool[Array, "..."] |
     Raises:
         TypeError: If a mask is not boolean.
     """
-    present = [jnp.asarray(m) for m in masks if m is not None]
+    present = [device_array(m) for m in masks if m is not None]
     for m in present:
         if m.dtype != jnp.bool_:
             raise TypeError(f"combine_masks takes boolean masks, got dtype {m.dtype}")
-    return functools.reduce(jnp.logical_and, present) if present else None
+    return compiled(_conjunction, present) if present else None  # type: ignore[no-any-return]
+
+
+def _conjunction(masks: list[Array]) -> Array:
+    return functools.reduce(jnp.logical_and, masks)
 
 
 def mask_to_bias(mask: Bool[ArrayLike, "..."], dtype: object = jnp.float32) -> Float[Array, "..."]:
@@ -89,7 +101,11 @@ def mask_to_bias(mask: Bool[ArrayLike, "..."], dtype: object = jnp.float32) -> F
     Raises:
         TypeError: If ``mask`` is not boolean.
     """
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-        raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
-    return jnp.where(mask, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))  # type: ignore[arg-type]
+    m = device_array(mask)
+    if m.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean, got dtype {m.dtype}")
+    return compiled(_additive, m, dtype)  # type: ignore[no-any-return]
+
+
+def _additive(mask: Bool[Array, "..."], dtype: Any) -> Float[Array, "..."]:
+    return jnp.where(mask, jnp.zeros((), dtype), jnp.full((), -jnp.inf, dtype))

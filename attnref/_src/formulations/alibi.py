@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checked import require
 from attnref._src.core.checks import check_ints, in_x64_if_float64
+from attnref._src.core.entry import compiled
 from attnref._src.formulations.kernel_spec import Alignment
 from attnref.oracle._alibi import check_alibi
 
@@ -98,7 +99,8 @@ def alibi_bias(
     )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
-    return in_x64_if_float64(dtype, _bias, slopes, t, s, causal_alignment, q_len, kv_len, dtype)
+    args = (slopes, t, s, causal_alignment, q_len, kv_len, dtype)
+    return in_x64_if_float64(dtype, compiled, _bias, *args)
 
 
 def _bias(

@@ -13,6 +13,8 @@ receiver's update or gradients, whatever it holds (``attnref._src.core.nonfinite
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,14 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core import cost as _cost
 from attnref._src.core.checked import require
-from attnref._src.core.checks import HIGHEST, check_params, check_scale, is_traced
+from attnref._src.core.checks import (
+    HIGHEST,
+    check_params,
+    check_scale,
+    device_array,
+    dtype_of,
+    is_traced,
+)
 from attnref._src.core.common import BLOCK_RETURNS, ROWS, Call, residual_or, scale_value
 from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows
@@ -28,6 +37,7 @@ from attnref._src.core.params import AttentionParams, repeat_heads
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.kernel import kernel_heads
 from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
+from attnref.oracle._checks import is_floating, is_integer
 
 
 def message_passing(
@@ -111,8 +121,8 @@ def _check_edges(
     for name, idx in (("senders", senders), ("receivers", receivers)):
         if np.ndim(idx) != 1:
             raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
-        if not jnp.issubdtype(jnp.asarray(idx).dtype, jnp.integer):
-            raise TypeError(f"{name} must be integer indices, got dtype {jnp.asarray(idx).dtype}")
+        if not is_integer(dtype_of(idx)):
+            raise TypeError(f"{name} must be integer indices, got dtype {dtype_of(idx)}")
     e = int(np.shape(senders)[0])
     if np.shape(receivers) != (e,):
         raise ValueError(
@@ -133,10 +143,10 @@ def _check_edges(
             raise ValueError(
                 f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}"
             )
-    if edge_mask is not None and jnp.asarray(edge_mask).dtype != jnp.bool_:
-        raise TypeError(f"edge_mask must be boolean, got dtype {jnp.asarray(edge_mask).dtype}")
-    if edge_bias is not None and not jnp.issubdtype(jnp.asarray(edge_bias).dtype, jnp.floating):
-        raise TypeError(f"edge_bias must be floating, got dtype {jnp.asarray(edge_bias).dtype}")
+    if edge_mask is not None and dtype_of(edge_mask) != np.bool_:
+        raise TypeError(f"edge_mask must be boolean, got dtype {dtype_of(edge_mask)}")
+    if edge_bias is not None and not is_floating(dtype_of(edge_bias)):
+        raise TypeError(f"edge_bias must be floating, got dtype {dtype_of(edge_bias)}")
 
 
 def _edges(
@@ -155,45 +165,67 @@ def _edges(
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
         if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
             raise ValueError(f"{name} must have shape [N, {d_model}], got {np.shape(x)}")
-        if jnp.asarray(x).dtype != jnp.asarray(params.w_q).dtype:
-            raise TypeError(
-                f"{name} has dtype {jnp.asarray(x).dtype}; params have "
-                f"{jnp.asarray(params.w_q).dtype}"
-            )
+        if dtype_of(x) != dtype_of(params.w_q):
+            raise TypeError(f"{name} has dtype {dtype_of(x)}; params have {dtype_of(params.w_q)}")
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
     _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
-    xs, xr = jnp.asarray(x_senders), jnp.asarray(x_receivers)
-    snd, rcv = jnp.asarray(senders), jnp.asarray(receivers)
-    em = None if edge_mask is None else jnp.asarray(edge_mask)
-    eb = None if edge_bias is None else jnp.asarray(edge_bias).astype(xr.dtype)
-    allowed = allowed_pairs(em, eb, snd.shape)  # [E]
-
-    def per_receiver(flags: Array) -> Array:
-        return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
-
-    # Dirty receivers: their own row, or through an allowed edge a non-finite sender row or a
-    # NaN / +inf bias (-inf edges are not allowed).
-    bad_edge = nonfinite_rows(xs)[snd]
-    if eb is not None:
-        bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
-    own = nonfinite_rows(xr)
-    if not residual:
-        own = jnp.logical_and(own, per_receiver(allowed))
-    dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
-    if snd.shape[0] and is_traced(senders, receivers):  # checked mode raises; else all NaN
-        ok_s, ok_r = (snd >= 0) & (snd < n_s), (rcv >= 0) & (rcv < n_r)
-        for name, idx, ok, n in (("senders", snd, ok_s, n_s), ("receivers", rcv, ok_r, n_r)):
-            require(
-                ok,
-                f"{name} has indices outside [0, {n}): min {{lo}}, max {{hi}} (JAX would clamp "
-                "an out-of-range index silently)",
-                lo=jnp.min(idx),
-                hi=jnp.max(idx),
-            )
-        dirty = jnp.logical_or(dirty, ~jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r)))
+    xs, xr = device_array(x_senders), device_array(x_receivers)
+    snd, rcv = device_array(senders), device_array(receivers)
+    em = None if edge_mask is None else device_array(edge_mask)
+    eb = None if edge_bias is None else device_array(edge_bias, xr.dtype)
+    # traced indices (a caller's jit): the range check runs in the program
+    rows = EdgeRows(xs, xr, snd, rcv, em, eb, n_s, n_r, residual, is_traced(senders, receivers))
     s = scale_value(d_k, scale, xr.dtype)
-    return Call((params, xs, xr, snd, rcv, em, eb, s, residual), dirty, tokens=(1, 2), bias=6)
+    return Call((params, xs, xr, snd, rcv, em, eb, s, residual), rows, tokens=(1, 2), bias=6)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EdgeRows:
+    """The edge level's validated arrays, whose :meth:`dirty_rows` runs inside the compiled
+    program (``check_range``: the indices were traced, so their range is checked there)."""
+
+    x_senders: Array
+    x_receivers: Array
+    senders: Array
+    receivers: Array
+    edge_mask: Array | None
+    edge_bias: Array | None
+    n_s: int
+    n_r: int
+    residual: bool
+    check_range: bool
+
+    def dirty_rows(self) -> Array:
+        """Dirty receivers ``[N_r]``: their own row, or through an allowed edge a non-finite
+        sender row or a NaN / +inf bias (-inf edges are not allowed); with ``check_range``, all
+        of them where an index is out of range (:func:`attnref.checked` raises)."""
+        snd, rcv, eb, n_s, n_r = self.senders, self.receivers, self.edge_bias, self.n_s, self.n_r
+        allowed = allowed_pairs(self.edge_mask, eb, snd.shape)  # [E]
+
+        def per_receiver(flags: Array) -> Array:
+            return jax.ops.segment_max(flags.astype(jnp.int32), rcv, n_r) > 0
+
+        bad_edge = nonfinite_rows(self.x_senders)[snd]
+        if eb is not None:
+            bad_edge = jnp.logical_or(bad_edge, jnp.logical_not(jnp.isfinite(eb)))
+        own = nonfinite_rows(self.x_receivers)
+        if not self.residual:
+            own = jnp.logical_and(own, per_receiver(allowed))
+        dirty = jnp.logical_or(own, per_receiver(jnp.logical_and(allowed, bad_edge)))
+        if snd.shape[0] and self.check_range:  # checked mode raises; else all NaN
+            ok_s, ok_r = (snd >= 0) & (snd < n_s), (rcv >= 0) & (rcv < n_r)
+            for name, idx, ok, n in (("senders", snd, ok_s, n_s), ("receivers", rcv, ok_r, n_r)):
+                require(
+                    ok,
+                    f"{name} has indices outside [0, {n}): min {{lo}}, max {{hi}} (JAX would "
+                    "clamp an out-of-range index silently)",
+                    lo=jnp.min(idx),
+                    hi=jnp.max(idx),
+                )
+            dirty = jnp.logical_or(dirty, ~jnp.logical_and(jnp.all(ok_s), jnp.all(ok_r)))
+        return dirty
 
 
 EDGES = Level(

@@ -14,10 +14,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import HIGHEST, check_params, check_scale
+from attnref._src.core.checks import HIGHEST, check_params, check_scale, device_array
 from attnref._src.core.common import (
     BLOCK_RETURNS,
     ROWS,
@@ -93,24 +94,40 @@ def _one_query(
     for name, arr in (("mask", mask), ("bias", bias)):
         if arr is not None and jnp.shape(arr) != (t_k,):
             raise ValueError(f"{name} must have shape ({t_k},) for one query, got {jnp.shape(arr)}")
-    mask_dt, bias_dt = (None if a is None else jnp.asarray(a).dtype for a in (mask, bias))
-    if mask_dt is not None and mask_dt != jnp.bool_:  # worded as prepare_rows words it
+    m_in, b_in = (None if a is None else device_array(a) for a in (mask, bias))
+    if m_in is not None and m_in.dtype != jnp.bool_:  # worded as prepare_rows words it
         raise TypeError(
-            f"mask must be boolean (True = may attend), got dtype {mask_dt}; pass additive "
+            f"mask must be boolean (True = may attend), got dtype {m_in.dtype}; pass additive "
             "scores through bias instead"
         )
-    if bias_dt is not None and not jnp.issubdtype(bias_dt, jnp.floating):
-        raise TypeError(f"bias must be floating, got dtype {bias_dt}")
+    if b_in is not None and not jnp.issubdtype(b_in.dtype, jnp.floating):
+        raise TypeError(f"bias must be floating, got dtype {b_in.dtype}")
     check_scale(scale)
-    xq, xkv = jnp.asarray(x_q), jnp.asarray(x_kv)
-    if xq.dtype != xkv.dtype or xq.dtype != jnp.asarray(params.w_q).dtype:
+    xq, xkv = device_array(x_q), device_array(x_kv)
+    if xq.dtype != xkv.dtype or xq.dtype != device_array(params.w_q).dtype:
         raise TypeError(f"x_q {xq.dtype}, x_kv {xkv.dtype} and params must share one dtype")
-    m = jnp.ones((t_k,), bool) if mask is None else jnp.asarray(mask)
-    b = jnp.zeros((t_k,), xq.dtype) if bias is None else jnp.asarray(bias).astype(xq.dtype)
-    allowed = allowed_pairs(m, b, (t_k,))[None]  # one query row: [1, T_k]
-    bad_q, bad_kv = nonfinite_rows(xq)[None], nonfinite_rows(xkv)
-    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b[None])[0]  # 0-d: the output is one row
-    return Call((params, xq, xkv, m, b, scale_value(d_k, scale, xq.dtype)), dirty)
+    m = device_array(np.ones((t_k,), bool)) if m_in is None else m_in
+    b = device_array(np.zeros((t_k,), xq.dtype)) if b_in is None else device_array(b_in, xq.dtype)
+    s = scale_value(d_k, scale, xq.dtype)
+    return Call((params, xq, xkv, m, b, s), OneQueryRows(xq, xkv, m, b))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OneQueryRows:
+    """The one-query level's validated tokens, mask and bias, whose :meth:`dirty_rows` runs
+    inside the compiled program."""
+
+    x_q: Array
+    x_kv: Array
+    mask: Array
+    bias: Array
+
+    def dirty_rows(self) -> Array:
+        """0-d: whether the one output row reads a non-finite value through an allowed key."""
+        allowed = allowed_pairs(self.mask, self.bias, self.mask.shape)[None]  # [1, T_k]
+        bad_q, bad_kv = nonfinite_rows(self.x_q)[None], nonfinite_rows(self.x_kv)
+        return reads_nonfinite(allowed, bad_q, bad_kv, self.bias[None])[0]
 
 
 ONE_QUERY = Level(
