@@ -226,8 +226,9 @@ def test_an_eager_call_is_one_compiled_program():
     at every call (the RoPE forms once did: their inputs were not a pytree). Counted with JAX's
     own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
     mask and the family's required keywords; likewise the MLA forms with given positions, the
-    latent cache, RoPE on its own, the masked softmax, the state merges, and the three kernels
-    with every option at once. A second decoding step at a new position compiles nothing (given
+    latent cache, RoPE on its own, the masked softmax, the state merges, the three kernels
+    with every option at once, the one-query and graph forms, decoding with a window, ALiBi
+    and the mask helpers. A second decoding step at a new position compiles nothing (given
     positions are traced, not static)."""
     import jax
 
@@ -270,6 +271,17 @@ def test_an_eager_call_is_one_compiled_program():
             "merge_state_stack": lambda: attnref.merge_state_stack(
                 np.stack([o, o]), np.stack([lse, lse])
             ),
+            "soft_search": lambda: attnref.soft_search(params, x[0, 0], x[0], mask=x[0, :, 0] > 0),
+            "graph_message_passing": lambda: attnref.graph_message_passing(
+                params, x[0], x[0], np.array([0, 1, 2]), np.array([1, 2, 2])
+            ),
+            "decode_attention": lambda: attnref.decode.decode_attention(params, x, window=4),
+            "alibi_bias": lambda: attnref.alibi_bias(
+                attnref.alibi_slopes(2), 9, 9, query_seq_lengths=np.array([9])
+            ),
+            "padding_mask": lambda: attnref.padding_mask(np.array([3, 9]), 9),
+            "combine_masks": lambda: attnref.combine_masks(causal, x[0, :, :9] > 0),
+            "mask_to_bias": lambda: attnref.mask_to_bias(causal),
         }
         # the kernels with every option at once (the lengths' range is checked in NumPy)
         rng = np.random.default_rng(1)

@@ -23,6 +23,7 @@ from attnref._src.core.common import (
     row_args,
     rows_level,
 )
+from attnref._src.core.entry import compiled
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.registry import Formulation, register
 from attnref._src.formulations.blockwise import blockwise_dot_product_attention
@@ -134,6 +135,14 @@ def decode_attention(
             f"decoding pairs query t with key t: x_q has T_q={p.t_q} tokens but x_kv has "
             f"T_k={p.t_k}"
         )
+    # one program: the cache holds every token (or is a ring of W), so no value check of
+    # scan's can fail at run time
+    return compiled(_decode_rows, params, p, scale, residual, window)  # type: ignore[no-any-return]
+
+
+def _decode_rows(
+    params: AttentionParams, p: Prepared, scale: Any, residual: bool, window: int | None
+) -> Array:
     xq, xkv, b = flat_rows(p.x_q, p.x_kv)
     m, bi = kernel_pairs(p.mask, p.x_q, p.x_kv), kernel_pairs(p.bias, p.x_q, p.x_kv)
     cache = init_cache(params, b, p.t_k if window is None else window, window=window)
