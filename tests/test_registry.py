@@ -217,6 +217,8 @@ def test_cli_plot_writes_pngs(tmp_path, capsys):
 # casting a NumPy argument compiles nothing ("stage" and "convert_element_type" programs would
 # be one more per new shape: ``attnref._src.core.checks.device_array``).
 CONVERSIONS = {"jit(_multi_slice)"}
+# The one program: ``entry.compiled``'s, or ``entry.checked_program``'s (value checks inside).
+PROGRAMS = {"jit(_program)", "jit(_checked_program)"}
 
 
 def test_an_eager_call_is_one_compiled_program():
@@ -227,9 +229,9 @@ def test_an_eager_call_is_one_compiled_program():
     own compile events after ``jax.clear_caches()``, on a self-attention problem with a causal
     mask and the family's required keywords; likewise the MLA forms with given positions, the
     latent cache, RoPE on its own, the masked softmax, the state merges, the three kernels
-    with every option at once, the one-query and graph forms, decoding with a window, ALiBi
-    and the mask helpers. A second decoding step at a new position compiles nothing (given
-    positions are traced, not static)."""
+    with every option at once, the one-query and graph forms, decoding with a window, ALiBi,
+    the mask helpers and the decoding steps. A second decoding step at a new position
+    compiles nothing (given positions are traced, not static)."""
     import jax
 
     problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
@@ -256,6 +258,7 @@ def test_an_eager_call_is_one_compiled_program():
         heads = x.reshape(1, 9, 2, 6)
         o, lse = attnref.dot_product_attention(heads, heads, heads, return_lse=True)
         x_jax = jax.numpy.asarray(x)  # a JAX array in, for one helper at least
+        empty = attnref.decode.init_cache(params, 1, 16)
         calls = {
             "mla_attention": lambda: attnref.mla.mla_attention(
                 mla, x, mask=causal, positions_q=np.arange(9) + 3
@@ -282,6 +285,12 @@ def test_an_eager_call_is_one_compiled_program():
             "padding_mask": lambda: attnref.padding_mask(np.array([3, 9]), 9),
             "combine_masks": lambda: attnref.combine_masks(causal, x[0, :, :9] > 0),
             "mask_to_bias": lambda: attnref.mask_to_bias(causal),
+            # the decoding functions' overflow checks are in the program (checkify)
+            "decode.step": lambda: attnref.decode.step(params, empty, x[:, :3]),
+            "decode.scan": lambda: attnref.decode.scan(params, empty, x[:, :5]),
+            "decode.cache_attend": lambda: attnref.decode.cache_attend(
+                empty, heads[:, :2], query_positions=np.array([[0, 1]])
+            ),
         }
         # the kernels with every option at once (the lengths' range is checked in NumPy)
         rng = np.random.default_rng(1)
@@ -311,7 +320,7 @@ def test_an_eager_call_is_one_compiled_program():
             compiled.clear()
             call()
             programs = [n for n in compiled if n not in CONVERSIONS]
-            assert programs == ["jit(_program)"], (name, compiled)
+            assert len(programs) == 1 and programs[0] in PROGRAMS, (name, compiled)
         # given positions are traced in an eager call: a decoding loop compiles once
         cache = attnref.mla.mla_latent_cache(mla, x)
         for step in (9, 10):

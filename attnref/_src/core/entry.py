@@ -7,7 +7,9 @@ function at every level::
     out = inputs.run(formula)                      # the formula, on the finite parts
     return poison_rows(inputs.dirty_rows(), out)   # NaN on rows that read a non-finite value
 
-inside ``float64_scoped``, the last two lines as one program (:func:`compiled`).
+inside ``float64_scoped``, the last two lines as one program (:func:`compiled`). A function
+whose value checks must raise in an eager call runs as one program under ``checkify``
+(:func:`checked_program`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array
 
 from attnref._src.core.checks import float64_scoped
 from attnref._src.core.nonfinite import poison_rows
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @runtime_checkable  # the suite's runtime type checks read the annotations
@@ -82,6 +87,55 @@ def _program(
     it = iter(dynamic)
     leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
     return fn(*jax.tree_util.tree_unflatten(tree, leaves))
+
+
+# what checkify adds to a failed check's message
+_CHECK_SUFFIX = " (`check` failed)"
+
+
+def checked_program(fn: F) -> F:
+    """``fn``, called eagerly, as one compiled program whose value checks still raise.
+
+    ``fn``'s static checks run while it is traced; its value checks
+    (:func:`~attnref._src.core.checked.require`) are traced into the program, and ``checkify``
+    around one ``jax.jit`` returns the first that failed, raised as the ``ValueError`` that
+    ``fn`` run op by op raises. Array leaves are traced, the rest static (as :func:`compiled`);
+    under a caller's trace, or with an unhashable static leaf, ``fn`` runs as it is."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return fn(*args, **kwargs)
+        mask = tuple(traced(leaf) for leaf in leaves)
+        static = tuple(None if t else leaf for t, leaf in zip(mask, leaves, strict=True))
+        try:
+            hash(static)
+        except TypeError:
+            return fn(*args, **kwargs)
+        dynamic = [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
+        program = functools.partial(_checked_program, fn, tree, mask, static)
+        err, out = checkify.checkify(program, errors=checkify.user_checks)(*dynamic)
+        message = err.get()
+        if message is not None:
+            raise ValueError(message.removesuffix(_CHECK_SUFFIX))
+        return out
+
+    return wrapper  # type: ignore[return-value]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _checked_program(
+    fn: Callable[..., Any],
+    tree: Any,
+    mask: tuple[bool, ...],
+    static: tuple[Any, ...],
+    *dynamic: Any,
+) -> Any:
+    it = iter(dynamic)
+    leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
+    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+    return fn(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

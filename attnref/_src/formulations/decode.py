@@ -22,6 +22,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checks import float64_scoped
+from attnref._src.core.entry import checked_program
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.decode_cache import (
     KVCache,
@@ -164,6 +165,7 @@ def chunk_positions(
     TypeError: If ``k``/``v`` do not have the cache's dtype, or ``valid`` is not boolean.""",
 )
 @float64_scoped
+@checked_program
 def kv_cache_append(
     cache: KVCache,
     k: Float[ArrayLike, "B L K H"],
@@ -190,6 +192,7 @@ def kv_cache_append(
         boolean.""",
 )
 @float64_scoped
+@checked_program
 def cached_attention(
     cache: KVCache,
     q: Float[ArrayLike, "B L N H"],
@@ -230,6 +233,7 @@ def cached_attention(
         (default) allows every candidate key.""",
 )
 @float64_scoped
+@checked_program
 def cache_attend(
     cache: KVCache,
     q: Float[ArrayLike, "B L N H"],
@@ -266,6 +270,7 @@ def cache_attend(
     x_kv: The chunk's key/value tokens ``[B, L, d_model]``; ``None`` (default) means ``x``.""",
 )
 @float64_scoped
+@checked_program
 def step(
     params: AttentionParams,
     cache: KVCache,
@@ -314,6 +319,7 @@ def step(
     bias: ``[B, T, P]`` like ``mask``, added to the logits; ``None`` (default): none.""",
 )
 @float64_scoped
+@checked_program
 def scan(
     params: AttentionParams,
     cache: KVCache,
@@ -357,6 +363,7 @@ def scan(
     next_input: ``next_input(x_t, y_t) -> x_{t+1}``, both ``[B, d_model]``.""",
 )
 @float64_scoped
+@checked_program
 def generate(
     params: AttentionParams,
     cache: KVCache,
