@@ -65,28 +65,44 @@ def compiled(fn: Callable[..., Any], *args: Any) -> Any:
     shapes and options; inlined inside a caller's trace); an unhashable static leaf calls ``fn``
     directly. Code that patches attnref at run time calls ``jax.clear_caches()``.
     """
-    leaves, tree = jax.tree_util.tree_flatten(args)
+    split = _split(args, {})
+    return fn(*args) if split is None else _program(fn, *split[:3], *split[3])
+
+
+# A call split for jax.jit: (tree, mask, static, dynamic), ``mask`` marking the traced leaves.
+Split = tuple[Any, tuple[bool, ...], tuple[Any, ...], list[Any]]
+
+
+def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split | None:
+    """``(args, kwargs)`` flattened, array leaves traced and the rest static; ``None`` where the
+    static part is unhashable."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     mask = tuple(traced(leaf) for leaf in leaves)
     static = tuple(None if t else leaf for t, leaf in zip(mask, leaves, strict=True))
     try:
         hash(static)
     except TypeError:
-        return fn(*args)
-    dynamic = [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
-    return _program(fn, tree, mask, static, *dynamic)
+        return None
+    return tree, mask, static, [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
+
+
+def _call(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, dynamic: Any) -> Any:
+    it = iter(dynamic)
+    leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
+    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+    return fn(*args, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
-def _program(
-    fn: Callable[..., Any],
-    tree: Any,
-    mask: tuple[bool, ...],
-    static: tuple[Any, ...],
-    *dynamic: Any,
+def _program(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
+    return _call(fn, tree, mask, static, dynamic)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # not inlined: checkify keeps it whole
+def _checked_program(
+    fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any
 ) -> Any:
-    it = iter(dynamic)
-    leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
-    return fn(*jax.tree_util.tree_unflatten(tree, leaves))
+    return _call(fn, tree, mask, static, dynamic)
 
 
 # what checkify adds to a failed check's message
@@ -104,38 +120,17 @@ def checked_program(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        split = _split(args, kwargs)
+        if split is None or any(isinstance(leaf, jax.core.Tracer) for leaf in split[3]):
             return fn(*args, **kwargs)
-        mask = tuple(traced(leaf) for leaf in leaves)
-        static = tuple(None if t else leaf for t, leaf in zip(mask, leaves, strict=True))
-        try:
-            hash(static)
-        except TypeError:
-            return fn(*args, **kwargs)
-        dynamic = [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
-        program = functools.partial(_checked_program, fn, tree, mask, static)
-        err, out = checkify.checkify(program, errors=checkify.user_checks)(*dynamic)
+        program = functools.partial(_checked_program, fn, *split[:3])
+        err, out = checkify.checkify(program, errors=checkify.user_checks)(*split[3])
         message = err.get()
         if message is not None:
             raise ValueError(message.removesuffix(_CHECK_SUFFIX))
         return out
 
     return wrapper  # type: ignore[return-value]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _checked_program(
-    fn: Callable[..., Any],
-    tree: Any,
-    mask: tuple[bool, ...],
-    static: tuple[Any, ...],
-    *dynamic: Any,
-) -> Any:
-    it = iter(dynamic)
-    leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
-    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
-    return fn(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
