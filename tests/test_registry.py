@@ -230,8 +230,8 @@ def test_an_eager_call_is_one_compiled_program():
     mask and the family's required keywords; likewise the MLA forms with given positions, the
     latent cache, RoPE on its own, the masked softmax, the state merges, the three kernels
     with every option at once, the one-query and graph forms, decoding with a window, ALiBi,
-    the mask helpers and the decoding steps. A second decoding step at a new position
-    compiles nothing (given positions are traced, not static)."""
+    the mask helpers, the decoding steps and the paged cache. A second decoding step at a new
+    position compiles nothing (given positions are traced, not static)."""
     import jax
 
     problem = attnref.report.Problem(batch=1, t_q=9, t_k=9, num_heads=2, d_model=12, d_k=6, d_v=4)
@@ -259,6 +259,7 @@ def test_an_eager_call_is_one_compiled_program():
         o, lse = attnref.dot_product_attention(heads, heads, heads, return_lse=True)
         x_jax = jax.numpy.asarray(x)  # a JAX array in, for one helper at least
         empty = attnref.decode.init_cache(params, 1, 16)
+        pages, table = heads.reshape(3, 3, 2, 6), np.array([[2, 0, 1]])  # 3 pages of 3 slots
         calls = {
             "mla_attention": lambda: attnref.mla.mla_attention(
                 mla, x, mask=causal, positions_q=np.arange(9) + 3
@@ -290,6 +291,12 @@ def test_an_eager_call_is_one_compiled_program():
             "decode.scan": lambda: attnref.decode.scan(params, empty, x[:, :5]),
             "decode.cache_attend": lambda: attnref.decode.cache_attend(
                 empty, heads[:, :2], query_positions=np.array([[0, 1]])
+            ),
+            "decode.paged_attention": lambda: attnref.decode.paged_attention(
+                heads[:, :1], pages, pages, table, np.array([7])
+            ),
+            "decode.paged_kv_append": lambda: attnref.decode.paged_kv_append(
+                pages, pages, table, np.array([5]), heads[:, :2], heads[:, :2]
             ),
         }
         # the kernels with every option at once (the lengths' range is checked in NumPy)

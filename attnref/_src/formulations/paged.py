@@ -29,8 +29,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checked import require
-from attnref._src.core.checks import dtype_of, float64_scoped, is_traced, shape_of
-from attnref._src.core.entry import Level, public
+from attnref._src.core.checks import device_array, dtype_of, float64_scoped, is_traced, shape_of
+from attnref._src.core.entry import Level, compiled, public
 from attnref._src.formulations.kernel import dot_product_attention
 from attnref.oracle._paged import OWN_OPTIONS, check_layout, check_paged_options, check_values
 
@@ -102,19 +102,50 @@ def bad_pages(
 @jax.tree_util.register_dataclass  # a pytree: entry.compiled traces its arrays
 @dataclasses.dataclass(frozen=True)
 class PagedCall:
-    """One validated call: the arrays, the kernel's options, and which batch rows are valid."""
+    """One validated call: the arrays, the kernel's options and the pool's ``(num_pages,
+    page_size)``; which batch rows are valid is computed inside the compiled program."""
 
     args: tuple[Any, ...]  # query, k_pages, v_pages, block_table, seq_lens, bias, mask
     options: dict[str, Any]
-    ok: Bool[Array, " B"]
+    num_pages: int
+    page_size: int
 
     def run(self, formula: Any) -> Any:
-        """``formula(*args, options)``."""
-        return formula(*self.args, self.options)
+        """``formula(*args, options)``, a bad length clamped for the gather only: its rows are
+        NaN (:meth:`dirty_rows`), and the kernel never sees an out-of-range
+        ``key_value_seq_lengths`` (which it would also NaN)."""
+        query, k_pages, v_pages, table, lens, bias, mask = self.args
+        s = table.shape[1] * self.page_size
+        return formula(
+            query, k_pages, v_pages, table, jnp.clip(lens, 0, s), bias, mask, self.options
+        )
 
     def dirty_rows(self) -> Bool[Array, "B T N"]:
-        """Every row of a batch element whose table or length is out of range (NaN)."""
-        return jnp.broadcast_to(~self.ok[:, None, None], self.args[0].shape[:3])
+        """Every row of a batch element whose table or length is out of range (NaN); traced
+        values are checked by :func:`require` (eager calls have raised in NumPy)."""
+        table, lens = self.args[3], self.args[4]
+        s = table.shape[1] * self.page_size
+        bad = bad_pages(table, lens, self.num_pages, self.page_size)
+        pages_ok, lens_ok = ~jnp.any(bad, axis=1), (lens >= 0) & (lens <= s)
+        require(
+            lens_ok,
+            f"seq_lens must lie in [0, max_pages * page_size = {s}]; batch row {{b}} has "
+            "seq_lens = {value}",
+            b=jnp.argmin(lens_ok),
+            value=lens[jnp.argmin(lens_ok)],
+        )
+        b = jnp.argmin(pages_ok)  # the first row with a bad used entry, and its page slot
+        slot = jnp.argmax(bad[b])
+        require(
+            pages_ok,
+            f"block_table entries of used pages must lie in [0, num_pages={self.num_pages}); "
+            "batch row {b} reads page slot {slot}, whose entry is {value}",
+            b=b,
+            slot=slot,
+            value=table[b, slot],
+        )
+        ok = jnp.logical_and(pages_ok, lens_ok)
+        return jnp.broadcast_to(~ok[:, None, None], self.args[0].shape[:3])
 
 
 def prepare_paged(
@@ -132,34 +163,11 @@ def prepare_paged(
     unused ones included), and the table and lengths (eagerly, or by :func:`require`)."""
     check_paged_options(options, KERNEL_OPTIONS)
     num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
-    table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
     if not is_traced(block_table, seq_lens):
         check_values(block_table, seq_lens, num_pages, page_size)
-    s = table.shape[1] * page_size
-    bad = bad_pages(table, lens, num_pages, page_size)
-    pages_ok, lens_ok = ~jnp.any(bad, axis=1), (lens >= 0) & (lens <= s)
-    require(
-        lens_ok,
-        f"seq_lens must lie in [0, max_pages * page_size = {s}]; batch row {{b}} has "
-        "seq_lens = {value}",
-        b=jnp.argmin(lens_ok),
-        value=lens[jnp.argmin(lens_ok)],
-    )
-    b = jnp.argmin(pages_ok)  # the first row with a bad used entry, and its page slot
-    slot = jnp.argmax(bad[b])
-    require(
-        pages_ok,
-        f"block_table entries of used pages must lie in [0, num_pages={num_pages}); batch row "
-        "{b} reads page slot {slot}, whose entry is {value}",
-        b=b,
-        slot=slot,
-        value=table[b, slot],
-    )
-    arrays = (jnp.asarray(query), jnp.asarray(k_pages), jnp.asarray(v_pages), table)
-    # a bad length is clamped for the gather only; its rows are NaN (dirty_rows) and the kernel
-    # itself never sees an out-of-range key_value_seq_lengths (which it would also NaN)
-    args = (*arrays, jnp.clip(lens, 0, s), bias, mask)
-    return PagedCall(args, options, jnp.logical_and(pages_ok, lens_ok))
+    table, lens = device_array(block_table, jnp.int32), device_array(seq_lens, jnp.int32)
+    arrays = (device_array(query), device_array(k_pages), device_array(v_pages), table, lens)
+    return PagedCall((*arrays, bias, mask), options, num_pages, page_size)
 
 
 # The kernel's keyword options, read from its signature (so options added to the kernel, such
@@ -263,8 +271,7 @@ def paged_kv_append(
     """
     t = check_chunk(k_pages, v_pages, block_table, seq_lens, k, v)
     num_pages, page_size = shape_of(k_pages)[:2]
-    table, lens = jnp.asarray(block_table, jnp.int32), jnp.asarray(seq_lens, jnp.int32)
-    room = table.shape[1] * page_size
+    room = shape_of(block_table)[1] * page_size
     if not is_traced(block_table, seq_lens):
         for b, length in enumerate(np.asarray(seq_lens).tolist()):
             if not 0 <= length <= room - t:
@@ -276,6 +283,23 @@ def paged_kv_append(
             check_values(block_table, np.asarray(seq_lens) + t, num_pages, page_size)
         except ValueError as e:
             raise ValueError(f"paged_kv_append (seq_lens counted after the append): {e}") from None
+    table, lens = device_array(block_table, jnp.int32), device_array(seq_lens, jnp.int32)
+    arrays = (device_array(k_pages), device_array(v_pages), table, lens, device_array(k))
+    return compiled(_append, *arrays, device_array(v), num_pages)  # type: ignore[no-any-return]
+
+
+def _append(
+    k_pages: Array,
+    v_pages: Array,
+    table: Array,
+    lens: Array,
+    k: Array,
+    v: Array,
+    num_pages: int,
+) -> tuple[Array, Array, Array]:
+    """:func:`paged_kv_append` on validated arrays; a row whose chunk does not fit (traced
+    lengths: eager calls have raised) writes nothing and gets the length ``-1``."""
+    page_size, t, room = k_pages.shape[1], k.shape[1], table.shape[1] * k_pages.shape[1]
     ok = ~jnp.any(bad_pages(table, lens + t, num_pages, page_size), axis=1)
     ok &= (lens >= 0) & (lens + t <= room)
     require(
@@ -286,9 +310,7 @@ def paged_kv_append(
         value=lens[jnp.argmin(ok)],
     )
     safe = jnp.where(ok, lens, -(t + room))  # every position < 0: dropped
-    kp, vp = paged_append(
-        jnp.asarray(k_pages), jnp.asarray(v_pages), table, safe, jnp.asarray(k), jnp.asarray(v)
-    )
+    kp, vp = paged_append(k_pages, v_pages, table, safe, k, v)
     return kp, vp, jnp.where(ok, lens + t, -1)
 
 
