@@ -230,7 +230,8 @@ def test_an_eager_call_is_one_compiled_program():
     mask and the family's required keywords; likewise the MLA forms with given positions, the
     latent cache, RoPE on its own, the masked softmax, the state merges, the three kernels
     with every option at once, the one-query and graph forms, decoding with a window, ALiBi,
-    the mask helpers, the decoding steps and the paged cache. A second decoding step at a new
+    the mask helpers, the decoding steps, the paged cache, the column form, the merged
+    matrices, the composition scores and the RoPE matrices. A second decoding step at a new
     position compiles nothing (given positions are traced, not static)."""
     import jax
 
@@ -297,6 +298,17 @@ def test_an_eager_call_is_one_compiled_program():
             ),
             "decode.paged_kv_append": lambda: attnref.decode.paged_kv_append(
                 pages, pages, table, np.array([5]), heads[:, :2], heads[:, :2]
+            ),
+            "column_form": lambda: attnref.column_form(params, np.swapaxes(x, -1, -2)),
+            "interp.patterns": lambda: attnref.interp.patterns(params, x),
+            "interp.messages": lambda: attnref.interp.messages(params, x),
+            "interp.w_p": lambda: attnref.interp.w_p(params),
+            "interp.composition_scores": lambda: attnref.interp.composition_scores(
+                params, attnref.init_params(1, d_model=12, num_heads=2, d_k=6, d_v=4), "v"
+            ),
+            "rope.rope_rotation": lambda: attnref.rope.rope_rotation(np.arange(5), 6),
+            "rope.rope_pattern_matrices": lambda: attnref.rope.rope_pattern_matrices(
+                params, np.arange(3)
             ),
         }
         # the kernels with every option at once (the lengths' range is checked in NumPy)

@@ -24,6 +24,7 @@ from attnref._src.core.checks import (
     check_params,
     float64_scoped,
 )
+from attnref._src.core.entry import compiled
 
 
 # @no_type_check: no runtime check of the fields (the suite's jaxtyping hook), since JAX rebuilds
@@ -250,7 +251,7 @@ def _merged(unchecked: Any, name: str, summary: str) -> Any:
     @float64_scoped
     def merged(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
         check_params(params)
-        return unchecked(params)
+        return compiled(unchecked, params)  # type: ignore[no-any-return]
 
     merged.__name__ = merged.__qualname__ = name
     merged.__doc__ = summary + _MERGED_ARGS

@@ -18,13 +18,21 @@ read never reaches its output column or gradients (``attnref._src.core.nonfinite
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import HIGHEST, check_mask_and_bias, check_scale, check_tokens
+from attnref._src.core.checks import (
+    HIGHEST,
+    check_mask_and_bias,
+    check_scale,
+    check_tokens,
+    device_array,
+)
 from attnref._src.core.common import BLOCK_RETURNS, ROWS, Call, residual_or, scale_value
 from attnref._src.core.entry import Level, public
 from attnref._src.core.nonfinite import allowed_pairs, nonfinite_rows, reads_nonfinite
@@ -88,15 +96,36 @@ def _columns(
     batch, t_q, t_k = check_tokens(params, x, x_kv, layout="column", names=("x", "x_kv"))
     check_mask_and_bias(mask, bias, (*batch, t_k, t_q), axes="[..., T_k, T_q]")
     check_scale(scale)
-    x, x_kv = jnp.asarray(x), jnp.asarray(x_kv)
-    m = None if mask is None else jnp.asarray(mask)
-    b = None if bias is None else jnp.asarray(bias).astype(x.dtype)
-    m_rows, b_rows = (None if a is None else jnp.swapaxes(a, -1, -2) for a in (m, b))
-    allowed = allowed_pairs(m_rows, b_rows, (*batch, t_q, t_k))
-    bad_q, bad_kv = nonfinite_rows(x, axis=-2), nonfinite_rows(x_kv, axis=-2)
-    dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, residual)  # [..., T_q]
-    s = scale_value(params.d_k, scale, x.dtype)
-    return Call((params, x, x_kv, m, b, s, residual), dirty[..., None, :])  # Y's [..., 1, T_q]
+    xq, xkv = device_array(x), device_array(x_kv)
+    m = None if mask is None else device_array(mask)
+    b = None if bias is None else device_array(bias, xq.dtype)
+    s = scale_value(params.d_k, scale, xq.dtype)
+    rows = ColumnRows(xq, xkv, m, b, bool(residual), (*batch, t_q, t_k))
+    return Call((params, xq, xkv, m, b, s, residual), rows)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ColumnRows:
+    """The column level's validated tokens, mask and bias (``[..., T_k, T_q]``), whose
+    :meth:`dirty_rows` runs inside the compiled program; ``pairs``: ``(*batch, T_q, T_k)``."""
+
+    x: Array
+    x_kv: Array
+    mask: Array | None
+    bias: Array | None
+    residual: bool
+    pairs: tuple[int, ...]
+
+    def dirty_rows(self) -> Array:
+        """``[..., 1, T_q]``: the columns of ``Y`` that read a non-finite value."""
+        m_rows, b_rows = (
+            None if a is None else jnp.swapaxes(a, -1, -2) for a in (self.mask, self.bias)
+        )
+        allowed = allowed_pairs(m_rows, b_rows, self.pairs)
+        bad_q, bad_kv = nonfinite_rows(self.x, axis=-2), nonfinite_rows(self.x_kv, axis=-2)
+        dirty = reads_nonfinite(allowed, bad_q, bad_kv, b_rows, self.residual)  # [..., T_q]
+        return dirty[..., None, :]
 
 
 COLUMNS = Level(

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from attnref._src.core import cost as _cost
-from attnref._src.core.checks import HIGHEST, check_tokens, float64_scoped
+from attnref._src.core.checks import HIGHEST, check_tokens, device_array, float64_scoped
 from attnref._src.core.common import BLOCK_RETURNS, ROWS, add_output_bias, residual_or
-from attnref._src.core.entry import public
+from attnref._src.core.entry import compiled, public
 from attnref._src.core.params import AttentionParams, repeat_heads, w_m_unchecked, w_p_unchecked
 from attnref._src.core.registry import HIDDEN_MESSAGES, REFACTOR, Formulation, register
 from attnref._src.core.softmax import masked_softmax
@@ -103,7 +103,7 @@ def messages(
     params: AttentionParams, x: Float[ArrayLike, "... T d_model"]
 ) -> Float[Array, "... H T d_model"]:
     check_tokens(params, x, x)
-    return compute_messages(params, jnp.asarray(x))
+    return compiled(compute_messages, params, device_array(x))  # type: ignore[no-any-return]
 
 
 @float64_scoped
@@ -111,7 +111,7 @@ def patterns(
     params: AttentionParams, x: Float[ArrayLike, "... T d_model"]
 ) -> Float[Array, "... H T d_model"]:
     check_tokens(params, x, x)  # validates params too
-    return compute_patterns(params, jnp.asarray(x))
+    return compiled(compute_patterns, params, device_array(x))  # type: ignore[no-any-return]
 
 
 messages.__doc__ = (

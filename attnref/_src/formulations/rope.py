@@ -23,6 +23,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from attnref._src.core.checks import (
     HIGHEST,
     check_params,
+    device_array,
     float64_scoped,
     in_x64_if_float64,
     shape_of,
@@ -114,7 +115,7 @@ def cos_sin(
 def theta(head_dim: int, base: float, dtype: Any) -> Float[Array, " half"]:
     """``theta_p = base^(-2p/d)`` in float64 (NumPy), rounded once to ``dtype``."""
     p = np.arange(head_dim // 2, dtype=np.float64)
-    return jnp.asarray(np.power(base, -2.0 * p / head_dim).astype(dtype))
+    return device_array(np.power(base, -2.0 * p / head_dim).astype(dtype))
 
 
 def angle_dtype(dtype: Any) -> np.dtype[Any]:
@@ -320,7 +321,8 @@ def rope_rotation(
     conv = check_convention(convention)
     d, b = check_head_dim(head_dim), check_base(base)
     check_integer("delta", delta)
-    return in_x64_if_float64(dtype, rotation, jnp.asarray(delta), d, b, conv, np.dtype(dtype))
+    delta_a = device_array(delta)
+    return in_x64_if_float64(dtype, compiled, rotation, delta_a, d, b, conv, np.dtype(dtype))
 
 
 @with_args(
@@ -344,9 +346,16 @@ def rope_pattern_matrices(
     check_integer("deltas", deltas)
     if np.ndim(deltas) != 1:
         raise ValueError(f"deltas must have shape [D], got {shape_of(deltas)}")
+    args = (params, device_array(deltas), check_base(base), conv)
+    return compiled(params_pattern_matrices, *args)  # type: ignore[no-any-return]
+
+
+def params_pattern_matrices(
+    params: AttentionParams, deltas: Array, base: float, convention: str
+) -> Array:
+    """:func:`pattern_matrices` of ``params``' heads (K/V heads repeated per query head)."""
     wk = repeat_heads(jnp.asarray(params.w_k), params.group_size)
-    wq = jnp.asarray(params.w_q)
-    return pattern_matrices(wq, wk, jnp.asarray(deltas), params.d_k, check_base(base), conv)
+    return pattern_matrices(jnp.asarray(params.w_q), wk, deltas, params.d_k, base, convention)
 
 
 rope_attention = public(

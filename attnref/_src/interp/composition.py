@@ -25,6 +25,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from attnref._src.core.checks import check_params, float64_scoped
 from attnref._src.core.common import HIGHEST
+from attnref._src.core.entry import compiled
 from attnref._src.core.params import AttentionParams, init_params, repeat_kv_heads_unchecked
 
 __all__ = [
@@ -70,20 +71,25 @@ def composition_scores(
         raise ValueError(
             f"the layers have different d_model ({first.d_model} and {second.d_model})"
         )
+    if kind not in ("q", "k", "v"):
+        raise ValueError(f"unknown composition kind {kind!r}; expected 'q', 'k' or 'v'")
+    return compiled(_scores, first, second, kind)  # type: ignore[no-any-return]
+
+
+def _scores(first: AttentionParams, second: AttentionParams, kind: Kind) -> Array:
+    """:func:`composition_scores` of validated layers."""
     a, b = repeat_kv_heads_unchecked(first), repeat_kv_heads_unchecked(second)
     v1, o1 = jnp.asarray(a.w_v), jnp.asarray(a.w_o)
     q2, k2, v2, o2 = (jnp.asarray(w) for w in (b.w_q, b.w_k, b.w_v, b.w_o))
     g_v1, oo1 = _gram(v1), _ein("hvd,hwd->hvw", o1, o1)
     norm_m1 = jnp.sqrt(jnp.einsum("hab,hba->h", g_v1, oo1))  # ||W_M1||_F
+    oo2 = _ein("gwd,gxd->gwx", o2, o2)
     if kind == "q":  # ||W_V1 (W_O1 W_Q2) W_K2^T||
         num = _sq_norm(g_v1[:, None], _ein("hvd,gdk->hgvk", o1, q2), _gram(k2)[None])
     elif kind == "k":  # ||W_Q2 (W_K2^T W_O1^T) W_V1^T||
         num = _sq_norm(_gram(q2)[None], _ein("gdk,hvd->hgkv", k2, o1), g_v1[:, None])
-    elif kind == "v":  # ||W_V1 (W_O1 W_V2) W_O2||
-        oo2 = _ein("gwd,gxd->gwx", o2, o2)
+    else:  # "v": ||W_V1 (W_O1 W_V2) W_O2||
         num = _sq_norm(g_v1[:, None], _ein("hvd,gdw->hgvw", o1, v2), oo2[None])
-    else:
-        raise ValueError(f"unknown composition kind {kind!r}; expected 'q', 'k' or 'v'")
     pair = (_gram(v2), oo2) if kind == "v" else (_gram(q2), _gram(k2))
     norm_2 = jnp.sqrt(jnp.einsum("gab,gba->g", *pair))  # ||W_P2||_F or ||W_M2||_F
     denom = norm_m1[:, None] * norm_2[None, :]
