@@ -165,8 +165,9 @@ def _edges(
     for name, x in (("x_senders", x_senders), ("x_receivers", x_receivers)):
         if np.ndim(x) != 2 or np.shape(x)[1] != d_model:
             raise ValueError(f"{name} must have shape [N, {d_model}], got {np.shape(x)}")
-        if dtype_of(x) != dtype_of(params.w_q):
-            raise TypeError(f"{name} has dtype {dtype_of(x)}; params have {dtype_of(params.w_q)}")
+        dt, want = (jax.dtypes.canonicalize_dtype(dtype_of(a)) for a in (x, params.w_q))
+        if dt != want:  # as JAX would hold them (a list of floats is float32 without x64)
+            raise TypeError(f"{name} has dtype {dt}; params have {want}")
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
     _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
