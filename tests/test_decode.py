@@ -373,6 +373,22 @@ def test_overflow_under_jit_gives_nan_rows_and_checked_mode_raises():
             fn(cache, q[:, 4:5], k[:, 4:5], v[:, 4:5])
 
 
+def test_an_eager_overflow_is_a_plain_value_error_with_the_whole_message():
+    """An eager ``decode`` call runs as one program under ``checkify`` and raises its first
+    failed check as a plain ``ValueError`` whose text is the check's message and nothing more
+    (no ``checkify.JaxRuntimeError``, no "(`check` failed)" suffix)."""
+    params = _params(np.float32)
+    xs = np.random.default_rng(6).standard_normal((2, 6, 8)).astype(np.float32)
+    with pytest.raises(ValueError) as exc:
+        attnref.decode.scan(params, attnref.decode.init_cache(params, 2, 4), xs)
+    assert type(exc.value) is ValueError
+    assert str(exc.value) == (
+        "KV cache overflow: the cache has capacity 4 and window=None, but batch element 0 "
+        "needs 6 slots (positions 0..5); a cache without a window must hold the whole "
+        "sequence: grow the cache or use a sliding window (ring buffer)"
+    )
+
+
 def test_multihead_overflow_under_jit_nan_rows_and_checked_mode():
     """``decode.scan`` and ``decode.generate`` with capacity 4, no window, 6 tokens: under
     ``jax.jit`` rows 0..4 equal causal attention and row 5 is NaN; checked and eager calls
