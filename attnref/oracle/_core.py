@@ -90,26 +90,21 @@ def _rounder(emulate: Any) -> Any:
     return lambda a: np.asarray(a).astype(emulate).astype(np.float64)
 
 
-def softmax_row(scores: np.ndarray, allowed: np.ndarray, rd: Any) -> np.ndarray:
-    """Max-subtracted softmax over the allowed entries of one query row; zeros if none."""
-    p = np.zeros_like(scores)
-    if not allowed.any():
-        return p
-    top = np.max(scores[allowed])
-    e = rd(np.exp(rd(scores[allowed] - top)))
-    p[allowed] = rd(e / rd(np.sum(e)))
-    return p
-
-
 def row_weights(p: Fast, idx: tuple[int, ...], t: int, scores: np.ndarray, rd: Any) -> np.ndarray:
-    """The weights of query ``t`` of batch element ``idx`` from its scaled logits (bias, mask)."""
+    """The weights of query ``t`` of batch element ``idx`` from its scaled logits (bias, mask):
+    the max-subtracted softmax over the allowed entries, zeros if none."""
     allowed = np.ones(scores.shape[-1], dtype=bool)
     if p.bias is not None:
         scores = rd(scores + p.bias[idx][t])
         allowed &= p.bias[idx][t] != -np.inf
     if p.mask is not None:
         allowed &= p.mask[idx][t]
-    return softmax_row(scores, allowed, rd)
+    weights = np.zeros_like(scores)
+    if not allowed.any():
+        return weights
+    e = rd(np.exp(rd(scores[allowed] - np.max(scores[allowed]))))
+    weights[allowed] = rd(e / rd(np.sum(e)))
+    return weights
 
 
 # (vector, integer position) -> the vector rotated by that position (RoPE, definition path)
@@ -220,11 +215,11 @@ def _project(x: np.ndarray, wt: np.ndarray, bt: np.ndarray | None) -> np.ndarray
     return y if bt is None else y + bt[:, None, :]
 
 
-def _allowed(p: Fast, idx: tuple[int, ...], rows: slice) -> np.ndarray | None:
-    """``mask & (bias != -inf)`` for ``rows`` of batch element ``idx`` (``None``: all allowed)."""
-    keep = None if p.mask is None else p.mask[idx][rows]
+def allowed_pairs(p: Fast, at: tuple[Any, ...] = ()) -> np.ndarray | None:
+    """``mask & (bias != -inf)`` at the index ``at`` (default: all); ``None``: all allowed."""
+    keep = None if p.mask is None else p.mask[at]
     if p.bias is not None:
-        finite = p.bias[idx][rows] != -np.inf
+        finite = p.bias[at] != -np.inf
         keep = finite if keep is None else keep & finite
     return keep
 
@@ -290,7 +285,7 @@ def each_block(
             q = _project(p.xq[idx][rows], w_q, p.w["b_q"])
             if rotate_q is not None:
                 q = rotate_q(idx, rows, q)
-            weights = _softmax_block(_logits(p, idx, rows, q, keys), _allowed(p, idx, rows))
+            weights = _softmax_block(_logits(p, idx, rows, q, keys), allowed_pairs(p, (*idx, rows)))
             visit(Block(idx, rows, q, keys, values, weights))
             del weights  # before the next block's logits are allocated
 

@@ -219,8 +219,9 @@ def method_option(*, method: str = "fast") -> None:
     """How an oracle is evaluated: a template for :func:`signed`."""
 
 
-def residual_option(*, residual: bool = False) -> None:
-    """Whether a block returns ``x_q + y``: a template for :func:`signed`."""
+def block_options(*, residual: bool = False, method: str = "fast") -> None:
+    """The options of a multi-head block's oracle (``x_q + y`` or not, how it is evaluated),
+    written once: a template for :func:`signed`."""
 
 
 def rope_tokens(x: Any, positions: Any) -> None:
@@ -233,8 +234,6 @@ def rope_tokens(x: Any, positions: Any) -> None:
 weight_call = joined(weight_tokens, weight_options)
 rope_call = joined(weight_tokens, rope_positions, weight_options, rope_options)
 rope_map_call = joined(rope_tokens, rope_options)
-# The options of a multi-head block's oracle, written once: a template for :func:`signed`.
-block_options = joined(residual_option, method_option)
 
 
 def linear_qkv(q: Any, k: Any, v: Any) -> None:

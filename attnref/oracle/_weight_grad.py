@@ -42,6 +42,7 @@ from ._core import (
     Fast,
     Rotation,
     Turn,
+    allowed_pairs,
     each_block,
     fast_problem,
     head_weights,
@@ -81,10 +82,9 @@ class AttentionGrads(NamedTuple):
 
 def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
     """``p`` with the non-finite ``x_kv`` tokens no query may read replaced by zeros."""
-    if shared or (p.mask is None and p.bias is None):
+    allowed = None if shared else allowed_pairs(p)
+    if allowed is None:
         return p
-    parts = [a for a in (p.mask, None if p.bias is None else p.bias != -np.inf) if a is not None]
-    allowed = parts[0] if len(parts) == 1 else parts[0] & parts[1]
     unread = ~allowed.any(axis=-2) & ~np.isfinite(p.xkv).all(axis=-1)  # [*batch, T_k]
     if not unread.any():
         return p
@@ -173,27 +173,18 @@ def _definition(
 # ----------------------------------------------------------------------------- fast
 
 
-class _BiasGrad:
-    """The bias gradient accumulated block by block straight into ``bias``'s own (broadcast)
-    shape, so it never needs ``[*batch, T_q, T_k]`` unless ``bias`` has that shape."""
-
-    def __init__(self, shape: tuple[int, ...], n_batch: int) -> None:
-        self.shape = shape
-        self.acc = np.zeros((1,) * (n_batch + 2 - len(shape)) + shape)
-
-    def add(self, idx: tuple[int, ...], rows: slice, ds_sum: np.ndarray) -> None:
-        """Add ``sum_i dS_i`` of the query ``rows`` of batch element ``idx``, ``[n, T_k]``."""
-        at = tuple(0 if n == 1 else i for n, i in zip(self.acc.shape, idx, strict=False))
-        target = self.acc[at]  # [T_q or 1, T_k or 1], a view
-        if target.shape[1] == 1:
-            ds_sum = ds_sum.sum(axis=1, keepdims=True)
-        if target.shape[0] == 1:
-            target += ds_sum.sum(axis=0, keepdims=True)
-        else:
-            target[rows] += ds_sum
-
-    def result(self) -> np.ndarray:
-        return self.acc.reshape(self.shape)
+def _bias_add(acc: np.ndarray, idx: tuple[int, ...], rows: slice, ds_sum: np.ndarray) -> None:
+    """Add ``sum_i dS_i [n, T_k]`` of the query ``rows`` of batch element ``idx`` straight into
+    ``acc``, the bias gradient in ``bias``'s own (broadcast) shape led by 1s to the batch rank, so
+    it never needs ``[*batch, T_q, T_k]`` unless ``bias`` has that shape."""
+    at = tuple(0 if n == 1 else i for n, i in zip(acc.shape, idx, strict=False))
+    target = acc[at]  # [T_q or 1, T_k or 1], a view
+    if target.shape[1] == 1:
+        ds_sum = ds_sum.sum(axis=1, keepdims=True)
+    if target.shape[0] == 1:
+        target += ds_sum.sum(axis=0, keepdims=True)
+    else:
+        target[rows] += ds_sum
 
 
 def _fast(
@@ -211,7 +202,8 @@ def _fast(
     dxq, dxkv = np.zeros(p.xq.shape), np.zeros(p.xkv.shape)
     d_keys = np.zeros((*p.batch, n_heads, t_k, d_k))  # per query head, rotated coordinates
     d_values = np.zeros((*p.batch, n_heads, t_k, d_v))
-    bias_grad = None if bias_shape is None else _BiasGrad(bias_shape, len(p.batch))
+    lead = (1,) * (len(p.batch) + 2 - len(bias_shape or ()))
+    d_bias = None if bias_shape is None else np.zeros(lead + bias_shape)
     w_q_t = stacked_t(w_q)
     w_o_t = np.swapaxes(w_o, -1, -2)  # [H, d_model, d_v]
     rot_q, rot_k, back_q, back_k = (None,) * 4 if rotations is None else rotations
@@ -226,8 +218,8 @@ def _fast(
         ds = np.matmul(dz, np.swapaxes(blk.values, -1, -2))  # dP = dZ V^T, [H, n, T_k]
         ds -= np.einsum("hnk,hnk->hn", pr, ds)[..., None]  # rowsum(P * dP), no temporary
         ds *= pr  # dS = P * (dP - rowsum(P * dP))
-        if bias_grad is not None:
-            bias_grad.add(idx, rows, ds.sum(axis=0))
+        if d_bias is not None:
+            _bias_add(d_bias, idx, rows, ds.sum(axis=0))
         dk = np.matmul(np.swapaxes(ds, -1, -2), blk.q)
         dk *= p.scale
         d_keys[idx] += dk  # dK = scale dS^T Q
@@ -253,7 +245,7 @@ def _fast(
         g["b_v"] += dv.sum(axis=1)
         dxkv[idx] = np.concatenate([side_by_side(dk), side_by_side(dv)], axis=1) @ w_kv_t
     g["b_o"] = dy.sum(axis=tuple(range(dy.ndim - 1)))
-    return g, dxq, dxkv, None if bias_grad is None else bias_grad.result()
+    return g, dxq, dxkv, None if d_bias is None else d_bias.reshape(bias_shape)
 
 
 # ----------------------------------------------------------------------------- public
