@@ -44,24 +44,6 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.array(geometric(c) + extra)
 
 
-def _batch_size(slopes_shape: tuple[int, ...], lengths: dict[str, Any]) -> int | None:
-    """The batch size ``B`` the arguments agree on (``None``: nothing is per batch element)."""
-    sources = (
-        [(f"slopes [B, N] = {slopes_shape}", slopes_shape[0])] if len(slopes_shape) == 2 else []
-    )
-    for name, lens in lengths.items():
-        if lens is None:
-            continue
-        if np.ndim(lens) != 1:
-            raise ValueError(f"{name} must have shape [B], got shape {shape_of(lens)}")
-        sources.append((f"{name} [B] = {shape_of(lens)}", shape_of(lens)[0]))
-    if any(size != sources[0][1] for _, size in sources):
-        raise ValueError(
-            "the batch size B disagrees between " + " and ".join(text for text, _ in sources)
-        )
-    return sources[0][1] if sources else None
-
-
 def check_alibi(
     slopes: Any,
     t: Any,
@@ -82,13 +64,25 @@ def check_alibi(
     dt = dtype_of(slopes)
     if not (is_floating(dt) or is_integer(dt)):
         raise TypeError(f"slopes must be real, got dtype {dt}")
-    lengths = {
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-    }
-    b = _batch_size(shape_of(slopes), lengths)
-    q_len = check("query_seq_lengths", query_seq_lengths, (b or 0,), t)
-    kv_len = check("key_value_seq_lengths", key_value_seq_lengths, (b or 0,), s)
+    lengths = (
+        ("query_seq_lengths", query_seq_lengths, t),
+        ("key_value_seq_lengths", key_value_seq_lengths, s),
+    )
+    # the batch size B the arguments agree on (None: nothing is per batch element)
+    shape = shape_of(slopes)
+    sources = [(f"slopes [B, N] = {shape}", shape[0])] if len(shape) == 2 else []
+    for name, lens, _ in lengths:
+        if lens is None:
+            continue
+        if np.ndim(lens) != 1:
+            raise ValueError(f"{name} must have shape [B], got shape {shape_of(lens)}")
+        sources.append((f"{name} [B] = {shape_of(lens)}", shape_of(lens)[0]))
+    if any(size != sources[0][1] for _, size in sources):
+        raise ValueError(
+            "the batch size B disagrees between " + " and ".join(text for text, _ in sources)
+        )
+    b = sources[0][1] if sources else None
+    q_len, kv_len = (check(name, lens, (b or 0,), upper) for name, lens, upper in lengths)
     return b, q_len, kv_len
 
 

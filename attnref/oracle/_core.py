@@ -224,20 +224,15 @@ def allowed_pairs(p: Fast, at: tuple[Any, ...] = ()) -> np.ndarray | None:
     return keep
 
 
-def _logits(
-    p: Fast, idx: tuple[int, ...], rows: slice, q: np.ndarray, keys: np.ndarray
-) -> np.ndarray:
-    """``s = (q . k) * scale + bias``, ``[H, n, T_k]``, for queries ``q [H, n, d_k]``."""
-    s = np.matmul(q, np.swapaxes(keys, -1, -2))
-    s *= p.scale
+def _block_weights(p: Fast, at: tuple[Any, ...], q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The weights ``[H, n, T_k]`` of queries ``q [H, n, d_k]`` at ``at = (*idx, rows)``: the
+    logits ``s = (q . k) * scale + bias``, then the masked softmax of every row (zero rows where
+    none is allowed), in place."""
+    scores = np.matmul(q, np.swapaxes(keys, -1, -2))
+    scores *= p.scale
     if p.bias is not None:
-        s += p.bias[idx][rows]
-    return s
-
-
-def _softmax_block(scores: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-    """The masked softmax of every row of ``scores [..., T_k]`` (zero rows where none is allowed),
-    in place."""
+        scores += p.bias[at]
+    allowed = allowed_pairs(p, at)
     if allowed is not None:
         np.copyto(scores, -np.inf, where=~allowed)
     top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
@@ -285,7 +280,7 @@ def each_block(
             q = _project(p.xq[idx][rows], w_q, p.w["b_q"])
             if rotate_q is not None:
                 q = rotate_q(idx, rows, q)
-            weights = _softmax_block(_logits(p, idx, rows, q, keys), allowed_pairs(p, (*idx, rows)))
+            weights = _block_weights(p, (*idx, rows), q, keys)
             visit(Block(idx, rows, q, keys, values, weights))
             del weights  # before the next block's logits are allocated
 

@@ -5,6 +5,8 @@ rows at a time, by the rules of the definition (module docstring of :mod:`attnre
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -196,9 +198,7 @@ def allowed_rows(
         parts.append(c.bias[b, heads, i0:i1, j0:j1] != -np.inf)
     if not parts:
         return None
-    ok = parts[0]
-    for part in parts[1:]:
-        ok = ok & part
+    ok = functools.reduce(operator.and_, parts)
     ok = np.broadcast_to(ok, np.broadcast_shapes(ok.shape, (i1 - i0, j1 - j0)))
     if ok.ndim == 2:
         if ok.all():

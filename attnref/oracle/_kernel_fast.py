@@ -264,18 +264,14 @@ def forward(
         lse[hg.b, i0:i1, hg.heads] = ls.T
         if mag is not None and o_mag is not None:
             mag[hg.b, i0:i1, hg.heads] = o_mag.transpose(1, 0, 2)
-        if live.all() or c.sinks is not None:
+        if live.all() or c.sinks is not None or c.policy == "zeros":
             return  # with sinks a row with no key is 0, lse = z_n (with_sinks)
+        nan = c.policy == "nan"
         for n, r in zip(*np.nonzero(~live), strict=True):  # no allowed key: by masked_rows
             at = (hg.b, i0 + r, hg.g * grp + n)
-            if c.policy == "nan":
-                out[at] = np.nan
-                if mag is not None:
-                    mag[at] = np.nan
-            elif c.policy == "uniform":
-                out[at] = c.v[hg.b, :, hg.g].mean(axis=0)
-                if mag is not None:
-                    mag[at] = np.abs(c.v[hg.b, :, hg.g]).mean(axis=0)
+            out[at] = np.nan if nan else c.v[hg.b, :, hg.g].mean(axis=0)
+            if mag is not None:
+                mag[at] = np.nan if nan else np.abs(c.v[hg.b, :, hg.g]).mean(axis=0)
 
     each_block(jobs, one_block)  # disjoint (batch, heads, rows) slices of out and lse
     if c.sinks is not None:

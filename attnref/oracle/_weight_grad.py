@@ -80,17 +80,6 @@ class AttentionGrads(NamedTuple):
 # ----------------------------------------------------------------------------- shared
 
 
-def _unread_tokens_as_zeros(p: Fast, shared: bool) -> Fast:
-    """``p`` with the non-finite ``x_kv`` tokens no query may read replaced by zeros."""
-    allowed = None if shared else allowed_pairs(p)
-    if allowed is None:
-        return p
-    unread = ~allowed.any(axis=-2) & ~np.isfinite(p.xkv).all(axis=-1)  # [*batch, T_k]
-    if not unread.any():
-        return p
-    return p._replace(xkv=np.where(unread[..., None], 0.0, p.xkv))
-
-
 def _zero_grads(p: Fast) -> dict[str, np.ndarray]:
     """Zero accumulators of every field's shape (biases included, present or not)."""
     out = {}
@@ -281,7 +270,10 @@ def _vjp(call: dict[str, Any], d_y: Any, rope: bool = False) -> AttentionGrads:
     fast = check_method(method) == "fast"
     p, pq, pk = rope_inputs(call) if rope else (fast_problem(*call.values()), None, None)
     shared = call["x_kv"] is None
-    p = _unread_tokens_as_zeros(p, shared)
+    if not shared and (allowed := allowed_pairs(p)) is not None:
+        # the non-finite x_kv tokens no query may read, as zeros
+        unread = ~allowed.any(axis=-2) & ~np.isfinite(p.xkv).all(axis=-1)  # [*batch, T_k]
+        p = p._replace(xkv=np.where(unread[..., None], 0.0, p.xkv))
     want = (*p.batch, p.xq.shape[-2], head_weights(p.w)[3].shape[2])
     dy = check_cotangent("d_y", d_y, want, "the output's shape [..., T_q, d_model] = ")
     bias_shape = None if call["bias"] is None else shape_of(call["bias"])
