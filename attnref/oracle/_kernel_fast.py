@@ -44,18 +44,13 @@ def _weighted_values(
 @dataclasses.dataclass(frozen=True)
 class HeadGroup:
     """Contiguous copies for batch ``b`` and key/value head ``g`` (BLAS reads them at full
-    speed): ``kt = K^T [H, S]``, ``v [S, H_v]``, ``v1 = [V, 1] [S, H_v + 1]`` (one GEMM gives
-    the weighted values and the row sum), and the query heads ``g G .. g G + G - 1``."""
+    speed): ``kt = K^T [H, S]``, ``v [S, H_v]``, and the query heads ``g G .. g G + G - 1``."""
 
     b: int
     g: int
     kt: np.ndarray
     v: np.ndarray
     heads: slice
-
-    @property
-    def v1(self) -> np.ndarray:
-        return np.concatenate([self.v, np.ones((self.v.shape[0], 1))], axis=1)
 
 
 def head_group(c: KernelCall, b: int, g: int) -> HeadGroup:
@@ -223,7 +218,9 @@ def forward(
 
     def plan(i: int) -> None:  # a head group's copies and checks (on the pool), its blocks
         hg = head_group(c, *groups[i])
-        v1 = hg.v1 if mag is None else np.concatenate([hg.v1, np.abs(hg.v)], axis=1)
+        # [V, 1] (one GEMM gives the weighted values and the row sum), [V, 1, |V|] for magnitude
+        ones = np.ones((hg.v.shape[0], 1))
+        v1 = np.concatenate([hg.v, ones] + ([] if mag is None else [np.abs(hg.v)]), axis=1)
         finite = bool(np.isfinite(hg.v).all())
         v1t = np.ascontiguousarray(v1.T) if finite else None
         shift_free = finite and c.keep is None and _shift_free(c, hg, q_norm[hg.b, :, hg.heads])

@@ -255,39 +255,43 @@ def ratio_parts(
     return weights, np.where(live, den, 1.0), depends
 
 
+def precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[list[np.ndarray], Any]:
+    """Per token, every head at once: the features ``[phi(q), phi(k)]``, or for FAVOR+ ``[q~, k~,
+    q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2]``; and FAVOR+'s ``w`` (else ``None``)."""
+    if fm.name != "favor_plus":
+        return [features(fm, q, "query"), features(fm, k, "key")], None
+    w = favor_omega(fm, q.shape[-1])
+    (qs, qw, nq), (ks, kw, nk) = favor_parts(w, q), favor_parts(w, k)
+    return [qs, ks, qw, kw, nq, nk], w
+
+
 def _linear_fast(
     fm: Any, q: Any, k: Any, v: Any, causal: bool, key_mask: Any, eps: float, eps_policy: str
 ) -> np.ndarray:
     """:func:`linear_attention` vectorised per (batch, head), streamed over query blocks (the
     quadratic form; FAVOR+ in log space, as the definition)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    *batch, t_q, n_heads, d = q.shape
+    *batch, t_q, n_heads, _ = q.shape
     t_k, d_v = k.shape[-3], v.shape[-1]
     km = key_mask_array(key_mask, batch, t_k)
     read = km[..., None, None]  # a padded key is never read: zeros in its place change nothing
     k, v = np.where(read, k, 0.0), np.where(read, v, 0.0)
     out = np.zeros((*batch, t_q, n_heads, d_v))
-    favor = fm.name == "favor_plus"
-    if favor:
-        w = favor_omega(fm, d)
-        (_, qw, nq), (_, kw, nk) = favor_parts(w, q), favor_parts(w, k)
-    else:
-        fq, fk = features(fm, q, "query"), features(fm, k, "key")
-    per_key = 2 * w.shape[0] + 4 if favor else 3
+    pre, w = precompute(fm, q, k)
+    per_key = 3 if w is None else 2 * w.shape[0] + 4
     for idx in np.ndindex(*batch):
         for h in range(n_heads):
-            vals = v[idx][:, h]
+            vals, head = v[idx][:, h], [a[idx][:, h] for a in pre]
             extra = 0 if np.isfinite(vals).all() else d_v
             for i0, i1, kk in blocks(t_q, t_k, per_key + extra, causal):
                 ok = allowed(km[idx][:kk], i0, i1, causal)
-                if favor:
-                    ell = favor_log_block(
-                        qw[idx][i0:i1, h], kw[idx][:kk, h], nq[idx][i0:i1, h], nk[idx][:kk, h]
-                    )[0]
+                if w is not None:
+                    qw, kw, nq, nk = head[2:]
+                    ell = favor_log_block(qw[i0:i1], kw[:kk], nq[i0:i1], nk[:kk])[0]
                     weights, den, _ = ratio_parts(ell, ok, eps, eps_policy)
                     out[idx][i0:i1, h] = masked_matmul(weights, ok, vals[:kk]) / den[:, None]
                     continue
-                a = np.where(ok, fq[idx][i0:i1, h] @ fk[idx][:kk, h].T, 0.0)
+                a = np.where(ok, head[0][i0:i1] @ head[1][:kk].T, 0.0)
                 adj = adjusted(a.sum(axis=-1), eps, eps_policy)
                 num = masked_matmul(a, ok, vals[:kk])  # y = 0 where D == 0
                 out[idx][i0:i1, h] = np.where(

@@ -59,11 +59,11 @@ from ._linear import (
     favor_log_block,
     favor_log_kernel,
     favor_omega,
-    favor_parts,
     features,
     key_mask_array,
     masked_matmul,
     multihead_inputs,
+    precompute,
     project,
     ratio_parts,
 )
@@ -181,7 +181,7 @@ def _vjp_fast_head(
     fm: Any, pre: Any, v: np.ndarray, dy: np.ndarray, km: np.ndarray, opt: Any, w: Any
 ) -> tuple[np.ndarray, ...]:
     """``(y, dq-part, dk-part, dv)`` of one (batch, head) by query blocks, the parts with respect
-    to the features (FAVOR+: ``x~``); ``pre``: this head's :func:`_precompute`, ``w`` FAVOR+'s
+    to the features (FAVOR+: ``x~``); ``pre``: this head's :func:`precompute`, ``w`` FAVOR+'s
     ``omega``."""
     causal, eps, eps_policy = opt
     favor = w is not None
@@ -226,16 +226,6 @@ def _vjp_fast_head(
     return y, dqa, dka, dv
 
 
-def _precompute(fm: Any, q: np.ndarray, k: np.ndarray) -> tuple[list[np.ndarray], Any]:
-    """Per token, every head at once: the features ``[phi(q), phi(k)]``, or for FAVOR+ ``[q~, k~,
-    q~ w^T, k~ w^T, |q~|^2/2, |k~|^2/2]``; and FAVOR+'s ``w`` (else ``None``)."""
-    if fm.name != "favor_plus":
-        return [features(fm, q, "query"), features(fm, k, "key")], None
-    w = favor_omega(fm, q.shape[-1])
-    (qs, qw, nq), (ks, kw, nk) = favor_parts(w, q), favor_parts(w, k)
-    return [qs, ks, qw, kw, nq, nk], w
-
-
 # ----------------------------------------------------------------------------- public
 
 
@@ -261,7 +251,7 @@ def _vjp(
     k, v = (np.where(unread & ~np.isfinite(a), 0.0, a) for a in (k, v))
     y = np.zeros((*batch, t_q, n_heads, v.shape[-1]))
     dv = np.zeros(v.shape)
-    pre, w = _precompute(fm, q, k) if method == "fast" else ([q, k], None)
+    pre, w = precompute(fm, q, k) if method == "fast" else ([q, k], None)
     dqa, dka = np.zeros(pre[0].shape), np.zeros(pre[1].shape)
     for idx in np.ndindex(*batch):
         for h in range(n_heads):

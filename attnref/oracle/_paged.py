@@ -66,9 +66,8 @@ def check_layout(
 ) -> tuple[int, int]:
     """Shapes and dtypes of the paged arguments (the kernel checks the rest); returns
     ``(num_pages, page_size)``."""
-    if np.ndim(query) != 4:
-        raise ValueError(f"query must have rank 4 ([B, T, N, H]), got shape {shape_of(query)}")
     for name, x, layout in (
+        ("query", query, "[B, T, N, H]"),
         ("k_pages", k_pages, "[num_pages, page_size, K, H]"),
         ("v_pages", v_pages, "[num_pages, page_size, K, H_v]"),
     ):
