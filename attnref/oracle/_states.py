@@ -161,10 +161,8 @@ def merge_states_vjp(
             the states' or the cotangents' shapes differ from ``o_a``'s and ``lse_a``'s.
         TypeError: If an input is not floating.
     """
-    check_state("a", o_a, lse_a)
-    check_state("b", o_b, lse_b)
+    check_merge(o_a, lse_a, o_b, lse_b, "zeros")
     for name, x, like, want in (
-        ("o_b", o_b, "o_a", shape_of(o_a)),
         ("g_o", g_o, "o_a", shape_of(o_a)),
         ("g_lse", g_lse, "lse_a", shape_of(lse_a)),
     ):
