@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import check_method, check_weight_level
+from ._checks import PARAM_BIASES, PARAM_WEIGHTS, check_method, check_weight_level
 from ._doc import WEIGHT, WEIGHT_RAISES, doc, method_option, signed, weight_call
 
-FIELDS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+FIELDS = PARAM_WEIGHTS + PARAM_BIASES
 Params = dict[str, np.ndarray | None]
 
 
@@ -47,7 +47,7 @@ def get_param(params: Any, name: str) -> np.ndarray | None:
 def unpack(params: Any) -> Params:
     """The parameters as float64 arrays (weights required)."""
     out = {name: get_param(params, name) for name in FIELDS}
-    for name in ("w_q", "w_k", "w_v", "w_o"):
+    for name in PARAM_WEIGHTS:
         if out[name] is None:
             raise ValueError(f"params.{name} is required")
     return out

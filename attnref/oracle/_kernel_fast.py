@@ -198,9 +198,7 @@ def _shift_free_block(
     return acc.T, live
 
 
-def forward(
-    c: KernelCall, block: int | None = None, magnitude: bool = False
-) -> tuple[np.ndarray, ...]:
+def forward(c: KernelCall, magnitude: bool = False) -> tuple[np.ndarray, ...]:
     """``(o [B, T, N, H_v], lse [B, T, N])`` of a validated call, streamed over query blocks;
     with ``magnitude`` also ``sum_j p_ij |v_j| [B, T, N, H_v]`` (the same GEMM, ``[V, 1, |V|]``
     in place of ``[V, 1]``)."""
@@ -209,7 +207,7 @@ def forward(
     out = np.zeros((b_size, t, n_heads, h_v))
     lse = np.full((b_size, t, n_heads), -np.inf)
     mag = np.zeros_like(out) if magnitude else None
-    rows = block or min(max(1, 256 // grp), query_block(c, 2))
+    rows = min(max(1, 256 // grp), query_block(c, 2))
     key_chunk = max(1, (8 << 20) // (8 * grp * rows))  # 8 MiB of logits per chunk (measured)
     q_norm = np.sqrt((c.q * c.q).sum(axis=-1))  # [B, T, N]
     groups = group_index(c)
