@@ -49,9 +49,8 @@ def kernel_allowed(call: dict[str, Any]) -> np.ndarray:
             :func:`attnref.dot_product_attention`.
         TypeError: For an option refused with ``TypeError`` there.
     """
-    method = call.pop("method")
+    method = check_method(call.pop("method"))
     shape, bias, mask, options = call["shape"], call["bias"], call["mask"], pick(call, OPTIONS)
-    check_method(method)
     full = check_allowed_shape(shape)
     b_size, n_heads, t, s = full
     if method == "fast" and n_heads > 0:

@@ -226,8 +226,7 @@ def dot_product_attention_vjp(
         :class:`KernelGrads` ``(query, key, value, bias)``, float64, each the shape of its
         input (``bias`` ``None`` without a bias).
     """
-    method = call.pop("method")
-    check_method(method)
+    method = check_method(call.pop("method"))
     c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     if method == "fast":

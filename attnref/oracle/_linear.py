@@ -364,8 +364,7 @@ def linear_multihead(call: dict[str, Any]) -> np.ndarray:
     Returns:
         float64 block output ``[..., T_q, d_model]``.
     """
-    residual, method = call.pop("residual"), call.pop("method")
-    check_method(method)
+    residual, method = call.pop("residual"), check_method(call.pop("method"))
     w, kv_of, xq, xkv = multihead_inputs(call["params"], call["x_q"], call["x_kv"])
     w_q, w_k, w_v, w_o = head_weights(w)
     q = project(xq, w_q, w["b_q"])

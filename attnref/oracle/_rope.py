@@ -192,9 +192,8 @@ def rope(call: dict[str, Any]) -> np.ndarray:
         TypeError: If ``x`` is not floating, ``positions`` are not integers, or ``base`` is not
             a Python number.
     """
-    method = call.pop("method")
+    method = check_method(call.pop("method"))
     x, positions, base, convention = call.values()
-    check_method(method)
     check_convention(convention)
     shape = shape_of(x)
     if len(shape) < 3:
