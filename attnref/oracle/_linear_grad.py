@@ -292,17 +292,15 @@ def linear_attention_vjp(call: dict[str, Any], d_y: Any) -> LinearGrads:
 # ----------------------------------------------------------------------------- multi-head
 
 
-def _project_back_fast(x: np.ndarray, wt: np.ndarray, dh: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(dx, dW, db)`` of ``h = x W + b`` given ``dh [..., T, H, d]``."""
-    dw = np.einsum("...td,...the->hde", x, dh, optimize=True)
-    dx = np.einsum("...the,hde->...td", dh, wt, optimize=True)
-    return dx, dw, dh.sum(axis=tuple(range(dh.ndim - 2)))
-
-
-def _project_back_definition(
-    x: np.ndarray, wt: np.ndarray, dh: np.ndarray
+def _project_back(
+    x: np.ndarray, wt: np.ndarray, dh: np.ndarray, method: str
 ) -> tuple[np.ndarray, ...]:
-    """:func:`_project_back_fast` one batch element, head and token at a time."""
+    """``(dx, dW, db)`` of ``h = x W + b`` given ``dh [..., T, H, d]`` ("definition": one batch
+    element, head and token at a time)."""
+    if method == "fast":
+        dw = np.einsum("...td,...the->hde", x, dh, optimize=True)
+        dx = np.einsum("...the,hde->...td", dh, wt, optimize=True)
+        return dx, dw, dh.sum(axis=tuple(range(dh.ndim - 2)))
     dx, dw, db = np.zeros(x.shape), np.zeros(wt.shape), np.zeros(wt.shape[::2])
     for idx in np.ndindex(*x.shape[:-2]):
         for h in range(wt.shape[0]):
@@ -347,7 +345,6 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
         xkv = np.where(unread & ~np.isfinite(xkv), 0.0, xkv)
     q = project(xq, w_q, w["b_q"])
     k, v = project(xkv, w_k, w["b_k"]), project(xkv, w_v, w["b_v"])
-    back = _project_back_fast if method == "fast" else _project_back_definition
     dz = _project_back_out(dy, w_o, method)
     opt = (causal, eps, eps_policy)
     z, g = _vjp(fm, q, k[..., kv_of, :], v[..., kv_of, :], dz, km, opt, method)
@@ -356,7 +353,7 @@ def linear_multihead_vjp(call: dict[str, Any], *, d_y: Any) -> LinearMultiheadGr
     dv = g.v.reshape(*batch_k, -1).sum(axis=-2)
     dx, out = {}, {}
     for name, x, wt, dh in (("q", xq, w_q, g.q), ("k", xkv, w_k, dk), ("v", xkv, w_v, dv)):
-        dx[name], out["w_" + name], out["b_" + name] = back(x, wt, dh)
+        dx[name], out["w_" + name], out["b_" + name] = _project_back(x, wt, dh, method)
     out["w_o"], out["b_o"] = _output_weights(z, dy, method)
     grads = {n: out[n] for n in FIELDS if n.startswith("w_") or w[n] is not None}
     dx_q = dx["q"] + dy if residual else dx["q"]
