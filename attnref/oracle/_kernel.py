@@ -21,6 +21,7 @@ mean of all ``v`` rows, or NaN (``masked_rows``), and ``lse = -inf``; with sinks
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -100,39 +101,31 @@ def dot_product_attention(
     c = parse(**call)
     if method == "fast":
         return _returned(forward(c, magnitude=return_magnitude), return_lse)
-    allowed = kernel_allowed(
-        c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
-    )
-    b_size, n_heads, t, s = c.shape
+    b_size, n_heads, t, _ = c.shape
     out = np.zeros((b_size, t, n_heads, c.v.shape[-1]))
-    lse = np.full((b_size, t, n_heads), -np.inf)
+    lse = np.full((b_size, t, n_heads), -np.inf)  # query padding beyond T_b: 0 and -inf
     mag = np.zeros_like(out)
-    for b in range(b_size):
-        for n in range(n_heads):
-            kvh = n // c.group
-            for i in range(int(c.q_len[b])):  # query padding beyond: 0 and -inf
-                keys = [j for j in range(s) if allowed[b, n, i, j]]
-                sink = None if c.sinks is None else float(c.sinks[n])
-                if not keys and sink is None:
-                    if c.policy == "uniform":
-                        out[b, i, n] = c.v[b, :, kvh].mean(axis=0)
-                        mag[b, i, n] = np.abs(c.v[b, :, kvh]).mean(axis=0)
-                    elif c.policy == "nan":
-                        out[b, i, n] = mag[b, i, n] = np.nan
-                    continue
-                # the sink z_n is one more logit of the softmax, with no value (gpt-oss)
-                sv = np.array([definition_logit(c, b, n, i, j)[1] for j in keys])
-                top = float(np.max(np.append(sv, [] if sink is None else [sink])))  # NaN wins
-                if top == -np.inf:  # a -inf sink and no key: nothing to attend
-                    continue
-                e = np.exp(sv - top)
-                total = e.sum() + (0.0 if sink is None else math.exp(sink - top))
-                lse[b, i, n] = top + math.log(total)
-                w = e / total
-                if c.keep is not None and c.rate is not None:  # dropout after normalising
-                    w = np.where(c.keep[b, n, i, keys], w / (1.0 - c.rate), 0.0)
-                out[b, i, n] = w @ c.v[b, keys, kvh] if keys else 0.0
-                mag[b, i, n] = w @ np.abs(c.v[b, keys, kvh]) if keys else 0.0
+    for b, n, kvh, i, keys, sink in definition_rows(c, call):
+        if not keys and sink is None:
+            if c.policy == "uniform":
+                out[b, i, n] = c.v[b, :, kvh].mean(axis=0)
+                mag[b, i, n] = np.abs(c.v[b, :, kvh]).mean(axis=0)
+            elif c.policy == "nan":
+                out[b, i, n] = mag[b, i, n] = np.nan
+            continue
+        # the sink z_n is one more logit of the softmax, with no value (gpt-oss)
+        sv = np.array([definition_logit(c, b, n, i, j)[1] for j in keys])
+        top = float(np.max(np.append(sv, [] if sink is None else [sink])))  # NaN wins
+        if top == -np.inf:  # a -inf sink and no key: nothing to attend
+            continue
+        e = np.exp(sv - top)
+        total = e.sum() + (0.0 if sink is None else math.exp(sink - top))
+        lse[b, i, n] = top + math.log(total)
+        w = e / total
+        if c.keep is not None and c.rate is not None:  # dropout after normalising
+            w = np.where(c.keep[b, n, i, keys], w / (1.0 - c.rate), 0.0)
+        out[b, i, n] = w @ c.v[b, keys, kvh] if keys else 0.0
+        mag[b, i, n] = w @ np.abs(c.v[b, keys, kvh]) if keys else 0.0
     return _returned((out, lse, mag) if return_magnitude else (out, lse), return_lse)
 
 
@@ -150,3 +143,18 @@ def definition_logit(c: KernelCall, b: int, n: int, i: int, j: int) -> tuple[flo
     if c.bias is not None:
         s += float(c.bias[b, n, i, j])
     return x, s
+
+
+def definition_rows(
+    c: KernelCall, call: dict[str, Any]
+) -> Iterator[tuple[int, int, int, int, list[int], float | None]]:
+    """``(b, n, g, i, keys, sink)`` for every query row ``i < T_b`` of a parsed ``call``, one at a
+    time: query head ``n`` reads key/value head ``g``, ``keys`` the ones :func:`kernel_allowed`
+    allows (by the definition), ``sink`` the head's sink logit (``None``: no sinks)."""
+    allowed = kernel_allowed(
+        c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
+    )
+    for b, n in np.ndindex(*c.shape[:2]):
+        for i in range(int(c.q_len[b])):
+            keys = [j for j in range(c.shape[3]) if allowed[b, n, i, j]]
+            yield b, n, n // c.group, i, keys, None if c.sinks is None else float(c.sinks[n])

@@ -29,8 +29,8 @@ import numpy as np
 
 from ._checks import check_cotangent, check_method
 from ._doc import KERNEL, KERNEL_RAISES, doc, method_option, signed
-from ._kernel import definition_logit, kernel_allowed
-from ._kernel_call import OPTIONS, KernelCall, kernel_call, parse, pick, query_block
+from ._kernel import definition_logit, definition_rows
+from ._kernel_call import KernelCall, kernel_call, parse, query_block
 from ._kernel_fast import (
     block_live,
     dropout_weights,
@@ -160,54 +160,47 @@ def check_sinks(c: KernelCall) -> None:
 
 
 def _definition(
-    c: KernelCall, d_o: np.ndarray, d_l: np.ndarray, allowed: np.ndarray
+    c: KernelCall, d_o: np.ndarray, d_l: np.ndarray, call: dict[str, Any]
 ) -> KernelGrads:
-    b_size, n_heads, t, s_len = c.shape
+    b_size, n_heads, t, _ = c.shape
     dq, dk, dv = np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)
     full = np.zeros(c.shape)  # dbias per (b, n, i, j) before summing over broadcast axes
     dz = None if c.sinks is None else np.zeros(n_heads)
     check_sinks(c)
     dead = np.zeros((b_size, t, n_heads), bool)
-    for b in range(b_size):
-        for n in range(n_heads):
-            g = n // c.group
-            for i in range(int(c.q_len[b])):
-                keys = [j for j in range(s_len) if allowed[b, n, i, j]]
-                sink = None if c.sinks is None else float(c.sinks[n])
-                if not keys and (sink is None or sink == -math.inf):
-                    dead[b, i, n] = True
-                    continue
-                xs, ss = [], []
-                for j in keys:
-                    x, sj = definition_logit(c, b, n, i, j)
-                    if not math.isfinite(sj):
-                        _refuse_nonfinite("logit (q, k or bias)")
-                    if not np.isfinite(c.v[b, j, g]).all():
-                        _refuse_nonfinite("value")
-                    xs.append(x)
-                    ss.append(sj)
-                top = max([*ss, *([] if sink is None else [sink])])
-                e = [math.exp(sj - top) for sj in ss]
-                e_z = 0.0 if sink is None else math.exp(sink - top)  # the sink's weight
-                total = sum(e) + e_z
-                p = [ej / total for ej in e]
-                ws = [1.0] * len(keys)  # dropout: w_ij = keep_ij / (1 - rate)
-                if c.keep is not None and c.rate is not None:
-                    ws = [float(c.keep[b, n, i, j]) / (1.0 - c.rate) for j in keys]
-                dps = [
-                    w * float(d_o[b, i, n] @ c.v[b, j, g]) for w, j in zip(ws, keys, strict=True)
-                ]
-                big_d = sum(pj * dpj for pj, dpj in zip(p, dps, strict=True))
-                if dz is not None:
-                    dz[n] += e_z / total * (float(d_l[b, i, n]) - big_d)
-                for pj, dpj, w, x, j in zip(p, dps, ws, xs, keys, strict=True):
-                    ds = pj * (dpj - big_d + float(d_l[b, i, n]))
-                    full[b, n, i, j] = ds
-                    if c.softcap is not None:
-                        ds *= 1.0 - math.tanh(x / c.softcap) ** 2
-                    dv[b, j, g] += pj * w * d_o[b, i, n]
-                    dq[b, i, n] += c.scale * ds * c.k[b, j, g]
-                    dk[b, j, g] += c.scale * ds * c.q[b, i, n]
+    for b, n, g, i, keys, sink in definition_rows(c, call):
+        if not keys and (sink is None or sink == -math.inf):
+            dead[b, i, n] = True
+            continue
+        xs, ss = [], []
+        for j in keys:
+            x, sj = definition_logit(c, b, n, i, j)
+            if not math.isfinite(sj):
+                _refuse_nonfinite("logit (q, k or bias)")
+            if not np.isfinite(c.v[b, j, g]).all():
+                _refuse_nonfinite("value")
+            xs.append(x)
+            ss.append(sj)
+        top = max([*ss, *([] if sink is None else [sink])])
+        e = [math.exp(sj - top) for sj in ss]
+        e_z = 0.0 if sink is None else math.exp(sink - top)  # the sink's weight
+        total = sum(e) + e_z
+        p = [ej / total for ej in e]
+        ws = [1.0] * len(keys)  # dropout: w_ij = keep_ij / (1 - rate)
+        if c.keep is not None and c.rate is not None:
+            ws = [float(c.keep[b, n, i, j]) / (1.0 - c.rate) for j in keys]
+        dps = [w * float(d_o[b, i, n] @ c.v[b, j, g]) for w, j in zip(ws, keys, strict=True)]
+        big_d = sum(pj * dpj for pj, dpj in zip(p, dps, strict=True))
+        if dz is not None:
+            dz[n] += e_z / total * (float(d_l[b, i, n]) - big_d)
+        for pj, dpj, w, x, j in zip(p, dps, ws, xs, keys, strict=True):
+            ds = pj * (dpj - big_d + float(d_l[b, i, n]))
+            full[b, n, i, j] = ds
+            if c.softcap is not None:
+                ds *= 1.0 - math.tanh(x / c.softcap) ** 2
+            dv[b, j, g] += pj * w * d_o[b, i, n]
+            dq[b, i, n] += c.scale * ds * c.k[b, j, g]
+            dk[b, j, g] += c.scale * ds * c.q[b, i, n]
     if c.policy == "uniform" and c.sinks is None:
         _dead_rows_uniform(c, d_o, dead, dv)
     db = None if c.bias_shape is None else sum_to_shape(full, c.bias_shape)
@@ -231,7 +224,4 @@ def dot_product_attention_vjp(
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     if method == "fast":
         return fast(c, d_o, d_l)
-    allowed = kernel_allowed(
-        c.shape, call["bias"], call["mask"], method="definition", **pick(call, OPTIONS)
-    )
-    return _definition(c, d_o, d_l, allowed)
+    return _definition(c, d_o, d_l, call)
