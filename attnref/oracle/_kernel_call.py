@@ -102,7 +102,6 @@ def parse(call: dict[str, Any]) -> KernelCall:
     """Validate a kernel call as :func:`attnref.dot_product_attention` does (same exception types,
     the argument named) and return it as a :class:`KernelCall`."""
     query, key, value, bias, mask = (call[n] for n in ("query", "key", "value", "bias", "mask"))
-    sinks, dropout_mask, rate = call["sinks"], call["dropout_mask"], call["dropout_rate"]
     shape, sc, cap, policy = check_kernel(
         query, key, value, **pick(call, ("scale", "softcap", "masked_rows"))
     )
@@ -111,9 +110,9 @@ def parse(call: dict[str, Any]) -> KernelCall:
         shape, bias, mask, pick(call, OPTIONS)
     )
     _, rate = check_production(
-        shape, window, sinks=sinks, dropout_mask=dropout_mask, dropout_rate=rate
+        shape, window, **pick(call, ("sinks", "dropout_mask", "dropout_rate"))
     )
-    keep = None if dropout_mask is None else np.asarray(dropout_mask, bool)
+    keep = None if call["dropout_mask"] is None else np.asarray(call["dropout_mask"], bool)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
     return KernelCall(
         q=q,
@@ -134,7 +133,7 @@ def parse(call: dict[str, Any]) -> KernelCall:
         bottom_right=alignment == "bottom_right",
         causal=causal,
         sink_tokens=n_sink,
-        sinks=None if sinks is None else np.asarray(sinks, dtype=np.float64),
+        sinks=None if call["sinks"] is None else np.asarray(call["sinks"], dtype=np.float64),
         keep=None if keep is None else np.broadcast_to(keep, (b, n, t, s)),
         rate=rate,
     )
