@@ -165,13 +165,9 @@ STACK_RAISES = {
 
 def _entries(items: Mapping[str, str]) -> list[str]:
     """``name: text`` entries wrapped at 96 columns, never inside a ````literal````."""
-
-    def keep(m: re.Match[str]) -> str:
-        return m.group(0).replace(" ", "\0")
-
     return [
         textwrap.fill(
-            re.sub(r"``.+?``", keep, f"{name}: {text}"),
+            re.sub(r"``.+?``", lambda m: m.group(0).replace(" ", "\0"), f"{name}: {text}"),
             width=96,
             initial_indent="    ",
             subsequent_indent="        ",
