@@ -151,8 +151,7 @@ def paged_attention(
     num_pages, page_size = check_layout(query, k_pages, v_pages, block_table, seq_lens)
     check_values(block_table, seq_lens, num_pages, page_size)
     table, lens = np.asarray(block_table), np.asarray(seq_lens)
-    keys = gather_pages(k_pages, table, lens, page_size)
-    values = gather_pages(v_pages, table, lens, page_size)
+    keys, values = (gather_pages(pages, table, lens, page_size) for pages in (k_pages, v_pages))
     return dot_product_attention(
         np.asarray(query, np.float64),
         keys,
