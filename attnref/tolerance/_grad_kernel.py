@@ -35,7 +35,7 @@ from attnref.oracle._kernel_call import allowed_rows, kernel_call, parse
 from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
 
 from ._kernel import kernel_logits, logit_reach, lse_row_error, row_terms
-from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff, work_units
 
 __all__ = ["kernel_grad_error_bound"]
 
@@ -153,7 +153,7 @@ def kernel_grad_error_bound(
     c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
-    work = np.float32 if is_16bit(fmt) else fmt
+    _, units = work_units(fmt)
     b_size, n_heads, t, s_len = c.shape
     grp = c.group
     n_kv = c.k.shape[2]
@@ -162,7 +162,6 @@ def kernel_grad_error_bound(
     db = None if c.bias_shape is None else np.zeros((2, *c.bias_shape))
     dz = None if c.sinks is None else np.zeros((2, n_heads))
     rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
-    units = (unit_roundoff(work), unit_roundoff(np.float64))
     for b in range(b_size):
         kg = np.repeat(c.k[b], grp, axis=1).transpose(1, 0, 2)  # [N, S, H]
         vg = np.repeat(c.v[b], grp, axis=1).transpose(1, 0, 2)

@@ -24,7 +24,7 @@ from attnref.oracle._kernel_fast import (
 from attnref.oracle._threads import each_block
 
 from ._core import Softmax, softmax
-from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff, work_units
 
 
 class Logits(NamedTuple):
@@ -81,6 +81,24 @@ def lse_row_error(e_row: np.ndarray, delta: np.ndarray) -> np.ndarray:
         return e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
 
 
+def row_bounds(
+    reach: np.ndarray,
+    h: int,
+    s_len: int,
+    n_b: int,
+    u: float,
+    log_l: np.ndarray,
+    lse_ref: np.ndarray,
+    dropout: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 2 and 3 in one unit round-off ``u``: the factor ``rho_i + gamma_S`` on ``sum_j p_ij
+    |v_j|`` (``gamma_{S+1}`` with dropout's scaling) and ``|d lse_i|``."""
+    e_row = gamma(h + 1, u) * reach
+    rho, delta = row_terms(s_len, n_b, e_row, u)
+    d_lse = lse_row_error(e_row, delta) + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+    return rho + gamma(s_len + dropout, u), d_lse
+
+
 @doc(
     KERNEL,
     q="Queries ``[B, T, N, H]``, exactly as the kernel received them.",
@@ -134,34 +152,27 @@ def kernel_error_bound(
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T, H], [B, N, H, S]
     lg = kernel_logits(qt, kt, sc, softcap, bias, allowed)
-    top, live, l_sum = lg.sm.top, lg.sm.live, lg.sm.total
+    live, l_sum = lg.sm.live, lg.sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
     p = lg.sm.e / np.where(live, l_sum, 1.0)
     vt = vg.transpose(0, 2, 1, 3)  # [B, N, S, H_v]
     o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T, N, H_v]
-    o_ref = (p @ vt).transpose(0, 2, 1, 3)
-    lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
+    live = live[..., 0]
+    lse_ref = np.where(live, lg.sm.top[..., 0] + log_l, 0.0)
     n_b = s if key_blocks is None else max(1, int(key_blocks))
-
     reach = logit_reach(lg, allowed, h, softcap)  # [B, N, T]
-
-    def one(u: float) -> tuple[np.ndarray, np.ndarray]:
-        e_row = gamma(h + 1, u) * reach
-        rho, delta = row_terms(s, n_b, e_row, u)
-        out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
-        with np.errstate(divide="ignore", invalid="ignore"):
-            log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
-        d_lse = lse_row_error(e_row, delta)
-        d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
-        return out, np.swapaxes(np.where(live[..., 0], d_lse, 0.0), 1, 2)
-
     np_dtype = np.dtype(dtype)
-    work = np.float32 if is_16bit(np_dtype) else np_dtype
-    units = (unit_roundoff(work), unit_roundoff(np.float64))  # the format's share, the oracle's
-    (out_b, lse_b), (out64, lse64) = one(units[0]), one(units[1])
-    dead = np.swapaxes(~live[..., 0], 1, 2)[..., None] if masked_rows == "uniform" else None
-    ref = o_ref if is_16bit(np_dtype) else None
-    return _uniform_and_cast(out_b + out64, ref, dead, va, s, units, np_dtype), lse_b + lse64
+    _, units = work_units(np_dtype)
+    out_b = lse_b = 0.0
+    for u in units:  # the format's share, the oracle's
+        f, d_lse = row_bounds(reach, h, s, n_b, u, log_l, lse_ref)
+        out_b = out_b + np.swapaxes(f, 1, 2)[..., None] * o_mag
+        lse_b = lse_b + np.swapaxes(np.where(live, d_lse, 0.0), 1, 2)
+    dead = np.swapaxes(~live, 1, 2)[..., None] if masked_rows == "uniform" else None
+    ref = (p @ vt).transpose(0, 2, 1, 3) if is_16bit(np_dtype) else None
+    return _uniform_and_cast(out_b, ref, dead, va, s, units, np_dtype), lse_b
 
 
 def _uniform_and_cast(
@@ -261,8 +272,7 @@ def kernel_call_error_bound(
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     b_size, n_heads, t, s_len = c.shape
     h, h_v = c.q.shape[-1], c.v.shape[-1]
-    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
-    units = (unit_roundoff(work), unit_roundoff(np.float64))
+    _, units = work_units(fmt)
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
     if c.sinks is not None:  # the sink is one more key (zero value, exact logit z_n), merged last
         s_len, n_b = s_len + 1, n_b + 1
@@ -319,13 +329,9 @@ def kernel_call_error_bound(
         lse_ref = top[..., 0] + log_l
         blk_out = np.zeros_like(o_mag)
         blk_lse = np.zeros(s.shape[:2])
-        for u in units:
-            e_row = gamma(h + 1, u) * reach  # E_i, one max for both units (logit_reach)
-            rho, delta = row_terms(s_len, n_b, e_row, u)
-            d_lse = lse_row_error(e_row, delta)
-            g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
-            blk_out += (rho + g_o)[..., None] * o_mag
-            d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+        for u in units:  # E_i: one max for both units (logit_reach)
+            f, d_lse = row_bounds(reach, h, s_len, n_b, u, log_l, lse_ref, w is not None)
+            blk_out += f[..., None] * o_mag
             blk_lse += np.where(live, d_lse, 0.0)
         out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
         lse[hg.b, i0:i1, hg.heads] = blk_lse.T

@@ -49,7 +49,7 @@ from attnref.oracle._kernel_call import call_allowed, kernel_call, parse
 from attnref.oracle._kernel_fast import head_groups, logits_block
 
 from ._kernel import kernel_call_error_bound
-from ._rounding import C_EXP, is_16bit, unit_roundoff
+from ._rounding import C_EXP, is_16bit, unit_roundoff, work_units
 from ._states import as_dtype, merge_depth, merge_error_bound
 
 
@@ -207,12 +207,9 @@ def pieces_error_bound(
     """
     c = parse(**call)
     fmt = as_dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
-    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
+    work, _ = work_units(fmt)
     state_fmt = work if state_dtype is None else as_dtype(state_dtype)
-    if lse_dtype is not None:
-        lse_fmt = as_dtype(lse_dtype)
-    else:
-        lse_fmt = np.dtype(np.float32) if is_16bit(state_fmt) else state_fmt
+    lse_fmt = work_units(state_fmt)[0] if lse_dtype is None else as_dtype(lse_dtype)
     s = c.shape[3]
     allowed = call_allowed(c)
     if pieces is None:

@@ -74,6 +74,13 @@ def is_16bit(dtype: Any) -> bool:
     return np.dtype(dtype).itemsize == 2
 
 
+def work_units(dtype: Any) -> tuple[np.dtype[Any], tuple[float, float]]:
+    """The format a kernel computes in (float32 for 16-bit inputs) and ``(u, u_64)``: its unit
+    round-off and float64's (the format's share of a bound, the oracle's)."""
+    work = np.dtype(np.float32) if is_16bit(dtype) else np.dtype(dtype)
+    return work, (unit_roundoff(work), unit_roundoff(np.float64))
+
+
 def max_float(dtype: Any) -> float:
     """The largest finite value of a floating dtype (ml_dtypes' bfloat16 too)."""
     return float(finfo_of(dtype).max)
