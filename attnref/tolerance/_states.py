@@ -175,21 +175,30 @@ def _errors(
     return np.where(live[..., None], eo, 0.0), np.where(live, el, 0.0)
 
 
+def _c_p(pieces: int) -> float:
+    """``c_P = min((P - 1) / e, ln P)`` (0 for one piece)."""
+    return min((pieces - 1) / math.e, math.log(pieces)) if pieces > 1 else 0.0
+
+
+def _stack_lse(lam0: Any, u: float, pieces: int, r_l: float, l_max: Any, tinies: float) -> Any:
+    """A stacked merge's ``lse`` error (module docstring), ``tinies`` its underflows."""
+    ln_p = math.log(max(pieces, 1))
+    return (
+        lam0
+        + (_c_p(pieces) + C_EXP) * u
+        + gamma(max(pieces - 1, 0), u)
+        + C_EXP * u * ln_p
+        + (u + r_l) * l_max
+        + tinies
+    )
+
+
 def _oracle_error(st: dict[str, np.ndarray], pieces: int) -> tuple[np.ndarray, np.ndarray]:
     """The float64 oracle's own error (shares form, module docstring; ``sum_p pi_p |lse_p - L| <=
     ln P``)."""
-    u = unit_roundoff(np.float64)
-    tiny = float(np.finfo(np.float64).tiny)
-    ln_p = math.log(max(pieces, 1))
-    c_p = min((pieces - 1) / math.e, ln_p) if pieces > 1 else 0.0
-    d_lse = (
-        (c_p + C_EXP) * u
-        + gamma(max(pieces - 1, 0), u)
-        + C_EXP * u * ln_p
-        + u * st["Lmax"]
-        + pieces * tiny
-    )
-    rel = d_lse + C_EXP * u + gamma(pieces, u) + u * ln_p + pieces * tiny
+    u, tiny = unit_roundoff(np.float64), float(np.finfo(np.float64).tiny)
+    d_lse = _stack_lse(0.0, u, pieces, 0.0, st["Lmax"], pieces * tiny)
+    rel = d_lse + C_EXP * u + gamma(pieces, u) + u * math.log(max(pieces, 1)) + pieces * tiny
     return rel[..., None] * st["V"], d_lse
 
 
@@ -249,18 +258,10 @@ def merge_error_bound(
     e_max, lam0 = eo.max(axis=-2, initial=0.0), el.max(axis=-1, initial=0.0)
     rng, mag = st["R"] + 2.0 * e_max, st["V"] + e_max
     if stack and pieces > 1:
-        c_p = min((pieces - 1) / math.e, math.log(pieces))
-        d_lse = (
-            lam0
-            + (c_p + C_EXP) * u
-            + gamma(pieces - 1, u)
-            + C_EXP * u * math.log(pieces)
-            + (u + r_l) * st["Lmax"]
-            + (pieces - 1) * tiny
-        )
+        d_lse = _stack_lse(lam0, u, pieces, r_l, st["Lmax"], (pieces - 1) * tiny)
         eps = lam0 + C_EXP * u
         local_o = (gamma(2 * pieces, u) + r_o) * mag
-        shift_o = (c_p * u + (pieces - 1) * tiny) * rng
+        shift_o = (_c_p(pieces) * u + (pieces - 1) * tiny) * rng
     else:
         ell = _level_error(st, u, tiny, r_l)
         d_lse = lam0 + depth * ell
