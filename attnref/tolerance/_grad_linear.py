@@ -54,6 +54,7 @@ plus the residual and self-attention additions.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -144,13 +145,9 @@ def _taylor2_vjp(
 
 def _dot_err(a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray, spec: str) -> Any:
     """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the contracted size of ``spec``."""
-    n = _contracted(spec, a, b)
-    val = np.einsum(spec, a, b, optimize=True)
-    mag = np.einsum(spec, np.abs(a), np.abs(b), optimize=True)
-    err = np.einsum(spec, ea, np.abs(b), optimize=True) + np.einsum(
-        spec, np.abs(a), eb, optimize=True
-    )
-    return val, err + _g(n + 2) * mag
+    ein = functools.partial(np.einsum, spec, optimize=True)
+    err = ein(ea, np.abs(b)) + ein(np.abs(a), eb)
+    return ein(a, b), err + _g(_contracted(spec, a, b) + 2) * ein(np.abs(a), np.abs(b))
 
 
 def _contracted(spec: str, a: np.ndarray, b: np.ndarray) -> int:
@@ -217,11 +214,8 @@ def _kernel_features(
     v, ev, dy, edy, allowed = v
     eps, eps_policy = opt
     taylor = fm.name == "taylor2"
-    if taylor:
-        (fq, efq, xq, exq), (fk, efk, xk, exk) = _taylor2_leaves(q, eq), _taylor2_leaves(k, ek)
-    else:
-        fq, efq, jq, ejq = _elementwise_leaves(fm.name, q, eq)
-        fk, efk, jk, ejk = _elementwise_leaves(fm.name, k, ek)
+    leaves = _taylor2_leaves if taylor else functools.partial(_elementwise_leaves, fm.name)
+    (fq, efq, *lq), (fk, efk, *lk) = leaves(q, eq), leaves(k, ek)
     al = allowed.astype(float)
     t_k, m = k.shape[-2], fq.shape[-1]
     a = al * np.einsum("...im,...jm->...ij", fq, fk)
@@ -248,13 +242,15 @@ def _kernel_features(
     dv, e_dv = _dot_err(a * signed_inv[..., None], e_w, dy, edy, "...ij,...iv->...jv")
     dfq, e_dfq = _dot_err(da, e_da, fk, efk, "...ij,...jm->...im")
     dfk, e_dfk = _dot_err(da, e_da, fq, efq, "...ij,...im->...jm")
-    if taylor:
-        dq, e_dq = _taylor2_vjp(xq, exq, dfq, e_dfq)
-        dk, e_dk = _taylor2_vjp(xk, exk, dfk, e_dfk)
-    else:
-        dq, dk = jq * dfq, jk * dfk
-        e_dq = np.abs(jq) * e_dfq + ejq * np.abs(dfq) + U * np.abs(dq)
-        e_dk = np.abs(jk) * e_dfk + ejk * np.abs(dfk) + U * np.abs(dk)
+
+    def back(lx: list[np.ndarray], df: np.ndarray, e_df: np.ndarray) -> tuple[np.ndarray, ...]:
+        if taylor:
+            return _taylor2_vjp(*lx, df, e_df)
+        jac, e_jac = lx
+        dx = jac * df
+        return dx, np.abs(jac) * e_df + e_jac * np.abs(df) + U * np.abs(dx)
+
+    (dq, e_dq), (dk, e_dk) = back(lq, dfq, e_dfq), back(lk, dfk, e_dfk)
     bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
     return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
 
@@ -411,10 +407,15 @@ def _fold(a: np.ndarray, n_kv: int) -> np.ndarray:
 
 
 def _param_bounds(
-    x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray
+    x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray, n_kv: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Bounds on ``(dW, db, dx)`` of ``h = x W + b`` with ``dh = g`` known to ``b``, and ``|dx|``'s
-    magnitude."""
+    magnitude; with ``n_kv``, ``g`` and ``b`` per query head are first summed over each K/V
+    head's ``G`` (``gamma_{G+1}``) and ``W`` (repeated per query head) read once per K/V head."""
+    if n_kv is not None:
+        group = wt.shape[0] // n_kv
+        b = _fold(b, n_kv) + _g(group + 1) * _fold(np.abs(g), n_kv)
+        g, wt = _fold(g, n_kv), wt[::group]  # the first query head of each K/V group
     n_pos = math.prod(x.shape[:-1])
     ax = np.abs(x)
     dw = np.einsum("...td,...the->hde", ax, b, optimize=True) + _g(n_pos + 2) * np.einsum(
@@ -469,15 +470,10 @@ def linear_multihead_vjp_error_bound(
         + _g(n_q + 2) * np.einsum("...qhv,...qd->hvd", np.abs(z), np.abs(dy), optimize=True),
         "b_o": _g(n_q + 2) * np.abs(dy).sum(axis=tuple(range(dy.ndim - 1))),
     }
-    group = w_q.shape[0] // n_kv
-    kv_heads = slice(None, None, group)  # the first query head of each K/V group
-    fold_k = _fold(bk, n_kv) + _g(group + 1) * _fold(np.abs(gk), n_kv)
-    fold_v = _fold(bv, n_kv) + _g(group + 1) * _fold(np.abs(gv), n_kv)
     out["w_q"], out["b_q"], dxq, mag_q = _param_bounds(xq, bq, gq, w_q)
-    out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, fold_k, _fold(gk, n_kv), w_k[kv_heads])
-    out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, fold_v, _fold(gv, n_kv), w_v[kv_heads])
-    present = [n for n in out if get_param(params, n) is not None]
-    grads = {n: _no_nan(out[n]) for n in present}
+    out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, bk, gk, w_k, n_kv)
+    out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, bv, gv, w_v, n_kv)
+    grads = {n: _no_nan(b) for n, b in out.items() if get_param(params, n) is not None}
     dxkv = dxk + dxv + U * (mag_k + mag_v)
     if residual:
         dxq = dxq + U * (mag_q + np.abs(dy))
