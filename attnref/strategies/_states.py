@@ -197,10 +197,14 @@ def tree_depth(tree: Tree) -> int:
     return 0
 
 
-def sequential_tree(order: Sequence[int]) -> Tree:
-    """``(((o0, o1), o2), ...)``: one state after another (a ring); ``ValueError`` if empty."""
+def _check_order(order: Sequence[int]) -> None:
     if not len(order):
         raise ValueError("a merge tree needs at least one piece")
+
+
+def sequential_tree(order: Sequence[int]) -> Tree:
+    """``(((o0, o1), o2), ...)``: one state after another (a ring); ``ValueError`` if empty."""
+    _check_order(order)
     tree: Tree = int(order[0])
     for p in order[1:]:
         tree = (tree, int(p))
@@ -209,8 +213,7 @@ def sequential_tree(order: Sequence[int]) -> Tree:
 
 def balanced_tree(order: Sequence[int]) -> Tree:
     """Pairs, then pairs of pairs: depth ``ceil(log2 P)``; ``ValueError`` if empty."""
-    if not len(order):
-        raise ValueError("a merge tree needs at least one piece")
+    _check_order(order)
     if len(order) == 1:
         return int(order[0])
     half = (len(order) + 1) // 2
@@ -282,13 +285,13 @@ class KeyPartition(ShortRepr):
 
     def oracle_states(self) -> tuple[np.ndarray, np.ndarray]:
         """The pieces' float64 oracle states: ``o [P, B, T, N, H_v]``, ``lse [P, B, T, N]``."""
-        states = [self.piece(p).oracle() for p in range(self.pieces)]
-        return np.stack([s[0] for s in states]), np.stack([s[1] for s in states])
+        o, lse = zip(*(self.piece(p).oracle() for p in range(self.pieces)), strict=True)
+        return np.stack(o), np.stack(lse)
 
     def piece_bounds(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Each piece's :func:`attnref.tolerance.kernel_call_error_bound`, stacked."""
-        bounds = [self.piece(p).bound(key_blocks) for p in range(self.pieces)]
-        return np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
+        o, lse = zip(*(self.piece(p).bound(key_blocks) for p in range(self.pieces)), strict=True)
+        return np.stack(o), np.stack(lse)
 
     def bound(
         self, tree: str | int | None = None, key_blocks: int | None = None

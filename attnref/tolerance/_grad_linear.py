@@ -244,11 +244,11 @@ def _kernel_features(
     dfk, e_dfk = _dot_err(da, e_da, fq, efq, "...ij,...im->...jm")
 
     def back(lx: list[np.ndarray], df: np.ndarray, e_df: np.ndarray) -> tuple[np.ndarray, ...]:
+        lf, e_lf = lx  # taylor2: x~ and E_x~; else J and E_J
         if taylor:
-            return _taylor2_vjp(*lx, df, e_df)
-        jac, e_jac = lx
-        dx = jac * df
-        return dx, np.abs(jac) * e_df + e_jac * np.abs(df) + U * np.abs(dx)
+            return _taylor2_vjp(lf, e_lf, df, e_df)
+        dx = lf * df
+        return dx, np.abs(lf) * e_df + e_lf * np.abs(df) + U * np.abs(dx)
 
     (dq, e_dq), (dk, e_dk) = back(lq, dfq, e_dfq), back(lk, dfk, e_dfk)
     bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)

@@ -165,7 +165,7 @@ def kernel_error_bound(
     reach = logit_reach(lg, allowed, h, softcap)  # [B, N, T]
     np_dtype = np.dtype(dtype)
     _, units = work_units(np_dtype)
-    out_b = lse_b = 0.0
+    out_b = lse_b = np.zeros(())
     for u in units:  # the format's share, the oracle's
         f, d_lse = row_bounds(reach, h, s, n_b, u, log_l, lse_ref)
         out_b = out_b + np.swapaxes(f, 1, 2)[..., None] * o_mag
