@@ -34,7 +34,7 @@ from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import allowed_rows, kernel_call, parse
 from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
 
-from ._kernel import kernel_logits, logit_reach, lse_row_error, row_terms
+from ._kernel import kernel_logits, logit_reach, row_terms
 from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff, work_units
 
 __all__ = ["kernel_grad_error_bound"]
@@ -96,9 +96,7 @@ def _block(
     g_q = g_k = g_v = 0.0
     reach = logit_reach(lg, ok, h, softcap)  # [N, R]
     for u in units:
-        e_row = gamma(h + 1, u) * reach
-        rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
-        l_err = lse_row_error(e_row, delta)
+        e_row, rho, l_err = row_terms(reach, h, s_len, s_len, u)  # any tiling: n_b = S
         with np.errstate(over="ignore"):
             r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]
         e_o = (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag

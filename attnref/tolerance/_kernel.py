@@ -65,38 +65,18 @@ def logit_reach(lg: Logits, allowed: np.ndarray, h: int, softcap: float | None) 
     return np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)
 
 
-def row_terms(s_len: int, n_b: int, e_row: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray]:
-    """Step 2: ``rho_i`` and ``delta_i`` (for the lse) of ``S`` keys in ``n_b`` key blocks."""
+def row_terms(
+    reach: np.ndarray, h: int, s_len: int, n_b: int, u: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 2 and 3 in ``u`` for ``S`` keys in ``n_b`` key blocks: ``(E_i, rho_i, E_i + delta_i
+    / (1 - delta_i))`` (``inf`` once ``delta_i >= 1``), ``E_i = gamma_{H+1} reach_i``."""
     c = C_EXP
+    e_row = gamma(h + 1, u) * reach
     extra = 2 * (c + 1) * (n_b - 1)
-    with np.errstate(over="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * c + extra, u)
         delta = np.expm1(e_row) + gamma(s_len + c + extra, u)
-    return rho, delta
-
-
-def lse_row_error(e_row: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """Step 3's ``E_i + delta_i / (1 - delta_i)`` (``inf`` once ``delta_i >= 1``)."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
-
-
-def row_bounds(
-    reach: np.ndarray,
-    h: int,
-    s_len: int,
-    n_b: int,
-    u: float,
-    log_l: np.ndarray,
-    lse_ref: np.ndarray,
-    dropout: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 2 and 3 in one unit round-off ``u``: the factor ``rho_i + gamma_S`` on ``sum_j p_ij
-    |v_j|`` (``gamma_{S+1}`` with dropout's scaling) and ``|d lse_i|``."""
-    e_row = gamma(h + 1, u) * reach
-    rho, delta = row_terms(s_len, n_b, e_row, u)
-    d_lse = lse_row_error(e_row, delta) + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
-    return rho + gamma(s_len + dropout, u), d_lse
+        return e_row, rho, e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
 
 
 @doc(
@@ -167,8 +147,9 @@ def kernel_error_bound(
     _, units = work_units(np_dtype)
     out_b = lse_b = np.zeros(())
     for u in units:  # the format's share, the oracle's
-        f, d_lse = row_bounds(reach, h, s, n_b, u, log_l, lse_ref)
-        out_b = out_b + np.swapaxes(f, 1, 2)[..., None] * o_mag
+        _, rho, d_lse = row_terms(reach, h, s, n_b, u)
+        d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+        out_b = out_b + np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
         lse_b = lse_b + np.swapaxes(np.where(live, d_lse, 0.0), 1, 2)
     dead = np.swapaxes(~live, 1, 2)[..., None] if masked_rows == "uniform" else None
     ref = (p @ vt).transpose(0, 2, 1, 3) if is_16bit(np_dtype) else None
@@ -330,8 +311,9 @@ def kernel_call_error_bound(
         blk_out = np.zeros_like(o_mag)
         blk_lse = np.zeros(s.shape[:2])
         for u in units:  # E_i: one max for both units (logit_reach)
-            f, d_lse = row_bounds(reach, h, s_len, n_b, u, log_l, lse_ref, w is not None)
-            blk_out += f[..., None] * o_mag
+            _, rho, d_lse = row_terms(reach, h, s_len, n_b, u)
+            d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+            blk_out += (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag  # dropout: +1
             blk_lse += np.where(live, d_lse, 0.0)
         out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
         lse[hg.b, i0:i1, hg.heads] = blk_lse.T
