@@ -125,19 +125,11 @@ def _turn(a: _ME, err: np.ndarray | None, convention: str) -> _ME:
     return _ME(m, pair_sum(a.e, convention) + err * m)
 
 
-def _bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any,
-    d_y: Any,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    residual: bool,
-    dtype: Any,
-    rope: _Rope | None,
-) -> AttentionGrads:
-    """Stages 1 to 11 of the module docstring."""
+def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads:
+    """Stages 1 to 11 of the module docstring (``call``: the weight-level arguments)."""
+    params, x_q, x_kv, mask, bias, scale, residual, dtype = (
+        call[n] for n in ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual", "dtype")
+    )
     u = unit_roundoff(dtype)
     w, d_k = read_weights(params)  # key/value heads repeated to one per query head
     w_k_given = get_param(params, "w_k")
@@ -260,8 +252,7 @@ def attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> AttentionGra
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
         of the gradient it bounds (``None`` where the gradient is ``None``).
     """
-    params, x_q, x_kv, mask, bias, scale, residual, dtype = call.values()
-    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, None)
+    return _bound(call, d_y, None)
 
 
 @doc(WEIGHT, BOUND_RAISES)
@@ -274,20 +265,13 @@ def rope_attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> Attenti
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
     """
-    residual, dtype = call.pop("residual"), call.pop("dtype")
-    params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
-        call.values()
-    )
-    _, d_k = read_weights(params)
+    pos_q, pos_k = call.pop("positions_q"), call.pop("positions_kv")
+    base, convention = call.pop("base"), call.pop("convention")
+    _, d_k = read_weights(call["params"])
     check_rope(convention, d_k)
-    xq, xkv = tokens(x_q, x_kv)
+    xq, xkv = tokens(call["x_q"], call["x_kv"])
     batch, t_q, t_k = xq.shape[:-2], xq.shape[-2], xkv.shape[-2]
-    pq = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
-    pk = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
-    r = _Rope(
-        np.broadcast_to(pq, (*batch, t_q)),
-        np.broadcast_to(pk, (*batch, t_k)),
-        float(base),
-        convention,
-    )
-    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, r)
+    pq = np.arange(t_q) if pos_q is None else np.asarray(pos_q)
+    pk = np.arange(t_k) if pos_k is None else np.asarray(pos_k)
+    pq, pk = np.broadcast_to(pq, (*batch, t_q)), np.broadcast_to(pk, (*batch, t_k))
+    return _bound(call, d_y, _Rope(pq, pk, float(base), convention))
