@@ -132,9 +132,7 @@ def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads
     )
     u = unit_roundoff(dtype)
     w, d_k = read_weights(params)  # key/value heads repeated to one per query head
-    w_k_given = get_param(params, "w_k")
-    assert w_k_given is not None
-    n_kv = w_k_given.shape[0]  # key/value heads as given
+    n_kv = np.shape(get_param(params, "w_k"))[0]  # key/value heads as given
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = head_weights(w)
     n_heads, d_model, _, d_v, t_k = p.dims

@@ -128,12 +128,7 @@ def _piece_states(
 
 
 def _key_states(
-    c: Any,
-    call: dict[str, Any],
-    allowed: np.ndarray,
-    work: np.dtype[Any],
-    state_fmt: np.dtype[Any],
-    lse_fmt: np.dtype[Any],
+    c: Any, call: dict[str, Any], work: np.dtype[Any], state_fmt: np.dtype[Any], lse_fmt: Any
 ) -> tuple[np.ndarray, ...]:
     """Unknown pieces (module docstring): the one-key states and their dominating errors."""
     b_size, n_heads, t, s = c.shape
@@ -216,7 +211,7 @@ def pieces_error_bound(
         if key_blocks is not None:
             raise ValueError("key_blocks needs known pieces (pieces=None assumes any tiling)")
         merge_depth(tree, s)
-        states = _key_states(c, call, allowed, work, state_fmt, lse_fmt)
+        states = _key_states(c, call, work, state_fmt, lse_fmt)
     else:
         ids, count = _assignment(pieces, num_pieces, s)
         merge_depth(tree, count)

@@ -150,15 +150,7 @@ def _live_stats(o: np.ndarray, lse: np.ndarray) -> dict[str, np.ndarray]:
     l_max = l_abs + math.log(max(lse.shape[-1], 1))
     bad_o = (ol & ~np.isfinite(o)).any(axis=-2)  # NaN or inf in a live piece's o: so is the result
     v, rng = np.where(bad_o, 0.0, v), np.where(bad_o, 0.0, rng)
-    return {
-        "live": live,
-        "exact": exact,
-        "bad_o": bad_o,
-        "share": share,
-        "V": v,
-        "R": rng,
-        "Lmax": l_max,
-    }
+    return dict(live=live, exact=exact, bad_o=bad_o, share=share, V=v, R=rng, Lmax=l_max)
 
 
 def _errors(
