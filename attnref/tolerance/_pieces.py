@@ -112,13 +112,13 @@ def _piece_states(
         cols = np.flatnonzero(ids == p)
         if cols.size == 0:
             continue
-        args = (c.q, c.k[:, cols], c.v[:, cols], None if bias is None else bias[..., cols])
-        mask = allowed[..., cols]
+        b_cols = None if bias is None else bias[..., cols]
+        args = (c.q, c.k[:, cols], c.v[:, cols], b_cols, allowed[..., cols])
         if c.keep is not None:  # each piece drops the weights of its own keys
             kw.update(dropout_mask=c.keep[..., cols], dropout_rate=c.rate)
-        o[p], lse[p] = dot_product_attention(*args, mask, return_lse=True, **kw)
+        o[p], lse[p] = dot_product_attention(*args, return_lse=True, **kw)
         e_o[p], e_l[p] = kernel_call_error_bound(
-            *args, mask, dtype=state_fmt, key_blocks=key_blocks, **kw
+            *args, dtype=state_fmt, key_blocks=key_blocks, **kw
         )
     if is_16bit(lse_fmt):  # each piece's lse stored in 16 bits
         live = np.isfinite(lse)
