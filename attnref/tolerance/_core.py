@@ -120,13 +120,7 @@ def read_weights(params: Any) -> tuple[Params, int]:
 
 
 def read_problem(
-    w: Params,
-    x_q: Any,
-    x_kv: Any,
-    *,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
+    w: Params, x_q: Any, x_kv: Any, *, mask: Any, bias: Any, scale: float | None
 ) -> _Problem:
     """The inputs as float64, the scale, the finite logit bias and the allowed pairs."""
     w_q, _, w_v, _ = head_weights(w)

@@ -374,13 +374,7 @@ def _kernel_bound(
 @doc(LINEAR)
 @signed(linear_qkv, linear_options, front=("d_y",))
 def linear_attention_vjp_error_bound(
-    call: dict[str, Any],
-    d_y: Any,
-    *,
-    dq: Any = 0.0,
-    dk: Any = 0.0,
-    dv: Any = 0.0,
-    d_dy: Any = 0.0,
+    call: dict[str, Any], d_y: Any, *, dq: Any = 0.0, dk: Any = 0.0, dv: Any = 0.0, d_dy: Any = 0.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` (module docstring).
 
@@ -432,10 +426,7 @@ def _param_bounds(
 @doc(LINEAR)
 @signed(weight_tokens, linear_options, front=("d_y",))
 def linear_multihead_vjp_error_bound(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
+    call: dict[str, Any], *, d_y: Any, residual: bool = False
 ) -> Any:
     """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` (module docstring,
     "Multi-head").

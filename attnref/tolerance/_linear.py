@@ -103,18 +103,10 @@ def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool
     return allowed & np.tril(np.ones((t_q, t_k), bool)) if causal else allowed
 
 
-@doc(
-    LINEAR,
-    q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.",
-)
+@doc(LINEAR, q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.")
 @signed(linear_qkv, linear_options)
 def linear_error_bound(
-    call: dict[str, Any],
-    *,
-    dtype: Any = np.float32,
-    dq: Any = 0.0,
-    dk: Any = 0.0,
-    dv: Any = 0.0,
+    call: dict[str, Any], *, dtype: Any = np.float32, dq: Any = 0.0, dk: Any = 0.0, dv: Any = 0.0
 ) -> np.ndarray:
     """Componentwise bound on ``|linear attention in dtype - oracle|``, ``[..., T_q, H, d_v]``.
 

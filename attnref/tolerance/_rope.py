@@ -81,13 +81,7 @@ def check_rope(convention: str, d: int) -> None:
 
 
 def rope_logit_error(
-    qa: np.ndarray,
-    ka: np.ndarray,
-    pos_q: Any,
-    pos_k: Any,
-    convention: str,
-    u: float,
-    base: float,
+    qa: np.ndarray, ka: np.ndarray, pos_q: Any, pos_k: Any, convention: str, u: float, base: float
 ) -> np.ndarray:
     """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``, from the magnitudes
     ``qa``, ``ka`` (``|x~||W~|``, ``[..., H, T, d]``)."""
