@@ -66,7 +66,7 @@ from attnref.oracle._linear import check_options
 from attnref.oracle._linear_grad import LinearGrads, LinearMultiheadGrads
 
 from ._core import read_params
-from ._linear import allowed_keys, projected_heads
+from ._linear import allowed_keys, projected_heads, taylor2_error
 from ._rounding import C_EXP, gamma, unit_roundoff
 
 U = unit_roundoff(np.float64)
@@ -106,16 +106,10 @@ def _taylor2_leaves(x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
     d = x.shape[-1]
     xs = x / d**0.25
     exs = ex / d**0.25 + 3 * U * np.abs(xs)
-    ax = np.abs(xs)
     outer = xs[..., :, None] * xs[..., None, :] / math.sqrt(2.0)
-    e_outer = (
-        exs[..., :, None] * ax[..., None, :]
-        + ax[..., :, None] * exs[..., None, :]
-        + 3 * U * ax[..., :, None] * ax[..., None, :]
-    ) / math.sqrt(2.0)
     lead = x.shape[:-1]
     phi = np.concatenate([np.ones((*lead, 1)), xs, outer.reshape(*lead, d * d)], -1)
-    e_phi = np.concatenate([np.zeros((*lead, 1)), exs, e_outer.reshape(*lead, d * d)], -1)
+    e_phi = taylor2_error(np.abs(xs), exs, U)
     return phi, e_phi, xs, exs
 
 
