@@ -237,11 +237,8 @@ def attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     sizes = _chain_sizes(p.dims)
     bound = summed_bound(dtype, sizes, logit_error, allowed, mixed, w["b_o"], model16=True)
     if residual:
-        y = np.einsum(
-            "...hqk,...hkd->...qd",
-            sm.weights,
-            np.einsum("...hkv,hvd->...hkd", project_heads(p.xkv, w_v, w["b_v"]), w_o),
-        )
+        vo = np.einsum("...hkv,hvd->...hkd", project_heads(p.xkv, w_v, w["b_v"]), w_o)
+        y = np.einsum("...hqk,...hkd->...qd", sm.weights, vo)
         bound = bound + unit_roundoff(dtype) * np.abs(p.xq + y)
     return bound
 

@@ -208,19 +208,17 @@ def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads
     # 11. outputs
     xq_t, xkv_t = _exact(np.abs(hom(p.xq))), _exact(np.abs(hom(p.xkv)))
     g_q = _product("...qa,...hqe->hae", xq_t, dq, gamma(n_b * t_q, u))
-    g_k = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dk, 0.0)]
-    g_v = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dv, 0.0)]
-    g_kv = gamma(n_b * group * t_k, u)
+
+    def kv_grad(d: _ME) -> np.ndarray:  # summed over each K/V head's group: n = B G T_k
+        m, e = (_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, d, 0.0))
+        return e + _times(gamma(n_b * group * t_k, u), m)
+
     g_o = _product("...hqv,...qd->hvd", z, _exact(a_dy), gamma(n_b * t_q, u))
     grads = {
         "w_o": g_o.e,
         "b_o": _times(gamma(n_b * t_q, u), a_dy.sum(axis=tuple(range(a_dy.ndim - 1)))),
     }
-    for name, e in (
-        ("q", g_q.e),
-        ("k", g_k[1] + _times(g_kv, g_k[0])),
-        ("v", g_v[1] + _times(g_kv, g_v[0])),
-    ):
+    for name, e in (("q", g_q.e), ("k", kv_grad(dk)), ("v", kv_grad(dv))):
         grads["w_" + name], grads["b_" + name] = e[:, :d_model], e[:, d_model]
     x_from_q = _product("...hqe,hae->...qa", dq, _exact(np.abs(w_q)), 0.0)
     x_from_k = _product("...hke,hae->...ka", dk, _exact(np.abs(w_k)), 0.0)

@@ -27,14 +27,12 @@ def finfo_of(dtype: Any) -> Any:
     try:
         return np.finfo(dtype)
     except (TypeError, ValueError):
-        pass
-    try:
-        import ml_dtypes
+        try:
+            import ml_dtypes
 
-        return ml_dtypes.finfo(dtype)
-    except (ImportError, TypeError, ValueError):
-        pass
-    raise ValueError(f"expected a floating-point dtype, got {dtype!r}")
+            return ml_dtypes.finfo(dtype)
+        except (ImportError, TypeError, ValueError):
+            raise ValueError(f"expected a floating-point dtype, got {dtype!r}") from None
 
 
 def unit_roundoff(dtype: Any) -> float:
