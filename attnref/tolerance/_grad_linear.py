@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from attnref.oracle._core import get_param, head_weights, tokens
+from attnref.oracle._core import get_param, head_weights, tokens, unpack
 from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
 from attnref.oracle._linear import check_options
 from attnref.oracle._linear_grad import LinearGrads, LinearMultiheadGrads
@@ -437,7 +437,7 @@ def linear_multihead_vjp_error_bound(
     params, x_q, x_kv, *options = call.values()
     w = read_params(params)  # K/V heads repeated to one per query head
     w_q, w_k, w_v, w_o = head_weights(w)
-    n_kv = np.shape(get_param(params, "w_k"))[0]  # key/value heads as given
+    n_kv = head_weights(unpack(params))[1].shape[0]  # key/value heads as given
     xq, xkv = tokens(x_q, x_kv)
     dy = np.asarray(d_y, dtype=np.float64)
     d_model = xq.shape[-1]

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._core import FIELDS, get_param, head_weights, tokens
+from attnref.oracle._core import FIELDS, get_param, head_weights, tokens, unpack
 from attnref.oracle._doc import WEIGHT, doc, rope_call, signed, weight_call
 from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
@@ -132,7 +132,7 @@ def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads
     )
     u = unit_roundoff(dtype)
     w, d_k = read_weights(params)  # key/value heads repeated to one per query head
-    n_kv = np.shape(get_param(params, "w_k"))[0]  # key/value heads as given
+    n_kv = head_weights(unpack(params))[1].shape[0]  # key/value heads as given
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = head_weights(w)
     n_heads, d_model, _, d_v, t_k = p.dims

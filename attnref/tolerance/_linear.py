@@ -12,7 +12,7 @@ import numpy as np
 
 from attnref.oracle._core import Params, head_weights, tokens
 from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
-from attnref.oracle._linear import adjusted, features, linear_attention, query_log_scale
+from attnref.oracle._linear import features, linear_attention, query_log_scale
 
 from ._core import abs_heads, bound_options, project_heads, read_params, value_magnitude
 from ._rounding import C_EXP, gamma, max_float, unit_roundoff
@@ -159,7 +159,7 @@ def linear_error_bound(
         e_tot = err_a + gamma(fq.shape[-1] + t_k + (3 if favor_eps else 2), u) * abar
         d_num = np.einsum("...hqk,...khv->...qhv", e_tot, np.abs(v))
         d_num += np.einsum("...hqk,...khv->...qhv", abar, dv_)
-        adj = adjusted(den, eps_s, eps_policy)
+        adj = den + eps_s if eps_policy == "add" else np.maximum(den, eps_s)
         d_den = np.swapaxes(e_tot.sum(-1), -1, -2) + u * np.abs(adj) + eps_s * rho_eps
         y = np.where((adj != 0)[..., None], num / np.where(adj == 0, 1.0, adj)[..., None], 0.0)
         room = np.abs(adj) - d_den
@@ -210,7 +210,7 @@ def linear_multihead_error_bound(call: dict[str, Any]) -> np.ndarray:
     fq, _, a, abar = _kernel_matrix(feature_map, q, k, allowed_keys(q.shape, t_k, key_mask, causal))
     den = a.sum(-1)
     eps_s = np.swapaxes(_scaled_eps(feature_map, q, 0 * q, eps, dtype)[0], -1, -2)  # [..., H, T_q]
-    adj = np.abs(adjusted(den, eps_s, eps_policy))
+    adj = np.abs(den + eps_s if eps_policy == "add" else np.maximum(den, eps_s))
     with np.errstate(divide="ignore", invalid="ignore"):
         pbar = np.where(adj[..., None] > 0, abar / adj[..., None], 0.0)
     g_mag = value_magnitude(xkv, w)
