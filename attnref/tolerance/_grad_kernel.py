@@ -57,10 +57,8 @@ def _block(
         )
     n_dk, c = call.shape[2] * call.group, C_EXP
     if z is not None:
-        n_r = q.shape[1]
-        col = np.broadcast_to(z[:, None, None], (len(z), n_r, 1))
-        kg = np.concatenate([kg, np.zeros((kg.shape[0], 1, kg.shape[2]))], axis=1)
-        vg = np.concatenate([vg, np.zeros((vg.shape[0], 1, vg.shape[2]))], axis=1)
+        col = np.broadcast_to(z[:, None, None], (len(z), q.shape[1], 1))
+        kg, vg = (np.concatenate([a, np.zeros((a.shape[0], 1, a.shape[2]))], 1) for a in (kg, vg))
         ok = np.concatenate([ok, np.isfinite(col)], axis=-1)
         base = np.zeros((*ok.shape[:2], ok.shape[2] - 1)) if bias is None else bias
         bias = np.concatenate([np.broadcast_to(base, ok.shape[:2] + base.shape[2:]), col], -1)
@@ -119,14 +117,14 @@ def _block(
             e_dx += e_ds_u * f + np.abs(d_s) * e_f + u * np.abs(d_x)
         else:
             e_dx += e_ds_u
-        rp += r * (pw if w is not None else p)
+        rp += r * pw
         g_q += gamma(s_len + 2, u)
         g_k += gamma(n_dk + 2, u)
         g_v += gamma(n_dk + 1 + (w is not None), u)
     abs_k, abs_q, abs_dx = np.abs(kg), np.abs(q), np.abs(d_x)
     e_dq = abs(sc) * (e_dx @ abs_k + g_q * (abs_dx @ abs_k))
     e_dk = abs(sc) * (e_dx.transpose(0, 2, 1) @ abs_q + g_k * (abs_dx.transpose(0, 2, 1) @ abs_q))
-    pt = (p if w is None else pw).transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
+    pt = pw.transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
     e_dv = rp.transpose(0, 2, 1) @ abs_do + g_v * (pt @ abs_do)
     return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
 
