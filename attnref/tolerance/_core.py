@@ -49,12 +49,6 @@ def hom(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
 
 
-def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    """``|[W; b]|`` per head: ``[H, d_model + 1, d]`` (zero row when there is no bias)."""
-    bias = np.zeros((w.shape[0], 1, w.shape[2])) if b is None else b[:, None, :]
-    return np.abs(np.concatenate([w, bias], axis=1))
-
-
 def project_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
@@ -68,8 +62,11 @@ def project_heads(
 def abs_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
-    """``|x~||W~[i]|`` per head, the magnitude of :func:`project_heads` (same ``layout``)."""
-    return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), _homogeneous_abs(wt, b))
+    """``|x~||W~[i]|`` per head (``|W~| = |[W; b]|``, a zero row without bias), the magnitude
+    of :func:`project_heads` (same ``layout``)."""
+    bias = np.zeros((wt.shape[0], 1, wt.shape[2])) if b is None else b[:, None, :]
+    w_abs = np.abs(np.concatenate([wt, bias], axis=1))
+    return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), w_abs)
 
 
 def value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:

@@ -13,7 +13,6 @@ import numpy as np
 from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import kernel_call, parse, query_block
 from attnref.oracle._kernel_fast import (
-    HeadGroup,
     block_live,
     dropout_weights,
     head_groups,
@@ -214,26 +213,6 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
     return np.where(np.isfinite(mag), g * np.where(np.isfinite(mag), mag, 0.0), 0.0)
 
 
-def sink_column(
-    c: Any,
-    hg: HeadGroup,
-    s: np.ndarray,
-    mag: np.ndarray,
-    reads: np.ndarray,
-    v_abs: np.ndarray,
-    w: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A block with the sink as one more key: exact logit ``z_n``, value 0, weight 1 (one more
-    online-softmax merge, counted in the key blocks)."""
-    z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
-    s = np.concatenate([s, z], axis=-1)
-    mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
-    reads = np.concatenate([reads, np.isfinite(z)], axis=-1)  # a -inf sink is no sink
-    v_abs = np.vstack([v_abs, np.zeros(v_abs.shape[1])])
-    w = None if w is None else np.concatenate([w, np.ones(z.shape)], axis=-1)
-    return s, mag, reads, v_abs, w
-
-
 @doc(KERNEL, KERNEL_RAISES)
 @signed(kernel_call)
 def kernel_call_error_bound(
@@ -277,8 +256,13 @@ def kernel_call_error_bound(
         mag = (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
         v_blk = abs_v[j0:j1]
         w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
-        if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
-            s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
+        if c.sinks is not None:  # the sink as one more key: exact logit z_n, value 0, weight 1
+            z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
+            s = np.concatenate([s, z], axis=-1)
+            mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
+            reads = np.concatenate([reads, np.isfinite(z)], axis=-1)  # a -inf sink is no sink
+            v_blk = np.vstack([v_blk, np.zeros(v_blk.shape[1])])
+            w = None if w is None else np.concatenate([w, np.ones(z.shape)], axis=-1)
             live = np.asarray(reads.any(axis=-1))
         all_read = ok is None and c.sinks is None  # every (row, key) of the block is read
         top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
