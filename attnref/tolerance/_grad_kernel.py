@@ -151,16 +151,14 @@ def kernel_grad_error_bound(
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     _, units = work_units(fmt)
     b_size, n_heads, t, s_len = c.shape
-    grp = c.group
-    n_kv = c.k.shape[2]
+    grp, n_kv = c.group, c.k.shape[2]
     out = [np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)]
     # the bias's and the sinks' (bound, sum |dS|) pairs
     db = None if c.bias_shape is None else np.zeros((2, *c.bias_shape))
     dz = None if c.sinks is None else np.zeros((2, n_heads))
     rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
     for b in range(b_size):
-        kg = np.repeat(c.k[b], grp, axis=1).transpose(1, 0, 2)  # [N, S, H]
-        vg = np.repeat(c.v[b], grp, axis=1).transpose(1, 0, 2)
+        kg, vg = (np.repeat(a[b], grp, axis=1).transpose(1, 0, 2) for a in (c.k, c.v))  # [N, S, H]
         dead = np.zeros((t, n_heads), bool)
         for i0 in range(0, int(c.q_len[b]), rows):
             i1 = min(i0 + rows, int(c.q_len[b]))
