@@ -109,12 +109,8 @@ class KernelProblem(ShortRepr):
     @property
     def kwargs(self) -> dict[str, Any]:
         """The ``options``, and the semantics where not the defaults."""
-        kw = dict(self.options)
-        if self.masked_rows != "zeros":
-            kw["masked_rows"] = self.masked_rows
-        if self.causal_alignment != "top_left":
-            kw["causal_alignment"] = self.causal_alignment
-        return kw
+        default = {"masked_rows": "zeros", "causal_alignment": "top_left"}
+        return {**self.options, **{k: v for k, v in self.semantics().items() if v != default[k]}}
 
     @property
     def static(self) -> dict[str, Any]:
