@@ -352,8 +352,7 @@ def merge_grad_error_bound(
     m_p = g_l_abs[..., None] + (g_abs[..., None, :] * (o_live + reach[..., None, :])).sum(axis=-1)
     mag = g_l_abs + (g_abs * (st["V"] + reach)).sum(axis=-1)
     read_o = (g_abs * delta_o).sum(axis=-1)
-    top = np.where(live, ls, -np.inf).max(axis=-1)
-    top = np.where(exact, 0.0, top)
+    top = np.where(exact, 0.0, np.where(live, ls, -np.inf).max(axis=-1))
     with np.errstate(under="ignore"):
         shifted = np.where(live, np.where(live, ls, 0.0) - top[..., None], 0.0)
         total = np.where(live, np.exp(shifted), 0.0).sum(axis=-1)
