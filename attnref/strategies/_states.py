@@ -197,14 +197,10 @@ def tree_depth(tree: Tree) -> int:
     return 0
 
 
-def _check_order(order: Sequence[int]) -> None:
-    if not len(order):
-        raise ValueError("a merge tree needs at least one piece")
-
-
 def sequential_tree(order: Sequence[int]) -> Tree:
     """``(((o0, o1), o2), ...)``: one state after another (a ring); ``ValueError`` if empty."""
-    _check_order(order)
+    if not len(order):
+        raise ValueError("a merge tree needs at least one piece")
     tree: Tree = int(order[0])
     for p in order[1:]:
         tree = (tree, int(p))
@@ -213,7 +209,8 @@ def sequential_tree(order: Sequence[int]) -> Tree:
 
 def balanced_tree(order: Sequence[int]) -> Tree:
     """Pairs, then pairs of pairs: depth ``ceil(log2 P)``; ``ValueError`` if empty."""
-    _check_order(order)
+    if not len(order):
+        raise ValueError("a merge tree needs at least one piece")
     if len(order) == 1:
         return int(order[0])
     half = (len(order) + 1) // 2
