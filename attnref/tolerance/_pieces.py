@@ -211,7 +211,7 @@ def pieces_error_bound(
         if key_blocks is not None:
             raise ValueError("key_blocks needs known pieces (pieces=None assumes any tiling)")
         merge_depth(tree, s)
-        states = _key_states(c, call, work, state_fmt, lse_fmt)
+        o, lse, e_o, e_l = _key_states(c, call, work, state_fmt, lse_fmt)
     else:
         ids, count = _assignment(pieces, num_pieces, s)
         merge_depth(tree, count)
@@ -219,15 +219,13 @@ def pieces_error_bound(
         if (allowed & orphan).any():
             j = int(np.flatnonzero((allowed & orphan).any(axis=(0, 1, 2)))[0])
             raise ValueError(f"key {j} is in no piece (id -1) but some query may attend it")
-        states = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
-    o, lse, e_o, e_l = states
+        o, lse, e_o, e_l = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
     if c.sinks is not None:
         # The sink: one exact state (0, z_n), merged once after the pieces' merge. Any order of
         # the P + 1 states is covered by the sequential tree (depth P, the deepest).
         z = np.broadcast_to(c.sinks, lse.shape[1:])[None]
-        o, lse = np.concatenate([o, np.zeros_like(o[:1])]), np.concatenate([lse, z])
-        e_o = np.concatenate([e_o, np.zeros_like(e_o[:1])])
-        e_l = np.concatenate([e_l, np.zeros_like(z)])
+        o, e_o = (np.concatenate([a, np.zeros_like(a[:1])]) for a in (o, e_o))
+        lse, e_l = np.concatenate([lse, z]), np.concatenate([e_l, np.zeros_like(z)])
         tree = "sequential"
     out_b, lse_b = merge_error_bound(
         o, lse, axis=0, dtype=state_fmt, lse_dtype=lse_fmt, tree=tree, o_error=e_o, lse_error=e_l
