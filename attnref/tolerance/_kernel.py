@@ -201,8 +201,7 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
     """
     if isinstance(keys, bool) or not isinstance(keys, (int, np.integer)) or keys < 0:
         raise ValueError(f"keys must be an integer >= 0 (the key length S), got {keys!r}")
-    fmt = np.dtype(dtype)
-    g = gamma(int(keys), unit_roundoff(np.float32 if is_16bit(fmt) else fmt))
+    g = gamma(int(keys), work_units(dtype)[1][0])
     mag = np.asarray(magnitude, np.float64)
     if np.any(mag < 0):
         raise ValueError(

@@ -104,19 +104,17 @@ def merge_depth(tree: str | int, pieces: int) -> int:
     """
     if not isinstance(pieces, (int, np.integer)) or pieces < 0:
         raise ValueError(f"pieces must be an int >= 0, got {pieces!r}")
-    low = math.ceil(math.log2(pieces)) if pieces > 1 else 0
+    low, high = (math.ceil(math.log2(pieces)) if pieces > 1 else 0), max(int(pieces) - 1, 0)
     if isinstance(tree, str):
         if tree not in TREES:
             raise ValueError(f"tree must be one of {TREES} or an int depth, got {tree!r}")
-        if tree == "sequential":
-            return max(int(pieces) - 1, 0)
-        return low if tree == "balanced" else min(1, low)
+        return {"sequential": high, "balanced": low}.get(tree, min(1, low))
     if not isinstance(tree, (int, np.integer)) or isinstance(tree, (bool, np.bool_)):
         raise TypeError(f"tree must be one of {TREES} or an int depth, got {tree!r}")
-    if not low <= tree <= max(int(pieces) - 1, 0):
+    if not low <= tree <= high:
         raise ValueError(
-            f"a binary merge tree over {pieces} pieces has depth in [{low}, "
-            f"{max(int(pieces) - 1, 0)}], got tree={tree}"
+            f"a binary merge tree over {pieces} pieces has depth in [{low}, {high}], "
+            f"got tree={tree}"
         )
     return int(tree)
 
