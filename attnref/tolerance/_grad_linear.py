@@ -382,8 +382,7 @@ def linear_attention_vjp_error_bound(
         ValueError: If ``eps_policy`` is unknown.
     """
     q, k, v, *options = call.values()
-    out = _kernel_bound(q, k, v, d_y, (dq, dk, dv, d_dy), tuple(options))
-    return LinearGrads(out[0], out[1], out[2])
+    return LinearGrads(*_kernel_bound(q, k, v, d_y, (dq, dk, dv, d_dy), tuple(options))[:3])
 
 
 # ----------------------------------------------------------------------------- multi-head
