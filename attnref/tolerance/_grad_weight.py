@@ -96,11 +96,6 @@ def _exact(m: np.ndarray) -> _ME:
     return _ME(m, np.zeros_like(m))
 
 
-def _group_sum(a: np.ndarray, n_kv: int) -> np.ndarray:
-    """``[H, ...] -> [K, ...]``: the sum over the ``G`` query heads of each key/value head."""
-    return a.reshape(n_kv, a.shape[0] // n_kv, *a.shape[1:]).sum(axis=1)
-
-
 class _Rope(NamedTuple):
     """RoPE of the bound: positions broadcast to ``[..., T_q]``, ``[..., T_k]``."""
 
@@ -209,8 +204,9 @@ def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads
     xq_t, xkv_t = _exact(np.abs(hom(p.xq))), _exact(np.abs(hom(p.xkv)))
     g_q = _product("...qa,...hqe->hae", xq_t, dq, gamma(n_b * t_q, u))
 
-    def kv_grad(d: _ME) -> np.ndarray:  # summed over each K/V head's group: n = B G T_k
-        m, e = (_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, d, 0.0))
+    def kv_grad(d: _ME) -> np.ndarray:  # summed over each K/V head's G query heads: n = B G T_k
+        m, e = _product("...ka,...hke->hae", xkv_t, d, 0.0)
+        m, e = (a.reshape(n_kv, group, *a.shape[1:]).sum(axis=1) for a in (m, e))
         return e + _times(gamma(n_b * group * t_k, u), m)
 
     g_o = _product("...hqv,...qd->hvd", z, _exact(a_dy), gamma(n_b * t_q, u))
