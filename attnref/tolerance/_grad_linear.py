@@ -138,19 +138,16 @@ def _taylor2_vjp(
 
 
 def _dot_err(a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray, spec: str) -> Any:
-    """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the contracted size of ``spec``."""
+    """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the number of terms the einsum
+    ``spec`` sums per output entry."""
+    ins, out = spec.replace("...", "").split("->")
+    size: dict[str, int] = {}
+    for sub, x in zip(ins.split(","), (a, b), strict=True):
+        size.update(zip(sub, x.shape[x.ndim - len(sub) :], strict=True))
+    n = math.prod(k for c, k in size.items() if c not in out)
     ein = functools.partial(np.einsum, spec, optimize=True)
     err = ein(ea, np.abs(b)) + ein(np.abs(a), eb)
-    return ein(a, b), err + _g(_contracted(spec, a, b) + 2) * ein(np.abs(a), np.abs(b))
-
-
-def _contracted(spec: str, a: np.ndarray, b: np.ndarray) -> int:
-    """The number of terms an einsum ``spec`` (two operands) sums per output entry."""
-    ins, out = spec.replace("...", "").split("->")
-    sa, sb = ins.split(",")
-    size = {c: a.shape[a.ndim - len(sa) + i] for i, c in enumerate(sa)}
-    size.update({c: b.shape[b.ndim - len(sb) + i] for i, c in enumerate(sb)})
-    return math.prod(n for c, n in size.items() if c not in out)
+    return ein(a, b), err + _g(n + 2) * ein(np.abs(a), np.abs(b))
 
 
 def _cotangent_terms(
