@@ -186,22 +186,14 @@ def _denominator(
     return d, ed, c, ~zero & ~bad, bad
 
 
-def _with_inf(
-    b: tuple[np.ndarray, np.ndarray, np.ndarray], bad: np.ndarray, allowed: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """``inf`` for ``dq_i`` of an undetermined row and the ``dk_j, dv_j`` it reads."""
-    hit = np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
-    bq = np.where(bad[..., None], np.inf, b[0])
-    return bq, np.where(hit, np.inf, b[1]), np.where(hit, np.inf, b[2])
-
-
 # ----------------------------------------------------------------------------- kernel level
 
 
 def _kernel_features(
     fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
 ) -> tuple[np.ndarray, ...]:
-    """Head-major bound for every map but FAVOR+: ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    """Head-major bound for every map but FAVOR+: ``(E_dq, E_dk, E_dv, y, E_y, dq, dk, dv, bad)``
+    (``bad``: the undetermined rows)."""
     v, ev, dy, edy, allowed = v
     eps, eps_policy = opt
     taylor = fm.name == "taylor2"
@@ -242,8 +234,7 @@ def _kernel_features(
         return dx, np.abs(lf) * e_df + e_lf * np.abs(df) + U * np.abs(dx)
 
     (dq, e_dq), (dk, e_dk) = back(lq, dfq, e_dfq), back(lk, dfk, e_dfk)
-    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
-    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+    return e_dq, e_dk, e_dv, y, e_y, dq, dk, dv, bad
 
 
 def _favor_log_parts(
@@ -285,7 +276,7 @@ def _favor_log_parts(
 def _kernel_favor(
     fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
 ) -> tuple[np.ndarray, ...]:
-    """Head-major bound for FAVOR+ (log space): ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    """Head-major bound for FAVOR+ (log space), as :func:`_kernel_features`."""
     v, ev, dy, edy, allowed = v
     eps, eps_policy = opt
     w = np.asarray(fm.omega, dtype=np.float64)
@@ -339,8 +330,7 @@ def _kernel_favor(
     e_dq = err(-1, t_k, qs, eqs) / scale + 3 * U * np.abs(dq)
     e_dk = err(-2, t_q, ks, eks) / scale + 3 * U * np.abs(dk)
     dv, e_dv = _dot_err(ratio, e_w, dy, edy, "...ij,...iv->...jv")
-    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
-    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+    return e_dq, e_dk, e_dv, y, e_y, dq, dk, dv, bad
 
 
 def _kernel_bound(
@@ -358,8 +348,13 @@ def _kernel_bound(
     allowed = allowed_keys(q.shape, k.shape[-3], key_mask, causal)
     rest = (_bt(v), _bt(ev), _bt(dy), _bt(edy), allowed)
     kernel = _kernel_favor if fm.name == "favor_plus" else _kernel_features
-    out = kernel(fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy))
-    return tuple(_bt(a) for a in out)
+    e_dq, e_dk, e_dv, y, e_y, *grads, bad = kernel(
+        fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy)
+    )
+    # inf for dq_i (and E_y_i) of an undetermined row and for the dk_j, dv_j it reads
+    row, hit = bad[..., None], np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
+    bq, bk, bv = (np.where(m, np.inf, e) for m, e in ((row, e_dq), (hit, e_dk), (hit, e_dv)))
+    return tuple(_bt(a) for a in (bq, bk, bv, y, np.where(row, np.inf, e_y), *grads))
 
 
 @doc(LINEAR)
