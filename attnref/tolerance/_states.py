@@ -238,7 +238,6 @@ def merge_error_bound(
     ax = check_axis(axis, lse64.shape)
     pieces = lse64.shape[ax]
     depth = merge_depth(tree, pieces)
-    stack = tree == "stack"
     ls, os_ = np.moveaxis(lse64, ax, -1), np.moveaxis(o64, ax, -2)
     st = _live_stats(os_, ls)
     eo, el = _errors(o_error, lse_error, o64, lse64, st["live"], ax)
@@ -247,7 +246,7 @@ def merge_error_bound(
 
     e_max, lam0 = eo.max(axis=-2, initial=0.0), el.max(axis=-1, initial=0.0)
     rng, mag = st["R"] + 2.0 * e_max, st["V"] + e_max
-    if stack and pieces > 1:
+    if tree == "stack" and pieces > 1:
         d_lse = _stack_lse(lam0, u, pieces, r_l, st["Lmax"], (pieces - 1) * tiny)
         eps = lam0 + C_EXP * u
         local_o = (gamma(2 * pieces, u) + r_o) * mag
@@ -272,9 +271,8 @@ def merge_error_bound(
     d_o = (carried + local_o + weights) * (1.0 + r_o) ** levels
     d_lse = d_lse * (1.0 + r_l) ** levels
     ora_o, ora_l = _oracle_error(st, max(pieces, 1))
-    exact = st["exact"]
-    exact_o = exact[..., None] | st["bad_o"]
-    return np.where(exact_o, 0.0, d_o + ora_o), np.where(exact, 0.0, d_lse + ora_l)
+    exact_o = st["exact"][..., None] | st["bad_o"]
+    return np.where(exact_o, 0.0, d_o + ora_o), np.where(st["exact"], 0.0, d_lse + ora_l)
 
 
 def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
