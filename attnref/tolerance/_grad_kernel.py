@@ -52,9 +52,8 @@ def _block(
     q, sc, softcap, z = call.q[b, i0:i1].transpose(1, 0, 2), call.scale, call.softcap, call.sinks
     w = None  # dropout's keep / (1 - p)
     if call.keep is not None and call.rate is not None:
-        w = np.where(
-            np.broadcast_to(call.keep[b, :, i0:i1], ok.shape), 1.0 / (1.0 - call.rate), 0.0
-        )
+        keep = np.broadcast_to(call.keep[b, :, i0:i1], ok.shape)
+        w = np.where(keep, 1.0 / (1.0 - call.rate), 0.0)
     n_dk, c = call.shape[2] * call.group, C_EXP
     if z is not None:
         col = np.broadcast_to(z[:, None, None], (len(z), q.shape[1], 1))
@@ -74,8 +73,7 @@ def _block(
     d_p = d_o @ vg.transpose(0, 2, 1)  # [N, R, S]
     dp_mag = abs_do @ abs_v.transpose(0, 2, 1)  # e_dp = gamma_{H_v} dp_mag (times w)
     if w is not None:  # dP_ij = w_ij dO_i . v_j: one more product
-        d_p = w * d_p
-        dp_mag = w * dp_mag
+        d_p, dp_mag = w * d_p, w * dp_mag
     big_d = np.sum(p * d_p, axis=-1, keepdims=True)
     pd = p * np.abs(d_p)
     g_mag = np.abs(d_p) + np.abs(big_d) + np.abs(d_l)[..., None]
