@@ -86,9 +86,7 @@ def _block(
         d_x = d_s * f
     # The bound is a sum over the units; every product below is linear in its u-dependent
     # factor, so the factors are summed first and each product is formed once.
-    e_ds = np.zeros_like(p)
-    e_dx = np.zeros_like(p)
-    rp = np.zeros_like(p)  # sum_u r_i p_ij
+    e_ds, e_dx, rp = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)  # rp: sum_u r_i p_ij
     g_q = g_k = g_v = 0.0
     reach = logit_reach(lg, ok, h, softcap)  # [N, R]
     for u in units:
