@@ -235,8 +235,7 @@ def kernel_call_error_bound(
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
     if c.sinks is not None:  # the sink is one more key (zero value, exact logit z_n), merged last
         s_len, n_b = s_len + 1, n_b + 1
-    out = np.zeros((b_size, t, n_heads, h_v))
-    lse = np.zeros((b_size, t, n_heads))
+    out, lse = np.zeros((b_size, t, n_heads, h_v)), np.zeros((b_size, t, n_heads))
     o_ref = np.zeros_like(out) if is_16bit(fmt) else None
     dead = np.ones((b_size, t, n_heads), bool)
     rows = max(1, query_block(c, 6, budget))
