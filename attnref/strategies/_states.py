@@ -122,8 +122,7 @@ def make_state_stack(
     gone = rng.random(shape) < empty
     if empty_row and len(rows) and pieces:
         gone[(slice(None),) + (0,) * len(rows)] = True
-    lse = np.where(gone, -np.inf, lse)
-    o = np.where(gone[..., None], np.nan, o)
+    lse, o = np.where(gone, -np.inf, lse), np.where(gone[..., None], np.nan, o)
     o_dt = as_dtype(dtype)
     l_dt = o_dt if lse_dtype is None else as_dtype(lse_dtype)
     return StateStack(o.astype(o_dt), lse.astype(l_dt), spread, float(center), int(seed))
