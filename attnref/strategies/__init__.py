@@ -57,13 +57,7 @@ from __future__ import annotations
 
 from attnref._src.formulations.kernel import STATIC_OPTIONS
 
-from ._kernel import (
-    IDENTICAL,
-    KernelProblem,
-    kernel_inputs,
-    kernel_problems,
-    make_kernel_problem,
-)
+from ._kernel import IDENTICAL, KernelProblem, kernel_inputs, kernel_problems, make_kernel_problem
 from ._masks import (
     BIAS_SHAPE_KINDS,
     KIND_FEATURES,
@@ -117,11 +111,6 @@ from ._states import (
     tree_depth,
     tree_leaves,
 )
-from ._weight import (
-    WEIGHT_KINDS,
-    AttentionProblem,
-    attention_problems,
-    make_attention_problem,
-)
+from ._weight import WEIGHT_KINDS, AttentionProblem, attention_problems, make_attention_problem
 
 __all__ = sorted(n for n in dir() if not n.startswith("_") and n != "annotations")

@@ -128,13 +128,7 @@ def tile_configs(draw: DrawFn, base: Config, lengths: tuple[int, ...] = TILE_LEN
 # Every rank-4 shape broadcasting to [B, N, T, S] (each axis its letter or 1), fewest 1s first so
 # Hypothesis shrinks towards "BNTS"; "B11S" is the key-padding mask.
 BROADCAST_SHAPES: tuple[str, ...] = tuple(
-    sorted(
-        (
-            "".join(full if keep else "1" for full, keep in zip("BNTS", keeps, strict=True))
-            for keeps in itertools.product((True, False), repeat=4)
-        ),
-        key=lambda pattern: pattern.count("1"),
-    )
+    sorted(map("".join, itertools.product(*((a, "1") for a in "BNTS"))), key=lambda p: p.count("1"))
 )
 
 

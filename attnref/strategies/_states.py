@@ -122,8 +122,7 @@ def make_state_stack(
     gone = rng.random(shape) < empty
     if empty_row and len(rows) and pieces:
         gone[(slice(None),) + (0,) * len(rows)] = True
-    lse = np.where(gone, -np.inf, lse)
-    o = np.where(gone[..., None], np.nan, o)
+    lse, o = np.where(gone, -np.inf, lse), np.where(gone[..., None], np.nan, o)
     o_dt = as_dtype(dtype)
     l_dt = o_dt if lse_dtype is None else as_dtype(lse_dtype)
     return StateStack(o.astype(o_dt), lse.astype(l_dt), spread, float(center), int(seed))
@@ -282,13 +281,13 @@ class KeyPartition(ShortRepr):
 
     def oracle_states(self) -> tuple[np.ndarray, np.ndarray]:
         """The pieces' float64 oracle states: ``o [P, B, T, N, H_v]``, ``lse [P, B, T, N]``."""
-        states = [self.piece(p).oracle() for p in range(self.pieces)]
-        return np.stack([s[0] for s in states]), np.stack([s[1] for s in states])
+        o, lse = zip(*(self.piece(p).oracle() for p in range(self.pieces)), strict=True)
+        return np.stack(o), np.stack(lse)
 
     def piece_bounds(self, key_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Each piece's :func:`attnref.tolerance.kernel_call_error_bound`, stacked."""
-        bounds = [self.piece(p).bound(key_blocks) for p in range(self.pieces)]
-        return np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
+        o, lse = zip(*(self.piece(p).bound(key_blocks) for p in range(self.pieces)), strict=True)
+        return np.stack(o), np.stack(lse)
 
     def bound(
         self, tree: str | int | None = None, key_blocks: int | None = None

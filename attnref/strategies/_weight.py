@@ -83,12 +83,7 @@ class AttentionProblem(ShortRepr):
 
 
 def make_attention_problem(
-    config: Config,
-    kind: str = "none",
-    seed: int = 0,
-    dtype: Any = None,
-    *,
-    param_bias: bool = True,
+    config: Config, kind: str = "none", seed: int = 0, dtype: Any = None, *, param_bias: bool = True
 ) -> AttentionProblem:
     """The :class:`AttentionProblem` behind one draw of :func:`attention_problems`, in
     ``config.dtype`` (or ``dtype``), of ``kind`` in :data:`WEIGHT_KINDS` (``padding`` pads keys):

@@ -5,6 +5,7 @@ FlashAttention's comparative rule, and the helpers the weight-level bounds share
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,12 +49,6 @@ def hom(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
 
 
-def _homogeneous_abs(w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    """``|[W; b]|`` per head: ``[H, d_model + 1, d]`` (zero row when there is no bias)."""
-    bias = np.zeros((w.shape[0], 1, w.shape[2])) if b is None else b[:, None, :]
-    return np.abs(np.concatenate([w, bias], axis=1))
-
-
 def project_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
@@ -67,8 +62,11 @@ def project_heads(
 def abs_heads(
     x: np.ndarray, wt: np.ndarray, b: np.ndarray | None, layout: str = "hte"
 ) -> np.ndarray:
-    """``|x~||W~[i]|`` per head, the magnitude of :func:`project_heads` (same ``layout``)."""
-    return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), _homogeneous_abs(wt, b))
+    """``|x~||W~[i]|`` per head (``|W~| = |[W; b]|``, a zero row without bias), the magnitude
+    of :func:`project_heads` (same ``layout``)."""
+    bias = np.zeros((wt.shape[0], 1, wt.shape[2])) if b is None else b[:, None, :]
+    w_abs = np.abs(np.concatenate([wt, bias], axis=1))
+    return np.einsum(f"...td,hde->...{layout}", np.abs(hom(x)), w_abs)
 
 
 def value_magnitude(xkv: np.ndarray, w: dict[str, np.ndarray | None]) -> np.ndarray:
@@ -119,13 +117,7 @@ def read_weights(params: Any) -> tuple[Params, int]:
 
 
 def read_problem(
-    w: Params,
-    x_q: Any,
-    x_kv: Any,
-    *,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
+    w: Params, x_q: Any, x_kv: Any, *, mask: Any, bias: Any, scale: float | None
 ) -> _Problem:
     """The inputs as float64, the scale, the finite logit bias and the allowed pairs."""
     w_q, _, w_v, _ = head_weights(w)
@@ -165,44 +157,53 @@ def plain_softmax(p: _Problem) -> tuple[np.ndarray, Softmax]:
 # ----------------------------------------------------------------------------- the arithmetic
 
 
-def worst_case_terms(u: float, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
-    """``(gamma_{N_s}, u, gamma_{T_k + 2 + 2 C_EXP}, gamma_{N_y})``: every operation in ``u``."""
-    return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
-
-
 def _chain_sizes(dims: tuple[int, int, int, int, int]) -> tuple[int, int, int]:
     """``(N_s, N_y, T_k)`` (steps 1 and 3) of ``dims = (H, d_model, d_k, d_v, T_k)``."""
     h, d_model, d_k, d_v, t_k = dims
     return 2 * (d_model + 1) + d_k + 2, t_k + d_model + d_v + h + 2, t_k
 
 
-def _chain_terms(dtype: Any, n_s: int, n_y: int, t_k: int) -> tuple[float, float, float, float]:
-    """``(g_s, u_sub, g_soft, g_y)`` for the dtype's arithmetic model (see the module docstring)."""
+def chain_terms(
+    dtype: Any, n_s: int, n_y: int, t_k: int, model16: bool = False
+) -> tuple[float, float, float, float]:
+    """``(g_s, u_sub, g_soft, g_y)``: ``(gamma_{N_s}, u, gamma_{T_k + 2 + 2 C_EXP}, gamma_{N_y})``
+    with every operation in ``dtype``'s ``u``, or with ``model16`` for a 16-bit ``dtype`` the
+    float32-accumulation model (see the module docstring)."""
     u = unit_roundoff(dtype)
-    if is_16bit(dtype):
+    if model16 and is_16bit(dtype):
         u32 = unit_roundoff(np.float32)
         g_s = K_S * u + gamma(n_s, u32)
         g_soft = 4 * u + gamma(t_k + 2 + 2 * C_EXP, u32)
         g_y = K_Y * u + gamma(t_k, u) + gamma(n_y, u32)
         return g_s, u, g_soft, g_y
-    return worst_case_terms(u, n_s, n_y, t_k)
+    return gamma(n_s, u), u, gamma(t_k + 2 + 2 * C_EXP, u), gamma(n_y, u)
 
 
-def output_bound(
-    err: np.ndarray,
+def summed_bound(
+    dtype: Any,
+    sizes: tuple[int, int, int],
+    logit_error: Callable[[float, float], np.ndarray],
     allowed: np.ndarray,
-    g_soft: float,
-    g_y: float,
     mixed: np.ndarray,
     b_o: np.ndarray | None = None,
-) -> np.ndarray:
-    """Steps 2 and 3 from the logit errors ``err [..., H, T_q, T_k]``: ``sum_h (rho_hi + g_y)
-    mixed_hi + g_y |b_O|``, ``rho_hi = exp(2 max_j err_hij) - 1 + g_soft`` over allowed keys."""
-    e_row = np.where(allowed, err, 0.0).max(axis=-1)  # [..., H, T_q]
-    with np.errstate(over="ignore"):
-        rho = np.expm1(2.0 * e_row) + g_soft
-    bound = np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
-    return bound if b_o is None else bound + g_y * np.abs(b_o)
+    residual: np.ndarray | None = None,
+    model16: bool = False,
+) -> Any:
+    """Steps 2 and 3 from the logit errors ``err = logit_error(g_s, u) [..., H, T_q, T_k]``,
+    summed over ``dtype``'s ``u`` and float64's (:func:`chain_terms` of ``sizes = (N_s, N_y,
+    T_k)``): ``sum_h (rho_hi + g_y) mixed_hi + g_y |b_O| (+ u |residual|)``, ``rho_hi = exp(2
+    max_j err_hij) - 1 + g_soft`` over allowed keys."""
+    bound: Any = 0.0
+    for dt in (dtype, np.float64):
+        g_s, u, g_soft, g_y = chain_terms(dt, *sizes, model16=model16)
+        e_row = np.where(allowed, logit_error(g_s, u), 0.0).max(axis=-1)  # [..., H, T_q]
+        with np.errstate(over="ignore"):
+            rho = np.expm1(2.0 * e_row) + g_soft
+        term = np.einsum("...hq,...hqd->...qd", rho + g_y, mixed)
+        bound = bound + (term if b_o is None else term + g_y * np.abs(b_o))
+        if residual is not None:
+            bound = bound + u * np.abs(residual)
+    return bound
 
 
 # ----------------------------------------------------------------------------- public bounds
@@ -226,18 +227,15 @@ def attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     allowed, sm = plain_softmax(p)
     ls = logit_magnitude(p) + np.abs(p.bias)
     mixed = np.einsum("...hqk,...hkd->...hqd", sm.weights, value_magnitude(p.xkv, w))
-    bound = np.zeros_like(p.xq)  # [..., T_q, d_model]
-    for dt in (dtype, np.float64):  # the format's share and the oracle's
-        g_s, u, g_soft, g_y = _chain_terms(dt, *_chain_sizes(p.dims))
-        bound = bound + output_bound(
-            g_s * ls + u * sm.spread, allowed, g_soft, g_y, mixed, w["b_o"]
-        )
+
+    def logit_error(g_s: float, u: float) -> np.ndarray:
+        return g_s * ls + u * sm.spread
+
+    sizes = _chain_sizes(p.dims)
+    bound = summed_bound(dtype, sizes, logit_error, allowed, mixed, w["b_o"], model16=True)
     if residual:
-        y = np.einsum(
-            "...hqk,...hkd->...qd",
-            sm.weights,
-            np.einsum("...hkv,hvd->...hkd", project_heads(p.xkv, w_v, w["b_v"]), w_o),
-        )
+        vo = np.einsum("...hkv,hvd->...hkd", project_heads(p.xkv, w_v, w["b_v"]), w_o)
+        y = np.einsum("...hqk,...hkd->...qd", sm.weights, vo)
         bound = bound + unit_roundoff(dtype) * np.abs(p.xq + y)
     return bound
 
@@ -270,7 +268,7 @@ def attention_local_errors(
         mixed = mixed + np.abs(w["b_o"])
     out: dict[str, Any] = {"logits": 0.0, "weights": 0.0, "output": 0.0}
     for dt in (dtype, np.float64):
-        g_s, u, g_soft, g_y = _chain_terms(dt, *_chain_sizes(p.dims))
+        g_s, u, g_soft, g_y = chain_terms(dt, *_chain_sizes(p.dims), model16=True)
         out["logits"] = out["logits"] + np.where(allowed, g_s * ls + u * sm.spread, 0.0)
         out["weights"] = out["weights"] + g_soft
         out["output"] = out["output"] + g_y * mixed

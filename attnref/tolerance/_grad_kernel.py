@@ -34,8 +34,8 @@ from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import allowed_rows, kernel_call, parse
 from attnref.oracle._kernel_grad import KernelGrads, bias_add, cotangents, fast
 
-from ._kernel import kernel_logits, logit_reach, lse_row_error, row_terms
-from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
+from ._kernel import kernel_logits, logit_reach, row_terms
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff, work_units
 
 __all__ = ["kernel_grad_error_bound"]
 
@@ -52,15 +52,12 @@ def _block(
     q, sc, softcap, z = call.q[b, i0:i1].transpose(1, 0, 2), call.scale, call.softcap, call.sinks
     w = None  # dropout's keep / (1 - p)
     if call.keep is not None and call.rate is not None:
-        w = np.where(
-            np.broadcast_to(call.keep[b, :, i0:i1], ok.shape), 1.0 / (1.0 - call.rate), 0.0
-        )
+        keep = np.broadcast_to(call.keep[b, :, i0:i1], ok.shape)
+        w = np.where(keep, 1.0 / (1.0 - call.rate), 0.0)
     n_dk, c = call.shape[2] * call.group, C_EXP
     if z is not None:
-        n_r = q.shape[1]
-        col = np.broadcast_to(z[:, None, None], (len(z), n_r, 1))
-        kg = np.concatenate([kg, np.zeros((kg.shape[0], 1, kg.shape[2]))], axis=1)
-        vg = np.concatenate([vg, np.zeros((vg.shape[0], 1, vg.shape[2]))], axis=1)
+        col = np.broadcast_to(z[:, None, None], (len(z), q.shape[1], 1))
+        kg, vg = (np.concatenate([a, np.zeros((a.shape[0], 1, a.shape[2]))], 1) for a in (kg, vg))
         ok = np.concatenate([ok, np.isfinite(col)], axis=-1)
         base = np.zeros((*ok.shape[:2], ok.shape[2] - 1)) if bias is None else bias
         bias = np.concatenate([np.broadcast_to(base, ok.shape[:2] + base.shape[2:]), col], -1)
@@ -76,8 +73,7 @@ def _block(
     d_p = d_o @ vg.transpose(0, 2, 1)  # [N, R, S]
     dp_mag = abs_do @ abs_v.transpose(0, 2, 1)  # e_dp = gamma_{H_v} dp_mag (times w)
     if w is not None:  # dP_ij = w_ij dO_i . v_j: one more product
-        d_p = w * d_p
-        dp_mag = w * dp_mag
+        d_p, dp_mag = w * d_p, w * dp_mag
     big_d = np.sum(p * d_p, axis=-1, keepdims=True)
     pd = p * np.abs(d_p)
     g_mag = np.abs(d_p) + np.abs(big_d) + np.abs(d_l)[..., None]
@@ -90,15 +86,11 @@ def _block(
         d_x = d_s * f
     # The bound is a sum over the units; every product below is linear in its u-dependent
     # factor, so the factors are summed first and each product is formed once.
-    e_ds = np.zeros_like(p)
-    e_dx = np.zeros_like(p)
-    rp = np.zeros_like(p)  # sum_u r_i p_ij
+    e_ds, e_dx, rp = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)  # rp: sum_u r_i p_ij
     g_q = g_k = g_v = 0.0
     reach = logit_reach(lg, ok, h, softcap)  # [N, R]
     for u in units:
-        e_row = gamma(h + 1, u) * reach
-        rho, delta = row_terms(s_len, s_len, e_row, u)  # any tiling: n_b = S
-        l_err = lse_row_error(e_row, delta)
+        e_row, rho, l_err = row_terms(reach, h, s_len, s_len, u)  # any tiling: n_b = S
         with np.errstate(over="ignore"):
             r = np.maximum(rho, np.expm1(e_row + l_err) + gamma(c + 2, u))[..., None]
         e_o = (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag
@@ -121,14 +113,14 @@ def _block(
             e_dx += e_ds_u * f + np.abs(d_s) * e_f + u * np.abs(d_x)
         else:
             e_dx += e_ds_u
-        rp += r * (pw if w is not None else p)
+        rp += r * pw
         g_q += gamma(s_len + 2, u)
         g_k += gamma(n_dk + 2, u)
         g_v += gamma(n_dk + 1 + (w is not None), u)
     abs_k, abs_q, abs_dx = np.abs(kg), np.abs(q), np.abs(d_x)
     e_dq = abs(sc) * (e_dx @ abs_k + g_q * (abs_dx @ abs_k))
     e_dk = abs(sc) * (e_dx.transpose(0, 2, 1) @ abs_q + g_k * (abs_dx.transpose(0, 2, 1) @ abs_q))
-    pt = (p if w is None else pw).transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
+    pt = pw.transpose(0, 2, 1)  # dv_j = sum_i p_ij w_ij dO_i
     e_dv = rp.transpose(0, 2, 1) @ abs_do + g_v * (pt @ abs_do)
     return e_dq, e_dk, e_dv, e_ds, np.abs(d_s)
 
@@ -153,19 +145,16 @@ def kernel_grad_error_bound(
     c = parse(**call)
     d_o, d_l = cotangents(c, cotangent, lse_cotangent)
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
-    work = np.float32 if is_16bit(fmt) else fmt
+    _, units = work_units(fmt)
     b_size, n_heads, t, s_len = c.shape
-    grp = c.group
-    n_kv = c.k.shape[2]
+    grp, n_kv = c.group, c.k.shape[2]
     out = [np.zeros_like(c.q), np.zeros_like(c.k), np.zeros_like(c.v)]
     # the bias's and the sinks' (bound, sum |dS|) pairs
     db = None if c.bias_shape is None else np.zeros((2, *c.bias_shape))
     dz = None if c.sinks is None else np.zeros((2, n_heads))
     rows = max(1, budget // max(1, n_heads * s_len * 8 * 16))
-    units = (unit_roundoff(work), unit_roundoff(np.float64))
     for b in range(b_size):
-        kg = np.repeat(c.k[b], grp, axis=1).transpose(1, 0, 2)  # [N, S, H]
-        vg = np.repeat(c.v[b], grp, axis=1).transpose(1, 0, 2)
+        kg, vg = (np.repeat(a[b], grp, axis=1).transpose(1, 0, 2) for a in (c.k, c.v))  # [N, S, H]
         dead = np.zeros((t, n_heads), bool)
         for i0 in range(0, int(c.q_len[b]), rows):
             i1 = min(i0 + rows, int(c.q_len[b]))

@@ -54,18 +54,19 @@ plus the residual and self-attention additions.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import numpy as np
 
-from attnref.oracle._core import get_param, head_weights, tokens
+from attnref.oracle._core import get_param, head_weights, tokens, unpack
 from attnref.oracle._doc import LINEAR, doc, linear_options, linear_qkv, signed, weight_tokens
 from attnref.oracle._linear import check_options
 from attnref.oracle._linear_grad import LinearGrads, LinearMultiheadGrads
 
 from ._core import read_params
-from ._linear import allowed_keys, projected_heads
+from ._linear import allowed_keys, projected_heads, taylor2_error
 from ._rounding import C_EXP, gamma, unit_roundoff
 
 U = unit_roundoff(np.float64)
@@ -105,16 +106,10 @@ def _taylor2_leaves(x: np.ndarray, ex: np.ndarray) -> tuple[np.ndarray, ...]:
     d = x.shape[-1]
     xs = x / d**0.25
     exs = ex / d**0.25 + 3 * U * np.abs(xs)
-    ax = np.abs(xs)
     outer = xs[..., :, None] * xs[..., None, :] / math.sqrt(2.0)
-    e_outer = (
-        exs[..., :, None] * ax[..., None, :]
-        + ax[..., :, None] * exs[..., None, :]
-        + 3 * U * ax[..., :, None] * ax[..., None, :]
-    ) / math.sqrt(2.0)
     lead = x.shape[:-1]
     phi = np.concatenate([np.ones((*lead, 1)), xs, outer.reshape(*lead, d * d)], -1)
-    e_phi = np.concatenate([np.zeros((*lead, 1)), exs, e_outer.reshape(*lead, d * d)], -1)
+    e_phi = taylor2_error(np.abs(xs), exs, U)
     return phi, e_phi, xs, exs
 
 
@@ -143,23 +138,16 @@ def _taylor2_vjp(
 
 
 def _dot_err(a: np.ndarray, ea: np.ndarray, b: np.ndarray, eb: np.ndarray, spec: str) -> Any:
-    """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the contracted size of ``spec``."""
-    n = _contracted(spec, a, b)
-    val = np.einsum(spec, a, b, optimize=True)
-    mag = np.einsum(spec, np.abs(a), np.abs(b), optimize=True)
-    err = np.einsum(spec, ea, np.abs(b), optimize=True) + np.einsum(
-        spec, np.abs(a), eb, optimize=True
-    )
-    return val, err + _g(n + 2) * mag
-
-
-def _contracted(spec: str, a: np.ndarray, b: np.ndarray) -> int:
-    """The number of terms an einsum ``spec`` (two operands) sums per output entry."""
+    """``(a.b, E_a.|b| + |a|.E_b + gamma_{n+2} |a|.|b|)``, ``n`` the number of terms the einsum
+    ``spec`` sums per output entry."""
     ins, out = spec.replace("...", "").split("->")
-    sa, sb = ins.split(",")
-    size = {c: a.shape[a.ndim - len(sa) + i] for i, c in enumerate(sa)}
-    size.update({c: b.shape[b.ndim - len(sb) + i] for i, c in enumerate(sb)})
-    return math.prod(n for c, n in size.items() if c not in out)
+    size: dict[str, int] = {}
+    for sub, x in zip(ins.split(","), (a, b), strict=True):
+        size.update(zip(sub, x.shape[x.ndim - len(sub) :], strict=True))
+    n = math.prod(k for c, k in size.items() if c not in out)
+    ein = functools.partial(np.einsum, spec, optimize=True)
+    err = ein(ea, np.abs(b)) + ein(np.abs(a), eb)
+    return ein(a, b), err + _g(n + 2) * ein(np.abs(a), np.abs(b))
 
 
 def _cotangent_terms(
@@ -198,30 +186,19 @@ def _denominator(
     return d, ed, c, ~zero & ~bad, bad
 
 
-def _with_inf(
-    b: tuple[np.ndarray, np.ndarray, np.ndarray], bad: np.ndarray, allowed: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """``inf`` for ``dq_i`` of an undetermined row and the ``dk_j, dv_j`` it reads."""
-    hit = np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
-    bq = np.where(bad[..., None], np.inf, b[0])
-    return bq, np.where(hit, np.inf, b[1]), np.where(hit, np.inf, b[2])
-
-
 # ----------------------------------------------------------------------------- kernel level
 
 
 def _kernel_features(
     fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
 ) -> tuple[np.ndarray, ...]:
-    """Head-major bound for every map but FAVOR+: ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    """Head-major bound for every map but FAVOR+: ``(E_dq, E_dk, E_dv, y, E_y, dq, dk, dv, bad)``
+    (``bad``: the undetermined rows)."""
     v, ev, dy, edy, allowed = v
     eps, eps_policy = opt
     taylor = fm.name == "taylor2"
-    if taylor:
-        (fq, efq, xq, exq), (fk, efk, xk, exk) = _taylor2_leaves(q, eq), _taylor2_leaves(k, ek)
-    else:
-        fq, efq, jq, ejq = _elementwise_leaves(fm.name, q, eq)
-        fk, efk, jk, ejk = _elementwise_leaves(fm.name, k, ek)
+    leaves = _taylor2_leaves if taylor else functools.partial(_elementwise_leaves, fm.name)
+    (fq, efq, *lq), (fk, efk, *lk) = leaves(q, eq), leaves(k, ek)
     al = allowed.astype(float)
     t_k, m = k.shape[-2], fq.shape[-1]
     a = al * np.einsum("...im,...jm->...ij", fq, fk)
@@ -248,15 +225,16 @@ def _kernel_features(
     dv, e_dv = _dot_err(a * signed_inv[..., None], e_w, dy, edy, "...ij,...iv->...jv")
     dfq, e_dfq = _dot_err(da, e_da, fk, efk, "...ij,...jm->...im")
     dfk, e_dfk = _dot_err(da, e_da, fq, efq, "...ij,...im->...jm")
-    if taylor:
-        dq, e_dq = _taylor2_vjp(xq, exq, dfq, e_dfq)
-        dk, e_dk = _taylor2_vjp(xk, exk, dfk, e_dfk)
-    else:
-        dq, dk = jq * dfq, jk * dfk
-        e_dq = np.abs(jq) * e_dfq + ejq * np.abs(dfq) + U * np.abs(dq)
-        e_dk = np.abs(jk) * e_dfk + ejk * np.abs(dfk) + U * np.abs(dk)
-    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
-    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+
+    def back(lx: list[np.ndarray], df: np.ndarray, e_df: np.ndarray) -> tuple[np.ndarray, ...]:
+        lf, e_lf = lx  # taylor2: x~ and E_x~; else J and E_J
+        if taylor:
+            return _taylor2_vjp(lf, e_lf, df, e_df)
+        dx = lf * df
+        return dx, np.abs(lf) * e_df + e_lf * np.abs(df) + U * np.abs(dx)
+
+    (dq, e_dq), (dk, e_dk) = back(lq, dfq, e_dfq), back(lk, dfk, e_dfk)
+    return e_dq, e_dk, e_dv, y, e_y, dq, dk, dv, bad
 
 
 def _favor_log_parts(
@@ -298,7 +276,7 @@ def _favor_log_parts(
 def _kernel_favor(
     fm: Any, q: np.ndarray, eq: np.ndarray, k: np.ndarray, ek: np.ndarray, v: Any, opt: Any
 ) -> tuple[np.ndarray, ...]:
-    """Head-major bound for FAVOR+ (log space): ``(b_q, b_k, b_v, y, E_y, dq, dk, dv)``."""
+    """Head-major bound for FAVOR+ (log space), as :func:`_kernel_features`."""
     v, ev, dy, edy, allowed = v
     eps, eps_policy = opt
     w = np.asarray(fm.omega, dtype=np.float64)
@@ -352,8 +330,7 @@ def _kernel_favor(
     e_dq = err(-1, t_k, qs, eqs) / scale + 3 * U * np.abs(dq)
     e_dk = err(-2, t_q, ks, eks) / scale + 3 * U * np.abs(dk)
     dv, e_dv = _dot_err(ratio, e_w, dy, edy, "...ij,...iv->...jv")
-    bq, bk, bv = _with_inf((e_dq, e_dk, e_dv), bad, allowed)
-    return bq, bk, bv, y, np.where(bad[..., None], np.inf, e_y), dq, dk, dv
+    return e_dq, e_dk, e_dv, y, e_y, dq, dk, dv, bad
 
 
 def _kernel_bound(
@@ -371,20 +348,19 @@ def _kernel_bound(
     allowed = allowed_keys(q.shape, k.shape[-3], key_mask, causal)
     rest = (_bt(v), _bt(ev), _bt(dy), _bt(edy), allowed)
     kernel = _kernel_favor if fm.name == "favor_plus" else _kernel_features
-    out = kernel(fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy))
-    return tuple(_bt(a) for a in out)
+    e_dq, e_dk, e_dv, y, e_y, *grads, bad = kernel(
+        fm, _bt(q), _bt(eq), _bt(k), _bt(ek), rest, (eps, eps_policy)
+    )
+    # inf for dq_i (and E_y_i) of an undetermined row and for the dk_j, dv_j it reads
+    row, hit = bad[..., None], np.any(bad[..., :, None] & allowed, axis=-2)[..., None]
+    bq, bk, bv = (np.where(m, np.inf, e) for m, e in ((row, e_dq), (hit, e_dk), (hit, e_dv)))
+    return tuple(_bt(a) for a in (bq, bk, bv, y, np.where(row, np.inf, e_y), *grads))
 
 
 @doc(LINEAR)
 @signed(linear_qkv, linear_options, front=("d_y",))
 def linear_attention_vjp_error_bound(
-    call: dict[str, Any],
-    d_y: Any,
-    *,
-    dq: Any = 0.0,
-    dk: Any = 0.0,
-    dv: Any = 0.0,
-    d_dy: Any = 0.0,
+    call: dict[str, Any], d_y: Any, *, dq: Any = 0.0, dk: Any = 0.0, dv: Any = 0.0, d_dy: Any = 0.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Componentwise bound on ``|linear_attention_vjp(...) - exact gradient|`` (module docstring).
 
@@ -398,8 +374,7 @@ def linear_attention_vjp_error_bound(
         ValueError: If ``eps_policy`` is unknown.
     """
     q, k, v, *options = call.values()
-    out = _kernel_bound(q, k, v, d_y, (dq, dk, dv, d_dy), tuple(options))
-    return LinearGrads(out[0], out[1], out[2])
+    return LinearGrads(*_kernel_bound(q, k, v, d_y, (dq, dk, dv, d_dy), tuple(options))[:3])
 
 
 # ----------------------------------------------------------------------------- multi-head
@@ -411,10 +386,15 @@ def _fold(a: np.ndarray, n_kv: int) -> np.ndarray:
 
 
 def _param_bounds(
-    x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray
+    x: np.ndarray, b: np.ndarray, g: np.ndarray, wt: np.ndarray, n_kv: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Bounds on ``(dW, db, dx)`` of ``h = x W + b`` with ``dh = g`` known to ``b``, and ``|dx|``'s
-    magnitude."""
+    magnitude; with ``n_kv``, ``g`` and ``b`` per query head are first summed over each K/V
+    head's ``G`` (``gamma_{G+1}``) and ``W`` (repeated per query head) read once per K/V head."""
+    if n_kv is not None:
+        group = wt.shape[0] // n_kv
+        b = _fold(b, n_kv) + _g(group + 1) * _fold(np.abs(g), n_kv)
+        g, wt = _fold(g, n_kv), wt[::group]  # the first query head of each K/V group
     n_pos = math.prod(x.shape[:-1])
     ax = np.abs(x)
     dw = np.einsum("...td,...the->hde", ax, b, optimize=True) + _g(n_pos + 2) * np.einsum(
@@ -431,10 +411,7 @@ def _param_bounds(
 @doc(LINEAR)
 @signed(weight_tokens, linear_options, front=("d_y",))
 def linear_multihead_vjp_error_bound(
-    call: dict[str, Any],
-    *,
-    d_y: Any,
-    residual: bool = False,
+    call: dict[str, Any], *, d_y: Any, residual: bool = False
 ) -> Any:
     """Componentwise bound on ``|linear_multihead_vjp(...) - exact gradient|`` (module docstring,
     "Multi-head").
@@ -451,9 +428,7 @@ def linear_multihead_vjp_error_bound(
     params, x_q, x_kv, *options = call.values()
     w = read_params(params)  # K/V heads repeated to one per query head
     w_q, w_k, w_v, w_o = head_weights(w)
-    raw_k = get_param(params, "w_k")
-    assert raw_k is not None
-    n_kv = raw_k.shape[0]
+    n_kv = head_weights(unpack(params))[1].shape[0]  # key/value heads as given
     xq, xkv = tokens(x_q, x_kv)
     dy = np.asarray(d_y, dtype=np.float64)
     d_model = xq.shape[-1]
@@ -469,15 +444,10 @@ def linear_multihead_vjp_error_bound(
         + _g(n_q + 2) * np.einsum("...qhv,...qd->hvd", np.abs(z), np.abs(dy), optimize=True),
         "b_o": _g(n_q + 2) * np.abs(dy).sum(axis=tuple(range(dy.ndim - 1))),
     }
-    group = w_q.shape[0] // n_kv
-    kv_heads = slice(None, None, group)  # the first query head of each K/V group
-    fold_k = _fold(bk, n_kv) + _g(group + 1) * _fold(np.abs(gk), n_kv)
-    fold_v = _fold(bv, n_kv) + _g(group + 1) * _fold(np.abs(gv), n_kv)
     out["w_q"], out["b_q"], dxq, mag_q = _param_bounds(xq, bq, gq, w_q)
-    out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, fold_k, _fold(gk, n_kv), w_k[kv_heads])
-    out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, fold_v, _fold(gv, n_kv), w_v[kv_heads])
-    present = [n for n in out if get_param(params, n) is not None]
-    grads = {n: _no_nan(out[n]) for n in present}
+    out["w_k"], out["b_k"], dxk, mag_k = _param_bounds(xkv, bk, gk, w_k, n_kv)
+    out["w_v"], out["b_v"], dxv, mag_v = _param_bounds(xkv, bv, gv, w_v, n_kv)
+    grads = {n: _no_nan(b) for n, b in out.items() if get_param(params, n) is not None}
     dxkv = dxk + dxv + U * (mag_k + mag_v)
     if residual:
         dxq = dxq + U * (mag_q + np.abs(dy))

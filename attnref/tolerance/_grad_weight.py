@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attnref.oracle._core import FIELDS, get_param, head_weights, tokens
+from attnref.oracle._core import FIELDS, get_param, head_weights, tokens, unpack
 from attnref.oracle._doc import WEIGHT, doc, rope_call, signed, weight_call
 from attnref.oracle._weight_grad import AttentionGrads, sum_to_shape
 
@@ -96,11 +96,6 @@ def _exact(m: np.ndarray) -> _ME:
     return _ME(m, np.zeros_like(m))
 
 
-def _group_sum(a: np.ndarray, n_kv: int) -> np.ndarray:
-    """``[H, ...] -> [K, ...]``: the sum over the ``G`` query heads of each key/value head."""
-    return a.reshape(n_kv, a.shape[0] // n_kv, *a.shape[1:]).sum(axis=1)
-
-
 class _Rope(NamedTuple):
     """RoPE of the bound: positions broadcast to ``[..., T_q]``, ``[..., T_k]``."""
 
@@ -125,24 +120,14 @@ def _turn(a: _ME, err: np.ndarray | None, convention: str) -> _ME:
     return _ME(m, pair_sum(a.e, convention) + err * m)
 
 
-def _bound(
-    params: Any,
-    x_q: Any,
-    x_kv: Any,
-    d_y: Any,
-    mask: Any,
-    bias: Any,
-    scale: float | None,
-    residual: bool,
-    dtype: Any,
-    rope: _Rope | None,
-) -> AttentionGrads:
-    """Stages 1 to 11 of the module docstring."""
+def _bound(call: dict[str, Any], d_y: Any, rope: _Rope | None) -> AttentionGrads:
+    """Stages 1 to 11 of the module docstring (``call``: the weight-level arguments)."""
+    params, x_q, x_kv, mask, bias, scale, residual, dtype = (
+        call[n] for n in ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual", "dtype")
+    )
     u = unit_roundoff(dtype)
     w, d_k = read_weights(params)  # key/value heads repeated to one per query head
-    w_k_given = get_param(params, "w_k")
-    assert w_k_given is not None
-    n_kv = w_k_given.shape[0]  # key/value heads as given
+    n_kv = head_weights(unpack(params))[1].shape[0]  # key/value heads as given
     p = read_problem(w, x_q, x_kv, mask=mask, bias=bias, scale=scale)
     w_q, w_k, w_v, w_o = head_weights(w)
     n_heads, d_model, _, d_v, t_k = p.dims
@@ -218,19 +203,18 @@ def _bound(
     # 11. outputs
     xq_t, xkv_t = _exact(np.abs(hom(p.xq))), _exact(np.abs(hom(p.xkv)))
     g_q = _product("...qa,...hqe->hae", xq_t, dq, gamma(n_b * t_q, u))
-    g_k = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dk, 0.0)]
-    g_v = [_group_sum(a, n_kv) for a in _product("...ka,...hke->hae", xkv_t, dv, 0.0)]
-    g_kv = gamma(n_b * group * t_k, u)
+
+    def kv_grad(d: _ME) -> np.ndarray:  # summed over each K/V head's G query heads: n = B G T_k
+        m, e = _product("...ka,...hke->hae", xkv_t, d, 0.0)
+        m, e = (a.reshape(n_kv, group, *a.shape[1:]).sum(axis=1) for a in (m, e))
+        return e + _times(gamma(n_b * group * t_k, u), m)
+
     g_o = _product("...hqv,...qd->hvd", z, _exact(a_dy), gamma(n_b * t_q, u))
     grads = {
         "w_o": g_o.e,
         "b_o": _times(gamma(n_b * t_q, u), a_dy.sum(axis=tuple(range(a_dy.ndim - 1)))),
     }
-    for name, e in (
-        ("q", g_q.e),
-        ("k", g_k[1] + _times(g_kv, g_k[0])),
-        ("v", g_v[1] + _times(g_kv, g_v[0])),
-    ):
+    for name, e in (("q", g_q.e), ("k", kv_grad(dk)), ("v", kv_grad(dv))):
         grads["w_" + name], grads["b_" + name] = e[:, :d_model], e[:, d_model]
     x_from_q = _product("...hqe,hae->...qa", dq, _exact(np.abs(w_q)), 0.0)
     x_from_k = _product("...hke,hae->...ka", dk, _exact(np.abs(w_k)), 0.0)
@@ -260,8 +244,7 @@ def attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> AttentionGra
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds, each the shape
         of the gradient it bounds (``None`` where the gradient is ``None``).
     """
-    params, x_q, x_kv, mask, bias, scale, residual, dtype = call.values()
-    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, None)
+    return _bound(call, d_y, None)
 
 
 @doc(WEIGHT, BOUND_RAISES)
@@ -274,20 +257,13 @@ def rope_attention_vjp_error_bound(call: dict[str, Any], *, d_y: Any) -> Attenti
     Returns:
         An :class:`attnref.oracle.AttentionGrads` of non-negative float64 bounds.
     """
-    residual, dtype = call.pop("residual"), call.pop("dtype")
-    params, x_q, x_kv, positions_q, positions_kv, mask, bias, scale, base, convention = (
-        call.values()
-    )
-    _, d_k = read_weights(params)
+    pos_q, pos_k = call.pop("positions_q"), call.pop("positions_kv")
+    base, convention = call.pop("base"), call.pop("convention")
+    _, d_k = read_weights(call["params"])
     check_rope(convention, d_k)
-    xq, xkv = tokens(x_q, x_kv)
+    xq, xkv = tokens(call["x_q"], call["x_kv"])
     batch, t_q, t_k = xq.shape[:-2], xq.shape[-2], xkv.shape[-2]
-    pq = np.arange(t_q) if positions_q is None else np.asarray(positions_q)
-    pk = np.arange(t_k) if positions_kv is None else np.asarray(positions_kv)
-    r = _Rope(
-        np.broadcast_to(pq, (*batch, t_q)),
-        np.broadcast_to(pk, (*batch, t_k)),
-        float(base),
-        convention,
-    )
-    return _bound(params, x_q, x_kv, d_y, mask, bias, scale, residual, dtype, r)
+    pq = np.arange(t_q) if pos_q is None else np.asarray(pos_q)
+    pk = np.arange(t_k) if pos_k is None else np.asarray(pos_k)
+    pq, pk = np.broadcast_to(pq, (*batch, t_q)), np.broadcast_to(pk, (*batch, t_k))
+    return _bound(call, d_y, _Rope(pq, pk, float(base), convention))

@@ -13,7 +13,6 @@ import numpy as np
 from attnref.oracle._doc import KERNEL, KERNEL_RAISES, doc, signed
 from attnref.oracle._kernel_call import kernel_call, parse, query_block
 from attnref.oracle._kernel_fast import (
-    HeadGroup,
     block_live,
     dropout_weights,
     head_groups,
@@ -24,7 +23,7 @@ from attnref.oracle._kernel_fast import (
 from attnref.oracle._threads import each_block
 
 from ._core import Softmax, softmax
-from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff
+from ._rounding import C_EXP, gamma, is_16bit, unit_roundoff, work_units
 
 
 class Logits(NamedTuple):
@@ -65,20 +64,18 @@ def logit_reach(lg: Logits, allowed: np.ndarray, h: int, softcap: float | None) 
     return np.where(allowed, err, 0.0).max(axis=-1, initial=0.0)
 
 
-def row_terms(s_len: int, n_b: int, e_row: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray]:
-    """Step 2: ``rho_i`` and ``delta_i`` (for the lse) of ``S`` keys in ``n_b`` key blocks."""
+def row_terms(
+    reach: np.ndarray, h: int, s_len: int, n_b: int, u: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 2 and 3 in ``u`` for ``S`` keys in ``n_b`` key blocks: ``(E_i, rho_i, E_i + delta_i
+    / (1 - delta_i))`` (``inf`` once ``delta_i >= 1``), ``E_i = gamma_{H+1} reach_i``."""
     c = C_EXP
+    e_row = gamma(h + 1, u) * reach
     extra = 2 * (c + 1) * (n_b - 1)
-    with np.errstate(over="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         rho = np.expm1(2.0 * e_row) + gamma(s_len + 2 + 2 * c + extra, u)
         delta = np.expm1(e_row) + gamma(s_len + c + extra, u)
-    return rho, delta
-
-
-def lse_row_error(e_row: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """Step 3's ``E_i + delta_i / (1 - delta_i)`` (``inf`` once ``delta_i >= 1``)."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
+        return e_row, rho, e_row + np.where(delta < 1, delta / (1 - delta), np.inf)
 
 
 @doc(
@@ -134,34 +131,28 @@ def kernel_error_bound(
     sc = 1.0 / math.sqrt(h) if scale is None else float(scale)
     qt, kt = qa.transpose(0, 2, 1, 3), kg.transpose(0, 2, 3, 1)  # [B, N, T, H], [B, N, H, S]
     lg = kernel_logits(qt, kt, sc, softcap, bias, allowed)
-    top, live, l_sum = lg.sm.top, lg.sm.live, lg.sm.total
+    live, l_sum = lg.sm.live, lg.sm.total
     # Normalised where the max is finite (a +inf bias gives inf, not the NaN of inf / inf).
     p = lg.sm.e / np.where(live, l_sum, 1.0)
     vt = vg.transpose(0, 2, 1, 3)  # [B, N, S, H_v]
     o_mag = (p @ np.abs(vt)).transpose(0, 2, 1, 3)  # [B, T, N, H_v]
-    o_ref = (p @ vt).transpose(0, 2, 1, 3)
-    lse_ref = np.where(live, top + np.log(np.where(live, l_sum, 1.0)), 0.0)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
+    live = live[..., 0]
+    lse_ref = np.where(live, lg.sm.top[..., 0] + log_l, 0.0)
     n_b = s if key_blocks is None else max(1, int(key_blocks))
-
     reach = logit_reach(lg, allowed, h, softcap)  # [B, N, T]
-
-    def one(u: float) -> tuple[np.ndarray, np.ndarray]:
-        e_row = gamma(h + 1, u) * reach
-        rho, delta = row_terms(s, n_b, e_row, u)
-        out = np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
-        with np.errstate(divide="ignore", invalid="ignore"):
-            log_l = np.log(np.where(live, l_sum, 1.0))[..., 0]
-        d_lse = lse_row_error(e_row, delta)
-        d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
-        return out, np.swapaxes(np.where(live[..., 0], d_lse, 0.0), 1, 2)
-
     np_dtype = np.dtype(dtype)
-    work = np.float32 if is_16bit(np_dtype) else np_dtype
-    units = (unit_roundoff(work), unit_roundoff(np.float64))  # the format's share, the oracle's
-    (out_b, lse_b), (out64, lse64) = one(units[0]), one(units[1])
-    dead = np.swapaxes(~live[..., 0], 1, 2)[..., None] if masked_rows == "uniform" else None
-    ref = o_ref if is_16bit(np_dtype) else None
-    return _uniform_and_cast(out_b + out64, ref, dead, va, s, units, np_dtype), lse_b + lse64
+    _, units = work_units(np_dtype)
+    out_b = lse_b = np.zeros(())
+    for u in units:  # the format's share, the oracle's
+        _, rho, d_lse = row_terms(reach, h, s, n_b, u)
+        d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+        out_b = out_b + np.swapaxes(rho + gamma(s, u), 1, 2)[..., None] * o_mag
+        lse_b = lse_b + np.swapaxes(np.where(live, d_lse, 0.0), 1, 2)
+    dead = np.swapaxes(~live, 1, 2)[..., None] if masked_rows == "uniform" else None
+    ref = (p @ vt).transpose(0, 2, 1, 3) if is_16bit(np_dtype) else None
+    return _uniform_and_cast(out_b, ref, dead, va, s, units, np_dtype), lse_b
 
 
 def _uniform_and_cast(
@@ -210,8 +201,7 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
     """
     if isinstance(keys, bool) or not isinstance(keys, (int, np.integer)) or keys < 0:
         raise ValueError(f"keys must be an integer >= 0 (the key length S), got {keys!r}")
-    fmt = np.dtype(dtype)
-    g = gamma(int(keys), unit_roundoff(np.float32 if is_16bit(fmt) else fmt))
+    g = gamma(int(keys), work_units(dtype)[1][0])
     mag = np.asarray(magnitude, np.float64)
     if np.any(mag < 0):
         raise ValueError(
@@ -220,26 +210,6 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
     if not math.isfinite(g):
         return np.zeros(mag.shape)
     return np.where(np.isfinite(mag), g * np.where(np.isfinite(mag), mag, 0.0), 0.0)
-
-
-def sink_column(
-    c: Any,
-    hg: HeadGroup,
-    s: np.ndarray,
-    mag: np.ndarray,
-    reads: np.ndarray,
-    v_abs: np.ndarray,
-    w: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """A block with the sink as one more key: exact logit ``z_n``, value 0, weight 1 (one more
-    online-softmax merge, counted in the key blocks)."""
-    z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
-    s = np.concatenate([s, z], axis=-1)
-    mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
-    reads = np.concatenate([reads, np.isfinite(z)], axis=-1)  # a -inf sink is no sink
-    v_abs = np.vstack([v_abs, np.zeros(v_abs.shape[1])])
-    w = None if w is None else np.concatenate([w, np.ones(z.shape)], axis=-1)
-    return s, mag, reads, v_abs, w
 
 
 @doc(KERNEL, KERNEL_RAISES)
@@ -261,13 +231,11 @@ def kernel_call_error_bound(
     fmt = np.dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
     b_size, n_heads, t, s_len = c.shape
     h, h_v = c.q.shape[-1], c.v.shape[-1]
-    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
-    units = (unit_roundoff(work), unit_roundoff(np.float64))
+    _, units = work_units(fmt)
     n_b = s_len if key_blocks is None else max(1, int(key_blocks))
     if c.sinks is not None:  # the sink is one more key (zero value, exact logit z_n), merged last
         s_len, n_b = s_len + 1, n_b + 1
-    out = np.zeros((b_size, t, n_heads, h_v))
-    lse = np.zeros((b_size, t, n_heads))
+    out, lse = np.zeros((b_size, t, n_heads, h_v)), np.zeros((b_size, t, n_heads))
     o_ref = np.zeros_like(out) if is_16bit(fmt) else None
     dead = np.ones((b_size, t, n_heads), bool)
     rows = max(1, query_block(c, 6, budget))
@@ -286,8 +254,13 @@ def kernel_call_error_bound(
         mag = (q_abs.reshape(-1, h) @ abs_kt[:, j0:j1]).reshape(s.shape)
         v_blk = abs_v[j0:j1]
         w = None if c.keep is None else dropout_weights(c, hg, i0, i1, j0, j1)
-        if c.sinks is not None:  # append the sink's column: logit z_n, no value, no product
-            s, mag, reads, v_blk, w = sink_column(c, hg, s, mag, reads, v_blk, w)
+        if c.sinks is not None:  # the sink as one more key: exact logit z_n, value 0, weight 1
+            z = np.broadcast_to(c.sinks[hg.heads][:, None, None], (*s.shape[:2], 1))
+            s = np.concatenate([s, z], axis=-1)
+            mag = np.concatenate([mag, np.zeros_like(z)], axis=-1)
+            reads = np.concatenate([reads, np.isfinite(z)], axis=-1)  # a -inf sink is no sink
+            v_blk = np.vstack([v_blk, np.zeros(v_blk.shape[1])])
+            w = None if w is None else np.concatenate([w, np.ones(z.shape)], axis=-1)
             live = np.asarray(reads.any(axis=-1))
         all_read = ok is None and c.sinks is None  # every (row, key) of the block is read
         top = np.where(live, s.max(axis=-1, initial=-np.inf), 0.0)[..., None]
@@ -319,13 +292,10 @@ def kernel_call_error_bound(
         lse_ref = top[..., 0] + log_l
         blk_out = np.zeros_like(o_mag)
         blk_lse = np.zeros(s.shape[:2])
-        for u in units:
-            e_row = gamma(h + 1, u) * reach  # E_i, one max for both units (logit_reach)
-            rho, delta = row_terms(s_len, n_b, e_row, u)
-            d_lse = lse_row_error(e_row, delta)
-            g_o = gamma(s_len + (w is not None), u)  # the dropout scaling: one product
-            blk_out += (rho + g_o)[..., None] * o_mag
+        for u in units:  # E_i: one max for both units (logit_reach)
+            _, rho, d_lse = row_terms(reach, h, s_len, n_b, u)
             d_lse = d_lse + (C_EXP + 1) * u * np.abs(log_l) + u * np.abs(lse_ref)
+            blk_out += (rho + gamma(s_len + (w is not None), u))[..., None] * o_mag  # dropout: +1
             blk_lse += np.where(live, d_lse, 0.0)
         out[hg.b, i0:i1, hg.heads] = blk_out.transpose(1, 0, 2)
         lse[hg.b, i0:i1, hg.heads] = blk_lse.T

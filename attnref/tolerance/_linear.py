@@ -31,16 +31,18 @@ def _abs_feature_error(
     xs = np.abs(x) / d**0.25
     dxs = 2 * u * xs + dx / d**0.25  # scaling by a rounded constant, then the input error
     if name == "taylor2":
-        outer = (
-            xs[..., :, None] * dxs[..., None, :]
-            + dxs[..., :, None] * xs[..., None, :]
-            + 3 * u * xs[..., :, None] * xs[..., None, :]
-        ) / math.sqrt(2.0)
-        lead = np.zeros((*x.shape[:-1], 1))
-        return np.concatenate([lead, dxs, outer.reshape(*x.shape[:-1], d * d)], axis=-1)
+        return taylor2_error(xs, dxs, u)
     de = _favor_exponent_error(fm, xs, dxs, u, 2.0)
     rho = np.expm1(2 * de) + (C_EXP + 2) * u  # x2: a query's max carries the same error
     return rho * np.abs(phi)
+
+
+def taylor2_error(x: np.ndarray, ex: np.ndarray, u: float) -> np.ndarray:
+    """taylor2's feature error ``[0, E_a, (E_a |x~_b| + |x~_a| E_b + 3 u |x~_a||x~_b|) / sqrt 2]``
+    from ``x = |x~|`` known to ``ex`` (``3 u`` more per product)."""
+    xa, xb, ea, eb = x[..., :, None], x[..., None, :], ex[..., :, None], ex[..., None, :]
+    outer = (ea * xb + xa * eb + 3 * u * xa * xb) / math.sqrt(2.0)
+    return np.concatenate([np.zeros((*x.shape[:-1], 1)), ex, outer.reshape(*x.shape[:-1], -1)], -1)
 
 
 def _favor_exponent_error(
@@ -103,18 +105,10 @@ def allowed_keys(q_shape: tuple[int, ...], t_k: int, key_mask: Any, causal: bool
     return allowed & np.tril(np.ones((t_q, t_k), bool)) if causal else allowed
 
 
-@doc(
-    LINEAR,
-    q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.",
-)
+@doc(LINEAR, q="Queries ``[..., T_q, H, d]``, exactly as the formulation received them.")
 @signed(linear_qkv, linear_options)
 def linear_error_bound(
-    call: dict[str, Any],
-    *,
-    dtype: Any = np.float32,
-    dq: Any = 0.0,
-    dk: Any = 0.0,
-    dv: Any = 0.0,
+    call: dict[str, Any], *, dtype: Any = np.float32, dq: Any = 0.0, dk: Any = 0.0, dv: Any = 0.0
 ) -> np.ndarray:
     """Componentwise bound on ``|linear attention in dtype - oracle|``, ``[..., T_q, H, d_v]``.
 

@@ -36,16 +36,10 @@ import numpy as np
 from attnref.oracle._doc import signed
 from attnref.oracle._mla import check_mla_params, mla_call, mla_problem, mla_weights
 
-from ._core import bound_options, output_bound, softmax, worst_case_terms
+from ._core import bound_options, softmax, summed_bound
 from ._rope import pair_sum, rope_logit_error
-from ._rounding import unit_roundoff
 
-__all__ = ["mla_attention_error_bound", "mla_logit_chain"]
-
-
-def mla_logit_chain(dims: Any) -> int:
-    """``N_s = 2 d_model + d_cq + d_c + d_nope + d_rope + 6`` (``attnref.oracle._mla.MLADims``)."""
-    return 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
+__all__ = ["mla_attention_error_bound"]
 
 
 @signed(mla_call, bound_options)
@@ -93,16 +87,16 @@ def mla_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
     ls = abs(s) * ls_pre + np.abs(bias_b)[..., None, :, :]
     g = np.einsum("...jc,icv,ivd->...ijd", ckv, a["w_uv"], a["w_o"])  # G_hj [..., H, T_k, d_model]
     mixed = np.einsum("...itj,...ijd->...itd", sm.weights, g)
-    y_exact = np.einsum("...itj,...jiv,ivd->...td", sm.weights, v, f["w_o"])
-    n_s = mla_logit_chain(dims)
-    n_y = t_k + dims.d_model + dims.d_c + dims.d_v + dims.heads + 2
-    bound = np.zeros_like(y_exact)
-    for dt in (dtype, np.float64):
-        g_s, u, g_soft, g_y = worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
+
+    def logit_error(g_s: float, u: float) -> np.ndarray:
         err = g_s * ls + u * sm.spread
         if dims.d_rope:
             err = err + abs(s) * rope_logit_error(qr, kr, pos_q, pos_k, convention, u, base)
-        bound = bound + output_bound(err, allowed, g_soft, g_y, mixed)
-        if residual:
-            bound = bound + u * np.abs(xq + y_exact)
-    return bound
+        return err
+
+    n_s = 2 * dims.d_model + dims.d_cq + dims.d_c + dims.d_nope + dims.d_rope + 6
+    n_y = t_k + dims.d_model + dims.d_c + dims.d_v + dims.heads + 2
+    resid = (
+        xq + np.einsum("...itj,...jiv,ivd->...td", sm.weights, v, f["w_o"]) if residual else None
+    )
+    return summed_bound(dtype, (n_s, n_y, t_k), logit_error, allowed, mixed, None, resid)

@@ -49,7 +49,7 @@ from attnref.oracle._kernel_call import call_allowed, kernel_call, parse
 from attnref.oracle._kernel_fast import head_groups, logits_block
 
 from ._kernel import kernel_call_error_bound
-from ._rounding import C_EXP, is_16bit, unit_roundoff
+from ._rounding import C_EXP, is_16bit, unit_roundoff, work_units
 from ._states import as_dtype, merge_depth, merge_error_bound
 
 
@@ -112,13 +112,13 @@ def _piece_states(
         cols = np.flatnonzero(ids == p)
         if cols.size == 0:
             continue
-        args = (c.q, c.k[:, cols], c.v[:, cols], None if bias is None else bias[..., cols])
-        mask = allowed[..., cols]
+        b_cols = None if bias is None else bias[..., cols]
+        args = (c.q, c.k[:, cols], c.v[:, cols], b_cols, allowed[..., cols])
         if c.keep is not None:  # each piece drops the weights of its own keys
             kw.update(dropout_mask=c.keep[..., cols], dropout_rate=c.rate)
-        o[p], lse[p] = dot_product_attention(*args, mask, return_lse=True, **kw)
+        o[p], lse[p] = dot_product_attention(*args, return_lse=True, **kw)
         e_o[p], e_l[p] = kernel_call_error_bound(
-            *args, mask, dtype=state_fmt, key_blocks=key_blocks, **kw
+            *args, dtype=state_fmt, key_blocks=key_blocks, **kw
         )
     if is_16bit(lse_fmt):  # each piece's lse stored in 16 bits
         live = np.isfinite(lse)
@@ -128,12 +128,7 @@ def _piece_states(
 
 
 def _key_states(
-    c: Any,
-    call: dict[str, Any],
-    allowed: np.ndarray,
-    work: np.dtype[Any],
-    state_fmt: np.dtype[Any],
-    lse_fmt: np.dtype[Any],
+    c: Any, call: dict[str, Any], work: np.dtype[Any], state_fmt: np.dtype[Any], lse_fmt: Any
 ) -> tuple[np.ndarray, ...]:
     """Unknown pieces (module docstring): the one-key states and their dominating errors."""
     b_size, n_heads, t, s = c.shape
@@ -207,19 +202,16 @@ def pieces_error_bound(
     """
     c = parse(**call)
     fmt = as_dtype(np.asarray(call["query"]).dtype if dtype is None else dtype)
-    work = np.dtype(np.float32) if is_16bit(fmt) else fmt
+    work, _ = work_units(fmt)
     state_fmt = work if state_dtype is None else as_dtype(state_dtype)
-    if lse_dtype is not None:
-        lse_fmt = as_dtype(lse_dtype)
-    else:
-        lse_fmt = np.dtype(np.float32) if is_16bit(state_fmt) else state_fmt
+    lse_fmt = work_units(state_fmt)[0] if lse_dtype is None else as_dtype(lse_dtype)
     s = c.shape[3]
     allowed = call_allowed(c)
     if pieces is None:
         if key_blocks is not None:
             raise ValueError("key_blocks needs known pieces (pieces=None assumes any tiling)")
         merge_depth(tree, s)
-        states = _key_states(c, call, allowed, work, state_fmt, lse_fmt)
+        o, lse, e_o, e_l = _key_states(c, call, work, state_fmt, lse_fmt)
     else:
         ids, count = _assignment(pieces, num_pieces, s)
         merge_depth(tree, count)
@@ -227,15 +219,13 @@ def pieces_error_bound(
         if (allowed & orphan).any():
             j = int(np.flatnonzero((allowed & orphan).any(axis=(0, 1, 2)))[0])
             raise ValueError(f"key {j} is in no piece (id -1) but some query may attend it")
-        states = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
-    o, lse, e_o, e_l = states
+        o, lse, e_o, e_l = _piece_states(c, allowed, ids, count, state_fmt, lse_fmt, key_blocks)
     if c.sinks is not None:
         # The sink: one exact state (0, z_n), merged once after the pieces' merge. Any order of
         # the P + 1 states is covered by the sequential tree (depth P, the deepest).
         z = np.broadcast_to(c.sinks, lse.shape[1:])[None]
-        o, lse = np.concatenate([o, np.zeros_like(o[:1])]), np.concatenate([lse, z])
-        e_o = np.concatenate([e_o, np.zeros_like(e_o[:1])])
-        e_l = np.concatenate([e_l, np.zeros_like(z)])
+        o, e_o = (np.concatenate([a, np.zeros_like(a[:1])]) for a in (o, e_o))
+        lse, e_l = np.concatenate([lse, z]), np.concatenate([e_l, np.zeros_like(z)])
         tree = "sequential"
     out_b, lse_b = merge_error_bound(
         o, lse, axis=0, dtype=state_fmt, lse_dtype=lse_fmt, tree=tree, o_error=e_o, lse_error=e_l

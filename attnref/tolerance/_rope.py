@@ -18,13 +18,12 @@ from ._core import (
     BOUND_RAISES,
     abs_heads,
     bound_options,
-    output_bound,
     problem_softmax,
     project_heads,
     read_problem,
     read_weights,
+    summed_bound,
     value_magnitude,
-    worst_case_terms,
 )
 from ._rounding import C_TRIG, gamma, unit_roundoff
 
@@ -82,13 +81,7 @@ def check_rope(convention: str, d: int) -> None:
 
 
 def rope_logit_error(
-    qa: np.ndarray,
-    ka: np.ndarray,
-    pos_q: Any,
-    pos_k: Any,
-    convention: str,
-    u: float,
-    base: float,
+    qa: np.ndarray, ka: np.ndarray, pos_q: Any, pos_k: Any, convention: str, u: float, base: float
 ) -> np.ndarray:
     """``sum_p (e_p(m_i) + e_p(n_j)) 2 QP_ip KP_jp``, ``[..., H, T_q, T_k]``, from the magnitudes
     ``qa``, ``ka`` (``|x~||W~|``, ``[..., H, T, d]``)."""
@@ -166,24 +159,20 @@ def rope_attention_error_bound(call: dict[str, Any]) -> np.ndarray:
         rotated_heads(xq, w, "q", pos_q, base, convention),
         rotated_heads(xkv, w, "k", pos_k, base, convention),
     )
-    weights = sm.weights
-
     qa, ka = abs_heads(xq, w_q, w["b_q"]), abs_heads(xkv, w_k, w["b_k"])
     qj, kj = pair_sum(qa, convention), pair_sum(ka, convention)
     ls = abs(s) * np.einsum("...hqd,...hkd->...hqk", qj, kj) + np.abs(p.bias)
-    mixed = np.einsum("...hqk,...hkd->...hqd", weights, value_magnitude(xkv, w))
-    values = np.swapaxes(project_heads(xkv, w_v, w["b_v"], "the"), -2, -3)  # [..., H, T_k, d_v]
-    y_exact = np.einsum("...hqk,...hkv,hvd->...qd", weights, values, w_o)
-    if w["b_o"] is not None:
-        y_exact = y_exact + w["b_o"]
-    n_s = 2 * (d_model + 3) + 2 * d_k + 2
-    n_y = t_k + d_model + d_v + h + 2
-    bound = np.zeros_like(y_exact)
-    for dt in (dtype, np.float64):  # 16-bit formats too: every operation in their own u
-        g_s, u, g_soft, g_y = worst_case_terms(unit_roundoff(dt), n_s, n_y, t_k)
+    mixed = np.einsum("...hqk,...hkd->...hqd", sm.weights, value_magnitude(xkv, w))
+    resid = None
+    if residual:  # one more rounding: x_q + y
+        values = np.swapaxes(project_heads(xkv, w_v, w["b_v"], "the"), -2, -3)  # [..., H, T_k, d_v]
+        y_exact = np.einsum("...hqk,...hkv,hvd->...qd", sm.weights, values, w_o)
+        resid = xq + (y_exact if w["b_o"] is None else y_exact + w["b_o"])
+
+    def logit_error(g_s: float, u: float) -> np.ndarray:
         angles = abs(s) * rope_logit_error(qa, ka, pos_q, pos_k, convention, u, base)
-        err = g_s * ls + angles + u * sm.spread
-        bound = bound + output_bound(err, allowed, g_soft, g_y, mixed, w["b_o"])
-        if residual:  # one more rounding: x_q + y
-            bound = bound + u * np.abs(xq + y_exact)
-    return bound
+        return g_s * ls + angles + u * sm.spread
+
+    sizes = (2 * (d_model + 3) + 2 * d_k + 2, t_k + d_model + d_v + h + 2, t_k)
+    # 16-bit formats too: every operation in their own u
+    return summed_bound(dtype, sizes, logit_error, allowed, mixed, w["b_o"], resid)

@@ -27,14 +27,12 @@ def finfo_of(dtype: Any) -> Any:
     try:
         return np.finfo(dtype)
     except (TypeError, ValueError):
-        pass
-    try:
-        import ml_dtypes
+        try:
+            import ml_dtypes
 
-        return ml_dtypes.finfo(dtype)
-    except (ImportError, TypeError, ValueError):
-        pass
-    raise ValueError(f"expected a floating-point dtype, got {dtype!r}")
+            return ml_dtypes.finfo(dtype)
+        except (ImportError, TypeError, ValueError):
+            raise ValueError(f"expected a floating-point dtype, got {dtype!r}") from None
 
 
 def unit_roundoff(dtype: Any) -> float:
@@ -72,6 +70,13 @@ def gamma(n: int, u: float) -> float:
 def is_16bit(dtype: Any) -> bool:
     """Whether ``dtype`` is a 16-bit format (float16, bfloat16): float32 accumulation model."""
     return np.dtype(dtype).itemsize == 2
+
+
+def work_units(dtype: Any) -> tuple[np.dtype[Any], tuple[float, float]]:
+    """The format a kernel computes in (float32 for 16-bit inputs) and ``(u, u_64)``: its unit
+    round-off and float64's (the format's share of a bound, the oracle's)."""
+    work = np.dtype(np.float32) if is_16bit(dtype) else np.dtype(dtype)
+    return work, (unit_roundoff(work), unit_roundoff(np.float64))
 
 
 def max_float(dtype: Any) -> float:

@@ -104,19 +104,17 @@ def merge_depth(tree: str | int, pieces: int) -> int:
     """
     if not isinstance(pieces, (int, np.integer)) or pieces < 0:
         raise ValueError(f"pieces must be an int >= 0, got {pieces!r}")
-    low = math.ceil(math.log2(pieces)) if pieces > 1 else 0
+    low, high = (math.ceil(math.log2(pieces)) if pieces > 1 else 0), max(int(pieces) - 1, 0)
     if isinstance(tree, str):
         if tree not in TREES:
             raise ValueError(f"tree must be one of {TREES} or an int depth, got {tree!r}")
-        if tree == "sequential":
-            return max(int(pieces) - 1, 0)
-        return low if tree == "balanced" else min(1, low)
+        return {"sequential": high, "balanced": low}.get(tree, min(1, low))
     if not isinstance(tree, (int, np.integer)) or isinstance(tree, (bool, np.bool_)):
         raise TypeError(f"tree must be one of {TREES} or an int depth, got {tree!r}")
-    if not low <= tree <= max(int(pieces) - 1, 0):
+    if not low <= tree <= high:
         raise ValueError(
-            f"a binary merge tree over {pieces} pieces has depth in [{low}, "
-            f"{max(int(pieces) - 1, 0)}], got tree={tree}"
+            f"a binary merge tree over {pieces} pieces has depth in [{low}, {high}], "
+            f"got tree={tree}"
         )
     return int(tree)
 
@@ -150,15 +148,7 @@ def _live_stats(o: np.ndarray, lse: np.ndarray) -> dict[str, np.ndarray]:
     l_max = l_abs + math.log(max(lse.shape[-1], 1))
     bad_o = (ol & ~np.isfinite(o)).any(axis=-2)  # NaN or inf in a live piece's o: so is the result
     v, rng = np.where(bad_o, 0.0, v), np.where(bad_o, 0.0, rng)
-    return {
-        "live": live,
-        "exact": exact,
-        "bad_o": bad_o,
-        "share": share,
-        "V": v,
-        "R": rng,
-        "Lmax": l_max,
-    }
+    return dict(live=live, exact=exact, bad_o=bad_o, share=share, V=v, R=rng, Lmax=l_max)
 
 
 def _errors(
@@ -175,21 +165,30 @@ def _errors(
     return np.where(live[..., None], eo, 0.0), np.where(live, el, 0.0)
 
 
+def _c_p(pieces: int) -> float:
+    """``c_P = min((P - 1) / e, ln P)`` (0 for one piece)."""
+    return min((pieces - 1) / math.e, math.log(pieces)) if pieces > 1 else 0.0
+
+
+def _stack_lse(lam0: Any, u: float, pieces: int, r_l: float, l_max: Any, tinies: float) -> Any:
+    """A stacked merge's ``lse`` error (module docstring), ``tinies`` its underflows."""
+    ln_p = math.log(max(pieces, 1))
+    return (
+        lam0
+        + (_c_p(pieces) + C_EXP) * u
+        + gamma(max(pieces - 1, 0), u)
+        + C_EXP * u * ln_p
+        + (u + r_l) * l_max
+        + tinies
+    )
+
+
 def _oracle_error(st: dict[str, np.ndarray], pieces: int) -> tuple[np.ndarray, np.ndarray]:
     """The float64 oracle's own error (shares form, module docstring; ``sum_p pi_p |lse_p - L| <=
     ln P``)."""
-    u = unit_roundoff(np.float64)
-    tiny = float(np.finfo(np.float64).tiny)
-    ln_p = math.log(max(pieces, 1))
-    c_p = min((pieces - 1) / math.e, ln_p) if pieces > 1 else 0.0
-    d_lse = (
-        (c_p + C_EXP) * u
-        + gamma(max(pieces - 1, 0), u)
-        + C_EXP * u * ln_p
-        + u * st["Lmax"]
-        + pieces * tiny
-    )
-    rel = d_lse + C_EXP * u + gamma(pieces, u) + u * ln_p + pieces * tiny
+    u, tiny = unit_roundoff(np.float64), float(np.finfo(np.float64).tiny)
+    d_lse = _stack_lse(0.0, u, pieces, 0.0, st["Lmax"], pieces * tiny)
+    rel = d_lse + C_EXP * u + gamma(pieces, u) + u * math.log(max(pieces, 1)) + pieces * tiny
     return rel[..., None] * st["V"], d_lse
 
 
@@ -239,7 +238,6 @@ def merge_error_bound(
     ax = check_axis(axis, lse64.shape)
     pieces = lse64.shape[ax]
     depth = merge_depth(tree, pieces)
-    stack = tree == "stack"
     ls, os_ = np.moveaxis(lse64, ax, -1), np.moveaxis(o64, ax, -2)
     st = _live_stats(os_, ls)
     eo, el = _errors(o_error, lse_error, o64, lse64, st["live"], ax)
@@ -248,19 +246,11 @@ def merge_error_bound(
 
     e_max, lam0 = eo.max(axis=-2, initial=0.0), el.max(axis=-1, initial=0.0)
     rng, mag = st["R"] + 2.0 * e_max, st["V"] + e_max
-    if stack and pieces > 1:
-        c_p = min((pieces - 1) / math.e, math.log(pieces))
-        d_lse = (
-            lam0
-            + (c_p + C_EXP) * u
-            + gamma(pieces - 1, u)
-            + C_EXP * u * math.log(pieces)
-            + (u + r_l) * st["Lmax"]
-            + (pieces - 1) * tiny
-        )
+    if tree == "stack" and pieces > 1:
+        d_lse = _stack_lse(lam0, u, pieces, r_l, st["Lmax"], (pieces - 1) * tiny)
         eps = lam0 + C_EXP * u
         local_o = (gamma(2 * pieces, u) + r_o) * mag
-        shift_o = (c_p * u + (pieces - 1) * tiny) * rng
+        shift_o = (_c_p(pieces) * u + (pieces - 1) * tiny) * rng
     else:
         ell = _level_error(st, u, tiny, r_l)
         d_lse = lam0 + depth * ell
@@ -281,9 +271,8 @@ def merge_error_bound(
     d_o = (carried + local_o + weights) * (1.0 + r_o) ** levels
     d_lse = d_lse * (1.0 + r_l) ** levels
     ora_o, ora_l = _oracle_error(st, max(pieces, 1))
-    exact = st["exact"]
-    exact_o = exact[..., None] | st["bad_o"]
-    return np.where(exact_o, 0.0, d_o + ora_o), np.where(exact, 0.0, d_lse + ora_l)
+    exact_o = st["exact"][..., None] | st["bad_o"]
+    return np.where(exact_o, 0.0, d_o + ora_o), np.where(st["exact"], 0.0, d_lse + ora_l)
 
 
 def _store_formats(dtype: Any, lse_dtype: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
@@ -359,8 +348,7 @@ def merge_grad_error_bound(
     m_p = g_l_abs[..., None] + (g_abs[..., None, :] * (o_live + reach[..., None, :])).sum(axis=-1)
     mag = g_l_abs + (g_abs * (st["V"] + reach)).sum(axis=-1)
     read_o = (g_abs * delta_o).sum(axis=-1)
-    top = np.where(live, ls, -np.inf).max(axis=-1)
-    top = np.where(exact, 0.0, top)
+    top = np.where(exact, 0.0, np.where(live, ls, -np.inf).max(axis=-1))
     with np.errstate(under="ignore"):
         shifted = np.where(live, np.where(live, ls, 0.0) - top[..., None], 0.0)
         total = np.where(live, np.exp(shifted), 0.0).sum(axis=-1)
