@@ -43,7 +43,6 @@ from attnref._src.kit.conformance.options import (
     check_head_dim,
     check_max_examples,
     check_properties,
-    check_signature,
 )
 from attnref._src.kit.conformance.paged import PAGED_FEATURES, PAGED_PROPERTIES, check_paged
 from attnref._src.kit.conformance.targets import AXIS as AXIS
@@ -91,32 +90,34 @@ def split_list(text: str | None) -> tuple[str, ...] | None:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
-def split_devices(text: str | None) -> tuple[int, ...] | None:
-    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None``; ``ValueError`` otherwise."""
+def _split_ints(
+    text: str | None, message: str, counts: tuple[int, ...] | None = None
+) -> tuple[int, ...] | None:
+    """:func:`split_list` as ints (``counts`` of them, when given), else ``ValueError(message)``."""
     items = split_list(text)
     if items is None:
         return None
     try:
-        return tuple(int(s) for s in items)
+        ints: tuple[int, ...] | None = tuple(int(s) for s in items)
     except ValueError:
-        raise ValueError(
-            f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
-        ) from None
+        ints = None
+    if ints is None or (counts is not None and len(ints) not in counts):
+        raise ValueError(message)
+    return ints
+
+
+def split_devices(text: str | None) -> tuple[int, ...] | None:
+    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None``; ``ValueError`` otherwise."""
+    message = f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
+    return _split_ints(text, message)
 
 
 def split_head_dim(text: str | None) -> int | tuple[int, int] | None:
     """``"64"`` -> ``64``; ``"192,128"`` -> ``(192, 128)`` (``H, H_v``); ``None`` or blank ->
     ``None``; ``ValueError`` otherwise (the range is ``check_attention``'s to check)."""
-    items = split_list(text)
-    if items is None:
-        return None
-    try:
-        dims = tuple(int(s) for s in items)
-    except ValueError:
-        dims = ()
-    if len(dims) not in (1, 2):
-        raise ValueError(f"head-dim must be H or H,H_v (e.g. 64 or 192,128), got {text!r}")
-    return dims[0] if len(dims) == 1 else (dims[0], dims[1])
+    message = f"head-dim must be H or H,H_v (e.g. 64 or 192,128), got {text!r}"
+    dims = _split_ints(text, message, (1, 2))
+    return dims if dims is None else dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
 def load(spec: str) -> Callable[..., Any]:
@@ -165,12 +166,11 @@ class Options:
         """``check_attention``'s checks before the target is loaded (the rest:
         :meth:`preflight`); a ``ValueError`` in the CLI's words."""
         try:
-            check_signature(self.signature)
+            check_choice("signature", self.signature)
             check_features(self.features or ())
             check_properties(self.properties or ())
-            check_choice("masked_rows", self.masked_rows)
-            check_choice("causal_alignment", self.causal_alignment)
-            check_choice("shapes", self.shapes)
+            for option in ("masked_rows", "causal_alignment", "shapes"):
+                check_choice(option, getattr(self, option))
             if self.max_examples is not None:
                 check_max_examples(self.max_examples)
             if self.head_dim is not None:

@@ -115,14 +115,11 @@ class ConformanceReport:
                 )
             )
         limits = dict(self.options)
-        declared_limits = [
-            *(["refuses_lengths"] if limits.get("refuses_lengths") else []),
-            *(
-                [f"head_dim={','.join(map(str, np.atleast_1d(limits['head_dim'])))}"]
-                if limits.get("head_dim") is not None
-                else []
-            ),
-        ]
+        declared_limits = ["refuses_lengths"] if limits.get("refuses_lengths") else []
+        if limits.get("head_dim") is not None:
+            declared_limits.append(
+                f"head_dim={','.join(map(str, np.atleast_1d(limits['head_dim'])))}"
+            )
         if declared_limits:
             yield Text(f"declared limits: {', '.join(declared_limits)}")
         yield Text("")
