@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 import re
@@ -63,10 +64,7 @@ def _settings(max_examples: int) -> Callable[[Callable[..., Any]], Callable[...,
 _KIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _KIT_FILES = frozenset(
     os.path.normcase(os.path.abspath(f))
-    for f in (
-        *(os.path.join(_KIT_DIR, name) for name in os.listdir(_KIT_DIR) if name.endswith(".py")),
-        closeness.__file__,
-    )
+    for f in [*glob.glob(os.path.join(_KIT_DIR, "*.py")), closeness.__file__]
 )
 
 
