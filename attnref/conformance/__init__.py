@@ -90,34 +90,32 @@ def split_list(text: str | None) -> tuple[str, ...] | None:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
-def _split_ints(
-    text: str | None, message: str, counts: tuple[int, ...] | None = None
-) -> tuple[int, ...] | None:
-    """:func:`split_list` as ints (``counts`` of them, when given), else ``ValueError(message)``."""
+def split_devices(text: str | None) -> tuple[int, ...] | None:
+    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None``; ``ValueError`` otherwise."""
     items = split_list(text)
     if items is None:
         return None
     try:
-        ints: tuple[int, ...] | None = tuple(int(s) for s in items)
+        return tuple(int(s) for s in items)
     except ValueError:
-        ints = None
-    if ints is None or (counts is not None and len(ints) not in counts):
-        raise ValueError(message)
-    return ints
-
-
-def split_devices(text: str | None) -> tuple[int, ...] | None:
-    """``"1, 2,4"`` -> ``(1, 2, 4)``; ``None`` or blank -> ``None``; ``ValueError`` otherwise."""
-    message = f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
-    return _split_ints(text, message)
+        raise ValueError(
+            f"devices must be comma-separated mesh sizes such as 1,2,4,8, got {text!r}"
+        ) from None
 
 
 def split_head_dim(text: str | None) -> int | tuple[int, int] | None:
     """``"64"`` -> ``64``; ``"192,128"`` -> ``(192, 128)`` (``H, H_v``); ``None`` or blank ->
     ``None``; ``ValueError`` otherwise (the range is ``check_attention``'s to check)."""
-    message = f"head-dim must be H or H,H_v (e.g. 64 or 192,128), got {text!r}"
-    dims = _split_ints(text, message, (1, 2))
-    return dims if dims is None else dims[0] if len(dims) == 1 else (dims[0], dims[1])
+    items = split_list(text)
+    if items is None:
+        return None
+    try:
+        dims = tuple(int(s) for s in items)
+    except ValueError:
+        dims = ()
+    if len(dims) not in (1, 2):
+        raise ValueError(f"head-dim must be H or H,H_v (e.g. 64 or 192,128), got {text!r}")
+    return dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
 def load(spec: str) -> Callable[..., Any]:
