@@ -106,21 +106,21 @@ def run_property(
     The ``explicit`` cases run first for every seed (counted only when one fails); the example
     is headed :data:`SHRUNK` or :data:`EXPLICIT`, its ``Case(...)`` line ending with
     ``sub_case()`` after the failing run."""
-    count, failed, explicit_failed = 0, False, False
+    state = {"count": 0, "failed": False, "explicit": False}
 
     def body(case: Any) -> None:
-        nonlocal count, failed, explicit_failed
         is_explicit = any(case is e for e in explicit)
-        if not failed and not is_explicit:
-            count += 1
+        if not state["failed"] and not is_explicit:
+            state["count"] += 1
         try:
             check(case)
         except UnsatisfiedAssumption:  # a declared refusal (refuses_lengths): another draw
             raise
         except BaseException:
-            if not failed and is_explicit:
-                count += 1
-            failed, explicit_failed = True, is_explicit
+            if not state["failed"] and is_explicit:
+                state["count"] += 1
+            state["failed"] = True
+            state["explicit"] = is_explicit
             raise
 
     test: Any = given(case=strategy)(body)
@@ -139,11 +139,11 @@ def run_property(
         cases = [n for n in notes if n.startswith(heads)]
         lines = list(dict.fromkeys(cases + [n for n in notes if n not in cases]))
         text = _name_sub_case("\n".join(lines).strip(), sub_case())
-        head = EXPLICIT if explicit_failed else SHRUNK
+        head = EXPLICIT if state["explicit"] else SHRUNK
         example = f"{head}\n{text}" if text else None
         message, tb = _failure(exc)
-        return "failed", message, example, count, tb
-    return "passed", "", None, count, None
+        return "failed", message, example, int(state["count"]), tb
+    return "passed", "", None, int(state["count"]), None
 
 
 def run_suite(
