@@ -43,7 +43,6 @@ from attnref._src.kit.conformance.options import (
     check_head_dim,
     check_max_examples,
     check_properties,
-    check_signature,
 )
 from attnref._src.kit.conformance.paged import PAGED_FEATURES, PAGED_PROPERTIES, check_paged
 from attnref._src.kit.conformance.targets import AXIS as AXIS
@@ -165,12 +164,11 @@ class Options:
         """``check_attention``'s checks before the target is loaded (the rest:
         :meth:`preflight`); a ``ValueError`` in the CLI's words."""
         try:
-            check_signature(self.signature)
+            check_choice("signature", self.signature)
             check_features(self.features or ())
             check_properties(self.properties or ())
-            check_choice("masked_rows", self.masked_rows)
-            check_choice("causal_alignment", self.causal_alignment)
-            check_choice("shapes", self.shapes)
+            for option in ("masked_rows", "causal_alignment", "shapes"):
+                check_choice(option, getattr(self, option))
             if self.max_examples is not None:
                 check_max_examples(self.max_examples)
             if self.head_dim is not None:

@@ -178,14 +178,12 @@ def pytest_configure(config: pytest.Config) -> None:
         split_list,
     )
 
-    try:
-        devices = split_devices(get("--attnref-devices"))
-    except ValueError as e:
-        raise pytest.UsageError(f"attnref: --attnref-devices: {e}") from e
-    try:
-        head_dim = split_head_dim(get("--attnref-head-dim"))
-    except ValueError as e:
-        raise pytest.UsageError(f"attnref: --attnref-head-dim: {e}") from e
+    split: dict[str, Any] = {}
+    for flag, parse in (("devices", split_devices), ("head-dim", split_head_dim)):
+        try:
+            split[flag] = parse(get(f"--attnref-{flag}"))
+        except ValueError as e:
+            raise pytest.UsageError(f"attnref: --attnref-{flag}: {e}") from e
     options = Options(
         target=spec or "",
         signature=get("--attnref-signature"),
@@ -197,8 +195,8 @@ def pytest_configure(config: pytest.Config) -> None:
         dtypes=split_list(get("--attnref-dtypes")),
         properties=split_list(get("--attnref-properties")),
         shapes=get("--attnref-shapes"),
-        devices=devices,
-        head_dim=head_dim,
+        devices=split["devices"],
+        head_dim=split["head-dim"],
         refuses_lengths=get("--attnref-refuses-lengths"),
     )
     try:

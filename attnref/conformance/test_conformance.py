@@ -39,11 +39,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "attnref_property" not in metafunc.fixturenames:
         return
     state = session(metafunc.config)
-    if state is None or not state.properties:
-        names: tuple[str, ...] = PROPERTIES
-        xfail: dict[str, str] = {}
-    else:
-        names, xfail = state.properties, state.xfail
+    names, xfail = (
+        (state.properties, state.xfail) if state and state.properties else (PROPERTIES, {})
+    )
     params = [
         pytest.param(
             name,

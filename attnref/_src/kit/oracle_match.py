@@ -22,13 +22,12 @@ OPTION_NAMES = tuple(
 IGNORED_OPTIONS = ("implementation",)
 OUT_AXES = "[b, t, n, h]"
 LSE_AXES = "[b, t, n]"
-_GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
-# each gradient's axes (dbias has the bias's own broadcast shape)
-_GRAD_AXES = {
-    "query": "[b, t, n, h]",
-    "key": "[b, s, k, h]",
-    "value": "[b, s, k, h]",
-    "bias": "[b, n, t, s]",
+# each gradient's name and axes (dbias has the bias's own broadcast shape)
+_GRADS = {
+    "query": ("dq", OUT_AXES),
+    "key": ("dk", "[b, s, k, h]"),
+    "value": ("dv", "[b, s, k, h]"),
+    "bias": ("dbias", "[b, n, t, s]"),
 }
 
 
@@ -121,11 +120,9 @@ def _flash_allowances(
 
     from attnref._src.formulations.kernel import dot_product_attention
 
-    q16, k16, v16 = (jnp.asarray(x, dtype) for x in qkv)
     kw = dict(opts)
     bias = kw.pop("bias", None)
-    bias = None if bias is None else jnp.asarray(bias, dtype)
-    args = (q16, k16, v16) if bias is None else (q16, k16, v16, bias)
+    args = tuple(jnp.asarray(x, dtype) for x in (*qkv, bias) if x is not None)
 
     def f(*a: Any) -> Any:
         return dot_product_attention(*a[:3], bias=a[3] if len(a) > 3 else None, **kw)
@@ -193,8 +190,7 @@ def compare(
     ]
     if finite.any():
         lines.append(f"Max absolute error among mismatches: {float(err[finite].max()):.3e}")
-    if (~np.isfinite(err)).any():
-        count = int((~np.isfinite(err)).sum())
+    if count := int((~np.isfinite(err)).sum()):
         lines.append(f"NaN or inf where the oracle has a number (or the reverse): {count}")
     raise AssertionError("\n".join(lines))
 
@@ -297,7 +293,7 @@ def assert_grads_match_oracle(
             f"{where}: grads must be a tuple (dq, dk, dv) or (dq, dk, dv, dbias), got "
             f"{type(grads).__name__}"
         )
-    names = ("query", "key", "value", "bias")
+    names = tuple(_GRADS)
     if len(grads) not in (3, 4) or (len(grads) == 4 and options.get("bias") is None):
         raise TypeError(
             f"{where}: grads must hold 3 arrays (dq, dk, dv), or 4 with a bias (dq, dk, dv, "
@@ -318,8 +314,7 @@ def assert_grads_match_oracle(
     allowed: list[Any] = [getattr(bound, n) for n in names[: len(got)]]
     if is_16bit(dt):  # the gradients property's 16-bit rule (attnref._src.kit.conformance)
         wanted = [getattr(exact, n) for n in names[: len(got)]]
-        _, t_, n_, h_ = q.shape
-        s_, k_, h_v = v.shape[1], v.shape[2], v.shape[3]
+        (_, t_, n_, h_), (_, s_, k_, h_v) = q.shape, v.shape
         n_b = t_ * (n_ // max(k_, 1)) + s_ + h_ + h_v + 2  # the backward's longest chain
         allowed = _flash_allowances((q, k, v), opts, dt, cot, wanted, n_b)
         rule = (
@@ -328,7 +323,7 @@ def assert_grads_match_oracle(
         )
     return {
         n: compare(
-            g, getattr(exact, n), a, name=_GRAD_NAMES[n], axes=_GRAD_AXES[n], dtype=dt, rule=rule
+            g, getattr(exact, n), a, name=_GRADS[n][0], axes=_GRADS[n][1], dtype=dt, rule=rule
         )
         for n, g, a in zip(names, got, allowed, strict=False)
     }

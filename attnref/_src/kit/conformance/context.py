@@ -76,8 +76,7 @@ class Context:
     """One target as the plans see it; a distributed target has one per mesh size ``devices``,
     ``anchor`` the target on one device, lengths times ``length_multiple`` and ``K`` a multiple
     of ``head_multiple`` (:meth:`pool`). ``ratios``: each example's worst error / allowance;
-    ``calls``: ``uneven_lengths``' tally; ``sub_case``: see :meth:`at`; ``failing``: the
-    target's last call ``(problem, cotangent or None)`` where the latest property failed."""
+    ``calls``: ``uneven_lengths``' tally; ``sub_case``: see :meth:`at`."""
 
     target: Target
     signature: str
@@ -93,7 +92,6 @@ class Context:
     ratios: list[float] = dataclasses.field(default_factory=list)
     calls: list[str] = dataclasses.field(default_factory=list)
     sub_case: str | None = None
-    failing: tuple[ast.KernelProblem, np.ndarray | None] | None = None
 
     def at(self, sub_case: str) -> None:
         """Record the sub-case a check is at (a failure's ``Case(...)`` line names it)."""

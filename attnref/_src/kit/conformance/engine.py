@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import math
 import os
 import re
 import time
@@ -35,10 +37,7 @@ from attnref._src.kit.conformance.options import (
     check_head_dim,
     check_max_examples,
     check_properties,
-    check_signature,
     expand_features,
-    head_multiple,
-    length_multiple,
 )
 from attnref._src.kit.conformance.plans import PLANS, TargetRaised, calls_detail
 from attnref._src.kit.conformance.replay import call_inputs, problem_replay
@@ -65,10 +64,7 @@ def _settings(max_examples: int) -> Callable[[Callable[..., Any]], Callable[...,
 _KIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _KIT_FILES = frozenset(
     os.path.normcase(os.path.abspath(f))
-    for f in (
-        *(os.path.join(_KIT_DIR, name) for name in os.listdir(_KIT_DIR) if name.endswith(".py")),
-        closeness.__file__,
-    )
+    for f in [*glob.glob(os.path.join(_KIT_DIR, "*.py")), closeness.__file__]
 )
 
 
@@ -275,11 +271,11 @@ def _timed(
     ctx: Context, target: str, run: Callable[..., _Run | str], *args: Any
 ) -> dict[str, Any] | str:
     """``run(ctx, *args)`` as a result's fields, or why it is skipped: the target's notes in the
-    detail, the ``seconds``, a failure's ``inputs`` and ``problem_replay`` (of ``ctx.failing``,
-    the target named ``target``)."""
+    detail, the ``seconds``, a failure's ``inputs`` and ``problem_replay`` (of the target's last
+    call, the target named ``target``)."""
     start = time.perf_counter()
     before, refused = len(ctx.target.notes), len(ctx.target.refusals)
-    ctx.target.last_call = ctx.failing = None
+    ctx.target.last_call = None
     out = run(ctx, *args)
     if isinstance(out, str):
         return out
@@ -296,9 +292,8 @@ def _timed(
     took = time.perf_counter() - start
     run_fields = dict(status=status, detail=detail, example=example, examples=count, traceback=tb)
     if status == "failed" and ctx.target.last_call is not None:
-        p, cot = ctx.failing = ctx.target.last_call
-        distributed = ctx.devices is not None
-        replay = problem_replay(p, cot, ctx.signature, target, distributed)
+        p, cot = ctx.target.last_call
+        replay = problem_replay(p, cot, ctx.signature, target, ctx.devices is not None)
         run_fields.update(inputs=call_inputs(p, cot), problem_replay=replay)
     return {**run_fields, "seconds": took}
 
@@ -349,14 +344,15 @@ def mesh_contexts(
     """A distributed target's context per mesh size: one anchor (the one-device target), the
     same shapes at every size."""
     anchor = Target(fn, common["signature"], mesh(1))
-    multiple = length_multiple(sizes)
-    heads = head_multiple(sizes)
+    # head counts a head-parallel kernel splits on every size; lengths twice that (zigzag cuts
+    # 2P chunks), divisible by every layout of every size
+    heads = math.lcm(*sizes)
     return {
         size: Context(
             target=anchor if size == 1 else Target(fn, common["signature"], mesh(size)),
             devices=size,
             anchor=anchor,
-            length_multiple=multiple,
+            length_multiple=2 * heads,
             head_multiple=heads,
             **common,
         )
@@ -389,7 +385,7 @@ def _check_distributed(fn: Any, signature: str, shapes: str) -> None:
 
 def _features(signature: str, features: Sequence[str] | None) -> tuple[str, ...]:
     """The features (``None``: the signature's default), checked, aliases expanded."""
-    check_signature(signature)
+    check_choice("signature", signature)
     feats = tuple(DEFAULT_FEATURES[signature] if features is None else features)
     check_features(feats)
     feats = expand_features(feats)
@@ -422,39 +418,31 @@ def check_attention(
     Args:
         fn: The attention function.
         signature: ``"jax_nn"``, ``"qkv_mask"``, ``"numpy"`` or ``"torch"`` (the adapters).
-        features: What ``fn`` supports (:data:`FEATURES`; ``None``: ``DEFAULT_FEATURES
-            [signature]``); a property needing an absent one is skipped. ``"seq_lengths"`` is
-            both ``"query_seq_lengths"`` and ``"key_value_seq_lengths"``.
+        features: What ``fn`` supports (:data:`FEATURES`, ``"seq_lengths"`` for both lengths;
+            ``None``: ``DEFAULT_FEATURES[signature]``); a property needing an absent one skips.
         max_examples: Examples per property (``None``: 20); with production shapes, the first
             cases of each sweep (``None``: all).
         seed: The Hypothesis seed of every property.
         masked_rows: The kernel's output on fully masked rows (the oracle runs with it; the
             report lists it when not attnref's ``"zeros"``).
         causal_alignment: Its causal alignment when ``T != S``, likewise (``"top_left"``).
-        dtypes: The input dtypes ``fn`` takes (default float32). ``oracle`` (and
-            ``ring_size_growth``) runs each, the others float32 when requested, else the first
-            (float64 inside ``jax.enable_x64``). A kernel taking 16-bit inputs declares them,
-            e.g. ``("float32", "bfloat16")``.
+        dtypes: The input dtypes ``fn`` takes, e.g. ``("float32", "bfloat16")``: ``oracle``
+            (and ``ring_size_growth``) runs each, the others float32 when requested, else the
+            first (float64 inside ``jax.enable_x64``).
         properties: A subset of :data:`ALL_PROPERTIES` (default :data:`PROPERTIES`, plus
             :data:`DISTRIBUTED_PROPERTIES` with ``devices``), run in that order.
         progress: ``progress(done, total, name)`` after each property.
         target: The report's name for ``fn`` (default: its module and name).
-        shapes: ``"small"`` (Hypothesis draws; default) or ``"production"`` (fixed sweeps at tile
+        shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (fixed sweeps at tile
             boundaries, :mod:`attnref._src.kit.conformance.production`).
         log: ``log(line)`` after each production case, and with ``devices`` after each property
             on each mesh size.
-        devices: Mesh sizes to check a distributed kernel on, e.g. ``(1, 2, 4, 8)`` (package
-            docstring); ``None``: a single-device function.
-        refuses_lengths: ``fn`` refuses some lengths (a blocked kernel, such as Pallas' flash
-            attention): a clear refusal (:func:`.targets.is_refusal`) draws another example (the
-            production sweep skips the case), counted in the detail. Not with ``devices``.
-        head_dim: The head dim ``H = H_v`` of every example, or a pair ``(H, H_v)`` for a value
-            head dim of its own (``None``: ``H = H_v``, 4 at small shapes; 64, 128 and 256 at
-            production shapes). A kernel whose matrix units need more declares it, e.g. jax.nn's
-            cuDNN path, which refuses head dims that are not multiples of 8
-            (docs/benchmarks.md); a kernel with ``H_v != H`` (MLA's 192 and 128) declares the
-            pair, the one way the kit draws such shapes, so that a scale taken from ``H_v``
-            is seen.
+        devices: Mesh sizes of a distributed kernel, e.g. ``(1, 2, 4, 8)`` (package docstring).
+        refuses_lengths: ``fn`` refuses some lengths (package docstring; the production sweep
+            skips a refused case). Not with ``devices``.
+        head_dim: ``H = H_v`` or ``(H, H_v)`` of every example (package docstring; ``None``: 4
+            at small shapes; 64, 128 and 256 at production shapes), e.g. a multiple of 8 for
+            jax.nn's cuDNN path (docs/benchmarks.md), ``(192, 128)`` for MLA.
 
     Returns:
         The :class:`ConformanceReport`, one :class:`PropertyResult` per property.

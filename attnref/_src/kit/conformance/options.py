@@ -3,7 +3,6 @@ pytest plugin share through :class:`attnref.conformance.Options`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,11 +116,6 @@ class OptionError(ValueError):
         self.option = option
         self.value = value
         self.accepted = accepted
-
-
-def check_signature(signature: str) -> None:
-    """``signature in SIGNATURES``, else an :class:`OptionError`."""
-    check_choice("signature", signature)
 
 
 def check_features(features: Sequence[str]) -> None:
@@ -250,13 +244,3 @@ def check_devices(devices: Sequence[int]) -> tuple[int, ...]:
             out,
         )
     return out
-
-
-def length_multiple(devices: Sequence[int]) -> int:
-    """``2 lcm(devices)``: divisible by every layout (zigzag cuts ``2P`` chunks) of every size."""
-    return 2 * math.lcm(*devices)
-
-
-def head_multiple(devices: Sequence[int]) -> int:
-    """``lcm(devices)``: head counts a head-parallel kernel splits on every mesh size."""
-    return math.lcm(*devices)

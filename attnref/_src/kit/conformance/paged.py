@@ -167,37 +167,46 @@ def _relayout(p: Problem, seed: int) -> Problem:
     return q
 
 
+def _unused(bucket: tuple[int, ...], seed: int, dtype: str) -> Problem:
+    """NaN in the unused slots, and pages of other sequences in the unused table entries."""
+    p = Problem(bucket, seed, dtype, fill=np.nan)
+    used = np.arange(p.table.shape[1])[None, :] * p.page_size < p.lens[:, None]
+    foreign = np.roll(p.table, 1, axis=0)  # pages of other sequences
+    p.table = np.where(used, p.table, foreign).astype(np.int32)
+    return p
+
+
+def _prefill(bucket: tuple[int, ...], seed: int, dtype: str) -> Problem:
+    p = Problem(bucket, seed, dtype, t=3)
+    p.options = {"is_causal": True}
+    return p
+
+
+# The properties that check each dtype's problem against the oracle: (its problem, its label).
+_FORWARD: dict[str, tuple[Callable[..., Problem], str]] = {
+    "oracle": (Problem, "oracle"),
+    "gqa": (Problem, "gqa"),
+    "lse": (Problem, "lse"),
+    "unused_pages": (_unused, "NaN in unused slots, foreign pages in unused entries"),
+    "prefill": (_prefill, "chunked prefill T=3, is_causal"),
+}
+
+
 def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[Any, Any]:
     """``(strategy, check)`` of property ``name``."""
     target = functools.partial(_call, fn)
     seeds = st.integers(0, 2**16)
     buckets = st.sampled_from(_GQA_BUCKETS if name == "gqa" else _BUCKETS)
     cases = st.tuples(buckets, seeds)
+    if name in _FORWARD:
+        make, label = _FORWARD[name]
 
-    def each_dtype(make: Callable[[str], Problem], label: str, lse: bool = False) -> None:
-        for dt in dtypes:
-            p = make(dt)
-            _check(target(p, lse), p, f"{label} ({dt})")
+        def check_forward(case: tuple[Any, int]) -> None:
+            for dt in dtypes:
+                p = make(*case, dt)
+                _check(target(p, name == "lse"), p, f"{label} ({dt})")
 
-    if name in ("oracle", "gqa", "lse"):
-
-        def check_oracle(case: tuple[Any, int]) -> None:
-            each_dtype(lambda dt: Problem(*case, dt), name, lse=name == "lse")
-
-        return cases, check_oracle
-    if name == "unused_pages":
-
-        def check_unused(case: tuple[Any, int]) -> None:
-            def make(dt: str) -> Problem:
-                p = Problem(*case, dt, fill=np.nan)
-                used = np.arange(p.table.shape[1])[None, :] * p.page_size < p.lens[:, None]
-                foreign = np.roll(p.table, 1, axis=0)  # pages of other sequences
-                p.table = np.where(used, p.table, foreign).astype(np.int32)
-                return p
-
-            each_dtype(make, "NaN in unused slots, foreign pages in unused entries")
-
-        return cases, check_unused
+        return cases, check_forward
     if name == "permutation":
 
         def check_perm(case: tuple[Any, int]) -> None:
@@ -224,17 +233,6 @@ def _plan(name: str, fn: Callable[..., Any], dtypes: tuple[str, ...]) -> tuple[A
                 _check(target(p), p, f"decode at length {length}")
 
         return cases, check_append
-    if name == "prefill":
-
-        def check_prefill(case: tuple[Any, int]) -> None:
-            def make(dt: str) -> Problem:
-                p = Problem(*case, dt, t=3)
-                p.options = {"is_causal": True}
-                return p
-
-            each_dtype(make, "chunked prefill T=3, is_causal")
-
-        return cases, check_prefill
 
     def check_grad(case: tuple[Any, int]) -> None:
         p = Problem(*case, dtypes[0], fill=np.nan)

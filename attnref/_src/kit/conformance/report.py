@@ -106,23 +106,18 @@ class ConformanceReport:
         on = f", devices {', '.join(map(str, self.devices))}" if self.devices else ""
         yield Text(f"attnref conformance: {self.target} (signature {self.signature!r}{shapes}{on})")
         yield Text(f"features: {', '.join(self.features) or '(none)'}")
-        if self.declared:
-            yield Text(
-                "declared differences: "
-                + ", ".join(
-                    f"{k}={v} (attnref default: {DEFAULT_SEMANTICS[k]})"
-                    for k, v in sorted(self.declared.items())
-                )
-            )
-        limits = dict(self.options)
-        declared_limits = [
-            *(["refuses_lengths"] if limits.get("refuses_lengths") else []),
-            *(
-                [f"head_dim={','.join(map(str, np.atleast_1d(limits['head_dim'])))}"]
-                if limits.get("head_dim") is not None
-                else []
-            ),
+        differences = [
+            f"{k}={v} (attnref default: {DEFAULT_SEMANTICS[k]})"
+            for k, v in sorted(self.declared.items())
         ]
+        if differences:
+            yield Text(f"declared differences: {', '.join(differences)}")
+        limits = dict(self.options)
+        declared_limits = ["refuses_lengths"] if limits.get("refuses_lengths") else []
+        if limits.get("head_dim") is not None:
+            declared_limits.append(
+                f"head_dim={','.join(map(str, np.atleast_1d(limits['head_dim'])))}"
+            )
         if declared_limits:
             yield Text(f"declared limits: {', '.join(declared_limits)}")
         yield Text("")
@@ -180,9 +175,7 @@ class ConformanceReport:
         is a loadable ``module:function``."""
         checks = {"merge_states": "check_merge_states", "paged": "check_paged", "mla": "check_mla"}
         check = checks.get(self.signature, "check_attention")
-        module = (
-            "attnref.conformance" if check in ("check_paged", "check_mla") else "attnref.testing"
-        )
+        module = "attnref.conformance" if self.signature in ("paged", "mla") else "attnref.testing"
         fn, load = target_call(self.target)
         kw: dict[str, Any] = {"properties": [result.name], "seed": result.seed}
         kw.update(self.options)
