@@ -5,9 +5,7 @@ the benchmark section that ``benchmarks/bench_distributed.py`` writes."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from attnref._src.core.cost import Dims
 from attnref._src.core.registry import Formulation, formulations
@@ -95,17 +93,6 @@ def _tiles_table() -> str:
     return _table(["P", "T", *(f"{layout} (busiest / mean)" for layout in LAYOUTS)], rows)
 
 
-def _distributed_name(fn: Callable[..., Any]) -> str:
-    """``attnref.distributed.<name>`` where that namespace exports ``fn``, else
-    :func:`public_name` (the namespace joins :data:`NAMESPACES` with the family's registration)."""
-    import attnref.distributed
-
-    name = fn.__name__
-    if name in attnref.distributed.__all__ and getattr(attnref.distributed, name) is fn:
-        return f"attnref.distributed.{name}"
-    return public_name(fn)
-
-
 def _scheme(f: Formulation) -> str:
     model = f.cost_model
     if model is None:
@@ -115,7 +102,7 @@ def _scheme(f: Formulation) -> str:
         f"### {f.title} (`{f.id}`)\n\n"
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
-        f"**Kernel.** `{_distributed_name(f.native)}`; row form `{_distributed_name(f.apply)}` "
+        f"**Kernel.** `{public_name(f.native)}`; row form `{public_name(f.apply)}` "
         f"([page](formulations/{f.id}.md)).\n\n"
         f"**Cost.** {f.cost}\n\n"
         f"**Per-device model** (`{model.__module__}.{model.__name__}`). {comm}\n\n"

@@ -259,11 +259,9 @@ def render(f: Formulation, tests_dir: Path | None = None) -> str:
 def write(directory: Path) -> list[Path]:
     """Write one page per registered formulation into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for f in formulations():
-        path = directory / f"{f.id}.md"
+    paths = [directory / f"{f.id}.md" for f in formulations()]
+    for f, path in zip(formulations(), paths, strict=True):
         path.write_text(render(f))
-        paths.append(path)
     return paths
 
 
@@ -298,9 +296,7 @@ def link_docs_mentions(markdown: str, docs: Path) -> str:
     out: list[str] = []
     fenced = False
     for line in markdown.splitlines(keepends=True):
-        if _FENCE.match(line):
-            fenced = not fenced
-            out.append(line)
-        else:
-            out.append(line if fenced else _DOCS_MENTION.sub(link, line))
+        fence = _FENCE.match(line) is not None
+        fenced ^= fence
+        out.append(line if fenced or fence else _DOCS_MENTION.sub(link, line))
     return "".join(out)

@@ -100,7 +100,7 @@ def run(
     and once at the end (``label`` ``"done"``).
     """
     chosen = formulations() if ids is None else tuple(get(i) for i in ids)
-    rows = []
+    rows: list[Row] = []
     total = len(chosen) * len(dtypes)
     for dt_name in dtypes:
         dt = np.dtype(dt_name)
