@@ -176,11 +176,9 @@ def _code(f: Formulation) -> str:
             f"**Code.** Native form:\n\n{_autodoc(f.native)}\n\n"
             f"{family[0].upper()}{family[1:]}:\n\n{_autodoc(f.apply)}"
         )
-    helpers = [h for h in HELPERS if h.formulation == f.id]
-    if helpers:
+    if helpers := [h for h in HELPERS if h.formulation == f.id]:
         text += "\n\n**Helpers** (exported multi-head functions that are not registry entries):"
-        for h in helpers:
-            text += f"\n\n{_autodoc(h.fn)}\n\n{h.reason}"
+        text += "".join(f"\n\n{_autodoc(h.fn)}\n\n{h.reason}" for h in helpers)
     return text
 
 
@@ -190,9 +188,7 @@ _DIMS = re.compile(r"\[\s*\w+\s*,\s*['\"]([^'\"]*)['\"]\s*\]")
 def _dims(annotation: Any) -> str | None:
     """``[..., T_q, d_model]`` from a jaxtyping annotation ``Float[ArrayLike, '... T_q
     d_model']`` (a string under ``from __future__ import annotations``); ``None`` if none."""
-    if not isinstance(annotation, str):
-        return None
-    m = _DIMS.search(annotation)
+    m = _DIMS.search(annotation) if isinstance(annotation, str) else None
     return None if m is None else "[" + ", ".join(m.group(1).split()) + "]"
 
 

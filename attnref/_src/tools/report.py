@@ -330,12 +330,9 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
     paths = []
     with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
         for name, (fields, title) in figures.items():
+            n = len(fields)
             fig, axes = plt.subplots(
-                1,
-                len(fields),
-                figsize=(4.6 * len(fields) + 4.4, 5.2),
-                squeeze=False,
-                layout="constrained",
+                1, n, figsize=(4.6 * n + 4.4, 5.2), squeeze=False, layout="constrained"
             )
             for ax, (field, panel, unit) in zip(axes[0], fields, strict=True):
                 for k, fid in enumerate(ids):
