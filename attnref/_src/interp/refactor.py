@@ -36,18 +36,6 @@ from attnref._src.core.checks import check_params, float64_scoped, is_traced
 from attnref._src.core.common import HIGHEST, homogeneous_weights
 from attnref._src.core.params import AttentionParams, repeat_kv_heads_unchecked
 
-__all__ = [
-    "FactoredSVD",
-    "Refactored",
-    "effective_rank",
-    "factored_svd",
-    "message_svd",
-    "param_count",
-    "pattern_svd",
-    "refactor",
-    "truncation_error",
-]
-
 Gauge = Literal["sqrt", "left", "right"]
 ValueBias = Literal["fold", "homogeneous"]
 

@@ -308,15 +308,13 @@ def attnref_entry() -> Entry:
     """attnref's own entry, its version ``attnref.__version__``."""
     from attnref import __version__
 
-    return Entry(
+    return _entry(
         "misc",
-        (
-            ("author", "{attnref developers}"),
-            ("title", "{attnref}: " + _ATTNREF_TITLE.split(": ", 1)[1]),
-            ("howpublished", f"Python package, version {__version__}"),
-            ("year", _ATTNREF_YEAR),
-            ("version", __version__),
-        ),
+        author="{attnref developers}",
+        title="{attnref}: " + _ATTNREF_TITLE.split(": ", 1)[1],
+        howpublished=f"Python package, version {__version__}",
+        year=_ATTNREF_YEAR,
+        version=__version__,
     )
 
 

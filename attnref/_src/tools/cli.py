@@ -165,18 +165,15 @@ def _emit(report: Any, as_json: bool, replay: str = "") -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    try:
-        devices = kit.split_devices(args.devices)
-        head_dim = kit.split_head_dim(args.head_dim)
-    except ValueError as e:
-        raise _fail("check", e) from None
     # the flags of the same names, the comma-separated lists split
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kit.Options)}
     lists = {name: kit.split_list(given[name]) for name in ("features", "dtypes", "properties")}
-    options = kit.Options(**{**given, **lists, "devices": devices, "head_dim": head_dim})
     try:
+        devices = kit.split_devices(args.devices)
+        head_dim = kit.split_head_dim(args.head_dim)
+        options = kit.Options(**{**given, **lists, "devices": devices, "head_dim": head_dim})
         options.validate()
-    except ValueError as e:
+    except ValueError as e:  # a split's error has no cause, hence no suggestion
         raise _fail("check", f"{e}{_suggestion(e)}") from None
     fn = _load("check", args.target)
     if fn is None:

@@ -123,10 +123,9 @@ def _bench_section(existing: str) -> str:
 
 
 def render_distributed(existing: str = "") -> str:
-    """``docs/distributed.md``: the layouts, every entry of the distributed family (equation,
-    citation, cost, per-device communication model), the communication and load balance tables,
-    and the benchmark section (written by ``benchmarks/bench_distributed.py``) kept verbatim
-    from ``existing``, the page as it is now ('' for none)."""
+    """``docs/distributed.md``: the layouts, each scheme with its cost model, the communication
+    and load balance tables, and the benchmark section of ``existing`` (the page as it is now,
+    '' for none) kept verbatim."""
     import attnref.distributed  # noqa: F401  (registers the schemes)
     from attnref._src.formulations.distributed.family import GRADIENTS
 
