@@ -244,6 +244,11 @@ def _report(args: argparse.Namespace) -> int:
     if not (args.json or is_terminal(sys.stdout)):
         stream = _report_mod.PlainRows(problem, args.formulations or [f.id for f in formulations()])
         print(stream.head(), flush=True)
+
+    def on_row(row: _report_mod.Row) -> None:
+        if stream is not None:
+            print(stream.row(row), flush=True)
+
     with enable_x64(), console.progress_bar(not args.no_progress) as bar:
         # the table includes float64 rows; float32 rows stay float32
         rows = _report_mod.run(
@@ -252,7 +257,7 @@ def _report(args: argparse.Namespace) -> int:
             args.dtypes,
             repeats=args.repeats,
             progress=bar.update,
-            on_row=None if stream is None else lambda row: print(stream.row(row), flush=True),
+            on_row=on_row,
         )
         if stream is not None:
             print(_report_mod.FOOTER, flush=True)

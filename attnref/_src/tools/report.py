@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -302,8 +303,6 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
         raise SystemExit(
             "attnref report --plot needs matplotlib: pip install 'attnref[plot]'"
         ) from exc
-    import os
-
     os.makedirs(directory, exist_ok=True)
     ids = list(dict.fromkeys(r.id for r in rows))
     ts = sorted({int(r.note[2:]) for r in rows})
