@@ -37,13 +37,9 @@ NAMESPACES = ("linear", "rope", "decode", "interp", "interop", "costs", "distrib
 
 
 class Helper(NamedTuple):
-    """An exported function with the registry's row signature that is not a registry entry.
-
-    Attributes:
-        fn: The function.
-        formulation: The id of the registry entry whose page lists it.
-        reason: Why it is not an entry (Markdown, shown on that page).
-    """
+    """An exported function ``fn`` with the registry's row signature that is not a registry
+    entry, the id of the ``formulation`` whose page lists it, and the ``reason`` why not
+    (Markdown, shown on that page)."""
 
     fn: Callable[..., Any]
     formulation: str
