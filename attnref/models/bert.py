@@ -311,9 +311,5 @@ def make_encoder(
     Cached per arguments; an unregistered ``formulation`` raises ``KeyError`` before compiling.
     """
     get(formulation)  # fail early on an unknown id
-    fn = jax.jit(
-        functools.partial(
-            sentence_embeddings, config=config, formulation=formulation, normalize=normalize
-        )
-    )
-    return float64_scoped(fn)
+    options: dict[str, Any] = {"config": config, "formulation": formulation, "normalize": normalize}
+    return float64_scoped(jax.jit(functools.partial(sentence_embeddings, **options)))

@@ -28,12 +28,6 @@ from attnref._src.core.common import HIGHEST
 from attnref._src.core.entry import compiled
 from attnref._src.core.params import AttentionParams, init_params, repeat_kv_heads_unchecked
 
-__all__ = [
-    "composition_baseline",
-    "composition_scores",
-    "top_aligned",
-]
-
 Kind = Literal["q", "k", "v"]
 
 

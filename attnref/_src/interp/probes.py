@@ -41,8 +41,6 @@ from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
 from attnref._src.formulations.standard import logits
 
-__all__ = ["AttentionProbes", "attention_logits", "attention_probes", "residual_update"]
-
 
 def _probe(summary: str, returns: str) -> Callable[[Callable[..., Any]], Any]:
     """The public probe of ``fn(params, rows)``: :data:`ROW_PROBES`' signature and validation

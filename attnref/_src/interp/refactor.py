@@ -22,7 +22,6 @@ fusing ``W_Q W_K^T`` and ``W_V W_O`` and factoring them again by SVD.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any, Literal
@@ -31,22 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
+from threadpoolctl import threadpool_limits
 
 from attnref._src.core.checks import check_params, float64_scoped, is_traced
 from attnref._src.core.common import HIGHEST, homogeneous_weights
 from attnref._src.core.params import AttentionParams, repeat_kv_heads_unchecked
-
-__all__ = [
-    "FactoredSVD",
-    "Refactored",
-    "effective_rank",
-    "factored_svd",
-    "message_svd",
-    "param_count",
-    "pattern_svd",
-    "refactor",
-    "truncation_error",
-]
 
 Gauge = Literal["sqrt", "left", "right"]
 ValueBias = Literal["fold", "homogeneous"]
@@ -112,18 +100,10 @@ def factored_svd(
     dt = dt or np.result_type(a_np, b_np)
     if not np.issubdtype(dt, np.floating) or np.dtype(dt).itemsize < 4:
         dt = np.dtype(np.float32)  # LAPACK has no 16-bit routines
-    with _single_threaded_blas():
+    # NumPy's LAPACK on one thread: on a busy machine a multithreaded OpenBLAS can spin for
+    # seconds on one small QR.
+    with threadpool_limits(limits=1, user_api="blas"):
         return _svd_of_product(np, a_np.astype(dt), b_np.astype(dt))
-
-
-def _single_threaded_blas() -> Any:
-    """NumPy's LAPACK on one thread (if ``threadpoolctl`` is installed): on a busy machine a
-    multithreaded OpenBLAS can spin for seconds on one small QR."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - optional
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _augment(w: Any, b: Any) -> Any:
@@ -133,15 +113,12 @@ def _augment(w: Any, b: Any) -> Any:
     return homogeneous_weights(w, b, xp=jnp if is_traced(w, b) else np)
 
 
-def _qk_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
-    """``(W~_Q [H, d_model(+1), d_k], W_K [H, d_model, d_k])`` per query head."""
+def _factors(params: AttentionParams, bias: bool, side: str) -> tuple[Any, Any]:
+    """Per query head, ``(W~_Q [H, d_model(+1), d_k], W_K [H, d_model, d_k])`` for ``side``
+    ``"qk"``, else ``(W~_V [H, d_model(+1), d_v], W_O^T [H, d_model, d_v])``."""
     mha = repeat_kv_heads_unchecked(params)
-    return _augment(mha.w_q, mha.b_q if bias else None), _augment(mha.w_k, None)
-
-
-def _vo_factors(params: AttentionParams, bias: bool) -> tuple[Any, Any]:
-    """``(W~_V [H, d_model(+1), d_v], W_O^T [H, d_model, d_v])`` per query head."""
-    mha = repeat_kv_heads_unchecked(params)
+    if side == "qk":
+        return _augment(mha.w_q, mha.b_q if bias else None), _augment(mha.w_k, None)
     w_o = _augment(mha.w_o, None)
     xp = jnp if is_traced(w_o) else np
     return _augment(mha.w_v, mha.b_v if bias else None), xp.swapaxes(w_o, -1, -2)
@@ -155,7 +132,7 @@ def pattern_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
     k]``; grouped heads repeated per query head. ``dtype`` and errors as :func:`factored_svd`.
     """
     check_params(params)
-    return factored_svd(*_qk_factors(params, bias and params.b_q is not None), dtype=dtype)
+    return factored_svd(*_factors(params, bias and params.b_q is not None, "qk"), dtype=dtype)
 
 
 def message_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = None) -> FactoredSVD:
@@ -165,7 +142,7 @@ def message_svd(params: AttentionParams, *, bias: bool = False, dtype: Any = Non
     ignored without ``b_V``). ``k = min(d_v, d_model)``; otherwise as :func:`pattern_svd`.
     """
     check_params(params)
-    return factored_svd(*_vo_factors(params, bias and params.b_v is not None), dtype=dtype)
+    return factored_svd(*_factors(params, bias and params.b_v is not None, "vo"), dtype=dtype)
 
 
 @float64_scoped
@@ -354,7 +331,7 @@ def refactor(
     s_qk = s_vo = err_qk = err_vo = None
     if rank_qk is not None:
         has_bq = mha.b_q is not None
-        svd = factored_svd(*_qk_factors(mha, has_bq), dtype=dt)
+        svd = factored_svd(*_factors(mha, has_bq, "qk"), dtype=dt)
         left, right = _split(svd, rank_qk, gauge)
         if rescale:
             left = left * dt.type(math.sqrt(rank_qk / d_k))
@@ -364,7 +341,7 @@ def refactor(
         s_qk, err_qk = svd.s, _relative_truncation_error(svd.s, rank_qk)
     if rank_vo is not None:
         homogeneous = value_bias == "homogeneous" and mha.b_v is not None
-        svd = factored_svd(*_vo_factors(mha, homogeneous), dtype=dt)
+        svd = factored_svd(*_factors(mha, homogeneous, "vo"), dtype=dt)
         left, right = _split(svd, rank_vo, gauge)
         new["w_v"] = left[:, :d_model]
         new["b_v"] = left[:, d_model] if homogeneous else None

@@ -39,14 +39,12 @@ class Entry:
 def _entry(kind: str, arxiv: tuple[str, str | None] | None = None, /, **fields: str) -> Entry:
     """``fields`` in the order given, then the arXiv fields of ``arxiv`` = ``(eprint,
     primaryClass)``, the category ``None`` where it was not checked."""
-    if arxiv is None:
-        return Entry(kind, tuple(fields.items()))
-    eprint, primary = arxiv
-    category = {"primaryClass": primary} if primary else {}
-    extra = {"eprint": eprint, "archivePrefix": "arXiv", **category}
-    return Entry(
-        kind, (*fields.items(), *extra.items(), ("url", f"https://arxiv.org/abs/{eprint}"))
-    )
+    if arxiv is not None:
+        eprint, primary = arxiv
+        fields |= {"eprint": eprint, "archivePrefix": "arXiv"}
+        fields |= {"primaryClass": primary} if primary else {}
+        fields["url"] = f"https://arxiv.org/abs/{eprint}"
+    return Entry(kind, tuple(fields.items()))
 
 
 def _preprint(author: str, title: str, year: str, eprint: str, primary: str | None) -> Entry:
@@ -310,15 +308,13 @@ def attnref_entry() -> Entry:
     """attnref's own entry, its version ``attnref.__version__``."""
     from attnref import __version__
 
-    return Entry(
+    return _entry(
         "misc",
-        (
-            ("author", "{attnref developers}"),
-            ("title", "{attnref}: " + _ATTNREF_TITLE.split(": ", 1)[1]),
-            ("howpublished", f"Python package, version {__version__}"),
-            ("year", _ATTNREF_YEAR),
-            ("version", __version__),
-        ),
+        author="{attnref developers}",
+        title="{attnref}: " + _ATTNREF_TITLE.split(": ", 1)[1],
+        howpublished=f"Python package, version {__version__}",
+        year=_ATTNREF_YEAR,
+        version=__version__,
     )
 
 
@@ -429,8 +425,7 @@ def _tiers() -> list[dict[str, set[Resolved]]]:
         add(1, alias, Resolved("formulation", fid))
     for key, entry in ENTRIES.items():
         add(2, key, Resolved("source", key))
-        surnames = _surnames(entry)
-        for position, surname in enumerate(surnames):
+        for position, surname in enumerate(_surnames(entry)):
             add(3 if position == 0 else 4, surname, Resolved("source", key))
     for alias, key in SOURCE_ALIASES.items():
         add(2, alias, Resolved("source", key))
@@ -475,16 +470,14 @@ def source_text(key: str) -> str:
     fields = dict(ENTRIES[key].fields)
     authors = [a.strip() for a in fields.get("author", "").split(" and ") if a.strip()]
     surnames = [_plain(a.split(",")[0]) for a in authors]
-    if len(authors) > 2 or "others" in authors:
-        who = f"{surnames[0]} et al."
-    else:
-        who = " & ".join(surnames)
+    who = (
+        f"{surnames[0]} et al." if len(authors) > 2 or "others" in authors else " & ".join(surnames)
+    )
     venue = fields.get("booktitle") or fields.get("journal") or fields.get("howpublished", "")
     where = fields.get("url") or (f"https://doi.org/{fields['doi']}" if "doi" in fields else "")
-    year = fields["year"]
-    parts = [f"{who} ({year})", fields["title"]] if who else [f"{fields['title']} ({year})"]
-    parts += [venue, where]
-    return " ".join(_plain(p).rstrip(".") + "." for p in parts if p).rstrip(".")
+    year, title = fields["year"], fields["title"]
+    parts = [f"{who} ({year})", title] if who else [f"{title} ({year})"]
+    return " ".join(_plain(p).rstrip(".") + "." for p in [*parts, venue, where] if p).rstrip(".")
 
 
 def citing(key: str) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -117,6 +118,7 @@ def load(spec: str) -> Callable[..., Any]:
 
 
 def _check_merge(args: argparse.Namespace) -> int:
+    from attnref._src.kit.conformance.states import MERGE_DTYPES
     from attnref.testing import MERGE_PROPERTIES, check_merge_states
 
     chosen = kit.split_list(args.properties) or ()
@@ -125,9 +127,7 @@ def _check_merge(args: argparse.Namespace) -> int:
     fn = _load("check-merge", args.target)
     if fn is None:
         return 2
-    dtypes: dict[str, Any] = {}
-    if args.dtypes is not None:
-        dtypes["dtypes"] = tuple(kit.split_list(args.dtypes) or ())
+    dtypes = MERGE_DTYPES if args.dtypes is None else tuple(kit.split_list(args.dtypes) or ())
     try:
         report = check_merge_states(
             fn,
@@ -137,7 +137,7 @@ def _check_merge(args: argparse.Namespace) -> int:
             properties=chosen or None,
             target=args.target,
             grad=not args.no_grad,
-            **dtypes,
+            dtypes=dtypes,
         )
     except ValueError as e:  # the engine's check of an option; hint: a misspelt property
         raise _fail("check-merge", f"{e}{hint}") from None
@@ -165,18 +165,15 @@ def _emit(report: Any, as_json: bool, replay: str = "") -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    try:
-        devices = kit.split_devices(args.devices)
-        head_dim = kit.split_head_dim(args.head_dim)
-    except ValueError as e:
-        raise _fail("check", e) from None
     # the flags of the same names, the comma-separated lists split
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kit.Options)}
     lists = {name: kit.split_list(given[name]) for name in ("features", "dtypes", "properties")}
-    options = kit.Options(**{**given, **lists, "devices": devices, "head_dim": head_dim})
     try:
+        devices = kit.split_devices(args.devices)
+        head_dim = kit.split_head_dim(args.head_dim)
+        options = kit.Options(**{**given, **lists, "devices": devices, "head_dim": head_dim})
         options.validate()
-    except ValueError as e:
+    except ValueError as e:  # a split's error has no cause, hence no suggestion
         raise _fail("check", f"{e}{_suggestion(e)}") from None
     fn = _load("check", args.target)
     if fn is None:
@@ -211,8 +208,9 @@ def _replay_text(report: Any, options: kit.Options) -> str:
 
 def _list() -> Table:
     """The registry as a table, a blank line between rows, the last column holding title,
-    equation, cost and citation; rich wraps it on a terminal, else :func:`_wrap` to the width
-    ``shutil.get_terminal_size`` reports (``COLUMNS``, else 100)."""
+    equation, cost and citation; rich wraps it on a terminal, else each line is wrapped at spaces
+    to the width ``shutil.get_terminal_size`` reports (``COLUMNS``, else 100), continued lines
+    indented by two (a longer word, such as a long LaTeX command run, is cut)."""
     headings = ("id", "family", "convention", "title, equation, cost, citation")
     terminal = is_terminal(sys.stdout)
     table = console.table(headings, terminal=terminal)
@@ -224,16 +222,10 @@ def _list() -> Table:
     for f in entries:
         about = [f.title, f.equation, f"cost: {f.cost}", f.citation]
         if not terminal:
-            about = [_wrap(line, width) for line in about]
+            wrap = functools.partial(textwrap.wrap, subsequent_indent="  ", break_on_hyphens=False)
+            about = ["\n".join(wrap(line, width)) for line in about]
         table.add_row(f.id, f.family.name, f.convention, Text("\n".join(about)))
     return table
-
-
-def _wrap(line: str, width: int) -> str:
-    """``line`` wrapped at spaces to ``width`` columns, continued lines indented by two (a word
-    longer than that, such as a long LaTeX command run, is cut)."""
-    wrapped = textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False)
-    return "\n".join(wrapped)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -248,12 +240,9 @@ def _report(args: argparse.Namespace) -> int:
     )
     # Piped, the rows print as they are measured (a report of every formulation takes a
     # minute); on a terminal the progress bar runs and rich draws the table at the end.
-    stream = (
-        None
-        if args.json or is_terminal(sys.stdout)
-        else _report_mod.PlainRows(problem, args.formulations or [f.id for f in formulations()])
-    )
-    if stream is not None:
+    stream = None
+    if not (args.json or is_terminal(sys.stdout)):
+        stream = _report_mod.PlainRows(problem, args.formulations or [f.id for f in formulations()])
         print(stream.head(), flush=True)
 
     def on_row(row: _report_mod.Row) -> None:

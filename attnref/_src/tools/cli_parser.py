@@ -63,13 +63,9 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (
-            "default" in text
-            or action.nargs == 0
-            or default is None
-            or default is argparse.SUPPRESS
-            or not action.option_strings
-        ):
+        if "default" in text or action.nargs == 0 or not action.option_strings:
+            return text
+        if default is None or default is argparse.SUPPRESS:
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {str(shown).replace('%', '%%')})"
@@ -85,8 +81,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        choice = re.search(r"argument (\S+): invalid choice: '([^']*)'", message)
-        if choice:
+        if choice := re.search(r"argument (\S+): invalid choice: '([^']*)'", message):
             name, given = choice.groups()
             for action in self._actions:
                 if action.choices and name in (*action.option_strings, action.metavar):

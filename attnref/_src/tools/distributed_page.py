@@ -5,12 +5,17 @@ the benchmark section that ``benchmarks/bench_distributed.py`` writes."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from attnref._src.core.cost import Dims
 from attnref._src.core.registry import Formulation, formulations
+from attnref._src.formulations.distributed.cost import (
+    CLOSED_FORMS,
+    load_balance,
+    piece_tiles,
+    ring_tiles_computed,
+)
+from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
 from attnref._src.tools.pages import public_name
 
 BENCH_SECTION = "bench_distributed"  # the marked section benchmarks/bench_distributed.py writes
@@ -37,8 +42,6 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def _positions_table(n: int, devices: int) -> str:
     """Which positions each device holds in each layout for ``n`` tokens (padding in italics)."""
-    from attnref._src.formulations.distributed.layout import LAYOUTS, padded_length, positions
-
     held = [positions(padded_length(n, devices, lo), devices, lo) for lo in LAYOUTS]
     rows = [
         [str(d), *(" ".join(str(i) if i < n else f"*{i}*" for i in h[d]) for h in held)]
@@ -66,9 +69,6 @@ def _communication_table() -> str:
 
 def _balance_table() -> str:
     """``max / mean`` useful causal pairs per device for each layout (exact fractions)."""
-    from attnref._src.formulations.distributed.cost import load_balance
-    from attnref._src.formulations.distributed.layout import LAYOUTS
-
     rows = [
         [str(p), str(t), *(f"{float(load_balance(t, p, layout)):.4f}" for layout in LAYOUTS)]
         for p in (2, 4, 8)
@@ -80,9 +80,6 @@ def _balance_table() -> str:
 def _tiles_table() -> str:
     """The ring's computed work under causality: the busiest device's and the mean device's
     pieces (computed tiles over ``n^2``), of the ``P`` pieces a device meets."""
-    from attnref._src.formulations.distributed.cost import piece_tiles, ring_tiles_computed
-    from attnref._src.formulations.distributed.layout import LAYOUTS
-
     t = 4096
     rows = []
     for p in (2, 4, 8):
@@ -95,17 +92,6 @@ def _tiles_table() -> str:
     return _table(["P", "T", *(f"{layout} (busiest / mean)" for layout in LAYOUTS)], rows)
 
 
-def _distributed_name(fn: Callable[..., Any]) -> str:
-    """``attnref.distributed.<name>`` where that namespace exports ``fn``, else
-    :func:`public_name` (the namespace joins :data:`NAMESPACES` with the family's registration)."""
-    import attnref.distributed
-
-    name = fn.__name__
-    if name in attnref.distributed.__all__ and getattr(attnref.distributed, name) is fn:
-        return f"attnref.distributed.{name}"
-    return public_name(fn)
-
-
 def _scheme(f: Formulation) -> str:
     model = f.cost_model
     if model is None:
@@ -115,7 +101,7 @@ def _scheme(f: Formulation) -> str:
         f"### {f.title} (`{f.id}`)\n\n"
         f"$$\n{f.equation}\n$$\n\n"
         f"{f.summary}\n\n"
-        f"**Kernel.** `{_distributed_name(f.native)}`; row form `{_distributed_name(f.apply)}` "
+        f"**Kernel.** `{public_name(f.native)}`; row form `{public_name(f.apply)}` "
         f"([page](formulations/{f.id}.md)).\n\n"
         f"**Cost.** {f.cost}\n\n"
         f"**Per-device model** (`{model.__module__}.{model.__name__}`). {comm}\n\n"
@@ -137,12 +123,10 @@ def _bench_section(existing: str) -> str:
 
 
 def render_distributed(existing: str = "") -> str:
-    """``docs/distributed.md``: the layouts, every entry of the distributed family (equation,
-    citation, cost, per-device communication model), the communication and load balance tables,
-    and the benchmark section (written by ``benchmarks/bench_distributed.py``) kept verbatim
-    from ``existing``, the page as it is now ('' for none)."""
+    """``docs/distributed.md``: the layouts, each scheme with its cost model, the communication
+    and load balance tables, and the benchmark section of ``existing`` (the page as it is now,
+    '' for none) kept verbatim."""
     import attnref.distributed  # noqa: F401  (registers the schemes)
-    from attnref._src.formulations.distributed import cost as dcost
     from attnref._src.formulations.distributed.family import GRADIENTS
 
     schemes = "\n\n".join(_scheme(f) for f in _distributed())
@@ -191,7 +175,7 @@ def render_distributed(existing: str = "") -> str:
         "collectives of its own to reshard the global arrays; the benchmark below measures them "
         "separately.\n\n"
         "## Causal load balance\n\n"
-        f"{dcost.CLOSED_FORMS}\n\n"
+        f"{CLOSED_FORMS}\n\n"
         "`balance = max_d / mean_d` of the allowed (query, key) pairs per device under causal "
         "self-attention (`attnref._src.formulations.distributed.cost.load_balance`; `tests/"
         "test_distributed_cost.py` checks it against a brute-force count and the closed forms):"

@@ -37,13 +37,9 @@ NAMESPACES = ("linear", "rope", "decode", "interp", "interop", "costs", "distrib
 
 
 class Helper(NamedTuple):
-    """An exported function with the registry's row signature that is not a registry entry.
-
-    Attributes:
-        fn: The function.
-        formulation: The id of the registry entry whose page lists it.
-        reason: Why it is not an entry (Markdown, shown on that page).
-    """
+    """An exported function ``fn`` with the registry's row signature that is not a registry
+    entry, the id of the ``formulation`` whose page lists it, and the ``reason`` why not
+    (Markdown, shown on that page)."""
 
     fn: Callable[..., Any]
     formulation: str
@@ -176,11 +172,9 @@ def _code(f: Formulation) -> str:
             f"**Code.** Native form:\n\n{_autodoc(f.native)}\n\n"
             f"{family[0].upper()}{family[1:]}:\n\n{_autodoc(f.apply)}"
         )
-    helpers = [h for h in HELPERS if h.formulation == f.id]
-    if helpers:
+    if helpers := [h for h in HELPERS if h.formulation == f.id]:
         text += "\n\n**Helpers** (exported multi-head functions that are not registry entries):"
-        for h in helpers:
-            text += f"\n\n{_autodoc(h.fn)}\n\n{h.reason}"
+        text += "".join(f"\n\n{_autodoc(h.fn)}\n\n{h.reason}" for h in helpers)
     return text
 
 
@@ -190,9 +184,7 @@ _DIMS = re.compile(r"\[\s*\w+\s*,\s*['\"]([^'\"]*)['\"]\s*\]")
 def _dims(annotation: Any) -> str | None:
     """``[..., T_q, d_model]`` from a jaxtyping annotation ``Float[ArrayLike, '... T_q
     d_model']`` (a string under ``from __future__ import annotations``); ``None`` if none."""
-    if not isinstance(annotation, str):
-        return None
-    m = _DIMS.search(annotation)
+    m = _DIMS.search(annotation) if isinstance(annotation, str) else None
     return None if m is None else "[" + ", ".join(m.group(1).split()) + "]"
 
 
@@ -259,11 +251,9 @@ def render(f: Formulation, tests_dir: Path | None = None) -> str:
 def write(directory: Path) -> list[Path]:
     """Write one page per registered formulation into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for f in formulations():
-        path = directory / f"{f.id}.md"
+    paths = [directory / f"{f.id}.md" for f in formulations()]
+    for f, path in zip(formulations(), paths, strict=True):
         path.write_text(render(f))
-        paths.append(path)
     return paths
 
 
@@ -298,9 +288,7 @@ def link_docs_mentions(markdown: str, docs: Path) -> str:
     out: list[str] = []
     fenced = False
     for line in markdown.splitlines(keepends=True):
-        if _FENCE.match(line):
-            fenced = not fenced
-            out.append(line)
-        else:
-            out.append(line if fenced else _DOCS_MENTION.sub(link, line))
+        fence = _FENCE.match(line) is not None
+        fenced ^= fence
+        out.append(line if fenced or fence else _DOCS_MENTION.sub(link, line))
     return "".join(out)

@@ -11,6 +11,7 @@ once (``os.execve``) before it imports JAX. A caller's ``GLIBC_TUNABLES`` that n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -54,7 +55,5 @@ def relaunch(argv: Sequence[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
+    with contextlib.suppress(OSError):
         os.execve(sys.executable, command, env)
-    except OSError:
-        return

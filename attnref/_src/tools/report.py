@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -71,13 +72,13 @@ def _dims(p: Problem, causal: bool, t_k: int, dt: np.dtype[Any]) -> Dims:
 
 
 def _median_us(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> float:
-    jax.block_until_ready(fn(*args, **kwargs))  # compile and warm up
-    times = []
-    for _ in range(repeats):
+    def timed() -> float:
         start = time.perf_counter()
         jax.block_until_ready(fn(*args, **kwargs))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
+        return time.perf_counter() - start
+
+    timed()  # compile and warm up
+    return float(np.median([timed() for _ in range(repeats)])) * 1e6
 
 
 def run(
@@ -100,14 +101,14 @@ def run(
     and once at the end (``label`` ``"done"``).
     """
     chosen = formulations() if ids is None else tuple(get(i) for i in ids)
-    rows = []
-    total, done = len(chosen) * len(dtypes), 0
+    rows: list[Row] = []
+    total = len(chosen) * len(dtypes)
     for dt_name in dtypes:
         dt = np.dtype(dt_name)
         params, x_q, x_kv = problem.build(dt)
         for f in chosen:
             if progress is not None:
-                progress(done, total, f"{f.id} {dt_name}")
+                progress(len(rows), total, f"{f.id} {dt_name}")
             causal = problem.causal if problem.causal in f.causal_modes else f.causal_modes[0]
             example = f.family.example(problem, causal)
             kw, note = example.kwargs, example.note
@@ -131,7 +132,6 @@ def run(
             rows.append(Row(f.id, dt_name, *measured))
             if on_row is not None:
                 on_row(rows[-1])
-            done += 1
     if progress is not None:
         progress(total, total, "done")
     return rows
@@ -303,16 +303,12 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
         raise SystemExit(
             "attnref report --plot needs matplotlib: pip install 'attnref[plot]'"
         ) from exc
-    import os
-
     os.makedirs(directory, exist_ok=True)
     ids = list(dict.fromkeys(r.id for r in rows))
     ts = sorted({int(r.note[2:]) for r in rows})
     styles: tuple[Any, ...] = ("-", "--", "-.", ":")  # a line style per family, registry order
     style_of = {fam: styles[i % len(styles)] for i, fam in enumerate(families())}
     used = [fam for fam in families() if any(get(fid).family is fam for fid in ids)]
-    colors = [f"C{i}" for i in range(10)]  # the tab10 cycle: a (colour, marker) per formulation
-    markers = "os^Dv"
     panels = (
         ("model_flops", "analytic FLOPs (attnref.costs)", "FLOPs per call"),
         ("xla_flops", "XLA cost_analysis() FLOPs", "FLOPs per call"),
@@ -333,12 +329,9 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
     paths = []
     with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 10}):
         for name, (fields, title) in figures.items():
+            n = len(fields)
             fig, axes = plt.subplots(
-                1,
-                len(fields),
-                figsize=(4.6 * len(fields) + 4.4, 5.2),
-                squeeze=False,
-                layout="constrained",
+                1, n, figsize=(4.6 * n + 4.4, 5.2), squeeze=False, layout="constrained"
             )
             for ax, (field, panel, unit) in zip(axes[0], fields, strict=True):
                 for k, fid in enumerate(ids):
@@ -346,8 +339,8 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
                     ax.plot(
                         *zip(*pts, strict=True),
                         style_of[get(fid).family],
-                        color=colors[k % len(colors)],
-                        marker=markers[k // len(colors) % len(markers)],
+                        color=f"C{k % 10}",  # the tab10 cycle, then another marker
+                        marker="os^Dv"[k // 10 % 5],
                         ms=4,
                         label=fid,
                     )
@@ -359,20 +352,14 @@ def plot(rows: Sequence[Row], directory: str, problem: Problem | None = None) ->
                 ax.xaxis.set_minor_locator(NullLocator())
                 ax.grid(True, which="major", alpha=0.35)
                 ax.grid(True, which="minor", axis="y", alpha=0.12)
-            handles, _ = axes[0][0].get_legend_handles_labels()
-            families_key = [
+            handles = [
                 Line2D([], [], color="black", linestyle=style_of[fam], label=f"{fam.name} family")
                 for fam in used
-            ]
-            fig.legend(
-                handles=families_key + handles,
-                loc="outside right center",
-                ncols=1 if len(handles) + len(families_key) <= 16 else 2,
-                frameon=False,
-            )
+            ] + axes[0][0].get_legend_handles_labels()[0]
+            ncols = 1 if len(handles) <= 16 else 2
+            fig.legend(handles=handles, loc="outside right center", ncols=ncols, frameon=False)
             fig.suptitle(f"{title}\n{setting}")
-            path = os.path.join(directory, name)
-            fig.savefig(path, dpi=110)
+            paths.append(os.path.join(directory, name))
+            fig.savefig(paths[-1], dpi=110)
             plt.close(fig)
-            paths.append(path)
     return paths

@@ -105,8 +105,7 @@ def _covered_in(module: str, qualname: str, source: str) -> frozenset[str]:
     seen: set[str] = set()
     todo = [qualname]
     while todo:
-        name = todo.pop()
-        if name in seen:
+        if (name := todo.pop()) in seen:
             continue
         seen.add(name)
         for node in ast.walk(defs[name]):
@@ -162,15 +161,12 @@ def render_test_page(module: str, source: str) -> str:
     """The site page of test module ``tests/<module>.py``: its docstring, then per test function
     its label (:func:`site_label`), a heading with its name, its docstring and its source
     (``source``, the module's text)."""
-    tree = ast.parse(source)
-    doc = ast.get_docstring(tree)
     parts = [f"# tests/{module}.py\n"]
-    if doc:
+    if doc := ast.get_docstring(ast.parse(source)):
         parts.append(_test_docstring(doc) + "\n")
     for qualname, node in suite_functions(source):
         parts.append(f"({site_label(f'{module}.{qualname}')})=\n## {qualname}\n")
-        fdoc = ast.get_docstring(node)
-        if fdoc:
+        if fdoc := ast.get_docstring(node):
             parts.append(_test_docstring(fdoc) + "\n")
         dedent = ":dedent:\n" if "." in qualname else ""  # a method: out of its class
         parts.append(
@@ -194,7 +190,6 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
         _write_changed(out / f"{m}.md", render_test_page(m, (tests_dir / f"{m}.py").read_text()))
         for m in modules
     ]
-    index = out / "index.md"
     text = (
         "# The test suite\n\n"
         "One page per test module of `tests/`, generated at every build of the site from the "
@@ -202,7 +197,7 @@ def write_test_pages(tests_dir: Path, out: Path) -> list[Path]:
         "pages and the atlas link to the property that checks each claim.\n\n"
         "```{toctree}\n:maxdepth: 1\n\n" + "\n".join(modules) + "\n```\n"
     )
-    return [*paths, _write_changed(index, text)]
+    return [*paths, _write_changed(out / "index.md", text)]
 
 
 def _write_changed(path: Path, text: str) -> Path:
