@@ -70,12 +70,9 @@ class FeatureMap:
 
     def num_features(self, d: int) -> int:
         """The feature count ``m`` for inputs of dimension ``d``."""
-        if self.name == "taylor2":
-            return 1 + d + d * d
         if self.name == "favor_plus":
-            assert self.omega is not None
             return int(np.shape(self.omega)[0])
-        return d
+        return 1 + d + d * d if self.name == "taylor2" else d
 
     def __call__(self, x: Float[ArrayLike, "... d"], role: Role) -> Float[Array, "... m"]:
         """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation
@@ -84,7 +81,7 @@ class FeatureMap:
             raise ValueError(f"role must be 'query' or 'key', got {role!r}")
         if role == "query":
             return self.query_features(x)[0]
-        return self._features(jnp.asarray(x), "key")
+        return self._features(jnp.asarray(x))
 
     def query_features(
         self, x: Float[ArrayLike, "... d"]
@@ -93,7 +90,7 @@ class FeatureMap:
         for FAVOR+, ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``."""
         x = jnp.asarray(x)
         if self.name != "favor_plus":
-            return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
+            return self._features(x), jnp.zeros(x.shape[:-1], x.dtype)
         w = self._omega_for(x)
         xs = x * jnp.asarray(x.shape[-1] ** -0.25, x.dtype)
         expo = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST) + 0.5 * jnp.sum(w * w, axis=-1)
@@ -107,7 +104,8 @@ class FeatureMap:
             raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={x.shape[-1]}")
         return w
 
-    def _features(self, x: Array, role: Role) -> Array:
+    def _features(self, x: Array) -> Array:
+        """The features of ``x`` (for FAVOR+, of keys: its queries' are :meth:`query_features`)."""
         d = x.shape[-1]
         if self.name == "elu_plus_one":
             return jax.nn.elu(x) + 1
@@ -120,7 +118,6 @@ class FeatureMap:
             outer = (xs[..., :, None] * xs[..., None, :]).reshape(*x.shape[:-1], d * d)
             ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
             return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
-        assert role == "key"  # FAVOR+ queries: query_features
         w = self._omega_for(x)
         proj = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST)
         # exp(-|k~ - w|^2 / 2) <= 1; queries carry the compensating +|w|^2/2 (query_features)

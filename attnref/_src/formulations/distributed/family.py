@@ -135,8 +135,7 @@ def mesh_schedule(
     def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
         axis, devices = mesh_axis(mesh, axis_name)
         if heads is not None:
-            query = f"query {tuple(call.inputs.q.shape)}"
-            check_heads(call.spec.n, devices, axis, heads, query)
+            check_heads(call.spec.n, devices, axis, heads, f"query {tuple(call.inputs.q.shape)}")
         static, traced = split_scale(call.scale)
         return jitted(MeshRun(call.spec, static, mesh, axis, devices), call.inputs, traced)
 
