@@ -219,19 +219,19 @@ _FACTORY_CALLS = {name: f"{name}()" for name in _FACTORIES}
 _FACTORY_CALLS["favor_plus"] = "favor_plus(seed, d, num_features)"
 
 
-def check_feature_map(fm: object, arg: str = "feature_map") -> None:
-    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a :class:`FeatureMapLike` (an
-    uncalled factory gets a message that says to call it)."""
+def check_feature_map(fm: object) -> None:
+    """Raise a ``TypeError`` unless ``fm`` is a :class:`FeatureMapLike` (an uncalled factory gets
+    a message that says to call it)."""
     if isinstance(fm, FeatureMap):
         return
     name = getattr(fm, "__name__", None)
     if callable(fm) and name in _FACTORY_CALLS and not hasattr(fm, "num_features"):
         raise TypeError(
-            f"{arg} must be a FeatureMap; got the factory function {name} itself: call it, "
-            f"{arg}=attnref.linear.{_FACTORY_CALLS[name]}"
+            f"feature_map must be a FeatureMap; got the factory function {name} itself: call it, "
+            f"feature_map=attnref.linear.{_FACTORY_CALLS[name]}"
         )
     if not (callable(fm) and hasattr(fm, "num_features") and hasattr(fm, "name")):
         raise TypeError(
-            f"{arg} must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
+            "feature_map must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
             f"got {type(fm).__name__}"
         )

@@ -296,8 +296,7 @@ DISTRIBUTED = Family(
         "The softmax family's function, computed on a `jax.sharding.Mesh` (`mesh=None`: a 1-D "
         "mesh over all devices, or for the head-parallel schemes over the most devices whose "
         "count divides the head count); the kernel-level form (`native`) takes the layout and "
-        "options "
-        "of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
+        "options of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
         "device count does not divide are padded inside (padded keys are never attended, padded "
         "queries are dropped), so every length is exact. See [distributed](../distributed.md)."
     ),
