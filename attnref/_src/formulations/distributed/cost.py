@@ -178,12 +178,17 @@ def zigzag_cost(d: Dims) -> Cost:
 
 
 def _one_piece(
-    d: Dims, piece: tuple[int, int, int], outside: tuple[int, int], tensors: list[int], **kw: Any
+    d: Dims,
+    piece: tuple[int, int, int],
+    outside: tuple[int, int],
+    tensors: list[int],
+    collectives: tuple[Collective, ...],
+    largest: int | None = None,
 ) -> Cost:
     """A scheme of one naive piece per device, ``piece = (heads, rows, keys)`` (:func:`_piece`),
     after the ``(matmul, elementwise)`` work ``outside`` it; ``tensors``: the others held besides
-    the piece's logits and states; ``kw``: ``collectives`` (none on one device), ``largest``
-    (default: the piece's logits)."""
+    the piece's logits and states; ``collectives``: none on one device; ``largest``: default the
+    piece's logits."""
     mm, el, logits = _piece(d, *piece)
     heads, rows, keys = piece
     n = d.batch * heads * rows
@@ -193,8 +198,8 @@ def _one_piece(
         outside[1] + el + _finish(d, n),
         logits,  # the lse's log is dead in the row form (only o is returned)
         [*tensors, 8 * n * keys, 2 * n * (d.d_v + 1)],
-        kw.get("largest", n * keys),
-        collectives=kw["collectives"] if d.devices > 1 else (),
+        n * keys if largest is None else largest,
+        collectives=collectives if d.devices > 1 else (),
     )
 
 
