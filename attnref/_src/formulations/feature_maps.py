@@ -70,12 +70,9 @@ class FeatureMap:
 
     def num_features(self, d: int) -> int:
         """The feature count ``m`` for inputs of dimension ``d``."""
-        if self.name == "taylor2":
-            return 1 + d + d * d
         if self.name == "favor_plus":
-            assert self.omega is not None
             return int(np.shape(self.omega)[0])
-        return d
+        return 1 + d + d * d if self.name == "taylor2" else d
 
     def __call__(self, x: Float[ArrayLike, "... d"], role: Role) -> Float[Array, "... m"]:
         """Features of the last axis of ``x``; ``role`` matters only for FAVOR+ stabilisation
@@ -84,7 +81,7 @@ class FeatureMap:
             raise ValueError(f"role must be 'query' or 'key', got {role!r}")
         if role == "query":
             return self.query_features(x)[0]
-        return self._features(jnp.asarray(x), "key")
+        return self._features(jnp.asarray(x))
 
     def query_features(
         self, x: Float[ArrayLike, "... d"]
@@ -93,7 +90,7 @@ class FeatureMap:
         for FAVOR+, ``c(q) = max_i(w_i.q~ + |w_i|^2/2) - |q~|^2/2``."""
         x = jnp.asarray(x)
         if self.name != "favor_plus":
-            return self._features(x, "query"), jnp.zeros(x.shape[:-1], x.dtype)
+            return self._features(x), jnp.zeros(x.shape[:-1], x.dtype)
         w = self._omega_for(x)
         xs = x * jnp.asarray(x.shape[-1] ** -0.25, x.dtype)
         expo = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST) + 0.5 * jnp.sum(w * w, axis=-1)
@@ -107,7 +104,8 @@ class FeatureMap:
             raise ValueError(f"favor_plus omega has shape {w.shape}; inputs have d={x.shape[-1]}")
         return w
 
-    def _features(self, x: Array, role: Role) -> Array:
+    def _features(self, x: Array) -> Array:
+        """The features of ``x`` (for FAVOR+, of keys: its queries' are :meth:`query_features`)."""
         d = x.shape[-1]
         if self.name == "elu_plus_one":
             return jax.nn.elu(x) + 1
@@ -120,7 +118,6 @@ class FeatureMap:
             outer = (xs[..., :, None] * xs[..., None, :]).reshape(*x.shape[:-1], d * d)
             ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
             return jnp.concatenate([ones, xs, outer * jnp.asarray(0.5**0.5, x.dtype)], axis=-1)
-        assert role == "key"  # FAVOR+ queries: query_features
         w = self._omega_for(x)
         proj = jnp.einsum("...d,md->...m", xs, w, precision=HIGHEST)
         # exp(-|k~ - w|^2 / 2) <= 1; queries carry the compensating +|w|^2/2 (query_features)
@@ -222,19 +219,19 @@ _FACTORY_CALLS = {name: f"{name}()" for name in _FACTORIES}
 _FACTORY_CALLS["favor_plus"] = "favor_plus(seed, d, num_features)"
 
 
-def check_feature_map(fm: object, arg: str = "feature_map") -> None:
-    """Raise a ``TypeError`` naming ``arg`` unless ``fm`` is a :class:`FeatureMapLike` (an
-    uncalled factory gets a message that says to call it)."""
+def check_feature_map(fm: object) -> None:
+    """Raise a ``TypeError`` unless ``fm`` is a :class:`FeatureMapLike` (an uncalled factory gets
+    a message that says to call it)."""
     if isinstance(fm, FeatureMap):
         return
     name = getattr(fm, "__name__", None)
     if callable(fm) and name in _FACTORY_CALLS and not hasattr(fm, "num_features"):
         raise TypeError(
-            f"{arg} must be a FeatureMap; got the factory function {name} itself: call it, "
-            f"{arg}=attnref.linear.{_FACTORY_CALLS[name]}"
+            f"feature_map must be a FeatureMap; got the factory function {name} itself: call it, "
+            f"feature_map=attnref.linear.{_FACTORY_CALLS[name]}"
         )
     if not (callable(fm) and hasattr(fm, "num_features") and hasattr(fm, "name")):
         raise TypeError(
-            f"{arg} must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
+            "feature_map must be a FeatureMap (e.g. attnref.linear.elu_plus_one()), "
             f"got {type(fm).__name__}"
         )

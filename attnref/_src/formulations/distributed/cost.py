@@ -43,14 +43,14 @@ def _padded(d: Dims, layout: str) -> tuple[int, int]:
     return padded_length(d.t_q, d.devices, layout), padded_length(d.t_k, d.devices, layout)
 
 
-def _projections(d: Dims, sharded: bool, layout: str) -> int:
-    """Matmul FLOPs of the four projections on one device: all tokens' or (``sharded``) T'/P."""
-    if not sharded:
-        pq, pk, pv = _cost.projections(d)
-        return pq + pk + pv + 2 * d.batch * d.t_q * d.heads * d.d_v * d.d_model
-    t_pad, s_pad = _padded(d, layout)
-    local = dataclasses.replace(d, t_q=t_pad // d.devices, t_k=s_pad // d.devices)
-    return _projections(local, False, layout)
+def _projections(d: Dims, sharded: bool = False) -> int:
+    """Matmul FLOPs of the four projections on one device: all tokens' or (``sharded``, behind
+    the contiguous layout's padding) T'/P."""
+    if sharded:
+        t_pad, s_pad = _padded(d, "contiguous")
+        d = dataclasses.replace(d, t_q=t_pad // d.devices, t_k=s_pad // d.devices)
+    pq, pk, pv = _cost.projections(d)
+    return pq + pk + pv + 2 * d.batch * d.t_q * d.heads * d.d_v * d.d_model
 
 
 def _weight_level(d: Dims) -> int:
@@ -118,20 +118,17 @@ def _ring(d: Dims, layout: str) -> Cost:
     n = chunk_tiles(cq, ck)  # a step's piece in n x n tiles (ring.py's _state_fn)
     mm, el, logits = (n * n * x for x in _piece(d, h, cq // n, ck // n))
     rows = b * h * cq
+    merge = MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v
     # The tiles' own reachability tests (4 per pair when tiled), and the n - 1 merges of each
     # query tile's key tiles before the step's merge.
-    tiled = (
-        0
-        if n == 1
-        else 4 * logits + (n - 1) * (MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v)
-    )
-    step_el = el + tiled + MERGE_PER_ROW * rows + MERGE_PER_ENTRY * rows * d.d_v
+    tiled = 0 if n == 1 else 4 * logits + (n - 1) * merge
+    step_el = el + tiled + merge
     # exp of the logits; per row each key tile's log(denominator), the key tiles' merges and the
     # step's merge (two weights and log1p each), less one with one device: XLA folds the
     # weight of the merge's constant empty state (exp(-inf) = 0) when the single step is not in
     # a loop.
     step_tr = logits + n * rows + 3 * (n - 1) * rows + (2 if p == 1 else 3) * rows
-    outside = _projections(d, layout == "contiguous", layout)
+    outside = _projections(d, layout == "contiguous")
     chunk_bytes = b * ck * h * (d.d_k + d.d_v) * d.itemsize
     tokens, pairs, el_outside = _laid_out(d, t_pad, s_pad)
     tensors = _tensors(
@@ -180,6 +177,32 @@ def zigzag_cost(d: Dims) -> Cost:
     return _ring(d, "zigzag")
 
 
+def _one_piece(
+    d: Dims,
+    piece: tuple[int, int, int],
+    outside: tuple[int, int],
+    tensors: list[int],
+    collectives: tuple[Collective, ...],
+    largest: int | None = None,
+) -> Cost:
+    """A scheme of one naive piece per device, ``piece = (heads, rows, keys)`` (:func:`_piece`),
+    after the ``(matmul, elementwise)`` work ``outside`` it; ``tensors``: the others held besides
+    the piece's logits and states; ``collectives``: none on one device; ``largest``: default the
+    piece's logits."""
+    mm, el, logits = _piece(d, *piece)
+    heads, rows, keys = piece
+    n = d.batch * heads * rows
+    return _cost.build(
+        d,
+        outside[0] + mm,
+        outside[1] + el + _finish(d, n),
+        logits,  # the lse's log is dead in the row form (only o is returned)
+        [*tensors, 8 * n * keys, 2 * n * (d.d_v + 1)],
+        n * keys if largest is None else largest,
+        collectives=collectives if d.devices > 1 else (),
+    )
+
+
 def all_gather_cost(d: Dims) -> Cost:
     """All-gather context parallelism (zigzag layout), per device: one piece of ``c_q = T'/P``
     queries against all ``S'`` keys (``T'``, ``S'`` padded to multiples of ``2P``);
@@ -188,30 +211,15 @@ def all_gather_cost(d: Dims) -> Cost:
     ``B S' K (d_k + d_v)`` numbers. The projections run on all ``T`` tokens."""
     p, b, h = d.devices, d.batch, d.heads
     t_pad, s_pad = _padded(d, "zigzag")
-    cq = t_pad // p
-    mm, el, logits = _piece(d, h, cq, s_pad)
-    rows = b * h * cq
     tokens, pairs, el_outside = _laid_out(d, t_pad, s_pad)
-    shard = b * (s_pad // p) * h * d.itemsize
-    collectives = (Collective("all-gather", shard * (d.d_k + d.d_v), 1, p),) if p > 1 else ()
+    shard = b * (s_pad // p) * h * d.itemsize * (d.d_k + d.d_v)
     gathered = b * s_pad * h * (d.d_k + d.d_v)
-    tensors = _tensors(
-        d,
-        tokens,
-        pairs,
-        gathered,
-        8 * b * h * cq * s_pad,
-        2 * rows * (d.d_v + 1),
-        b * t_pad * h * d.d_v,
-    )
-    return _cost.build(
-        d,
-        _projections(d, False, "zigzag") + mm,
-        el_outside + el + _finish(d, rows),
-        logits,  # the lse's log is dead in the row form (only o is returned)
-        tensors,
-        max(b * h * cq * s_pad, b * s_pad * h * d.d_k),
-        collectives=collectives,
+    tensors = _tensors(d, tokens, pairs, gathered, b * t_pad * h * d.d_v)
+    largest = max(b * h * (t_pad // p) * s_pad, b * s_pad * h * d.d_k)
+    collectives = (Collective("all-gather", shard, 1, p),)
+    piece = (h, t_pad // p, s_pad)
+    return _one_piece(
+        d, piece, (_projections(d), el_outside), tensors, largest=largest, collectives=collectives
     )
 
 
@@ -224,26 +232,14 @@ def ulysses_cost(d: Dims) -> Cost:
     _check_heads(d, "Ulysses")
     p, b, h = d.devices, d.batch, d.heads
     t_pad, s_pad = _padded(d, "contiguous")
-    mm, el, logits = _piece(d, h // p, t_pad, s_pad)
-    rows = b * (h // p) * t_pad
     share = b * h * d.itemsize // p
     sizes = (t_pad * d.d_k, s_pad * d.d_k, s_pad * d.d_v, t_pad * d.d_v)
-    collectives = tuple(Collective("all-to-all", share * n, 1, p) for n in sizes) if p > 1 else ()
     tokens = b * h * (t_pad * d.d_k + s_pad * (d.d_k + d.d_v) + t_pad * d.d_v)
     pairs = 2 * b * t_pad * s_pad
-    el_outside = _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs)
-    tensors = _tensors(
-        d, 2 * tokens // p, pairs, 8 * b * (h // p) * t_pad * s_pad, 2 * rows * (d.d_v + 1)
-    )
-    return _cost.build(
-        d,
-        _projections(d, True, "contiguous") + mm,
-        el_outside + el + _finish(d, rows),
-        logits,
-        tensors,
-        b * (h // p) * t_pad * s_pad,
-        collectives=collectives,
-    )
+    outside = (_projections(d, True), _weight_level(d) + LAYOUT_PER_ELEMENT * (tokens + pairs))
+    collectives = tuple(Collective("all-to-all", share * n, 1, p) for n in sizes)
+    tensors = _tensors(d, 2 * tokens // p, pairs)
+    return _one_piece(d, (h // p, t_pad, s_pad), outside, tensors, collectives=collectives)
 
 
 def tensor_parallel_cost(d: Dims) -> Cost:
@@ -252,22 +248,11 @@ def tensor_parallel_cost(d: Dims) -> Cost:
     the partial block output, ``B T d_model`` numbers, ``2 (P - 1)/P`` of them sent by a ring
     all-reduce."""
     _check_heads(d, "tensor parallelism")
-    p, b, h = d.devices, d.batch, d.heads
-    local = dataclasses.replace(d, heads=h // p)
-    mm, el, logits = _piece(d, h // p, d.t_q, d.t_k)
-    rows = b * (h // p) * d.t_q
-    collectives = (Collective("all-reduce", b * d.t_q * d.d_model * d.itemsize, 1, p),)
-    logit_tensors = 8 * b * (h // p) * d.t_q * d.t_k
-    tensors = _tensors(local, logit_tensors, 2 * rows * (d.d_v + 1), b * d.t_q * d.d_model)
-    return _cost.build(
-        d,
-        _projections(local, False, "contiguous") + mm,
-        _weight_level(d) + el + _finish(d, rows),
-        logits,
-        tensors,
-        b * (h // p) * d.t_q * d.t_k,
-        collectives=collectives if p > 1 else (),
-    )
+    p, out = d.devices, d.batch * d.t_q * d.d_model
+    local = dataclasses.replace(d, heads=d.heads // p)
+    collectives = (Collective("all-reduce", out * d.itemsize, 1, p),)
+    outside, tensors = (_projections(local), _weight_level(d)), _tensors(local, out)
+    return _one_piece(d, (d.heads // p, d.t_q, d.t_k), outside, tensors, collectives=collectives)
 
 
 CLOSED_FORMS = """Under causal self-attention (top-left, `T = S`) query `i` has `i + 1` allowed

@@ -135,8 +135,7 @@ def mesh_schedule(
     def schedule(call: KernelCall, mesh: Any, axis_name: str | None) -> tuple[Array, Array]:
         axis, devices = mesh_axis(mesh, axis_name)
         if heads is not None:
-            query = f"query {tuple(call.inputs.q.shape)}"
-            check_heads(call.spec.n, devices, axis, heads, query)
+            check_heads(call.spec.n, devices, axis, heads, f"query {tuple(call.inputs.q.shape)}")
         static, traced = split_scale(call.scale)
         return jitted(MeshRun(call.spec, static, mesh, axis, devices), call.inputs, traced)
 
@@ -297,8 +296,7 @@ DISTRIBUTED = Family(
         "The softmax family's function, computed on a `jax.sharding.Mesh` (`mesh=None`: a 1-D "
         "mesh over all devices, or for the head-parallel schemes over the most devices whose "
         "count divides the head count); the kernel-level form (`native`) takes the layout and "
-        "options "
-        "of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
+        "options of `jax.nn.dot_product_attention` plus `mesh` and `axis_name`. Lengths that the "
         "device count does not divide are padded inside (padded keys are never attended, padded "
         "queries are dropped), so every length is exact. See [distributed](../distributed.md)."
     ),

@@ -55,8 +55,7 @@ def positions(n_pad: int, devices: int, layout: str) -> np.ndarray:
     elif layout == "striped":
         table = np.arange(n_pad).reshape(c, devices).T
     else:
-        h = c // 2
-        chunks = np.arange(n_pad).reshape(2 * devices, h)
+        chunks = np.arange(n_pad).reshape(2 * devices, c // 2)
         table = np.concatenate([chunks[:devices], chunks[devices:][::-1]], axis=1)
     table = np.ascontiguousarray(table, dtype=np.int32)
     table.setflags(write=False)

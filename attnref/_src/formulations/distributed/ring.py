@@ -117,13 +117,10 @@ def _key_runs(kinds: Any) -> list[list[tuple[int, int, bool]]]:
     for row in kinds.tolist():
         mine: list[tuple[int, int, bool]] = []
         for b, kind in enumerate(row):
-            if kind == _dcost.SOMETIMES:
-                mine.append((b, b + 1, True))
-            elif kind == _dcost.ALWAYS:
-                if mine and not mine[-1][2] and mine[-1][1] == b:
-                    mine[-1] = (mine[-1][0], b + 1, False)
-                else:
-                    mine.append((b, b + 1, False))
+            if kind == _dcost.ALWAYS and mine and not mine[-1][2] and mine[-1][1] == b:
+                mine[-1] = (mine[-1][0], b + 1, False)
+            elif kind != _dcost.NEVER:
+                mine.append((b, b + 1, kind == _dcost.SOMETIMES))
         runs.append(mine)
     return runs
 
@@ -247,10 +244,8 @@ def _forward(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
     return jax.lax.fori_loop(0, ring.devices, body, init)[3:]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_states(ring: _Ring, local: LocalInputs) -> tuple[Array, Array]:
-    """The merged state ``(o, lse)`` of the local queries over every key (compute dtype)."""
-    return _forward(ring, local)
+# The merged state ``(o, lse)`` of the local queries over every key (compute dtype).
+_ring_states = jax.custom_vjp(_forward, nondiff_argnums=(0,))
 
 
 def _ring_fwd(ring: _Ring, local: LocalInputs) -> tuple[tuple[Array, Array], Any]:

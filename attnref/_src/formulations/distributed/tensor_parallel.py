@@ -38,11 +38,7 @@ from attnref._src.formulations.distributed.family import (
     scheme_rows,
     split_scale,
 )
-from attnref._src.formulations.kernel import (
-    dot_product_attention,
-    kernel_rows,
-    row_call,
-)
+from attnref._src.formulations.kernel import dot_product_attention, kernel_rows, row_call
 from attnref._src.formulations.kernel_spec import KernelInputs, KernelSpec
 from attnref._src.formulations.standard import Bias, Keys, Mask, Params, Queries
 

@@ -168,10 +168,6 @@ def defined_eps(num: Array, den: Array, eps: Array, c: Array) -> tuple[Array, Ar
     return num * rescale[..., None], den * rescale, eps * jnp.exp(jnp.minimum(-c, big))
 
 
-def causal_pairs(t: int) -> Array:
-    return jnp.asarray(np.tril(np.ones((t, t), bool)))
-
-
 # ----------------------------------------------------------------------------- non-finite guard
 #
 # The forms run on the finite parts; a query that reads a non-finite value is NaN (core/nonfinite).

@@ -40,7 +40,6 @@ from attnref._src.formulations.linear.common import (
     Form,
     KernelCall,
     Options,
-    causal_pairs,
     check_mode,
     check_policy,
     check_qkv,
@@ -64,7 +63,8 @@ def quadratic(q: Q, k: K, v: V, o: Options) -> Float[Array, "... T_q H d_v"]:
 def kernel_matrix(fq: Array, fk: Array, causal: bool) -> Float[Array, "... H T_q T_k"]:
     """``A = phi(Q) phi(K)^T`` per head, zero above the diagonal when ``causal``."""
     a = jnp.einsum("...qhm,...khm->...hqk", fq, fk, precision=HIGHEST)
-    return jnp.where(causal_pairs(a.shape[-1]), a, jnp.zeros_like(a)) if causal else a
+    pairs = jnp.asarray(np.tril(np.ones((a.shape[-1],) * 2, bool)))  # j <= i
+    return jnp.where(pairs, a, jnp.zeros_like(a)) if causal else a
 
 
 def quadratic_parts(
@@ -329,8 +329,7 @@ def kernel_form(form: Form, modes: tuple[bool, ...], summary: str) -> Callable[.
         t_only = [p.replace(annotation=re.sub(r"\bT_[qk]\b", "T", p.annotation)) for p in params]
         bound.__signature__ = signature.replace(parameters=t_only)
     t = "T" if causal_only else "T_q"
-    args = KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else "")
-    level = Level(bound, args)
+    level = Level(bound, KERNEL_ARGS.format(chunk=CHUNK_ARG if form is chunked else ""))
     returns = (
         f"``y [..., {t}, H, d_v]`` in the dtype of ``q``; zero where the adjusted denominator\n"
         "    is exactly zero (e.g. no allowed key)."

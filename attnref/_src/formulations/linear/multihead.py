@@ -147,11 +147,9 @@ def multihead_form(
     form: Form | None, modes: tuple[bool, ...], summary: str, name: str
 ) -> Callable[..., Array]:
     """The public multi-head function ``name`` of ``form``: validate, scope float64, guard."""
-    prepare, chunk = (
-        (with_chunk_size(prepare_rows), CHUNK_ARG) if form is chunked else (prepare_rows, "")
-    )
-    prepare = functools.partial(prepare, form, modes, causal=modes[0])
-    level = Level(prepare, ROW_ARGS.format(chunk=chunk))
+    prepare = with_chunk_size(prepare_rows) if form is chunked else prepare_rows
+    bound = functools.partial(prepare, form, modes, causal=modes[0])
+    level = Level(bound, ROW_ARGS.format(chunk=CHUNK_ARG if form is chunked else ""))
     formula = messages if form is None else multihead
     return public(level, formula, name=name, summary=summary, returns=RETURNS)
 
