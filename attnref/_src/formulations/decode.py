@@ -33,7 +33,6 @@ from attnref._src.formulations.decode_cache import (
     check_valid,
     complete_rows,
     documented,
-    nan_rows,
     require_room,
 )
 from attnref._src.formulations.kernel import dot_product_attention, kernel_heads, output_rows
@@ -141,7 +140,7 @@ def attend(
     out = dot_product_attention(
         q, keys, values, key_bias, allowed[:, None], scale=scale, softcap=softcap
     )
-    return nan_rows(out, ok)
+    return jnp.where(ok[:, :, None, None], out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def chunk_positions(

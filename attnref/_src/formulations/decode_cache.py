@@ -332,11 +332,6 @@ def by_position(
     return jnp.take_along_axis(jnp.asarray(a), idx, axis=2), ok
 
 
-def nan_rows(out: Array, ok: Bool[Array, "B L"]) -> Array:
-    """Rows whose value could not be checked are NaN (unchecked traced mode)."""
-    return jnp.where(ok[:, :, None, None], out, jnp.asarray(jnp.nan, out.dtype))
-
-
 # ----------------------------------------------------------------------------- Args text
 #
 # The Args text of the decoding functions, each argument written once; a function that words an

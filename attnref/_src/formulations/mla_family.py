@@ -126,12 +126,9 @@ def to_attention_params(params: MLAParams) -> AttentionParams:
             f"params has a decoupled RoPE part (d_rope = {dims.d_rope}); only MLA "
             "without it converts exactly to AttentionParams"
         )
-    w_uq = jnp.asarray(params.w_uq)
-    w_q = (
-        w_uq
-        if params.w_dq is None
-        else jnp.einsum("dc,hcn->hdn", params.w_dq, w_uq, precision=HIGHEST)
-    )
+    w_q = jnp.asarray(params.w_uq)
+    if params.w_dq is not None:
+        w_q = jnp.einsum("dc,hcn->hdn", params.w_dq, w_q, precision=HIGHEST)
     w_k = jnp.einsum("dc,hcn->hdn", params.w_dkv, params.w_uk, precision=HIGHEST)
     w_v = jnp.einsum("dc,hcv->hdv", params.w_dkv, params.w_uv, precision=HIGHEST)
     return AttentionParams(w_q, w_k, w_v, jnp.asarray(params.w_o))
@@ -341,17 +338,15 @@ def mla_cost_table(
     )
     lines = [head, "|" + "---|" * 8]
     for t_k in t_ks:
-        dec = [
-            mla_cost(dims, batch=1, t_q=1, t_k=t_k, form=f, from_cache=True, itemsize=itemsize)
+        # decoding one token against the cache, then prefilling T_k tokens from tokens
+        costs = [
+            mla_cost(dims, batch=1, t_q=t_q, t_k=t_k, form=f, from_cache=cached, itemsize=itemsize)
+            for t_q, cached in ((1, True), (t_k, False))
             for f in ("naive", "absorbed")
         ]
-        pre = [
-            mla_cost(dims, batch=1, t_q=t_k, t_k=t_k, form=f, itemsize=itemsize)
-            for f in ("naive", "absorbed")
-        ]
-        gf = [f"{c.matmul_flops / 1e9:.4g}" for c in (*dec, *pre)]
+        gf = [f"{c.matmul_flops / 1e9:.4g}" for c in costs]
         lines.append(
             f"| {t_k} | {mla_crossover(dims, t_k):.1f} | {' | '.join(gf)} | "
-            f"{dec[0].cache_bytes_per_token} | {dec[1].cache_bytes_per_token} |"
+            f"{costs[0].cache_bytes_per_token} | {costs[1].cache_bytes_per_token} |"
         )
     return "\n".join(lines)
