@@ -19,6 +19,7 @@ from attnref._src.core.checks import dtype_of, is_traced, shape_of
 from attnref._src.core.common import RESIDUAL_ARG, Prepared, row_args, rows_level
 from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
 from attnref._src.formulations.standard import concat_cost
+from attnref.oracle._checks import broadcasts
 from attnref.oracle._rope import CONVENTIONS as CONVENTIONS  # the one copy (attnref.rope)
 from attnref.oracle._rope import check_convention
 
@@ -60,8 +61,7 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
     want = f"[T={t}] or a shape broadcasting to {list(target)}"
     if len(shape) < 1 or shape[-1] != t:
         raise ValueError(f"{name} has shape {shape}; expected {want}")
-    tail = target[len(target) - len(shape) :]  # broadcasting must not grow the shape
-    if len(shape) > len(target) or any(n not in (1, m) for n, m in zip(shape, tail, strict=True)):
+    if not broadcasts(shape, target):
         raise ValueError(f"{name} has shape {shape}, which does not broadcast to {want}")
 
 
