@@ -20,7 +20,7 @@ from attnref._src.core.checks import (
     device_array,
     float64_scoped,
 )
-from attnref._src.core.common import Prepared, rows_level
+from attnref._src.core.common import Prepared, rows_level, scale_value
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.rope_family import RopeInputs, rotated
@@ -157,13 +157,12 @@ def _mla_rows(
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     xq = device_array(x_q)
-    value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
     return Prepared(
         x_q=xq,
         x_kv=device_array(x_kv),
         mask=None if mask is None else device_array(mask),
         bias=None if bias is None else device_array(bias, xq.dtype),
-        scale=device_array(value, xq.dtype),
+        scale=scale_value(dims.d_nope + dims.d_rope, scale, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,
