@@ -48,14 +48,11 @@ def append(
     c = cache.capacity
     keep = jnp.logical_and(pos >= 0, pos >= lengths[:, None] - c)
     slot = jnp.where(keep, pos % c, c)  # out-of-range slot: dropped by the scatter
-
-    def write(buf: Array, new: Array) -> Array:
-        return jax.vmap(lambda b, s, n: b.at[s].set(n, mode="drop"))(buf, slot, new)
-
+    write = jax.vmap(lambda buf, s, new: buf.at[s].set(new, mode="drop"))  # per batch row
     return KVCache(
-        k=write(cache.k, jnp.asarray(k)),
-        v=write(cache.v, jnp.asarray(v)),
-        positions=write(cache.positions, pos),
+        k=write(cache.k, slot, jnp.asarray(k)),
+        v=write(cache.v, slot, jnp.asarray(v)),
+        positions=write(cache.positions, slot, pos),
         lengths=lengths,
         window=cache.window,
     )
