@@ -96,7 +96,6 @@ def kv_cache_init(
         raise ValueError(
             f"window must be a positive int no larger than capacity={capacity}, got {window!r}"
         )
-    window = None if window is None else int(window)
 
     def empty() -> KVCache:
         return KVCache(
@@ -104,7 +103,7 @@ def kv_cache_init(
             v=jnp.zeros((batch, capacity, num_kv_heads, h_v), dtype),
             positions=jnp.full((batch, capacity), -1, jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
-            window=window,
+            window=None if window is None else int(window),
         )
 
     # a float64 cache is float64, never silently float32
