@@ -43,13 +43,10 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
-    def power_of_two(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
     c = 2 ** math.floor(math.log2(num_heads))
-    slopes = power_of_two(c)
-    if c != num_heads:
-        slopes += power_of_two(2 * c)[0::2][: num_heads - c]
+    slopes = [2.0 ** (-8.0 * (i + 1) / c) for i in range(c)]
+    # every other slope of 2c: i = 0, 2, ..., 2 (num_heads - c) - 2
+    slopes += [2.0 ** (-8.0 * (i + 1) / (2 * c)) for i in range(0, 2 * (num_heads - c), 2)]
     return np.asarray(slopes, dtype=np.float64)
 
 
@@ -108,8 +105,7 @@ def _bias(
 ) -> Array:
     """:func:`alibi` on validated arguments; NaN for a batch element whose traced lengths are
     out of range (eager calls raised already)."""
-    m = jnp.asarray(slopes, dtype)
-    m = m[None] if m.ndim == 1 else m  # [B or 1, N]
+    m = jnp.atleast_2d(jnp.asarray(slopes, dtype))  # [B or 1, N]
     rows = max([m.shape[0]] + [x.shape[0] for x in (q_len, kv_len) if x is not None])
     offset = jnp.zeros((rows,), jnp.int32)
     if alignment == "bottom_right":  # S_b - T_b

@@ -33,7 +33,6 @@ from attnref._src.formulations.decode_cache import (
     check_valid,
     complete_rows,
     documented,
-    nan_rows,
     require_room,
 )
 from attnref._src.formulations.kernel import dot_product_attention, kernel_heads, output_rows
@@ -49,14 +48,11 @@ def append(
     c = cache.capacity
     keep = jnp.logical_and(pos >= 0, pos >= lengths[:, None] - c)
     slot = jnp.where(keep, pos % c, c)  # out-of-range slot: dropped by the scatter
-
-    def write(buf: Array, new: Array) -> Array:
-        return jax.vmap(lambda b, s, n: b.at[s].set(n, mode="drop"))(buf, slot, new)
-
+    write = jax.vmap(lambda buf, s, new: buf.at[s].set(new, mode="drop"))  # per batch row
     return KVCache(
-        k=write(cache.k, jnp.asarray(k)),
-        v=write(cache.v, jnp.asarray(v)),
-        positions=write(cache.positions, pos),
+        k=write(cache.k, slot, jnp.asarray(k)),
+        v=write(cache.v, slot, jnp.asarray(v)),
+        positions=write(cache.positions, slot, pos),
         lengths=lengths,
         window=cache.window,
     )
@@ -141,7 +137,7 @@ def attend(
     out = dot_product_attention(
         q, keys, values, key_bias, allowed[:, None], scale=scale, softcap=softcap
     )
-    return nan_rows(out, ok)
+    return jnp.where(ok[:, :, None, None], out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def chunk_positions(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar, no_type_check
 
@@ -95,7 +96,6 @@ def kv_cache_init(
         raise ValueError(
             f"window must be a positive int no larger than capacity={capacity}, got {window!r}"
         )
-    window = None if window is None else int(window)
 
     def empty() -> KVCache:
         return KVCache(
@@ -103,7 +103,7 @@ def kv_cache_init(
             v=jnp.zeros((batch, capacity, num_kv_heads, h_v), dtype),
             positions=jnp.full((batch, capacity), -1, jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
-            window=window,
+            window=None if window is None else int(window),
         )
 
     # a float64 cache is float64, never silently float32
@@ -181,22 +181,17 @@ def check_chunk(
     cache: KVCache, k: Any, v: Any, valid: Any, q: Any = None, mask: Any = None, bias: Any = None
 ) -> Array:
     """Static checks of a chunk (shapes, dtypes); returns ``valid`` as a ``[B, L]`` array."""
-    b, _, kh, h = cache.k.shape
-    h_v = cache.v.shape[-1]
-    if np.ndim(k) != 4 or np.shape(k)[0] != b or np.shape(k)[2:] != (kh, h):
-        raise ValueError(f"key chunk has shape {np.shape(k)}; expected [B={b}, L, K={kh}, H={h}]")
-    if np.shape(v) != (*np.shape(k)[:3], h_v):
-        raise ValueError(f"value chunk has shape {np.shape(v)}; expected {(*np.shape(k)[:3], h_v)}")
-    length = np.shape(k)[1]
-    if q is not None and (
-        np.ndim(q) != 4
-        or np.shape(q)[:2] != (b, length)
-        or np.shape(q)[3] != h
-        or np.shape(q)[2] % kh
-    ):
+    (b, _, kh, h), h_v = cache.k.shape, cache.v.shape[-1]
+    ks, qs = np.shape(k), np.shape(q)
+    if len(ks) != 4 or ks[0] != b or ks[2:] != (kh, h):
+        raise ValueError(f"key chunk has shape {ks}; expected [B={b}, L, K={kh}, H={h}]")
+    if np.shape(v) != (*ks[:3], h_v):
+        raise ValueError(f"value chunk has shape {np.shape(v)}; expected {(*ks[:3], h_v)}")
+    length = ks[1]
+    if q is not None and (len(qs) != 4 or qs[:2] != (b, length) or qs[3] != h or qs[2] % kh):
         raise ValueError(
-            f"query chunk has shape {np.shape(q)}; expected [B={b}, L={length}, N, "
-            f"H={h}] with N a multiple of K={kh}"
+            f"query chunk has shape {qs}; expected [B={b}, L={length}, N, H={h}] with N a "
+            f"multiple of K={kh}"
         )
     check_dtypes(cache, q=q, k=k, v=v)
     valid = check_valid(valid, (b, length), f"[B={b}, L={length}]")
@@ -332,11 +327,6 @@ def by_position(
     return jnp.take_along_axis(jnp.asarray(a), idx, axis=2), ok
 
 
-def nan_rows(out: Array, ok: Bool[Array, "B L"]) -> Array:
-    """Rows whose value could not be checked are NaN (unchecked traced mode)."""
-    return jnp.where(ok[:, :, None, None], out, jnp.asarray(jnp.nan, out.dtype))
-
-
 # ----------------------------------------------------------------------------- Args text
 #
 # The Args text of the decoding functions, each argument written once; a function that words an
@@ -366,16 +356,9 @@ _ARGS = """
 
 
 def entries(block: str) -> dict[str, str]:
-    """``name -> entry`` of an Args block (an entry: its first line and the indented rest)."""
-    out: dict[str, str] = {}
-    name = ""
-    for line in block.strip("\n").splitlines():
-        if not line.startswith(" " * 8):
-            name = line.split(":", 1)[0].strip()
-            out[name] = line
-        else:
-            out[name] += "\n" + line
-    return out
+    """``name -> entry`` of an Args block (an entry: its first line, indented by 4, and the
+    rest, indented by 8)."""
+    return {m[1]: m[0] for m in re.finditer(r"^ {4}(\w+):.*(?:\n {8}.*)*", block, re.MULTILINE)}
 
 
 def documented(names: str, returns: str, raises: str, own: str = "") -> Callable[[F], F]:

@@ -86,7 +86,8 @@ def mla_naive(
     logits = jnp.einsum("...hqd,...hkd->...hqk", q, k, precision=HIGHEST)
     a = weights(logits, mask, bias, scale)  #                                 [..., H, T_q, T_k]
     o = jnp.einsum("...hqk,...hkv->...hqv", a, v, precision=HIGHEST)  # o_i   [.., H, T_q, d_v]
-    return residual_or(output(p, o), x_q, residual)
+    y = jnp.einsum("...hqv,hvd->...qd", o, p.w_o, precision=HIGHEST)  # sum_i o_i W_O[i]
+    return residual_or(y, x_q, residual)
 
 
 def mla_latent(
@@ -109,7 +110,8 @@ def mla_latent(
     a = weights(logits, mask, bias, scale)  #                                     [..., H, T_q, T_k]
     z = jnp.einsum("...hqk,...kc->...hqc", a, cache[..., : d.d_c], precision=HIGHEST)  # latent mix
     o = jnp.einsum("...hqc,hcv->...hqv", z, p.w_uv, precision=HIGHEST)  # W_UV after the mix
-    return residual_or(output(p, o), x_q, residual)
+    y = jnp.einsum("...hqv,hvd->...qd", o, p.w_o, precision=HIGHEST)  # sum_i o_i W_O[i]
+    return residual_or(y, x_q, residual)
 
 
 # ----------------------------------------------------------------------------- their pieces
@@ -133,11 +135,6 @@ def queries(p: MLAParams, x_q: Queries, rot: Rotary) -> Float[Array, "... H T_q 
     q_r = jnp.einsum("...qc,hcr->...hqr", c_q, p.w_qr, precision=HIGHEST)
     q_r = rotate(q_r, jnp.asarray(rot.pos_q)[..., None, :], rot.base, rot.convention)
     return jnp.concatenate([q, q_r], -1)
-
-
-def output(p: MLAParams, o: Float[Array, "... H T_q d_v"]) -> Float[Array, "... T_q d_model"]:
-    """``sum_i o_i W_O[i]``."""
-    return jnp.einsum("...hqv,hvd->...qd", o, p.w_o, precision=HIGHEST)
 
 
 # ----------------------------------------------------------------------------- public functions

@@ -20,7 +20,7 @@ from attnref._src.core.checks import (
     device_array,
     float64_scoped,
 )
-from attnref._src.core.common import Prepared, rows_level
+from attnref._src.core.common import Prepared, rows_level, scale_value
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.rope_family import RopeInputs, rotated
@@ -126,12 +126,9 @@ def to_attention_params(params: MLAParams) -> AttentionParams:
             f"params has a decoupled RoPE part (d_rope = {dims.d_rope}); only MLA "
             "without it converts exactly to AttentionParams"
         )
-    w_uq = jnp.asarray(params.w_uq)
-    w_q = (
-        w_uq
-        if params.w_dq is None
-        else jnp.einsum("dc,hcn->hdn", params.w_dq, w_uq, precision=HIGHEST)
-    )
+    w_q = jnp.asarray(params.w_uq)
+    if params.w_dq is not None:
+        w_q = jnp.einsum("dc,hcn->hdn", params.w_dq, w_q, precision=HIGHEST)
     w_k = jnp.einsum("dc,hcn->hdn", params.w_dkv, params.w_uk, precision=HIGHEST)
     w_v = jnp.einsum("dc,hcv->hdv", params.w_dkv, params.w_uv, precision=HIGHEST)
     return AttentionParams(w_q, w_k, w_v, jnp.asarray(params.w_o))
@@ -160,13 +157,12 @@ def _mla_rows(
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     xq = device_array(x_q)
-    value = 1.0 / math.sqrt(dims.d_nope + dims.d_rope) if scale is None else scale
     return Prepared(
         x_q=xq,
         x_kv=device_array(x_kv),
         mask=None if mask is None else device_array(mask),
         bias=None if bias is None else device_array(bias, xq.dtype),
-        scale=device_array(value, xq.dtype),
+        scale=scale_value(dims.d_nope + dims.d_rope, scale, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,
@@ -341,17 +337,15 @@ def mla_cost_table(
     )
     lines = [head, "|" + "---|" * 8]
     for t_k in t_ks:
-        dec = [
-            mla_cost(dims, batch=1, t_q=1, t_k=t_k, form=f, from_cache=True, itemsize=itemsize)
+        # decoding one token against the cache, then prefilling T_k tokens from tokens
+        costs = [
+            mla_cost(dims, batch=1, t_q=t_q, t_k=t_k, form=f, from_cache=cached, itemsize=itemsize)
+            for t_q, cached in ((1, True), (t_k, False))
             for f in ("naive", "absorbed")
         ]
-        pre = [
-            mla_cost(dims, batch=1, t_q=t_k, t_k=t_k, form=f, itemsize=itemsize)
-            for f in ("naive", "absorbed")
-        ]
-        gf = [f"{c.matmul_flops / 1e9:.4g}" for c in (*dec, *pre)]
+        gf = [f"{c.matmul_flops / 1e9:.4g}" for c in costs]
         lines.append(
             f"| {t_k} | {mla_crossover(dims, t_k):.1f} | {' | '.join(gf)} | "
-            f"{dec[0].cache_bytes_per_token} | {dec[1].cache_bytes_per_token} |"
+            f"{costs[0].cache_bytes_per_token} | {costs[1].cache_bytes_per_token} |"
         )
     return "\n".join(lines)

@@ -111,14 +111,11 @@ class PagedCall:
     page_size: int
 
     def run(self, formula: Any) -> Any:
-        """``formula(*args, options)``, a bad length clamped for the gather only: its rows are
-        NaN (:meth:`dirty_rows`), and the kernel never sees an out-of-range
-        ``key_value_seq_lengths`` (which it would also NaN)."""
-        query, k_pages, v_pages, table, lens, bias, mask = self.args
-        s = table.shape[1] * self.page_size
-        return formula(
-            query, k_pages, v_pages, table, jnp.clip(lens, 0, s), bias, mask, self.options
-        )
+        """``formula(*args, options)``, ``seq_lens`` clamped to ``[0, S]`` for the gather only: a
+        bad length's rows are NaN (:meth:`dirty_rows`), and the kernel never sees it."""
+        args = list(self.args)
+        args[4] = jnp.clip(args[4], 0, args[3].shape[1] * self.page_size)
+        return formula(*args, self.options)
 
     def dirty_rows(self) -> Bool[Array, "B T N"]:
         """Every row of a batch element whose table or length is out of range (NaN); traced

@@ -203,8 +203,7 @@ def rotation(delta: Array, head_dim: int, base: float, convention: str, dtype: A
     i, j = (p, p + half) if convention == "rotate_half" else (2 * p, 2 * p + 1)
     # Constant 0/+-1 patterns per plane: cos on (i, i) and (j, j), sin on (i, j), -sin on (j, i).
     # Every entry of R gets one non-zero term, so the sum over planes is exact.
-    cos_pat = np.zeros((half, head_dim, head_dim))
-    sin_pat = np.zeros((half, head_dim, head_dim))
+    cos_pat, sin_pat = np.zeros((2, half, head_dim, head_dim))
     cos_pat[p, i, i] = cos_pat[p, j, j] = 1.0
     sin_pat[p, i, j], sin_pat[p, j, i] = 1.0, -1.0
     terms = c[..., None, None] * cos_pat.astype(dtype) + s[..., None, None] * sin_pat.astype(dtype)
@@ -215,21 +214,14 @@ def distinct_offsets(pos_q: Any, pos_k: Any) -> tuple[Array, Array]:
     """Offsets ``u [U]`` and the index of ``pos_q[i] - pos_k[j]`` in ``u`` (``[..., T_q, T_k]``):
     the distinct offsets for concrete positions (NumPy, static), one per ``(i, j)`` for traced
     ones (no static-size deduplication)."""
-    cq, ck = concrete(pos_q), concrete(pos_k)
-    if cq is not None and ck is not None:
-        deltas = cq[..., :, None].astype(np.int64) - ck[..., None, :]
-        u, inv = np.unique(deltas, return_inverse=True)
-        return jnp.asarray(u), jnp.asarray(inv.reshape(deltas.shape))
-    deltas = jnp.asarray(pos_q)[..., :, None] - jnp.asarray(pos_k)[..., None, :]
-    return deltas.ravel(), jnp.arange(deltas.size).reshape(deltas.shape)
-
-
-def concrete(a: Any) -> np.ndarray | None:
-    """``a`` as a NumPy array, or ``None`` when it is traced."""
     try:
-        return np.asarray(a)
+        cq, ck = np.asarray(pos_q), np.asarray(pos_k)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+        deltas = jnp.asarray(pos_q)[..., :, None] - jnp.asarray(pos_k)[..., None, :]
+        return deltas.ravel(), jnp.arange(deltas.size).reshape(deltas.shape)
+    deltas = cq[..., :, None].astype(np.int64) - ck[..., None, :]
+    u, inv = np.unique(deltas, return_inverse=True)
+    return jnp.asarray(u), jnp.asarray(inv.reshape(deltas.shape))
 
 
 # ----------------------------------------------------------------------------- the complex form

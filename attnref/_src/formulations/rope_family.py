@@ -19,6 +19,7 @@ from attnref._src.core.checks import dtype_of, is_traced, shape_of
 from attnref._src.core.common import RESIDUAL_ARG, Prepared, row_args, rows_level
 from attnref._src.core.family import Example, ExampleProblem, Family, masked_example
 from attnref._src.formulations.standard import concat_cost
+from attnref.oracle._checks import broadcasts
 from attnref.oracle._rope import CONVENTIONS as CONVENTIONS  # the one copy (attnref.rope)
 from attnref.oracle._rope import check_convention
 
@@ -60,11 +61,7 @@ def check_positions(name: str, positions: Any, lead: tuple[int, ...], t: int) ->
     want = f"[T={t}] or a shape broadcasting to {list(target)}"
     if len(shape) < 1 or shape[-1] != t:
         raise ValueError(f"{name} has shape {shape}; expected {want}")
-    try:
-        ok = np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts(shape, target):
         raise ValueError(f"{name} has shape {shape}, which does not broadcast to {want}")
 
 
@@ -171,16 +168,15 @@ class Positions:
         return isinstance(other, Positions) and self._key() == other._key()
 
 
-# A pytree, so that :func:`attnref._src.core.entry.compiled` runs it as one program. The default
-# positions (``None``: NumPy ``arange(T)``) are static, and so are concrete positions under a
-# caller's trace (:class:`Positions`): their offsets stay static
-# (:func:`attnref._src.formulations.rope.distinct_offsets`). In an eager call, given positions
-# are traced, so one program serves every position (a decoding loop compiles once).
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RopeInputs:
-    """Validated inputs of a multi-head RoPE call: the row inputs plus the rotation's positions
-    (traced, :class:`Positions` or ``None`` for ``arange(T)``), base and convention."""
+    """Validated inputs of a multi-head RoPE call: the row inputs plus the rotation's positions,
+    base and convention; a pytree, so :func:`attnref._src.core.entry.compiled` runs it as one
+    program. The default positions (``None``: NumPy ``arange(T)``) and concrete positions under
+    a caller's trace (:class:`Positions`) are static, so their offsets stay static
+    (:func:`attnref._src.formulations.rope.distinct_offsets`); in an eager call, given positions
+    are traced, so one program serves every position (a decoding loop compiles once)."""
 
     rows: Prepared
     pos_q: Any
@@ -216,11 +212,11 @@ def rotary(
 ) -> Rotary:
     """The rotation of a call: checked positions (``None``: ``arange(T)``, NumPy constants, so
     the offsets stay static under jit), ``base`` and ``convention``."""
-    for name, pos, t in (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k)):
+    given = (("positions_q", positions_q, t_q), ("positions_kv", positions_kv, t_k))
+    for name, pos, t in given:
         if pos is not None:
             check_positions(name, pos, batch, t)
-    pos_q = np.arange(t_q) if positions_q is None else positions_q
-    pos_k = np.arange(t_k) if positions_kv is None else positions_kv
+    pos_q, pos_k = (np.arange(t) if pos is None else pos for _, pos, t in given)
     return Rotary(pos_q, pos_k, base, convention)
 
 
@@ -229,14 +225,14 @@ def rotated(
 ) -> RopeInputs:
     """Validated rows plus their checked rotation (positions ``None``: ``arange(T)``; concrete
     positions static under a caller's trace, traced in an eager call)."""
-    shapes = (rows.batch_shape, rows.t_q, rows.t_k)
-    rot = rotary(positions_q, positions_kv, *shapes, check_base(base), check_convention(convention))
+    base, convention = check_base(base), check_convention(convention)
+    rotary(positions_q, positions_kv, rows.batch_shape, rows.t_q, rows.t_k, base, convention)
     under_trace = is_traced(rows.x_q, rows.x_kv)
-    given = (positions_q, positions_kv)
     pos_q, pos_k = (
-        Positions(p) if under_trace and p is not None and not is_traced(p) else p for p in given
+        Positions(p) if under_trace and p is not None and not is_traced(p) else p
+        for p in (positions_q, positions_kv)
     )
-    return RopeInputs(rows, pos_q, pos_k, rot.base, rot.convention)
+    return RopeInputs(rows, pos_q, pos_k, base, convention)
 
 
 def _rope_inputs(rows: Prepared, scale: Any, **rope: Any) -> RopeInputs:
