@@ -279,17 +279,13 @@ def feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
     """(matmul, elementwise, transcendentals, m) of the feature map on ``tokens`` positions."""
     h, dk = d.heads, d.d_k
     n = d.batch * tokens * h
-    name = d.feature_map
-    if name == "elu_plus_one":
-        return 0, 4 * n * dk, n * dk, dk
-    if name == "relu":
-        return 0, n * dk, 0, dk
-    if name == "identity":
-        return 0, 0, 0, dk
-    if name == "taylor2":
-        return 0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk
     m = d.features  # favor_plus: x~ scale, proj, |x~|^2, |w|^2, exponent, max, exp, 1/sqrt(m)
-    return 2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m
+    return {
+        "elu_plus_one": (0, 4 * n * dk, n * dk, dk),
+        "relu": (0, n * dk, 0, dk),
+        "identity": (0, 0, 0, dk),
+        "taylor2": (0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk),
+    }.get(d.feature_map, (2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m))
 
 
 def eps_exp(d: Dims, queries: int) -> int:
@@ -344,9 +340,8 @@ def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
     """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p``; with constant
     positions and ``d_k = 2`` the angle is the position and XLA folds both."""
     n = positions * (d.d_k // 2)
-    if d.d_k == 2 and not traced:
-        return 0, 0, [n, n, n]
-    return n, 2 * n, [n, n, n]  # angle, cos, sin
+    folded = d.d_k == 2 and not traced
+    return (0, 0, [n, n, n]) if folded else (n, 2 * n, [n, n, n])  # angle, cos, sin
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
@@ -376,10 +371,7 @@ def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
     Raises:
         ValueError: For a collective in a ``while`` with no known trip count, or an async one.
     """
-    return tuple(
-        Collective(kind, size, calls, p, scheme, conditional=branched)
-        for kind, size, calls, p, scheme, branched in collective_calls(hlo_text)
-    )
+    return tuple(Collective(*call) for call in collective_calls(hlo_text))
 
 
 @dataclasses.dataclass(frozen=True)

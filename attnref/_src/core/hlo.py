@@ -92,12 +92,9 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int 
     for name, lines in comps.items():
         for line in lines:
             for role, callee in _CALLEE.findall(line):
-                if role != "body":
-                    branch = role in ("true_computation", "false_computation")
-                    edges[name].append((callee, 1, branch))
-                    continue
                 trips = _TRIPS.search(line)
-                edges[name].append((callee, None if trips is None else int(trips.group(1)), False))
+                k = (int(trips.group(1)) if trips else None) if role == "body" else 1
+                edges[name].append((callee, k, role in ("true_computation", "false_computation")))
             for branches in _BRANCHES.findall(line):
                 edges[name] += [(b.strip().lstrip("%"), 1, True) for b in branches.split(",")]
     order: list[str] = []  # callers before callees (HLO call graphs are acyclic)

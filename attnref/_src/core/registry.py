@@ -9,6 +9,7 @@ and lists entries in that module order, then registration order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any, Literal
@@ -98,7 +99,6 @@ class Formulation:
 
 
 REGISTRY: dict[str, Formulation] = {}
-_loaded = False
 
 
 def register(formulation: Formulation) -> Formulation:
@@ -113,13 +113,11 @@ def register(formulation: Formulation) -> Formulation:
     return formulation
 
 
+@functools.cache
 def _load() -> None:
     """Import the modules that register the formulations (once; the registry is read lazily)."""
-    global _loaded
-    if not _loaded:
-        for module in FORMULATION_MODULES:
-            importlib.import_module(module)
-        _loaded = True
+    for module in FORMULATION_MODULES:
+        importlib.import_module(module)
 
 
 def _rank(f: Formulation) -> int:
