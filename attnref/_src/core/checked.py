@@ -26,13 +26,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 __all__ = ["checked", "require"]
 
 
-def require(
-    ok: Any,
-    message: str,
-    *,
-    error: type[Exception] = ValueError,
-    **values: Any,
-) -> None:
+def require(ok: Any, message: str, *, error: type[Exception] = ValueError, **values: Any) -> None:
     """Assert that every element of the boolean array ``ok`` is true.
 
     ``message`` is a ``str.format`` template filled from ``values`` (pass scalars). Concrete

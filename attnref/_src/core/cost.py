@@ -198,8 +198,7 @@ def io(d: Dims, *, kv_tokens: bool = True) -> tuple[int, int]:
         params += h * (2 * d.d_k + d.d_v) + dm
     tokens = d.batch * (d.t_q + (d.t_k if kv_tokens else 0)) * dm
     masks = 2 * d.batch * d.t_q * d.t_k  # bias (itemsize) and boolean mask (1 byte) ~ bounded
-    inputs = (params + tokens) * d.itemsize + masks * d.itemsize
-    return inputs, d.batch * d.t_q * dm * d.itemsize
+    return (params + tokens + masks) * d.itemsize, d.batch * d.t_q * dm * d.itemsize
 
 
 def softmax_elementwise(d: Dims) -> int:
@@ -239,10 +238,8 @@ def build(
     """A :class:`Cost` with :func:`io`'s bytes, the largest intermediate (``largest`` elements,
     else ``max(tensors)``) and the workspace ``sum(tensors)`` plus the inputs."""
     inputs, output = io(d)
-    big = max(tensors) if largest is None else largest
-    return Cost(
-        mm, el, tr, inputs, output, big * d.itemsize, sum(tensors) * d.itemsize + inputs, **kw
-    )
+    big = (max(tensors) if largest is None else largest) * d.itemsize
+    return Cost(mm, el, tr, inputs, output, big, sum(tensors) * d.itemsize + inputs, **kw)
 
 
 def finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
@@ -254,9 +251,7 @@ def messages(d: Dims) -> tuple[int, int]:
     """(matmul, elementwise) of ``X_kv W_M + b_V W_O`` including forming ``W_M``."""
     b, h, dm = d.batch, d.heads, d.d_model
     mm = 2 * h * dm * d.d_v * dm + 2 * b * d.t_k * dm * h * dm
-    if d.bias:
-        mm += 2 * h * d.d_v * dm
-    return mm, (b * h * d.t_k * dm if d.bias else 0)
+    return mm + (2 * h * d.d_v * dm if d.bias else 0), (b * h * d.t_k * dm if d.bias else 0)
 
 
 def message_tensors(d: Dims) -> list[int]:
@@ -297,8 +292,7 @@ def linear_proj(d: Dims) -> tuple[int, int]:
     pq, pk, pv = projections(d)
     b, h = d.batch, d.heads
     out = 2 * b * d.t_q * h * d.d_v * d.d_model
-    el = qkvo_bias_adds(d) + b * (d.heads - 1) * d.t_q * d.d_model
-    return pq + pk + pv + out, el
+    return pq + pk + pv + out, qkvo_bias_adds(d) + b * (h - 1) * d.t_q * d.d_model
 
 
 def normalize_el(d: Dims) -> int:
@@ -350,13 +344,11 @@ def cost(formulation_id: str, dims: Dims) -> Cost:
     from attnref._src.core.registry import get  # lazily: the models' modules import this one
 
     try:
-        model = get(formulation_id).cost_model
+        model, why = get(formulation_id).cost_model, ""
     except KeyError:
-        raise KeyError(
-            f"no cost model for {formulation_id!r}: not a registered formulation"
-        ) from None
+        model, why = None, ": not a registered formulation"
     if model is None:
-        raise KeyError(f"no cost model for {formulation_id!r}")
+        raise KeyError(f"no cost model for {formulation_id!r}{why}")
     return model(dims)  # type: ignore[no-any-return]
 
 
