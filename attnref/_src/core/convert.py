@@ -88,24 +88,20 @@ def _out_in_to_heads(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
     return np.transpose(w.reshape(num_heads, out // num_heads, d_in), (0, 2, 1))
 
 
-def _out_proj(params: AttentionParams) -> np.ndarray:
-    """``W_O [H, d_v, d_model] -> [d_model, H d_v]`` (``nn.Linear``'s (out, in))."""
-    return np.transpose(np.asarray(params.w_o).reshape(-1, params.d_model))
-
-
-def _all_or_no_bias(params: AttentionParams) -> list[np.ndarray] | None:
-    if not params.has_bias:
-        return None
-    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
-    shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
-    # A layout that stores all biases or none gets explicit zeros for the absent ones: the
-    # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
-    return [
-        np.asarray(getattr(params, n))
-        if getattr(params, n) is not None
-        else np.zeros(s, params.dtype)
-        for n, s in zip(BIAS_FIELDS, shapes, strict=True)
-    ]
+def _linears(params: AttentionParams) -> dict[str, np.ndarray]:
+    """``nn.Linear``'s layout by field name: weights ``(out, in)`` (``W_O [H, d_v, d_model] ->
+    [d_model, H d_v]``), biases flat. A layout that stores all biases or none gets explicit zeros
+    for the absent ones: the function is unchanged (a zero bias adds nothing), only the
+    None-ness is lost."""
+    sd = {n: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
+    sd["w_o"] = np.transpose(np.asarray(params.w_o).reshape(-1, params.d_model))
+    if params.has_bias:
+        h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+        shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
+        for n, shape in zip(BIAS_FIELDS, shapes, strict=True):
+            b = getattr(params, n)
+            sd[n] = (np.zeros(shape, params.dtype) if b is None else np.asarray(b)).reshape(-1)
+    return sd
 
 
 def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
@@ -122,15 +118,12 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
             "nn.MultiheadAttention packs q, k, v with head_dim = embed_dim / num_heads; got "
             f"H={h}, d_model={d_model}, d_k={d_k}, d_v={d_v}"
         )
-    qkv = (params.w_q, params.w_k, params.w_v)
-    sd = {
-        "in_proj_weight": np.concatenate([_heads_to_out_in(w) for w in qkv]),
-        "out_proj.weight": _out_proj(params),
-    }
-    biases = _all_or_no_bias(params)
-    if biases is not None:
-        sd["in_proj_bias"] = np.concatenate([b.reshape(-1) for b in biases[:3]])
-        sd["out_proj.bias"] = biases[3]
+    lin = _linears(params)
+    sd = {"in_proj_weight": np.concatenate([lin["w_q"], lin["w_k"], lin["w_v"]])}
+    sd["out_proj.weight"] = lin["w_o"]
+    if params.has_bias:
+        sd["in_proj_bias"] = np.concatenate([lin["b_q"], lin["b_k"], lin["b_v"]])
+        sd["out_proj.bias"] = lin["b_o"]
     return sd
 
 
@@ -172,13 +165,7 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
     written as zeros when any bias is present. ``prefix`` is prepended to every key (e.g.
     ``"encoder.layer.0.attention."``)."""
     _require_mha(params, "Hugging Face BERT attention")
-    sd = {prefix + _HF_KEYS[n]: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
-    sd[prefix + _HF_KEYS["w_o"]] = _out_proj(params)
-    biases = _all_or_no_bias(params)
-    if biases is not None:
-        for name, b in zip(BIAS_FIELDS, biases, strict=True):
-            sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
-    return sd
+    return {prefix + _HF_KEYS[n]: a for n, a in _linears(params).items()}
 
 
 def from_hf_bert(
