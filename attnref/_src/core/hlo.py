@@ -136,7 +136,7 @@ def _group_size(line: str, kind: str, partitions: int) -> int:
         return len(_shape(g.group(2)))
     if g.group(4) is not None:
         return int(g.group(4))
-    sizes = dict((name, int(n)) for name, n in _MESH_AXIS.findall(g.group(5)))
+    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(g.group(5))}
     return math.prod(sizes[a.strip().strip("'")] for a in g.group(6).split(",") if a.strip())
 
 
@@ -165,6 +165,4 @@ def collective_calls(hlo_text: str) -> Iterator[tuple[str, int, int, int, bool, 
                 size //= p
             elif kind == "reduce-scatter":
                 size *= p
-            calls = runs.get(name, 0) or 0
-            scheme = "/shard_map/" in line
-            yield kind, size, calls, p, scheme, name in branched
+            yield kind, size, runs.get(name, 0) or 0, p, "/shard_map/" in line, name in branched
