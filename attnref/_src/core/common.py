@@ -114,13 +114,12 @@ def prepare_rows(
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     xq = device_array(x_q)
-    dtype = xq.dtype
     return Prepared(
         x_q=xq,
         x_kv=device_array(x_kv),
         mask=None if mask is None else device_array(mask),
-        bias=None if bias is None else device_array(bias, dtype),
-        scale=scale_value(params.d_k, scale, dtype),
+        bias=None if bias is None else device_array(bias, xq.dtype),
+        scale=scale_value(params.d_k, scale, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,
@@ -176,8 +175,6 @@ Keys = Float[Array, "... T_k d_model"]
 Mask = Bool[Array, "... #T_q #T_k"] | None
 Bias = Float[Array, "... #T_q #T_k"] | None
 
-_ROW_NAMES = ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual")
-
 
 def rows_level(
     name: str,
@@ -207,7 +204,7 @@ def rows_level(
         chosen = {n: values[n] for n in options}
         if check is not None:
             check(**chosen)
-        rows = validate(values["params"], *(values.get(n) for n in _ROW_NAMES[1:]))
+        rows = validate(*(values.get(n) for n in base.parameters))  # params, x_q, ..., residual
         return build(rows, values["scale"], **chosen)
 
     fn: Any = prepare

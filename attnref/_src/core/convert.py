@@ -137,9 +137,7 @@ def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionPa
     if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
         raise ValueError(f"in_proj_weight must have shape [3E, E], got {w_in.shape}")
     e = w_in.shape[1]
-    wq, wk, wv = (
-        _out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight") for i in range(3)
-    )
+    wq, wk, wv = (_out_in_to_heads(w, num_heads, "in_proj_weight") for w in np.split(w_in, 3))
     w_o = np.transpose(w_out).reshape(num_heads, e // num_heads, e)
     if "in_proj_bias" not in state_dict:
         return AttentionParams(wq, wk, wv, w_o)
