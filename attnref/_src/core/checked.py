@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from attnref._src.core.checks import float64_scoped, is_traced
-from attnref._src.core.entry import _call, _flatten
+from attnref._src.core.entry import call_flat, flatten_call
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,14 +66,14 @@ def checked(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tree, mask, static, arrays = _flatten(args, kwargs)  # arrays and NumPy scalars
+        tree, mask, static, arrays = flatten_call(args, kwargs)  # arrays and NumPy scalars
         if is_traced(*arrays):
             raise TypeError(
                 f"checked({getattr(fn, '__name__', fn)!r}) was called with traced arguments "
                 "(inside jax.jit, vmap or grad); a checked function raises, so call it outside "
                 "and jit inside it: checked(jax.jit(fn)), or use checkify.checkify yourself"
             )
-        program = functools.partial(_call, fn, tree, mask, static)
+        program = functools.partial(call_flat, fn, tree, mask, static)
         err, out = checkify.checkify(program, errors=checkify.user_checks)(*arrays)
         err.throw()
         return out

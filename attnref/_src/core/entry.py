@@ -73,7 +73,7 @@ def compiled(fn: Callable[..., Any], *args: Any) -> Any:
 Split = tuple[Any, tuple[bool, ...], tuple[Any, ...], list[Any]]
 
 
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
     """``(args, kwargs)`` flattened, array leaves traced and the rest static."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     mask = tuple(traced(leaf) for leaf in leaves)
@@ -82,8 +82,8 @@ def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
 
 
 def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split | None:
-    """:func:`_flatten`, or ``None`` where the static part is unhashable."""
-    split = _flatten(args, kwargs)
+    """:func:`flatten_call`, or ``None`` where the static part is unhashable."""
+    split = flatten_call(args, kwargs)
     try:
         hash(split[2])
     except TypeError:
@@ -91,7 +91,8 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split | None:
     return split
 
 
-def _call(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
+def call_flat(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
+    """``fn`` on a :func:`flatten_call` split, ``dynamic`` in place of the traced leaves."""
     it = iter(dynamic)
     leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
@@ -100,14 +101,14 @@ def _call(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: A
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
 def _program(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
-    return _call(fn, tree, mask, static, *dynamic)
+    return call_flat(fn, tree, mask, static, *dynamic)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # not inlined: checkify keeps it whole
 def _checked_program(
     fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any
 ) -> Any:
-    return _call(fn, tree, mask, static, *dynamic)
+    return call_flat(fn, tree, mask, static, *dynamic)
 
 
 # what checkify adds to a failed check's message
