@@ -105,12 +105,11 @@ def _linears(params: AttentionParams) -> dict[str, np.ndarray]:
 
 
 def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
-    """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
-
-    PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
-    zeros when any bias is present (PyTorch has all biases or none), else ``ValueError``:
-    ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy), plus
-    ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present."""
+    """PyTorch ``nn.MultiheadAttention`` state dict, NumPy, (out, in): ``{"in_proj_weight":
+    [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``), plus ``"in_proj_bias" [3E]`` and
+    ``"out_proj.bias" [E]`` when any bias is present (absent ones written as zeros: PyTorch has
+    all biases or none). The packed layout needs ``d_k == d_v == d_model / H``, else
+    ``ValueError``."""
     _require_mha(params, "PyTorch nn.MultiheadAttention")
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
     if not (d_k == d_v and h * d_k == d_model):
