@@ -14,35 +14,26 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from attnref._src.core.checks import float64_scoped
-from attnref._src.core.entry import traced
+from attnref._src.core.checks import float64_scoped, is_traced
+from attnref._src.core.entry import call_flat, flatten_call
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["checked", "require"]
 
 
-def require(
-    ok: Any,
-    message: str,
-    *,
-    error: type[Exception] = ValueError,
-    **values: Any,
-) -> None:
+def require(ok: Any, message: str, *, error: type[Exception] = ValueError, **values: Any) -> None:
     """Assert that every element of the boolean array ``ok`` is true.
 
     ``message`` is a ``str.format`` template filled from ``values`` (pass scalars). Concrete
     ``ok``: raises ``error(message)`` at once. Traced: records ``checkify.debug_check``, which
     raises only under :func:`checked`; the caller makes the unchecked result NaN rows.
     """
-    if not isinstance(ok, jax.core.Tracer) and not any(
-        isinstance(v, jax.core.Tracer) for v in values.values()
-    ):
+    if not is_traced(ok, *values.values()):
         if not bool(np.all(np.asarray(ok))):
             concrete = {name: np.asarray(v).tolist() for name, v in values.items()}
             raise error(message.format(**concrete))
@@ -75,23 +66,15 @@ def checked(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        is_array = [traced(leaf) for leaf in leaves]  # arrays and NumPy scalars
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        tree, mask, static, arrays = flatten_call(args, kwargs)  # arrays and NumPy scalars
+        if is_traced(*arrays):
             raise TypeError(
                 f"checked({getattr(fn, '__name__', fn)!r}) was called with traced arguments "
                 "(inside jax.jit, vmap or grad); a checked function raises, so call it outside "
                 "and jit inside it: checked(jax.jit(fn)), or use checkify.checkify yourself"
             )
-
-        def on_arrays(arrays: list[Any]) -> Any:
-            it = iter(arrays)
-            full = [next(it) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
-            a, kw = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **kw)
-
-        arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
-        err, out = checkify.checkify(on_arrays, errors=checkify.user_checks)(arrays)
+        program = functools.partial(call_flat, fn, tree, mask, static)
+        err, out = checkify.checkify(program, errors=checkify.user_checks)(*arrays)
         err.throw()
         return out
 

@@ -45,19 +45,22 @@ def _is_float64(leaf: Any) -> bool:
     return dtype is not None and np.dtype(dtype) == np.float64
 
 
+def _in_x64_if(needed: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with x64 switched on when ``needed`` and not on already."""
+    if needed and not x64_enabled():
+        with enable_x64():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def float64_scoped(fn: F) -> F:
     """Run ``fn`` with ``jax_enable_x64`` switched on when any array argument is float64 (JAX
     would silently downgrade it; under a caller's own ``jax.jit`` the caller enables x64)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if x64_enabled():
-            return fn(*args, **kwargs)
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
-        if any(_is_float64(leaf) for leaf in leaves):
-            with enable_x64():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+        leaves = () if x64_enabled() else jax.tree_util.tree_leaves((args, kwargs))
+        return _in_x64_if(any(map(_is_float64, leaves)), fn, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
@@ -65,10 +68,7 @@ def float64_scoped(fn: F) -> F:
 def in_x64_if_float64(dtype: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, with x64 switched on when ``dtype`` is float64 (for functions
     whose dtype is an argument rather than an input array's: cf. :func:`float64_scoped`)."""
-    if np.dtype(dtype) == np.float64 and not x64_enabled():
-        with enable_x64():
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
+    return _in_x64_if(np.dtype(dtype) == np.float64, fn, *args, **kwargs)
 
 
 def device_array(x: Any, dtype: Any = None) -> Any:
@@ -118,11 +118,7 @@ def check_tokens(
 
 
 def check_mask_and_bias(
-    mask: Any,
-    bias: Any,
-    target: tuple[int, ...],
-    *,
-    axes: str = "[..., T_q, T_k]",
+    mask: Any, bias: Any, target: tuple[int, ...], *, axes: str = "[..., T_q, T_k]"
 ) -> None:
     """Check that ``mask`` (boolean) and ``bias`` (floating) broadcast to ``target`` exactly
     (never growing it)."""

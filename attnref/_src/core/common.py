@@ -51,9 +51,10 @@ class Prepared:
     residual: bool | None = None  # None: the function has no residual argument
 
     def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale[, residual])`` on the finite parts."""
-        f = self.finite()
-        args = (self.params, f.x_q, f.x_kv, f.mask, f.bias, f.scale)
+        """``formula(params, x_q, x_kv, mask, bias, scale[, residual])`` on the finite parts of
+        ``x_q``, ``x_kv`` and the bias (:func:`finite_bias`)."""
+        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
+        args = (self.params, x_q, x_kv, self.mask, bias, self.scale)
         return formula(*args) if self.residual is None else formula(*args, self.residual)
 
     def head_mask(self) -> Bool[Array, "..."] | None:
@@ -69,15 +70,6 @@ class Prepared:
             nonfinite_rows(self.x_kv),
             self.bias,
             bool(self.residual),
-        )
-
-    def finite(self) -> Prepared:
-        """A copy on the finite parts of ``x_q``, ``x_kv`` and the bias (:func:`finite_bias`)."""
-        return dataclasses.replace(
-            self,
-            x_q=finite_part(self.x_q),
-            x_kv=finite_part(self.x_kv),
-            bias=finite_bias(self.bias),
         )
 
 
@@ -122,13 +114,12 @@ def prepare_rows(
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     xq = device_array(x_q)
-    dtype = xq.dtype
     return Prepared(
         x_q=xq,
         x_kv=device_array(x_kv),
         mask=None if mask is None else device_array(mask),
-        bias=None if bias is None else device_array(bias, dtype),
-        scale=scale_value(params.d_k, scale, dtype),
+        bias=None if bias is None else device_array(bias, xq.dtype),
+        scale=scale_value(params.d_k, scale, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,
@@ -184,8 +175,6 @@ Keys = Float[Array, "... T_k d_model"]
 Mask = Bool[Array, "... #T_q #T_k"] | None
 Bias = Float[Array, "... #T_q #T_k"] | None
 
-_ROW_NAMES = ("params", "x_q", "x_kv", "mask", "bias", "scale", "residual")
-
 
 def rows_level(
     name: str,
@@ -215,7 +204,7 @@ def rows_level(
         chosen = {n: values[n] for n in options}
         if check is not None:
             check(**chosen)
-        rows = validate(values["params"], *(values.get(n) for n in _ROW_NAMES[1:]))
+        rows = validate(*(values.get(n) for n in base.parameters))  # params, x_q, ..., residual
         return build(rows, values["scale"], **chosen)
 
     fn: Any = prepare

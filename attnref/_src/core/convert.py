@@ -88,33 +88,28 @@ def _out_in_to_heads(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
     return np.transpose(w.reshape(num_heads, out // num_heads, d_in), (0, 2, 1))
 
 
-def _out_proj(params: AttentionParams) -> np.ndarray:
-    """``W_O [H, d_v, d_model] -> [d_model, H d_v]`` (``nn.Linear``'s (out, in))."""
-    return np.transpose(np.asarray(params.w_o).reshape(-1, params.d_model))
-
-
-def _all_or_no_bias(params: AttentionParams) -> list[np.ndarray] | None:
-    if not params.has_bias:
-        return None
-    h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
-    shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
-    # A layout that stores all biases or none gets explicit zeros for the absent ones: the
-    # function is unchanged (a zero bias adds nothing), only the None-ness is lost.
-    return [
-        np.asarray(getattr(params, n))
-        if getattr(params, n) is not None
-        else np.zeros(s, params.dtype)
-        for n, s in zip(BIAS_FIELDS, shapes, strict=True)
-    ]
+def _linears(params: AttentionParams) -> dict[str, np.ndarray]:
+    """``nn.Linear``'s layout by field name: weights ``(out, in)`` (``W_O [H, d_v, d_model] ->
+    [d_model, H d_v]``), biases flat. A layout that stores all biases or none gets explicit zeros
+    for the absent ones: the function is unchanged (a zero bias adds nothing), only the
+    None-ness is lost."""
+    sd = {n: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
+    sd["w_o"] = np.transpose(np.asarray(params.w_o).reshape(-1, params.d_model))
+    if params.has_bias:
+        h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
+        shapes = ((h, d_k), (h, d_k), (h, d_v), (d_model,))  # b_q, b_k, b_v, b_o
+        for n, shape in zip(BIAS_FIELDS, shapes, strict=True):
+            b = getattr(params, n)
+            sd[n] = (np.zeros(shape, params.dtype) if b is None else np.asarray(b)).reshape(-1)
+    return sd
 
 
 def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
-    """PyTorch ``nn.MultiheadAttention`` state dict (``in_proj_weight [3E, E]``, (out, in)).
-
-    PyTorch's packed layout needs ``d_k == d_v == d_model / H``; absent biases are written as
-    zeros when any bias is present (PyTorch has all biases or none), else ``ValueError``:
-    ``{"in_proj_weight": [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``, NumPy), plus
-    ``"in_proj_bias" [3E]`` and ``"out_proj.bias" [E]`` when any bias is present."""
+    """PyTorch ``nn.MultiheadAttention`` state dict, NumPy, (out, in): ``{"in_proj_weight":
+    [3E, E], "out_proj.weight": [E, E]}`` (``E = d_model``), plus ``"in_proj_bias" [3E]`` and
+    ``"out_proj.bias" [E]`` when any bias is present (absent ones written as zeros: PyTorch has
+    all biases or none). The packed layout needs ``d_k == d_v == d_model / H``, else
+    ``ValueError``."""
     _require_mha(params, "PyTorch nn.MultiheadAttention")
     h, d_model, d_k, d_v = params.num_heads, params.d_model, params.d_k, params.d_v
     if not (d_k == d_v and h * d_k == d_model):
@@ -122,15 +117,12 @@ def to_torch_mha(params: AttentionParams) -> dict[str, np.ndarray]:
             "nn.MultiheadAttention packs q, k, v with head_dim = embed_dim / num_heads; got "
             f"H={h}, d_model={d_model}, d_k={d_k}, d_v={d_v}"
         )
-    qkv = (params.w_q, params.w_k, params.w_v)
-    sd = {
-        "in_proj_weight": np.concatenate([_heads_to_out_in(w) for w in qkv]),
-        "out_proj.weight": _out_proj(params),
-    }
-    biases = _all_or_no_bias(params)
-    if biases is not None:
-        sd["in_proj_bias"] = np.concatenate([b.reshape(-1) for b in biases[:3]])
-        sd["out_proj.bias"] = biases[3]
+    lin = _linears(params)
+    sd = {"in_proj_weight": np.concatenate([lin["w_q"], lin["w_k"], lin["w_v"]])}
+    sd["out_proj.weight"] = lin["w_o"]
+    if params.has_bias:
+        sd["in_proj_bias"] = np.concatenate([lin["b_q"], lin["b_k"], lin["b_v"]])
+        sd["out_proj.bias"] = lin["b_o"]
     return sd
 
 
@@ -144,9 +136,7 @@ def from_torch_mha(state_dict: Mapping[str, Any], num_heads: int) -> AttentionPa
     if w_in.ndim != 2 or w_in.shape[0] != 3 * w_in.shape[1]:
         raise ValueError(f"in_proj_weight must have shape [3E, E], got {w_in.shape}")
     e = w_in.shape[1]
-    wq, wk, wv = (
-        _out_in_to_heads(w_in[i * e : (i + 1) * e], num_heads, "in_proj_weight") for i in range(3)
-    )
+    wq, wk, wv = (_out_in_to_heads(w, num_heads, "in_proj_weight") for w in np.split(w_in, 3))
     w_o = np.transpose(w_out).reshape(num_heads, e // num_heads, e)
     if "in_proj_bias" not in state_dict:
         return AttentionParams(wq, wk, wv, w_o)
@@ -172,13 +162,7 @@ def to_hf_bert(params: AttentionParams, prefix: str = "") -> dict[str, np.ndarra
     written as zeros when any bias is present. ``prefix`` is prepended to every key (e.g.
     ``"encoder.layer.0.attention."``)."""
     _require_mha(params, "Hugging Face BERT attention")
-    sd = {prefix + _HF_KEYS[n]: _heads_to_out_in(getattr(params, n)) for n in ("w_q", "w_k", "w_v")}
-    sd[prefix + _HF_KEYS["w_o"]] = _out_proj(params)
-    biases = _all_or_no_bias(params)
-    if biases is not None:
-        for name, b in zip(BIAS_FIELDS, biases, strict=True):
-            sd[prefix + _HF_KEYS[name]] = b.reshape(-1)
-    return sd
+    return {prefix + _HF_KEYS[n]: a for n, a in _linears(params).items()}
 
 
 def from_hf_bert(

@@ -198,8 +198,7 @@ def io(d: Dims, *, kv_tokens: bool = True) -> tuple[int, int]:
         params += h * (2 * d.d_k + d.d_v) + dm
     tokens = d.batch * (d.t_q + (d.t_k if kv_tokens else 0)) * dm
     masks = 2 * d.batch * d.t_q * d.t_k  # bias (itemsize) and boolean mask (1 byte) ~ bounded
-    inputs = (params + tokens) * d.itemsize + masks * d.itemsize
-    return inputs, d.batch * d.t_q * dm * d.itemsize
+    return (params + tokens + masks) * d.itemsize, d.batch * d.t_q * dm * d.itemsize
 
 
 def softmax_elementwise(d: Dims) -> int:
@@ -239,10 +238,8 @@ def build(
     """A :class:`Cost` with :func:`io`'s bytes, the largest intermediate (``largest`` elements,
     else ``max(tensors)``) and the workspace ``sum(tensors)`` plus the inputs."""
     inputs, output = io(d)
-    big = max(tensors) if largest is None else largest
-    return Cost(
-        mm, el, tr, inputs, output, big * d.itemsize, sum(tensors) * d.itemsize + inputs, **kw
-    )
+    big = (max(tensors) if largest is None else largest) * d.itemsize
+    return Cost(mm, el, tr, inputs, output, big, sum(tensors) * d.itemsize + inputs, **kw)
 
 
 def finish(d: Dims, matmul: int, elementwise: int, trans: int, tensors: list[int]) -> Cost:
@@ -254,9 +251,7 @@ def messages(d: Dims) -> tuple[int, int]:
     """(matmul, elementwise) of ``X_kv W_M + b_V W_O`` including forming ``W_M``."""
     b, h, dm = d.batch, d.heads, d.d_model
     mm = 2 * h * dm * d.d_v * dm + 2 * b * d.t_k * dm * h * dm
-    if d.bias:
-        mm += 2 * h * d.d_v * dm
-    return mm, (b * h * d.t_k * dm if d.bias else 0)
+    return mm + (2 * h * d.d_v * dm if d.bias else 0), (b * h * d.t_k * dm if d.bias else 0)
 
 
 def message_tensors(d: Dims) -> list[int]:
@@ -279,17 +274,13 @@ def feature_cost(d: Dims, tokens: int) -> tuple[int, int, int, int]:
     """(matmul, elementwise, transcendentals, m) of the feature map on ``tokens`` positions."""
     h, dk = d.heads, d.d_k
     n = d.batch * tokens * h
-    name = d.feature_map
-    if name == "elu_plus_one":
-        return 0, 4 * n * dk, n * dk, dk
-    if name == "relu":
-        return 0, n * dk, 0, dk
-    if name == "identity":
-        return 0, 0, 0, dk
-    if name == "taylor2":
-        return 0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk
     m = d.features  # favor_plus: x~ scale, proj, |x~|^2, |w|^2, exponent, max, exp, 1/sqrt(m)
-    return 2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m
+    return {
+        "elu_plus_one": (0, 4 * n * dk, n * dk, dk),
+        "relu": (0, n * dk, 0, dk),
+        "identity": (0, 0, 0, dk),
+        "taylor2": (0, n * (dk + 2 * dk * dk), 0, 1 + dk + dk * dk),
+    }.get(d.feature_map, (2 * n * dk * m, n * (3 * dk + 5 * m) + 2 * m * dk, n * m, m))
 
 
 def eps_exp(d: Dims, queries: int) -> int:
@@ -301,8 +292,7 @@ def linear_proj(d: Dims) -> tuple[int, int]:
     pq, pk, pv = projections(d)
     b, h = d.batch, d.heads
     out = 2 * b * d.t_q * h * d.d_v * d.d_model
-    el = qkvo_bias_adds(d) + b * (d.heads - 1) * d.t_q * d.d_model
-    return pq + pk + pv + out, el
+    return pq + pk + pv + out, qkvo_bias_adds(d) + b * (h - 1) * d.t_q * d.d_model
 
 
 def normalize_el(d: Dims) -> int:
@@ -344,9 +334,8 @@ def angles(positions: int, d: Dims, traced: bool) -> tuple[int, int, list[int]]:
     """(elementwise, transcendentals, tensors) of ``cos``/``sin`` of ``m theta_p``; with constant
     positions and ``d_k = 2`` the angle is the position and XLA folds both."""
     n = positions * (d.d_k // 2)
-    if d.d_k == 2 and not traced:
-        return 0, 0, [n, n, n]
-    return n, 2 * n, [n, n, n]  # angle, cos, sin
+    folded = d.d_k == 2 and not traced
+    return (0, 0, [n, n, n]) if folded else (n, 2 * n, [n, n, n])  # angle, cos, sin
 
 
 def cost(formulation_id: str, dims: Dims) -> Cost:
@@ -355,13 +344,11 @@ def cost(formulation_id: str, dims: Dims) -> Cost:
     from attnref._src.core.registry import get  # lazily: the models' modules import this one
 
     try:
-        model = get(formulation_id).cost_model
+        model, why = get(formulation_id).cost_model, ""
     except KeyError:
-        raise KeyError(
-            f"no cost model for {formulation_id!r}: not a registered formulation"
-        ) from None
+        model, why = None, ": not a registered formulation"
     if model is None:
-        raise KeyError(f"no cost model for {formulation_id!r}")
+        raise KeyError(f"no cost model for {formulation_id!r}{why}")
     return model(dims)  # type: ignore[no-any-return]
 
 
@@ -376,10 +363,7 @@ def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
     Raises:
         ValueError: For a collective in a ``while`` with no known trip count, or an async one.
     """
-    return tuple(
-        Collective(kind, size, calls, p, scheme, conditional=branched)
-        for kind, size, calls, p, scheme, branched in collective_calls(hlo_text)
-    )
+    return tuple(Collective(*call) for call in collective_calls(hlo_text))
 
 
 @dataclasses.dataclass(frozen=True)

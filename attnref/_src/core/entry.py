@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import checkify
 from jaxtyping import Array
 
-from attnref._src.core.checks import float64_scoped
+from attnref._src.core.checks import float64_scoped, is_traced
 from attnref._src.core.nonfinite import poison_rows
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -73,20 +73,26 @@ def compiled(fn: Callable[..., Any], *args: Any) -> Any:
 Split = tuple[Any, tuple[bool, ...], tuple[Any, ...], list[Any]]
 
 
-def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split | None:
-    """``(args, kwargs)`` flattened, array leaves traced and the rest static; ``None`` where the
-    static part is unhashable."""
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split:
+    """``(args, kwargs)`` flattened, array leaves traced and the rest static."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     mask = tuple(traced(leaf) for leaf in leaves)
     static = tuple(None if t else leaf for t, leaf in zip(mask, leaves, strict=True))
-    try:
-        hash(static)
-    except TypeError:
-        return None
     return tree, mask, static, [leaf for t, leaf in zip(mask, leaves, strict=True) if t]
 
 
-def _call(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, dynamic: Any) -> Any:
+def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Split | None:
+    """:func:`flatten_call`, or ``None`` where the static part is unhashable."""
+    split = flatten_call(args, kwargs)
+    try:
+        hash(split[2])
+    except TypeError:
+        return None
+    return split
+
+
+def call_flat(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
+    """``fn`` on a :func:`flatten_call` split, ``dynamic`` in place of the traced leaves."""
     it = iter(dynamic)
     leaves = [next(it) if t else leaf for t, leaf in zip(mask, static, strict=True)]
     args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
@@ -95,14 +101,14 @@ def _call(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, dynamic: An
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
 def _program(fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any) -> Any:
-    return _call(fn, tree, mask, static, dynamic)
+    return call_flat(fn, tree, mask, static, *dynamic)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # not inlined: checkify keeps it whole
 def _checked_program(
     fn: Callable[..., Any], tree: Any, mask: Any, static: Any, *dynamic: Any
 ) -> Any:
-    return _call(fn, tree, mask, static, dynamic)
+    return call_flat(fn, tree, mask, static, *dynamic)
 
 
 # what checkify adds to a failed check's message
@@ -121,7 +127,7 @@ def checked_program(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         split = _split(args, kwargs)
-        if split is None or any(isinstance(leaf, jax.core.Tracer) for leaf in split[3]):
+        if split is None or is_traced(*split[3]):
             return fn(*args, **kwargs)
         program = functools.partial(_checked_program, fn, *split[:3])
         err, out = checkify.checkify(program, errors=checkify.user_checks)(*split[3])

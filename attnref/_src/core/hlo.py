@@ -92,12 +92,9 @@ def _executions(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int 
     for name, lines in comps.items():
         for line in lines:
             for role, callee in _CALLEE.findall(line):
-                if role != "body":
-                    branch = role in ("true_computation", "false_computation")
-                    edges[name].append((callee, 1, branch))
-                    continue
                 trips = _TRIPS.search(line)
-                edges[name].append((callee, None if trips is None else int(trips.group(1)), False))
+                k = (int(trips.group(1)) if trips else None) if role == "body" else 1
+                edges[name].append((callee, k, role in ("true_computation", "false_computation")))
             for branches in _BRANCHES.findall(line):
                 edges[name] += [(b.strip().lstrip("%"), 1, True) for b in branches.split(",")]
     order: list[str] = []  # callers before callees (HLO call graphs are acyclic)
@@ -139,7 +136,7 @@ def _group_size(line: str, kind: str, partitions: int) -> int:
         return len(_shape(g.group(2)))
     if g.group(4) is not None:
         return int(g.group(4))
-    sizes = dict((name, int(n)) for name, n in _MESH_AXIS.findall(g.group(5)))
+    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(g.group(5))}
     return math.prod(sizes[a.strip().strip("'")] for a in g.group(6).split(",") if a.strip())
 
 
@@ -168,6 +165,4 @@ def collective_calls(hlo_text: str) -> Iterator[tuple[str, int, int, int, bool, 
                 size //= p
             elif kind == "reduce-scatter":
                 size *= p
-            calls = runs.get(name, 0) or 0
-            scheme = "/shard_map/" in line
-            yield kind, size, calls, p, scheme, name in branched
+            yield kind, size, runs.get(name, 0) or 0, p, "/shard_map/" in line, name in branched

@@ -158,8 +158,9 @@ def init_params(
 
 def repeat_heads(a: Any, group_size: int, *, axis: int = 0) -> Any:
     """Repeat every K/V head ``group_size`` times along ``axis`` (``[K, ...] -> [K G, ...]``,
-    entry ``i`` from ``i // group_size``); NumPy stays NumPy, ``group_size == 1`` returns ``a``."""
-    if group_size == 1:
+    entry ``i`` from ``i // group_size``); NumPy stays NumPy, ``group_size == 1`` or ``a=None``
+    returns ``a``."""
+    if group_size == 1 or a is None:
         return a
     if isinstance(a, jax.Array):
         return jnp.repeat(a, group_size, axis=axis)
@@ -182,13 +183,8 @@ def repeat_kv_heads_unchecked(params: AttentionParams) -> AttentionParams:
     g = params.group_size
     if g == 1:
         return params
-    return dataclasses.replace(
-        params,
-        w_k=repeat_heads(params.w_k, g),
-        w_v=repeat_heads(params.w_v, g),
-        b_k=None if params.b_k is None else repeat_heads(params.b_k, g),
-        b_v=None if params.b_v is None else repeat_heads(params.b_v, g),
-    )
+    kv = ("w_k", "w_v", "b_k", "b_v")
+    return dataclasses.replace(params, **{n: repeat_heads(getattr(params, n), g) for n in kv})
 
 
 def _grouped(w: Any, num_kv_heads: int) -> Array:
@@ -197,8 +193,9 @@ def _grouped(w: Any, num_kv_heads: int) -> Array:
     return w.reshape(num_kv_heads, w.shape[0] // num_kv_heads, *w.shape[1:])
 
 
-def _per_query_head(w: Array) -> Array:
-    """``[K, G, ...] -> [H, ...]``, the inverse of :func:`_grouped`."""
+def _per_query_head(spec: str, a: Any, b: Any) -> Array:
+    """``einsum(spec, a, b)``, whose ``[K, G, ...]`` result is read back as ``[H, ...]``."""
+    w = jnp.einsum(spec, a, b, precision=HIGHEST)
     return w.reshape(w.shape[0] * w.shape[1], *w.shape[2:])
 
 
@@ -209,26 +206,22 @@ def _per_query_head(w: Array) -> Array:
 
 def w_p_unchecked(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """``W_P[i] = W_Q[i] W_K[i // G]^T``."""
-    wq = _grouped(params.w_q, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kgdc,kec->kgde", wq, params.w_k, precision=HIGHEST))
+    return _per_query_head("kgdc,kec->kgde", _grouped(params.w_q, params.num_kv_heads), params.w_k)
 
 
 def w_m_unchecked(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """``W_M[i] = W_V[i // G] W_O[i]``."""
-    wo = _grouped(params.w_o, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kdv,kgve->kgde", params.w_v, wo, precision=HIGHEST))
+    return _per_query_head("kdv,kgve->kgde", params.w_v, _grouped(params.w_o, params.num_kv_heads))
 
 
 def w_a_unchecked(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """``W_A[i] = W_K[i // G] W_Q[i]^T = W_P[i]^T``."""
-    wq = _grouped(params.w_q, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kdc,kgec->kgde", params.w_k, wq, precision=HIGHEST))
+    return _per_query_head("kdc,kgec->kgde", params.w_k, _grouped(params.w_q, params.num_kv_heads))
 
 
 def w_i_unchecked(params: AttentionParams) -> Float[Array, "H d_model d_model"]:
     """``W_I[i] = W_O[i]^T W_V[i // G]^T = W_M[i]^T``."""
-    wo = _grouped(params.w_o, params.num_kv_heads)
-    return _per_query_head(jnp.einsum("kgve,kdv->kged", wo, params.w_v, precision=HIGHEST))
+    return _per_query_head("kgve,kdv->kged", _grouped(params.w_o, params.num_kv_heads), params.w_v)
 
 
 _MERGED_ARGS = """

@@ -9,6 +9,7 @@ and lists entries in that module order, then registration order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any, Literal
@@ -98,7 +99,6 @@ class Formulation:
 
 
 REGISTRY: dict[str, Formulation] = {}
-_loaded = False
 
 
 def register(formulation: Formulation) -> Formulation:
@@ -113,13 +113,11 @@ def register(formulation: Formulation) -> Formulation:
     return formulation
 
 
+@functools.cache
 def _load() -> None:
     """Import the modules that register the formulations (once; the registry is read lazily)."""
-    global _loaded
-    if not _loaded:
-        for module in FORMULATION_MODULES:
-            importlib.import_module(module)
-        _loaded = True
+    for module in FORMULATION_MODULES:
+        importlib.import_module(module)
 
 
 def _rank(f: Formulation) -> int:
@@ -131,12 +129,9 @@ def get(formulation_id: str) -> Formulation:
     """The registered :class:`Formulation` with this id (e.g. ``"concat"``); ``KeyError``
     listing the known ids if there is none."""
     _load()
-    try:
-        return REGISTRY[formulation_id]
-    except KeyError:
-        raise KeyError(
-            f"unknown formulation {formulation_id!r}; known: {sorted(REGISTRY)}"
-        ) from None
+    if formulation_id not in REGISTRY:
+        raise KeyError(f"unknown formulation {formulation_id!r}; known: {sorted(REGISTRY)}")
+    return REGISTRY[formulation_id]
 
 
 def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
@@ -144,10 +139,8 @@ def formulations(family: Family | str | None = None) -> tuple[Formulation, ...]:
     the order of :data:`FORMULATION_MODULES`, then of registration."""
     _load()
     ordered = sorted(REGISTRY.values(), key=_rank)  # stable: registration order within a module
-    if family is None:
-        return tuple(ordered)
-    name = family if isinstance(family, str) else family.name
-    return tuple(f for f in ordered if f.family.name == name)
+    name = getattr(family, "name", family)  # a Family's name, a name or None
+    return tuple(f for f in ordered if name is None or f.family.name == name)
 
 
 def families() -> tuple[Family, ...]:

@@ -25,10 +25,7 @@ def allowed_entries(
 
 
 def masked_softmax(
-    logits: Float[Array, "..."],
-    mask: Bool[ArrayLike, "..."] | None = None,
-    *,
-    axis: int = -1,
+    logits: Float[Array, "..."], mask: Bool[ArrayLike, "..."] | None = None, *, axis: int = -1
 ) -> Float[Array, "..."]:
     """Safe softmax along ``axis``; fully masked slices give zeros.
 
