@@ -106,6 +106,45 @@ def segment_softmax(
 # ----------------------------------------------------------------------------- the edge level
 
 
+def _check_edges(
+    senders: ArrayLike,
+    receivers: ArrayLike,
+    n_s: int,
+    n_r: int,
+    edge_mask: ArrayLike | None,
+    edge_bias: ArrayLike | None,
+) -> None:
+    for name, idx in (("senders", senders), ("receivers", receivers)):
+        if np.ndim(idx) != 1:
+            raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
+        if not is_integer(dtype_of(idx)):
+            raise TypeError(f"{name} must be integer indices, got dtype {dtype_of(idx)}")
+    e = int(np.shape(senders)[0])
+    if np.shape(receivers) != (e,):
+        raise ValueError(
+            f"senders has shape {np.shape(senders)} but receivers has shape {np.shape(receivers)}"
+        )
+    for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
+        # Concrete values (NumPy, lists, JAX arrays outside jit) are checked here; traced ones
+        # by _edges (checked mode, else an all-NaN output): a JAX gather would clamp an
+        # out-of-range index silently.
+        if e and not is_traced(idx):
+            vals = np.asarray(idx)
+            if vals.min() < 0 or vals.max() >= n:
+                raise ValueError(
+                    f"{name} has indices outside [0, {n}): min {vals.min()}, max {vals.max()}"
+                )
+    for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
+        if arr is not None and np.shape(arr) != (e,):
+            raise ValueError(
+                f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}"
+            )
+    if edge_mask is not None and dtype_of(edge_mask) != np.bool_:
+        raise TypeError(f"edge_mask must be boolean, got dtype {dtype_of(edge_mask)}")
+    if edge_bias is not None and not is_floating(dtype_of(edge_bias)):
+        raise TypeError(f"edge_bias must be floating, got dtype {dtype_of(edge_bias)}")
+
+
 def _edges(
     params: AttentionParams,
     x_senders: Float[ArrayLike, "N_s d_model"],
@@ -126,34 +165,7 @@ def _edges(
         if dt != want:  # as JAX would hold them (a list of floats is float32 without x64)
             raise TypeError(f"{name} has dtype {dt}; params have {want}")
     n_s, n_r = int(np.shape(x_senders)[0]), int(np.shape(x_receivers)[0])
-    for name, idx in (("senders", senders), ("receivers", receivers)):
-        if np.ndim(idx) != 1:
-            raise ValueError(f"{name} must be a 1-D edge index array, got shape {np.shape(idx)}")
-        if not is_integer(dtype_of(idx)):
-            raise TypeError(f"{name} must be integer indices, got dtype {dtype_of(idx)}")
-    e = int(np.shape(senders)[0])
-    if np.shape(receivers) != (e,):
-        raise ValueError(
-            f"senders has shape {np.shape(senders)} but receivers has shape {np.shape(receivers)}"
-        )
-    for name, idx, n in (("senders", senders, n_s), ("receivers", receivers, n_r)):
-        # Concrete values are checked here, traced ones by EdgeRows.dirty_rows (checked mode,
-        # else an all-NaN output): a JAX gather would clamp an out-of-range index silently.
-        if e and not is_traced(idx):
-            vals = np.asarray(idx)
-            if vals.min() < 0 or vals.max() >= n:
-                raise ValueError(
-                    f"{name} has indices outside [0, {n}): min {vals.min()}, max {vals.max()}"
-                )
-    for name, arr in (("edge_mask", edge_mask), ("edge_bias", edge_bias)):
-        if arr is not None and np.shape(arr) != (e,):
-            raise ValueError(
-                f"{name} must have shape ({e},) (one entry per edge), got {np.shape(arr)}"
-            )
-    if edge_mask is not None and dtype_of(edge_mask) != np.bool_:
-        raise TypeError(f"edge_mask must be boolean, got dtype {dtype_of(edge_mask)}")
-    if edge_bias is not None and not is_floating(dtype_of(edge_bias)):
-        raise TypeError(f"edge_bias must be floating, got dtype {dtype_of(edge_bias)}")
+    _check_edges(senders, receivers, n_s, n_r, edge_mask, edge_bias)
     check_scale(scale)
     xs, xr = device_array(x_senders), device_array(x_receivers)
     snd, rcv = device_array(senders), device_array(receivers)
