@@ -207,13 +207,10 @@ class _Tiles:
         )
         allowed = None
         if not full:
-            q_idx = i * self.bq + jnp.arange(self.bq)
-            k_idx = j * self.bk + jnp.arange(self.bk)
+            idx = (i * self.bq + jnp.arange(self.bq), j * self.bk + jnp.arange(self.bk))
             q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
             kv_seg = None if self.kv_seg is None else self.k_rows(self.kv_seg, j)
-            allowed = allowed_pairs(
-                spec, self.inputs, q_idx, k_idx, q_seg, kv_seg, mask, bias, True
-            )
+            allowed = allowed_pairs(spec, self.inputs, *idx, q_seg, kv_seg, mask, bias, True)
             assert allowed is not None  # in_range: never None
             allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
         ops = {
