@@ -130,27 +130,6 @@ def tile_schedule(
     return TileSchedule(pairs[~full], pairs[full], (nq, nk))
 
 
-def _schedule(spec: KernelSpec, inputs: KernelInputs, bq: int, bk: int) -> TileSchedule:
-    """:func:`tile_schedule` for one call: the static band (none for bottom-right alignment
-    under lengths, whose offset ``S_b - T_b`` is known only at run time)."""
-    lengths = inputs.q_lens is not None or inputs.kv_lens is not None
-    static = spec.alignment == "top_left" or not lengths
-    dynamic = lengths or any(
-        a is not None for a in (inputs.mask, inputs.bias, inputs.q_seg, inputs.kv_seg)
-    )
-    return tile_schedule(
-        spec.t,
-        spec.s,
-        bq,
-        bk,
-        is_causal=spec.is_causal and static,
-        window=spec.window if static else None,
-        alignment=spec.alignment,
-        sink_tokens=spec.sink_tokens,
-        dynamic=dynamic,
-    )
-
-
 def _read(buffers: tuple[Array, ...], i: Array) -> tuple[Array, ...]:
     return tuple(jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in buffers)
 
@@ -191,7 +170,24 @@ class _Tiles:
         )
         self.q_seg = None if inputs.q_seg is None else _pad_axis(inputs.q_seg, 1, tp, -1)
         self.kv_seg = None if inputs.kv_seg is None else _pad_axis(inputs.kv_seg, 1, sp, -2)
-        self.schedule = _schedule(spec, inputs, bq, bk)
+        # The call's schedule: the static band (none for bottom-right alignment under lengths,
+        # whose offset ``S_b - T_b`` is known only at run time).
+        lengths = inputs.q_lens is not None or inputs.kv_lens is not None
+        static = spec.alignment == "top_left" or not lengths
+        dynamic = lengths or any(
+            a is not None for a in (inputs.mask, inputs.bias, inputs.q_seg, inputs.kv_seg)
+        )
+        self.schedule = tile_schedule(
+            spec.t,
+            spec.s,
+            bq,
+            bk,
+            is_causal=spec.is_causal and static,
+            window=spec.window if static else None,
+            alignment=spec.alignment,
+            sink_tokens=spec.sink_tokens,
+            dynamic=dynamic,
+        )
 
     def q_rows(self, a: Array, i: Array, axis: int = 1) -> Array:
         return _slice(a, axis, i * self.bq, self.bq)
@@ -211,13 +207,10 @@ class _Tiles:
         )
         allowed = None
         if not full:
-            q_idx = i * self.bq + jnp.arange(self.bq)
-            k_idx = j * self.bk + jnp.arange(self.bk)
+            idx = (i * self.bq + jnp.arange(self.bq), j * self.bk + jnp.arange(self.bk))
             q_seg = None if self.q_seg is None else self.q_rows(self.q_seg, i)
             kv_seg = None if self.kv_seg is None else self.k_rows(self.kv_seg, j)
-            allowed = allowed_pairs(
-                spec, self.inputs, q_idx, k_idx, q_seg, kv_seg, mask, bias, True
-            )
+            allowed = allowed_pairs(spec, self.inputs, *idx, q_seg, kv_seg, mask, bias, True)
             assert allowed is not None  # in_range: never None
             allowed = jnp.broadcast_to(allowed, (spec.b, spec.n, self.bq, self.bk))
         ops = {
@@ -319,28 +312,23 @@ def _backward(
     }
     do_p = _pad_axis(do, 1, tp)
 
-    def grads(i: Array, j: Array, full: bool) -> tuple[dict[str, Any], Array, Array, Array]:
-        t = tiles.tile(i, j, full)
-        probs = tiles.exp(t, tiles.q_rows(rows["lse"], i, 2))
-        do_t = tiles.q_rows(do_p, i)  # [B, bq, N, H_v]
-        dog = do_t.reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
-        dp = jnp.einsum("btkgh,bskh->bkgts", dog, t["v"], precision=HIGHEST)
-        dp = dropped(spec, dp.reshape(probs.shape), t["keep"])  # dL/dp_ij: keep_ij/(1-p) dO.v
-        corr = tiles.q_rows(rows["dlse"], i, 2) - tiles.q_rows(rows["delta"], i, 2)
-        ds = probs * (dp + corr[..., None])
-        ds_raw = ds
-        if spec.softcap is not None:
-            th = jnp.tanh(t["raw"] / spec.softcap)
-            ds_raw = ds * (1.0 - th * th)
-        return t, probs, ds, ds_raw * tiles.inputs.scale
-
     def step(full: bool) -> Any:
         def body(carry: tuple[Array, ...], ij: Array) -> tuple[tuple[Array, ...], None]:
             i, j = ij[0], ij[1]
             dq, dk, dv, ds_all = carry
-            t, probs, ds, ds_raw = grads(i, j, full)
-            probs = dropped(spec, probs, t["keep"])
+            t = tiles.tile(i, j, full)
+            probs = tiles.exp(t, tiles.q_rows(rows["lse"], i, 2))
             dog = tiles.q_rows(do_p, i).reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h_v)
+            dp = jnp.einsum("btkgh,bskh->bkgts", dog, t["v"], precision=HIGHEST)
+            dp = dropped(spec, dp.reshape(probs.shape), t["keep"])  # dL/dp_ij: keep_ij/(1-p) dO.v
+            corr = tiles.q_rows(rows["dlse"], i, 2) - tiles.q_rows(rows["delta"], i, 2)
+            ds = probs * (dp + corr[..., None])
+            ds_raw = ds
+            if spec.softcap is not None:
+                th = jnp.tanh(t["raw"] / spec.softcap)
+                ds_raw = ds * (1.0 - th * th)
+            ds_raw = ds_raw * tiles.inputs.scale
+            probs = dropped(spec, probs, t["keep"])
             qg = t["q"].reshape(spec.b, tiles.bq, spec.k, spec.group, spec.h)
             g_v = jnp.einsum("bkgts,btkgh->bskh", grouped(probs, spec), dog, precision=HIGHEST)
             g_k = jnp.einsum("bkgts,btkgh->bskh", grouped(ds_raw, spec), qg, precision=HIGHEST)
@@ -393,25 +381,17 @@ def _flash_bwd(
 ) -> tuple[KernelInputs]:
     inputs, o, lse, dirty = res
     do, dlse = cts
-    do = jnp.where(dirty[..., None], 0.0, do)
-    dlse = jnp.where(dirty, 0.0, dlse)
+    do, dlse = jnp.where(dirty[..., None], 0.0, do), jnp.where(dirty, 0.0, dlse)
     if inputs.q_lens is not None:  # query padding rows are constants (0, -inf)
         valid = (jnp.arange(spec.t)[None, :] < inputs.q_lens[:, None])[..., None]
-        do = jnp.where(valid[..., None], do, 0.0)
-        dlse = jnp.where(valid, dlse, 0.0)
+        do, dlse = jnp.where(valid[..., None], do, 0.0), jnp.where(valid, dlse, 0.0)
     dq, dk, dv, dbias = _backward(_Tiles(spec, inputs, bq, bk), o, lse, do, dlse)
     db = None
     if inputs.bias is not None and dbias is not None:
         axes = tuple(a for a in range(4) if inputs.bias.shape[a] == 1)
         db = jnp.sum(dbias, axis=axes, keepdims=True).astype(inputs.bias.dtype)
-    grads = KernelInputs(
-        q=dq.astype(inputs.q.dtype),
-        k=dk.astype(inputs.k.dtype),
-        v=dv.astype(inputs.v.dtype),
-        scale=jnp.zeros_like(inputs.scale),
-        bias=db,
-    )
-    return (grads,)
+    dq, dk, dv = (g.astype(a.dtype) for g, a in ((dq, inputs.q), (dk, inputs.k), (dv, inputs.v)))
+    return (KernelInputs(dq, dk, dv, jnp.zeros_like(inputs.scale), db),)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -85,13 +85,9 @@ def graph(
     def one(xq: Array, xkv: Array, m1: Array, b1: Array) -> Array:
         return message_passing(params, xkv, xq, snd, rcv, m1, b1, scale, False)
 
-    y = jax.vmap(one)(
-        x_q.reshape(-1, t_q, d),
-        x_kv.reshape(-1, t_k, d),
-        m.reshape(-1, t_q * t_k),
-        b.reshape(-1, t_q * t_k),
-    ).reshape(*batch, t_q, d)
-    return residual_or(y, x_q, residual)
+    q_flat, kv_flat = (x.reshape(-1, *x.shape[-2:]) for x in (x_q, x_kv))  # [B, T, d_model]
+    y = jax.vmap(one)(q_flat, kv_flat, m.reshape(-1, t_q * t_k), b.reshape(-1, t_q * t_k))
+    return residual_or(y.reshape(*batch, t_q, d), x_q, residual)
 
 
 def segment_softmax(

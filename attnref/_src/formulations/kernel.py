@@ -66,17 +66,13 @@ def attention(
     None``: every pair); a fully masked row gives ``o = 0``, ``lse = -inf``. The exponential of
     a pair not allowed is exactly 0 (zero gradient), whatever its logit holds."""
     logits = scores(spec, inputs)  #                                          s  [B, N, T, S]
-    live = None if allowed is None else jnp.any(allowed, axis=-1)  # a key to read [B|1, N|1, T|1]
+    live = None if allowed is None else jnp.any(allowed, axis=-1, keepdims=True)  # a key to read
     top = jnp.max(_where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
-    top = jax.lax.stop_gradient(top if live is None else jnp.where(live[..., None], top, 0.0))
+    top = jax.lax.stop_gradient(_where(live, top, 0.0))
     e = jnp.exp(_where(allowed, logits - top, -jnp.inf))  #                  e^(s - max)
-    denom = jnp.sum(e, axis=-1)
-    if live is not None:
-        denom = jnp.where(live, denom, 1.0)
-    lse = top[..., 0] + jnp.log(denom)
-    if live is not None:
-        lse = jnp.where(live, lse, -jnp.inf)
-    probs = dropped(spec, e / denom[..., None], inputs.keep)  #   p_ij keep_ij / (1 - rate)
+    denom = _where(live, jnp.sum(e, axis=-1, keepdims=True), 1.0)
+    lse = _where(live, top + jnp.log(denom), -jnp.inf)[..., 0]
+    probs = dropped(spec, e / denom, inputs.keep)  #              p_ij keep_ij / (1 - rate)
     return mix_values(spec, probs, inputs.v), jnp.swapaxes(lse, 1, 2)
 
 
@@ -192,9 +188,8 @@ def bad_operands(inputs: KernelInputs) -> tuple[Array, Array, Array | None]:
     ``-inf`` bias masks its pair instead)."""
     bad_q = nonfinite_rows(inputs.q)
     bad_kv = jnp.logical_or(nonfinite_rows(inputs.k), nonfinite_rows(inputs.v))
-    bias_bad = None
-    if inputs.bias is not None:
-        bias_bad = jnp.logical_or(jnp.isnan(inputs.bias), inputs.bias == jnp.inf)
+    bias = inputs.bias
+    bias_bad = None if bias is None else jnp.logical_or(jnp.isnan(bias), bias == jnp.inf)
     return bad_q, bad_kv, bias_bad
 
 
@@ -244,10 +239,9 @@ class KernelCall:
     @functools.cached_property
     def allowed(self) -> Bool[Array, "#B #N #T S"] | None:
         """The allowed pairs of the whole call, broadcast shape kept; ``None``: every pair."""
-        spec, inputs = self.spec, self.inputs
-        t_idx, s_idx = jnp.arange(spec.t), jnp.arange(spec.s)
-        segments, mask, bias = (inputs.q_seg, inputs.kv_seg), inputs.mask, inputs.bias
-        allowed = allowed_pairs(spec, inputs, t_idx, s_idx, *segments, mask, bias)
+        spec, i = self.spec, self.inputs
+        pos = (jnp.arange(spec.t), jnp.arange(spec.s))
+        allowed = allowed_pairs(spec, i, *pos, i.q_seg, i.kv_seg, i.mask, i.bias)
         if allowed is None:
             return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
         return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
@@ -326,11 +320,9 @@ def finish(
         o = jnp.where(live[..., None], o, jnp.nan)
     if lengths.q_lens is not None:
         valid = (q_pos[None, :] < lengths.q_lens[:, None])[..., None]  # [B, tq, 1]
-        o = jnp.where(valid[..., None], o, 0.0)
-        lse = jnp.where(valid, lse, -jnp.inf)
+        o, lse = jnp.where(valid[..., None], o, 0.0), jnp.where(valid, lse, -jnp.inf)
     bad = ~lengths_in_range(spec, lengths)[:, None, None]  # [B, 1, 1]
-    o = jnp.where(bad[..., None], jnp.nan, o)
-    lse = jnp.where(bad, jnp.nan, lse)
+    o, lse = jnp.where(bad[..., None], jnp.nan, o), jnp.where(bad, jnp.nan, lse)
     return o.astype(spec.dtype), lse
 
 
@@ -349,16 +341,12 @@ class Option:
 
 
 def scheduled(
-    schedule: Callable[..., tuple[Array, Array]],
-    spec: KernelSpec,
-    inputs: KernelInputs,
-    return_lse: bool,
-    scale: Any,
-    extras: dict[str, Any],
+    schedule: Callable[..., tuple[Array, Array]], extras: dict[str, Any], *call: Any
 ) -> Any:
-    """``schedule`` on one validated call: ``o``, or ``(o, lse)`` with ``return_lse``."""
-    out, lse = schedule(KernelCall(spec, inputs, return_lse, scale), **extras)
-    return (out, lse) if return_lse else out
+    """``schedule`` on one validated call, ``KernelCall(*call)``: ``o``, or ``(o, lse)`` with
+    ``return_lse``."""
+    out, lse = schedule(KernelCall(*call), **extras)
+    return (out, lse) if call[2] else out
 
 
 def kernel_public(
@@ -401,11 +389,11 @@ def kernel_public(
                 )
         if check is not None:
             check(**extras)
-        spec, inputs, return_lse, scale = prepare(**given)
-        require_lengths_in_range(spec, inputs)
+        call = prepare(**given)  # spec, inputs, return_lse, scale
+        require_lengths_in_range(*call[:2])
         if not compile:
-            return scheduled(schedule, spec, inputs, return_lse, scale, extras)
-        return compiled(scheduled, schedule, spec, inputs, return_lse, scale, extras)
+            return scheduled(schedule, extras, *call)
+        return compiled(scheduled, schedule, extras, *call)
 
     fn: Any = float64_scoped(kernel)
     fn.__wrapped__ = prepare  # the annotated signature (the suite's jaxtyping hook checks it)
@@ -416,11 +404,9 @@ def kernel_public(
     args = KERNEL_ARGS.format(
         options=lines, returns=returns, value_errors=value_errors, type_errors=type_errors
     )
-    note = ""
-    if refuses:
-        refused = ", ".join(f"``{o}``" for o in refuses)
-        note = f"\n\nNot implemented here (refused with ``NotImplementedError``):\n{refused}."
-    fn.__doc__ = f"{summary}{note}\n\n{args}\n"
+    refused = ", ".join(f"``{o}``" for o in refuses)
+    note = f"\n\nNot implemented here (refused with ``NotImplementedError``):\n{refused}."
+    fn.__doc__ = f"{summary}{note if refuses else ''}\n\n{args}\n"
     fn.formula = formula or schedule
     return fn  # type: ignore[no-any-return]
 
@@ -456,17 +442,12 @@ def kernel_rows(
     with ``residual``): the row form of a kernel, on validated finite tokens; ``scale`` is the
     caller's (the kernel resolves ``None`` in its compute dtype); ``options``: the kernel
     (``"kernel"``) and its keyword arguments."""
-    kernel, options = options["kernel"], {k: v for k, v in options.items() if k != "kernel"}
+    kernel, options = options["kernel"], {n: a for n, a in options.items() if n != "kernel"}
     xq, xkv, _ = flat_rows(x_q, x_kv)
-    o = kernel(
-        kernel_heads(xq, params.w_q, params.b_q),
-        kernel_heads(xkv, params.w_k, params.b_k),
-        kernel_heads(xkv, params.w_v, params.b_v),
-        kernel_pairs(bias, x_q, x_kv),
-        kernel_pairs(mask, x_q, x_kv),
-        scale=scale,
-        **options,
-    )
+    q = kernel_heads(xq, params.w_q, params.b_q)
+    k = kernel_heads(xkv, params.w_k, params.b_k)
+    v = kernel_heads(xkv, params.w_v, params.b_v)
+    o = kernel(q, k, v, *(kernel_pairs(a, x_q, x_kv) for a in (bias, mask)), scale=scale, **options)
     return output_rows(params, o, x_q, residual)
 
 

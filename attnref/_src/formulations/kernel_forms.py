@@ -144,17 +144,10 @@ def _decode_rows(
     params: AttentionParams, p: Prepared, scale: Any, residual: bool, window: int | None
 ) -> Array:
     xq, xkv, b = flat_rows(p.x_q, p.x_kv)
-    m, bi = kernel_pairs(p.mask, p.x_q, p.x_kv), kernel_pairs(p.bias, p.x_q, p.x_kv)
+    m, bi = (kernel_pairs(a, p.x_q, p.x_kv) for a in (p.mask, p.bias))  # [B, 1, T_q, T_k]
+    m, bi = (None if a is None else a[:, 0] for a in (m, bi))
     cache = init_cache(params, b, p.t_k if window is None else window, window=window)
-    y, _ = scan(
-        params,
-        cache,
-        xq,
-        xs_kv=xkv,
-        mask=None if m is None else m[:, 0],
-        bias=None if bi is None else bi[:, 0],
-        scale=scale,
-    )
+    y, _ = scan(params, cache, xq, xs_kv=xkv, mask=m, bias=bi, scale=scale)
     y = y.reshape(*p.batch_shape, p.t_q, -1)
     return residual_or(y, p.x_q, residual)
 

@@ -194,39 +194,17 @@ def prepare(
             "use 'zeros' or 'nan'"
         )
     cd = jnp.promote_types(dtype, jnp.float32)  # float32 for 16-bit inputs
-    spec = KernelSpec(
-        b,
-        t,
-        s,
-        n,
-        kh,
-        h,
-        h_v,
-        dtype,
-        cd,
-        bool(is_causal),
-        window,
-        causal_alignment,
-        cap,
-        masked_rows,
-        n_sink,
-        rate,
-        sinks is not None,
-    )
-    inputs = KernelInputs(
-        q=device_array(query),
-        k=device_array(key),
-        v=device_array(value),
-        bias=None if bias is None else device_array(bias, cd),
-        mask=None if mask is None else device_array(mask),
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        q_seg=q_seg,
-        kv_seg=kv_seg,
-        scale=scale_value(h, scale, cd),
-        sinks=None if sinks is None else device_array(sinks, cd),
-        keep=None if dropout_mask is None else device_array(dropout_mask),
-    )
+    options = (bool(is_causal), window, causal_alignment, cap, masked_rows, n_sink, rate)
+    spec = KernelSpec(b, t, s, n, kh, h, h_v, dtype, cd, *options, sinks is not None)
+
+    def optional(a: Any, dtype: Any = None) -> Any:
+        return None if a is None else device_array(a, dtype)
+
+    # KernelInputs' field order: q, k, v, scale, bias, mask, lengths, segments, sinks, keep
+    q, k, v = (device_array(a) for a in (query, key, value))
+    masks = (optional(bias, cd), optional(mask), q_lens, kv_lens, q_seg, kv_seg)
+    extra = (optional(sinks, cd), optional(dropout_mask))
+    inputs = KernelInputs(q, k, v, scale_value(h, scale, cd), *masks, *extra)
     return spec, inputs, bool(return_lse), scale
 
 

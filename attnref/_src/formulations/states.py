@@ -63,8 +63,7 @@ def merge_pair(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, masked_rows: str) -> 
     ok = jnp.isfinite(m)
     m_safe = jnp.where(ok, m, 0.0)
     # exp(lse - m) with the empty state's -inf giving exactly 0 (and a zero derivative).
-    wa = jnp.exp(jnp.where(ok, la, -jnp.inf) - m_safe)
-    wb = jnp.exp(jnp.where(ok, lb, -jnp.inf) - m_safe)
+    wa, wb = (jnp.exp(jnp.where(ok, x, -jnp.inf) - m_safe) for x in (la, lb))
     total = wa + wb  # in [1, 2] on finite rows (the larger weight is exactly 1)
     total_safe = jnp.where(ok, total, 1.0)
     oa = jnp.where(jnp.isneginf(la)[..., None], 0.0, jnp.asarray(o_a, cd))
