@@ -51,10 +51,9 @@ class Prepared:
     residual: bool | None = None  # None: the function has no residual argument
 
     def run(self, formula: Callable[..., Any]) -> Any:
-        """``formula(params, x_q, x_kv, mask, bias, scale[, residual])`` on the finite parts of
-        ``x_q``, ``x_kv`` and the bias (:func:`finite_bias`)."""
-        x_q, x_kv, bias = finite_part(self.x_q), finite_part(self.x_kv), finite_bias(self.bias)
-        args = (self.params, x_q, x_kv, self.mask, bias, self.scale)
+        """``formula(params, x_q, x_kv, mask, bias, scale[, residual])`` on the finite parts."""
+        f = self.finite()
+        args = (self.params, f.x_q, f.x_kv, f.mask, f.bias, f.scale)
         return formula(*args) if self.residual is None else formula(*args, self.residual)
 
     def head_mask(self) -> Bool[Array, "..."] | None:
@@ -70,6 +69,15 @@ class Prepared:
             nonfinite_rows(self.x_kv),
             self.bias,
             bool(self.residual),
+        )
+
+    def finite(self) -> Prepared:
+        """A copy on the finite parts of ``x_q``, ``x_kv`` and the bias (:func:`finite_bias`)."""
+        return dataclasses.replace(
+            self,
+            x_q=finite_part(self.x_q),
+            x_kv=finite_part(self.x_kv),
+            bias=finite_bias(self.bias),
         )
 
 
