@@ -156,16 +156,24 @@ def public(
     summary: str,
     returns: str,
     heads: bool = False,
+    guarded: bool = True,
 ) -> Callable[..., Any]:
     """The public function ``name`` of ``formula`` at ``level``: validate, scope float64, guard
-    (``level.prepare``'s signature; docstring ``summary``, the level's Args and ``returns``)."""
+    (``level.prepare``'s signature; docstring ``summary``, the level's Args and ``returns``).
+    ``guarded=False`` (the probes, which show what the block computes): no non-finite guard,
+    ``formula(params, rows)`` on the validated rows."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return compiled(guard, level.prepare(*args, **kwargs), formula, heads)
+        prepared: Any = level.prepare(*args, **kwargs)
+        if not guarded:
+            return compiled(formula, prepared.params, prepared)
+        return compiled(guard, prepared, formula, heads)
 
     fn: Any = float64_scoped(call)
     del fn.__wrapped__  # the signature is the level's, not ``call``'s
     returned = inspect.signature(formula).return_annotation  # what the caller gets back
+    if returned.isidentifier():  # a class (AttentionProbes): evaluated, so the docs link it
+        returned = inspect.signature(formula, eval_str=True).return_annotation
     fn.__signature__ = inspect.signature(level.prepare).replace(return_annotation=returned)
     fn.__name__ = fn.__qualname__ = name
     fn.__module__ = formula.__module__

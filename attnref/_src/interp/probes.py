@@ -25,7 +25,6 @@ the residual update ``x' = x + sum_i alpha_i M_i``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any, no_type_check
 
@@ -33,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from attnref._src.core.checks import HIGHEST, float64_scoped
+from attnref._src.core.checks import HIGHEST
 from attnref._src.core.common import ROW_PROBES, Prepared, add_output_bias
-from attnref._src.core.entry import compiled
+from attnref._src.core.entry import public
 from attnref._src.core.params import AttentionParams
 from attnref._src.core.softmax import allowed_entries, masked_softmax
 from attnref._src.formulations.merged import compute_messages, compute_patterns
@@ -43,29 +42,10 @@ from attnref._src.formulations.standard import logits
 
 
 def _probe(summary: str, returns: str) -> Callable[[Callable[..., Any]], Any]:
-    """The public probe of ``fn(params, rows)``: :data:`ROW_PROBES`' signature and validation
-    (no non-finite guard: probes show what the block computes), float64 scoping, a docstring."""
-
-    def wrap(fn: Callable[..., Any]) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            rows: Any = ROW_PROBES.prepare(*args, **kwargs)
-            return compiled(fn, rows.params, rows)
-
-        out: Any = float64_scoped(call)
-        del out.__wrapped__  # the signature is the level's
-        returned = inspect.signature(fn).return_annotation
-        if returned.isidentifier():  # a class (AttentionProbes): evaluated, so the docs link it
-            returned = inspect.signature(fn, eval_str=True).return_annotation
-        out.__signature__ = inspect.signature(ROW_PROBES.prepare).replace(
-            return_annotation=returned
-        )
-        out.__name__ = out.__qualname__ = fn.__name__
-        out.__module__ = fn.__module__
-        out.__doc__ = f"{summary}\n\n{ROW_PROBES.args}\n\nReturns:\n    {returns}\n"
-        out.formula = fn
-        return out
-
-    return wrap
+    """The public probe of ``fn(params, rows)`` at :data:`ROW_PROBES` (unguarded)."""
+    return lambda fn: public(
+        ROW_PROBES, fn, name=fn.__name__, summary=summary, returns=returns, guarded=False
+    )
 
 
 def _masked_logits(raw: Array, mask_h: Array | None) -> Array:
