@@ -4,6 +4,7 @@ formulations (projections, homogeneous coordinates)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -107,18 +108,24 @@ class Call:
 
 
 def prepare_rows(
-    params: AttentionParams,
+    params: Any,  # AttentionParams, or other weights checked by ``tokens``
     x_q: Any,
     x_kv: Any = None,
     mask: Any = None,
     bias: Any = None,
     scale: Any = None,
     residual: Any = None,
+    *,
+    tokens: Callable[[Any, Any], tuple[tuple[int, ...], int, int]] | None = None,
+    d_k: int | None = None,
 ) -> Prepared:
     """Validate a row-convention call into :class:`Prepared` inputs (``x_kv=None``: ``x_q``;
-    ``residual=None``: the function has none)."""
+    ``residual=None``: the function has none). ``tokens(x_q, x_kv)`` checks the tokens against
+    other weights than :class:`AttentionParams` (returning the batch shape, ``T_q``, ``T_k``),
+    ``d_k`` sets their default scale ``1/sqrt(d_k)`` (default: ``params.d_k``)."""
     x_kv = x_q if x_kv is None else x_kv
-    batch, t_q, t_k = check_tokens(params, x_q, x_kv)
+    check = functools.partial(check_tokens, params) if tokens is None else tokens
+    batch, t_q, t_k = check(x_q, x_kv)
     check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
     check_scale(scale)
     xq = device_array(x_q)
@@ -127,7 +134,7 @@ def prepare_rows(
         x_kv=device_array(x_kv),
         mask=None if mask is None else device_array(mask),
         bias=None if bias is None else device_array(bias, xq.dtype),
-        scale=scale_value(params.d_k, scale, xq.dtype),
+        scale=scale_value(params.d_k if d_k is None else d_k, scale, xq.dtype),
         batch_shape=batch,
         t_q=t_q,
         t_k=t_k,

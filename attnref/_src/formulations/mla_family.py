@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal, no_type_check
 
@@ -15,12 +16,10 @@ from jaxtyping import ArrayLike, Bool, Float, Int
 
 from attnref._src.core.checks import (
     HIGHEST,
-    check_mask_and_bias,
-    check_scale,
     device_array,
     float64_scoped,
 )
-from attnref._src.core.common import Prepared, rows_level, scale_value
+from attnref._src.core.common import Prepared, prepare_rows, rows_level
 from attnref._src.core.entry import Level
 from attnref._src.core.params import AttentionParams
 from attnref._src.formulations.rope_family import RopeInputs, rotated
@@ -151,23 +150,11 @@ def _mla_rows(
     """Validate an MLA call's weights, tokens (or ``kv_width``-wide cache), mask, bias and scale
     (default ``1/sqrt(d_nope + d_rope)``) into :class:`Prepared` rows."""
     dims = check_mla_params(params)
-    x_kv = x_q if x_kv is None else x_kv
     dtype = np.dtype(device_array(params.w_dkv).dtype)
-    batch, t_q, t_k = check_mla_tokens(dims, dtype, x_q, x_kv, kv_name, kv_width)
-    check_mask_and_bias(mask, bias, (*batch, t_q, t_k))
-    check_scale(scale)
-    xq = device_array(x_q)
-    return Prepared(
-        x_q=xq,
-        x_kv=device_array(x_kv),
-        mask=None if mask is None else device_array(mask),
-        bias=None if bias is None else device_array(bias, xq.dtype),
-        scale=scale_value(dims.d_nope + dims.d_rope, scale, xq.dtype),
-        batch_shape=batch,
-        t_q=t_q,
-        t_k=t_k,
-        params=params,
-        residual=bool(residual),
+    tokens = functools.partial(check_mla_tokens, dims, dtype, kv_name=kv_name, kv_width=kv_width)
+    d_k = dims.d_nope + dims.d_rope
+    return prepare_rows(
+        params, x_q, x_kv, mask, bias, scale, bool(residual), tokens=tokens, d_k=d_k
     )
 
 
