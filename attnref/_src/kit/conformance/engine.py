@@ -426,18 +426,19 @@ def check_attention(
         masked_rows: The kernel's output on fully masked rows (the oracle runs with it; the
             report lists it when not attnref's ``"zeros"``).
         causal_alignment: Its causal alignment when ``T != S``, likewise (``"top_left"``).
-        dtypes: The input dtypes ``fn`` takes, e.g. ``("float32", "bfloat16")``: ``oracle``
-            (and ``ring_size_growth``) runs each, the others float32 when requested, else the
-            first (float64 inside ``jax.enable_x64``).
+        dtypes: The input dtypes ``fn`` takes (default float32), e.g. ``("float32",
+            "bfloat16")``: ``oracle`` (and ``ring_size_growth``) runs each, the others float32
+            when requested, else the first (float64 inside ``jax.enable_x64``).
         properties: A subset of :data:`ALL_PROPERTIES` (default :data:`PROPERTIES`, plus
             :data:`DISTRIBUTED_PROPERTIES` with ``devices``), run in that order.
         progress: ``progress(done, total, name)`` after each property.
         target: The report's name for ``fn`` (default: its module and name).
-        shapes: ``"small"`` (Hypothesis draws) or ``"production"`` (fixed sweeps at tile
+        shapes: ``"small"`` (Hypothesis draws; default) or ``"production"`` (fixed sweeps at tile
             boundaries, :mod:`attnref._src.kit.conformance.production`).
         log: ``log(line)`` after each production case, and with ``devices`` after each property
             on each mesh size.
-        devices: Mesh sizes of a distributed kernel, e.g. ``(1, 2, 4, 8)`` (package docstring).
+        devices: Mesh sizes of a distributed kernel, e.g. ``(1, 2, 4, 8)`` (package docstring);
+            ``None``: a single-device function.
         refuses_lengths: ``fn`` refuses some lengths (package docstring; the production sweep
             skips a refused case). Not with ``devices``.
         head_dim: ``H = H_v`` or ``(H, H_v)`` of every example (package docstring; ``None``: 4
