@@ -239,9 +239,9 @@ class KernelCall:
     @functools.cached_property
     def allowed(self) -> Bool[Array, "#B #N #T S"] | None:
         """The allowed pairs of the whole call, broadcast shape kept; ``None``: every pair."""
-        spec, i = self.spec, self.inputs
-        pos = (jnp.arange(spec.t), jnp.arange(spec.s))
-        allowed = allowed_pairs(spec, i, *pos, i.q_seg, i.kv_seg, i.mask, i.bias)
+        spec, inputs = self.spec, self.inputs
+        pos, segments = (jnp.arange(spec.t), jnp.arange(spec.s)), (inputs.q_seg, inputs.kv_seg)
+        allowed = allowed_pairs(spec, inputs, *pos, *segments, inputs.mask, inputs.bias)
         if allowed is None:
             return None if spec.s else jnp.zeros((1, 1, 1, 0), bool)
         return jnp.broadcast_to(allowed, (*allowed.shape[:-1], spec.s))
@@ -341,12 +341,16 @@ class Option:
 
 
 def scheduled(
-    schedule: Callable[..., tuple[Array, Array]], extras: dict[str, Any], *call: Any
+    schedule: Callable[..., tuple[Array, Array]],
+    spec: KernelSpec,
+    inputs: KernelInputs,
+    return_lse: bool,
+    scale: Any,
+    extras: dict[str, Any],
 ) -> Any:
-    """``schedule`` on one validated call, ``KernelCall(*call)``: ``o``, or ``(o, lse)`` with
-    ``return_lse``."""
-    out, lse = schedule(KernelCall(*call), **extras)
-    return (out, lse) if call[2] else out
+    """``schedule`` on one validated call: ``o``, or ``(o, lse)`` with ``return_lse``."""
+    out, lse = schedule(KernelCall(spec, inputs, return_lse, scale), **extras)
+    return (out, lse) if return_lse else out
 
 
 def kernel_public(
@@ -389,11 +393,10 @@ def kernel_public(
                 )
         if check is not None:
             check(**extras)
-        call = prepare(**given)  # spec, inputs, return_lse, scale
-        require_lengths_in_range(*call[:2])
-        if not compile:
-            return scheduled(schedule, extras, *call)
-        return compiled(scheduled, schedule, extras, *call)
+        spec, inputs, return_lse, scale = prepare(**given)
+        require_lengths_in_range(spec, inputs)
+        call = (spec, inputs, return_lse, scale, extras)
+        return scheduled(schedule, *call) if not compile else compiled(scheduled, schedule, *call)
 
     fn: Any = float64_scoped(kernel)
     fn.__wrapped__ = prepare  # the annotated signature (the suite's jaxtyping hook checks it)
