@@ -201,7 +201,8 @@ def kernel_bound_minorant(magnitude: Any, keys: int, dtype: Any) -> np.ndarray:
     """
     if isinstance(keys, bool) or not isinstance(keys, (int, np.integer)) or keys < 0:
         raise ValueError(f"keys must be an integer >= 0 (the key length S), got {keys!r}")
-    g = gamma(int(keys), work_units(dtype)[1][0])
+    _, (u_work, _) = work_units(dtype)  # the working format's unit round-off
+    g = gamma(int(keys), u_work)
     mag = np.asarray(magnitude, np.float64)
     if np.any(mag < 0):
         raise ValueError(
